@@ -1,0 +1,32 @@
+# The two set-up commands of the README: `make demo` and `make test`. Both build .venv themselves.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint format clean
+
+$(BIN)/.installed: requirements.txt requirements-dev.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# One pip call so torch==2.13.0 (local CPU wheel) constrains everything else.
+	$(BIN)/pip install --quiet -r requirements.txt -r requirements-dev.txt
+	touch $@
+
+demo: $(BIN)/.installed
+	$(BIN)/python scripts/demo.py
+
+test: $(BIN)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest -q tests
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(BIN)/.installed
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
