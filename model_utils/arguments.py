@@ -1,0 +1,263 @@
+"""Command-line flags, model presets and input validation.
+
+Flag names follow the upstream FSDP/TE Llama recipe (`--fp8`, `--train_batch_size`,
+`--max_context_width`, ...) so its users feel at home. A preset fills every model/data field the
+user did not set explicitly; an explicit flag always wins. Bad input raises UsageError, which
+train.py prints as one line with exit code 2 before any process group or file is touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+# Data defaults live here (not in data.py) so parsing flags never imports the data stack.
+BUNDLED_DATASET = "data/kjv.jsonl.gz"
+BUNDLED_TOKENIZER = "data/tokenizer"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model shape with the training context it was published with."""
+
+    hidden_width: int
+    num_layers: int
+    num_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_context_width: int
+    rope_theta: float
+    rms_norm_eps: float = 1e-5
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int | None = None
+    tokenizer: str = BUNDLED_TOKENIZER
+    dataset: str = BUNDLED_DATASET
+    dataset_config_name: str | None = None
+    train_batch_size: int = 1
+
+
+_C4 = {"dataset": "allenai/c4", "dataset_config_name": "en"}
+_LLAMA2 = {"vocab_size": 32000, "rope_theta": 10000.0, "max_context_width": 4096,
+           "tokenizer": "hf-internal-testing/llama-tokenizer", **_C4}  # fmt: skip
+_LLAMA3 = {"vocab_size": 128256, "rope_theta": 500000.0, "max_context_width": 8192,
+           "tokenizer": "NousResearch/Meta-Llama-3-8B", **_C4}  # fmt: skip
+_LLAMA31_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+
+# Shapes are the published ones (Llama 2 paper / Meta model cards); `tiny` is ours, for CPUs.
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(
+        hidden_width=256,
+        num_layers=4,
+        num_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=688,
+        vocab_size=8192,
+        max_context_width=256,
+        rope_theta=10000.0,
+        train_batch_size=8,
+    ),  # fmt: skip
+    "llama2-7b": Preset(4096, 32, 32, 32, 11008, **_LLAMA2),
+    "llama2-13b": Preset(5120, 40, 40, 40, 13824, **_LLAMA2),
+    "llama2-70b": Preset(8192, 80, 64, 8, 28672, **_LLAMA2),
+    "llama3-8b": Preset(4096, 32, 32, 8, 14336, **_LLAMA3),
+    "llama3-70b": Preset(8192, 80, 64, 8, 28672, **_LLAMA3),
+    "llama3.1-8b": Preset(
+        4096,
+        32,
+        32,
+        8,
+        14336,
+        **_LLAMA3,
+        rope_scaling=_LLAMA31_SCALING,
+        max_position_embeddings=131072,
+    ),  # fmt: skip
+}
+
+# Fields a preset provides; their flags default to None so we can tell "not given" from "given".
+PRESET_FIELDS = (
+    "hidden_width", "num_layers", "num_heads", "num_key_value_heads", "intermediate_size",
+    "vocab_size", "max_context_width", "rope_theta", "tokenizer", "dataset",
+    "dataset_config_name", "train_batch_size",
+)  # fmt: skip
+
+TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+TE_RECIPES = ("delayed", "current", "block", "mxfp8")
+MODEL_IMPLS = ("auto", "hf", "te", "te_linear")
+
+
+class UsageError(ValueError):
+    """Bad user input: printed as one line, exit code 2."""
+
+
+def str2bool(value: str) -> bool:
+    """Accept the upstream `--fp8=1` style as well as true/false."""
+    lowered = str(value).strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected 0/1 or true/false, got {value!r}")
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse prints a usage block on error; a training log wants one actionable line."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _OneLineParser(
+        description="Train Llama with FSDP2 in BF16 or FP8 (torchao or Transformer Engine).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+
+    def flag(name: str, **kw: Any) -> None:
+        p.add_argument(f"--{name}", **kw)
+
+    def switch(name: str, default: bool, help: str) -> None:
+        p.add_argument(
+            f"--{name}", type=str2bool, nargs="?", const=True, default=default, help=help
+        )
+
+    m = "model shape (default: from --preset)"
+    flag("preset", default="tiny", choices=sorted(PRESETS), help="model shape and data defaults")
+    flag("hidden_width", type=int, help=m)
+    flag("num_layers", type=int, help=m)
+    flag("num_heads", type=int, help=m)
+    flag("num_key_value_heads", type=int, help=m + "; < num_heads gives GQA")
+    flag("intermediate_size", type=int, help=m)
+    flag("vocab_size", type=int, help=m + "; must be >= the tokenizer's size")
+    flag("max_context_width", type=int, help="sequence length of every packed window")
+    flag("rope_theta", type=float, help="RoPE base (default: from --preset)")
+    flag("model_impl", default="auto", choices=MODEL_IMPLS,
+         help="te: TE TransformerLayer; te_linear: HF with te.Linear; hf: stock HF; "
+              "auto: te when TE and an FP8-capable GPU are present, else hf")  # fmt: skip
+
+    switch("fp8", False, "train the linear layers in FP8")
+    switch("bf16", True, "compute in bf16 (fp32 master weights); 0 = fp32 compute")
+    flag("fp8_recipe", default=None,
+         help=f"torchao: {'|'.join(TORCHAO_RECIPES)} (default tensorwise); "
+              f"TE: {'|'.join(TE_RECIPES)} (default delayed)")  # fmt: skip
+    flag("fp8_format", default="hybrid", choices=("hybrid", "e4m3"), help="TE FP8 format")
+    flag("amax_history_len", type=int, default=1024, help="TE delayed scaling history")
+    flag("amax_compute_algo", default="max", choices=("max", "most_recent"), help="TE delayed")
+    flag("fp8_margin", type=int, default=0, help="TE scaling margin (powers of 2)")
+    switch("fp8_weights", False, "TE: keep weights in FP8 only (fp8_model_init)")
+    switch("fp8_all_gather", False, "torchao tensorwise: FSDP2 all-gathers weights in float8")
+
+    flag("tokenizer", help="HF tokenizer: hub name or local path (default: from --preset)")
+    flag("dataset", help="HF dataset hub name (streamed) or local file/folder")
+    flag("dataset_config_name", help="HF dataset config, e.g. 'en' for allenai/c4")
+    flag("text_column", default="text", help="column holding the document text")
+
+    flag("train_batch_size", type=int, help="micro-batch per device (sequences)")
+    flag("val_batch_size", type=int, default=None, help="default: --train_batch_size")
+    flag("grad_accum_steps", type=int, default=1, help="micro-batches per optimizer step")
+    flag("max_steps", type=int, default=100, help="optimizer steps")
+    flag("lr", type=float, default=1e-3, help="peak learning rate")
+    flag("min_lr", type=float, default=1e-4, help="learning rate at max_steps")
+    flag("warmup", type=int, default=10, help="linear warm-up steps")
+    flag("lr_decay_style", default="cosine", choices=("cosine", "linear", "constant"))
+    flag("weight_decay", type=float, default=0.1, help="AdamW decay (not on norms/biases)")
+    flag("beta1", type=float, default=0.9)
+    flag("beta2", type=float, default=0.95)
+    flag("grad_clip", type=float, default=1.0, help="max global grad norm; 0 disables")
+    flag("seed", type=int, default=42)
+
+    flag("logging_freq", type=int, default=1, help="steps between log lines")
+    flag("validation_freq", type=int, default=0, help="steps between validations; 0 = end only")
+    flag("validation_batches", type=int, default=4, help="held-out batches per validation")
+    flag("output_dir", default=None, help="run directory (default runs/<preset>-<precision>)")
+
+    flag("sharding_strategy", default="full", choices=("full", "hybrid"),
+         help="full: FSDP2 over all ranks; hybrid: shard in a node, replicate across")  # fmt: skip
+    switch("activation_checkpointing", False, "recompute each decoder layer in backward")
+    switch("compile", False, "torch.compile each decoder layer")
+    flag("dist_timeout", type=int, default=600, help="seconds before a stuck collective fails")
+
+    flag("checkpoint_dir", default=None, help="default <output_dir>/checkpoints")
+    flag("checkpoint_freq", type=int, default=0, help="steps between checkpoints; 0 = end only")
+    flag("keep_last", type=int, default=2, help="checkpoints kept; 0 keeps all")
+    switch("async_checkpoint", False, "write checkpoints in the background")
+    flag("resume_from_checkpoint", default=None, help="PATH or 'auto' (newest in checkpoint_dir)")
+    flag("init_from_hf", default=None, help="start from a Hugging Face Llama checkpoint dir")
+    flag("export_hf", default=None, help="write the final model as HF safetensors to this dir")
+    return p
+
+
+def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill every preset field the user left unset; explicit flags win."""
+    preset = PRESETS[args.preset]
+    for name in PRESET_FIELDS:
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(preset, name))
+    args.rms_norm_eps = preset.rms_norm_eps
+    args.rope_scaling = preset.rope_scaling
+    args.max_position_embeddings = preset.max_position_embeddings or args.max_context_width
+    if args.val_batch_size is None:
+        args.val_batch_size = args.train_batch_size
+    precision = "fp8" if args.fp8 else ("bf16" if args.bf16 else "fp32")
+    if args.output_dir is None:
+        args.output_dir = f"runs/{args.preset}-{precision}"
+    if args.checkpoint_dir is None:
+        args.checkpoint_dir = f"{args.output_dir}/checkpoints"
+    return args
+
+
+def _positive(args: argparse.Namespace, *names: str, allow_zero: bool = False) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value < 0 or (value == 0 and not allow_zero):
+            bound = ">= 0" if allow_zero else "> 0"
+            raise UsageError(f"--{name} must be {bound}, got {value}")
+
+
+def check_consistency(args: argparse.Namespace) -> None:
+    """Cross-flag rules that argparse cannot express."""
+    _positive(args, "hidden_width", "num_layers", "num_heads", "num_key_value_heads",
+              "intermediate_size", "vocab_size", "max_context_width", "train_batch_size",
+              "val_batch_size", "grad_accum_steps", "max_steps", "logging_freq", "lr")  # fmt: skip
+    _positive(args, "warmup", "min_lr", "weight_decay", "grad_clip", "validation_freq",
+              "validation_batches", "checkpoint_freq", "keep_last", allow_zero=True)  # fmt: skip
+    if args.hidden_width % args.num_heads:
+        raise UsageError(
+            f"--hidden_width {args.hidden_width} is not divisible by --num_heads {args.num_heads}"
+        )
+    if args.num_heads % args.num_key_value_heads:
+        raise UsageError(
+            f"--num_heads {args.num_heads} is not divisible by "
+            f"--num_key_value_heads {args.num_key_value_heads} (GQA groups must be equal)"
+        )
+    if args.min_lr > args.lr:
+        raise UsageError(f"--min_lr {args.min_lr} is larger than --lr {args.lr}")
+    if args.warmup >= args.max_steps and args.lr_decay_style != "constant":
+        raise UsageError(
+            f"--warmup {args.warmup} leaves no decay phase before --max_steps {args.max_steps}; "
+            "lower --warmup or use --lr_decay_style constant"
+        )
+    if not (0 <= args.beta1 < 1 and 0 <= args.beta2 < 1):
+        raise UsageError(f"--beta1/--beta2 must be in [0, 1), got {args.beta1}/{args.beta2}")
+    if args.fp8_all_gather and not args.fp8:
+        raise UsageError("--fp8_all_gather needs --fp8=1")
+    if args.fp8_weights and not args.fp8:
+        raise UsageError("--fp8_weights needs --fp8=1")
+    if args.fp8 and not args.bf16:
+        raise UsageError("--fp8=1 needs --bf16=1 (FP8 layers run inside a bf16 model)")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    apply_preset(args)
+    check_consistency(args)
+    return args
+
+
+def exit_on_usage_error(exc: UsageError) -> None:
+    """The single place that turns bad input into one line and exit code 2."""
+    print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
+    raise SystemExit(2)

@@ -1,0 +1,156 @@
+"""Process group, device mesh and FSDP2 wrapping.
+
+One code path for every launch: torchrun (RANK/WORLD_SIZE/LOCAL_RANK), plain srun (SLURM_PROCID,
+SLURM_NTASKS, SLURM_LOCALID) and a single process on a laptop (a world of one). Even a single
+process gets a process group and FSDP2, so what runs in CI is what runs on the cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // self.local_world_size)
+
+
+def _first_int(env: Mapping[str, str], names: tuple[str, ...], default: int) -> int:
+    for name in names:
+        value = env.get(name, "")
+        if value:
+            return int(value.split("(")[0])  # SLURM_NTASKS_PER_NODE may read "8(x2)"
+    return default
+
+
+def world_from_env(env: Mapping[str, str] = os.environ) -> World:
+    """torchrun's variables first, then Slurm's (srun, one task per GPU), else a world of one."""
+    world_size = _first_int(env, ("WORLD_SIZE", "SLURM_NTASKS"), 1)
+    rank = _first_int(env, ("RANK", "SLURM_PROCID"), 0)
+    local_rank = _first_int(env, ("LOCAL_RANK", "SLURM_LOCALID"), 0)
+    local_world = _first_int(env, ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"), world_size)
+    return World(rank, world_size, local_rank, min(local_world, world_size))
+
+
+def device_for(world: World) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", world.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _slurm_master_addr() -> str:
+    """First host of the allocation, the same choice the sbatch script makes for torchrun."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if not nodelist:
+        return "127.0.0.1"
+    import subprocess
+
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=False
+    )
+    hosts = out.stdout.split()
+    return hosts[0] if hosts else "127.0.0.1"
+
+
+def init(world: World, device: torch.device, timeout_s: int) -> None:
+    """Start the process group: NCCL on GPUs, gloo on CPU.
+
+    The timeout turns a dead peer into an error on every surviving rank instead of a hang.
+    """
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=timeout_s)
+    if world.world_size == 1 and "MASTER_ADDR" not in os.environ:
+        store = dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        return
+    if "MASTER_ADDR" not in os.environ:  # plain srun: derive the rendezvous from Slurm
+        os.environ["MASTER_ADDR"] = _slurm_master_addr()
+        job_id = int(os.environ.get("SLURM_JOB_ID", "0"))
+        os.environ.setdefault("MASTER_PORT", str(29500 + job_id % 1000))
+    dist.init_process_group(
+        backend, rank=world.rank, world_size=world.world_size, timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )  # fmt: skip
+
+
+def build_mesh(world: World, device: torch.device, strategy: str) -> DeviceMesh:
+    """1-D mesh for FSDP; 2-D (replicate across nodes, shard within a node) for HSDP."""
+    if strategy == "hybrid":
+        return init_device_mesh(
+            device.type, (world.num_nodes, world.world_size // world.num_nodes),
+            mesh_dim_names=("replicate", "shard"),
+        )  # fmt: skip
+    return init_device_mesh(device.type, (world.world_size,), mesh_dim_names=("shard",))
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    return model.model.layers
+
+
+def apply_activation_checkpointing(model: nn.Module, checkpoint_fn=None) -> None:
+    """Recompute each decoder layer in backward: memory falls to one layer's activations."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
+
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        kw = {"checkpoint_fn": checkpoint_fn} if checkpoint_fn is not None else {}
+        layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kw)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Compile layer by layer (in place, so parameter names stay the same for checkpoints)."""
+    for layer in decoder_layers(model):
+        layer.compile()
+
+
+def shard(model: nn.Module, mesh: DeviceMesh, args: argparse.Namespace) -> nn.Module:
+    """FSDP2 on every decoder layer and on the root.
+
+    bf16 parameters for compute and fp32 gradient reduction; master weights stay fp32.
+    """
+    compute = torch.bfloat16 if args.bf16 else torch.float32
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        # The last layer's parameters are needed again at once by backward: keep them gathered.
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def all_ranks_agree(flag: bool, device: torch.device) -> bool:
+    """True if any rank raised `flag` (e.g. a preemption signal reached only some ranks)."""
+    t = torch.tensor([1 if flag else 0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def cleanup() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,142 @@
+"""Build Llama on the meta device and initialise it shard by shard.
+
+The model is never built in full on any rank: `build` returns parameters on the meta device,
+`distributed.shard` turns them into DTensor shards, and `materialize` allocates each rank's
+shard and fills it. Initialisation draws every parameter from a generator seeded by
+(seed, parameter name), so a shard holds exactly the values a single-process run with the same seed
+would hold at that position, whatever the world size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import zlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+# Initialiser std of Llama and of transformers' LlamaConfig default.
+INIT_STD = 0.02
+
+
+def llama_config(args: argparse.Namespace) -> LlamaConfig:
+    """The HF config for the shape in `args` (preset filled in by arguments.apply_preset)."""
+    rope = {"rope_type": "default", "rope_theta": args.rope_theta}
+    if args.rope_scaling:
+        rope = {**args.rope_scaling, "rope_theta": args.rope_theta}
+    return LlamaConfig(
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_width,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_key_value_heads,
+        max_position_embeddings=max(args.max_position_embeddings, args.max_context_width),
+        rms_norm_eps=args.rms_norm_eps,
+        rope_parameters=rope,
+        initializer_range=INIT_STD,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+
+
+def attention_backend(device: torch.device) -> str:
+    """flash-attention 2 where it is installed on a GPU, PyTorch SDPA everywhere else."""
+    if device.type == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "sdpa"
+
+
+def build(args: argparse.Namespace, impl: str, device: torch.device) -> nn.Module:
+    """Llama for `impl` (hf, te, te_linear) with every parameter on the meta device."""
+    config = llama_config(args)
+    if impl in ("te", "te_linear"):
+        import te_llama  # only the TE path imports Transformer Engine
+
+        with torch.device("meta"):
+            return te_llama.build_te_llama(config, impl=impl, fp8_weights=args.fp8_weights)
+    with torch.device("meta"):
+        return LlamaForCausalLM._from_config(
+            config, attn_implementation=attention_backend(device), dtype=torch.float32
+        )
+
+
+def _generator_for(name: str, seed: int, device: torch.device) -> torch.Generator:
+    # crc32 is stable across processes and Python versions (hash() is salted per process).
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    return gen
+
+
+def initial_value(
+    name: str, shape: torch.Size, seed: int, device: torch.device, std: float = INIT_STD
+) -> torch.Tensor:
+    """The full initial tensor of one parameter: norms start at one, matrices at N(0, std)."""
+    if len(shape) == 1:
+        return torch.ones(shape, device=device)
+    out = torch.empty(shape, device=device)
+    return out.normal_(0.0, std, generator=_generator_for(name, seed, device))
+
+
+def _local_view(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int, std: float = INIT_STD) -> None:
+    """Fill every parameter (sharded or not) with the values a single-process init would give.
+
+    One full parameter at a time is generated and this rank's shard is copied out of it, so peak
+    extra memory is the largest single parameter, never the model.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for name, param in _named_parameters(model):
+        local = _local_view(param)
+        full = initial_value(name, param.shape, seed, local.device, std)
+        if isinstance(param, DTensor):
+            # src_data_rank=None: every rank already holds the same full tensor; no communication.
+            full = distribute_tensor(
+                full, param.device_mesh, param.placements, src_data_rank=None
+            ).to_local()
+        local.copy_(full.to(local.dtype))
+
+
+def _named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """Parameter names without wrapper prefixes, so init does not depend on AC/compile wrapping."""
+    for name, param in model.named_parameters():
+        clean = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+        yield clean, param
+
+
+@torch.no_grad()
+def reset_buffers(model: nn.Module, config: LlamaConfig) -> None:
+    """Recompute non-persistent buffers (RoPE inverse frequencies) that `to_empty` left unset."""
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding") and hasattr(module, "inv_freq"):
+            fresh = type(module)(config)
+            for buf_name, buf in fresh.named_buffers(recurse=False):
+                getattr(module, buf_name).copy_(buf)
+            if hasattr(fresh, "attention_scaling"):
+                module.attention_scaling = fresh.attention_scaling
+        elif hasattr(module, "reset_rope_buffers"):
+            module.reset_rope_buffers()
+
+
+def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Allocate this rank's shards on `device` and initialise them deterministically."""
+    model.to_empty(device=device)
+    init_weights(model, seed)
+    reset_buffers(model, model.config)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Global parameter count (DTensor shapes are global)."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,160 @@
+"""Precision backends: one object per way of computing, all behind the same `--fp8` flag.
+
+A backend has four duties, each called at one point of the step (see DESIGN.md):
+  prepare(model)              module swaps, before sharding (e.g. nn.Linear -> Float8Linear)
+  autocast()                  context for the forward pass only
+  after_optimizer_step(model) per-step bookkeeping (e.g. torchao's FP8 scale precompute for FSDP)
+  describe()                  the startup log line
+Compute dtype itself comes from FSDP2's MixedPrecisionPolicy (bf16 params for compute, fp32
+master weights and gradient reduction), the way torchtitan does it, so --fp8=0 and --fp8=1 run the
+same bf16 model and the comparison isolates FP8. Transformer Engine lives in te_precision.py and is
+imported only when the TE implementation is selected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+
+import torch
+from torch import nn
+
+from model_utils.arguments import TE_RECIPES, TORCHAO_RECIPES, UsageError
+
+# FP8 GEMMs need both matrix dims divisible by 16 (the backward multiplies by the transpose).
+FP8_DIM_MULTIPLE = 16
+
+
+def te_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def fp8_capable_gpu() -> bool:
+    """Hopper/Ada (SM 8.9+) or newer: the GPUs with FP8 tensor cores."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def resolve_model_impl(requested: str) -> str:
+    """`auto` means TE's TransformerLayer where TE can run, stock HF elsewhere."""
+    if requested != "auto":
+        return requested
+    return "te" if te_available() and fp8_capable_gpu() else "hf"
+
+
+def resolve_fp8_recipe(args: argparse.Namespace) -> None:
+    """Default and validate --fp8_recipe for the backend the implementation implies."""
+    uses_te = args.model_impl in ("te", "te_linear")
+    valid = TE_RECIPES if uses_te else TORCHAO_RECIPES
+    if args.fp8_recipe is None:
+        args.fp8_recipe = valid[0] if uses_te else "tensorwise"
+    if args.fp8_recipe not in valid:
+        backend = "Transformer Engine" if uses_te else "torchao"
+        raise UsageError(
+            f"--fp8_recipe {args.fp8_recipe} is not a {backend} recipe for --model_impl "
+            f"{args.model_impl}; choose one of {', '.join(valid)}"
+        )
+    if args.fp8_all_gather and (uses_te or args.fp8_recipe != "tensorwise"):
+        raise UsageError(
+            "--fp8_all_gather needs torchao's tensorwise recipe (--model_impl hf "
+            "--fp8_recipe tensorwise); with TE use --fp8_weights"
+        )
+    if args.fp8_weights and not uses_te:
+        raise UsageError("--fp8_weights is a Transformer Engine option: add --model_impl te")
+
+
+class BF16:
+    """No module swaps: FSDP2 computes in bf16 (or fp32 with --bf16=0)."""
+
+    name = "bf16"
+    checkpoint_fn = None
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.compute = "bf16" if args.bf16 else "fp32"
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def after_optimizer_step(self, model: nn.Module) -> None:
+        return None
+
+    def describe(self) -> str:
+        return f"precision: {self.compute} compute, fp32 master weights, fp32 gradient reduce"
+
+
+def _fp8_eligible(module: nn.Module, fqn: str) -> bool:
+    if fqn.split(".")[-1] == "lm_head":
+        return False  # the output projection stays in high precision (loss is sensitive to it)
+    return (
+        module.in_features % FP8_DIM_MULTIPLE == 0 and module.out_features % FP8_DIM_MULTIPLE == 0
+    )
+
+
+class TorchaoFloat8:
+    """torchao.float8: nn.Linear -> Float8Linear with dynamic scaling; emulated on CPU."""
+
+    name = "torchao-fp8"
+    checkpoint_fn = None
+
+    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
+        self.recipe = args.fp8_recipe
+        self.all_gather = args.fp8_all_gather
+        # Real FP8 GEMMs need FP8 tensor cores; elsewhere torchao emulates the numerics in bf16.
+        self.emulate = device.type != "cuda" or not fp8_capable_gpu()
+        self.converted: list[str] = []
+        self.skipped: list[str] = []
+
+    def config(self):
+        from torchao.float8 import Float8LinearConfig
+
+        base = Float8LinearConfig.from_recipe_name(self.recipe)
+        return dataclasses.replace(
+            base, emulate=self.emulate, enable_fsdp_float8_all_gather=self.all_gather
+        )
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        from torchao.float8 import convert_to_float8_training
+
+        def keep(module: nn.Module, fqn: str) -> bool:
+            if not isinstance(module, nn.Linear):
+                return False
+            (self.converted if _fp8_eligible(module, fqn) else self.skipped).append(fqn)
+            return _fp8_eligible(module, fqn)
+
+        return convert_to_float8_training(model, config=self.config(), module_filter_fn=keep)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def after_optimizer_step(self, model: nn.Module) -> None:
+        if self.all_gather:
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(model)
+
+    def describe(self) -> str:
+        mode = "emulated (numerics only, slower than bf16)" if self.emulate else "FP8 tensor cores"
+        gather = ", float8 all-gather" if self.all_gather else ""
+        kept = ", ".join(self.skipped) if self.skipped else "none"
+        return (
+            f"precision: torchao float8 {self.recipe}{gather}, {mode}; "
+            f"{len(self.converted)} linears in FP8, kept in bf16: {kept}"
+        )
+
+
+def build_backend(
+    args: argparse.Namespace, device: torch.device, dp_group: object | None = None
+) -> BF16 | TorchaoFloat8:
+    """The backend for (--model_impl, --fp8). TE implementations always use the TE backend so that
+    --fp8=0 runs the very same TE model in bf16."""
+    if args.model_impl in ("te", "te_linear"):
+        from model_utils.te_precision import TEBackend
+
+        return TEBackend(args, dp_group=dp_group)
+    if args.fp8:
+        return TorchaoFloat8(args, device)
+    return BF16(args)
