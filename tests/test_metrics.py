@@ -1,0 +1,357 @@
+"""FLOPs formula, device peaks, step meter, log lines, JSONL, summaries (model_utils/metrics)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from model_utils.metrics import (
+    GIB,
+    JsonlWriter,
+    StepMeter,
+    detail_line,
+    flops_per_token,
+    format_comparison,
+    format_summary,
+    matmul_params,
+    peak_bf16_tflops,
+    peak_bf16_tflops_for_name,
+    peak_memory_bytes,
+    peak_memory_label,
+    read_jsonl,
+    seed_line,
+    step_metrics,
+    summarize,
+    timed_next,
+    validation_record,
+)
+
+# The `tiny` preset's shape (model_utils/arguments.py), GQA included.
+TINY = {
+    "hidden": 256,
+    "num_layers": 4,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "intermediate": 688,
+    "vocab": 8192,
+}
+
+
+# ------------------------------------------------------------------------------ FLOPs
+
+
+def counted_train_flops(
+    shape: dict, seq_len: int, batch: int, tie: bool, device: str = "cpu"
+) -> float:
+    """FLOPs torch's FlopCounterMode sees in a real HF Llama forward + backward, per token.
+
+    Eager attention: on CPU the fused SDPA kernel (``_scaled_dot_product_flash_attention_for_cpu``)
+    is not registered with FlopCounterMode in torch 2.13, so it would count zero attention FLOPs;
+    eager attention runs the two ``seq x seq`` batched matmuls, which the counter sees in full
+    (the causal mask is applied after the product, so nothing is discounted there either).
+    ``device="meta"`` runs the same module code and aten ops on shapes only (FlopCounterMode
+    counts from shapes), which is much faster; the CPU run proves the two agree.
+    """
+    config = LlamaConfig(
+        hidden_size=shape["hidden"],
+        num_hidden_layers=shape["num_layers"],
+        num_attention_heads=shape["num_heads"],
+        num_key_value_heads=shape["num_kv_heads"],
+        intermediate_size=shape["intermediate"],
+        vocab_size=shape["vocab"],
+        max_position_embeddings=seq_len,
+        tie_word_embeddings=tie,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+        input_ids = torch.randint(0, shape["vocab"], (batch, seq_len))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+    return counter.get_total_flops() / (batch * seq_len)
+
+
+@pytest.mark.parametrize(("tie", "device"), [(False, "cpu"), (True, "meta")])
+def test_flops_formula_matches_flop_counter_on_tiny_llama(tie: bool, device: str) -> None:
+    seq_len = 256
+    formula = flops_per_token(**TINY, seq_len=seq_len, tie_embeddings=tie)
+    counted = counted_train_flops(TINY, seq_len=seq_len, batch=1, tie=tie, device=device)
+    # Everything the counter sees is a matmul the formula also counts, so they agree to well
+    # under 1%. Dropping any term is far outside that: attention is ~10% of the total here,
+    # lm_head ~40%, and counting K/V with n_heads instead of n_kv_heads adds ~5%.
+    assert counted == pytest.approx(formula, rel=0.005)
+    attention = 12 * TINY["num_layers"] * TINY["hidden"] * seq_len
+    assert attention / formula > 0.05  # the tolerance really can see the attention term
+
+
+def test_flops_formula_matches_flop_counter_on_llama3_8b_shape() -> None:
+    """The real Llama-3-8B shape (GQA 32/8, vocab 128256) counted on the meta device."""
+    shape = {
+        "hidden": 4096,
+        "num_layers": 32,
+        "num_heads": 32,
+        "num_kv_heads": 8,
+        "intermediate": 14336,
+        "vocab": 128256,
+    }
+    seq_len = 2048
+    counted = counted_train_flops(shape, seq_len=seq_len, batch=1, tie=False, device="meta")
+    assert counted == pytest.approx(flops_per_token(**shape, seq_len=seq_len), rel=0.005)
+
+
+def test_flops_terms() -> None:
+    shape = {**TINY, "seq_len": 256}
+    base = flops_per_token(**shape)
+    # attention grows linearly in seq_len: 12 * L * n_heads * head_dim per extra token of context
+    longer = flops_per_token(**{**shape, "seq_len": 512})
+    assert longer - base == 12 * 4 * 256 * 256
+    assert flops_per_token(**shape, tie_embeddings=True) == base
+    with pytest.raises(ValueError):
+        flops_per_token(**{**shape, "num_kv_heads": 3})
+
+
+def test_matmul_params_reproduce_llama2_7b_parameter_count() -> None:
+    """Matmul weights + input embedding + norm gains = Llama-2-7B's published 6,738,415,616."""
+    hidden, layers, vocab = 4096, 32, 32000
+    n = matmul_params(
+        hidden=hidden,
+        num_layers=layers,
+        num_heads=32,
+        num_kv_heads=32,
+        intermediate=11008,
+        vocab=vocab,
+    )
+    norms = (2 * layers + 1) * hidden
+    assert n + vocab * hidden + norms == 6_738_415_616
+
+
+# ------------------------------------------------------------------------- device peaks
+
+
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H100 NVL", 835.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA B200", 2250.0),
+        ("NVIDIA GeForce RTX 3090", None),
+    ],
+)
+def test_peak_table(name: str, peak: float | None) -> None:
+    value, label = peak_bf16_tflops_for_name(name)
+    assert value == peak
+    assert ("bf16 peak" in label) if peak else label.startswith("n/a")
+
+
+def test_cpu_has_no_peak_and_reports_rss() -> None:
+    assert peak_bf16_tflops("cpu") == (None, "n/a on cpu")
+    assert peak_memory_label("cpu") == "process max RSS"
+    with open("/proc/self/status") as f:
+        hwm_kib = int(next(line for line in f if line.startswith("VmHWM")).split()[1])
+    # VmHWM is the kernel's own high-water mark of this process: an independent reading.
+    assert peak_memory_bytes("cpu") == pytest.approx(hwm_kib * 1024, rel=0.05)
+
+
+# -------------------------------------------------------------------------- step meter
+
+
+def test_step_metrics_arithmetic() -> None:
+    metrics = step_metrics(
+        step=20,
+        loss=8.421841,
+        lr=1e-4,
+        step_seconds=2.0,
+        data_wait_seconds=0.1,
+        samples=16,  # global: 2 ranks x 8
+        tokens=16 * 4096,
+        world_size=2,
+        peak_memory_bytes=3 * (1 << 30),
+        flops_per_token=1e9,
+        peak_tflops=989.0,
+    )
+    assert metrics["samples_per_sec"] == 8.0
+    assert metrics["tokens_per_sec_per_device"] == 16 * 4096 / 2 / 2
+    assert metrics["tflops_per_device"] == pytest.approx(16384 * 1e9 / 1e12)
+    assert metrics["mfu"] == pytest.approx(100 * 16.384 / 989)
+    assert metrics["peak_mem_gib"] == 3.0
+    assert metrics["data_wait_pct"] == pytest.approx(5.0)
+    no_peak = step_metrics(**{**_args(), "peak_tflops": None})
+    assert no_peak["mfu"] is None
+
+
+def _args() -> dict:
+    return {
+        "step": 1,
+        "loss": 1.0,
+        "lr": 1e-3,
+        "step_seconds": 1.0,
+        "data_wait_seconds": 0.0,
+        "samples": 1,
+        "tokens": 1,
+        "world_size": 1,
+        "peak_memory_bytes": 0,
+        "flops_per_token": 1.0,
+        "peak_tflops": 1.0,
+    }
+
+
+def test_step_meter_reports_windows() -> None:
+    meter = StepMeter(flops_per_token=1e6, world_size=1, peak_tflops=None, peak_label="n/a on cpu")
+    meter.add_step(step_seconds=1.0, data_wait_seconds=0.5, samples=8, tokens=2048)
+    meter.add_step(step_seconds=3.0, data_wait_seconds=0.5, samples=8, tokens=2048)
+    first = meter.report(step=2, loss=2.5, lr=1e-4, peak_memory_bytes=int(GIB))
+    assert first["window_steps"] == 2
+    assert first["samples_per_sec"] == 4.0  # 16 samples / 4 s: the window, not the last step
+    assert first["data_wait_pct"] == 25.0
+    assert (first["step"], first["loss"], first["mfu"]) == (2, 2.5, None)
+    meter.add_step(step_seconds=0.5, data_wait_seconds=0.0, samples=8, tokens=2048)
+    second = meter.report(step=3, loss=2.0, lr=1e-4, peak_memory_bytes=int(GIB))
+    assert (second["window_steps"], second["samples_per_sec"]) == (1, 16.0)
+    with pytest.raises(RuntimeError):
+        meter.report(step=4, loss=2.0, lr=1e-4, peak_memory_bytes=0)
+
+
+def test_timed_next_measures_the_wait() -> None:
+    import time
+
+    def slow():
+        time.sleep(0.05)
+        yield "batch"
+
+    item, seconds = timed_next(slow())
+    assert item == "batch" and 0.04 < seconds < 1.0
+
+
+# ---------------------------------------------------------------------------- log lines
+
+SEED_RE = re.compile(r"^Batch \d+ Loss: \d+\.\d{5}, Speed: \d+\.\d{2} samples/sec, lr: \d+\.\d{6}$")
+
+
+def test_seed_line_is_byte_exact() -> None:
+    line = seed_line(20, 8.421841, 47.0649, 1e-4)
+    assert line == "Batch 20 Loss: 8.42184, Speed: 47.06 samples/sec, lr: 0.000100"
+    assert SEED_RE.match(line)
+    assert SEED_RE.match(seed_line(1, 10.0, 0.5, 3e-4))
+
+
+def test_detail_line_labels() -> None:
+    meter = StepMeter(
+        flops_per_token=flops_per_token(**TINY, seq_len=256),
+        world_size=1,
+        peak_tflops=None,
+        peak_label="n/a on cpu",
+        memory_label="process max RSS",
+    )
+    meter.add_step(step_seconds=0.5, data_wait_seconds=0.01, samples=8, tokens=2048)
+    line = detail_line(meter.report(step=1, loss=9.0, lr=1e-4, peak_memory_bytes=int(1.5 * GIB)))
+    assert "tokens/s/device: 4,096" in line
+    assert "MFU: n/a on cpu" in line
+    assert "peak mem: 1.50 GiB (process max RSS)" in line
+    assert "data wait: 2.0%" in line
+    assert re.search(r"TFLOP/s/device: \d+\.\d{3}", line)
+
+    gpu = StepMeter(flops_per_token=1e9, world_size=8, peak_tflops=989.0, peak_label="vs H100")
+    gpu.add_step(step_seconds=1.0, data_wait_seconds=0.0, samples=8, tokens=8 * 400_000)
+    assert "MFU: 40.4% (vs H100)" in detail_line(
+        gpu.report(step=1, loss=1.0, lr=1e-4, peak_memory_bytes=0)
+    )
+
+
+# -------------------------------------------------------------------------------- JSONL
+
+
+def test_jsonl_writer_whole_lines_rank0_only(tmp_path) -> None:
+    path = tmp_path / "run" / "metrics.jsonl"
+    JsonlWriter(tmp_path / "other" / "metrics.jsonl", enabled=False).write({"a": 1})
+    assert not (tmp_path / "other").exists()  # non-zero ranks touch nothing
+
+    with JsonlWriter(path) as writer:
+        writer.write({"kind": "train", "step": 1, "loss": float("nan"), "mfu": None})
+        with pytest.raises(TypeError):
+            writer.write({"kind": "train", "step": 2, "bad": object()})
+        # flushed per write: visible to a reader before close
+        assert len(path.read_text().splitlines()) == 1
+    with JsonlWriter(path) as writer:  # a resumed run appends
+        writer.write(validation_record(step=2, val_loss=7.5, batches=4, seconds=0.2))
+    text = path.read_text()
+    assert text.endswith("\n")
+    for line in text.splitlines():
+        json.loads(line, parse_constant=pytest.fail)  # strict JSON: no NaN tokens
+    records = read_jsonl(path)
+    assert records[0]["loss"] is None
+    assert records[1] == {
+        "kind": "val",
+        "step": 2,
+        "val_loss": 7.5,
+        "val_batches": 4,
+        "val_seconds": 0.2,
+    }
+
+
+# ------------------------------------------------------------------------------ summary
+
+
+def _train(step: int, speed: float, loss: float, mem: float = 1.0) -> dict:
+    return {
+        "kind": "train",
+        "step": step,
+        "loss": loss,
+        "samples_per_sec": speed,
+        "tokens_per_sec_per_device": speed * 256,
+        "tflops_per_device": speed / 100,
+        "mfu": None,
+        "data_wait_pct": 1.0,
+        "peak_mem_gib": mem,
+    }
+
+
+def test_summarize_skips_warmup() -> None:
+    records = [
+        _train(5, speed=1.0, loss=9.0, mem=2.5),  # warm-up: slow, must not count
+        _train(10, speed=2.0, loss=8.0),  # step == warmup_steps: still warm-up
+        _train(15, speed=10.0, loss=7.0),
+        validation_record(step=15, val_loss=7.2, batches=2, seconds=0.1),
+        _train(20, speed=12.0, loss=6.5),
+        _train(25, speed=11.0, loss=6.0),
+        validation_record(step=25, val_loss=6.4, batches=2, seconds=0.1),
+    ]
+    summary = summarize(records, warmup_steps=10)
+    assert summary["samples_per_sec"] == 11.0
+    assert summary["tokens_per_sec_per_device"] == 11.0 * 256
+    assert summary["data_wait_pct"] == 1.0
+    assert summary["mfu"] is None
+    assert summary["peak_mem_gib"] == 2.5  # a peak is the max over the whole run
+    assert (summary["final_train_loss"], summary["final_val_loss"]) == (6.0, 6.4)
+    assert summary["measured_records"] == 3
+    assert summarize(records, warmup_steps=0)["samples_per_sec"] == 10.0
+    empty = summarize(records, warmup_steps=100)
+    assert empty["samples_per_sec"] is None and empty["final_train_loss"] == 6.0
+
+    text = format_summary(summary, title="bf16")
+    assert "samples/s (median)" in text and "11.00" in text and "6.40000" in text
+    assert "MFU % vs bf16 peak (median)" in text and "n/a" in text
+
+
+def test_format_comparison_ratios() -> None:
+    bf16 = summarize([_train(20, 10.0, 6.0), _train(30, 10.0, 5.0)], warmup_steps=10)
+    fp8 = summarize([_train(20, 5.0, 6.1), _train(30, 5.0, 5.05)], warmup_steps=10)
+    table = format_comparison(bf16, fp8, names=("bf16", "fp8"))
+    lines = table.splitlines()
+    assert "fp8/bf16" in lines[0]
+    speed = next(line for line in lines if "samples/s" in line).split()
+    assert speed[-3:] == ["10.00", "5.00", "0.500"]
+    loss = next(line for line in lines if "final train loss" in line).split()
+    assert float(loss[-1]) == pytest.approx(5.05 / 5.0, abs=1e-3)
+    val = next(line for line in lines if "validation" in line)
+    assert val.split()[-1] == "n/a"
+    assert not math.isnan(bf16["samples_per_sec"])
