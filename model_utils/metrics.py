@@ -182,7 +182,7 @@ def step_metrics(
     flops_per_token: float,
     peak_tflops: float | None,
 ) -> dict[str, Any]:
-    """Throughput metrics of one step (or a window of steps: pass the sums).
+    """Throughput metrics of one step (or of a window of steps: pass the window sums).
 
     ``samples``/``tokens`` are global; ``step_seconds`` is the whole step including data wait.
     ``mfu`` is a percentage of ``peak_tflops`` (bf16 dense) or None when no peak is known.
@@ -197,6 +197,8 @@ def step_metrics(
     return {
         "kind": "train",
         "step": step,
+        "samples": samples,
+        "tokens": tokens,
         "loss": float(loss),
         "lr": float(lr),
         "step_seconds": step_seconds,
@@ -260,6 +262,9 @@ class StepMeter:
             peak_tflops=self.peak_tflops,
         )
         metrics["window_steps"] = self._steps
+        # Wall-clock time of the report: consecutive records give the real elapsed time,
+        # including anything between steps (logging, validation) that step timing leaves out.
+        metrics["time"] = time.time()
         metrics["mfu_basis"] = self.peak_label
         metrics["memory_kind"] = self.memory_label
         self._seconds = self._data_wait = 0.0

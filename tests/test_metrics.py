@@ -217,6 +217,8 @@ def test_step_meter_reports_windows() -> None:
     meter.add_step(step_seconds=0.5, data_wait_seconds=0.0, samples=8, tokens=2048)
     second = meter.report(step=3, loss=2.0, lr=1e-4, peak_memory_bytes=int(GIB))
     assert (second["window_steps"], second["samples_per_sec"]) == (1, 16.0)
+    assert (first["tokens"], second["tokens"], first["samples"]) == (4096, 2048, 16)
+    assert first["time"] <= second["time"]
     with pytest.raises(RuntimeError):
         meter.report(step=4, loss=2.0, lr=1e-4, peak_memory_bytes=0)
 
