@@ -1,0 +1,300 @@
+"""Data pipeline: real `datasets` streaming, the bundled tokenizer, real files on disk.
+
+The corpora here are small slices of the bundled KJV so that each test reads and tokenises a few
+tens of thousands of tokens; small block/tokenizer-batch sizes make the streams cross block and
+epoch boundaries within a few hundred batches.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from model_utils import data
+
+SEQ_LEN = 32
+MICRO_BATCH = 2
+SMALL = {"block_docs": 48, "tokenize_batch": 8}  # several blocks and tokenizer batches per epoch
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return data.load_tokenizer(data.DEFAULT_TOKENIZER)
+
+
+@pytest.fixture(scope="module")
+def documents() -> list[str]:
+    """240 distinct short documents (the first lines of KJV chapters) and two empty ones."""
+    with gzip.open(data.DEFAULT_DATASET, "rt") as f:
+        chapters = [json.loads(line)["text"] for line in f][:240]
+    docs = ["\n".join(text.splitlines()[:3]) for text in chapters]
+    assert len(set(docs)) == len(docs)
+    return docs[:100] + ["", ""] + docs[100:]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, documents) -> str:
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    _write_jsonl(path, documents)
+    return str(path)
+
+
+def _write_jsonl(path: Path, texts: list[str], column: str = "text") -> None:
+    path.write_text("".join(json.dumps({column: t, "id": i}) + "\n" for i, t in enumerate(texts)))
+
+
+def _training_docs(documents: list[str]) -> list[str]:
+    return [d for d in documents if d and not data.is_held_out(d)]
+
+
+def _stream(corpus: str, tokenizer, **overrides) -> data.TrainStream:
+    options = {"rank": 0, "world_size": 1, "seed": 0, **SMALL, **overrides}
+    return data.TrainStream(corpus, tokenizer, SEQ_LEN, MICRO_BATCH, **options)
+
+
+def _block(options: dict) -> dict:
+    return {"block_docs": options["block_docs"]}
+
+
+def _reference_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids through transformers' own __call__: an independent path from the pipeline's."""
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def _segments(tokens: torch.Tensor, eos: int) -> list[tuple[int, ...]]:
+    """Split a token stream on EOS; the last (unterminated) piece is dropped."""
+    out, current = [], []
+    for token in tokens.tolist():
+        if token == eos:
+            out.append(tuple(current))
+            current = []
+        else:
+            current.append(token)
+    return out
+
+
+def _flat(batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    return torch.cat([b["input_ids"].reshape(-1) for b in batches])
+
+
+def test_packing_keeps_every_token_in_exact_windows(corpus, documents, tokenizer):
+    stream = _stream(corpus, tokenizer)
+    train = _training_docs(documents)
+    epoch_tokens = sum(len(ids) + 1 for ids in _reference_ids(tokenizer, train))
+    batches = [next(stream) for _ in range(epoch_tokens // (SEQ_LEN * MICRO_BATCH) + 5)]
+    assert stream.epoch == 1  # the stream went on into a second epoch
+    for batch in batches:
+        assert batch["input_ids"].shape == (MICRO_BATCH, SEQ_LEN)
+        assert batch["input_ids"].dtype == torch.long
+        assert torch.equal(batch["labels"], batch["input_ids"])
+
+    # The windows, concatenated, are exactly the epoch's documents + EOS in the reader's order...
+    order = list(data.epoch_documents(corpus, seed=0, **_block(SMALL)))
+    assert sorted(order) == sorted(train)  # each training document exactly once
+    expected = [
+        t for ids in _reference_ids(tokenizer, order) for t in (*ids, tokenizer.eos_token_id)
+    ]
+    emitted = _flat(batches)
+    assert emitted[:epoch_tokens].tolist() == expected
+    # ...and the second epoch starts right after, in the same windows (the tail is not dropped).
+    next_epoch = list(data.epoch_documents(corpus, seed=0, epoch=1, **_block(SMALL)))
+    first = _reference_ids(tokenizer, next_epoch[:1])[0]
+    assert emitted[epoch_tokens : epoch_tokens + len(first)].tolist() == first
+    assert next_epoch != order and sorted(next_epoch) == sorted(order)  # reshuffled
+
+
+def test_validation_is_fixed_and_never_trained_on(corpus, documents, tokenizer):
+    held_out = [d for d in documents if d and data.is_held_out(d)]
+    assert 0 < len(held_out) < len(documents) // 5
+    first = data.validation_batches(corpus, tokenizer, SEQ_LEN, 2, 3)
+    again = data.validation_batches(corpus, tokenizer, SEQ_LEN, 2, 3)
+    assert len(first) == 3 and all(b["input_ids"].shape == (2, SEQ_LEN) for b in first)
+    assert all(
+        torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(first, again, strict=True)
+    )
+
+    held_ids = {tuple(ids) for ids in _reference_ids(tokenizer, held_out)}
+    val_segments = _segments(_flat(first), tokenizer.eos_token_id)
+    assert len(val_segments) >= 2 and set(val_segments[1:]) <= held_ids  # [0] may be cut
+    training = set(data.epoch_documents(corpus, seed=3, **_block(SMALL)))
+    assert training.isdisjoint(held_out) and training == set(_training_docs(documents))
+
+
+def test_validation_split_files_are_used_when_present(tmp_path, documents, tokenizer):
+    folder = tmp_path / "named_splits"
+    folder.mkdir()
+    docs = [d for d in documents if d]
+    _write_jsonl(folder / "train.jsonl", docs[:150])
+    _write_jsonl(folder / "validation.jsonl", docs[150:])
+    _write_jsonl(folder / "test.jsonl", ["never read"] * 10)
+    # All training-file documents are trained on (no hash hold-out when a split exists).
+    assert sorted(data.epoch_documents(str(folder))) == sorted(docs[:150])
+    batches = data.validation_batches(str(folder), tokenizer, SEQ_LEN, 1, 2)
+    start = [
+        t
+        for ids in _reference_ids(tokenizer, docs[150:152])
+        for t in (*ids, tokenizer.eos_token_id)
+    ]
+    assert _flat(batches).tolist() == start[: 2 * SEQ_LEN]
+
+
+@pytest.mark.parametrize("files", [1, 4])
+def test_rank_shards_are_disjoint_and_complete(tmp_path, documents, tokenizer, files):
+    docs = [d for d in documents if d]
+    for i in range(files):  # 1 file: every other document per rank; 4 files: 2 files per rank
+        _write_jsonl(tmp_path / f"part-{i}.jsonl", docs[i::files])
+    source = str(tmp_path)
+    per_rank = [
+        list(data.epoch_documents(source, rank=r, world_size=2, seed=5, **_block(SMALL)))
+        for r in range(2)
+    ]
+    assert set(per_rank[0]).isdisjoint(per_rank[1])
+    assert sorted(per_rank[0] + per_rank[1]) == sorted(_training_docs(docs))
+    streams = [_stream(source, tokenizer, rank=r, world_size=2, seed=5) for r in range(2)]
+    assert not torch.equal(next(streams[0])["input_ids"], next(streams[1])["input_ids"])
+
+
+def test_same_seed_same_batches_other_seed_other_order(corpus, tokenizer):
+    a, b, c = (_stream(corpus, tokenizer, seed=s) for s in (7, 7, 8))
+    first_a = _flat([next(a) for _ in range(20)])
+    assert torch.equal(first_a, _flat([next(b) for _ in range(20)]))
+    assert not torch.equal(first_a, _flat([next(c) for _ in range(20)]))
+
+
+def test_resume_yields_the_uninterrupted_batches_without_retokenising(
+    corpus, tokenizer, monkeypatch
+):
+    reference = _stream(corpus, tokenizer, seed=11)
+    total = 700  # ~1.5 epochs: crosses tokenizer-batch, block and epoch boundaries
+    states, batches = [], []
+    for _ in range(total):
+        states.append(reference.state_dict())
+        batches.append(next(reference))
+
+    tokenized: list[int] = []
+    real_encode = data.encode_documents
+
+    def counting_encode(tok, texts):
+        tokenized.append(len(texts))
+        return real_encode(tok, texts)
+
+    monkeypatch.setattr(data, "encode_documents", counting_encode)
+    epoch_start = next(i for i, s in enumerate(states) if s["rank0"]["epoch"] == 1)
+    block_start = next(i for i, s in enumerate(states) if s["rank0"]["block"] == 2)
+    for k in (0, 1, 57, block_start, block_start + 1, epoch_start, epoch_start + 3, total - 40):
+        resumed = _stream(corpus, tokenizer, seed=11)
+        resumed.load_state_dict(states[k])
+        tokenized.clear()
+        assert torch.equal(next(resumed)["input_ids"], batches[k]["input_ids"]), k
+        # Only the tokenizer batch holding the position (and maybe the next) was encoded again.
+        assert sum(tokenized) <= 2 * SMALL["tokenize_batch"], (k, tokenized)
+        rest = [next(resumed) for _ in range(min(30, total - k - 1))]
+        assert torch.equal(_flat(rest), _flat(batches[k + 1 : k + 1 + len(rest)])), k
+        assert resumed.batches == k + 1 + len(rest)
+
+    # A resumed stream's own state resumes correctly too (state after a restore is valid).
+    resumed = _stream(corpus, tokenizer, seed=11)
+    resumed.load_state_dict(states[100])
+    for _ in range(250):
+        next(resumed)
+    assert resumed.state_dict() == states[350]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_state_round_trips_through_torch_dcp(tmp_path, corpus, tokenizer):
+    import torch.distributed.checkpoint as dcp
+
+    stream = _stream(corpus, tokenizer, seed=2)
+    for _ in range(123):
+        next(stream)
+    state = stream.state_dict()["rank0"]
+    assert all(isinstance(v, int | str) for v in state.values())  # small and plain
+    assert len(json.dumps(state)) < 2000
+    dcp.save({"data": stream}, checkpoint_id=str(tmp_path / "ckpt"))
+    expected = [next(stream)["input_ids"] for _ in range(5)]
+
+    fresh = _stream(corpus, tokenizer, seed=2)
+    dcp.load({"data": fresh}, checkpoint_id=str(tmp_path / "ckpt"))
+    assert fresh.batches == 123
+    assert all(torch.equal(next(fresh)["input_ids"], e) for e in expected)
+
+
+def test_state_from_another_world_size_is_refused_or_skips_to_next_epoch(corpus, tokenizer):
+    two_ranks = _stream(corpus, tokenizer, rank=1, world_size=2)
+    next(two_ranks)
+    saved = two_ranks.state_dict()
+    assert list(saved) == ["rank1"]  # one key per rank: DCP keeps every rank's position
+    single = _stream(corpus, tokenizer)
+    with pytest.raises(ValueError, match="no entry for rank0"):
+        single.load_state_dict(saved)
+    other = _stream(corpus, tokenizer, rank=1, world_size=3)
+    with pytest.raises(ValueError, match="world_size=2"):
+        other.load_state_dict(saved)
+    other.load_state_dict(saved, reshard_ok=True)
+    assert other.epoch == 1 and next(other)["input_ids"].shape == (MICRO_BATCH, SEQ_LEN)
+    with pytest.raises(ValueError, match="seed=0"):
+        _stream(corpus, tokenizer, rank=1, world_size=2, seed=4).load_state_dict(saved)
+
+
+def test_vocab_mismatch_is_one_clear_line(tokenizer):
+    data.check_vocab(tokenizer, len(tokenizer))
+    with pytest.raises(ValueError) as error:
+        data.check_vocab(tokenizer, 1000)
+    message = str(error.value)
+    assert "\n" not in message
+    assert f"--vocab_size {len(tokenizer)}" in message and "1000" in message
+
+
+def test_bad_dataset_and_tokenizer_arguments(tmp_path, corpus, tokenizer):
+    for bad in ("/no/such/file.jsonl", "./missing_dir", "data/missing.parquet"):
+        with pytest.raises(ValueError, match="no such file or directory"):
+            data.check_dataset(bad, None)
+    (tmp_path / "notes.md").write_text("# not data")
+    with pytest.raises(ValueError, match="no .* files in this folder"):
+        data.check_dataset(str(tmp_path), None)
+    with pytest.raises(ValueError, match="unsupported file type"):
+        data.check_dataset(str(tmp_path / "notes.md"), None)
+    with pytest.raises(ValueError, match="hub datasets only"):
+        data.check_dataset(corpus, "en")
+    data.check_dataset("allenai/c4", "en")  # hub names are not looked up here
+    data.check_dataset(data.DEFAULT_DATASET, None)
+    with pytest.raises(ValueError, match="no such directory"):
+        data.load_tokenizer("./no_tokenizer_here")
+    with pytest.raises(ValueError, match="has no column 'body'"):
+        next(_stream(corpus, tokenizer, text_column="body"))
+    with pytest.raises(ValueError, match="only .* windows"):
+        data.validation_batches(corpus, tokenizer, SEQ_LEN, 8, 1000)
+
+
+def test_text_parquet_and_compressed_sources(tmp_path, documents):
+    docs = [d for d in documents if d][:60]
+    (tmp_path / "txt").mkdir()
+    (tmp_path / "txt" / "book.txt").write_text("\n\n".join(docs) + "\n")
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"body": docs}), tmp_path / "pq" / "docs.parquet")
+    with gzip.open(tmp_path / "docs.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+    expected = sorted(_training_docs(docs))
+    assert sorted(data.epoch_documents(str(tmp_path / "txt"))) == expected  # one per paragraph
+    assert sorted(data.epoch_documents(str(tmp_path / "pq"), text_column="body")) == expected
+    assert sorted(data.epoch_documents(str(tmp_path / "docs.jsonl.gz"))) == expected
+
+
+def test_bundled_corpus_and_tokenizer_work_offline():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(data.DEFAULT_TOKENIZER, local_files_only=True)
+    assert len(tokenizer) == 8192 and tokenizer.eos_token == "<|endoftext|>"
+    with gzip.open(data.DEFAULT_DATASET, "rt") as f:
+        chapters = [json.loads(line)["text"] for line in f]
+    assert len(chapters) == 1189 and chapters[0].startswith("Genesis 1\nIn the beginning")
+    held_out = sum(data.is_held_out(c) for c in chapters)
+    assert 0.03 < held_out / len(chapters) < 0.08  # ~5%: enough for the tiny preset's validation
+    text = "In the beginning God created the heaven and the earth."
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
