@@ -3,6 +3,7 @@
 A backend has four duties, each called at one point of the step (see DESIGN.md):
   prepare(model)              module swaps, before sharding (e.g. nn.Linear -> Float8Linear)
   autocast()                  context for the forward pass only
+  forward_kwargs(micro)       extra forward arguments per micro-batch (TE's is_first_microbatch)
   after_optimizer_step(model) per-step bookkeeping (e.g. torchao's FP8 scale precompute for FSDP)
   describe()                  the startup log line
 Compute dtype itself comes from FSDP2's MixedPrecisionPolicy (bf16 params for compute, fp32
@@ -79,6 +80,9 @@ class BF16:
     def autocast(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
+    def forward_kwargs(self, micro: int) -> dict[str, object]:
+        return {}
+
     def after_optimizer_step(self, model: nn.Module) -> None:
         return None
 
@@ -129,6 +133,9 @@ class TorchaoFloat8:
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
+
+    def forward_kwargs(self, micro: int) -> dict[str, object]:
+        return {}
 
     def after_optimizer_step(self, model: nn.Module) -> None:
         if self.all_gather:

@@ -1,0 +1,276 @@
+"""Train Llama with FSDP2 in BF16 or FP8, on one CPU or on a Slurm cluster of H100s.
+
+    python train.py --preset tiny --max_steps 50 --fp8=1                  # laptop, emulated FP8
+    torchrun --nproc_per_node=8 train.py --preset llama3-8b --fp8=1       # one node
+    sbatch 1.train_llama.sbatch --preset llama2-7b --fp8=1                # a cluster
+
+The recipe, top to bottom: check the flags, start the process group, build Llama on the meta
+device, hand it to the precision backend (module swaps), shard it with FSDP2, materialise and
+initialise each rank's shard, then train: data -> forward (under the backend's autocast) -> loss
+-> backward -> clip -> AdamW -> LR schedule -> backend bookkeeping -> metrics -> checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from model_utils import (
+    arguments,
+    checkpoint,
+    data,
+    distributed,
+    metrics,
+    modeling,
+    optim,
+    precision,
+)
+
+log = logging.getLogger("train")
+
+# Steps excluded from throughput medians (allocator growth, lazy init, compilation).
+SPEED_WARMUP_STEPS = 10
+
+
+def validate(argv: list[str] | None) -> tuple[argparse.Namespace, object]:
+    """Every check that can fail on bad input, before any process group or file exists."""
+    args = arguments.parse_args(argv)
+    args.model_impl = precision.resolve_model_impl(args.model_impl)
+    precision.resolve_fp8_recipe(args)
+    try:
+        data.check_dataset(args.dataset, args.dataset_config_name)
+        tokenizer = data.load_tokenizer(args.tokenizer)
+        data.check_vocab(tokenizer, args.vocab_size)
+        checkpoint.check_resume_arg(args.resume_from_checkpoint, args.checkpoint_dir)
+        if args.init_from_hf:
+            checkpoint.check_hf_dir(args.init_from_hf)
+    except ValueError as exc:
+        raise arguments.UsageError(str(exc)) from exc
+    if args.model_impl in ("te", "te_linear"):
+        from model_utils.te_precision import check_requirements
+
+        check_requirements(args)
+    return args, tokenizer
+
+
+class Preemption:
+    """SIGUSR1/SIGTERM (Slurm's warning before the time limit) asks for a checkpoint at the next
+    step boundary; the flag is reduced over ranks so every rank stops at the same step."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+
+def evaluate(model, batches, backend, device) -> float:
+    """Mean held-out loss over this rank's fixed validation batches, averaged over ranks."""
+    model.eval()
+    total = torch.zeros(2, device=device, dtype=torch.float64)
+    with torch.no_grad():
+        for batch in batches:
+            with backend.autocast():
+                loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
+            total += torch.stack([loss.double(), torch.ones((), device=device).double()])
+    dist.all_reduce(total)
+    model.train()
+    return (total[0] / total[1]).item()
+
+
+class RunLog:
+    """Rank 0's view of the run: the seed log line, the detail line, JSONL and the summary."""
+
+    def __init__(self, args, config, world, device, samples_per_step: int) -> None:
+        self.args, self.device, self.samples = args, device, samples_per_step
+        self.is_main = world.is_main
+        peak, peak_label = metrics.peak_bf16_tflops(device)
+        flops = metrics.flops_per_token(
+            hidden=config.hidden_size, num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
+            intermediate=config.intermediate_size, vocab=config.vocab_size,
+            seq_len=args.max_context_width,
+        )  # fmt: skip
+        self.meter = metrics.StepMeter(
+            flops, world.world_size, peak, peak_label, metrics.peak_memory_label(device)
+        )
+        self.jsonl_path = f"{args.output_dir}/metrics.jsonl"
+        self.writer = metrics.JsonlWriter(self.jsonl_path, enabled=self.is_main)
+
+    def step(self, step: int, loss: torch.Tensor, lr: float, start: float, data_wait: float):
+        """Every step feeds the meter; every --logging_freq steps the window is reported. The
+        loss reduction there also synchronises the device, so the window's wall time is exact."""
+        tokens = self.samples * self.args.max_context_width
+        if step % self.args.logging_freq and step != self.args.max_steps:
+            self.meter.add_step(
+                step_seconds=time.perf_counter() - start, data_wait_seconds=data_wait,
+                samples=self.samples, tokens=tokens,
+            )  # fmt: skip
+            return
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        loss_value = loss.item()
+        self.meter.add_step(
+            step_seconds=time.perf_counter() - start, data_wait_seconds=data_wait,
+            samples=self.samples, tokens=tokens,
+        )  # fmt: skip
+        record = self.meter.report(
+            step=step, loss=loss_value, lr=lr,
+            peak_memory_bytes=metrics.peak_memory_bytes(self.device),
+        )  # fmt: skip
+        log.info(metrics.seed_line(step, loss_value, record["samples_per_sec"], lr))
+        log.info(metrics.detail_line(record))
+        self.writer.write(record)
+
+    def validation(self, step: int, model, batches, backend) -> None:
+        start = time.perf_counter()
+        val_loss = evaluate(model, batches, backend, self.device)
+        seconds = time.perf_counter() - start
+        log.info("Validation at step %d: loss %.5f over %d batches", step, val_loss, len(batches))
+        self.writer.write(
+            metrics.validation_record(
+                step=step, val_loss=val_loss, batches=len(batches), seconds=seconds
+            )
+        )
+
+    def finish(self) -> None:
+        self.writer.close()
+        if self.is_main:
+            warmup = min(SPEED_WARMUP_STEPS, self.args.max_steps // 2)
+            summary = metrics.summarize(metrics.read_jsonl(self.jsonl_path), warmup)
+            log.info("\n" + metrics.format_summary(summary))
+
+
+def train(args: argparse.Namespace, tokenizer, world: distributed.World, device) -> None:
+    torch.manual_seed(args.seed)
+    mesh = distributed.build_mesh(world, device, args.sharding_strategy)
+    backend = precision.build_backend(args, device, dp_group=dist.group.WORLD)
+
+    model = backend.prepare(modeling.build(args, args.model_impl, device))
+    if args.activation_checkpointing:
+        distributed.apply_activation_checkpointing(model, backend.checkpoint_fn)
+    if args.compile:
+        distributed.apply_compile(model)
+    model = distributed.shard(model, mesh, args)
+    modeling.materialize(model, device, args.seed)
+    if args.init_from_hf:
+        checkpoint.load_hf_weights(model, args.init_from_hf, key_map=backend_key_map(args))
+
+    optimizer = optim.build_optimizer(model, args.lr, args.weight_decay, args.beta1, args.beta2)
+    scheduler = optim.build_scheduler(
+        optimizer, lr=args.lr, min_lr=args.min_lr, warmup=args.warmup,
+        max_steps=args.max_steps, style=args.lr_decay_style,
+    )  # fmt: skip
+    stream = data.TrainStream(
+        args.dataset, tokenizer, args.max_context_width, args.train_batch_size,
+        config_name=args.dataset_config_name, text_column=args.text_column,
+        rank=world.rank, world_size=world.world_size, seed=args.seed,
+    )  # fmt: skip
+    val_batches = data.validation_batches(
+        args.dataset, tokenizer, args.max_context_width, args.val_batch_size,
+        args.validation_batches, config_name=args.dataset_config_name,
+        text_column=args.text_column, rank=world.rank, world_size=world.world_size,
+    )  # fmt: skip
+
+    ckpt = checkpoint.Checkpointer(args.checkpoint_dir, args.keep_last, args.async_checkpoint)
+    state = checkpoint.TrainState(model, optimizer, scheduler, stream, config=vars(args))
+    resume_path = ckpt.resolve(args.resume_from_checkpoint)
+    if resume_path is not None:
+        ckpt.load(resume_path, state)
+        log.info("Resumed from %s at step %d", resume_path, state.step)
+
+    samples_per_step = args.train_batch_size * args.grad_accum_steps * world.world_size
+    run_log = RunLog(args, model.config, world, device, samples_per_step)
+    log.info(
+        "model: %s, %.1fM parameters, impl=%s; %s", args.preset,
+        modeling.count_parameters(model) / 1e6, args.model_impl, backend.describe(),
+    )  # fmt: skip
+    log.info(
+        "world: %d ranks (%d nodes), %s, %s sharding; global batch %d sequences x %d tokens",
+        world.world_size, world.num_nodes, device, args.sharding_strategy, samples_per_step,
+        args.max_context_width,
+    )  # fmt: skip
+
+    preemption = Preemption()
+    model.train()
+    while state.step < args.max_steps:
+        step_start = time.perf_counter()
+        data_wait, loss_sum = 0.0, torch.zeros((), device=device)
+        for micro in range(args.grad_accum_steps):
+            t0 = time.perf_counter()
+            batch = {k: v.to(device, non_blocking=True) for k, v in next(stream).items()}
+            data_wait += time.perf_counter() - t0
+            last = micro == args.grad_accum_steps - 1
+            model.set_requires_gradient_sync(last)  # reduce-scatter once per step, not per micro
+            with backend.autocast():
+                loss = model(**batch, **backend.forward_kwargs(micro)).loss
+            (loss / args.grad_accum_steps).backward()
+            loss_sum += loss.detach()
+        if args.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        backend.after_optimizer_step(model)
+        state.step += 1
+
+        run_log.step(state.step, loss_sum / args.grad_accum_steps, lr, step_start, data_wait)
+        if args.validation_freq and state.step % args.validation_freq == 0:
+            run_log.validation(state.step, model, val_batches, backend)
+        if args.checkpoint_freq and state.step % args.checkpoint_freq == 0:
+            ckpt.save(state.step, state)
+        if distributed.all_ranks_agree(preemption.requested, device):
+            ckpt.save(state.step, state, block=True)
+            log.info("Preemption signal received: checkpoint saved at step %d", state.step)
+            return
+
+    if not args.validation_freq or state.step % args.validation_freq:
+        run_log.validation(state.step, model, val_batches, backend)
+    if not args.checkpoint_freq or state.step % args.checkpoint_freq:
+        ckpt.save(state.step, state)
+    ckpt.wait()
+    if args.export_hf:
+        checkpoint.export_hf(model, model.config, args.export_hf, key_map=backend_key_map(args))
+        log.info("Exported Hugging Face weights to %s", args.export_hf)
+    run_log.finish()
+
+
+def backend_key_map(args: argparse.Namespace):
+    """HF <-> TE parameter names for the TE implementation; HF layouts need no mapping."""
+    if args.model_impl == "te":
+        import te_llama
+
+        return te_llama.hf_to_te_key_map
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s I [%(filename)s:%(lineno)d] %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S", stream=sys.stdout,
+    )  # fmt: skip
+    try:
+        args, tokenizer = validate(argv)
+    except arguments.UsageError as exc:
+        arguments.exit_on_usage_error(exc)
+    world = distributed.world_from_env()
+    if not world.is_main:
+        logging.getLogger().setLevel(logging.WARNING)
+    device = distributed.device_for(world)
+    distributed.init(world, device, args.dist_timeout)
+    try:
+        train(args, tokenizer, world, device)
+    finally:
+        distributed.cleanup()
+
+
+if __name__ == "__main__":
+    main()
