@@ -1,0 +1,346 @@
+"""Transformer Engine precision backend: FP8 recipes, capability checks, autocast.
+
+Same seam as the other precision backends (``prepare`` / ``autocast`` / ``after_optimizer_step``
+/ ``describe``). With ``args.fp8`` false the same TE model runs in BF16, so fp8-vs-bf16 runs
+compare FP8 alone, not FP8 plus TE's kernel fusion.
+
+TE is imported lazily; building the recipe, the shape rules and the capability messages are
+pure functions testable without TE or a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+#: ``--fp8_recipe`` values for TE -> TE recipe class (``transformer_engine.common.recipe``).
+TE_RECIPES: dict[str, str] = {
+    "delayed": "DelayedScaling",
+    "current": "Float8CurrentScaling",
+    "block": "Float8BlockScaling",
+    "mxfp8": "MXFP8BlockScaling",
+}
+#: ``--fp8_format`` -> ``recipe.Format`` member. HYBRID = E4M3 forward, E5M2 gradients.
+TE_FORMATS: dict[str, str] = {"hybrid": "HYBRID", "e4m3": "E4M3"}
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """What a recipe needs: GPU architecture, CUDA toolkit, TE release."""
+
+    min_sm: tuple[int, int]
+    min_cuda: tuple[int, int] | None
+    min_te: tuple[int, int]
+    hardware: str
+
+
+#: Per recipe (and for BF16 on TE). SM 8.9 = Ada (L4/L40), 9.0 = Hopper (H100/H200),
+#: 10.0 = Blackwell (B200). TE minimums are the releases that introduced each recipe.
+REQUIREMENTS: dict[str, Requirement] = {
+    "bf16": Requirement((8, 0), None, (2, 1), "an NVIDIA GPU with BF16 (SM 8.0+, A100 or newer)"),
+    "delayed": Requirement((8, 9), None, (2, 1), "SM 8.9+ (Ada, Hopper or newer)"),
+    "current": Requirement((8, 9), None, (2, 2), "SM 8.9+ (Ada, Hopper or newer)"),
+    "block": Requirement((9, 0), (12, 9), (2, 3), "SM 9.0+ (Hopper) and CUDA >= 12.9"),
+    "mxfp8": Requirement((10, 0), None, (2, 1), "SM 10.0+ (Blackwell)"),
+}
+#: FP8 primary weights under FSDP2 (``--fp8_weights``) arrived in TE 2.3.
+FP8_WEIGHTS_MIN_TE = (2, 3)
+
+
+class TECapabilityError(RuntimeError):
+    """This machine (GPU, CUDA, TE release) cannot run the requested TE configuration."""
+
+
+def _version_tuple(version: str | None) -> tuple[int, ...] | None:
+    if not version:
+        return None
+    parts = []
+    for piece in version.split("+")[0].split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts) or None
+
+
+def _fmt(version: tuple[int, ...]) -> str:
+    return ".".join(str(v) for v in version)
+
+
+def capability_problem(
+    recipe: str,
+    *,
+    sm: tuple[int, int] | None,
+    cuda_version: str | None,
+    te_version: str | None,
+    fp8_weights: bool = False,
+) -> str | None:
+    """The first reason ``recipe`` ("bf16" or a TE recipe) cannot run here, or ``None``.
+
+    Pure: the caller passes the GPU's SM (``None`` = no CUDA GPU), ``torch.version.cuda`` and
+    TE's version (``None`` = not installed), so every message is testable on a CPU.
+    """
+    need = REQUIREMENTS[recipe]
+    label = "BF16 on Transformer Engine" if recipe == "bf16" else f"--fp8_recipe {recipe}"
+    te = _version_tuple(te_version)
+    if te is None:
+        return f"{label} needs Transformer Engine >= {_fmt(need.min_te)}, which is not installed"
+    if te < need.min_te:
+        return f"{label} needs Transformer Engine >= {_fmt(need.min_te)}, found {te_version}"
+    if fp8_weights and te < FP8_WEIGHTS_MIN_TE:
+        return (
+            f"--fp8_weights needs Transformer Engine >= {_fmt(FP8_WEIGHTS_MIN_TE)}, "
+            f"found {te_version}"
+        )
+    if sm is None:
+        return f"{label} needs {need.hardware}; no CUDA GPU is visible"
+    if tuple(sm) < need.min_sm:
+        return f"{label} needs {need.hardware}; this GPU is SM {sm[0]}.{sm[1]}"
+    cuda = _version_tuple(cuda_version)
+    if need.min_cuda and (cuda is None or cuda < need.min_cuda):
+        return f"{label} needs {need.hardware}; this PyTorch was built with CUDA {cuda_version}"
+    return None
+
+
+def fp8_shape_problem(
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    head_dim: int | None = None,
+    recipe: str = "delayed",
+) -> str | None:
+    """Why these shapes cannot run FP8 GEMMs, or ``None``.
+
+    Every FP8 GEMM operand needs both dimensions divisible by 16 (32 for MXFP8's blocks). The
+    forward GEMMs see ``[tokens, features]``; the weight-gradient GEMM consumes the transposed
+    activations, so tokens per micro-batch become an inner dimension and must obey the rule too.
+    """
+    multiple = 32 if recipe == "mxfp8" else 16
+    head_dim = head_dim or hidden_size // num_attention_heads
+    dims = {
+        "tokens per micro-batch (train_batch_size x max_context_width)": micro_batch_size * seq_len,
+        "hidden_width": hidden_size,
+        "intermediate_size": intermediate_size,
+        "query width (num_heads x head_dim)": num_attention_heads * head_dim,
+        "key/value width (num_key_value_heads x head_dim)": num_key_value_heads * head_dim,
+    }
+    bad = [f"{name} = {value}" for name, value in dims.items() if value % multiple]
+    if not bad:
+        return None
+    return f"FP8 ({recipe}) needs multiples of {multiple}: " + "; ".join(bad)
+
+
+def choose_model_impl(requested: str, *, te_importable: bool, sm: tuple[int, int] | None) -> str:
+    """Resolve ``--model_impl auto``: ``te`` when TE imports and a BF16-capable GPU (SM 8.0+) is
+    visible, else ``hf``. Explicit choices are returned unchanged (their checks come later)."""
+    if requested != "auto":
+        return requested
+    return "te" if te_importable and sm is not None and tuple(sm) >= (8, 0) else "hf"
+
+
+def import_recipe_module() -> Any:
+    """``transformer_engine.common.recipe`` (lazy: TE may be absent)."""
+    return importlib.import_module("transformer_engine.common.recipe")
+
+
+def build_recipe(
+    name: str,
+    *,
+    fp8_format: str = "hybrid",
+    amax_history_len: int = 1024,
+    amax_compute_algo: str = "max",
+    fp8_margin: int = 0,
+) -> Any:
+    """The TE recipe object for ``--fp8_recipe name`` and its options.
+
+    ``amax_history_len``/``amax_compute_algo`` only exist for delayed scaling (the others
+    compute scales from the current tensor or block); ``margin`` exists for delayed and MXFP8.
+    """
+    if name not in TE_RECIPES:
+        raise ValueError(f"unknown TE fp8 recipe {name!r}; choose from {', '.join(TE_RECIPES)}")
+    if fp8_format not in TE_FORMATS:
+        raise ValueError(f"unknown fp8 format {fp8_format!r}; choose from {', '.join(TE_FORMATS)}")
+    if amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+        raise ValueError(f"amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS}")
+    te_recipe = import_recipe_module()
+    fmt = getattr(te_recipe.Format, TE_FORMATS[fp8_format])
+    if name == "delayed":
+        return te_recipe.DelayedScaling(
+            fp8_format=fmt,
+            amax_history_len=amax_history_len,
+            amax_compute_algo=amax_compute_algo,
+            margin=fp8_margin,
+        )
+    if name == "current":
+        return te_recipe.Float8CurrentScaling(fp8_format=fmt)
+    if name == "block":
+        return te_recipe.Float8BlockScaling(fp8_format=fmt)
+    return te_recipe.MXFP8BlockScaling(fp8_format=fmt, margin=fp8_margin)
+
+
+def _te_version(te_module: Any) -> str | None:
+    root = importlib.import_module(te_module.__name__.split(".")[0])
+    return getattr(root, "__version__", None)
+
+
+def _has_te_modules(model: nn.Module) -> bool:
+    return any(type(m).__module__.startswith("transformer_engine") for m in model.modules())
+
+
+class TEBackend:
+    """Precision backend for ``--model_impl te|te_linear``.
+
+    ``args`` attributes: ``fp8`` (bool), ``fp8_recipe``, ``fp8_format``, ``amax_history_len``,
+    ``amax_compute_algo``, ``fp8_margin``, ``fp8_weights``, ``model_impl``; optional ``bf16``
+    (default True: activations in BF16 through ``torch.autocast``). ``dp_group`` is the whole
+    data-parallel (FSDP) group: FP8 amaxes are all-reduced over it so every rank uses the same
+    scales (``None`` = default group, or no reduction in a single process).
+    """
+
+    def __init__(self, args: Any, dp_group: Any = None) -> None:
+        self.fp8 = bool(args.fp8)
+        self.recipe_name = args.fp8_recipe
+        self.fp8_format = args.fp8_format
+        self.fp8_weights = bool(getattr(args, "fp8_weights", False))
+        self.model_impl = args.model_impl
+        self.bf16 = bool(getattr(args, "bf16", True))
+        self.dp_group = dp_group
+        self._recipe_kwargs = {
+            "fp8_format": args.fp8_format,
+            "amax_history_len": int(args.amax_history_len),
+            "amax_compute_algo": args.amax_compute_algo,
+            "fp8_margin": int(args.fp8_margin),
+        }
+        if self.fp8_weights and not self.fp8:
+            raise ValueError("--fp8_weights needs --fp8=1")
+        self._recipe: Any = None
+        self._model: nn.Module | None = None
+
+    @property
+    def recipe(self) -> Any:
+        """The TE recipe (built on first use; ``None`` with FP8 off)."""
+        if self.fp8 and self._recipe is None:
+            self._recipe = build_recipe(self.recipe_name, **self._recipe_kwargs)
+        return self._recipe if self.fp8 else None
+
+    def _te(self) -> Any:
+        try:
+            return importlib.import_module("transformer_engine.pytorch")
+        except ImportError as err:
+            raise TECapabilityError(
+                f"--model_impl {self.model_impl} needs Transformer Engine (import failed: {err}); "
+                "use the NGC container (0.transformer-engine.dockerfile) or --model_impl hf"
+            ) from err
+
+    def capability_check(self) -> None:
+        """Raise :class:`TECapabilityError` naming what is missing (GPU, CUDA, TE release).
+
+        The GPU is read from torch when CUDA is visible; TE's own availability check for the
+        recipe is consulted as well, so a TE build lacking a kernel is caught before training.
+        """
+        te = self._te()
+        key = self.recipe_name if self.fp8 else "bf16"
+        sm = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+        version = _te_version(te)
+        problem = capability_problem(
+            key,
+            sm=sm,
+            cuda_version=torch.version.cuda,
+            te_version=version,
+            fp8_weights=self.fp8_weights,
+        )
+        if problem and sm is None and "no CUDA GPU" in problem:
+            problem = None  # TE itself decides below (it knows its device; CPU builds have none)
+        if problem:
+            raise TECapabilityError(problem)
+        if not self.fp8:
+            return
+        check = {
+            "mxfp8": "is_mxfp8_available",
+            "block": "is_fp8_block_scaling_available",
+        }.get(self.recipe_name, "is_fp8_available")
+        available, reason = getattr(te, check)(return_reason=True)
+        if not available:
+            raise TECapabilityError(
+                f"--fp8_recipe {self.recipe_name} needs {REQUIREMENTS[self.recipe_name].hardware}: "
+                f"Transformer Engine reports: {reason}"
+            )
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """Check the model really runs on TE modules and remember it (for micro-batch flags).
+
+        The TE model is built by ``te_llama.build_te_llama``; nothing is swapped here.
+        """
+        if not _has_te_modules(model):
+            raise ValueError(
+                "the TE precision backend needs a TE model (--model_impl te or te_linear); "
+                "use the torchao backend for --model_impl hf"
+            )
+        self._model = model
+        return model
+
+    @contextlib.contextmanager
+    def autocast(self, is_first_microbatch: bool | None = None) -> Iterator[None]:
+        """Wrap the forward (not backward/optimizer): BF16 activations, FP8 GEMMs if enabled.
+
+        ``is_first_microbatch``: True on the first micro-batch of an optimizer step, False on
+        the following ones (TE reuses the FP8 weights it cast on the first), None outside
+        training. One TE module must not run twice inside one autocast (amax reduction).
+        """
+        from te_llama import set_is_first_microbatch
+
+        te = self._te()
+        if self._model is not None:
+            set_is_first_microbatch(self._model, is_first_microbatch)
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        with contextlib.ExitStack() as stack:
+            if self.bf16:
+                stack.enter_context(torch.autocast(device_type=device_type, dtype=torch.bfloat16))
+            if self.fp8:
+                if hasattr(te, "autocast"):
+                    stack.enter_context(
+                        te.autocast(
+                            enabled=True,
+                            recipe=self.recipe,
+                            amax_reduction_group=self.dp_group,
+                        )
+                    )
+                else:  # TE < 2.9
+                    stack.enter_context(
+                        te.fp8_autocast(
+                            enabled=True, fp8_recipe=self.recipe, fp8_group=self.dp_group
+                        )
+                    )
+            yield
+
+    def after_optimizer_step(self, model: nn.Module) -> None:
+        """Nothing to do: TE updates FP8 scales when the autocast region exits, and FP8 weights
+        are re-cast on the next ``is_first_microbatch=True`` forward."""
+
+    def describe(self) -> str:
+        """The startup log line: implementation, precision, recipe and its options."""
+        activations = "BF16" if self.bf16 else "FP32"
+        if not self.fp8:
+            return (
+                f"model_impl={self.model_impl} precision=TE {activations} "
+                "(fp8 off, same TE modules)"
+            )
+        options = ", ".join(f"{k}={v}" for k, v in self._recipe_kwargs.items())
+        group = "default group" if self.dp_group is None else "data-parallel group"
+        weights = "FP8 (fp8_model_init)" if self.fp8_weights else "high precision"
+        return (
+            f"model_impl={self.model_impl} precision=TE FP8 recipe={self.recipe_name} "
+            f"({TE_RECIPES[self.recipe_name]}: {options}); activations {activations}; "
+            f"weights {weights}; amax reduction over the {group}"
+        )

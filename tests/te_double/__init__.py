@@ -1,0 +1,54 @@
+"""The TE test double: a pure-PyTorch stand-in for the Transformer Engine API the project uses.
+
+``site/`` holds a ``transformer_engine`` package (the double) and ``reference.py`` the math it
+computes with. Nothing in the product imports this; tests put it on the import path:
+
+* in-process: the ``te_double`` fixture (tests/conftest or the test module) calls
+  :func:`install` / :func:`uninstall`, which put ``site`` on ``sys.path`` and purge
+  ``transformer_engine*`` from ``sys.modules`` afterwards;
+* subprocesses (``train.py --model_impl te`` under torchrun): pass :func:`subprocess_env`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+SITE_DIR = Path(__file__).resolve().parent / "site"
+TESTS_DIR = Path(__file__).resolve().parent.parent
+
+
+def pythonpath_entries() -> list[str]:
+    """Paths that make ``import transformer_engine`` resolve to the double."""
+    return [str(SITE_DIR), str(TESTS_DIR)]
+
+
+def subprocess_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A copy of ``base`` (default ``os.environ``) whose PYTHONPATH puts the double first."""
+    env = dict(os.environ if base is None else base)
+    parts = pythonpath_entries() + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    env["PYTHONPATH"] = os.pathsep.join(parts)
+    return env
+
+
+def _purge() -> None:
+    for name in list(sys.modules):
+        if name == "transformer_engine" or name.startswith("transformer_engine."):
+            del sys.modules[name]
+
+
+def install() -> None:
+    """Make ``import transformer_engine`` load the double in this process."""
+    _purge()
+    for entry in reversed(pythonpath_entries()):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (the double's modules and its path entry)."""
+    _purge()
+    if str(SITE_DIR) in sys.path:
+        sys.path.remove(str(SITE_DIR))

@@ -1,0 +1,769 @@
+"""TEST DOUBLE of ``transformer_engine.pytorch`` (TE 2.20.2 API subset), pure PyTorch on CPU.
+
+What it models, so tests exercise real behaviour rather than a stub:
+
+* ``TransformerLayer`` / ``Linear`` with TE's parameter names, ``_extra_state`` entries,
+  ``reset_parameters(defer_init)``, meta-device construction, TE's dtype rule (inputs must
+  match parameter dtype outside ``torch.autocast``) and TE's FP8 GEMM shape assertion.
+  The math is ``tests/te_double/reference.py``.
+* FP8 emulation inside ``autocast``: GEMM operands are rounded through torch's float8 dtypes
+  (E4M3 forward; E5M2 gradients with ``Format.HYBRID``) with per-tensor current scaling,
+  1x128 blocks (``Float8BlockScaling``), 32-element power-of-two blocks (``MXFP8BlockScaling``)
+  or delayed scaling from an amax history that is all-reduced (MAX) over the
+  ``amax_reduction_group`` at autocast exit, and saved in ``_extra_state``.
+* ``is_first_microbatch`` caches the quantized weights; ``checkpoint`` replays the forward's
+  FP8 state during recompute; ``quantized_model_init`` rounds weights to FP8 at init (values
+  only: parameters stay ordinary tensors).
+
+The emulated device is an H100 (SM 9.0, CUDA 12.9); set ``TE_DOUBLE_SM=10.0`` to emulate a
+Blackwell (MXFP8) or ``8.0`` for an A100 (no FP8).
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import os
+import pickle
+import warnings
+from collections.abc import Callable
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from te_double import reference
+from torch import nn
+
+from transformer_engine.common import recipe as _recipe
+from transformer_engine.pytorch import distributed
+from transformer_engine.pytorch.distributed import checkpoint
+
+__all__ = [
+    "Linear",
+    "TransformerLayer",
+    "autocast",
+    "checkpoint",
+    "distributed",
+    "fp8_autocast",
+    "fp8_model_init",
+    "get_device_compute_capability",
+    "is_fp8_available",
+    "is_fp8_block_scaling_available",
+    "is_mxfp8_available",
+    "quantized_model_init",
+]
+
+_FP8_DTYPES = {"E4M3": torch.float8_e4m3fn, "E5M2": torch.float8_e5m2}
+_BLOCK = {"block": 128, "mxfp8": 32}
+
+
+# ---------------------------------------------------------------------------------------------
+# Emulated device and availability checks.
+# ---------------------------------------------------------------------------------------------
+
+
+def get_device_compute_capability() -> tuple[int, int]:
+    """The emulated GPU's SM version (``TE_DOUBLE_SM``, default 9.0)."""
+    major, minor = os.environ.get("TE_DOUBLE_SM", "9.0").split(".")
+    return int(major), int(minor)
+
+
+def _answer(ok: bool, reason: str, return_reason: bool) -> bool | tuple[bool, str]:
+    return (ok, "" if ok else reason) if return_reason else ok
+
+
+def is_fp8_available(return_reason: bool = False) -> bool | tuple[bool, str]:
+    ok = get_device_compute_capability() >= (8, 9)
+    reason = "Device compute capability 8.9 or higher required for FP8 execution."
+    return _answer(ok, reason, return_reason)
+
+
+def is_mxfp8_available(return_reason: bool = False) -> bool | tuple[bool, str]:
+    ok = (10, 0) <= get_device_compute_capability() < (12, 0)
+    reason = "Device compute capability 10.0 or higher required for MXFP8 execution."
+    return _answer(ok, reason, return_reason)
+
+
+def is_fp8_block_scaling_available(return_reason: bool = False) -> bool | tuple[bool, str]:
+    ok = get_device_compute_capability() >= (9, 0)
+    reason = "FP8 block scaled GEMM requires compute capability 9.0 or higher and CUDA >= 12.9."
+    return _answer(ok, reason, return_reason)
+
+
+def _check_recipe_support(fp8_recipe: Any) -> None:
+    kind = _recipe.recipe_kind(fp8_recipe)
+    check = {
+        "mxfp8": is_mxfp8_available,
+        "block": is_fp8_block_scaling_available,
+    }.get(kind, is_fp8_available)
+    ok, reason = check(return_reason=True)
+    if not ok:
+        raise RuntimeError(reason)
+
+
+# ---------------------------------------------------------------------------------------------
+# Global FP8 state (what TE's FP8GlobalStateManager tracks).
+# ---------------------------------------------------------------------------------------------
+
+
+class _State:
+    def __init__(self) -> None:
+        self.enabled = False
+        self.recipe: Any = None
+        self.group: Any = None
+        self.recompute = False
+        self.region: list[_TEModule] = []
+        self.model_init_fp8 = False
+        self.model_init_recipe: Any = None
+
+
+_STATE = _State()
+
+
+class autocast:
+    """Context manager enabling (emulated) FP8 GEMMs in TE modules run inside it."""
+
+    def __init__(
+        self,
+        enabled: bool = True,
+        calibrating: bool = False,
+        recipe: _recipe.Recipe | None = None,
+        amax_reduction_group: Any = None,
+        _graph: bool = False,
+    ) -> None:
+        self._enabled = enabled
+        self._recipe = recipe
+        self._group = amax_reduction_group
+        self._saved: tuple | None = None
+
+    def __enter__(self) -> autocast:
+        if self._saved is not None:
+            raise RuntimeError("autocast context manager cannot be entered more than once")
+        fp8_recipe = self._recipe if self._recipe is not None else _recipe.DelayedScaling()
+        if self._enabled:
+            _check_recipe_support(fp8_recipe)
+        self._saved = (_STATE.enabled, _STATE.recipe, _STATE.group, _STATE.region)
+        _STATE.enabled, _STATE.recipe, _STATE.group = self._enabled, fp8_recipe, self._group
+        _STATE.region = []
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            if self._enabled:
+                _update_delayed_scaling(_STATE.region, _STATE.recipe, _STATE.group)
+        finally:
+            _STATE.enabled, _STATE.recipe, _STATE.group, _STATE.region = self._saved
+            self._saved = None
+
+
+def fp8_autocast(
+    enabled: bool = True,
+    calibrating: bool = False,
+    fp8_recipe: _recipe.Recipe | None = None,
+    fp8_group: Any = None,
+    _graph: bool = False,
+) -> autocast:
+    warnings.warn("fp8_autocast is deprecated; use autocast", DeprecationWarning, stacklevel=2)
+    return autocast(
+        enabled=enabled,
+        calibrating=calibrating,
+        recipe=fp8_recipe,
+        amax_reduction_group=fp8_group,
+        _graph=_graph,
+    )
+
+
+@contextmanager
+def quantized_model_init(
+    enabled: bool = True,
+    recipe: _recipe.Recipe | None = None,
+    preserve_high_precision_init_val: bool = False,
+):
+    saved = (_STATE.model_init_fp8, _STATE.model_init_recipe)
+    _STATE.model_init_fp8 = enabled
+    _STATE.model_init_recipe = recipe if recipe is not None else _recipe.DelayedScaling()
+    try:
+        yield
+    finally:
+        _STATE.model_init_fp8, _STATE.model_init_recipe = saved
+
+
+@contextmanager
+def fp8_model_init(
+    enabled: bool = True,
+    recipe: _recipe.Recipe | None = None,
+    preserve_high_precision_init_val: bool = False,
+):
+    warnings.warn("fp8_model_init is deprecated", DeprecationWarning, stacklevel=2)
+    with quantized_model_init(
+        enabled=enabled,
+        recipe=recipe,
+        preserve_high_precision_init_val=preserve_high_precision_init_val,
+    ):
+        yield
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 emulation.
+# ---------------------------------------------------------------------------------------------
+
+
+def _formats(fp8_recipe: Any) -> tuple[str, str]:
+    fmt = fp8_recipe.fp8_format.name
+    return ("E4M3", "E5M2") if fmt == "HYBRID" else (fmt, fmt)
+
+
+def _round_fp8(x: torch.Tensor, fmt: str, scale: torch.Tensor) -> torch.Tensor:
+    fp8_max = torch.finfo(_FP8_DTYPES[fmt]).max
+    scaled = (x.float() * scale).clamp(-fp8_max, fp8_max)
+    return (scaled.to(_FP8_DTYPES[fmt]).float() / scale).to(x.dtype)
+
+
+def _current_scale(amax: torch.Tensor, fmt: str, power_of_two: bool) -> torch.Tensor:
+    fp8_max = torch.finfo(_FP8_DTYPES[fmt]).max
+    scale = torch.where(amax > 0, fp8_max / amax.clamp_min(1e-30), torch.ones_like(amax))
+    return torch.exp2(torch.floor(torch.log2(scale))) if power_of_two else scale
+
+
+def fake_quantize(x: torch.Tensor, fmt: str, kind: str, scale: torch.Tensor | None = None):
+    """Round ``x`` through FP8 ``fmt``; returns ``(rounded, amax)``.
+
+    ``kind``: ``tensor`` (current per-tensor scale), ``delayed`` (given ``scale``), ``block``
+    (1x128 blocks along the last dim) or ``mxfp8`` (1x32 blocks, power-of-two scales).
+    """
+    amax = x.detach().abs().amax().float()
+    if kind == "delayed":
+        return _round_fp8(x, fmt, scale), amax
+    if kind == "tensor":
+        return _round_fp8(x, fmt, _current_scale(amax, fmt, power_of_two=False)), amax
+    block = _BLOCK[kind]
+    if x.shape[-1] % block:
+        raise ValueError(
+            f"{kind} scaling needs the last dim divisible by {block}: {tuple(x.shape)}"
+        )
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    block_amax = blocks.detach().abs().amax(-1, keepdim=True).float()
+    scale = _current_scale(block_amax, fmt, power_of_two=True)
+    return _round_fp8(blocks, fmt, scale).reshape(x.shape), amax
+
+
+def _assert_dim_for_fp8_exec(*tensors: torch.Tensor) -> None:
+    """TE's rule: leading dims' product divisible by 8, last dim by 16."""
+    for tensor in tensors:
+        lead = tensor.numel() // tensor.shape[-1]
+        if lead % 8 != 0 or tensor.shape[-1] % 16 != 0:
+            raise ValueError(
+                "FP8 execution requires the product of all dimensions except the last to be"
+                " divisible by 8 and the last dimension to be divisible by 16, but got tensor"
+                f" with dims={list(tensor.size())}"
+            )
+
+
+class _Fp8Gemm(torch.autograd.Function):
+    """``y = q(x) @ q(w).T``; backward quantizes the incoming gradient (E5M2 under HYBRID)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, weight_q, module, index):  # noqa: D102
+        x_q = module._quantize(x, index, role="input")
+        ctx.save_for_backward(x_q, weight_q)
+        ctx.module, ctx.index, ctx.weight_dtype = module, index, weight.dtype
+        return x_q @ weight_q.t()
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: D102
+        x_q, weight_q = ctx.saved_tensors
+        g_q = ctx.module._quantize(grad_out, ctx.index, role="grad")
+        grad_x = g_q @ weight_q
+        grad_w = (g_q.t() @ x_q).to(ctx.weight_dtype)
+        return grad_x, grad_w, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Modules.
+# ---------------------------------------------------------------------------------------------
+
+
+def _resolve_device(device: torch.device | str) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return torch.device("cpu")  # the double's "GPU" is the CPU
+    return device
+
+
+def _refuse_unsupported(func: Callable, values: dict[str, Any], supported: set[str]) -> None:
+    """Raise for any argument the double does not model that differs from TE's default."""
+    for name, param in inspect.signature(func).parameters.items():
+        if name in supported or name == "self" or param.default is inspect.Parameter.empty:
+            continue
+        if values.get(name, param.default) != param.default:
+            raise NotImplementedError(f"the TE test double does not model {name}={values[name]!r}")
+
+
+class _TEModule(nn.Module):
+    """Shared by the double's TE modules: init metadata, FP8 bookkeeping, extra state."""
+
+    def __init__(self, num_gemms: int) -> None:
+        super().__init__()
+        self.param_init_meta: dict[str, Callable] = {}
+        self.num_gemms = num_gemms
+        self.primary_weights_in_fp8 = _STATE.model_init_fp8
+        self._init_recipe = _STATE.model_init_recipe
+        self.fp8_meta: dict[str, Any] = {"recipe": None}
+        self._weight_cache: dict[int, torch.Tensor] = {}
+
+    def _register(self, name: str, tensor: torch.Tensor, init_fn: Callable) -> None:
+        self.register_parameter(name, nn.Parameter(tensor))
+        self.param_init_meta[name] = init_fn
+
+    @torch.no_grad()
+    def reset_parameters(self, defer_init: bool | None = False) -> None:
+        if defer_init:
+            return
+        from torch.distributed.tensor import DTensor
+
+        for name, param in self.named_parameters(recurse=False):
+            original = param._local_tensor if isinstance(param, DTensor) else param
+            local = original
+            if local.device.type == "meta":
+                local = torch.empty_like(original, device=_resolve_device("cuda"))
+            self.param_init_meta[name](local)
+            if self.primary_weights_in_fp8 and name.endswith("weight") and "norm" not in name:
+                fmt = _formats(self._init_recipe)[0]
+                local.copy_(fake_quantize(local, fmt, "tensor")[0])
+            if local is original:
+                continue
+            if isinstance(param, DTensor):
+                local = DTensor.from_local(
+                    local,
+                    device_mesh=param.device_mesh,
+                    placements=param.placements,
+                    shape=param.size(),
+                    stride=param.stride(),
+                )
+            setattr(self, name, nn.Parameter(local))
+
+    # -- FP8 state ---------------------------------------------------------------------------
+
+    def _ensure_meta(self, fp8_recipe: Any) -> None:
+        meta = self.fp8_meta
+        if meta["recipe"] is not None and type(meta["recipe"]) is type(fp8_recipe):
+            return
+        meta["recipe"] = fp8_recipe
+        if fp8_recipe.scaling == "delayed":
+            n, length = self.num_gemms, fp8_recipe.amax_history_len
+            meta["scale_fwd"] = torch.ones(2 * n)
+            meta["scale_bwd"] = torch.ones(n)
+            meta["amax_history_fwd"] = torch.zeros(length, 2 * n)
+            meta["amax_history_bwd"] = torch.zeros(length, n)
+        meta["amax_now_fwd"] = torch.zeros(2 * n if fp8_recipe.scaling == "delayed" else 0)
+        meta["amax_now_bwd"] = torch.zeros(n if fp8_recipe.scaling == "delayed" else 0)
+
+    def _quantize(self, x: torch.Tensor, index: int, role: str) -> torch.Tensor:
+        fp8_recipe = self.fp8_meta["recipe"]
+        fwd_fmt, bwd_fmt = _formats(fp8_recipe)
+        kind = fp8_recipe.scaling
+        if kind != "delayed":
+            return fake_quantize(x, bwd_fmt if role == "grad" else fwd_fmt, kind)[0]
+        direction = "bwd" if role == "grad" else "fwd"
+        slot = index if role == "grad" else 2 * index + (role == "weight")
+        scale = self.fp8_meta[f"scale_{direction}"][slot]
+        x_q, amax = fake_quantize(x, bwd_fmt if role == "grad" else fwd_fmt, "delayed", scale)
+        if not _STATE.recompute:
+            now = self.fp8_meta[f"amax_now_{direction}"]
+            now[slot] = torch.maximum(now[slot], amax)
+        return x_q
+
+    def _gemm(
+        self, x: torch.Tensor, weight: torch.Tensor, index: int, is_first_microbatch: bool | None
+    ) -> torch.Tensor:
+        """``x @ weight.T`` under TE's dtype rule and, inside autocast, emulated FP8."""
+        if not _STATE.enabled:
+            return F.linear(x, weight)
+        _assert_dim_for_fp8_exec(x, weight)
+        self._ensure_meta(_STATE.recipe)
+        if not _STATE.recompute and self not in _STATE.region:
+            _STATE.region.append(self)
+        if is_first_microbatch is False and index in self._weight_cache:
+            weight_q = self._weight_cache[index]
+        else:
+            weight_q = self._quantize(weight.detach(), index, role="weight")
+            if is_first_microbatch is not None:
+                self._weight_cache[index] = weight_q
+        x2d = x.reshape(-1, x.shape[-1])
+        out = _Fp8Gemm.apply(x2d, weight, weight_q, self, index)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    def get_extra_state(self) -> torch.Tensor:
+        meta = self.fp8_meta
+        if meta["recipe"] is None or meta["recipe"].scaling != "delayed":
+            return torch.empty(0, dtype=torch.uint8)
+        state = {
+            "recipe": meta["recipe"],
+            **{k: meta[k].clone() for k in ("scale_fwd", "scale_bwd")},
+            **{k: meta[k].clone() for k in ("amax_history_fwd", "amax_history_bwd")},
+        }
+        buffer = io.BytesIO()
+        pickle.dump(state, buffer)
+        return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+    def set_extra_state(self, state: torch.Tensor | None) -> None:
+        if state is None or state.numel() == 0:
+            return
+        loaded = pickle.loads(state.detach().cpu().numpy().tobytes())
+        self.fp8_meta["recipe"] = None
+        self._ensure_meta(loaded["recipe"])
+        for key in ("scale_fwd", "scale_bwd", "amax_history_fwd", "amax_history_bwd"):
+            self.fp8_meta[key] = loaded[key].clone()
+
+
+def _update_delayed_scaling(modules: list[_TEModule], fp8_recipe: Any, group: Any) -> None:
+    """TE's end-of-autocast step: reduce amaxes over the group, roll histories, new scales."""
+    if fp8_recipe is None or fp8_recipe.scaling != "delayed" or not modules:
+        return
+    pieces = [m.fp8_meta[f"amax_now_{d}"] for m in modules for d in ("fwd", "bwd")]
+    flat = torch.cat(pieces)
+    if (
+        fp8_recipe.reduce_amax
+        and torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+    ):
+        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX, group=group)
+    fwd_fmt, bwd_fmt = _formats(fp8_recipe)
+    offset = 0
+    for module in modules:
+        for direction, fmt in (("fwd", fwd_fmt), ("bwd", bwd_fmt)):
+            meta = module.fp8_meta
+            size = meta[f"amax_now_{direction}"].numel()
+            amax_now = flat[offset : offset + size]
+            offset += size
+            history = torch.roll(meta[f"amax_history_{direction}"], 1, dims=0)
+            history[0] = amax_now
+            meta[f"amax_history_{direction}"] = history
+            amax = history[0] if fp8_recipe.amax_compute_algo == "most_recent" else history.amax(0)
+            fp8_max = torch.finfo(_FP8_DTYPES[fmt]).max
+            new_scale = fp8_max / amax.clamp_min(1e-30) / 2**fp8_recipe.margin
+            meta[f"scale_{direction}"] = torch.where(
+                amax > 0, new_scale, meta[f"scale_{direction}"]
+            )
+            meta[f"amax_now_{direction}"] = torch.zeros_like(amax_now)
+
+
+def _activation_dtype(x: torch.Tensor, params: list[torch.Tensor]) -> torch.dtype:
+    """TE's rule: cast to the ``torch.autocast`` dtype, else all dtypes must already agree."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    for param in params:
+        if param.dtype != x.dtype:
+            raise TypeError(
+                "Data types for parameters must match when outside of autocasted region. "
+                f"Found input dtype: {x.dtype} and parameter dtype: {param.dtype}"
+            )
+    return x.dtype
+
+
+class Linear(_TEModule):
+    """``y = x @ weight.T (+ bias)``, parameters ``weight`` (and ``bias``)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        sequence_parallel: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        tp_group: Any = None,
+        tp_size: int = 1,
+        get_rng_state_tracker: Callable | None = None,
+        rng_tracker_name: str | None = None,
+        init_method: Callable | None = None,
+        bias: bool = True,
+        return_bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        parallel_mode: str | None = None,
+        parameters_split: tuple[str, ...] | dict[str, int] | None = None,
+        device: torch.device | str = "cuda",
+        ub_overlap_ag: bool = False,
+        ub_overlap_rs: bool = False,
+        ub_overlap_rs_dgrad: bool = False,
+        ub_bulk_dgrad: bool = False,
+        ub_bulk_wgrad: bool = False,
+        ub_name: str | None = None,
+        delay_wgrad_compute: bool = False,
+        symmetric_ar_type: str | None = None,
+        save_original_input: bool = False,
+        name: str | None = None,
+    ) -> None:
+        _refuse_unsupported(
+            Linear.__init__,
+            locals(),
+            {"in_features", "out_features", "init_method", "bias", "params_dtype", "device", "name"}
+            | {"get_rng_state_tracker", "rng_tracker_name", "ub_name"},
+        )
+        super().__init__(num_gemms=1)
+        dtype = params_dtype or torch.get_default_dtype()
+        dev = _resolve_device(device)
+        init = init_method or (lambda t: nn.init.normal_(t, 0.0, 0.023))
+        self.in_features, self.out_features = in_features, out_features
+        self._register(
+            "weight", torch.empty(out_features, in_features, dtype=dtype, device=dev), init
+        )
+        if bias:
+            self._register(
+                "bias", torch.empty(out_features, dtype=dtype, device=dev), nn.init.zeros_
+            )
+        else:
+            self.bias = None
+        self.reset_parameters(defer_init=dev.type == "meta")
+
+    def forward(
+        self,
+        inp: torch.Tensor,
+        is_first_microbatch: bool | None = None,
+        fp8_output: bool | None = False,
+        fp8_grad: bool | None = False,
+    ) -> torch.Tensor:
+        params = [self.weight] + ([self.bias] if self.bias is not None else [])
+        dtype = _activation_dtype(inp, params)
+        out = self._gemm(inp.to(dtype), self.weight.to(dtype), 0, is_first_microbatch)
+        return out if self.bias is None else out + self.bias.to(dtype)
+
+
+class _LayerNormLinear(_TEModule):
+    """RMSNorm + fused QKV projection: ``layer_norm_weight`` and one ``weight``."""
+
+    def __init__(self, hidden: int, out: int, dtype, device, init: Callable) -> None:
+        super().__init__(num_gemms=1)
+        self._register(
+            "layer_norm_weight", torch.empty(hidden, dtype=dtype, device=device), nn.init.ones_
+        )
+        self._register("weight", torch.empty(out, hidden, dtype=dtype, device=device), init)
+        self.reset_parameters(defer_init=device.type == "meta")
+
+
+class _DotProductAttention(_TEModule):
+    """No parameters; present for its ``_extra_state`` entry like TE's."""
+
+    def __init__(self) -> None:
+        super().__init__(num_gemms=0)
+
+
+class _MultiheadAttention(nn.Module):
+    def __init__(
+        self, hidden: int, q_rows: int, kv_rows: int, dtype, device, init, out_init
+    ) -> None:
+        super().__init__()
+        self.layernorm_qkv = _LayerNormLinear(hidden, q_rows + 2 * kv_rows, dtype, device, init)
+        self.core_attention = _DotProductAttention()
+        self.proj = Linear(
+            q_rows, hidden, bias=False, init_method=out_init, params_dtype=dtype, device=device
+        )
+
+
+class _LayerNormMLP(_TEModule):
+    """RMSNorm + SwiGLU MLP: ``layer_norm_weight``, ``fc1_weight`` ([gate; up]), ``fc2_weight``."""
+
+    def __init__(self, hidden: int, ffn: int, dtype, device, init, out_init) -> None:
+        super().__init__(num_gemms=2)
+        self._register(
+            "layer_norm_weight", torch.empty(hidden, dtype=dtype, device=device), nn.init.ones_
+        )
+        self._register("fc1_weight", torch.empty(2 * ffn, hidden, dtype=dtype, device=device), init)
+        self._register("fc2_weight", torch.empty(hidden, ffn, dtype=dtype, device=device), out_init)
+        self.reset_parameters(defer_init=device.type == "meta")
+
+
+_LAYER_SUPPORTED = {
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_gqa_groups",
+    "layernorm_epsilon",
+    "hidden_dropout",
+    "attention_dropout",
+    "init_method",
+    "output_layer_init_method",
+    "layer_number",
+    "kv_channels",
+    "self_attn_mask_type",
+    "params_dtype",
+    "get_rng_state_tracker",
+    "seq_length",
+    "micro_batch_size",
+    "fuse_qkv_params",
+    "qkv_weight_interleaved",
+    "bias",
+    "activation",
+    "normalization",
+    "device",
+    "attn_input_format",
+    "name",
+}
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm decoder layer; computes ``reference.transformer_layer``."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_attention_heads: int,
+        num_gqa_groups: int | None = None,
+        layernorm_epsilon: float = 1e-5,
+        hidden_dropout: float = 0.1,
+        attention_dropout: float = 0.1,
+        init_method: Callable | None = None,
+        output_layer_init_method: Callable | None = None,
+        layer_number: int | None = None,
+        kv_channels: int | None = None,
+        self_attn_mask_type: str = "causal",
+        window_size: tuple[int, int] | None = None,
+        bottom_right_diagonal: bool | None = None,
+        softcap: float = 0.0,
+        enc_dec_attn_mask_type: str = "no_mask",
+        enc_dec_bottom_right_diagonal: bool | None = None,
+        enc_dec_window_size: tuple[int, int] | None = None,
+        tp_group: Any = None,
+        tp_size: int = 1,
+        params_dtype: torch.dtype | None = None,
+        get_rng_state_tracker: Callable | None = None,
+        fuse_wgrad_accumulation: bool = False,
+        seq_length: int | None = None,
+        micro_batch_size: int | None = None,
+        sequence_parallel: bool = False,
+        apply_residual_connection_post_layernorm: bool = False,
+        output_layernorm: bool = False,
+        parallel_attention_mlp: bool = False,
+        layer_type: str = "encoder",
+        drop_path_rate: float = 0.0,
+        set_parallel_mode: bool = False,
+        fuse_qkv_params: bool = False,
+        rotary_pos_interleaved: bool = False,
+        zero_centered_gamma: bool = False,
+        qkv_weight_interleaved: bool = True,
+        ub_tp_comm_overlap: bool = False,
+        ub_overlap_ag: bool = True,
+        ub_overlap_rs: bool = True,
+        ub_overlap_rs_dgrad: bool = False,
+        ub_bulk_dgrad: bool = True,
+        ub_bulk_wgrad: bool = True,
+        bias: bool = True,
+        activation: str = "gelu",
+        activation_params: dict | None = None,
+        normalization: str = "LayerNorm",
+        device: torch.device | str = "cuda",
+        attn_input_format: str = "sbhd",
+        name: str | None = None,
+        qk_norm_type: str | None = None,
+        qk_norm_eps: float = 1e-6,
+        qk_norm_before_rope: bool = False,
+        softmax_type: str = "vanilla",
+    ) -> None:
+        _refuse_unsupported(TransformerLayer.__init__, locals(), _LAYER_SUPPORTED)
+        modelled = {
+            "bias": (bias, False),
+            "activation": (activation, "swiglu"),
+            "normalization": (normalization, "RMSNorm"),
+            "attn_input_format": (attn_input_format, "bshd"),
+            "fuse_qkv_params": (fuse_qkv_params, True),
+            "qkv_weight_interleaved": (qkv_weight_interleaved, False),
+        }
+        for arg, (value, wanted) in modelled.items():
+            if value != wanted:
+                raise NotImplementedError(f"the TE test double models only {arg}={wanted!r}")
+        super().__init__()
+        dtype = params_dtype or torch.get_default_dtype()
+        dev = _resolve_device(device)
+        default_init = lambda t: nn.init.normal_(t, 0.0, 0.023)  # noqa: E731  (TE's default)
+        init = init_method or default_init
+        out_init = output_layer_init_method or default_init
+        self.num_heads = num_attention_heads
+        self.num_groups = num_gqa_groups or num_attention_heads
+        self.head_dim = kv_channels or hidden_size // num_attention_heads
+        self.eps = layernorm_epsilon
+        self.hidden_dropout, self.attention_dropout = hidden_dropout, attention_dropout
+        self.self_attn_mask_type = self_attn_mask_type
+        q_rows, kv_rows = self.num_heads * self.head_dim, self.num_groups * self.head_dim
+        self.self_attention = _MultiheadAttention(
+            hidden_size, q_rows, kv_rows, dtype, dev, init, out_init
+        )
+        self.layernorm_mlp = _LayerNormMLP(hidden_size, ffn_hidden_size, dtype, dev, init, out_init)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        self_attn_mask_type: str | None = None,
+        window_size: tuple[int, int] | None = None,
+        bottom_right_diagonal: bool | None = None,
+        encoder_output: torch.Tensor | None = None,
+        enc_dec_attn_mask: Any = None,
+        enc_dec_attn_mask_type: str | None = None,
+        enc_dec_window_size: tuple[int, int] | None = None,
+        enc_dec_bottom_right_diagonal: bool | None = None,
+        is_first_microbatch: bool | None = None,
+        checkpoint_core_attention: bool = False,
+        inference_params: Any = None,
+        rotary_pos_emb: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+        core_attention_bias_type: str = "no_bias",
+        core_attention_bias: torch.Tensor | None = None,
+        alibi_slopes: torch.Tensor | None = None,
+        cu_seqlens_q: torch.Tensor | None = None,
+        cu_seqlens_kv: torch.Tensor | None = None,
+        cu_seqlens_q_padded: torch.Tensor | None = None,
+        cu_seqlens_kv_padded: torch.Tensor | None = None,
+        max_seqlen_q: int | None = None,
+        max_seqlen_kv: int | None = None,
+        fast_zero_fill: bool = True,
+        pad_between_seqs: bool | None = None,
+        thd_attention_policies: list[dict[str, Any]] | None = None,
+        thd_attention_policy_dispatch: str = "auto",
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        _refuse_unsupported(
+            TransformerLayer.forward,
+            locals(),
+            {"hidden_states", "attention_mask", "self_attn_mask_type", "is_first_microbatch"}
+            | {"rotary_pos_emb", "checkpoint_core_attention"},
+        )
+        mask_type = self_attn_mask_type or self.self_attn_mask_type
+        if mask_type in ("padding", "arbitrary", "padding_causal") and attention_mask is not None:
+            if attention_mask.dtype != torch.bool:
+                raise TypeError("Attention mask must be a boolean tensor")
+        attn, mlp = self.self_attention, self.layernorm_mlp
+        qkv, proj = attn.layernorm_qkv, attn.proj
+        tensors = {
+            "self_attention.layernorm_qkv.layer_norm_weight": qkv.layer_norm_weight,
+            "self_attention.layernorm_qkv.weight": qkv.weight,
+            "self_attention.proj.weight": proj.weight,
+            "layernorm_mlp.layer_norm_weight": mlp.layer_norm_weight,
+            "layernorm_mlp.fc1_weight": mlp.fc1_weight,
+            "layernorm_mlp.fc2_weight": mlp.fc2_weight,
+        }
+        dtype = _activation_dtype(hidden_states, list(tensors.values()))
+        weights = {k: v.to(dtype) for k, v in tensors.items()}
+        gemms = {"qkv": (qkv, 0), "proj": (proj, 0), "fc1": (mlp, 0), "fc2": (mlp, 1)}
+
+        def linear(x: torch.Tensor, weight: torch.Tensor, which: str) -> torch.Tensor:
+            module, index = gemms[which]
+            return module._gemm(x, weight, index, is_first_microbatch)
+
+        if isinstance(rotary_pos_emb, tuple):
+            rotary_pos_emb = rotary_pos_emb[0]
+        if rotary_pos_emb is not None and rotary_pos_emb.shape[0] < hidden_states.shape[1]:
+            raise ValueError("rotary_pos_emb covers fewer positions than the sequence")
+        return reference.transformer_layer(
+            hidden_states.to(dtype),
+            weights,
+            num_heads=self.num_heads,
+            num_groups=self.num_groups,
+            head_dim=self.head_dim,
+            eps=self.eps,
+            rotary_pos_emb=rotary_pos_emb,
+            mask_type=mask_type,
+            attention_mask=attention_mask,
+            linear=linear,
+            attention_dropout=self.attention_dropout,
+            hidden_dropout=self.hidden_dropout,
+            training=self.training,
+        )
