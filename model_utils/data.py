@@ -436,22 +436,17 @@ class TrainStream:
         }
         return {f"rank{self.rank}": state}
 
-    def load_state_dict(
-        self, state: dict[str, dict[str, Any]], *, reshard_ok: bool = False
-    ) -> None:
+    def load_state_dict(self, state: dict[str, dict[str, Any]]) -> None:
         """Resume at a saved position; the next batch is the one the saved run would have yielded.
 
-        A position saved with another world size cannot be mapped onto this run's shards: that is
-        an error, or with `reshard_ok=True` the stream starts the next epoch instead (no document
-        of the interrupted epoch is repeated twice in a row, the rest of it is skipped).
+        Only a state saved by the same rank of a run with the same world size, dataset, seed and
+        block sizes fits; anything else is a ValueError (see `restart_after_reshard`).
         """
-        key = f"rank{self.rank}"
-        if key not in state:
-            raise ValueError(f"data stream state has no entry for {key} (has {sorted(state)})")
-        saved = state[key]
+        saved = self._own_entry(state)
         expected = {
             "dataset": self.dataset,
             "seed": self.seed,
+            "world_size": self.world_size,
             "block_docs": self.block_docs,
             "tokenize_batch": self.tokenize_batch,
         }
@@ -461,24 +456,35 @@ class TrainStream:
                     f"data stream state was saved with {name}={saved[name]!r}, "
                     f"this run has {value!r}"
                 )
-        if int(saved["world_size"]) != self.world_size:
-            if not reshard_ok:
-                raise ValueError(
-                    f"data stream state was saved with world_size={saved['world_size']}, this run "
-                    f"has {self.world_size}: its position does not map onto the new shards"
-                )
-            cursor = _Cursor(epoch=int(saved["epoch"]) + 1)
-        else:
-            cursor = _Cursor(
-                epoch=int(saved["epoch"]),
-                block=int(saved["block"]),
-                dataset_state=str(saved["dataset_state"]),
-                doc=int(saved["doc"]),
-                token=int(saved["token"]),
-            )
-        self._cursor = cursor
+        self._cursor = _Cursor(
+            epoch=int(saved["epoch"]),
+            block=int(saved["block"]),
+            dataset_state=str(saved["dataset_state"]),
+            doc=int(saved["doc"]),
+            token=int(saved["token"]),
+        )
         self.batches = int(saved["batches"])
         self._tokens = None  # rebuilt lazily from the cursor by the next _take
+
+    def restart_after_reshard(self, saved_states: list[dict[str, dict[str, Any]]]) -> None:
+        """Continue a run whose checkpoint was written by another number of ranks.
+
+        Saved positions do not map onto the new shards, so every rank starts the epoch after the
+        latest saved one (all ranks compute the same epoch): the rest of the interrupted epoch is
+        skipped rather than documents being repeated. `saved_states[r]` is what rank r saved.
+        """
+        entries = [next(iter(state.values())) for state in saved_states]
+        if not entries:
+            raise ValueError("restart_after_reshard needs at least one saved data state")
+        self._cursor = _Cursor(epoch=max(int(e["epoch"]) for e in entries) + 1)
+        self.batches = max(int(e["batches"]) for e in entries)
+        self._tokens = None
+
+    def _own_entry(self, state: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        key = f"rank{self.rank}"
+        if key not in state:
+            raise ValueError(f"data stream state has no entry for {key} (has {sorted(state)})")
+        return state[key]
 
     # -- token flow --------------------------------------------------------------------------
 

@@ -225,21 +225,26 @@ def test_state_round_trips_through_torch_dcp(tmp_path, corpus, tokenizer):
     assert all(torch.equal(next(fresh)["input_ids"], e) for e in expected)
 
 
-def test_state_from_another_world_size_is_refused_or_skips_to_next_epoch(corpus, tokenizer):
-    two_ranks = _stream(corpus, tokenizer, rank=1, world_size=2)
-    next(two_ranks)
-    saved = two_ranks.state_dict()
-    assert list(saved) == ["rank1"]  # one key per rank: DCP keeps every rank's position
+def test_state_from_another_world_size_is_refused_or_restarts_next_epoch(corpus, tokenizer):
+    saved = []
+    for rank in range(2):
+        stream = _stream(corpus, tokenizer, rank=rank, world_size=2)
+        for _ in range(5 + rank):
+            next(stream)
+        saved.append(stream.state_dict())
+    assert list(saved[1]) == ["rank1"]  # one key per rank: DCP keeps every rank's position
     single = _stream(corpus, tokenizer)
     with pytest.raises(ValueError, match="no entry for rank0"):
-        single.load_state_dict(saved)
-    other = _stream(corpus, tokenizer, rank=1, world_size=3)
+        single.load_state_dict(saved[1])
     with pytest.raises(ValueError, match="world_size=2"):
-        other.load_state_dict(saved)
-    other.load_state_dict(saved, reshard_ok=True)
-    assert other.epoch == 1 and next(other)["input_ids"].shape == (MICRO_BATCH, SEQ_LEN)
+        single.load_state_dict(saved[0])
     with pytest.raises(ValueError, match="seed=0"):
-        _stream(corpus, tokenizer, rank=1, world_size=2, seed=4).load_state_dict(saved)
+        _stream(corpus, tokenizer, rank=1, world_size=2, seed=4).load_state_dict(saved[1])
+    single.restart_after_reshard(saved)  # what the checkpoint's reshard hook calls
+    assert single.epoch == 1 and single.batches == 6
+    epoch_one = list(data.epoch_documents(corpus, epoch=1, **_block(SMALL)))
+    first = _reference_ids(tokenizer, epoch_one[:1])[0]
+    assert next(single)["input_ids"].reshape(-1).tolist()[: len(first)] == first[: SEQ_LEN * 2]
 
 
 def test_vocab_mismatch_is_one_clear_line(tokenizer):
