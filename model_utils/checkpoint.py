@@ -1,0 +1,973 @@
+"""Checkpoints: DCP save/load with atomic publish, keep-last-k, auto-resume; HF safetensors in/out.
+
+Layout of a checkpoint directory::
+
+    <checkpoint_dir>/step_00000100/        a published, complete checkpoint
+        .metadata, __0_0.distcp, ...       torch.distributed.checkpoint (DCP) files, one per rank
+        checkpoint.json                    the marker: step, world size, run and model config
+    <checkpoint_dir>/.tmp-step_00000200/   being written (or left by a crash): never resumed from
+
+Why the temporary name: DCP writes one file per rank and then `.metadata`; a job killed in the
+middle leaves a directory that looks like a checkpoint but is not one. Every rank writes into
+`.tmp-step_N`; when the save has finished everywhere, rank 0 writes `checkpoint.json` and renames
+the directory to `step_N` (one atomic rename). Only names `step_N` holding both `.metadata` and
+`checkpoint.json` count as complete. Stale `.tmp-*` directories are removed before the next save.
+
+What is saved (one DCP state dict of Stateful items, see `TrainState`):
+    model      FSDP2 DTensor shards (get_model_state_dict): resharded by DCP on load
+    optimizer  AdamW state keyed by parameter name (get_optimizer_state_dict): resharded too
+    scheduler  LR scheduler state_dict (identical on every rank)
+    progress   step and the run's config as JSON
+    data       per rank: `data.rank{r}`, this rank's data-stream position
+    rng        per rank: `rng.rank{r}`, python/numpy/torch(/cuda) generator states
+
+Per-rank items need per-rank keys: DCP de-duplicates non-tensor values written under the same key
+by several ranks and keeps only one copy (torch/distributed/checkpoint/_dedup_save_plans.py), so
+a shared key `data` would silently restore rank k's position on every rank. Each per-rank value is
+packed into bytes so DCP stores it as one opaque object, whatever tensors it contains.
+
+World-size changes: model and optimizer reshard. Per-rank positions cannot be mapped (rank r of 2
+and rank r of 1 read different shards), so a resharded load skips `data` and `rng`, reseeds the
+generators from (seed, step, rank), and calls `TrainState.on_data_reshard(step, saved_states)`
+if given (saved_states[r] = what rank r saved; e.g. move the stream to a position derived from
+them or from the step); without it the stream keeps its fresh position (the beginning of this
+rank's new shard). Both cases log a warning.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = 1
+MARKER = "checkpoint.json"
+DCP_METADATA = ".metadata"
+TMP_PREFIX = ".tmp-"
+_NAME_RE = re.compile(r"^step_(\d+)$")
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# HF checkpoints written by old transformers versions carry RoPE buffers; they are recomputed.
+_IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+HF_INDEX = "model.safetensors.index.json"
+HF_SINGLE = "model.safetensors"
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+
+# A state-dict transform for another parameter layout (e.g. TE's fused layers); it receives a
+# partial state dict (one decoder layer's tensors, or the non-layer ones) and returns the mapped
+# partial state dict. load_hf_weights takes HF -> model, export_hf/dcp_to_hf take model -> HF.
+KeyMap = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+# --------------------------------------------------------------------------------------------
+# Names and completeness (pure filesystem: safe to call before any process group exists)
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def step_of(path: Path) -> int | None:
+    """The step encoded in a published checkpoint's directory name, None for other names."""
+    match = _NAME_RE.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Why `path` is not a complete checkpoint (one line), or None if it is one."""
+    path = Path(path)
+    if not path.exists():
+        return f"checkpoint {path} does not exist"
+    if not path.is_dir():
+        return f"checkpoint {path} is not a directory"
+    if path.name.startswith(TMP_PREFIX):
+        return f"checkpoint {path} is an unfinished save (temporary name)"
+    if not (path / DCP_METADATA).is_file():
+        return f"checkpoint {path} has no {DCP_METADATA}: not a DCP checkpoint or not finished"
+    if not (path / MARKER).is_file():
+        return f"checkpoint {path} has no {MARKER}: the save never completed"
+    return None
+
+
+def is_complete(path: str | Path) -> bool:
+    return checkpoint_problem(path) is None
+
+
+def complete_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
+    """Published complete checkpoints in `checkpoint_dir`, oldest step first."""
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if step_of(p) is not None and is_complete(p)]
+    return sorted(found, key=lambda p: step_of(p) or 0)
+
+
+def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
+    found = complete_checkpoints(checkpoint_dir)
+    return found[-1] if found else None
+
+
+def resolve_checkpoint(
+    resume_from_checkpoint: str | None, checkpoint_dir: str | Path
+) -> Path | None:
+    """`--resume_from_checkpoint`: None -> None; 'auto' -> newest complete checkpoint in
+    checkpoint_dir or None (a fresh start); a PATH -> that path, which must be complete."""
+    if not resume_from_checkpoint:
+        return None
+    if resume_from_checkpoint == "auto":
+        return latest_checkpoint(checkpoint_dir)
+    problem = checkpoint_problem(resume_from_checkpoint)
+    if problem:
+        raise ValueError(f"--resume_from_checkpoint: {problem}")
+    return Path(resume_from_checkpoint)
+
+
+def check_resume_arg(resume_from_checkpoint: str | None, checkpoint_dir: str | Path) -> None:
+    """Raise ValueError (one line) for a resume flag that cannot work; touches no file."""
+    resolve_checkpoint(resume_from_checkpoint, checkpoint_dir)
+
+
+def read_marker(path: str | Path) -> dict[str, Any]:
+    return json.loads((Path(path) / MARKER).read_text())
+
+
+# --------------------------------------------------------------------------------------------
+# Stateful items
+
+
+def _pack(obj: Any) -> bytes:
+    """Serialise to bytes so DCP stores `obj` as one opaque object (not traversed for tensors)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unpack(blob: bytes) -> Any:
+    return torch.load(io.BytesIO(blob), weights_only=False)
+
+
+def capture_rng() -> dict[str, Any]:
+    """Every generator a training step may draw from on this rank."""
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng(state: Mapping[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def derived_seed(seed: int, step: int, rank: int) -> int:
+    """Deterministic per-(run, step, rank) seed for a resharded resume."""
+    return (seed * 1_000_003 + step * 10_007 + rank) % (2**32)
+
+
+def reseed_rng(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+class _ModelItem:
+    """The model's sharded parameters under clean FQNs (no FSDP/compile/AC wrapper prefixes)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state_dict)
+
+
+class _OptimizerItem:
+    """Optimizer state keyed by parameter FQN, so it reshards like the model."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+
+
+class _PerRankSave:
+    """This rank's value of a per-rank item, packed, under key `rank{r}` (only this rank's key:
+    the other ranks write theirs)."""
+
+    def __init__(self, get: Callable[[], Any], rank: int) -> None:
+        self.get, self.rank = get, rank
+
+    def state_dict(self) -> dict[str, Any]:
+        return {f"rank{self.rank}": _pack(self.get())}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise RuntimeError("_PerRankSave is for saving only")
+
+
+class _PerRankLoad:
+    """Reads the values saved by ranks `ranks` into `self.values` (rank -> unpacked value).
+
+    Ranks may ask for different keys: DCP's default load planner plans every rank locally and
+    runs the same collectives whatever the keys (default_planner.create_default_global_load_plan
+    is the identity), so a same-world-size load reads only this rank's entry.
+    """
+
+    def __init__(self, ranks: Iterable[int]) -> None:
+        self.ranks = list(ranks)
+        self.values: dict[int, Any] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {f"rank{r}": b"" for r in self.ranks}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.values = {r: _unpack(state_dict[f"rank{r}"]) for r in self.ranks}
+
+
+class _ProgressItem:
+    def __init__(self, train_state: TrainState) -> None:
+        self.train_state = train_state
+
+    def state_dict(self) -> dict[str, Any]:
+        config = json.dumps(self.train_state.config, sort_keys=True, default=str)
+        return {"step": self.train_state.step, "config": config}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.train_state.step = int(state_dict["step"])
+        self.train_state.saved_config = json.loads(state_dict["config"])
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+@dataclass
+class TrainState:
+    """Everything a resumed run needs. `step` is the number of optimizer steps done.
+
+    data: any object with state_dict()/load_state_dict() holding THIS rank's stream position.
+    config: the run's flags (json-able; non-json values are stored as str).
+    on_data_reshard(step, saved_states): called instead of restoring the data position when the
+    checkpoint was written by a different number of ranks; saved_states[r] is what rank r saved.
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Any | None = None
+    data: Any | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    step: int = 0
+    on_data_reshard: Callable[[int, list[Any]], None] | None = None
+    saved_config: dict[str, Any] | None = None
+
+    @property
+    def seed(self) -> int:
+        return int(self.config.get("seed", 0) or 0)
+
+    def model_config(self) -> dict[str, Any] | None:
+        config = getattr(self.model, "config", None)
+        return config.to_dict() if hasattr(config, "to_dict") else None
+
+    def per_rank_getters(self) -> dict[str, tuple[Callable[[], Any], Callable[[Any], None]]]:
+        items = {"rng": (capture_rng, restore_rng)}
+        if self.data is not None:
+            items["data"] = (self.data.state_dict, self.data.load_state_dict)
+        return items
+
+    def items(self, per_rank: Mapping[str, _PerRankLoad] | None = None) -> dict[str, Any]:
+        """The DCP state dict: for a save (`per_rank=None`) this rank's per-rank values; for a
+        load, the given per-rank load targets."""
+        out: dict[str, Any] = {"model": _ModelItem(self.model), "progress": _ProgressItem(self)}
+        if self.optimizer is not None:
+            out["optimizer"] = _OptimizerItem(self.model, self.optimizer)
+        if self.scheduler is not None:
+            out["scheduler"] = self.scheduler
+        if per_rank is None:
+            rank = _rank()
+            for name, (get, _put) in self.per_rank_getters().items():
+                out[name] = _PerRankSave(get, rank)
+        else:
+            out.update(per_rank)
+        return out
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    path: Path
+    step: int
+    saved_world_size: int
+    resharded: bool
+    saved_config: dict[str, Any]
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpointer
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, payload: dict[str, Any]) -> None:
+    """Write then rename, so a reader never sees half a marker."""
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "w") as fh:
+        json.dump(payload, fh, indent=1, sort_keys=True, default=str)
+        fh.flush()
+        os.fsync(fh.fileno())
+    tmp.replace(path)
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def stale_temporaries(checkpoint_dir: Path, keep: Path | None = None) -> list[Path]:
+    if not checkpoint_dir.is_dir():
+        return []
+    return [p for p in checkpoint_dir.iterdir() if p.name.startswith(TMP_PREFIX) and p != keep]
+
+
+def prune_plan(checkpoints: list[Path], keep_last: int | None, newest: Path) -> list[Path]:
+    """Checkpoints to delete so that `keep_last` remain; `newest` (just published) is never one."""
+    if not keep_last:
+        return []
+    others = [p for p in checkpoints if p != newest]
+    surplus = len(others) + 1 - keep_last
+    return others[:surplus] if surplus > 0 else []
+
+
+@dataclass
+class _Pending:
+    step: int
+    tmp: Path
+    final: Path
+    marker: dict[str, Any]
+    future: Future | None
+    started: float
+    published: bool = False
+    error: Exception | None = None
+
+
+class Checkpointer:
+    """Saves and loads `TrainState`s under `checkpoint_dir`; every rank constructs one.
+
+    keep_last: number of published checkpoints kept (None or 0: all). Pruning happens only after
+    a new checkpoint is published. async_save: `dcp.async_save` stages the state to CPU memory and
+    writes in a background thread on a dedicated gloo group (training collectives are not
+    interleaved with checkpoint ones); the checkpoint is published as soon as rank 0's write
+    finishes, and at the latest by the next `save`, `wait` or `close`.
+    """
+
+    def __init__(
+        self, checkpoint_dir: str | Path, keep_last: int | None = None, async_save: bool = False
+    ) -> None:
+        if keep_last is not None and keep_last < 0:
+            raise ValueError(f"keep_last must be >= 0 (0 keeps all), got {keep_last}")
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.keep_last = keep_last or None
+        self.async_save = async_save
+        self._pending: _Pending | None = None
+        self._publish_lock = threading.Lock()  # rank 0: done-callback thread vs wait()
+        self._async_group = None
+        if async_save and dist.is_initialized():
+            # A second group so the background thread's collectives never interleave with the
+            # training loop's on the default group (and async save needs a CPU backend).
+            self._async_group = dist.new_group(backend="gloo")
+        if _rank() == 0:
+            for stale in stale_temporaries(self.checkpoint_dir):
+                shutil.rmtree(stale, ignore_errors=True)
+
+    # -- discovery
+    def latest(self) -> Path | None:
+        """Newest complete checkpoint in checkpoint_dir, None if there is none."""
+        return latest_checkpoint(self.checkpoint_dir)
+
+    def resolve(self, resume_from_checkpoint: str | None) -> Path | None:
+        """None/'' -> None; 'auto' -> latest() (None: fresh start); PATH -> PATH if complete,
+        else ValueError saying why."""
+        return resolve_checkpoint(resume_from_checkpoint, self.checkpoint_dir)
+
+    # -- save
+    def save(self, step: int, state: TrainState, block: bool = False) -> Path:
+        """Write `state` as checkpoint `step` (all ranks call). Returns the published path (for an
+        async save, the path it will have). block=True waits for an async save to publish."""
+        self.wait()
+        final = self.checkpoint_dir / checkpoint_name(step)
+        tmp = self.checkpoint_dir / (TMP_PREFIX + final.name)
+        if _rank() == 0:
+            for stale in stale_temporaries(self.checkpoint_dir):
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir(parents=True, exist_ok=True)
+        _barrier()
+        state.step = step
+        marker = {
+            "format": CHECKPOINT_FORMAT,
+            "step": step,
+            "world_size": _world_size(),
+            "items": sorted(
+                ["model", "progress", *state.per_rank_getters()]
+                + [k for k in ("optimizer", "scheduler") if getattr(state, k) is not None]
+            ),
+            "run_config": state.config,
+            "model_config": state.model_config(),
+            "torch": torch.__version__,
+        }  # fmt: skip
+        pending = _Pending(step, tmp, final, marker, None, time.perf_counter())
+        items = state.items()
+        if self.async_save:
+            pending.future = dcp.async_save(
+                items, checkpoint_id=str(tmp), process_group=self._async_group
+            )
+            self._pending = pending
+            if _rank() == 0:
+                pending.future.add_done_callback(lambda fut: self._publish_if_ok(pending, fut))
+            if block:
+                self.wait()
+        else:
+            dcp.save(items, checkpoint_id=str(tmp))
+            self._pending = pending
+            self.wait()
+        return final
+
+    def _publish_if_ok(self, pending: _Pending, future: Future) -> None:
+        if future.exception() is None:
+            try:
+                self._publish(pending)
+            except Exception as exc:  # re-raised by wait() on the main thread
+                pending.error = exc
+
+    def _publish(self, pending: _Pending) -> None:
+        """Rank 0: marker, atomic rename, prune. Only called once every rank's data is on disk
+        (DCP writes .metadata on rank 0 after gathering every rank's write results)."""
+        with self._publish_lock:
+            if pending.published:
+                return
+            pending.published = True
+            self._publish_locked(pending)
+
+    def _publish_locked(self, pending: _Pending) -> None:
+        marker = {**pending.marker, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        _write_json(pending.tmp / MARKER, marker)
+        replaced = None
+        if pending.final.exists():  # the same step saved again (e.g. a rerun from older state)
+            replaced = pending.final.with_name(f"{TMP_PREFIX}{pending.final.name}.replaced")
+            pending.final.rename(replaced)
+        pending.tmp.rename(pending.final)
+        _fsync_dir(pending.final.parent)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
+        seconds = time.perf_counter() - pending.started
+        log.info(
+            "Checkpoint step %d saved to %s (%.1f MB, %.2f s)",
+            pending.step, pending.final, _dir_bytes(pending.final) / 2**20, seconds,
+        )  # fmt: skip
+        for old in prune_plan(
+            complete_checkpoints(self.checkpoint_dir), self.keep_last, pending.final
+        ):
+            shutil.rmtree(old, ignore_errors=True)
+            log.info("Removed old checkpoint %s (keep_last=%d)", old, self.keep_last)
+
+    def wait(self) -> None:
+        """Finish the pending save (all ranks call): raise its error, publish it, synchronise."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if pending.future is not None:
+            pending.future.result()
+        if _rank() == 0:
+            self._publish(pending)
+            if pending.error is not None:
+                raise pending.error
+        _barrier()
+
+    def close(self) -> None:
+        self.wait()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            self.close()
+
+    # -- load
+    def load(self, path: str | Path, state: TrainState) -> LoadResult:
+        """Restore `state` from checkpoint `path` (all ranks call); `state.step` is updated.
+
+        Same world size: everything is restored exactly. Different world size: model, optimizer,
+        scheduler and step are restored (DCP reshards); RNGs are reseeded from (seed, step, rank);
+        the data stream gets `state.on_data_reshard(step, saved_states)` with every saved rank's
+        data state (index = saved rank), or keeps its fresh position if no hook is set.
+        """
+        problem = checkpoint_problem(path)
+        if problem:
+            raise ValueError(problem)
+        path = Path(path)
+        marker = read_marker(path)
+        saved_world_size = int(marker["world_size"])
+        resharded = saved_world_size != _world_size()
+        getters = state.per_rank_getters()
+        available = set(marker.get("items", getters))
+        if set(getters) - available:
+            log.warning("Checkpoint %s has no %s state", path, sorted(set(getters) - available))
+        reads = {n: _ranks_to_read(n, resharded, saved_world_size) for n in getters}
+        targets = {n: _PerRankLoad(r) for n, r in reads.items() if n in available and r}
+        dcp.load(state.items(targets), checkpoint_id=str(path))
+        if resharded:
+            self._after_reshard(state, saved_world_size, targets.get("data"))
+        else:
+            for name, target in targets.items():
+                getters[name][1](target.values[_rank()])
+        return LoadResult(path, state.step, saved_world_size, resharded, state.saved_config or {})
+
+    @staticmethod
+    def _after_reshard(state: TrainState, saved_world_size: int, data: _PerRankLoad | None) -> None:
+        reseed_rng(derived_seed(state.seed, state.step, _rank()))
+        if state.data is None or data is None:
+            action = "data stream is left as is (nothing saved or nothing to restore)"
+        elif state.on_data_reshard is not None:
+            saved = [data.values[r] for r in range(saved_world_size)]
+            state.on_data_reshard(state.step, saved)
+            action = "data stream is repositioned by on_data_reshard"
+        else:
+            action = "data stream starts from the beginning of this rank's new shard"
+        log.warning(
+            "Checkpoint written by %d ranks, loaded on %d: model and optimizer resharded; "
+            "per-rank data positions and RNG states do not map onto the new ranks, so the RNGs "
+            "are reseeded from (seed, step=%d, rank) and the %s",
+            saved_world_size, _world_size(), state.step, action,
+        )  # fmt: skip
+
+
+def _ranks_to_read(name: str, resharded: bool, saved_world_size: int) -> list[int]:
+    """Own entry on a same-size load; on a resharded load every saved data entry (handed to the
+    reshard hook) and no RNG entry (reseeded instead)."""
+    if not resharded:
+        return [_rank()]
+    return list(range(saved_world_size)) if name == "data" else []
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face safetensors: in
+
+
+def hf_weight_files(path: str | Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file for a HF checkpoint (single file, or sharded with
+    model.safetensors.index.json). ValueError with one line if `path` is neither."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if path.is_file() and path.suffix == ".safetensors":
+        files = {path: None}
+    elif (path / HF_INDEX).is_file():
+        weight_map = json.loads((path / HF_INDEX).read_text()).get("weight_map", {})
+        if not weight_map:
+            raise ValueError(f"{path / HF_INDEX} has no weight_map")
+        names_by_file: dict[Path, list[str]] = {}
+        for name, fname in weight_map.items():
+            names_by_file.setdefault(path / fname, []).append(name)
+        missing = [str(f) for f in names_by_file if not f.is_file()]
+        if missing:
+            raise ValueError(f"{path / HF_INDEX} lists missing shard(s): {', '.join(missing)}")
+        return {name: f for f, names in names_by_file.items() for name in names}
+    elif (path / HF_SINGLE).is_file():
+        files = {path / HF_SINGLE: None}
+    elif not path.exists():
+        raise ValueError(f"--init_from_hf: {path} does not exist")
+    else:
+        raise ValueError(
+            f"--init_from_hf: {path} has neither {HF_SINGLE} nor {HF_INDEX} "
+            "(only safetensors checkpoints are supported)"
+        )
+    out: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            out.update({name: f for name in handle.keys()})
+    return out
+
+
+def check_hf_dir(path: str | Path) -> None:
+    """Raise ValueError (one line) unless `path` is a loadable HF safetensors checkpoint."""
+    try:
+        hf_weight_files(path)
+    except ValueError:
+        raise
+    except Exception as exc:  # a corrupt header, unreadable file, ...
+        raise ValueError(f"--init_from_hf: cannot read {path}: {exc}") from exc
+
+
+def layer_groups(names: Iterable[str]) -> list[list[str]]:
+    """Names grouped by decoder layer index (non-layer names first, as one group), so a key map
+    always sees a whole layer and memory stays bounded by one layer."""
+    groups: dict[int, list[str]] = {}
+    for name in names:
+        match = _LAYER_RE.search(name)
+        groups.setdefault(int(match.group(1)) if match else -1, []).append(name)
+    return [groups[k] for k in sorted(groups)]
+
+
+def weight_tensors(state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The entries that are weights: tensors, minus FP8 bookkeeping (TE's `_extra_state`)."""
+    return {
+        k: v
+        for k, v in state_dict.items()
+        if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
+    }
+
+
+def _with_layer_index(name: str, index: int) -> str:
+    return _LAYER_RE.sub(lambda m: m.group(0).replace(m.group(1), str(index)), name, count=1)
+
+
+def layerwise_key_map(fn: Callable[[dict[str, torch.Tensor], Any], dict], config: Any) -> KeyMap:
+    """Adapt a whole-model mapping `fn(state_dict, config)` that loops over
+    `config.num_hidden_layers` (te_llama.hf_to_te_state_dict / te_to_hf_state_dict) to the
+    one-layer-at-a-time KeyMap contract: layer i is renamed to layer 0, mapped with a one-layer
+    config, and renamed back; the non-layer group is mapped with a zero-layer config."""
+    import copy
+
+    one_layer, no_layer = copy.copy(config), copy.copy(config)
+    one_layer.num_hidden_layers, no_layer.num_hidden_layers = 1, 0
+
+    def mapped(group: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        layers = {int(m.group(1)) for m in map(_LAYER_RE.search, group) if m}
+        if not layers:
+            return fn(group, no_layer)
+        if len(layers) > 1:
+            raise ValueError(f"a key-map group spans layers {sorted(layers)}")
+        (index,) = layers
+        out = fn({_with_layer_index(k, 0): v for k, v in group.items()}, one_layer)
+        return {_with_layer_index(k, index): v for k, v in out.items()}
+
+    return mapped
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """Unwrap tensor subclasses (e.g. torchao's WeightWithDynamicFloat8CastTensor) to a plain
+    tensor holding the high-precision values."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    while is_traceable_wrapper_subclass(tensor):
+        inner, _ = tensor.__tensor_flatten__()
+        tensor = getattr(tensor, inner[0])
+    return tensor
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _alias_groups(targets: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """name -> first name sharing its storage (tied lm_head/embed_tokens)."""
+    first: dict[tuple[int, int], str] = {}
+    out: dict[str, str] = {}
+    for name, tensor in targets.items():
+        local = _plain(_local(tensor))
+        key = (local.untyped_storage().data_ptr(), local.storage_offset())
+        out[name] = first.setdefault(key, name) if local.numel() else name
+    return out
+
+
+def _local_index(target: torch.Tensor) -> tuple[slice, ...]:
+    """This rank's block of the global tensor, as slices (all of it for a plain tensor)."""
+    if not isinstance(target, DTensor):
+        return tuple(slice(0, n) for n in target.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(
+        target.shape, target.device_mesh, target.placements
+    )
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+def _check_shape(name: str, got: Iterable[int], target: torch.Tensor) -> None:
+    got = tuple(got)
+    if got != tuple(target.shape):
+        raise ValueError(
+            f"HF tensor {name} has shape {got} but the model expects {tuple(target.shape)}: "
+            "does the model shape (--hidden_width, --num_layers, --vocab_size, ...) match "
+            "the checkpoint's config.json?"
+        )
+
+
+@torch.no_grad()
+def copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's shard of `full` into `target` (a DTensor shard or a plain tensor); every
+    rank holds the same `full`, so no communication is needed (src_data_rank=None)."""
+    if isinstance(target, DTensor):
+        full = full.to(device=target.device)
+        full = distribute_tensor(
+            full, target.device_mesh, target.placements, src_data_rank=None
+        ).to_local()
+    _local(target).copy_(full)
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, path: str | Path, key_map: KeyMap | None = None) -> None:
+    """Load a HF Llama safetensors checkpoint into a sharded (FSDP2) or plain model in place.
+
+    Without a key map each rank reads only its own rows of each tensor (safetensors slices are
+    lazy reads), so no rank ever holds the whole model, nor a whole tensor. With a key map (a
+    different parameter layout, e.g. TE) one decoder layer is read in full at a time, mapped,
+    and each rank keeps its shard. Raises ValueError on missing, unexpected or mis-shaped keys.
+    """
+    from safetensors import safe_open
+
+    files = hf_weight_files(path)
+    targets = weight_tensors(get_model_state_dict(model))
+    aliases = _alias_groups(targets)
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    handles: dict[Path, Any] = {}
+
+    def handle(name: str) -> Any:
+        f = files[name]
+        if f not in handles:
+            handles[f] = safe_open(str(f), framework="pt")
+        return handles[f]
+
+    names = [n for n in files if not n.endswith(_IGNORED_HF_SUFFIXES)]
+    for group in layer_groups(names):
+        if key_map is None:
+            for name in group:
+                if name not in targets:
+                    unexpected.append(name)
+                    continue
+                target = targets[name]
+                lazy = handle(name).get_slice(name)
+                _check_shape(name, lazy.get_shape(), target)
+                _local(target).copy_(lazy[_local_index(target)])
+                loaded.add(name)
+            continue
+        mapped = key_map({name: handle(name).get_tensor(name) for name in group})
+        for name, full in mapped.items():
+            if name not in targets:
+                unexpected.append(name)
+                continue
+            _check_shape(name, full.shape, targets[name])
+            copy_full_into(targets[name], full)
+            loaded.add(name)
+    loaded_roots = {aliases[n] for n in loaded}
+    missing = sorted(n for n in targets if n not in loaded and aliases[n] not in loaded_roots)
+    if unexpected or missing:
+        raise ValueError(
+            f"HF checkpoint {path} does not match the model: "
+            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+        )
+    log.info("Loaded %d tensors from Hugging Face checkpoint %s", len(loaded), path)
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face safetensors: out
+
+
+class SafetensorsShardWriter:
+    """Accumulates tensors and writes HF-style shards of at most `max_shard_bytes`:
+    model.safetensors, or model-0000i-of-0000N.safetensors + model.safetensors.index.json."""
+
+    def __init__(self, out_dir: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+        self.out_dir = Path(out_dir)
+        self.max_shard_bytes = max_shard_bytes
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        for old in [*self.out_dir.glob("model*.safetensors"), self.out_dir / HF_INDEX]:
+            old.unlink(missing_ok=True)  # a previous export with another shard count
+        self._current: dict[str, torch.Tensor] = {}
+        self._current_bytes = 0
+        self._written: list[tuple[Path, list[str]]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._current and self._current_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._current[name] = tensor.contiguous()
+        self._current_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        part = self.out_dir / f".part-{len(self._written):05d}.safetensors"
+        save_file(self._current, str(part), metadata={"format": "pt"})
+        self._written.append((part, list(self._current)))
+        self._current, self._current_bytes = {}, 0
+
+    def finish(self) -> list[Path]:
+        if self._current or not self._written:
+            self._flush()
+        if len(self._written) == 1:
+            final = self.out_dir / HF_SINGLE
+            self._written[0][0].replace(final)
+            return [final]
+        count = len(self._written)
+        weight_map: dict[str, str] = {}
+        finals = []
+        for i, (part, names) in enumerate(self._written, start=1):
+            final = self.out_dir / f"model-{i:05d}-of-{count:05d}.safetensors"
+            part.replace(final)
+            finals.append(final)
+            weight_map.update({n: final.name for n in names})
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+        (self.out_dir / HF_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+        return finals
+
+
+def _full_cpu(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gather a DTensor (collective: every rank calls) into a plain CPU tensor of `dtype`."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
+    return _plain(tensor).detach().to(device="cpu", dtype=dtype)
+
+
+def _save_hf_config(config: Any, out_dir: Path, dtype: torch.dtype) -> None:
+    import copy
+
+    config = copy.deepcopy(config)
+    config.dtype = dtype
+    config.save_pretrained(str(out_dir))
+
+
+def export_hf(
+    model: nn.Module,
+    config: Any,
+    out_dir: str | Path,
+    key_map: KeyMap | None = None,
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> None:
+    """Write the (sharded) model as HF safetensors + config.json; all ranks call.
+
+    One decoder layer at a time is gathered (all-gather of its shards) and rank 0 writes it,
+    so memory is bounded by a layer plus one output shard, not the model. Tied weights are
+    written once (like save_pretrained). `key_map` maps model names -> HF names (e.g. TE -> HF).
+    """
+    out_dir = Path(out_dir)
+    sd = weight_tensors(get_model_state_dict(model))
+    aliases = _alias_groups(sd)
+    names = [n for n in sd if aliases[n] == n]
+    writer = SafetensorsShardWriter(out_dir, max_shard_bytes) if _rank() == 0 else None
+    for group in layer_groups(names):
+        full = {n: _full_cpu(sd[n], dtype) for n in group}
+        if writer is not None:
+            for name, tensor in (key_map(full) if key_map else full).items():
+                writer.add(name, tensor)
+    if writer is not None:
+        writer.finish()
+        _save_hf_config(config, out_dir, dtype)
+        log.info("Exported HF safetensors (%s) to %s", str(dtype).split(".")[-1], out_dir)
+    _barrier()
+
+
+def dcp_model_keys(path: str | Path) -> dict[str, Any]:
+    """Model tensor name -> DCP TensorStorageMetadata of a saved checkpoint (no process group)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(path)).read_metadata()
+    return {
+        key[len("model.") :]: md
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith("model.")
+        and isinstance(md, TensorStorageMetadata)
+        and not key.endswith("_extra_state")
+    }
+
+
+def iter_dcp_model_layers(path: str | Path) -> Iterator[dict[str, torch.Tensor]]:
+    """The model tensors of a DCP checkpoint, one decoder layer at a time, in one process."""
+    keys = dcp_model_keys(path)
+    for group in layer_groups(keys):
+        tensors = {n: torch.empty(keys[n].size, dtype=keys[n].properties.dtype) for n in group}
+        dcp.load({"model": tensors}, checkpoint_id=str(path), no_dist=True)
+        yield tensors
+
+
+def dcp_to_hf(
+    path: str | Path,
+    out_dir: str | Path,
+    key_map: KeyMap | None = None,
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list[Path]:
+    """Convert a saved checkpoint to a HF directory without a process group or a model object.
+
+    Needs the model config recorded in the checkpoint's marker. Memory: one layer at a time.
+    """
+    from transformers import AutoConfig
+
+    problem = checkpoint_problem(path)
+    if problem:
+        raise ValueError(problem)
+    model_config = read_marker(path).get("model_config")
+    if not model_config:
+        raise ValueError(f"checkpoint {path} records no model config: cannot write config.json")
+    model_config = dict(model_config)
+    config = AutoConfig.for_model(model_config.pop("model_type", "llama"), **model_config)
+    writer = SafetensorsShardWriter(out_dir, max_shard_bytes)
+    for layer in iter_dcp_model_layers(path):
+        layer = {n: t.to(dtype) for n, t in layer.items()}
+        for name, tensor in (key_map(layer) if key_map else layer).items():
+            if config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            writer.add(name, tensor)
+    files = writer.finish()
+    _save_hf_config(config, Path(out_dir), dtype)
+    return files

@@ -1,0 +1,708 @@
+"""Checkpoints: exact resume, keep-last, atomicity under a killed rank, resharding 2 -> 1, FP8 <->
+bf16 cross-loads, async save, Hugging Face round trips and the DCP -> HF converter.
+
+The multi-process parts run this file as a worker (`python tests/test_checkpoint.py SCENARIO DIR`)
+in real processes joined by a gloo process group, on the tiny Llama built by the product's own
+modules (arguments -> modeling -> precision -> distributed). Each scenario writes what it observed
+to DIR/<scenario>_rank<r>.json; the tests below assert on it. Three launches in all (~1 minute).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from model_utils import checkpoint as ck  # noqa: E402
+
+TINY = [
+    "--preset", "tiny", "--hidden_width", "64", "--num_layers", "2", "--num_heads", "4",
+    "--num_key_value_heads", "2", "--intermediate_size", "128", "--vocab_size", "256",
+    "--max_context_width", "32", "--train_batch_size", "2", "--max_steps", "50",
+    "--warmup", "2", "--lr", "0.01", "--seed", "7",
+]  # fmt: skip
+WORKER_TIMEOUT_S = 240
+
+
+# ============================================================================================
+# Worker side (runs in the spawned processes)
+
+
+class CounterStream:
+    """A stand-in data stream whose per-rank state mixes ints, lists and a tensor that grows (so
+    a fresh stream's state has another shape than the saved one), and whose batches also draw
+    from the global torch RNG (so a resume is exact only if the RNG is restored too)."""
+
+    def __init__(self, rank: int, vocab: int, micro_batch: int, seq: int) -> None:
+        self.rank, self.vocab, self.micro_batch, self.seq = rank, vocab, micro_batch, seq
+        self.position = 0
+        self.history: list[int] = []
+        self.seen = torch.zeros(0, dtype=torch.long)
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(1000 * self.rank + self.position)
+        ids = torch.randint(0, self.vocab, (self.micro_batch, self.seq), generator=gen)
+        ids[:, 0] = torch.randint(0, self.vocab, (self.micro_batch,))  # global RNG
+        self.position += 1
+        self.history.append(self.position * 10)
+        self.seen = torch.cat([self.seen, ids[:, 0]])
+        return {"input_ids": ids, "labels": ids.clone()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "history": list(self.history), "seen": self.seen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = state["position"]
+        self.history = list(state["history"])
+        self.seen = state["seen"].clone()
+
+
+class Run:
+    """One rank of a tiny-Llama training run built by the product's modules."""
+
+    def __init__(self, workdir: Path, fp8: bool = False, all_gather: bool = False) -> None:
+        from model_utils import arguments, distributed, modeling, optim, precision
+
+        argv = [*TINY, "--output_dir", str(workdir), f"--fp8={int(fp8)}"]
+        argv += [f"--fp8_all_gather={int(all_gather)}"]
+        args = arguments.parse_args(argv)
+        args.model_impl = precision.resolve_model_impl(args.model_impl)
+        precision.resolve_fp8_recipe(args)
+        self.args = args
+        self.world = distributed.world_from_env()
+        self.device = torch.device("cpu")
+        self.backend = precision.build_backend(args, self.device)
+        model = self.backend.prepare(modeling.build(args, args.model_impl, self.device))
+        self.model = distributed.shard(model, MESH, args)
+        modeling.materialize(self.model, self.device, args.seed)
+        self.optimizer = optim.build_optimizer(
+            self.model, args.lr, args.weight_decay, args.beta1, args.beta2
+        )
+        self.scheduler = optim.build_scheduler(
+            self.optimizer, lr=args.lr, min_lr=args.min_lr, warmup=args.warmup,
+            max_steps=args.max_steps, style=args.lr_decay_style,
+        )  # fmt: skip
+        self.stream = CounterStream(
+            self.world.rank, args.vocab_size, args.train_batch_size, args.max_context_width
+        )
+        self.state = ck.TrainState(
+            self.model, self.optimizer, self.scheduler, self.stream, config=vars(args)
+        )
+
+    def train_step(self) -> float:
+        """One optimizer step; returns the loss averaged over ranks."""
+        import torch.distributed as dist
+
+        batch = next(self.stream)
+        with self.backend.autocast():
+            loss = self.model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.backend.after_optimizer_step(self.model)
+        self.state.step += 1
+        total = loss.detach().float().reshape(1)
+        dist.all_reduce(total)
+        return total.item() / dist.get_world_size()
+
+
+def full_model(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k: ck._plain(v).detach().clone() for k, v in ck.weight_tensors(sd).items()}
+
+
+def full_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    sd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    return _detach(sd)
+
+
+def _detach(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return ck._plain(obj).detach().clone()
+    if isinstance(obj, dict):
+        return {k: _detach(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_detach(v) for v in obj]
+    return obj
+
+
+def differences(a: Any, b: Any, path: str = "") -> list[str]:
+    """Paths where two nested states differ (tensors: exact values, dtype and shape)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
+        return [] if same else [path]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return [f"{path}{{keys: {sorted(set(a) ^ set(b))}}}"]
+        return [d for k in a for d in differences(a[k], b[k], f"{path}.{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{path}[len]"]
+        return [
+            d
+            for i, (x, y) in enumerate(zip(a, b, strict=True))
+            for d in differences(x, y, f"{path}[{i}]")
+        ]  # noqa: E501
+    return [] if a == b else [path]
+
+
+def rng_snapshot() -> dict[str, Any]:
+    state = ck.capture_rng()
+    return {"torch": state["torch"].clone(), "python": state["python"], "numpy": state["numpy"]}
+
+
+def rng_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    import numpy as np
+
+    out = differences(a["torch"], b["torch"], "torch") + differences(a["python"], b["python"])
+    na, nb = a["numpy"], b["numpy"]
+    if not (na[0] == nb[0] and np.array_equal(na[1], nb[1]) and na[2:] == nb[2:]):
+        out.append("numpy")
+    return out
+
+
+def scenario_train(workdir: Path, rank: int) -> dict[str, Any]:
+    """2 ranks: init from sharded HF weights, save 3 checkpoints (keep_last=2), resume exactly,
+    async save, FP8 <-> bf16 cross-loads, HF export."""
+    from safetensors import safe_open
+
+    out: dict[str, Any] = {}
+    run = Run(workdir)
+    ck.load_hf_weights(run.model, workdir / "hf_in")
+    hf_files = ck.hf_weight_files(workdir / "hf_in")
+    reference = {}
+    for name, f in hf_files.items():
+        with safe_open(str(f), framework="pt") as fh:
+            reference[name] = fh.get_tensor(name)
+    out["init_from_hf_diff"] = differences(full_model(run.model), reference)
+
+    ckpt = ck.Checkpointer(workdir / "ckpt", keep_last=2)
+    out["losses"] = []
+    for _ in range(3):
+        out["losses"].append(run.train_step())
+        ckpt.save(run.state.step, run.state)
+    model3, optim3 = full_model(run.model), full_optimizer(run.model, run.optimizer)
+    sched3, data3, rng3 = (
+        run.scheduler.state_dict(),
+        _detach(run.stream.state_dict()),
+        rng_snapshot(),
+    )
+    if rank == 0:
+        torch.save({"model": model3, "optimizer": optim3, "scheduler": sched3},
+                   workdir / "snapshot_step3.pt")  # fmt: skip
+    out["listing"] = sorted(p.name for p in (workdir / "ckpt").iterdir())
+    out["latest"] = ckpt.latest().name
+    out["loss_step4"] = run.train_step()
+    run.train_step()
+
+    # A fresh process-like resume: new objects, auto-resolved checkpoint.
+    fresh = Run(workdir)
+    result = ck.Checkpointer(workdir / "ckpt", keep_last=2).load(ckpt.resolve("auto"), fresh.state)
+    out["resume"] = {"step": fresh.state.step, "resharded": result.resharded,
+                     "saved_world_size": result.saved_world_size,
+                     "config_seed": result.saved_config.get("seed")}  # fmt: skip
+    out["resume_model_diff"] = differences(full_model(fresh.model), model3)
+    out["resume_optim_diff"] = differences(full_optimizer(fresh.model, fresh.optimizer), optim3)
+    out["resume_sched_diff"] = differences(fresh.scheduler.state_dict(), sched3)
+    out["resume_data_diff"] = differences(_detach(fresh.stream.state_dict()), data3)
+    out["resume_rng_diff"] = rng_differences(rng_snapshot(), rng3)
+    out["resumed_loss_step4"] = fresh.train_step()
+
+    # Async: the state is staged at save(); training on does not leak into the checkpoint.
+    asyncer = ck.Checkpointer(workdir / "async", async_save=True)
+    before = full_model(fresh.model)
+    asyncer.save(fresh.state.step, fresh.state)
+    fresh.train_step()
+    asyncer.wait()
+    out["async_listing"] = sorted(p.name for p in (workdir / "async").iterdir())
+    probe = Run(workdir)
+    asyncer.load(asyncer.latest(), probe.state)
+    out["async_model_diff"] = differences(full_model(probe.model), before)
+    out["async_step"] = probe.state.step
+    asyncer.close()
+
+    # bf16 checkpoint -> FP8 model (Float8Linear, float8 all-gather), then FP8 -> bf16.
+    fp8 = Run(workdir, fp8=True, all_gather=True)
+    out["fp8_linear_types"] = sorted(
+        {type(m).__name__ for m in fp8.model.modules() if isinstance(m, torch.nn.Linear)}
+    )
+    ckpt.load(workdir / "ckpt" / ck.checkpoint_name(3), fp8.state)
+    out["bf16_to_fp8_model_diff"] = differences(full_model(fp8.model), model3)
+    out["bf16_to_fp8_optim_diff"] = differences(full_optimizer(fp8.model, fp8.optimizer), optim3)
+    out["fp8_loss_step4"] = fp8.train_step()
+    fp8_ckpt = ck.Checkpointer(workdir / "fp8ck")
+    fp8_ckpt.save(fp8.state.step, fp8.state)
+    fp8_model, fp8_optim = full_model(fp8.model), full_optimizer(fp8.model, fp8.optimizer)
+    back = Run(workdir)
+    fp8_ckpt.load(fp8_ckpt.latest(), back.state)
+    out["fp8_to_bf16_model_diff"] = differences(full_model(back.model), fp8_model)
+    out["fp8_to_bf16_optim_diff"] = differences(
+        full_optimizer(back.model, back.optimizer), fp8_optim
+    )  # noqa: E501
+
+    # HF export of the trained bf16 model, forced into several shards.
+    ck.export_hf(fresh.model, fresh.model.config, workdir / "hf_out", max_shard_bytes=150_000)
+    if rank == 0:
+        torch.save(full_model(fresh.model), workdir / "export_reference.pt")
+    else:
+        full_model(fresh.model)  # collective: every rank takes part
+    return out
+
+
+def scenario_kill(workdir: Path, rank: int) -> dict[str, Any]:
+    """2 ranks: checkpoint 1 completes; during checkpoint 2 rank 1 stalls inside DCP's write
+    and the test SIGKILLs it from outside."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    run = Run(workdir)
+    ckpt = ck.Checkpointer(workdir / "killck")
+    run.train_step()
+    ckpt.save(1, run.state)
+    if rank == 0:
+        torch.save(full_model(run.model), workdir / "kill_snapshot_step1.pt")
+    else:
+        full_model(run.model)
+    run.train_step()
+    if rank == 1:
+        real_write = FileSystemWriter.write_data
+
+        def stalled_write(self, plan, planner):  # noqa: ANN001, ANN202
+            future = real_write(self, plan, planner)
+            future.wait()  # this rank's shard file is (partly) on disk ...
+            (workdir / "rank1_writing").touch()
+            time.sleep(WORKER_TIMEOUT_S)  # ... and the test kills us here
+            return future
+
+        FileSystemWriter.write_data = stalled_write
+    ckpt.save(2, run.state)
+    return {"unexpected": "save 2 returned"}
+
+
+def scenario_reshard(workdir: Path, rank: int) -> dict[str, Any]:
+    """1 rank: load the 2-rank checkpoints (resharding), including the one whose successor was
+    killed mid-save."""
+    import logging
+
+    out: dict[str, Any] = {}
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger(ck.__name__).addHandler(Collect())
+    run = Run(workdir)
+    calls: list[Any] = []
+    run.state.on_data_reshard = lambda step, saved: calls.append(
+        [step, [s["position"] for s in saved]]
+    )
+    ckpt = ck.Checkpointer(workdir / "ckpt")
+    result = ckpt.load(ckpt.latest(), run.state)
+    snap = torch.load(workdir / "snapshot_step3.pt", weights_only=False)
+    out["result"] = {"step": result.step, "resharded": result.resharded,
+                     "saved_world_size": result.saved_world_size}  # fmt: skip
+    out["model_diff"] = differences(full_model(run.model), snap["model"])
+    out["optim_diff"] = differences(full_optimizer(run.model, run.optimizer), snap["optimizer"])
+    out["sched_diff"] = differences(run.scheduler.state_dict(), snap["scheduler"])
+    out["hook_calls"] = calls
+    out["warned"] = any("loaded on 1" in r and "reseeded" in r for r in records)
+    drawn = torch.rand(4)
+    ck.reseed_rng(ck.derived_seed(run.args.seed, 3, 0))
+    out["rng_is_derived"] = torch.equal(drawn, torch.rand(4))
+    out["loss_after_reshard"] = run.train_step()
+
+    killed = ck.Checkpointer(workdir / "killck")  # cleans the dead save's temporary directory
+    out["kill_listing_after_init"] = sorted(p.name for p in (workdir / "killck").iterdir())
+    out["kill_latest"] = killed.latest().name
+    probe = Run(workdir)
+    killed.load(killed.latest(), probe.state)
+    snap1 = torch.load(workdir / "kill_snapshot_step1.pt", weights_only=False)
+    out["kill_model_diff"] = differences(full_model(probe.model), snap1)
+    return out
+
+
+SCENARIOS = {"train": scenario_train, "kill": scenario_kill, "reshard": scenario_reshard}
+MESH = None
+
+
+def worker_main(scenario: str, workdir: Path) -> None:
+    global MESH
+    from model_utils import distributed
+
+    world = distributed.world_from_env()
+    distributed.init(world, torch.device("cpu"), 60)
+    MESH = distributed.build_mesh(world, torch.device("cpu"), "full")
+    try:
+        out = SCENARIOS[scenario](workdir, world.rank)
+        (workdir / f"{scenario}_rank{world.rank}.json").write_text(json.dumps(out, indent=1))
+    finally:
+        distributed.cleanup()
+
+
+# ============================================================================================
+# Test side
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(scenario: str, workdir: Path, world_size: int) -> list[subprocess.Popen]:
+    port = _free_port()
+    procs = []
+    for rank in range(world_size):
+        env = {
+            **os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(REPO),
+        }  # fmt: skip
+        log = open(workdir / f"{scenario}_rank{rank}.log", "w")  # noqa: SIM115
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, scenario, str(workdir)],
+                env=env,
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        )
+    return procs
+
+
+def _finish(procs: list[subprocess.Popen], workdir: Path, scenario: str) -> list[dict]:
+    deadline = time.monotonic() + WORKER_TIMEOUT_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+    logs = "\n".join(
+        (workdir / f"{scenario}_rank{r}.log").read_text()[-3000:] for r in range(len(procs))
+    )  # noqa: E501
+    assert all(p.returncode == 0 for p in procs), f"{scenario} failed:\n{logs}"
+    return [
+        json.loads((workdir / f"{scenario}_rank{r}.json").read_text()) for r in range(len(procs))
+    ]  # noqa: E501
+
+
+def _write_hf_input(workdir: Path) -> None:
+    """A sharded HF checkpoint of the tiny shape, made by transformers itself."""
+    from transformers import LlamaForCausalLM
+
+    from model_utils import arguments, modeling
+
+    config = modeling.llama_config(arguments.parse_args(TINY))
+    torch.manual_seed(123)
+    LlamaForCausalLM(config).save_pretrained(workdir / "hf_in", max_shard_size="100KB")
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ckpt")
+
+
+@pytest.fixture(scope="module")
+def train_run(workdir: Path) -> list[dict]:
+    _write_hf_input(workdir)
+    return _finish(_launch("train", workdir, 2), workdir, "train")
+
+
+@pytest.fixture(scope="module")
+def kill_run(workdir: Path, train_run: list[dict]) -> dict[str, Any]:
+    """Rank 1 is SIGKILLed while it writes checkpoint 2; rank 0 then fails or is killed too."""
+    procs = _launch("kill", workdir, 2)
+    flag = workdir / "rank1_writing"
+    deadline = time.monotonic() + WORKER_TIMEOUT_S
+    while not flag.exists() and time.monotonic() < deadline and procs[1].poll() is None:
+        time.sleep(0.1)
+    assert flag.exists(), (workdir / "kill_rank1.log").read_text()[-3000:]
+    procs[1].send_signal(signal.SIGKILL)
+    procs[1].wait()
+    try:
+        procs[0].wait(timeout=30)  # gloo sees the dead peer and raises
+    except subprocess.TimeoutExpired:
+        procs[0].kill()
+        procs[0].wait()
+    return {
+        "returncodes": [p.returncode for p in procs],
+        "listing": sorted(p.name for p in (workdir / "killck").iterdir()),
+        "latest": ck.latest_checkpoint(workdir / "killck"),
+    }
+
+
+@pytest.fixture(scope="module")
+def reshard_run(workdir: Path, train_run: list[dict], kill_run: dict) -> dict[str, Any]:
+    return _finish(_launch("reshard", workdir, 1), workdir, "reshard")[0]
+
+
+# -- pure filesystem rules --------------------------------------------------------------------
+
+
+def _fake_checkpoint(root: Path, name: str, marker: bool = True, metadata: bool = True) -> Path:
+    path = root / name
+    path.mkdir(parents=True)
+    (path / "__0_0.distcp").write_bytes(b"x")
+    if metadata:
+        (path / ck.DCP_METADATA).write_bytes(b"x")
+    if marker:
+        (path / ck.MARKER).write_text(json.dumps({"step": ck.step_of(path), "world_size": 1}))
+    return path
+
+
+def test_auto_resume_picks_newest_complete(tmp_path: Path) -> None:
+    _fake_checkpoint(tmp_path, "step_00000001")
+    newest = _fake_checkpoint(tmp_path, "step_00000020")
+    _fake_checkpoint(tmp_path, "step_00000100", marker=False)  # crashed before publish
+    _fake_checkpoint(tmp_path, ".tmp-step_00000200")
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    assert ck.resolve_checkpoint("auto", tmp_path) == newest
+    assert ck.Checkpointer(tmp_path).resolve("auto") == newest
+    assert ck.resolve_checkpoint(None, tmp_path) is None
+    assert ck.resolve_checkpoint("auto", tmp_path / "missing") is None  # fresh start
+    assert not (tmp_path / ".tmp-step_00000200").exists()  # cleaned by the Checkpointer
+
+
+@pytest.mark.parametrize(
+    ("name", "marker", "metadata", "message"),
+    [
+        ("step_00000005", False, True, "never completed"),
+        ("step_00000006", True, False, "no .metadata"),
+        (".tmp-step_00000007", True, True, "unfinished save"),
+        ("absent", None, None, "does not exist"),
+    ],
+)
+def test_explicit_resume_path_must_be_complete(
+    tmp_path: Path, name: str, marker: bool | None, metadata: bool | None, message: str
+) -> None:
+    if marker is not None:
+        _fake_checkpoint(tmp_path, name, marker=marker, metadata=metadata)
+    with pytest.raises(ValueError, match=message):
+        ck.check_resume_arg(str(tmp_path / name), tmp_path)
+    with pytest.raises(ValueError, match="--resume_from_checkpoint"):
+        ck.resolve_checkpoint(str(tmp_path / name), tmp_path)
+
+
+def test_prune_plan_keeps_newest_and_the_one_just_published() -> None:
+    paths = [Path(ck.checkpoint_name(s)) for s in (1, 2, 3, 4)]
+    assert ck.prune_plan(paths, 2, paths[-1]) == paths[:2]
+    assert ck.prune_plan(paths, None, paths[-1]) == []
+    assert ck.prune_plan(paths, 1, paths[1]) == [paths[0], paths[2], paths[3]]
+    assert ck.prune_plan(paths[:1], 3, paths[0]) == []
+
+
+def test_layer_groups_and_layerwise_key_map_match_whole_model_mapping() -> None:
+    names = ["lm_head.weight", "model.layers.10.mlp.up_proj.weight",
+             "model.layers.2.self_attn.q_proj.weight", "model.norm.weight",
+             "model.layers.2.mlp.up_proj.weight"]  # fmt: skip
+    assert ck.layer_groups(names) == [
+        ["lm_head.weight", "model.norm.weight"],
+        ["model.layers.2.self_attn.q_proj.weight", "model.layers.2.mlp.up_proj.weight"],
+        ["model.layers.10.mlp.up_proj.weight"],
+    ]
+    te_llama = pytest.importorskip("te_llama")
+    from transformers import LlamaForCausalLM
+
+    from model_utils import arguments, modeling
+
+    config = modeling.llama_config(arguments.parse_args([*TINY, "--num_layers", "3"]))
+    hf = LlamaForCausalLM(config).state_dict()
+    whole = te_llama.hf_to_te_state_dict(hf, config)
+    to_te = ck.layerwise_key_map(te_llama.hf_to_te_state_dict, config)
+    to_hf = ck.layerwise_key_map(te_llama.te_to_hf_state_dict, config)
+    by_layer: dict[str, torch.Tensor] = {}
+    for group in ck.layer_groups(hf):
+        by_layer.update(to_te({n: hf[n] for n in group}))
+    assert differences(by_layer, whole) == []
+    back: dict[str, torch.Tensor] = {}
+    for group in ck.layer_groups(by_layer):
+        back.update(to_hf({n: by_layer[n] for n in group}))
+    assert differences(back, dict(hf)) == []
+
+
+def test_hf_dir_errors_are_one_clear_line(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        ck.check_hf_dir(tmp_path / "nope")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="neither model.safetensors nor"):
+        ck.check_hf_dir(tmp_path)
+    (tmp_path / ck.HF_INDEX).write_text(json.dumps({"weight_map": {"a": "gone.safetensors"}}))
+    with pytest.raises(ValueError, match="missing shard"):
+        ck.check_hf_dir(tmp_path)
+
+
+def test_shard_writer_splits_and_indexes(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    tensors = {f"t{i}": torch.full((100,), float(i)) for i in range(5)}  # 400 bytes each
+    writer = ck.SafetensorsShardWriter(tmp_path / "multi", max_shard_bytes=1000)
+    for name, t in tensors.items():
+        writer.add(name, t)
+    files = writer.finish()
+    assert [f.name for f in files] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    index = json.loads((tmp_path / "multi" / ck.HF_INDEX).read_text())
+    assert index["metadata"]["total_size"] == 2000
+    loaded = {k: v for f in files for k, v in load_file(f).items()}
+    assert differences(loaded, tensors) == []
+    single = ck.SafetensorsShardWriter(tmp_path / "multi")  # re-export: old shards removed
+    single.add("t0", tensors["t0"])
+    assert [f.name for f in single.finish()] == [ck.HF_SINGLE]
+    assert sorted(p.name for p in (tmp_path / "multi").iterdir()) == [ck.HF_SINGLE]
+
+
+# -- 2 ranks: save, resume, async, FP8, HF ------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_init_from_sharded_hf_gives_each_rank_the_exact_weights(train_run: list[dict]) -> None:
+    assert [r["init_from_hf_diff"] for r in train_run] == [[], []]
+
+
+@pytest.mark.slow
+def test_resume_restores_everything_exactly(train_run: list[dict]) -> None:
+    for r in train_run:
+        assert r["resume"] == {"step": 3, "resharded": False, "saved_world_size": 2,
+                               "config_seed": 7}  # fmt: skip
+        assert r["resume_model_diff"] == []
+        assert r["resume_optim_diff"] == []
+        assert r["resume_sched_diff"] == []
+        assert r["resume_data_diff"] == []
+        assert r["resume_rng_diff"] == []
+        # Bit-identical next step: model, optimizer, schedule, data and RNG all came back.
+        assert r["resumed_loss_step4"] == r["loss_step4"]
+
+
+@pytest.mark.slow
+def test_keep_last_prunes_after_publish(train_run: list[dict]) -> None:
+    assert train_run[0]["listing"] == ["step_00000002", "step_00000003"]
+    assert train_run[0]["latest"] == "step_00000003"
+
+
+@pytest.mark.slow
+def test_async_save_snapshots_state_at_save_time(train_run: list[dict]) -> None:
+    for r in train_run:
+        assert r["async_listing"] == ["step_00000004"]
+        assert r["async_step"] == 4
+        assert r["async_model_diff"] == []
+
+
+@pytest.mark.slow
+def test_fp8_and_bf16_checkpoints_load_into_each_other(train_run: list[dict]) -> None:
+    for r in train_run:
+        assert "Float8Linear" in r["fp8_linear_types"]
+        assert r["bf16_to_fp8_model_diff"] == []
+        assert r["bf16_to_fp8_optim_diff"] == []
+        assert r["fp8_to_bf16_model_diff"] == []
+        assert r["fp8_to_bf16_optim_diff"] == []
+        assert math.isfinite(r["fp8_loss_step4"])
+        assert abs(r["fp8_loss_step4"] - r["loss_step4"]) < 0.05  # same weights, FP8 numerics
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.slow
+def test_export_hf_round_trip_has_identical_logits(workdir: Path, train_run: list[dict]) -> None:
+    from transformers import LlamaForCausalLM
+
+    out = workdir / "hf_out"
+    assert (out / ck.HF_INDEX).is_file() and len(list(out.glob("model-*.safetensors"))) > 1
+    exported = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
+    reference = LlamaForCausalLM(exported.config)
+    reference.load_state_dict(torch.load(workdir / "export_reference.pt"))
+    assert torch.equal(_logits(exported), _logits(reference))
+
+
+@pytest.mark.slow
+def test_convert_script_writes_loadable_hf(workdir: Path, train_run: list[dict]) -> None:
+    from transformers import LlamaForCausalLM
+
+    out = workdir / "converted"
+    cmd = [sys.executable, str(REPO / "scripts" / "convert_checkpoint.py")]
+    done = subprocess.run([*cmd, str(workdir / "ckpt"), str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "step 3" in done.stdout
+    converted = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
+    snapshot = torch.load(workdir / "snapshot_step3.pt", weights_only=False)["model"]
+    assert differences(dict(converted.state_dict()), snapshot) == []
+    reference = LlamaForCausalLM(converted.config)
+    reference.load_state_dict(snapshot)
+    assert torch.equal(_logits(converted), _logits(reference))
+
+
+def test_convert_script_rejects_a_non_checkpoint_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sys.path.insert(0, str(REPO / "scripts"))
+    import convert_checkpoint
+
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert convert_checkpoint.main([str(tmp_path), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no .metadata" in err
+    assert not (tmp_path / "out").exists()
+
+
+# -- a rank killed mid-save; then 2 -> 1 resharding ------------------------------------------
+
+
+@pytest.mark.slow
+def test_killed_save_leaves_previous_checkpoint_latest(kill_run: dict) -> None:
+    assert kill_run["returncodes"][1] == -signal.SIGKILL
+    assert kill_run["returncodes"][0] != 0  # the survivor errors out (or is stopped), no hang
+    assert kill_run["listing"] == [".tmp-step_00000002", "step_00000001"]
+    assert kill_run["latest"].name == "step_00000001"
+
+
+@pytest.mark.slow
+def test_killed_save_is_cleaned_and_previous_loads(reshard_run: dict) -> None:
+    assert reshard_run["kill_listing_after_init"] == ["step_00000001"]
+    assert reshard_run["kill_latest"] == "step_00000001"
+    assert reshard_run["kill_model_diff"] == []
+
+
+@pytest.mark.slow
+def test_two_rank_checkpoint_loads_on_one_rank(reshard_run: dict) -> None:
+    assert reshard_run["result"] == {"step": 3, "resharded": True, "saved_world_size": 2}
+    assert reshard_run["model_diff"] == []
+    assert reshard_run["optim_diff"] == []
+    assert reshard_run["sched_diff"] == []
+    # The data hook gets every saved rank's position; RNGs are reseeded from (seed, step, rank).
+    assert reshard_run["hook_calls"] == [[3, [3, 3]]]
+    assert reshard_run["rng_is_derived"]
+    assert reshard_run["warned"]
+    assert math.isfinite(reshard_run["loss_after_reshard"])
+
+
+if __name__ == "__main__":
+    worker_main(sys.argv[1], Path(sys.argv[2]))
