@@ -265,7 +265,9 @@ def llama_rope_inv_freq(config: Any) -> torch.Tensor:
     params = rope_parameters(config)
     rope_type = params["rope_type"]
     head_dim = head_dim_of(config)
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    # Explicitly on CPU: models are built under ``torch.device("meta")``, and meta frequencies
+    # would have no values to copy later.
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (float(params["rope_theta"]) ** exponent)
     if rope_type == "default":
         return inv_freq

@@ -238,14 +238,13 @@ def fake_quantize(x: torch.Tensor, fmt: str, kind: str, scale: torch.Tensor | No
     if kind == "tensor":
         return _round_fp8(x, fmt, _current_scale(amax, fmt, power_of_two=False)), amax
     block = _BLOCK[kind]
-    if x.shape[-1] % block:
-        raise ValueError(
-            f"{kind} scaling needs the last dim divisible by {block}: {tuple(x.shape)}"
-        )
-    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    width = x.shape[-1]
+    padded = F.pad(x, (0, -width % block))  # a partial last block is scaled on its own
+    blocks = padded.reshape(*x.shape[:-1], padded.shape[-1] // block, block)
     block_amax = blocks.detach().abs().amax(-1, keepdim=True).float()
     scale = _current_scale(block_amax, fmt, power_of_two=True)
-    return _round_fp8(blocks, fmt, scale).reshape(x.shape), amax
+    rounded = _round_fp8(blocks, fmt, scale).reshape(padded.shape)[..., :width]
+    return rounded, amax
 
 
 def _assert_dim_for_fp8_exec(*tensors: torch.Tensor) -> None:

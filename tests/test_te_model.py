@@ -1,0 +1,474 @@
+"""The TE model and TE precision backend, run on CPU through the TE test double.
+
+The double (tests/te_double) computes with the layout-tested reference and emulates FP8
+numerics per recipe, so these tests exercise the product's real wiring: meta-device build,
+deterministic shard-aware init, autocast with the amax reduction group, is_first_microbatch,
+TE activation checkpointing, FP8 state in ``_extra_state``, and the capability messages.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from te_double import install, subprocess_env, uninstall
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import te_llama
+from model_utils import te_precision
+from model_utils.te_precision import TEBackend, TECapabilityError
+
+RECIPES = ["delayed", "current", "block", "mxfp8"]
+
+
+def tiny_config(**overrides) -> LlamaConfig:
+    values = dict(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    values.update(overrides)
+    return LlamaConfig(**values)
+
+
+def backend_args(fp8: bool, recipe: str = "delayed", impl: str = "te", **overrides):
+    values = dict(
+        fp8=fp8,
+        fp8_recipe=recipe,
+        fp8_format="hybrid",
+        amax_history_len=16,
+        amax_compute_algo="max",
+        fp8_margin=0,
+        fp8_weights=False,
+        model_impl=impl,
+    )
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+def batch(config: LlamaConfig, seed: int = 0, size: tuple[int, int] = (2, 32)) -> torch.Tensor:
+    return torch.randint(0, config.vocab_size, size, generator=torch.Generator().manual_seed(seed))
+
+
+def built(config: LlamaConfig, impl: str = "te", seed: int = 0, **kwargs) -> torch.nn.Module:
+    """Meta build -> to_empty -> init, the lead's flow for sharded training."""
+    with torch.device("meta"):
+        model = te_llama.build_te_llama(config, impl=impl, **kwargs)
+    model.to_empty(device="cpu")
+    te_llama.init_llama_weights(model, seed=seed)
+    return model
+
+
+@pytest.fixture
+def te_double():
+    install()
+    yield
+    uninstall()
+
+
+# ------------------------------------------------------------------------------------------
+# Without TE.
+# ------------------------------------------------------------------------------------------
+
+
+def test_without_te_import_works_and_build_fails_clearly() -> None:
+    uninstall()
+    assert not te_llama.te_available()
+    with pytest.raises(te_llama.TEUnavailableError, match="--model_impl hf"):
+        te_llama.build_te_llama(tiny_config(), impl="te")
+    with pytest.raises(TECapabilityError, match="Transformer Engine"):
+        TEBackend(backend_args(fp8=True)).capability_check()
+
+
+# ------------------------------------------------------------------------------------------
+# Pure functions: capability, shapes, recipes, auto.
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("recipe", "sm", "cuda", "te_version", "expected"),
+    [
+        ("delayed", (9, 0), "12.4", "2.20.2", None),
+        ("delayed", (8, 0), "12.4", "2.20.2", "SM 8.9+ (Ada, Hopper or newer); this GPU is SM 8.0"),
+        ("current", (9, 0), "12.4", "2.1.0", "needs Transformer Engine >= 2.2, found 2.1.0"),
+        ("block", (9, 0), "12.4", "2.20.2", "CUDA >= 12.9; this PyTorch was built with CUDA 12.4"),
+        ("block", (9, 0), "12.9", "2.20.2", None),
+        ("block", (8, 9), "12.9", "2.20.2", "SM 9.0+ (Hopper)"),
+        ("mxfp8", (9, 0), "12.9", "2.20.2", "SM 10.0+ (Blackwell); this GPU is SM 9.0"),
+        ("mxfp8", (10, 0), "12.8", "2.20.2", None),
+        ("delayed", None, None, "2.20.2", "no CUDA GPU is visible"),
+        ("delayed", (9, 0), "12.4", None, "Transformer Engine >= 2.1, which is not installed"),
+        ("bf16", (7, 0), "12.4", "2.20.2", "BF16 on Transformer Engine needs"),
+    ],
+)
+def test_capability_problem_messages(recipe, sm, cuda, te_version, expected) -> None:
+    problem = te_precision.capability_problem(
+        recipe, sm=sm, cuda_version=cuda, te_version=te_version
+    )
+    if expected is None:
+        assert problem is None
+    else:
+        assert problem is not None and expected in problem
+
+
+def test_fp8_weights_needs_te_2_3() -> None:
+    problem = te_precision.capability_problem(
+        "delayed", sm=(9, 0), cuda_version="12.4", te_version="2.2.0", fp8_weights=True
+    )
+    assert problem == "--fp8_weights needs Transformer Engine >= 2.3, found 2.2.0"
+
+
+def test_fp8_shape_problem() -> None:
+    shapes = dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32)
+    assert (
+        te_precision.fp8_shape_problem(
+            micro_batch_size=1, seq_len=4096, num_key_value_heads=32, **shapes
+        )
+        is None
+    )
+    problem = te_precision.fp8_shape_problem(
+        micro_batch_size=1, seq_len=1000, num_key_value_heads=32, **shapes
+    )
+    assert problem and "tokens per micro-batch" in problem and "1000" in problem
+    assert "hidden_width" not in problem
+    odd_ffn = te_precision.fp8_shape_problem(
+        micro_batch_size=2,
+        seq_len=512,
+        num_key_value_heads=8,
+        **{**shapes, "intermediate_size": 11000},
+    )
+    assert odd_ffn and "intermediate_size = 11000" in odd_ffn
+    mx = te_precision.fp8_shape_problem(
+        micro_batch_size=1, seq_len=48, num_key_value_heads=32, recipe="mxfp8", **shapes
+    )
+    assert mx and "multiples of 32" in mx
+
+
+def test_choose_model_impl() -> None:
+    choose = te_precision.choose_model_impl
+    assert choose("auto", te_importable=True, sm=(9, 0)) == "te"
+    assert choose("auto", te_importable=False, sm=(9, 0)) == "hf"
+    assert choose("auto", te_importable=True, sm=None) == "hf"
+    assert choose("te_linear", te_importable=False, sm=None) == "te_linear"
+
+
+def test_build_recipe_maps_flags(te_double) -> None:
+    from transformer_engine.common import recipe as te_recipe
+
+    delayed = te_precision.build_recipe(
+        "delayed",
+        fp8_format="e4m3",
+        amax_history_len=32,
+        amax_compute_algo="most_recent",
+        fp8_margin=1,
+    )
+    assert isinstance(delayed, te_recipe.DelayedScaling)
+    assert (delayed.fp8_format, delayed.amax_history_len) == (te_recipe.Format.E4M3, 32)
+    assert (delayed.amax_compute_algo, delayed.margin) == ("most_recent", 1)
+    assert te_precision.build_recipe("current").fp8_format == te_recipe.Format.HYBRID
+    assert isinstance(te_precision.build_recipe("block"), te_recipe.Float8BlockScaling)
+    assert isinstance(te_precision.build_recipe("mxfp8"), te_recipe.MXFP8BlockScaling)
+    with pytest.raises(ValueError, match="tensorwise"):
+        te_precision.build_recipe("tensorwise")
+
+
+# ------------------------------------------------------------------------------------------
+# Building and initialising.
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["te", "te_linear"])
+def test_meta_build_and_deterministic_init(impl: str, te_double) -> None:
+    config = tiny_config()
+    with torch.device("meta"):
+        model = te_llama.build_te_llama(config, impl=impl)
+    assert all(p.is_meta for p in model.parameters())
+    model.to_empty(device="cpu")
+    te_llama.init_llama_weights(model, seed=5)
+    state = {k: v for k, v in model.state_dict().items() if not te_llama.is_te_extra_state_key(k)}
+    same = built(config, impl, seed=5).state_dict()
+    other = built(config, impl, seed=6).state_dict()
+    for name, tensor in state.items():
+        assert torch.isfinite(tensor).all(), name
+        assert torch.equal(tensor, same[name]), name
+        if te_llama.init_kind(name) == "ones":
+            assert torch.equal(tensor, torch.ones_like(tensor)), name
+        else:
+            assert not torch.equal(tensor, other[name]), name
+            assert abs(tensor.std().item() - config.initializer_range) < 0.005, name
+    expected_rope = te_llama.llama_rope_inv_freq(config)
+    assert torch.equal(model.model.rotary_emb.inv_freq, expected_rope)
+
+
+def test_te_linear_swaps_decoder_linears_only(te_double) -> None:
+    import transformer_engine.pytorch as te
+
+    config = tiny_config(intermediate_size=200)  # not a multiple of 16: the MLP stays nn.Linear
+    hf = LlamaForCausalLM(config).eval()
+    model = te_llama.build_te_llama(config, impl="te_linear").eval()
+    assert isinstance(model.model.layers[0].self_attn.q_proj, te.Linear)
+    assert type(model.model.layers[0].mlp.gate_proj) is torch.nn.Linear
+    assert type(model.lm_head) is torch.nn.Linear
+    assert "model.layers.1.mlp.down_proj" in model.te_linear_skipped
+    assert len(model.te_linear_skipped) == 2 * 3
+    missing, unexpected = model.load_state_dict(hf.state_dict(), strict=False)
+    assert not unexpected and all(map(te_llama.is_te_extra_state_key, missing))
+    ids = batch(config)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, hf(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_build_refuses_unsupported_configs(te_double) -> None:
+    with pytest.raises(ValueError, match="attention_bias"):
+        te_llama.build_te_llama(tiny_config(attention_bias=True), impl="te")
+    scaled = tiny_config(rope_scaling={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(ValueError, match="rope_type 'linear'"):
+        te_llama.build_te_llama(scaled, impl="te")
+    with pytest.raises(ValueError, match="impl"):
+        te_llama.build_te_llama(tiny_config(), impl="hf")
+
+
+# ------------------------------------------------------------------------------------------
+# Training through the backend.
+# ------------------------------------------------------------------------------------------
+
+
+def train_losses(model, backend, config, steps: int) -> list[float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = batch(config, size=(2, 32))
+    losses = []
+    for _ in range(steps):
+        with backend.autocast(is_first_microbatch=True):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        assert all(p.grad is not None for p in model.parameters())
+        optimizer.step()
+        optimizer.zero_grad()
+        backend.after_optimizer_step(model)
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("precision", ["bf16", *RECIPES])
+@pytest.mark.parametrize("impl", ["te", "te_linear"])
+def test_forward_backward_every_precision(
+    precision: str, impl: str, te_double, monkeypatch
+) -> None:
+    if precision == "mxfp8":
+        monkeypatch.setenv("TE_DOUBLE_SM", "10.0")
+    config = tiny_config()
+    args = backend_args(
+        fp8=precision != "bf16", recipe=precision if precision != "bf16" else "delayed", impl=impl
+    )
+    backend = TEBackend(args)
+    backend.capability_check()
+    model = backend.prepare(built(config, impl))
+    losses = train_losses(model, backend, config, steps=4)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0]
+    assert impl in backend.describe() and ("FP8" in backend.describe()) == (precision != "bf16")
+
+
+def test_fp8_changes_numerics_but_stays_close(te_double) -> None:
+    config = tiny_config()
+    ids = batch(config)
+    losses = {}
+    for name in ("bf16", "delayed", "current"):
+        backend = TEBackend(
+            backend_args(fp8=name != "bf16", recipe="delayed" if name == "bf16" else name)
+        )
+        model = backend.prepare(built(config))
+        with torch.no_grad(), backend.autocast():
+            losses[name] = model(ids, labels=ids).loss.item()
+    for name in ("delayed", "current"):
+        assert losses[name] != losses["bf16"]
+        assert abs(losses[name] - losses["bf16"]) / losses["bf16"] < 0.02
+
+
+def test_capability_check_through_double(te_double, monkeypatch) -> None:
+    with pytest.raises(TECapabilityError, match="Blackwell.*10.0 or higher"):
+        TEBackend(backend_args(fp8=True, recipe="mxfp8")).capability_check()
+    monkeypatch.setenv("TE_DOUBLE_SM", "8.0")
+    with pytest.raises(TECapabilityError, match="8.9"):
+        TEBackend(backend_args(fp8=True, recipe="delayed")).capability_check()
+    TEBackend(backend_args(fp8=False)).capability_check()  # BF16 needs no FP8 support
+
+
+def test_backend_refuses_hf_model(te_double) -> None:
+    with pytest.raises(ValueError, match="--model_impl te or te_linear"):
+        TEBackend(backend_args(fp8=True)).prepare(LlamaForCausalLM(tiny_config()))
+    with pytest.raises(ValueError, match="--fp8=1"):
+        TEBackend(backend_args(fp8=False, fp8_weights=True))
+
+
+def test_delayed_scaling_state_travels_in_extra_state(te_double) -> None:
+    config = tiny_config()
+    backend = TEBackend(backend_args(fp8=True, recipe="delayed"))
+    model = backend.prepare(built(config))
+    train_losses(model, backend, config, steps=2)
+    state = model.state_dict()
+    extra = [k for k in state if te_llama.is_te_extra_state_key(k) and state[k].numel()]
+    assert len(extra) == 3 * config.num_hidden_layers  # qkv, proj, mlp hold FP8 scaling state
+    clone = TEBackend(backend_args(fp8=True, recipe="delayed"))
+    restored = clone.prepare(built(config, seed=9))
+    restored.load_state_dict(state)
+    ids = batch(config, seed=4)
+    with torch.no_grad(), backend.autocast():
+        expected = model(ids).logits
+    with torch.no_grad(), clone.autocast():
+        got = restored(ids).logits
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("impl", ["te", "te_linear"])
+def test_is_first_microbatch_reuses_fp8_weights(impl: str, te_double) -> None:
+    """False on later micro-batches makes TE reuse the FP8 weights cast on the first."""
+    config = tiny_config()
+    backend = TEBackend(backend_args(fp8=True, recipe="current", impl=impl))
+    model = backend.prepare(built(config, impl)).eval()
+    ids = batch(config)
+    with torch.no_grad():
+        with backend.autocast(is_first_microbatch=True):
+            first = model(ids).logits
+        assert all(
+            getattr(m, "is_first_microbatch", getattr(m, "te_is_first_microbatch", None)) is True
+            for m in te_llama.te_modules(model)
+        )
+        for name, param in model.named_parameters():
+            if "layers" in name and not name.endswith("norm_weight") and "norm" not in name:
+                param.mul_(1.5)
+        with backend.autocast(is_first_microbatch=False):
+            cached = model(ids).logits
+        with backend.autocast(is_first_microbatch=True):
+            fresh = model(ids).logits
+    torch.testing.assert_close(cached, first)
+    assert (fresh - first).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "delayed"])
+def test_te_activation_checkpointing_keeps_gradients(recipe: str, te_double) -> None:
+    config = tiny_config()
+    ids = batch(config)
+    grads = []
+    for checkpointed in (False, True):
+        backend = TEBackend(backend_args(fp8=recipe != "bf16", recipe="delayed"))
+        model = backend.prepare(built(config))
+        if checkpointed:
+            assert te_llama.apply_te_activation_checkpointing(model) == config.num_hidden_layers
+        for _ in range(2):  # the second step runs with updated delayed-scaling factors
+            model.zero_grad()
+            with backend.autocast(is_first_microbatch=True):
+                loss = model(ids, labels=ids).loss
+            loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_te_linear_activation_checkpointing_keeps_state_dict_names(te_double) -> None:
+    config = tiny_config()
+    model = built(config, "te_linear")
+    keys = set(model.state_dict())
+    te_llama.apply_te_activation_checkpointing(model)
+    assert set(model.state_dict()) == keys
+    ids = batch(config)
+    model(ids, labels=ids).loss.backward()
+    assert model.model.layers[0]._checkpoint_wrapped_module.self_attn.q_proj.weight.grad is not None
+
+
+def test_fp8_weights_build(te_double) -> None:
+    backend = TEBackend(backend_args(fp8=True, recipe="delayed", fp8_weights=True))
+    config = tiny_config()
+    model = built(config, fp8_weights=True, fp8_recipe=backend.recipe)
+    backend.prepare(model)
+    assert "weights FP8" in backend.describe()
+    assert train_losses(model, backend, config, steps=1)
+
+
+def test_double_injects_into_subprocess(tmp_path) -> None:
+    """The route train.py integration tests use: PYTHONPATH from te_double.subprocess_env."""
+    code = (
+        "import transformer_engine, transformer_engine.pytorch as te; "
+        "print(transformer_engine.__version__, te.TransformerLayer.__module__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.split() == ["2.20.2+double", "transformer_engine.pytorch"]
+
+
+# ------------------------------------------------------------------------------------------
+# Two ranks, FSDP2 on gloo.
+# ------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _two_rank_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    install()
+    try:
+        config = tiny_config()
+        backend = TEBackend(backend_args(fp8=True, recipe="delayed"), dp_group=dist.group.WORLD)
+        with torch.device("meta"):
+            model = te_llama.build_te_llama(config, impl="te")
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        model.to_empty(device="cpu")
+        te_llama.init_llama_weights(model, seed=11)
+        full = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        backend.prepare(model)
+        ids = batch(config, seed=100 + rank)  # different data per rank -> different local amaxes
+        with backend.autocast(is_first_microbatch=True):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        history = model.model.layers[0].transformer_layer.layernorm_mlp.fp8_meta["amax_history_fwd"]
+        gathered = [torch.zeros_like(history) for _ in range(world)]
+        dist.all_gather(gathered, history)
+        if rank == 0:
+            weights = {k: v for k, v in full.items() if not te_llama.is_te_extra_state_key(k)}
+            torch.save(
+                {"weights": weights, "histories": gathered}, os.path.join(out_dir, "result.pt")
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_two_ranks_init_and_amax_reduction(tmp_path, te_double) -> None:
+    """2-rank FSDP2: the sharded init equals the single-process init, and delayed-scaling
+    amaxes are all-reduced over the data-parallel group passed to the backend."""
+    mp.spawn(_two_rank_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    result = torch.load(tmp_path / "result.pt")
+    single = built(tiny_config(), seed=11).state_dict()
+    for name, tensor in result["weights"].items():
+        assert torch.equal(tensor, single[name]), name
+    first, second = result["histories"]
+    assert first[0].abs().sum() > 0
+    assert torch.equal(first, second)
