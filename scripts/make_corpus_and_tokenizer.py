@@ -125,6 +125,12 @@ def train_tokenizer(texts: list[str], out_dir: Path) -> None:
     tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, bos_token=EOS)
     wrapped.save_pretrained(str(out_dir))
+    # transformers 5 records its new class name; the 4.x name loads in both major versions
+    # (e.g. in a GPU container that ships an older transformers).
+    config_path = out_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
 def build(out_dir: Path) -> list[Path]:
