@@ -348,9 +348,8 @@ class _Cursor:
 
     epoch: int = 0
     block: int = 0  # index of the block within the epoch
-    dataset_state: str = (
-        ""  # JSON of IterableDataset.state_dict() at the block start ("" = epoch start)
-    )
+    # JSON of the rank view's IterableDataset.state_dict() at the block start; "" = epoch start
+    dataset_state: str = ""
     doc: int = 0  # first document (in the block's shuffled order) of the current tokenizer batch
     token: int = 0  # tokens of that tokenizer batch already emitted
 
@@ -366,7 +365,7 @@ class TrainStream:
     key that names the rank, so that torch.distributed.checkpoint saves every rank's position
     (DCP keeps one copy of identical keys across ranks) and a fresh stream's state_dict() is a
     valid load template. The object follows DCP's Stateful protocol and can be put in the
-    checkpoint's state dict as is.
+    checkpoint's state dict as is. A checkpoint from another world size: `restart_after_reshard`.
     """
 
     def __init__(
@@ -426,7 +425,7 @@ class TrainStream:
     def state_dict(self) -> dict[str, dict[str, Any]]:
         """This rank's position: small, plain, and the same keys before and after iterating."""
         state = {
-            "dataset": self.dataset,
+            "dataset": _dataset_id(self.dataset),
             "seed": self.seed,
             "world_size": self.world_size,
             "block_docs": self.block_docs,
@@ -444,7 +443,7 @@ class TrainStream:
         """
         saved = self._own_entry(state)
         expected = {
-            "dataset": self.dataset,
+            "dataset": _dataset_id(self.dataset),
             "seed": self.seed,
             "world_size": self.world_size,
             "block_docs": self.block_docs,
@@ -542,6 +541,13 @@ class TrainStream:
         return encode_documents(
             self.tokenizer, self._block[first_doc : first_doc + self.tokenize_batch]
         )
+
+
+def _dataset_id(dataset: str) -> str:
+    """How a saved position names its dataset: a hub name, or a local path's last component
+    (a checkpoint stays valid when the data is mounted somewhere else or given relatively)."""
+    path = Path(dataset).expanduser()
+    return path.resolve().name if path.exists() else dataset
 
 
 def _require_positive(**values: int) -> None:

@@ -247,6 +247,16 @@ def test_state_from_another_world_size_is_refused_or_restarts_next_epoch(corpus,
     assert next(single)["input_ids"].reshape(-1).tolist()[: len(first)] == first[: SEQ_LEN * 2]
 
 
+def test_state_names_a_local_dataset_independently_of_its_path(corpus, tokenizer, monkeypatch):
+    stream = _stream(corpus, tokenizer)  # absolute path
+    for _ in range(3):
+        next(stream)
+    monkeypatch.chdir(Path(corpus).parent)
+    relative = _stream(Path(corpus).name, tokenizer)
+    relative.load_state_dict(stream.state_dict())
+    assert torch.equal(next(relative)["input_ids"], next(stream)["input_ids"])
+
+
 def test_vocab_mismatch_is_one_clear_line(tokenizer):
     data.check_vocab(tokenizer, len(tokenizer))
     with pytest.raises(ValueError) as error:
