@@ -19,6 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
+#: The Transformer Engine release this code is written and contract-tested against
+#: (tests/test_te_contract.py parses its wheel; the GPU image should install this release).
+PINNED_TE_VERSION = "2.20.2"
+
 #: ``--fp8_recipe`` values for TE -> TE recipe class (``transformer_engine.common.recipe``).
 TE_RECIPES: dict[str, str] = {
     "delayed": "DelayedScaling",
@@ -49,6 +53,13 @@ REQUIREMENTS: dict[str, Requirement] = {
     "current": Requirement((8, 9), None, (2, 2), "SM 8.9+ (Ada, Hopper or newer)"),
     "block": Requirement((9, 0), (12, 9), (2, 3), "SM 9.0+ (Hopper) and CUDA >= 12.9"),
     "mxfp8": Requirement((10, 0), None, (2, 1), "SM 10.0+ (Blackwell)"),
+}
+#: TE's own availability check per recipe (``fn(return_reason=True) -> (ok, reason)``).
+TE_AVAILABILITY_CHECKS: dict[str, str] = {
+    "delayed": "is_fp8_available",
+    "current": "is_fp8_available",
+    "block": "is_fp8_block_scaling_available",
+    "mxfp8": "is_mxfp8_available",
 }
 #: FP8 primary weights under FSDP2 (``--fp8_weights``) arrived in TE 2.3.
 FP8_WEIGHTS_MIN_TE = (2, 3)
@@ -89,12 +100,12 @@ def capability_problem(
     """
     need = REQUIREMENTS[recipe]
     label = "BF16 on Transformer Engine" if recipe == "bf16" else f"--fp8_recipe {recipe}"
-    te = _version_tuple(te_version)
-    if te is None:
+    te_release = _version_tuple(te_version)
+    if te_release is None:
         return f"{label} needs Transformer Engine >= {_fmt(need.min_te)}, which is not installed"
-    if te < need.min_te:
+    if te_release < need.min_te:
         return f"{label} needs Transformer Engine >= {_fmt(need.min_te)}, found {te_version}"
-    if fp8_weights and te < FP8_WEIGHTS_MIN_TE:
+    if fp8_weights and te_release < FP8_WEIGHTS_MIN_TE:
         return (
             f"--fp8_weights needs Transformer Engine >= {_fmt(FP8_WEIGHTS_MIN_TE)}, "
             f"found {te_version}"
@@ -266,11 +277,8 @@ class TEBackend:
             raise TECapabilityError(problem)
         if not self.fp8:
             return
-        check = {
-            "mxfp8": "is_mxfp8_available",
-            "block": "is_fp8_block_scaling_available",
-        }.get(self.recipe_name, "is_fp8_available")
-        available, reason = getattr(te, check)(return_reason=True)
+        check = getattr(te, TE_AVAILABILITY_CHECKS[self.recipe_name])
+        available, reason = check(return_reason=True)
         if not available:
             raise TECapabilityError(
                 f"--fp8_recipe {self.recipe_name} needs {REQUIREMENTS[self.recipe_name].hardware}: "

@@ -1,0 +1,518 @@
+"""API contract with the pinned Transformer Engine release, checked without importing TE.
+
+``scripts/fetch_te_wheel.sh`` downloads the pinned pure-Python ``transformer-engine`` wheel
+(``pip download --no-deps``); its source is parsed with ``ast``. Every TE name, attribute and
+keyword argument used by ``te_llama.py`` and ``model_utils/te_precision.py`` is collected from
+*our* source with ``ast`` as well, so the check follows the code: a misspelt keyword, a class
+TE renamed, or a ``forward`` argument TE dropped fails here. The TE test double's signatures
+are compared with the real ones, so tests that pass on the double pass the same calls TE takes.
+
+Conventions the collector relies on (asserted below): a name ``te`` is bound only to
+``transformer_engine.pytorch`` and ``te_recipe`` only to ``transformer_engine.common.recipe``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import subprocess
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from model_utils import te_precision
+
+ROOT = Path(__file__).resolve().parent.parent
+OUR_SOURCES = ("te_llama.py", "model_utils/te_precision.py")
+ALIASES = {"te": "transformer_engine.pytorch", "te_recipe": "transformer_engine.common.recipe"}
+#: Calls whose result is bound to an alias in our source (checked by the convention test).
+ALIAS_SOURCES = {"import_te()", "self._te()", "import_recipe_module()"}
+
+
+# ------------------------------------------------------------------------------------------
+# The real TE source, from the wheel.
+# ------------------------------------------------------------------------------------------
+
+
+class TESource:
+    """Module name -> parsed AST of every ``.py`` file in a TE wheel, with name resolution."""
+
+    def __init__(self, wheel: Path) -> None:
+        self.modules: dict[str, ast.Module] = {}
+        with zipfile.ZipFile(wheel) as archive:
+            for name in archive.namelist():
+                if name.startswith("transformer_engine/") and name.endswith(".py"):
+                    module = name[: -len(".py")].replace("/", ".").removesuffix(".__init__")
+                    self.modules[module] = ast.parse(archive.read(name), filename=name)
+
+    def resolve(self, module: str, name: str, depth: int = 0) -> tuple[str, Any] | None:
+        """Where ``module.name`` is defined: ``("module", modname)``, ``(modname, def_node)``."""
+        if depth > 20 or module not in self.modules:
+            return None
+        for node in self.modules[module].body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name == name:
+                return module, node
+            if isinstance(node, ast.ImportFrom):
+                for alias in node.names:
+                    if (alias.asname or alias.name) != name:
+                        continue
+                    source = self._absolute(module, node)
+                    found = self.resolve(source, alias.name, depth + 1)
+                    if found is None and f"{source}.{alias.name}" in self.modules:
+                        return "module", f"{source}.{alias.name}"
+                    return found
+        if f"{module}.{name}" in self.modules:
+            return "module", f"{module}.{name}"
+        return None
+
+    def _absolute(self, module: str, node: ast.ImportFrom) -> str:
+        if not node.level:
+            return node.module or ""
+        is_package = any(m.startswith(module + ".") for m in self.modules)
+        parts = module.split(".")
+        base = parts if is_package else parts[:-1]
+        base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+        return ".".join(base + ([node.module] if node.module else []))
+
+    def resolve_chain(self, module: str, attrs: list[str]) -> tuple[str, Any] | None:
+        """Follow ``module.a.b.c``: through submodules, re-exports and class members."""
+        current: tuple[str, Any] | None = ("module", module)
+        for attr in attrs:
+            if current is None:
+                return None
+            where, what = current
+            if where == "module":
+                current = self.resolve(what, attr)
+            elif isinstance(what, ast.ClassDef):
+                current = class_member(what, attr, where)
+            else:
+                return None
+        return current
+
+
+def class_member(cls: ast.ClassDef, name: str, module: str) -> tuple[str, Any] | None:
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return module, node
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return module, node
+    return None
+
+
+def is_dataclass_node(cls: ast.ClassDef) -> bool:
+    for deco in cls.decorator_list:
+        target = deco.func if isinstance(deco, ast.Call) else deco
+        if ast.unparse(target).split(".")[-1] == "dataclass":
+            return True
+    return False
+
+
+@dataclass
+class Params:
+    """What a callable accepts: ordered named parameters and their literal defaults."""
+
+    positional: list[str]
+    keyword_only: list[str]
+    varargs: bool
+    varkw: bool
+    popped: set[str] = field(default_factory=set)  # keys a **kwargs body pops/gets by name
+    defaults: dict[str, Any] = field(default_factory=dict)  # literal defaults only
+
+    @property
+    def names(self) -> list[str]:
+        return self.positional + self.keyword_only
+
+
+_NO_LITERAL = object()
+
+
+def _literal(node: ast.AST | None) -> Any:
+    try:
+        return ast.literal_eval(node) if node is not None else _NO_LITERAL
+    except ValueError:
+        return ast.unparse(node)  # e.g. "Format.HYBRID": compared as text
+
+
+def function_params(func: ast.FunctionDef, drop_self: bool) -> Params:
+    args = func.args
+    positional = [a.arg for a in args.posonlyargs + args.args]
+    if drop_self and positional and positional[0] in ("self", "cls"):
+        positional = positional[1:]
+    defaults: dict[str, Any] = {}
+    for arg, default in zip(args.args[::-1], args.defaults[::-1], strict=False):
+        defaults[arg.arg] = _literal(default)
+    for arg, default in zip(args.kwonlyargs, args.kw_defaults, strict=True):
+        if default is not None:
+            defaults[arg.arg] = _literal(default)
+    popped: set[str] = set()
+    if args.kwarg:
+        for node in ast.walk(func):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("pop", "get")
+                and ast.unparse(node.func.value) == args.kwarg.arg
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                popped.add(node.args[0].value)
+    return Params(
+        positional,
+        [a.arg for a in args.kwonlyargs],
+        args.vararg is not None,
+        args.kwarg is not None,
+        popped,
+        defaults,
+    )
+
+
+def callable_params(resolved: tuple[str, Any], method: str | None = None) -> Params | None:
+    """Parameters of a function, a class's constructor (dataclass fields) or ``method``."""
+    module, node = resolved
+    if isinstance(node, ast.FunctionDef):
+        return function_params(node, drop_self=False)
+    if not isinstance(node, ast.ClassDef):
+        return None
+    if method is None and is_dataclass_node(node):
+        fields = [
+            n for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+        ]
+        names = [f.target.id for f in fields if "ClassVar" not in ast.unparse(f.annotation)]
+        defaults = {f.target.id: _literal(f.value) for f in fields if f.value is not None}
+        return Params(names, [], False, False, set(), defaults)
+    member = class_member(node, method or "__init__", module)
+    if member is None or not isinstance(member[1], ast.FunctionDef):
+        return None
+    return function_params(member[1], drop_self=True)
+
+
+# ------------------------------------------------------------------------------------------
+# Our usages, from our source.
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Usage:
+    where: str  # file:line
+    module: str  # the TE module the chain starts from
+    attrs: list[str]  # attribute chain
+    method: str | None = None  # "forward" for calls on a stored TE instance
+    keywords: list[str] | None = None  # None: not a call
+    positional: int = 0
+    forwarded_to: Usage | None = None  # checkpoint(fn=<TE instance>, ...): extra kwargs go here
+
+    @property
+    def label(self) -> str:
+        return ".".join([self.module, *self.attrs]) + (f".{self.method}" if self.method else "")
+
+
+def _chain(node: ast.AST) -> tuple[str, list[str]] | None:
+    attrs: list[str] = []
+    while isinstance(node, ast.Attribute):
+        attrs.insert(0, node.attr)
+        node = node.value
+    if isinstance(node, ast.Name) and node.id in ALIASES and attrs:
+        return ALIASES[node.id], attrs
+    return None
+
+
+def collect_usages(source: str, filename: str) -> list[Usage]:
+    """Every use of TE in ``source``: attribute chains, calls with their keywords, calls on
+    stored TE instances (``self.x = te.Cls(...)`` then ``self.x(...)`` -> ``Cls.forward``),
+    and ``hasattr``/``getattr`` probes with a literal name."""
+    tree = ast.parse(source, filename=filename)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    instances: dict[str, tuple[str, list[str]]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            chain = _chain(node.value.func)
+            if chain:
+                for target in node.targets:
+                    instances[ast.unparse(target)] = chain
+
+    def call_usage(call: ast.Call, module: str, attrs: list[str], method: str | None) -> Usage:
+        usage = Usage(
+            f"{filename}:{call.lineno}",
+            module,
+            attrs,
+            method,
+            [k.arg for k in call.keywords if k.arg is not None],
+            sum(not isinstance(a, ast.Starred) for a in call.args),
+        )
+        if call.args and ast.unparse(call.args[0]) in instances:
+            inner_module, inner_attrs = instances[ast.unparse(call.args[0])]
+            usage.forwarded_to = Usage(usage.where, inner_module, inner_attrs, "forward", [], 0)
+        return usage
+
+    usages: list[Usage] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            chain = _chain(node.func)
+            if chain:
+                usages.append(call_usage(node, *chain, method=None))
+            elif ast.unparse(node.func) in instances:
+                usages.append(
+                    call_usage(node, *instances[ast.unparse(node.func)], method="forward")
+                )
+            elif (
+                isinstance(node.func, ast.Name)
+                and node.func.id in ("hasattr", "getattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[0], ast.Name)
+                and node.args[0].id in ALIASES
+                and isinstance(node.args[1], ast.Constant)
+            ):
+                usages.append(
+                    Usage(
+                        f"{filename}:{node.lineno}", ALIASES[node.args[0].id], [node.args[1].value]
+                    )
+                )
+        elif isinstance(node, ast.Attribute) and not isinstance(parents.get(node), ast.Attribute):
+            chain = _chain(node)
+            parent = parents.get(node)
+            if chain and not (isinstance(parent, ast.Call) and parent.func is node):
+                usages.append(Usage(f"{filename}:{node.lineno}", *chain))
+    return usages
+
+
+def check_usage(te: TESource, usage: Usage) -> list[str]:
+    """Problems with one usage against the real TE source (empty list = fine)."""
+    resolved = te.resolve_chain(usage.module, usage.attrs)
+    if resolved is None:
+        return [f"{usage.where}: {usage.label} does not exist in Transformer Engine"]
+    if usage.keywords is None:
+        return []
+    params = callable_params(resolved, usage.method)
+    if params is None:
+        return [f"{usage.where}: {usage.label} is not callable in Transformer Engine"]
+    problems = []
+    if not params.varargs and usage.positional > len(params.positional):
+        problems.append(f"{usage.where}: {usage.label} takes {len(params.positional)} positional")
+    forward = None
+    if usage.forwarded_to is not None:
+        target = te.resolve_chain(usage.forwarded_to.module, usage.forwarded_to.attrs)
+        forward = callable_params(target, "forward") if target else None
+    for keyword in usage.keywords:
+        if keyword in params.names or keyword in params.popped:
+            continue
+        if params.varkw and forward is not None and keyword in forward.names:
+            continue  # passed through to the wrapped TE module's forward
+        if params.varkw and not params.popped and forward is None:
+            continue  # an opaque **kwargs: nothing to check against
+        problems.append(f"{usage.where}: {usage.label} has no keyword argument {keyword!r}")
+    return problems
+
+
+def our_usages() -> list[Usage]:
+    usages = []
+    for relative in OUR_SOURCES:
+        usages += collect_usages((ROOT / relative).read_text(), relative)
+    return usages
+
+
+# ------------------------------------------------------------------------------------------
+# Fixtures.
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def te_source() -> TESource:
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "fetch_te_wheel.sh")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if result.returncode == 3:
+        pytest.skip(
+            "!!! TE CONTRACT NOT CHECKED: PyPI is unreachable, so the pinned transformer-engine "
+            f"wheel could not be downloaded !!!\n{result.stderr}"
+        )
+    assert result.returncode == 0, f"fetch_te_wheel.sh failed:\n{result.stderr}"
+    return TESource(Path(result.stdout.strip().splitlines()[-1]))
+
+
+@pytest.fixture
+def te_double():
+    from te_double import install, uninstall
+
+    install()
+    yield
+    uninstall()
+
+
+# ------------------------------------------------------------------------------------------
+# The contract.
+# ------------------------------------------------------------------------------------------
+
+
+def test_wheel_is_the_pinned_release(te_source: TESource) -> None:
+    assert "transformer_engine.pytorch.transformer" in te_source.modules
+    assert te_source.resolve("transformer_engine.pytorch", "TransformerLayer") is not None
+
+
+def test_our_source_follows_the_alias_convention() -> None:
+    """``te``/``te_recipe`` are bound only from the TE accessors, so the collector is sound."""
+    for relative in OUR_SOURCES:
+        tree = ast.parse((ROOT / relative).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+                if set(names) & set(ALIASES):
+                    assert ast.unparse(node.value) in ALIAS_SOURCES, f"{relative}:{node.lineno}"
+
+
+def test_collector_sees_the_important_calls() -> None:
+    labels = {u.label for u in our_usages() if u.keywords is not None}
+    expected = {
+        "transformer_engine.pytorch.TransformerLayer",
+        "transformer_engine.pytorch.TransformerLayer.forward",
+        "transformer_engine.pytorch.Linear",
+        "transformer_engine.pytorch.checkpoint",
+        "transformer_engine.pytorch.autocast",
+        "transformer_engine.pytorch.fp8_autocast",
+        "transformer_engine.pytorch.quantized_model_init",
+        "transformer_engine.pytorch.fp8_model_init",
+        "transformer_engine.common.recipe.DelayedScaling",
+        "transformer_engine.common.recipe.Float8CurrentScaling",
+        "transformer_engine.common.recipe.Float8BlockScaling",
+        "transformer_engine.common.recipe.MXFP8BlockScaling",
+    }
+    assert expected <= labels, expected - labels
+
+
+def test_every_te_name_and_keyword_we_use_exists(te_source: TESource) -> None:
+    problems = [p for usage in our_usages() for p in check_usage(te_source, usage)]
+    assert not problems, "\n".join(problems)
+
+
+def test_names_kept_as_data_exist(te_source: TESource) -> None:
+    """Recipe classes, Format members and availability checks chosen through tables."""
+    recipe_module = "transformer_engine.common.recipe"
+    for cls in te_precision.TE_RECIPES.values():
+        assert te_source.resolve(recipe_module, cls), cls
+    for member in te_precision.TE_FORMATS.values():
+        assert te_source.resolve_chain(recipe_module, ["Format", member]), member
+    for check in te_precision.TE_AVAILABILITY_CHECKS.values():
+        resolved = te_source.resolve("transformer_engine.pytorch", check)
+        assert resolved and "return_reason" in callable_params(resolved).names, check
+
+
+SYNTHETIC = """
+te = import_te()
+te_recipe = import_recipe_module()
+layer = te.TransformerLayer(hidden_size=8, ffn_hidden_size=8, num_attention_heads=2, {init_kw}=2)
+layer(x, {forward_kw}=None)
+te.checkpoint(layer, x, use_reentrant=False, {forwarded_kw}=None)
+te_recipe.DelayedScaling({recipe_kw}=16)
+te.{function}(enabled=True)
+"""
+CORRECT = dict(
+    init_kw="num_gqa_groups",
+    forward_kw="rotary_pos_emb",
+    forwarded_kw="is_first_microbatch",
+    recipe_kw="amax_history_len",
+    function="autocast",
+)
+
+
+def synthetic_problems(te_source: TESource, **changes: str) -> list[str]:
+    source = SYNTHETIC.format(**{**CORRECT, **changes})
+    return [p for u in collect_usages(source, "synthetic.py") for p in check_usage(te_source, u)]
+
+
+def test_correct_synthetic_usage_passes(te_source: TESource) -> None:
+    assert synthetic_problems(te_source) == []
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"init_kw": "num_gqa_group"}, "TransformerLayer has no keyword argument 'num_gqa_group'"),
+        ({"forward_kw": "rotary_pos_embs"}, "forward has no keyword argument 'rotary_pos_embs'"),
+        ({"forwarded_kw": "is_first_micro_batch"}, "no keyword argument 'is_first_micro_batch'"),
+        ({"recipe_kw": "amax_history_length"}, "DelayedScaling has no keyword argument"),
+        ({"function": "fp8_autocastt"}, "fp8_autocastt does not exist"),
+    ],
+)
+def test_a_misspelling_is_caught(te_source: TESource, change: dict, expected: str) -> None:
+    problems = synthetic_problems(te_source, **change)
+    assert len(problems) == 1 and expected in problems[0], problems
+
+
+# ------------------------------------------------------------------------------------------
+# The double mirrors the real signatures.
+# ------------------------------------------------------------------------------------------
+
+
+def _double_object(module: str, attrs: list[str]) -> Any:
+    import importlib
+
+    obj: Any = importlib.import_module(module)
+    for attr in attrs:
+        obj = getattr(obj, attr)
+    return obj
+
+
+def _double_params(obj: Any, method: str | None) -> tuple[list[str], dict[str, Any]]:
+    if inspect.isclass(obj) and method is None and dataclasses.is_dataclass(obj):
+        fields = dataclasses.fields(obj)
+        defaults = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
+        return [f.name for f in fields], defaults
+    target = getattr(obj, method or "__init__") if inspect.isclass(obj) else obj
+    signature = inspect.signature(target)
+    names = [
+        n
+        for n, p in signature.parameters.items()
+        if n not in ("self", "cls") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    defaults = {
+        n: p.default
+        for n, p in signature.parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    return names, defaults
+
+
+def _same_default(real: Any, double: Any) -> bool:
+    if real is _NO_LITERAL:
+        return True
+    if isinstance(real, str) and "." in real and hasattr(double, "name"):  # Format.HYBRID
+        return real.split(".")[-1] == double.name
+    if isinstance(real, str) and ("(" in real or real.isidentifier()):  # computed: not comparable
+        return True
+    return real == double
+
+
+def test_double_signatures_match_the_real_ones(te_source: TESource, te_double) -> None:
+    import transformer_engine
+
+    assert transformer_engine.__version__.split("+")[0] == te_precision.PINNED_TE_VERSION
+    checked = set()
+    problems = []
+    for usage in our_usages():
+        targets = [usage] + ([usage.forwarded_to] if usage.forwarded_to else [])
+        for target in targets:
+            if target.keywords is None and target is usage or target.label in checked:
+                continue
+            checked.add(target.label)
+            resolved = te_source.resolve_chain(target.module, target.attrs)
+            real = callable_params(resolved, target.method)
+            names, defaults = _double_params(
+                _double_object(target.module, target.attrs), target.method
+            )
+            if names != real.names:
+                problems.append(f"{target.label}: double {names} != real {real.names}")
+                continue
+            for name, default in real.defaults.items():
+                if not _same_default(default, defaults.get(name, _NO_LITERAL)):
+                    problems.append(
+                        f"{target.label}({name}=): double {defaults.get(name)!r} != {default!r}"
+                    )
+    assert len(checked) >= 12
+    assert not problems, "\n".join(problems)
