@@ -73,7 +73,9 @@ class CounterStream:
 class Run:
     """One rank of a tiny-Llama training run built by the product's modules."""
 
-    def __init__(self, workdir: Path, fp8: bool = False, all_gather: bool = False) -> None:
+    def __init__(
+        self, workdir: Path, fp8: bool = False, all_gather: bool = False, hybrid: bool = False
+    ) -> None:
         from model_utils import arguments, distributed, modeling, optim, precision
 
         argv = [*TINY, "--output_dir", str(workdir), f"--fp8={int(fp8)}"]
@@ -86,7 +88,10 @@ class Run:
         self.device = torch.device("cpu")
         self.backend = precision.build_backend(args, self.device)
         model = self.backend.prepare(modeling.build(args, args.model_impl, self.device))
-        self.model = distributed.shard(model, MESH, args)
+        mesh = MESH
+        if hybrid:  # HSDP: replicate across the 2 ranks, shard within each (of size 1)
+            mesh = distributed.build_mesh(self.world, self.device, "hybrid")
+        self.model = distributed.shard(model, mesh, args)
         modeling.materialize(self.model, self.device, args.seed)
         self.optimizer = optim.build_optimizer(
             self.model, args.lr, args.weight_decay, args.beta1, args.beta2
@@ -264,6 +269,14 @@ def scenario_train(workdir: Path, rank: int) -> dict[str, Any]:
     out["fp8_to_bf16_optim_diff"] = differences(
         full_optimizer(back.model, back.optimizer), fp8_optim
     )  # noqa: E501
+
+    # HSDP (2-D mesh: replicate x shard) loads the FSDP checkpoint and HF weights alike.
+    hsdp = Run(workdir, hybrid=True)
+    out["hsdp_placements"] = str(next(hsdp.model.parameters()).placements)
+    ckpt.load(workdir / "ckpt" / ck.checkpoint_name(3), hsdp.state)
+    out["hsdp_model_diff"] = differences(full_model(hsdp.model), model3)
+    ck.load_hf_weights(hsdp.model, workdir / "hf_in")
+    out["hsdp_init_from_hf_diff"] = differences(full_model(hsdp.model), reference)
 
     # HF export of the trained bf16 model, forced into several shards.
     ck.export_hf(fresh.model, fresh.model.config, workdir / "hf_out", max_shard_bytes=150_000)
@@ -558,6 +571,36 @@ def test_hf_dir_errors_are_one_clear_line(tmp_path: Path) -> None:
         ck.check_hf_dir(tmp_path)
 
 
+def test_hf_in_and_out_on_a_plain_tied_model(tmp_path: Path) -> None:
+    """No process group, no FSDP: tied embeddings (no lm_head in the file, like Llama 3.2) load,
+    export writes the tied weight once, and a shape mismatch is a clear error."""
+    from safetensors import safe_open
+    from transformers import LlamaForCausalLM
+
+    from model_utils import arguments, modeling
+
+    config = modeling.llama_config(arguments.parse_args(TINY))
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    source = LlamaForCausalLM(config)
+    source.save_pretrained(tmp_path / "src")
+    target = LlamaForCausalLM(config)
+    ck.load_hf_weights(target, tmp_path / "src")
+    assert target.lm_head.weight is target.model.embed_tokens.weight
+    assert differences(dict(target.state_dict()), dict(source.state_dict())) == []
+    ck.export_hf(target, config, tmp_path / "out")
+    with safe_open(str(tmp_path / "out" / ck.HF_SINGLE), "pt") as fh:
+        assert "lm_head.weight" not in fh.keys()
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert torch.equal(_logits(reloaded), _logits(source))
+    config.num_hidden_layers = 3
+    with pytest.raises(ValueError, match="missing.*model.layers.2"):
+        ck.load_hf_weights(LlamaForCausalLM(config), tmp_path / "src")
+    config.num_hidden_layers, config.hidden_size = 2, 128
+    with pytest.raises(ValueError, match="has shape .* but the model expects"):
+        ck.load_hf_weights(LlamaForCausalLM(config), tmp_path / "src")
+
+
 def test_shard_writer_splits_and_indexes(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
@@ -583,6 +626,14 @@ def test_shard_writer_splits_and_indexes(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_init_from_sharded_hf_gives_each_rank_the_exact_weights(train_run: list[dict]) -> None:
     assert [r["init_from_hf_diff"] for r in train_run] == [[], []]
+
+
+@pytest.mark.slow
+def test_hybrid_sharding_loads_checkpoints_and_hf_weights(train_run: list[dict]) -> None:
+    for r in train_run:
+        assert "Replicate" in r["hsdp_placements"] and "Shard" in r["hsdp_placements"]
+        assert r["hsdp_model_diff"] == []
+        assert r["hsdp_init_from_hf_diff"] == []
 
 
 @pytest.mark.slow
