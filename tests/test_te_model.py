@@ -474,3 +474,38 @@ def test_fsdp2_two_ranks_init_and_amax_reduction(tmp_path, te_double) -> None:
     first, second = result["histories"]
     assert first[0].abs().sum() > 0
     assert torch.equal(first, second)
+
+
+# ------------------------------------------------------------------------------------------
+# The GPU benchmark's CPU-checkable parts.
+# ------------------------------------------------------------------------------------------
+
+
+def test_gpu_matrix_refuses_without_gpu(capsys) -> None:
+    from benchmarks import bench_gpu_matrix
+
+    assert not torch.cuda.is_available()
+    assert bench_gpu_matrix.main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_gpu_matrix_flops_and_table() -> None:
+    from benchmarks import bench_gpu_matrix as bench
+
+    args = bench.parse_args(["--num_layers", "2", "--num_key_value_heads", "8"])
+    config = bench.llama_config(args)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    linear_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    attention = 12 * 2 * 32 * 128 * args.seq_len
+    assert bench.flops_per_token(config, args.seq_len) == 6 * linear_params + attention
+    rows = [
+        bench.Row("hf-bf16", "train", 1000.0, 100.0, 10.0),
+        bench.Row("te-bf16", "train", 1250.0, 125.0, 9.0),
+        bench.Row("te-fp8-delayed", "train", 1500.0, 150.0, 8.0),
+        bench.Row("te-fp8-mxfp8", "train", note="skipped: needs SM 10.0+"),
+    ]
+    table = bench.render(rows)
+    fp8_line = next(line for line in table.splitlines() if "te-fp8-delayed" in line)
+    assert "1.50x" in fp8_line and "1.20x" in fp8_line
+    assert "skipped: needs SM 10.0+" in table
