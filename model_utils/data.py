@@ -243,7 +243,11 @@ def _open(dataset: str, config_name: str | None) -> _Source:
         options = {"sample_by": "paragraph", "keep_linebreaks": True} if builder == "text" else {}
         splits = load_dataset(builder, data_files=data_files, streaming=True, **options)
     else:
-        splits = load_dataset(dataset, config_name, streaming=True)
+        try:
+            splits = load_dataset(dataset, config_name, streaming=True)
+        except (FileNotFoundError, ConnectionError) as error:  # unknown name, no network
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+            raise ValueError(f"--dataset {dataset}: cannot be opened ({reason})") from error
         if "train" not in splits:
             raise ValueError(f"--dataset {dataset} has no 'train' split (it has {list(splits)})")
         builder = None
