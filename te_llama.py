@@ -157,6 +157,37 @@ def is_te_extra_state_key(key: str) -> bool:
     return key.endswith("._extra_state") or key == "_extra_state"
 
 
+def pack_te_extra_state(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """Replace TE's ``_extra_state`` tensors by ``bytes`` before ``dcp.save``/``dcp.load``.
+
+    TE serialises its FP8 scaling state into a uint8 tensor whose length changes once FP8 has
+    run (empty before). DCP loads tensors in place and fails on the length mismatch
+    (TransformerEngine issue #1860); non-tensor values are pickled and *replaced* on load, so
+    packing both the saved and the to-be-loaded state dict sidesteps the problem. The amaxes are
+    all-reduced over the data-parallel group, so every rank holds the same bytes.
+    """
+    return {
+        key: bytes(value.detach().cpu().numpy().tobytes())
+        if is_te_extra_state_key(key) and isinstance(value, torch.Tensor)
+        else value
+        for key, value in state_dict.items()
+    }
+
+
+def unpack_te_extra_state(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """Inverse of :func:`pack_te_extra_state`: ``bytes`` back to uint8 tensors for loading."""
+
+    def tensor(blob: bytes) -> torch.Tensor:
+        if not blob:  # torch.frombuffer refuses empty buffers
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+
+    return {
+        key: tensor(value) if is_te_extra_state_key(key) and isinstance(value, bytes) else value
+        for key, value in state_dict.items()
+    }
+
+
 def canonical_param_name(name: str) -> str:
     """Strip wrapper segments (activation checkpointing, compile, FSDP1) from a parameter name."""
     for segment in _WRAPPER_SEGMENTS:
