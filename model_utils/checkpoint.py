@@ -202,17 +202,28 @@ def reseed_rng(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _is_extra_state(name: str) -> bool:
+    return name.endswith("_extra_state")
+
+
 class _ModelItem:
-    """The model's sharded parameters under clean FQNs (no FSDP/compile/AC wrapper prefixes)."""
+    """The model's sharded parameters under clean FQNs (no FSDP/compile/AC wrapper prefixes).
+
+    Module extra state (Transformer Engine's FP8 metadata, `*._extra_state`) is packed into
+    bytes: TE serialises it as a uint8 tensor whose size changes once FP8 has run, and DCP refuses
+    to load a tensor into one of another size (the known "_extra_state size mismatch").
+    """
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
+        sd = get_model_state_dict(self.model)
+        return {k: _pack(v) if _is_extra_state(k) else v for k, v in sd.items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state_dict)
+        sd = {k: _unpack(v) if _is_extra_state(k) else v for k, v in state_dict.items()}
+        set_model_state_dict(self.model, sd)
 
 
 class _OptimizerItem:
@@ -419,6 +430,7 @@ class Checkpointer:
         self.keep_last = keep_last or None
         self.async_save = async_save
         self._pending: _Pending | None = None
+        self._last_saved_step: int | None = None
         self._publish_lock = threading.Lock()  # rank 0: done-callback thread vs wait()
         self._async_group = None
         if async_save and dist.is_initialized():
@@ -445,6 +457,9 @@ class Checkpointer:
         async save, the path it will have). block=True waits for an async save to publish."""
         self.wait()
         final = self.checkpoint_dir / checkpoint_name(step)
+        if self._last_saved_step == step and is_complete(final):
+            return final  # e.g. a preemption save right after the periodic one
+        self._last_saved_step = step
         tmp = self.checkpoint_dir / (TMP_PREFIX + final.name)
         if _rank() == 0:
             for stale in stale_temporaries(self.checkpoint_dir):
@@ -668,7 +683,7 @@ def weight_tensors(state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return {
         k: v
         for k, v in state_dict.items()
-        if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
+        if isinstance(v, torch.Tensor) and not _is_extra_state(k)
     }
 
 
