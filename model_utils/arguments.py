@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
-# Data defaults live here (not in data.py) so parsing flags never imports the data stack.
-BUNDLED_DATASET = "data/kjv.jsonl.gz"
-BUNDLED_TOKENIZER = "data/tokenizer"
+# Data defaults live here (not in data.py) so parsing flags never imports the data stack. They are
+# absolute so the recipe runs from any working directory (Slurm jobs often start elsewhere).
+_DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+BUNDLED_DATASET = str(_DATA_DIR / "kjv.jsonl.gz")
+BUNDLED_TOKENIZER = str(_DATA_DIR / "tokenizer")
 
 
 @dataclass(frozen=True)
