@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 # Data defaults live here (not in data.py) so parsing flags never imports the data stack. They are
