@@ -256,6 +256,8 @@ def scenario_train(workdir: Path, rank: int) -> dict[str, Any]:
     out["fp8_linear_types"] = sorted(
         {type(m).__name__ for m in fp8.model.modules() if isinstance(m, torch.nn.Linear)}
     )
+    ck.load_hf_weights(fp8.model, workdir / "hf_in")  # into Float8Linear + float8 all-gather
+    out["fp8_init_from_hf_diff"] = differences(full_model(fp8.model), reference)
     ckpt.load(workdir / "ckpt" / ck.checkpoint_name(3), fp8.state)
     out["bf16_to_fp8_model_diff"] = differences(full_model(fp8.model), model3)
     out["bf16_to_fp8_optim_diff"] = differences(full_optimizer(fp8.model, fp8.optimizer), optim3)
@@ -658,6 +660,7 @@ def test_shard_writer_splits_and_indexes(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_init_from_sharded_hf_gives_each_rank_the_exact_weights(train_run: list[dict]) -> None:
     assert [r["init_from_hf_diff"] for r in train_run] == [[], []]
+    assert [r["fp8_init_from_hf_diff"] for r in train_run] == [[], []]
 
 
 @pytest.mark.slow
