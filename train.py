@@ -148,11 +148,8 @@ class RunLog:
             log.info("\n" + metrics.format_summary(summary))
 
 
-def train(args: argparse.Namespace, tokenizer, world: distributed.World, device) -> None:
-    torch.manual_seed(args.seed)
-    mesh = distributed.build_mesh(world, device, args.sharding_strategy)
-    backend = precision.build_backend(args, device, dp_group=dist.group.WORLD)
-
+def build_model(args: argparse.Namespace, mesh, device, backend) -> torch.nn.Module:
+    """Meta-device Llama -> precision swaps -> AC/compile -> FSDP2 -> initialised local shard."""
     model = backend.prepare(modeling.build(args, args.model_impl, device))
     if args.activation_checkpointing:
         distributed.apply_activation_checkpointing(model, backend.checkpoint_fn)
@@ -162,6 +159,15 @@ def train(args: argparse.Namespace, tokenizer, world: distributed.World, device)
     modeling.materialize(model, device, args.seed)
     if args.init_from_hf:
         checkpoint.load_hf_weights(model, args.init_from_hf, key_map=backend_key_map(args))
+    return model
+
+
+def train(args: argparse.Namespace, tokenizer, world: distributed.World, device) -> None:
+    torch.manual_seed(args.seed)
+    mesh = distributed.build_mesh(world, device, args.sharding_strategy)
+    backend = precision.build_backend(args, device, dp_group=dist.group.WORLD)
+
+    model = build_model(args, mesh, device, backend)
 
     optimizer = optim.build_optimizer(model, args.lr, args.weight_decay, args.beta1, args.beta2)
     scheduler = optim.build_scheduler(
