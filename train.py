@@ -158,7 +158,7 @@ def build_model(args: argparse.Namespace, mesh, device, backend) -> torch.nn.Mod
     model = distributed.shard(model, mesh, args)
     modeling.materialize(model, device, args.seed)
     if args.init_from_hf:
-        checkpoint.load_hf_weights(model, args.init_from_hf, key_map=backend_key_map(args))
+        checkpoint.load_hf_weights(model, args.init_from_hf, key_map=hf_key_map(args, "in"))
     return model
 
 
@@ -186,7 +186,10 @@ def train(args: argparse.Namespace, tokenizer, world: distributed.World, device)
     )  # fmt: skip
 
     ckpt = checkpoint.Checkpointer(args.checkpoint_dir, args.keep_last, args.async_checkpoint)
-    state = checkpoint.TrainState(model, optimizer, scheduler, stream, config=vars(args))
+    state = checkpoint.TrainState(
+        model, optimizer, scheduler, stream, config=vars(args),
+        on_data_reshard=lambda step, saved: stream.restart_after_reshard(saved),
+    )  # fmt: skip
     resume_path = ckpt.resolve(args.resume_from_checkpoint)
     if resume_path is not None:
         ckpt.load(resume_path, state)
@@ -242,20 +245,22 @@ def train(args: argparse.Namespace, tokenizer, world: distributed.World, device)
         run_log.validation(state.step, model, val_batches, backend)
     if not args.checkpoint_freq or state.step % args.checkpoint_freq:
         ckpt.save(state.step, state)
-    ckpt.wait()
+    ckpt.close()
     if args.export_hf:
-        checkpoint.export_hf(model, model.config, args.export_hf, key_map=backend_key_map(args))
+        checkpoint.export_hf(model, model.config, args.export_hf, key_map=hf_key_map(args, "out"))
         log.info("Exported Hugging Face weights to %s", args.export_hf)
     run_log.finish()
 
 
-def backend_key_map(args: argparse.Namespace):
-    """HF <-> TE parameter names for the TE implementation; HF layouts need no mapping."""
-    if args.model_impl == "te":
-        import te_llama
+def hf_key_map(args: argparse.Namespace, direction: str):
+    """HF <-> TE parameter names for the TE layer layout (one decoder layer at a time, so no rank
+    ever holds the whole model); HF layouts need no mapping."""
+    if args.model_impl != "te":
+        return None
+    import te_llama
 
-        return te_llama.hf_to_te_key_map
-    return None
+    fn = te_llama.hf_to_te_state_dict if direction == "in" else te_llama.te_to_hf_state_dict
+    return checkpoint.layerwise_key_map(fn, modeling.llama_config(args))
 
 
 def main(argv: list[str] | None = None) -> None:
