@@ -451,6 +451,9 @@ class TELlamaDecoderLayer(nn.Module):
         #: :func:`apply_te_activation_checkpointing`).
         self.activation_checkpointing = False
 
+    def reset_rope_buffers(self) -> None:
+        """Nothing to reset: frequencies live in a plain CPU attribute, not a meta buffer."""
+
     def _rotary_pos_emb(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None):
         device = hidden_states.device
         if device not in self._inv_freq:
@@ -474,6 +477,7 @@ class TELlamaDecoderLayer(nn.Module):
                 "TE decoder layers keep no KV cache: call the model with use_cache=False "
                 "(export to HF with --export_hf for generation)"
             )
+        is_first_microbatch = kwargs.pop("is_first_microbatch", self.is_first_microbatch)
         rotary_pos_emb = self._rotary_pos_emb(hidden_states, position_ids)
         mask_type, te_mask = hf_mask_to_te(attention_mask)
         if self.activation_checkpointing and torch.is_grad_enabled():
@@ -485,14 +489,14 @@ class TELlamaDecoderLayer(nn.Module):
                 attention_mask=te_mask,
                 self_attn_mask_type=mask_type,
                 rotary_pos_emb=rotary_pos_emb,
-                is_first_microbatch=self.is_first_microbatch,
+                is_first_microbatch=is_first_microbatch,
             )
         return self.transformer_layer(
             hidden_states,
             attention_mask=te_mask,
             self_attn_mask_type=mask_type,
             rotary_pos_emb=rotary_pos_emb,
-            is_first_microbatch=self.is_first_microbatch,
+            is_first_microbatch=is_first_microbatch,
         )
 
 
@@ -686,12 +690,13 @@ def _local_part(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return full
 
 
-def _te_materialize(model: nn.Module) -> None:
-    """Let TE modules build their real parameters (FP8 weights need TE's quantizer to run).
+def reset_te_parameters(model: nn.Module) -> None:
+    """Let TE modules build their real parameters; call after ``to_empty``, before init.
 
     Every TE module exposes ``reset_parameters(defer_init=False)``, which materialises meta
-    parameters, runs their init and, under ``quantized_model_init``, quantizes them; values are
-    overwritten deterministically afterwards.
+    parameters, runs TE's init and, under ``quantized_model_init`` (``--fp8_weights``), turns
+    them into FP8 tensors (``to_empty`` alone leaves plain high-precision tensors). A
+    deterministic init afterwards writes through ``copy_``, which TE quantizes.
     """
     for module in model.modules():
         if hasattr(module, "param_init_meta") and hasattr(module, "reset_parameters"):
@@ -723,7 +728,7 @@ def init_llama_weights(
     """
     std = float(model.config.initializer_range if initializer_range is None else initializer_range)
     if getattr(model, "te_impl", None):
-        _te_materialize(model)
+        reset_te_parameters(model)
     for name, param in model.named_parameters():
         full = _full_init_value(init_kind(name), param.shape, std, _param_seed(seed, name))
         local = param.to_local() if hasattr(param, "to_local") else param

@@ -101,7 +101,6 @@ def te_args(fp8: bool, recipe: str, impl: str, fp8_weights: bool = False) -> Sim
         fp8_margin=0,
         fp8_weights=fp8_weights,
         model_impl=impl,
-        bf16=True,
     )
 
 
@@ -195,7 +194,9 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, Callable]]:
 
     def te_row(impl: str, fp8: bool, recipe: str, fp8_weights: bool = False):
         def factory():
-            backend = te_precision.TEBackend(te_args(fp8, recipe, impl, fp8_weights))
+            backend = te_precision.TEBackend(
+                te_args(fp8, recipe, impl, fp8_weights), torch_autocast_dtype=torch.bfloat16
+            )
             backend.capability_check()
             return build_te(config, impl, backend), backend.autocast
 

@@ -11,6 +11,7 @@ pure functions testable without TE or a GPU.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from te_llama import set_is_first_microbatch
 
 #: The Transformer Engine release this code is written and contract-tested against
 #: (tests/test_te_contract.py parses its wheel; the GPU image should install this release).
@@ -213,19 +216,26 @@ class TEBackend:
     """Precision backend for ``--model_impl te|te_linear``.
 
     ``args`` attributes: ``fp8`` (bool), ``fp8_recipe``, ``fp8_format``, ``amax_history_len``,
-    ``amax_compute_algo``, ``fp8_margin``, ``fp8_weights``, ``model_impl``; optional ``bf16``
-    (default True: activations in BF16 through ``torch.autocast``). ``dp_group`` is the whole
-    data-parallel (FSDP) group: FP8 amaxes are all-reduced over it so every rank uses the same
-    scales (``None`` = default group, or no reduction in a single process).
+    ``amax_compute_algo``, ``fp8_margin``, ``fp8_weights``, ``model_impl``. ``dp_group`` is the
+    whole data-parallel (FSDP) group: FP8 amaxes are all-reduced over it so every rank uses the
+    same scales (``None`` = default group, or no reduction in a single process).
+
+    The compute dtype normally comes from FSDP2's ``MixedPrecisionPolicy`` (bf16 parameters),
+    exactly as for the other backends; ``torch_autocast_dtype`` adds a ``torch.autocast`` for
+    unsharded use (the GPU benchmark), which TE honours by casting inputs and weights.
     """
 
-    def __init__(self, args: Any, dp_group: Any = None) -> None:
+    name = "te"
+
+    def __init__(
+        self, args: Any, dp_group: Any = None, *, torch_autocast_dtype: torch.dtype | None = None
+    ) -> None:
         self.fp8 = bool(args.fp8)
         self.recipe_name = args.fp8_recipe
         self.fp8_format = args.fp8_format
         self.fp8_weights = bool(getattr(args, "fp8_weights", False))
         self.model_impl = args.model_impl
-        self.bf16 = bool(getattr(args, "bf16", True))
+        self.torch_autocast_dtype = torch_autocast_dtype
         self.dp_group = dp_group
         self._recipe_kwargs = {
             "fp8_format": args.fp8_format,
@@ -298,23 +308,43 @@ class TEBackend:
         self._model = model
         return model
 
+    @property
+    def checkpoint_fn(self) -> Any:
+        """Activation checkpointing function for ``checkpoint_wrapper``: TE's, non-reentrant.
+
+        TE's version replays the forward's FP8 scaling state during the recompute.
+        """
+        return functools.partial(self._te().checkpoint, use_reentrant=False)
+
+    def forward_kwargs(self, micro: int) -> dict[str, Any]:
+        """Mark the coming forward as the first micro-batch of a step (``micro == 0``: TE casts
+        and caches FP8 weights) or a later one (reuses them). Call it *inside* :meth:`autocast`
+        (entering clears the flags). Flags are set on the model's TE modules, which HF's forward
+        would not reach for ``te_linear``; nothing is returned.
+        """
+        if self._model is not None:
+            set_is_first_microbatch(self._model, micro == 0)
+        return {}
+
     @contextlib.contextmanager
     def autocast(self, is_first_microbatch: bool | None = None) -> Iterator[None]:
-        """Wrap the forward (not backward/optimizer): BF16 activations, FP8 GEMMs if enabled.
+        """Wrap the forward (not backward/optimizer): FP8 GEMMs inside when FP8 is on.
 
-        ``is_first_microbatch``: True on the first micro-batch of an optimizer step, False on
-        the following ones (TE reuses the FP8 weights it cast on the first), None outside
-        training. One TE module must not run twice inside one autocast (amax reduction).
+        Entering sets the micro-batch flags to ``is_first_microbatch`` (None by default, i.e.
+        evaluation: no cached FP8 weights can go stale); :meth:`forward_kwargs` then marks a
+        training micro-batch. Flags are left in place on exit because activation recompute in
+        backward must replay the forward's choice. One TE module must not run twice inside one
+        autocast (the amax reduction happens at exit).
         """
-        from te_llama import set_is_first_microbatch
-
         te = self._te()
         if self._model is not None:
             set_is_first_microbatch(self._model, is_first_microbatch)
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         with contextlib.ExitStack() as stack:
-            if self.bf16:
-                stack.enter_context(torch.autocast(device_type=device_type, dtype=torch.bfloat16))
+            if self.torch_autocast_dtype is not None:
+                stack.enter_context(
+                    torch.autocast(device_type=device_type, dtype=self.torch_autocast_dtype)
+                )
             if self.fp8:
                 if hasattr(te, "autocast"):
                     stack.enter_context(
@@ -338,17 +368,53 @@ class TEBackend:
 
     def describe(self) -> str:
         """The startup log line: implementation, precision, recipe and its options."""
-        activations = "BF16" if self.bf16 else "FP32"
+        activations = (
+            "compute dtype from FSDP2"
+            if self.torch_autocast_dtype is None
+            else f"torch.autocast {str(self.torch_autocast_dtype).split('.')[-1]}"
+        )
         if not self.fp8:
             return (
-                f"model_impl={self.model_impl} precision=TE {activations} "
-                "(fp8 off, same TE modules)"
+                f"model_impl={self.model_impl} precision=TE, fp8 off (same TE modules); "
+                f"{activations}"
             )
         options = ", ".join(f"{k}={v}" for k, v in self._recipe_kwargs.items())
         group = "default group" if self.dp_group is None else "data-parallel group"
         weights = "FP8 (fp8_model_init)" if self.fp8_weights else "high precision"
         return (
             f"model_impl={self.model_impl} precision=TE FP8 recipe={self.recipe_name} "
-            f"({TE_RECIPES[self.recipe_name]}: {options}); activations {activations}; "
+            f"({TE_RECIPES[self.recipe_name]}: {options}); {activations}; "
             f"weights {weights}; amax reduction over the {group}"
         )
+
+
+def check_requirements(args: Any) -> None:
+    """Everything about TE that can be refused before a process group or file exists.
+
+    Raises ``model_utils.arguments.UsageError`` (one line, exit 2) for a missing TE, an
+    unsupported GPU/CUDA/TE release for the recipe, or shapes FP8 GEMMs cannot take (training
+    and validation micro-batches: validation runs under the same precision).
+    """
+    from model_utils.arguments import UsageError
+
+    try:
+        backend = TEBackend(args)
+        backend.capability_check()
+        if backend.fp8:
+            backend.recipe  # noqa: B018  (builds the recipe: bad options fail here)
+    except (TECapabilityError, ValueError) as err:
+        raise UsageError(str(err)) from err
+    if not args.fp8:
+        return
+    for flag in ("train_batch_size", "val_batch_size"):
+        problem = fp8_shape_problem(
+            micro_batch_size=getattr(args, flag),
+            seq_len=args.max_context_width,
+            hidden_size=args.hidden_width,
+            intermediate_size=args.intermediate_size,
+            num_attention_heads=args.num_heads,
+            num_key_value_heads=args.num_key_value_heads,
+            recipe=args.fp8_recipe,
+        )
+        if problem:
+            raise UsageError(f"{problem} (--{flag} {getattr(args, flag)})")

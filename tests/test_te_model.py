@@ -273,7 +273,7 @@ def test_forward_backward_every_precision(
     args = backend_args(
         fp8=precision != "bf16", recipe=precision if precision != "bf16" else "delayed", impl=impl
     )
-    backend = TEBackend(args)
+    backend = TEBackend(args, torch_autocast_dtype=torch.bfloat16)
     backend.capability_check()
     model = backend.prepare(built(config, impl))
     losses = train_losses(model, backend, config, steps=3)
@@ -333,26 +333,36 @@ def test_delayed_scaling_state_travels_in_extra_state(te_double) -> None:
     assert torch.equal(got, expected)
 
 
+def _flags(model) -> set:
+    return {
+        getattr(m, "is_first_microbatch", getattr(m, "te_is_first_microbatch", "missing"))
+        for m in te_llama.te_modules(model)
+    }
+
+
 @pytest.mark.parametrize("impl", ["te", "te_linear"])
 def test_is_first_microbatch_reuses_fp8_weights(impl: str, te_double) -> None:
-    """False on later micro-batches makes TE reuse the FP8 weights cast on the first."""
+    """forward_kwargs(micro > 0) makes TE reuse the FP8 weights cast on micro-batch 0; an
+    autocast entered without it (evaluation) clears the flags and re-casts."""
     config = tiny_config()
     backend = TEBackend(backend_args(fp8=True, recipe="current", impl=impl))
     model = backend.prepare(built(config, impl)).eval()
     ids = batch(config)
     with torch.no_grad():
-        with backend.autocast(is_first_microbatch=True):
+        with backend.autocast():
+            assert backend.forward_kwargs(0) == {}
+            assert _flags(model) == {True}
             first = model(ids).logits
-        assert all(
-            getattr(m, "is_first_microbatch", getattr(m, "te_is_first_microbatch", None)) is True
-            for m in te_llama.te_modules(model)
-        )
+        assert _flags(model) == {True}  # kept for the activation recompute in backward
         for name, param in model.named_parameters():
-            if "layers" in name and not name.endswith("norm_weight") and "norm" not in name:
+            if "layers" in name and "norm" not in name:
                 param.mul_(1.5)
-        with backend.autocast(is_first_microbatch=False):
+        with backend.autocast():
+            backend.forward_kwargs(1)
+            assert _flags(model) == {False}
             cached = model(ids).logits
-        with backend.autocast(is_first_microbatch=True):
+        with backend.autocast():  # evaluation: no flags -> fresh FP8 weights
+            assert _flags(model) == {None}
             fresh = model(ids).logits
     torch.testing.assert_close(cached, first)
     assert (fresh - first).abs().max() > 1e-2
@@ -360,22 +370,36 @@ def test_is_first_microbatch_reuses_fp8_weights(impl: str, te_double) -> None:
 
 @pytest.mark.parametrize("recipe", ["bf16", "delayed"])
 def test_te_activation_checkpointing_keeps_gradients(recipe: str, te_double) -> None:
+    """Both routes (the layer flag, and checkpoint_wrapper with backend.checkpoint_fn as
+    train.py does) recompute with TE's checkpoint and give the gradients of no recompute."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
     config = tiny_config()
     ids = batch(config)
     grads = []
-    for checkpointed in (False, True):
+    for route in ("none", "flag", "wrapper"):
         backend = TEBackend(backend_args(fp8=recipe != "bf16", recipe="delayed"))
         model = backend.prepare(built(config))
-        if checkpointed:
+        if route == "flag":
             assert te_llama.apply_te_activation_checkpointing(model) == config.num_hidden_layers
-        for _ in range(2):  # the second step runs with updated delayed-scaling factors
+        elif route == "wrapper":
+            layers = model.model.layers
+            for i, layer in enumerate(layers):
+                layers[i] = checkpoint_wrapper(layer, checkpoint_fn=backend.checkpoint_fn)
+        for micro in range(2):  # the second runs with updated delayed-scaling factors
             model.zero_grad()
-            with backend.autocast(is_first_microbatch=True):
-                loss = model(ids, labels=ids).loss
+            with backend.autocast():
+                loss = model(ids, labels=ids, **backend.forward_kwargs(micro)).loss
             loss.backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-    for name, grad in grads[0].items():
-        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+        grads.append(
+            {
+                n.replace("_checkpoint_wrapped_module.", ""): p.grad.clone()
+                for n, p in model.named_parameters()
+            }
+        )
+    for other in grads[1:]:
+        for name, grad in grads[0].items():
+            torch.testing.assert_close(other[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_te_linear_activation_checkpointing_keeps_state_dict_names(te_double) -> None:

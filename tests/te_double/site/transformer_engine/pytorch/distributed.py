@@ -21,6 +21,10 @@ def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
     kwargs.pop("distribute_saved_activations", False)
     kwargs.pop("tp_group", None)
     kwargs.pop("get_rng_state_tracker", None)
+    for torch_only in ("context_fn", "determinism_check", "debug"):
+        kwargs.pop(torch_only, None)
+    if not torch.is_grad_enabled():  # like TE: nothing to recompute without autograd
+        return function(*args, **kwargs)
 
     forward_state = (_STATE.enabled, _STATE.recipe, _STATE.group)
     modules = (
