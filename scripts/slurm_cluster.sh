@@ -55,7 +55,8 @@ SlurmctldPort=${ctld_port}
 SlurmdPort=${slurmd_port}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=${dir}/munge/munge.socket
+# cred_expire: how long a requeued job waits before it may start again (default 120 s).
+AuthInfo=socket=${dir}/munge/munge.socket,cred_expire=5
 StateSaveLocation=${dir}/state
 SlurmdSpoolDir=${dir}/spool
 SlurmctldPidFile=${dir}/slurmctld.pid
@@ -71,6 +72,8 @@ AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 MpiDefault=none
 SchedulerType=sched/backfill
+# Look at pending jobs every 2 s (default 60 s): a requeued job restarts promptly.
+SchedulerParameters=sched_interval=2,bf_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2

@@ -1,0 +1,470 @@
+"""1.train_llama.sbatch: on a real Slurm cluster, on this machine without Slurm, and (for what
+needs hardware this machine lacks: GPUs, several nodes, Pyxis) with recording stand-ins for
+srun/scontrol/torchrun that show exactly what the script would run.
+
+The real cluster is Debian's slurm-wlm + munge started by scripts/slurm_cluster.sh (one node,
+this machine's CPUs). Those tests need root (slurmd launches job steps); without root, or
+without Slurm and apt-get to install it, they skip and say why. In CI (CI=true) they never
+skip: a missing prerequisite is a failure.
+
+Budget (2 CPU cores): the two Slurm jobs ~2 min, the local run ~40 s, the rest ~5 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SBATCH = REPO / "1.train_llama.sbatch"
+CLUSTER = REPO / "scripts" / "slurm_cluster.sh"
+INSTALL_DEPS = REPO / "scripts" / "install_test_deps.sh"
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+# The seed recipe's log line, e.g. "Batch 20 Loss: 8.42184, Speed: 47.06 samples/sec, lr: 0.000100"
+SEED_LINE = re.compile(
+    r"Batch (\d+) Loss: (\d+\.\d{5}), Speed: (\d+\.\d{2}) samples/sec, lr: (\d+\.\d{6})"
+)
+PREEMPTED = re.compile(r"Preemption signal received: checkpoint saved at step (\d+)")
+RESUMED = re.compile(r"Resumed from (\S+) at step (\d+)")
+FINAL_LOSS = re.compile(r"final train loss\s+(\d+\.\d+)")
+
+STEPS = 16  # long enough to signal mid-run, short enough for the budget
+TINY_CPU_ARGS = [
+    "--preset", "tiny", "--max_steps", str(STEPS), "--warmup", "2", "--fp8=0",
+    "--train_batch_size", "2",
+]  # fmt: skip
+
+
+def skip_or_fail(reason: str) -> None:
+    if IN_CI:
+        pytest.fail(f"{reason} (CI must run the Slurm tests)")
+    pytest.skip(reason)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any SLURM_* variable (pytest may itself run inside a
+    Slurm job), plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(extra)
+    return env
+
+
+def seed_losses(log: str) -> dict[int, str]:
+    """Step -> loss text (5 decimals, as printed) of every seed-format line in `log`."""
+    return {int(m.group(1)): m.group(2) for m in SEED_LINE.finditer(log)}
+
+
+# --------------------------------------------------------------------------------------
+# A real Slurm cluster
+
+
+@dataclass
+class Cluster:
+    state_dir: Path
+    env: dict[str, str]
+
+    def run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            cmd, env=self.env, capture_output=True, text=True, check=check, timeout=60
+        )
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """`scontrol show job` as a dict (JobState, Restarts, ExitCode, ...)."""
+        text = self.run("scontrol", "show", "job", "--oneliner", job_id).stdout
+        return dict(tok.split("=", 1) for tok in text.split() if "=" in tok)
+
+    def logs(self) -> str:
+        parts = []
+        for name in ("slurmctld.log", "slurmd.log"):
+            path = self.state_dir / "log" / name
+            if path.exists():
+                parts.append(
+                    f"--- {name} (tail)\n" + "\n".join(path.read_text().splitlines()[-30:])
+                )
+        return "\n".join(parts)
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    if os.geteuid() != 0:
+        skip_or_fail("needs root: slurmd must run as root to start job steps")
+    if not all(shutil.which(t) for t in ("slurmctld", "slurmd", "munged", "sbatch")):
+        if shutil.which("apt-get") is None:
+            skip_or_fail("Slurm is not installed and there is no apt-get to install it")
+        subprocess.run([str(INSTALL_DEPS)], check=True, timeout=600)
+    state = tmp_path_factory.mktemp("slurm-cluster")
+    started = subprocess.run(
+        [str(CLUSTER), "start", str(state)], capture_output=True, text=True, timeout=120
+    )
+    cluster = Cluster(state, clean_env(SLURM_CONF=str(state / "slurm.conf")))
+    if started.returncode != 0:
+        subprocess.run([str(CLUSTER), "stop", str(state)], timeout=60)
+        pytest.fail(f"the Slurm cluster did not start:\n{started.stderr}\n{cluster.logs()}")
+    try:
+        yield cluster
+    finally:
+        subprocess.run([str(CLUSTER), "stop", str(state)], timeout=60)
+
+
+@dataclass
+class Job:
+    job_id: str
+    out: Path
+    run_dir: Path
+
+    def log(self) -> str:
+        return self.out.read_text() if self.out.exists() else ""
+
+
+def submit(cluster: Cluster, tmp: Path, name: str, args: list[str]) -> Job:
+    """sbatch exactly as a user would (from the repo, the script's own directives), on one
+    node with 2 CPU workers; output and run folders go to `tmp`."""
+    env = dict(cluster.env, NPROC_PER_NODE="2", RUNS_DIR=str(tmp / "runs"))
+    out = subprocess.run(
+        ["sbatch", "--parsable", "--nodes=1", f"--job-name={name}",
+         f"--output={tmp}/slurm-%j.out", str(SBATCH), *args],
+        cwd=REPO, env=env, capture_output=True, text=True, check=True, timeout=60,
+    ).stdout  # fmt: skip
+    job_id = out.strip().split(";")[0]
+    return Job(job_id, tmp / f"slurm-{job_id}.out", tmp / "runs" / name)
+
+
+def wait_until(
+    what: str, done: Callable[[], bool], job: Job, cluster: Cluster, timeout: float = 300
+) -> None:
+    """Poll `done` until true; on timeout fail with everything needed to see why."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if done():
+            return
+        time.sleep(0.5)
+    pytest.fail(
+        f"timed out after {timeout}s waiting for {what}\njob: {cluster.job(job.job_id)}\n"
+        f"--- job output\n{job.log()}\n{cluster.logs()}"
+    )
+
+
+def state_is(cluster: Cluster, job: Job, *states: str) -> Callable[[], bool]:
+    return lambda: cluster.job(job.job_id).get("JobState") in states
+
+
+FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
+@pytest.fixture(scope="module")
+def reference_job(slurm: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """One uninterrupted run: the e2e check, and the losses a requeued run must reproduce."""
+    job = submit(slurm, tmp_path_factory.mktemp("reference"), "reference", TINY_CPU_ARGS)
+    wait_until("the reference job to finish", state_is(slurm, job, *FINAL_STATES), job, slurm)
+    return job
+
+
+@pytest.mark.slow
+def test_sbatch_trains_to_completion_on_slurm(slurm: Cluster, reference_job: Job) -> None:
+    info, log = slurm.job(reference_job.job_id), reference_job.log()
+    assert info["JobState"] == "COMPLETED", log
+    assert info["ExitCode"] == "0:0" and info["Restarts"] == "0", info
+    # The script's own directives took effect: requeue allowed, the node held exclusively.
+    assert info["Requeue"] == "1" and info["OverSubscribe"] == "NO", info
+
+    assert "host Python" in log and "CPU, 2 workers" in log, log
+    losses = seed_losses(log)
+    assert sorted(losses) == list(range(1, STEPS + 1)), log
+    summary = FINAL_LOSS.search(log)
+    assert summary is not None and "Summary" in log, log
+    assert float(summary.group(1)) == pytest.approx(float(losses[STEPS]), abs=1e-5)
+    assert "requeueing" not in log and "USR1" not in log, "a finished job must not requeue"
+    assert (reference_job.run_dir / "checkpoints").is_dir()
+
+
+@pytest.mark.slow
+def test_signalled_job_checkpoints_requeues_and_resumes_exactly(
+    slurm: Cluster, reference_job: Job, tmp_path: Path
+) -> None:
+    reference = seed_losses(reference_job.log())
+    job = submit(slurm, tmp_path, "preempted", TINY_CPU_ARGS)
+    wait_until("step 3", lambda: "Batch 3 Loss" in job.log(), job, slurm)
+    # What Slurm does `--signal=B:USR1@300` before the time limit: USR1 to the batch shell.
+    slurm.run("scancel", "--batch", "--signal=USR1", job.job_id)
+
+    # The requeued job waits cred_expire (5 s on the test cluster, 120 s by default) and
+    # then starts again on its own.
+    wait_until("the requeued job to finish", state_is(slurm, job, *FINAL_STATES), job, slurm)
+
+    info, log = slurm.job(job.job_id), job.log()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
+    assert info["Restarts"] == "1", info
+    preempted, resumed = PREEMPTED.search(log), RESUMED.search(log)
+    assert preempted and resumed, log
+    saved_step = int(preempted.group(1))
+    assert 3 <= saved_step < STEPS, log
+    assert int(resumed.group(2)) == saved_step, log
+    assert Path(resumed.group(1)).is_relative_to(job.run_dir / "checkpoints"), log
+    assert "requeueing job" in log and "restart 1:" in log, log
+
+    # After the resume: exactly the remaining steps, each with the uninterrupted run's loss.
+    after = seed_losses(log[resumed.end() :])
+    assert sorted(after) == list(range(saved_step + 1, STEPS + 1)), log
+    assert after == {step: reference[step] for step in after}
+    before = seed_losses(log[: preempted.start()])
+    assert before == {step: reference[step] for step in before}
+    final = FINAL_LOSS.findall(log)
+    assert final and final[-1] == FINAL_LOSS.search(reference_job.log()).group(1)
+
+
+def test_sbatch_directives_are_accepted_by_slurm(slurm: Cluster) -> None:
+    result = slurm.run("sbatch", "--test-only", "--nodes=1", str(SBATCH), check=False)
+    assert result.returncode == 0, result.stderr
+    directives = [
+        line.split(None, 1)[1] for line in SBATCH.read_text().splitlines()
+        if line.startswith("#SBATCH ")
+    ]  # fmt: skip
+    for required in ("--ntasks-per-node=1", "--exclusive", "--output=slurm-%j.out", "--requeue"):
+        assert required in directives
+    signal = next(d for d in directives if d.startswith("--signal="))
+    assert re.fullmatch(r"--signal=B:USR1@\d+", signal) and int(signal.split("@")[1]) >= 60
+
+
+# --------------------------------------------------------------------------------------
+# No Slurm: `bash 1.train_llama.sbatch` runs torchrun here
+
+
+@pytest.mark.slow
+def test_bash_without_slurm_trains_here(tmp_path: Path) -> None:
+    env = clean_env(RUNS_DIR=str(tmp_path), RUN_NAME="laptop", NPROC_PER_NODE="2")
+    args = ["--preset", "tiny", "--max_steps", "2", "--warmup", "1", "--fp8=0",
+            "--train_batch_size", "2"]  # fmt: skip
+    result = subprocess.run(
+        ["bash", str(SBATCH), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log
+    assert "no Slurm job: running torchrun" in log
+    assert sorted(seed_losses(log)) == [1, 2] and "final train loss" in log, log
+    assert (tmp_path / "laptop" / "checkpoints").is_dir()
+
+
+# --------------------------------------------------------------------------------------
+# Recording stand-ins for what this machine lacks (GPUs, nodes, Pyxis)
+
+FAKE_TORCHRUN = """#!{python}
+# Records how it was started: arguments, folder, thread setting, ignored signals.
+import json, os, sys
+mask = int(next(l for l in open("/proc/self/status") if l.startswith("SigIgn:")).split()[1], 16)
+with open(os.environ["RECORD"], "a") as f:
+    f.write(json.dumps({{
+        "argv": sys.argv[1:], "cwd": os.getcwd(), "omp": os.environ.get("OMP_NUM_THREADS"),
+        "pet_signals": os.environ.get("PET_SIGNALS_TO_HANDLE"),
+        "ignores_usr1": bool(mask >> 9 & 1), "ignores_term": bool(mask >> 14 & 1),
+    }}) + "\\n")
+"""
+
+FAKE_SRUN = """#!/usr/bin/env bash
+# srun: advertise Pyxis if asked to, record the options, run the node part as node 0 (in
+# "the container" when given an image: the image's Python comes first on PATH).
+if [[ ${1:-} == --help ]]; then
+    echo "Usage: srun [OPTIONS(0)... [executable(0) [args(0)...]]]"
+    if [[ -n ${FAKE_PYXIS:-} ]]; then
+        echo "      --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH"
+    fi
+    exit 0
+fi
+while [[ ${1:-} == --* ]]; do
+    echo "$1" >>"$SRUN_RECORD"
+    [[ $1 == --container-image=* ]] && export PATH="$CONTAINER_BIN:$PATH"
+    shift
+done
+SLURM_NODEID=0 exec "$@"
+"""
+
+FAKE_SCONTROL = """#!/usr/bin/env bash
+case "$1 $2" in
+"show hostnames") printf 'gpu-node-1\\ngpu-node-2\\n' ;;
+"show job") printf '   Command=%s\\n   WorkDir=/tmp\\n' "$FAKE_COMMAND" ;;
+*) echo "scontrol $*" >>"$SRUN_RECORD" ;;
+esac
+"""
+
+
+@dataclass
+class Fakes:
+    bin_dir: Path
+    venv: Path
+    record: Path
+    srun_record: Path
+
+    def env(self, **extra: str) -> dict[str, str]:
+        base = {
+            "PATH": f"{self.bin_dir}:/usr/bin:/bin", "HOME": str(self.bin_dir.parent),
+            "VENV": str(self.venv), "RECORD": str(self.record),
+            "SRUN_RECORD": str(self.srun_record), "FAKE_COMMAND": str(SBATCH),
+            "CONTAINER_BIN": str(self.venv / "bin"),
+        }  # fmt: skip
+        base.update(extra)
+        return base
+
+    def torchrun_calls(self) -> list[dict]:
+        if not self.record.exists():
+            return []
+        return [json.loads(line) for line in self.record.read_text().splitlines()]
+
+
+def write_executable(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(0o755)
+
+
+@pytest.fixture
+def fakes(tmp_path: Path) -> Fakes:
+    bin_dir, venv = tmp_path / "bin", tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    bin_dir.mkdir()
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    write_executable(venv / "bin" / "torchrun", FAKE_TORCHRUN.format(python=sys.executable))
+    write_executable(bin_dir / "srun", FAKE_SRUN)
+    write_executable(bin_dir / "scontrol", FAKE_SCONTROL)
+    write_executable(bin_dir / "scancel", "#!/bin/sh\nexit 0\n")
+    # nvidia-smi installed but no driver (what a CPU node with CUDA packages reports).
+    write_executable(
+        bin_dir / "nvidia-smi", "#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n"
+    )
+    return Fakes(bin_dir, venv, tmp_path / "torchrun.jsonl", tmp_path / "srun.txt")
+
+
+def run_script(env: dict[str, str], *args: str, cwd: Path | None = None):
+    return subprocess.run(
+        ["bash", str(SBATCH), *args], env=env, cwd=cwd or REPO, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+
+
+def detect_gpus(env: dict[str, str]) -> str:
+    """The script's own detect_gpus, sourced (sourcing does not run main)."""
+    result = subprocess.run(
+        ["bash", "-c", 'source "$1" && detect_gpus', "bash", str(SBATCH)],
+        env=env, capture_output=True, text=True, check=True, timeout=30,
+    )  # fmt: skip
+    return result.stdout.strip()
+
+
+def test_gpus_per_node_are_detected_not_hard_coded(fakes: Fakes) -> None:
+    assert detect_gpus(fakes.env(SLURM_GPUS_ON_NODE="4", CUDA_VISIBLE_DEVICES="0")) == "4"
+    assert detect_gpus(fakes.env(CUDA_VISIBLE_DEVICES="0,1,2")) == "3"
+    assert detect_gpus(fakes.env()) == "0"  # nvidia-smi without a driver: CPU
+    gpu_list = "".join(f"GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})\\n" for i in range(8))
+    write_executable(fakes.bin_dir / "nvidia-smi", f"#!/bin/sh\nprintf '{gpu_list}'\n")
+    assert detect_gpus(fakes.env()) == "8"
+
+
+def test_local_run_passes_arguments_through_after_the_defaults(
+    fakes: Fakes, tmp_path: Path
+) -> None:
+    env = fakes.env(RUNS_DIR=str(tmp_path / "runs"), RUN_NAME="trial")
+    user_args = ["--preset", "llama3-8b", "--fp8=0", "--dataset", "a file with spaces.jsonl"]
+    result = run_script(env, *user_args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    [call] = fakes.torchrun_calls()
+    argv, run_dir = call["argv"], tmp_path / "runs" / "trial"
+    assert argv[:4] == ["--nnodes=1", "--nproc_per_node=2", "--standalone", str(REPO / "train.py")]
+    assert argv[4:] == [
+        "--preset", "llama2-7b", "--fp8=1",  # upstream defaults first, so the user's win
+        "--output_dir", str(run_dir), "--checkpoint_dir", f"{run_dir}/checkpoints",
+        "--resume_from_checkpoint", "auto", *user_args,
+    ]  # fmt: skip
+    assert call["cwd"] == str(REPO)  # relative paths mean the same as in the container
+    assert int(call["omp"]) == max(1, (os.cpu_count() or 1) // 2)
+    assert not call["ignores_usr1"] and call["pet_signals"] is None
+    assert (run_dir / "checkpoints").is_dir()
+
+
+def test_cpu_workers_come_from_nproc_per_node(fakes: Fakes, tmp_path: Path) -> None:
+    result = run_script(fakes.env(RUNS_DIR=str(tmp_path), NPROC_PER_NODE="3"), "--preset", "tiny")
+    assert result.returncode == 0, result.stderr
+    assert "--nproc_per_node=3" in fakes.torchrun_calls()[0]["argv"]
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"RUN_NAME": "a/b"}, "must be a plain folder name"),
+        ({"VENV": "/nonexistent-venv"}, "has no bin/python"),
+    ],
+)
+def test_bad_settings_fail_with_one_line_and_exit_2(
+    fakes: Fakes, tmp_path: Path, env: dict[str, str], message: str
+) -> None:
+    result = run_script(fakes.env(RUNS_DIR=str(tmp_path), **env), "--preset", "tiny")
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert fakes.torchrun_calls() == []
+
+
+def slurm_job_env(fakes: Fakes, tmp_path: Path, **extra: str) -> dict[str, str]:
+    """What sbatch gives the batch shell of a 2-node job with 8 GPUs per node."""
+    return fakes.env(
+        SLURM_JOB_ID="4242", SLURM_JOB_NAME="llama3-fp8", SLURM_JOB_NUM_NODES="2",
+        SLURM_JOB_NODELIST="gpu-node-[1-2]", SLURM_GPUS_ON_NODE="8",
+        RUNS_DIR=str(tmp_path / "runs"), **extra,
+    )  # fmt: skip
+
+
+def test_slurm_job_runs_torchrun_per_node_in_the_pyxis_container(
+    fakes: Fakes, tmp_path: Path
+) -> None:
+    image = tmp_path / "transformer-engine.sqsh"
+    image.touch()
+    env = slurm_job_env(
+        fakes, tmp_path, FAKE_PYXIS="1", IMAGE=str(image), DATA_PATH="/fsx/data",
+        EXTRA_MOUNTS="/fsx/hf:/root/.cache/huggingface",
+    )  # fmt: skip
+    result = run_script(env, "--preset", "llama3-8b", "--checkpoint_dir", "/fsx/ckpt/llama3")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"container: {image} (Pyxis)" in result.stdout
+
+    srun = fakes.srun_record.read_text().splitlines()
+    assert {"--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"} <= set(srun)
+    assert f"--container-image={image}" in srun and f"--container-workdir={REPO}" in srun
+    [mounts] = [o.split("=", 1)[1] for o in srun if o.startswith("--container-mounts=")]
+    run_dir = tmp_path / "runs" / "llama3-fp8"
+    for path in (REPO, tmp_path / "runs", Path("/fsx/ckpt/llama3"), run_dir, Path("/fsx/data")):
+        assert f"{path}:{path}" in mounts.split(","), mounts
+    assert mounts.endswith(",/fsx/hf:/root/.cache/huggingface")
+
+    [call] = fakes.torchrun_calls()
+    argv = call["argv"]
+    assert argv[:5] == [
+        "--nnodes=2", "--nproc_per_node=8", "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=gpu-node-1:{20000 + 4242 % 20000}", "--rdzv_id=4242",
+    ]  # fmt: skip
+    assert argv[-4:] == ["--preset", "llama3-8b", "--checkpoint_dir", "/fsx/ckpt/llama3"]
+    # Slurm signals every process of the step: torchrun must leave USR1/TERM to train.py.
+    assert call["ignores_usr1"] and call["ignores_term"]
+    assert call["pet_signals"] == "SIGINT,SIGHUP,SIGQUIT"
+
+
+def test_slurm_job_without_pyxis_says_it_uses_host_python(fakes: Fakes, tmp_path: Path) -> None:
+    image = tmp_path / "transformer-engine.sqsh"
+    image.touch()
+    result = run_script(slurm_job_env(fakes, tmp_path, IMAGE=str(image)), "--preset", "tiny")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"host Python {fakes.venv}/bin/python: srun has no --container-image" in result.stdout
+    assert not any("--container" in o for o in fakes.srun_record.read_text().splitlines())
+
+
+def test_a_missing_image_is_an_error_not_a_silent_fallback(fakes: Fakes, tmp_path: Path) -> None:
+    env = slurm_job_env(fakes, tmp_path, FAKE_PYXIS="1", IMAGE=str(tmp_path / "typo.sqsh"))
+    result = run_script(env, "--preset", "tiny")
+    assert result.returncode == 2 and "typo.sqsh does not exist" in result.stderr
+    assert fakes.torchrun_calls() == []
