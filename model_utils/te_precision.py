@@ -314,7 +314,8 @@ class TEBackend:
 
         TE's version replays the forward's FP8 scaling state during the recompute.
         """
-        return functools.partial(self._te().checkpoint, use_reentrant=False)
+        te = self._te()
+        return functools.partial(te.checkpoint, use_reentrant=False)
 
     def forward_kwargs(self, micro: int) -> dict[str, Any]:
         """Mark the coming forward as the first micro-batch of a step (``micro == 0``: TE casts

@@ -251,7 +251,15 @@ def collect_usages(source: str, filename: str) -> list[Usage]:
 
     usages: list[Usage] = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in (
+            "functools.partial",
+            "partial",
+        ):
+            chain = _chain(node.args[0]) if node.args else None
+            if chain:  # partial(te.f, *args, kw=...) binds arguments of te.f
+                bound = ast.Call(func=node.args[0], args=node.args[1:], keywords=node.keywords)
+                usages.append(call_usage(ast.copy_location(bound, node), *chain, method=None))
+        elif isinstance(node, ast.Call):
             chain = _chain(node.func)
             if chain:
                 usages.append(call_usage(node, *chain, method=None))
@@ -275,7 +283,14 @@ def collect_usages(source: str, filename: str) -> list[Usage]:
         elif isinstance(node, ast.Attribute) and not isinstance(parents.get(node), ast.Attribute):
             chain = _chain(node)
             parent = parents.get(node)
-            if chain and not (isinstance(parent, ast.Call) and parent.func is node):
+            called = isinstance(parent, ast.Call) and (
+                parent.func is node
+                or (
+                    ast.unparse(parent.func) in ("functools.partial", "partial")
+                    and parent.args[0] is node
+                )
+            )
+            if chain and not called:
                 usages.append(Usage(f"{filename}:{node.lineno}", *chain))
     return usages
 
@@ -411,6 +426,7 @@ layer(x, {forward_kw}=None)
 te.checkpoint(layer, x, use_reentrant=False, {forwarded_kw}=None)
 te_recipe.DelayedScaling({recipe_kw}=16)
 te.{function}(enabled=True)
+functools.partial(te.checkpoint, {partial_kw}=False)
 """
 CORRECT = dict(
     init_kw="num_gqa_groups",
@@ -418,6 +434,7 @@ CORRECT = dict(
     forwarded_kw="is_first_microbatch",
     recipe_kw="amax_history_len",
     function="autocast",
+    partial_kw="use_reentrant",
 )
 
 
@@ -438,6 +455,7 @@ def test_correct_synthetic_usage_passes(te_source: TESource) -> None:
         ({"forwarded_kw": "is_first_micro_batch"}, "no keyword argument 'is_first_micro_batch'"),
         ({"recipe_kw": "amax_history_length"}, "DelayedScaling has no keyword argument"),
         ({"function": "fp8_autocastt"}, "fp8_autocastt does not exist"),
+        ({"partial_kw": "use_reentrnt"}, "checkpoint has no keyword argument 'use_reentrnt'"),
     ],
 )
 def test_a_misspelling_is_caught(te_source: TESource, change: dict, expected: str) -> None:
