@@ -217,9 +217,9 @@ def hf_to_te_state_dict(
             out[prefix + mapping.te] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
             used.update(names)
     for key, tensor in state_dict.items():
-        if key in used:
+        if key in used or key.endswith("rotary_emb.inv_freq"):  # old HF files carry RoPE buffers
             continue
-        if _LAYER_KEY.match(key) and not key.endswith("rotary_emb.inv_freq"):
+        if _LAYER_KEY.match(key):
             raise KeyError(f"unexpected decoder-layer tensor {key!r} in HF state dict")
         out[key] = tensor
     return out

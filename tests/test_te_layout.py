@@ -149,6 +149,10 @@ def test_hf_te_hf_round_trip_is_exact(style: str) -> None:
 def test_conversion_refuses_incomplete_checkpoints() -> None:
     config = llama2_style()
     hf_sd = dict(hf_model(config).state_dict())
+    hf_sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)  # old files: ignored
+    assert "model.layers.0.self_attn.rotary_emb.inv_freq" not in te_llama.hf_to_te_state_dict(
+        hf_sd, config
+    )
     del hf_sd["model.layers.1.mlp.up_proj.weight"]
     with pytest.raises(KeyError, match="up_proj"):
         te_llama.hf_to_te_state_dict(hf_sd, config)
