@@ -560,3 +560,28 @@ def test_fp8_state_survives_dcp_with_packing(tmp_path, te_double) -> None:
     with torch.no_grad(), clone.autocast():
         got = fresh(ids).logits
     assert torch.equal(got, expected)
+
+
+def test_check_requirements_refuses_before_training(te_double) -> None:
+    """train.py's pre-flight: one UsageError line for hardware/recipe and FP8 shape problems."""
+    from model_utils.arguments import UsageError
+
+    shape = dict(
+        train_batch_size=2,
+        val_batch_size=2,
+        max_context_width=256,
+        hidden_width=128,
+        intermediate_size=256,
+        num_heads=4,
+        num_key_value_heads=2,
+    )
+    te_precision.check_requirements(backend_args(fp8=True, **shape))
+    with pytest.raises(UsageError, match="Blackwell"):
+        te_precision.check_requirements(backend_args(fp8=True, recipe="mxfp8", **shape))
+    with pytest.raises(UsageError, match=r"tokens per micro-batch .* = 312 .*--val_batch_size 3"):
+        te_precision.check_requirements(
+            backend_args(fp8=True, **{**shape, "val_batch_size": 3, "max_context_width": 104})
+        )
+    te_precision.check_requirements(  # BF16 on TE has no FP8 shape rule
+        backend_args(fp8=False, **{**shape, "max_context_width": 100})
+    )
