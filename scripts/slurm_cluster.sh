@@ -124,6 +124,7 @@ cmd_start() {
         dir=$(mktemp -d "${TMPDIR:-/tmp}/slurm-cluster.XXXXXX")
     fi
     mkdir -p "$dir"/{state,spool,log}
+    chmod 0755 "$dir" # other users read slurm.conf and reach the munge socket
     dir=$(cd "$dir" && pwd)
     [[ ! -e $dir/slurmctld.pid ]] || die "$dir already holds a cluster (stop it first)"
     touch "$dir/$MARKER"

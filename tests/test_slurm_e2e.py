@@ -185,7 +185,8 @@ def test_sbatch_trains_to_completion_on_slurm(slurm: Cluster, reference_job: Job
     assert summary is not None and "Summary" in log, log
     assert float(summary.group(1)) == pytest.approx(float(losses[STEPS]), abs=1e-5)
     assert "requeueing" not in log and "USR1" not in log, "a finished job must not requeue"
-    assert (reference_job.run_dir / "checkpoints").is_dir()
+    # A late USR1 would not requeue it either: the script reads train.py's last checkpoint.
+    assert run_finished(reference_job.run_dir / "checkpoints") == 0
 
 
 @pytest.mark.slow
@@ -357,6 +358,25 @@ def detect_gpus(env: dict[str, str]) -> str:
         env=env, capture_output=True, text=True, check=True, timeout=30,
     )  # fmt: skip
     return result.stdout.strip()
+
+
+def run_finished(checkpoint_dir: Path) -> int:
+    """Exit status of the script's run_finished (0: the newest checkpoint is at max_steps)."""
+    script = 'source "$1" && run_finished "$2"'
+    return subprocess.run(
+        ["bash", "-c", script, "bash", str(SBATCH), str(checkpoint_dir)],
+        capture_output=True, text=True, timeout=30,
+    ).returncode  # fmt: skip
+
+
+def test_only_an_unfinished_run_counts_as_requeueable(tmp_path: Path) -> None:
+    assert run_finished(tmp_path / "none-yet") == 1
+    for step, max_steps in ((4, 16), (16, 16)):
+        folder = tmp_path / "checkpoints" / f"step_{step:08d}"
+        folder.mkdir(parents=True)
+        meta = {"step": step, "run_config": {"max_steps": max_steps}}
+        (folder / "checkpoint.json").write_text(json.dumps(meta))
+        assert run_finished(tmp_path / "checkpoints") == (0 if step == max_steps else 1)
 
 
 def test_gpus_per_node_are_detected_not_hard_coded(fakes: Fakes) -> None:
