@@ -150,7 +150,8 @@ class RunLog:
 
 def build_model(args: argparse.Namespace, mesh, device, backend) -> torch.nn.Module:
     """Meta-device Llama -> precision swaps -> AC/compile -> FSDP2 -> initialised local shard."""
-    model = backend.prepare(modeling.build(args, args.model_impl, device))
+    recipe = getattr(backend, "recipe", None)
+    model = backend.prepare(modeling.build(args, args.model_impl, device, fp8_recipe=recipe))
     if args.activation_checkpointing:
         distributed.apply_activation_checkpointing(model, backend.checkpoint_fn)
     if args.compile:

@@ -54,14 +54,20 @@ def attention_backend(device: torch.device) -> str:
     return "sdpa"
 
 
-def build(args: argparse.Namespace, impl: str, device: torch.device) -> nn.Module:
-    """Llama for `impl` (hf, te, te_linear) with every parameter on the meta device."""
+def build(
+    args: argparse.Namespace, impl: str, device: torch.device, fp8_recipe: object = None
+) -> nn.Module:
+    """Llama for `impl` (hf, te, te_linear) with every parameter on the meta device.
+
+    `fp8_recipe` is the TE recipe --fp8_weights quantizes the weights for (TE only)."""
     config = llama_config(args)
     if impl in ("te", "te_linear"):
         import te_llama  # only the TE path imports Transformer Engine
 
         with torch.device("meta"):
-            return te_llama.build_te_llama(config, impl=impl, fp8_weights=args.fp8_weights)
+            return te_llama.build_te_llama(
+                config, impl=impl, fp8_weights=args.fp8_weights, fp8_recipe=fp8_recipe
+            )
     with torch.device("meta"):
         return LlamaForCausalLM._from_config(
             config, attn_implementation=attention_backend(device), dtype=torch.float32
@@ -133,6 +139,10 @@ def reset_buffers(model: nn.Module, config: LlamaConfig) -> None:
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     """Allocate this rank's shards on `device` and initialise them deterministically."""
     model.to_empty(device=device)
+    if getattr(model, "te_impl", None):
+        import te_llama
+
+        te_llama.reset_te_parameters(model)  # TE builds its real (maybe FP8) parameters here
     init_weights(model, seed)
     reset_buffers(model, model.config)
 
