@@ -165,12 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
     flag("lr", type=float, default=1e-3, help="peak learning rate")
     flag("min_lr", type=float, default=1e-4, help="learning rate at max_steps")
     flag("warmup", type=int, default=10, help="linear warm-up steps")
-    flag("lr_decay_style", default="cosine", choices=("cosine", "linear", "constant"))
+    flag("lr_decay_style", default="cosine", choices=("cosine", "linear", "constant"),
+         help="decay from --lr to --min_lr after warm-up")  # fmt: skip
     flag("weight_decay", type=float, default=0.1, help="AdamW decay (not on norms/biases)")
-    flag("beta1", type=float, default=0.9)
-    flag("beta2", type=float, default=0.95)
+    flag("beta1", type=float, default=0.9, help="AdamW first-moment decay")
+    flag("beta2", type=float, default=0.95, help="AdamW second-moment decay")
     flag("grad_clip", type=float, default=1.0, help="max global grad norm; 0 disables")
-    flag("seed", type=int, default=42)
+    flag("seed", type=int, default=42, help="model init, data order and RNG streams")
 
     flag("logging_freq", type=int, default=1, help="steps between log lines")
     flag("validation_freq", type=int, default=0, help="steps between validations; 0 = end only")
