@@ -16,6 +16,7 @@ demo: $(BIN)/.installed
 	$(BIN)/python scripts/demo.py
 
 test: $(BIN)/.installed
+	bash scripts/install_test_deps.sh $(VENV)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q tests

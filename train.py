@@ -163,7 +163,9 @@ def build_model(args: argparse.Namespace, mesh, device, backend) -> torch.nn.Mod
     return model
 
 
-def train(args: argparse.Namespace, tokenizer, world: distributed.World, device) -> None:
+def train(
+    args: argparse.Namespace, tokenizer, world: distributed.World, device, preemption
+) -> None:
     torch.manual_seed(args.seed)
     mesh = distributed.build_mesh(world, device, args.sharding_strategy)
     backend = precision.build_backend(args, device, dp_group=dist.group.WORLD)
@@ -208,7 +210,6 @@ def train(args: argparse.Namespace, tokenizer, world: distributed.World, device)
         args.max_context_width,
     )  # fmt: skip
 
-    preemption = Preemption()
     model.train()
     while state.step < args.max_steps:
         step_start = time.perf_counter()
@@ -269,6 +270,7 @@ def main(argv: list[str] | None = None) -> None:
         level=logging.INFO, format="%(asctime)s I [%(filename)s:%(lineno)d] %(message)s",
         datefmt="%Y-%m-%d %H:%M:%S", stream=sys.stdout,
     )  # fmt: skip
+    preemption = Preemption()  # first: a signal during start-up must not kill the rank
     try:
         args, tokenizer = validate(argv)
     except arguments.UsageError as exc:
@@ -279,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     device = distributed.device_for(world)
     distributed.init(world, device, args.dist_timeout)
     try:
-        train(args, tokenizer, world, device)
+        train(args, tokenizer, world, device, preemption)
     finally:
         distributed.cleanup()
 
