@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,9 +39,9 @@ class World:
 
 def _first_int(env: Mapping[str, str], names: tuple[str, ...], default: int) -> int:
     for name in names:
-        value = env.get(name, "")
-        if value:
-            return int(value.split("(")[0])  # SLURM_NTASKS_PER_NODE may read "8(x2)"
+        match = re.match(r"\d+", env.get(name, ""))
+        if match:  # Slurm's per-node counts read "8(x2)" or "8,4": the first node's count
+            return int(match.group())
     return default
 
 
@@ -49,7 +50,10 @@ def world_from_env(env: Mapping[str, str] = os.environ) -> World:
     world_size = _first_int(env, ("WORLD_SIZE", "SLURM_NTASKS"), 1)
     rank = _first_int(env, ("RANK", "SLURM_PROCID"), 0)
     local_rank = _first_int(env, ("LOCAL_RANK", "SLURM_LOCALID"), 0)
-    local_world = _first_int(env, ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"), world_size)
+    # srun sets SLURM_NTASKS_PER_NODE only with --ntasks-per-node; SLURM_TASKS_PER_NODE always.
+    local_world = _first_int(
+        env, ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"), world_size
+    )
     return World(rank, world_size, local_rank, min(local_world, world_size))
 
 
@@ -66,9 +70,14 @@ def _slurm_master_addr() -> str:
         return "127.0.0.1"
     import subprocess
 
-    out = subprocess.run(
-        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=False
-    )
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+    except OSError:  # no Slurm client tools here: a plain first host name is still usable
+        first = nodelist.split(",")[0]
+        return first if first and "[" not in first else "127.0.0.1"
     hosts = out.stdout.split()
     return hosts[0] if hosts else "127.0.0.1"
 
