@@ -191,12 +191,13 @@ def run_all(names: list[str], args: argparse.Namespace) -> dict[str, Runs]:
 def one_thread_row(args: argparse.Namespace) -> str:
     """Our pipeline with a single tokenizer thread: a fresh process, because the Rust thread pool
     is sized once per process."""
-    command = [sys.executable, __file__, "--only", "ours", "--repeats", str(args.repeats)]
+    command = [sys.executable, __file__, "--only", "ours", "--label", "ours-1thread"]
+    command += ["--repeats", str(args.repeats)]
     command += ["--seq_len", str(args.seq_len), "--micro_batch", str(args.micro_batch)]
     command += ["--tokens", str(args.tokens)]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
-    return "ours-1thread" + out.strip().splitlines()[-1][len("ours") :]
+    return out.strip().splitlines()[-1]
 
 
 def main() -> None:
@@ -206,6 +207,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=800_000, help="tokens per run")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", choices=sorted(PIPELINES), help="time one pipeline (no ratios)")
+    parser.add_argument("--label", help=argparse.SUPPRESS)  # row name for --only
     args = parser.parse_args()
     names = [args.only] if args.only else list(PIPELINES)
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
@@ -218,7 +220,7 @@ def main() -> None:
     results = run_all(names, args)
     print(HEADER)
     for name in names:
-        print(results[name].row(name))
+        print(results[name].row(args.label or name))
     if args.only:
         return
     print(one_thread_row(args))
