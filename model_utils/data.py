@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import weakref
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -118,24 +119,24 @@ def encode_documents(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> np
     return np.concatenate(pieces)
 
 
-_BACKENDS: dict[int, Any] = {}
+_BACKENDS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def _backend(tokenizer: PreTrainedTokenizerBase) -> Any:
-    """A private copy of the Rust tokenizer with truncation and padding off.
+    """A private copy of the Rust tokenizer with truncation and padding off, one per tokenizer.
 
     A copy, because transformers changes the backend's truncation/padding settings per call and
     a hub tokenizer.json may ship with truncation enabled, which would silently cut documents.
     """
-    key = id(tokenizer)
-    if key not in _BACKENDS:
+    backend = _BACKENDS.get(tokenizer)
+    if backend is None:
         from tokenizers import Tokenizer
 
         backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
         backend.no_truncation()
         backend.no_padding()
-        _BACKENDS[key] = backend
-    return _BACKENDS[key]
+        _BACKENDS[tokenizer] = backend
+    return backend
 
 
 # --------------------------------------------------------------------------------------------

@@ -260,6 +260,21 @@ def test_state_names_a_local_dataset_independently_of_its_path(corpus, tokenizer
     assert torch.equal(next(relative)["input_ids"], next(stream)["input_ids"])
 
 
+def test_documents_are_never_truncated_even_if_the_tokenizer_file_says_so(tmp_path, tokenizer):
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_file(str(Path(data.DEFAULT_TOKENIZER) / "tokenizer.json"))
+    backend.enable_truncation(max_length=8)  # as some hub tokenizer.json files ship
+    backend.save(str(tmp_path / "tokenizer.json"))
+    config = (Path(data.DEFAULT_TOKENIZER) / "tokenizer_config.json").read_text()
+    (tmp_path / "tokenizer_config.json").write_text(config)
+    truncating = data.load_tokenizer(str(tmp_path))
+    text = "In the beginning God created the heaven and the earth. " * 4
+    expected = _reference_ids(tokenizer, [text])[0] + [tokenizer.eos_token_id]
+    assert len(expected) > 40
+    assert data.encode_documents(truncating, [text]).tolist() == expected
+
+
 def test_vocab_mismatch_is_one_clear_line(tokenizer):
     data.check_vocab(tokenizer, len(tokenizer))
     with pytest.raises(ValueError) as error:
