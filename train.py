@@ -236,7 +236,7 @@ def train(
         run_log.step(state.step, loss_sum / args.grad_accum_steps, lr, step_start, data_wait)
         if args.validation_freq and state.step % args.validation_freq == 0:
             run_log.validation(state.step, model, val_batches, backend)
-        if args.checkpoint_freq and state.step % args.checkpoint_freq == 0:
+        if args.checkpoint_freq > 0 and state.step % args.checkpoint_freq == 0:
             ckpt.save(state.step, state)
         if distributed.all_ranks_agree(preemption.requested, device):
             ckpt.save(state.step, state, block=True)
@@ -245,7 +245,9 @@ def train(
 
     if not args.validation_freq or state.step % args.validation_freq:
         run_log.validation(state.step, model, val_batches, backend)
-    if not args.checkpoint_freq or state.step % args.checkpoint_freq:
+    if args.checkpoint_freq == 0 or (
+        args.checkpoint_freq > 0 and state.step % args.checkpoint_freq
+    ):
         ckpt.save(state.step, state)
     ckpt.close()
     if args.export_hf:

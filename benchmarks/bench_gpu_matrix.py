@@ -1,40 +1,54 @@
-"""The seed's FP8 matrix on one GPU: training and inference speed of each implementation.
+"""The seed's FP8 matrix on a GPU node: what each implementation and precision buys.
 
-Rows: hf-bf16, te-bf16, te_linear-fp8, te-fp8 for each TE recipe, torchao-fp8 (training), and
-hf-bf16, te-bf16, te-fp8 with ``fp8_model_init`` weights (inference). Every row uses the same
-Llama shape, batch and data; training rows run forward + backward + AdamW step. One table:
-tokens/s/GPU, model TFLOP/s, peak memory, speed-up over hf-bf16 and over te-bf16 (the fair
-"FP8 alone" ratio: same TE modules with FP8 off).
+Training rows run the real recipe (`torchrun train.py`, FSDP2, the same preset, batch and data)
+and read each run's metrics.jsonl summary; inference rows time forward passes of the model
+train.py builds, with Transformer Engine's FP8-only weights (`--fp8_weights`, fp8_model_init).
 
-    python benchmarks/bench_gpu_matrix.py                     # llama2-7b layer shape, 8 layers
-    python benchmarks/bench_gpu_matrix.py --num_layers 32     # the whole 7B (80 GB GPU)
+    python benchmarks/bench_gpu_matrix.py --preset llama3-8b --nproc 8
+    python benchmarks/bench_gpu_matrix.py --preset llama2-7b --nproc 8 -- --max_context_width 4096
 
-All rows keep fp32 master weights and compute in BF16 (torch.autocast), as train.py does.
-Refuses on a machine without a CUDA GPU (exit 2). Rows whose requirements are missing (TE not
-installed, recipe not supported by this GPU) are listed as skipped with the reason.
+Rows: hf-bf16, te-bf16, te_linear-fp8, te-fp8 per TE recipe, torchao-fp8 (tensorwise with float8
+all-gather, rowwise). Columns: tokens/s/GPU, TFLOP/s/GPU, peak memory, speed-up over hf-bf16 and
+over te-bf16 (the fair "FP8 alone" ratio: same TE model with FP8 off). A row whose recipe the GPU
+or TE cannot run is listed with train.py's one-line reason. Refuses without a CUDA GPU (exit 2).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-import te_llama  # noqa: E402
-from model_utils import te_precision  # noqa: E402
+from model_utils import metrics  # noqa: E402
+from model_utils.arguments import TE_RECIPES  # noqa: E402
 
-TE_RECIPES = tuple(te_precision.TE_RECIPES)
+# (row name, train.py flags). Every row shares the preset, batch, steps and data.
+TRAIN_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("hf-bf16", ("--model_impl=hf", "--fp8=0")),
+    ("te-bf16", ("--model_impl=te", "--fp8=0")),
+    ("te_linear-fp8-delayed", ("--model_impl=te_linear", "--fp8=1", "--fp8_recipe=delayed")),
+    *((f"te-fp8-{r}", ("--model_impl=te", "--fp8=1", f"--fp8_recipe={r}")) for r in TE_RECIPES),
+    ("torchao-fp8-tensorwise+ag", ("--model_impl=hf", "--fp8=1", "--fp8_all_gather")),
+    ("torchao-fp8-rowwise", ("--model_impl=hf", "--fp8=1", "--fp8_recipe=rowwise")),
+)
+INFER_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("hf-bf16", ("--model_impl=hf", "--fp8=0")),
+    ("te-bf16", ("--model_impl=te", "--fp8=0")),
+    *(
+        (f"te-fp8-{r}+fp8_weights", ("--model_impl=te", "--fp8=1", f"--fp8_recipe={r}",
+                                      "--fp8_weights"))
+        for r in TE_RECIPES
+    ),
+)  # fmt: skip
 
 
 @dataclass
@@ -47,199 +61,92 @@ class Row:
     note: str = ""
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden_width", type=int, default=4096)
-    parser.add_argument("--num_layers", type=int, default=8)
-    parser.add_argument("--num_heads", type=int, default=32)
-    parser.add_argument("--num_key_value_heads", type=int, default=32)
-    parser.add_argument("--intermediate_size", type=int, default=11008)
-    parser.add_argument("--vocab_size", type=int, default=32000)
-    parser.add_argument("--seq_len", type=int, default=4096)
-    parser.add_argument("--micro_batch_size", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per row")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per row")
-    parser.add_argument("--te_linear_recipe", default="delayed", choices=TE_RECIPES)
-    parser.add_argument("--torchao_recipe", default="tensorwise")
-    parser.add_argument("--only", default="", help="comma-separated row names to run")
-    return parser.parse_args(argv)
+    parser.add_argument("--preset", default="llama2-7b")
+    parser.add_argument("--nproc", type=int, default=None, help="GPUs (default: all visible)")
+    parser.add_argument("--max_steps", type=int, default=40, help="training steps per row")
+    parser.add_argument("--infer_steps", type=int, default=20, help="timed forwards per row")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu_matrix")
+    parser.add_argument("--only", default="", help="comma-separated row names")
+    args, extra = parser.parse_known_args(argv)
+    return args, [a for a in extra if a != "--"]
 
 
-def llama_config(args: argparse.Namespace):
-    from transformers import LlamaConfig
+def train_command(args: argparse.Namespace, name: str, flags: tuple[str, ...], extra: list[str]):
+    """The torchrun command of one training row (no checkpoints: only speed is measured)."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={args.nproc}", str(ROOT / "train.py"), f"--preset={args.preset}",
+        f"--max_steps={args.max_steps}", f"--warmup={max(1, args.max_steps // 10)}",
+        "--checkpoint_freq=-1", "--validation_batches=1", "--logging_freq=1",
+        f"--output_dir={args.out / name}", *flags, *extra,
+    ]  # fmt: skip
 
-    return LlamaConfig(
-        vocab_size=args.vocab_size,
-        hidden_size=args.hidden_width,
-        intermediate_size=args.intermediate_size,
-        num_hidden_layers=args.num_layers,
-        num_attention_heads=args.num_heads,
-        num_key_value_heads=args.num_key_value_heads,
-        max_position_embeddings=args.seq_len,
-        use_cache=False,
+
+def train_row(args, name: str, flags: tuple[str, ...], extra: list[str]) -> Row:
+    run_dir = args.out / name
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    result = subprocess.run(
+        train_command(args, name, flags, extra), capture_output=True, text=True, cwd=ROOT
     )
+    if result.returncode != 0:
+        reason = [ln for ln in result.stderr.splitlines() if "error:" in ln][-1:]
+        return Row(name, "train", note=f"skipped: {reason[0] if reason else 'failed, see log'}")
+    summary = metrics.summarize(metrics.read_jsonl(run_dir / "metrics.jsonl"), warmup_steps=5)
+    return Row(
+        name, "train", summary["tokens_per_sec_per_device"], summary["tflops_per_device"],
+        summary["peak_mem_gib"],
+    )  # fmt: skip
 
 
-def flops_per_token(config, seq_len: int) -> float:
-    """6 x matmul parameters (input embedding excluded) + attention 12 x L x heads x d x seq."""
-    head_dim = config.hidden_size // config.num_attention_heads
-    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    per_layer = config.hidden_size * (q + 2 * kv) + q * config.hidden_size
-    per_layer += 3 * config.hidden_size * config.intermediate_size
-    matmul_params = config.num_hidden_layers * per_layer + config.hidden_size * config.vocab_size
-    attention = 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_len
-    return 6 * matmul_params + attention
+def infer_row(args, name: str, flags: tuple[str, ...], extra: list[str]) -> Row:
+    """Forward-only throughput of the model train.py builds (one GPU, a world of one)."""
+    import torch.distributed as dist
 
+    import train
+    from model_utils import distributed, precision
 
-def te_args(fp8: bool, recipe: str, impl: str, fp8_weights: bool = False) -> SimpleNamespace:
-    return SimpleNamespace(
-        fp8=fp8,
-        fp8_recipe=recipe,
-        fp8_format="hybrid",
-        amax_history_len=1024,
-        amax_compute_algo="max",
-        fp8_margin=0,
-        fp8_weights=fp8_weights,
-        model_impl=impl,
+    argv = [f"--preset={args.preset}", "--max_steps=20", *flags, *extra]
+    try:
+        train_args, _ = train.validate(argv)
+    except Exception as exc:  # UsageError / capability errors: the row's reason
+        return Row(name, "infer", note=f"skipped: {exc}")
+    device = torch.device("cuda", 0)
+    world = distributed.world_from_env({})
+    if not dist.is_initialized():
+        distributed.init(world, device, train_args.dist_timeout)
+    backend = precision.build_backend(train_args, device, dp_group=dist.group.WORLD)
+    model = train.build_model(
+        train_args, distributed.build_mesh(world, device, "full"), device, backend
     )
-
-
-def materialise(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    model.to_empty(device="cuda")
-    te_llama.init_llama_weights(model, seed=seed)
-    return model
-
-
-def build_hf(config) -> torch.nn.Module:
-    from transformers import LlamaForCausalLM
-
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    model.config._attn_implementation = "sdpa"
-    return materialise(model)
-
-
-def build_te(config, impl: str, backend: te_precision.TEBackend) -> torch.nn.Module:
-    with torch.device("meta"):
-        model = te_llama.build_te_llama(
-            config, impl=impl, fp8_weights=backend.fp8_weights, fp8_recipe=backend.recipe
-        )
-    return backend.prepare(materialise(model))
-
-
-def build_torchao(config, recipe: str) -> torch.nn.Module:
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    model = build_hf(config)
-
-    def keep(module: torch.nn.Module, fqn: str) -> bool:
-        dims_ok = module.in_features % 16 == 0 and module.out_features % 16 == 0
-        return "lm_head" not in fqn and dims_ok
-
-    convert_to_float8_training(
-        model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=keep
-    )
-    return model
-
-
-@contextlib.contextmanager
-def bf16_autocast(is_first_microbatch: bool | None = None) -> Iterator[None]:
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        yield
-
-
-def measure(
-    step: Callable[[], None], args: argparse.Namespace, tokens_per_step: int
-) -> tuple[float, float]:
-    """Median tokens/s over timed steps (CUDA-synchronised) and peak memory in GiB."""
-    for _ in range(args.warmup):
-        step()
-    torch.cuda.synchronize()
+    model.eval()
+    batch = torch.randint(
+        0, train_args.vocab_size, (train_args.train_batch_size, train_args.max_context_width),
+        device=device,
+    )  # fmt: skip
     torch.cuda.reset_peak_memory_stats()
     times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return tokens_per_step / statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
-
-
-def train_step(model, autocast, input_ids) -> Callable[[], None]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-
-    def step() -> None:
-        with autocast(is_first_microbatch=True):
-            loss = model(input_ids=input_ids, labels=input_ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
-
-
-def infer_step(model, autocast, input_ids) -> Callable[[], None]:
-    model.eval()
-
-    def step() -> None:
-        with torch.no_grad(), autocast():
-            model(input_ids=input_ids)
-
-    return step
-
-
-def plan(args: argparse.Namespace) -> list[tuple[str, str, Callable]]:
-    """(name, mode, factory -> (model, autocast)) for every row of the matrix."""
-    config = llama_config(args)
-
-    def te_row(impl: str, fp8: bool, recipe: str, fp8_weights: bool = False):
-        def factory():
-            backend = te_precision.TEBackend(
-                te_args(fp8, recipe, impl, fp8_weights), torch_autocast_dtype=torch.bfloat16
-            )
-            backend.capability_check()
-            return build_te(config, impl, backend), backend.autocast
-
-        return factory
-
-    rows: list[tuple[str, str, Callable]] = [
-        ("hf-bf16", "train", lambda: (build_hf(config), bf16_autocast)),
-        ("te-bf16", "train", te_row("te", False, "delayed")),
-        (
-            f"te_linear-fp8-{args.te_linear_recipe}",
-            "train",
-            te_row("te_linear", True, args.te_linear_recipe),
-        ),
-    ]
-    rows += [(f"te-fp8-{r}", "train", te_row("te", True, r)) for r in TE_RECIPES]
-    rows.append(
-        (
-            f"torchao-fp8-{args.torchao_recipe}",
-            "train",
-            lambda: (build_torchao(config, args.torchao_recipe), bf16_autocast),
-        )
-    )
-    rows += [
-        ("hf-bf16", "infer", lambda: (build_hf(config), bf16_autocast)),
-        ("te-bf16", "infer", te_row("te", False, "delayed")),
-    ]
-    rows += [(f"te-fp8-{r}+fp8_weights", "infer", te_row("te", True, r, True)) for r in TE_RECIPES]
-    return rows
-
-
-def run_row(name: str, mode: str, factory: Callable, args, input_ids, flops: float) -> Row:
-    row = Row(name, mode)
-    try:
-        model, autocast = factory()
-        make = train_step if mode == "train" else infer_step
-        tokens, peak = measure(make(model, autocast, input_ids), args, input_ids.numel())
-        row.tokens_per_s, row.peak_gib = tokens, peak
-        row.tflops = tokens * flops / 1e12 / (1 if mode == "train" else 3)  # forward = 1/3
-    except (te_precision.TECapabilityError, te_llama.TEUnavailableError, ImportError) as err:
-        row.note = f"skipped: {err}"
-    except torch.cuda.OutOfMemoryError:
-        row.note = "skipped: out of memory (lower --num_layers or --seq_len)"
-    return row
+    with torch.no_grad():
+        for i in range(args.infer_steps + 3):
+            start = time.perf_counter()
+            with backend.autocast():
+                model(input_ids=batch)
+            torch.cuda.synchronize()
+            if i >= 3:
+                times.append(time.perf_counter() - start)
+    tokens_per_s = batch.numel() / statistics.median(times)
+    config = model.config
+    flops = metrics.flops_per_token(
+        hidden=config.hidden_size, num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
+        intermediate=config.intermediate_size, vocab=config.vocab_size,
+        seq_len=train_args.max_context_width,
+    )  # fmt: skip
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    del model
+    torch.cuda.empty_cache()
+    return Row(name, "infer", tokens_per_s, tokens_per_s * flops / 3 / 1e12, peak)
 
 
 def ratio(row: Row, base: Row | None) -> str:
@@ -250,7 +157,7 @@ def ratio(row: Row, base: Row | None) -> str:
 
 def render(rows: list[Row]) -> str:
     header = (
-        f"{'mode':<6} {'row':<28} {'tokens/s/GPU':>13} {'TFLOP/s':>8} {'peak GiB':>9} "
+        f"{'mode':<6} {'row':<32} {'tokens/s/GPU':>13} {'TFLOP/s':>8} {'peak GiB':>9} "
         f"{'vs hf-bf16':>10} {'vs te-bf16':>10}  note"
     )
     lines = [header, "-" * len(header)]
@@ -262,14 +169,14 @@ def render(rows: list[Row]) -> str:
             tflops = f"{row.tflops:.0f}" if row.tflops else "-"
             peak = f"{row.peak_gib:.1f}" if row.peak_gib else "-"
             lines.append(
-                f"{mode:<6} {row.name:<28} {tokens:>13} {tflops:>8} {peak:>9} "
+                f"{mode:<6} {row.name:<32} {tokens:>13} {tflops:>8} {peak:>9} "
                 f"{ratio(row, base_hf):>10} {ratio(row, base_te):>10}  {row.note}"
             )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args, extra = parse_args(argv)
     if not torch.cuda.is_available():
         print(
             "bench_gpu_matrix: needs a CUDA GPU and none is visible; run it on a GPU node "
@@ -277,39 +184,18 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    config = llama_config(args)
-    problem = te_precision.fp8_shape_problem(
-        micro_batch_size=args.micro_batch_size,
-        seq_len=args.seq_len,
-        hidden_size=args.hidden_width,
-        intermediate_size=args.intermediate_size,
-        num_attention_heads=args.num_heads,
-        num_key_value_heads=args.num_key_value_heads,
-    )
-    if problem:
-        print(f"bench_gpu_matrix: {problem}", file=sys.stderr)
-        return 2
-    only = {name for name in args.only.split(",") if name}
-    torch.manual_seed(0)
-    input_ids = torch.randint(
-        0, args.vocab_size, (args.micro_batch_size, args.seq_len), device="cuda"
-    )
-    flops = flops_per_token(config, args.seq_len)
-    print(
-        f"GPU {torch.cuda.get_device_name()} | shape hidden={args.hidden_width} "
-        f"layers={args.num_layers} heads={args.num_heads}/{args.num_key_value_heads} "
-        f"ffn={args.intermediate_size} seq={args.seq_len} micro_batch={args.micro_batch_size} | "
-        f"TE {'available' if te_llama.te_available() else 'NOT installed'}",
-        flush=True,
-    )
+    args.nproc = args.nproc or torch.cuda.device_count()
+    only = {n for n in args.only.split(",") if n}
+    print(f"{torch.cuda.get_device_name()} x {args.nproc}, preset {args.preset}", flush=True)
     rows = []
-    for name, mode, factory in plan(args):
-        if only and name not in only:
-            continue
-        rows.append(run_row(name, mode, factory, args, input_ids, flops))
-        gc.collect()  # the row's model and optimizer are unreachable now: free their memory
-        torch.cuda.empty_cache()
-        print(f"  done {mode} {name}", flush=True)
+    for name, flags in TRAIN_ROWS:
+        if not only or name in only:
+            rows.append(train_row(args, name, flags, extra))
+            print(f"  done train {name}", flush=True)
+    for name, flags in INFER_ROWS:
+        if not only or name in only:
+            rows.append(infer_row(args, name, flags, extra))
+            print(f"  done infer {name}", flush=True)
     print(render(rows))
     return 0
 

@@ -185,7 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     flag("dist_timeout", type=int, default=600, help="seconds before a stuck collective fails")
 
     flag("checkpoint_dir", default=None, help="default <output_dir>/checkpoints")
-    flag("checkpoint_freq", type=int, default=0, help="steps between checkpoints; 0 = end only")
+    flag("checkpoint_freq", type=int, default=0,
+         help="steps between checkpoints; 0 = at the end only; -1 = none (a preemption "
+              "signal still saves)")  # fmt: skip
     flag("keep_last", type=int, default=2, help="checkpoints kept; 0 keeps all")
     switch("async_checkpoint", False, "write checkpoints in the background")
     flag("resume_from_checkpoint", default=None, help="PATH or 'auto' (newest in checkpoint_dir)")
@@ -227,7 +229,9 @@ def check_consistency(args: argparse.Namespace) -> None:
               "intermediate_size", "vocab_size", "max_context_width", "train_batch_size",
               "val_batch_size", "grad_accum_steps", "max_steps", "logging_freq", "lr")  # fmt: skip
     _positive(args, "warmup", "min_lr", "weight_decay", "grad_clip", "validation_freq",
-              "validation_batches", "checkpoint_freq", "keep_last", allow_zero=True)  # fmt: skip
+              "validation_batches", "keep_last", allow_zero=True)  # fmt: skip
+    if args.checkpoint_freq < -1:
+        raise UsageError(f"--checkpoint_freq must be >= -1, got {args.checkpoint_freq}")
     if args.hidden_width % args.num_heads:
         raise UsageError(
             f"--hidden_width {args.hidden_width} is not divisible by --num_heads {args.num_heads}"

@@ -513,16 +513,18 @@ def test_gpu_matrix_refuses_without_gpu(capsys) -> None:
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-def test_gpu_matrix_flops_and_table() -> None:
+def test_gpu_matrix_rows_are_train_py_commands_and_the_table_shows_ratios(tmp_path) -> None:
     from benchmarks import bench_gpu_matrix as bench
+    from model_utils.arguments import parse_args
 
-    args = bench.parse_args(["--num_layers", "2", "--num_key_value_heads", "8"])
-    config = bench.llama_config(args)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    linear_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    attention = 12 * 2 * 32 * 128 * args.seq_len
-    assert bench.flops_per_token(config, args.seq_len) == 6 * linear_params + attention
+    args, extra = bench.parse_args(["--preset", "tiny", "--nproc", "8", "--", "--seed", "3"])
+    args.out = tmp_path
+    for name, flags in bench.TRAIN_ROWS + bench.INFER_ROWS:
+        cmd = bench.train_command(args, name, flags, extra)
+        assert "--nproc_per_node=8" in cmd and cmd[-2:] == ["--seed", "3"]  # user flags win
+        parse_args(cmd[cmd.index(str(bench.ROOT / "train.py")) + 1 :])  # every row's flags parse
+    names = [name for name, _ in bench.TRAIN_ROWS]
+    assert {"hf-bf16", "te-bf16", "te-fp8-delayed", "te-fp8-mxfp8"} <= set(names)
     rows = [
         bench.Row("hf-bf16", "train", 1000.0, 100.0, 10.0),
         bench.Row("te-bf16", "train", 1250.0, 125.0, 9.0),
