@@ -32,6 +32,15 @@ generators from (seed, step, rank), and calls `TrainState.on_data_reshard(step, 
 if given (saved_states[r] = what rank r saved; e.g. move the stream to a position derived from
 them or from the step); without it the stream keeps its fresh position (the beginning of this
 rank's new shard). Both cases log a warning.
+
+Implementation changes: --model_impl hf and te_linear share Hugging Face parameter names; te
+fuses each decoder layer (QKV in one weight, gate/up in fc1). A checkpoint of the other layout is
+converted on load through te_llama's mapping table (`load_converted`): each decoder layer is
+read whole into plain tensors (DCP assembles them from the saved shards), mapped, and each rank
+copies its block into its DTensor shards, so no rank holds more than one layer. AdamW's moments
+have their parameter's shape and go through the same table. TE's `_extra_state` (FP8 scaling
+history) belongs to TE's module structure and is not converted: it starts fresh, as does the
+extra state a te_linear run finds missing in a checkpoint of --model_impl hf.
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -214,16 +224,28 @@ class _ModelItem:
     to load a tensor into one of another size (the known "_extra_state size mismatch").
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, absent_extra_state: Iterable[str] = ()) -> None:
         self.model = model
+        # Extra-state keys this model has but the checkpoint lacks (e.g. a te_linear run loading
+        # a checkpoint of --model_impl hf, whose nn.Linear has none): left out of the load, so
+        # those TE modules start fresh FP8 metadata, as TE does for weights converted from HF.
+        self.absent = frozenset(absent_extra_state)
 
     def state_dict(self) -> dict[str, Any]:
         sd = get_model_state_dict(self.model)
-        return {k: _pack(v) if _is_extra_state(k) else v for k, v in sd.items()}
+        return {
+            k: _pack(v) if _is_extra_state(k) else v for k, v in sd.items() if k not in self.absent
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         sd = {k: _unpack(v) if _is_extra_state(k) else v for k, v in state_dict.items()}
-        set_model_state_dict(self.model, sd)
+        if not self.absent:
+            set_model_state_dict(self.model, sd)
+            return
+        result = set_model_state_dict(self.model, sd, options=StateDictOptions(strict=False))
+        wrong = sorted(set(result.missing_keys) - self.absent) + list(result.unexpected_keys)
+        if wrong:
+            raise RuntimeError(f"model state dict mismatch on load: {wrong[:5]}")
 
 
 class _OptimizerItem:
@@ -351,6 +373,8 @@ class LoadResult:
     saved_world_size: int
     resharded: bool
     saved_config: dict[str, Any]
+    # The saved parameter layout when it differed from the model's and was converted, else None.
+    converted_from: str | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -565,12 +589,23 @@ class Checkpointer:
         scheduler and step are restored (DCP reshards); RNGs are reseeded from (seed, step, rank);
         the data stream gets `state.on_data_reshard(step, saved_states)` with every saved rank's
         data state (index = saved rank), or keeps its fresh position if no hook is set.
+
+        Another parameter layout (saved by --model_impl hf or te_linear, loaded by te, or the
+        reverse): weights and AdamW moments are converted through te_llama's mapping table one
+        decoder layer at a time (`load_converted`); step, LR schedule, data and RNG load as
+        usual, and TE's FP8 metadata starts fresh. TE extra state that a same-layout checkpoint
+        lacks (hf -> te_linear) starts fresh too.
         """
         problem = checkpoint_problem(path)
         if problem:
             raise ValueError(problem)
         path = Path(path)
         marker = read_marker(path)
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        saved_keys = metadata.state_dict_metadata
+        model_keys = list(get_model_state_dict(state.model))
+        saved_layout = param_layout(k[len(_MODEL) :] for k in saved_keys if k.startswith(_MODEL))
+        convert = saved_layout != param_layout(model_keys)
         saved_world_size = int(marker["world_size"])
         resharded = saved_world_size != _world_size()
         getters = state.per_rank_getters()
@@ -579,13 +614,31 @@ class Checkpointer:
             log.warning("Checkpoint %s has no %s state", path, sorted(set(getters) - available))
         reads = {n: _ranks_to_read(n, resharded, saved_world_size) for n in getters}
         targets = {n: _PerRankLoad(r) for n, r in reads.items() if n in available and r}
-        dcp.load(state.items(targets), checkpoint_id=str(path))
+        items = state.items(targets)
+        if convert:
+            del items["model"]
+            items.pop("optimizer", None)
+        else:
+            absent = [k for k in model_keys if _is_extra_state(k) and _MODEL + k not in saved_keys]
+            items["model"] = _ModelItem(state.model, absent)
+            if absent:
+                log.info(
+                    "Checkpoint %s has no Transformer Engine extra state for %d modules (saved "
+                    "without TE modules): their FP8 metadata starts fresh", path, len(absent),
+                )  # fmt: skip
+        dcp.load(items, checkpoint_id=str(path))
+        if convert:
+            saved_impl = (marker.get("run_config") or {}).get("model_impl", "?")
+            load_converted(path, metadata, state, saved_layout, saved_impl)
         if resharded:
             self._after_reshard(state, saved_world_size, targets.get("data"))
         else:
             for name, target in targets.items():
                 getters[name][1](target.values[_rank()])
-        return LoadResult(path, state.step, saved_world_size, resharded, state.saved_config or {})
+        return LoadResult(
+            path, state.step, saved_world_size, resharded, state.saved_config or {},
+            converted_from=saved_layout if convert else None,
+        )  # fmt: skip
 
     @staticmethod
     def _after_reshard(state: TrainState, saved_world_size: int, data: _PerRankLoad | None) -> None:
@@ -617,6 +670,233 @@ def _ranks_to_read(name: str, resharded: bool, saved_world_size: int) -> list[in
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+# --------------------------------------------------------------------------------------------
+# Cross-layout loads: a checkpoint of another parameter layout (hf/te_linear <-> te)
+
+_MODEL = "model."
+_OPT_STATE = "optimizer.state."
+_OPT_GROUPS = "optimizer.param_groups."
+# Per-group entries that name parameters (they follow the model's layout, not the checkpoint's).
+_GROUP_PARAM_KEYS = ("params", "param_names")
+
+
+def param_layout(names: Iterable[str]) -> str:
+    """'te' if the parameter names are the TE TransformerLayer layout of --model_impl te (fused
+    QKV and fc1), else 'hf': Hugging Face names, shared by --model_impl hf and te_linear (whose
+    te.Linear keeps `weight`; only its `_extra_state` entries are extra)."""
+    import te_llama
+
+    segment = f".{te_llama.TE_LAYER_ATTR}."
+    return "te" if any(segment in name for name in names) else "hf"
+
+
+def layout_key_map(saved_layout: str, layout: str, config: Any) -> KeyMap:
+    """Names and fused tensors of `saved_layout` -> `layout`, one decoder layer at a time, by
+    te_llama's mapping table (the one --init_from_hf and --export_hf use)."""
+    import te_llama
+
+    functions = {
+        ("hf", "te"): te_llama.hf_to_te_state_dict,
+        ("te", "hf"): te_llama.te_to_hf_state_dict,
+    }
+    if (saved_layout, layout) not in functions:
+        raise ValueError(f"no parameter mapping from layout {saved_layout!r} to {layout!r}")
+    return layerwise_key_map(functions[(saved_layout, layout)], config)
+
+
+def _tensor_entries(metadata: Any, prefix: str) -> dict[str, tuple[str, Any]]:
+    """Saved tensors under `prefix` (TE extra state excluded): name -> (DCP key, metadata)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return {
+        key[len(prefix) :]: (key, md)
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith(prefix)
+        and isinstance(md, TensorStorageMetadata)
+        and not _is_extra_state(key)
+    }
+
+
+def _read_full_tensors(path: Path, entries: Mapping[str, tuple[str, Any]]) -> dict[str, Any]:
+    """Whole saved tensors on CPU (DCP assembles them from every saved shard). no_dist: each rank
+    reads on its own, without collectives, so ranks need not request the same keys."""
+    out = {n: torch.empty(md.size, dtype=md.properties.dtype) for n, (_, md) in entries.items()}
+    if out:
+        request = {key: out[n] for n, (key, _) in entries.items()}
+        _load_local(request, path)
+    return out
+
+
+def _load_local(request: dict[str, Any], path: Path) -> None:
+    """dcp.load in this process only (no_dist), without DCP's single-process warning."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(request, checkpoint_id=str(path), no_dist=True)
+
+
+@torch.no_grad()
+def _copy_converted(
+    path: Path,
+    saved: Mapping[str, tuple[str, Any]],
+    key_map: KeyMap,
+    targets: Mapping[str, torch.Tensor],
+    what: str,
+) -> int:
+    """Read `saved` (name -> DCP key, metadata) one decoder layer at a time, convert it with
+    `key_map`, and copy this rank's block of each converted tensor into `targets` (DTensor
+    shards or plain tensors). Memory: one layer of full tensors. Returns the tensors copied;
+    ValueError if the converted names or shapes do not match the targets."""
+    aliases = _alias_groups(targets)
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for group in layer_groups(saved):
+        full = _read_full_tensors(path, {n: saved[n] for n in group})
+        for name, tensor in key_map(full).items():
+            target = targets.get(name)
+            if target is None:
+                unexpected.append(name)
+                continue
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"checkpoint {path}: {what} {name} converts to shape {tuple(tensor.shape)} "
+                    f"but the model has {tuple(target.shape)}: does the model shape match?"
+                )
+            _local(target).copy_(tensor[_local_index(target)])
+            loaded.add(name)
+    roots = {aliases[n] for n in loaded}
+    missing = sorted(n for n in targets if n not in loaded and aliases[n] not in roots)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path}: converted {what} does not match the model: missing "
+            f"{missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    return len(loaded)
+
+
+def _optimizer_fields(metadata: Any) -> dict[str, dict[str, tuple[str, Any]]]:
+    """Saved optimizer state by field (exp_avg, exp_avg_sq, step, ...): {param FQN: entry}."""
+    fields: dict[str, dict[str, tuple[str, Any]]] = {}
+    for key, entry in _tensor_entries(metadata, _OPT_STATE).items():
+        fqn, _, name = key.rpartition(".")
+        fields.setdefault(name, {})[fqn] = entry
+    return fields
+
+
+def moment_conversion_problem(
+    fields: Mapping[str, Mapping[str, tuple[str, Any]]],
+    param_shapes: Mapping[str, tuple[int, ...]],
+    target_fields: Iterable[str],
+) -> str | None:
+    """Why saved optimizer state cannot be converted through the parameter mapping, or None.
+
+    Convertible: this optimizer keeps the same fields, every parameter has each of them, and
+    each field is shaped like its parameter for every parameter (Adam's exp_avg/exp_avg_sq:
+    they concatenate and split exactly like the weights) or is a scalar (Adam's step)."""
+    if not fields:
+        return "the checkpoint holds no optimizer state"
+    if set(fields) != set(target_fields):
+        return (
+            f"saved optimizer fields {sorted(fields)} != this optimizer's {sorted(target_fields)}"
+        )
+    for field_name, per_param in fields.items():
+        if set(per_param) != set(param_shapes):
+            return f"optimizer state {field_name!r} is not kept for every parameter"
+        shapes = [(tuple(md.size), param_shapes[fqn]) for fqn, (_, md) in per_param.items()]
+        if not (all(s == p for s, p in shapes) or all(s == () for s, _ in shapes)):
+            return f"optimizer state {field_name!r} is neither parameter-shaped nor a scalar"
+    return None
+
+
+@torch.no_grad()
+def _load_param_group_hyperparameters(path: Path, metadata: Any, optimizer: Any) -> bool:
+    """Restore each saved param group's lr, initial_lr, betas, weight decay, ... exactly as a
+    same-layout load would (so the LR schedule continues from the saved lr); the parameter lists
+    keep this model's names. False (nothing restored) if the group counts differ."""
+    saved = metadata.state_dict_metadata
+    saved_groups = {k[len(_OPT_GROUPS) :].split(".")[0] for k in saved if k.startswith(_OPT_GROUPS)}
+    if len(saved_groups) != len(optimizer.param_groups):
+        return False
+    wanted = {
+        f"{_OPT_GROUPS}{i}.{name}": (i, name)
+        for i, group in enumerate(optimizer.param_groups)
+        for name in group
+        if name not in _GROUP_PARAM_KEYS and f"{_OPT_GROUPS}{i}.{name}" in saved
+    }
+    values: dict[str, Any] = dict.fromkeys(wanted)
+    if values:
+        _load_local(values, path)
+    for key, (i, name) in wanted.items():
+        optimizer.param_groups[i][name] = values[key]
+    return True
+
+
+@torch.no_grad()
+def load_converted_optimizer(
+    path: Path, metadata: Any, model: nn.Module, optimizer: Any, key_map: KeyMap
+) -> str:
+    """Convert the saved optimizer state to this model's layout; returns what happened (logged).
+
+    Adam's moments have their parameter's shape, so the weights' mapping converts them
+    (a fused QKV moment is the concatenation of the q, k and v moments, exactly as if the fused
+    parameter had been trained); `step` is the same count for every parameter (the largest saved
+    one is used). State that does not fit this scheme (another optimizer) restarts from zero:
+    the weights and schedule still resume, only the moments are rebuilt by the next steps."""
+    params = {n: tuple(md.size) for n, (_, md) in _tensor_entries(metadata, _MODEL).items()}
+    fields = _optimizer_fields(metadata)
+    osd = get_optimizer_state_dict(model, optimizer)  # creates AdamW's lazy state
+    entries = list(osd["state"].values())
+    problem = moment_conversion_problem(fields, params, entries[0] if entries else ())
+    if problem is None:
+        for field_name, per_param in fields.items():
+            if all(len(md.size) == 0 for _, md in per_param.values()):
+                saved_values = _read_full_tensors(path, per_param).values()
+                largest = max(saved_values, key=lambda t: t.item())
+                for entry in entries:
+                    entry[field_name].copy_(largest)
+                continue
+            targets = {fqn: entry[field_name] for fqn, entry in osd["state"].items()}
+            _copy_converted(path, per_param, key_map, targets, f"optimizer {field_name}")
+        set_optimizer_state_dict(model, optimizer, osd)
+        outcome = f"optimizer state ({', '.join(sorted(fields))}) converted"
+    else:
+        optimizer.state.clear()  # fresh moments and step: AdamW re-creates them at the next step
+        outcome = f"optimizer moments restart from zero ({problem})"
+    if not _load_param_group_hyperparameters(path, metadata, optimizer):
+        outcome += "; param groups differ in number, so their lr/betas/decay are this run's"
+    return outcome
+
+
+@torch.no_grad()
+def load_converted(
+    path: Path, metadata: Any, state: TrainState, saved_layout: str, saved_impl: str = "?"
+) -> None:
+    """Load model weights and optimizer state saved in another parameter layout (all ranks).
+
+    No rank ever holds more than one decoder layer in full: each layer's saved tensors are read
+    whole (DCP assembles them from the saved shards, whatever the saved world size), converted
+    by te_llama's table, and each rank copies its own block into its DTensor shards. TE's
+    `_extra_state` (FP8 scaling history) is tied to TE's module structure and is not converted:
+    FP8 metadata starts fresh, as after --init_from_hf."""
+    targets = weight_tensors(get_model_state_dict(state.model))
+    layout = param_layout(targets)
+    config = getattr(state.model, "config", None)
+    if config is None:
+        raise ValueError(f"checkpoint {path}: converting layout {saved_layout!r} needs a config")
+    key_map = layout_key_map(saved_layout, layout, config)
+    count = _copy_converted(path, _tensor_entries(metadata, _MODEL), key_map, targets, "weight")
+    outcome = "no optimizer"
+    if state.optimizer is not None:
+        outcome = load_converted_optimizer(path, metadata, state.model, state.optimizer, key_map)
+    log.warning(
+        "Checkpoint %s was saved by --model_impl %s (%s parameter layout); this model has the %s "
+        "layout: %d weights converted through te_llama's mapping one decoder layer at a time; "
+        "%s; Transformer Engine FP8 metadata starts fresh",
+        path, saved_impl, saved_layout, layout, count, outcome,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------

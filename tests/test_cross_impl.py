@@ -1,0 +1,324 @@
+"""Checkpoints across implementations: hf / te_linear (HF names) <-> te (fused TE layers).
+
+A checkpoint saved by one ``--model_impl`` resumes in another: the weights and AdamW moments are
+converted through te_llama's mapping table one decoder layer at a time, step, LR schedule, data
+position and RNG load as usual, and TE's FP8 metadata (``_extra_state``) starts fresh. TE runs
+on the TE test double (tests/te_double), which computes TE's math in pure PyTorch.
+
+Two kinds of checks:
+* in this process (a world of one, gloo): the product's modules build the two models; the loaded
+  weights and moments, mapped back to HF names, equal the saved ones bit for bit; the LR is the
+  saved one; the loaded model's logits equal those of a plain HF ``LlamaForCausalLM`` holding the
+  saved weights (fp32, tight tolerance); FP8 on <-> off across implementations;
+* ``train.py`` under torchrun with 2 ranks (fp32 compute): hf trains, te resumes from its
+  checkpoint, hf resumes from te's, and every loss matches the uninterrupted hf run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from te_double import install, subprocess_env, uninstall
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+import te_llama
+from model_utils import checkpoint as ck
+
+ROOT = Path(__file__).resolve().parent.parent
+# A small Llama (GQA, 2 layers) on the bundled corpus and tokenizer; shapes FP8 GEMMs accept.
+SMALL = [
+    "--preset", "tiny", "--hidden_width", "64", "--num_layers", "2", "--num_heads", "4",
+    "--num_key_value_heads", "2", "--intermediate_size", "128", "--max_context_width", "32",
+    "--train_batch_size", "2", "--warmup", "1", "--validation_batches", "1",
+]  # fmt: skip
+# Parameter layout of each --model_impl: te_linear keeps HF's names.
+LAYOUT = {"hf": "hf", "te_linear": "hf", "te": "te"}
+TE_FP8 = ["--fp8=1", "--fp8_recipe", "delayed", "--amax_history_len", "4"]
+
+
+@pytest.fixture
+def te_double():
+    install()
+    yield
+    uninstall()
+
+
+# ============================================================================================
+# In this process
+
+
+def _world_of_one() -> None:
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+class Run:
+    """Model, optimizer and schedule exactly as train.py builds them, in a world of one."""
+
+    def __init__(self, impl: str, fp8: bool, seed: int, checkpoint_dir: Path) -> None:
+        import train
+        from model_utils import distributed, optim, precision
+        from model_utils.arguments import parse_args
+
+        # FP8 runs inside a bf16 model (train.py refuses --fp8=1 --bf16=0); others run in fp32.
+        extra = (
+            [*(TE_FP8 if impl != "hf" else ["--fp8=1"]), "--bf16=1"]
+            if fp8
+            else ["--fp8=0", "--bf16=0"]
+        )
+        self.compute_dtype = torch.bfloat16 if fp8 else torch.float32
+        args = parse_args(
+            [*SMALL, f"--model_impl={impl}", f"--seed={seed}", "--max_steps=8", *extra]
+        )
+        args.model_impl = precision.resolve_model_impl(args.model_impl)
+        precision.resolve_fp8_recipe(args)
+        _world_of_one()
+        device = torch.device("cpu")
+        mesh = distributed.build_mesh(distributed.world_from_env({}), device, "full")
+        self.backend = precision.build_backend(args, device)
+        self.model = train.build_model(args, mesh, device, self.backend)
+        self.optimizer = optim.build_optimizer(
+            self.model, args.lr, args.weight_decay, args.beta1, args.beta2
+        )
+        self.scheduler = optim.build_scheduler(
+            self.optimizer, lr=args.lr, min_lr=args.min_lr, warmup=args.warmup,
+            max_steps=args.max_steps, style=args.lr_decay_style,
+        )  # fmt: skip
+        self.state = ck.TrainState(self.model, self.optimizer, self.scheduler, config=vars(args))
+        self.checkpointer = ck.Checkpointer(checkpoint_dir, keep_last=0)
+
+    def step(self, seed: int) -> float:
+        ids = batch(seed)
+        with self.backend.autocast():
+            loss = self.model(input_ids=ids, labels=ids, **self.backend.forward_kwargs(0)).loss
+        loss.backward()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.backend.after_optimizer_step(self.model)
+        self.state.step += 1
+        return loss.item()
+
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        """Full fp32 weights under HF names, whatever the layout."""
+        full = {
+            k: ck._full_cpu(v, torch.float32)
+            for k, v in ck.weight_tensors(get_model_state_dict(self.model)).items()
+        }
+        return to_hf(full, self.model.config)
+
+    def hf_moments(self, field: str) -> dict[str, torch.Tensor]:
+        osd = get_optimizer_state_dict(self.model, self.optimizer)
+        full = {k: ck._full_cpu(v[field], torch.float32) for k, v in osd["state"].items()}
+        return to_hf(full, self.model.config)
+
+    def adam_steps(self) -> set[float]:
+        osd = get_optimizer_state_dict(self.model, self.optimizer)
+        return {v["step"].item() for v in osd["state"].values()}
+
+    def extra_state_bytes(self) -> int:
+        sd = get_model_state_dict(self.model)
+        return sum(v.numel() for k, v in sd.items() if ck._is_extra_state(k))
+
+
+def to_hf(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    if ck.param_layout(state) == "te":
+        return te_llama.te_to_hf_state_dict(state, config)
+    return state
+
+
+def batch(seed: int) -> torch.Tensor:
+    return torch.randint(0, 8192, (2, 32), generator=torch.Generator().manual_seed(seed))
+
+
+def reference_logits(weights: dict[str, torch.Tensor], config, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of stock transformers' Llama holding `weights` (fp32, eager attention)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM._from_config(config, attn_implementation="eager").eval()
+    model.load_state_dict(weights, strict=True)
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    assert set(got) == set(want), f"{what}: {sorted(set(got) ^ set(want))}"
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), f"{what} {name}"
+
+
+CASES = [
+    # (saved impl, saved fp8) -> (loaded impl, loaded fp8)
+    pytest.param("hf", False, "te", False, id="hf-fp8off->te-fp8off"),
+    pytest.param("te", True, "hf", False, id="te-fp8->hf-fp8off"),
+    pytest.param("hf", True, "te", True, id="hf-torchao_fp8->te-fp8"),
+    pytest.param("te_linear", True, "te", False, id="te_linear-fp8->te-fp8off"),
+    pytest.param("hf", False, "te_linear", True, id="hf-fp8off->te_linear-fp8"),
+]
+
+
+@pytest.mark.parametrize(("saved_impl", "saved_fp8", "loaded_impl", "loaded_fp8"), CASES)
+def test_checkpoint_loads_across_implementations(
+    saved_impl, saved_fp8, loaded_impl, loaded_fp8, tmp_path, te_double, caplog
+) -> None:
+    """Weights and AdamW moments arrive exactly (compared under HF names), the LR schedule
+    continues, TE's FP8 metadata starts fresh, and the loaded model computes what stock HF
+    computes with the saved weights."""
+    saved = Run(saved_impl, saved_fp8, seed=1, checkpoint_dir=tmp_path)
+    for i in range(2):
+        saved.step(seed=i)
+    if saved_impl != "hf" and saved_fp8:
+        assert saved.extra_state_bytes() > 0  # delayed scaling history to be left behind
+    path = saved.checkpointer.save(2, saved.state)
+
+    loaded = Run(loaded_impl, loaded_fp8, seed=2, checkpoint_dir=tmp_path)
+    assert not torch.equal(*(r.hf_weights()["lm_head.weight"] for r in (saved, loaded)))
+    with caplog.at_level("INFO", logger="model_utils.checkpoint"):
+        result = loaded.checkpointer.load(path, loaded.state)
+    converted = LAYOUT[saved_impl] != LAYOUT[loaded_impl]
+    assert result.converted_from == (LAYOUT[saved_impl] if converted else None)
+    if converted:
+        assert "converted through te_llama's mapping" in caplog.text
+        assert "optimizer state (exp_avg, exp_avg_sq, step) converted" in caplog.text
+
+    assert loaded.state.step == 2
+    assert_same(loaded.hf_weights(), saved.hf_weights(), "weight")
+    for field in ("exp_avg", "exp_avg_sq"):
+        assert_same(loaded.hf_moments(field), saved.hf_moments(field), field)
+    assert loaded.adam_steps() == saved.adam_steps() == {2.0}
+    assert [g["lr"] for g in loaded.optimizer.param_groups] == [
+        g["lr"] for g in saved.optimizer.param_groups
+    ]
+    assert loaded.scheduler.state_dict()["last_epoch"] == saved.scheduler.state_dict()["last_epoch"]
+    assert loaded.extra_state_bytes() == 0  # fresh FP8 metadata: nothing carried across
+
+    ids = batch(seed=99)
+    want = reference_logits(saved.hf_weights(), loaded.model.config, ids)
+    with torch.no_grad():  # outside autocast: no FP8 rounding, FSDP2's compute dtype only
+        got = loaded.model(input_ids=ids).logits.float()
+    tolerance = 1e-4 if loaded.compute_dtype == torch.float32 else 3e-2  # bf16: 8 mantissa bits
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+    assert torch.isfinite(torch.tensor(loaded.step(seed=3)))  # training goes on (FP8 if on)
+
+
+def test_round_trip_hf_te_hf_is_exact_and_training_continues_identically(
+    tmp_path, te_double
+) -> None:
+    """hf -> te -> hf through two checkpoints returns every weight and moment bit for bit; the
+    te run's next step equals the hf run's next step (fp32: same data, same moments, same LR)."""
+    hf = Run("hf", False, seed=1, checkpoint_dir=tmp_path / "hf")
+    for i in range(2):
+        hf.step(seed=i)
+    first = hf.checkpointer.save(2, hf.state)
+
+    te = Run("te", False, seed=2, checkpoint_dir=tmp_path / "te")
+    te.checkpointer.load(first, te.state)
+    second = te.checkpointer.save(2, te.state)
+    back = Run("hf", False, seed=3, checkpoint_dir=tmp_path / "back")
+    assert back.checkpointer.load(second, back.state).converted_from == "te"
+    assert_same(back.hf_weights(), hf.hf_weights(), "weight")
+    for field in ("exp_avg", "exp_avg_sq"):
+        assert_same(back.hf_moments(field), hf.hf_moments(field), field)
+
+    losses = {name: [run.step(seed=s) for s in (5, 6)] for name, run in (("hf", hf), ("te", te))}
+    assert losses["te"] == pytest.approx(losses["hf"], rel=1e-5)
+    assert losses["te"][1] != losses["te"][0]
+
+
+def test_moment_conversion_problem() -> None:
+    """Adam's fields convert (parameter-shaped moments, scalar step); anything else restarts."""
+
+    class Md:
+        def __init__(self, *size: int) -> None:
+            self.size = torch.Size(size)
+
+    params = {"a.weight": (4, 2), "b.weight": (3,)}
+
+    def fields(**per_field):
+        return {f: {p: ("key", md) for p, md in entry.items()} for f, entry in per_field.items()}
+
+    adam = fields(
+        exp_avg={"a.weight": Md(4, 2), "b.weight": Md(3)},
+        step={"a.weight": Md(), "b.weight": Md()},
+    )
+    check = ck.moment_conversion_problem
+    assert check(adam, params, ["exp_avg", "step"]) is None
+    assert "no optimizer state" in check({}, params, ["exp_avg"])
+    assert "fields" in check(adam, params, ["exp_avg", "step", "momentum_buffer"])
+    partial = fields(exp_avg={"a.weight": Md(4, 2)})
+    assert "every parameter" in check(partial, params, ["exp_avg"])
+    factored = fields(row={"a.weight": Md(4), "b.weight": Md(3)})
+    assert "neither" in check(factored, params, ["row"])
+
+
+def test_param_layout() -> None:
+    assert ck.param_layout(["model.layers.0.self_attn.q_proj.weight"]) == "hf"
+    assert ck.param_layout(["model.layers.0.self_attn.q_proj._extra_state"]) == "hf"
+    te_name = "model.layers.3.transformer_layer.self_attention.layernorm_qkv.weight"
+    assert ck.param_layout(["lm_head.weight", te_name]) == "te"
+    with pytest.raises(ValueError, match="no parameter mapping"):
+        ck.layout_key_map("hf", "hf", None)
+
+
+# ============================================================================================
+# train.py, 2 ranks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_train(*argv: str, nproc: int = 2) -> str:
+    env = subprocess_env({**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        f"--master_port={_free_port()}", str(ROOT / "train.py"), *SMALL, *argv,
+    ]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def records(run_dir: Path) -> dict[tuple[str, int], float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    out = {}
+    for record in map(json.loads, lines):
+        if record["kind"] in ("train", "val"):
+            key = "loss" if record["kind"] == "train" else "val_loss"
+            out[(record["kind"], record["step"])] = record[key]
+    return out
+
+
+@pytest.mark.slow
+def test_train_py_two_ranks_hf_to_te_and_back(tmp_path) -> None:
+    """torchrun, 2 ranks, fp32: hf trains 6 steps; te resumes from hf's step 2 and trains to 4;
+    hf resumes from te's step 4 and trains to 6. Every train and validation loss matches the
+    uninterrupted hf run: weights, AdamW moments, LR and data position all crossed over."""
+    common = ["--max_steps=6", "--validation_freq=2", "--checkpoint_freq=2", "--keep_last=0"]
+    common += ["--bf16=0"]  # fp32 compute: hf and the TE double then agree to float rounding
+    reference, te_run, back = tmp_path / "hf", tmp_path / "te", tmp_path / "back"
+    run_train(*common, "--model_impl=hf", f"--output_dir={reference}")
+    out = run_train(
+        *common, "--model_impl=te", "--max_steps=4", f"--output_dir={te_run}",
+        f"--resume_from_checkpoint={reference / 'checkpoints' / 'step_00000002'}",
+    )  # fmt: skip
+    assert "impl=te" in out and "at step 2" in out
+    run_train(
+        *common, "--model_impl=hf", f"--output_dir={back}",
+        f"--resume_from_checkpoint={te_run / 'checkpoints' / 'step_00000004'}",
+    )  # fmt: skip
+    want = records(reference)
+    got = {**records(te_run), **records(back)}
+    assert sorted(got) == sorted(k for k in want if k[1] > 2)
+    for key, value in got.items():
+        assert value == pytest.approx(want[key], rel=2e-6), key
