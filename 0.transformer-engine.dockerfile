@@ -8,6 +8,8 @@
 # minor version as the CPU pin in requirements.txt - with Transformer Engine 2.16 and NCCL
 # 2.30 prebuilt). The build stops with a clear message if the image does not hold a
 # Transformer Engine 2.x and flash-attn, so a different BASE_IMAGE is checked too.
+# The TE releases our code is contract-tested against (this image's and the newest) are
+# stated once, in model_utils/te_precision.py (TE_CONTRACT_VERSIONS).
 #
 # The project's pinned requirements are installed WITHOUT touching the image's torch,
 # Transformer Engine, flash-attn, triton, numpy or NVIDIA libraries: those are built for

@@ -22,9 +22,15 @@ from torch import nn
 
 from te_llama import set_is_first_microbatch
 
-#: The Transformer Engine release this code is written and contract-tested against
-#: (tests/test_te_contract.py parses its wheel; the GPU image should install this release).
+#: The Transformer Engine releases this code is contract-tested against, the one place they are
+#: stated: tests/test_te_contract.py downloads each one's pure-Python ``transformer-engine`` wheel
+#: (scripts/fetch_te_wheel.sh) and checks every TE name and keyword we use against its source.
+#: PINNED: the newest release; the TE test double mirrors its signatures.
 PINNED_TE_VERSION = "2.20.2"
+#: IMAGE: the release the GPU image ships (0.transformer-engine.dockerfile: NGC PyTorch 26.06 has
+#: TE 2.16; 2.16.0 is that line's first release, the API floor of any 2.16.x build).
+IMAGE_TE_VERSION = "2.16.0"
+TE_CONTRACT_VERSIONS: tuple[str, ...] = (PINNED_TE_VERSION, IMAGE_TE_VERSION)
 
 #: ``--fp8_recipe`` values for TE -> TE recipe class (``transformer_engine.common.recipe``).
 TE_RECIPES: dict[str, str] = {

@@ -1,11 +1,13 @@
-"""API contract with the pinned Transformer Engine release, checked without importing TE.
+"""API contract with the Transformer Engine releases we support, checked without importing TE.
 
-``scripts/fetch_te_wheel.sh`` downloads the pinned pure-Python ``transformer-engine`` wheel
+The releases are ``te_precision.TE_CONTRACT_VERSIONS``: the newest (``PINNED_TE_VERSION``) and the
+one the GPU image ships (``IMAGE_TE_VERSION``); every contract test runs against each.
+``scripts/fetch_te_wheel.sh VERSION`` downloads that pure-Python ``transformer-engine`` wheel
 (``pip download --no-deps``); its source is parsed with ``ast``. Every TE name, attribute and
 keyword argument used by ``te_llama.py`` and ``model_utils/te_precision.py`` is collected from
 *our* source with ``ast`` as well, so the check follows the code: a misspelt keyword, a class
 TE renamed, or a ``forward`` argument TE dropped fails here. The TE test double's signatures
-are compared with the real ones, so tests that pass on the double pass the same calls TE takes.
+are compared with the pinned release's, so tests that pass on the double pass the calls TE takes.
 
 Conventions the collector relies on (asserted below): a name ``te`` is bound only to
 ``transformer_engine.pytorch`` and ``te_recipe`` only to ``transformer_engine.common.recipe``.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import subprocess
 import zipfile
@@ -43,11 +46,16 @@ class TESource:
 
     def __init__(self, wheel: Path) -> None:
         self.modules: dict[str, ast.Module] = {}
+        self.version = ""  # from the wheel's METADATA
         with zipfile.ZipFile(wheel) as archive:
             for name in archive.namelist():
                 if name.startswith("transformer_engine/") and name.endswith(".py"):
                     module = name[: -len(".py")].replace("/", ".").removesuffix(".__init__")
                     self.modules[module] = ast.parse(archive.read(name), filename=name)
+                elif name.endswith(".dist-info/METADATA"):
+                    for line in archive.read(name).decode().splitlines():
+                        if line.startswith("Version:"):
+                            self.version = line.split(":", 1)[1].strip()
 
     def resolve(self, module: str, name: str, depth: int = 0) -> tuple[str, Any] | None:
         """Where ``module.name`` is defined: ``("module", modname)``, ``(modname, def_node)``."""
@@ -335,21 +343,34 @@ def our_usages() -> list[Usage]:
 # ------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def te_source() -> TESource:
+@functools.cache
+def load_te_source(version: str) -> TESource:
+    """The parsed wheel of TE ``version`` (downloaded once, then cached on disk and here)."""
     result = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "fetch_te_wheel.sh")],
+        ["bash", str(ROOT / "scripts" / "fetch_te_wheel.sh"), version],
         capture_output=True,
         text=True,
         timeout=300,
     )
     if result.returncode == 3:
         pytest.skip(
-            "!!! TE CONTRACT NOT CHECKED: PyPI is unreachable, so the pinned transformer-engine "
-            f"wheel could not be downloaded !!!\n{result.stderr}"
+            "!!! TE CONTRACT NOT CHECKED: PyPI is unreachable, so the "
+            f"transformer-engine=={version} wheel could not be downloaded !!!\n{result.stderr}"
         )
-    assert result.returncode == 0, f"fetch_te_wheel.sh failed:\n{result.stderr}"
+    assert result.returncode == 0, f"fetch_te_wheel.sh {version} failed:\n{result.stderr}"
     return TESource(Path(result.stdout.strip().splitlines()[-1]))
+
+
+@pytest.fixture(scope="module", params=te_precision.TE_CONTRACT_VERSIONS)
+def te_source(request: pytest.FixtureRequest) -> TESource:
+    """Each supported TE release in turn: the newest, and the one the GPU image ships."""
+    return load_te_source(request.param)
+
+
+@pytest.fixture(scope="module")
+def pinned_te_source() -> TESource:
+    """The release the TE test double mirrors."""
+    return load_te_source(te_precision.PINNED_TE_VERSION)
 
 
 @pytest.fixture
@@ -366,9 +387,22 @@ def te_double():
 # ------------------------------------------------------------------------------------------
 
 
-def test_wheel_is_the_pinned_release(te_source: TESource) -> None:
+def test_wheel_is_the_requested_release(te_source: TESource, request) -> None:
+    assert te_source.version == request.node.callspec.params["te_source"]
     assert "transformer_engine.pytorch.transformer" in te_source.modules
     assert te_source.resolve("transformer_engine.pytorch", "TransformerLayer") is not None
+
+
+def test_contract_versions_are_the_pinned_and_the_image_release() -> None:
+    """The image's release is the one the Dockerfile and docs/cluster.md name (major.minor)."""
+    assert te_precision.TE_CONTRACT_VERSIONS == (
+        te_precision.PINNED_TE_VERSION,
+        te_precision.IMAGE_TE_VERSION,
+    )
+    major_minor = ".".join(te_precision.IMAGE_TE_VERSION.split(".")[:2])
+    for doc in ("0.transformer-engine.dockerfile", "docs/cluster.md"):
+        text = " ".join((ROOT / doc).read_text().split())
+        assert f"Transformer Engine {major_minor}" in text, doc
 
 
 def test_our_source_follows_the_alias_convention() -> None:
@@ -507,8 +541,10 @@ def _same_default(real: Any, double: Any) -> bool:
     return real == double
 
 
-def test_double_signatures_match_the_real_ones(te_source: TESource, te_double) -> None:
+def test_double_signatures_match_the_real_ones(pinned_te_source: TESource, te_double) -> None:
     import transformer_engine
+
+    te_source = pinned_te_source
 
     assert transformer_engine.__version__.split("+")[0] == te_precision.PINNED_TE_VERSION
     checked = set()
