@@ -162,6 +162,7 @@ CASES = [
     pytest.param("hf", True, "te", True, id="hf-torchao_fp8->te-fp8"),
     pytest.param("te_linear", True, "te", False, id="te_linear-fp8->te-fp8off"),
     pytest.param("hf", False, "te_linear", True, id="hf-fp8off->te_linear-fp8"),
+    pytest.param("te_linear", True, "hf", False, id="te_linear-fp8->hf-fp8off"),
 ]
 
 
