@@ -37,11 +37,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_train(*argv: str, nproc: int = 1, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1" if nproc > 1 else "2"}
+def train_env(nproc: int = 1) -> dict[str, str]:
+    """Thread count is part of the numerics (reduction order): runs that are compared bit for
+    bit must use the same one, whatever the caller's environment says."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1" if nproc > 1 else "2"}
+
+
+def run_train(*argv: str, nproc: int = 1, timeout: int = 900) -> subprocess.CompletedProcess:
     result = subprocess.run(
         train_cmd(*argv, nproc=nproc), capture_output=True, text=True, timeout=timeout,
-        env=env, cwd=ROOT,
+        env=train_env(nproc), cwd=ROOT,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
@@ -112,10 +117,10 @@ def test_preemption_signal_checkpoints_and_auto_resume_finishes_the_same(tmp_pat
 
     out = tmp_path / "preempted"
     argv = [*common, f"--output_dir={out}", "--resume_from_checkpoint=auto"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        train_cmd(*argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
+        train_cmd(*argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=train_env(),
+    )  # fmt: skip
     seen = []
     for line in proc.stdout:
         seen.append(line)
