@@ -265,9 +265,6 @@ class StepMeter:
         # Wall-clock time of the report: consecutive records give the real elapsed time,
         # including anything between steps (logging, validation) that step timing leaves out.
         metrics["time"] = time.time()
-        # CPU seconds of this process so far (all threads): on a machine shared with other jobs
-        # the CPU time per token is a steadier measure of the work a loop does than wall clock.
-        metrics["process_cpu_seconds"] = time.process_time()
         metrics["mfu_basis"] = self.peak_label
         metrics["memory_kind"] = self.memory_label
         self._seconds = self._data_wait = 0.0

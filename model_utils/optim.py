@@ -8,10 +8,12 @@ used, i.e. ``lr_at(N, ...)``. ``lr_at(0, ...)`` is the value "before training" (
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 LrDecayStyle = Literal["cosine", "linear", "constant"]
 LR_DECAY_STYLES: tuple[str, ...] = ("cosine", "linear", "constant")
@@ -105,6 +107,37 @@ def build_optimizer(
         return torch.optim.AdamW(groups, lr=lr, betas=(beta1, beta2), fused=True)
     except RuntimeError:
         return torch.optim.AdamW(groups, lr=lr, betas=(beta1, beta2), foreach=None)
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Scale gradients so their global L2 norm is at most ``max_norm``; returns the norm before.
+
+    Same result as ``torch.nn.utils.clip_grad_norm_`` (coefficient ``max_norm / (norm + 1e-6)``
+    clamped to 1, applied without a host sync), but fast on FSDP2: torch's version multiplies
+    every DTensor gradient through DTensor dispatch, which measured 220 ms per step on the tiny
+    model on this CPU (17% of the step), against 4 ms for multiplying the local shards in place.
+    The norm itself still comes from ``get_total_norm`` on the DTensors, which reduces the
+    squared shard norms across ranks, so every rank gets the same global norm and coefficient.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    for device_grads in _by_device_and_dtype(local):
+        torch._foreach_mul_(device_grads, coefficient.to(device_grads[0].device))
+    return total
+
+
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """foreach kernels want tensors of one device and dtype per call."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())
 
 
 def _check_schedule(lr: float, min_lr: float, warmup: int, max_steps: int, style: str) -> None:

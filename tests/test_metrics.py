@@ -219,7 +219,6 @@ def test_step_meter_reports_windows() -> None:
     assert (second["window_steps"], second["samples_per_sec"]) == (1, 16.0)
     assert (first["tokens"], second["tokens"], first["samples"]) == (4096, 2048, 16)
     assert first["time"] <= second["time"]
-    assert first["process_cpu_seconds"] <= second["process_cpu_seconds"]
     with pytest.raises(RuntimeError):
         meter.report(step=4, loss=2.0, lr=1e-4, peak_memory_bytes=0)
 

@@ -21,6 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from model_utils.optim import (
     build_optimizer,
     build_scheduler,
+    clip_grad_norm_,
     is_no_decay,
     lr_at,
     param_groups,
@@ -289,6 +290,27 @@ def test_build_optimizer_settings() -> None:
         build_optimizer(model, lr=3e-4, weight_decay=0.1, beta1=1.0, beta2=0.95)
 
 
+# ------------------------------------------------------------------------ grad clipping
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e6])  # clipping active / inactive
+def test_clip_grad_norm_matches_torch(max_norm: float) -> None:
+    model = tiny_llama()
+    batch = torch.randint(0, 256, (2, 16))
+    model(input_ids=batch, labels=batch).loss.backward()
+    params = list(model.parameters())
+    saved = [p.grad.clone() for p in params]
+    norm = clip_grad_norm_(params, max_norm)
+    ours = [p.grad.clone() for p in params]
+    for p, g in zip(params, saved, strict=True):
+        p.grad = g
+    reference = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    assert norm.item() == pytest.approx(reference.item(), rel=1e-6)
+    assert norm.item() > 0.05  # so the first case really clips
+    for a, p in zip(ours, params, strict=True):
+        torch.testing.assert_close(a, p.grad)
+
+
 # ------------------------------------------------------------------- FSDP2 (2 gloo ranks)
 
 
@@ -302,7 +324,7 @@ def _fsdp_worker(rank: int, world_size: int, port: int, result_dir: str) -> None
     try:
         torch.set_num_threads(1)
         model = tiny_llama()
-        reference = group_names(param_groups(model, 0.1))
+        reference_groups = group_names(param_groups(model, 0.1))
         convert_to_float8_training(
             model,
             config=Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=True),
@@ -316,13 +338,30 @@ def _fsdp_worker(rank: int, world_size: int, port: int, result_dir: str) -> None
         optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95)
         batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
         losses = []
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        # clipping DTensor shards in place equals torch's clip_grad_norm_ (the slow reference)
+        params = list(model.parameters())
+        saved = [p.grad.full_tensor() for p in params]
+        norm = clip_grad_norm_(params, 0.05)
+        ours = [p.grad.full_tensor() for p in params]
+        for p, g in zip(params, saved, strict=True):
+            p.grad = torch.distributed.tensor.distribute_tensor(g, p.device_mesh, p.placements)
+        reference = torch.nn.utils.clip_grad_norm_(params, 0.05).full_tensor()
+        clip_ok = bool(torch.allclose(norm, reference, rtol=1e-5)) and norm.item() > 0.05
+        clip_ok &= all(
+            torch.allclose(a, p.grad.full_tensor(), rtol=1e-5, atol=1e-8)
+            for a, p in zip(ours, params, strict=True)
+        )
+        optimizer.zero_grad()
         for _ in range(3):
             loss = model(input_ids=batch, labels=batch).loss
             loss.backward()
+            clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad()
             losses.append(loss.item())
-        ok = sharded == reference and losses[-1] < losses[0]
+        ok = sharded == reference_groups and losses[-1] < losses[0] and clip_ok
         with open(os.path.join(result_dir, f"rank{rank}"), "w") as f:
             f.write(f"{ok} {optimizer.defaults['fused']} {losses}")
     finally:
