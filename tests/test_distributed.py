@@ -37,7 +37,6 @@ sys.path.insert(0, str(REPO))
 
 from model_utils import distributed  # noqa: E402
 
-pytestmark = pytest.mark.slow
 LAUNCH_TIMEOUT_S = 240
 STEPS = 5  # tests/dist_scripts/parity.py STEPS
 # A small train.py run for the failure tests: the tiny preset with short sequences.
@@ -219,6 +218,7 @@ def memory(workdir: Path) -> dict[int, list[dict[str, Any]]]:
 # 1 rank vs 2 ranks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["bf16", "fp8", "fp8_ag"])
 def test_initial_weights_do_not_depend_on_world_size(
     workdir: Path, one_rank: dict, two_ranks: dict, mode: str
@@ -233,6 +233,7 @@ def test_initial_weights_do_not_depend_on_world_size(
     assert 0.015 < q0.std().item() < 0.025 and not torch.equal(q0, q1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["bf16", "fp8", "fp8_ag"])
 def test_two_ranks_train_exactly_like_one(one_rank: dict, two_ranks: dict, mode: str) -> None:
     """Same global batch per step: the 2-rank losses equal the 1-rank ones (bit-identical on
@@ -245,6 +246,7 @@ def test_two_ranks_train_exactly_like_one(one_rank: dict, two_ranks: dict, mode:
     assert sharded["finite"]
 
 
+@pytest.mark.slow
 def test_fp8_runs_really_differ_from_bf16(two_ranks: dict) -> None:
     """Control for the FP8 parity: the FP8 modes quantise (their losses leave bf16's), so their
     1-vs-2-rank agreement is not a bf16 comparison in disguise."""
@@ -265,6 +267,7 @@ def layer_all_gather_bytes(result: dict[str, Any], world_size: int) -> tuple[int
     return (linear + 2 * norm) // world_size, 2 * (linear + norm) // world_size
 
 
+@pytest.mark.slow
 def test_fp8_all_gather_moves_float8_bytes(two_ranks: dict) -> None:
     fp8, bf16 = two_ranks["modes"]["fp8_ag"], two_ranks["modes"]["bf16"]
     # What torchao hands FSDP2 for every float8 weight: e4m3 data, never the bf16/fp32 weight.
@@ -286,6 +289,7 @@ def test_fp8_all_gather_moves_float8_bytes(two_ranks: dict) -> None:
     assert expect_fp8 / expect_bf16 < 0.52
 
 
+@pytest.mark.slow
 def test_fp8_scales_are_precomputed_after_every_optimizer_step(two_ranks: dict) -> None:
     fp8 = two_ranks["modes"]["fp8_ag"]
     assert fp8["precompute_calls"] == STEPS
@@ -299,12 +303,14 @@ def test_fp8_scales_are_precomputed_after_every_optimizer_step(two_ranks: dict) 
 # Activation checkpointing, compile, HSDP
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_under_two_ranks_changes_nothing(two_ranks: dict) -> None:
     modes = two_ranks["modes"]
     assert modes["bf16_ac"]["losses"] == modes["bf16"]["losses"]
     assert modes["bf16_ac"]["grad_norms"] == modes["bf16"]["grad_norms"]
 
 
+@pytest.mark.slow
 def test_compile_under_two_ranks_trains_like_eager(two_ranks: dict) -> None:
     """Inductor fuses bf16 ops differently, so close rather than equal (measured <= 4e-3)."""
     modes = two_ranks["modes"]
@@ -313,6 +319,7 @@ def test_compile_under_two_ranks_trains_like_eager(two_ranks: dict) -> None:
     assert modes["bf16_compile"]["losses"] == pytest.approx(modes["bf16"]["losses"], abs=1e-2)
 
 
+@pytest.mark.slow
 def test_hybrid_sharding_on_two_nodes_matches_full_sharding(hybrid: dict, two_ranks: dict) -> None:
     assert (hybrid["world_size"], hybrid["num_nodes"]) == (2, 2)
     for mode in ("bf16", "fp8_ag"):
@@ -328,6 +335,7 @@ def test_hybrid_sharding_on_two_nodes_matches_full_sharding(hybrid: dict, two_ra
 # Meta-device init memory
 
 
+@pytest.mark.slow
 def test_meta_device_init_keeps_each_rank_at_its_shard(memory: dict) -> None:
     mib = 2**20
     for r in memory[1] + memory[2]:
@@ -397,6 +405,7 @@ def test_master_addr_without_scontrol(
 # A dead or hung rank ends the job
 
 
+@pytest.mark.slow
 def test_torchrun_job_exits_nonzero_when_a_worker_is_killed(tmp_path: Path) -> None:
     log = tmp_path / "torchrun.log"
     cmd = [str(TORCHRUN), "--nproc_per_node=2", "--master_addr=127.0.0.1",
@@ -425,6 +434,7 @@ def start_ranks(
     return [popen_logged([sys.executable, *argv], env, log) for env, log in pairs]
 
 
+@pytest.mark.slow
 def test_plain_env_survivor_exits_nonzero_when_its_peer_is_killed(tmp_path: Path) -> None:
     """Two `python train.py` processes with torchrun-style variables but no agent to clean up:
     the survivor itself must notice (gloo sees the connection drop) and exit."""
@@ -448,6 +458,7 @@ def test_plain_env_survivor_exits_nonzero_when_its_peer_is_killed(tmp_path: Path
     assert code != 0
 
 
+@pytest.mark.slow
 def test_srun_style_world_trains_and_a_hung_rank_times_out(tmp_path: Path) -> None:
     """Only Slurm's variables (as `srun python train.py` gives them), no MASTER_ADDR/PORT and
     no scontrol on PATH: the world and the rendezvous come from SLURM_*. Then one rank hangs
