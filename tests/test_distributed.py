@@ -247,6 +247,16 @@ def test_two_ranks_train_exactly_like_one(one_rank: dict, two_ranks: dict, mode:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["bf16", "fp8_ag"])
+def test_binding_clip_reaches_the_limit_on_two_ranks(two_ranks: dict, mode: str) -> None:
+    """train.py's clip (optim.clip_grad_norm_ scales local shards in place) with a limit that
+    binds: the global gradient norm afterwards equals the limit across both ranks' shards."""
+    clip = two_ranks["modes"][mode]["binding_clip"]
+    assert clip["before"] > 0
+    assert clip["after"] == pytest.approx(clip["limit"], rel=1e-4)
+
+
+@pytest.mark.slow
 def test_fp8_runs_really_differ_from_bf16(two_ranks: dict) -> None:
     """Control for the FP8 parity: the FP8 modes quantise (their losses leave bf16's), so their
     1-vs-2-rank agreement is not a bf16 comparison in disguise."""

@@ -156,6 +156,27 @@ def scale_mismatches(model: nn.Module) -> list[str]:
     return bad
 
 
+def global_grad_norm(model: nn.Module) -> float:
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()], norm_type=2.0)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def binding_clip(model: nn.Module, backend, args, world) -> dict[str, float]:  # noqa: ANN001
+    """One more backward on the first batch, then train.py's clip with a limit that binds (half
+    the norm): the global norm afterwards must be the limit on every world size, which fails if
+    a rank scaled its shards by a coefficient from its local norm only."""
+    ids = micro_batches(
+        global_batch(0, args.vocab_size, args.max_context_width), world.rank, world.world_size, 1
+    )[0]
+    with backend.autocast():
+        model(input_ids=ids, labels=ids).loss.backward()
+    before = global_grad_norm(model)
+    optim.clip_grad_norm_(model.parameters(), before / 2)
+    after = global_grad_norm(model)
+    model.zero_grad(set_to_none=True)
+    return {"before": before, "after": after, "limit": before / 2}
+
+
 def linear_and_norm_numels(model: nn.Module) -> dict[str, int]:
     """Parameter elements of one decoder layer by kind, for the all-gather byte arithmetic."""
     layer = common.decoder_layer_params(model)
@@ -211,7 +232,7 @@ def run_mode(
             (loss / len(micros)).backward()
             loss_sum += loss.detach().double() / len(micros)
         recorder.enabled = evidence.enabled = False
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        grad_norm = optim.clip_grad_norm_(model.parameters(), args.grad_clip)  # as train.py
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -228,6 +249,7 @@ def run_mode(
     result["precompute_calls"] = evidence.precompute_calls
     result["float8_linears"] = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
     result["layer_numels"] = linear_and_norm_numels(model)
+    result["binding_clip"] = binding_clip(model, backend, args, world)
     result["seconds"] = time.perf_counter() - start
     result["finite"] = all(math.isfinite(x) for x in result["losses"])
     return result
