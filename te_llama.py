@@ -26,7 +26,6 @@ import functools
 import importlib
 import math
 import re
-import zlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -544,7 +543,7 @@ def build_te_llama(
     """Build ``LlamaForCausalLM`` whose decoder runs on TE (``impl="te"`` or ``"te_linear"``).
 
     Follows the ambient ``torch.device`` context: build under ``torch.device("meta")``, shard,
-    ``to_empty``, then call :func:`init_llama_weights`. ``fp8_weights=True`` constructs the TE
+    then ``model_utils.modeling.materialize``. ``fp8_weights=True`` constructs the TE
     modules under ``quantized_model_init(recipe=fp8_recipe)``: weights are held only in FP8
     (FSDP2 all-gathers FP8 bytes; inference memory halves); training with them needs an
     optimizer with fp32 master weights (TE's FusedAdam(master_weights=True)).
@@ -645,49 +644,8 @@ def apply_te_activation_checkpointing(model: nn.Module) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# Initialisation (meta device -> to_empty -> here), deterministic and shard-aware.
+# Initialisation: meta device -> to_empty -> reset_te_parameters -> modeling.init_weights.
 # --------------------------------------------------------------------------------------------
-
-#: Initialisation rule by the last segment(s) of a parameter name, first match wins.
-INIT_RULES: tuple[tuple[str, str], ...] = (
-    ("layer_norm_weight", "ones"),
-    ("norm.weight", "ones"),  # input_layernorm, post_attention_layernorm, final model.norm
-    ("bias", "zeros"),
-    ("", "normal"),  # every linear and embedding weight: normal(0, initializer_range)
-)
-
-
-def init_kind(name: str) -> str:
-    """``ones`` | ``zeros`` | ``normal`` for a parameter name, by :data:`INIT_RULES`."""
-    name = canonical_param_name(name)
-    for suffix, kind in INIT_RULES:
-        if name.endswith(suffix):
-            return kind
-    raise AssertionError("unreachable: the last rule matches everything")
-
-
-def _param_seed(seed: int, name: str) -> int:
-    return (seed * 1_000_003 + zlib.crc32(canonical_param_name(name).encode())) % (2**63)
-
-
-def _full_init_value(kind: str, shape: torch.Size, std: float, seed: int) -> torch.Tensor:
-    if kind == "ones":
-        return torch.ones(shape)
-    if kind == "zeros":
-        return torch.zeros(shape)
-    generator = torch.Generator().manual_seed(seed)
-    return torch.empty(shape).normal_(0.0, std, generator=generator)
-
-
-def _local_part(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of ``full`` if ``param`` is a DTensor, else ``full`` (no collectives)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(param, DTensor):
-        return distribute_tensor(
-            full, param.device_mesh, param.placements, src_data_rank=None
-        ).to_local()
-    return full
 
 
 def reset_te_parameters(model: nn.Module) -> None:
@@ -701,36 +659,3 @@ def reset_te_parameters(model: nn.Module) -> None:
     for module in model.modules():
         if hasattr(module, "param_init_meta") and hasattr(module, "reset_parameters"):
             module.reset_parameters(defer_init=False)
-
-
-def reset_rotary_buffers(model: nn.Module) -> None:
-    """Recompute HF's non-persistent RoPE buffers, which ``to_empty`` leaves uninitialised."""
-    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
-    if rotary is None or not hasattr(rotary, "inv_freq"):
-        return
-    inv_freq = llama_rope_inv_freq(model.config).to(rotary.inv_freq.device)
-    rotary.inv_freq = inv_freq
-    if hasattr(rotary, "original_inv_freq"):
-        rotary.original_inv_freq = inv_freq.clone()
-
-
-@torch.no_grad()
-def init_llama_weights(
-    model: nn.Module, *, seed: int, initializer_range: float | None = None
-) -> None:
-    """Initialise every parameter of a (possibly FSDP2-sharded) Llama, deterministically.
-
-    Each parameter's full value is drawn from its own generator seeded by ``(seed, name)`` and
-    each rank keeps its shard, so the result does not depend on the world size or on the order
-    of modules: a 2-rank sharded init equals the single-process init bit for bit. Rules by name
-    (:data:`INIT_RULES`): norms -> 1, biases -> 0, linear/embedding weights ->
-    normal(0, initializer_range). Works for ``hf``, ``te`` and ``te_linear`` models.
-    """
-    std = float(model.config.initializer_range if initializer_range is None else initializer_range)
-    if getattr(model, "te_impl", None):
-        reset_te_parameters(model)
-    for name, param in model.named_parameters():
-        full = _full_init_value(init_kind(name), param.shape, std, _param_seed(seed, name))
-        local = param.to_local() if hasattr(param, "to_local") else param
-        local.copy_(_local_part(full, param).to(dtype=local.dtype, device=local.device))
-    reset_rotary_buffers(model)

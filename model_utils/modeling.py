@@ -84,9 +84,14 @@ def _generator_for(name: str, seed: int, device: torch.device) -> torch.Generato
 def initial_value(
     name: str, shape: torch.Size, seed: int, device: torch.device, std: float = INIT_STD
 ) -> torch.Tensor:
-    """The full initial tensor of one parameter: norms start at one, matrices at N(0, std)."""
+    """The full initial tensor of one parameter: norms start at one, biases at zero, matrices
+    (linears, fused TE QKV/FC1, embeddings) at N(0, std) as in transformers' Llama."""
     if len(shape) == 1:
-        return torch.ones(shape, device=device)
+        return (
+            torch.zeros(shape, device=device)
+            if name.endswith("bias")
+            else torch.ones(shape, device=device)
+        )
     out = torch.empty(shape, device=device)
     return out.normal_(0.0, std, generator=_generator_for(name, seed, device))
 
