@@ -93,12 +93,7 @@ class RunLog:
         self.args, self.device, self.samples = args, device, samples_per_step
         self.is_main = world.is_main
         peak, peak_label = metrics.peak_bf16_tflops(device)
-        flops = metrics.flops_per_token(
-            hidden=config.hidden_size, num_layers=config.num_hidden_layers,
-            num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
-            intermediate=config.intermediate_size, vocab=config.vocab_size,
-            seq_len=args.max_context_width,
-        )  # fmt: skip
+        flops = metrics.model_flops_per_token(config, args.max_context_width)
         self.meter = metrics.StepMeter(
             flops, world.world_size, peak, peak_label, metrics.peak_memory_label(device)
         )

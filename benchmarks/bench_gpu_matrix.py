@@ -136,13 +136,7 @@ def infer_row(args, name: str, flags: tuple[str, ...], extra: list[str]) -> Row:
             if i >= 3:
                 times.append(time.perf_counter() - start)
     tokens_per_s = batch.numel() / statistics.median(times)
-    config = model.config
-    flops = metrics.flops_per_token(
-        hidden=config.hidden_size, num_layers=config.num_hidden_layers,
-        num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
-        intermediate=config.intermediate_size, vocab=config.vocab_size,
-        seq_len=train_args.max_context_width,
-    )  # fmt: skip
+    flops = metrics.model_flops_per_token(model.config, train_args.max_context_width)
     peak = torch.cuda.max_memory_allocated() / 2**30
     del model
     torch.cuda.empty_cache()

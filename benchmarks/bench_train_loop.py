@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import train  # noqa: E402
-from model_utils import arguments, distributed, metrics, modeling, optim, precision  # noqa: E402
+from model_utils import arguments, distributed, metrics, optim, precision  # noqa: E402
 
 GOAL = 0.97
 
@@ -93,13 +93,7 @@ def run_bare_loop(train_argv: list[str], warmup: int) -> Run:
         torch.manual_seed(args.seed)
         mesh = distributed.build_mesh(world, device, args.sharding_strategy)
         backend = precision.build_backend(args, device, dp_group=dist.group.WORLD)
-        model = backend.prepare(modeling.build(args, args.model_impl, device))
-        if args.activation_checkpointing:
-            distributed.apply_activation_checkpointing(model, backend.checkpoint_fn)
-        if args.compile:
-            distributed.apply_compile(model)
-        model = distributed.shard(model, mesh, args)
-        modeling.materialize(model, device, args.seed)
+        model = train.build_model(args, mesh, device, backend)
         optimizer = optim.build_optimizer(model, args.lr, args.weight_decay, args.beta1, args.beta2)
         shape = (args.train_batch_size, args.max_context_width)
         tokens_per_step = args.grad_accum_steps * shape[0] * shape[1]

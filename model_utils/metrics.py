@@ -105,6 +105,19 @@ def flops_per_token(
     return float(6 * n + 12 * num_layers * num_heads * head_dim * seq_len)
 
 
+def model_flops_per_token(config: Any, seq_len: int) -> float:
+    """:func:`flops_per_token` for a transformers ``LlamaConfig`` (what train.py builds)."""
+    return flops_per_token(
+        hidden=config.hidden_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        intermediate=config.intermediate_size,
+        vocab=config.vocab_size,
+        seq_len=seq_len,
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Device peaks and memory
 

@@ -20,7 +20,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 
-from model_utils import arguments, distributed, modeling, precision  # noqa: E402
+import train  # noqa: E402
+from model_utils import arguments, distributed, precision  # noqa: E402
 
 # A Llama small enough for milliseconds per step whose linears all qualify for FP8 (dims % 16).
 TINY_SHAPE = [
@@ -52,14 +53,7 @@ def build_sharded(
     """train.train's model construction, step by step; returns (model, backend, mesh)."""
     mesh = distributed.build_mesh(world, device, args.sharding_strategy)
     backend = precision.build_backend(args, device)
-    model = backend.prepare(modeling.build(args, args.model_impl, device))
-    if args.activation_checkpointing:
-        distributed.apply_activation_checkpointing(model, backend.checkpoint_fn)
-    if args.compile:
-        distributed.apply_compile(model)
-    model = distributed.shard(model, mesh, args)
-    modeling.materialize(model, device, args.seed)
-    return model, backend, mesh
+    return train.build_model(args, mesh, device, backend), backend, mesh
 
 
 def plain(tensor: torch.Tensor) -> torch.Tensor:
