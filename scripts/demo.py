@@ -20,7 +20,7 @@ from model_utils import metrics  # noqa: E402
 NOTE = """\
 FP8 on this machine is emulated: torchao casts to float8 and back around bf16 matmuls, so the
 losses show FP8's numerics but the speed is lower than bf16 (extra casts, no FP8 tensor cores).
-On H100s the same --fp8=1 flag runs real FP8 GEMMs; see README for measured GPU figures and
+On H100s the same --fp8=1 flag runs real FP8 GEMMs; see README for published GPU figures and
 benchmarks/bench_gpu_matrix.py to produce your own."""
 
 
