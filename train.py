@@ -240,10 +240,8 @@ def train(
 
     if not args.validation_freq or state.step % args.validation_freq:
         run_log.validation(state.step, model, val_batches, backend)
-    if args.checkpoint_freq == 0 or (
-        args.checkpoint_freq > 0 and state.step % args.checkpoint_freq
-    ):
-        ckpt.save(state.step, state)
+    if args.checkpoint_freq >= 0:
+        ckpt.save(state.step, state)  # a step saved just before is not written twice
     ckpt.close()
     if args.export_hf:
         checkpoint.export_hf(model, model.config, args.export_hf, key_map=hf_key_map(args, "out"))
