@@ -767,13 +767,9 @@ def _copy_converted(
                 )
             _local(target).copy_(tensor[_local_index(target)])
             loaded.add(name)
-    roots = {aliases[n] for n in loaded}
-    missing = sorted(n for n in targets if n not in loaded and aliases[n] not in roots)
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {path}: converted {what} does not match the model: missing "
-            f"{missing[:5]}, unexpected {unexpected[:5]}"
-        )
+    _require_exact_match(
+        f"checkpoint {path}: converted {what}", targets, loaded, aliases, unexpected
+    )
     return len(loaded)
 
 
@@ -1032,6 +1028,27 @@ def _local_index(target: torch.Tensor) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
+def _require_exact_match(
+    source: str,
+    targets: Mapping[str, Any],
+    loaded: set[str],
+    aliases: Mapping[str, str],
+    unexpected: list[str],
+) -> None:
+    """Every model tensor was filled (a tied alias counts as its root) and nothing was left over."""
+    roots = {aliases[n] for n in loaded}
+    missing = sorted(n for n in targets if n not in loaded and aliases[n] not in roots)
+    if missing or unexpected:
+
+        def some(names: list[str]) -> str:
+            return f"{names[:5]}{'...' if len(names) > 5 else ''}"
+
+        raise ValueError(
+            f"{source} does not match the model: missing {some(missing)}, "
+            f"unexpected {some(unexpected)}"
+        )
+
+
 def _check_shape(name: str, got: Iterable[int], target: torch.Tensor) -> None:
     got = tuple(got)
     if got != tuple(target.shape):
@@ -1099,14 +1116,7 @@ def load_hf_weights(model: nn.Module, path: str | Path, key_map: KeyMap | None =
             _check_shape(name, full.shape, targets[name])
             copy_full_into(targets[name], full)
             loaded.add(name)
-    loaded_roots = {aliases[n] for n in loaded}
-    missing = sorted(n for n in targets if n not in loaded and aliases[n] not in loaded_roots)
-    if unexpected or missing:
-        raise ValueError(
-            f"HF checkpoint {path} does not match the model: "
-            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
-        )
+    _require_exact_match(f"HF checkpoint {path}", targets, loaded, aliases, unexpected)
     log.info("Loaded %d tensors from Hugging Face checkpoint %s", len(loaded), path)
 
 
