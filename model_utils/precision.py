@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib.util
 
 import torch
 from torch import nn
@@ -26,10 +25,6 @@ from model_utils.arguments import TE_RECIPES, TORCHAO_RECIPES, UsageError
 
 # FP8 GEMMs need both matrix dims divisible by 16 (the backward multiplies by the transpose).
 FP8_DIM_MULTIPLE = 16
-
-
-def te_available() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def fp8_capable_gpu() -> bool:
@@ -41,7 +36,9 @@ def resolve_model_impl(requested: str) -> str:
     """`auto` means TE's TransformerLayer where TE can run, stock HF elsewhere."""
     if requested != "auto":
         return requested
-    return "te" if te_available() and fp8_capable_gpu() else "hf"
+    import te_llama  # imports Transformer Engine only if it is installed
+
+    return "te" if fp8_capable_gpu() and te_llama.te_available() else "hf"
 
 
 def resolve_fp8_recipe(args: argparse.Namespace) -> None:

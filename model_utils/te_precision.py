@@ -161,14 +161,6 @@ def fp8_shape_problem(
     return f"FP8 ({recipe}) needs multiples of {multiple}: " + "; ".join(bad)
 
 
-def choose_model_impl(requested: str, *, te_importable: bool, sm: tuple[int, int] | None) -> str:
-    """Resolve ``--model_impl auto``: ``te`` when TE imports and a BF16-capable GPU (SM 8.0+) is
-    visible, else ``hf``. Explicit choices are returned unchanged (their checks come later)."""
-    if requested != "auto":
-        return requested
-    return "te" if te_importable and sm is not None and tuple(sm) >= (8, 0) else "hf"
-
-
 def import_recipe_module() -> Any:
     """``transformer_engine.common.recipe`` (lazy: TE may be absent)."""
     return importlib.import_module("transformer_engine.common.recipe")

@@ -155,14 +155,6 @@ def test_fp8_shape_problem() -> None:
     assert mx and "multiples of 32" in mx
 
 
-def test_choose_model_impl() -> None:
-    choose = te_precision.choose_model_impl
-    assert choose("auto", te_importable=True, sm=(9, 0)) == "te"
-    assert choose("auto", te_importable=False, sm=(9, 0)) == "hf"
-    assert choose("auto", te_importable=True, sm=None) == "hf"
-    assert choose("te_linear", te_importable=False, sm=None) == "te_linear"
-
-
 def test_build_recipe_maps_flags(te_double) -> None:
     from transformer_engine.common import recipe as te_recipe
 
@@ -585,3 +577,12 @@ def test_check_requirements_refuses_before_training(te_double) -> None:
     te_precision.check_requirements(  # BF16 on TE has no FP8 shape rule
         backend_args(fp8=False, **{**shape, "max_context_width": 100})
     )
+
+
+def test_auto_impl_picks_te_only_with_te_and_an_fp8_gpu(te_double, monkeypatch) -> None:
+    from model_utils import precision
+
+    assert precision.resolve_model_impl("auto") == "hf"  # TE importable, but no GPU here
+    monkeypatch.setattr(precision, "fp8_capable_gpu", lambda: True)
+    assert precision.resolve_model_impl("auto") == "te"
+    assert precision.resolve_model_impl("hf") == "hf"
