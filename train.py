@@ -167,11 +167,7 @@ def train(
 
     model = build_model(args, mesh, device, backend)
 
-    optimizer = optim.build_optimizer(model, args.lr, args.weight_decay, args.beta1, args.beta2)
-    scheduler = optim.build_scheduler(
-        optimizer, lr=args.lr, min_lr=args.min_lr, warmup=args.warmup,
-        max_steps=args.max_steps, style=args.lr_decay_style,
-    )  # fmt: skip
+    optimizer, scheduler = optim.from_args(model, args)
     stream = data.TrainStream(
         args.dataset, tokenizer, args.max_context_width, args.train_batch_size,
         config_name=args.dataset_config_name, text_column=args.text_column,

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+import train  # noqa: E402
 from model_utils import arguments, checkpoint, distributed, modeling, optim, precision  # noqa: E402
 
 
@@ -50,9 +51,7 @@ class Bench:
         args.model_impl = precision.resolve_model_impl(args.model_impl)
         precision.resolve_fp8_recipe(args)
         self.backend = precision.build_backend(args, device)
-        model = self.backend.prepare(modeling.build(args, args.model_impl, device))
-        self.model = distributed.shard(model, mesh, args)
-        modeling.materialize(self.model, device, args.seed)
+        self.model = train.build_model(args, mesh, device, self.backend)
         self.params = modeling.count_parameters(self.model)
         self.optimizer = optim.build_optimizer(self.model, args.lr, 0.1, 0.9, 0.95)
         self.scheduler = optim.build_scheduler(

@@ -236,3 +236,15 @@ def build_scheduler(
             raise ValueError(f"optimizer group lr {initial} differs from schedule lr {lr}")
     multiplier = LrMultiplier(lr=lr, min_lr=min_lr, warmup=warmup, max_steps=max_steps, style=style)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=multiplier)
+
+
+def from_args(
+    model: nn.Module, args: Any
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW and its LR schedule from train.py's flags (one place for every caller)."""
+    optimizer = build_optimizer(model, args.lr, args.weight_decay, args.beta1, args.beta2)
+    scheduler = build_scheduler(
+        optimizer, lr=args.lr, min_lr=args.min_lr, warmup=args.warmup,
+        max_steps=args.max_steps, style=args.lr_decay_style,
+    )  # fmt: skip
+    return optimizer, scheduler

@@ -76,7 +76,8 @@ class Run:
     def __init__(
         self, workdir: Path, fp8: bool = False, all_gather: bool = False, hybrid: bool = False
     ) -> None:
-        from model_utils import arguments, distributed, modeling, optim, precision
+        import train
+        from model_utils import arguments, distributed, optim, precision
 
         argv = [*TINY, "--output_dir", str(workdir), f"--fp8={int(fp8)}"]
         argv += [f"--fp8_all_gather={int(all_gather)}"]
@@ -87,19 +88,11 @@ class Run:
         self.world = distributed.world_from_env()
         self.device = torch.device("cpu")
         self.backend = precision.build_backend(args, self.device)
-        model = self.backend.prepare(modeling.build(args, args.model_impl, self.device))
         mesh = MESH
         if hybrid:  # HSDP: replicate across the 2 ranks, shard within each (of size 1)
             mesh = distributed.build_mesh(self.world, self.device, "hybrid")
-        self.model = distributed.shard(model, mesh, args)
-        modeling.materialize(self.model, self.device, args.seed)
-        self.optimizer = optim.build_optimizer(
-            self.model, args.lr, args.weight_decay, args.beta1, args.beta2
-        )
-        self.scheduler = optim.build_scheduler(
-            self.optimizer, lr=args.lr, min_lr=args.min_lr, warmup=args.warmup,
-            max_steps=args.max_steps, style=args.lr_decay_style,
-        )  # fmt: skip
+        self.model = train.build_model(args, mesh, self.device, self.backend)
+        self.optimizer, self.scheduler = optim.from_args(self.model, args)
         self.stream = CounterStream(
             self.world.rank, args.vocab_size, args.train_batch_size, args.max_context_width
         )

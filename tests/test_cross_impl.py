@@ -85,13 +85,7 @@ class Run:
         mesh = distributed.build_mesh(distributed.world_from_env({}), device, "full")
         self.backend = precision.build_backend(args, device)
         self.model = train.build_model(args, mesh, device, self.backend)
-        self.optimizer = optim.build_optimizer(
-            self.model, args.lr, args.weight_decay, args.beta1, args.beta2
-        )
-        self.scheduler = optim.build_scheduler(
-            self.optimizer, lr=args.lr, min_lr=args.min_lr, warmup=args.warmup,
-            max_steps=args.max_steps, style=args.lr_decay_style,
-        )  # fmt: skip
+        self.optimizer, self.scheduler = optim.from_args(self.model, args)
         self.state = ck.TrainState(self.model, self.optimizer, self.scheduler, config=vars(args))
         self.checkpointer = ck.Checkpointer(checkpoint_dir, keep_last=0)
 

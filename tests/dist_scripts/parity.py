@@ -207,11 +207,7 @@ def run_mode(
     init = common.full_parameters(model)
     if world.is_main:
         torch.save(init, out_dir / f"init_{mode}_w{world.world_size}_{strategy}.pt")
-    optimizer = optim.build_optimizer(model, args.lr, args.weight_decay, args.beta1, args.beta2)
-    scheduler = optim.build_scheduler(
-        optimizer, lr=args.lr, min_lr=args.min_lr, warmup=args.warmup,
-        max_steps=args.max_steps, style=args.lr_decay_style,
-    )  # fmt: skip
+    optimizer, scheduler = optim.from_args(model, args)
 
     result: dict[str, Any] = {"losses": [], "grad_norms": [], "scale_mismatches": []}
     result["mesh"] = {"shape": list(mesh.shape), "dim_names": list(mesh.mesh_dim_names or ())}
