@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import json
 import math
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -156,37 +157,6 @@ def is_te_extra_state_key(key: str) -> bool:
     return key.endswith("._extra_state") or key == "_extra_state"
 
 
-def pack_te_extra_state(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """Replace TE's ``_extra_state`` tensors by ``bytes`` before ``dcp.save``/``dcp.load``.
-
-    TE serialises its FP8 scaling state into a uint8 tensor whose length changes once FP8 has
-    run (empty before). DCP loads tensors in place and fails on the length mismatch
-    (TransformerEngine issue #1860); non-tensor values are pickled and *replaced* on load, so
-    packing both the saved and the to-be-loaded state dict sidesteps the problem. The amaxes are
-    all-reduced over the data-parallel group, so every rank holds the same bytes.
-    """
-    return {
-        key: bytes(value.detach().cpu().numpy().tobytes())
-        if is_te_extra_state_key(key) and isinstance(value, torch.Tensor)
-        else value
-        for key, value in state_dict.items()
-    }
-
-
-def unpack_te_extra_state(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """Inverse of :func:`pack_te_extra_state`: ``bytes`` back to uint8 tensors for loading."""
-
-    def tensor(blob: bytes) -> torch.Tensor:
-        if not blob:  # torch.frombuffer refuses empty buffers
-            return torch.empty(0, dtype=torch.uint8)
-        return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-
-    return {
-        key: tensor(value) if is_te_extra_state_key(key) and isinstance(value, bytes) else value
-        for key, value in state_dict.items()
-    }
-
-
 def canonical_param_name(name: str) -> str:
     """Strip wrapper segments (activation checkpointing, compile, FSDP1) from a parameter name."""
     for segment in _WRAPPER_SEGMENTS:
@@ -260,6 +230,102 @@ def te_to_hf_state_dict(
             raise KeyError(f"unexpected decoder-layer tensor {key!r} in TE state dict")
         out[key] = tensor
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# FP8 scaling state as plain tensors (what TE pickles into ``_extra_state``).
+# --------------------------------------------------------------------------------------------
+
+#: Per TE module and direction, the delayed-scaling tensors TE keeps in
+#: ``fp8_meta["scaling_fwd" | "scaling_bwd"]`` (``.scale`` [n], ``.amax_history`` [len, n]; n is 3
+#: per GEMM forward and 2 backward). Current, block and MXFP8 scaling keep no state.
+FP8_DIRECTIONS = ("fwd", "bwd")
+RECIPE_KEY = "recipe"
+
+
+def _fp8_stateful_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """TE modules (anything with TE's ``fp8_meta`` and ``init_fp8_meta_tensors``), by clean name."""
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "fp8_meta", None), dict) and hasattr(
+            module, "init_fp8_meta_tensors"
+        ):
+            yield canonical_param_name(name), module
+
+
+def recipe_identity(recipe: Any) -> dict[str, Any]:
+    """The recipe class and the fields that shape its scaling state, as JSON-able values."""
+    identity: dict[str, Any] = {"class": type(recipe).__name__}
+    for field in ("fp8_format", "amax_history_len", "amax_compute_algo", "margin"):
+        value = getattr(recipe, field, None)
+        if value is not None:
+            identity[field] = getattr(value, "name", value) if not callable(value) else "custom"
+    return identity
+
+
+def _json_tensor(payload: dict[str, Any]) -> torch.Tensor:
+    return torch.tensor(list(json.dumps(payload, sort_keys=True).encode()), dtype=torch.uint8)
+
+
+def decode_recipe_identity(tensor: torch.Tensor) -> dict[str, Any]:
+    return json.loads(bytes(tensor.cpu().tolist()).decode())
+
+
+def fp8_scaling_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every TE module's delayed-scaling state as plain tensors: ``<module>.scale_fwd``,
+    ``amax_history_fwd``, ``scale_bwd``, ``amax_history_bwd`` and ``<module>.recipe`` (the
+    recipe's identity as UTF-8 JSON bytes).
+
+    TE's own ``_extra_state`` pickles these with the recipe object, and TE >= 2.18 refuses to
+    unpickle that (it could run code) unless the user sets an unsafe variable; plain tensors
+    need no trust decision and load on every TE release. Amaxes are all-reduced over the
+    data-parallel group, so every rank holds the same values.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, module in _fp8_stateful_modules(model):
+        meta = module.fp8_meta
+        recipe = meta.get("recipe")
+        if recipe is None or not recipe.delayed() or "scaling_fwd" not in meta:
+            continue
+        prefix = f"{name}." if name else ""
+        for direction in FP8_DIRECTIONS:
+            state = meta[f"scaling_{direction}"]
+            out[f"{prefix}scale_{direction}"] = state.scale
+            out[f"{prefix}amax_history_{direction}"] = state.amax_history
+        out[prefix + RECIPE_KEY] = _json_tensor(recipe_identity(recipe))
+    return out
+
+
+@torch.no_grad()
+def load_fp8_scaling_state(
+    model: nn.Module, tensors: Mapping[str, torch.Tensor], recipe: Any
+) -> list[str]:
+    """Put :func:`fp8_scaling_state` tensors back into the TE modules that run ``recipe`` (a
+    delayed-scaling recipe); returns the names of the modules restored.
+
+    Does what TE's ``set_extra_state`` does after unpickling: set the recipe and GEMM count,
+    let TE allocate its recipe state, then copy scales and histories in place (TE's amax
+    reduction buffers view these very tensors). A history saved with another
+    ``--amax_history_len`` is cut or zero-padded, as TE resizes it.
+    """
+    restored = []
+    for name, module in _fp8_stateful_modules(model):
+        prefix = f"{name}." if name else ""
+        if f"{prefix}scale_fwd" not in tensors:
+            continue
+        meta = module.fp8_meta
+        meta["recipe"] = recipe
+        meta["num_gemms"] = tensors[f"{prefix}scale_fwd"].numel() // 3
+        meta["fp8_checkpoint"] = True
+        module.init_fp8_meta_tensors(recipe)
+        for direction in FP8_DIRECTIONS:
+            state = meta[f"scaling_{direction}"]
+            state.scale.copy_(tensors[f"{prefix}scale_{direction}"])
+            saved = tensors[f"{prefix}amax_history_{direction}"]
+            rows = min(saved.shape[0], state.amax_history.shape[0])
+            state.amax_history.zero_()
+            state.amax_history[:rows].copy_(saved[:rows])
+        restored.append(name)
+    return restored
 
 
 # --------------------------------------------------------------------------------------------

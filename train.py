@@ -87,35 +87,40 @@ def evaluate(model, batches, backend, device) -> float:
 
 
 class RunLog:
-    """Rank 0's view of the run: the seed log line, the detail line, JSONL and the summary."""
+    """Rank 0's view of the run: the seed log line, the detail line, JSONL and the summary.
 
-    def __init__(self, args, config, world, device, samples_per_step: int) -> None:
+    Every rank keeps the same report schedule (every --logging_freq steps and the last step):
+    the loss all-reduce there is a collective, and the loop checks for preemption at the same
+    steps, so the device is never waited for in between.
+    """
+
+    def __init__(self, args, config, world, device, samples_per_step: int, meter=None) -> None:
         self.args, self.device, self.samples = args, device, samples_per_step
         self.is_main = world.is_main
-        peak, peak_label = metrics.peak_bf16_tflops(device)
-        flops = metrics.model_flops_per_token(config, args.max_context_width)
-        self.meter = metrics.StepMeter(
-            flops, world.world_size, peak, peak_label, metrics.peak_memory_label(device)
-        )
+        if meter is None:
+            peak, peak_label = metrics.peak_bf16_tflops(device)
+            meter = metrics.StepMeter(
+                metrics.model_flops_per_token(config, args.max_context_width),
+                world.world_size, peak, peak_label, metrics.peak_memory_label(device),
+                sync=metrics.device_sync(device),
+            )  # fmt: skip
+        self.meter = meter
         self.jsonl_path = f"{args.output_dir}/metrics.jsonl"
         self.writer = metrics.JsonlWriter(self.jsonl_path, enabled=self.is_main)
 
-    def step(self, step: int, loss: torch.Tensor, lr: float, start: float, data_wait: float):
-        """Every step feeds the meter; every --logging_freq steps the window is reported. The
-        loss reduction there also synchronises the device, so the window's wall time is exact."""
-        tokens = self.samples * self.args.max_context_width
-        if step % self.args.logging_freq and step != self.args.max_steps:
-            self.meter.add_step(
-                step_seconds=time.perf_counter() - start, data_wait_seconds=data_wait,
-                samples=self.samples, tokens=tokens,
-            )  # fmt: skip
+    def is_report_step(self, step: int) -> bool:
+        return step % self.args.logging_freq == 0 or step == self.args.max_steps
+
+    def step(self, step: int, loss: torch.Tensor, lr: float, data_wait: float) -> None:
+        """Count every step; at report steps log the window since the previous report."""
+        self.meter.add_step(
+            data_wait_seconds=data_wait, samples=self.samples,
+            tokens=self.samples * self.args.max_context_width,
+        )  # fmt: skip
+        if not self.is_report_step(step):
             return
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         loss_value = loss.item()
-        self.meter.add_step(
-            step_seconds=time.perf_counter() - start, data_wait_seconds=data_wait,
-            samples=self.samples, tokens=tokens,
-        )  # fmt: skip
         record = self.meter.report(
             step=step, loss=loss_value, lr=lr,
             peak_memory_bytes=metrics.peak_memory_bytes(self.device),
@@ -125,9 +130,10 @@ class RunLog:
         self.writer.write(record)
 
     def validation(self, step: int, model, batches, backend) -> None:
-        start = time.perf_counter()
-        val_loss = evaluate(model, batches, backend, self.device)
-        seconds = time.perf_counter() - start
+        with self.meter.paused():
+            start = time.perf_counter()
+            val_loss = evaluate(model, batches, backend, self.device)
+            seconds = time.perf_counter() - start
         log.info("Validation at step %d: loss %.5f over %d batches", step, val_loss, len(batches))
         self.writer.write(
             metrics.validation_record(
@@ -143,9 +149,14 @@ class RunLog:
             log.info("\n" + metrics.format_summary(summary))
 
 
+def te_recipe(backend) -> object | None:
+    """The Transformer Engine recipe object, or None (bf16, torchao, or TE with FP8 off)."""
+    return backend.recipe if backend.name == "te" else None
+
+
 def build_model(args: argparse.Namespace, mesh, device, backend) -> torch.nn.Module:
     """Meta-device Llama -> precision swaps -> AC/compile -> FSDP2 -> initialised local shard."""
-    recipe = getattr(backend, "recipe", None)
+    recipe = te_recipe(backend)
     model = backend.prepare(modeling.build(args, args.model_impl, device, fp8_recipe=recipe))
     if args.activation_checkpointing:
         distributed.apply_activation_checkpointing(model, backend.checkpoint_fn)
@@ -183,6 +194,7 @@ def train(
     state = checkpoint.TrainState(
         model, optimizer, scheduler, stream, config=vars(args),
         on_data_reshard=lambda step, saved: stream.restart_after_reshard(saved),
+        fp8_recipe=te_recipe(backend),
     )  # fmt: skip
     resume_path = ckpt.resolve(args.resume_from_checkpoint)
     if resume_path is not None:
@@ -202,8 +214,8 @@ def train(
     )  # fmt: skip
 
     model.train()
+    run_log.meter.start()
     while state.step < args.max_steps:
-        step_start = time.perf_counter()
         data_wait, loss_sum = 0.0, torch.zeros((), device=device)
         for micro in range(args.grad_accum_steps):
             t0 = time.perf_counter()
@@ -224,12 +236,17 @@ def train(
         backend.after_optimizer_step(model)
         state.step += 1
 
-        run_log.step(state.step, loss_sum / args.grad_accum_steps, lr, step_start, data_wait)
+        run_log.step(state.step, loss_sum / args.grad_accum_steps, lr, data_wait)
         if args.validation_freq and state.step % args.validation_freq == 0:
             run_log.validation(state.step, model, val_batches, backend)
         if args.checkpoint_freq > 0 and state.step % args.checkpoint_freq == 0:
-            ckpt.save(state.step, state)
-        if distributed.all_ranks_agree(preemption.requested, device):
+            with run_log.meter.paused():
+                ckpt.save(state.step, state)
+        # Checked at report steps only: an all-reduce + .item() every step would make the host
+        # wait for the device each step. A signal is acted on within --logging_freq steps.
+        if run_log.is_report_step(state.step) and distributed.all_ranks_agree(
+            preemption.requested, device
+        ):
             ckpt.save(state.step, state, block=True)
             log.info("Preemption signal received: checkpoint saved at step %d", state.step)
             return
@@ -273,6 +290,8 @@ def main(argv: list[str] | None = None) -> None:
     distributed.init(world, device, args.dist_timeout)
     try:
         train(args, tokenizer, world, device, preemption)
+    except checkpoint.UntrustedCheckpointError as exc:  # normally refused by validate() already
+        arguments.exit_on_usage_error(arguments.UsageError(str(exc)))
     finally:
         distributed.cleanup()
 

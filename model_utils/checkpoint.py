@@ -52,6 +52,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -76,7 +77,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_FORMAT = 1
+# 2: TE's FP8 scaling state as plain tensors (item fp8_scaling), no pickled _extra_state.
+CHECKPOINT_FORMAT = 2
 MARKER = "checkpoint.json"
 DCP_METADATA = ".metadata"
 TMP_PREFIX = ".tmp-"
@@ -216,36 +218,96 @@ def _is_extra_state(name: str) -> bool:
     return name.endswith("_extra_state")
 
 
+class UntrustedCheckpointError(RuntimeError):
+    """The installed Transformer Engine refuses to unpickle FP8 state in an old checkpoint."""
+
+
+#: TE's opt-in for unpickling ``_extra_state`` (TE >= 2.18). Never set by this recipe.
+TE_UNSAFE_PICKLE_ENV = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
+
+
+def untrusted_checkpoint_message(path: str | Path, te_version: str) -> str:
+    """One line for a format-1 checkpoint whose pickled FP8 state this TE refuses to load."""
+    return (
+        f"checkpoint {path} stores Transformer Engine's delayed-scaling FP8 state as a Python "
+        f"pickle (checkpoint format 1), which Transformer Engine {te_version} refuses to load "
+        "because unpickling can run code; if you trust this checkpoint (e.g. your own run "
+        f"wrote it), resume once with {TE_UNSAFE_PICKLE_ENV}=1 in the job's environment (the "
+        "next checkpoint is saved without pickles), or start a fresh run"
+    )
+
+
 class _ModelItem:
     """The model's sharded parameters under clean FQNs (no FSDP/compile/AC wrapper prefixes).
 
-    Module extra state (Transformer Engine's FP8 metadata, `*._extra_state`) is packed into
-    bytes: TE serialises it as a uint8 tensor whose size changes once FP8 has run, and DCP refuses
-    to load a tensor into one of another size (the known "_extra_state size mismatch").
+    TE modules' ``_extra_state`` (their FP8 metadata, pickled by TE) is left out: the FP8
+    scaling state travels as plain tensors in :class:`_Fp8ScalingItem`. ``legacy=True`` reads a
+    format-1 checkpoint, which stored the pickles (as opaque bytes, because their size changes
+    once FP8 has run and DCP loads tensors in place); TE then decides whether to unpickle them.
     """
 
-    def __init__(self, model: nn.Module, absent_extra_state: Iterable[str] = ()) -> None:
+    def __init__(
+        self, model: nn.Module, legacy: bool = False, absent_extra_state: Iterable[str] = ()
+    ) -> None:
         self.model = model
-        # Extra-state keys this model has but the checkpoint lacks (e.g. a te_linear run loading
-        # a checkpoint of --model_impl hf, whose nn.Linear has none): left out of the load, so
-        # those TE modules start fresh FP8 metadata, as TE does for weights converted from HF.
+        self.legacy = legacy
+        # Legacy only: extra-state keys this model has but the checkpoint lacks (a te_linear run
+        # loading a checkpoint of --model_impl hf): their TE modules start fresh FP8 metadata.
         self.absent = frozenset(absent_extra_state)
 
     def state_dict(self) -> dict[str, Any]:
         sd = get_model_state_dict(self.model)
+        if not self.legacy:
+            return {k: v for k, v in sd.items() if not _is_extra_state(k)}
         return {
             k: _pack(v) if _is_extra_state(k) else v for k, v in sd.items() if k not in self.absent
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         sd = {k: _unpack(v) if _is_extra_state(k) else v for k, v in state_dict.items()}
-        if not self.absent:
-            set_model_state_dict(self.model, sd)
-            return
-        result = set_model_state_dict(self.model, sd, options=StateDictOptions(strict=False))
-        wrong = sorted(set(result.missing_keys) - self.absent) + list(result.unexpected_keys)
+        try:
+            result = set_model_state_dict(self.model, sd, options=StateDictOptions(strict=False))
+        except RuntimeError as exc:
+            if TE_UNSAFE_PICKLE_ENV in str(exc):
+                raise UntrustedCheckpointError(str(exc).splitlines()[-1]) from exc
+            raise
+        allowed = (
+            self.absent if self.legacy else {k for k in result.missing_keys if _is_extra_state(k)}
+        )
+        wrong = sorted(set(result.missing_keys) - allowed) + list(result.unexpected_keys)
         if wrong:
             raise RuntimeError(f"model state dict mismatch on load: {wrong[:5]}")
+
+
+_FP8 = "fp8_scaling."
+
+
+class _Fp8ScalingItem:
+    """TE's delayed-scaling FP8 state as plain tensors (te_llama.fp8_scaling_state): per module
+    and direction the scales and amax history, and the recipe's identity as JSON bytes. Saving
+    and loading it unpickles nothing, so no TE release refuses it.
+
+    For a load, ``saved`` gives each entry's shape and dtype from the checkpoint's metadata (a
+    fresh model has no FP8 state to load into before its first FP8 forward); the loaded tensors
+    wait in ``loaded`` until the Checkpointer hands them to the TE modules with the run's recipe.
+    """
+
+    def __init__(self, model: nn.Module, saved: Mapping[str, Any] | None = None) -> None:
+        self.model = model
+        self.saved = saved
+        self.loaded: dict[str, torch.Tensor] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.saved is None:
+            import te_llama
+
+            return te_llama.fp8_scaling_state(self.model)
+        return {
+            k: torch.empty(meta.size, dtype=meta.properties.dtype) for k, meta in self.saved.items()
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loaded = dict(state_dict)
 
 
 class _OptimizerItem:
@@ -334,6 +396,9 @@ class TrainState:
     step: int = 0
     on_data_reshard: Callable[[int, list[Any]], None] | None = None
     saved_config: dict[str, Any] | None = None
+    # The TE recipe the model runs (None: no TE FP8); saved FP8 scaling state is restored into
+    # the TE modules only when it is a delayed-scaling recipe, the one kind that keeps state.
+    fp8_recipe: Any = None
 
     @property
     def seed(self) -> int:
@@ -353,6 +418,9 @@ class TrainState:
         """The DCP state dict: for a save (`per_rank=None`) this rank's per-rank values; for a
         load, the given per-rank load targets."""
         out: dict[str, Any] = {"model": _ModelItem(self.model), "progress": _ProgressItem(self)}
+        fp8 = _Fp8ScalingItem(self.model)
+        if per_rank is None and fp8.state_dict():
+            out["fp8_scaling"] = fp8
         if self.optimizer is not None:
             out["optimizer"] = _OptimizerItem(self.model, self.optimizer)
         if self.scheduler is not None:
@@ -503,8 +571,9 @@ class Checkpointer:
             "model_config": state.model_config(),
             "torch": torch.__version__,
         }  # fmt: skip
-        pending = _Pending(step, tmp, final, marker, None, time.perf_counter())
         items = state.items()
+        marker["items"] = sorted(set(marker["items"]) | ({"fp8_scaling"} & set(items)))
+        pending = _Pending(step, tmp, final, marker, None, time.perf_counter())
         if self.async_save:
             pending.future = dcp.async_save(
                 items, checkpoint_id=str(tmp), process_group=self._async_group
@@ -615,21 +684,25 @@ class Checkpointer:
         reads = {n: _ranks_to_read(n, resharded, saved_world_size) for n in getters}
         targets = {n: _PerRankLoad(r) for n, r in reads.items() if n in available and r}
         items = state.items(targets)
+        saved_fp8 = {k[len(_FP8) :]: v for k, v in saved_keys.items() if k.startswith(_FP8)}
         if convert:
             del items["model"]
             items.pop("optimizer", None)
         else:
-            absent = [k for k in model_keys if _is_extra_state(k) and _MODEL + k not in saved_keys]
-            items["model"] = _ModelItem(state.model, absent)
-            if absent:
-                log.info(
-                    "Checkpoint %s has no Transformer Engine extra state for %d modules (saved "
-                    "without TE modules): their FP8 metadata starts fresh", path, len(absent),
-                )  # fmt: skip
-        dcp.load(items, checkpoint_id=str(path))
+            items["model"] = self._model_item(path, state, saved_keys, model_keys)
+            if saved_fp8:
+                items["fp8_scaling"] = _Fp8ScalingItem(state.model, saved_fp8)
+        try:
+            dcp.load(items, checkpoint_id=str(path))
+        except UntrustedCheckpointError as exc:
+            te = sys.modules.get("transformer_engine")
+            version = getattr(te, "__version__", "this release")
+            raise UntrustedCheckpointError(untrusted_checkpoint_message(path, version)) from exc
         if convert:
             saved_impl = (marker.get("run_config") or {}).get("model_impl", "?")
             load_converted(path, metadata, state, saved_layout, saved_impl)
+        if "fp8_scaling" in items:
+            _restore_fp8_scaling(path, state, items["fp8_scaling"].loaded)
         if resharded:
             self._after_reshard(state, saved_world_size, targets.get("data"))
         else:
@@ -639,6 +712,19 @@ class Checkpointer:
             path, state.step, saved_world_size, resharded, state.saved_config or {},
             converted_from=saved_layout if convert else None,
         )  # fmt: skip
+
+    @staticmethod
+    def _model_item(path: Path, state: TrainState, saved_keys, model_keys) -> _ModelItem:
+        """The model's load target: format 2, or format 1 with TE's pickled extra state."""
+        if not any(k.startswith(_MODEL) and _is_extra_state(k) for k in saved_keys):
+            return _ModelItem(state.model)
+        absent = [k for k in model_keys if _is_extra_state(k) and _MODEL + k not in saved_keys]
+        if absent:
+            log.info(
+                "Checkpoint %s has no Transformer Engine extra state for %d modules (saved "
+                "without TE modules): their FP8 metadata starts fresh", path, len(absent),
+            )  # fmt: skip
+        return _ModelItem(state.model, legacy=True, absent_extra_state=absent)
 
     @staticmethod
     def _after_reshard(state: TrainState, saved_world_size: int, data: _PerRankLoad | None) -> None:
@@ -657,6 +743,30 @@ class Checkpointer:
             "are reseeded from (seed, step=%d, rank) and the %s",
             saved_world_size, _world_size(), state.step, action,
         )  # fmt: skip
+
+
+def _restore_fp8_scaling(path: Path, state: TrainState, tensors: dict[str, torch.Tensor]) -> None:
+    """Hand saved delayed-scaling state to the TE modules, or say why it is not used."""
+    import te_llama
+
+    recipe = state.fp8_recipe
+    saved = next(
+        (te_llama.decode_recipe_identity(v) for k, v in tensors.items() if k.endswith("recipe")),
+        {},
+    )
+    if recipe is None or not recipe.delayed():
+        log.info(
+            "Checkpoint %s holds FP8 delayed-scaling state (%s); this run uses %s, so it is not "
+            "used", path, saved.get("class"), type(recipe).__name__ if recipe else "no TE FP8",
+        )  # fmt: skip
+        return
+    restored = te_llama.load_fp8_scaling_state(state.model, tensors, recipe)
+    now = te_llama.recipe_identity(recipe)
+    changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+    log.info(
+        "FP8 scaling state of %d TE modules restored from %s%s", len(restored), path,
+        f" (recipe changed since the save: {changed})" if changed else "",
+    )  # fmt: skip
 
 
 def _ranks_to_read(name: str, resharded: bool, saved_world_size: int) -> list[int]:

@@ -1,9 +1,11 @@
 """Throughput accounting: FLOPs per token, device peaks, the step meter, log lines, JSONL, summary.
 
 What the numbers mean (kept in one place so the README and the logs agree):
-- A *step* is one optimizer step (all gradient-accumulation micro-batches). Its time is wall
-  clock from asking the data iterator for the first micro-batch to the end of the optimizer and
-  scheduler step, so Speed includes data loading ("data wait").
+- A *step* is one optimizer step (all gradient-accumulation micro-batches). Figures are per
+  *window*: the steps between two log lines, timed by the wall clock between two device syncs
+  (see :class:`StepMeter`), so they hold whatever ``--logging_freq`` is. Speed includes data
+  loading ("data wait", reported as a share of the window); validation and checkpoint saves are
+  left out.
 - ``samples`` and ``tokens`` are GLOBAL (all ranks) per step; "per device" figures divide by the
   world size.
 - TFLOP/s are *model* FLOPs (see :func:`flops_per_token`), not hardware FLOPs: activation
@@ -14,6 +16,7 @@ What the numbers mean (kept in one place so the README and the logs agree):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -21,10 +24,10 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -169,16 +172,16 @@ def peak_memory_label(device: torch.device | str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Step timing and the step meter
-
-T = TypeVar("T")
+# The step meter
 
 
-def timed_next(iterator: Iterator[T]) -> tuple[T, float]:
-    """``next(iterator)`` and the seconds spent waiting for it (the data-wait share)."""
-    start = time.perf_counter()
-    item = next(iterator)
-    return item, time.perf_counter() - start
+def device_sync(device: torch.device | str) -> Callable[[], None]:
+    """A function that waits for every kernel queued on ``device`` (a no-op on CPU, where work
+    runs as it is issued). The step meter calls it at the two ends of every timed window."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
 
 
 def step_metrics(
@@ -226,13 +229,18 @@ def step_metrics(
 
 @dataclass
 class StepMeter:
-    """Accumulates steps between two log lines and reports them as one window.
+    """Times windows of steps between two log lines by the wall clock between two device syncs.
 
-    ``add_step`` is cheap and needs no device sync, so it can run every step. ``report`` (called
-    at logging steps, after something has synchronised the device, e.g. ``loss.item()``) turns
-    the window's sums into :func:`step_metrics`. Summing wall-clock over the window is exact even
-    when per-step GPU timings are skewed by asynchronous execution, as long as the window ends on
-    a sync. With ``--logging_freq 1`` a window is a single step.
+    A GPU runs behind the host: a step's kernels are only paid for when something waits for
+    them. Summing per-step host intervals therefore drops whatever the device still owed when an
+    interval ended (on an H100 that made ``--logging_freq 5`` report 2.3x the real speed). Here a
+    window's time is, by construction, ``clock()`` after a ``sync()`` at :meth:`report` minus
+    ``clock()`` after the ``sync()`` that ended the previous window (or :meth:`start`): all device
+    work queued in between is inside it, whenever it ran. Work that is not training (validation,
+    checkpoint saves) runs inside :meth:`paused`, which syncs at both ends and subtracts its time.
+
+    ``add_step`` only counts (no clock, no sync), so steps between log lines never wait for the
+    device. ``sync`` and ``clock`` are injectable so tests can simulate an asynchronous device.
     """
 
     flops_per_token: float
@@ -240,32 +248,53 @@ class StepMeter:
     peak_tflops: float | None
     peak_label: str = ""
     memory_label: str = ""
-    _seconds: float = field(default=0.0, init=False)
+    sync: Callable[[], None] = field(default=lambda: None, repr=False)
+    clock: Callable[[], float] = field(default=time.perf_counter, repr=False)
+    _window_start: float | None = field(default=None, init=False)
+    _paused: float = field(default=0.0, init=False)
     _data_wait: float = field(default=0.0, init=False)
     _samples: int = field(default=0, init=False)
     _tokens: int = field(default=0, init=False)
     _steps: int = field(default=0, init=False)
 
-    def add_step(
-        self, *, step_seconds: float, data_wait_seconds: float, samples: int, tokens: int
-    ) -> None:
-        self._seconds += step_seconds
+    def start(self) -> None:
+        """Open the first window (call once, right before the first step)."""
+        self.sync()
+        self._window_start = self.clock()
+
+    def add_step(self, *, data_wait_seconds: float, samples: int, tokens: int) -> None:
+        if self._window_start is None:
+            raise RuntimeError("StepMeter.start() must be called before the first step")
         self._data_wait += data_wait_seconds
         self._samples += samples
         self._tokens += tokens
         self._steps += 1
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave the enclosed work (validation, a checkpoint save) out of the window's time."""
+        self.sync()
+        begin = self.clock()
+        try:
+            yield
+        finally:
+            self.sync()
+            self._paused += self.clock() - begin
+
     def report(
         self, *, step: int, loss: float, lr: float, peak_memory_bytes: int
     ) -> dict[str, Any]:
-        """Metrics of the steps added since the last report; resets the window."""
-        if self._steps == 0:
+        """Metrics of the steps added since the last report; closes the window, opens the next."""
+        if self._steps == 0 or self._window_start is None:
             raise RuntimeError("StepMeter.report() called before any add_step()")
+        self.sync()
+        now = self.clock()
+        seconds = now - self._window_start - self._paused
         metrics = step_metrics(
             step=step,
             loss=loss,
             lr=lr,
-            step_seconds=self._seconds,
+            step_seconds=seconds,
             data_wait_seconds=self._data_wait,
             samples=self._samples,
             tokens=self._tokens,
@@ -276,11 +305,11 @@ class StepMeter:
         )
         metrics["window_steps"] = self._steps
         # Wall-clock time of the report: consecutive records give the real elapsed time,
-        # including anything between steps (logging, validation) that step timing leaves out.
+        # including what the window leaves out (validation, checkpoint saves).
         metrics["time"] = time.time()
         metrics["mfu_basis"] = self.peak_label
         metrics["memory_kind"] = self.memory_label
-        self._seconds = self._data_wait = 0.0
+        self._window_start, self._paused, self._data_wait = now, 0.0, 0.0
         self._samples = self._tokens = self._steps = 0
         return metrics
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +73,34 @@ TE_AVAILABILITY_CHECKS: dict[str, str] = {
 }
 #: FP8 primary weights under FSDP2 (``--fp8_weights``) arrived in TE 2.3.
 FP8_WEIGHTS_MIN_TE = (2, 3)
+
+
+#: From this release TE refuses to unpickle delayed-scaling ``_extra_state`` unless
+#: ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1`` (``transformer_engine/pytorch/_extra_state.py``).
+TE_REFUSES_PICKLED_EXTRA_STATE = (2, 18)
+
+
+def pickled_fp8_state_problem(
+    path: Any, marker: dict[str, Any], te_version: str | None, env: Any
+) -> str | None:
+    """Why resuming checkpoint ``path`` (its ``checkpoint.json`` is ``marker``) would be refused
+    by this TE, or None. Format-1 checkpoints of TE delayed-scaling runs hold TE's pickled FP8
+    state; TE >= 2.18 loads it only when the user opts in (we never set the variable)."""
+    from model_utils.checkpoint import TE_UNSAFE_PICKLE_ENV, untrusted_checkpoint_message
+
+    config = marker.get("run_config") or {}
+    pickled = (
+        int(marker.get("format", 1)) < 2
+        and config.get("model_impl") in ("te", "te_linear")
+        and bool(config.get("fp8"))
+        and config.get("fp8_recipe") == "delayed"
+    )
+    release = _version_tuple(te_version)
+    if not pickled or release is None or release < TE_REFUSES_PICKLED_EXTRA_STATE:
+        return None
+    if env.get(TE_UNSAFE_PICKLE_ENV, "0") == "1":
+        return None
+    return untrusted_checkpoint_message(path, te_version)
 
 
 class TECapabilityError(RuntimeError):
@@ -403,6 +432,7 @@ def check_requirements(args: Any) -> None:
             backend.recipe  # noqa: B018  (builds the recipe: bad options fail here)
     except (TECapabilityError, ValueError) as err:
         raise UsageError(str(err)) from err
+    _check_resumable(args, _te_version(backend._te()))
     if not args.fp8:
         return
     for flag in ("train_batch_size", "val_batch_size"):
@@ -417,3 +447,17 @@ def check_requirements(args: Any) -> None:
         )
         if problem:
             raise UsageError(f"{problem} (--{flag} {getattr(args, flag)})")
+
+
+def _check_resumable(args: Any, te_version: str | None) -> None:
+    """Refuse, before anything starts, a resume this TE would refuse after the model is built."""
+    from model_utils.arguments import UsageError
+    from model_utils.checkpoint import read_marker, resolve_checkpoint
+
+    resume = getattr(args, "resume_from_checkpoint", None)
+    path = resolve_checkpoint(resume, args.checkpoint_dir) if resume else None
+    if path is None:
+        return
+    problem = pickled_fp8_state_problem(path, read_marker(path), te_version, os.environ)
+    if problem:
+        raise UsageError(problem)

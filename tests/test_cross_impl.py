@@ -41,7 +41,6 @@ SMALL = [
 ]  # fmt: skip
 # Parameter layout of each --model_impl: te_linear keeps HF's names.
 LAYOUT = {"hf": "hf", "te_linear": "hf", "te": "te"}
-TE_FP8 = ["--fp8=1", "--fp8_recipe", "delayed", "--amax_history_len", "4"]
 
 
 @pytest.fixture
@@ -63,14 +62,17 @@ def _world_of_one() -> None:
 class Run:
     """Model, optimizer and schedule exactly as train.py builds them, in a world of one."""
 
-    def __init__(self, impl: str, fp8: bool, seed: int, checkpoint_dir: Path) -> None:
+    def __init__(
+        self, impl: str, fp8: bool, seed: int, checkpoint_dir: Path, recipe: str = "delayed"
+    ) -> None:
         import train
         from model_utils import distributed, optim, precision
         from model_utils.arguments import parse_args
 
         # FP8 runs inside a bf16 model (train.py refuses --fp8=1 --bf16=0); others run in fp32.
+        te_fp8 = ["--fp8=1", "--fp8_recipe", recipe, "--amax_history_len", "4"]
         extra = (
-            [*(TE_FP8 if impl != "hf" else ["--fp8=1"]), "--bf16=1"]
+            [*(te_fp8 if impl != "hf" else ["--fp8=1"]), "--bf16=1"]
             if fp8
             else ["--fp8=0", "--bf16=0"]
         )
@@ -86,7 +88,10 @@ class Run:
         self.backend = precision.build_backend(args, device)
         self.model = train.build_model(args, mesh, device, self.backend)
         self.optimizer, self.scheduler = optim.from_args(self.model, args)
-        self.state = ck.TrainState(self.model, self.optimizer, self.scheduler, config=vars(args))
+        self.state = ck.TrainState(
+            self.model, self.optimizer, self.scheduler, config=vars(args),
+            fp8_recipe=train.te_recipe(self.backend),
+        )  # fmt: skip
         self.checkpointer = ck.Checkpointer(checkpoint_dir, keep_last=0)
 
     def step(self, seed: int) -> float:

@@ -28,7 +28,6 @@ from model_utils.metrics import (
     seed_line,
     step_metrics,
     summarize,
-    timed_next,
     validation_record,
 )
 
@@ -205,33 +204,113 @@ def _args() -> dict:
     }
 
 
+class Clock:
+    """A settable clock, so window arithmetic is exact."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_step_meter_reports_windows() -> None:
-    meter = StepMeter(flops_per_token=1e6, world_size=1, peak_tflops=None, peak_label="n/a on cpu")
-    meter.add_step(step_seconds=1.0, data_wait_seconds=0.5, samples=8, tokens=2048)
-    meter.add_step(step_seconds=3.0, data_wait_seconds=0.5, samples=8, tokens=2048)
+    clock = Clock()
+    meter = StepMeter(
+        flops_per_token=1e6, world_size=1, peak_tflops=None, peak_label="n/a on cpu", clock=clock
+    )
+    with pytest.raises(RuntimeError, match="start"):
+        meter.add_step(data_wait_seconds=0.0, samples=8, tokens=2048)
+    meter.start()
+    clock.now += 1.0
+    meter.add_step(data_wait_seconds=0.5, samples=8, tokens=2048)
+    clock.now += 3.0
+    meter.add_step(data_wait_seconds=0.5, samples=8, tokens=2048)
     first = meter.report(step=2, loss=2.5, lr=1e-4, peak_memory_bytes=int(GIB))
     assert first["window_steps"] == 2
     assert first["samples_per_sec"] == 4.0  # 16 samples / 4 s: the window, not the last step
     assert first["data_wait_pct"] == 25.0
     assert (first["step"], first["loss"], first["mfu"]) == (2, 2.5, None)
-    meter.add_step(step_seconds=0.5, data_wait_seconds=0.0, samples=8, tokens=2048)
+    with meter.paused():  # validation or a checkpoint save: not training time
+        clock.now += 50.0
+    clock.now += 0.5
+    meter.add_step(data_wait_seconds=0.0, samples=8, tokens=2048)
     second = meter.report(step=3, loss=2.0, lr=1e-4, peak_memory_bytes=int(GIB))
     assert (second["window_steps"], second["samples_per_sec"]) == (1, 16.0)
     assert (first["tokens"], second["tokens"], first["samples"]) == (4096, 2048, 16)
     assert first["time"] <= second["time"]
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="before any add_step"):
         meter.report(step=4, loss=2.0, lr=1e-4, peak_memory_bytes=0)
 
 
-def test_timed_next_measures_the_wait() -> None:
-    import time
+class SimulatedGPU:
+    """A host and an asynchronous device on one simulated clock (nothing sleeps).
 
-    def slow():
-        time.sleep(0.05)
-        yield "batch"
+    Launching kernels costs the host only ``launch_seconds``; the device runs queued work in
+    order and is paid for only when the host waits: ``sync()`` moves the host clock to the
+    moment the device is idle. That is how a CUDA stream behaves, and what hid the GPU time of
+    non-logging steps from the old per-step timer.
+    """
 
-    item, seconds = timed_next(slow())
-    assert item == "batch" and 0.04 < seconds < 1.0
+    def __init__(self) -> None:
+        self.host = 0.0
+        self.device_idle_at = 0.0
+
+    def clock(self) -> float:
+        return self.host
+
+    def host_work(self, seconds: float) -> None:
+        self.host += seconds
+
+    def launch(self, device_seconds: float, launch_seconds: float = 1e-3) -> None:
+        start = max(self.device_idle_at, self.host)
+        self.device_idle_at = start + device_seconds
+        self.host += launch_seconds
+
+    def sync(self) -> None:
+        self.host = max(self.host, self.device_idle_at)
+
+
+@pytest.mark.parametrize("logging_freq", [1, 5, 10])
+def test_logged_speed_is_wall_clock_speed_on_an_asynchronous_device(logging_freq: int) -> None:
+    """The H100 bug class: at --logging_freq 5 the old meter logged 2.3x the real speed."""
+    gpu = SimulatedGPU()
+    flops, tokens, peak, efficiency = 1e9, 16384, 989.0, 0.6
+    device_seconds = tokens * flops / (peak * 1e12 * efficiency)  # one step at 60% of peak
+    meter = StepMeter(flops, 1, peak, sync=gpu.sync, clock=gpu.clock)
+    meter.start()
+    begin, records, host_intervals = gpu.clock(), [], 0.0
+    for step in range(1, 31):
+        step_start = gpu.clock()
+        gpu.host_work(2e-4)  # data wait
+        gpu.launch(device_seconds)  # forward, backward, optimizer: queued, not waited for
+        meter.add_step(data_wait_seconds=2e-4, samples=8, tokens=tokens)
+        host_intervals += gpu.clock() - step_start  # what summing per-step intervals sees
+        if step % logging_freq == 0:
+            gpu.sync()  # the loss all-reduce + .item() of a logging step
+            records.append(meter.report(step=step, loss=1.0, lr=1e-4, peak_memory_bytes=0))
+    wall_rate = 30 * tokens / (gpu.clock() - begin)
+    for record in records:
+        assert record["tokens_per_sec_per_device"] == pytest.approx(wall_rate, rel=0.02)
+        assert record["mfu"] <= 100.0
+        assert record["mfu"] == pytest.approx(100 * efficiency, rel=0.02)
+    assert sum(r["tokens"] for r in records) == 30 * tokens
+    if logging_freq > 1:  # the simulation reproduces the bug: host time alone is far less
+        assert 30 * tokens / host_intervals > 2 * wall_rate
+
+
+def test_paused_work_is_left_out_even_when_the_device_still_owes_a_step() -> None:
+    gpu = SimulatedGPU()
+    meter = StepMeter(1e9, 1, 989.0, sync=gpu.sync, clock=gpu.clock)
+    meter.start()
+    gpu.launch(2.0)  # a step of 2 s of device work, queued
+    meter.add_step(data_wait_seconds=0.0, samples=1, tokens=1000)
+    with meter.paused():  # validation right after: its entry sync pays the step first
+        gpu.launch(5.0)
+    gpu.launch(2.0)
+    meter.add_step(data_wait_seconds=0.0, samples=1, tokens=1000)
+    record = meter.report(step=2, loss=1.0, lr=1e-4, peak_memory_bytes=0)
+    assert record["step_seconds"] == pytest.approx(4.0, rel=1e-3)
 
 
 # ---------------------------------------------------------------------------- log lines
@@ -247,14 +326,18 @@ def test_seed_line_is_byte_exact() -> None:
 
 
 def test_detail_line_labels() -> None:
+    clock = Clock()
     meter = StepMeter(
         flops_per_token=flops_per_token(**TINY, seq_len=256),
         world_size=1,
         peak_tflops=None,
         peak_label="n/a on cpu",
         memory_label="process max RSS",
+        clock=clock,
     )
-    meter.add_step(step_seconds=0.5, data_wait_seconds=0.01, samples=8, tokens=2048)
+    meter.start()
+    clock.now += 0.5
+    meter.add_step(data_wait_seconds=0.01, samples=8, tokens=2048)
     line = detail_line(meter.report(step=1, loss=9.0, lr=1e-4, peak_memory_bytes=int(1.5 * GIB)))
     assert "tokens/s/device: 4,096" in line
     assert "MFU: n/a on cpu" in line
@@ -262,8 +345,12 @@ def test_detail_line_labels() -> None:
     assert "data wait: 2.0%" in line
     assert re.search(r"TFLOP/s/device: \d+\.\d{3}", line)
 
-    gpu = StepMeter(flops_per_token=1e9, world_size=8, peak_tflops=989.0, peak_label="vs H100")
-    gpu.add_step(step_seconds=1.0, data_wait_seconds=0.0, samples=8, tokens=8 * 400_000)
+    gpu = StepMeter(
+        flops_per_token=1e9, world_size=8, peak_tflops=989.0, peak_label="vs H100", clock=clock
+    )
+    gpu.start()
+    clock.now += 1.0
+    gpu.add_step(data_wait_seconds=0.0, samples=8, tokens=8 * 400_000)
     assert "MFU: 40.4% (vs H100)" in detail_line(
         gpu.report(step=1, loss=1.0, lr=1e-4, peak_memory_bytes=0)
     )

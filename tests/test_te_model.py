@@ -305,7 +305,10 @@ def test_backend_refuses_hf_model(te_double) -> None:
         TEBackend(backend_args(fp8=False, fp8_weights=True))
 
 
-def test_delayed_scaling_state_travels_in_extra_state(te_double) -> None:
+def test_pickled_extra_state_is_refused_like_te_2_20(te_double, monkeypatch) -> None:
+    """TE >= 2.18 refuses pickled delayed-scaling ``_extra_state`` without the user's opt-in
+    (the double applies the same policy); with it, the state restores the same numerics."""
+    monkeypatch.delenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", raising=False)
     config = tiny_config()
     backend = TEBackend(backend_args(fp8=True, recipe="delayed"))
     model = backend.prepare(built(config))
@@ -315,6 +318,9 @@ def test_delayed_scaling_state_travels_in_extra_state(te_double) -> None:
     assert len(extra) == 3 * config.num_hidden_layers  # qkv, proj, mlp hold FP8 scaling state
     clone = TEBackend(backend_args(fp8=True, recipe="delayed"))
     restored = clone.prepare(built(config, seed=9))
+    with pytest.raises(RuntimeError, match="NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1"):
+        restored.load_state_dict(state)
+    monkeypatch.setenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", "1")
     restored.load_state_dict(state)
     ids = batch(config, seed=4)
     with torch.no_grad(), backend.autocast():
@@ -464,7 +470,8 @@ def _two_rank_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         with backend.autocast(is_first_microbatch=True):
             loss = model(ids, labels=ids).loss
         loss.backward()
-        history = model.model.layers[0].transformer_layer.layernorm_mlp.fp8_meta["amax_history_fwd"]
+        meta = model.model.layers[0].transformer_layer.layernorm_mlp.fp8_meta
+        history = meta["scaling_fwd"].amax_history
         gathered = [torch.zeros_like(history) for _ in range(world)]
         dist.all_gather(gathered, history)
         if rank == 0:
@@ -486,7 +493,7 @@ def test_fsdp2_two_ranks_init_and_amax_reduction(tmp_path, te_double) -> None:
     for name, tensor in result["weights"].items():
         assert torch.equal(tensor, single[name]), name
     first, second = result["histories"]
-    assert first[0].abs().sum() > 0
+    assert first.abs().sum() > 0  # the reduced amaxes entered the history
     assert torch.equal(first, second)
 
 
@@ -525,33 +532,6 @@ def test_gpu_matrix_rows_are_train_py_commands_and_the_table_shows_ratios(tmp_pa
     fp8_line = next(line for line in table.splitlines() if "te-fp8-delayed" in line)
     assert "1.50x" in fp8_line and "1.20x" in fp8_line
     assert "skipped: needs SM 10.0+" in table
-
-
-def test_fp8_state_survives_dcp_with_packing(tmp_path, te_double) -> None:
-    """DCP fails on TE's ``_extra_state`` length change (as with real TE); packed, it resumes."""
-    import torch.distributed.checkpoint as dcp
-
-    config = tiny_config()
-    backend = TEBackend(backend_args(fp8=True, recipe="delayed"))
-    model = backend.prepare(built(config))
-    train_losses(model, backend, config, steps=2)
-    dcp.save(te_llama.pack_te_extra_state(model.state_dict()), checkpoint_id=tmp_path / "packed")
-    dcp.save(model.state_dict(), checkpoint_id=tmp_path / "raw")
-
-    fresh = built(config, seed=3)  # FP8 never ran: empty extra state
-    with pytest.raises(BaseException, match="Size mismatch"):  # DCP raises a BaseException
-        dcp.load(fresh.state_dict(), checkpoint_id=tmp_path / "raw")
-    state = te_llama.pack_te_extra_state(fresh.state_dict())
-    dcp.load(state, checkpoint_id=tmp_path / "packed")
-    fresh.load_state_dict(te_llama.unpack_te_extra_state(state))
-    clone = TEBackend(backend_args(fp8=True, recipe="delayed"))
-    clone.prepare(fresh)
-    ids = batch(config, seed=8)
-    with torch.no_grad(), backend.autocast():
-        expected = model(ids).logits
-    with torch.no_grad(), clone.autocast():
-        got = fresh(ids).logits
-    assert torch.equal(got, expected)
 
 
 def test_check_requirements_refuses_before_training(te_double) -> None:

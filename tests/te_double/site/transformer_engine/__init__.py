@@ -4,7 +4,10 @@ Only the API subset this project calls, with the signatures of the pinned releas
 tests/test_te_contract.py). Never installed; tests put ``tests/te_double/site`` on the path.
 """
 
+import os
+
 from transformer_engine import common  # noqa: F401  (the real package imports it too)
 
-#: The pinned release this double mirrors, marked as a double in the local version segment.
-__version__ = "2.20.2+double"
+#: The release this double mirrors (the pinned one unless ``TE_DOUBLE_VERSION`` names another,
+#: e.g. the image's 2.16.0), marked as a double in the local version segment.
+__version__ = os.environ.get("TE_DOUBLE_VERSION", "2.20.2") + "+double"

@@ -22,7 +22,6 @@ Blackwell (MXFP8) or ``8.0`` for an A100 (no FP8).
 from __future__ import annotations
 
 import inspect
-import io
 import os
 import pickle
 import warnings
@@ -36,7 +35,7 @@ from te_double import reference
 from torch import nn
 
 from transformer_engine.common import recipe as _recipe
-from transformer_engine.pytorch import distributed
+from transformer_engine.pytorch import _extra_state, distributed
 from transformer_engine.pytorch.distributed import checkpoint
 
 __all__ = [
@@ -308,7 +307,11 @@ class _TEModule(nn.Module):
         self.num_gemms = num_gemms
         self.primary_weights_in_fp8 = _STATE.model_init_fp8
         self._init_recipe = _STATE.model_init_recipe
-        self.fp8_meta: dict[str, Any] = {"recipe": None}
+        # TE's layout: fp8_meta["scaling_fwd"/"scaling_bwd"] hold the recipe state (for delayed
+        # scaling ``scale`` [n] and ``amax_history`` [len, n]; n = 3 per GEMM forward, 2 backward).
+        self.fp8_meta: dict[str, Any] = {"fp8_checkpoint": False, "fp8_group": None}
+        self.fp8_meta_tensors_initialized = False
+        self.fp8_initialized = False
         self._weight_cache: dict[int, torch.Tensor] = {}
 
     def _register(self, name: str, tensor: torch.Tensor, init_fn: Callable) -> None:
@@ -344,19 +347,29 @@ class _TEModule(nn.Module):
 
     # -- FP8 state ---------------------------------------------------------------------------
 
-    def _ensure_meta(self, fp8_recipe: Any) -> None:
+    def init_fp8_meta_tensors(self, recipe: Any) -> None:
+        """TE's allocation of the recipe state; keeps delayed-scaling tensors it already has
+        (resizing the history to the recipe's length), as TE's ``set_meta_tensor`` does."""
+        for key, per_gemm in (("scaling_fwd", 3), ("scaling_bwd", 2)):
+            current = self.fp8_meta.get(key)
+            if self.fp8_meta_tensors_initialized and recipe.delayed():
+                if isinstance(current, _DelayedScalingState):
+                    current.resize_history(recipe.amax_history_len)
+                    continue
+            n = self.fp8_meta["num_gemms"] * per_gemm
+            self.fp8_meta[key] = _DelayedScalingState(recipe, n) if recipe.delayed() else object()
+        self.fp8_meta_tensors_initialized = True
+
+    def _init_fp8_metadata(self, recipe: Any) -> None:
+        """TE's per-forward ``init_fp8_metadata`` under autocast."""
         meta = self.fp8_meta
-        if meta["recipe"] is not None and type(meta["recipe"]) is type(fp8_recipe):
+        meta["fp8_checkpoint"] = True
+        if self.fp8_initialized and meta.get("recipe") == recipe:
             return
-        meta["recipe"] = fp8_recipe
-        if fp8_recipe.scaling == "delayed":
-            n, length = self.num_gemms, fp8_recipe.amax_history_len
-            meta["scale_fwd"] = torch.ones(2 * n)
-            meta["scale_bwd"] = torch.ones(n)
-            meta["amax_history_fwd"] = torch.zeros(length, 2 * n)
-            meta["amax_history_bwd"] = torch.zeros(length, n)
-        meta["amax_now_fwd"] = torch.zeros(2 * n if fp8_recipe.scaling == "delayed" else 0)
-        meta["amax_now_bwd"] = torch.zeros(n if fp8_recipe.scaling == "delayed" else 0)
+        meta["recipe"] = recipe
+        meta["num_gemms"] = self.num_gemms
+        self.init_fp8_meta_tensors(recipe)
+        self.fp8_initialized = True
 
     def _quantize(self, x: torch.Tensor, index: int, role: str) -> torch.Tensor:
         fp8_recipe = self.fp8_meta["recipe"]
@@ -365,12 +378,13 @@ class _TEModule(nn.Module):
         if kind != "delayed":
             return fake_quantize(x, bwd_fmt if role == "grad" else fwd_fmt, kind)[0]
         direction = "bwd" if role == "grad" else "fwd"
-        slot = index if role == "grad" else 2 * index + (role == "weight")
-        scale = self.fp8_meta[f"scale_{direction}"][slot]
-        x_q, amax = fake_quantize(x, bwd_fmt if role == "grad" else fwd_fmt, "delayed", scale)
-        if not _STATE.recompute:
-            now = self.fp8_meta[f"amax_now_{direction}"]
-            now[slot] = torch.maximum(now[slot], amax)
+        slot = 2 * index if role == "grad" else 3 * index + (role == "weight")
+        state = self.fp8_meta[f"scaling_{direction}"]
+        x_q, amax = fake_quantize(
+            x, bwd_fmt if role == "grad" else fwd_fmt, "delayed", state.scale[slot]
+        )
+        if not _STATE.recompute:  # TE records this iteration's amax in history row 0
+            state.amax_history[0, slot] = torch.maximum(state.amax_history[0, slot], amax)
         return x_q
 
     def _gemm(
@@ -380,7 +394,7 @@ class _TEModule(nn.Module):
         if not _STATE.enabled:
             return F.linear(x, weight)
         _assert_dim_for_fp8_exec(x, weight)
-        self._ensure_meta(_STATE.recipe)
+        self._init_fp8_metadata(_STATE.recipe)
         if not _STATE.recompute and self not in _STATE.region:
             _STATE.region.append(self)
         if is_first_microbatch is False and index in self._weight_cache:
@@ -394,34 +408,63 @@ class _TEModule(nn.Module):
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     def get_extra_state(self) -> torch.Tensor:
+        """TE 2.20.2's format: stateless recipes save nothing; delayed scaling pickles its
+        scales and histories with the recipe object (which TE >= 2.18 refuses to unpickle)."""
         meta = self.fp8_meta
-        if meta["recipe"] is None or meta["recipe"].scaling != "delayed":
+        if not meta["fp8_checkpoint"] or "recipe" not in meta or not meta["recipe"].delayed():
             return torch.empty(0, dtype=torch.uint8)
+        fwd, bwd = meta["scaling_fwd"], meta["scaling_bwd"]
         state = {
             "recipe": meta["recipe"],
-            **{k: meta[k].clone() for k in ("scale_fwd", "scale_bwd")},
-            **{k: meta[k].clone() for k in ("amax_history_fwd", "amax_history_bwd")},
+            "scale_fwd": fwd.scale.clone(),
+            "amax_history_fwd": fwd.amax_history.clone(),
+            "scale_bwd": bwd.scale.clone(),
+            "amax_history_bwd": bwd.amax_history.clone(),
+            "extra_fp8_variables": {
+                k: v for k, v in meta.items() if isinstance(v, (bool, int, float, str, tuple, list))
+            },
         }
-        buffer = io.BytesIO()
-        pickle.dump(state, buffer)
-        return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
 
     def set_extra_state(self, state: torch.Tensor | None) -> None:
         if state is None or state.numel() == 0:
             return
-        loaded = pickle.loads(state.detach().cpu().numpy().tobytes())
-        self.fp8_meta["recipe"] = None
-        self._ensure_meta(loaded["recipe"])
-        for key in ("scale_fwd", "scale_bwd", "amax_history_fwd", "amax_history_bwd"):
-            self.fp8_meta[key] = loaded[key].clone()
+        payload = state.detach().cpu().numpy().tobytes()
+        if not _extra_state.should_load_extra_state_pickle(payload, type(self).__name__):
+            return
+        loaded = pickle.loads(payload)
+        self.fp8_meta.update(loaded["extra_fp8_variables"])
+        self.fp8_meta["recipe"] = loaded["recipe"]
+        self.init_fp8_meta_tensors(loaded["recipe"])
+        for direction in ("fwd", "bwd"):
+            target = self.fp8_meta[f"scaling_{direction}"]
+            target.scale.copy_(loaded[f"scale_{direction}"])
+            target.amax_history.copy_(loaded[f"amax_history_{direction}"])
+
+
+class _DelayedScalingState:
+    """TE's ``DelayedScalingRecipeState``: ``scale`` and ``amax_history`` (float32). Row 0 of
+    the history collects the current iteration's amaxes (a backward's too, recorded after the
+    forward's autocast has exited) until the next autocast exit reduces and rolls it."""
+
+    def __init__(self, recipe: Any, num_quantizers: int) -> None:
+        self.scale = torch.ones(num_quantizers)
+        self.amax_history = torch.zeros(recipe.amax_history_len, num_quantizers)
+
+    def resize_history(self, length: int) -> None:
+        rows = self.amax_history.shape[0]
+        if length < rows:
+            self.amax_history = self.amax_history[:length].clone()
+        elif length > rows:
+            self.amax_history = F.pad(self.amax_history, (0, 0, 0, length - rows))
 
 
 def _update_delayed_scaling(modules: list[_TEModule], fp8_recipe: Any, group: Any) -> None:
     """TE's end-of-autocast step: reduce amaxes over the group, roll histories, new scales."""
     if fp8_recipe is None or fp8_recipe.scaling != "delayed" or not modules:
         return
-    pieces = [m.fp8_meta[f"amax_now_{d}"] for m in modules for d in ("fwd", "bwd")]
-    flat = torch.cat(pieces)
+    states = [m.fp8_meta[f"scaling_{d}"] for m in modules for d in ("fwd", "bwd")]
+    flat = torch.cat([state.amax_history[0] for state in states])
     if (
         fp8_recipe.reduce_amax
         and torch.distributed.is_available()
@@ -430,22 +473,17 @@ def _update_delayed_scaling(modules: list[_TEModule], fp8_recipe: Any, group: An
         torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX, group=group)
     fwd_fmt, bwd_fmt = _formats(fp8_recipe)
     offset = 0
-    for module in modules:
-        for direction, fmt in (("fwd", fwd_fmt), ("bwd", bwd_fmt)):
-            meta = module.fp8_meta
-            size = meta[f"amax_now_{direction}"].numel()
-            amax_now = flat[offset : offset + size]
-            offset += size
-            history = torch.roll(meta[f"amax_history_{direction}"], 1, dims=0)
-            history[0] = amax_now
-            meta[f"amax_history_{direction}"] = history
-            amax = history[0] if fp8_recipe.amax_compute_algo == "most_recent" else history.amax(0)
-            fp8_max = torch.finfo(_FP8_DTYPES[fmt]).max
-            new_scale = fp8_max / amax.clamp_min(1e-30) / 2**fp8_recipe.margin
-            meta[f"scale_{direction}"] = torch.where(
-                amax > 0, new_scale, meta[f"scale_{direction}"]
-            )
-            meta[f"amax_now_{direction}"] = torch.zeros_like(amax_now)
+    for state, fmt in zip(states, [fwd_fmt, bwd_fmt] * len(modules), strict=True):
+        size = state.amax_history.shape[1]
+        history = state.amax_history
+        history[0] = flat[offset : offset + size]
+        offset += size
+        amax = history[0] if fp8_recipe.amax_compute_algo == "most_recent" else history.amax(0)
+        fp8_max = torch.finfo(_FP8_DTYPES[fmt]).max
+        new_scale = fp8_max / amax.clamp_min(1e-30) / 2**fp8_recipe.margin
+        state.scale.copy_(torch.where(amax > 0, new_scale, state.scale))
+        history.copy_(torch.roll(history, -1, dims=0))  # row 0 starts the next iteration
+        history[0].zero_()
 
 
 def _activation_dtype(x: torch.Tensor, params: list[torch.Tensor]) -> torch.dtype:

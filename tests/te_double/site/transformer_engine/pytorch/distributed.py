@@ -32,30 +32,36 @@ def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
         if isinstance(function, nn.Module)
         else []
     )
-    scales: dict[int, dict[str, torch.Tensor]] = {}
+    scales: dict[tuple[int, str], torch.Tensor] = {}
     calls = [0]
+
+    def delayed_states() -> dict[tuple[int, str], Any]:
+        return {
+            (id(m), key): m.fp8_meta[key]
+            for m in modules
+            for key in ("scaling_fwd", "scaling_bwd")
+            if hasattr(m.fp8_meta.get(key), "scale")
+        }
 
     def run(*inner_args: Any, **inner_kwargs: Any) -> Any:
         calls[0] += 1
         if calls[0] == 1:  # the real forward: remember the scales it used
             out = function(*inner_args, **inner_kwargs)
-            for m in modules:
-                scales[id(m)] = {
-                    k: v.clone() for k, v in m.fp8_meta.items() if k.startswith("scale_")
-                }
+            scales.update({k: state.scale.clone() for k, state in delayed_states().items()})
             return out
         saved = (_STATE.enabled, _STATE.recipe, _STATE.group, _STATE.recompute)
-        current = {id(m): {k: m.fp8_meta[k] for k in scales.get(id(m), {})} for m in modules}
+        states = delayed_states()
+        current = {k: state.scale.clone() for k, state in states.items() if k in scales}
         _STATE.enabled, _STATE.recipe, _STATE.group = forward_state
         _STATE.recompute = True
-        for m in modules:
-            m.fp8_meta.update(scales.get(id(m), {}))
+        for k, scale in scales.items():
+            states[k].scale.copy_(scale)
         try:
             return function(*inner_args, **inner_kwargs)
         finally:
             _STATE.enabled, _STATE.recipe, _STATE.group, _STATE.recompute = saved
-            for m in modules:
-                m.fp8_meta.update(current[id(m)])
+            for k, scale in current.items():
+                states[k].scale.copy_(scale)
 
     if use_reentrant and kwargs:
         return torch.utils.checkpoint.checkpoint(
