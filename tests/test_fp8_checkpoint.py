@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from te_double import install, uninstall
-from test_cross_impl import Run, batch
+from test_cross_impl import Run
 
 import te_llama
 from model_utils import checkpoint as ck

@@ -40,7 +40,7 @@ def extra_state_pickle_advisory(context: str) -> str:
 
 def _holds_delayed_scaling_state(data: bytes) -> bool:
     """Read the pickle's opcodes without running it: delayed-scaling keys or recipe class."""
-    for opcode, arg, _pos in pickletools.genops(data):
+    for _opcode, arg, _pos in pickletools.genops(data):
         if isinstance(arg, str) and (arg in _DELAYED_SCALING_KEYS or "DelayedScaling" in arg):
             return True
     return False
