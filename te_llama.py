@@ -164,6 +164,21 @@ def canonical_param_name(name: str) -> str:
     return name
 
 
+def hf_parts(name: str, shape: tuple[int, ...], config: Any) -> list[tuple[str, tuple[int, ...]]]:
+    """The HF parameters a ``te``-layout parameter is made of, as ``(hf_name, shape)`` in
+    concatenation order; a name outside the table maps to itself. Used to initialise the TE
+    layout from the values the HF layout would get, so a seed means one model in every impl."""
+    match = _LAYER_KEY.match(name)
+    mapping = next((m for m in LAYER_PARAM_MAP if match and match.group(2) == m.te), None)
+    if mapping is None:
+        return [(name, tuple(shape))]
+    prefix = f"{LAYER_PREFIX}{match.group(1)}."
+    if len(mapping.hf) == 1:
+        return [(prefix + mapping.hf[0], tuple(shape))]
+    rows = mapping.split_sizes(config)
+    return [(prefix + hf, (n, *shape[1:])) for hf, n in zip(mapping.hf, rows, strict=True)]
+
+
 def hf_to_te_state_dict(
     state_dict: Mapping[str, torch.Tensor], config: Any
 ) -> dict[str, torch.Tensor]:

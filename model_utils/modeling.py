@@ -104,20 +104,38 @@ def _local_view(param: torch.Tensor) -> torch.Tensor:
 def init_weights(model: nn.Module, seed: int, std: float = INIT_STD) -> None:
     """Fill every parameter (sharded or not) with the values a single-process init would give.
 
-    One full parameter at a time is generated and this rank's shard is copied out of it, so peak
+    Values depend on (seed, HF parameter name) only, in every --model_impl. One full parameter
+    at a time is generated and this rank's shard is copied out of it, so peak
     extra memory is the largest single parameter, never the model.
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    parts = _init_parts(model)
     for name, param in _named_parameters(model):
         local = _local_view(param)
-        full = initial_value(name, param.shape, seed, local.device, std)
+        full = torch.cat(
+            [
+                initial_value(part, shape, seed, local.device, std)
+                for part, shape in parts(name, param)
+            ]
+        )
         if isinstance(param, DTensor):
             # src_data_rank=None: every rank already holds the same full tensor; no communication.
             full = distribute_tensor(
                 full, param.device_mesh, param.placements, src_data_rank=None
             ).to_local()
         local.copy_(full.to(local.dtype))
+
+
+def _init_parts(model: nn.Module):
+    """Where each parameter's initial values come from: itself, or for the fused TE layout the
+    HF parameters it is concatenated from (te_llama's table), so that one seed gives the same
+    starting model in hf, te_linear and te."""
+    if getattr(model, "te_impl", None) != "te":
+        return lambda name, param: [(name, param.shape)]
+    import te_llama
+
+    return lambda name, param: te_llama.hf_parts(name, tuple(param.shape), model.config)
 
 
 def _named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:

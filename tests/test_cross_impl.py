@@ -322,3 +322,20 @@ def test_train_py_two_ranks_hf_to_te_and_back(tmp_path) -> None:
     assert sorted(got) == sorted(k for k in want if k[1] > 2)
     for key, value in got.items():
         assert value == pytest.approx(want[key], rel=2e-6), key
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-or-fp32", "fp8"])
+def test_one_seed_is_one_starting_model_in_every_impl(fp8: bool, tmp_path, te_double) -> None:
+    """--seed init draws every value from (seed, HF name), and the fused TE layout concatenates
+    the HF parts by te_llama's table: hf, te_linear and te start from the same weights and give
+    the same step-1 loss (FP8: te and te_linear share TE's emulated recipe; hf uses torchao)."""
+    runs = {impl: Run(impl, fp8, seed=7, checkpoint_dir=tmp_path / impl) for impl in LAYOUT}
+    for impl in ("te", "te_linear"):
+        assert_same(runs[impl].hf_weights(), runs["hf"].hf_weights(), f"{impl} weight")
+    losses = {impl: run.step(seed=0) for impl, run in runs.items()}
+    tolerance = 2e-3 if fp8 else 1e-5
+    assert losses["te"] == pytest.approx(losses["te_linear"], rel=tolerance)
+    assert losses["te"] == pytest.approx(losses["hf"], rel=2e-2 if fp8 else tolerance)
+    other_seed = Run("te", fp8, seed=8, checkpoint_dir=tmp_path / "other")
+    up = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(other_seed.hf_weights()[up], runs["te"].hf_weights()[up])
