@@ -31,24 +31,49 @@ sys.path.insert(0, str(ROOT))
 from model_utils import metrics  # noqa: E402
 from model_utils.arguments import TE_RECIPES  # noqa: E402
 
-# (row name, train.py flags). Every row shares the preset, batch, steps and data.
+# (row name, train.py flags). Every row shares the preset, batch, steps and data. torchao's
+# float8 needs torch.compile to fuse its casts (torchtitan requires it), so its rows and their
+# bf16 baseline compile; TE rows run TE's fused kernels eagerly.
 TRAIN_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("hf-bf16", ("--model_impl=hf", "--fp8=0")),
+    ("hf-bf16+compile", ("--model_impl=hf", "--fp8=0", "--compile")),
     ("te-bf16", ("--model_impl=te", "--fp8=0")),
     ("te_linear-fp8-delayed", ("--model_impl=te_linear", "--fp8=1", "--fp8_recipe=delayed")),
     *((f"te-fp8-{r}", ("--model_impl=te", "--fp8=1", f"--fp8_recipe={r}")) for r in TE_RECIPES),
-    ("torchao-fp8-tensorwise+ag", ("--model_impl=hf", "--fp8=1", "--fp8_all_gather")),
-    ("torchao-fp8-rowwise", ("--model_impl=hf", "--fp8=1", "--fp8_recipe=rowwise")),
+    (
+        "torchao-fp8-tensorwise+ag+compile",
+        ("--model_impl=hf", "--fp8=1", "--fp8_all_gather", "--compile"),
+    ),
+    (
+        "torchao-fp8-rowwise+compile",
+        ("--model_impl=hf", "--fp8=1", "--fp8_recipe=rowwise", "--compile"),
+    ),
 )
 INFER_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("hf-bf16", ("--model_impl=hf", "--fp8=0")),
     ("te-bf16", ("--model_impl=te", "--fp8=0")),
     *(
-        (f"te-fp8-{r}+fp8_weights", ("--model_impl=te", "--fp8=1", f"--fp8_recipe={r}",
-                                      "--fp8_weights"))
+        (
+            f"te-fp8-{r}+fp8_weights",
+            ("--model_impl=te", "--fp8=1", f"--fp8_recipe={r}", "--fp8_weights"),
+        )
         for r in TE_RECIPES
     ),
-)  # fmt: skip
+)
+#: Known failure signatures -> what to do (the cause line itself is printed too).
+HINTS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (
+        ("libcudnn", "undefined symbol"),
+        "a system cuDNN shadows the one torch was built with: drop its directory from "
+        "LD_LIBRARY_PATH (or run inside the image from 0.transformer-engine.dockerfile)",
+    ),
+    (("out of memory",), "lower --train_batch_size or add --activation_checkpointing"),
+    (("needs SM", "needs Transformer Engine", "Blackwell"), "this GPU or TE cannot run the row"),
+)
+
+
+#: Steps left out of every median (allocator growth, autotuning, compilation).
+WARMUP_STEPS = 5
 
 
 @dataclass
@@ -58,7 +83,30 @@ class Row:
     tokens_per_s: float | None = None
     tflops: float | None = None
     peak_gib: float | None = None
+    wall_tokens_per_s: float | None = None  # from record timestamps: a check on tokens_per_s
     note: str = ""
+
+
+def failure_note(output: str) -> str:
+    """The cause of a failed row (its last error line) and what to do, on one line."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower() or "Error" in ln] or lines[-1:]
+    cause = errors[-1][:240] if errors else "failed without output"
+    hint = next((h for keys, h in HINTS if any(k in output for k in keys)), "see the row's log")
+    return f"failed: {cause} -> {hint}"
+
+
+def wall_clock_rate(records: list[dict], warmup_steps: int) -> float | None:
+    """Tokens per second per device between the first and last logged step after warm-up,
+    from the records' wall-clock timestamps alone."""
+    train = [r for r in records if r.get("kind") == "train" and r["step"] > warmup_steps]
+    if len(train) < 2:
+        return None
+    tokens = sum(r["tokens"] for r in train[1:])
+    devices = (
+        train[-1]["tokens"] / train[-1]["tokens_per_sec_per_device"] / train[-1]["step_seconds"]
+    )
+    return tokens / (train[-1]["time"] - train[0]["time"]) / devices
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -69,6 +117,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--infer_steps", type=int, default=20, help="timed forwards per row")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu_matrix")
     parser.add_argument("--only", default="", help="comma-separated row names")
+    parser.add_argument(
+        "--modes", default="train,infer", help="train, infer or both (comma-separated)"
+    )
     args, extra = parser.parse_known_args(argv)
     return args, [a for a in extra if a != "--"]
 
@@ -90,28 +141,40 @@ def train_row(args, name: str, flags: tuple[str, ...], extra: list[str]) -> Row:
     result = subprocess.run(
         train_command(args, name, flags, extra), capture_output=True, text=True, cwd=ROOT
     )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "log.txt").write_text(result.stdout + result.stderr)
     if result.returncode != 0:
-        reason = [ln for ln in result.stderr.splitlines() if "error:" in ln][-1:]
-        return Row(name, "train", note=f"skipped: {reason[0] if reason else 'failed, see log'}")
-    summary = metrics.summarize(metrics.read_jsonl(run_dir / "metrics.jsonl"), warmup_steps=5)
+        return Row(name, "train", note=failure_note(result.stdout + result.stderr))
+    records = metrics.read_jsonl(run_dir / "metrics.jsonl")
+    summary = metrics.summarize(records, warmup_steps=WARMUP_STEPS)
     return Row(
         name, "train", summary["tokens_per_sec_per_device"], summary["tflops_per_device"],
-        summary["peak_mem_gib"],
+        summary["peak_mem_gib"], wall_clock_rate(records, WARMUP_STEPS),
     )  # fmt: skip
 
 
 def infer_row(args, name: str, flags: tuple[str, ...], extra: list[str]) -> Row:
     """Forward-only throughput of the model train.py builds (one GPU, a world of one)."""
-    import torch.distributed as dist
-
     import train
-    from model_utils import distributed, precision
 
     argv = [f"--preset={args.preset}", "--max_steps=20", *flags, *extra]
     try:
         train_args, _ = train.validate(argv)
     except Exception as exc:  # UsageError / capability errors: the row's reason
         return Row(name, "infer", note=f"skipped: {exc}")
+    try:
+        return _timed_forwards(args, name, train_args)
+    except Exception as exc:  # e.g. a cuDNN symbol error: say what failed and what to do
+        torch.cuda.empty_cache()
+        return Row(name, "infer", note=failure_note(f"{type(exc).__name__}: {exc}"))
+
+
+def _timed_forwards(args, name: str, train_args) -> Row:
+    import torch.distributed as dist
+
+    import train
+    from model_utils import distributed, precision
+
     device = torch.device("cuda", 0)
     world = distributed.world_from_env({})
     if not dist.is_initialized():
@@ -149,24 +212,38 @@ def ratio(row: Row, base: Row | None) -> str:
     return f"{row.tokens_per_s / base.tokens_per_s:.2f}x"
 
 
-def render(rows: list[Row]) -> str:
+def render(rows: list[Row], shape: str = "") -> str:
     header = (
-        f"{'mode':<6} {'row':<32} {'tokens/s/GPU':>13} {'TFLOP/s':>8} {'peak GiB':>9} "
-        f"{'vs hf-bf16':>10} {'vs te-bf16':>10}  note"
+        f"{'mode':<6} {'row':<34} {'tokens/s/GPU':>13} {'wall tok/s':>11} {'TFLOP/s':>8} "
+        f"{'peak GiB':>9} {'vs hf-bf16':>10} {'vs te-bf16':>10}  note"
     )
-    lines = [header, "-" * len(header)]
+    lines = [shape, header, "-" * len(header)] if shape else [header, "-" * len(header)]
     for mode in ("train", "infer"):
         base_hf = next((r for r in rows if r.mode == mode and r.name == "hf-bf16"), None)
         base_te = next((r for r in rows if r.mode == mode and r.name == "te-bf16"), None)
         for row in (r for r in rows if r.mode == mode):
             tokens = f"{row.tokens_per_s:,.0f}" if row.tokens_per_s else "-"
+            wall = f"{row.wall_tokens_per_s:,.0f}" if row.wall_tokens_per_s else "-"
             tflops = f"{row.tflops:.0f}" if row.tflops else "-"
             peak = f"{row.peak_gib:.1f}" if row.peak_gib else "-"
             lines.append(
-                f"{mode:<6} {row.name:<32} {tokens:>13} {tflops:>8} {peak:>9} "
+                f"{mode:<6} {row.name:<34} {tokens:>13} {wall:>11} {tflops:>8} {peak:>9} "
                 f"{ratio(row, base_hf):>10} {ratio(row, base_te):>10}  {row.note}"
             )
     return "\n".join(lines)
+
+
+def shape_line(args, extra: list[str]) -> str:
+    """What every row ran: preset, sequence length, micro-batch, steps, GPUs."""
+    from model_utils.arguments import parse_args as train_parse_args
+
+    shaped = train_parse_args([f"--preset={args.preset}", *extra])
+    return (
+        f"preset {args.preset} ({shaped.num_layers} layers, hidden {shaped.hidden_width}, "
+        f"vocab {shaped.vocab_size}), seq {shaped.max_context_width}, micro-batch "
+        f"{shaped.train_batch_size} x {shaped.grad_accum_steps} accumulation, {args.max_steps} "
+        f"steps (medians after step {WARMUP_STEPS}), {args.nproc} GPU(s)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,15 +259,16 @@ def main(argv: list[str] | None = None) -> int:
     only = {n for n in args.only.split(",") if n}
     print(f"{torch.cuda.get_device_name()} x {args.nproc}, preset {args.preset}", flush=True)
     rows = []
-    for name, flags in TRAIN_ROWS:
+    modes = set(args.modes.split(","))
+    for name, flags in TRAIN_ROWS if "train" in modes else ():
         if not only or name in only:
             rows.append(train_row(args, name, flags, extra))
             print(f"  done train {name}", flush=True)
-    for name, flags in INFER_ROWS:
+    for name, flags in INFER_ROWS if "infer" in modes else ():
         if not only or name in only:
             rows.append(infer_row(args, name, flags, extra))
             print(f"  done infer {name}", flush=True)
-    print(render(rows))
+    print(render(rows, shape_line(args, extra)))
     return 0
 
 

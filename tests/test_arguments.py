@@ -106,7 +106,11 @@ def test_fp8_recipe_is_checked_against_the_backend():
     assert args.fp8_recipe == "tensorwise"
 
 
-def test_auto_impl_is_hf_without_transformer_engine():
+def test_auto_impl_is_hf_without_transformer_engine(monkeypatch):
+    import te_llama
+
+    monkeypatch.setattr(te_llama, "te_available", lambda: False)
+    monkeypatch.setattr(precision, "fp8_capable_gpu", lambda: True)  # even on an H100
     assert precision.resolve_model_impl("auto") == "hf"
 
 

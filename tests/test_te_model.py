@@ -502,10 +502,10 @@ def test_fsdp2_two_ranks_init_and_amax_reduction(tmp_path, te_double) -> None:
 # ------------------------------------------------------------------------------------------
 
 
-def test_gpu_matrix_refuses_without_gpu(capsys) -> None:
+def test_gpu_matrix_refuses_without_gpu(capsys, monkeypatch) -> None:
     from benchmarks import bench_gpu_matrix
 
-    assert not torch.cuda.is_available()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench_gpu_matrix.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
@@ -528,10 +528,21 @@ def test_gpu_matrix_rows_are_train_py_commands_and_the_table_shows_ratios(tmp_pa
         bench.Row("te-fp8-delayed", "train", 1500.0, 150.0, 8.0),
         bench.Row("te-fp8-mxfp8", "train", note="skipped: needs SM 10.0+"),
     ]
-    table = bench.render(rows)
+    table = bench.render(rows, "preset tiny, seq 256, micro-batch 8 x 1 accumulation")
     fp8_line = next(line for line in table.splitlines() if "te-fp8-delayed" in line)
     assert "1.50x" in fp8_line and "1.20x" in fp8_line
-    assert "skipped: needs SM 10.0+" in table
+    assert "skipped: needs SM 10.0+" in table and table.startswith("preset tiny, seq 256")
+    assert {"hf-bf16+compile", "torchao-fp8-rowwise+compile"} <= set(names)
+    assert all("--compile" in flags for name, flags in bench.TRAIN_ROWS if "torchao" in name)
+    log = "Traceback ...\nImportError: libcudnn_cnn.so.9: undefined symbol: cudnnFoo, version 9\n"
+    note = bench.failure_note(log)
+    assert "undefined symbol" in note and "LD_LIBRARY_PATH" in note
+    records = [
+        {"kind": "train", "step": s, "tokens": 1000, "time": 10.0 + s, "step_seconds": 1.0,
+         "tokens_per_sec_per_device": 500.0}
+        for s in range(1, 11)
+    ]  # fmt: skip
+    assert bench.wall_clock_rate(records, warmup_steps=5) == pytest.approx(500.0)  # 2 devices
 
 
 def test_check_requirements_refuses_before_training(te_double) -> None:
