@@ -38,8 +38,9 @@ log = logging.getLogger("train")
 SPEED_WARMUP_STEPS = 10
 
 
-def validate(argv: list[str] | None) -> tuple[argparse.Namespace, object]:
-    """Every check that can fail on bad input, before any process group or file exists."""
+def validate(argv: list[str] | None, training: bool = True) -> tuple[argparse.Namespace, object]:
+    """Every check that can fail on bad input, before any process group or file exists
+    (``training=False``: the checks of a forward-only use, e.g. the GPU benchmark's rows)."""
     args = arguments.parse_args(argv)
     args.model_impl = precision.resolve_model_impl(args.model_impl)
     precision.resolve_fp8_recipe(args)
@@ -55,7 +56,7 @@ def validate(argv: list[str] | None) -> tuple[argparse.Namespace, object]:
     if args.model_impl in ("te", "te_linear"):
         from model_utils.te_precision import check_requirements
 
-        check_requirements(args)
+        check_requirements(args, training)
     return args, tokenizer
 
 

@@ -159,7 +159,7 @@ def infer_row(args, name: str, flags: tuple[str, ...], extra: list[str]) -> Row:
 
     argv = [f"--preset={args.preset}", "--max_steps=20", *flags, *extra]
     try:
-        train_args, _ = train.validate(argv)
+        train_args, _ = train.validate(argv, training=False)
     except Exception as exc:  # UsageError / capability errors: the row's reason
         return Row(name, "infer", note=f"skipped: {exc}")
     try:

@@ -5,8 +5,8 @@ whose shapes every FP8 recipe accepts, and checks what only a GPU shows: each im
 BF16 and every FP8 recipe the device supports (the others refused in one line), resume bit for
 bit per recipe, one starting model across implementations (from --seed and from HF weights),
 logged throughput equal to wall-clock throughput and MFU <= 100% at --logging_freq 1 and 10,
-activation checkpointing, accumulation, compile and --fp8_weights. Skipped cleanly without a
-GPU; the CPU tier (``make test``) hides GPUs (tests/conftest.py) and never runs these.
+activation checkpointing, accumulation and compile; --fp8_weights refused for training.
+Skipped cleanly without a GPU; the CPU tier (``make test``) hides GPUs (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -194,3 +194,11 @@ def test_te_fp8_with_each_feature_trains(feature, runs) -> None:
     out = runs / f"feature-{feature}"
     ok(train(out, "--model_impl=te", "--fp8=1", "--fp8_recipe=delayed", *FEATURES[feature]))
     trains(out)
+
+
+def test_fp8_weights_training_is_refused_in_one_line(runs) -> None:
+    needs_te()
+    result = train(runs / "fp8-weights", "--model_impl=te", "--fp8=1", "--fp8_weights")
+    assert result.returncode == 2
+    message = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(message) == 1 and "FusedAdam(master_weights=True)" in message[0]

@@ -122,11 +122,11 @@ def test_capability_problem_messages(recipe, sm, cuda, te_version, expected) -> 
         assert problem is not None and expected in problem
 
 
-def test_fp8_weights_needs_te_2_3() -> None:
+def test_fp8_weights_needs_te_2_16() -> None:
     problem = te_precision.capability_problem(
-        "delayed", sm=(9, 0), cuda_version="12.4", te_version="2.2.0", fp8_weights=True
+        "delayed", sm=(9, 0), cuda_version="12.4", te_version="2.15.0", fp8_weights=True
     )
-    assert problem == "--fp8_weights needs Transformer Engine >= 2.3, found 2.2.0"
+    assert problem == "--fp8_weights needs Transformer Engine >= 2.16, found 2.15.0"
 
 
 def test_fp8_shape_problem() -> None:
@@ -568,6 +568,44 @@ def test_check_requirements_refuses_before_training(te_double) -> None:
     te_precision.check_requirements(  # BF16 on TE has no FP8 shape rule
         backend_args(fp8=False, **{**shape, "max_context_width": 100})
     )
+
+
+def test_fp8_weights_is_refused_for_training_and_allowed_for_inference(te_double) -> None:
+    from model_utils.arguments import UsageError
+
+    shape = dict(
+        train_batch_size=2, val_batch_size=2, max_context_width=256, hidden_width=128,
+        intermediate_size=256, num_heads=4, num_key_value_heads=2, checkpoint_dir="unused",
+    )  # fmt: skip
+    args = backend_args(fp8=True, fp8_weights=True, **shape)
+    with pytest.raises(UsageError, match="master weights .* FusedAdam"):
+        te_precision.check_requirements(args)
+    te_precision.check_requirements(args, training=False)  # forward-only: the benchmark's rows
+
+
+def test_fsdp2_models_get_no_micro_batch_weight_caching(te_double, tmp_path) -> None:
+    """Under FSDP2 the weights are gathered anew each forward; TE ignores the flag there, so the
+    backend leaves it None (unsharded models still get True/False)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    backend = TEBackend(backend_args(fp8=True))
+    plain = backend.prepare(built(tiny_config()))
+    with backend.autocast():
+        backend.forward_kwargs(0)
+        assert _flags(plain) == {True}
+    with torch.device("meta"):
+        sharded = te_llama.build_te_llama(tiny_config(), impl="te")
+    for layer in sharded.model.layers:
+        fully_shard(layer)
+    fully_shard(sharded)
+    materialize(sharded, torch.device("cpu"), 0)
+    backend.prepare(sharded)
+    with backend.autocast():
+        backend.forward_kwargs(0)
+        assert _flags(sharded) == {None}
 
 
 def test_auto_impl_picks_te_only_with_te_and_an_fp8_gpu(te_double, monkeypatch) -> None:
