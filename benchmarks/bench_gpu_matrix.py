@@ -90,7 +90,8 @@ class Row:
 def failure_note(output: str) -> str:
     """The cause of a failed row (its last error line) and what to do, on one line."""
     lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if "error" in ln.lower() or "Error" in ln] or lines[-1:]
+    usage = [ln for ln in lines if ln.startswith("train.py: error:")]  # train.py's one line
+    errors = usage or [ln for ln in lines if "Error" in ln and "elastic" not in ln] or lines[-1:]
     cause = errors[-1][:240] if errors else "failed without output"
     hint = next((h for keys, h in HINTS if any(k in output for k in keys)), "see the row's log")
     return f"failed: {cause} -> {hint}"

@@ -199,9 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
 def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
     """Fill every preset field the user left unset; explicit flags win."""
     preset = PRESETS[args.preset]
+    if args.dataset is not None and args.dataset_config_name is None:
+        args.dataset_config_name = ""  # the preset's config belongs to the preset's dataset
     for name in PRESET_FIELDS:
         if getattr(args, name) is None:
             setattr(args, name, getattr(preset, name))
+    args.dataset_config_name = args.dataset_config_name or None
     args.rms_norm_eps = preset.rms_norm_eps
     args.rope_scaling = preset.rope_scaling
     args.max_position_embeddings = preset.max_position_embeddings or args.max_context_width

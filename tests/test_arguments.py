@@ -24,6 +24,17 @@ def test_preset_fills_unset_fields_and_explicit_flags_win():
     assert args.val_batch_size == args.train_batch_size
 
 
+def test_preset_dataset_config_follows_the_preset_dataset_only():
+    """llama3-8b streams allenai/c4 'en'; a user's own --dataset must not inherit 'en' (the
+    GPU matrix on the bundled corpus was refused for exactly that)."""
+    assert parse_args(["--preset", "llama3-8b"]).dataset_config_name == "en"
+    own = parse_args(["--preset", "llama3-8b", "--dataset", "data/kjv.jsonl.gz"])
+    assert own.dataset_config_name is None
+    both = ["--preset", "llama3-8b", "--dataset", "x/y", "--dataset_config_name", "de"]
+    assert parse_args(both).dataset_config_name == "de"
+    assert parse_args(["--preset", "tiny"]).dataset_config_name is None
+
+
 @pytest.mark.parametrize(
     "name, shape",
     [

@@ -537,6 +537,12 @@ def test_gpu_matrix_rows_are_train_py_commands_and_the_table_shows_ratios(tmp_pa
     log = "Traceback ...\nImportError: libcudnn_cnn.so.9: undefined symbol: cudnnFoo, version 9\n"
     note = bench.failure_note(log)
     assert "undefined symbol" in note and "LD_LIBRARY_PATH" in note
+    torchrun = (
+        "train.py: error: --num_layers must be > 0, got 0\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
+        "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+    )
+    assert "--num_layers must be > 0" in bench.failure_note(torchrun)
     records = [
         {"kind": "train", "step": s, "tokens": 1000, "time": 10.0 + s, "step_seconds": 1.0,
          "tokens_per_sec_per_device": 500.0}
