@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from model_utils import checkpoint as ck
 from model_utils import te_precision
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -570,3 +571,85 @@ def test_double_signatures_match_the_real_ones(pinned_te_source: TESource, te_do
                     )
     assert len(checked) >= 12
     assert not problems, "\n".join(problems)
+
+
+# ------------------------------------------------------------------------------------------
+# FP8 scaling state: the TE internals te_llama reads and writes, and TE's pickle policy.
+# ------------------------------------------------------------------------------------------
+
+
+def _class_node(source: TESource, module: str, name: str) -> ast.ClassDef:
+    node = next(
+        (n for n in source.modules[module].body if isinstance(n, ast.ClassDef) and n.name == name),
+        None,
+    )
+    assert node is not None, f"{module}.{name} not found"
+    return node
+
+
+def _self_attributes(node: ast.ClassDef) -> set[str]:
+    return {
+        target.attr
+        for stmt in ast.walk(node)
+        if isinstance(stmt, (ast.Assign, ast.AnnAssign))
+        for target in (stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target])
+        if isinstance(target, ast.Attribute)
+        and isinstance(target.value, ast.Name)
+        and target.value.id == "self"
+    }
+
+
+def _source_text(source: TESource, module: str) -> str:
+    return ast.unparse(source.modules[module])
+
+
+def test_fp8_state_internals_exist(te_source: TESource) -> None:
+    """te_llama.fp8_scaling_state/load_fp8_scaling_state use TE's module attributes directly:
+    ``fp8_meta["scaling_fwd"|"scaling_bwd"]`` holding a DelayedScalingRecipeState with ``scale``
+    and ``amax_history``, ``init_fp8_meta_tensors(recipe)`` and ``num_gemms`` (3 forward and 2
+    backward quantizers per GEMM, which is how the GEMM count is recovered from a saved scale)."""
+    base = _class_node(
+        te_source, "transformer_engine.pytorch.module.base", "TransformerEngineBaseModule"
+    )
+    methods = {n.name for n in base.body if isinstance(n, ast.FunctionDef)}
+    assert {"init_fp8_meta_tensors", "get_extra_state", "set_extra_state"} <= methods
+    base_text = _source_text(te_source, "transformer_engine.pytorch.module.base")
+    for needle in ('"scaling_fwd"', '"scaling_bwd"', "['num_gemms'] * 3", "['num_gemms'] * 2"):
+        assert needle.replace('"', "'") in base_text, needle
+    state = _class_node(
+        te_source, "transformer_engine.pytorch.quantization", "DelayedScalingRecipeState"
+    )
+    assert {"scale", "amax_history"} <= _self_attributes(state)
+    recipe = _class_node(te_source, "transformer_engine.common.recipe", "Recipe")
+    assert "delayed" in {n.name for n in recipe.body if isinstance(n, ast.FunctionDef)}
+
+
+def test_pickled_extra_state_refusal_matches_the_release(
+    te_source: TESource, pinned_te_source: TESource, te_double
+) -> None:
+    """TE refuses pickled delayed-scaling extra state from the release in
+    te_precision.TE_REFUSES_PICKLED_EXTRA_STATE on, under the variable the recipe names; the
+    double's advisory is TE's, word for word (for the pinned release)."""
+    from transformer_engine.pytorch import _extra_state as double
+
+    module = "transformer_engine.pytorch._extra_state"
+    release = tuple(int(p) for p in te_source.version.split(".")[:2])
+    refuses = release >= te_precision.TE_REFUSES_PICKLED_EXTRA_STATE
+    assert (module in te_source.modules) == refuses
+    if not refuses:
+        return
+    text = _source_text(te_source, module)
+    assert f"UNSAFE_PICKLE_EXTRA_STATE_ENV = '{ck.TE_UNSAFE_PICKLE_ENV}'" in text
+    assert "def should_load_extra_state_pickle(data: bytes, context: str) -> bool" in text
+    for recipe, policy in (("DelayedScaling", "STATEFUL"), ("Float8CurrentScaling", "STATELESS")):
+        assert f"(_RECIPE_MODULE, '{recipe}'): CheckpointExtraStatePolicy.{policy}" in text
+    advisory = next(
+        n
+        for n in ast.walk(pinned_te_source.modules[module])
+        if isinstance(n, ast.FunctionDef) and n.name == "extra_state_pickle_advisory"
+    )
+    returned = next(n for n in ast.walk(advisory) if isinstance(n, ast.Return)).value
+    names = {"context": "LayerNormLinear", "UNSAFE_PICKLE_EXTRA_STATE_ENV": ck.TE_UNSAFE_PICKLE_ENV}
+    real = eval(compile(ast.Expression(returned), "advisory", "eval"), names)  # an f-string
+    assert double.extra_state_pickle_advisory("LayerNormLinear") == real
+    assert double.UNSAFE_PICKLE_EXTRA_STATE_ENV == ck.TE_UNSAFE_PICKLE_ENV
