@@ -1,0 +1,107 @@
+"""The causal-LM loss without the full logits: ``lm_head`` and cross-entropy, chunk by chunk.
+
+Hugging Face's loss materialises ``[tokens, vocab]`` logits in bf16, upcasts them to fp32 and
+keeps both plus their gradient: for Llama 3 at seq 8192 and micro-batch 4 that is 15.7 GiB for
+the fp32 copy alone, which is what capped the micro-batch on an H100. Here the logits exist for
+one chunk of tokens at a time: the forward computes each chunk's loss *and* its gradients with
+respect to the hidden states and ``lm_head``'s weight (the softmax minus the one-hot target, as
+autograd would), so nothing is recomputed in backward and the extra memory is one chunk's
+logits plus one weight-sized gradient, whatever the vocabulary and batch.
+
+Numerics follow transformers' ``ForCausalLMLoss``: labels shifted left by one, ``-100``
+ignored, logits upcast to fp32 before the log-softmax, mean over the counted tokens; the
+gradient reaching the bf16 matmuls is cast to bf16 as autograd's would be. Results equal the
+plain path up to floating-point summation order (tests/test_loss.py).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+#: Logit elements per chunk (about 1 GiB in fp32 with its softmax): 2,048 tokens at Llama 3's
+#: 128k vocabulary, the whole micro-batch for small vocabularies.
+CHUNK_LOGITS = 2**28
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Position t predicts token t+1; the last position predicts nothing (ignored)."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """``mean CE(hidden @ weight.T, targets)`` with gradients computed chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk: int):  # noqa: D102
+        counted = (targets != IGNORE_INDEX).sum().clamp_min(1)
+        grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        total = torch.zeros((), device=hidden.device, dtype=torch.float32)
+        grad_hidden = torch.empty_like(hidden) if grads else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if grads else None
+        for start in range(0, hidden.shape[0], chunk):
+            h, y = hidden[start : start + chunk], targets[start : start + chunk]
+            logits = (h @ weight.t()).float()
+            valid = y != IGNORE_INDEX
+            safe = torch.where(valid, y, 0)
+            log_z = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, safe[:, None]).squeeze(1)
+            total += ((log_z - picked) * valid).sum()
+            if grads:
+                d = torch.exp(logits.sub_(log_z[:, None]))  # softmax, in place of the logits
+                d[torch.arange(d.shape[0], device=d.device), safe] -= 1.0
+                d *= (valid / counted)[:, None]
+                d = d.to(hidden.dtype)
+                grad_hidden[start : start + chunk] = d @ weight
+                grad_weight += (d.t() @ h).float()
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total / counted
+
+    @staticmethod
+    def backward(ctx, grad_output):  # noqa: D102
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return (
+            grad_hidden * grad_output.to(grad_hidden.dtype),
+            (grad_weight * grad_output).to(ctx.weight_dtype),
+            None,
+            None,
+        )
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int | None = None
+) -> torch.Tensor:
+    """Causal-LM loss of ``hidden`` ``[batch, seq, h]`` through ``lm_head`` weight ``[V, h]``
+    against unshifted ``labels`` ``[batch, seq]`` (what HF models take)."""
+    chunk = chunk or max(1, CHUNK_LOGITS // weight.shape[0])
+    targets = shift_labels(labels).reshape(-1)
+    return _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets, chunk)
+
+
+def _forward_with_chunked_loss(
+    self: nn.Module, input_ids=None, labels=None, attention_mask=None, **kwargs: Any
+):
+    """``LlamaForCausalLM.forward`` that returns the loss without logits when given labels."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    hidden = hidden.last_hidden_state
+    if labels is None:
+        return CausalLMOutputWithPast(logits=self.lm_head(hidden))
+    return CausalLMOutputWithPast(loss=linear_cross_entropy(hidden, self.lm_head.weight, labels))
+
+
+def use_chunked_loss(model: nn.Module) -> nn.Module:
+    """Make ``model(input_ids, labels=...)`` compute the loss chunk by chunk (no full logits).
+
+    Set on the instance, so parameter names, checkpoints, FSDP2's root hooks (which gather
+    ``lm_head`` before the forward) and HF export stay exactly as they are.
+    """
+    model.forward = types.MethodType(_forward_with_chunked_loss, model)
+    return model
