@@ -182,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
          help="full: FSDP2 over all ranks; hybrid: shard in a node, replicate across")  # fmt: skip
     switch("activation_checkpointing", False, "recompute each decoder layer in backward")
     switch("compile", False, "torch.compile each decoder layer")
+    switch("chunked_loss", True, "lm_head + cross-entropy by chunks, no full logits; 0 = HF's")
     flag("dist_timeout", type=int, default=600, help="seconds before a stuck collective fails")
 
     flag("checkpoint_dir", default=None, help="default <output_dir>/checkpoints")

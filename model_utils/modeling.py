@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from model_utils import loss
+
 # Initialiser std of Llama and of transformers' LlamaConfig default.
 INIT_STD = 0.02
 
@@ -61,17 +63,18 @@ def build(
 
     `fp8_recipe` is the TE recipe --fp8_weights quantizes the weights for (TE only)."""
     config = llama_config(args)
-    if impl in ("te", "te_linear"):
-        import te_llama  # only the TE path imports Transformer Engine
+    with torch.device("meta"):
+        if impl in ("te", "te_linear"):
+            import te_llama  # only the TE path imports Transformer Engine
 
-        with torch.device("meta"):
-            return te_llama.build_te_llama(
+            model = te_llama.build_te_llama(
                 config, impl=impl, fp8_weights=args.fp8_weights, fp8_recipe=fp8_recipe
             )
-    with torch.device("meta"):
-        return LlamaForCausalLM._from_config(
-            config, attn_implementation=attention_backend(device), dtype=torch.float32
-        )
+        else:
+            model = LlamaForCausalLM._from_config(
+                config, attn_implementation=attention_backend(device), dtype=torch.float32
+            )
+    return loss.use_chunked_loss(model) if args.chunked_loss else model
 
 
 def _generator_for(name: str, seed: int, device: torch.device) -> torch.Generator:

@@ -1,0 +1,57 @@
+"""Peak memory of train.py with and without the chunked loss (process max RSS on CPU).
+
+    python benchmarks/bench_loss_memory.py                      # tiny, vocab 65536, seq 1024, mb 8
+    python benchmarks/bench_loss_memory.py --vocab_size 8192    # the default vocabulary
+
+Each row is a fresh `train.py` process (default flags otherwise, 3 steps, no checkpoints), so
+its peak RSS is the whole run's; the full-logits row holds [tokens, vocab] logits in bf16 and
+fp32 plus their gradient, the chunked row one chunk's (model_utils/loss.py). Prints the two
+peaks and their ratio, measured in one run of this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def peak_gib(chunked: bool, args: argparse.Namespace, out: Path) -> float:
+    run_dir = out / ("chunked" if chunked else "full")
+    subprocess.run(
+        [
+            sys.executable, str(ROOT / "train.py"), "--preset=tiny", "--model_impl=hf",
+            f"--vocab_size={args.vocab_size}", f"--max_context_width={args.seq}",
+            f"--train_batch_size={args.micro_batch}", "--max_steps=3", "--warmup=1",
+            "--checkpoint_freq=-1", "--validation_batches=1", f"--chunked_loss={int(chunked)}",
+            f"--output_dir={run_dir}",
+        ],
+        check=True, capture_output=True, cwd=ROOT,
+    )  # fmt: skip
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return max(r["peak_mem_gib"] for r in records if r.get("kind") == "train")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vocab_size", type=int, default=65536)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--micro_batch", type=int, default=8)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        full = peak_gib(False, args, Path(tmp))
+        chunked = peak_gib(True, args, Path(tmp))
+    logits = args.micro_batch * args.seq * args.vocab_size * 4 / 2**30
+    print(f"tiny, vocab {args.vocab_size}, seq {args.seq}, micro-batch {args.micro_batch} "
+          f"(fp32 logits alone: {logits:.2f} GiB), peak process RSS:")  # fmt: skip
+    print(f"  full logits (HF loss)   {full:6.2f} GiB")
+    print(f"  chunked loss            {chunked:6.2f} GiB   ratio {chunked / full:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The chunked lm_head + cross-entropy (model_utils/loss.py) against transformers' own loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from model_utils import loss
+
+CONFIG = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+
+def models(dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(LlamaConfig(**CONFIG)).to(dtype)
+    chunked = LlamaForCausalLM(LlamaConfig(**CONFIG)).to(dtype)
+    chunked.load_state_dict(plain.state_dict())
+    return plain, loss.use_chunked_loss(chunked)
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, 512, (3, 40), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[0, :5] = loss.IGNORE_INDEX  # ignored positions count nowhere
+    return ids, labels
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"]
+)
+@pytest.mark.parametrize("chunk", [7, 64, None], ids=["chunk7", "chunk64", "default"])
+def test_loss_and_gradients_equal_the_plain_path(dtype, tolerance, chunk, monkeypatch) -> None:
+    if chunk is not None:  # 7 tokens: chunk boundaries inside rows and a ragged last chunk
+        monkeypatch.setattr(loss, "CHUNK_LOGITS", chunk * CONFIG["vocab_size"])
+    plain, chunked = models(dtype)
+    ids, labels = batch()
+    want = plain(input_ids=ids, labels=labels).loss
+    got = chunked(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)
+    (2.5 * want).backward()  # a scaled loss (e.g. / grad_accum_steps) scales the gradients
+    (2.5 * got).backward()
+    for (name, a), b in zip(plain.named_parameters(), chunked.parameters(), strict=True):
+        scale = a.grad.abs().max().item()
+        torch.testing.assert_close(
+            b.grad,
+            a.grad,
+            rtol=tolerance,
+            atol=tolerance * scale,
+            msg=lambda m, n=name: f"{n}: {m}",
+        )
+
+
+def test_without_labels_it_returns_logits_and_no_grad_needs_no_buffers() -> None:
+    plain, chunked = models(torch.float32)
+    ids, labels = batch()
+    torch.testing.assert_close(chunked(input_ids=ids).logits, plain(input_ids=ids).logits)
+    with torch.no_grad():
+        got = chunked(input_ids=ids, labels=labels).loss
+        want = plain(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(got, want)
+
+
+def test_all_ignored_labels_give_zero_not_nan() -> None:
+    _, chunked = models(torch.float32)
+    ids, _ = batch()
+    value = chunked(input_ids=ids, labels=torch.full_like(ids, loss.IGNORE_INDEX)).loss
+    assert value.item() == 0.0
+    value.backward()
+    assert all(torch.isfinite(p.grad).all() for p in chunked.parameters() if p.grad is not None)
+
+
+def test_train_py_trains_the_same_with_and_without_the_chunked_loss(tmp_path) -> None:
+    """The flag through train.py's own model build (FSDP2, world of one): same losses."""
+    from test_cross_impl import SMALL, _world_of_one
+
+    import train
+    from model_utils import arguments, distributed, optim, precision
+
+    _world_of_one()
+    device = torch.device("cpu")
+    losses = {}
+    for flag in ("1", "0"):
+        args = arguments.parse_args(
+            [*SMALL, "--model_impl=hf", "--bf16=0", f"--chunked_loss={flag}"]
+        )
+        mesh = distributed.build_mesh(distributed.world_from_env({}), device, "full")
+        backend = precision.build_backend(args, device)
+        model = train.build_model(args, mesh, device, backend)
+        optimizer, _ = optim.from_args(model, args)
+        ids, labels = batch()
+        ids = ids % args.vocab_size
+        run = []
+        for _ in range(3):
+            step_loss = model(input_ids=ids, labels=ids).loss
+            step_loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            run.append(step_loss.item())
+        losses[flag] = run
+    assert losses["1"] == pytest.approx(losses["0"], rel=1e-5)
+    assert losses["1"][-1] < losses["1"][0]
