@@ -160,7 +160,7 @@ def build_model(args: argparse.Namespace, mesh, device, backend) -> torch.nn.Mod
     recipe = te_recipe(backend)
     model = backend.prepare(modeling.build(args, args.model_impl, device, fp8_recipe=recipe))
     if args.activation_checkpointing:
-        distributed.apply_activation_checkpointing(model, backend.checkpoint_fn)
+        distributed.apply_activation_checkpointing(model, backend.checkpoint_fn, args.ac_every)
     if args.compile:
         distributed.apply_compile(model)
     model = distributed.shard(model, mesh, args)

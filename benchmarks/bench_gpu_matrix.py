@@ -16,6 +16,7 @@ or TE cannot run is listed with train.py's one-line reason. Refuses without a CU
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -49,6 +50,26 @@ TRAIN_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("--model_impl=hf", "--fp8=1", "--fp8_recipe=rowwise", "--compile"),
     ),
 )
+#: Issue 12's speed and memory levers on the fastest TE recipe, one at a time. These rows fix
+#: their own micro-batch (their flags come after the user's), so one command reproduces the
+#: whole table; the ``hf-loss`` rows are the baseline (transformers' full fp32 logits).
+EXPANDABLE = {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+TE_FP8 = ("--model_impl=te", "--fp8=1", "--fp8_recipe=delayed")
+LEVER_ROWS: tuple[tuple[str, tuple[str, ...], dict[str, str]], ...] = (
+    ("te-bf16 mb2 hf-loss", ("--model_impl=te", "--fp8=0", "--train_batch_size=2",
+                             "--chunked_loss=0"), {}),
+    ("te-bf16 mb2", ("--model_impl=te", "--fp8=0", "--train_batch_size=2"), {}),
+    ("te-fp8 mb2 hf-loss", (*TE_FP8, "--train_batch_size=2", "--chunked_loss=0"), {}),
+    ("te-fp8 mb2", (*TE_FP8, "--train_batch_size=2"), {}),
+    ("te-fp8 mb2 +compile", (*TE_FP8, "--train_batch_size=2", "--compile"), {}),
+    ("te-fp8 mb3", (*TE_FP8, "--train_batch_size=3"), {}),
+    ("te-fp8 mb3 +expandable", (*TE_FP8, "--train_batch_size=3"), EXPANDABLE),
+    ("te-fp8 mb4 +expandable", (*TE_FP8, "--train_batch_size=4"), EXPANDABLE),
+    ("te-fp8 mb4 +AC/2 +expandable", (*TE_FP8, "--train_batch_size=4",
+                                      "--activation_checkpointing", "--ac_every=2"), EXPANDABLE),
+    ("te-fp8 mb4 +AC +expandable", (*TE_FP8, "--train_batch_size=4",
+                                    "--activation_checkpointing"), EXPANDABLE),
+)  # fmt: skip
 INFER_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("hf-bf16", ("--model_impl=hf", "--fp8=0")),
     ("te-bf16", ("--model_impl=te", "--fp8=0")),
@@ -119,37 +140,57 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu_matrix")
     parser.add_argument("--only", default="", help="comma-separated row names")
     parser.add_argument(
-        "--modes", default="train,infer", help="train, infer or both (comma-separated)"
-    )
+        "--modes", default="train,infer",
+        help="comma-separated: train (the matrix), levers (issue 12's rows), infer",
+    )  # fmt: skip
     args, extra = parser.parse_known_args(argv)
     return args, [a for a in extra if a != "--"]
 
 
-def train_command(args: argparse.Namespace, name: str, flags: tuple[str, ...], extra: list[str]):
-    """The torchrun command of one training row (no checkpoints: only speed is measured)."""
+def train_command(
+    args: argparse.Namespace,
+    name: str,
+    flags: tuple[str, ...],
+    extra: list[str],
+    fixed: tuple[str, ...] = (),
+) -> list[str]:
+    """The torchrun command of one training row (no checkpoints: only speed is measured).
+
+    The user's flags override the row's ``flags`` but not its ``fixed`` ones (a lever row's
+    micro-batch is the point of the row).
+    """
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={args.nproc}", str(ROOT / "train.py"), f"--preset={args.preset}",
         f"--max_steps={args.max_steps}", f"--warmup={max(1, args.max_steps // 10)}",
         "--checkpoint_freq=-1", "--validation_batches=1", "--logging_freq=1",
-        f"--output_dir={args.out / name}", *flags, *extra,
+        f"--output_dir={args.out / name.replace(' ', '_')}", *flags, *extra, *fixed,
     ]  # fmt: skip
 
 
-def train_row(args, name: str, flags: tuple[str, ...], extra: list[str]) -> Row:
-    run_dir = args.out / name
+def train_row(
+    args,
+    name: str,
+    flags: tuple[str, ...],
+    extra: list[str],
+    fixed: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    mode: str = "train",
+) -> Row:
+    run_dir = args.out / name.replace(" ", "_")
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     result = subprocess.run(
-        train_command(args, name, flags, extra), capture_output=True, text=True, cwd=ROOT
-    )
+        train_command(args, name, flags, extra, fixed),
+        capture_output=True, text=True, cwd=ROOT, env={**os.environ, **(env or {})},
+    )  # fmt: skip
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "log.txt").write_text(result.stdout + result.stderr)
     if result.returncode != 0:
-        return Row(name, "train", note=failure_note(result.stdout + result.stderr))
+        return Row(name, mode, note=failure_note(result.stdout + result.stderr))
     records = metrics.read_jsonl(run_dir / "metrics.jsonl")
     summary = metrics.summarize(records, warmup_steps=WARMUP_STEPS)
     return Row(
-        name, "train", summary["tokens_per_sec_per_device"], summary["tflops_per_device"],
+        name, mode, summary["tokens_per_sec_per_device"], summary["tflops_per_device"],
         summary["peak_mem_gib"], wall_clock_rate(records, WARMUP_STEPS),
     )  # fmt: skip
 
@@ -213,23 +254,35 @@ def ratio(row: Row, base: Row | None) -> str:
     return f"{row.tokens_per_s / base.tokens_per_s:.2f}x"
 
 
+#: Each mode's two ratio baselines (columns "vs A" and "vs B").
+BASELINES = {
+    "train": ("hf-bf16", "te-bf16"),
+    "levers": ("te-fp8 mb2 hf-loss", "te-bf16 mb2 hf-loss"),
+    "infer": ("hf-bf16", "te-bf16"),
+}
+
+
 def render(rows: list[Row], shape: str = "") -> str:
     header = (
         f"{'mode':<6} {'row':<34} {'tokens/s/GPU':>13} {'wall tok/s':>11} {'TFLOP/s':>8} "
-        f"{'peak GiB':>9} {'vs hf-bf16':>10} {'vs te-bf16':>10}  note"
+        f"{'peak GiB':>9} {'vs A':>6} {'vs B':>6}  note"
     )
     lines = [shape, header, "-" * len(header)] if shape else [header, "-" * len(header)]
-    for mode in ("train", "infer"):
-        base_hf = next((r for r in rows if r.mode == mode and r.name == "hf-bf16"), None)
-        base_te = next((r for r in rows if r.mode == mode and r.name == "te-bf16"), None)
-        for row in (r for r in rows if r.mode == mode):
+    for mode, (a, b) in BASELINES.items():
+        mode_rows = [r for r in rows if r.mode == mode]
+        if not mode_rows:
+            continue
+        base_a = next((r for r in mode_rows if r.name == a), None)
+        base_b = next((r for r in mode_rows if r.name == b), None)
+        lines.append(f"[{mode}] A = {a}, B = {b}")
+        for row in mode_rows:
             tokens = f"{row.tokens_per_s:,.0f}" if row.tokens_per_s else "-"
             wall = f"{row.wall_tokens_per_s:,.0f}" if row.wall_tokens_per_s else "-"
             tflops = f"{row.tflops:.0f}" if row.tflops else "-"
             peak = f"{row.peak_gib:.1f}" if row.peak_gib else "-"
             lines.append(
                 f"{mode:<6} {row.name:<34} {tokens:>13} {wall:>11} {tflops:>8} {peak:>9} "
-                f"{ratio(row, base_hf):>10} {ratio(row, base_te):>10}  {row.note}"
+                f"{ratio(row, base_a):>6} {ratio(row, base_b):>6}  {row.note}"
             )
     return "\n".join(lines)
 
@@ -265,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
         if not only or name in only:
             rows.append(train_row(args, name, flags, extra))
             print(f"  done train {name}", flush=True)
+    for name, fixed, env in LEVER_ROWS if "levers" in modes else ():
+        if not only or name in only:
+            rows.append(train_row(args, name, (), extra, fixed, env, mode="levers"))
+            print(f"  done levers {name}", flush=True)
     for name, flags in INFER_ROWS if "infer" in modes else ():
         if not only or name in only:
             rows.append(infer_row(args, name, flags, extra))

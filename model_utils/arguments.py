@@ -180,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     flag("sharding_strategy", default="full", choices=("full", "hybrid"),
          help="full: FSDP2 over all ranks; hybrid: shard in a node, replicate across")  # fmt: skip
-    switch("activation_checkpointing", False, "recompute each decoder layer in backward")
+    switch("activation_checkpointing", False, "recompute decoder layers in backward")
+    flag("ac_every", type=int, default=1, help="with AC: recompute every Nth layer (2 = half)")
     switch("compile", False, "torch.compile each decoder layer")
     switch("chunked_loss", True, "lm_head + cross-entropy by chunks, no full logits; 0 = HF's")
     flag("dist_timeout", type=int, default=600, help="seconds before a stuck collective fails")
@@ -254,6 +255,10 @@ def check_consistency(args: argparse.Namespace) -> None:
         )
     if not (0 <= args.beta1 < 1 and 0 <= args.beta2 < 1):
         raise UsageError(f"--beta1/--beta2 must be in [0, 1), got {args.beta1}/{args.beta2}")
+    if args.ac_every < 1:
+        raise UsageError(f"--ac_every must be >= 1, got {args.ac_every}")
+    if args.ac_every > 1 and not args.activation_checkpointing:
+        raise UsageError("--ac_every needs --activation_checkpointing")
     if args.fp8_all_gather and not args.fp8:
         raise UsageError("--fp8_all_gather needs --fp8=1")
     if args.fp8_weights and not args.fp8:

@@ -119,17 +119,28 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return model.model.layers
 
 
-def apply_activation_checkpointing(model: nn.Module, checkpoint_fn=None) -> None:
-    """Recompute each decoder layer in backward: memory falls to one layer's activations."""
+def checkpointed_layers(num_layers: int, every: int) -> list[int]:
+    """Which layers recompute: every ``every``-th, counted from the last.
+
+    Every layer (``every=1``) keeps one layer's activations at a time; every other layer
+    (``every=2``) keeps about half the activations for half the recompute, torchtitan's
+    selective-by-layer option. Which half is stored does not change the peak (the sum of what
+    forward keeps); counting from the end matches torchtitan's choice for an even depth.
+    """
+    return [i for i in range(num_layers) if (num_layers - 1 - i) % every == 0]
+
+
+def apply_activation_checkpointing(model: nn.Module, checkpoint_fn=None, every: int = 1) -> None:
+    """Recompute decoder layers in backward (all of them, or every ``every``-th)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
         checkpoint_wrapper,
     )
 
     layers = decoder_layers(model)
-    for i, layer in enumerate(layers):
-        kw = {"checkpoint_fn": checkpoint_fn} if checkpoint_fn is not None else {}
-        layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kw)
+    kw = {"checkpoint_fn": checkpoint_fn} if checkpoint_fn is not None else {}
+    for i in checkpointed_layers(len(layers), every):
+        layers[i] = checkpoint_wrapper(layers[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kw)
 
 
 def apply_compile(model: nn.Module) -> None:

@@ -99,6 +99,8 @@ def test_readme_documents_every_flag():
         (["--fp8", "maybe"], "expected 0/1"),
         (["--preset", "llama5"], "invalid choice"),
         (["--train_batch_size", "0"], "--train_batch_size must be > 0"),
+        (["--activation_checkpointing", "--ac_every=0"], "--ac_every must be >= 1"),
+        (["--ac_every=2"], "--ac_every needs --activation_checkpointing"),
     ],
 )
 def test_bad_flags_raise_usage_error(argv, message):

@@ -522,6 +522,14 @@ def test_gpu_matrix_rows_are_train_py_commands_and_the_table_shows_ratios(tmp_pa
         parse_args(cmd[cmd.index(str(bench.ROOT / "train.py")) + 1 :])  # every row's flags parse
     names = [name for name, _ in bench.TRAIN_ROWS]
     assert {"hf-bf16", "te-bf16", "te-fp8-delayed", "te-fp8-mxfp8"} <= set(names)
+    user = ["--train_batch_size", "2", "--activation_checkpointing=0"]
+    for name, fixed, env in bench.LEVER_ROWS:  # the row's own micro-batch and AC win
+        cmd = bench.train_command(args, name, (), user, fixed)
+        parsed = parse_args(cmd[cmd.index(str(bench.ROOT / "train.py")) + 1 :])
+        assert f"--train_batch_size={parsed.train_batch_size}" in fixed, name
+        assert parsed.activation_checkpointing == ("--activation_checkpointing" in fixed), name
+        assert " " not in cmd[-len(fixed) - len(user) - 1]  # run directory without spaces
+    assert set(bench.BASELINES["levers"]) <= {name for name, *_ in bench.LEVER_ROWS}
     rows = [
         bench.Row("hf-bf16", "train", 1000.0, 100.0, 10.0),
         bench.Row("te-bf16", "train", 1250.0, 125.0, 9.0),
@@ -531,6 +539,16 @@ def test_gpu_matrix_rows_are_train_py_commands_and_the_table_shows_ratios(tmp_pa
     table = bench.render(rows, "preset tiny, seq 256, micro-batch 8 x 1 accumulation")
     fp8_line = next(line for line in table.splitlines() if "te-fp8-delayed" in line)
     assert "1.50x" in fp8_line and "1.20x" in fp8_line
+    assert "[train] A = hf-bf16, B = te-bf16" in table and "[levers]" not in table
+    levers = bench.render(
+        [
+            bench.Row("te-fp8 mb2 hf-loss", "levers", 1000.0, 100.0, 50.0),
+            bench.Row("te-bf16 mb2 hf-loss", "levers", 800.0, 80.0, 52.0),
+            bench.Row("te-fp8 mb4 +AC +expandable", "levers", 1100.0, 110.0, 40.0),
+        ]
+    )
+    ac_line = next(line for line in levers.splitlines() if "mb4" in line)
+    assert "1.10x" in ac_line and "1.38x" in ac_line
     assert "skipped: needs SM 10.0+" in table and table.startswith("preset tiny, seq 256")
     assert {"hf-bf16+compile", "torchao-fp8-rowwise+compile"} <= set(names)
     assert all("--compile" in flags for name, flags in bench.TRAIN_ROWS if "torchao" in name)

@@ -192,6 +192,22 @@ def test_activation_checkpointing_saves_less_and_computes_the_same():
     assert plain_bytes > 10_000_000 and ac_bytes < 0.1 * plain_bytes, (ac_bytes, plain_bytes)
 
 
+def test_activation_checkpointing_every_other_layer_saves_half_and_computes_the_same():
+    from model_utils.distributed import checkpointed_layers
+
+    assert checkpointed_layers(4, 1) == [0, 1, 2, 3]
+    assert checkpointed_layers(4, 2) == [1, 3] and checkpointed_layers(3, 2) == [0, 2]
+    assert checkpointed_layers(4, 8) == [3]
+    plain_bytes, plain_loss, plain_grads = _layer_activation_bytes_and_grads(_build_tiny([]))
+    half_bytes, half_loss, half_grads = _layer_activation_bytes_and_grads(
+        _build_tiny(["--activation_checkpointing", "--ac_every=2"])
+    )
+    assert half_loss == plain_loss
+    assert all(torch.equal(a, b) for a, b in zip(half_grads, plain_grads, strict=True))
+    # The tiny model has an even number of layers: half of them keep their activations.
+    assert 0.4 < half_bytes / plain_bytes < 0.6, (half_bytes, plain_bytes)
+
+
 def test_compile_trains_like_eager(tmp_path):
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
     common = [*FAST, "--max_steps=3", "--warmup=1", "--validation_batches=1"]
