@@ -26,6 +26,7 @@ from model_utils import (
     checkpoint,
     data,
     distributed,
+    guards,
     metrics,
     modeling,
     optim,
@@ -214,6 +215,7 @@ def train(
         args.max_context_width,
     )  # fmt: skip
 
+    guard = guards.StepGuard(device)
     model.train()
     run_log.meter.start()
     while state.step < args.max_steps:
@@ -228,8 +230,9 @@ def train(
                 loss = model(**batch, **backend.forward_kwargs(micro)).loss
             (loss / args.grad_accum_steps).backward()
             loss_sum += loss.detach()
+        grad_norm = None
         if args.grad_clip > 0:
-            optim.clip_grad_norm_(model.parameters(), args.grad_clip)  # fast on FSDP2
+            grad_norm = optim.clip_grad_norm_(model.parameters(), args.grad_clip)  # fast on FSDP2
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
@@ -237,23 +240,28 @@ def train(
         backend.after_optimizer_step(model)
         state.step += 1
 
-        run_log.step(state.step, loss_sum / args.grad_accum_steps, lr, data_wait)
+        step_loss = loss_sum / args.grad_accum_steps
+        guard.observe(state.step, step_loss, grad_norm)  # queued on the device, no sync
+        run_log.step(state.step, step_loss, lr, data_wait)
         if args.validation_freq and state.step % args.validation_freq == 0:
             run_log.validation(state.step, model, val_batches, backend)
-        if args.checkpoint_freq > 0 and state.step % args.checkpoint_freq == 0:
-            with run_log.meter.paused():
-                ckpt.save(state.step, state)
-        # Checked at report steps only: an all-reduce + .item() every step would make the host
-        # wait for the device each step. A signal is acted on within --logging_freq steps.
-        if run_log.is_report_step(state.step) and distributed.all_ranks_agree(
-            preemption.requested, device
-        ):
-            ckpt.save(state.step, state, block=True)
-            log.info("Preemption signal received: checkpoint saved at step %d", state.step)
-            return
+        save_now = args.checkpoint_freq > 0 and state.step % args.checkpoint_freq == 0
+        # Checked at report and save steps only: an all-reduce + .item() every step would make
+        # the host wait for the device each step. A signal is acted on within --logging_freq
+        # steps; a non-finite step stops the run before any checkpoint holds it.
+        if save_now or run_log.is_report_step(state.step):
+            stop = check_step(guard, ckpt, state.step, model, preemption.requested, save_now)
+            if save_now:
+                with run_log.meter.paused():
+                    ckpt.save(state.step, state)
+            if stop:
+                ckpt.save(state.step, state, block=True)
+                log.info("Preemption signal received: checkpoint saved at step %d", state.step)
+                return
 
     if not args.validation_freq or state.step % args.validation_freq:
         run_log.validation(state.step, model, val_batches, backend)
+    check_step(guard, ckpt, state.step, model, False, saving=True)  # nothing non-finite is saved
     if args.checkpoint_freq >= 0:
         ckpt.save(state.step, state)  # a step saved just before is not written twice
     ckpt.close()
@@ -261,6 +269,23 @@ def train(
         checkpoint.export_hf(model, model.config, args.export_hf, key_map=hf_key_map(args, "out"))
         log.info("Exported Hugging Face weights to %s", args.export_hf)
     run_log.finish()
+
+
+def check_step(guard, ckpt, step: int, model, stop_requested: bool, saving: bool) -> bool:
+    """Every rank agrees whether to stop (a signal reached some rank) and whether any step so
+    far was non-finite; raises guards.Diverged for the latter, after finishing an earlier (finite)
+    async save. Before a save (periodic, or the preemption one) the weights are checked too, so
+    no checkpoint ever holds NaN/inf and pruning never runs after a non-finite step."""
+    if saving:
+        guard.observe_weights(step, model.parameters())
+    stop, bad_step = guard.agree(stop_requested)
+    if stop and not saving:  # the preemption save needs the same weight check
+        guard.observe_weights(step, model.parameters())
+        bad_step = guard.agree(False)[1]
+    if bad_step is not None:
+        ckpt.close()
+        raise guards.Diverged(bad_step, ckpt.latest())
+    return stop
 
 
 def hf_key_map(args: argparse.Namespace, direction: str):
@@ -293,6 +318,8 @@ def main(argv: list[str] | None = None) -> None:
         train(args, tokenizer, world, device, preemption)
     except checkpoint.UntrustedCheckpointError as exc:  # normally refused by validate() already
         arguments.exit_on_usage_error(arguments.UsageError(str(exc)))
+    except guards.Diverged as exc:
+        guards.exit_diverged(exc, args.lr, world.is_main)
     finally:
         distributed.cleanup()
 

@@ -9,6 +9,7 @@ train.py prints as one line with exit code 2 before any process group or file is
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,10 +222,14 @@ def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def _positive(args: argparse.Namespace, *names: str, allow_zero: bool = False) -> None:
+    """A number that must be finite and > 0 (>= 0): NaN passes every comparison, and `--lr inf`
+    or `--rope_theta nan` would otherwise train on NaN from step 1."""
     for name in names:
         value = getattr(args, name)
+        bound = ">= 0" if allow_zero else "> 0"
+        if not math.isfinite(value):
+            raise UsageError(f"--{name} must be a finite number {bound}, got {value}")
         if value < 0 or (value == 0 and not allow_zero):
-            bound = ">= 0" if allow_zero else "> 0"
             raise UsageError(f"--{name} must be {bound}, got {value}")
 
 
@@ -232,7 +237,8 @@ def check_consistency(args: argparse.Namespace) -> None:
     """Cross-flag rules that argparse cannot express."""
     _positive(args, "hidden_width", "num_layers", "num_heads", "num_key_value_heads",
               "intermediate_size", "vocab_size", "max_context_width", "train_batch_size",
-              "val_batch_size", "grad_accum_steps", "max_steps", "logging_freq", "lr")  # fmt: skip
+              "val_batch_size", "grad_accum_steps", "max_steps", "logging_freq", "lr",
+              "rope_theta", "dist_timeout", "amax_history_len")  # fmt: skip
     _positive(args, "warmup", "min_lr", "weight_decay", "grad_clip", "validation_freq",
               "validation_batches", "keep_last", allow_zero=True)  # fmt: skip
     if args.checkpoint_freq < -1:

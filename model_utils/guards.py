@@ -1,0 +1,104 @@
+"""Guards that keep a run from losing work: a diverged step never reaches a checkpoint.
+
+Every rank must stop at the same step for the same reason, and the host must not wait for the
+device at every step. So the checks accumulate on the device (no ``.item()``), and the ranks
+agree on them with one small all-reduce at the steps where the loop already waits: report steps
+(the loss is synchronised there anyway) and checkpoint saves (a save is itself a collective).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# Encodes "first non-finite step" so that a MAX all-reduce yields the earliest one over ranks.
+_NO_STEP = 2**62
+
+
+# train.py's exit status when training diverged (2 is bad input, 1 an unexpected error).
+EXIT_DIVERGED = 3
+
+
+class Diverged(RuntimeError):
+    """The loss, the gradient norm or the weights stopped being finite: the run cannot go on.
+
+    `latest` is the newest published checkpoint (all finite: every save is checked first)."""
+
+    def __init__(self, step: int, latest: Path | None = None) -> None:
+        super().__init__(f"non-finite loss, gradient norm or weights at step {step}")
+        self.step, self.latest = step, latest
+
+
+def diverged_message(step: int, latest: Path | None, lr: float) -> str:
+    """One line: what happened, what was kept, what to do."""
+    if latest is None:
+        where = "no checkpoint was saved; start again"
+    else:
+        where = f"every checkpoint is finite: resume from the newest, {latest},"
+    return (
+        f"training diverged: the loss or gradient norm is NaN/inf at step {step}, so the run "
+        f"stopped and saved nothing from that step on; {where} with a lower --lr (was {lr:g}) "
+        "or a longer --warmup"
+    )
+
+
+def exit_diverged(exc: Diverged, lr: float, is_main: bool) -> None:
+    """Rank 0 prints the one line; every rank exits with EXIT_DIVERGED."""
+    if is_main:
+        print(f"train.py: error: {diverged_message(exc.step, exc.latest, lr)}", file=sys.stderr)
+        sys.stderr.flush()
+    raise SystemExit(EXIT_DIVERGED)
+
+
+class StepGuard:
+    """Tracks, on the device, the first step whose loss or gradient norm was NaN/inf.
+
+    ``observe`` queues two tiny kernels per step and never synchronises; ``agree`` is the only
+    host sync, one all-reduce of two integers that every rank calls at the same steps. The stop
+    request (a signal that reached some ranks) rides along in the same all-reduce, so the
+    preemption check costs nothing extra either.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.first_bad = torch.zeros((), dtype=torch.int64, device=device)  # 0: none yet
+
+    def observe(self, step: int, *values: torch.Tensor | None) -> None:
+        """Remember `step` if any of `values` (loss, grad norm, ...) is not finite."""
+        finite = torch.ones((), dtype=torch.bool, device=self.device)
+        for value in values:
+            if value is not None:
+                finite = finite & torch.isfinite(value.detach().to(self.device)).all()
+        self.first_bad.masked_fill_((self.first_bad == 0) & ~finite, step)
+
+    def observe_weights(self, step: int, params: Iterable[torch.Tensor]) -> None:
+        """Before a save: the weights themselves (a finite loss can still leave NaN weights when
+        an inf gradient is not clipped). Local shards only: no communication."""
+        self.observe(step, *(_local(p) for p in params))
+
+    def agree(self, stop_requested: bool) -> tuple[bool, int | None]:
+        """(any rank asked to stop, first non-finite step on any rank or None); all ranks call."""
+        bad = torch.where(self.first_bad > 0, _NO_STEP - self.first_bad, 0)
+        flags = torch.stack([torch.tensor(int(stop_requested), device=self.device), bad])
+        if dist.is_initialized():
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stop, encoded = (int(v) for v in flags.tolist())
+        return bool(stop), (_NO_STEP - encoded) if encoded else None
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard as a plain tensor (DTensor and float8 wrapper subclasses unwrapped)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    tensor = tensor.detach()
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    while is_traceable_wrapper_subclass(tensor):
+        inner, _ = tensor.__tensor_flatten__()
+        tensor = getattr(tensor, inner[0])
+    return tensor

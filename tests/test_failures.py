@@ -1,0 +1,153 @@
+"""Never lose a run (issue 11): what train.py refuses, keeps and says when things go wrong.
+
+Behaviour of the process (exit status, the one error line, what is left on disk) is tested by
+running train.py as users do, on the tiny preset with short windows and few steps; agreement
+between ranks on a real gloo process group of 2 processes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from model_utils import checkpoint as ck  # noqa: E402
+from model_utils import guards  # noqa: E402
+from model_utils.arguments import UsageError, parse_args  # noqa: E402
+
+FAST = ["--preset", "tiny", "--train_batch_size", "4", "--max_context_width", "128"]
+
+
+def train(*argv: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *argv], capture_output=True, text=True,
+        timeout=timeout, env=env, cwd=cwd or ROOT,
+    )  # fmt: skip
+
+
+def error_lines(result: subprocess.CompletedProcess) -> list[str]:
+    return [ln for ln in result.stderr.splitlines() if ln.startswith("train.py: error:")]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ============================================================================================
+# 1. Non-finite training never reaches a checkpoint
+
+
+def _guard_worker(rank: int, port: int, results: dict) -> None:
+    """Rank 1 alone sees a NaN loss at step 3 and an inf grad norm at step 5; rank 0 alone
+    receives a stop signal. Every rank must see the same answers."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        guard = guards.StepGuard(torch.device("cpu"))
+        seen = []
+        for step in range(1, 7):
+            loss = torch.tensor(float("nan") if (rank, step) == (1, 3) else 1.0)
+            norm = torch.tensor(float("inf") if (rank, step) == (1, 5) else 0.5)
+            guard.observe(step, loss, norm)
+            if step in (2, 4, 6):
+                seen.append(guard.agree(stop_requested=rank == 0 and step == 6))
+        fresh = guards.StepGuard(torch.device("cpu"))
+        weights = [torch.ones(3), torch.tensor([1.0, math.inf]) if rank == 0 else torch.ones(2)]
+        fresh.observe_weights(9, weights)
+        seen.append(fresh.agree(False))
+        results[rank] = seen
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_agree_on_the_first_non_finite_step_and_on_a_stop_request() -> None:
+    results = mp.Manager().dict()
+    mp.spawn(_guard_worker, args=(_free_port(), results), nprocs=2, join=True)
+    expected = [(False, None), (False, 3), (True, 3), (False, 9)]
+    assert results[0] == results[1] == expected
+
+
+def _weights_are_finite(path: Path) -> bool:
+    return all(
+        bool(torch.isfinite(t).all())
+        for layer in ck.iter_dcp_model_layers(path)
+        for t in layer.values()
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "saved"),
+    [
+        # A checkpoint every step, keep 2: before, both survivors held NaN and every finite
+        # checkpoint was pruned.
+        (["--checkpoint_freq", "1", "--keep_last", "2", "--logging_freq", "1"], 2),
+        # Logged every 5 steps, saved at the end only: the first bad step (not the report step)
+        # is named, and the end-of-run save never happens.
+        (["--checkpoint_freq", "0", "--logging_freq", "5"], 0),
+    ],
+)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_a_diverging_run_stops_naming_the_step_and_saves_nothing_non_finite(
+    tmp_path: Path, extra: list[str], saved: int
+) -> None:
+    out = tmp_path / "run"
+    result = train(*FAST, "--max_steps", "10", "--warmup", "1", "--lr", "1e6",
+                   f"--output_dir={out}", "--export_hf", str(tmp_path / "hf"), *extra)  # fmt: skip
+    assert result.returncode == guards.EXIT_DIVERGED, result.stderr[-3000:]
+    [line] = error_lines(result)
+    assert "Traceback" not in result.stderr
+    step = int(line.split(" at step ")[1].split(",")[0])
+    logged = [ln.split("Batch ")[1] for ln in result.stdout.splitlines() if "Batch " in ln]
+    first_nan = next(int(text.split()[0]) for text in logged if "Loss: nan" in text)
+    if "5" in extra:  # a report every 5 steps: the step is found at the report after it
+        assert step < first_nan == 5 and len(logged) == 1, result.stdout
+    else:
+        assert step == first_nan and int(logged[-1].split()[0]) == step, result.stdout
+    assert "--lr" in line
+    kept = ck.complete_checkpoints(out / "checkpoints")
+    assert len(kept) == saved, kept
+    assert all(ck.step_of(p) < step and _weights_are_finite(p) for p in kept)
+    if kept:
+        assert str(kept[-1]) in line  # the line says where to resume from
+    assert not (tmp_path / "hf").exists()  # nothing exported either
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+        (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+        (["--rope_theta", "0"], "--rope_theta must be > 0, got 0.0"),
+        (["--rope_theta", "nan"], "--rope_theta must be a finite number > 0"),
+        (["--dist_timeout", "0"], "--dist_timeout must be > 0, got 0"),
+        (["--min_lr", "nan"], "--min_lr must be a finite number >= 0"),
+        (["--grad_clip", "inf"], "--grad_clip must be a finite number >= 0"),
+        (["--weight_decay=-inf"], "--weight_decay must be a finite number >= 0"),
+        (["--amax_history_len", "0"], "--amax_history_len must be > 0"),
+    ],
+)
+def test_non_finite_or_non_positive_numbers_are_refused(argv: list[str], message: str) -> None:
+    with pytest.raises(UsageError) as exc:
+        parse_args(argv)
+    assert str(exc.value).startswith(message)
+
+
+def test_lr_inf_exits_2_with_one_line_and_touches_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = train("--lr", "inf", f"--output_dir={out}", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert error_lines(result) == ["train.py: error: --lr must be a finite number > 0, got inf"]
+    assert "Traceback" not in result.stderr and not out.exists()
