@@ -40,7 +40,7 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("chunk", [7, 64, None], ids=["chunk7", "chunk64", "default"])
 def test_loss_and_gradients_equal_the_plain_path(dtype, tolerance, chunk, monkeypatch) -> None:
     if chunk is not None:  # 7 tokens: chunk boundaries inside rows and a ragged last chunk
-        monkeypatch.setattr(loss, "CHUNK_LOGITS", chunk * CONFIG["vocab_size"])
+        monkeypatch.setattr(loss, "chunk_tokens", lambda vocab, hidden: chunk)
     plain, chunked = models(dtype)
     ids, labels = batch()
     want = plain(input_ids=ids, labels=labels).loss
@@ -108,3 +108,11 @@ def test_train_py_trains_the_same_with_and_without_the_chunked_loss(tmp_path) ->
         losses[flag] = run
     assert losses["1"] == pytest.approx(losses["0"], rel=1e-5)
     assert losses["1"][-1] < losses["1"][0]
+
+
+def test_chunks_are_large_enough_to_amortise_the_weight_gradient() -> None:
+    """Llama 3 (hidden 4096, vocab 128256): 8,192-token chunks, not CHUNK_LOGITS's 523; the tiny
+    model at a 64k vocabulary keeps the 1,024-token chunks measured in bench_loss_memory."""
+    assert loss.chunk_tokens(128256, 4096) == 8192
+    assert loss.chunk_tokens(65536, 256) == 1024
+    assert loss.chunk_tokens(2**30, 0) == 1
