@@ -62,12 +62,15 @@ def validate(argv: list[str] | None, training: bool = True) -> tuple[argparse.Na
 
 
 class Preemption:
-    """SIGUSR1/SIGTERM (Slurm's warning before the time limit) asks for a checkpoint at the next
-    step boundary; the flag is reduced over ranks so every rank stops at the same step."""
+    """SIGUSR1/SIGTERM (Slurm's warning before the time limit) and SIGINT (Ctrl-C) ask for a
+    checkpoint at the next step boundary, then a clean exit; the flag is reduced over ranks so
+    every rank stops at the same step. (kill -9 stops at once; the newest checkpoint stays.)"""
+
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
     def __init__(self) -> None:
         self.requested = False
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
+        for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: object) -> None:
@@ -309,6 +312,8 @@ def main(argv: list[str] | None = None) -> None:
         args, tokenizer = validate(argv)
     except arguments.UsageError as exc:
         arguments.exit_on_usage_error(exc)
+    if args.validate_only:
+        return
     world = distributed.world_from_env()
     if not world.is_main:
         logging.getLogger().setLevel(logging.WARNING)

@@ -165,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     flag("max_steps", type=int, default=100, help="optimizer steps")
     flag("lr", type=float, default=1e-3, help="peak learning rate")
     flag("min_lr", type=float, default=1e-4, help="learning rate at max_steps")
-    flag("warmup", type=int, default=10, help="linear warm-up steps")
+    flag("warmup", type=int, default=None,
+         help="linear warm-up steps (default: max_steps // 10, at most 10)")  # fmt: skip
     flag("lr_decay_style", default="cosine", choices=("cosine", "linear", "constant"),
          help="decay from --lr to --min_lr after warm-up")  # fmt: skip
     flag("weight_decay", type=float, default=0.1, help="AdamW decay (not on norms/biases)")
@@ -195,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     switch("async_checkpoint", False, "write checkpoints in the background")
     flag("resume_from_checkpoint", default=None, help="PATH or 'auto' (newest in checkpoint_dir)")
     flag("init_from_hf", default=None, help="start from a Hugging Face Llama checkpoint dir")
+    switch("validate_only", False,
+           "check flags, data, tokenizer and checkpoint, then exit: 0 ready, 2 bad input "
+           "(the launcher runs this once before torchrun)")  # fmt: skip
     flag("export_hf", default=None, help="write the final model as HF safetensors to this dir")
     return p
 
@@ -213,12 +217,20 @@ def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
     args.max_position_embeddings = preset.max_position_embeddings or args.max_context_width
     if args.val_batch_size is None:
         args.val_batch_size = args.train_batch_size
+    if args.warmup is None:
+        args.warmup = default_warmup(args.max_steps)
     precision = "fp8" if args.fp8 else ("bf16" if args.bf16 else "fp32")
     if args.output_dir is None:
         args.output_dir = f"runs/{args.preset}-{precision}"
     if args.checkpoint_dir is None:
         args.checkpoint_dir = f"{args.output_dir}/checkpoints"
     return args
+
+
+def default_warmup(max_steps: int) -> int:
+    """10 steps, but at most a tenth of the run: a default must never make a short run invalid
+    (`--max_steps 10` with a fixed 10-step warm-up would leave no decay phase)."""
+    return max(0, min(10, max_steps // 10))
 
 
 def _positive(args: argparse.Namespace, *names: str, allow_zero: bool = False) -> None:

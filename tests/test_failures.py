@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -151,3 +152,46 @@ def test_lr_inf_exits_2_with_one_line_and_touches_nothing(tmp_path: Path) -> Non
     assert result.returncode == 2, result.stderr
     assert error_lines(result) == ["train.py: error: --lr must be a finite number > 0, got inf"]
     assert "Traceback" not in result.stderr and not out.exists()
+
+
+# ============================================================================================
+# 6. Interrupts and defaults
+
+
+def test_ctrl_c_checkpoints_at_the_step_boundary_and_exits_0(tmp_path: Path) -> None:
+    """SIGINT (Ctrl-C) is a stop request like SIGTERM/SIGUSR1, not a traceback and lost work."""
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+    argv = [*FAST, "--max_steps", "1000", "--checkpoint_freq", "-1", f"--output_dir={out}"]
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *argv], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+    )  # fmt: skip
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if "Batch 2 Loss" in line:
+                proc.send_signal(signal.SIGINT)
+        status = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = "".join(seen)
+    assert status == 0 and "Traceback" not in log and "KeyboardInterrupt" not in log, log
+    step = int(log.split("checkpoint saved at step ")[1].split()[0])
+    assert [ck.step_of(p) for p in ck.complete_checkpoints(out / "checkpoints")] == [step]
+
+
+@pytest.mark.parametrize(
+    ("max_steps", "warmup"), [(1, 0), (10, 1), (50, 5), (100, 10), (10**6, 10)]
+)
+def test_default_warmup_follows_max_steps(max_steps: int, warmup: int) -> None:
+    """`--preset tiny --max_steps 10`, a newcomer's first try, must not be refused by a default."""
+    assert parse_args(["--preset", "tiny", "--max_steps", str(max_steps)]).warmup == warmup
+
+
+def test_an_explicit_warmup_is_still_checked() -> None:
+    with pytest.raises(UsageError, match="--warmup 10 leaves no decay phase"):
+        parse_args(["--preset", "tiny", "--max_steps", "10", "--warmup", "10"])
+    assert parse_args(["--max_steps", "10", "--warmup", "3"]).warmup == 3

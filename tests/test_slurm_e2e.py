@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -244,8 +245,8 @@ def test_sbatch_directives_are_accepted_by_slurm(slurm: Cluster) -> None:
 @pytest.mark.slow
 def test_bash_without_slurm_trains_here(tmp_path: Path) -> None:
     env = clean_env(RUNS_DIR=str(tmp_path), RUN_NAME="laptop", NPROC_PER_NODE="2")
-    args = ["--preset", "tiny", "--max_steps", "2", "--warmup", "1", "--fp8=0",
-            "--train_batch_size", "2"]  # fmt: skip
+    # No --warmup: the default follows --max_steps (a fixed 10 would refuse a 2-step run).
+    args = ["--preset", "tiny", "--max_steps", "2", "--fp8=0", "--train_batch_size", "2"]
     result = subprocess.run(
         ["bash", str(SBATCH), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
         timeout=600,
@@ -255,6 +256,63 @@ def test_bash_without_slurm_trains_here(tmp_path: Path) -> None:
     assert "no Slurm job: running torchrun" in log
     assert sorted(seed_losses(log)) == [1, 2] and "final train loss" in log, log
     assert (tmp_path / "laptop" / "checkpoints").is_dir()
+
+
+def test_bad_arguments_through_the_launcher_give_one_line(tmp_path: Path) -> None:
+    """train.py's own check, once, before torchrun: no traceback, no empty run folder."""
+    env = clean_env(RUNS_DIR=str(tmp_path / "runs"), RUN_NAME="bad", NPROC_PER_NODE="2")
+    result = subprocess.run(
+        ["bash", str(SBATCH), "--preset", "tiny", "--lr", "inf"], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "train.py: error: --lr must be a finite number > 0, got inf"
+    ]
+    assert "torchrun" not in result.stdout and not (tmp_path / "runs").exists()
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in args:
+            found.append(args)
+    return found
+
+
+@pytest.mark.slow
+def test_usr1_to_the_local_launcher_checkpoints_and_leaves_no_worker(tmp_path: Path) -> None:
+    """`kill -USR1` of `bash 1.train_llama.sbatch` used to kill torchrun and orphan the
+    workers; now the launcher forwards it, the workers save and exit, and it exits 0."""
+    env = clean_env(RUNS_DIR=str(tmp_path / "runs"), RUN_NAME="usr1", NPROC_PER_NODE="2")
+    args = ["--preset", "tiny", "--max_steps", "1000", "--fp8=0", "--train_batch_size", "2",
+            "--max_context_width", "64"]  # fmt: skip
+    proc = subprocess.Popen(
+        ["bash", str(SBATCH), *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if "Batch 2 Loss" in line:
+                proc.send_signal(signal.SIGUSR1)
+        status = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = "".join(seen)
+    assert status == 0, log
+    assert "USR1 received" in log
+    saved = PREEMPTED.search(log)
+    assert saved and 2 <= int(saved.group(1)) < 1000, log
+    ckpt = tmp_path / "runs" / "usr1" / "checkpoints" / f"step_{int(saved.group(1)):08d}"
+    assert (ckpt / "checkpoint.json").is_file()
+    assert _processes_mentioning(str(tmp_path / "runs" / "usr1")) == []  # no orphan
 
 
 # --------------------------------------------------------------------------------------
@@ -269,7 +327,21 @@ with open(os.environ["RECORD"], "a") as f:
         "argv": sys.argv[1:], "cwd": os.getcwd(), "omp": os.environ.get("OMP_NUM_THREADS"),
         "pet_signals": os.environ.get("PET_SIGNALS_TO_HANDLE"),
         "ignores_usr1": bool(mask >> 9 & 1), "ignores_term": bool(mask >> 14 & 1),
+        "ignores_int": bool(mask >> 1 & 1),
     }}) + "\\n")
+"""
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# The job's Python: records train.py's --validate_only check and answers it with status
+# $FAKE_VALIDATE (default 0); anything else runs on the real interpreter.
+if [[ " $* " == *" --validate_only "* ]]; then
+    printf '%s\\n' "$*" >>"$VALIDATE_RECORD"
+    if [[ ${{FAKE_VALIDATE:-0}} != 0 ]]; then
+        echo "train.py: error: (stand-in) bad flag" >&2
+    fi
+    exit "${{FAKE_VALIDATE:-0}}"
+fi
+exec {python} "$@"
 """
 
 FAKE_SRUN = """#!/usr/bin/env bash
@@ -305,13 +377,14 @@ class Fakes:
     venv: Path
     record: Path
     srun_record: Path
+    validations: Path
 
     def env(self, **extra: str) -> dict[str, str]:
         base = {
             "PATH": f"{self.bin_dir}:/usr/bin:/bin", "HOME": str(self.bin_dir.parent),
             "VENV": str(self.venv), "RECORD": str(self.record),
             "SRUN_RECORD": str(self.srun_record), "FAKE_COMMAND": str(SBATCH),
-            "CONTAINER_BIN": str(self.venv / "bin"),
+            "CONTAINER_BIN": str(self.venv / "bin"), "VALIDATE_RECORD": str(self.validations),
         }  # fmt: skip
         base.update(extra)
         return base
@@ -332,7 +405,7 @@ def fakes(tmp_path: Path) -> Fakes:
     bin_dir, venv = tmp_path / "bin", tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     bin_dir.mkdir()
-    (venv / "bin" / "python").symlink_to(sys.executable)
+    write_executable(venv / "bin" / "python", FAKE_PYTHON.format(python=sys.executable))
     write_executable(venv / "bin" / "torchrun", FAKE_TORCHRUN.format(python=sys.executable))
     write_executable(bin_dir / "srun", FAKE_SRUN)
     write_executable(bin_dir / "scontrol", FAKE_SCONTROL)
@@ -341,7 +414,10 @@ def fakes(tmp_path: Path) -> Fakes:
     write_executable(
         bin_dir / "nvidia-smi", "#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n"
     )
-    return Fakes(bin_dir, venv, tmp_path / "torchrun.jsonl", tmp_path / "srun.txt")
+    return Fakes(
+        bin_dir, venv, tmp_path / "torchrun.jsonl", tmp_path / "srun.txt",
+        tmp_path / "validate.txt",
+    )  # fmt: skip
 
 
 def run_script(env: dict[str, str], *args: str, cwd: Path | None = None):
@@ -405,8 +481,13 @@ def test_local_run_passes_arguments_through_after_the_defaults(
     ]  # fmt: skip
     assert call["cwd"] == str(REPO)  # relative paths mean the same as in the container
     assert int(call["omp"]) == max(1, (os.cpu_count() or 1) // 2)
-    assert not call["ignores_usr1"] and call["pet_signals"] is None
+    # The launcher forwards USR1/TERM/INT to the workers; torchrun must not act on them.
+    assert call["ignores_usr1"] and call["ignores_term"] and call["ignores_int"]
+    assert call["pet_signals"] == "SIGHUP,SIGQUIT"
     assert (run_dir / "checkpoints").is_dir()
+    # The arguments were checked once, before torchrun, with exactly what torchrun got.
+    [checked] = fakes.validations.read_text().splitlines()
+    assert checked == " ".join([str(REPO / "train.py"), "--validate_only", *argv[4:]])
 
 
 def test_cpu_workers_come_from_nproc_per_node(fakes: Fakes, tmp_path: Path) -> None:
@@ -420,15 +501,35 @@ def test_cpu_workers_come_from_nproc_per_node(fakes: Fakes, tmp_path: Path) -> N
     [
         ({"RUN_NAME": "a/b"}, "must be a plain folder name"),
         ({"VENV": "/nonexistent-venv"}, "has no bin/python"),
+        ({"NPROC_PER_NODE": "0"}, "NPROC_PER_NODE=0 is not a number of workers per node"),
+        ({"NPROC_PER_NODE": "two"}, "NPROC_PER_NODE=two is not a number of workers per node"),
+        ({"SLURM_NNODES": "2"}, "SLURM_NNODES=2 asks for 2 nodes outside a Slurm job"),
+        ({"SLURM_JOB_ID": "7"}, "SLURM_JOB_ID=7 is set but SLURM_JOB_NODELIST is not"),
+        ({"FAKE_VALIDATE": "2"}, "train.py: error: (stand-in) bad flag"),
     ],
 )
 def test_bad_settings_fail_with_one_line_and_exit_2(
     fakes: Fakes, tmp_path: Path, env: dict[str, str], message: str
 ) -> None:
-    result = run_script(fakes.env(RUNS_DIR=str(tmp_path), **env), "--preset", "tiny")
+    runs = tmp_path / "runs"
+    result = run_script(
+        fakes.env(RUNS_DIR=str(runs), **{"RUN_NAME": "r", **env}), "--preset", "tiny"
+    )
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert fakes.torchrun_calls() == []
+    assert not runs.exists()  # no empty run folder left behind
+
+
+def test_a_refused_slurm_job_exits_2_without_requeue_or_empty_folders(
+    fakes: Fakes, tmp_path: Path
+) -> None:
+    """In a job the check runs on the first node (inside the container when there is one)."""
+    result = run_script(slurm_job_env(fakes, tmp_path, FAKE_VALIDATE="2"), "--lr", "inf")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "(stand-in) bad flag" in result.stderr and fakes.torchrun_calls() == []
+    assert fakes.validations.read_text().count("--validate_only") == 1
+    assert not (tmp_path / "runs").exists()
 
 
 def slurm_job_env(fakes: Fakes, tmp_path: Path, **extra: str) -> dict[str, str]:
