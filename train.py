@@ -58,6 +58,11 @@ def validate(argv: list[str] | None, training: bool = True) -> tuple[argparse.Na
         from model_utils.te_precision import check_requirements
 
         check_requirements(args, training)
+    if training:
+        try:  # a live run in this directory: refused before anything starts (reads only)
+            guards.check_not_locked(guards.lock_dirs(args.output_dir, args.checkpoint_dir))
+        except guards.RunLocked as exc:
+            raise arguments.UsageError(str(exc)) from exc
     return args, tokenizer
 
 
@@ -291,6 +296,24 @@ def check_step(guard, ckpt, step: int, model, stop_requested: bool, saving: bool
     return stop
 
 
+def hold_run_dirs(args: argparse.Namespace, world, device) -> list[guards.RunLock]:
+    """Rank 0 locks the run's directories for the life of the run; if another live run holds
+    one, every rank learns it (one all-reduce) and all stop with guards.RunLocked."""
+    locks: list[guards.RunLock] = []
+    refused: guards.RunLocked | None = None
+    if world.is_main:
+        try:
+            for directory in guards.lock_dirs(args.output_dir, args.checkpoint_dir):
+                locks.append(guards.RunLock(directory).acquire())
+        except guards.RunLocked as exc:
+            refused = exc
+            for lock in locks:
+                lock.release()
+    if distributed.all_ranks_agree(refused is not None, device):
+        raise refused or guards.RunLocked("refused by rank 0")
+    return locks
+
+
 def hf_key_map(args: argparse.Namespace, direction: str):
     """HF <-> TE parameter names for the TE layer layout (one decoder layer at a time, so no rank
     ever holds the whole model); HF layouts need no mapping."""
@@ -319,13 +342,21 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger().setLevel(logging.WARNING)
     device = distributed.device_for(world)
     distributed.init(world, device, args.dist_timeout)
+    locks: list[guards.RunLock] = []
     try:
+        locks = hold_run_dirs(args, world, device)
         train(args, tokenizer, world, device, preemption)
     except checkpoint.UntrustedCheckpointError as exc:  # normally refused by validate() already
         arguments.exit_on_usage_error(arguments.UsageError(str(exc)))
+    except guards.RunLocked as exc:  # a run that started into this directory since validate()
+        if world.is_main:
+            arguments.exit_on_usage_error(arguments.UsageError(str(exc)))
+        raise SystemExit(2) from None
     except guards.Diverged as exc:
         guards.exit_diverged(exc, args.lr, world.is_main)
     finally:
+        for lock in locks:
+            lock.release()
         distributed.cleanup()
 
 

@@ -1,4 +1,5 @@
-"""Guards that keep a run from losing work: a diverged step never reaches a checkpoint.
+"""Guards that keep a run from losing work: a diverged step never reaches a checkpoint, and
+two runs never share a run directory.
 
 Every rank must stop at the same step for the same reason, and the host must not wait for the
 device at every step. So the checks accumulate on the device (no ``.item()``), and the ranks
@@ -8,7 +9,11 @@ agree on them with one small all-reduce at the steps where the loop already wait
 
 from __future__ import annotations
 
+import fcntl
+import os
+import socket
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -102,3 +107,95 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
         inner, _ = tensor.__tensor_flatten__()
         tensor = getattr(tensor, inner[0])
     return tensor
+
+
+# --------------------------------------------------------------------------------------------
+# One run per directory
+
+LOCK_NAME = ".run.lock"
+
+
+class RunLocked(RuntimeError):
+    """Another live process holds the run directory: one line, exit 2."""
+
+
+def lock_dirs(output_dir: str, checkpoint_dir: str) -> list[Path]:
+    """The directories a run writes into and must own: the run directory, and the checkpoint
+    directory when it lies outside it (two runs with one --checkpoint_dir prune each other)."""
+    out, ckpt = Path(output_dir).absolute(), Path(checkpoint_dir).absolute()
+    return [out] if ckpt == out or out in ckpt.parents else [out, ckpt]
+
+
+def _holder_text(fd: int) -> str:
+    os.lseek(fd, 0, os.SEEK_SET)
+    text = os.read(fd, 4096).decode(errors="replace").strip()
+    return text or "another process"
+
+
+def _locked_message(directory: Path, holder: str) -> str:
+    return (
+        f"{directory} is in use by another run ({holder}): wait for it to end or stop it, or "
+        "choose another --output_dir/--checkpoint_dir"
+    )
+
+
+def lock_holder(directory: str | Path) -> str | None:
+    """Who holds `directory`'s run lock ("pid 12 on host n1 since ..."), or None if nobody does.
+    Creates nothing: a missing lock file is a free directory. (flock, not fcntl's POSIX locks:
+    those are per process, so a probe in the holder's own process would release its lock.)"""
+    path = Path(directory) / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _holder_text(fd)
+    finally:
+        os.close(fd)  # closing releases a probe lock we may have taken
+    return None
+
+
+def check_not_locked(directories: Iterable[Path]) -> None:
+    """Refuse (RunLocked, one line) before anything starts if a live run holds a directory."""
+    for directory in directories:
+        holder = lock_holder(directory)
+        if holder is not None:
+            raise RunLocked(_locked_message(directory, holder))
+
+
+class RunLock:
+    """An exclusive flock on `<directory>/.run.lock`, held for the life of the run.
+
+    The kernel drops the lock when the process dies, however it dies (kill -9, node reboot on a
+    local disk, OOM), so a stale lock file never blocks a requeued job: only a live holder does.
+    The file's text (pid, host, start time) is only there to name the holder in the refusal.
+    """
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder_text(fd)
+            os.close(fd)
+            raise RunLocked(_locked_message(self.directory, holder)) from None
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.ftruncate(fd, 0)
+        os.pwrite(
+            fd, f"pid {os.getpid()} on host {socket.gethostname()} since {started}\n".encode(), 0
+        )
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None

@@ -195,3 +195,97 @@ def test_an_explicit_warmup_is_still_checked() -> None:
     with pytest.raises(UsageError, match="--warmup 10 leaves no decay phase"):
         parse_args(["--preset", "tiny", "--max_steps", "10", "--warmup", "10"])
     assert parse_args(["--max_steps", "10", "--warmup", "3"]).warmup == 3
+
+
+# ============================================================================================
+# 3. One run per directory
+
+
+def _start(argv: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *argv], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+    )  # fmt: skip
+
+
+def _wait_for_line(proc: subprocess.Popen, text: str) -> str:
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if text in line:
+            return "".join(seen)
+    raise AssertionError(f"{text!r} never came:\n{''.join(seen)[-3000:]}")
+
+
+def test_a_second_run_in_a_live_run_directory_is_refused_and_a_dead_ones_lock_is_not(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    argv = [*FAST, "--max_steps", "100000", f"--output_dir={out}", "--checkpoint_freq", "-1"]
+    first = _start(argv)
+    try:
+        _wait_for_line(first, "Batch 1 Loss")
+        metrics_before = (out / "metrics.jsonl").read_text()
+        second = train(*argv)
+        assert second.returncode == 2, second.stderr
+        [line] = error_lines(second)
+        assert f"pid {first.pid} on host {socket.gethostname()}" in line and str(out) in line
+        assert "Traceback" not in second.stderr
+        assert first.poll() is None  # the first run goes on, its log untouched by the second
+        assert (out / "metrics.jsonl").read_text().startswith(metrics_before)
+    finally:
+        first.kill()  # SIGKILL: no clean-up runs, the lock file stays behind
+        first.wait()
+    assert (out / guards.LOCK_NAME).read_text().startswith(f"pid {first.pid} ")
+    third = train(*FAST, "--max_steps", "2", f"--output_dir={out}", "--checkpoint_freq", "-1")
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert "Batch 2 Loss" in third.stdout
+
+
+def test_the_lock_covers_a_checkpoint_dir_outside_the_run_dir(tmp_path: Path) -> None:
+    shared = tmp_path / "shared_ckpt"
+    assert guards.lock_dirs(str(tmp_path / "a"), str(tmp_path / "a" / "ckpt")) == [tmp_path / "a"]
+    assert guards.lock_dirs(str(tmp_path / "a"), str(shared)) == [tmp_path / "a", shared]
+    held = guards.RunLock(shared).acquire()
+    try:
+        probe = subprocess.run(
+            [sys.executable, "-c", "import sys; from model_utils import guards; "
+             "print(guards.lock_holder(sys.argv[1]))", str(shared)],
+            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+            check=True,
+        ).stdout  # fmt: skip
+        assert probe.startswith(f"pid {os.getpid()} on host ")
+        with pytest.raises(guards.RunLocked, match="shared_ckpt is in use by another run"):
+            guards.check_not_locked(guards.lock_dirs(str(tmp_path / "b"), str(shared)))
+    finally:
+        held.release()
+    assert guards.lock_holder(shared) is None
+    assert guards.lock_holder(tmp_path / "never_used") is None
+    assert not (tmp_path / "never_used").exists()
+
+
+def test_a_run_that_took_the_directory_after_the_check_still_stops_this_one(
+    tmp_path: Path,
+) -> None:
+    """validate() only looks; rank 0 takes the lock after the process group starts, so a run
+    that started in between is still refused there (world of one, in this process)."""
+    import train
+    from model_utils import distributed
+
+    args = parse_args([*FAST, "--output_dir", str(tmp_path / "run")])
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        world, cpu = distributed.world_from_env({}), torch.device("cpu")
+        locks = train.hold_run_dirs(args, world, cpu)
+        assert guards.lock_holder(tmp_path / "run").startswith(f"pid {os.getpid()} ")
+        with pytest.raises(guards.RunLocked, match="in use by another run"):
+            train.hold_run_dirs(args, world, cpu)
+        for lock in locks:
+            lock.release()
+        assert guards.lock_holder(tmp_path / "run") is None
+    finally:
+        if created:
+            dist.destroy_process_group()
