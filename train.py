@@ -31,6 +31,7 @@ from model_utils import (
     modeling,
     optim,
     precision,
+    tensorboard_log,
 )
 
 log = logging.getLogger("train")
@@ -104,19 +105,33 @@ class RunLog:
     steps, so the device is never waited for in between.
     """
 
-    def __init__(self, args, config, world, device, samples_per_step: int, meter=None) -> None:
+    def __init__(
+        self, args, config, world, device, samples_per_step: int, meter=None, start_step: int = 0
+    ) -> None:
         self.args, self.device, self.samples = args, device, samples_per_step
         self.is_main = world.is_main
+        self.warmup = min(SPEED_WARMUP_STEPS, args.max_steps // 2)
         if meter is None:
             peak, peak_label = metrics.peak_bf16_tflops(device)
             meter = metrics.StepMeter(
                 metrics.model_flops_per_token(config, args.max_context_width),
                 world.world_size, peak, peak_label, metrics.peak_memory_label(device),
-                sync=metrics.device_sync(device),
+                sync=metrics.device_sync(device), max_steps=args.max_steps,
+                warmup_steps=self.warmup,
             )  # fmt: skip
         self.meter = meter
         self.jsonl_path = f"{args.output_dir}/metrics.jsonl"
         self.writer = metrics.JsonlWriter(self.jsonl_path, enabled=self.is_main)
+        self.board = tensorboard_log.TensorBoardLog(
+            f"{args.output_dir}/tensorboard", enabled=self.is_main and args.tensorboard,
+            resumed_from=start_step,
+        )  # fmt: skip
+        run = metrics.run_record(
+            vars(args), world_size=world.world_size, samples_per_step=samples_per_step
+        )
+        log.info(metrics.run_line(run))  # flags and batch, for scripts/compare_runs.py
+        self.writer.write(run)
+        self.board.flags(run)
 
     def is_report_step(self, step: int) -> bool:
         return step % self.args.logging_freq == 0 or step == self.args.max_steps
@@ -138,6 +153,7 @@ class RunLog:
         log.info(metrics.seed_line(step, loss_value, record["samples_per_sec"], lr))
         log.info(metrics.detail_line(record))
         self.writer.write(record)
+        self.board.write(record)
 
     def validation(self, step: int, model, batches, backend) -> None:
         with self.meter.paused():
@@ -145,17 +161,17 @@ class RunLog:
             val_loss = evaluate(model, batches, backend, self.device)
             seconds = time.perf_counter() - start
         log.info("Validation at step %d: loss %.5f over %d batches", step, val_loss, len(batches))
-        self.writer.write(
-            metrics.validation_record(
-                step=step, val_loss=val_loss, batches=len(batches), seconds=seconds
-            )
+        record = metrics.validation_record(
+            step=step, val_loss=val_loss, batches=len(batches), seconds=seconds
         )
+        self.writer.write(record)
+        self.board.write(record)
 
     def finish(self) -> None:
         self.writer.close()
+        self.board.close()
         if self.is_main:
-            warmup = min(SPEED_WARMUP_STEPS, self.args.max_steps // 2)
-            summary = metrics.summarize(metrics.read_jsonl(self.jsonl_path), warmup)
+            summary = metrics.summarize(metrics.read_jsonl(self.jsonl_path), self.warmup)
             log.info("\n" + metrics.format_summary(summary))
 
 
@@ -212,7 +228,7 @@ def train(
         log.info("Resumed from %s at step %d", resume_path, state.step)
 
     samples_per_step = args.train_batch_size * args.grad_accum_steps * world.world_size
-    run_log = RunLog(args, model.config, world, device, samples_per_step)
+    run_log = RunLog(args, model.config, world, device, samples_per_step, start_step=state.step)
     log.info(
         "model: %s, %.1fM parameters, impl=%s; %s", args.preset,
         modeling.count_parameters(model) / 1e6, args.model_impl, backend.describe(),

@@ -179,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     flag("validation_freq", type=int, default=0, help="steps between validations; 0 = end only")
     flag("validation_batches", type=int, default=4, help="held-out batches per validation")
     flag("output_dir", default=None, help="run directory (default runs/<preset>-<precision>)")
+    switch("tensorboard", False, "TensorBoard scalars in <output_dir>/tensorboard (rank 0)")
 
     flag("sharding_strategy", default="full", choices=("full", "hybrid"),
          help="full: FSDP2 over all ranks; hybrid: shard in a node, replicate across")  # fmt: skip

@@ -24,7 +24,7 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -241,6 +241,10 @@ class StepMeter:
 
     ``add_step`` only counts (no clock, no sync), so steps between log lines never wait for the
     device. ``sync`` and ``clock`` are injectable so tests can simulate an asynchronous device.
+
+    Each report also carries the time since :meth:`start` and, given ``max_steps``, an estimate
+    of the time left (:func:`remaining_seconds`): the median time per step of the windows that
+    end after this process's first ``warmup_steps`` steps (a resumed run warms up again).
     """
 
     flops_per_token: float
@@ -250,6 +254,11 @@ class StepMeter:
     memory_label: str = ""
     sync: Callable[[], None] = field(default=lambda: None, repr=False)
     clock: Callable[[], float] = field(default=time.perf_counter, repr=False)
+    max_steps: int | None = None
+    warmup_steps: int = 0
+    _started: float | None = field(default=None, init=False)
+    _counted: int = field(default=0, init=False)
+    _step_times: list[float] = field(default_factory=list, init=False, repr=False)
     _window_start: float | None = field(default=None, init=False)
     _paused: float = field(default=0.0, init=False)
     _data_wait: float = field(default=0.0, init=False)
@@ -260,7 +269,7 @@ class StepMeter:
     def start(self) -> None:
         """Open the first window (call once, right before the first step)."""
         self.sync()
-        self._window_start = self.clock()
+        self._window_start = self._started = self.clock()
 
     def add_step(self, *, data_wait_seconds: float, samples: int, tokens: int) -> None:
         if self._window_start is None:
@@ -309,9 +318,62 @@ class StepMeter:
         metrics["time"] = time.time()
         metrics["mfu_basis"] = self.peak_label
         metrics["memory_kind"] = self.memory_label
+        self._counted += self._steps
+        if self._counted > self.warmup_steps:
+            self._step_times.append(seconds / self._steps)
+        metrics["elapsed_seconds"] = now - self._started  # validation and saves included
+        metrics["remaining_seconds"] = (
+            None
+            if self.max_steps is None
+            else remaining_seconds(self._step_times, self.max_steps - step)
+        )
         self._window_start, self._paused, self._data_wait = now, 0.0, 0.0
         self._samples = self._tokens = self._steps = 0
         return metrics
+
+
+def remaining_seconds(step_times: Sequence[float], steps_left: int) -> float | None:
+    """Median seconds per step x steps left; None while no window after warm-up exists.
+
+    The median, not the mean, so one slow window (a checkpoint flush, a straggler) does not swing
+    the estimate of a multi-day job. Validation and checkpoint time are not in ``step_times``
+    (the meter pauses for them), so the estimate is of training time alone.
+    """
+    if not step_times:
+        return None
+    return statistics.median(step_times) * max(steps_left, 0)
+
+
+def format_duration(seconds: float) -> str:
+    """Two units, largest first (``2d03h``, ``1h02m``, ``4m05s``, ``12s``): what a person
+    tailing a log wants, not a timestamp to decode."""
+    whole = max(int(round(seconds)), 0)
+    days, rest = divmod(whole, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{secs:02d}s"
+    return f"{secs}s"
+
+
+def run_record(
+    flags: Mapping[str, Any], *, world_size: int, samples_per_step: int
+) -> dict[str, Any]:
+    """The first JSONL record of a run (and its ``run: {...}`` log line): the resolved flags
+    and the global batch, so a comparison can label runs and refuse unlike shapes or batches
+    from either the run directory or the Slurm log alone."""
+    plain = (str, int, float, bool, type(None), list, tuple, dict)
+    return {
+        "kind": "run",
+        "time": time.time(),
+        "world_size": world_size,
+        "samples_per_step": samples_per_step,
+        "flags": {k: v if isinstance(v, plain) else str(v) for k, v in sorted(flags.items())},
+    }
 
 
 def validation_record(
@@ -336,6 +398,12 @@ def seed_line(step: int, loss: float, samples_per_sec: float, lr: float) -> str:
     return f"Batch {step} Loss: {loss:.5f}, Speed: {samples_per_sec:.2f} samples/sec, lr: {lr:.6f}"
 
 
+def run_line(run: Mapping[str, Any]) -> str:
+    """``run: {json}``: the run record on one log line, so a Slurm log alone tells a comparison
+    the run's flags and global batch (scripts/compare_runs.py reads it back)."""
+    return "run: " + json.dumps(_json_safe(run), allow_nan=False)
+
+
 def _mfu_text(metrics: Mapping[str, Any]) -> str:
     mfu = metrics.get("mfu")
     basis = metrics.get("mfu_basis") or "vs bf16 peak"
@@ -353,7 +421,21 @@ def detail_line(metrics: Mapping[str, Any]) -> str:
         f"{_mfu_text(metrics)}, "
         f"peak mem: {metrics['peak_mem_gib']:.2f} GiB ({memory_kind}), "
         f"data wait: {metrics['data_wait_pct']:.1f}%"
+        f"{_eta_text(metrics)}"
     )
+
+
+def _eta_text(metrics: Mapping[str, Any]) -> str:
+    """``, elapsed: 1h02m, remaining: ~2d03h`` (appended last, so parsers of the fields before
+    it keep working); nothing for records without timing (e.g. from older runs)."""
+    if metrics.get("elapsed_seconds") is None:
+        return ""
+    text = f", elapsed: {format_duration(metrics['elapsed_seconds'])}"
+    if "remaining_seconds" not in metrics:
+        return text
+    remaining = metrics["remaining_seconds"]
+    left = "n/a (warm-up)" if remaining is None else f"~{format_duration(remaining)}"
+    return f"{text}, remaining: {left}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -487,13 +569,30 @@ def format_comparison(
     names: tuple[str, str] = ("bf16", "fp8"),
 ) -> str:
     """Side-by-side table of two summaries with the candidate/baseline ratio of each metric."""
-    base_name, cand_name = names
-    ratio_name = f"{cand_name}/{base_name}"
+    return format_table([baseline, candidate], names)
+
+
+def format_table(summaries: Sequence[Mapping[str, Any]], names: Sequence[str]) -> str:
+    """Summaries side by side, each after the first followed by its ratio to the first
+    (``name/first``): the question is always "what did this change buy over the baseline"."""
+    if len(summaries) != len(names) or not summaries:
+        raise ValueError(f"{len(summaries)} summaries for {len(names)} names")
     width = max(len(label) for _, label, _ in _SUMMARY_ROWS)
-    cols = (base_name, cand_name, ratio_name)
-    lines = [f"  {'':<{width}}  {cols[0]:>12}  {cols[1]:>12}  {cols[2]:>10}"]
+    base, first = summaries[0], names[0]
+    cols: list[tuple[str, int]] = []  # (header, width)
+    for i, name in enumerate(names):
+        cols.append((name, max(12, len(name))))
+        if i:
+            ratio = f"{name}/{first}"
+            cols.append((ratio, max(10, len(ratio))))
+    lines = ["  " + f"{'':<{width}}" + "".join(f"  {h:>{w}}" for h, w in cols)]
     for key, label, fmt in _SUMMARY_ROWS:
-        a, b = baseline.get(key), candidate.get(key)
-        ratio = "n/a" if a is None or b is None or a == 0 else f"{b / a:.3f}"
-        lines.append(f"  {label:<{width}}  {_fmt(a, fmt):>12}  {_fmt(b, fmt):>12}  {ratio:>10}")
+        cells = []
+        for i, summary in enumerate(summaries):
+            cells.append(_fmt(summary.get(key), fmt))
+            if i:
+                a, b = base.get(key), summary.get(key)
+                cells.append("n/a" if a is None or b is None or a == 0 else f"{b / a:.3f}")
+        row = "".join(f"  {c:>{w}}" for c, (_, w) in zip(cells, cols, strict=True))
+        lines.append(f"  {label:<{width}}{row}")
     return "\n".join(lines)

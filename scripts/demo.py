@@ -1,7 +1,7 @@
 """`make demo`: train the tiny preset on the bundled corpus in BF16, then in FP8, and compare.
 
-Each run is the real train.py in its own process, exactly as a user would start it; the table at
-the end is read back from the two runs' metrics.jsonl files.
+Each run is the real train.py in its own process, exactly as a user would start it; the table and
+the picture at the end are scripts/compare_runs.py's, read back from the two runs' directories.
 """
 
 from __future__ import annotations
@@ -13,18 +13,21 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
-from model_utils import metrics  # noqa: E402
+import compare_runs  # noqa: E402
 
 NOTE = """\
 FP8 on this machine is emulated: torchao casts to float8 and back around bf16 matmuls, so the
 losses show FP8's numerics but the speed is lower than bf16 (extra casts, no FP8 tensor cores).
 On H100s the same --fp8=1 flag runs real FP8 GEMMs; see README for published GPU figures and
 benchmarks/bench_gpu_matrix.py to produce your own."""
+TITLE = (
+    "CPU demo (make demo): tiny Llama, 2 cores; FP8 emulated by torchao: its losses, not its speed"
+)
 
 
-def run(precision: str, steps: int, out: Path, extra: list[str]) -> dict:
+def run(precision: str, steps: int, out: Path, extra: list[str]) -> Path:
     run_dir = out / precision
     shutil.rmtree(run_dir, ignore_errors=True)  # a demo always starts fresh
     cmd = [
@@ -34,7 +37,7 @@ def run(precision: str, steps: int, out: Path, extra: list[str]) -> dict:
     ]  # fmt: skip
     print(f"\n$ {' '.join(cmd[1:])}", flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)
-    return metrics.summarize(metrics.read_jsonl(run_dir / "metrics.jsonl"), warmup_steps=10)
+    return run_dir
 
 
 def main() -> None:
@@ -45,8 +48,18 @@ def main() -> None:
     bf16 = run("bf16", known.steps, known.out, extra)
     fp8 = run("fp8", known.steps, known.out, extra)
     print("\n=== tiny Llama, bundled corpus: --fp8=0 vs --fp8=1 ===")
-    print(metrics.format_comparison(bf16, fp8, names=("bf16", "fp8")))
+    png = known.out / "compare.png"
+    argv = [
+        str(bf16),
+        str(fp8),
+        f"--output={png}",
+        "--labels=bf16,fp8 (emulated)",
+        f"--title={TITLE}",
+    ]
+    if compare_runs.main(argv):
+        sys.exit(2)
     print("\n" + NOTE)
+    print(f"\nPicture of the two runs: {png}")
 
 
 if __name__ == "__main__":

@@ -18,13 +18,18 @@ from model_utils.metrics import (
     detail_line,
     flops_per_token,
     format_comparison,
+    format_duration,
     format_summary,
+    format_table,
     matmul_params,
     peak_bf16_tflops,
     peak_bf16_tflops_for_name,
     peak_memory_bytes,
     peak_memory_label,
     read_jsonl,
+    remaining_seconds,
+    run_line,
+    run_record,
     seed_line,
     step_metrics,
     summarize,
@@ -444,3 +449,80 @@ def test_format_comparison_ratios() -> None:
     val = next(line for line in lines if "validation" in line)
     assert val.split()[-1] == "n/a"
     assert not math.isnan(bf16["samples_per_sec"])
+
+
+# ---------------------------------------------------------------------------------- ETA
+
+
+def test_eta_is_the_median_step_time_after_warmup_times_the_steps_left() -> None:
+    """Elapsed is the wall clock since start (validation included); remaining is the median
+    seconds per step of windows ending after warm-up, times max_steps - step."""
+    clock = Clock()
+    meter = StepMeter(1e6, 1, None, clock=clock, max_steps=100, warmup_steps=2)
+    meter.start()
+
+    def window(step: int, seconds_per_step: float, steps: int = 2) -> dict:
+        for _ in range(steps):
+            clock.now += seconds_per_step
+            meter.add_step(data_wait_seconds=0.0, samples=1, tokens=1)
+        return meter.report(step=step, loss=1.0, lr=1e-4, peak_memory_bytes=0)
+
+    warm = window(2, 30.0)  # compilation: must not count
+    assert warm["remaining_seconds"] is None and warm["elapsed_seconds"] == 60.0
+    assert detail_line(warm).endswith(", elapsed: 1m00s, remaining: n/a (warm-up)")
+    assert window(4, 1.0)["remaining_seconds"] == 1.0 * 96
+    with meter.paused():  # a validation pass: in elapsed, not in the step times
+        clock.now += 600.0
+    assert window(6, 3.0)["remaining_seconds"] == pytest.approx(2.0 * 94)  # median(1, 3)
+    late = window(8, 2.0)  # median(1, 3, 2) = 2
+    assert late["remaining_seconds"] == 2.0 * 92
+    assert late["elapsed_seconds"] == 60 + 2 + 600 + 6 + 4
+    assert detail_line(late).endswith(", elapsed: 11m12s, remaining: ~3m04s")
+    # A run that resumed at step 90 warms up again (steps counted by this meter, not the step).
+    resumed = StepMeter(1e6, 1, None, clock=clock, max_steps=100, warmup_steps=2)
+    resumed.start()
+    clock.now += 5.0
+    resumed.add_step(data_wait_seconds=0.0, samples=1, tokens=1)
+    assert resumed.report(step=91, loss=1, lr=1, peak_memory_bytes=0)["remaining_seconds"] is None
+
+
+def test_remaining_and_durations() -> None:
+    assert remaining_seconds([], 10) is None
+    assert remaining_seconds([1.0, 100.0, 2.0], 10) == 20.0  # a slow outlier does not swing it
+    assert remaining_seconds([1.0], -3) == 0.0  # past max_steps (never negative)
+    cases = {0: "0s", 12.4: "12s", 245: "4m05s", 3720: "1h02m", 183600: "2d03h", 59.6: "1m00s"}
+    assert {s: format_duration(s) for s in cases} == cases
+    # Records without timing (older runs, hand-made records) keep the old detail line.
+    plain = step_metrics(step=1, loss=1, lr=1, step_seconds=1.0, data_wait_seconds=0.0,
+                         samples=1, tokens=1, world_size=1, peak_memory_bytes=0,
+                         flops_per_token=1.0, peak_tflops=None)  # fmt: skip
+    assert detail_line(plain).endswith("data wait: 0.0%")
+
+
+def test_run_record_and_line_round_trip() -> None:
+    from pathlib import Path
+
+    flags = {"fp8": True, "output_dir": Path("runs/x"), "lr": 1e-3, "rope_scaling": None}
+    run = run_record(flags, world_size=16, samples_per_step=128)
+    assert run["kind"] == "run" and (run["world_size"], run["samples_per_step"]) == (16, 128)
+    assert run["flags"] == {"fp8": True, "output_dir": "runs/x", "lr": 1e-3, "rope_scaling": None}
+    line = run_line(run)
+    assert line.startswith("run: {") and "\n" not in line
+    assert json.loads(line.removeprefix("run: ")) == run
+
+
+def test_format_table_three_runs_ratios_to_the_first() -> None:
+    runs = [
+        summarize([_train(20, 10.0, 6.0)], warmup_steps=10),
+        summarize([_train(20, 15.0, 6.1)], warmup_steps=10),
+        summarize([_train(20, 5.0, 6.2)], warmup_steps=10),
+    ]
+    table = format_table(runs, ["bf16 hf", "fp8 tensorwise hf", "fp8 te"])
+    head, *rows = table.splitlines()
+    columns = ["bf16 hf", "fp8 tensorwise hf", "fp8 tensorwise hf/bf16 hf", "fp8 te/bf16 hf"]
+    assert [head.index(c) for c in columns] == sorted(head.index(c) for c in columns)
+    speed = next(r for r in rows if r.lstrip().startswith("samples/s")).split()
+    assert speed[-5:] == ["10.00", "15.00", "1.500", "5.00", "0.500"]
+    assert format_comparison(runs[0], runs[1], ("a", "b")) == format_table(runs[:2], ["a", "b"])
+    with pytest.raises(ValueError):
+        format_table(runs, ["one"])

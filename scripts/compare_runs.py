@@ -1,0 +1,417 @@
+"""Compare training runs: a table of medians with each run's ratio to the first, and one PNG.
+
+    python scripts/compare_runs.py slurm-101.out slurm-102.out                # two Slurm logs
+    python scripts/compare_runs.py runs/tiny-bf16 runs/tiny-fp8 --output fp8.png
+    python scripts/compare_runs.py a.out b.out c.out --labels bf16,fp8-te,fp8-ao --log_steps
+
+A run is a run directory (its metrics.jsonl), a metrics.jsonl file, or any log with the seed line
+``Batch N Loss: L, Speed: S samples/sec, lr: R``: this recipe's slurm-<job>.out, the upstream
+recipe's, or that of a job still running (a last line still being written is skipped). Steps
+logged twice (a requeued job re-running the steps after its last checkpoint) count once, the
+later one. This recipe's logs and run directories also carry the run's flags (the ``run: {...}``
+line/record): they label the runs and let the tool refuse runs of different model shapes or
+batch sizes; upstream logs have no flags, so those runs are labelled by file name, unchecked.
+
+The picture: loss vs step (train lines, validation points), throughput vs step, and a bar of
+each run's median throughput after warm-up with its ratio to the first run written on it.
+Throughput is tokens/s per device where every run logs it, else samples/s (upstream logs).
+Bad input (no parsable line, unlike runs, an unwritable --output) is one line on stderr, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model_utils import metrics  # noqa: E402
+
+# train.py's SPEED_WARMUP_STEPS (tests/test_compare_runs.py keeps the two equal); like the run's
+# own summary, a run shorter than 2x this uses half its steps.
+WARMUP_STEPS = 10
+FIGSIZE, DPI = (15.0, 4.5), 100  # 1500 x 450 pixels
+
+_NUM = r"([-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|nan|inf))"
+_GROUPED = r"(\d{1,3}(?:,\d{3})*(?:\.\d+)?)"  # 1,234,567 (the detail line's tokens/s)
+SEED = re.compile(rf"Batch (\d+) Loss: {_NUM}, Speed: {_NUM} samples/sec, lr: {_NUM}")
+VALIDATION = re.compile(rf"Validation at step (\d+): loss {_NUM}")
+RUN = re.compile(r"\brun: (\{.*\})\s*$")
+# The second line of this recipe (metrics.detail_line): JSONL key -> its field.
+DETAIL = {
+    "tokens_per_sec_per_device": re.compile(rf"tokens/s/device: {_GROUPED}"),
+    "tflops_per_device": re.compile(rf"TFLOP/s/device: {_NUM}"),
+    "mfu": re.compile(rf"MFU: {_NUM}%"),
+    "peak_mem_gib": re.compile(rf"peak mem: {_NUM} GiB"),
+    "data_wait_pct": re.compile(rf"data wait: {_NUM}%"),
+}
+# What must match for two runs to be compared like for like (flags of the run record).
+SHAPE_FLAGS = ("hidden_width", "num_layers", "num_heads", "num_key_value_heads",
+               "intermediate_size", "vocab_size", "max_context_width")  # fmt: skip
+BATCH_FLAGS = ("train_batch_size",)
+
+
+class CompareError(ValueError):
+    """Input the tool refuses: printed as one line, exit code 2."""
+
+
+@dataclass
+class Run:
+    source: Path
+    records: list[dict[str, Any]]  # train and val records, metrics.jsonl schema, one per step
+    info: dict[str, Any] | None  # the run record (flags, world_size, samples_per_step), if any
+
+    @property
+    def fallback_label(self) -> str:
+        """Directory name for run directories and their metrics.jsonl, file stem for logs."""
+        if self.source.is_dir():
+            return self.source.resolve().name
+        if self.source.suffix == ".jsonl":
+            return self.source.resolve().parent.name
+        return self.source.stem
+
+
+# ------------------------------------------------------------------------------------ parsing
+
+
+def complete_lines(text: str) -> list[str]:
+    """The lines of ``text`` that are finished: a file still being written (a running job's log)
+    may end in half a line, e.g. ``lr: 0.0001`` of ``lr: 0.000100``, which would parse wrongly."""
+    lines = text.split("\n")
+    return lines[:-1]  # after the last "\n": "" for a finished file, else the partial line
+
+
+def _number(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def parse_log(text: str) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Records from a training log: seed lines (+ this recipe's detail line), validation lines,
+    and the last ``run: {...}`` line. Anything else (timestamps, srun's ``0:`` prefix, other
+    ranks' warnings) is ignored."""
+    records: list[dict[str, Any]] = []
+    info, last_train = None, None
+    for line in complete_lines(text):
+        if m := SEED.search(line):
+            last_train = {
+                "kind": "train", "step": int(m.group(1)), "loss": _number(m.group(2)),
+                "samples_per_sec": _number(m.group(3)), "lr": _number(m.group(4)),
+            }  # fmt: skip
+            records.append(last_train)
+        elif "tokens/s/device:" in line and last_train is not None:
+            for key, pattern in DETAIL.items():
+                if (m := pattern.search(line)) and key not in last_train:
+                    last_train[key] = _number(m.group(1))
+            last_train = None  # one detail line per seed line
+        elif m := VALIDATION.search(line):
+            records.append(
+                {"kind": "val", "step": int(m.group(1)), "val_loss": _number(m.group(2))}
+            )
+        elif m := RUN.search(line):
+            try:
+                info = json.loads(m.group(1))
+            except json.JSONDecodeError:
+                pass  # not our run line
+    return records, info
+
+
+def parse_jsonl(text: str, name: str) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Records of a metrics.jsonl; a bad line is refused unless it is the unfinished last one."""
+    records, info = [], None
+    for number, line in enumerate(complete_lines(text), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise CompareError(f"{name}: line {number} is not JSON ({exc.msg})") from exc
+        if record.get("kind") == "run":
+            info = record
+        elif record.get("kind") in ("train", "val"):
+            records.append(record)
+    return records, info
+
+
+def one_per_step(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Train then val records, one per step (the last one logged), in step order: a requeued
+    job logs again the steps it re-runs after its checkpoint, and they must count once."""
+    latest: dict[tuple[str, int], dict[str, Any]] = {}
+    for record in records:
+        latest[(record["kind"], record["step"])] = dict(record)
+    return [latest[key] for key in sorted(latest, key=lambda k: (k[0] != "train", k[1]))]
+
+
+def load_run(path: str | os.PathLike[str]) -> Run:
+    """A run from a run directory, a .jsonl file or a log; refuses one with no train record."""
+    source = Path(path)
+    file = source / "metrics.jsonl" if source.is_dir() else source
+    if not file.is_file():
+        what = "a directory without metrics.jsonl" if source.is_dir() else "no such file"
+        raise CompareError(f"{source}: {what}")
+    text = file.read_text(encoding="utf-8", errors="replace")
+    if file.suffix == ".jsonl":
+        records, info = parse_jsonl(text, str(file))
+    else:
+        records, info = parse_log(text)
+    records = one_per_step(records)
+    if not any(r["kind"] == "train" for r in records):
+        raise CompareError(
+            f"{file}: no parsable line (expected metrics.jsonl records or "
+            "'Batch N Loss: L, Speed: S samples/sec, lr: R' lines)"
+        )
+    return Run(source, records, info)
+
+
+# ------------------------------------------------------------------------- labels and checks
+
+
+def label_from_flags(info: Mapping[str, Any] | None) -> str | None:
+    """``fp8 tensorwise hf``, ``bf16 te``: precision, FP8 recipe (FP8 runs), implementation."""
+    if not info or "flags" not in info:
+        return None
+    flags = info["flags"]
+    precision = "fp8" if flags.get("fp8") else ("bf16" if flags.get("bf16", True) else "fp32")
+    parts = [precision]
+    if flags.get("fp8") and flags.get("fp8_recipe"):
+        parts.append(str(flags["fp8_recipe"]))
+    if flags.get("model_impl"):
+        parts.append(str(flags["model_impl"]))
+    return " ".join(parts)
+
+
+def default_labels(runs: Sequence[Run]) -> list[str]:
+    """Labels from flags (file names where there are none), made unique by the file name."""
+    first = [label_from_flags(r.info) or r.fallback_label for r in runs]
+    labels = [
+        f"{label} ({run.fallback_label})"
+        if first.count(label) > 1 and label != run.fallback_label
+        else label
+        for label, run in zip(first, runs, strict=True)
+    ]
+    for i in range(len(labels)):
+        if labels[:i].count(labels[i]):
+            labels[i] = f"{labels[i]} #{i + 1}"
+    return labels
+
+
+def _like_for_like(info: Mapping[str, Any]) -> dict[str, Any]:
+    flags = info.get("flags", {})
+    keys = {k: flags.get(k) for k in (*SHAPE_FLAGS, *BATCH_FLAGS)}
+    return {**keys, "global batch": info.get("samples_per_step")}
+
+
+def mismatches(runs: Sequence[Run], labels: Sequence[str]) -> list[str]:
+    """What differs from the first run with flags, in model shape or batch size: a 2x speed-up
+    from halving the model or doubling the batch is not FP8's."""
+    known = [(r, lab) for r, lab in zip(runs, labels, strict=True) if r.info]
+    if len(known) < 2:
+        return []
+    (first, first_label), problems = known[0], []
+    reference = _like_for_like(first.info)
+    for run, label in known[1:]:
+        for key, value in _like_for_like(run.info).items():
+            if value != reference[key]:
+                problems.append(f"{label}: {key} {value} vs {reference[key]} ({first_label})")
+    return problems
+
+
+def default_warmup(runs: Sequence[Run]) -> int:
+    """train.py's rule, min(WARMUP_STEPS, max_steps // 2), over the shortest run, so the table
+    shows the medians of each run's own end-of-run summary."""
+    steps = []
+    for run in runs:
+        flags = (run.info or {}).get("flags", {})
+        last = max(r["step"] for r in run.records if r["kind"] == "train")
+        steps.append(int(flags.get("max_steps") or last))
+    return min(WARMUP_STEPS, min(steps) // 2)
+
+
+# ------------------------------------------------------------------------------ the table
+
+
+def throughput_key(runs: Sequence[Run]) -> str:
+    """tokens/s per device where every run logs it (this recipe), else samples/s (upstream)."""
+    key = "tokens_per_sec_per_device"
+    has = all(any(key in r for r in run.records if r["kind"] == "train") for run in runs)
+    return key if has else "samples_per_sec"
+
+
+def format_report(
+    runs: Sequence[Run],
+    labels: Sequence[str],
+    summaries: Sequence[Mapping[str, Any]],
+    warmup: int,
+    problems: Sequence[str] = (),
+) -> str:
+    """Where each column comes from, the metrics.format_table table, and what was not checked.
+    Runs that differ (allowed with --allow_mismatch) are starred, with the differences listed
+    above the table so nobody reads its ratios without them."""
+    lines = [f"Medians after step {warmup}; ratios are to {labels[0]}."]
+    for label, run, summary in zip(labels, runs, summaries, strict=True):
+        star = " *" if any(p.startswith(f"{label}: ") for p in problems) else ""
+        lines.append(
+            f"  {label}{star}: {run.source} ({summary['measured_records']} logged steps "
+            f"measured, last step {summary['last_step']})"
+        )
+    if problems:
+        lines.append("* NOT LIKE FOR LIKE (--allow_mismatch): " + "; ".join(problems))
+    lines.append(metrics.format_table(summaries, labels))
+    unchecked = [label for label, run in zip(labels, runs, strict=True) if not run.info]
+    if unchecked:
+        lines.append(
+            "Model shape and batch not checked for "
+            + ", ".join(unchecked)
+            + " (no 'run:' line: a log of the upstream recipe or of an older run)"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- the picture
+
+
+def _series(run: Run, kind: str, key: str) -> tuple[list[int], list[float]]:
+    rows = [r for r in run.records if r["kind"] == kind and key in r]
+    return [r["step"] for r in rows], [math.nan if r[key] is None else r[key] for r in rows]
+
+
+def make_figure(
+    runs: Sequence[Run],
+    labels: Sequence[str],
+    summaries: Sequence[Mapping[str, Any]],
+    *,
+    log_steps: bool = False,
+    title: str | None = None,
+):
+    """Loss vs step, throughput vs step, median throughput bars with ratios to the first run.
+
+    A ``matplotlib.figure.Figure`` without pyplot (no global state, no display needed); tests
+    read the plotted data back from it."""
+    from matplotlib.figure import Figure
+
+    key = throughput_key(runs)
+    unit = "tokens/s per device" if key == "tokens_per_sec_per_device" else "samples/s"
+    fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
+    loss_ax, speed_ax, bar_ax = fig.subplots(1, 3)
+    for i, (run, label) in enumerate(zip(runs, labels, strict=True)):
+        color = f"C{i}"
+        loss_ax.plot(*_series(run, "train", "loss"), color=color, label=f"{label} train")
+        steps, val = _series(run, "val", "val_loss")
+        if steps:
+            loss_ax.plot(steps, val, "o--", color=color, label=f"{label} validation")
+        speed_ax.plot(*_series(run, "train", key), color=color, label=label)
+    for ax, ylabel in ((loss_ax, "loss"), (speed_ax, unit)):
+        ax.set_xlabel("step" + (" (log scale)" if log_steps else ""))
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+        if log_steps:
+            ax.set_xscale("log")
+    loss_ax.set_title("loss")
+    speed_ax.set_title(f"{unit} (each logged window)")
+
+    medians = [s.get(key) for s in summaries]
+    heights = [m if m is not None else 0.0 for m in medians]
+    bars = bar_ax.bar(range(len(runs)), heights, color=[f"C{i}" for i in range(len(runs))])
+    bar_ax.set_xticks(range(len(runs)), labels, fontsize="small")
+    bar_ax.set_ylabel(f"median {unit}")
+    bar_ax.set_title(f"median {unit} after warm-up\nratio to {labels[0]}")
+    for bar, median in zip(bars, medians, strict=True):
+        base = medians[0]
+        text = "n/a" if median is None or not base else f"{median / base:.2f}x"
+        bar_ax.annotate(
+            text, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center", va="bottom", fontsize="large", fontweight="bold",
+        )  # fmt: skip
+    bar_ax.margins(y=0.15)
+    fig.suptitle(title or " vs ".join(labels))
+    return fig
+
+
+# ---------------------------------------------------------------------------------- output
+
+
+def check_output(path: Path) -> None:
+    """Refuse an output the PNG cannot be written to before any work is done."""
+    if path.suffix.lower() != ".png":
+        raise CompareError(f"--output {path}: must end in .png")
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise CompareError(f"--output {path}: is a directory")
+    if not parent.is_dir():
+        raise CompareError(f"--output {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise CompareError(f"--output {path}: not writable")
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise CompareError(message)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = _OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", help="run directories, metrics.jsonl files or logs")
+    p.add_argument("--output", type=Path, default=Path("compare_runs.png"), help="PNG to write")
+    p.add_argument("--labels", help="comma-separated, one per run (default: from the flags)")
+    p.add_argument("--log_steps", action="store_true", help="log-scaled step axes")
+    p.add_argument("--warmup_steps", type=int, help="steps left out of the medians "
+                   f"(default: train.py's, min({WARMUP_STEPS}, max_steps // 2))")  # fmt: skip
+    p.add_argument("--allow_mismatch", action="store_true",
+                   help="compare unlike model shapes or batch sizes (marked)")  # fmt: skip
+    p.add_argument("--title", help="figure title (default: the labels)")
+    args = p.parse_args(argv)
+    if len(args.runs) < 2:
+        raise CompareError("give two or more runs to compare")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        raise CompareError(f"--warmup_steps must be >= 0, got {args.warmup_steps}")
+    return args
+
+
+def compare(args: argparse.Namespace) -> str:
+    """Load, check, tabulate, plot; returns the report text. Raises CompareError."""
+    check_output(args.output)
+    runs = [load_run(path) for path in args.runs]
+    labels = default_labels(runs)
+    if args.labels is not None:
+        labels = [s.strip() for s in args.labels.split(",")]
+        if len(labels) != len(runs) or not all(labels) or len(set(labels)) != len(labels):
+            raise CompareError(
+                f"--labels needs {len(runs)} distinct non-empty names, got {args.labels!r}"
+            )
+    problems = mismatches(runs, labels)
+    if problems and not args.allow_mismatch:
+        raise CompareError(
+            "runs are not like for like: " + "; ".join(problems) + " (--allow_mismatch to go on)"
+        )
+    warmup = default_warmup(runs) if args.warmup_steps is None else args.warmup_steps
+    summaries = [metrics.summarize(run.records, warmup) for run in runs]
+    figure = make_figure(runs, labels, summaries, log_steps=args.log_steps, title=args.title)
+    try:
+        figure.savefig(args.output, format="png", dpi=DPI)
+    except OSError as exc:
+        raise CompareError(f"--output {args.output}: {exc.strerror or exc}") from exc
+    return format_report(runs, labels, summaries, warmup, problems)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+        report = compare(args)
+    except CompareError as exc:
+        print(f"compare_runs.py: error: {exc}", file=sys.stderr)
+        return 2
+    print(report)
+    print(f"Wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,345 @@
+"""scripts/compare_runs.py: both input kinds, the table against hand-computed medians, the PNG
+and its plotted data, the refusals; and a real train.py run read from its log and its directory."""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from model_utils import metrics
+from model_utils.arguments import parse_args
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import compare_runs as cr  # noqa: E402
+
+# (step, samples/s, loss) of two 50-step runs logged every 10 steps; step 10 is warm-up.
+BF16 = [(10, 1.0, 9.0), (20, 10.0, 7.0), (30, 14.0, 6.0), (40, 12.0, 5.5), (50, 11.0, 5.0)]
+FP8 = [(10, 2.0, 9.1), (20, 20.0, 7.1), (30, 18.0, 6.1), (40, 30.0, 5.6), (50, 19.0, 5.05)]
+VAL = {"bf16": [(25, 6.5), (50, 5.2)], "fp8": [(25, 6.6), (50, 5.25)]}
+
+
+def train_record(step: int, speed: float, loss: float) -> dict:
+    """A train record with every metric a simple function of the speed, so medians are known."""
+    return {
+        "kind": "train", "step": step, "loss": loss, "lr": 1e-4, "samples_per_sec": speed,
+        "tokens_per_sec_per_device": speed * 128, "tflops_per_device": speed / 10,
+        "mfu": speed / 2, "peak_mem_gib": 1.0 + step / 100, "data_wait_pct": step / 10,
+        "elapsed_seconds": float(step), "remaining_seconds": 50.0 - step,
+    }  # fmt: skip
+
+
+def info(**overrides) -> dict:
+    """The run record train.py writes for the tiny preset on 2 ranks."""
+    flags = vars(parse_args(["--preset", "tiny", "--max_steps", "50"]))
+    flags.update(model_impl="hf", fp8_recipe="tensorwise", **overrides)
+    return metrics.run_record(flags, world_size=2, samples_per_step=2 * flags["train_batch_size"])
+
+
+def write_run_dir(path: Path, rows, val, run: dict | None) -> Path:
+    with metrics.JsonlWriter(path / "metrics.jsonl") as writer:
+        if run is not None:
+            writer.write(run)
+        for step, speed, loss in rows:
+            writer.write(train_record(step, speed, loss))
+            for vstep, vloss in val:
+                if step - 10 < vstep <= step:
+                    writer.write(metrics.validation_record(step=vstep, val_loss=vloss,
+                                                           batches=4, seconds=0.1))  # fmt: skip
+    return path
+
+
+def log_lines(rows, val, run: dict | None) -> list[str]:
+    """What train.py prints (the real line functions), as srun -l and logging prefix it."""
+    prefix = "0: 2026-11-23 10:00:00 I [train.py:140] "
+    lines = [] if run is None else [prefix + metrics.run_line(run)]
+    for step, speed, loss in rows:
+        record = train_record(step, speed, loss)
+        lines.append(prefix + metrics.seed_line(step, loss, speed, record["lr"]))
+        lines.append(prefix + metrics.detail_line(record))
+        lines += [f"{prefix}Validation at step {s}: loss {v:.5f} over 4 batches"
+                  for s, v in val if step - 10 < s <= step]  # fmt: skip
+    return lines
+
+
+def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The one line of a refusal (exit 2, nothing on stdout)."""
+    assert cr.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured
+    assert captured.err.startswith("compare_runs.py: error: ")
+    return captured.err
+
+
+# -------------------------------------------------------------------------------- parsing
+
+
+def test_slurm_log_with_a_requeue_and_a_line_still_being_written(tmp_path: Path) -> None:
+    lines = log_lines(BF16[:3], VAL["bf16"][:1], info())
+    lines.insert(3, "1: 2026-11-23 10:00:01 W [data.py:9] a warning from rank 1")
+    # Requeued after a checkpoint at step 20: step 30 is trained and logged again.
+    lines.append("0: ... Preemption signal received: checkpoint saved at step 30")
+    lines += log_lines([(30, 13.0, 5.9)], [], info())
+    # The job is still running: its last line is half written (lr: 0.000100 -> 0.0001).
+    text = (
+        "\n".join(lines) + "\n0: ... Batch 40 Loss: 5.50000, Speed: 12.00 samples/sec, lr: 0.0001"
+    )
+    path = tmp_path / "slurm-101.out"
+    path.write_text(text)
+
+    run = cr.load_run(path)
+    train = [r for r in run.records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [10, 20, 30]  # no step 40, step 30 once
+    assert (train[2]["samples_per_sec"], train[2]["loss"]) == (13.0, 5.9)  # the rerun's
+    assert train[1] == pytest.approx(
+        {
+            "kind": "train",
+            "step": 20,
+            "loss": 7.0,
+            "samples_per_sec": 10.0,
+            "lr": 1e-4,
+            "tokens_per_sec_per_device": 1280.0,
+            "tflops_per_device": 1.0,
+            "mfu": 5.0,
+            "peak_mem_gib": 1.2,
+            "data_wait_pct": 2.0,
+        }  # fmt: skip
+    )
+    assert [r for r in run.records if r["kind"] == "val"] == [
+        {"kind": "val", "step": 25, "val_loss": 6.5}
+    ]
+    assert run.info == info() | {"time": run.info["time"]}
+    assert cr.label_from_flags(run.info) == "bf16 hf"
+
+
+def test_upstream_log_has_seed_lines_only(tmp_path: Path) -> None:
+    """The upstream recipe's log: seed lines among other output, no detail line, no flags."""
+    path = tmp_path / "slurm-202.out"
+    path.write_text(
+        "Loading checkpoint shards: 100%\n"
+        + "".join(f"{metrics.seed_line(s, loss, v, 3e-4)}\n" for s, v, loss in BF16)
+        + "Training done\n"
+    )
+    run = cr.load_run(path)
+    assert [(r["step"], r["samples_per_sec"], r["loss"], r["lr"]) for r in run.records] == [
+        (s, v, loss, 3e-4) for s, v, loss in BF16
+    ]
+    assert run.info is None and cr.default_labels([run]) == ["slurm-202"]
+    assert cr.throughput_key([run]) == "samples_per_sec"
+
+
+def test_metrics_jsonl_with_a_partial_last_line(tmp_path: Path) -> None:
+    run_dir = write_run_dir(tmp_path / "tiny-fp8", FP8[:2], [], info(fp8=True))
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 30, "loss": 6.')  # being written
+    for source in (run_dir, run_dir / "metrics.jsonl"):
+        run = cr.load_run(source)
+        assert run.records == [train_record(*row) for row in FP8[:2]]
+        assert run.fallback_label == "tiny-fp8"
+        assert cr.label_from_flags(run.info) == "fp8 tensorwise hf"
+    text = (run_dir / "metrics.jsonl").read_text()
+    (run_dir / "metrics.jsonl").write_text(text.replace('"step": 20', '"step": 20 oops', 1) + "\n")
+    with pytest.raises(cr.CompareError, match=r"metrics.jsonl: line 3 is not JSON"):
+        cr.load_run(run_dir)
+
+
+# ------------------------------------------------------------------------ table and picture
+
+
+@pytest.fixture
+def two_runs(tmp_path: Path) -> list[str]:
+    """bf16 as a run directory, fp8 as a Slurm log: the two kinds side by side."""
+    bf16 = write_run_dir(tmp_path / "tiny-bf16", BF16, VAL["bf16"], info())
+    log = tmp_path / "slurm-102.out"
+    log.write_text("\n".join(log_lines(FP8, VAL["fp8"], info(fp8=True))) + "\n")
+    return [str(bf16), str(log)]
+
+
+def row(table: str, label: str) -> list[str]:
+    return next(ln for ln in table.splitlines() if ln.strip().startswith(label)).split()
+
+
+def test_table_holds_hand_computed_medians_and_ratios(two_runs, tmp_path, capsys) -> None:
+    png = tmp_path / "out.png"
+    assert cr.main([*two_runs, "--output", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "Medians after step 10; ratios are to bf16 hf." in out
+    # Medians of steps 20-50 (step 10 is warm-up): bf16 10,14,12,11 -> 11.5; fp8 20,18,30,19
+    # -> 19.5; the other metrics are fixed functions of the speed, memory is a max.
+    assert row(out, "samples/s")[-3:] == ["11.50", "19.50", f"{19.5 / 11.5:.3f}"]
+    assert row(out, "tokens/s/device")[-3:] == ["1,472", "2,496", f"{19.5 / 11.5:.3f}"]
+    assert row(out, "TFLOP/s/device")[-3:] == ["1.150", "1.950", f"{19.5 / 11.5:.3f}"]
+    assert row(out, "MFU")[-3:] == ["5.8", "9.8", f"{9.75 / 5.75:.3f}"]
+    assert row(out, "data wait")[-3:] == ["3.5", "3.5", "1.000"]
+    assert row(out, "peak memory")[-3:] == ["1.50", "1.50", "1.000"]
+    assert row(out, "final train loss")[-3:] == ["5.00000", "5.05000", "1.010"]
+    assert row(out, "final validation loss")[-3:] == ["5.20000", "5.25000", f"{5.25 / 5.2:.3f}"]
+    assert out.rstrip().endswith(f"Wrote {png}")
+    assert "not checked" not in out  # both runs carry their flags
+
+
+def test_png_has_the_expected_size_and_the_plotted_data_is_the_input(two_runs, tmp_path) -> None:
+    png = tmp_path / "compare.png"
+    args = cr.parse_args([*two_runs, "--output", str(png), "--log_steps", "--title", "CPU demo"])
+    cr.compare(args)
+    header = png.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n"
+    assert struct.unpack(">II", header[16:24]) == (1500, 450)  # FIGSIZE x DPI
+
+    runs = [cr.load_run(p) for p in two_runs]
+    labels = cr.default_labels(runs)
+    summaries = [metrics.summarize(r.records, 10) for r in runs]
+    fig = cr.make_figure(runs, labels, summaries, log_steps=True, title="CPU demo")
+    loss_ax, speed_ax, bar_ax = fig.axes
+    assert fig.get_suptitle() == "CPU demo" and labels == ["bf16 hf", "fp8 tensorwise hf"]
+    lines = {ln.get_label(): ln for ln in loss_ax.get_lines()}
+    for label, rows, val in (
+        ("bf16 hf", BF16, VAL["bf16"]),
+        ("fp8 tensorwise hf", FP8, VAL["fp8"]),
+    ):
+        assert list(lines[f"{label} train"].get_xdata()) == [s for s, _, _ in rows]
+        assert list(lines[f"{label} train"].get_ydata()) == pytest.approx([x for _, _, x in rows])
+        assert list(lines[f"{label} validation"].get_xdata()) == [s for s, _ in val]
+        assert list(lines[f"{label} validation"].get_ydata()) == pytest.approx([v for _, v in val])
+        speed = next(ln for ln in speed_ax.get_lines() if ln.get_label() == label)
+        assert list(speed.get_ydata()) == pytest.approx([v * 128 for _, v, _ in rows])
+    assert loss_ax.get_xscale() == speed_ax.get_xscale() == "log"
+    assert speed_ax.get_ylabel() == "tokens/s per device"
+    assert [p.get_height() for p in bar_ax.patches] == pytest.approx([11.5 * 128, 19.5 * 128])
+    assert [t.get_text() for t in bar_ax.texts] == ["1.00x", f"{19.5 / 11.5:.2f}x"]
+    assert [t.get_text() for t in bar_ax.get_xticklabels()] == labels
+
+
+# -------------------------------------------------------------------------------- refusals
+
+
+def test_refuses_a_file_with_no_parsable_line(two_runs, tmp_path, capsys) -> None:
+    junk = tmp_path / "slurm-9.out"
+    junk.write_text("srun: error: Unable to allocate resources\n")
+    err = refused([two_runs[0], str(junk), "--output", str(tmp_path / "o.png")], capsys)
+    assert f"{junk}: no parsable line" in err
+    err = refused([two_runs[0], str(tmp_path), "--output", str(tmp_path / "o.png")], capsys)
+    assert "a directory without metrics.jsonl" in err
+    assert "no such file" in refused([two_runs[0], str(tmp_path / "nope.out")], capsys)
+    assert not (tmp_path / "o.png").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, samples_per_step, why",
+    [
+        ({"num_layers": 8}, None, "num_layers 8 vs 4"),
+        ({"hidden_width": 512}, None, "hidden_width 512 vs 256"),
+        ({"max_context_width": 512}, None, "max_context_width 512 vs 256"),
+        ({"train_batch_size": 16}, 32, "train_batch_size 16 vs 8"),
+        ({}, 64, "global batch 64 vs 16"),  # same micro-batch, 4x the ranks
+    ],
+)
+def test_refuses_unlike_runs_unless_allowed(
+    two_runs, tmp_path, capsys, overrides, samples_per_step, why
+) -> None:
+    other = info(fp8=True, **overrides)
+    if samples_per_step:
+        other["samples_per_step"] = samples_per_step
+    fp8 = write_run_dir(tmp_path / "other", FP8, [], other)
+    png = tmp_path / "o.png"
+    err = refused([two_runs[0], str(fp8), "--output", str(png)], capsys)
+    assert f"fp8 tensorwise hf: {why} (bf16 hf)" in err and "--allow_mismatch" in err
+    assert not png.exists()
+
+    assert cr.main([two_runs[0], str(fp8), "--output", str(png), "--allow_mismatch"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].startswith("  fp8 tensorwise hf *: ")  # the run is starred
+    # and what differs comes before the table's ratios
+    assert lines[3].startswith(f"* NOT LIKE FOR LIKE (--allow_mismatch): fp8 tensorwise hf: {why}")
+    assert "fp8 tensorwise hf/bf16 hf" in lines[4]
+    assert png.is_file()
+
+
+@pytest.mark.parametrize(
+    "output, why",
+    [
+        ("missing_dir/o.png", "is not a directory"),
+        ("a_file/o.png", "is not a directory"),
+        (".", "must end in .png"),
+        ("o.txt", "must end in .png"),
+        ("dir.png", "is a directory"),
+    ],
+)
+def test_refuses_an_output_it_cannot_write(two_runs, tmp_path, capsys, output, why) -> None:
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "dir.png").mkdir()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert why in refused([*two_runs, "--output", str(tmp_path / output)], capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to read-only directories")
+def test_refuses_a_read_only_directory(two_runs, tmp_path, capsys) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    assert "not writable" in refused([*two_runs, "--output", str(locked / "o.png")], capsys)
+
+
+def test_labels_and_argument_refusals(two_runs, tmp_path, capsys) -> None:
+    png = str(tmp_path / "o.png")
+    assert cr.main([*two_runs, "--output", png, "--labels", "BF16, FP8 (ao)"]) == 0
+    out = capsys.readouterr().out
+    assert "FP8 (ao)/BF16" in out and "  BF16: " in out
+    assert "2 distinct" in refused([*two_runs, "--output", png, "--labels", "a"], capsys)
+    assert "2 distinct" in refused([*two_runs, "--output", png, "--labels", "a,a"], capsys)
+    assert "two or more runs" in refused([two_runs[0], "--output", png], capsys)
+    assert "--warmup_steps" in refused([*two_runs, "--warmup_steps", "-1"], capsys)
+    # Labels from flags collide (two bf16 runs): the file names tell them apart.
+    runs = [cr.load_run(two_runs[0]), cr.load_run(two_runs[0])]
+    assert cr.default_labels(runs) == ["bf16 hf (tiny-bf16)", "bf16 hf (tiny-bf16) #2"]
+
+
+def test_warmup_rule_is_train_py_s() -> None:
+    source = (ROOT / "train.py").read_text()
+    assert f"SPEED_WARMUP_STEPS = {cr.WARMUP_STEPS}\n" in source
+    assert "min(SPEED_WARMUP_STEPS, args.max_steps // 2)" in source
+
+
+# --------------------------------------------------------------------- a real run, both ways
+
+
+def test_a_real_run_reads_the_same_from_its_log_and_its_directory(tmp_path: Path) -> None:
+    """train.py's stdout (what slurm-<job>.out holds) and its run directory give the same
+    records, to the log's printed precision, the same flags, and the same table."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "train.py"), "--preset", "tiny", "--train_batch_size", "2",
+           "--max_context_width", "64", "--max_steps=8", "--warmup=2", "--logging_freq=2",
+           "--validation_freq=4", "--validation_batches=1", f"--output_dir={out}"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    log = tmp_path / "slurm-7.out"
+    log.write_text(done.stdout)
+
+    from_log, from_dir = cr.load_run(log), cr.load_run(out)
+    assert from_log.info == from_dir.info and from_log.info["flags"]["max_steps"] == 8
+    assert [(r["kind"], r["step"]) for r in from_log.records] == [
+        (r["kind"], r["step"]) for r in from_dir.records
+    ]
+    precision = {"loss": 1e-5, "val_loss": 1e-5, "samples_per_sec": 1e-2, "lr": 1e-6,
+                 "tflops_per_device": 1e-3, "peak_mem_gib": 1e-2, "data_wait_pct": 0.1,
+                 "tokens_per_sec_per_device": 1.0}  # fmt: skip
+    for a, b in zip(from_log.records, from_dir.records, strict=True):
+        for key in set(a) - {"kind", "step"}:
+            assert a[key] == pytest.approx(b[key], abs=precision[key]), key
+
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "compare_runs.py"), str(log), str(out),
+         "--output", str(tmp_path / "cmp.png")],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"final train loss\s+(\S+)\s+\1\s+1\.000", done.stdout), done.stdout
+    assert (tmp_path / "cmp.png").stat().st_size > 10_000

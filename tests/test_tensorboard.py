@@ -1,0 +1,146 @@
+"""--tensorboard: scalars and flags from rank 0, read back by TensorBoard's own reader; the ETA."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from model_utils import metrics
+from model_utils.arguments import parse_args
+from model_utils.tensorboard_log import TensorBoardLog, flags_markdown, scalars
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def read_events(log_dir: Path) -> EventAccumulator:
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    return events
+
+
+def series(events: EventAccumulator, tag: str) -> dict[int, float]:
+    return {e.step: e.value for e in events.Scalars(tag)}
+
+
+def flags_text(events: EventAccumulator) -> str:
+    (event,) = events.Tensors("flags/text_summary")
+    return event.tensor_proto.string_val[0].decode()
+
+
+def test_scalars_are_every_number_of_a_record_by_kind() -> None:
+    train = {"kind": "train", "step": 3, "time": 1.0, "loss": 2.5, "mfu": None, "samples": 8,
+             "mfu_basis": "n/a", "remaining_seconds": None, "elapsed_seconds": 4.0}  # fmt: skip
+    assert scalars(train) == [("train/loss", 2.5), ("train/samples", 8.0),
+                              ("train/elapsed_seconds", 4.0)]  # fmt: skip
+    val = metrics.validation_record(step=3, val_loss=2.0, batches=2, seconds=0.5)
+    assert scalars(val) == [("val/val_loss", 2.0), ("val/val_batches", 2.0),
+                            ("val/val_seconds", 0.5)]  # fmt: skip
+    assert scalars({"kind": "run", "step": 0, "world_size": 2}) == []
+    table = flags_markdown({"flags": {"fp8": True, "fp8_recipe": "a|b"}, "world_size": 2})
+    assert table.splitlines() == ["| flag | value |", "|---|---|", "| fp8 | True |",
+                                  "| fp8_recipe | a/b |", "| world_size | 2 |",
+                                  "| samples_per_step | None |"]  # fmt: skip
+
+
+def test_writer_round_trip_and_resume_purges_the_rerun_steps(tmp_path: Path) -> None:
+    def record(step: int, loss: float) -> dict:
+        return {"kind": "train", "step": step, "loss": loss, "time": 1000.0 + step}
+
+    board = TensorBoardLog(tmp_path, enabled=True)
+    board.flags(metrics.run_record({"fp8": True}, world_size=2, samples_per_step=16))
+    for step in range(1, 6):
+        board.write(record(step, 10.0 - step))
+    board.write(metrics.validation_record(step=5, val_loss=4.5, batches=2, seconds=0.1))
+    # Written at each report (flushed), visible before close: a preempted run loses nothing.
+    assert series(read_events(tmp_path), "train/loss") == {s: 10.0 - s for s in range(1, 6)}
+    board.close()
+    # Resumed from the step-3 checkpoint: steps 4 and 5 are trained again, with new losses.
+    resumed = TensorBoardLog(tmp_path, enabled=True, resumed_from=3)
+    for step in (4, 5):
+        resumed.write(record(step, 100.0 + step))
+    resumed.close()
+    events = read_events(tmp_path)
+    assert series(events, "train/loss") == {1: 9.0, 2: 8.0, 3: 7.0, 4: 104.0, 5: 105.0}
+    assert [e.wall_time for e in events.Scalars("train/loss")][:3] == [1001.0, 1002.0, 1003.0]
+    assert "| fp8 | True |" in flags_text(events)
+
+    off = TensorBoardLog(tmp_path / "off", enabled=False)
+    off.flags({"flags": {}})
+    off.write(record(1, 1.0))
+    off.close()
+    assert not (tmp_path / "off").exists()
+    assert parse_args([]).tensorboard is False  # off by default
+    assert parse_args(["--tensorboard"]).tensorboard is True
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A real 2-rank train.py run with --tensorboard (its stdout, i.e. rank 0's log)."""
+    out = tmp_path_factory.mktemp("tb") / "run"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        f"--master_port={port}", str(ROOT / "train.py"), "--preset", "tiny",
+        "--train_batch_size", "2", "--max_context_width", "64", "--max_steps=12", "--warmup=2",
+        "--logging_freq=2", "--validation_freq=6", "--validation_batches=1", "--tensorboard",
+        f"--output_dir={out}",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out, done.stdout
+
+
+def test_train_writes_every_logged_metric_from_rank_0(two_rank_run: tuple[Path, str]) -> None:
+    out, _ = two_rank_run
+    files = list((out / "tensorboard").iterdir())
+    assert len(files) == 1 and files[0].name.startswith("events.out.tfevents")  # rank 0 only
+    records = metrics.read_jsonl(out / "metrics.jsonl")
+    train = [r for r in records if r["kind"] == "train"]
+    val = [r for r in records if r["kind"] == "val"]
+    assert [r["step"] for r in train] == [2, 4, 6, 8, 10, 12] and [r["step"] for r in val] == [
+        6,
+        12,
+    ]
+    events = read_events(out / "tensorboard")
+    keys = ("loss", "lr", "samples_per_sec", "tokens_per_sec_per_device", "tflops_per_device",
+            "peak_mem_gib", "data_wait_pct", "elapsed_seconds")  # fmt: skip
+    for key in keys:
+        want = {r["step"]: r[key] for r in train}
+        assert series(events, f"train/{key}") == pytest.approx(want, rel=1e-6), key
+    assert series(events, "val/val_loss") == pytest.approx({r["step"]: r["val_loss"] for r in val})
+    assert "train/mfu" not in events.Tags()["scalars"]  # None on CPU: no chart of zeros
+    text = flags_text(events)
+    assert "| tensorboard | True |" in text and "| world_size | 2 |" in text
+    assert "| samples_per_step | 4 |" in text and "| max_steps | 12 |" in text
+
+
+def test_second_log_line_has_elapsed_and_remaining_time(two_rank_run: tuple[Path, str]) -> None:
+    out, stdout = two_rank_run
+    details = [ln for ln in stdout.splitlines() if "tokens/s/device:" in ln]
+    assert len(details) == 6
+    found = [re.search(r", elapsed: (\S+), remaining: (.+)$", ln) for ln in details]
+    assert all(found), details
+    # Warm-up is min(10, max_steps // 2) = 6 steps: the windows ending at steps 2, 4, 6 are in it.
+    assert [m.group(2) for m in found[:3]] == ["n/a (warm-up)"] * 3
+    assert all(m.group(2).startswith("~") for m in found[3:]) and found[-1].group(2) == "~0s"
+    train = [r for r in metrics.read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
+    step_times = [r["step_seconds"] / r["window_steps"] for r in train[3:]]
+    want = metrics.remaining_seconds(step_times[:1], 12 - 8)
+    assert train[3]["remaining_seconds"] == pytest.approx(want)
+    assert found[3].group(2) == f"~{metrics.format_duration(want)}"
+    assert [m.group(1) for m in found] == [
+        metrics.format_duration(r["elapsed_seconds"]) for r in train
+    ]
+    elapsed = [r["elapsed_seconds"] for r in train]
+    assert elapsed == sorted(elapsed) and json.dumps(train[-1])  # strict JSON
