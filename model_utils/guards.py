@@ -77,7 +77,7 @@ class StepGuard:
         finite = torch.ones((), dtype=torch.bool, device=self.device)
         for value in values:
             if value is not None:
-                finite = finite & torch.isfinite(value.detach().to(self.device)).all()
+                finite = finite & torch.isfinite(_checkable(value.detach().to(self.device))).all()
         self.first_bad.masked_fill_((self.first_bad == 0) & ~finite, step)
 
     def observe_weights(self, step: int, params: Iterable[torch.Tensor]) -> None:
@@ -93,6 +93,14 @@ class StepGuard:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         stop, encoded = (int(v) for v in flags.tolist())
         return bool(stop), (_NO_STEP - encoded) if encoded else None
+
+
+def _checkable(tensor: torch.Tensor) -> torch.Tensor:
+    """torch has no isfinite for float8 (an H100 run with torchao's float8 all-gather died on it
+    at the final save); fp16 holds every float8 value, NaN and inf included."""
+    if tensor.is_floating_point() and tensor.element_size() == 1:
+        return tensor.to(torch.float16)
+    return tensor
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -74,6 +74,17 @@ def _guard_worker(rank: int, port: int, results: dict) -> None:
         dist.destroy_process_group()
 
 
+def test_float8_weights_are_checked_too() -> None:
+    """torchao's float8 all-gather left float8 tensors among the weights on an H100; torch has no
+    isfinite for them, and the final save's weight check crashed a finished run."""
+    guard = guards.StepGuard(torch.device("cpu"))
+    guard.observe_weights(4, [torch.ones(2, dtype=torch.float8_e4m3fn)])
+    assert guard.agree(False) == (False, None)
+    nan = torch.tensor([1.0, float("nan")]).to(torch.float8_e4m3fn)
+    guard.observe_weights(5, [torch.ones(2), nan])
+    assert guard.agree(False) == (False, 5)
+
+
 def test_ranks_agree_on_the_first_non_finite_step_and_on_a_stop_request() -> None:
     results = mp.Manager().dict()
     mp.spawn(_guard_worker, args=(_free_port(), results), nprocs=2, join=True)
