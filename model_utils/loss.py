@@ -69,8 +69,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grads:
                 d = logits.sub_(log_z[:, None]).exp_()  # softmax, in place of the logits
                 d[torch.arange(d.shape[0], device=d.device), safe] -= 1.0
-                d *= (valid / counted)[:, None]
-                d = d.to(hidden.dtype)
+                # Scale and cast in one pass (the fp32 chunk is GiBs at Llama 3's vocabulary).
+                d = torch.mul(
+                    d, (valid / counted)[:, None], out=torch.empty_like(d, dtype=hidden.dtype)
+                )
                 grad_hidden[start : start + chunk] = d @ weight
                 grad_weight.add_(d.t() @ h)  # one mixed-dtype kernel into the fp32 sum
         ctx.save_for_backward(grad_hidden, grad_weight)
