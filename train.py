@@ -62,9 +62,21 @@ def validate(argv: list[str] | None, training: bool = True) -> tuple[argparse.Na
     if training:
         try:  # a live run in this directory: refused before anything starts (reads only)
             guards.check_not_locked(guards.lock_dirs(args.output_dir, args.checkpoint_dir))
-        except guards.RunLocked as exc:
+            check_run_dir(args)
+        except (guards.RunLocked, ValueError) as exc:
             raise arguments.UsageError(str(exc)) from exc
     return args, tokenizer
+
+
+def check_run_dir(args: argparse.Namespace) -> None:
+    """A checkpoint resumes only the run it belongs to, and a fresh run never writes over an
+    earlier run's checkpoints (checkpoint.ResumeRefused, one line). Reads only."""
+    if not args.resume_from_checkpoint:
+        checkpoint.check_fresh_start(args.checkpoint_dir, args.overwrite_output_dir)
+        return
+    path = checkpoint.resume_candidate(args.resume_from_checkpoint, args.checkpoint_dir)
+    if path is not None:
+        checkpoint.check_resumable(path, vars(args))
 
 
 class Preemption:
@@ -196,8 +208,9 @@ def build_model(args: argparse.Namespace, mesh, device, backend) -> torch.nn.Mod
 
 
 def train(
-    args: argparse.Namespace, tokenizer, world: distributed.World, device, preemption
-) -> None:
+    args: argparse.Namespace, tokenizer, world: distributed.World, device, preemption,
+    explicit: frozenset = frozenset(),
+) -> None:  # fmt: skip
     torch.manual_seed(args.seed)
     mesh = distributed.build_mesh(world, device, args.sharding_strategy)
     backend = precision.build_backend(args, device, dp_group=dist.group.WORLD)
@@ -222,10 +235,11 @@ def train(
         on_data_reshard=lambda step, saved: stream.restart_after_reshard(saved),
         fp8_recipe=te_recipe(backend),
     )  # fmt: skip
-    resume_path = ckpt.resolve(args.resume_from_checkpoint)
+    if args.overwrite_output_dir:
+        ckpt.remove_all()
+    resume_path = ckpt.resolve_intact(args.resume_from_checkpoint)  # checksums verified
     if resume_path is not None:
-        ckpt.load(resume_path, state)
-        log.info("Resumed from %s at step %d", resume_path, state.step)
+        resume(ckpt, resume_path, state, scheduler, args, explicit)
 
     samples_per_step = args.train_batch_size * args.grad_accum_steps * world.world_size
     run_log = RunLog(args, model.config, world, device, samples_per_step, start_step=state.step)
@@ -295,6 +309,30 @@ def train(
     run_log.finish()
 
 
+def resume(ckpt, path, state, scheduler, args: argparse.Namespace, explicit: frozenset) -> None:
+    """Load checkpoint `path` under the resume rules: the same model shape and data or
+    checkpoint.ResumeRefused; other changed flags are logged; an explicit --lr/--min_lr replaces
+    the saved one (optim.resume_schedule). The lr values in use go back into `args`, so the next
+    checkpoint and metrics.jsonl record what the run really uses."""
+    changed = [c for c in checkpoint.check_resumable(path, vars(args)) if c[0] not in _LR_FLAGS]
+    ckpt.load(path, state)
+    given = {name: getattr(args, name) for name in ("lr", "min_lr") if name in explicit}
+    try:
+        used = optim.resume_schedule(scheduler, given)
+    except ValueError as exc:
+        raise checkpoint.ResumeRefused(f"resuming from {path}: {exc}") from exc
+    log.info("Resumed from %s at step %d", path, state.step)
+    if changed:
+        log.info("Flags changed since the checkpoint: %s", checkpoint.describe_changes(changed))
+    for name, value in used.items():
+        source = f"--{name} given" if name in given else "saved; not given"
+        log.info("Resumed schedule: %s %g (%s)", name, value, source)
+        setattr(args, name, value)
+
+
+_LR_FLAGS = ("--lr", "--min_lr")
+
+
 def check_step(guard, ckpt, step: int, model, stop_requested: bool, saving: bool) -> bool:
     """Every rank agrees whether to stop (a signal reached some rank) and whether any step so
     far was non-finite; raises guards.Diverged for the latter, after finishing an earlier (finite)
@@ -361,10 +399,10 @@ def main(argv: list[str] | None = None) -> None:
     locks: list[guards.RunLock] = []
     try:
         locks = hold_run_dirs(args, world, device)
-        train(args, tokenizer, world, device, preemption)
+        train(args, tokenizer, world, device, preemption, arguments.explicit_flags(argv))
     except checkpoint.UntrustedCheckpointError as exc:  # normally refused by validate() already
         arguments.exit_on_usage_error(arguments.UsageError(str(exc)))
-    except guards.RunLocked as exc:  # a run that started into this directory since validate()
+    except (guards.RunLocked, checkpoint.ResumeRefused) as exc:  # found after validate()
         if world.is_main:
             arguments.exit_on_usage_error(arguments.UsageError(str(exc)))
         raise SystemExit(2) from None

@@ -196,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     flag("keep_last", type=int, default=2, help="checkpoints kept; 0 keeps all")
     switch("async_checkpoint", False, "write checkpoints in the background")
     flag("resume_from_checkpoint", default=None, help="PATH or 'auto' (newest in checkpoint_dir)")
+    switch("overwrite_output_dir", False,
+           "start afresh where an earlier run left checkpoints: they are deleted at start-up "
+           "(without it such a run is refused)")  # fmt: skip
     flag("init_from_hf", default=None, help="start from a Hugging Face Llama checkpoint dir")
     switch("validate_only", False,
            "check flags, data, tokenizer and checkpoint, then exit: 0 ready, 2 bad input "
@@ -284,6 +287,11 @@ def check_consistency(args: argparse.Namespace) -> None:
         raise UsageError("--fp8_weights needs --fp8=1")
     if args.fp8 and not args.bf16:
         raise UsageError("--fp8=1 needs --bf16=1 (FP8 layers run inside a bf16 model)")
+    if args.overwrite_output_dir and args.resume_from_checkpoint:
+        raise UsageError(
+            "--overwrite_output_dir deletes the checkpoints --resume_from_checkpoint would resume "
+            "from: give one of them"
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -291,6 +299,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     apply_preset(args)
     check_consistency(args)
     return args
+
+
+def explicit_flags(argv: list[str] | None = None) -> frozenset[str]:
+    """The flags given on the command line, not filled in by a default or a preset: on resume an
+    explicit --lr means "use this lr", a default does not."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return frozenset(vars(parser.parse_args(argv)))
 
 
 def exit_on_usage_error(exc: UsageError) -> None:

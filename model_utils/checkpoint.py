@@ -4,14 +4,19 @@ Layout of a checkpoint directory::
 
     <checkpoint_dir>/step_00000100/        a published, complete checkpoint
         .metadata, __0_0.distcp, ...       torch.distributed.checkpoint (DCP) files, one per rank
-        checkpoint.json                    the marker: step, world size, run and model config
+        checkpoint.json                    the marker: step, world size, run and model config,
+                                           and every file's size and sha256
     <checkpoint_dir>/.tmp-step_00000200/   being written (or left by a crash): never resumed from
+    <checkpoint_dir>/damaged-step_00000300/  failed its checks at an `auto` resume: set aside
 
 Why the temporary name: DCP writes one file per rank and then `.metadata`; a job killed in the
 middle leaves a directory that looks like a checkpoint but is not one. Every rank writes into
 `.tmp-step_N`; when the save has finished everywhere, rank 0 writes `checkpoint.json` and renames
 the directory to `step_N` (one atomic rename). Only names `step_N` holding both `.metadata` and
 `checkpoint.json` count as complete. Stale `.tmp-*` directories are removed before the next save.
+Before the rename each rank sums the files it wrote and rank 0 records the sums in the marker; a
+resume checks them (the ranks split the files) and refuses, or with `auto` skips, a checkpoint
+whose bytes changed since (`Checkpointer.resolve_intact`).
 
 What is saved (one DCP state dict of Stateful items, see `TrainState`):
     model      FSDP2 DTensor shards (get_model_state_dict): resharded by DCP on load
@@ -45,6 +50,7 @@ extra state a te_linear run finds missing in a checkpoint of --model_impl hf.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -82,6 +88,7 @@ CHECKPOINT_FORMAT = 2
 MARKER = "checkpoint.json"
 DCP_METADATA = ".metadata"
 TMP_PREFIX = ".tmp-"
+DAMAGED_PREFIX = "damaged-"  # a checkpoint that failed its checks, renamed by an `auto` resume
 _NAME_RE = re.compile(r"^step_(\d+)$")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # HF checkpoints written by old transformers versions carry RoPE buffers; they are recomputed.
@@ -166,6 +173,175 @@ def check_resume_arg(resume_from_checkpoint: str | None, checkpoint_dir: str | P
 
 def read_marker(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / MARKER).read_text())
+
+
+# --------------------------------------------------------------------------------------------
+# Integrity: every file's size and checksum in the marker, checked before a resume
+
+SUM_ALGORITHM = "sha256"  # ~1.5 GB/s per core with SHA extensions; each rank sums its own files
+
+
+def own_files(directory: Path) -> list[Path]:
+    """The files this rank wrote into a DCP save: its shards, which DCP's FileSystemWriter names
+    `__<rank>_<n>.distcp`, and on rank 0 the `.metadata`."""
+    files = sorted(Path(directory).glob(f"__{_rank()}_*.distcp"))
+    return files + [Path(directory) / DCP_METADATA] if _rank() == 0 else files
+
+
+def file_sums(files: Iterable[Path]) -> dict[str, dict[str, Any]]:
+    """name -> {"bytes", "sha256"}: what the marker records for each file."""
+    out = {}
+    for path in files:
+        with open(path, "rb") as fh:
+            digest = hashlib.file_digest(fh, SUM_ALGORITHM).hexdigest()
+        out[path.name] = {"bytes": path.stat().st_size, SUM_ALGORITHM: digest}
+    return out
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200] if text else ''}"
+
+
+def checkpoint_damage(path: str | Path) -> str | None:
+    """Why a published checkpoint cannot be loaded, found without reading its tensors (one
+    line naming the file), or None: marker and .metadata readable, every file the marker lists
+    present with its saved size. Checkpoints from before checksums list no files."""
+    problem = checkpoint_problem(path)
+    if problem:
+        return problem
+    path = Path(path)
+    try:
+        marker = read_marker(path)
+        files = marker.get("files") or {}
+        int(marker["step"])
+    except Exception as exc:
+        return f"{path / MARKER} is not a valid checkpoint marker ({_first_line(exc)})"
+    try:
+        dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:
+        return f"{path / DCP_METADATA} cannot be read ({_first_line(exc)})"
+    for name, saved in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if file.stat().st_size != saved["bytes"]:
+            return (
+                f"{file} has {file.stat().st_size} bytes, {saved['bytes']} were saved "
+                "(truncated or overwritten)"
+            )
+    return None
+
+
+def content_damage(path: str | Path, files: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """The first of `files` (name -> saved sums) whose content no longer matches its checksum."""
+    for name, saved in files.items():
+        now = file_sums([Path(path) / name])[name]
+        if now[SUM_ALGORITHM] != saved.get(SUM_ALGORITHM, now[SUM_ALGORITHM]):
+            return (
+                f"{Path(path) / name} does not match its {SUM_ALGORITHM} (changed since the save)"
+            )
+    return None
+
+
+def resume_candidate(resume_from_checkpoint: str | None, checkpoint_dir: str | Path) -> Path | None:
+    """The checkpoint a resume would start from, by the checks that read no tensors (before any
+    process group; the checksums are verified by Checkpointer.resolve_intact): a PATH must pass
+    them (else ResumeRefused naming the file); 'auto' skips damaged ones (None: fresh start)."""
+    if not resume_from_checkpoint:
+        return None
+    if resume_from_checkpoint != "auto":
+        path = resolve_checkpoint(resume_from_checkpoint, checkpoint_dir)
+        damage = checkpoint_damage(path)
+        if damage:
+            raise ResumeRefused(f"--resume_from_checkpoint {path} is damaged: {damage}")
+        return path
+    found = complete_checkpoints(checkpoint_dir)
+    sound = [p for p in reversed(found) if checkpoint_damage(p) is None]
+    if found and not sound:
+        raise ResumeRefused(_all_damaged_message(checkpoint_dir, checkpoint_damage(found[-1])))
+    return sound[0] if sound else None
+
+
+def _all_damaged_message(checkpoint_dir: str | Path, newest_problem: str | None) -> str:
+    return (
+        f"every checkpoint in {checkpoint_dir} is damaged (newest: {newest_problem}): restore "
+        "one from a copy, or pass --overwrite_output_dir without --resume_from_checkpoint to "
+        "start afresh"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Which run a checkpoint belongs to (pure: run before any process group exists)
+
+# A checkpoint resumes only a run with the same model shape and the same data stream: a model
+# with other shapes may still load when the tensors happen to fit (fewer layers, other head
+# counts), and a data position means nothing in another dataset, tokenizer or shuffle.
+MODEL_FIELDS = (
+    "hidden_width", "num_layers", "num_heads", "num_key_value_heads", "intermediate_size",
+    "vocab_size", "rope_theta", "rms_norm_eps", "rope_scaling",
+)  # fmt: skip
+DATA_FIELDS = ("dataset", "dataset_config_name", "text_column", "tokenizer", "seed")
+# Flags that name this launch rather than the run: never compared, never reported.
+_LAUNCH_FIELDS = frozenset(
+    {"resume_from_checkpoint", "output_dir", "checkpoint_dir", "validate_only",
+     "overwrite_output_dir", "export_hf", "init_from_hf"}
+)  # fmt: skip
+
+
+class ResumeRefused(ValueError):
+    """The checkpoint belongs to another run, is damaged, or would be overwritten: one line."""
+
+
+def _same(saved: Any, current: Any, name: str) -> bool:
+    """Equal as the checkpoint stored them (JSON), paths by where they point."""
+    current = json.loads(json.dumps(current, default=str))
+    if saved == current:
+        return True
+    if name in ("dataset", "tokenizer") and isinstance(saved, str) and isinstance(current, str):
+        return os.path.exists(saved) and os.path.realpath(saved) == os.path.realpath(current)
+    return False
+
+
+def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[list, list]:
+    """Flags that differ between a checkpoint's run and this one, as ("--name", saved, now):
+    (refused: model shape and data stream; allowed: everything else, e.g. batch size, sequence
+    length, logging, precision). Fields an older checkpoint did not record are not compared."""
+    refused, allowed = [], []
+    for name in sorted(set(saved) & set(current) - _LAUNCH_FIELDS):
+        if not _same(saved[name], current[name], name):
+            change = (f"--{name}", saved[name], current[name])
+            (refused if name in MODEL_FIELDS + DATA_FIELDS else allowed).append(change)
+    return refused, allowed
+
+
+def describe_changes(changes: Iterable[tuple[str, Any, Any]]) -> str:
+    return ", ".join(f"{flag} {saved} -> {now}" for flag, saved, now in changes)
+
+
+def check_resumable(path: str | Path, current: Mapping[str, Any]) -> list:
+    """ResumeRefused (one line listing each difference and what to do) unless the checkpoint at
+    `path` was saved by a run of the same model shape and data; returns the allowed changes."""
+    saved = read_marker(path).get("run_config") or {}
+    refused, allowed = config_changes(saved, current)
+    if refused:
+        raise ResumeRefused(
+            f"checkpoint {path} belongs to another run: {describe_changes(refused)} (saved -> "
+            "this run); resume with the saved values, or start a new run in another --output_dir"
+        )
+    return allowed
+
+
+def check_fresh_start(checkpoint_dir: str | Path, overwrite: bool) -> None:
+    """A run without --resume_from_checkpoint must not write over an earlier run's checkpoints
+    (its saves would replace them step by step and its pruning delete the rest)."""
+    found = complete_checkpoints(checkpoint_dir)
+    if found and not overwrite:
+        raise ResumeRefused(
+            f"{checkpoint_dir} holds {len(found)} checkpoint(s) of an earlier run (newest: step "
+            f"{step_of(found[-1])}): continue it with --resume_from_checkpoint auto, choose "
+            "another --output_dir, or pass --overwrite_output_dir to delete them and start afresh"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -500,7 +676,8 @@ class _Pending:
     future: Future | None
     started: float
     published: bool = False
-    error: Exception | None = None
+    error: BaseException | None = None
+    sealed: threading.Event = field(default_factory=threading.Event)
 
 
 class Checkpointer:
@@ -509,8 +686,9 @@ class Checkpointer:
     keep_last: number of published checkpoints kept (None or 0: all). Pruning happens only after
     a new checkpoint is published. async_save: `dcp.async_save` stages the state to CPU memory and
     writes in a background thread on a dedicated gloo group (training collectives are not
-    interleaved with checkpoint ones); the checkpoint is published as soon as rank 0's write
-    finishes, and at the latest by the next `save`, `wait` or `close`.
+    interleaved with checkpoint ones); the checkpoint is published as soon as every rank has
+    written and summed its files (in that thread), and `save`, `wait` and `close` wait for it. A
+    failed save raises on every rank from `wait`; the previous checkpoints are untouched.
     """
 
     def __init__(
@@ -533,10 +711,63 @@ class Checkpointer:
             for stale in stale_temporaries(self.checkpoint_dir):
                 shutil.rmtree(stale, ignore_errors=True)
 
+    def remove_all(self) -> None:
+        """--overwrite_output_dir: delete an earlier run's published checkpoints before this run
+        saves any (all ranks call; rank 0 deletes). Without it, the old run's newer steps would
+        outlive pruning and a later `auto` resume would pick them."""
+        if _rank() == 0:
+            old = complete_checkpoints(self.checkpoint_dir)
+            for path in old:
+                shutil.rmtree(path)
+            if old:
+                log.info(
+                    "Deleted %d checkpoint(s) of an earlier run in %s (--overwrite_output_dir)",
+                    len(old), self.checkpoint_dir,
+                )  # fmt: skip
+        _barrier()
+
     # -- discovery
     def latest(self) -> Path | None:
         """Newest complete checkpoint in checkpoint_dir, None if there is none."""
         return latest_checkpoint(self.checkpoint_dir)
+
+    def verify(self, path: str | Path) -> str | None:
+        """Why checkpoint `path` is damaged, or None if intact (all ranks call): the cheap checks,
+        then every file's checksum, the files split over the ranks so each is read once."""
+        problem = checkpoint_damage(path)
+        if problem is None:
+            files = sorted((read_marker(path).get("files") or {}).items())
+            problem = content_damage(path, dict(files[_rank() :: _world_size()]))
+        return next((p for p in _all_gather_object(problem) if p), None)
+
+    def resolve_intact(self, resume_from_checkpoint: str | None) -> Path | None:
+        """--resume_from_checkpoint, verified (all ranks call): None/'' -> None; PATH -> PATH if
+        intact, else ResumeRefused naming the damaged file; 'auto' -> the newest intact
+        checkpoint, with a warning for each newer damaged one it skips (None: fresh start)."""
+        if not resume_from_checkpoint:
+            return None
+        if resume_from_checkpoint != "auto":
+            path = resolve_checkpoint(resume_from_checkpoint, self.checkpoint_dir)
+            problem = self.verify(path)
+            if problem:
+                raise ResumeRefused(f"--resume_from_checkpoint {path} is damaged: {problem}")
+            return path
+        found = _all_gather_object(complete_checkpoints(self.checkpoint_dir))[0]  # rank 0's
+        first_problem = None
+        for path in reversed(found):
+            problem = self.verify(path)
+            if problem is None:
+                if first_problem:
+                    log.warning("Resuming from %s, the newest intact checkpoint", path)
+                return path
+            first_problem = first_problem or problem
+            aside = path.with_name(DAMAGED_PREFIX + path.name)
+            log.warning("Checkpoint %s is damaged, set aside as %s: %s", path, aside.name, problem)
+            if _rank() == 0:  # out of resume and pruning's way, kept for a look (delete it)
+                path.rename(aside)
+        if found:
+            raise ResumeRefused(_all_damaged_message(self.checkpoint_dir, first_problem))
+        return None
 
     def resolve(self, resume_from_checkpoint: str | None) -> Path | None:
         """None/'' -> None; 'auto' -> latest() (None: fresh start); PATH -> PATH if complete,
@@ -574,35 +805,60 @@ class Checkpointer:
         items = state.items()
         marker["items"] = sorted(set(marker["items"]) | ({"fp8_scaling"} & set(items)))
         pending = _Pending(step, tmp, final, marker, None, time.perf_counter())
+        self._pending = pending
         if self.async_save:
             pending.future = dcp.async_save(
                 items, checkpoint_id=str(tmp), process_group=self._async_group
             )
-            self._pending = pending
-            if _rank() == 0:
-                pending.future.add_done_callback(lambda fut: self._publish_if_ok(pending, fut))
+            # Each rank seals in DCP's background thread once its write is done; rank 0 then
+            # publishes at once, so a job killed before the next save still keeps this one.
+            pending.future.add_done_callback(
+                lambda fut: self._seal(pending, fut.exception(), self._async_group)
+            )
             if block:
                 self.wait()
         else:
-            dcp.save(items, checkpoint_id=str(tmp))
-            self._pending = pending
+            try:
+                dcp.save(items, checkpoint_id=str(tmp))
+                failure = None
+            except Exception as exc:  # every rank raises (DCP gathers the write results)
+                failure = exc
+            self._seal(pending, failure, None)
             self.wait()
         return final
 
-    def _publish_if_ok(self, pending: _Pending, future: Future) -> None:
-        if future.exception() is None:
-            try:
-                self._publish(pending)
-            except Exception as exc:  # re-raised by wait() on the main thread
-                pending.error = exc
+    def _seal(self, pending: _Pending, failure: BaseException | None, group: Any) -> None:
+        """Every rank, once its part of the save is written: checksum the files it wrote, gather
+        every rank's sums (a collective on `group`), and rank 0 publishes with them in the
+        marker. Never raises: the outcome goes to `pending.error`, raised by wait() on every
+        rank."""
+        try:
+            if failure is not None:
+                raise failure
+            report: dict[str, Any] = {"files": file_sums(own_files(pending.tmp))}
+        except Exception as exc:
+            report = {"error": exc}
+        try:
+            reports = _all_gather_object(report, group)
+            errors = [r["error"] for r in reports if "error" in r]
+            if errors:
+                pending.error = errors[0]
+            elif _rank() == 0:
+                sums = {name: sum_ for r in reports for name, sum_ in r["files"].items()}
+                self._publish(pending, sums)
+        except Exception as exc:
+            pending.error = exc
+        finally:
+            pending.sealed.set()
 
-    def _publish(self, pending: _Pending) -> None:
-        """Rank 0: marker, atomic rename, prune. Only called once every rank's data is on disk
-        (DCP writes .metadata on rank 0 after gathering every rank's write results)."""
+    def _publish(self, pending: _Pending, sums: dict[str, dict[str, Any]]) -> None:
+        """Rank 0: marker (with every file's size and checksum), atomic rename, prune. Only
+        called once every rank's files are on disk and summed."""
         with self._publish_lock:
             if pending.published:
                 return
             pending.published = True
+            pending.marker["files"] = dict(sorted(sums.items()))
             self._publish_locked(pending)
 
     def _publish_locked(self, pending: _Pending) -> None:
@@ -621,6 +877,8 @@ class Checkpointer:
             "Checkpoint step %d saved to %s (%.1f MB, %.2f s)",
             pending.step, pending.final, _dir_bytes(pending.final) / 2**20, seconds,
         )  # fmt: skip
+        # The checkpoint just published is intact (its files were just summed), so pruning the
+        # others never removes the last intact one.
         for old in prune_plan(
             complete_checkpoints(self.checkpoint_dir), self.keep_last, pending.final
         ):
@@ -628,17 +886,21 @@ class Checkpointer:
             log.info("Removed old checkpoint %s (keep_last=%d)", old, self.keep_last)
 
     def wait(self) -> None:
-        """Finish the pending save (all ranks call): raise its error, publish it, synchronise."""
+        """Finish the pending save (all ranks call): wait until it is sealed (published on rank
+        0), then raise its error on every rank if any rank had one."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
         if pending.future is not None:
-            pending.future.result()
-        if _rank() == 0:
-            self._publish(pending)
-            if pending.error is not None:
-                raise pending.error
-        _barrier()
+            pending.future.exception()  # done; the outcome is reported by _seal
+        pending.sealed.wait()
+        if _any_rank(pending.error is not None):
+            if _rank() == 0 and pending.tmp.exists():
+                shutil.rmtree(pending.tmp, ignore_errors=True)  # the previous checkpoint stays
+            raise pending.error or RuntimeError(
+                f"checkpoint step {pending.step} was not saved: another rank failed (its log "
+                "says why)"
+            )
 
     def close(self) -> None:
         self.wait()
@@ -780,6 +1042,30 @@ def _ranks_to_read(name: str, resharded: bool, saved_world_size: int) -> list[in
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's `obj` (a world of one without a process group: [obj])."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _any_rank(flag: bool) -> bool:
+    """True on every rank if `flag` is true on any (a collective on the default group)."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([int(flag)], device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _collective_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 # --------------------------------------------------------------------------------------------

@@ -238,6 +238,29 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=multiplier)
 
 
+def resume_schedule(
+    scheduler: torch.optim.lr_scheduler.LambdaLR, explicit: dict[str, float]
+) -> dict[str, float]:
+    """The schedule of a resumed run; returns the peak and final lr now in use.
+
+    ``LambdaLR.load_state_dict`` has restored the saved schedule. The rule: ``--lr``/``--min_lr``
+    given explicitly on the resuming command line replace the saved ones from the resumed step
+    on (e.g. to continue a diverged run at a lower lr); not given, the saved ones stay, so a
+    default never silently changes a running schedule. Warm-up, decay style and schedule length
+    stay the saved ones. ValueError if the result is not a valid schedule."""
+    multiplier = scheduler.lr_lambdas[0]
+    lr = float(explicit.get("lr", multiplier.lr))
+    min_lr = float(explicit.get("min_lr", multiplier.min_lr))
+    _check_schedule(lr, min_lr, multiplier.warmup, multiplier.max_steps, multiplier.style)
+    multiplier.lr, multiplier.min_lr = lr, min_lr
+    scheduler.base_lrs = [lr for _ in scheduler.base_lrs]
+    for group in scheduler.optimizer.param_groups:
+        group["initial_lr"] = lr
+        group["lr"] = lr * multiplier(scheduler.last_epoch)  # the next step's lr
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+    return {"lr": lr, "min_lr": min_lr}
+
+
 def from_args(
     model: nn.Module, args: Any
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:

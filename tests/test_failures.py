@@ -300,3 +300,193 @@ def test_a_run_that_took_the_directory_after_the_check_still_stops_this_one(
     finally:
         if created:
             dist.destroy_process_group()
+
+
+# ============================================================================================
+# 2. A checkpoint is loaded only into the run it belongs to, and only if it is intact
+
+
+def test_model_and_data_changes_are_refused_the_rest_allowed() -> None:
+    saved = vars(parse_args([*FAST, "--max_steps", "20"]))
+    now = dict(saved, num_layers=2, tokenizer="other/tok", train_batch_size=2, fp8=True,
+               output_dir="elsewhere", resume_from_checkpoint="auto")  # fmt: skip
+    refused, allowed = ck.config_changes(json_round_trip(saved), now)
+    assert refused == [("--num_layers", 4, 2), ("--tokenizer", saved["tokenizer"], "other/tok")]
+    assert allowed == [("--fp8", False, True), ("--train_batch_size", 4, 2)]
+    # A path that points at the same place is the same dataset; an older marker's missing
+    # fields are not compared.
+    relative = os.path.relpath(saved["dataset"])
+    older = {k: v for k, v in json_round_trip(saved).items() if k != "rope_theta"}
+    assert ck.config_changes(older, dict(saved, dataset=relative, rope_theta=1.0)) == ([], [])
+
+
+def json_round_trip(config: dict) -> dict:
+    import json
+
+    return json.loads(json.dumps(config, default=str))
+
+
+def test_explicit_lr_on_resume_replaces_the_saved_one_a_default_does_not() -> None:
+    from model_utils import optim
+
+    def schedule(lr: float, min_lr: float):
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        return optim.build_scheduler(
+            opt, lr=lr, min_lr=min_lr, warmup=2, max_steps=10, style="cosine"
+        )
+
+    saved = schedule(1e-3, 1e-4)
+    for _ in range(4):
+        saved.optimizer.step()
+        saved.step()
+    state = saved.state_dict()
+    expected = {"lr": 1e-3, "min_lr": 1e-4, "warmup": 2, "max_steps": 10, "style": "cosine"}
+    for given, peak, final in [({}, 1e-3, 1e-4), ({"lr": 5e-4}, 5e-4, 1e-4),
+                               ({"lr": 5e-4, "min_lr": 0.0}, 5e-4, 0.0)]:  # fmt: skip
+        resumed = schedule(2e-3, 2e-4)  # this run's flags, e.g. defaults
+        resumed.load_state_dict(state)
+        assert optim.resume_schedule(resumed, given) == {"lr": peak, "min_lr": final}
+        want = optim.lr_at(5, **dict(expected, lr=peak, min_lr=final))
+        assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(want, rel=1e-12)
+        assert resumed.get_last_lr() == [resumed.optimizer.param_groups[0]["lr"]]
+        resumed.optimizer.step()
+        resumed.step()  # the schedule goes on with the new peak
+        want = optim.lr_at(6, **dict(expected, lr=peak, min_lr=final))
+        assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(want, rel=1e-12)
+    with pytest.raises(ValueError, match="min_lr"):
+        resumed = schedule(1e-3, 1e-4)
+        resumed.load_state_dict(state)
+        optim.resume_schedule(resumed, {"min_lr": 5e-3})  # above the saved peak
+
+
+def test_explicit_flags_are_those_on_the_command_line() -> None:
+    from model_utils.arguments import explicit_flags
+
+    assert explicit_flags(["--preset", "tiny", "--lr=3e-4", "--fp8"]) == {"preset", "lr", "fp8"}
+    assert explicit_flags([]) == frozenset()
+
+
+def _save_checkpoints(root: Path, steps: list[int], keep_last: int = 0) -> ck.Checkpointer:
+    """Real DCP checkpoints of a small model, one process, no process group."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    ckpt = ck.Checkpointer(root, keep_last=keep_last)
+    for step in steps:
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        ckpt.save(step, ck.TrainState(model, config={"seed": 1}))
+    return ckpt
+
+
+def _zero_a_megabyte(path: Path) -> None:
+    shard = next(path.glob("__0_*.distcp"))
+    with open(shard, "r+b") as fh:
+        fh.seek(1000)
+        fh.write(b"\0" * min(2**20, shard.stat().st_size - 1000))
+
+
+DAMAGE = {
+    "zeros inside a shard": (_zero_a_megabyte, "__0_0.distcp does not match its sha256"),
+    "truncated shard": (
+        lambda p: os.truncate(p / "__0_0.distcp", 100),
+        "__0_0.distcp has 100 bytes",
+    ),
+    "deleted shard": (lambda p: (p / "__0_0.distcp").unlink(), "__0_0.distcp is missing"),
+    "garbage .metadata": (
+        lambda p: (p / ck.DCP_METADATA).write_bytes(b"garbage" * 10),
+        ".metadata cannot be read",
+    ),
+    "bad checkpoint.json": (
+        lambda p: (p / ck.MARKER).write_text("{not json"),
+        "checkpoint.json is not a valid",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_a_damaged_checkpoint_is_named_and_auto_resume_falls_back(tmp_path: Path, kind: str):
+    damage, message = DAMAGE[kind]
+    ckpt = _save_checkpoints(tmp_path, [1, 2, 3])
+    assert sorted(ck.read_marker(tmp_path / ck.checkpoint_name(3))["files"]) == [
+        ck.DCP_METADATA, "__0_0.distcp",
+    ]  # fmt: skip
+    newest = tmp_path / ck.checkpoint_name(3)
+    damage(newest)
+    with pytest.raises(ck.ResumeRefused) as refused:  # an explicit path: one line, the file
+        ckpt.resolve_intact(str(newest))
+    assert str(newest) in str(refused.value) and message in str(refused.value)
+    assert "\n" not in str(refused.value)
+    # auto: the newest intact one, the damaged one set aside (out of resume and pruning)
+    assert ckpt.resolve_intact("auto") == tmp_path / ck.checkpoint_name(2)
+    assert (tmp_path / f"{ck.DAMAGED_PREFIX}{ck.checkpoint_name(3)}").is_dir()
+    state = ck.TrainState(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)))
+    assert ckpt.load(ckpt.resolve_intact("auto"), state).step == 2
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_every_checkpoint_damaged_is_refused_not_a_silent_fresh_start(tmp_path: Path) -> None:
+    ckpt = _save_checkpoints(tmp_path, [1, 2])
+    for step in (1, 2):
+        _zero_a_megabyte(tmp_path / ck.checkpoint_name(step))
+    with pytest.raises(ck.ResumeRefused, match="every checkpoint in .* is damaged"):
+        ckpt.resolve_intact("auto")
+    ckpt = _save_checkpoints(tmp_path / "cheap", [1])
+    (tmp_path / "cheap" / ck.checkpoint_name(1) / ck.MARKER).write_text("[]")
+    with pytest.raises(ck.ResumeRefused, match="every checkpoint"):  # before a process group
+        ck.resume_candidate("auto", tmp_path / "cheap")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_a_damaged_checkpoint_takes_no_keep_last_slot_from_an_intact_one(tmp_path: Path):
+    ckpt = _save_checkpoints(tmp_path, [1, 2, 3], keep_last=2)
+    _zero_a_megabyte(tmp_path / ck.checkpoint_name(3))
+    assert ckpt.resolve_intact("auto") == tmp_path / ck.checkpoint_name(2)
+    _save_checkpoints(tmp_path, [4], keep_last=2)  # the resumed run saves on
+    names = [p.name for p in ck.complete_checkpoints(tmp_path)]
+    assert names == [ck.checkpoint_name(2), ck.checkpoint_name(4)]  # both intact ones kept
+    assert all(ckpt.verify(tmp_path / name) is None for name in names)
+
+
+def test_resume_rules_end_to_end(tmp_path: Path) -> None:
+    """Through train.py: a plain re-run over checkpoints, a resume with another model shape,
+    a resume with an explicit lr (applied, logged, recorded), and --overwrite_output_dir."""
+    import json
+
+    from model_utils import optim
+
+    common = [*FAST, "--max_steps", "4", "--warmup", "1", "--validation_batches", "1"]
+    first = tmp_path / "first"
+    assert train(*common, "--checkpoint_freq", "2", f"--output_dir={first}").returncode == 0
+
+    again = train(*common, f"--output_dir={first}")
+    assert again.returncode == 2 and len(error_lines(again)) == 1, again.stderr
+    assert "--resume_from_checkpoint auto" in again.stderr
+    assert "--overwrite_output_dir" in again.stderr
+
+    shape = train(*common, f"--output_dir={first}", "--resume_from_checkpoint=auto",
+                  "--num_layers", "2", "--num_key_value_heads", "4")  # fmt: skip
+    assert shape.returncode == 2, shape.stderr
+    [line] = error_lines(shape)
+    assert "--num_key_value_heads 2 -> 4, --num_layers 4 -> 2" in line
+
+    step2 = first / "checkpoints" / ck.checkpoint_name(2)
+    second = tmp_path / "second"
+    lower = train(*common, f"--output_dir={second}", f"--resume_from_checkpoint={step2}",
+                  "--lr", "5e-4", "--train_batch_size", "2")  # fmt: skip
+    assert lower.returncode == 0, lower.stderr[-3000:]
+    assert "Resumed schedule: lr 0.0005 (--lr given)" in lower.stdout
+    assert "Resumed schedule: min_lr 0.0001 (saved; not given)" in lower.stdout
+    assert "--train_batch_size 4 -> 2" in lower.stdout  # allowed, logged
+    logged = {r["step"]: r["lr"] for r in map(json.loads, (second / "metrics.jsonl").open())
+              if r.get("kind") == "train"}  # fmt: skip
+    schedule = {"min_lr": 1e-4, "warmup": 1, "max_steps": 4, "style": "cosine"}
+    assert logged[3] == pytest.approx(optim.lr_at(3, lr=5e-4, **schedule), rel=1e-9)
+    final = ck.read_marker(second / "checkpoints" / ck.checkpoint_name(4))["run_config"]
+    assert (final["lr"], final["min_lr"]) == (5e-4, 1e-4)  # the values used, not the flags
+
+    fresh = train(*FAST, "--max_steps", "1", "--checkpoint_freq", "-1", "--overwrite_output_dir",
+                  f"--output_dir={first}")  # fmt: skip
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert ck.complete_checkpoints(first / "checkpoints") == []
