@@ -35,10 +35,11 @@ def chunk_tokens(vocab: int, hidden: int) -> int:
     """Tokens per chunk: small enough that the logits stay a fraction of HF's, large enough that
     the per-chunk gradient accumulation stays a few percent of the step.
 
-    Measured on an H100 (Llama 3, hidden 4096, vocab 128256, 16k tokens per micro-batch): 512-token
-    chunks (32 per step) cost 48% of te-fp8's speed in gradient accumulation; 8,192-token chunks
-    keep 2 chunks per step at 4 GiB of fp32 logits each, against 8 GiB plus 8 GiB of gradient on
-    HF's path. On the tiny CPU model (hidden 256) the 1,024-token floor from CHUNK_LOGITS wins.
+    Measured on an H100 (Llama 3, hidden 4096, vocab 128256, 16k tokens per micro-batch, te-fp8):
+    512-token chunks (32 per step) ran at 0.66x of HF's loss, nearly all of it the per-chunk
+    gradient accumulation; 8,192-token chunks (2 per step, 4 GiB of fp32 logits each) run at
+    0.95x and free 10 GiB, enough for micro-batch 4. On the tiny CPU model (hidden 256) the
+    1,024-token floor from CHUNK_LOGITS wins.
     """
     return max(1, CHUNK_LOGITS // vocab, MIN_CHUNK_TOKENS_PER_HIDDEN * hidden)
 
