@@ -62,8 +62,9 @@ def validate(argv: list[str] | None, training: bool = True) -> tuple[argparse.Na
     if training:
         try:  # a live run in this directory: refused before anything starts (reads only)
             guards.check_not_locked(guards.lock_dirs(args.output_dir, args.checkpoint_dir))
+            guards.check_locations(guards.output_locations(args))
             check_run_dir(args)
-        except (guards.RunLocked, ValueError) as exc:
+        except (guards.RunLocked, guards.WriteProblem, ValueError) as exc:
             raise arguments.UsageError(str(exc)) from exc
     return args, tokenizer
 
@@ -216,6 +217,7 @@ def train(
     backend = precision.build_backend(args, device, dp_group=dist.group.WORLD)
 
     model = build_model(args, mesh, device, backend)
+    check_outputs(args, world, device, model)  # before any training time is spent
 
     optimizer, scheduler = optim.from_args(model, args)
     stream = data.TrainStream(
@@ -350,6 +352,27 @@ def check_step(guard, ckpt, step: int, model, stop_requested: bool, saving: bool
     return stop
 
 
+def check_outputs(args: argparse.Namespace, world, device, model) -> None:
+    """Every rank writes a probe file where it will write its checkpoint shards (mounts can
+    differ between nodes); rank 0 also in the run and export folders, and checks that a
+    checkpoint (and the export) fits in the free space. guards.WriteProblem on every rank if
+    any rank found a problem."""
+    problem = None
+    for flag, path in guards.output_locations(args).items():
+        if problem is None and (world.is_main or flag == "--checkpoint_dir"):
+            problem = guards.probe_write(flag, path)
+    if problem is None and world.is_main:
+        try:
+            guards.check_space(args, modeling.count_parameters(model), log)
+        except guards.WriteProblem as exc:
+            problem = str(exc)
+    found: list[str | None] = [None] * world.world_size
+    dist.all_gather_object(found, problem)
+    first = next((p for p in found if p), None)
+    if first:
+        raise guards.WriteProblem(first)
+
+
 def hold_run_dirs(args: argparse.Namespace, world, device) -> list[guards.RunLock]:
     """Rank 0 locks the run's directories for the life of the run; if another live run holds
     one, every rank learns it (one all-reduce) and all stop with guards.RunLocked."""
@@ -402,12 +425,16 @@ def main(argv: list[str] | None = None) -> None:
         train(args, tokenizer, world, device, preemption, arguments.explicit_flags(argv))
     except checkpoint.UntrustedCheckpointError as exc:  # normally refused by validate() already
         arguments.exit_on_usage_error(arguments.UsageError(str(exc)))
-    except (guards.RunLocked, checkpoint.ResumeRefused) as exc:  # found after validate()
+    except (guards.RunLocked, guards.WriteProblem, checkpoint.ResumeRefused) as exc:
         if world.is_main:
             arguments.exit_on_usage_error(arguments.UsageError(str(exc)))
         raise SystemExit(2) from None
     except guards.Diverged as exc:
         guards.exit_diverged(exc, args.lr, world.is_main)
+    except checkpoint.CheckpointWriteError as exc:  # the disk filled up, went read-only, ...
+        if world.is_main:
+            print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     finally:
         for lock in locks:
             lock.release()

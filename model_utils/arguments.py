@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,8 +208,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Flags naming files or folders: `~` is expanded even when the shell did not (quoted, or after
+# `--flag=`), instead of becoming a folder literally named `~`.
+PATH_FLAGS = ("output_dir", "checkpoint_dir", "export_hf", "init_from_hf",
+              "resume_from_checkpoint", "dataset", "tokenizer")  # fmt: skip
+
+
 def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
     """Fill every preset field the user left unset; explicit flags win."""
+    for name in PATH_FLAGS:
+        value = getattr(args, name)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(args, name, os.path.expanduser(value))
     preset = PRESETS[args.preset]
     if args.dataset is not None and args.dataset_config_name is None:
         args.dataset_config_name = ""  # the preset's config belongs to the preset's dataset

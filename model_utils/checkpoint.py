@@ -50,6 +50,7 @@ extra state a te_linear run finds missing in a checkpoint of --model_impl hf.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -72,6 +73,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -392,6 +394,55 @@ def reseed_rng(seed: int) -> None:
 
 def _is_extra_state(name: str) -> bool:
     return name.endswith("_extra_state")
+
+
+class CheckpointWriteError(RuntimeError):
+    """A save failed (disk full, read-only, permissions, ...): one line saying why and what was
+    kept. The temporary directory is removed; published checkpoints are never touched."""
+
+
+_WRITE_ERRNOS = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EFBIG: "a file would exceed the size limit (ulimit -f)",
+}
+_NEARLY_FULL_BYTES = 16 * 2**20
+
+
+def _exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """`exc`, its causes and contexts, and the per-rank exceptions inside DCP's
+    CheckpointException (which wraps each as (exception, traceback))."""
+    todo, seen = [exc], set()
+    while todo:
+        err = todo.pop(0)
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        yield err
+        todo += [err.__cause__, err.__context__]
+        if isinstance(err, CheckpointException):
+            todo += [pair[0] for pair in err.failures.values()]
+
+
+def write_error_reason(exc: BaseException, directory: Path) -> str:
+    """Why a save failed, in words: the errno of an OSError anywhere in the chain, else a full
+    disk if the directory has next to no free space (torch's zip writer reports ENOSPC as
+    "unexpected pos ..."), else the first line of the error."""
+    chain = list(_exception_chain(exc))
+    for err in chain:
+        if isinstance(err, OSError) and err.errno is not None:
+            words = _WRITE_ERRNOS.get(err.errno, os.strerror(err.errno))
+            return f"{words} ({err.filename or directory})"
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        free = None
+    if free is not None and free < _NEARLY_FULL_BYTES:
+        return f"no space left on the device ({free / 2**20:.1f} MiB free in {directory})"
+    return _first_line(chain[-1] if chain else exc)
 
 
 class UntrustedCheckpointError(RuntimeError):
@@ -821,7 +872,7 @@ class Checkpointer:
             try:
                 dcp.save(items, checkpoint_id=str(tmp))
                 failure = None
-            except Exception as exc:  # every rank raises (DCP gathers the write results)
+            except (Exception, CheckpointException) as exc:  # DCP raises it on every rank
                 failure = exc
             self._seal(pending, failure, None)
             self.wait()
@@ -836,18 +887,18 @@ class Checkpointer:
             if failure is not None:
                 raise failure
             report: dict[str, Any] = {"files": file_sums(own_files(pending.tmp))}
-        except Exception as exc:
-            report = {"error": exc}
+        except (Exception, CheckpointException) as exc:
+            report = {"error": write_error_reason(exc, self.checkpoint_dir)}
         try:
             reports = _all_gather_object(report, group)
             errors = [r["error"] for r in reports if "error" in r]
             if errors:
-                pending.error = errors[0]
+                pending.error = CheckpointWriteError(errors[0])
             elif _rank() == 0:
                 sums = {name: sum_ for r in reports for name, sum_ in r["files"].items()}
                 self._publish(pending, sums)
-        except Exception as exc:
-            pending.error = exc
+        except Exception as exc:  # e.g. the marker or the rename failed on rank 0
+            pending.error = CheckpointWriteError(write_error_reason(exc, self.checkpoint_dir))
         finally:
             pending.sealed.set()
 
@@ -897,10 +948,14 @@ class Checkpointer:
         if _any_rank(pending.error is not None):
             if _rank() == 0 and pending.tmp.exists():
                 shutil.rmtree(pending.tmp, ignore_errors=True)  # the previous checkpoint stays
-            raise pending.error or RuntimeError(
-                f"checkpoint step {pending.step} was not saved: another rank failed (its log "
-                "says why)"
-            )
+            reason = str(pending.error or "another rank failed (see rank 0's log)")
+            latest = self.latest()
+            kept = f"the newest checkpoint, {latest}, is kept" if latest else "none was saved yet"
+            raise CheckpointWriteError(
+                f"checkpoint step {pending.step} could not be written to {self.checkpoint_dir}: "
+                f"{reason}; {kept}; free space or fix the location, then resume with "
+                "--resume_from_checkpoint auto"
+            ) from pending.error
 
     def close(self) -> None:
         self.wait()

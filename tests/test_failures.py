@@ -490,3 +490,106 @@ def test_resume_rules_end_to_end(tmp_path: Path) -> None:
                   f"--output_dir={first}")  # fmt: skip
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     assert ck.complete_checkpoints(first / "checkpoints") == []
+
+
+# ============================================================================================
+# 4. Write problems found before training, in words
+
+
+def test_tilde_is_expanded_in_every_path_flag(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    args = parse_args(["--output_dir", "~/run", "--export_hf=~/hf"])
+    assert args.output_dir == str(tmp_path / "run")
+    assert args.checkpoint_dir == str(tmp_path / "run" / "checkpoints")
+    assert args.export_hf == str(tmp_path / "hf")
+
+
+def test_a_file_in_the_way_is_refused_before_anything_is_created(tmp_path: Path) -> None:
+    blocker = tmp_path / "blocker"
+    blocker.write_text("x")
+    for flag in ("--checkpoint_dir", "--export_hf", "--output_dir"):
+        problem = guards.location_problem(flag, blocker)
+        assert problem == f"{flag} {blocker} is a file, not a directory: choose another {flag}"
+        below = guards.location_problem(flag, blocker / "sub")
+        assert below and f"{blocker} is a file" in below
+    assert guards.location_problem("--output_dir", tmp_path / "new" / "deep") is None
+    assert not (tmp_path / "new").exists()
+    assert guards.probe_write("--output_dir", tmp_path / "new" / "deep") is None
+    assert not (tmp_path / "new").exists()  # the probe leaves nothing behind
+    result = train("--export_hf", str(blocker), f"--output_dir={tmp_path / 'run'}")
+    assert result.returncode == 2 and error_lines(result) == [
+        f"train.py: error: --export_hf {blocker} is a file, not a directory: choose another "
+        "--export_hf"
+    ]
+    assert not (tmp_path / "run").exists()
+
+
+def test_free_space_verdicts() -> None:
+    gib, where = 2**30, Path("/x")
+    assert guards.space_verdict(10 * gib, 1 * gib, 3, "checkpoint", where)[0] == "ok"
+    verdict, line = guards.space_verdict(2 * gib, 1 * gib, 3, "checkpoint", where)
+    assert verdict == "warn" and "less than the 3 checkpoints" in line
+    verdict, line = guards.space_verdict(gib // 2, 1 * gib, 3, "checkpoint", where)
+    assert verdict == "refuse" and line.startswith("/x has 0.50 GiB free, less than one checkpoint")
+    # 82 MiB measured for the tiny model's 7.1M parameters with AdamW: 12 bytes per parameter
+    assert guards.checkpoint_bytes(7_100_000) == 85_200_000
+    assert guards.checkpoint_bytes(10, "adamw8bit") == 60
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """Mount tmpfs file systems of a given size (MiB) or read-only, unmounted afterwards."""
+    mounted: list[Path] = []
+
+    def mount(name: str, size_mib: int, read_only: bool = False) -> Path:
+        point = tmp_path / name
+        point.mkdir()
+        options = f"size={size_mib}m" + (",ro" if read_only else "")
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
+                              capture_output=True, text=True)  # fmt: skip
+        if done.returncode != 0:
+            pytest.skip(f"needs root allowed to mount a tmpfs: {done.stderr.strip()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", str(point)], check=False)
+
+
+def test_a_read_only_checkpoint_dir_is_refused_at_start(tmp_path: Path, small_disk) -> None:
+    read_only = small_disk("ro", 4, read_only=True)
+    out = tmp_path / "run"
+    result = train(*FAST, f"--output_dir={out}", f"--checkpoint_dir={read_only / 'ckpt'}")
+    assert result.returncode == 2, result.stderr
+    assert error_lines(result) == [
+        f"train.py: error: --checkpoint_dir {read_only / 'ckpt'} cannot be written: {read_only} "
+        "is on a read-only file system; choose another --checkpoint_dir"
+    ]
+    assert not out.exists()
+
+
+def test_a_full_disk_is_refused_before_training_or_named_at_save(tmp_path: Path, small_disk):
+    """The tiny model's checkpoint is ~82 MiB: 50 MiB cannot hold one (refused at start-up);
+    130 MiB holds one, so the second save fails: one line, and the first checkpoint stays."""
+    common = [*FAST, "--max_steps", "4", "--warmup", "1", "--validation_batches", "1"]
+    tiny_disk = small_disk("tiny", 50)
+    refused = train(*common, f"--output_dir={tmp_path / 'a'}",
+                    f"--checkpoint_dir={tiny_disk / 'ckpt'}")  # fmt: skip
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    [line] = error_lines(refused)
+    assert f"{tiny_disk / 'ckpt'} has 0.05 GiB free, less than one checkpoint" in line
+    assert "Batch 1 Loss" not in refused.stdout  # found before any training
+
+    disk = small_disk("disk", 130)
+    full = train(*common, "--checkpoint_freq", "2", f"--output_dir={tmp_path / 'b'}",
+                 f"--checkpoint_dir={disk}")  # fmt: skip
+    assert full.returncode == 1, full.stderr[-3000:]
+    assert "less than the 3 checkpoints this run keeps" in full.stdout  # warned at start
+    [line] = error_lines(full)
+    first = disk / ck.checkpoint_name(2)
+    assert line.startswith(f"train.py: error: checkpoint step 4 could not be written to {disk}: ")
+    assert "no space left on the device" in line and f"the newest checkpoint, {first}" in line
+    assert "Traceback" not in full.stderr
+    assert [p.name for p in disk.iterdir() if p.is_dir()] == [first.name]  # no temporary left
+    assert ck.Checkpointer(disk).verify(first) is None  # intact
