@@ -265,7 +265,7 @@ def train(
             batch = {k: v.to(device, non_blocking=True) for k, v in next(stream).items()}
             data_wait += time.perf_counter() - t0
             last = micro == args.grad_accum_steps - 1
-            model.set_requires_gradient_sync(last)  # reduce-scatter once per step, not per micro
+            distributed.sync_gradients(model, args.sharding_strategy, last)
             with backend.autocast():
                 loss = model(**batch, **backend.forward_kwargs(micro)).loss
             (loss / args.grad_accum_steps).backward()

@@ -150,18 +150,45 @@ def apply_compile(model: nn.Module) -> None:
 
 
 def shard(model: nn.Module, mesh: DeviceMesh, args: argparse.Namespace) -> nn.Module:
-    """FSDP2 on every decoder layer and on the root.
+    """FSDP2 units as torchtitan draws them: the embedding, each decoder layer, the final norm
+    with ``lm_head``, and the root (what is left: rotary buffers).
 
-    bf16 parameters for compute and fp32 gradient reduction; master weights stay fp32.
+    Embedding and ``lm_head`` are the two vocab-sized matrices (1.05B parameters for Llama 3);
+    as their own units they are gathered only while used, not for the whole step as in the
+    root. bf16 parameters for compute and fp32 gradient reduction; master weights stay fp32.
     """
     compute = torch.bfloat16 if args.bf16 else torch.float32
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
-    layers = decoder_layers(model)
-    for i, layer in enumerate(layers):
-        # The last layer's parameters are needed again at once by backward: keep them gathered.
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(layers) - 1)
+    units = fsdp_units(model)
+    for unit, reshard in units:
+        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+def fsdp_units(model: nn.Module) -> list[tuple[nn.Module | list[nn.Module], bool]]:
+    """(module or module group, reshard after forward) in forward order, root excluded.
+
+    The last layer and ``[norm, lm_head]`` stay gathered after forward: backward needs them
+    first, so resharding would only gather them again at once (torchtitan's choice too).
+    """
+    layers = decoder_layers(model)
+    units: list[tuple[nn.Module | list[nn.Module], bool]] = [(model.model.embed_tokens, True)]
+    units += [(layer, i < len(layers) - 1) for i, layer in enumerate(layers)]
+    units.append(([model.model.norm, model.lm_head], False))
+    return units
+
+
+def sync_gradients(model: nn.Module, strategy: str, last_micro: bool) -> None:
+    """How gradients of one micro-batch are reduced, as torchtitan does it.
+
+    Every micro-batch is reduce-scattered within the shard group: FSDP2 with gradient sync off
+    would keep each gradient *unsharded* in fp32 until the last micro-batch (4 bytes x
+    parameters per rank: 32 GB for Llama3-8B, an OOM from 13B up). Only HSDP's all-reduce across
+    replicas (the inter-node traffic) waits for the last micro-batch.
+    """
+    if strategy == "hybrid":
+        model.set_requires_all_reduce(last_micro)
 
 
 def all_ranks_agree(flag: bool, device: torch.device) -> bool:

@@ -111,14 +111,28 @@ def _forward_with_chunked_loss(
     hidden = hidden.last_hidden_state
     if labels is None:
         return CausalLMOutputWithPast(logits=self.lm_head(hidden))
-    return CausalLMOutputWithPast(loss=linear_cross_entropy(hidden, self.lm_head.weight, labels))
+    return CausalLMOutputWithPast(loss=self.lm_head(hidden, labels=labels))
+
+
+def _lm_head_forward(self: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor | None = None):
+    """Logits without labels (generation, export), the chunked loss with them.
+
+    The loss runs *inside* ``lm_head``'s forward so that module hooks fire as for any layer:
+    FSDP2 gathers ``lm_head`` (its own unit with the final norm, as torchtitan shards it) in its
+    pre-forward and schedules its gradient reduce-scatter from there.
+    """
+    if labels is None:
+        return F.linear(hidden, self.weight, self.bias)
+    return linear_cross_entropy(hidden, self.weight, labels)
 
 
 def use_chunked_loss(model: nn.Module) -> nn.Module:
     """Make ``model(input_ids, labels=...)`` compute the loss chunk by chunk (no full logits).
 
-    Set on the instance, so parameter names, checkpoints, FSDP2's root hooks (which gather
-    ``lm_head`` before the forward) and HF export stay exactly as they are.
+    Set on the instances, so parameter names, checkpoints and HF export stay exactly as they are.
     """
+    if model.lm_head.bias is not None:
+        raise ValueError("the chunked loss expects lm_head without a bias (Llama has none)")
+    model.lm_head.forward = types.MethodType(_lm_head_forward, model.lm_head)
     model.forward = types.MethodType(_forward_with_chunked_loss, model)
     return model

@@ -221,8 +221,8 @@ def run_mode(
         micros = micro_batches(batch, world.rank, world.world_size, accum)
         recorder.enabled = evidence.enabled = step == 0  # one step's forward + backward
         loss_sum = torch.zeros((), dtype=torch.float64)
-        for m, ids in enumerate(micros):  # train.py's accumulation: sync on the last only
-            model.set_requires_gradient_sync(m == len(micros) - 1)
+        for m, ids in enumerate(micros):  # train.py's accumulation
+            common.distributed.sync_gradients(model, strategy, m == len(micros) - 1)
             with backend.autocast():
                 loss = model(input_ids=ids, labels=ids).loss
             (loss / len(micros)).backward()
