@@ -36,14 +36,14 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from model_utils.precision import FP8_DIM_MULTIPLE  # FP8 GEMMs need multiples of 16
+
 ModelImpl = Literal["te", "te_linear"]
 
 #: Prefix of the decoder layers inside ``LlamaForCausalLM.state_dict()``.
 LAYER_PREFIX = "model.layers."
 #: Attribute of :class:`TELlamaDecoderLayer` holding the TE ``TransformerLayer``.
 TE_LAYER_ATTR = "transformer_layer"
-#: Linear dimensions must be multiples of this for TE's FP8 GEMMs (checked again at run time).
-FP8_DIM_MULTIPLE = 16
 #: Wrapper segments that do not belong to a parameter's identity (activation checkpointing,
 #: torch.compile, FSDP1): stripped before a name is mapped or seeded.
 _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -527,9 +527,6 @@ class TELlamaDecoderLayer(nn.Module):
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
         #: Set per micro-batch by :func:`set_is_first_microbatch` (TE caches FP8 weights).
         self.is_first_microbatch: bool | None = None
-        #: Recompute this layer in backward with TE's checkpoint (see
-        #: :func:`apply_te_activation_checkpointing`).
-        self.activation_checkpointing = False
 
     def reset_rope_buffers(self) -> None:
         """Nothing to reset: frequencies live in a plain CPU attribute, not a meta buffer."""
@@ -560,17 +557,6 @@ class TELlamaDecoderLayer(nn.Module):
         is_first_microbatch = kwargs.pop("is_first_microbatch", self.is_first_microbatch)
         rotary_pos_emb = self._rotary_pos_emb(hidden_states, position_ids)
         mask_type, te_mask = hf_mask_to_te(attention_mask)
-        if self.activation_checkpointing and torch.is_grad_enabled():
-            te = import_te()
-            return te.checkpoint(
-                self.transformer_layer,
-                hidden_states,
-                use_reentrant=False,
-                attention_mask=te_mask,
-                self_attn_mask_type=mask_type,
-                rotary_pos_emb=rotary_pos_emb,
-                is_first_microbatch=is_first_microbatch,
-            )
         return self.transformer_layer(
             hidden_states,
             attention_mask=te_mask,
@@ -702,26 +688,6 @@ def set_is_first_microbatch(model: nn.Module, value: bool | None) -> None:
             module.is_first_microbatch = value
         else:
             module.te_is_first_microbatch = value
-
-
-def apply_te_activation_checkpointing(model: nn.Module) -> int:
-    """Recompute each decoder layer in backward with TE's ``checkpoint`` (not torch's).
-
-    TE's version keeps FP8 scaling state consistent between the forward and its recompute.
-    ``te`` layers switch an internal flag (parameter names unchanged); ``te_linear`` layers are
-    wrapped with torch's ``checkpoint_wrapper`` using TE's function. Call before sharding.
-    Returns the number of layers affected.
-    """
-    te = import_te()
-    layers = model.model.layers
-    for idx, layer in enumerate(layers):
-        if isinstance(layer, TELlamaDecoderLayer):
-            layer.activation_checkpointing = True
-            continue
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-        layers[idx] = checkpoint_wrapper(layer, checkpoint_fn=te.checkpoint, use_reentrant=False)
-    return len(layers)
 
 
 # --------------------------------------------------------------------------------------------

@@ -367,22 +367,18 @@ def test_is_first_microbatch_reuses_fp8_weights(impl: str, te_double) -> None:
 
 @pytest.mark.parametrize("recipe", ["bf16", "delayed"])
 def test_te_activation_checkpointing_keeps_gradients(recipe: str, te_double) -> None:
-    """Both routes (the layer flag, and checkpoint_wrapper with backend.checkpoint_fn as
-    train.py does) recompute with TE's checkpoint and give the gradients of no recompute."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    """train.py's route (checkpoint_wrapper with TE's checkpoint as backend.checkpoint_fn)
+    recomputes with TE's checkpoint and gives the gradients of no recompute."""
+    from model_utils import distributed
 
     config = tiny_config()
     ids = batch(config)
     grads = []
-    for route in ("none", "flag", "wrapper"):
+    for route in ("none", "wrapper"):
         backend = TEBackend(backend_args(fp8=recipe != "bf16", recipe="delayed"))
         model = backend.prepare(built(config))
-        if route == "flag":
-            assert te_llama.apply_te_activation_checkpointing(model) == config.num_hidden_layers
-        elif route == "wrapper":
-            layers = model.model.layers
-            for i, layer in enumerate(layers):
-                layers[i] = checkpoint_wrapper(layer, checkpoint_fn=backend.checkpoint_fn)
+        if route == "wrapper":
+            distributed.apply_activation_checkpointing(model, backend.checkpoint_fn)
         for micro in range(2):  # the second runs with updated delayed-scaling factors
             model.zero_grad()
             with backend.autocast():
@@ -400,10 +396,12 @@ def test_te_activation_checkpointing_keeps_gradients(recipe: str, te_double) -> 
 
 
 def test_te_linear_activation_checkpointing_keeps_state_dict_names(te_double) -> None:
+    from model_utils import distributed
+
     config = tiny_config()
     model = built(config, "te_linear")
     keys = set(model.state_dict())
-    te_llama.apply_te_activation_checkpointing(model)
+    distributed.apply_activation_checkpointing(model, TEBackend(backend_args(False)).checkpoint_fn)
     assert set(model.state_dict()) == keys
     ids = batch(config)
     model(ids, labels=ids).loss.backward()
@@ -528,6 +526,7 @@ def test_gpu_matrix_rows_are_train_py_commands_and_the_table_shows_ratios(tmp_pa
         parsed = parse_args(cmd[cmd.index(str(bench.ROOT / "train.py")) + 1 :])
         assert f"--train_batch_size={parsed.train_batch_size}" in fixed, name
         assert parsed.activation_checkpointing == ("--activation_checkpointing" in fixed), name
+        assert env in ({}, bench.EXPANDABLE) and ("expandable" in name) == bool(env), name
         assert " " not in cmd[-len(fixed) - len(user) - 1]  # run directory without spaces
     assert set(bench.BASELINES["levers"]) <= {name for name, *_ in bench.LEVER_ROWS}
     rows = [
