@@ -76,7 +76,6 @@ def flops_per_token(
     intermediate: int,
     vocab: int,
     seq_len: int,
-    tie_embeddings: bool = False,
 ) -> float:
     """Training FLOPs per token = ``6 * N + 12 * L * n_heads * head_dim * seq_len``.
 
@@ -89,11 +88,9 @@ def flops_per_token(
       The causal mask is NOT discounted (the full ``seq x seq`` product is counted, as in
       torchtitan/PaLM), so a causal flash kernel does about half this attention work.
     - Not counted: norms, RoPE, SiLU, softmax, the loss, optimizer, and activation recompute.
-
-    ``tie_embeddings`` is accepted so a model config can be passed through unchanged; it does not
-    change the result (the ``lm_head`` matmul costs the same whether its weight is shared).
+    Tied embeddings would not change the result: the ``lm_head`` matmul costs the same whether
+    its weight is shared (the tied case is counted in tests/test_metrics.py).
     """
-    del tie_embeddings  # documented above: tying shares storage, not compute
     if seq_len <= 0:
         raise ValueError(f"seq_len must be > 0, got {seq_len}")
     n = matmul_params(
