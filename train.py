@@ -48,6 +48,8 @@ def validate(argv: list[str] | None, training: bool = True) -> tuple[argparse.Na
     precision.resolve_fp8_recipe(args)
     try:
         data.check_dataset(args.dataset, args.dataset_config_name)
+        data.check_local_data(args.dataset, args.text_column)  # empty, corrupt, not UTF-8, ...
+        data.check_hub_dataset(args.dataset)  # a name that is no local path: one quick look-up
         tokenizer = data.load_tokenizer(args.tokenizer)
         data.check_vocab(tokenizer, args.vocab_size)
         checkpoint.check_resume_arg(args.resume_from_checkpoint, args.checkpoint_dir)
@@ -216,20 +218,11 @@ def train(
     mesh = distributed.build_mesh(world, device, args.sharding_strategy)
     backend = precision.build_backend(args, device, dp_group=dist.group.WORLD)
 
+    stream, val_batches = build_data(args, tokenizer, world)  # data problems before the model
     model = build_model(args, mesh, device, backend)
     check_outputs(args, world, device, model)  # before any training time is spent
 
     optimizer, scheduler = optim.from_args(model, args)
-    stream = data.TrainStream(
-        args.dataset, tokenizer, args.max_context_width, args.train_batch_size,
-        config_name=args.dataset_config_name, text_column=args.text_column,
-        rank=world.rank, world_size=world.world_size, seed=args.seed,
-    )  # fmt: skip
-    val_batches = data.validation_batches(
-        args.dataset, tokenizer, args.max_context_width, args.val_batch_size,
-        args.validation_batches, config_name=args.dataset_config_name,
-        text_column=args.text_column, rank=world.rank, world_size=world.world_size,
-    )  # fmt: skip
 
     ckpt = checkpoint.Checkpointer(args.checkpoint_dir, args.keep_last, args.async_checkpoint)
     state = checkpoint.TrainState(
@@ -256,18 +249,20 @@ def train(
     )  # fmt: skip
 
     guard = guards.StepGuard(device)
+    reads = data.ReadGuard(stream, args.text_column)
     model.train()
     run_log.meter.start()
     while state.step < args.max_steps:
         data_wait, loss_sum = 0.0, torch.zeros((), device=device)
         for micro in range(args.grad_accum_steps):
             t0 = time.perf_counter()
-            batch = {k: v.to(device, non_blocking=True) for k, v in next(stream).items()}
+            raw, weight = reads.next()  # weight 0: a stand-in after a bad read (ReadGuard)
+            batch = {k: v.to(device, non_blocking=True) for k, v in raw.items()}
             data_wait += time.perf_counter() - t0
             last = micro == args.grad_accum_steps - 1
             distributed.sync_gradients(model, args.sharding_strategy, last)
             with backend.autocast():
-                loss = model(**batch, **backend.forward_kwargs(micro)).loss
+                loss = model(**batch, **backend.forward_kwargs(micro)).loss * weight
             (loss / args.grad_accum_steps).backward()
             loss_sum += loss.detach()
         grad_norm = None
@@ -290,12 +285,14 @@ def train(
         # the host wait for the device each step. A signal is acted on within --logging_freq
         # steps; a non-finite step stops the run before any checkpoint holds it.
         if save_now or run_log.is_report_step(state.step):
-            stop = check_step(guard, ckpt, state.step, model, preemption.requested, save_now)
+            asked = preemption.requested or reads.failure is not None
+            stop = check_step(guard, ckpt, state.step, model, asked, save_now)
             if save_now:
                 with run_log.meter.paused():
                     ckpt.save(state.step, state)
             if stop:
-                ckpt.save(state.step, state, block=True)
+                path = ckpt.save(state.step, state, block=True)
+                raise_read_failure(reads.failure, world, state.step, path)
                 log.info("Preemption signal received: checkpoint saved at step %d", state.step)
                 return
 
@@ -350,6 +347,48 @@ def check_step(guard, ckpt, step: int, model, stop_requested: bool, saving: bool
         ckpt.close()
         raise guards.Diverged(bad_step, ckpt.latest())
     return stop
+
+
+def build_data(args: argparse.Namespace, tokenizer, world) -> tuple[data.TrainStream, list]:
+    """This rank's training stream and validation batches. Each rank reads its own shard, so a
+    data problem may show on one rank only: every rank learns it (all_gather) and all raise
+    data.DataError with its one line."""
+    stream = val_batches = problem = None
+    try:
+        stream = data.TrainStream(
+            args.dataset, tokenizer, args.max_context_width, args.train_batch_size,
+            config_name=args.dataset_config_name, text_column=args.text_column,
+            rank=world.rank, world_size=world.world_size, seed=args.seed,
+        )  # fmt: skip
+        val_batches = data.validation_batches(
+            args.dataset, tokenizer, args.max_context_width, args.val_batch_size,
+            args.validation_batches, config_name=args.dataset_config_name,
+            text_column=args.text_column, rank=world.rank, world_size=world.world_size,
+        )  # fmt: skip
+    except (ValueError, OSError) as exc:  # DataError, a bad byte (UnicodeDecodeError), ...
+        problem = data.read_error_message(
+            exc, args.dataset, args.text_column, world.rank, "at start-up"
+        )
+    found: list[str | None] = [None] * world.world_size
+    dist.all_gather_object(found, problem)
+    first = next((p for p in found if p), None)
+    if first:
+        raise data.DataError(first)
+    return stream, val_batches
+
+
+def raise_read_failure(failure: str | None, world, step: int, path) -> None:
+    """After the stop's checkpoint: if any rank met bad data mid-run, data.DataError (every
+    rank, with that rank's line) saying what was saved; the caller exits 2."""
+    found: list[str | None] = [None] * world.world_size
+    dist.all_gather_object(found, failure)
+    first = next((f for f in found if f), None)
+    if first:
+        raise data.DataError(
+            f"{first}; checkpoint saved at step {step} ({path}; the steps since the bad read "
+            "went on without that rank's batches): fix or remove the file, then resume with "
+            "--resume_from_checkpoint auto"
+        )
 
 
 def check_outputs(args: argparse.Namespace, world, device, model) -> None:
@@ -425,7 +464,7 @@ def main(argv: list[str] | None = None) -> None:
         train(args, tokenizer, world, device, preemption, arguments.explicit_flags(argv))
     except checkpoint.UntrustedCheckpointError as exc:  # normally refused by validate() already
         arguments.exit_on_usage_error(arguments.UsageError(str(exc)))
-    except (guards.RunLocked, guards.WriteProblem, checkpoint.ResumeRefused) as exc:
+    except (guards.RunLocked, guards.WriteProblem, checkpoint.ResumeRefused, data.DataError) as exc:
         if world.is_main:
             arguments.exit_on_usage_error(arguments.UsageError(str(exc)))
         raise SystemExit(2) from None

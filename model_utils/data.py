@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import weakref
 from collections.abc import Iterator
@@ -59,6 +60,16 @@ TEST_NAME = re.compile(r"(^|[^a-z0-9])test([^a-z0-9]|$)")
 HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 Batch = dict[str, torch.Tensor]
+
+# What the start-up check reads of local data: enough to find a bad file at once, not a whole
+# corpus (a bad byte further in is met mid-run and named then).
+SCAN_BYTES_PER_FILE = 8 * 2**20
+SCAN_BYTES_TOTAL = 64 * 2**20
+HUB_TIMEOUT_S = 10.0  # one look-up of a hub dataset name before anything starts
+
+
+class DataError(ValueError):
+    """The data cannot be used: one line naming the file (and line or row) and what to do."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -157,6 +168,188 @@ def check_dataset(dataset: str, config_name: str | None) -> None:
         _local_files(path)
     elif _looks_like_path(dataset) or not HUB_NAME.match(dataset):
         raise ValueError(f"--dataset {dataset}: no such file or directory")
+
+
+def check_hub_dataset(dataset: str, timeout: float = HUB_TIMEOUT_S) -> None:
+    """One quick look-up of a name that is not a local path, before anything starts: a typo'd
+    local name (`corpus` for `corpus.jsonl`) or a machine without network otherwise spends half
+    a minute in the datasets library's retries, after the model is built. Streaming a hub
+    dataset needs the network anyway, so an offline setting is refused too."""
+    if Path(dataset).expanduser().exists():
+        return
+    offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if _env_true(v)]
+    local_hint = "give a local file with its extension (.jsonl, .txt, .parquet) or folder"
+    if offline:
+        raise DataError(
+            f"--dataset {dataset}: no local file or folder of that name, and hub look-ups are "
+            f"off ({offline[0]}=1; streaming a hub dataset needs the network): {local_hint}"
+        )
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    try:
+        HfApi().dataset_info(dataset, timeout=timeout)
+    except RepositoryNotFoundError:
+        raise DataError(
+            f"--dataset {dataset}: no local file or folder of that name, and no such dataset on "
+            f"the Hugging Face hub (or it is private: set HF_TOKEN): {local_hint}"
+        ) from None
+    except Exception as exc:  # no network, DNS, proxy, timeout, server error
+        raise DataError(
+            f"--dataset {dataset}: no local file or folder of that name, and the Hugging Face hub "
+            f"did not answer within {timeout:g} s ({_first_line(exc)}): {local_hint}, or check "
+            "the network"
+        ) from None
+
+
+def _env_true(name: str) -> bool:
+    import os
+
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:160]}" if lines else type(exc).__name__
+
+
+def check_local_data(dataset: str, text_column: str) -> None:
+    """Before the model is built: every local data file is non-empty and readable, and the first
+    SCAN_BYTES_PER_FILE of each (SCAN_BYTES_TOTAL in all) decode as UTF-8, parse (JSON lines),
+    and hold `text_column`. DataError names the file, and the line or what is missing."""
+    path = Path(dataset).expanduser()
+    if not path.exists():
+        return
+    builder, train, validation = _local_files(path)
+    budget = SCAN_BYTES_TOTAL
+    for name in train + validation:
+        file = Path(name)
+        if file.stat().st_size == 0:
+            raise DataError(f"--dataset: {file} is empty: remove it or fill it")
+        if builder == "parquet":
+            _check_parquet(file, text_column)
+            continue
+        budget -= _scan_file(file, builder, text_column, min(SCAN_BYTES_PER_FILE, budget))
+        if budget <= 0:
+            break
+
+
+def find_bad_file(dataset: str, text_column: str) -> str | None:
+    """The one-line problem of the first local data file that fails the start-up checks read
+    in full (what a rank met mid-run, beyond the start-up scan), or None (hub data, or no file
+    shows it)."""
+    path = Path(dataset).expanduser()
+    if not path.exists():
+        return None
+    builder, train, validation = _local_files(path)
+    for name in train + validation:
+        try:
+            if builder == "parquet":
+                _check_parquet(Path(name), text_column)
+            else:
+                _scan_file(Path(name), builder, text_column, limit=None)
+        except DataError as exc:
+            return str(exc)
+    return None
+
+
+def _check_parquet(file: Path, text_column: str) -> None:
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(file).metadata
+    except Exception as exc:
+        raise DataError(
+            f"--dataset: {file} is not a readable parquet file ({_first_line(exc)}): replace or "
+            "remove it"
+        ) from None
+    names = meta.schema.to_arrow_schema().names
+    if text_column not in names:
+        raise DataError(
+            f"--dataset: {file} has no column {text_column!r} (columns: {', '.join(names)}): pass "
+            "--text_column"
+        )
+    if meta.num_rows == 0:
+        raise DataError(f"--dataset: {file} has no rows: remove it or fill it")
+
+
+def _open_binary(file: Path) -> Any | None:
+    """`file` opened for reading its decompressed bytes (None for .zst/.lz4: the datasets
+    library reads those itself)."""
+    import bz2
+    import gzip
+    import lzma
+
+    openers = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+    suffix = file.suffix.lower()
+    if suffix in COMPRESSIONS and suffix not in openers:
+        return None
+    return openers.get(suffix, open)(file, "rb")
+
+
+def _scan_file(file: Path, builder: str, column: str, limit: int | None) -> int:
+    """Read `file` line by line (up to about `limit` decompressed bytes; None: all of it): each
+    line must be UTF-8 and, in JSON lines, a JSON object; the first record must hold `column`.
+    DataError names the file and line. Returns the bytes read."""
+    handle = _open_binary(file)
+    if handle is None:
+        return 0
+    read, has_text, json_lines, seen_column, cut = 0, False, None, False, False
+    try:
+        with handle:
+            for number, raw in enumerate(handle, start=1):
+                if limit is not None and read + len(raw) > limit:
+                    cut = True  # the scan ends here; a line cut by it is not judged
+                    break
+                read += len(raw)
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise DataError(
+                        f"--dataset: {file} line {number} is not UTF-8 text (byte "
+                        f"0x{raw[exc.start]:02x}): convert the file to UTF-8, or remove it"
+                    ) from None
+                if not line.strip():
+                    continue
+                has_text = True
+                if builder != "json":
+                    continue
+                if json_lines is None:  # a .json file may be one JSON document instead
+                    json_lines = ".jsonl" in [x.lower() for x in file.suffixes] or _is_object(line)
+                if not json_lines:
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(
+                        f"--dataset: {file} line {number} is not JSON ({exc.msg}): fix or "
+                        "remove the line"
+                    ) from None
+                if not isinstance(record, dict):
+                    raise DataError(f"--dataset: {file} line {number} is not a JSON object")
+                if not seen_column and column not in record:
+                    raise DataError(
+                        f"--dataset: {file} line {number} has no column {column!r} (columns: "
+                        f"{', '.join(record)}): pass --text_column"
+                    )
+                seen_column = True
+    except (OSError, EOFError, ValueError) as exc:
+        if isinstance(exc, DataError):
+            raise
+        raise DataError(
+            f"--dataset: {file} cannot be read or decompressed ({_first_line(exc)}): replace or "
+            "remove it"
+        ) from None
+    if not has_text and not cut:
+        raise DataError(f"--dataset: {file} holds no text: remove it or fill it")
+    return read
+
+
+def _is_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except json.JSONDecodeError:
+        return False
 
 
 def is_held_out(text: str) -> bool:
@@ -275,7 +468,7 @@ def _texts(examples: Iterator[dict], text_column: str, source: _Source) -> Itera
     """Non-empty document texts of a stream of examples, with a clear error for a wrong column."""
     for example in examples:
         if text_column not in example:
-            raise ValueError(
+            raise DataError(
                 f"--dataset {source.name} has no column {text_column!r} (columns: "
                 f"{', '.join(example)}): pass --text_column"
             )
@@ -410,6 +603,8 @@ class TrainStream:
         self._block: list[str] = []  # texts of the current block, shuffled
         self._tokens: np.ndarray | None = None  # tokens of the current tokenizer batch
         self.batches = 0  # micro-batches yielded so far (restored by load_state_dict)
+        self._epoch_tokens = 0  # tokens encoded since the epoch started (for the tiny-data warning)
+        self._warned_tiny = False
 
     @property
     def epoch(self) -> int:
@@ -518,7 +713,7 @@ class TrainStream:
         self._block = self._reader.read_block(cursor.block)
         if not self._block:
             if cursor.block == 0 and not cursor.dataset_state:
-                raise ValueError(self._reader.empty_message())
+                raise DataError(self._reader.empty_message())
             raise ValueError("data stream state points past the end of its epoch")
         self._tokens = self._encode(cursor.doc)
 
@@ -534,18 +729,81 @@ class TrainStream:
         if block:
             self._cursor = _Cursor(cursor.epoch, cursor.block + 1, block_start)
         else:  # the epoch is over: reshuffle and go on
+            self._warn_if_tiny()
             self._cursor = _Cursor(cursor.epoch + 1)
             self._reader.open(self._cursor.epoch)
             block = self._reader.read_block(0)
             if not block:
-                raise ValueError(self._reader.empty_message())
+                raise DataError(self._reader.empty_message())
         self._block = block
         self._tokens = self._encode(0)
 
     def _encode(self, first_doc: int) -> np.ndarray:
-        return encode_documents(
+        tokens = encode_documents(
             self.tokenizer, self._block[first_doc : first_doc + self.tokenize_batch]
         )
+        self._epoch_tokens += len(tokens)
+        return tokens
+
+    def _warn_if_tiny(self) -> None:
+        """Once: this rank's data is smaller than one micro-batch, so every batch repeats it
+        (the loss then says little about the model)."""
+        window = self.micro_batch * self.seq_len
+        if not self._warned_tiny and 0 < self._epoch_tokens < window:
+            self._warned_tiny = True
+            logging.getLogger(__name__).warning(
+                "--dataset %s: rank %d's training part is %d tokens, less than one micro-batch "
+                "(%d x %d tokens), so each batch repeats it ~%d times: add data",
+                self.dataset, self.rank, self._epoch_tokens, self.micro_batch, self.seq_len,
+                window // self._epoch_tokens,
+            )  # fmt: skip
+        self._epoch_tokens = 0
+
+
+class ReadGuard:
+    """This rank's micro-batches, surviving a bad read mid-run (a bad byte or record beyond the
+    start-up scan, a file that changed).
+
+    The rank must not stop alone: the others are inside the step's collectives with it. So from
+    the failed read on it repeats its last batch with weight 0 (no gradient: the step goes on
+    with the other ranks' data) and `failure` says what broke and in which file; the training
+    loop treats that as a stop request, which every rank acts on at its next logging step
+    (checkpoint, then exit with the line)."""
+
+    def __init__(self, stream: TrainStream, text_column: str) -> None:
+        self.stream, self.text_column = stream, text_column
+        self.failure: str | None = None
+        self._last: Batch | None = None
+
+    def next(self) -> tuple[Batch, float]:
+        """(batch, loss weight): weight 1 for real data, 0 for the stand-in after a failure."""
+        if self.failure is None:
+            try:
+                self._last = next(self.stream)
+                return self._last, 1.0
+            except Exception as exc:  # DataError, UnicodeDecodeError, ArrowInvalid, OSError, ...
+                self.failure = self._describe(exc)
+                logging.getLogger(__name__).error("%s", self.failure)
+        if self._last is None:
+            ids = torch.zeros(self.stream.micro_batch, self.stream.seq_len, dtype=torch.long)
+            self._last = {"input_ids": ids, "labels": ids.clone()}
+        return self._last, 0.0
+
+    def _describe(self, exc: BaseException) -> str:
+        stream = self.stream
+        return read_error_message(exc, stream.dataset, self.text_column, stream.rank, "mid-run")
+
+
+def read_error_message(
+    exc: BaseException, dataset: str, text_column: str, rank: int, when: str
+) -> str:
+    """One line for a failed read: the DataError's own line, or the local file that fails the
+    checks when read in full (a bad byte past the start-up scan), or the error's first line."""
+    if isinstance(exc, DataError):
+        return str(exc)
+    where = f"rank {rank} could not read its data {when} ({_first_line(exc)})"
+    bad = find_bad_file(dataset, text_column)
+    return f"{bad} ({where})" if bad else f"--dataset {dataset}: {where}"
 
 
 def _dataset_id(dataset: str) -> str:
@@ -596,10 +854,12 @@ def validation_batches(
     while collected < needed:
         batch = [t for _, t in zip(range(TOKENIZE_BATCH), texts, strict=False)]
         if not batch:
-            raise ValueError(
+            raise DataError(
                 f"--dataset {dataset}: the validation part has only {collected // seq_len} "
                 f"windows of {seq_len} tokens for rank {rank} of {world_size}, "
-                f"{batch_size * num_batches} needed: lower --validation_batches or --val_batch_size"
+                f"{batch_size * num_batches} needed (data too small, or one document holds "
+                "nearly all of it): lower --validation_batches, --val_batch_size or "
+                "--max_context_width, or add data"
             )
         chunks.append(encode_documents(tokenizer, batch))
         collected += len(chunks[-1])

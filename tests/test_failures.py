@@ -593,3 +593,112 @@ def test_a_full_disk_is_refused_before_training_or_named_at_save(tmp_path: Path,
     assert "Traceback" not in full.stderr
     assert [p.name for p in disk.iterdir() if p.is_dir()] == [first.name]  # no temporary left
     assert ck.Checkpointer(disk).verify(first) is None  # intact
+
+
+# ============================================================================================
+# 5. Data errors as one line, before training, naming the file
+
+
+def _write_parquet(path: Path, columns: dict) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table(columns), path)
+
+
+BAD_DATA = {
+    "empty file": ("a.jsonl", b"", "a.jsonl is empty"),
+    "no text column": ("a.jsonl", b'{"body": "x"}\n', "a.jsonl line 1 has no column 'text'"),
+    "not UTF-8": ("a.txt", b"fine\n\nfine\n\nbad \xff here\n", "a.txt line 5 is not UTF-8"),
+    "binary": ("a.jsonl", bytes(range(128, 256)) * 4, "a.jsonl line 1 is not UTF-8"),
+    "bad JSON line": ("a.jsonl", b'{"text": "x"}\n{"text": \n', "a.jsonl line 2 is not JSON"),
+    "not an object": ("a.jsonl", b'{"text": "x"}\n[1, 2]\n', "a.jsonl line 2 is not a JSON"),
+    "corrupt gzip": ("a.jsonl.gz", b"\x1f\x8b\x08\x00garbage", "a.jsonl.gz cannot be read"),
+    "corrupt parquet": ("a.parquet", b"PAR1 not really", "a.parquet is not a readable parquet"),
+    "only blank lines": ("a.txt", b"\n\n  \n", "a.txt holds no text"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_DATA))
+def test_bad_local_data_is_one_line_naming_the_file(tmp_path: Path, kind: str) -> None:
+    from model_utils import data
+
+    name, content, message = BAD_DATA[kind]
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(data.DataError) as exc:
+        data.check_local_data(str(tmp_path / name), "text")
+    assert str(tmp_path / name) in str(exc.value) and message in str(exc.value)
+    assert "\n" not in str(exc.value)
+
+
+def test_parquet_column_and_a_json_document_file(tmp_path: Path) -> None:
+    from model_utils import data
+
+    _write_parquet(tmp_path / "p.parquet", {"body": ["a", "b"]})
+    with pytest.raises(data.DataError, match=r"p.parquet has no column 'text' \(columns: body\)"):
+        data.check_local_data(str(tmp_path / "p.parquet"), "text")
+    (tmp_path / "doc.json").write_text('[\n {"text": "one"},\n {"text": "two"}\n]\n')
+    data.check_local_data(str(tmp_path / "doc.json"), "text")  # a JSON array: datasets reads it
+    data.check_local_data(data.DEFAULT_DATASET, "text")  # the bundled corpus passes
+
+
+def test_a_name_that_is_no_local_path_fails_fast_offline_or_unknown(monkeypatch) -> None:
+    import time
+
+    from model_utils import data
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(data.DataError, match="corpus: no local file or folder of that name, and "
+                       "hub look-ups are off"):  # fmt: skip
+        data.check_hub_dataset("corpus")
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    started = time.monotonic()
+    with pytest.raises(data.DataError, match="4f1c: no local file or folder of that name"):
+        data.check_hub_dataset("no-such-user-4f1c/no-such-dataset-4f1c", timeout=5)
+    assert time.monotonic() - started < 15  # not the datasets library's half-minute of retries
+
+
+def test_too_little_data_for_validation_is_one_line_before_the_model(tmp_path: Path) -> None:
+    (tmp_path / "one.jsonl").write_text('{"text": "just a few words"}\n')
+    result = train(*FAST, "--dataset", str(tmp_path / "one.jsonl"), f"--output_dir={tmp_path}/r")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    [line] = error_lines(result)
+    assert "the validation part has only 0 windows" in line and "parameters" not in result.stdout
+
+
+def test_tiny_data_warns_that_each_batch_repeats_it(tmp_path: Path, caplog) -> None:
+    from model_utils import data
+
+    (tmp_path / "train.jsonl").write_text('{"text": "a short text"}\n' * 3)
+    tokenizer = data.load_tokenizer(data.DEFAULT_TOKENIZER)
+    stream = data.TrainStream(str(tmp_path / "train.jsonl"), tokenizer, 64, 2)
+    with caplog.at_level("WARNING"):
+        next(stream)
+    [warning] = [r.getMessage() for r in caplog.records if "repeats it" in r.getMessage()]
+    assert "less than one micro-batch (2 x 64 tokens)" in warning
+
+
+def test_a_bad_byte_met_mid_run_saves_a_checkpoint_and_names_the_file(tmp_path: Path) -> None:
+    """Past the start-up scan (8 MiB per file) the stream meets a bad byte: the rank trains on
+    with weight 0, every rank stops at the logging step, saves, and exits 2 naming file and
+    line."""
+    from model_utils import data
+
+    folder = tmp_path / "late"
+    folder.mkdir()
+    paragraph = ("in the beginning was the word " * 40 + "\n\n").encode()
+    with open(folder / "train.txt", "wb") as fh:
+        for _ in range(data.SCAN_BYTES_PER_FILE // len(paragraph) + 200):
+            fh.write(paragraph)
+        fh.write(b"a bad \xff byte\n\n" + paragraph * 10)
+    lines_before = (folder / "train.txt").read_bytes().split(b"\xff")[0].count(b"\n") + 1
+    (folder / "validation.txt").write_bytes(paragraph * 300)
+    out = tmp_path / "run"
+    result = train(*FAST, "--max_steps", "10", "--warmup", "1", "--validation_batches", "1",
+                   "--dataset", str(folder), f"--output_dir={out}")  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    [line] = error_lines(result)
+    assert f"{folder / 'train.txt'} line {lines_before} is not UTF-8 text" in line
+    assert "mid-run" in line and "checkpoint saved at step 1" in line
+    [saved] = ck.complete_checkpoints(out / "checkpoints")
+    assert ck.step_of(saved) == 1 and ck.Checkpointer(out / "checkpoints").verify(saved) is None
