@@ -268,7 +268,7 @@ def train(
         grad_norm = None
         if args.grad_clip > 0:
             grad_norm = optim.clip_grad_norm_(model.parameters(), args.grad_clip)  # fast on FSDP2
-        lr = scheduler.get_last_lr()[0]
+        lr = float(scheduler.get_last_lr()[0])  # torchao keeps it as a 0-d CPU tensor
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)

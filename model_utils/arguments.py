@@ -92,6 +92,8 @@ PRESET_FIELDS = (
 TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 TE_RECIPES = ("delayed", "current", "block", "mxfp8")
 MODEL_IMPLS = ("auto", "hf", "te", "te_linear")
+# adamw: torch's, fp32 moments; adamw8bit / adamw_fp8: torchao.optim's AdamW8bit / AdamWFp8.
+OPTIMIZERS = ("adamw", "adamw8bit", "adamw_fp8")
 
 
 class UsageError(ValueError):
@@ -170,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
          help="linear warm-up steps (default: max_steps // 10, at most 10)")  # fmt: skip
     flag("lr_decay_style", default="cosine", choices=("cosine", "linear", "constant"),
          help="decay from --lr to --min_lr after warm-up")  # fmt: skip
+    flag("optimizer", default="adamw", choices=OPTIMIZERS,
+         help="adamw: fp32 moments (8 bytes/param); adamw8bit, adamw_fp8: torchao's AdamW with "
+              "8-bit / FP8 moments (~2 bytes/param)")  # fmt: skip
     flag("weight_decay", type=float, default=0.1, help="AdamW decay (not on norms/biases)")
     flag("beta1", type=float, default=0.9, help="AdamW first-moment decay")
     flag("beta2", type=float, default=0.95, help="AdamW second-moment decay")
@@ -298,6 +303,12 @@ def check_consistency(args: argparse.Namespace) -> None:
         raise UsageError("--fp8_weights needs --fp8=1")
     if args.fp8 and not args.bf16:
         raise UsageError("--fp8=1 needs --bf16=1 (FP8 layers run inside a bf16 model)")
+    if args.async_checkpoint and args.optimizer != "adamw":
+        raise UsageError(
+            f"--async_checkpoint cannot save --optimizer {args.optimizer}'s states: DCP's async "
+            "stager copies them with aten.new_empty, which torchao's OptimState8bit/Fp8 do not "
+            "implement (torchao/optim/subclass_8bit.py); drop --async_checkpoint"
+        )
     if args.overwrite_output_dir and args.resume_from_checkpoint:
         raise UsageError(
             "--overwrite_output_dir deletes the checkpoints --resume_from_checkpoint would resume "

@@ -21,6 +21,8 @@ whose bytes changed since (`Checkpointer.resolve_intact`).
 What is saved (one DCP state dict of Stateful items, see `TrainState`):
     model      FSDP2 DTensor shards (get_model_state_dict): resharded by DCP on load
     optimizer  AdamW state keyed by parameter name (get_optimizer_state_dict): resharded too
+               (torchao's 8-bit/FP8 states as its own tensor subclasses; a reshard that would
+               cut one of their blocks is refused: low_bit_reshard_problem)
     scheduler  LR scheduler state_dict (identical on every rank)
     progress   step and the run's config as JSON
     data       per rank: `data.rank{r}`, this rank's data-stream position
@@ -284,6 +286,10 @@ MODEL_FIELDS = (
     "vocab_size", "rope_theta", "rms_norm_eps", "rope_scaling",
 )  # fmt: skip
 DATA_FIELDS = ("dataset", "dataset_config_name", "text_column", "tokenizer", "seed")
+# The optimizer's state is stored in its own format (fp32 moments, or torchao's 8-bit / FP8
+# blocks): a resume keeps the saved --optimizer. Checkpoints from before the flag are adamw's.
+OPTIMIZER_FIELDS = ("optimizer",)
+_SAVED_DEFAULTS = {"optimizer": "adamw"}
 # Flags that name this launch rather than the run: never compared, never reported.
 _LAUNCH_FIELDS = frozenset(
     {"resume_from_checkpoint", "output_dir", "checkpoint_dir", "validate_only",
@@ -308,12 +314,16 @@ def _same(saved: Any, current: Any, name: str) -> bool:
 def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[list, list]:
     """Flags that differ between a checkpoint's run and this one, as ("--name", saved, now):
     (refused: model shape and data stream; allowed: everything else, e.g. batch size, sequence
-    length, logging, precision). Fields an older checkpoint did not record are not compared."""
+    length, logging, precision). Fields an older checkpoint did not record are not compared,
+    except those with a known value before they existed (--optimizer: adamw)."""
+    if saved:
+        saved = {**_SAVED_DEFAULTS, **saved}
     refused, allowed = [], []
     for name in sorted(set(saved) & set(current) - _LAUNCH_FIELDS):
         if not _same(saved[name], current[name], name):
             change = (f"--{name}", saved[name], current[name])
-            (refused if name in MODEL_FIELDS + DATA_FIELDS else allowed).append(change)
+            kept = MODEL_FIELDS + DATA_FIELDS + OPTIMIZER_FIELDS
+            (refused if name in kept else allowed).append(change)
     return refused, allowed
 
 
@@ -1002,6 +1012,15 @@ class Checkpointer:
         targets = {n: _PerRankLoad(r) for n, r in reads.items() if n in available and r}
         items = state.items(targets)
         saved_fp8 = {k[len(_FP8) :]: v for k, v in saved_keys.items() if k.startswith(_FP8)}
+        if resharded and not convert and "optimizer" in items:
+            problem = low_bit_reshard_problem(metadata, state.model, state.optimizer)
+            problem = next((p for p in _all_gather_object(problem) if p), None)
+            if problem:
+                raise ResumeRefused(
+                    f"checkpoint {path} was saved by {saved_world_size} ranks and cannot load "
+                    f"on {_world_size()}: {problem}; resume on {saved_world_size} ranks, or on "
+                    "a count whose shards hold whole blocks"
+                )
         if convert:
             del items["model"]
             items.pop("optimizer", None)
@@ -1258,11 +1277,79 @@ def moment_conversion_problem(
     return None
 
 
+# torchao/optim/adam.py `_AdamBase._new_buffer`: a state shard is quantized only when it holds at
+# least this many values and a whole number of blocks; smaller ones stay plain fp32 tensors.
+_TORCHAO_MIN_QUANTIZED = 4096
+
+
+def _is_quantized_state(tensor: torch.Tensor) -> bool:
+    """torchao's OptimState8bit / OptimStateFp8 (a wrapper subclass with a block size)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    local = _local(tensor)
+    return is_traceable_wrapper_subclass(local) and hasattr(local, "block_size")
+
+
+def low_bit_reshard_problem(metadata: Any, model: nn.Module, optimizer: Any) -> str | None:
+    """Why this rank cannot load torchao's block-quantized optimizer state on this world size,
+    or None (always None for optimizers without torchao's ``block_size``).
+
+    A resharded DCP load cuts each saved shard where this rank's shard starts or ends, and
+    writes into this rank's shard where a saved shard starts or ends. torchao's OptimState8bit
+    and OptimStateFp8 can be cut only along dim 0 and only between blocks (their `aten.slice`
+    in torchao/optim/subclass_8bit.py and subclass_fp8.py raises "Make sure start and end align
+    with block boundary" otherwise), and a shard is quantized only when it holds >= 4096 values,
+    a multiple of the block (`_new_buffer` in torchao/optim/adam.py). On the Llama presets every
+    row is whole blocks (hidden and intermediate sizes are multiples of 256), so any world size
+    works; a shape such as the tiny preset's 688-wide down_proj on 3 ranks does not."""
+    block = getattr(optimizer, "block_size", None)
+    if not isinstance(block, int):
+        return None
+    import math
+
+    states = get_optimizer_state_dict(model, optimizer)["state"]  # creates the lazy state
+    for field_name, per_param in _optimizer_fields(metadata).items():
+        for fqn, (_, md) in per_param.items():
+            target = states.get(fqn, {}).get(field_name)
+            if target is None or len(md.size) == 0:
+                continue
+            shape = tuple(md.size)
+            stride = math.prod(shape[1:])
+            rows = _local_index(target)[0]
+            t0, t1 = rows.start, rows.stop
+            target_quantized = _is_quantized_state(target)
+            for chunk in md.chunks:
+                s0, s1 = chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]
+                o0, o1 = max(s0, t0), min(s1, t1)
+                if o0 >= o1:
+                    continue
+                numel = math.prod(chunk.sizes)
+                saved_quantized = numel >= _TORCHAO_MIN_QUANTIZED and numel % block == 0
+                cuts = []  # (first row of the quantized shard, row where it is cut)
+                if saved_quantized and (o0, o1) != (s0, s1):
+                    cuts += [(s0, o0), (s0, o1)]
+                if target_quantized and (o0, o1) != (t0, t1):
+                    cuts += [(t0, o0), (t0, o1)]
+                bad = [row for start, row in cuts if (row - start) * stride % block]
+                if bad:
+                    return (
+                        f"torchao keeps optimizer state {fqn} ({field_name}, shape {shape}) in "
+                        f"blocks of {block} values and cuts it only between blocks "
+                        "(aten.slice in torchao/optim/subclass_8bit.py, subclass_fp8.py), but "
+                        f"the shard boundary at row {bad[0]} falls inside a block"
+                    )
+    return None
+
+
 @torch.no_grad()
 def _load_param_group_hyperparameters(path: Path, metadata: Any, optimizer: Any) -> bool:
     """Restore each saved param group's lr, initial_lr, betas, weight decay, ... exactly as a
     same-layout load would (so the LR schedule continues from the saved lr); the parameter lists
-    keep this model's names. False (nothing restored) if the group counts differ."""
+    keep this model's names. False (nothing restored) if the group counts differ. torchao's
+    optimizers hold lr (and so initial_lr) as 0-d tensors: those are read as tensors and filled
+    in place, so the group keeps the tensor its optimizer requires."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     saved = metadata.state_dict_metadata
     saved_groups = {k[len(_OPT_GROUPS) :].split(".")[0] for k in saved if k.startswith(_OPT_GROUPS)}
     if len(saved_groups) != len(optimizer.param_groups):
@@ -1273,11 +1360,20 @@ def _load_param_group_hyperparameters(path: Path, metadata: Any, optimizer: Any)
         for name in group
         if name not in _GROUP_PARAM_KEYS and f"{_OPT_GROUPS}{i}.{name}" in saved
     }
-    values: dict[str, Any] = dict.fromkeys(wanted)
+    values: dict[str, Any] = {
+        key: torch.empty(md.size, dtype=md.properties.dtype)
+        if isinstance(md := saved[key], TensorStorageMetadata)
+        else None
+        for key in wanted
+    }
     if values:
         _load_local(values, path)
     for key, (i, name) in wanted.items():
-        optimizer.param_groups[i][name] = values[key]
+        group, value = optimizer.param_groups[i], values[key]
+        if isinstance(group[name], torch.Tensor) and isinstance(value, torch.Tensor):
+            group[name].copy_(value)
+        else:
+            group[name] = value.item() if isinstance(value, torch.Tensor) else value
     return True
 
 
@@ -1309,6 +1405,8 @@ def load_converted_optimizer(
             _copy_converted(path, per_param, key_map, targets, f"optimizer {field_name}")
         set_optimizer_state_dict(model, optimizer, osd)
         outcome = f"optimizer state ({', '.join(sorted(fields))}) converted"
+        if any(_is_quantized_state(v) for entry in entries for v in entry.values()):
+            outcome += " (torchao's blocks re-quantized in this layout: close, not bit for bit)"
     else:
         optimizer.state.clear()  # fresh moments and step: AdamW re-creates them at the next step
         outcome = f"optimizer moments restart from zero ({problem})"

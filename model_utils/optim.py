@@ -1,4 +1,4 @@
-"""Parameter groups, AdamW and the learning-rate schedule.
+"""Parameter groups, AdamW (fp32 or torchao's 8-bit / FP8 states) and the learning-rate schedule.
 
 Step numbering used throughout (and by the log line): optimizer steps are counted from 1.
 ``Batch N`` in the log is the N-th optimizer step and the lr printed with it is the lr that step
@@ -7,6 +7,7 @@ used, i.e. ``lr_at(N, ...)``. ``lr_at(0, ...)`` is the value "before training" (
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from typing import Any, Literal
@@ -14,6 +15,11 @@ from typing import Any, Literal
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from model_utils.arguments import OPTIMIZERS
+
+# torch's and torchao's AdamW default, named so both optimizers are built with the same value.
+ADAM_EPS = 1e-8
 
 LrDecayStyle = Literal["cosine", "linear", "constant"]
 LR_DECAY_STYLES: tuple[str, ...] = ("cosine", "linear", "constant")
@@ -86,27 +92,96 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 
 def build_optimizer(
-    model: nn.Module, lr: float, weight_decay: float, beta1: float, beta2: float
-) -> torch.optim.AdamW:
-    """AdamW over :func:`param_groups`, with the fused kernel where torch has one.
+    model: nn.Module,
+    lr: float,
+    weight_decay: float,
+    beta1: float,
+    beta2: float,
+    optimizer: str = "adamw",
+) -> torch.optim.Optimizer:
+    """AdamW over :func:`param_groups` (``--optimizer``): the same groups, lr, betas, eps and
+    decoupled weight decay whichever the choice; only how the two moments are stored differs.
 
-    Fused AdamW exists for CUDA and (since torch 2.4) CPU; measured on the tiny model on this
-    2-core CPU it steps in ~6 ms against ~24 ms for ``foreach``. If a device or tensor subclass
-    is not supported by the fused kernel, torch raises at construction and we fall back to
-    ``foreach`` (the torch default where it applies).
+    - ``adamw``: torch's AdamW, fp32 moments (8 bytes per parameter), with the fused kernel
+      where torch has one. Fused AdamW exists for CUDA and (since torch 2.4) CPU; measured on
+      the tiny model on this 2-core CPU it steps in ~6 ms against ~24 ms for ``foreach``. If a
+      device or tensor subclass is not supported by the fused kernel, torch raises at
+      construction and we fall back to ``foreach`` (the torch default where it applies).
+    - ``adamw8bit`` / ``adamw_fp8``: torchao's AdamW8bit / AdamWFp8 (see :func:`low_bit_adamw`).
     """
     if lr <= 0:
         raise ValueError(f"lr must be > 0, got {lr}")
     for name, beta in (("beta1", beta1), ("beta2", beta2)):
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"{name} must be in [0, 1), got {beta}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     groups = param_groups(model, weight_decay)
     if not groups:
         raise ValueError("the model has no trainable parameters")
+    if optimizer != "adamw":
+        return low_bit_adamw(optimizer)(groups, lr=lr, betas=(beta1, beta2), eps=ADAM_EPS)
     try:
-        return torch.optim.AdamW(groups, lr=lr, betas=(beta1, beta2), fused=True)
+        return torch.optim.AdamW(groups, lr=lr, betas=(beta1, beta2), eps=ADAM_EPS, fused=True)
     except RuntimeError:
-        return torch.optim.AdamW(groups, lr=lr, betas=(beta1, beta2), foreach=None)
+        return torch.optim.AdamW(groups, lr=lr, betas=(beta1, beta2), eps=ADAM_EPS, foreach=None)
+
+
+@functools.cache
+def low_bit_adamw(optimizer: str) -> type[torch.optim.Optimizer]:
+    """torchao's AdamW8bit (``adamw8bit``) or AdamWFp8 (``adamw_fp8``), step made cache-safe.
+
+    torchao (torchao/optim/adam.py) keeps ``exp_avg``/``exp_avg_sq`` as tensor subclasses:
+    OptimState8bit (uint8 codes through a dynamic quantile map + one fp32 scale per 256-value
+    block: 1 + 4/256 bytes per value) or OptimStateFp8 (float8_e4m3fn codes + a scale per
+    block). Tensors under 4096 values, or whose size is not a multiple of the block, stay fp32
+    (``_new_buffer``): on the Llama shapes that is the norm gains only. With FSDP2 each state
+    is a DTensor over this rank's shard (``DTensor.from_local``), so it shards, saves and
+    reshards like its parameter. The update is ``single_param_adam`` (fp32 math, decoupled
+    decay ``p -= lr * wd * p``, the same as torch's AdamW), run by ``torch.compile`` per
+    parameter shape: the first step compiles (seconds), later steps reuse it. Each group's lr
+    becomes a 0-d fp32 tensor (``add_param_group``), which LambdaLR fills in place.
+
+    Why the subclass: torch's AOT-autograd cache keys a DTensor by its spec (mesh, placements,
+    shape, stride, dtype; ``DTensor._stable_hash_for_caching``), not by the subclass inside it,
+    and torchao's subclasses define no ``_stable_hash_for_caching``. So with a shared inductor
+    cache (the default ``/tmp/torchinductor_<user>``) an adamw_fp8 process loads the compiled
+    step an adamw8bit process saved for the same shapes and crashes ("'OptimStateFp8' object
+    has no attribute 'qmap'"), and the reverse. The step therefore runs with the AOT-autograd
+    cache off (``torch._functorch.config.enable_autograd_cache``); inductor's FX graph cache,
+    keyed by the real inner tensors (uint8 vs float8 codes), still serves later processes.
+    """
+    from torchao.optim import AdamW8bit, AdamWFp8
+
+    base = {"adamw8bit": AdamW8bit, "adamw_fp8": AdamWFp8}[optimizer]
+
+    def step(self, closure=None):  # noqa: ANN001, ANN202
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return base.step(self, closure)
+
+    return type(base.__name__, (base,), {"step": step, "__module__": __name__})
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes this rank holds in optimizer state, counted from the tensors themselves: a DTensor
+    by its local shard, a tensor subclass (torchao's OptimState8bit/Fp8) by the inner tensors
+    it stores (codes, scales and the 8-bit quantile map), a plain tensor by its elements."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    def nbytes(t: torch.Tensor) -> int:
+        if isinstance(t, DTensor):
+            return nbytes(t.to_local())
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            return sum(nbytes(getattr(t, n)) for n in names)
+        return t.numel() * t.element_size()
+
+    return sum(
+        nbytes(value)
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    )
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
@@ -232,8 +307,8 @@ def build_scheduler(
     """
     for group in optimizer.param_groups:
         initial = group.get("initial_lr", group["lr"])
-        if not math.isclose(initial, lr, rel_tol=1e-12):
-            raise ValueError(f"optimizer group lr {initial} differs from schedule lr {lr}")
+        if not math.isclose(float(initial), float(_typed_lr(lr, initial)), rel_tol=1e-12):
+            raise ValueError(f"optimizer group lr {float(initial)} differs from schedule lr {lr}")
     multiplier = LrMultiplier(lr=lr, min_lr=min_lr, warmup=warmup, max_steps=max_steps, style=style)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=multiplier)
 
@@ -253,19 +328,40 @@ def resume_schedule(
     min_lr = float(explicit.get("min_lr", multiplier.min_lr))
     _check_schedule(lr, min_lr, multiplier.warmup, multiplier.max_steps, multiplier.style)
     multiplier.lr, multiplier.min_lr = lr, min_lr
-    scheduler.base_lrs = [lr for _ in scheduler.base_lrs]
-    for group in scheduler.optimizer.param_groups:
-        group["initial_lr"] = lr
-        group["lr"] = lr * multiplier(scheduler.last_epoch)  # the next step's lr
-    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+    groups = scheduler.optimizer.param_groups
+    scheduler.base_lrs = [_typed_lr(lr, group["lr"]) for group in groups]
+    for group, base in zip(groups, scheduler.base_lrs, strict=True):
+        group["initial_lr"] = _copy_lr(base)
+        next_lr = base * multiplier(scheduler.last_epoch)  # the next step's lr, as LambdaLR does
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(next_lr)  # torchao's groups hold the lr as a tensor, in place
+        else:
+            group["lr"] = next_lr
+    scheduler._last_lr = [_copy_lr(group["lr"]) for group in groups]
     return {"lr": lr, "min_lr": min_lr}
+
+
+def _typed_lr(lr: float, like: float | torch.Tensor) -> float | torch.Tensor:
+    """`lr` as the optimizer holds it: a float, or (torchao) a 0-d tensor of that dtype, built
+    the way torchao builds it from the float, so the schedule computes the same bits as in the
+    uninterrupted run."""
+    if isinstance(like, torch.Tensor):
+        return torch.tensor(lr, dtype=like.dtype)
+    return lr
+
+
+def _copy_lr(value: float | torch.Tensor) -> float | torch.Tensor:
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def from_args(
     model: nn.Module, args: Any
-) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW and its LR schedule from train.py's flags (one place for every caller)."""
-    optimizer = build_optimizer(model, args.lr, args.weight_decay, args.beta1, args.beta2)
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (--optimizer) and its LR schedule from train.py's flags (one place for every
+    caller)."""
+    optimizer = build_optimizer(
+        model, args.lr, args.weight_decay, args.beta1, args.beta2, args.optimizer
+    )
     scheduler = build_scheduler(
         optimizer, lr=args.lr, min_lr=args.min_lr, warmup=args.warmup,
         max_steps=args.max_steps, style=args.lr_decay_style,
