@@ -174,7 +174,8 @@ def load_run(path: str | os.PathLike[str]) -> Run:
 
 
 def label_from_flags(info: Mapping[str, Any] | None) -> str | None:
-    """``fp8 tensorwise hf``, ``bf16 te``: precision, FP8 recipe (FP8 runs), implementation."""
+    """``fp8 tensorwise hf``, ``bf16 te adamw8bit``: precision, FP8 recipe (FP8 runs),
+    implementation, and the optimizer where it is not the default adamw."""
     if not info or "flags" not in info:
         return None
     flags = info["flags"]
@@ -184,6 +185,8 @@ def label_from_flags(info: Mapping[str, Any] | None) -> str | None:
         parts.append(str(flags["fp8_recipe"]))
     if flags.get("model_impl"):
         parts.append(str(flags["model_impl"]))
+    if flags.get("optimizer", "adamw") != "adamw":
+        parts.append(str(flags["optimizer"]))
     return " ".join(parts)
 
 

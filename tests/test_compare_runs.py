@@ -299,6 +299,13 @@ def test_labels_and_argument_refusals(two_runs, tmp_path, capsys) -> None:
     # Labels from flags collide (two bf16 runs): the file names tell them apart.
     runs = [cr.load_run(two_runs[0]), cr.load_run(two_runs[0])]
     assert cr.default_labels(runs) == ["bf16 hf (tiny-bf16)", "bf16 hf (tiny-bf16) #2"]
+    # A non-default --optimizer is part of the label.
+    flags = {"flags": {"fp8": False, "bf16": True, "model_impl": "hf"}}
+    assert cr.label_from_flags(flags) == "bf16 hf"
+    flags["flags"]["optimizer"] = "adamw"
+    assert cr.label_from_flags(flags) == "bf16 hf"
+    flags["flags"]["optimizer"] = "adamw8bit"
+    assert cr.label_from_flags(flags) == "bf16 hf adamw8bit"
 
 
 def test_warmup_rule_is_train_py_s() -> None:
