@@ -216,6 +216,8 @@ def train(
 ) -> None:  # fmt: skip
     torch.manual_seed(args.seed)
     mesh = distributed.build_mesh(world, device, args.sharding_strategy)
+    if world.num_nodes > 1:  # every rank: its node and mesh groups (hybrid: replicas across)
+        print(distributed.describe_rank(world, mesh), flush=True)
     backend = precision.build_backend(args, device, dp_group=dist.group.WORLD)
 
     stream, val_batches = build_data(args, tokenizer, world)  # data problems before the model

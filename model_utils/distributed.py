@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -113,6 +114,19 @@ def build_mesh(world: World, device: torch.device, strategy: str) -> DeviceMesh:
             mesh_dim_names=("replicate", "shard"),
         )  # fmt: skip
     return init_device_mesh(device.type, (world.world_size,), mesh_dim_names=("shard",))
+
+
+def describe_rank(world: World, mesh: DeviceMesh) -> str:
+    """Where this rank runs and whom it shards and replicates with, e.g. 'rank 1/4 on host-b:
+    mesh replicate=2 x shard=2, replicate group [1, 3], shard group [0, 1]'."""
+    dims = " x ".join(
+        f"{name}={size}" for name, size in zip(mesh.mesh_dim_names, mesh.shape, strict=True)
+    )
+    groups = ", ".join(
+        f"{name} group {dist.get_process_group_ranks(mesh.get_group(name))}"
+        for name in mesh.mesh_dim_names
+    )
+    return f"rank {world.rank}/{world.world_size} on {socket.gethostname()}: mesh {dims}, {groups}"
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

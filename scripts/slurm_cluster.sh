@@ -1,25 +1,33 @@
 #!/usr/bin/env bash
-# A real single-node Slurm cluster on this machine, for the tests and for trying
-# 1.train_llama.sbatch before using a real cluster.
+# A real Slurm cluster on this machine, for the tests and for trying 1.train_llama.sbatch
+# before using a real cluster: one node (this machine), or SLURM_CLUSTER_NODES=N nodes, each
+# a slurmd in network and UTS namespaces of its own, with its own address (10.X.Y.11, .12,
+# ... on a bridge whose 10.X.Y.1 is the controller) and hostname (ip-10-X-Y-11, ...). Node
+# names (node1, node2, ...) resolve nowhere and each node resolves only its own hostname, as
+# on clusters whose NodeName is not a DNS name: jobs must connect by address.
 #
 # Everything it creates lives in one state folder (config, munge key and socket, spool,
-# logs, PID files), so it never touches /etc/slurm or a system munged, two clusters can
-# run side by side, and `stop` ends exactly the daemons it started (by PID).
+# logs, PID files) and, with several nodes, in namespaces and links it records there, so it
+# never touches /etc/slurm or a system munged, two clusters can run side by side, and
+# `stop` ends exactly the daemons it started (by PID) and removes what it created.
 #
 #   eval "$(scripts/slurm_cluster.sh start)"      # prints: export SLURM_CONF=...; ...
 #   sbatch --nodes=1 1.train_llama.sbatch --preset tiny
 #   scripts/slurm_cluster.sh stop "$SLURM_CLUSTER_DIR" [--purge]
 #
 # Needs Debian's slurm-wlm and munge (scripts/install_test_deps.sh) and root: slurmd must
-# be root to start job steps. Settings: SLURM_CLUSTER_CPUS (default: all CPUs),
-# SLURM_CLUSTER_WAIT (seconds to wait for the node to become idle, default 60).
+# be root to start job steps (several nodes also need `ip netns` and `unshare`). Settings:
+# SLURM_CLUSTER_NODES (default 1), SLURM_CLUSTER_CPUS (per node; default: all CPUs),
+# SLURM_CLUSTER_PROCTRACK (linuxproc, default, or pgid: signals reach only the task's process
+# group, as on clusters without cgroups), SLURM_CLUSTER_WAIT (seconds to wait for the nodes
+# to become idle, default 60).
 set -euo pipefail
 
 readonly MARKER=".slurm_cluster_state"
 
 usage() {
     cat >&2 <<'EOF'
-usage: slurm_cluster.sh start [STATE_DIR]   start munged + slurmctld + slurmd; print env exports
+usage: slurm_cluster.sh start [STATE_DIR]   start munged + slurmctld + slurmd(s); print env exports
        slurm_cluster.sh stop STATE_DIR [--purge]   stop them by PID (--purge removes STATE_DIR)
        slurm_cluster.sh status STATE_DIR    show daemons and sinfo
 EOF
@@ -42,13 +50,18 @@ node_memory_mb() {
     slurmd -C | tr ' ' '\n' | sed -n 's/^RealMemory=//p'
 }
 
+# slurm.conf; the node lines ("NodeName=... NodeAddr=...") come on stdin.
 write_config() {
-    local dir=$1 node=$2 cpus=$3 mem=$4 ctld_port=$5 slurmd_port=$6
+    local dir=$1 ctld_addr=$2 cpus=$3 mem=$4 ctld_port=$5 slurmd_port=$6
+    local line nodes=""
+    while read -r line; do
+        nodes+="$line CPUs=${cpus} RealMemory=${mem} State=UNKNOWN"$'\n'
+    done
     : >"$dir/plugstack.conf" # no SPANK plugins from the system config
     cat >"$dir/slurm.conf" <<EOF
-# Written by scripts/slurm_cluster.sh: a throwaway single-node cluster.
+# Written by scripts/slurm_cluster.sh: a throwaway cluster.
 ClusterName=local
-SlurmctldHost=${node}(127.0.0.1)
+SlurmctldHost=$(hostname -s)(${ctld_addr})
 SlurmUser=root
 SlurmdUser=root
 SlurmctldPort=${ctld_port}
@@ -58,14 +71,14 @@ CredType=cred/munge
 # cred_expire: how long a requeued job waits before it may start again (default 120 s).
 AuthInfo=socket=${dir}/munge/munge.socket,cred_expire=5
 StateSaveLocation=${dir}/state
-SlurmdSpoolDir=${dir}/spool
+SlurmdSpoolDir=${dir}/spool/%n
 SlurmctldPidFile=${dir}/slurmctld.pid
-SlurmdPidFile=${dir}/slurmd.pid
+SlurmdPidFile=${dir}/slurmd-%n.pid
 SlurmctldLogFile=${dir}/log/slurmctld.log
-SlurmdLogFile=${dir}/log/slurmd.log
+SlurmdLogFile=${dir}/log/slurmd-%n.log
 PlugStackConfig=${dir}/plugstack.conf
-# No cgroups in containers/CI: track job processes through /proc instead.
-ProctrackType=proctrack/linuxproc
+# No cgroups in containers/CI: track job processes through /proc (or by process group).
+ProctrackType=proctrack/${SLURM_CLUSTER_PROCTRACK:-linuxproc}
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
@@ -81,8 +94,7 @@ ReturnToService=2
 JobRequeue=1
 MinJobAge=300
 KillWait=30
-NodeName=${node} NodeAddr=127.0.0.1 CPUs=${cpus} RealMemory=${mem} State=UNKNOWN
-PartitionName=debug Nodes=${node} Default=YES MaxTime=INFINITE State=UP
+${nodes}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
 }
 
@@ -101,16 +113,61 @@ start_munge() {
         --seed-file="$dir/munge/munged.seed"
 }
 
-wait_for_idle_node() {
-    local node=$1 deadline=$((SECONDS + ${SLURM_CLUSTER_WAIT:-60})) state=""
+wait_for_idle_nodes() {
+    local count=$1 deadline=$((SECONDS + ${SLURM_CLUSTER_WAIT:-60})) states="" idle
     while ((SECONDS < deadline)); do
-        state=$(sinfo --noheader --nodes="$node" --format=%T 2>/dev/null || true)
-        if [[ $state == idle ]]; then
+        states=$(sinfo --noheader --Node --format=%T 2>/dev/null || true)
+        idle=$(grep -cx idle <<<"$states" || true)
+        if ((idle == count)); then
             return 0
         fi
         sleep 0.5
     done
-    die "node $node not idle after ${SLURM_CLUSTER_WAIT:-60}s (state: '${state}'); see $SLURM_CLUSTER_DIR/log"
+    die "nodes not idle after ${SLURM_CLUSTER_WAIT:-60}s (states: '${states//$'\n'/ }'); see $SLURM_CLUSTER_DIR/log"
+}
+
+# A 10.X.Y.0/24 that no route of this machine covers or overlaps.
+free_subnet() {
+    local routes x y try
+    routes=$(ip -4 route show table all 2>/dev/null || true)
+    for try in $(seq 50); do
+        x=$((100 + RANDOM % 150)) y=$((RANDOM % 250))
+        if ! grep -qE "(^|[^0-9])10\.($x\.$y\.|$x\.0\.0/16|0\.0\.0/8)" <<<"$routes"; then
+            echo "10.$x.$y"
+            return 0
+        fi
+    done
+    die "no free 10.X.Y.0/24 subnet after $try tries"
+}
+
+# Nodes 1..N: each a slurmd in a network namespace (its address on a veth whose peer sits on a
+# bridge here) and a UTS namespace (its hostname), with an /etc/hosts naming only itself.
+# Every namespace and link is recorded in $dir/netns before it exists, for `stop`.
+start_namespaced_nodes() {
+    local dir=$1 count=$2 subnet=$3 tag=$4 i ns host addr veth
+    local bridge=slb$tag
+    echo "link $bridge" >>"$dir/netns"
+    ip link add "$bridge" type bridge
+    ip addr add "$subnet.1/24" dev "$bridge"
+    ip link set "$bridge" up
+    for ((i = 1; i <= count; i++)); do
+        ns=slurm-$tag-node$i veth=slv${tag}n$i
+        host=ip-${subnet//./-}-$((10 + i)) addr=$subnet.$((10 + i))
+        printf 'netns %s\nlink %s\n' "$ns" "$veth" >>"$dir/netns"
+        ip netns add "$ns"
+        ip link add "$veth" type veth peer name eth0 netns "$ns"
+        ip link set "$veth" master "$bridge" up
+        ip -n "$ns" addr add "$addr/24" dev eth0
+        ip -n "$ns" link set eth0 up
+        ip -n "$ns" link set lo up
+        printf '127.0.0.1 localhost\n%s %s\n' "$addr" "$host" >"$dir/hosts-node$i"
+        mkdir -p "$dir/spool/node$i"
+        # A mount namespace of its own too, so the bind mount stays there.
+        # shellcheck disable=SC2016  # $1.. expand in the inner shell
+        nsenter --net="/run/netns/$ns" -- unshare --uts --mount -- sh -c \
+            'hostname "$1" && mount --bind "$2" /etc/hosts && exec slurmd -f "$3" -N "$4"' \
+            sh "$host" "$dir/hosts-node$i" "$SLURM_CONF" "node$i"
+    done
 }
 
 cmd_start() {
@@ -128,20 +185,42 @@ cmd_start() {
     dir=$(cd "$dir" && pwd)
     [[ ! -e $dir/slurmctld.pid ]] || die "$dir already holds a cluster (stop it first)"
     touch "$dir/$MARKER"
+    # A start that fails half-way stops what it started (the caller gets no state folder to stop).
+    starting_dir=$dir
+    trap 'if [[ -n $starting_dir ]]; then cmd_stop "$starting_dir"; fi' EXIT
 
-    local node cpus mem
-    node=$(hostname -s)
+    local count=${SLURM_CLUSTER_NODES:-1} cpus mem
+    [[ $count =~ ^[1-9][0-9]?$ ]] || die "SLURM_CLUSTER_NODES=$count is not a number of nodes (1-99)"
     cpus=${SLURM_CLUSTER_CPUS:-$(nproc)}
     mem=$(node_memory_mb)
-    write_config "$dir" "$node" "$cpus" "$mem" "$(free_port)" "$(free_port)"
-
     export SLURM_CONF=$dir/slurm.conf SLURM_CLUSTER_DIR=$dir
-    start_munge "$dir"
-    slurmctld -f "$SLURM_CONF" -c -i
-    slurmd -f "$SLURM_CONF" -N "$node"
-    wait_for_idle_node "$node"
+    if ((count == 1)); then
+        local node
+        node=$(hostname -s)
+        mkdir -p "$dir/spool/$node"
+        echo "NodeName=$node NodeAddr=127.0.0.1" |
+            write_config "$dir" 127.0.0.1 "$cpus" "$mem" "$(free_port)" "$(free_port)"
+        start_munge "$dir"
+        slurmctld -f "$SLURM_CONF" -c -i
+        slurmd -f "$SLURM_CONF" -N "$node"
+    else
+        for tool in ip nsenter unshare; do
+            command -v "$tool" >/dev/null || die "$tool not found (iproute2, util-linux)"
+        done
+        local subnet tag i
+        subnet=$(free_subnet)
+        tag=$(od -An -N3 -tx1 /dev/urandom | tr -d ' \n')
+        for ((i = 1; i <= count; i++)); do
+            echo "NodeName=node$i NodeHostname=ip-${subnet//./-}-$((10 + i)) NodeAddr=$subnet.$((10 + i))"
+        done | write_config "$dir" "$subnet.1" "$cpus" "$mem" "$(free_port)" "$(free_port)"
+        start_munge "$dir"
+        start_namespaced_nodes "$dir" "$count" "$subnet" "$tag"
+        slurmctld -f "$SLURM_CONF" -c -i
+    fi
+    wait_for_idle_nodes "$count"
+    starting_dir=""
     echo "export SLURM_CONF=$SLURM_CONF SLURM_CLUSTER_DIR=$dir"
-    echo "slurm_cluster.sh: node $node idle ($cpus CPUs, ${mem} MiB); state in $dir" >&2
+    echo "slurm_cluster.sh: $count node(s) idle ($cpus CPUs, ${mem} MiB each); state in $dir" >&2
 }
 
 # End one daemon by the PID its own PID file holds: TERM, then KILL after 10 s.
@@ -169,9 +248,22 @@ cmd_stop() {
     if [[ -s $dir/slurmctld.pid ]]; then
         SLURM_CONF=$dir/slurm.conf scancel --full --quiet --user=root 2>/dev/null || true
     fi
-    stop_pid_file "$dir/slurmd.pid"
+    local pid_file kind name
+    for pid_file in "$dir"/slurmd-*.pid; do
+        stop_pid_file "$pid_file"
+    done
     stop_pid_file "$dir/slurmctld.pid"
     stop_pid_file "$dir/munged.pid"
+    # A multi-node cluster's namespaces and links: only those recorded at start.
+    if [[ -f $dir/netns ]]; then
+        while read -r kind name; do
+            case $kind in
+            netns) ip netns delete "$name" 2>/dev/null || true ;;
+            link) ip link delete "$name" 2>/dev/null || true ;;
+            esac
+        done < <(tac "$dir/netns")
+        rm -f "$dir/netns"
+    fi
     if [[ $purge == --purge ]]; then
         rm -rf "$dir"
     fi
@@ -180,8 +272,10 @@ cmd_stop() {
 cmd_status() {
     local dir=${1:-} name pid
     [[ -n $dir && -f $dir/$MARKER ]] || die "'$dir' is not a state folder made by slurm_cluster.sh"
-    for name in munged slurmctld slurmd; do
-        pid=$(cat "$dir/$name.pid" 2>/dev/null || true)
+    local pid_file
+    for pid_file in "$dir"/munged.pid "$dir"/slurmctld.pid "$dir"/slurmd-*.pid; do
+        name=$(basename "$pid_file" .pid)
+        pid=$(cat "$pid_file" 2>/dev/null || true)
         if [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null; then
             echo "$name running (pid $pid)"
         else

@@ -1,13 +1,17 @@
-"""1.train_llama.sbatch: on a real Slurm cluster, on this machine without Slurm, and (for what
-needs hardware this machine lacks: GPUs, several nodes, Pyxis) with recording stand-ins for
-srun/scontrol/torchrun that show exactly what the script would run.
+"""1.train_llama.sbatch: on real Slurm clusters (one node, and two nodes), on this machine
+without Slurm, and (for what needs hardware this machine lacks: GPUs, Pyxis) with recording
+stand-ins for srun/scontrol/torchrun that show exactly what the script would run.
 
-The real cluster is Debian's slurm-wlm + munge started by scripts/slurm_cluster.sh (one node,
-this machine's CPUs). Those tests need root (slurmd launches job steps); without root, or
-without Slurm and apt-get to install it, they skip and say why. In CI (CI=true) they never
-skip: a missing prerequisite is a failure.
+The real clusters are Debian's slurm-wlm + munge started by scripts/slurm_cluster.sh: one node
+(this machine), and two nodes, each a slurmd in network and UTS namespaces of its own (its own
+address on a bridge and its own hostname; node names resolve nowhere). The two-node cluster
+tracks processes by process group (proctrack/pgid), so a signal reaches a worker only if the
+launcher passes it on. Those tests need root (slurmd launches job steps; namespaces); without
+root, or without Slurm and apt-get to install it, they skip and say why. In CI (CI=true) they
+never skip: a missing prerequisite is a failure.
 
-Budget (2 CPU cores): the two Slurm jobs ~2 min, the local run ~40 s, the rest ~5 s.
+Budget (2 CPU cores): the one-node Slurm jobs ~2 min, the two-node jobs ~2.5 min, the local
+runs ~1 min, the rest ~10 s.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import launcher  # noqa: E402
+
 SBATCH = REPO / "1.train_llama.sbatch"
 CLUSTER = REPO / "scripts" / "slurm_cluster.sh"
 INSTALL_DEPS = REPO / "scripts" / "install_test_deps.sh"
@@ -87,27 +94,25 @@ class Cluster:
 
     def logs(self) -> str:
         parts = []
-        for name in ("slurmctld.log", "slurmd.log"):
-            path = self.state_dir / "log" / name
-            if path.exists():
-                parts.append(
-                    f"--- {name} (tail)\n" + "\n".join(path.read_text().splitlines()[-30:])
-                )
+        for path in sorted((self.state_dir / "log").glob("slurm*.log")):
+            tail = "\n".join(path.read_text().splitlines()[-30:])
+            parts.append(f"--- {path.name} (tail)\n{tail}")
         return "\n".join(parts)
 
 
-@pytest.fixture(scope="session")
-def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def start_cluster(state: Path, tools: tuple[str, ...] = (), **settings: str) -> Iterator[Cluster]:
+    """scripts/slurm_cluster.sh start/stop around the tests, with SLURM_CLUSTER_* settings."""
     if os.geteuid() != 0:
         skip_or_fail("needs root: slurmd must run as root to start job steps")
-    if not all(shutil.which(t) for t in ("slurmctld", "slurmd", "munged", "sbatch")):
+    needed = ("slurmctld", "slurmd", "munged", "sbatch", *tools)
+    if not all(shutil.which(t) for t in needed):
         if shutil.which("apt-get") is None:
-            skip_or_fail("Slurm is not installed and there is no apt-get to install it")
+            skip_or_fail(f"one of {needed} is missing and there is no apt-get to install it")
         subprocess.run([str(INSTALL_DEPS)], check=True, timeout=600)
-    state = tmp_path_factory.mktemp("slurm-cluster")
     started = subprocess.run(
-        [str(CLUSTER), "start", str(state)], capture_output=True, text=True, timeout=120
-    )
+        [str(CLUSTER), "start", str(state)], capture_output=True, text=True, timeout=120,
+        env={**os.environ, **settings},
+    )  # fmt: skip
     cluster = Cluster(state, clean_env(SLURM_CONF=str(state / "slurm.conf")))
     if started.returncode != 0:
         subprocess.run([str(CLUSTER), "stop", str(state)], timeout=60)
@@ -116,6 +121,11 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield cluster
     finally:
         subprocess.run([str(CLUSTER), "stop", str(state)], timeout=60)
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    yield from start_cluster(tmp_path_factory.mktemp("slurm-cluster"))
 
 
 @dataclass
@@ -128,12 +138,20 @@ class Job:
         return self.out.read_text() if self.out.exists() else ""
 
 
-def submit(cluster: Cluster, tmp: Path, name: str, args: list[str]) -> Job:
-    """sbatch exactly as a user would (from the repo, the script's own directives), on one
-    node with 2 CPU workers; output and run folders go to `tmp`."""
-    env = dict(cluster.env, NPROC_PER_NODE="2", RUNS_DIR=str(tmp / "runs"))
+def submit(
+    cluster: Cluster,
+    tmp: Path,
+    name: str,
+    args: list[str],
+    nodes: int = 1,
+    workers: int = 2,
+    **env: str,
+) -> Job:
+    """sbatch exactly as a user would (from the repo, the script's own directives), on `nodes`
+    nodes with `workers` CPU workers each; output and run folders go to `tmp`."""
+    env = dict(cluster.env, NPROC_PER_NODE=str(workers), RUNS_DIR=str(tmp / "runs"), **env)
     out = subprocess.run(
-        ["sbatch", "--parsable", "--nodes=1", f"--job-name={name}",
+        ["sbatch", "--parsable", f"--nodes={nodes}", f"--job-name={name}",
          f"--output={tmp}/slurm-%j.out", str(SBATCH), *args],
         cwd=REPO, env=env, capture_output=True, text=True, check=True, timeout=60,
     ).stdout  # fmt: skip
@@ -187,24 +205,30 @@ def test_sbatch_trains_to_completion_on_slurm(slurm: Cluster, reference_job: Job
     assert float(summary.group(1)) == pytest.approx(float(losses[STEPS]), abs=1e-5)
     assert "requeueing" not in log and "USR1" not in log, "a finished job must not requeue"
     # A late USR1 would not requeue it either: the script reads train.py's last checkpoint.
-    assert run_finished(reference_job.run_dir / "checkpoints") == 0
+    assert launcher.run_finished(str(reference_job.run_dir / "checkpoints"))
 
 
 @pytest.mark.slow
 def test_signalled_job_checkpoints_requeues_and_resumes_exactly(
     slurm: Cluster, reference_job: Job, tmp_path: Path
 ) -> None:
-    reference = seed_losses(reference_job.log())
     job = submit(slurm, tmp_path, "preempted", TINY_CPU_ARGS)
-    wait_until("step 3", lambda: "Batch 3 Loss" in job.log(), job, slurm)
+    preempt_and_check_exact_resume(slurm, job, reference_job)
+
+
+def preempt_and_check_exact_resume(cluster: Cluster, job: Job, reference_job: Job) -> str:
+    """USR1 at step 3 as Slurm sends it before the time limit; the job must checkpoint,
+    requeue itself, resume and end with the reference's losses step for step. Its log."""
+    reference = seed_losses(reference_job.log())
+    wait_until("step 3", lambda: "Batch 3 Loss" in job.log(), job, cluster)
     # What Slurm does `--signal=B:USR1@300` before the time limit: USR1 to the batch shell.
-    slurm.run("scancel", "--batch", "--signal=USR1", job.job_id)
+    cluster.run("scancel", "--batch", "--signal=USR1", job.job_id)
 
     # The requeued job waits cred_expire (5 s on the test cluster, 120 s by default) and
     # then starts again on its own.
-    wait_until("the requeued job to finish", state_is(slurm, job, *FINAL_STATES), job, slurm)
+    wait_until("the requeued job to finish", state_is(cluster, job, *FINAL_STATES), job, cluster)
 
-    info, log = slurm.job(job.job_id), job.log()
+    info, log = cluster.job(job.job_id), job.log()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
     assert info["Restarts"] == "1", info
     preempted, resumed = PREEMPTED.search(log), RESUMED.search(log)
@@ -223,6 +247,7 @@ def test_signalled_job_checkpoints_requeues_and_resumes_exactly(
     assert before == {step: reference[step] for step in before}
     final = FINAL_LOSS.findall(log)
     assert final and final[-1] == FINAL_LOSS.search(reference_job.log()).group(1)
+    return log
 
 
 def test_sbatch_directives_are_accepted_by_slurm(slurm: Cluster) -> None:
@@ -236,6 +261,185 @@ def test_sbatch_directives_are_accepted_by_slurm(slurm: Cluster) -> None:
         assert required in directives
     signal = next(d for d in directives if d.startswith("--signal="))
     assert re.fullmatch(r"--signal=B:USR1@\d+", signal) and int(signal.split("@")[1]) >= 60
+
+
+# --------------------------------------------------------------------------------------
+# Two nodes: `sbatch --nodes=2`, one CPU worker per node, gloo across the nodes
+
+IPV4 = r"\d+\.\d+\.\d+\.\d+"
+# "0: [node node1 ip-10-1-2-11 10.1.2.11] CPU, 1 workers, ..." (srun --label: task 0 = node 0)
+NODE_LINE = re.compile(rf"^(\d+): \[node (\S+) (\S+) ({IPV4})\] CPU, 1 workers", re.M)
+# "1: rank 1/2 on ip-10-1-2-12: mesh replicate=2 x shard=1, replicate group [0, 1], ..."
+RANK_LINE = re.compile(r"^\d+: rank (\d+)/2 on (\S+): mesh (\S+(?: x \S+)*), (.*)$", re.M)
+GROUP = re.compile(r"(\w+) group \[([\d, ]*)\]")
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    yield from start_cluster(
+        tmp_path_factory.mktemp("slurm-two-nodes"), ("ip", "nsenter", "unshare"),
+        SLURM_CLUSTER_NODES="2", SLURM_CLUSTER_PROCTRACK="pgid",
+    )  # fmt: skip
+
+
+def node_lines(log: str) -> dict[str, tuple[str, str, str]]:
+    """srun task label -> (node name, hostname, address) from each node's launcher line."""
+    return {m.group(1): m.group(2, 3, 4) for m in NODE_LINE.finditer(log)}
+
+
+def rank_lines(log: str) -> dict[int, tuple[str, str, dict[str, list[int]]]]:
+    """rank -> (hostname, mesh, {dim: group ranks}) from each rank's start-up line."""
+    ranks = {}
+    for m in RANK_LINE.finditer(log):
+        groups = {
+            name: [int(r) for r in members.split(",")] for name, members in GROUP.findall(m[4])
+        }
+        ranks[int(m[1])] = (m[2], m[3], groups)
+    return ranks
+
+
+def submit_two_nodes(cluster: Cluster, tmp: Path, name: str, args: list[str]) -> Job:
+    """One worker per node, with one thread as each of the one-node reference's two workers
+    has (both "nodes" share this machine's cores): CPU kernels sum in another order with
+    another thread count, and the losses are compared bit for bit."""
+    return submit(cluster, tmp, name, args, nodes=2, workers=1, OMP_NUM_THREADS="1")
+
+
+def check_both_nodes_ran(log: str) -> None:
+    """Each node's launcher and each rank logged, on two hosts with addresses of their own;
+    torchrun met at the first node's address, not at a node name (which resolves nowhere)."""
+    nodes = node_lines(log)
+    assert set(nodes) == {"0", "1"} and nodes["0"][0] == "node1", log
+    assert len({host for _, host, _ in nodes.values()}) == 2, nodes
+    assert re.search(rf"rendezvous {nodes['0'][2]}:\d+ \(node1\)", log), log
+    ranks = rank_lines(log)
+    assert sorted(ranks) == [0, 1], log
+    assert {host for host, _, _ in ranks.values()} == {host for _, host, _ in nodes.values()}
+    assert "world: 2 ranks (2 nodes)" in log
+
+
+@pytest.mark.slow
+def test_two_node_job_trains_exactly_like_two_workers_on_one_node(
+    two_nodes: Cluster, reference_job: Job, tmp_path: Path
+) -> None:
+    job = submit_two_nodes(two_nodes, tmp_path, "two-nodes", TINY_CPU_ARGS)
+    wait_until(
+        "the two-node job to finish", state_is(two_nodes, job, *FINAL_STATES), job, two_nodes
+    )
+    info, log = two_nodes.job(job.job_id), job.log()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
+    assert info["NumNodes"] == "2" and info["NodeList"] == "node[1-2]", info
+    check_both_nodes_ran(log)
+    for _, mesh, groups in rank_lines(log).values():
+        assert mesh == "shard=2" and groups == {"shard": [0, 1]}, log
+    # Gloo across the two network namespaces gives the one-node run's losses, bit for bit.
+    assert seed_losses(log) == seed_losses(reference_job.log()), log
+    assert FINAL_LOSS.search(log).group(1) == FINAL_LOSS.search(reference_job.log()).group(1)
+
+
+@pytest.mark.slow
+def test_preempted_two_node_job_checkpoints_requeues_and_resumes_exactly(
+    two_nodes: Cluster, reference_job: Job, tmp_path: Path
+) -> None:
+    """With proctrack/pgid Slurm signals only each node's launcher (the task's process group);
+    the workers, each in a session of its own, checkpoint because the launcher passes USR1 on."""
+    job = submit_two_nodes(two_nodes, tmp_path, "two-nodes-preempted", TINY_CPU_ARGS)
+    log = preempt_and_check_exact_resume(two_nodes, job, reference_job)
+    first, second = log.split("restart 1:", 1)
+    for part in (first, second):
+        check_both_nodes_ran(part)
+    assert re.search(r"^0: \[node \S+\] SIGUSR1 received", first, re.M), first
+    assert re.search(r"^1: \[node \S+\] SIGUSR1 received", first, re.M), first
+    assert _processes_mentioning(str(job.run_dir)) == []
+
+
+def worker_pids(job: Job, node: str) -> list[int]:
+    """The training processes (torchrun's workers: they have LOCAL_RANK) of `job` on `node`."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            env = dict(
+                item.split("=", 1) for item in environ.read_text().split("\0") if "=" in item
+            )
+        except OSError:
+            continue
+        if (env.get("SLURM_JOB_ID"), env.get("SLURMD_NODENAME")) == (job.job_id, node):
+            if "LOCAL_RANK" in env:
+                found.append(int(environ.parent.name))
+    return found
+
+
+HYBRID_ARGS = [*TINY_CPU_ARGS, "--sharding_strategy", "hybrid", "--checkpoint_freq", "4"]
+SAVED = re.compile(r"Checkpoint step (\d+) saved to")
+
+
+@pytest.fixture(scope="module")
+def killed_job(two_nodes: Cluster, tmp_path_factory: pytest.TempPathFactory) -> tuple[Job, float]:
+    """A hybrid-sharded two-node job whose node-2 worker is killed (kill -9) at step 5, after
+    the step-4 checkpoint; returns the job and the seconds from the kill to the job's end."""
+    job = submit_two_nodes(two_nodes, tmp_path_factory.mktemp("killed"), "killed", HYBRID_ARGS)
+    wait_until("step 5", lambda: "Batch 5 Loss" in job.log(), job, two_nodes)
+    [worker] = worker_pids(job, "node2")
+    os.kill(worker, signal.SIGKILL)
+    killed_at = time.monotonic()
+    wait_until("the job to end", state_is(two_nodes, job, *FINAL_STATES), job, two_nodes, 120)
+    return job, time.monotonic() - killed_at
+
+
+@pytest.mark.slow
+def test_a_dead_worker_on_one_node_ends_the_whole_job_within_60_s(
+    two_nodes: Cluster, killed_job: tuple[Job, float]
+) -> None:
+    job, seconds = killed_job
+    info, log = two_nodes.job(job.job_id), job.log()
+    assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0", info
+    assert info["Restarts"] == "0" and "requeueing" not in log, "a crash is not a preemption"
+    assert seconds < 60, f"the job ended {seconds:.0f} s after the kill"
+    assert _processes_mentioning(str(job.run_dir)) == []  # no worker left on either node
+
+
+@pytest.mark.slow
+def test_the_killed_jobs_last_checkpoint_resumes_with_hybrid_sharding_across_nodes(
+    two_nodes: Cluster, killed_job: tuple[Job, float]
+) -> None:
+    """Resubmitted under the same name: it resumes from the newest checkpoint the killed job
+    completed and re-runs the lost steps with the same losses. HSDP: each rank shards within
+    its node (alone there) and replicates across the two nodes."""
+    killed, _ = killed_job
+    before = seed_losses(killed.log())
+    last_saved = max(int(step) for step in SAVED.findall(killed.log()))
+    job = submit_two_nodes(two_nodes, killed.out.parent, "killed", HYBRID_ARGS)
+    wait_until("the resumed job to finish", state_is(two_nodes, job, *FINAL_STATES), job, two_nodes)
+    info, log = two_nodes.job(job.job_id), job.log()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
+    resumed = RESUMED.search(log)
+    assert resumed and resumed.group(1) == str(
+        killed.run_dir / f"checkpoints/step_{last_saved:08d}"
+    )
+    after = seed_losses(log)
+    assert sorted(after) == list(range(last_saved + 1, STEPS + 1)), log
+    redone = set(before) & set(after)
+    assert redone and {s: after[s] for s in redone} == {s: before[s] for s in redone}
+
+    check_both_nodes_ran(log)
+    ranks = rank_lines(log)
+    for rank, (_, mesh, groups) in ranks.items():
+        assert mesh == "replicate=2 x shard=1", log
+        assert groups["shard"] == [rank]  # the rank's node holds only it: whole parameters
+        assert groups["replicate"] == [0, 1]
+    assert ranks[0][0] != ranks[1][0]  # the replicas sit on different nodes
+
+
+@pytest.mark.slow
+def test_bad_arguments_on_two_nodes_exit_2_once_without_requeue(
+    two_nodes: Cluster, tmp_path: Path
+) -> None:
+    job = submit_two_nodes(two_nodes, tmp_path, "refused", [*TINY_CPU_ARGS, "--lr", "inf"])
+    wait_until("the job to end", state_is(two_nodes, job, *FINAL_STATES), job, two_nodes)
+    info, log = two_nodes.job(job.job_id), job.log()
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", (info, log)
+    assert log.count("train.py: error: --lr must be a finite number > 0, got inf") == 1, log
+    assert info["Restarts"] == "0" and not job.run_dir.exists()
 
 
 # --------------------------------------------------------------------------------------
@@ -345,8 +549,9 @@ exec {python} "$@"
 """
 
 FAKE_SRUN = """#!/usr/bin/env bash
-# srun: advertise Pyxis if asked to, record the options, run the node part as node 0 (in
-# "the container" when given an image: the image's Python comes first on PATH).
+# srun: advertise Pyxis if asked to, record the options (one line per call, tab-separated),
+# run the command as node 0 (in "the container" when given an image: the image's Python
+# comes first on PATH).
 if [[ ${1:-} == --help ]]; then
     echo "Usage: srun [OPTIONS(0)... [executable(0) [args(0)...]]]"
     if [[ -n ${FAKE_PYXIS:-} ]]; then
@@ -354,11 +559,13 @@ if [[ ${1:-} == --help ]]; then
     fi
     exit 0
 fi
+options=()
 while [[ ${1:-} == --* ]]; do
-    echo "$1" >>"$SRUN_RECORD"
+    options+=("$1")
     [[ $1 == --container-image=* ]] && export PATH="$CONTAINER_BIN:$PATH"
     shift
 done
+(IFS=$'\t'; echo "${options[*]}") >>"$SRUN_RECORD"
 SLURM_NODEID=0 exec "$@"
 """
 
@@ -366,6 +573,10 @@ FAKE_SCONTROL = """#!/usr/bin/env bash
 case "$1 $2" in
 "show hostnames") printf 'gpu-node-1\\ngpu-node-2\\n' ;;
 "show job") printf '   Command=%s\\n   WorkDir=/tmp\\n' "$FAKE_COMMAND" ;;
+"show node")
+    echo "NodeName=gpu-node-1 CoresPerSocket=48 NodeAddr=10.1.0.11 NodeHostName=ip-10-1-0-11"
+    echo "NodeName=gpu-node-2 CoresPerSocket=48 NodeAddr=10.1.0.12 NodeHostName=ip-10-1-0-12"
+    ;;
 *) echo "scontrol $*" >>"$SRUN_RECORD" ;;
 esac
 """
@@ -388,6 +599,12 @@ class Fakes:
         }  # fmt: skip
         base.update(extra)
         return base
+
+    def srun_calls(self) -> list[list[str]]:
+        """The options of every srun call, in order."""
+        if not self.srun_record.exists():
+            return []
+        return [line.split("\t") for line in self.srun_record.read_text().splitlines()]
 
     def torchrun_calls(self) -> list[dict]:
         if not self.record.exists():
@@ -427,21 +644,11 @@ def run_script(env: dict[str, str], *args: str, cwd: Path | None = None):
     )  # fmt: skip
 
 
-def detect_gpus(env: dict[str, str]) -> str:
-    """The script's own detect_gpus, sourced (sourcing does not run main)."""
-    result = subprocess.run(
-        ["bash", "-c", 'source "$1" && detect_gpus', "bash", str(SBATCH)],
-        env=env, capture_output=True, text=True, check=True, timeout=30,
-    )  # fmt: skip
-    return result.stdout.strip()
-
-
 def run_finished(checkpoint_dir: Path) -> int:
-    """Exit status of the script's run_finished (0: the newest checkpoint is at max_steps)."""
-    script = 'source "$1" && run_finished "$2"'
+    """Exit status of the check the script makes before a requeue (0: at max_steps)."""
     return subprocess.run(
-        ["bash", "-c", script, "bash", str(SBATCH), str(checkpoint_dir)],
-        capture_output=True, text=True, timeout=30,
+        ["python3", str(REPO / "scripts" / "launcher.py"), "finished", str(checkpoint_dir)],
+        timeout=30,
     ).returncode  # fmt: skip
 
 
@@ -455,13 +662,15 @@ def test_only_an_unfinished_run_counts_as_requeueable(tmp_path: Path) -> None:
         assert run_finished(tmp_path / "checkpoints") == (0 if step == max_steps else 1)
 
 
-def test_gpus_per_node_are_detected_not_hard_coded(fakes: Fakes) -> None:
-    assert detect_gpus(fakes.env(SLURM_GPUS_ON_NODE="4", CUDA_VISIBLE_DEVICES="0")) == "4"
-    assert detect_gpus(fakes.env(CUDA_VISIBLE_DEVICES="0,1,2")) == "3"
-    assert detect_gpus(fakes.env()) == "0"  # nvidia-smi without a driver: CPU
-    gpu_list = "".join(f"GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})\\n" for i in range(8))
-    write_executable(fakes.bin_dir / "nvidia-smi", f"#!/bin/sh\nprintf '{gpu_list}'\n")
-    assert detect_gpus(fakes.env()) == "8"
+def test_gpus_per_node_are_detected_not_hard_coded() -> None:
+    def nvidia_smi(listing):
+        return lambda: listing  # None: nvidia-smi failed (installed, but no driver)
+
+    assert launcher.detect_gpus({"SLURM_GPUS_ON_NODE": "4", "CUDA_VISIBLE_DEVICES": "0"}) == 4
+    assert launcher.detect_gpus({"CUDA_VISIBLE_DEVICES": "0,1,2"}, nvidia_smi(None)) == 3
+    assert launcher.detect_gpus({}, nvidia_smi(None)) == 0  # CPU
+    gpu_list = "".join(f"GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})\n" for i in range(8))
+    assert launcher.detect_gpus({}, nvidia_smi(gpu_list)) == 8
 
 
 def test_local_run_passes_arguments_through_after_the_defaults(
@@ -475,7 +684,8 @@ def test_local_run_passes_arguments_through_after_the_defaults(
     argv, run_dir = call["argv"], tmp_path / "runs" / "trial"
     assert argv[:4] == ["--nnodes=1", "--nproc_per_node=2", "--standalone", str(REPO / "train.py")]
     assert argv[4:] == [
-        "--preset", "llama2-7b", "--fp8=1",  # upstream defaults first, so the user's win
+        # upstream defaults first, so the user's win
+        "--preset", "llama2-7b", "--fp8=1", "--checkpoint_freq", "500",
         "--output_dir", str(run_dir), "--checkpoint_dir", f"{run_dir}/checkpoints",
         "--resume_from_checkpoint", "auto", *user_args,
     ]  # fmt: skip
@@ -521,22 +731,32 @@ def test_bad_settings_fail_with_one_line_and_exit_2(
     assert not runs.exists()  # no empty run folder left behind
 
 
+@pytest.mark.parametrize("pyxis", [False, True], ids=["host", "pyxis"])
 def test_a_refused_slurm_job_exits_2_without_requeue_or_empty_folders(
-    fakes: Fakes, tmp_path: Path
+    fakes: Fakes, tmp_path: Path, pyxis: bool
 ) -> None:
-    """In a job the check runs on the first node (inside the container when there is one)."""
-    result = run_script(slurm_job_env(fakes, tmp_path, FAKE_VALIDATE="2"), "--lr", "inf")
+    """In a job the check runs once on the first node, before the nodes' step (in one srun
+    task in the container when there is one): a refusal there cannot become a killed step."""
+    image = tmp_path / "transformer-engine.sqsh"
+    image.touch()
+    extra = {"FAKE_PYXIS": "1", "IMAGE": str(image)} if pyxis else {}
+    result = run_script(slurm_job_env(fakes, tmp_path, FAKE_VALIDATE="2", **extra), "--lr", "inf")
     assert result.returncode == 2, result.stdout + result.stderr
     assert "(stand-in) bad flag" in result.stderr and fakes.torchrun_calls() == []
     assert fakes.validations.read_text().count("--validate_only") == 1
     assert not (tmp_path / "runs").exists()
+    if pyxis:
+        [srun] = fakes.srun_calls()
+        assert srun[:2] == ["--nodes=1", "--ntasks=1"] and f"--container-image={image}" in srun
+    else:
+        assert fakes.srun_calls() == []
 
 
 def slurm_job_env(fakes: Fakes, tmp_path: Path, **extra: str) -> dict[str, str]:
     """What sbatch gives the batch shell of a 2-node job with 8 GPUs per node."""
     return fakes.env(
         SLURM_JOB_ID="4242", SLURM_JOB_NAME="llama3-fp8", SLURM_JOB_NUM_NODES="2",
-        SLURM_JOB_NODELIST="gpu-node-[1-2]", SLURM_GPUS_ON_NODE="8",
+        SLURM_JOB_NODELIST="gpu-node-[1-2]", SLURMD_NODENAME="gpu-node-1", SLURM_GPUS_ON_NODE="8",
         RUNS_DIR=str(tmp_path / "runs"), **extra,
     )  # fmt: skip
 
@@ -554,9 +774,18 @@ def test_slurm_job_runs_torchrun_per_node_in_the_pyxis_container(
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"container: {image} (Pyxis)" in result.stdout
 
-    srun = fakes.srun_record.read_text().splitlines()
-    assert {"--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"} <= set(srun)
+    # First the argument check in one task, then the nodes' step, in the same named container.
+    check, srun = fakes.srun_calls()
+    assert check[:2] == ["--nodes=1", "--ntasks=1"] and check[2:] == srun[5:], (check, srun)
+    assert srun[:5] == [
+        "--nodes=2",
+        "--ntasks=2",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        "--label",
+    ]
     assert f"--container-image={image}" in srun and f"--container-workdir={REPO}" in srun
+    assert "--container-name=llama-4242" in srun
     [mounts] = [o.split("=", 1)[1] for o in srun if o.startswith("--container-mounts=")]
     run_dir = tmp_path / "runs" / "llama3-fp8"
     for path in (REPO, tmp_path / "runs", Path("/fsx/ckpt/llama3"), run_dir, Path("/fsx/data")):
@@ -565,14 +794,17 @@ def test_slurm_job_runs_torchrun_per_node_in_the_pyxis_container(
 
     [call] = fakes.torchrun_calls()
     argv = call["argv"]
-    assert argv[:5] == [
+    # The store on the first node, reached by its NodeAddr (a node name need not resolve);
+    # this node (the first) hosts it; the workers' process group meets at an address too.
+    assert argv[:7] == [
         "--nnodes=2", "--nproc_per_node=8", "--rdzv_backend=c10d",
-        f"--rdzv_endpoint=gpu-node-1:{20000 + 4242 % 20000}", "--rdzv_id=4242",
+        f"--rdzv_endpoint=10.1.0.11:{20000 + 4242 % 20000}", "--rdzv_id=4242",
+        "--rdzv_conf=is_host=1", "--local_addr=10.1.0.11",
     ]  # fmt: skip
     assert argv[-4:] == ["--preset", "llama3-8b", "--checkpoint_dir", "/fsx/ckpt/llama3"]
-    # Slurm signals every process of the step: torchrun must leave USR1/TERM to train.py.
-    assert call["ignores_usr1"] and call["ignores_term"]
-    assert call["pet_signals"] == "SIGINT,SIGHUP,SIGQUIT"
+    # The launcher passes USR1/TERM/INT on to the workers; torchrun must not act on them.
+    assert call["ignores_usr1"] and call["ignores_term"] and call["ignores_int"]
+    assert call["pet_signals"] == "SIGHUP,SIGQUIT"
 
 
 def test_slurm_job_without_pyxis_says_it_uses_host_python(fakes: Fakes, tmp_path: Path) -> None:
@@ -581,7 +813,8 @@ def test_slurm_job_without_pyxis_says_it_uses_host_python(fakes: Fakes, tmp_path
     result = run_script(slurm_job_env(fakes, tmp_path, IMAGE=str(image)), "--preset", "tiny")
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"host Python {fakes.venv}/bin/python: srun has no --container-image" in result.stdout
-    assert not any("--container" in o for o in fakes.srun_record.read_text().splitlines())
+    [srun] = fakes.srun_calls()  # no srun for the argument check: this node's Python
+    assert not any("--container" in o for o in srun)
 
 
 def test_a_missing_image_is_an_error_not_a_silent_fallback(fakes: Fakes, tmp_path: Path) -> None:

@@ -1,0 +1,397 @@
+"""What 1.train_llama.sbatch does besides talking to Slurm, where it can be tested.
+
+Standard library only: on the batch host it runs on whatever `python3` is there (3.8 or newer),
+on the nodes on the job's Python (the container's, or the venv's). Subcommands:
+
+  check-env                 exit 2 with one line for settings that would fail deep in bash/torchrun
+  folders ARGS...           train.py's --checkpoint_dir and --output_dir, absolute (two lines)
+  make-dirs DIR...          create them; print the folders that did not exist (for remove-empty)
+  remove-empty DIR...       remove those of them that are still empty (a refused start)
+  mounts DIR...             Pyxis --container-mounts: repo, runs, DIR..., DATA_PATH, HF_HOME
+  rendezvous                "HEAD_NODE HEAD_ADDR NODE=ADDR,..." for this job's nodes (scontrol)
+  finished CKPT_DIR         exit 0 when the newest checkpoint is at the run's max_steps
+  node ARGS...              on every node: torchrun with one worker per GPU, signals forwarded
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+# The signals that ask train.py for a checkpoint at its next logging step, then an exit.
+FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+RESEND_EVERY_S = 5.0
+
+
+class UsageError(Exception):
+    """A setting the user must change: one line, exit 2."""
+
+
+def check_environment(env: Mapping[str, str]) -> None:
+    nproc = env.get("NPROC_PER_NODE", "")
+    if nproc and not re.fullmatch(r"[1-9][0-9]*", nproc):
+        raise UsageError(
+            f"NPROC_PER_NODE={nproc} is not a number of workers per node >= 1 "
+            "(unset it for one worker per GPU, or 2 on a CPU-only node)"
+        )
+    nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or ""
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    job_id = env.get("SLURM_JOB_ID", "")
+    if nodes and not re.fullmatch(r"[1-9][0-9]*", nodes):
+        raise UsageError(f"SLURM_NNODES={nodes} is not a number of nodes >= 1")
+    if job_id and not nodelist:
+        raise UsageError(
+            f"SLURM_JOB_ID={job_id} is set but SLURM_JOB_NODELIST is not: submit with sbatch "
+            "(or run inside salloc), or unset SLURM_JOB_ID to train on this machine"
+        )
+    if not job_id and nodes and int(nodes) > 1:
+        raise UsageError(
+            f"SLURM_NNODES={nodes} asks for {nodes} nodes outside a Slurm job (no SLURM_JOB_ID "
+            f"or node list): submit with sbatch --nodes={nodes}, or unset SLURM_NNODES to train "
+            "on this machine"
+        )
+
+
+def flag_value(args: Sequence[str], name: str) -> str | None:
+    """The value of --NAME in train.py's arguments (--NAME V or --NAME=V); the last one wins, as
+    in argparse."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == f"--{name}" and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(f"--{name}="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def make_dirs(paths: Sequence[str]) -> list[str]:
+    """Create the folders; return every folder that did not exist before, deepest first."""
+    created: list[str] = []
+    for path in paths:
+        p = Path(path).absolute()
+        missing = []
+        while not p.exists():
+            missing.append(str(p))
+            p = p.parent
+        Path(path).mkdir(parents=True, exist_ok=True)
+        created.extend(m for m in missing if m not in created)
+    return created
+
+
+def remove_empty(paths: Sequence[str]) -> None:
+    """Remove those of `paths` that are empty folders, children before parents."""
+    for path in sorted(paths, key=lambda p: p.count(os.sep), reverse=True):
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
+
+
+def container_mounts(env: Mapping[str, str], paths: Sequence[str]) -> str:
+    """Pyxis --container-mounts: every host folder train.py reads or writes, at the same path."""
+    wanted = [env["LLAMA_REPO_DIR"], env["RUNS_DIR"], *paths]
+    wanted += [env[name] for name in ("DATA_PATH", "HF_HOME") if env.get(name)]
+    mounts = [f"{p}:{p}" for p in dict.fromkeys(p for p in wanted if p)]
+    if env.get("EXTRA_MOUNTS"):
+        mounts.append(env["EXTRA_MOUNTS"])
+    return ",".join(mounts)
+
+
+def run_finished(checkpoint_dir: str) -> bool:
+    """Did the run reach max_steps? The newest published checkpoint (step_N/checkpoint.json)
+    records its step and the run's max_steps: a signal that came too late (or was lost while
+    train.py was starting) must not requeue a finished run."""
+    found = sorted(Path(checkpoint_dir).glob("step_*/checkpoint.json"))
+    if not found:
+        return False
+    try:
+        meta = json.loads(found[-1].read_text())
+        return int(meta["step"]) >= int(meta["run_config"]["max_steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# Rendezvous by address
+
+
+def parse_node_addrs(scontrol_show_node: str) -> dict[str, str]:
+    """NodeName -> NodeAddr from `scontrol show node --oneliner` (NodeAddr defaults to the
+    name; it is how slurmctld itself reaches the node)."""
+    nodes = {}
+    for line in scontrol_show_node.splitlines():
+        fields = dict(re.findall(r"(\w+)=(\S*)", line))
+        if "NodeName" in fields:
+            nodes[fields["NodeName"]] = fields.get("NodeAddr") or fields["NodeName"]
+    return nodes
+
+
+def _ipv4(host: str) -> list[str]:
+    try:
+        infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return []
+    return list(dict.fromkeys(info[4][0] for info in infos))
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
+
+def _source_address_towards(peer: str) -> str | None:
+    """This machine's address on the route to `peer` (a UDP connect sends nothing)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((peer, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def resolve_node_addrs(
+    hosts: Sequence[str],
+    node_addrs: Mapping[str, str],
+    this_node: str | None = None,
+    resolve: Callable[[str], list[str]] = _ipv4,
+    source_towards: Callable[[str], str | None] = _source_address_towards,
+) -> dict[str, str]:
+    """Node -> IPv4 address the other nodes can reach, for the job's `hosts`.
+
+    NodeAddr is resolved here (it may be a name); a node whose name resolves only to loopback
+    (Debian's "127.0.1.1 myhost" line) on the batch host, which is `this_node`, gets the
+    address this machine uses towards another node instead. An unresolvable node keeps its
+    NodeAddr and torch resolves it (or says it cannot)."""
+    out = {}
+    for host in hosts:
+        name = node_addrs.get(host, host)
+        found = resolve(name)
+        usable = [a for a in found if not _is_loopback(a)]
+        out[host] = usable[0] if usable else (found[0] if found else name)
+    if this_node in out and _is_loopback(out[this_node]):
+        peers = [out[h] for h in hosts if h != this_node and not _is_loopback(out[h])]
+        own = source_towards(peers[0]) if peers else None
+        if own:
+            out[this_node] = own
+    return out
+
+
+def rendezvous(env: Mapping[str, str], run: Callable[..., str] | None = None) -> str:
+    """'HEAD_NODE HEAD_ADDR NODE=ADDR,...' for the job's nodes, head (first) node first.
+
+    torchrun's c10d store listens on the head node; the others reach it by address, not by
+    NodeName (which need not be a DNS name, or may differ from the node's hostname). As in
+    torchtitan's multinode_trainer.slurm, but from Slurm's NodeAddr, the address slurmctld
+    itself uses to reach the node."""
+    run = run or _scontrol
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    hosts = run("show", "hostnames", nodelist).split()
+    if not hosts:
+        raise UsageError(f"scontrol show hostnames '{nodelist}' listed no node")
+    try:
+        node_addrs = parse_node_addrs(run("show", "node", "--oneliner", nodelist))
+    except subprocess.CalledProcessError:
+        node_addrs = {}
+    addrs = resolve_node_addrs(hosts, node_addrs, env.get("SLURMD_NODENAME") or hosts[0])
+    return " ".join([hosts[0], addrs[hosts[0]], ",".join(f"{h}={a}" for h, a in addrs.items())])
+
+
+def _scontrol(*args: str) -> str:
+    return subprocess.run(
+        ["scontrol", *args], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+
+
+# --------------------------------------------------------------------------------------------
+# The per-node part: torchrun with one worker per GPU
+
+
+def detect_gpus(env: Mapping[str, str], nvidia_smi: Callable[[], str | None] | None = None) -> int:
+    """GPUs Slurm gave this node, else the visible ones, else what nvidia-smi lists, else 0."""
+    on_node = env.get("SLURM_GPUS_ON_NODE", "")
+    if re.fullmatch(r"[0-9]+", on_node):
+        return int(on_node)
+    visible = env.get("CUDA_VISIBLE_DEVICES", "")
+    if visible and visible != "NoDevFiles":
+        return len(visible.split(","))
+    listing = (nvidia_smi or _nvidia_smi)()
+    return sum(line.startswith("GPU ") for line in (listing or "").splitlines())
+
+
+def _nvidia_smi() -> str | None:
+    try:
+        result = subprocess.run(
+            ["nvidia-smi", "--list-gpus"], capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return result.stdout if result.returncode == 0 else None
+
+
+def torchrun_command(
+    env: Mapping[str, str], train_args: Sequence[str], gpus: int, cores: int
+) -> tuple[list[str], dict[str, str], str]:
+    """(torchrun's argv, the variables to add to its environment, one line describing it)."""
+    nproc = int(env["NPROC_PER_NODE"]) if env.get("NPROC_PER_NODE") else (gpus or 2)
+    extra = {}
+    if not gpus and "OMP_NUM_THREADS" not in env:
+        # torchrun would pin every CPU worker to 1 thread; share the node's cores instead.
+        extra["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
+    if "RAYON_NUM_THREADS" not in env:
+        # The HF tokenizer starts one thread per core in every worker: split the cores.
+        extra["RAYON_NUM_THREADS"] = str(max(1, cores // nproc))
+    # torchrun must not act on the checkpoint signals (it would die of USR1 or kill the workers
+    # 30 s into their save): it ignores them and this launcher passes them on.
+    extra["PET_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
+    nnodes = int(env.get("LLAMA_NNODES", "1"))
+    node = env.get("SLURMD_NODENAME", "")
+    if nnodes == 1 and not env.get("SLURM_JOB_ID"):
+        rdzv = ["--standalone"]
+    else:
+        rdzv = [
+            "--rdzv_backend=c10d", f"--rdzv_endpoint={env['LLAMA_RDZV_ENDPOINT']}",
+            f"--rdzv_id={env.get('LLAMA_RDZV_ID', env.get('SLURM_JOB_ID', 'local'))}",
+        ]  # fmt: skip
+        head = env.get("LLAMA_HEAD_NODE")
+        if head and node:  # who hosts the store: by node name, not by matching addresses
+            rdzv.append(f"--rdzv_conf=is_host={int(node == head)}")
+        if node_addr(env, node):  # where the workers' process group meets (MASTER_ADDR)
+            rdzv.append(f"--local_addr={node_addr(env, node)}")
+    argv = [
+        "torchrun", f"--nnodes={nnodes}", f"--nproc_per_node={nproc}", *rdzv,
+        str(Path(env["LLAMA_REPO_DIR"]) / "train.py"), *train_args,
+    ]  # fmt: skip
+    device = f"{gpus} GPU(s)" if gpus else "CPU"
+    where = " ".join(x for x in (node, socket.gethostname(), node_addr(env, node)) if x)
+    line = (
+        f"[node {where}] {device}, {nproc} workers, python {sys.executable}, "
+        f"node rank {env.get('SLURM_NODEID', '0')}/{nnodes}"
+    )
+    return argv, extra, line
+
+
+def node_addr(env: Mapping[str, str], node: str) -> str:
+    """This node's address in LLAMA_NODE_ADDRS ("node1=10.0.0.1,node2=..."), or ''."""
+    for item in env.get("LLAMA_NODE_ADDRS", "").split(","):
+        name, _, addr = item.partition("=")
+        if node and name == node:
+            return addr
+    return ""
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (torchrun's workers)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            found += [int(c) for c in task.read_text().split()]
+        except OSError:
+            pass
+    return found
+
+
+class Forwarder:
+    """Passes USR1/TERM/INT on to torchrun's workers, and again every few seconds until
+    torchrun exits: a worker still importing torch has no handler yet (it inherits the ignore
+    from torchrun), and Slurm's proctrack/pgid signals only this process group, while each
+    worker runs in a session of its own."""
+
+    def __init__(self, torchrun_pid: int, workers: Callable[[int], list[int]] = children):
+        self.pid = torchrun_pid
+        self.workers = workers
+        self.pending: list[signal.Signals] = []
+
+    def handle(self, signum: int, frame: object = None) -> None:
+        sig = signal.Signals(signum)
+        if sig not in self.pending:
+            self.pending.append(sig)
+            print(
+                f"[node {socket.gethostname()}] {sig.name} received: asking train.py to "
+                "checkpoint at its next logging step and exit",
+                flush=True,
+            )
+        self.send()
+
+    def send(self) -> None:
+        for pid in self.workers(self.pid):
+            for sig in self.pending:
+                try:
+                    os.kill(pid, sig)
+                except OSError:
+                    pass
+
+
+def _ignore_forwarded() -> None:
+    for sig in FORWARDED:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def run_node(train_args: Sequence[str], env: Mapping[str, str] = os.environ) -> int:
+    """torchrun with the signals passed on to its workers; its exit status. (The arguments
+    were checked once, by the sbatch, before any node started.)"""
+    os.chdir(env["LLAMA_REPO_DIR"])  # relative paths mean the same as in the container
+    argv, extra, line = torchrun_command(env, train_args, detect_gpus(env), os.cpu_count() or 1)
+    print(line, flush=True)
+    forwarder = Forwarder(-1)
+    for sig in FORWARDED:  # from here on a signal is never lost, even before torchrun exists
+        signal.signal(sig, forwarder.handle)
+    torchrun = subprocess.Popen(argv, env={**env, **extra}, preexec_fn=_ignore_forwarded)
+    forwarder.pid = torchrun.pid
+    while True:
+        try:
+            status = torchrun.wait(timeout=RESEND_EVERY_S)
+            break
+        except subprocess.TimeoutExpired:
+            if forwarder.pending:
+                forwarder.send()
+    return status if status >= 0 else 128 - status
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str]) -> int:
+    if not argv:
+        print(__doc__, file=sys.stderr)
+        return 2
+    command, args, env = argv[0], list(argv[1:]), os.environ
+    try:
+        if command == "check-env":
+            check_environment(env)
+        elif command == "folders":  # absolute, as train.py resolves them (from the repo)
+            for name in ("checkpoint_dir", "output_dir"):
+                value = flag_value(args, name)
+                print(os.path.abspath(os.path.expanduser(value)) if value else "")
+        elif command == "make-dirs":
+            print("\n".join(make_dirs(args)))
+        elif command == "remove-empty":
+            remove_empty(args)
+        elif command == "mounts":
+            print(container_mounts(env, args))
+        elif command == "rendezvous":
+            print(rendezvous(env))
+        elif command == "finished":
+            return 0 if run_finished(args[0]) else 1
+        elif command == "node":
+            return run_node(args, env)
+        else:
+            print(f"launcher.py: unknown command {command}\n{__doc__}", file=sys.stderr)
+            return 2
+    except UsageError as exc:
+        print(f"1.train_llama.sbatch: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

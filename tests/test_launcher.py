@@ -1,0 +1,205 @@
+"""scripts/launcher.py: the launcher's logic outside bash (rendezvous addresses, torchrun's
+arguments, folders, mounts, signal forwarding), without Slurm or torch."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import launcher  # noqa: E402
+
+SHOW_NODE = """\
+NodeName=node1 Arch=x86_64 CoresPerSocket=1 CPUAlloc=0 NodeAddr=10.7.0.11 NodeHostName=ip-10-7-0-11 Version=22.05.8
+NodeName=node2 Arch=x86_64 CoresPerSocket=1 CPUAlloc=0 NodeAddr=10.7.0.12 NodeHostName=ip-10-7-0-12 Version=22.05.8
+"""  # noqa: E501
+
+
+def test_node_addresses_come_from_slurm_nodeaddr() -> None:
+    assert launcher.parse_node_addrs(SHOW_NODE) == {"node1": "10.7.0.11", "node2": "10.7.0.12"}
+    # A NodeAddr that is a name is resolved on the batch host; the node name itself is never
+    # what the other nodes are told to connect to when an address is known.
+    table = {"gpu-a": ["10.0.0.5"], "gpu-b": ["10.0.0.6"]}
+    addrs = launcher.resolve_node_addrs(
+        ["n1", "n2"], {"n1": "gpu-a", "n2": "gpu-b"}, "n1", resolve=lambda h: table.get(h, [])
+    )
+    assert addrs == {"n1": "10.0.0.5", "n2": "10.0.0.6"}
+
+
+def test_a_head_node_resolving_to_loopback_uses_its_address_towards_the_others() -> None:
+    """Debian's '127.0.1.1 myhost' line: the head's own name resolves to loopback there."""
+    table = {"n1": ["127.0.1.1"], "n2": ["10.0.0.6"]}
+    addrs = launcher.resolve_node_addrs(
+        ["n1", "n2"], {}, "n1", resolve=lambda h: table[h],
+        source_towards=lambda peer: "10.0.0.5" if peer == "10.0.0.6" else None,
+    )  # fmt: skip
+    assert addrs == {"n1": "10.0.0.5", "n2": "10.0.0.6"}
+    # Unresolvable here: left to torch on the nodes (it says so if it cannot either).
+    assert launcher.resolve_node_addrs(["x"], {}, "x", resolve=lambda h: []) == {"x": "x"}
+
+
+def test_rendezvous_names_the_head_node_and_every_address() -> None:
+    def scontrol(*args: str) -> str:
+        return {"hostnames": "node1\nnode2\n", "node": SHOW_NODE}[args[1]]
+
+    env = {"SLURM_JOB_NODELIST": "node[1-2]", "SLURMD_NODENAME": "node1"}
+    line = launcher.rendezvous(env, run=scontrol)
+    assert line == "node1 10.7.0.11 node1=10.7.0.11,node2=10.7.0.12"
+
+
+def node_env(**extra: str) -> dict[str, str]:
+    env = {
+        "LLAMA_REPO_DIR": "/repo", "LLAMA_NNODES": "2", "SLURM_JOB_ID": "77",
+        "LLAMA_RDZV_ENDPOINT": "10.7.0.11:20077", "LLAMA_RDZV_ID": "77",
+        "LLAMA_HEAD_NODE": "node1", "LLAMA_NODE_ADDRS": "node1=10.7.0.11,node2=10.7.0.12",
+    }  # fmt: skip
+    env.update(extra)
+    return env
+
+
+def test_torchrun_on_each_node_meets_at_the_head_address() -> None:
+    head, _, line = launcher.torchrun_command(
+        node_env(SLURMD_NODENAME="node1", SLURM_NODEID="0"), ["--preset", "tiny"], 8, 96
+    )
+    other, extra, _ = launcher.torchrun_command(
+        node_env(SLURMD_NODENAME="node2", SLURM_NODEID="1"), ["--preset", "tiny"], 8, 96
+    )
+    common = [
+        "torchrun", "--nnodes=2", "--nproc_per_node=8", "--rdzv_backend=c10d",
+        "--rdzv_endpoint=10.7.0.11:20077", "--rdzv_id=77",
+    ]  # fmt: skip
+    tail = ["/repo/train.py", "--preset", "tiny"]
+    # The head hosts the store by name, not by torch matching its hostname to the address.
+    assert head == [*common, "--rdzv_conf=is_host=1", "--local_addr=10.7.0.11", *tail]
+    assert other == [*common, "--rdzv_conf=is_host=0", "--local_addr=10.7.0.12", *tail]
+    assert "8 GPU(s), 8 workers" in line and "node rank 0/2" in line and "10.7.0.11" in line
+    # GPUs: no OMP override; the tokenizer threads split the cores; torchrun ignores USR1/TERM/INT.
+    assert extra == {"RAYON_NUM_THREADS": "12", "PET_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT"}
+
+
+def test_without_slurm_torchrun_is_standalone_and_cpu_threads_are_shared() -> None:
+    env = {"LLAMA_REPO_DIR": "/repo", "LLAMA_NNODES": "1", "NPROC_PER_NODE": "3"}
+    argv, extra, line = launcher.torchrun_command(env, [], 0, 8)
+    assert argv == [
+        "torchrun",
+        "--nnodes=1",
+        "--nproc_per_node=3",
+        "--standalone",
+        "/repo/train.py",
+    ]
+    assert extra["OMP_NUM_THREADS"] == "2" and extra["RAYON_NUM_THREADS"] == "2"
+    assert "CPU, 3 workers" in line
+    user_set = {**env, "OMP_NUM_THREADS": "1", "RAYON_NUM_THREADS": "4"}
+    assert set(launcher.torchrun_command(user_set, [], 0, 8)[1]) == {"PET_SIGNALS_TO_HANDLE"}
+
+
+def test_folders_flags_and_the_cleanup_of_a_refused_start(tmp_path: Path) -> None:
+    args = ["--output_dir", "a", "--checkpoint_dir=b", "--output_dir=c"]
+    assert launcher.flag_value(args, "output_dir") == "c"  # the last one wins, as in argparse
+    assert launcher.flag_value(args, "checkpoint_dir") == "b"
+    assert launcher.flag_value(args, "seed") is None
+    (tmp_path / "runs").mkdir()
+    ckpt, out = tmp_path / "runs/r/checkpoints", tmp_path / "runs/r"
+    created = launcher.make_dirs([str(ckpt), str(out)])
+    assert set(created) == {str(ckpt), str(out)} and ckpt.is_dir()
+    launcher.remove_empty(created)
+    assert not out.exists() and (tmp_path / "runs").is_dir()  # only what it created
+
+
+FAKE_TORCHRUN = """#!{python}
+# Starts one "worker" in a session of its own (as torchrun does): it inherits torchrun's
+# ignored signals, installs its USR1 handler only after a while (importing torch), and exits
+# 0 once USR1 reaches it.
+import subprocess, sys
+worker = '''
+import os, signal, sys, time
+open(sys.argv[1] + ".started", "w").close()
+time.sleep(1.0)
+def handle(signum, frame):
+    open(sys.argv[1] + ".usr1", "w").close()
+    sys.exit(0)
+signal.signal(signal.SIGUSR1, handle)
+time.sleep(30)
+sys.exit(5)
+'''
+proc = subprocess.Popen([sys.executable, "-c", worker, "{marker}"], start_new_session=True)
+sys.exit(proc.wait())
+"""
+
+
+def test_signals_reach_workers_in_their_own_session_even_before_their_handler(
+    tmp_path: Path,
+) -> None:
+    """What Slurm's proctrack/pgid does: signal the task's process group only (launcher and
+    torchrun). The launcher passes USR1 on to the worker, again until it has a handler."""
+    marker = tmp_path / "worker"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    torchrun = bin_dir / "torchrun"
+    torchrun.write_text(FAKE_TORCHRUN.format(python=sys.executable, marker=marker))
+    torchrun.chmod(0o755)
+    env = {
+        **os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "LLAMA_REPO_DIR": str(REPO),
+        "LLAMA_NNODES": "1", "NPROC_PER_NODE": "1",
+    }  # fmt: skip
+    env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
+    code = (
+        "import sys, launcher; launcher.RESEND_EVERY_S = 0.2; sys.exit(launcher.main(sys.argv[1:]))"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "node", "--preset", "tiny"], env=env,
+        cwd=REPO / "scripts", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not Path(f"{marker}.started").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read()
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGUSR1)  # the worker is not in this group
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    assert Path(f"{marker}.usr1").exists(), out
+    assert "SIGUSR1 received" in out
+
+
+def test_the_node_exits_with_torchruns_status(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text("#!/bin/sh\nexit 7\n")
+    (bin_dir / "torchrun").chmod(0o755)
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin", "LLAMA_REPO_DIR": str(REPO),
+    }  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "launcher.py"), "node"], env=env,
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 7, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"NPROC_PER_NODE": "0"}, "NPROC_PER_NODE=0 is not a number of workers per node"),
+        ({"SLURM_NNODES": "x"}, "SLURM_NNODES=x is not a number of nodes"),
+        ({"SLURM_NNODES": "2"}, "SLURM_NNODES=2 asks for 2 nodes outside a Slurm job"),
+        ({"SLURM_JOB_ID": "7"}, "SLURM_JOB_ID=7 is set but SLURM_JOB_NODELIST is not"),
+    ],
+)
+def test_bad_settings_are_one_usage_error(env: dict[str, str], message: str) -> None:
+    with pytest.raises(launcher.UsageError, match=message):
+        launcher.check_environment(env)
+    launcher.check_environment(
+        {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1", "SLURM_NNODES": "2"}
+    )
