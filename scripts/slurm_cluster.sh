@@ -140,23 +140,28 @@ free_subnet() {
     die "no free 10.X.Y.0/24 subnet after $try tries"
 }
 
-# Nodes 1..N: each a slurmd in a network namespace (its address on a veth whose peer sits on a
-# bridge here) and a UTS namespace (its hostname), with an /etc/hosts naming only itself.
+# Nodes 1..N: each a slurmd in a network namespace (its address on a veth) and a UTS namespace
+# (its hostname), with an /etc/hosts naming only itself. The veths meet on a bridge in a
+# namespace of its own, where no firewall rule of this machine (Docker's FORWARD DROP with
+# br_netfilter, say) applies; this namespace reaches it through one more veth, at 10.X.Y.1.
 # Every namespace and link is recorded in $dir/netns before it exists, for `stop`.
 start_namespaced_nodes() {
-    local dir=$1 count=$2 subnet=$3 tag=$4 i ns host addr veth
-    local bridge=slb$tag
-    echo "link $bridge" >>"$dir/netns"
-    ip link add "$bridge" type bridge
-    ip addr add "$subnet.1/24" dev "$bridge"
-    ip link set "$bridge" up
+    local dir=$1 count=$2 subnet=$3 tag=$4 i ns host addr
+    local net=slurm-$tag-net
+    printf 'netns %s\nlink slv%s\n' "$net" "$tag" >>"$dir/netns"
+    ip netns add "$net"
+    ip -n "$net" link add br0 type bridge
+    ip -n "$net" link set br0 up
+    ip link add "slv$tag" type veth peer name ctl netns "$net"
+    ip -n "$net" link set ctl master br0 up
+    ip addr add "$subnet.1/24" dev "slv$tag"
+    ip link set "slv$tag" up
     for ((i = 1; i <= count; i++)); do
-        ns=slurm-$tag-node$i veth=slv${tag}n$i
-        host=ip-${subnet//./-}-$((10 + i)) addr=$subnet.$((10 + i))
-        printf 'netns %s\nlink %s\n' "$ns" "$veth" >>"$dir/netns"
+        ns=slurm-$tag-node$i host=ip-${subnet//./-}-$((10 + i)) addr=$subnet.$((10 + i))
+        echo "netns $ns" >>"$dir/netns"
         ip netns add "$ns"
-        ip link add "$veth" type veth peer name eth0 netns "$ns"
-        ip link set "$veth" master "$bridge" up
+        ip -n "$net" link add "node$i" type veth peer name eth0 netns "$ns"
+        ip -n "$net" link set "node$i" master br0 up
         ip -n "$ns" addr add "$addr/24" dev eth0
         ip -n "$ns" link set eth0 up
         ip -n "$ns" link set lo up
@@ -249,10 +254,10 @@ cmd_stop() {
         SLURM_CONF=$dir/slurm.conf scancel --full --quiet --user=root 2>/dev/null || true
     fi
     local pid_file kind name
-    for pid_file in "$dir"/slurmd-*.pid; do
-        stop_pid_file "$pid_file"
+    for pid_file in "$dir"/slurmd-*.pid "$dir/slurmctld.pid"; do
+        stop_pid_file "$pid_file" & # all at once: each may take seconds
     done
-    stop_pid_file "$dir/slurmctld.pid"
+    wait
     stop_pid_file "$dir/munged.pid"
     # A multi-node cluster's namespaces and links: only those recorded at start.
     if [[ -f $dir/netns ]]; then
