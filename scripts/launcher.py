@@ -280,6 +280,66 @@ def torchrun_command(
     return argv, extra, line
 
 
+#: Where the EFA installer and common images put aws-ofi-nccl (besides LD_LIBRARY_PATH).
+OFI_PLUGIN_DIRS = ("/opt/amazon/ofi-nccl/lib", "/opt/amazon/aws-ofi-nccl/lib", "/usr/local/lib")
+OFI_PLUGIN_NAMES = ("libnccl-net-ofi.so", "libnccl-net.so")
+
+
+def efa_devices(sys_class: Path = Path("/sys/class/infiniband")) -> list[str]:
+    """RDMA devices driven by the EFA kernel driver (``rdmap*`` on p4d/p5), as the node sees
+    them from inside the container."""
+    if not sys_class.is_dir():
+        return []
+    return sorted(
+        dev.name
+        for dev in sys_class.iterdir()
+        if os.path.basename(os.path.realpath(dev / "device" / "driver")) == "efa"
+    )
+
+
+def find_ofi_plugin(env: Mapping[str, str], dirs: Sequence[str] = OFI_PLUGIN_DIRS) -> str | None:
+    """The aws-ofi-nccl plugin NCCL would load, searching LD_LIBRARY_PATH first."""
+    search = [d for d in env.get("LD_LIBRARY_PATH", "").split(":") if d] + list(dirs)
+    for folder in search:
+        for name in OFI_PLUGIN_NAMES:
+            if (Path(folder) / name).is_file():
+                return str(Path(folder) / name)
+    return None
+
+
+def network_settings(
+    env: Mapping[str, str], devices: Sequence[str], plugin: str | None
+) -> tuple[dict[str, str], str]:
+    """(NCCL/libfabric variables to set, one line saying what the node will use).
+
+    Decided on the node, inside the container: Pyxis lets the image's own ENV win over what the
+    batch script exported, so settings made on the batch host may never reach NCCL. With EFA
+    devices and no plugin NCCL would run over TCP sockets (~10x slower all-gathers) while
+    looking healthy: refused. Values the user set explicitly are kept.
+    """
+    if not devices:
+        return {}, "network: no EFA device; NCCL chooses (InfiniBand/RoCE if present, else TCP)"
+    if plugin is None:
+        raise UsageError(
+            f"this node has EFA devices ({', '.join(devices)}) but the container has no "
+            "aws-ofi-nccl plugin (libnccl-net-ofi.so), so NCCL would fall back to TCP sockets: "
+            "build the image with --build-arg INSTALL_EFA=1 (0.transformer-engine.dockerfile)"
+        )
+    wanted = {"FI_PROVIDER": "efa", "FI_EFA_USE_HUGE_PAGE": "0", "NCCL_NET_PLUGIN": "ofi"}
+    extra = {k: v for k, v in wanted.items() if k not in env}
+    # Plugin's folder on the loader path, in case the image did not register it with ldconfig.
+    folder = str(Path(plugin).parent)
+    if folder not in env.get("LD_LIBRARY_PATH", "").split(":"):
+        extra["LD_LIBRARY_PATH"] = ":".join(x for x in (folder, env.get("LD_LIBRARY_PATH")) if x)
+    merged = {**env, **extra}
+    line = (
+        f"network: EFA ({len(devices)} devices), NCCL plugin {plugin}, "
+        f"FI_PROVIDER={merged['FI_PROVIDER']} NCCL_NET_PLUGIN={merged['NCCL_NET_PLUGIN']} "
+        "(NCCL_DEBUG=INFO shows 'NET/OFI Selected provider is efa' when it is used)"
+    )
+    return extra, line
+
+
 def node_addr(env: Mapping[str, str], node: str) -> str:
     """This node's address in LLAMA_NODE_ADDRS ("node1=10.0.0.1,node2=..."), or ''."""
     for item in env.get("LLAMA_NODE_ADDRS", "").split(","):
@@ -341,7 +401,10 @@ def run_node(train_args: Sequence[str], env: Mapping[str, str] = os.environ) -> 
     were checked once, by the sbatch, before any node started.)"""
     os.chdir(env["LLAMA_REPO_DIR"])  # relative paths mean the same as in the container
     argv, extra, line = torchrun_command(env, train_args, detect_gpus(env), os.cpu_count() or 1)
+    network, network_line = network_settings(env, efa_devices(), find_ofi_plugin(env))
+    extra.update(network)
     print(line, flush=True)
+    print(f"{line[: line.index(']') + 1]} {network_line}", flush=True)
     forwarder = Forwarder(-1)
     for sig in FORWARDED:  # from here on a signal is never lost, even before torchrun exists
         signal.signal(sig, forwarder.handle)

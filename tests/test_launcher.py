@@ -203,3 +203,37 @@ def test_bad_settings_are_one_usage_error(env: dict[str, str], message: str) -> 
     launcher.check_environment(
         {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1", "SLURM_NNODES": "2"}
     )
+
+
+def test_efa_nodes_get_the_ofi_plugin_or_one_clear_refusal(tmp_path: Path) -> None:
+    """Decided inside the container: EFA devices (found by their kernel driver) need the
+    aws-ofi-nccl plugin, or NCCL would silently run over TCP."""
+    sys_class = tmp_path / "infiniband"
+    for dev, driver in (("rdmap16s27", "efa"), ("rdmap32s27", "efa"), ("mlx5_0", "mlx5_core")):
+        (tmp_path / "drivers" / driver).mkdir(parents=True, exist_ok=True)
+        (sys_class / dev / "device").mkdir(parents=True)
+        (sys_class / dev / "device" / "driver").symlink_to(tmp_path / "drivers" / driver)
+    devices = launcher.efa_devices(sys_class)
+    assert devices == ["rdmap16s27", "rdmap32s27"]
+    assert launcher.efa_devices(tmp_path / "absent") == []
+
+    with pytest.raises(launcher.UsageError, match="no aws-ofi-nccl plugin .* INSTALL_EFA=1"):
+        launcher.network_settings({}, devices, launcher.find_ofi_plugin({}, dirs=()))
+
+    plugin_dir = tmp_path / "ofi" / "lib"
+    plugin_dir.mkdir(parents=True)
+    (plugin_dir / "libnccl-net-ofi.so").write_bytes(b"")
+    env = {"LD_LIBRARY_PATH": "/usr/lib", "FI_PROVIDER": "efa", "NCCL_NET_PLUGIN": "custom"}
+    plugin = launcher.find_ofi_plugin(env, dirs=(str(plugin_dir),))
+    assert plugin == str(plugin_dir / "libnccl-net-ofi.so")
+    extra, line = launcher.network_settings(env, devices, plugin)
+    # The user's own NCCL_NET_PLUGIN/FI_PROVIDER stay; the rest is set; the plugin is findable.
+    assert extra == {
+        "FI_EFA_USE_HUGE_PAGE": "0",
+        "LD_LIBRARY_PATH": f"{plugin_dir}:/usr/lib",
+    }
+    assert "EFA (2 devices)" in line and "NCCL_NET_PLUGIN=custom" in line
+    assert launcher.network_settings(env, [], None) == (
+        {},
+        "network: no EFA device; NCCL chooses (InfiniBand/RoCE if present, else TCP)",
+    )
