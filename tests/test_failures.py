@@ -23,6 +23,8 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from procs import signal_after  # noqa: E402
+
 from model_utils import checkpoint as ck  # noqa: E402
 from model_utils import guards  # noqa: E402
 from model_utils.arguments import UsageError, parse_args  # noqa: E402
@@ -174,21 +176,8 @@ def test_ctrl_c_checkpoints_at_the_step_boundary_and_exits_0(tmp_path: Path) -> 
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
     argv = [*FAST, "--max_steps", "1000", "--checkpoint_freq", "-1", f"--output_dir={out}"]
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "train.py"), *argv], stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
-    )  # fmt: skip
-    seen = []
-    try:
-        for line in proc.stdout:
-            seen.append(line)
-            if "Batch 2 Loss" in line:
-                proc.send_signal(signal.SIGINT)
-        status = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    log = "".join(seen)
+    cmd = [sys.executable, str(ROOT / "train.py"), *argv]
+    status, log = signal_after(cmd, signal.SIGINT, env=env, cwd=ROOT)
     assert status == 0 and "Traceback" not in log and "KeyboardInterrupt" not in log, log
     step = int(log.split("checkpoint saved at step ")[1].split()[0])
     assert [ck.step_of(p) for p in ck.complete_checkpoints(out / "checkpoints")] == [step]

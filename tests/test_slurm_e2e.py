@@ -33,6 +33,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 import launcher  # noqa: E402
+from procs import signal_after  # noqa: E402
 
 SBATCH = REPO / "1.train_llama.sbatch"
 CLUSTER = REPO / "scripts" / "slurm_cluster.sh"
@@ -495,21 +496,7 @@ def test_usr1_to_the_local_launcher_checkpoints_and_leaves_no_worker(tmp_path: P
     env = clean_env(RUNS_DIR=str(tmp_path / "runs"), RUN_NAME="usr1", NPROC_PER_NODE="2")
     args = ["--preset", "tiny", "--max_steps", "1000", "--fp8=0", "--train_batch_size", "2",
             "--max_context_width", "64"]  # fmt: skip
-    proc = subprocess.Popen(
-        ["bash", str(SBATCH), *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    seen = []
-    try:
-        for line in proc.stdout:
-            seen.append(line)
-            if "Batch 2 Loss" in line:
-                proc.send_signal(signal.SIGUSR1)
-        status = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    log = "".join(seen)
+    status, log = signal_after(["bash", str(SBATCH), *args], signal.SIGUSR1, cwd=tmp_path, env=env)
     assert status == 0, log
     assert "USR1 received" in log
     saved = PREEMPTED.search(log)
