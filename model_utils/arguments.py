@@ -100,6 +100,12 @@ class UsageError(ValueError):
     """Bad user input: printed as one line, exit code 2."""
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception as a clause for a one-line message: its type and its first line."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
+
+
 def str2bool(value: str) -> bool:
     """Accept the upstream `--fp8=1` style as well as true/false."""
     lowered = str(value).strip().lower()

@@ -85,6 +85,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from model_utils.arguments import first_line
+
 log = logging.getLogger(__name__)
 
 # 2: TE's FP8 scaling state as plain tensors (item fp8_scaling), no pickled _extra_state.
@@ -202,11 +204,6 @@ def file_sums(files: Iterable[Path]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:200] if text else ''}"
-
-
 def checkpoint_damage(path: str | Path) -> str | None:
     """Why a published checkpoint cannot be loaded, found without reading its tensors (one
     line naming the file), or None: marker and .metadata readable, every file the marker lists
@@ -220,11 +217,11 @@ def checkpoint_damage(path: str | Path) -> str | None:
         files = marker.get("files") or {}
         int(marker["step"])
     except Exception as exc:
-        return f"{path / MARKER} is not a valid checkpoint marker ({_first_line(exc)})"
+        return f"{path / MARKER} is not a valid checkpoint marker ({first_line(exc)})"
     try:
         dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as exc:
-        return f"{path / DCP_METADATA} cannot be read ({_first_line(exc)})"
+        return f"{path / DCP_METADATA} cannot be read ({first_line(exc)})"
     for name, saved in files.items():
         file = path / name
         if not file.is_file():
@@ -452,7 +449,7 @@ def write_error_reason(exc: BaseException, directory: Path) -> str:
         free = None
     if free is not None and free < _NEARLY_FULL_BYTES:
         return f"no space left on the device ({free / 2**20:.1f} MiB free in {directory})"
-    return _first_line(chain[-1] if chain else exc)
+    return first_line(chain[-1] if chain else exc)
 
 
 class UntrustedCheckpointError(RuntimeError):

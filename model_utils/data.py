@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from model_utils.arguments import first_line
+
 if TYPE_CHECKING:  # imported lazily at run time: transformers/datasets are slow to import
     from datasets import IterableDataset
     from transformers import PreTrainedTokenizerBase
@@ -197,7 +199,7 @@ def check_hub_dataset(dataset: str, timeout: float = HUB_TIMEOUT_S) -> None:
     except Exception as exc:  # no network, DNS, proxy, timeout, server error
         raise DataError(
             f"--dataset {dataset}: no local file or folder of that name, and the Hugging Face hub "
-            f"did not answer within {timeout:g} s ({_first_line(exc)}): {local_hint}, or check "
+            f"did not answer within {timeout:g} s ({first_line(exc)}): {local_hint}, or check "
             "the network"
         ) from None
 
@@ -206,11 +208,6 @@ def _env_true(name: str) -> bool:
     import os
 
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0][:160]}" if lines else type(exc).__name__
 
 
 def check_local_data(dataset: str, text_column: str) -> None:
@@ -260,7 +257,7 @@ def _check_parquet(file: Path, text_column: str) -> None:
         meta = pq.ParquetFile(file).metadata
     except Exception as exc:
         raise DataError(
-            f"--dataset: {file} is not a readable parquet file ({_first_line(exc)}): replace or "
+            f"--dataset: {file} is not a readable parquet file ({first_line(exc)}): replace or "
             "remove it"
         ) from None
     names = meta.schema.to_arrow_schema().names
@@ -337,7 +334,7 @@ def _scan_file(file: Path, builder: str, column: str, limit: int | None) -> int:
         if isinstance(exc, DataError):
             raise
         raise DataError(
-            f"--dataset: {file} cannot be read or decompressed ({_first_line(exc)}): replace or "
+            f"--dataset: {file} cannot be read or decompressed ({first_line(exc)}): replace or "
             "remove it"
         ) from None
     if not has_text and not cut:
@@ -801,7 +798,7 @@ def read_error_message(
     checks when read in full (a bad byte past the start-up scan), or the error's first line."""
     if isinstance(exc, DataError):
         return str(exc)
-    where = f"rank {rank} could not read its data {when} ({_first_line(exc)})"
+    where = f"rank {rank} could not read its data {when} ({first_line(exc)})"
     bad = find_bad_file(dataset, text_column)
     return f"{bad} ({where})" if bad else f"--dataset {dataset}: {where}"
 
