@@ -130,17 +130,22 @@ class RunLog:
             peak, peak_label = metrics.peak_bf16_tflops(device)
             meter = metrics.StepMeter(
                 metrics.model_flops_per_token(config, args.max_context_width),
-                world.world_size, peak, peak_label, metrics.peak_memory_label(device),
-                sync=metrics.device_sync(device), max_steps=args.max_steps,
+                world.world_size,
+                peak,
+                peak_label,
+                metrics.peak_memory_label(device),
+                sync=metrics.device_sync(device),
+                max_steps=args.max_steps,
                 warmup_steps=self.warmup,
-            )  # fmt: skip
+            )
         self.meter = meter
         self.jsonl_path = f"{args.output_dir}/metrics.jsonl"
         self.writer = metrics.JsonlWriter(self.jsonl_path, enabled=self.is_main)
         self.board = tensorboard_log.TensorBoardLog(
-            f"{args.output_dir}/tensorboard", enabled=self.is_main and args.tensorboard,
+            f"{args.output_dir}/tensorboard",
+            enabled=self.is_main and args.tensorboard,
             resumed_from=start_step,
-        )  # fmt: skip
+        )
         run = metrics.run_record(
             vars(args), world_size=world.world_size, samples_per_step=samples_per_step
         )
@@ -154,17 +159,20 @@ class RunLog:
     def step(self, step: int, loss: torch.Tensor, lr: float, data_wait: float) -> None:
         """Count every step; at report steps log the window since the previous report."""
         self.meter.add_step(
-            data_wait_seconds=data_wait, samples=self.samples,
+            data_wait_seconds=data_wait,
+            samples=self.samples,
             tokens=self.samples * self.args.max_context_width,
-        )  # fmt: skip
+        )
         if not self.is_report_step(step):
             return
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         loss_value = loss.item()
         record = self.meter.report(
-            step=step, loss=loss_value, lr=lr,
+            step=step,
+            loss=loss_value,
+            lr=lr,
             peak_memory_bytes=metrics.peak_memory_bytes(self.device),
-        )  # fmt: skip
+        )
         log.info(metrics.seed_line(step, loss_value, record["samples_per_sec"], lr))
         log.info(metrics.detail_line(record))
         self.writer.write(record)
@@ -211,9 +219,13 @@ def build_model(args: argparse.Namespace, mesh, device, backend) -> torch.nn.Mod
 
 
 def train(
-    args: argparse.Namespace, tokenizer, world: distributed.World, device, preemption,
+    args: argparse.Namespace,
+    tokenizer,
+    world: distributed.World,
+    device,
+    preemption,
     explicit: frozenset = frozenset(),
-) -> None:  # fmt: skip
+) -> None:
     torch.manual_seed(args.seed)
     mesh = distributed.build_mesh(world, device, args.sharding_strategy)
     if world.num_nodes > 1:  # every rank: its node and mesh groups (hybrid: replicas across)
@@ -228,10 +240,14 @@ def train(
 
     ckpt = checkpoint.Checkpointer(args.checkpoint_dir, args.keep_last, args.async_checkpoint)
     state = checkpoint.TrainState(
-        model, optimizer, scheduler, stream, config=vars(args),
+        model,
+        optimizer,
+        scheduler,
+        stream,
+        config=vars(args),
         on_data_reshard=lambda step, saved: stream.restart_after_reshard(saved),
         fp8_recipe=te_recipe(backend),
-    )  # fmt: skip
+    )
     if args.overwrite_output_dir:
         ckpt.remove_all()
     resume_path = ckpt.resolve_intact(args.resume_from_checkpoint)  # checksums verified
@@ -241,14 +257,21 @@ def train(
     samples_per_step = args.train_batch_size * args.grad_accum_steps * world.world_size
     run_log = RunLog(args, model.config, world, device, samples_per_step, start_step=state.step)
     log.info(
-        "model: %s, %.1fM parameters, impl=%s; %s", args.preset,
-        modeling.count_parameters(model) / 1e6, args.model_impl, backend.describe(),
-    )  # fmt: skip
+        "model: %s, %.1fM parameters, impl=%s; %s",
+        args.preset,
+        modeling.count_parameters(model) / 1e6,
+        args.model_impl,
+        backend.describe(),
+    )
     log.info(
         "world: %d ranks (%d nodes), %s, %s sharding; global batch %d sequences x %d tokens",
-        world.world_size, world.num_nodes, device, args.sharding_strategy, samples_per_step,
+        world.world_size,
+        world.num_nodes,
+        device,
+        args.sharding_strategy,
+        samples_per_step,
         args.max_context_width,
-    )  # fmt: skip
+    )
 
     guard = guards.StepGuard(device)
     reads = data.ReadGuard(stream, args.text_column)
@@ -358,15 +381,27 @@ def build_data(args: argparse.Namespace, tokenizer, world) -> tuple[data.TrainSt
     stream = val_batches = problem = None
     try:
         stream = data.TrainStream(
-            args.dataset, tokenizer, args.max_context_width, args.train_batch_size,
-            config_name=args.dataset_config_name, text_column=args.text_column,
-            rank=world.rank, world_size=world.world_size, seed=args.seed,
-        )  # fmt: skip
+            args.dataset,
+            tokenizer,
+            args.max_context_width,
+            args.train_batch_size,
+            config_name=args.dataset_config_name,
+            text_column=args.text_column,
+            rank=world.rank,
+            world_size=world.world_size,
+            seed=args.seed,
+        )
         val_batches = data.validation_batches(
-            args.dataset, tokenizer, args.max_context_width, args.val_batch_size,
-            args.validation_batches, config_name=args.dataset_config_name,
-            text_column=args.text_column, rank=world.rank, world_size=world.world_size,
-        )  # fmt: skip
+            args.dataset,
+            tokenizer,
+            args.max_context_width,
+            args.val_batch_size,
+            args.validation_batches,
+            config_name=args.dataset_config_name,
+            text_column=args.text_column,
+            rank=world.rank,
+            world_size=world.world_size,
+        )
     except (ValueError, OSError) as exc:  # DataError, a bad byte (UnicodeDecodeError), ...
         problem = data.read_error_message(
             exc, args.dataset, args.text_column, world.rank, "at start-up"
@@ -445,9 +480,11 @@ def hf_key_map(args: argparse.Namespace, direction: str):
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s I [%(filename)s:%(lineno)d] %(message)s",
-        datefmt="%Y-%m-%d %H:%M:%S", stream=sys.stdout,
-    )  # fmt: skip
+        level=logging.INFO,
+        format="%(asctime)s I [%(filename)s:%(lineno)d] %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+        stream=sys.stdout,
+    )
     preemption = Preemption()  # first: a signal during start-up must not kill the rank
     try:
         args, tokenizer = validate(argv)

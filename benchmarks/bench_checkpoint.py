@@ -38,15 +38,34 @@ def shape_flags(spec: str) -> list[str]:
     heads = max(1, hidden // 64)
     ffn = (hidden * 8 // 3 + 15) // 16 * 16
     return [
-        "--hidden_width", str(hidden), "--num_layers", str(layers), "--num_heads", str(heads),
-        "--num_key_value_heads", str(max(1, heads // 2)), "--intermediate_size", str(ffn),
-    ]  # fmt: skip
+        "--hidden_width",
+        str(hidden),
+        "--num_layers",
+        str(layers),
+        "--num_heads",
+        str(heads),
+        "--num_key_value_heads",
+        str(max(1, heads // 2)),
+        "--intermediate_size",
+        str(ffn),
+    ]
 
 
 class Bench:
     def __init__(self, spec: str, mesh: object, device: torch.device) -> None:
-        argv = ["--preset", "tiny", *shape_flags(spec), "--train_batch_size", "1",
-                "--max_context_width", "64", "--max_steps", "10", "--warmup", "1"]  # fmt: skip
+        argv = [
+            "--preset",
+            "tiny",
+            *shape_flags(spec),
+            "--train_batch_size",
+            "1",
+            "--max_context_width",
+            "64",
+            "--max_steps",
+            "10",
+            "--warmup",
+            "1",
+        ]
         args = arguments.parse_args(argv)
         args.model_impl = precision.resolve_model_impl(args.model_impl)
         precision.resolve_fp8_recipe(args)
@@ -86,11 +105,16 @@ def measure(spec: str, root: Path, mesh: object, device: torch.device) -> dict[s
     async_total_s, _ = timed(asyncer.wait)
     export_s, _ = timed(lambda: checkpoint.export_hf(bench.model, bench.model.config, root / "hf"))
     return {
-        "params_m": bench.params / 1e6, "size_mb": size_mb, "save_s": save_s,
-        "save_mb_s": size_mb / save_s, "load_s": load_s, "load_mb_s": size_mb / load_s,
-        "async_return_s": async_return_s, "async_published_s": async_return_s + async_total_s,
+        "params_m": bench.params / 1e6,
+        "size_mb": size_mb,
+        "save_s": save_s,
+        "save_mb_s": size_mb / save_s,
+        "load_s": load_s,
+        "load_mb_s": size_mb / load_s,
+        "async_return_s": async_return_s,
+        "async_published_s": async_return_s + async_total_s,
         "export_s": export_s,
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -118,10 +142,14 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
     if world.rank == 0:
         print(f"\ncommand: {' '.join(sys.argv)}  (world size {world.world_size}, {device})")
-        head = (f"{'shape':>9} {'params':>8} {'state':>9} {'save':>7} {'save':>8} {'load':>7} "
-                f"{'load':>8} {'async':>7} {'async':>9} {'export':>7}")  # fmt: skip
-        unit = (f"{'':>9} {'M':>8} {'MB':>9} {'s':>7} {'MB/s':>8} {'s':>7} {'MB/s':>8} "
-                f"{'ret. s':>7} {'publ. s':>9} {'s':>7}")  # fmt: skip
+        head = (
+            f"{'shape':>9} {'params':>8} {'state':>9} {'save':>7} {'save':>8} {'load':>7} "
+            f"{'load':>8} {'async':>7} {'async':>9} {'export':>7}"
+        )
+        unit = (
+            f"{'':>9} {'M':>8} {'MB':>9} {'s':>7} {'MB/s':>8} {'s':>7} {'MB/s':>8} "
+            f"{'ret. s':>7} {'publ. s':>9} {'s':>7}"
+        )
         print(head)
         print(unit)
         for spec, r in rows:

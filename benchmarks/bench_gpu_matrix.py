@@ -56,8 +56,11 @@ TRAIN_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
 EXPANDABLE = {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
 TE_FP8 = ("--model_impl=te", "--fp8=1", "--fp8_recipe=delayed")
 LEVER_ROWS: tuple[tuple[str, tuple[str, ...], dict[str, str]], ...] = (
-    ("te-bf16 mb2 hf-loss", ("--model_impl=te", "--fp8=0", "--train_batch_size=2",
-                             "--chunked_loss=0"), {}),
+    (
+        "te-bf16 mb2 hf-loss",
+        ("--model_impl=te", "--fp8=0", "--train_batch_size=2", "--chunked_loss=0"),
+        {},
+    ),
     ("te-bf16 mb2", ("--model_impl=te", "--fp8=0", "--train_batch_size=2"), {}),
     ("te-fp8 mb2 hf-loss", (*TE_FP8, "--train_batch_size=2", "--chunked_loss=0"), {}),
     ("te-fp8 mb2", (*TE_FP8, "--train_batch_size=2"), {}),
@@ -65,11 +68,17 @@ LEVER_ROWS: tuple[tuple[str, tuple[str, ...], dict[str, str]], ...] = (
     ("te-fp8 mb3", (*TE_FP8, "--train_batch_size=3"), {}),
     ("te-fp8 mb3 +expandable", (*TE_FP8, "--train_batch_size=3"), EXPANDABLE),
     ("te-fp8 mb4 +expandable", (*TE_FP8, "--train_batch_size=4"), EXPANDABLE),
-    ("te-fp8 mb4 +AC/2 +expandable", (*TE_FP8, "--train_batch_size=4",
-                                      "--activation_checkpointing", "--ac_every=2"), EXPANDABLE),
-    ("te-fp8 mb4 +AC +expandable", (*TE_FP8, "--train_batch_size=4",
-                                    "--activation_checkpointing"), EXPANDABLE),
-)  # fmt: skip
+    (
+        "te-fp8 mb4 +AC/2 +expandable",
+        (*TE_FP8, "--train_batch_size=4", "--activation_checkpointing", "--ac_every=2"),
+        EXPANDABLE,
+    ),
+    (
+        "te-fp8 mb4 +AC +expandable",
+        (*TE_FP8, "--train_batch_size=4", "--activation_checkpointing"),
+        EXPANDABLE,
+    ),
+)
 INFER_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("hf-bf16", ("--model_impl=hf", "--fp8=0")),
     ("te-bf16", ("--model_impl=te", "--fp8=0")),
@@ -140,9 +149,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu_matrix")
     parser.add_argument("--only", default="", help="comma-separated row names")
     parser.add_argument(
-        "--modes", default="train,infer",
+        "--modes",
+        default="train,infer",
         help="comma-separated: train (the matrix), levers (issue 12's rows), infer",
-    )  # fmt: skip
+    )
     args, extra = parser.parse_known_args(argv)
     return args, [a for a in extra if a != "--"]
 
@@ -160,12 +170,23 @@ def train_command(
     micro-batch is the point of the row).
     """
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={args.nproc}", str(ROOT / "train.py"), f"--preset={args.preset}",
-        f"--max_steps={args.max_steps}", f"--warmup={max(1, args.max_steps // 10)}",
-        "--checkpoint_freq=-1", "--validation_batches=1", "--logging_freq=1",
-        f"--output_dir={args.out / name.replace(' ', '_')}", *flags, *extra, *fixed,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        str(ROOT / "train.py"),
+        f"--preset={args.preset}",
+        f"--max_steps={args.max_steps}",
+        f"--warmup={max(1, args.max_steps // 10)}",
+        "--checkpoint_freq=-1",
+        "--validation_batches=1",
+        "--logging_freq=1",
+        f"--output_dir={args.out / name.replace(' ', '_')}",
+        *flags,
+        *extra,
+        *fixed,
+    ]
 
 
 def train_row(
@@ -181,8 +202,11 @@ def train_row(
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     result = subprocess.run(
         train_command(args, name, flags, extra, fixed),
-        capture_output=True, text=True, cwd=ROOT, env={**os.environ, **(env or {})},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "log.txt").write_text(result.stdout + result.stderr)
     if result.returncode != 0:
@@ -190,9 +214,13 @@ def train_row(
     records = metrics.read_jsonl(run_dir / "metrics.jsonl")
     summary = metrics.summarize(records, warmup_steps=WARMUP_STEPS)
     return Row(
-        name, mode, summary["tokens_per_sec_per_device"], summary["tflops_per_device"],
-        summary["peak_mem_gib"], wall_clock_rate(records, WARMUP_STEPS),
-    )  # fmt: skip
+        name,
+        mode,
+        summary["tokens_per_sec_per_device"],
+        summary["tflops_per_device"],
+        summary["peak_mem_gib"],
+        wall_clock_rate(records, WARMUP_STEPS),
+    )
 
 
 def infer_row(args, name: str, flags: tuple[str, ...], extra: list[str]) -> Row:
@@ -227,9 +255,11 @@ def _timed_forwards(args, name: str, train_args) -> Row:
     )
     model.eval()
     batch = torch.randint(
-        0, train_args.vocab_size, (train_args.train_batch_size, train_args.max_context_width),
+        0,
+        train_args.vocab_size,
+        (train_args.train_batch_size, train_args.max_context_width),
         device=device,
-    )  # fmt: skip
+    )
     torch.cuda.reset_peak_memory_stats()
     times = []
     with torch.no_grad():

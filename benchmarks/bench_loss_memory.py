@@ -25,14 +25,24 @@ def peak_gib(chunked: bool, args: argparse.Namespace, out: Path) -> float:
     run_dir = out / ("chunked" if chunked else "full")
     subprocess.run(
         [
-            sys.executable, str(ROOT / "train.py"), "--preset=tiny", "--model_impl=hf",
-            f"--vocab_size={args.vocab_size}", f"--max_context_width={args.seq}",
-            f"--train_batch_size={args.micro_batch}", "--max_steps=3", "--warmup=1",
-            "--checkpoint_freq=-1", "--validation_batches=1", f"--chunked_loss={int(chunked)}",
+            sys.executable,
+            str(ROOT / "train.py"),
+            "--preset=tiny",
+            "--model_impl=hf",
+            f"--vocab_size={args.vocab_size}",
+            f"--max_context_width={args.seq}",
+            f"--train_batch_size={args.micro_batch}",
+            "--max_steps=3",
+            "--warmup=1",
+            "--checkpoint_freq=-1",
+            "--validation_batches=1",
+            f"--chunked_loss={int(chunked)}",
             f"--output_dir={run_dir}",
         ],
-        check=True, capture_output=True, cwd=ROOT,
-    )  # fmt: skip
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+    )
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return max(r["peak_mem_gib"] for r in records if r.get("kind") == "train")
 
@@ -47,8 +57,10 @@ def main(argv: list[str] | None = None) -> None:
         full = peak_gib(False, args, Path(tmp))
         chunked = peak_gib(True, args, Path(tmp))
     logits = args.micro_batch * args.seq * args.vocab_size * 4 / 2**30
-    print(f"tiny, vocab {args.vocab_size}, seq {args.seq}, micro-batch {args.micro_batch} "
-          f"(fp32 logits alone: {logits:.2f} GiB), peak process RSS:")  # fmt: skip
+    print(
+        f"tiny, vocab {args.vocab_size}, seq {args.seq}, micro-batch {args.micro_batch} "
+        f"(fp32 logits alone: {logits:.2f} GiB), peak process RSS:"
+    )
     print(f"  full logits (HF loss)   {full:6.2f} GiB")
     print(f"  chunked loss            {chunked:6.2f} GiB   ratio {chunked / full:.2f}")
 

@@ -69,12 +69,16 @@ def llama70b_shard_bytes(name: str, ranks: int) -> tuple[float, int]:
     shapes = [
         (p.vocab_size, p.hidden_width),  # embed_tokens
         (p.vocab_size, p.hidden_width),  # lm_head
-        (p.hidden_width, p.hidden_width), (kv, p.hidden_width), (kv, p.hidden_width),  # q k v
+        (p.hidden_width, p.hidden_width),
+        (kv, p.hidden_width),
+        (kv, p.hidden_width),  # q k v
         (p.hidden_width, p.hidden_width),  # o
-        (p.intermediate_size, p.hidden_width), (p.intermediate_size, p.hidden_width),  # gate up
+        (p.intermediate_size, p.hidden_width),
+        (p.intermediate_size, p.hidden_width),  # gate up
         (p.hidden_width, p.intermediate_size),  # down
-        (p.hidden_width,), (p.hidden_width,),  # the layer's two RMSNorm gains
-    ]  # fmt: skip
+        (p.hidden_width,),
+        (p.hidden_width,),  # the layer's two RMSNorm gains
+    ]
     module = torch.nn.Module()
     for i, shape in enumerate(shapes):
         rows = -(-shape[0] // ranks)  # FSDP2's first-dim chunk (torch.chunk) of rank 0
@@ -92,13 +96,20 @@ def train_run(name: str, steps: int, out: Path) -> dict[str, float]:
     run_dir = out / name
     subprocess.run(
         [
-            sys.executable, str(ROOT / "train.py"), *TINY, f"--optimizer={name}",
-            f"--max_steps={steps}", "--checkpoint_freq=-1", "--validation_batches=4",
+            sys.executable,
+            str(ROOT / "train.py"),
+            *TINY,
+            f"--optimizer={name}",
+            f"--max_steps={steps}",
+            "--checkpoint_freq=-1",
+            "--validation_batches=4",
             f"--output_dir={run_dir}",
         ],
-        check=True, capture_output=True, cwd=ROOT,
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "2"},
-    )  # fmt: skip
+    )
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r.get("kind") == "train"]
     warm = [r["step_seconds"] for r in train if r["step"] > min(10, steps // 2)]
@@ -125,8 +136,10 @@ def main(argv: list[str] | None = None) -> None:
         big, _ = llama70b_shard_bytes(name, args.ranks)
         per_gpu[name] = big * 70.55e9 / args.ranks / 2**30
         print(f"  {name:<10} {tiny:>22.3f} {big:>30.3f}")
-    print(f"  => llama3-70b on {args.ranks} GPUs, optimizer state per GPU: "
-          + ", ".join(f"{n} {g:.2f} GiB" for n, g in per_gpu.items()))  # fmt: skip
+    print(
+        f"  => llama3-70b on {args.ranks} GPUs, optimizer state per GPU: "
+        + ", ".join(f"{n} {g:.2f} GiB" for n, g in per_gpu.items())
+    )
 
     with tempfile.TemporaryDirectory() as tmp:
         results = {name: train_run(name, args.steps, Path(tmp)) for name in OPTIMIZERS}

@@ -55,10 +55,15 @@ def free_port() -> int:
 
 def torchrun_command(nproc: int, train_argv: list[str], out_dir: Path) -> list[str]:
     return [
-        str(TORCHRUN), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}", str(REPO / "train.py"), *train_argv,
-        "--output_dir", str(out_dir),
-    ]  # fmt: skip
+        str(TORCHRUN),
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(REPO / "train.py"),
+        *train_argv,
+        "--output_dir",
+        str(out_dir),
+    ]
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,7 @@ def run(
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
-            )  # fmt: skip
+            )
             for cmd in cmds
         ]
         for cmd, proc in zip(cmds, procs, strict=True):
@@ -106,10 +111,11 @@ def run(
                 sys.stderr.write(log[-3000:])
                 raise SystemExit(f"failed ({proc.returncode}): {shlex.join(cmd)}")
         results = [
-            throughput([json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()],
-                       warmup)
+            throughput(
+                [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()], warmup
+            )
             for out in outs
-        ]  # fmt: skip
+        ]
     return Throughput(
         wall=sum(r.wall for r in results), step_median=sum(r.step_median for r in results)
     )
@@ -127,9 +133,18 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     if not 0 < opts.speed_warmup < opts.steps or opts.rounds < 1 or opts.threads < 1:
         p.error("need 0 < --speed_warmup < --steps, --rounds >= 1 and --threads >= 1")
     train_argv = [
-        "--preset", opts.preset, "--max_steps", str(opts.steps), "--logging_freq", "1",
-        "--warmup", "2", "--validation_batches", "1", *opts.extra,
-    ]  # fmt: skip
+        "--preset",
+        opts.preset,
+        "--max_steps",
+        str(opts.steps),
+        "--logging_freq",
+        "1",
+        "--warmup",
+        "2",
+        "--validation_batches",
+        "1",
+        *opts.extra,
+    ]
     return opts, train_argv
 
 
@@ -156,9 +171,11 @@ def main(argv: list[str] | None = None) -> None:
     print("\n== bench_scaling: train.py data-parallel scaling (gloo, CPU)")
     print(f"command: {command}")
     print(f"per launch: torchrun --nproc_per_node=N train.py {shlex.join(train_argv)}")
-    print(f"threads per rank: {opts.threads}; cores: {os.cpu_count()}; warm-up excluded: "
-          f"{opts.speed_warmup} steps; load average before/after: "
-          f"{load_before[0]:.1f}/{os.getloadavg()[0]:.1f}")  # fmt: skip
+    print(
+        f"threads per rank: {opts.threads}; cores: {os.cpu_count()}; warm-up excluded: "
+        f"{opts.speed_warmup} steps; load average before/after: "
+        f"{load_before[0]:.1f}/{os.getloadavg()[0]:.1f}"
+    )
     for key in ("step_median", "wall"):
         med = {k: statistics.median(getattr(t, key) for t in v) for k, v in results.items()}
         one, two, pair = med["1 rank"], med["2 ranks"], med["2 x 1 rank, independent"]

@@ -138,9 +138,14 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     if not 0 < opts.speed_warmup < opts.steps - 2 or opts.rounds < 1:
         p.error("need 0 < --speed_warmup < --steps - 2 and --rounds >= 1")
     train_argv = [
-        "--preset", opts.preset, "--fp8", opts.fp8, "--max_steps", str(opts.steps),
+        "--preset",
+        opts.preset,
+        "--fp8",
+        opts.fp8,
+        "--max_steps",
+        str(opts.steps),
         *opts.extra,
-    ]  # fmt: skip
+    ]
     return opts, train_argv
 
 

@@ -45,12 +45,27 @@ class Preset:
 
 
 _C4 = {"dataset": "allenai/c4", "dataset_config_name": "en"}
-_LLAMA2 = {"vocab_size": 32000, "rope_theta": 10000.0, "max_context_width": 4096,
-           "tokenizer": "hf-internal-testing/llama-tokenizer", **_C4}  # fmt: skip
-_LLAMA3 = {"vocab_size": 128256, "rope_theta": 500000.0, "max_context_width": 8192,
-           "tokenizer": "NousResearch/Meta-Llama-3-8B", **_C4}  # fmt: skip
-_LLAMA31_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+_LLAMA2 = {
+    "vocab_size": 32000,
+    "rope_theta": 10000.0,
+    "max_context_width": 4096,
+    "tokenizer": "hf-internal-testing/llama-tokenizer",
+    **_C4,
+}
+_LLAMA3 = {
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "max_context_width": 8192,
+    "tokenizer": "NousResearch/Meta-Llama-3-8B",
+    **_C4,
+}
+_LLAMA31_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 # Shapes are the published ones (Llama 2 paper / Meta model cards); `tiny` is ours, for CPUs.
 PRESETS: dict[str, Preset] = {
@@ -64,7 +79,7 @@ PRESETS: dict[str, Preset] = {
         max_context_width=256,
         rope_theta=10000.0,
         train_batch_size=8,
-    ),  # fmt: skip
+    ),
     "llama2-7b": Preset(4096, 32, 32, 32, 11008, **_LLAMA2),
     "llama2-13b": Preset(5120, 40, 40, 40, 13824, **_LLAMA2),
     "llama2-70b": Preset(8192, 80, 64, 8, 28672, **_LLAMA2),
@@ -79,15 +94,24 @@ PRESETS: dict[str, Preset] = {
         **_LLAMA3,
         rope_scaling=_LLAMA31_SCALING,
         max_position_embeddings=131072,
-    ),  # fmt: skip
+    ),
 }
 
 # Fields a preset provides; their flags default to None so we can tell "not given" from "given".
 PRESET_FIELDS = (
-    "hidden_width", "num_layers", "num_heads", "num_key_value_heads", "intermediate_size",
-    "vocab_size", "max_context_width", "rope_theta", "tokenizer", "dataset",
-    "dataset_config_name", "train_batch_size",
-)  # fmt: skip
+    "hidden_width",
+    "num_layers",
+    "num_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "max_context_width",
+    "rope_theta",
+    "tokenizer",
+    "dataset",
+    "dataset_config_name",
+    "train_batch_size",
+)
 
 TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 TE_RECIPES = ("delayed", "current", "block", "mxfp8")
@@ -147,15 +171,22 @@ def build_parser() -> argparse.ArgumentParser:
     flag("vocab_size", type=int, help=m + "; must be >= the tokenizer's size")
     flag("max_context_width", type=int, help="sequence length of every packed window")
     flag("rope_theta", type=float, help="RoPE base (default: from --preset)")
-    flag("model_impl", default="auto", choices=MODEL_IMPLS,
-         help="te: TE TransformerLayer; te_linear: HF with te.Linear; hf: stock HF; "
-              "auto: te when TE and an FP8-capable GPU are present, else hf")  # fmt: skip
+    flag(
+        "model_impl",
+        default="auto",
+        choices=MODEL_IMPLS,
+        help="te: TE TransformerLayer; te_linear: HF with te.Linear; hf: stock HF; "
+        "auto: te when TE and an FP8-capable GPU are present, else hf",
+    )
 
     switch("fp8", False, "train the linear layers in FP8")
     switch("bf16", True, "compute in bf16 (fp32 master weights); 0 = fp32 compute")
-    flag("fp8_recipe", default=None,
-         help=f"torchao: {'|'.join(TORCHAO_RECIPES)} (default tensorwise); "
-              f"TE: {'|'.join(TE_RECIPES)} (default delayed)")  # fmt: skip
+    flag(
+        "fp8_recipe",
+        default=None,
+        help=f"torchao: {'|'.join(TORCHAO_RECIPES)} (default tensorwise); "
+        f"TE: {'|'.join(TE_RECIPES)} (default delayed)",
+    )
     flag("fp8_format", default="hybrid", choices=("hybrid", "e4m3"), help="TE FP8 format")
     flag("amax_history_len", type=int, default=1024, help="TE delayed scaling history")
     flag("amax_compute_algo", default="max", choices=("max", "most_recent"), help="TE delayed")
@@ -174,13 +205,25 @@ def build_parser() -> argparse.ArgumentParser:
     flag("max_steps", type=int, default=100, help="optimizer steps")
     flag("lr", type=float, default=1e-3, help="peak learning rate")
     flag("min_lr", type=float, default=1e-4, help="learning rate at max_steps")
-    flag("warmup", type=int, default=None,
-         help="linear warm-up steps (default: max_steps // 10, at most 10)")  # fmt: skip
-    flag("lr_decay_style", default="cosine", choices=("cosine", "linear", "constant"),
-         help="decay from --lr to --min_lr after warm-up")  # fmt: skip
-    flag("optimizer", default="adamw", choices=OPTIMIZERS,
-         help="adamw: fp32 moments (8 bytes/param); adamw8bit, adamw_fp8: torchao's AdamW with "
-              "8-bit / FP8 moments (~2 bytes/param)")  # fmt: skip
+    flag(
+        "warmup",
+        type=int,
+        default=None,
+        help="linear warm-up steps (default: max_steps // 10, at most 10)",
+    )
+    flag(
+        "lr_decay_style",
+        default="cosine",
+        choices=("cosine", "linear", "constant"),
+        help="decay from --lr to --min_lr after warm-up",
+    )
+    flag(
+        "optimizer",
+        default="adamw",
+        choices=OPTIMIZERS,
+        help="adamw: fp32 moments (8 bytes/param); adamw8bit, adamw_fp8: torchao's AdamW with "
+        "8-bit / FP8 moments (~2 bytes/param)",
+    )
     flag("weight_decay", type=float, default=0.1, help="AdamW decay (not on norms/biases)")
     flag("beta1", type=float, default=0.9, help="AdamW first-moment decay")
     flag("beta2", type=float, default=0.95, help="AdamW second-moment decay")
@@ -193,8 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
     flag("output_dir", default=None, help="run directory (default runs/<preset>-<precision>)")
     switch("tensorboard", False, "TensorBoard scalars in <output_dir>/tensorboard (rank 0)")
 
-    flag("sharding_strategy", default="full", choices=("full", "hybrid"),
-         help="full: FSDP2 over all ranks; hybrid: shard in a node, replicate across")  # fmt: skip
+    flag(
+        "sharding_strategy",
+        default="full",
+        choices=("full", "hybrid"),
+        help="full: FSDP2 over all ranks; hybrid: shard in a node, replicate across",
+    )
     switch("activation_checkpointing", False, "recompute decoder layers in backward")
     flag("ac_every", type=int, default=1, help="with AC: recompute every Nth layer (2 = half)")
     switch("compile", False, "torch.compile each decoder layer")
@@ -202,27 +249,44 @@ def build_parser() -> argparse.ArgumentParser:
     flag("dist_timeout", type=int, default=600, help="seconds before a stuck collective fails")
 
     flag("checkpoint_dir", default=None, help="default <output_dir>/checkpoints")
-    flag("checkpoint_freq", type=int, default=0,
-         help="steps between checkpoints; 0 = at the end only; -1 = none (a preemption "
-              "signal still saves)")  # fmt: skip
+    flag(
+        "checkpoint_freq",
+        type=int,
+        default=0,
+        help="steps between checkpoints; 0 = at the end only; -1 = none (a preemption "
+        "signal still saves)",
+    )
     flag("keep_last", type=int, default=2, help="checkpoints kept; 0 keeps all")
     switch("async_checkpoint", False, "write checkpoints in the background")
     flag("resume_from_checkpoint", default=None, help="PATH or 'auto' (newest in checkpoint_dir)")
-    switch("overwrite_output_dir", False,
-           "start afresh where an earlier run left checkpoints: they are deleted at start-up "
-           "(without it such a run is refused)")  # fmt: skip
+    switch(
+        "overwrite_output_dir",
+        False,
+        "start afresh where an earlier run left checkpoints: they are deleted at start-up "
+        "(without it such a run is refused)",
+    )
     flag("init_from_hf", default=None, help="start from a Hugging Face Llama checkpoint dir")
-    switch("validate_only", False,
-           "check flags, data, tokenizer and checkpoint, then exit: 0 ready, 2 bad input "
-           "(the launcher runs this once before torchrun)")  # fmt: skip
+    switch(
+        "validate_only",
+        False,
+        "check flags, data, tokenizer and checkpoint, then exit: 0 ready, 2 bad input "
+        "(the launcher runs this once before torchrun)",
+    )
     flag("export_hf", default=None, help="write the final model as HF safetensors to this dir")
     return p
 
 
 # Flags naming files or folders: `~` is expanded even when the shell did not (quoted, or after
 # `--flag=`), instead of becoming a folder literally named `~`.
-PATH_FLAGS = ("output_dir", "checkpoint_dir", "export_hf", "init_from_hf",
-              "resume_from_checkpoint", "dataset", "tokenizer")  # fmt: skip
+PATH_FLAGS = (
+    "output_dir",
+    "checkpoint_dir",
+    "export_hf",
+    "init_from_hf",
+    "resume_from_checkpoint",
+    "dataset",
+    "tokenizer",
+)
 
 
 def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
@@ -273,12 +337,36 @@ def _positive(args: argparse.Namespace, *names: str, allow_zero: bool = False) -
 
 def check_consistency(args: argparse.Namespace) -> None:
     """Cross-flag rules that argparse cannot express."""
-    _positive(args, "hidden_width", "num_layers", "num_heads", "num_key_value_heads",
-              "intermediate_size", "vocab_size", "max_context_width", "train_batch_size",
-              "val_batch_size", "grad_accum_steps", "max_steps", "logging_freq", "lr",
-              "rope_theta", "dist_timeout", "amax_history_len")  # fmt: skip
-    _positive(args, "warmup", "min_lr", "weight_decay", "grad_clip", "validation_freq",
-              "validation_batches", "keep_last", allow_zero=True)  # fmt: skip
+    _positive(
+        args,
+        "hidden_width",
+        "num_layers",
+        "num_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "vocab_size",
+        "max_context_width",
+        "train_batch_size",
+        "val_batch_size",
+        "grad_accum_steps",
+        "max_steps",
+        "logging_freq",
+        "lr",
+        "rope_theta",
+        "dist_timeout",
+        "amax_history_len",
+    )
+    _positive(
+        args,
+        "warmup",
+        "min_lr",
+        "weight_decay",
+        "grad_clip",
+        "validation_freq",
+        "validation_batches",
+        "keep_last",
+        allow_zero=True,
+    )
     if args.checkpoint_freq < -1:
         raise UsageError(f"--checkpoint_freq must be >= -1, got {args.checkpoint_freq}")
     if args.hidden_width % args.num_heads:

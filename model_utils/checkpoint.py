@@ -279,9 +279,16 @@ def _all_damaged_message(checkpoint_dir: str | Path, newest_problem: str | None)
 # with other shapes may still load when the tensors happen to fit (fewer layers, other head
 # counts), and a data position means nothing in another dataset, tokenizer or shuffle.
 MODEL_FIELDS = (
-    "hidden_width", "num_layers", "num_heads", "num_key_value_heads", "intermediate_size",
-    "vocab_size", "rope_theta", "rms_norm_eps", "rope_scaling",
-)  # fmt: skip
+    "hidden_width",
+    "num_layers",
+    "num_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "rope_theta",
+    "rms_norm_eps",
+    "rope_scaling",
+)
 DATA_FIELDS = ("dataset", "dataset_config_name", "text_column", "tokenizer", "seed")
 # The optimizer's state is stored in its own format (fp32 moments, or torchao's 8-bit / FP8
 # blocks): a resume keeps the saved --optimizer. Checkpoints from before the flag are adamw's.
@@ -289,9 +296,16 @@ OPTIMIZER_FIELDS = ("optimizer",)
 _SAVED_DEFAULTS = {"optimizer": "adamw"}
 # Flags that name this launch rather than the run: never compared, never reported.
 _LAUNCH_FIELDS = frozenset(
-    {"resume_from_checkpoint", "output_dir", "checkpoint_dir", "validate_only",
-     "overwrite_output_dir", "export_hf", "init_from_hf"}
-)  # fmt: skip
+    {
+        "resume_from_checkpoint",
+        "output_dir",
+        "checkpoint_dir",
+        "validate_only",
+        "overwrite_output_dir",
+        "export_hf",
+        "init_from_hf",
+    }
+)
 
 
 class ResumeRefused(ValueError):
@@ -780,8 +794,9 @@ class Checkpointer:
             if old:
                 log.info(
                     "Deleted %d checkpoint(s) of an earlier run in %s (--overwrite_output_dir)",
-                    len(old), self.checkpoint_dir,
-                )  # fmt: skip
+                    len(old),
+                    self.checkpoint_dir,
+                )
         _barrier()
 
     # -- discovery
@@ -859,7 +874,7 @@ class Checkpointer:
             "run_config": state.config,
             "model_config": state.model_config(),
             "torch": torch.__version__,
-        }  # fmt: skip
+        }
         items = state.items()
         marker["items"] = sorted(set(marker["items"]) | ({"fp8_scaling"} & set(items)))
         pending = _Pending(step, tmp, final, marker, None, time.perf_counter())
@@ -933,8 +948,11 @@ class Checkpointer:
         seconds = time.perf_counter() - pending.started
         log.info(
             "Checkpoint step %d saved to %s (%.1f MB, %.2f s)",
-            pending.step, pending.final, _dir_bytes(pending.final) / 2**20, seconds,
-        )  # fmt: skip
+            pending.step,
+            pending.final,
+            _dir_bytes(pending.final) / 2**20,
+            seconds,
+        )
         # The checkpoint just published is intact (its files were just summed), so pruning the
         # others never removes the last intact one.
         for old in prune_plan(
@@ -1042,9 +1060,13 @@ class Checkpointer:
             for name, target in targets.items():
                 getters[name][1](target.values[_rank()])
         return LoadResult(
-            path, state.step, saved_world_size, resharded, state.saved_config or {},
+            path,
+            state.step,
+            saved_world_size,
+            resharded,
+            state.saved_config or {},
             converted_from=saved_layout if convert else None,
-        )  # fmt: skip
+        )
 
     @staticmethod
     def _model_item(path: Path, state: TrainState, saved_keys, model_keys) -> _ModelItem:
@@ -1055,8 +1077,10 @@ class Checkpointer:
         if absent:
             log.info(
                 "Checkpoint %s has no Transformer Engine extra state for %d modules (saved "
-                "without TE modules): their FP8 metadata starts fresh", path, len(absent),
-            )  # fmt: skip
+                "without TE modules): their FP8 metadata starts fresh",
+                path,
+                len(absent),
+            )
         return _ModelItem(state.model, legacy=True, absent_extra_state=absent)
 
     @staticmethod
@@ -1074,8 +1098,11 @@ class Checkpointer:
             "Checkpoint written by %d ranks, loaded on %d: model and optimizer resharded; "
             "per-rank data positions and RNG states do not map onto the new ranks, so the RNGs "
             "are reseeded from (seed, step=%d, rank) and the %s",
-            saved_world_size, _world_size(), state.step, action,
-        )  # fmt: skip
+            saved_world_size,
+            _world_size(),
+            state.step,
+            action,
+        )
 
 
 def _restore_fp8_scaling(path: Path, state: TrainState, tensors: dict[str, torch.Tensor]) -> None:
@@ -1090,16 +1117,21 @@ def _restore_fp8_scaling(path: Path, state: TrainState, tensors: dict[str, torch
     if recipe is None or not recipe.delayed():
         log.info(
             "Checkpoint %s holds FP8 delayed-scaling state (%s); this run uses %s, so it is not "
-            "used", path, saved.get("class"), type(recipe).__name__ if recipe else "no TE FP8",
-        )  # fmt: skip
+            "used",
+            path,
+            saved.get("class"),
+            type(recipe).__name__ if recipe else "no TE FP8",
+        )
         return
     restored = te_llama.load_fp8_scaling_state(state.model, tensors, recipe)
     now = te_llama.recipe_identity(recipe)
     changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
     log.info(
-        "FP8 scaling state of %d TE modules restored from %s%s", len(restored), path,
+        "FP8 scaling state of %d TE modules restored from %s%s",
+        len(restored),
+        path,
         f" (recipe changed since the save: {changed})" if changed else "",
-    )  # fmt: skip
+    )
 
 
 def _ranks_to_read(name: str, resharded: bool, saved_world_size: int) -> list[int]:
@@ -1437,8 +1469,13 @@ def load_converted(
         "Checkpoint %s was saved by --model_impl %s (%s parameter layout); this model has the %s "
         "layout: %d weights converted through te_llama's mapping one decoder layer at a time; "
         "%s; Transformer Engine FP8 metadata starts fresh",
-        path, saved_impl, saved_layout, layout, count, outcome,
-    )  # fmt: skip
+        path,
+        saved_impl,
+        saved_layout,
+        layout,
+        count,
+        outcome,
+    )
 
 
 # --------------------------------------------------------------------------------------------

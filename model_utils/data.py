@@ -751,9 +751,13 @@ class TrainStream:
             logging.getLogger(__name__).warning(
                 "--dataset %s: rank %d's training part is %d tokens, less than one micro-batch "
                 "(%d x %d tokens), so each batch repeats it ~%d times: add data",
-                self.dataset, self.rank, self._epoch_tokens, self.micro_batch, self.seq_len,
+                self.dataset,
+                self.rank,
+                self._epoch_tokens,
+                self.micro_batch,
+                self.seq_len,
                 window // self._epoch_tokens,
-            )  # fmt: skip
+            )
         self._epoch_tokens = 0
 
 

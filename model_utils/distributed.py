@@ -74,8 +74,10 @@ def _slurm_master_addr() -> str:
     try:
         out = subprocess.run(
             ["scontrol", "show", "hostnames", nodelist],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=False,
+        )
     except OSError:  # no Slurm client tools here: a plain first host name is still usable
         first = nodelist.split(",")[0]
         return first if first and "[" not in first else "127.0.0.1"
@@ -101,18 +103,22 @@ def init(world: World, device: torch.device, timeout_s: int) -> None:
         job_id = int(os.environ.get("SLURM_JOB_ID", "0"))
         os.environ.setdefault("MASTER_PORT", str(29500 + job_id % 1000))
     dist.init_process_group(
-        backend, rank=world.rank, world_size=world.world_size, timeout=timeout,
+        backend,
+        rank=world.rank,
+        world_size=world.world_size,
+        timeout=timeout,
         device_id=device if device.type == "cuda" else None,
-    )  # fmt: skip
+    )
 
 
 def build_mesh(world: World, device: torch.device, strategy: str) -> DeviceMesh:
     """1-D mesh for FSDP; 2-D (replicate across nodes, shard within a node) for HSDP."""
     if strategy == "hybrid":
         return init_device_mesh(
-            device.type, (world.num_nodes, world.world_size // world.num_nodes),
+            device.type,
+            (world.num_nodes, world.world_size // world.num_nodes),
             mesh_dim_names=("replicate", "shard"),
-        )  # fmt: skip
+        )
     return init_device_mesh(device.type, (world.world_size,), mesh_dim_names=("shard",))
 
 

@@ -326,8 +326,9 @@ def check_space(args, num_params: int, log) -> None:
     size = checkpoint_bytes(num_params, getattr(args, "optimizer", "adamw"))
     needs = [("checkpoint", size, keep, Path(args.checkpoint_dir))]
     if args.export_hf:
-        needs.append(("Hugging Face export", EXPORT_BYTES_PER_PARAM * num_params, 1,
-                      Path(args.export_hf)))  # fmt: skip
+        needs.append(
+            ("Hugging Face export", EXPORT_BYTES_PER_PARAM * num_params, 1, Path(args.export_hf))
+        )
     for what, need, keep, where in needs:
         free = shutil.disk_usage(_nearest_existing(where)).free
         verdict, line = space_verdict(free, need, keep, what, where)

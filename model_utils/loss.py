@@ -53,7 +53,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """``mean CE(hidden @ weight.T, targets)`` with gradients computed chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk: int):  # noqa: D102
+    def forward(ctx, hidden, weight, targets, chunk: int):
         counted = (targets != IGNORE_INDEX).sum().clamp_min(1)
         grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         total = torch.zeros((), device=hidden.device, dtype=torch.float32)
@@ -81,7 +81,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return total / counted
 
     @staticmethod
-    def backward(ctx, grad_output):  # noqa: D102
+    def backward(ctx, grad_output):
         grad_hidden, grad_weight = ctx.saved_tensors
         return (
             grad_hidden * grad_output.to(grad_hidden.dtype),

@@ -155,7 +155,7 @@ def low_bit_adamw(optimizer: str) -> type[torch.optim.Optimizer]:
 
     base = {"adamw8bit": AdamW8bit, "adamw_fp8": AdamWFp8}[optimizer]
 
-    def step(self, closure=None):  # noqa: ANN001, ANN202
+    def step(self, closure=None):
         with torch._functorch.config.patch(enable_autograd_cache=False):
             return base.step(self, closure)
 
@@ -363,7 +363,11 @@ def from_args(
         model, args.lr, args.weight_decay, args.beta1, args.beta2, args.optimizer
     )
     scheduler = build_scheduler(
-        optimizer, lr=args.lr, min_lr=args.min_lr, warmup=args.warmup,
-        max_steps=args.max_steps, style=args.lr_decay_style,
-    )  # fmt: skip
+        optimizer,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        warmup=args.warmup,
+        max_steps=args.max_steps,
+        style=args.lr_decay_style,
+    )
     return optimizer, scheduler

@@ -54,8 +54,15 @@ DETAIL = {
     "data_wait_pct": re.compile(rf"data wait: {_NUM}%"),
 }
 # What must match for two runs to be compared like for like (flags of the run record).
-SHAPE_FLAGS = ("hidden_width", "num_layers", "num_heads", "num_key_value_heads",
-               "intermediate_size", "vocab_size", "max_context_width")  # fmt: skip
+SHAPE_FLAGS = (
+    "hidden_width",
+    "num_layers",
+    "num_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "max_context_width",
+)
 BATCH_FLAGS = ("train_batch_size",)
 
 
@@ -102,9 +109,12 @@ def parse_log(text: str) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     for line in complete_lines(text):
         if m := SEED.search(line):
             last_train = {
-                "kind": "train", "step": int(m.group(1)), "loss": _number(m.group(2)),
-                "samples_per_sec": _number(m.group(3)), "lr": _number(m.group(4)),
-            }  # fmt: skip
+                "kind": "train",
+                "step": int(m.group(1)),
+                "loss": _number(m.group(2)),
+                "samples_per_sec": _number(m.group(3)),
+                "lr": _number(m.group(4)),
+            }
             records.append(last_train)
         elif "tokens/s/device:" in line and last_train is not None:
             for key, pattern in DETAIL.items():
@@ -330,9 +340,13 @@ def make_figure(
         base = medians[0]
         text = "n/a" if median is None or not base else f"{median / base:.2f}x"
         bar_ax.annotate(
-            text, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-            ha="center", va="bottom", fontsize="large", fontweight="bold",
-        )  # fmt: skip
+            text,
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize="large",
+            fontweight="bold",
+        )
     bar_ax.margins(y=0.15)
     fig.suptitle(title or " vs ".join(labels))
     return fig
@@ -365,10 +379,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--output", type=Path, default=Path("compare_runs.png"), help="PNG to write")
     p.add_argument("--labels", help="comma-separated, one per run (default: from the flags)")
     p.add_argument("--log_steps", action="store_true", help="log-scaled step axes")
-    p.add_argument("--warmup_steps", type=int, help="steps left out of the medians "
-                   f"(default: train.py's, min({WARMUP_STEPS}, max_steps // 2))")  # fmt: skip
-    p.add_argument("--allow_mismatch", action="store_true",
-                   help="compare unlike model shapes or batch sizes (marked)")  # fmt: skip
+    p.add_argument(
+        "--warmup_steps",
+        type=int,
+        help="steps left out of the medians "
+        f"(default: train.py's, min({WARMUP_STEPS}, max_steps // 2))",
+    )
+    p.add_argument(
+        "--allow_mismatch",
+        action="store_true",
+        help="compare unlike model shapes or batch sizes (marked)",
+    )
     p.add_argument("--title", help="figure title (default: the labels)")
     args = p.parse_args(argv)
     if len(args.runs) < 2:

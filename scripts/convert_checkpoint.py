@@ -83,9 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         return _fail(problem)
     files = dcp_to_hf(
-        path, out_dir, key_map=key_map, dtype=getattr(torch, args.dtype),
+        path,
+        out_dir,
+        key_map=key_map,
+        dtype=getattr(torch, args.dtype),
         max_shard_bytes=args.max_shard_size_mb * 2**20,
-    )  # fmt: skip
+    )
     print(f"{path} (step {marker['step']}) -> {out_dir}: {len(files)} safetensors file(s)")
     return 0
 

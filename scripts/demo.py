@@ -31,10 +31,17 @@ def run(precision: str, steps: int, out: Path, extra: list[str]) -> Path:
     run_dir = out / precision
     shutil.rmtree(run_dir, ignore_errors=True)  # a demo always starts fresh
     cmd = [
-        sys.executable, str(ROOT / "train.py"), "--preset", "tiny", f"--max_steps={steps}",
-        f"--fp8={int(precision == 'fp8')}", "--logging_freq=10", "--validation_freq=50",
-        f"--output_dir={run_dir}", *extra,
-    ]  # fmt: skip
+        sys.executable,
+        str(ROOT / "train.py"),
+        "--preset",
+        "tiny",
+        f"--max_steps={steps}",
+        f"--fp8={int(precision == 'fp8')}",
+        "--logging_freq=10",
+        "--validation_freq=50",
+        f"--output_dir={run_dir}",
+        *extra,
+    ]
     print(f"\n$ {' '.join(cmd[1:])}", flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)
     return run_dir

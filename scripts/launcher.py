@@ -259,18 +259,23 @@ def torchrun_command(
         rdzv = ["--standalone"]
     else:
         rdzv = [
-            "--rdzv_backend=c10d", f"--rdzv_endpoint={env['LLAMA_RDZV_ENDPOINT']}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={env['LLAMA_RDZV_ENDPOINT']}",
             f"--rdzv_id={env.get('LLAMA_RDZV_ID', env.get('SLURM_JOB_ID', 'local'))}",
-        ]  # fmt: skip
+        ]
         head = env.get("LLAMA_HEAD_NODE")
         if head and node:  # who hosts the store: by node name, not by matching addresses
             rdzv.append(f"--rdzv_conf=is_host={int(node == head)}")
         if node_addr(env, node):  # where the workers' process group meets (MASTER_ADDR)
             rdzv.append(f"--local_addr={node_addr(env, node)}")
     argv = [
-        "torchrun", f"--nnodes={nnodes}", f"--nproc_per_node={nproc}", *rdzv,
-        str(Path(env["LLAMA_REPO_DIR"]) / "train.py"), *train_args,
-    ]  # fmt: skip
+        "torchrun",
+        f"--nnodes={nnodes}",
+        f"--nproc_per_node={nproc}",
+        *rdzv,
+        str(Path(env["LLAMA_REPO_DIR"]) / "train.py"),
+        *train_args,
+    ]
     device = f"{gpus} GPU(s)" if gpus else "CPU"
     where = " ".join(x for x in (node, socket.gethostname(), node_addr(env, node)) if x)
     line = (

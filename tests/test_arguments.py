@@ -47,8 +47,14 @@ def test_preset_dataset_config_follows_the_preset_dataset_only():
 )
 def test_presets_have_published_shapes(name, shape):
     p = PRESETS[name]
-    got = (p.hidden_width, p.num_layers, p.num_heads, p.num_key_value_heads,
-           p.intermediate_size, p.vocab_size)  # fmt: skip
+    got = (
+        p.hidden_width,
+        p.num_layers,
+        p.num_heads,
+        p.num_key_value_heads,
+        p.intermediate_size,
+        p.vocab_size,
+    )
     assert got == shape
 
 
@@ -131,8 +137,12 @@ def _run_train(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *argv],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.parametrize(

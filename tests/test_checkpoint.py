@@ -29,11 +29,33 @@ sys.path.insert(0, str(REPO))
 from model_utils import checkpoint as ck  # noqa: E402
 
 TINY = [
-    "--preset", "tiny", "--hidden_width", "64", "--num_layers", "2", "--num_heads", "4",
-    "--num_key_value_heads", "2", "--intermediate_size", "128", "--vocab_size", "256",
-    "--max_context_width", "32", "--train_batch_size", "2", "--max_steps", "50",
-    "--warmup", "2", "--lr", "0.01", "--seed", "7",
-]  # fmt: skip
+    "--preset",
+    "tiny",
+    "--hidden_width",
+    "64",
+    "--num_layers",
+    "2",
+    "--num_heads",
+    "4",
+    "--num_key_value_heads",
+    "2",
+    "--intermediate_size",
+    "128",
+    "--vocab_size",
+    "256",
+    "--max_context_width",
+    "32",
+    "--train_batch_size",
+    "2",
+    "--max_steps",
+    "50",
+    "--warmup",
+    "2",
+    "--lr",
+    "0.01",
+    "--seed",
+    "7",
+]
 WORKER_TIMEOUT_S = 240
 
 
@@ -211,8 +233,10 @@ def scenario_train(workdir: Path, rank: int) -> dict[str, Any]:
         rng_snapshot(),
     )
     if rank == 0:
-        torch.save({"model": model3, "optimizer": optim3, "scheduler": sched3},
-                   workdir / "snapshot_step3.pt")  # fmt: skip
+        torch.save(
+            {"model": model3, "optimizer": optim3, "scheduler": sched3},
+            workdir / "snapshot_step3.pt",
+        )
     out["listing"] = sorted(p.name for p in (workdir / "ckpt").iterdir())
     out["latest"] = ckpt.latest().name
     out["loss_step4"] = run.train_step()
@@ -221,9 +245,12 @@ def scenario_train(workdir: Path, rank: int) -> dict[str, Any]:
     # A fresh process-like resume: new objects, auto-resolved checkpoint.
     fresh = Run(workdir)
     result = ck.Checkpointer(workdir / "ckpt", keep_last=2).load(ckpt.resolve("auto"), fresh.state)
-    out["resume"] = {"step": fresh.state.step, "resharded": result.resharded,
-                     "saved_world_size": result.saved_world_size,
-                     "config_seed": result.saved_config.get("seed")}  # fmt: skip
+    out["resume"] = {
+        "step": fresh.state.step,
+        "resharded": result.resharded,
+        "saved_world_size": result.saved_world_size,
+        "config_seed": result.saved_config.get("seed"),
+    }
     out["resume_model_diff"] = differences(full_model(fresh.model), model3)
     out["resume_optim_diff"] = differences(full_optimizer(fresh.model, fresh.optimizer), optim3)
     out["resume_sched_diff"] = differences(fresh.scheduler.state_dict(), sched3)
@@ -299,7 +326,7 @@ def scenario_kill(workdir: Path, rank: int) -> dict[str, Any]:
     if rank == 1:
         real_write = FileSystemWriter.write_data
 
-        def stalled_write(self, plan, planner):  # noqa: ANN001, ANN202
+        def stalled_write(self, plan, planner):
             future = real_write(self, plan, planner)
             future.wait()  # this rank's shard file is (partly) on disk ...
             (workdir / "rank1_writing").touch()
@@ -332,8 +359,11 @@ def scenario_reshard(workdir: Path, rank: int) -> dict[str, Any]:
     ckpt = ck.Checkpointer(workdir / "ckpt")
     result = ckpt.load(ckpt.latest(), run.state)
     snap = torch.load(workdir / "snapshot_step3.pt", weights_only=False)
-    out["result"] = {"step": result.step, "resharded": result.resharded,
-                     "saved_world_size": result.saved_world_size}  # fmt: skip
+    out["result"] = {
+        "step": result.step,
+        "resharded": result.resharded,
+        "saved_world_size": result.saved_world_size,
+    }
     out["model_diff"] = differences(full_model(run.model), snap["model"])
     out["optim_diff"] = differences(full_optimizer(run.model, run.optimizer), snap["optimizer"])
     out["sched_diff"] = differences(run.scheduler.state_dict(), snap["scheduler"])
@@ -387,12 +417,17 @@ def _launch(scenario: str, workdir: Path, world_size: int) -> list[subprocess.Po
     procs = []
     for rank in range(world_size):
         env = {
-            **os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
             "PYTHONPATH": str(REPO),
-        }  # fmt: skip
-        log = open(workdir / f"{scenario}_rank{rank}.log", "w")  # noqa: SIM115
+        }
+        log = open(workdir / f"{scenario}_rank{rank}.log", "w")
         procs.append(
             subprocess.Popen(
                 [sys.executable, __file__, scenario, str(workdir)],
@@ -400,7 +435,7 @@ def _launch(scenario: str, workdir: Path, world_size: int) -> list[subprocess.Po
                 cwd=REPO,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-            )  # fmt: skip
+            )
         )
     return procs
 
@@ -527,9 +562,13 @@ def test_prune_plan_keeps_newest_and_the_one_just_published() -> None:
 
 
 def test_layer_groups_and_layerwise_key_map_match_whole_model_mapping() -> None:
-    names = ["lm_head.weight", "model.layers.10.mlp.up_proj.weight",
-             "model.layers.2.self_attn.q_proj.weight", "model.norm.weight",
-             "model.layers.2.mlp.up_proj.weight"]  # fmt: skip
+    names = [
+        "lm_head.weight",
+        "model.layers.10.mlp.up_proj.weight",
+        "model.layers.2.self_attn.q_proj.weight",
+        "model.norm.weight",
+        "model.layers.2.mlp.up_proj.weight",
+    ]
     assert ck.layer_groups(names) == [
         ["lm_head.weight", "model.norm.weight"],
         ["model.layers.2.self_attn.q_proj.weight", "model.layers.2.mlp.up_proj.weight"],
@@ -651,8 +690,12 @@ def test_hybrid_sharding_loads_checkpoints_and_hf_weights(train_run: list[dict])
 @pytest.mark.slow
 def test_resume_restores_everything_exactly(train_run: list[dict]) -> None:
     for r in train_run:
-        assert r["resume"] == {"step": 3, "resharded": False, "saved_world_size": 2,
-                               "config_seed": 7}  # fmt: skip
+        assert r["resume"] == {
+            "step": 3,
+            "resharded": False,
+            "saved_world_size": 2,
+            "config_seed": 7,
+        }
         assert r["resume_model_diff"] == []
         assert r["resume_optim_diff"] == []
         assert r["resume_sched_diff"] == []

@@ -29,11 +29,19 @@ VAL = {"bf16": [(25, 6.5), (50, 5.2)], "fp8": [(25, 6.6), (50, 5.25)]}
 def train_record(step: int, speed: float, loss: float) -> dict:
     """A train record with every metric a simple function of the speed, so medians are known."""
     return {
-        "kind": "train", "step": step, "loss": loss, "lr": 1e-4, "samples_per_sec": speed,
-        "tokens_per_sec_per_device": speed * 128, "tflops_per_device": speed / 10,
-        "mfu": speed / 2, "peak_mem_gib": 1.0 + step / 100, "data_wait_pct": step / 10,
-        "elapsed_seconds": float(step), "remaining_seconds": 50.0 - step,
-    }  # fmt: skip
+        "kind": "train",
+        "step": step,
+        "loss": loss,
+        "lr": 1e-4,
+        "samples_per_sec": speed,
+        "tokens_per_sec_per_device": speed * 128,
+        "tflops_per_device": speed / 10,
+        "mfu": speed / 2,
+        "peak_mem_gib": 1.0 + step / 100,
+        "data_wait_pct": step / 10,
+        "elapsed_seconds": float(step),
+        "remaining_seconds": 50.0 - step,
+    }
 
 
 def info(**overrides) -> dict:
@@ -51,8 +59,11 @@ def write_run_dir(path: Path, rows, val, run: dict | None) -> Path:
             writer.write(train_record(step, speed, loss))
             for vstep, vloss in val:
                 if step - 10 < vstep <= step:
-                    writer.write(metrics.validation_record(step=vstep, val_loss=vloss,
-                                                           batches=4, seconds=0.1))  # fmt: skip
+                    writer.write(
+                        metrics.validation_record(
+                            step=vstep, val_loss=vloss, batches=4, seconds=0.1
+                        )
+                    )
     return path
 
 
@@ -64,8 +75,11 @@ def log_lines(rows, val, run: dict | None) -> list[str]:
         record = train_record(step, speed, loss)
         lines.append(prefix + metrics.seed_line(step, loss, speed, record["lr"]))
         lines.append(prefix + metrics.detail_line(record))
-        lines += [f"{prefix}Validation at step {s}: loss {v:.5f} over 4 batches"
-                  for s, v in val if step - 10 < s <= step]  # fmt: skip
+        lines += [
+            f"{prefix}Validation at step {s}: loss {v:.5f} over 4 batches"
+            for s, v in val
+            if step - 10 < s <= step
+        ]
     return lines
 
 
@@ -110,7 +124,7 @@ def test_slurm_log_with_a_requeue_and_a_line_still_being_written(tmp_path: Path)
             "mfu": 5.0,
             "peak_mem_gib": 1.2,
             "data_wait_pct": 2.0,
-        }  # fmt: skip
+        }
     )
     assert [r for r in run.records if r["kind"] == "val"] == [
         {"kind": "val", "step": 25, "val_loss": 6.5}
@@ -321,9 +335,22 @@ def test_a_real_run_reads_the_same_from_its_log_and_its_directory(tmp_path: Path
     """train.py's stdout (what slurm-<job>.out holds) and its run directory give the same
     records, to the log's printed precision, the same flags, and the same table."""
     out = tmp_path / "run"
-    cmd = [sys.executable, str(ROOT / "train.py"), "--preset", "tiny", "--train_batch_size", "2",
-           "--max_context_width", "64", "--max_steps=8", "--warmup=2", "--logging_freq=2",
-           "--validation_freq=4", "--validation_batches=1", f"--output_dir={out}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "--preset",
+        "tiny",
+        "--train_batch_size",
+        "2",
+        "--max_context_width",
+        "64",
+        "--max_steps=8",
+        "--warmup=2",
+        "--logging_freq=2",
+        "--validation_freq=4",
+        "--validation_batches=1",
+        f"--output_dir={out}",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -335,18 +362,34 @@ def test_a_real_run_reads_the_same_from_its_log_and_its_directory(tmp_path: Path
     assert [(r["kind"], r["step"]) for r in from_log.records] == [
         (r["kind"], r["step"]) for r in from_dir.records
     ]
-    precision = {"loss": 1e-5, "val_loss": 1e-5, "samples_per_sec": 1e-2, "lr": 1e-6,
-                 "tflops_per_device": 1e-3, "peak_mem_gib": 1e-2, "data_wait_pct": 0.1,
-                 "tokens_per_sec_per_device": 1.0}  # fmt: skip
+    precision = {
+        "loss": 1e-5,
+        "val_loss": 1e-5,
+        "samples_per_sec": 1e-2,
+        "lr": 1e-6,
+        "tflops_per_device": 1e-3,
+        "peak_mem_gib": 1e-2,
+        "data_wait_pct": 0.1,
+        "tokens_per_sec_per_device": 1.0,
+    }
     for a, b in zip(from_log.records, from_dir.records, strict=True):
         for key in set(a) - {"kind", "step"}:
             assert a[key] == pytest.approx(b[key], abs=precision[key]), key
 
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "compare_runs.py"), str(log), str(out),
-         "--output", str(tmp_path / "cmp.png")],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "compare_runs.py"),
+            str(log),
+            str(out),
+            "--output",
+            str(tmp_path / "cmp.png"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert re.search(r"final train loss\s+(\S+)\s+\1\s+1\.000", done.stdout), done.stdout
     assert (tmp_path / "cmp.png").stat().st_size > 10_000

@@ -35,10 +35,27 @@ from model_utils import checkpoint as ck
 ROOT = Path(__file__).resolve().parent.parent
 # A small Llama (GQA, 2 layers) on the bundled corpus and tokenizer; shapes FP8 GEMMs accept.
 SMALL = [
-    "--preset", "tiny", "--hidden_width", "64", "--num_layers", "2", "--num_heads", "4",
-    "--num_key_value_heads", "2", "--intermediate_size", "128", "--max_context_width", "32",
-    "--train_batch_size", "2", "--warmup", "1", "--validation_batches", "1",
-]  # fmt: skip
+    "--preset",
+    "tiny",
+    "--hidden_width",
+    "64",
+    "--num_layers",
+    "2",
+    "--num_heads",
+    "4",
+    "--num_key_value_heads",
+    "2",
+    "--intermediate_size",
+    "128",
+    "--max_context_width",
+    "32",
+    "--train_batch_size",
+    "2",
+    "--warmup",
+    "1",
+    "--validation_batches",
+    "1",
+]
 # Parameter layout of each --model_impl: te_linear keeps HF's names.
 LAYOUT = {"hf": "hf", "te_linear": "hf", "te": "te"}
 
@@ -89,9 +106,12 @@ class Run:
         self.model = train.build_model(args, mesh, device, self.backend)
         self.optimizer, self.scheduler = optim.from_args(self.model, args)
         self.state = ck.TrainState(
-            self.model, self.optimizer, self.scheduler, config=vars(args),
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            config=vars(args),
             fp8_recipe=train.te_recipe(self.backend),
-        )  # fmt: skip
+        )
         self.checkpointer = ck.Checkpointer(checkpoint_dir, keep_last=0)
 
     def step(self, seed: int) -> float:
@@ -281,9 +301,15 @@ def _free_port() -> int:
 def run_train(*argv: str, nproc: int = 2) -> str:
     env = subprocess_env({**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        f"--master_port={_free_port()}", str(ROOT / "train.py"), *SMALL, *argv,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={_free_port()}",
+        str(ROOT / "train.py"),
+        *SMALL,
+        *argv,
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
@@ -309,14 +335,19 @@ def test_train_py_two_ranks_hf_to_te_and_back(tmp_path) -> None:
     reference, te_run, back = tmp_path / "hf", tmp_path / "te", tmp_path / "back"
     run_train(*common, "--model_impl=hf", f"--output_dir={reference}")
     out = run_train(
-        *common, "--model_impl=te", "--max_steps=4", f"--output_dir={te_run}",
+        *common,
+        "--model_impl=te",
+        "--max_steps=4",
+        f"--output_dir={te_run}",
         f"--resume_from_checkpoint={reference / 'checkpoints' / 'step_00000002'}",
-    )  # fmt: skip
+    )
     assert "impl=te" in out and "at step 2" in out
     run_train(
-        *common, "--model_impl=hf", f"--output_dir={back}",
+        *common,
+        "--model_impl=hf",
+        f"--output_dir={back}",
         f"--resume_from_checkpoint={te_run / 'checkpoints' / 'step_00000004'}",
-    )  # fmt: skip
+    )
     want = records(reference)
     got = {**records(te_run), **records(back)}
     assert sorted(got) == sorted(k for k in want if k[1] > 2)

@@ -41,12 +41,32 @@ LAUNCH_TIMEOUT_S = 240
 STEPS = 5  # tests/dist_scripts/parity.py STEPS
 # A small train.py run for the failure tests: the tiny preset with short sequences.
 TRAIN_ARGV = [
-    str(REPO / "train.py"), "--preset", "tiny", "--train_batch_size", "2",
-    "--max_context_width", "64", "--max_steps", "100000", "--warmup", "1", "--logging_freq", "1",
-    "--checkpoint_freq", "0",
-]  # fmt: skip
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-               "MASTER_PORT", "GROUP_RANK", "TORCHELASTIC_RUN_ID")  # fmt: skip
+    str(REPO / "train.py"),
+    "--preset",
+    "tiny",
+    "--train_batch_size",
+    "2",
+    "--max_context_width",
+    "64",
+    "--max_steps",
+    "100000",
+    "--warmup",
+    "1",
+    "--logging_freq",
+    "1",
+    "--checkpoint_freq",
+    "0",
+]
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 # ============================================================================================
@@ -81,13 +101,23 @@ def tail(path: Path, chars: int = 4000) -> str:
 
 def run_torchrun(args: list[str], log: Path, nproc: int) -> None:
     """torchrun on one node with a free port; fails the test with the log tail on error."""
-    cmd = [str(TORCHRUN), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", *args]  # fmt: skip
+    cmd = [
+        str(TORCHRUN),
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        *args,
+    ]
     with log.open("w") as out:
         proc = subprocess.run(
-            cmd, env=clean_env(), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-            timeout=LAUNCH_TIMEOUT_S, check=False,
-        )  # fmt: skip
+            cmd,
+            env=clean_env(),
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=LAUNCH_TIMEOUT_S,
+            check=False,
+        )
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{tail(log)}"
 
 
@@ -114,9 +144,10 @@ def children_by_rank(pid: int) -> dict[int, int]:
             if ppid != pid:
                 continue
             env = dict(
-                item.split(b"=", 1) for item in (entry / "environ").read_bytes().split(b"\0")
+                item.split(b"=", 1)
+                for item in (entry / "environ").read_bytes().split(b"\0")
                 if b"=" in item
-            )  # fmt: skip
+            )
         except OSError:
             continue
         if b"RANK" in env:
@@ -197,8 +228,15 @@ def hybrid(workdir: Path) -> dict[str, Any]:
     procs, logs = [], []
     for node in range(2):
         logs.append(workdir / f"hybrid_node{node}.log")
-        cmd = [str(TORCHRUN), "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
-               f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=hsdp-test", *script]  # fmt: skip
+        cmd = [
+            str(TORCHRUN),
+            "--nnodes=2",
+            "--nproc_per_node=1",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{port}",
+            "--rdzv_id=hsdp-test",
+            *script,
+        ]
         procs.append(popen_logged(cmd, clean_env(), logs[-1]))
     try:
         codes = [wait_exit(p, LAUNCH_TIMEOUT_S)[0] for p in procs]
@@ -216,9 +254,14 @@ def memory(workdir: Path) -> dict[int, list[dict[str, Any]]]:
     run_torchrun([str(SCRIPTS / "memory.py"), str(out)], workdir / "memory_w2.log", nproc=2)
     with (workdir / "memory_w1.log").open("w") as log:
         proc = subprocess.run(
-            [sys.executable, str(SCRIPTS / "memory.py"), str(out)], env=clean_env(), cwd=REPO,
-            stdout=log, stderr=subprocess.STDOUT, timeout=LAUNCH_TIMEOUT_S, check=False,
-        )  # fmt: skip
+            [sys.executable, str(SCRIPTS / "memory.py"), str(out)],
+            env=clean_env(),
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=LAUNCH_TIMEOUT_S,
+            check=False,
+        )
     assert proc.returncode == 0, tail(workdir / "memory_w1.log")
     return {
         w: [json.loads(p.read_text()) for p in sorted(out.glob(f"memory_w{w}_rank*.json"))]
@@ -399,20 +442,58 @@ def test_meta_device_init_keeps_each_rank_at_its_shard(memory: dict) -> None:
     ("env", "expected", "nodes"),
     [
         ({}, (0, 1, 0, 1), 1),
-        ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
-         (3, 8, 1, 2), 4),
+        (
+            {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
+            (3, 8, 1, 2),
+            4,
+        ),
         # plain srun, one task per GPU: --ntasks-per-node given, or only the always-set variant
-        ({"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
-          "SLURM_NTASKS_PER_NODE": "8"}, (9, 16, 1, 8), 2),
-        ({"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
-          "SLURM_TASKS_PER_NODE": "8(x2)"}, (9, 16, 1, 8), 2),
-        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "12", "SLURM_LOCALID": "0",
-          "SLURM_TASKS_PER_NODE": "8,4"}, (0, 12, 0, 8), 1),
+        (
+            {
+                "SLURM_PROCID": "9",
+                "SLURM_NTASKS": "16",
+                "SLURM_LOCALID": "1",
+                "SLURM_NTASKS_PER_NODE": "8",
+            },
+            (9, 16, 1, 8),
+            2,
+        ),
+        (
+            {
+                "SLURM_PROCID": "9",
+                "SLURM_NTASKS": "16",
+                "SLURM_LOCALID": "1",
+                "SLURM_TASKS_PER_NODE": "8(x2)",
+            },
+            (9, 16, 1, 8),
+            2,
+        ),
+        (
+            {
+                "SLURM_PROCID": "0",
+                "SLURM_NTASKS": "12",
+                "SLURM_LOCALID": "0",
+                "SLURM_TASKS_PER_NODE": "8,4",
+            },
+            (0, 12, 0, 8),
+            1,
+        ),
         # torchrun inside a Slurm step: torchrun's variables win
-        ({"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "8",
-          "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}, (5, 16, 5, 8), 2),
+        (
+            {
+                "RANK": "5",
+                "WORLD_SIZE": "16",
+                "LOCAL_RANK": "5",
+                "LOCAL_WORLD_SIZE": "8",
+                "SLURM_PROCID": "0",
+                "SLURM_NTASKS": "2",
+                "SLURM_LOCALID": "0",
+            },
+            (5, 16, 5, 8),
+            2,
+        ),
     ],
-)  # fmt: skip
+)
 def test_world_from_env(env: dict[str, str], expected: tuple, nodes: int) -> None:
     world = distributed.world_from_env(env)
     assert (world.rank, world.world_size, world.local_rank, world.local_world_size) == expected
@@ -422,9 +503,13 @@ def test_world_from_env(env: dict[str, str], expected: tuple, nodes: int) -> Non
 
 @pytest.mark.parametrize(
     ("nodelist", "expected"),
-    [("gpu-node7", "gpu-node7"), ("gpu-a,gpu-b", "gpu-a"), ("gpu[1-4]", "127.0.0.1"),
-     (None, "127.0.0.1")],
-)  # fmt: skip
+    [
+        ("gpu-node7", "gpu-node7"),
+        ("gpu-a,gpu-b", "gpu-a"),
+        ("gpu[1-4]", "127.0.0.1"),
+        (None, "127.0.0.1"),
+    ],
+)
 def test_master_addr_without_scontrol(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, nodelist: str | None, expected: str
 ) -> None:
@@ -444,9 +529,17 @@ def test_master_addr_without_scontrol(
 @pytest.mark.slow
 def test_torchrun_job_exits_nonzero_when_a_worker_is_killed(tmp_path: Path) -> None:
     log = tmp_path / "torchrun.log"
-    cmd = [str(TORCHRUN), "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", *TRAIN_ARGV, "--dist_timeout", "30",
-           "--output_dir", str(tmp_path / "run")]  # fmt: skip
+    cmd = [
+        str(TORCHRUN),
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        *TRAIN_ARGV,
+        "--dist_timeout",
+        "30",
+        "--output_dir",
+        str(tmp_path / "run"),
+    ]
     agent = popen_logged(cmd, clean_env(), log)
     try:
         wait_for_line(log, "Batch 2 ", [agent], LAUNCH_TIMEOUT_S)
@@ -476,10 +569,16 @@ def test_plain_env_survivor_exits_nonzero_when_its_peer_is_killed(tmp_path: Path
     the survivor itself must notice (gloo sees the connection drop) and exit."""
     port = str(free_port())
     envs = [
-        clean_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
-                  MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        clean_env(
+            RANK=str(r),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(r),
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
         for r in range(2)
-    ]  # fmt: skip
+    ]
     logs = [tmp_path / f"rank{r}.log" for r in range(2)]
     argv = [*TRAIN_ARGV, "--dist_timeout", "30", "--output_dir", str(tmp_path / "run")]
     procs = start_ranks(envs, argv, logs)
@@ -505,11 +604,17 @@ def test_srun_style_world_trains_and_a_hung_rank_times_out(tmp_path: Path) -> No
     no_scontrol = tmp_path / "bin"
     no_scontrol.mkdir()
     envs = [
-        clean_env(SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_LOCALID=str(r),
-                  SLURM_TASKS_PER_NODE="2", SLURM_JOB_ID=str(7000 + port - 29500),
-                  SLURM_JOB_NODELIST="localhost", PATH=str(no_scontrol))
+        clean_env(
+            SLURM_PROCID=str(r),
+            SLURM_NTASKS="2",
+            SLURM_LOCALID=str(r),
+            SLURM_TASKS_PER_NODE="2",
+            SLURM_JOB_ID=str(7000 + port - 29500),
+            SLURM_JOB_NODELIST="localhost",
+            PATH=str(no_scontrol),
+        )
         for r in range(2)
-    ]  # fmt: skip
+    ]
     logs = [tmp_path / f"rank{r}.log" for r in range(2)]
     argv = [*TRAIN_ARGV, "--dist_timeout", str(timeout_s), "--output_dir", str(tmp_path / "run")]
     procs = start_ranks(envs, argv, logs)

@@ -35,9 +35,13 @@ FAST = ["--preset", "tiny", "--train_batch_size", "4", "--max_context_width", "1
 def train(*argv: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
     return subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *argv], capture_output=True, text=True,
-        timeout=timeout, env=env, cwd=cwd or ROOT,
-    )  # fmt: skip
+        [sys.executable, str(ROOT / "train.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=cwd or ROOT,
+    )
 
 
 def error_lines(result: subprocess.CompletedProcess) -> list[str]:
@@ -118,8 +122,19 @@ def test_a_diverging_run_stops_naming_the_step_and_saves_nothing_non_finite(
     tmp_path: Path, extra: list[str], saved: int
 ) -> None:
     out = tmp_path / "run"
-    result = train(*FAST, "--max_steps", "10", "--warmup", "1", "--lr", "1e6",
-                   f"--output_dir={out}", "--export_hf", str(tmp_path / "hf"), *extra)  # fmt: skip
+    result = train(
+        *FAST,
+        "--max_steps",
+        "10",
+        "--warmup",
+        "1",
+        "--lr",
+        "1e6",
+        f"--output_dir={out}",
+        "--export_hf",
+        str(tmp_path / "hf"),
+        *extra,
+    )
     assert result.returncode == guards.EXIT_DIVERGED, result.stderr[-3000:]
     [line] = error_lines(result)
     assert "Traceback" not in result.stderr
@@ -204,9 +219,13 @@ def test_an_explicit_warmup_is_still_checked() -> None:
 def _start(argv: list[str]) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
-        [sys.executable, str(ROOT / "train.py"), *argv], stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
-    )  # fmt: skip
+        [sys.executable, str(ROOT / "train.py"), *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def _wait_for_line(proc: subprocess.Popen, text: str) -> str:
@@ -250,11 +269,18 @@ def test_the_lock_covers_a_checkpoint_dir_outside_the_run_dir(tmp_path: Path) ->
     held = guards.RunLock(shared).acquire()
     try:
         probe = subprocess.run(
-            [sys.executable, "-c", "import sys; from model_utils import guards; "
-             "print(guards.lock_holder(sys.argv[1]))", str(shared)],
-            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+            [
+                sys.executable,
+                "-c",
+                "import sys; from model_utils import guards; "
+                "print(guards.lock_holder(sys.argv[1]))",
+                str(shared),
+            ],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
             check=True,
-        ).stdout  # fmt: skip
+        ).stdout
         assert probe.startswith(f"pid {os.getpid()} on host ")
         with pytest.raises(guards.RunLocked, match="shared_ckpt is in use by another run"):
             guards.check_not_locked(guards.lock_dirs(str(tmp_path / "b"), str(shared)))
@@ -297,8 +323,15 @@ def test_a_run_that_took_the_directory_after_the_check_still_stops_this_one(
 
 def test_model_and_data_changes_are_refused_the_rest_allowed() -> None:
     saved = vars(parse_args([*FAST, "--max_steps", "20"]))
-    now = dict(saved, num_layers=2, tokenizer="other/tok", train_batch_size=2, fp8=True,
-               output_dir="elsewhere", resume_from_checkpoint="auto")  # fmt: skip
+    now = dict(
+        saved,
+        num_layers=2,
+        tokenizer="other/tok",
+        train_batch_size=2,
+        fp8=True,
+        output_dir="elsewhere",
+        resume_from_checkpoint="auto",
+    )
     refused, allowed = ck.config_changes(json_round_trip(saved), now)
     assert refused == [("--num_layers", 4, 2), ("--tokenizer", saved["tokenizer"], "other/tok")]
     assert allowed == [("--fp8", False, True), ("--train_batch_size", 4, 2)]
@@ -331,8 +364,11 @@ def test_explicit_lr_on_resume_replaces_the_saved_one_a_default_does_not() -> No
         saved.step()
     state = saved.state_dict()
     expected = {"lr": 1e-3, "min_lr": 1e-4, "warmup": 2, "max_steps": 10, "style": "cosine"}
-    for given, peak, final in [({}, 1e-3, 1e-4), ({"lr": 5e-4}, 5e-4, 1e-4),
-                               ({"lr": 5e-4, "min_lr": 0.0}, 5e-4, 0.0)]:  # fmt: skip
+    for given, peak, final in [
+        ({}, 1e-3, 1e-4),
+        ({"lr": 5e-4}, 5e-4, 1e-4),
+        ({"lr": 5e-4, "min_lr": 0.0}, 5e-4, 0.0),
+    ]:
         resumed = schedule(2e-3, 2e-4)  # this run's flags, e.g. defaults
         resumed.load_state_dict(state)
         assert optim.resume_schedule(resumed, given) == {"lr": peak, "min_lr": final}
@@ -399,8 +435,9 @@ def test_a_damaged_checkpoint_is_named_and_auto_resume_falls_back(tmp_path: Path
     damage, message = DAMAGE[kind]
     ckpt = _save_checkpoints(tmp_path, [1, 2, 3])
     assert sorted(ck.read_marker(tmp_path / ck.checkpoint_name(3))["files"]) == [
-        ck.DCP_METADATA, "__0_0.distcp",
-    ]  # fmt: skip
+        ck.DCP_METADATA,
+        "__0_0.distcp",
+    ]
     newest = tmp_path / ck.checkpoint_name(3)
     damage(newest)
     with pytest.raises(ck.ResumeRefused) as refused:  # an explicit path: one line, the file
@@ -454,29 +491,53 @@ def test_resume_rules_end_to_end(tmp_path: Path) -> None:
     assert "--resume_from_checkpoint auto" in again.stderr
     assert "--overwrite_output_dir" in again.stderr
 
-    shape = train(*common, f"--output_dir={first}", "--resume_from_checkpoint=auto",
-                  "--num_layers", "2", "--num_key_value_heads", "4")  # fmt: skip
+    shape = train(
+        *common,
+        f"--output_dir={first}",
+        "--resume_from_checkpoint=auto",
+        "--num_layers",
+        "2",
+        "--num_key_value_heads",
+        "4",
+    )
     assert shape.returncode == 2, shape.stderr
     [line] = error_lines(shape)
     assert "--num_key_value_heads 2 -> 4, --num_layers 4 -> 2" in line
 
     step2 = first / "checkpoints" / ck.checkpoint_name(2)
     second = tmp_path / "second"
-    lower = train(*common, f"--output_dir={second}", f"--resume_from_checkpoint={step2}",
-                  "--lr", "5e-4", "--train_batch_size", "2")  # fmt: skip
+    lower = train(
+        *common,
+        f"--output_dir={second}",
+        f"--resume_from_checkpoint={step2}",
+        "--lr",
+        "5e-4",
+        "--train_batch_size",
+        "2",
+    )
     assert lower.returncode == 0, lower.stderr[-3000:]
     assert "Resumed schedule: lr 0.0005 (--lr given)" in lower.stdout
     assert "Resumed schedule: min_lr 0.0001 (saved; not given)" in lower.stdout
     assert "--train_batch_size 4 -> 2" in lower.stdout  # allowed, logged
-    logged = {r["step"]: r["lr"] for r in map(json.loads, (second / "metrics.jsonl").open())
-              if r.get("kind") == "train"}  # fmt: skip
+    logged = {
+        r["step"]: r["lr"]
+        for r in map(json.loads, (second / "metrics.jsonl").open())
+        if r.get("kind") == "train"
+    }
     schedule = {"min_lr": 1e-4, "warmup": 1, "max_steps": 4, "style": "cosine"}
     assert logged[3] == pytest.approx(optim.lr_at(3, lr=5e-4, **schedule), rel=1e-9)
     final = ck.read_marker(second / "checkpoints" / ck.checkpoint_name(4))["run_config"]
     assert (final["lr"], final["min_lr"]) == (5e-4, 1e-4)  # the values used, not the flags
 
-    fresh = train(*FAST, "--max_steps", "1", "--checkpoint_freq", "-1", "--overwrite_output_dir",
-                  f"--output_dir={first}")  # fmt: skip
+    fresh = train(
+        *FAST,
+        "--max_steps",
+        "1",
+        "--checkpoint_freq",
+        "-1",
+        "--overwrite_output_dir",
+        f"--output_dir={first}",
+    )
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     assert ck.complete_checkpoints(first / "checkpoints") == []
 
@@ -534,8 +595,11 @@ def small_disk(tmp_path: Path):
         point = tmp_path / name
         point.mkdir()
         options = f"size={size_mib}m" + (",ro" if read_only else "")
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
-                              capture_output=True, text=True)  # fmt: skip
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
             pytest.skip(f"needs root allowed to mount a tmpfs: {done.stderr.strip()}")
         mounted.append(point)
@@ -563,16 +627,22 @@ def test_a_full_disk_is_refused_before_training_or_named_at_save(tmp_path: Path,
     130 MiB holds one, so the second save fails: one line, and the first checkpoint stays."""
     common = [*FAST, "--max_steps", "4", "--warmup", "1", "--validation_batches", "1"]
     tiny_disk = small_disk("tiny", 50)
-    refused = train(*common, f"--output_dir={tmp_path / 'a'}",
-                    f"--checkpoint_dir={tiny_disk / 'ckpt'}")  # fmt: skip
+    refused = train(
+        *common, f"--output_dir={tmp_path / 'a'}", f"--checkpoint_dir={tiny_disk / 'ckpt'}"
+    )
     assert refused.returncode == 2, refused.stderr[-2000:]
     [line] = error_lines(refused)
     assert f"{tiny_disk / 'ckpt'} has 0.05 GiB free, less than one checkpoint" in line
     assert "Batch 1 Loss" not in refused.stdout  # found before any training
 
     disk = small_disk("disk", 130)
-    full = train(*common, "--checkpoint_freq", "2", f"--output_dir={tmp_path / 'b'}",
-                 f"--checkpoint_dir={disk}")  # fmt: skip
+    full = train(
+        *common,
+        "--checkpoint_freq",
+        "2",
+        f"--output_dir={tmp_path / 'b'}",
+        f"--checkpoint_dir={disk}",
+    )
     assert full.returncode == 1, full.stderr[-3000:]
     assert "less than the 3 checkpoints this run keeps" in full.stdout  # warned at start
     [line] = error_lines(full)
@@ -637,8 +707,10 @@ def test_a_name_that_is_no_local_path_fails_fast_offline_or_unknown(monkeypatch)
     from model_utils import data
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(data.DataError, match="corpus: no local file or folder of that name, and "
-                       "hub look-ups are off"):  # fmt: skip
+    with pytest.raises(
+        data.DataError,
+        match="corpus: no local file or folder of that name, and hub look-ups are off",
+    ):
         data.check_hub_dataset("corpus")
     monkeypatch.delenv("HF_HUB_OFFLINE")
     started = time.monotonic()
@@ -683,8 +755,18 @@ def test_a_bad_byte_met_mid_run_saves_a_checkpoint_and_names_the_file(tmp_path: 
     lines_before = (folder / "train.txt").read_bytes().split(b"\xff")[0].count(b"\n") + 1
     (folder / "validation.txt").write_bytes(paragraph * 300)
     out = tmp_path / "run"
-    result = train(*FAST, "--max_steps", "10", "--warmup", "1", "--validation_batches", "1",
-                   "--dataset", str(folder), f"--output_dir={out}")  # fmt: skip
+    result = train(
+        *FAST,
+        "--max_steps",
+        "10",
+        "--warmup",
+        "1",
+        "--validation_batches",
+        "1",
+        "--dataset",
+        str(folder),
+        f"--output_dir={out}",
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     [line] = error_lines(result)
     assert f"{folder / 'train.txt'} line {lines_before} is not UTF-8 text" in line

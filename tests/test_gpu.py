@@ -30,11 +30,33 @@ pytestmark = [
 
 # Dimensions divisible by 128 (FP8 block scaling's tiles); 1024 tokens per micro-batch.
 SMALL = [
-    "--preset", "tiny", "--hidden_width", "256", "--num_layers", "2", "--num_heads", "4",
-    "--num_key_value_heads", "2", "--intermediate_size", "1024", "--max_context_width", "256",
-    "--train_batch_size", "4", "--max_steps", "10", "--warmup", "2", "--validation_batches", "1",
-    "--logging_freq", "1", "--seed", "5",
-]  # fmt: skip
+    "--preset",
+    "tiny",
+    "--hidden_width",
+    "256",
+    "--num_layers",
+    "2",
+    "--num_heads",
+    "4",
+    "--num_key_value_heads",
+    "2",
+    "--intermediate_size",
+    "1024",
+    "--max_context_width",
+    "256",
+    "--train_batch_size",
+    "4",
+    "--max_steps",
+    "10",
+    "--warmup",
+    "2",
+    "--validation_batches",
+    "1",
+    "--logging_freq",
+    "1",
+    "--seed",
+    "5",
+]
 RECIPES = ("delayed", "current", "block", "mxfp8")
 
 
@@ -63,8 +85,12 @@ def train(out: Path, *flags: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
     return subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *SMALL, f"--output_dir={out}", *flags],
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=600,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=600,
+    )
 
 
 def records(out: Path, kind: str = "train") -> list[dict]:
@@ -150,23 +176,44 @@ def test_one_seed_and_one_hf_checkpoint_give_one_step_one_loss(runs) -> None:
     assert first["te"] == pytest.approx(first["hf"], rel=2e-3)
     assert first["te_linear"] == pytest.approx(first["hf"], rel=2e-3)
     hf_dir = runs / "hf-export"
-    ok(train(runs / "hf-src", "--model_impl=hf", "--fp8=0", "--max_steps=3",
-             f"--export_hf={hf_dir}"))  # fmt: skip
+    ok(
+        train(
+            runs / "hf-src", "--model_impl=hf", "--fp8=0", "--max_steps=3", f"--export_hf={hf_dir}"
+        )
+    )
     step_one = {}
     for impl in ("hf", "te", "te_linear"):
         out = runs / f"from-hf-{impl}"
-        ok(train(out, f"--model_impl={impl}", "--fp8=0", "--max_steps=3",
-                 f"--init_from_hf={hf_dir}"))  # fmt: skip
+        ok(
+            train(
+                out, f"--model_impl={impl}", "--fp8=0", "--max_steps=3", f"--init_from_hf={hf_dir}"
+            )
+        )
         step_one[impl] = losses(out)[1]
     assert step_one["te"] == pytest.approx(step_one["hf"], rel=2e-3)
     assert step_one["te_linear"] == pytest.approx(step_one["hf"], rel=2e-3)
 
 
 BIG = [
-    "--hidden_width", "2048", "--num_layers", "4", "--num_heads", "16",
-    "--num_key_value_heads", "4", "--intermediate_size", "5632", "--max_context_width", "2048",
-    "--train_batch_size", "4", "--max_steps", "30", "--warmup", "3",
-]  # fmt: skip
+    "--hidden_width",
+    "2048",
+    "--num_layers",
+    "4",
+    "--num_heads",
+    "16",
+    "--num_key_value_heads",
+    "4",
+    "--intermediate_size",
+    "5632",
+    "--max_context_width",
+    "2048",
+    "--train_batch_size",
+    "4",
+    "--max_steps",
+    "30",
+    "--warmup",
+    "3",
+]
 
 
 @pytest.mark.parametrize("logging_freq", [1, 10])
@@ -174,8 +221,16 @@ def test_logged_speed_is_wall_clock_speed(logging_freq, runs) -> None:
     """Consecutive records' timestamps give the real rate; the logged rate must agree (5%)."""
     needs_te()
     out = runs / f"speed-{logging_freq}"
-    ok(train(out, *BIG, "--model_impl=te", "--fp8=1", f"--logging_freq={logging_freq}",
-             "--checkpoint_freq=-1"))  # fmt: skip
+    ok(
+        train(
+            out,
+            *BIG,
+            "--model_impl=te",
+            "--fp8=1",
+            f"--logging_freq={logging_freq}",
+            "--checkpoint_freq=-1",
+        )
+    )
     logged = records(out)
     assert all(r["mfu"] is None or r["mfu"] <= 100.0 for r in logged), [r["mfu"] for r in logged]
     pairs = list(zip(logged, logged[1:], strict=False))[1:-1]  # skip warm-up and the final save

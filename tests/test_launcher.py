@@ -37,9 +37,12 @@ def test_a_head_node_resolving_to_loopback_uses_its_address_towards_the_others()
     """Debian's '127.0.1.1 myhost' line: the head's own name resolves to loopback there."""
     table = {"n1": ["127.0.1.1"], "n2": ["10.0.0.6"]}
     addrs = launcher.resolve_node_addrs(
-        ["n1", "n2"], {}, "n1", resolve=lambda h: table[h],
+        ["n1", "n2"],
+        {},
+        "n1",
+        resolve=lambda h: table[h],
         source_towards=lambda peer: "10.0.0.5" if peer == "10.0.0.6" else None,
-    )  # fmt: skip
+    )
     assert addrs == {"n1": "10.0.0.5", "n2": "10.0.0.6"}
     # Unresolvable here: left to torch on the nodes (it says so if it cannot either).
     assert launcher.resolve_node_addrs(["x"], {}, "x", resolve=lambda h: []) == {"x": "x"}
@@ -56,10 +59,14 @@ def test_rendezvous_names_the_head_node_and_every_address() -> None:
 
 def node_env(**extra: str) -> dict[str, str]:
     env = {
-        "LLAMA_REPO_DIR": "/repo", "LLAMA_NNODES": "2", "SLURM_JOB_ID": "77",
-        "LLAMA_RDZV_ENDPOINT": "10.7.0.11:20077", "LLAMA_RDZV_ID": "77",
-        "LLAMA_HEAD_NODE": "node1", "LLAMA_NODE_ADDRS": "node1=10.7.0.11,node2=10.7.0.12",
-    }  # fmt: skip
+        "LLAMA_REPO_DIR": "/repo",
+        "LLAMA_NNODES": "2",
+        "SLURM_JOB_ID": "77",
+        "LLAMA_RDZV_ENDPOINT": "10.7.0.11:20077",
+        "LLAMA_RDZV_ID": "77",
+        "LLAMA_HEAD_NODE": "node1",
+        "LLAMA_NODE_ADDRS": "node1=10.7.0.11,node2=10.7.0.12",
+    }
     env.update(extra)
     return env
 
@@ -72,9 +79,13 @@ def test_torchrun_on_each_node_meets_at_the_head_address() -> None:
         node_env(SLURMD_NODENAME="node2", SLURM_NODEID="1"), ["--preset", "tiny"], 8, 96
     )
     common = [
-        "torchrun", "--nnodes=2", "--nproc_per_node=8", "--rdzv_backend=c10d",
-        "--rdzv_endpoint=10.7.0.11:20077", "--rdzv_id=77",
-    ]  # fmt: skip
+        "torchrun",
+        "--nnodes=2",
+        "--nproc_per_node=8",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=10.7.0.11:20077",
+        "--rdzv_id=77",
+    ]
     tail = ["/repo/train.py", "--preset", "tiny"]
     # The head hosts the store by name, not by torch matching its hostname to the address.
     assert head == [*common, "--rdzv_conf=is_host=1", "--local_addr=10.7.0.11", *tail]
@@ -146,18 +157,25 @@ def test_signals_reach_workers_in_their_own_session_even_before_their_handler(
     torchrun.write_text(FAKE_TORCHRUN.format(python=sys.executable, marker=marker))
     torchrun.chmod(0o755)
     env = {
-        **os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "LLAMA_REPO_DIR": str(REPO),
-        "LLAMA_NNODES": "1", "NPROC_PER_NODE": "1",
-    }  # fmt: skip
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "LLAMA_REPO_DIR": str(REPO),
+        "LLAMA_NNODES": "1",
+        "NPROC_PER_NODE": "1",
+    }
     env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
     code = (
         "import sys, launcher; launcher.RESEND_EVERY_S = 0.2; sys.exit(launcher.main(sys.argv[1:]))"
     )
     proc = subprocess.Popen(
-        [sys.executable, "-c", code, "node", "--preset", "tiny"], env=env,
-        cwd=REPO / "scripts", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [sys.executable, "-c", code, "node", "--preset", "tiny"],
+        env=env,
+        cwd=REPO / "scripts",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
-    )  # fmt: skip
+    )
     try:
         deadline = time.monotonic() + 30
         while not Path(f"{marker}.started").exists():
@@ -179,12 +197,16 @@ def test_the_node_exits_with_torchruns_status(tmp_path: Path) -> None:
     (bin_dir / "torchrun").write_text("#!/bin/sh\nexit 7\n")
     (bin_dir / "torchrun").chmod(0o755)
     env = {
-        "PATH": f"{bin_dir}:/usr/bin:/bin", "LLAMA_REPO_DIR": str(REPO),
-    }  # fmt: skip
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "LLAMA_REPO_DIR": str(REPO),
+    }
     result = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "launcher.py"), "node"], env=env,
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [sys.executable, str(REPO / "scripts" / "launcher.py"), "node"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 7, result.stdout + result.stderr
 
 

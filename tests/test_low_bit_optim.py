@@ -62,8 +62,10 @@ def test_same_groups_and_settings_and_a_first_step_like_adamw(name: str) -> None
     for got, want in zip(ours.param_groups, adamw.param_groups, strict=True):
         assert got["param_names"] == want["param_names"]
         assert (got["weight_decay"], got["betas"], got["eps"]) == (
-            want["weight_decay"], want["betas"], want["eps"]
-        )  # fmt: skip
+            want["weight_decay"],
+            want["betas"],
+            want["eps"],
+        )
         assert isinstance(got["lr"], torch.Tensor) and float(got["lr"]) == pytest.approx(1e-3)
 
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -264,9 +266,11 @@ def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             flags = [*COMMON, f"--optimizer={name}"]
             run_train(*flags, "--checkpoint_freq=3", f"--output_dir={full}", nproc=2)
             result = run_train(
-                *flags, f"--output_dir={resumed}",
-                f"--resume_from_checkpoint={full / 'checkpoints' / 'step_00000003'}", nproc=2,
-            )  # fmt: skip
+                *flags,
+                f"--output_dir={resumed}",
+                f"--resume_from_checkpoint={full / 'checkpoints' / 'step_00000003'}",
+                nproc=2,
+            )
             assert "Resumed from" in result.stdout and "at step 3" in result.stdout
     finally:
         if old is None:
@@ -332,9 +336,11 @@ def test_two_rank_checkpoint_loads_on_one_rank_with_the_same_moments(
     if name == "adamw_fp8":  # and train.py resumes from it on one rank
         out = tmp_path / "one-rank"
         result = run_train(
-            *COMMON, f"--optimizer={name}", f"--output_dir={out}",
+            *COMMON,
+            f"--optimizer={name}",
+            f"--output_dir={out}",
             f"--resume_from_checkpoint={path}",
-        )  # fmt: skip
+        )
         assert "Checkpoint written by 2 ranks, loaded on 1" in result.stdout
         assert sorted(losses(out)) == [4, 5, 6]
 
@@ -342,11 +348,19 @@ def test_two_rank_checkpoint_loads_on_one_rank_with_the_same_moments(
 def test_train_refuses_an_optimizer_change_on_resume(two_rank_runs: dict[str, Path]) -> None:
     path = two_rank_runs["root"] / "adamw8bit-full" / "checkpoints" / "step_00000003"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *COMMON, "--optimizer=adamw_fp8",
-         f"--output_dir={two_rank_runs['root'] / 'changed'}", f"--resume_from_checkpoint={path}",
-         "--validate_only"],
-        capture_output=True, text=True, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            *COMMON,
+            "--optimizer=adamw_fp8",
+            f"--output_dir={two_rank_runs['root'] / 'changed'}",
+            f"--resume_from_checkpoint={path}",
+            "--validate_only",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"train.py: error: checkpoint {path} belongs to another run: --optimizer adamw8bit -> "

@@ -492,9 +492,19 @@ def test_remaining_and_durations() -> None:
     cases = {0: "0s", 12.4: "12s", 245: "4m05s", 3720: "1h02m", 183600: "2d03h", 59.6: "1m00s"}
     assert {s: format_duration(s) for s in cases} == cases
     # Records without timing (older runs, hand-made records) keep the old detail line.
-    plain = step_metrics(step=1, loss=1, lr=1, step_seconds=1.0, data_wait_seconds=0.0,
-                         samples=1, tokens=1, world_size=1, peak_memory_bytes=0,
-                         flops_per_token=1.0, peak_tflops=None)  # fmt: skip
+    plain = step_metrics(
+        step=1,
+        loss=1,
+        lr=1,
+        step_seconds=1.0,
+        data_wait_seconds=0.0,
+        samples=1,
+        tokens=1,
+        world_size=1,
+        peak_memory_bytes=0,
+        flops_per_token=1.0,
+        peak_tflops=None,
+    )
     assert detail_line(plain).endswith("data wait: 0.0%")
 
 

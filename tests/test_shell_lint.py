@@ -27,8 +27,11 @@ def repo_files() -> list[Path]:
     """Files git would commit (tracked or new, not ignored): never the venv or run folders."""
     listed = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
-        cwd=REPO, capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return sorted({REPO / name for name in listed.split("\0") if name and (REPO / name).is_file()})
 
 
@@ -86,8 +89,10 @@ def test_shellcheck(script: Path) -> None:
     shellcheck = require_tool("shellcheck")
     result = subprocess.run(
         [shellcheck, "--external-sources", script.name],
-        cwd=script.parent, capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=script.parent,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 

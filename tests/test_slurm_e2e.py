@@ -50,9 +50,16 @@ FINAL_LOSS = re.compile(r"final train loss\s+(\d+\.\d+)")
 
 STEPS = 16  # long enough to signal mid-run, short enough for the budget
 TINY_CPU_ARGS = [
-    "--preset", "tiny", "--max_steps", str(STEPS), "--warmup", "2", "--fp8=0",
-    "--train_batch_size", "2",
-]  # fmt: skip
+    "--preset",
+    "tiny",
+    "--max_steps",
+    str(STEPS),
+    "--warmup",
+    "2",
+    "--fp8=0",
+    "--train_batch_size",
+    "2",
+]
 
 
 def skip_or_fail(reason: str) -> None:
@@ -111,9 +118,12 @@ def start_cluster(state: Path, tools: tuple[str, ...] = (), **settings: str) -> 
             skip_or_fail(f"one of {needed} is missing and there is no apt-get to install it")
         subprocess.run([str(INSTALL_DEPS)], check=True, timeout=600)
     started = subprocess.run(
-        [str(CLUSTER), "start", str(state)], capture_output=True, text=True, timeout=120,
+        [str(CLUSTER), "start", str(state)],
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, **settings},
-    )  # fmt: skip
+    )
     cluster = Cluster(state, clean_env(SLURM_CONF=str(state / "slurm.conf")))
     if started.returncode != 0:
         subprocess.run([str(CLUSTER), "stop", str(state)], timeout=60)
@@ -152,10 +162,22 @@ def submit(
     nodes with `workers` CPU workers each; output and run folders go to `tmp`."""
     env = dict(cluster.env, NPROC_PER_NODE=str(workers), RUNS_DIR=str(tmp / "runs"), **env)
     out = subprocess.run(
-        ["sbatch", "--parsable", f"--nodes={nodes}", f"--job-name={name}",
-         f"--output={tmp}/slurm-%j.out", str(SBATCH), *args],
-        cwd=REPO, env=env, capture_output=True, text=True, check=True, timeout=60,
-    ).stdout  # fmt: skip
+        [
+            "sbatch",
+            "--parsable",
+            f"--nodes={nodes}",
+            f"--job-name={name}",
+            f"--output={tmp}/slurm-%j.out",
+            str(SBATCH),
+            *args,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
     job_id = out.strip().split(";")[0]
     return Job(job_id, tmp / f"slurm-{job_id}.out", tmp / "runs" / name)
 
@@ -255,9 +277,10 @@ def test_sbatch_directives_are_accepted_by_slurm(slurm: Cluster) -> None:
     result = slurm.run("sbatch", "--test-only", "--nodes=1", str(SBATCH), check=False)
     assert result.returncode == 0, result.stderr
     directives = [
-        line.split(None, 1)[1] for line in SBATCH.read_text().splitlines()
+        line.split(None, 1)[1]
+        for line in SBATCH.read_text().splitlines()
         if line.startswith("#SBATCH ")
-    ]  # fmt: skip
+    ]
     for required in ("--ntasks-per-node=1", "--exclusive", "--output=slurm-%j.out", "--requeue"):
         assert required in directives
     signal = next(d for d in directives if d.startswith("--signal="))
@@ -278,9 +301,11 @@ GROUP = re.compile(r"(\w+) group \[([\d, ]*)\]")
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     yield from start_cluster(
-        tmp_path_factory.mktemp("slurm-two-nodes"), ("ip", "nsenter", "unshare"),
-        SLURM_CLUSTER_NODES="2", SLURM_CLUSTER_PROCTRACK="pgid",
-    )  # fmt: skip
+        tmp_path_factory.mktemp("slurm-two-nodes"),
+        ("ip", "nsenter", "unshare"),
+        SLURM_CLUSTER_NODES="2",
+        SLURM_CLUSTER_PROCTRACK="pgid",
+    )
 
 
 def node_lines(log: str) -> dict[str, tuple[str, str, str]]:
@@ -453,9 +478,13 @@ def test_bash_without_slurm_trains_here(tmp_path: Path) -> None:
     # No --warmup: the default follows --max_steps (a fixed 10 would refuse a 2-step run).
     args = ["--preset", "tiny", "--max_steps", "2", "--fp8=0", "--train_batch_size", "2"]
     result = subprocess.run(
-        ["bash", str(SBATCH), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+        ["bash", str(SBATCH), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=600,
-    )  # fmt: skip
+    )
     log = result.stdout + result.stderr
     assert result.returncode == 0, log
     assert "no Slurm job: running torchrun" in log
@@ -467,9 +496,13 @@ def test_bad_arguments_through_the_launcher_give_one_line(tmp_path: Path) -> Non
     """train.py's own check, once, before torchrun: no traceback, no empty run folder."""
     env = clean_env(RUNS_DIR=str(tmp_path / "runs"), RUN_NAME="bad", NPROC_PER_NODE="2")
     result = subprocess.run(
-        ["bash", str(SBATCH), "--preset", "tiny", "--lr", "inf"], cwd=tmp_path, env=env,
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        ["bash", str(SBATCH), "--preset", "tiny", "--lr", "inf"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.strip().splitlines() == [
         "train.py: error: --lr must be a finite number > 0, got inf"
@@ -494,8 +527,17 @@ def test_usr1_to_the_local_launcher_checkpoints_and_leaves_no_worker(tmp_path: P
     """`kill -USR1` of `bash 1.train_llama.sbatch` used to kill torchrun and orphan the
     workers; now the launcher forwards it, the workers save and exit, and it exits 0."""
     env = clean_env(RUNS_DIR=str(tmp_path / "runs"), RUN_NAME="usr1", NPROC_PER_NODE="2")
-    args = ["--preset", "tiny", "--max_steps", "1000", "--fp8=0", "--train_batch_size", "2",
-            "--max_context_width", "64"]  # fmt: skip
+    args = [
+        "--preset",
+        "tiny",
+        "--max_steps",
+        "1000",
+        "--fp8=0",
+        "--train_batch_size",
+        "2",
+        "--max_context_width",
+        "64",
+    ]
     status, log = signal_after(["bash", str(SBATCH), *args], signal.SIGUSR1, cwd=tmp_path, env=env)
     assert status == 0, log
     assert "USR1 received" in log
@@ -579,11 +621,15 @@ class Fakes:
 
     def env(self, **extra: str) -> dict[str, str]:
         base = {
-            "PATH": f"{self.bin_dir}:/usr/bin:/bin", "HOME": str(self.bin_dir.parent),
-            "VENV": str(self.venv), "RECORD": str(self.record),
-            "SRUN_RECORD": str(self.srun_record), "FAKE_COMMAND": str(SBATCH),
-            "CONTAINER_BIN": str(self.venv / "bin"), "VALIDATE_RECORD": str(self.validations),
-        }  # fmt: skip
+            "PATH": f"{self.bin_dir}:/usr/bin:/bin",
+            "HOME": str(self.bin_dir.parent),
+            "VENV": str(self.venv),
+            "RECORD": str(self.record),
+            "SRUN_RECORD": str(self.srun_record),
+            "FAKE_COMMAND": str(SBATCH),
+            "CONTAINER_BIN": str(self.venv / "bin"),
+            "VALIDATE_RECORD": str(self.validations),
+        }
         base.update(extra)
         return base
 
@@ -619,16 +665,23 @@ def fakes(tmp_path: Path) -> Fakes:
         bin_dir / "nvidia-smi", "#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n"
     )
     return Fakes(
-        bin_dir, venv, tmp_path / "torchrun.jsonl", tmp_path / "srun.txt",
+        bin_dir,
+        venv,
+        tmp_path / "torchrun.jsonl",
+        tmp_path / "srun.txt",
         tmp_path / "validate.txt",
-    )  # fmt: skip
+    )
 
 
 def run_script(env: dict[str, str], *args: str, cwd: Path | None = None):
     return subprocess.run(
-        ["bash", str(SBATCH), *args], env=env, cwd=cwd or REPO, capture_output=True, text=True,
+        ["bash", str(SBATCH), *args],
+        env=env,
+        cwd=cwd or REPO,
+        capture_output=True,
+        text=True,
         timeout=60,
-    )  # fmt: skip
+    )
 
 
 def run_finished(checkpoint_dir: Path) -> int:
@@ -636,7 +689,7 @@ def run_finished(checkpoint_dir: Path) -> int:
     return subprocess.run(
         ["python3", str(REPO / "scripts" / "launcher.py"), "finished", str(checkpoint_dir)],
         timeout=30,
-    ).returncode  # fmt: skip
+    ).returncode
 
 
 def test_only_an_unfinished_run_counts_as_requeueable(tmp_path: Path) -> None:
@@ -672,10 +725,19 @@ def test_local_run_passes_arguments_through_after_the_defaults(
     assert argv[:4] == ["--nnodes=1", "--nproc_per_node=2", "--standalone", str(REPO / "train.py")]
     assert argv[4:] == [
         # upstream defaults first, so the user's win
-        "--preset", "llama2-7b", "--fp8=1", "--checkpoint_freq", "500",
-        "--output_dir", str(run_dir), "--checkpoint_dir", f"{run_dir}/checkpoints",
-        "--resume_from_checkpoint", "auto", *user_args,
-    ]  # fmt: skip
+        "--preset",
+        "llama2-7b",
+        "--fp8=1",
+        "--checkpoint_freq",
+        "500",
+        "--output_dir",
+        str(run_dir),
+        "--checkpoint_dir",
+        f"{run_dir}/checkpoints",
+        "--resume_from_checkpoint",
+        "auto",
+        *user_args,
+    ]
     assert call["cwd"] == str(REPO)  # relative paths mean the same as in the container
     assert int(call["omp"]) == max(1, (os.cpu_count() or 1) // 2)
     # The launcher forwards USR1/TERM/INT to the workers; torchrun must not act on them.
@@ -742,10 +804,15 @@ def test_a_refused_slurm_job_exits_2_without_requeue_or_empty_folders(
 def slurm_job_env(fakes: Fakes, tmp_path: Path, **extra: str) -> dict[str, str]:
     """What sbatch gives the batch shell of a 2-node job with 8 GPUs per node."""
     return fakes.env(
-        SLURM_JOB_ID="4242", SLURM_JOB_NAME="llama3-fp8", SLURM_JOB_NUM_NODES="2",
-        SLURM_JOB_NODELIST="gpu-node-[1-2]", SLURMD_NODENAME="gpu-node-1", SLURM_GPUS_ON_NODE="8",
-        RUNS_DIR=str(tmp_path / "runs"), **extra,
-    )  # fmt: skip
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NAME="llama3-fp8",
+        SLURM_JOB_NUM_NODES="2",
+        SLURM_JOB_NODELIST="gpu-node-[1-2]",
+        SLURMD_NODENAME="gpu-node-1",
+        SLURM_GPUS_ON_NODE="8",
+        RUNS_DIR=str(tmp_path / "runs"),
+        **extra,
+    )
 
 
 def test_slurm_job_runs_torchrun_per_node_in_the_pyxis_container(
@@ -754,9 +821,13 @@ def test_slurm_job_runs_torchrun_per_node_in_the_pyxis_container(
     image = tmp_path / "transformer-engine.sqsh"
     image.touch()
     env = slurm_job_env(
-        fakes, tmp_path, FAKE_PYXIS="1", IMAGE=str(image), DATA_PATH="/fsx/data",
+        fakes,
+        tmp_path,
+        FAKE_PYXIS="1",
+        IMAGE=str(image),
+        DATA_PATH="/fsx/data",
         EXTRA_MOUNTS="/fsx/hf:/root/.cache/huggingface",
-    )  # fmt: skip
+    )
     result = run_script(env, "--preset", "llama3-8b", "--checkpoint_dir", "/fsx/ckpt/llama3")
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"container: {image} (Pyxis)" in result.stdout
@@ -784,10 +855,14 @@ def test_slurm_job_runs_torchrun_per_node_in_the_pyxis_container(
     # The store on the first node, reached by its NodeAddr (a node name need not resolve);
     # this node (the first) hosts it; the workers' process group meets at an address too.
     assert argv[:7] == [
-        "--nnodes=2", "--nproc_per_node=8", "--rdzv_backend=c10d",
-        f"--rdzv_endpoint=10.1.0.11:{20000 + 4242 % 20000}", "--rdzv_id=4242",
-        "--rdzv_conf=is_host=1", "--local_addr=10.1.0.11",
-    ]  # fmt: skip
+        "--nnodes=2",
+        "--nproc_per_node=8",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=10.1.0.11:{20000 + 4242 % 20000}",
+        "--rdzv_id=4242",
+        "--rdzv_conf=is_host=1",
+        "--local_addr=10.1.0.11",
+    ]
     assert argv[-4:] == ["--preset", "llama3-8b", "--checkpoint_dir", "/fsx/ckpt/llama3"]
     # The launcher passes USR1/TERM/INT on to the workers; torchrun must not act on them.
     assert call["ignores_usr1"] and call["ignores_term"] and call["ignores_int"]

@@ -38,8 +38,18 @@ def read_staged(folder: Path, pattern: str) -> list[str]:
 def test_staged_data_trains_offline(tmp_path: Path) -> None:
     source = make_source(tmp_path)
     out = tmp_path / "stage"
-    argv = ["--out", str(out), "--dataset", str(source), "--documents", "500", "--shards", "4",
-            "--tokenizer", str(ROOT / "data" / "tokenizer")]  # fmt: skip
+    argv = [
+        "--out",
+        str(out),
+        "--dataset",
+        str(source),
+        "--documents",
+        "500",
+        "--shards",
+        "4",
+        "--tokenizer",
+        str(ROOT / "data" / "tokenizer"),
+    ]
     assert stage_data.main(argv) == 0
     staged = out / "source"
     train_files = sorted(staged.glob("train-*.jsonl.gz"))
@@ -53,13 +63,33 @@ def test_staged_data_trains_offline(tmp_path: Path) -> None:
 
     run = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), "--preset", "tiny", "--max_steps", "3",
-         "--warmup", "1", "--train_batch_size", "2", "--max_context_width", "128",
-         "--validation_batches", "1", "--checkpoint_freq", "-1", f"--tokenizer={tokenizer}",
-         f"--dataset={staged}", f"--output_dir={run}"],
-        capture_output=True, text=True, cwd=ROOT, timeout=600,
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "--preset",
+            "tiny",
+            "--max_steps",
+            "3",
+            "--warmup",
+            "1",
+            "--train_batch_size",
+            "2",
+            "--max_context_width",
+            "128",
+            "--validation_batches",
+            "1",
+            "--checkpoint_freq",
+            "-1",
+            f"--tokenizer={tokenizer}",
+            f"--dataset={staged}",
+            f"--output_dir={run}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
         env={**os.environ, **OFFLINE, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("kind") == "val" for r in records)  # the staged validation file is read
@@ -68,8 +98,11 @@ def test_staged_data_trains_offline(tmp_path: Path) -> None:
     # Staging again into the same place would mix two stagings: refused in one line.
     again = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "stage_data.py"), *argv],
-        capture_output=True, text=True, cwd=ROOT, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert again.returncode == 2
     assert (
         again.stderr.strip().count("\n") == 0 and "already holds a staged dataset" in again.stderr

@@ -561,10 +561,16 @@ def test_gpu_matrix_rows_are_train_py_commands_and_the_table_shows_ratios(tmp_pa
     )
     assert "--num_layers must be > 0" in bench.failure_note(torchrun)
     records = [
-        {"kind": "train", "step": s, "tokens": 1000, "time": 10.0 + s, "step_seconds": 1.0,
-         "tokens_per_sec_per_device": 500.0}
+        {
+            "kind": "train",
+            "step": s,
+            "tokens": 1000,
+            "time": 10.0 + s,
+            "step_seconds": 1.0,
+            "tokens_per_sec_per_device": 500.0,
+        }
         for s in range(1, 11)
-    ]  # fmt: skip
+    ]
     assert bench.wall_clock_rate(records, warmup_steps=5) == pytest.approx(500.0)  # 2 devices
 
 
@@ -597,9 +603,15 @@ def test_fp8_weights_is_refused_for_training_and_allowed_for_inference(te_double
     from model_utils.arguments import UsageError
 
     shape = dict(
-        train_batch_size=2, val_batch_size=2, max_context_width=256, hidden_width=128,
-        intermediate_size=256, num_heads=4, num_key_value_heads=2, checkpoint_dir="unused",
-    )  # fmt: skip
+        train_batch_size=2,
+        val_batch_size=2,
+        max_context_width=256,
+        hidden_width=128,
+        intermediate_size=256,
+        num_heads=4,
+        num_key_value_heads=2,
+        checkpoint_dir="unused",
+    )
     args = backend_args(fp8=True, fp8_weights=True, **shape)
     with pytest.raises(UsageError, match="master weights .* FusedAdam"):
         te_precision.check_requirements(args)

@@ -36,18 +36,38 @@ def flags_text(events: EventAccumulator) -> str:
 
 
 def test_scalars_are_every_number_of_a_record_by_kind() -> None:
-    train = {"kind": "train", "step": 3, "time": 1.0, "loss": 2.5, "mfu": None, "samples": 8,
-             "mfu_basis": "n/a", "remaining_seconds": None, "elapsed_seconds": 4.0}  # fmt: skip
-    assert scalars(train) == [("train/loss", 2.5), ("train/samples", 8.0),
-                              ("train/elapsed_seconds", 4.0)]  # fmt: skip
+    train = {
+        "kind": "train",
+        "step": 3,
+        "time": 1.0,
+        "loss": 2.5,
+        "mfu": None,
+        "samples": 8,
+        "mfu_basis": "n/a",
+        "remaining_seconds": None,
+        "elapsed_seconds": 4.0,
+    }
+    assert scalars(train) == [
+        ("train/loss", 2.5),
+        ("train/samples", 8.0),
+        ("train/elapsed_seconds", 4.0),
+    ]
     val = metrics.validation_record(step=3, val_loss=2.0, batches=2, seconds=0.5)
-    assert scalars(val) == [("val/val_loss", 2.0), ("val/val_batches", 2.0),
-                            ("val/val_seconds", 0.5)]  # fmt: skip
+    assert scalars(val) == [
+        ("val/val_loss", 2.0),
+        ("val/val_batches", 2.0),
+        ("val/val_seconds", 0.5),
+    ]
     assert scalars({"kind": "run", "step": 0, "world_size": 2}) == []
     table = flags_markdown({"flags": {"fp8": True, "fp8_recipe": "a|b"}, "world_size": 2})
-    assert table.splitlines() == ["| flag | value |", "|---|---|", "| fp8 | True |",
-                                  "| fp8_recipe | a/b |", "| world_size | 2 |",
-                                  "| samples_per_step | None |"]  # fmt: skip
+    assert table.splitlines() == [
+        "| flag | value |",
+        "|---|---|",
+        "| fp8 | True |",
+        "| fp8_recipe | a/b |",
+        "| world_size | 2 |",
+        "| samples_per_step | None |",
+    ]
 
 
 def test_writer_round_trip_and_resume_purges_the_rerun_steps(tmp_path: Path) -> None:
@@ -89,12 +109,26 @@ def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        f"--master_port={port}", str(ROOT / "train.py"), "--preset", "tiny",
-        "--train_batch_size", "2", "--max_context_width", "64", "--max_steps=12", "--warmup=2",
-        "--logging_freq=2", "--validation_freq=6", "--validation_batches=1", "--tensorboard",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={port}",
+        str(ROOT / "train.py"),
+        "--preset",
+        "tiny",
+        "--train_batch_size",
+        "2",
+        "--max_context_width",
+        "64",
+        "--max_steps=12",
+        "--warmup=2",
+        "--logging_freq=2",
+        "--validation_freq=6",
+        "--validation_batches=1",
+        "--tensorboard",
         f"--output_dir={out}",
-    ]  # fmt: skip
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -113,8 +147,16 @@ def test_train_writes_every_logged_metric_from_rank_0(two_rank_run: tuple[Path, 
         12,
     ]
     events = read_events(out / "tensorboard")
-    keys = ("loss", "lr", "samples_per_sec", "tokens_per_sec_per_device", "tflops_per_device",
-            "peak_mem_gib", "data_wait_pct", "elapsed_seconds")  # fmt: skip
+    keys = (
+        "loss",
+        "lr",
+        "samples_per_sec",
+        "tokens_per_sec_per_device",
+        "tflops_per_device",
+        "peak_mem_gib",
+        "data_wait_pct",
+        "elapsed_seconds",
+    )
     for key in keys:
         want = {r["step"]: r[key] for r in train}
         assert series(events, f"train/{key}") == pytest.approx(want, rel=1e-6), key

@@ -26,9 +26,14 @@ def train_cmd(*argv: str, nproc: int = 1) -> list[str]:
     if nproc == 1:
         return [sys.executable, str(ROOT / "train.py"), *argv]
     return [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        f"--master_port={free_port()}", str(ROOT / "train.py"), *argv,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}",
+        str(ROOT / "train.py"),
+        *argv,
+    ]
 
 
 def free_port() -> int:
@@ -45,9 +50,13 @@ def train_env(nproc: int = 1) -> dict[str, str]:
 
 def run_train(*argv: str, nproc: int = 1, timeout: int = 900) -> subprocess.CompletedProcess:
     result = subprocess.run(
-        train_cmd(*argv, nproc=nproc), capture_output=True, text=True, timeout=timeout,
-        env=train_env(nproc), cwd=ROOT,
-    )  # fmt: skip
+        train_cmd(*argv, nproc=nproc),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=train_env(nproc),
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
@@ -83,8 +92,9 @@ def test_fp8_emulated_ends_within_2_percent_of_bf16(tmp_path):
     finals = {}
     for fp8 in (0, 1):
         out = tmp_path / f"fp8_{fp8}"
-        run_train(*FAST, "--max_steps=100", f"--fp8={fp8}", "--logging_freq=10",
-                  f"--output_dir={out}")  # fmt: skip
+        run_train(
+            *FAST, "--max_steps=100", f"--fp8={fp8}", "--logging_freq=10", f"--output_dir={out}"
+        )
         finals[fp8] = records(out)[-1]["loss"]
         assert records(out)[-1]["step"] == 100
     bf16, fp8 = finals[0], finals[1]
@@ -118,9 +128,12 @@ def test_preemption_signal_checkpoints_and_auto_resume_finishes_the_same(tmp_pat
     out = tmp_path / "preempted"
     argv = [*common, f"--output_dir={out}", "--resume_from_checkpoint=auto"]
     proc = subprocess.Popen(
-        train_cmd(*argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        train_cmd(*argv),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env=train_env(),
-    )  # fmt: skip
+    )
     seen = []
     for line in proc.stdout:
         seen.append(line)
@@ -220,11 +233,31 @@ def test_compile_trains_like_eager(tmp_path):
 
 # ~66M parameters and tiny activations: gradients dominate what a rank holds.
 GRADIENT_HEAVY = [
-    "--hidden_width", "512", "--num_layers", "8", "--num_heads", "8", "--num_key_value_heads",
-    "8", "--intermediate_size", "2048", "--vocab_size", "32000", "--max_context_width", "32",
-    "--train_batch_size", "1", "--validation_batches", "1", "--checkpoint_freq", "-1",
-    "--max_steps", "3", "--warmup", "1",
-]  # fmt: skip
+    "--hidden_width",
+    "512",
+    "--num_layers",
+    "8",
+    "--num_heads",
+    "8",
+    "--num_key_value_heads",
+    "8",
+    "--intermediate_size",
+    "2048",
+    "--vocab_size",
+    "32000",
+    "--max_context_width",
+    "32",
+    "--train_batch_size",
+    "1",
+    "--validation_batches",
+    "1",
+    "--checkpoint_freq",
+    "-1",
+    "--max_steps",
+    "3",
+    "--warmup",
+    "1",
+]
 
 
 @pytest.mark.slow
@@ -270,7 +303,13 @@ def test_fsdp_units_are_torchtitans():
 
 def test_grad_accumulation_counts_the_global_batch(tmp_path):
     out = tmp_path / "accum"
-    run_train(*FAST, "--max_steps=2", "--warmup=1", "--grad_accum_steps=2",
-              "--validation_batches=1", f"--output_dir={out}")  # fmt: skip
+    run_train(
+        *FAST,
+        "--max_steps=2",
+        "--warmup=1",
+        "--grad_accum_steps=2",
+        "--validation_batches=1",
+        f"--output_dir={out}",
+    )
     rec = records(out)[-1]
     assert rec["samples"] == 4 * 2  # micro-batch x accumulation x world size 1

@@ -25,10 +25,21 @@ from model_utils import arguments, distributed, precision  # noqa: E402
 
 # A Llama small enough for milliseconds per step whose linears all qualify for FP8 (dims % 16).
 TINY_SHAPE = [
-    "--hidden_width", "64", "--num_layers", "2", "--num_heads", "4",
-    "--num_key_value_heads", "2", "--intermediate_size", "128", "--vocab_size", "256",
-    "--max_context_width", "32",
-]  # fmt: skip
+    "--hidden_width",
+    "64",
+    "--num_layers",
+    "2",
+    "--num_heads",
+    "4",
+    "--num_key_value_heads",
+    "2",
+    "--intermediate_size",
+    "128",
+    "--vocab_size",
+    "256",
+    "--max_context_width",
+    "32",
+]
 
 
 def parse_product_args(extra: list[str]) -> argparse.Namespace:

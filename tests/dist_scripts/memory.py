@@ -21,10 +21,21 @@ import torch.distributed as dist
 
 # ~335M parameters, 1.34 GB in fp32: large enough that a full copy per rank cannot hide.
 LARGE_SHAPE = [
-    "--hidden_width", "1024", "--num_layers", "16", "--num_heads", "16",
-    "--num_key_value_heads", "16", "--intermediate_size", "4096", "--vocab_size", "32000",
-    "--max_context_width", "256",
-]  # fmt: skip
+    "--hidden_width",
+    "1024",
+    "--num_layers",
+    "16",
+    "--num_heads",
+    "16",
+    "--num_key_value_heads",
+    "16",
+    "--intermediate_size",
+    "4096",
+    "--vocab_size",
+    "32000",
+    "--max_context_width",
+    "256",
+]
 
 
 def main() -> None:

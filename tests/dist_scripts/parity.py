@@ -78,7 +78,7 @@ class CollectiveRecorder:
         self._originals: dict[str, Callable] = {}
 
     def _wrap(self, name: str, fn: Callable) -> Callable:
-        def wrapped(output_tensor, input_tensor, *args, **kwargs):  # noqa: ANN001, ANN202
+        def wrapped(output_tensor, input_tensor, *args, **kwargs):
             depth = getattr(self._depth, "n", 0)
             if self.enabled and depth == 0:
                 self.calls.append(
@@ -119,7 +119,7 @@ class Float8Evidence:
         evidence = self
 
         # Same signature as torchao's: FSDP2 inspects it to decide how to call the hook.
-        def pre_all_gather(self, mesh):  # noqa: ANN001, ANN202
+        def pre_all_gather(self, mesh):
             outputs, metadata = original_pre(self, mesh)
             if evidence.enabled:
                 for t in outputs:
@@ -161,7 +161,7 @@ def global_grad_norm(model: nn.Module) -> float:
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
-def binding_clip(model: nn.Module, backend, args, world) -> dict[str, float]:  # noqa: ANN001
+def binding_clip(model: nn.Module, backend, args, world) -> dict[str, float]:
     """One more backward on the first batch, then train.py's clip with a limit that binds (half
     the norm): the global norm afterwards must be the limit on every world size, which fails if
     a rank scaled its shards by a coefficient from its local norm only."""
@@ -190,7 +190,7 @@ def run_mode(
     mode: str,
     hybrid: bool,
     accum: int,
-    world,  # noqa: ANN001
+    world,
     device: torch.device,
     out_dir: Path,
     recorder: CollectiveRecorder,
@@ -198,10 +198,25 @@ def run_mode(
 ) -> dict[str, Any]:
     strategy = "hybrid" if hybrid else "full"
     args = common.parse_product_args(
-        [*common.TINY_SHAPE, *MODES[mode], "--sharding_strategy", strategy, "--seed", "7",
-         "--lr", "0.01", "--warmup", "2", "--max_steps", str(STEPS), "--output_dir", str(out_dir),
-         "--grad_clip", GRAD_CLIP]
-    )  # fmt: skip
+        [
+            *common.TINY_SHAPE,
+            *MODES[mode],
+            "--sharding_strategy",
+            strategy,
+            "--seed",
+            "7",
+            "--lr",
+            "0.01",
+            "--warmup",
+            "2",
+            "--max_steps",
+            str(STEPS),
+            "--output_dir",
+            str(out_dir),
+            "--grad_clip",
+            GRAD_CLIP,
+        ]
+    )
     torch.manual_seed(args.seed)
     model, backend, mesh = common.build_sharded(args, world, device)
     init = common.full_parameters(model)

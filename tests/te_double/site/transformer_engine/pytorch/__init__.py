@@ -262,14 +262,14 @@ class _Fp8Gemm(torch.autograd.Function):
     """``y = q(x) @ q(w).T``; backward quantizes the incoming gradient (E5M2 under HYBRID)."""
 
     @staticmethod
-    def forward(ctx, x, weight, weight_q, module, index):  # noqa: D102
+    def forward(ctx, x, weight, weight_q, module, index):
         x_q = module._quantize(x, index, role="input")
         ctx.save_for_backward(x_q, weight_q)
         ctx.module, ctx.index, ctx.weight_dtype = module, index, weight.dtype
         return x_q @ weight_q.t()
 
     @staticmethod
-    def backward(ctx, grad_out):  # noqa: D102
+    def backward(ctx, grad_out):
         x_q, weight_q = ctx.saved_tensors
         g_q = ctx.module._quantize(grad_out, ctx.index, role="grad")
         grad_x = g_q @ weight_q
