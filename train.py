@@ -232,7 +232,7 @@ def train(
         print(distributed.describe_rank(world, mesh), flush=True)
     backend = precision.build_backend(args, device, dp_group=dist.group.WORLD)
 
-    stream, val_batches = build_data(args, tokenizer, world)  # data problems before the model
+    stream, val_batches = data.build_data(args, tokenizer, world)  # bad data before the model
     model = build_model(args, mesh, device, backend)
     check_outputs(args, world, device, model)  # before any training time is spent
 
@@ -317,7 +317,7 @@ def train(
                     ckpt.save(state.step, state)
             if stop:
                 path = ckpt.save(state.step, state, block=True)
-                raise_read_failure(reads.failure, world, state.step, path)
+                data.raise_read_failure(reads.failure, world, state.step, path)
                 log.info("Preemption signal received: checkpoint saved at step %d", state.step)
                 return
 
@@ -372,60 +372,6 @@ def check_step(guard, ckpt, step: int, model, stop_requested: bool, saving: bool
         ckpt.close()
         raise guards.Diverged(bad_step, ckpt.latest())
     return stop
-
-
-def build_data(args: argparse.Namespace, tokenizer, world) -> tuple[data.TrainStream, list]:
-    """This rank's training stream and validation batches. Each rank reads its own shard, so a
-    data problem may show on one rank only: every rank learns it (all_gather) and all raise
-    data.DataError with its one line."""
-    stream = val_batches = problem = None
-    try:
-        stream = data.TrainStream(
-            args.dataset,
-            tokenizer,
-            args.max_context_width,
-            args.train_batch_size,
-            config_name=args.dataset_config_name,
-            text_column=args.text_column,
-            rank=world.rank,
-            world_size=world.world_size,
-            seed=args.seed,
-        )
-        val_batches = data.validation_batches(
-            args.dataset,
-            tokenizer,
-            args.max_context_width,
-            args.val_batch_size,
-            args.validation_batches,
-            config_name=args.dataset_config_name,
-            text_column=args.text_column,
-            rank=world.rank,
-            world_size=world.world_size,
-        )
-    except (ValueError, OSError) as exc:  # DataError, a bad byte (UnicodeDecodeError), ...
-        problem = data.read_error_message(
-            exc, args.dataset, args.text_column, world.rank, "at start-up"
-        )
-    found: list[str | None] = [None] * world.world_size
-    dist.all_gather_object(found, problem)
-    first = next((p for p in found if p), None)
-    if first:
-        raise data.DataError(first)
-    return stream, val_batches
-
-
-def raise_read_failure(failure: str | None, world, step: int, path) -> None:
-    """After the stop's checkpoint: if any rank met bad data mid-run, data.DataError (every
-    rank, with that rank's line) saying what was saved; the caller exits 2."""
-    found: list[str | None] = [None] * world.world_size
-    dist.all_gather_object(found, failure)
-    first = next((f for f in found if f), None)
-    if first:
-        raise data.DataError(
-            f"{first}; checkpoint saved at step {step} ({path}; the steps since the bad read "
-            "went on without that rank's batches): fix or remove the file, then resume with "
-            "--resume_from_checkpoint auto"
-        )
 
 
 def check_outputs(args: argparse.Namespace, world, device, model) -> None:

@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from torch.utils.data import IterableDataset as TorchIterable  # noqa: E402
 
 from model_utils import data  # noqa: E402
+from model_utils.arguments import BUNDLED_DATASET, BUNDLED_TOKENIZER  # noqa: E402
 
 Batches = Iterator[dict[str, torch.Tensor]]
 
@@ -46,7 +47,7 @@ Batches = Iterator[dict[str, torch.Tensor]]
 def _hf_stream(seed: int):
     from datasets import load_dataset
 
-    ds = load_dataset("json", data_files=data.DEFAULT_DATASET, split="train", streaming=True)
+    ds = load_dataset("json", data_files=BUNDLED_DATASET, split="train", streaming=True)
     return ds.shuffle(seed=seed)  # as the upstream recipe: shuffle buffer of 1000 documents
 
 
@@ -67,14 +68,14 @@ class PerExampleConcat(TorchIterable):
 
 
 def per_example(seq_len: int, micro_batch: int) -> Batches:
-    tokenizer = data.load_tokenizer(data.DEFAULT_TOKENIZER)
+    tokenizer = data.load_tokenizer(BUNDLED_TOKENIZER)
     windows = PerExampleConcat(_hf_stream(seed=42), tokenizer, seq_len)
     for input_ids in DataLoader(windows, batch_size=micro_batch, num_workers=0):
         yield {"input_ids": input_ids, "labels": input_ids.clone()}
 
 
 def map_group(seq_len: int, micro_batch: int) -> Batches:
-    tokenizer = data.load_tokenizer(data.DEFAULT_TOKENIZER)
+    tokenizer = data.load_tokenizer(BUNDLED_TOKENIZER)
     eos = tokenizer.eos_token_id
 
     def tokenize(batch: dict) -> dict:
@@ -94,8 +95,8 @@ def map_group(seq_len: int, micro_batch: int) -> Batches:
 
 
 def ours(seq_len: int, micro_batch: int) -> Batches:
-    tokenizer = data.load_tokenizer(data.DEFAULT_TOKENIZER)
-    yield from data.TrainStream(data.DEFAULT_DATASET, tokenizer, seq_len, micro_batch, seed=42)
+    tokenizer = data.load_tokenizer(BUNDLED_TOKENIZER)
+    yield from data.TrainStream(BUNDLED_DATASET, tokenizer, seq_len, micro_batch, seed=42)
 
 
 PIPELINES: dict[str, Callable[[int, int], Batches]] = {
@@ -125,13 +126,13 @@ def measure(
 
 def resume_cost(seq_len: int, micro_batch: int, skip: int) -> tuple[float, float]:
     """Seconds to the batch after `skip` batches: restoring our state vs replaying upstream."""
-    tokenizer = data.load_tokenizer(data.DEFAULT_TOKENIZER)
-    stream = data.TrainStream(data.DEFAULT_DATASET, tokenizer, seq_len, micro_batch, seed=42)
+    tokenizer = data.load_tokenizer(BUNDLED_TOKENIZER)
+    stream = data.TrainStream(BUNDLED_DATASET, tokenizer, seq_len, micro_batch, seed=42)
     for _ in range(skip):
         next(stream)
     state = stream.state_dict()
     start = time.perf_counter()
-    resumed = data.TrainStream(data.DEFAULT_DATASET, tokenizer, seq_len, micro_batch, seed=42)
+    resumed = data.TrainStream(BUNDLED_DATASET, tokenizer, seq_len, micro_batch, seed=42)
     resumed.load_state_dict(state)
     next(resumed)
     restore = time.perf_counter() - start
@@ -146,7 +147,7 @@ def _warm_up_imports() -> None:
     """Import and touch the libraries once so that no pipeline's timing pays for it."""
     import datasets  # noqa: F401
 
-    tokenizer = data.load_tokenizer(data.DEFAULT_TOKENIZER)
+    tokenizer = data.load_tokenizer(BUNDLED_TOKENIZER)
     data.encode_documents(tokenizer, ["warm up"])
     next(iter(_hf_stream(seed=0)))
 
@@ -213,7 +214,7 @@ def main() -> None:
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     print(f"$ {' '.join([Path(sys.executable).name, *sys.argv])}")
     print(
-        f"corpus {Path(data.DEFAULT_DATASET).name}, micro_batch {args.micro_batch} x seq_len "
+        f"corpus {Path(BUNDLED_DATASET).name}, micro_batch {args.micro_batch} x seq_len "
         f"{args.seq_len}, {args.tokens:,} tokens per run, {args.repeats} interleaved runs; "
         f"{os.cpu_count()} CPUs, load average {load}"
     )

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Data defaults live here (not in data.py) so parsing flags never imports the data stack. They are
-# absolute so the recipe runs from any working directory (Slurm jobs often start elsewhere).
+# The bundled data's one source. It lives here (not in model_utils/data) so parsing flags never
+# imports the data stack. The paths are absolute so the recipe runs from any working directory
+# (Slurm jobs often start elsewhere).
 _DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 BUNDLED_DATASET = str(_DATA_DIR / "kjv.jsonl.gz")
 BUNDLED_TOKENIZER = str(_DATA_DIR / "tokenizer")

@@ -218,6 +218,15 @@ def all_ranks_agree(flag: bool, device: torch.device) -> bool:
     return bool(t.item())
 
 
+def first_problem(problem: str | None, world_size: int) -> str | None:
+    """The lowest rank's problem line, or None, on every rank: a check that each rank makes
+    on its own (its data shard, its checkpoint mount) must stop all ranks with the same line,
+    or the healthy ones would wait in the next collective forever."""
+    found: list[str | None] = [None] * world_size
+    dist.all_gather_object(found, problem)
+    return next((p for p in found if p), None)
+
+
 def cleanup() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -85,8 +85,8 @@ def write_shard(path: Path, texts: Iterator[str], text_column: str) -> int:
 
 def stage_dataset(args: argparse.Namespace, target: Path) -> tuple[int, int]:
     """(training, validation) documents written under ``target``."""
-    source = data._open(args.dataset, args.dataset_config_name)
-    texts = data._texts(iter(source.train), args.text_column, source)
+    source = data.open_source(args.dataset, args.dataset_config_name)
+    texts = data.document_texts(iter(source.train), args.text_column, source)
     per_shard = -(-args.documents // args.shards)
     written = 0
     for index in range(args.shards):
@@ -97,7 +97,7 @@ def stage_dataset(args: argparse.Namespace, target: Path) -> tuple[int, int]:
         written += write_shard(target / name, iter(chunk), args.text_column)
     validation = 0
     if source.validation is not None:
-        val_texts = data._texts(iter(source.validation), args.text_column, source)
+        val_texts = data.document_texts(iter(source.validation), args.text_column, source)
         wanted = max(1, int(args.documents * VALIDATION_SHARE))
         validation = write_shard(
             target / "validation-00000.jsonl.gz", islice(val_texts, wanted), args.text_column

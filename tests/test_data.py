@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from model_utils import data
+from model_utils.arguments import BUNDLED_DATASET, BUNDLED_TOKENIZER
 
 SEQ_LEN = 32
 MICRO_BATCH = 2
@@ -28,13 +29,13 @@ SMALL = {"block_docs": 48, "tokenize_batch": 8}  # several blocks and tokenizer 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return data.load_tokenizer(data.DEFAULT_TOKENIZER)
+    return data.load_tokenizer(BUNDLED_TOKENIZER)
 
 
 @pytest.fixture(scope="module")
 def documents() -> list[str]:
     """240 distinct short documents (the first lines of KJV chapters) and two empty ones."""
-    with gzip.open(data.DEFAULT_DATASET, "rt") as f:
+    with gzip.open(BUNDLED_DATASET, "rt") as f:
         chapters = [json.loads(line)["text"] for line in f][:240]
     docs = ["\n".join(text.splitlines()[:3]) for text in chapters]
     assert len(set(docs)) == len(docs)
@@ -187,7 +188,7 @@ def test_resume_yields_the_uninterrupted_batches_without_retokenising(
         tokenized.append(len(texts))
         return real_encode(tok, texts)
 
-    monkeypatch.setattr(data, "encode_documents", counting_encode)
+    monkeypatch.setattr(data.stream, "encode_documents", counting_encode)
     epoch_start = next(i for i, s in enumerate(states) if s["rank0"]["epoch"] == 1)
     block_start = next(i for i, s in enumerate(states) if s["rank0"]["block"] == 2)
     for k in (0, 1, 57, block_start, block_start + 1, epoch_start, epoch_start + 3, total - 40):
@@ -263,10 +264,10 @@ def test_state_names_a_local_dataset_independently_of_its_path(corpus, tokenizer
 def test_documents_are_never_truncated_even_if_the_tokenizer_file_says_so(tmp_path, tokenizer):
     from tokenizers import Tokenizer
 
-    backend = Tokenizer.from_file(str(Path(data.DEFAULT_TOKENIZER) / "tokenizer.json"))
+    backend = Tokenizer.from_file(str(Path(BUNDLED_TOKENIZER) / "tokenizer.json"))
     backend.enable_truncation(max_length=8)  # as some hub tokenizer.json files ship
     backend.save(str(tmp_path / "tokenizer.json"))
-    config = (Path(data.DEFAULT_TOKENIZER) / "tokenizer_config.json").read_text()
+    config = (Path(BUNDLED_TOKENIZER) / "tokenizer_config.json").read_text()
     (tmp_path / "tokenizer_config.json").write_text(config)
     truncating = data.load_tokenizer(str(tmp_path))
     text = "In the beginning God created the heaven and the earth. " * 4
@@ -296,7 +297,7 @@ def test_bad_dataset_and_tokenizer_arguments(tmp_path, corpus, tokenizer):
     with pytest.raises(ValueError, match="hub datasets only"):
         data.check_dataset(corpus, "en")
     data.check_dataset("allenai/c4", "en")  # hub names are not looked up here
-    data.check_dataset(data.DEFAULT_DATASET, None)
+    data.check_dataset(BUNDLED_DATASET, None)
     with pytest.raises(ValueError, match="no such directory"):
         data.load_tokenizer("./no_tokenizer_here")
     with pytest.raises(ValueError, match="has no column 'body'"):
@@ -337,9 +338,9 @@ def test_text_parquet_and_compressed_sources(tmp_path, documents):
 def test_bundled_corpus_and_tokenizer_work_offline():
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(data.DEFAULT_TOKENIZER, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(BUNDLED_TOKENIZER, local_files_only=True)
     assert len(tokenizer) == 8192 and tokenizer.eos_token == "<|endoftext|>"
-    with gzip.open(data.DEFAULT_DATASET, "rt") as f:
+    with gzip.open(BUNDLED_DATASET, "rt") as f:
         chapters = [json.loads(line)["text"] for line in f]
     assert len(chapters) == 1189 and chapters[0].startswith("Genesis 1\nIn the beginning")
     held_out = sum(data.is_held_out(c) for c in chapters)

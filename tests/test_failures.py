@@ -27,7 +27,12 @@ from procs import signal_after  # noqa: E402
 
 from model_utils import checkpoint as ck  # noqa: E402
 from model_utils import guards  # noqa: E402
-from model_utils.arguments import UsageError, parse_args  # noqa: E402
+from model_utils.arguments import (  # noqa: E402
+    BUNDLED_DATASET,
+    BUNDLED_TOKENIZER,
+    UsageError,
+    parse_args,
+)
 
 FAST = ["--preset", "tiny", "--train_batch_size", "4", "--max_context_width", "128"]
 
@@ -698,7 +703,7 @@ def test_parquet_column_and_a_json_document_file(tmp_path: Path) -> None:
         data.check_local_data(str(tmp_path / "p.parquet"), "text")
     (tmp_path / "doc.json").write_text('[\n {"text": "one"},\n {"text": "two"}\n]\n')
     data.check_local_data(str(tmp_path / "doc.json"), "text")  # a JSON array: datasets reads it
-    data.check_local_data(data.DEFAULT_DATASET, "text")  # the bundled corpus passes
+    data.check_local_data(BUNDLED_DATASET, "text")  # the bundled corpus passes
 
 
 def test_a_name_that_is_no_local_path_fails_fast_offline_or_unknown(monkeypatch) -> None:
@@ -731,7 +736,7 @@ def test_tiny_data_warns_that_each_batch_repeats_it(tmp_path: Path, caplog) -> N
     from model_utils import data
 
     (tmp_path / "train.jsonl").write_text('{"text": "a short text"}\n' * 3)
-    tokenizer = data.load_tokenizer(data.DEFAULT_TOKENIZER)
+    tokenizer = data.load_tokenizer(BUNDLED_TOKENIZER)
     stream = data.TrainStream(str(tmp_path / "train.jsonl"), tokenizer, 64, 2)
     with caplog.at_level("WARNING"):
         next(stream)

@@ -1,0 +1,84 @@
+"""Text dataset -> tokens -> packed windows -> this rank's micro-batches, with a resumable position.
+
+The pipeline, and why it is built this way:
+
+* Source. A Hugging Face hub dataset (streamed, never downloaded whole) or a local file/folder of
+  .txt/.json/.jsonl/.parquet (optionally compressed), both read as a `datasets.IterableDataset`,
+  so the bundled corpus exercises the same code path as C4. `.txt` files yield one document per
+  paragraph (blank-line separated).
+* Validation. The dataset's own `validation` split when it has one (hub datasets; local folders
+  with files named like `validation`/`valid`/`val`/`dev`). Otherwise a fixed 5% of documents,
+  chosen by a hash of the text (`is_held_out`): the same documents every run, whatever the seed,
+  rank count or file order, and never in training. Exact duplicates land on the same side.
+* Rank shards. `datasets.distributed.split_dataset_by_node` (whole files per rank when the file
+  count divides the world size, otherwise every world_size-th document): disjoint by design.
+* Order. Per epoch, the shard order is shuffled (`IterableDataset.set_epoch` with a key derived
+  from seed and epoch), and documents are read in blocks of `block_docs` that are permuted with
+  a generator seeded by (seed, epoch, block). Deterministic for a seed, and - unlike a datasets
+  shuffle buffer, whose content is lost on resume - exactly reproducible after a restore.
+* Tokens. The fast tokenizer encodes `tokenize_batch` documents per call (Rust, batched); EOS is
+  appended after every document and everything is concatenated. Windows of exactly `seq_len`
+  tokens are cut back to back from that stream: no token is dropped or repeated, and the stream
+  carries over epoch boundaries (the tail of one epoch starts the next batch).
+* Position. `TrainStream.state_dict()` holds a few integers and the datasets state of the current
+  block's start (a JSON string): epoch, block, first document of the current tokenizer batch and
+  tokens already emitted from it. Restoring re-reads one block of raw text from that state and
+  re-tokenises one tokenizer batch; nothing before the block is read or tokenised again.
+
+The modules, one job each: `sources` (naming and opening a dataset, this rank's part),
+`checks` (the start-up scan of the user's files and hub name), `tokens` (tokenizer, encoding),
+`stream` (the training stream and its position), `validation` (the fixed validation batches),
+`reads` (a read failing on one rank while all ranks stop together). Callers use the names
+re-exported here: `from model_utils import data; data.TrainStream(...)`.
+"""
+
+from model_utils.data.checks import (
+    HUB_TIMEOUT_S,
+    SCAN_BYTES_PER_FILE,
+    SCAN_BYTES_TOTAL,
+    check_hub_dataset,
+    check_local_data,
+    find_bad_file,
+)
+from model_utils.data.reads import ReadGuard, build_data, raise_read_failure, read_error_message
+from model_utils.data.sources import (
+    HELD_OUT_FRACTION,
+    DataError,
+    Source,
+    check_dataset,
+    document_texts,
+    is_held_out,
+    open_source,
+)
+from model_utils.data.stream import BLOCK_DOCS, Batch, TrainStream, epoch_documents
+from model_utils.data.tokens import TOKENIZE_BATCH, check_vocab, encode_documents, load_tokenizer
+from model_utils.data.validation import validation_batches
+
+__all__ = [
+    "BLOCK_DOCS",
+    "HELD_OUT_FRACTION",
+    "HUB_TIMEOUT_S",
+    "SCAN_BYTES_PER_FILE",
+    "SCAN_BYTES_TOTAL",
+    "TOKENIZE_BATCH",
+    "Batch",
+    "DataError",
+    "ReadGuard",
+    "Source",
+    "TrainStream",
+    "build_data",
+    "check_dataset",
+    "check_hub_dataset",
+    "check_local_data",
+    "check_vocab",
+    "document_texts",
+    "encode_documents",
+    "epoch_documents",
+    "find_bad_file",
+    "is_held_out",
+    "load_tokenizer",
+    "open_source",
+    "raise_read_failure",
+    "read_error_message",
+    "validation_batches",
+]

@@ -1,0 +1,204 @@
+"""Start-up checks of the user's data, before the model is built: a hub name that answers, and
+local files that are non-empty, decode and parse. A bad file is named with its line, in one
+line, instead of surfacing as a library traceback minutes into the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from model_utils.arguments import first_line
+from model_utils.data.sources import COMPRESSIONS, DataError, local_files
+
+# What the start-up check reads of local data: enough to find a bad file at once, not a whole
+# corpus (a bad byte further in is met mid-run and named then).
+SCAN_BYTES_PER_FILE = 8 * 2**20
+SCAN_BYTES_TOTAL = 64 * 2**20
+HUB_TIMEOUT_S = 10.0  # one look-up of a hub dataset name before anything starts
+
+
+def check_hub_dataset(dataset: str, timeout: float = HUB_TIMEOUT_S) -> None:
+    """One quick look-up of a name that is not a local path, before anything starts: a typo'd
+    local name (`corpus` for `corpus.jsonl`) or a machine without network otherwise spends half
+    a minute in the datasets library's retries, after the model is built. Streaming a hub
+    dataset needs the network anyway, so an offline setting is refused too."""
+    if Path(dataset).expanduser().exists():
+        return
+    offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if _env_true(v)]
+    local_hint = "give a local file with its extension (.jsonl, .txt, .parquet) or folder"
+    if offline:
+        raise DataError(
+            f"--dataset {dataset}: no local file or folder of that name, and hub look-ups are "
+            f"off ({offline[0]}=1; streaming a hub dataset needs the network): {local_hint}"
+        )
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    try:
+        HfApi().dataset_info(dataset, timeout=timeout)
+    except RepositoryNotFoundError:
+        raise DataError(
+            f"--dataset {dataset}: no local file or folder of that name, and no such dataset on "
+            f"the Hugging Face hub (or it is private: set HF_TOKEN): {local_hint}"
+        ) from None
+    except Exception as exc:  # no network, DNS, proxy, timeout, server error
+        raise DataError(
+            f"--dataset {dataset}: no local file or folder of that name, and the Hugging Face hub "
+            f"did not answer within {timeout:g} s ({first_line(exc)}): {local_hint}, or check "
+            "the network"
+        ) from None
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def check_local_data(dataset: str, text_column: str) -> None:
+    """Before the model is built: every local data file is non-empty and readable, and the first
+    SCAN_BYTES_PER_FILE of each (SCAN_BYTES_TOTAL in all) decode as UTF-8, parse (JSON lines),
+    and hold `text_column`. DataError names the file, and the line or what is missing."""
+    path = Path(dataset).expanduser()
+    if not path.exists():
+        return
+    builder, train, validation = local_files(path)
+    budget = SCAN_BYTES_TOTAL
+    for name in train + validation:
+        file = Path(name)
+        if file.stat().st_size == 0:
+            raise DataError(f"--dataset: {file} is empty: remove it or fill it")
+        if builder == "parquet":
+            _check_parquet(file, text_column)
+            continue
+        budget -= _scan_file(file, builder, text_column, min(SCAN_BYTES_PER_FILE, budget))
+        if budget <= 0:
+            break
+
+
+def find_bad_file(dataset: str, text_column: str) -> str | None:
+    """The one-line problem of the first local data file that fails the start-up checks read
+    in full (what a rank met mid-run, beyond the start-up scan), or None (hub data, or no file
+    shows it)."""
+    path = Path(dataset).expanduser()
+    if not path.exists():
+        return None
+    builder, train, validation = local_files(path)
+    for name in train + validation:
+        try:
+            if builder == "parquet":
+                _check_parquet(Path(name), text_column)
+            else:
+                _scan_file(Path(name), builder, text_column, limit=None)
+        except DataError as exc:
+            return str(exc)
+    return None
+
+
+def _check_parquet(file: Path, text_column: str) -> None:
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(file).metadata
+    except Exception as exc:
+        raise DataError(
+            f"--dataset: {file} is not a readable parquet file ({first_line(exc)}): replace or "
+            "remove it"
+        ) from None
+    names = meta.schema.to_arrow_schema().names
+    if text_column not in names:
+        raise DataError(
+            f"--dataset: {file} has no column {text_column!r} (columns: {', '.join(names)}): pass "
+            "--text_column"
+        )
+    if meta.num_rows == 0:
+        raise DataError(f"--dataset: {file} has no rows: remove it or fill it")
+
+
+def _open_binary(file: Path) -> Any | None:
+    """`file` opened for reading its decompressed bytes (None for .zst/.lz4: the datasets
+    library reads those itself)."""
+    import bz2
+    import gzip
+    import lzma
+
+    openers = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+    suffix = file.suffix.lower()
+    if suffix in COMPRESSIONS and suffix not in openers:
+        return None
+    return openers.get(suffix, open)(file, "rb")
+
+
+def _scan_file(file: Path, builder: str, column: str, limit: int | None) -> int:
+    """Read `file` line by line (up to about `limit` decompressed bytes; None: all of it): each
+    line must be UTF-8 and, in JSON lines, a JSON object; the first record must hold `column`.
+    DataError names the file and line. Returns the bytes read."""
+    handle = _open_binary(file)
+    if handle is None:
+        return 0
+    read, has_text, json_lines, seen_column, cut = 0, False, None, False, False
+    try:
+        with handle:
+            for number, raw in enumerate(handle, start=1):
+                if limit is not None and read + len(raw) > limit:
+                    cut = True  # the scan ends here; a line cut by it is not judged
+                    break
+                read += len(raw)
+                line = _decode_line(file, number, raw)
+                if not line.strip():
+                    continue
+                has_text = True
+                if builder != "json":
+                    continue
+                if json_lines is None:  # a .json file may be one JSON document instead
+                    json_lines = ".jsonl" in [x.lower() for x in file.suffixes] or _is_object(line)
+                if json_lines:
+                    _check_record(file, number, line, None if seen_column else column)
+                    seen_column = True
+    except (OSError, EOFError, ValueError) as exc:
+        if isinstance(exc, DataError):
+            raise
+        raise DataError(
+            f"--dataset: {file} cannot be read or decompressed ({first_line(exc)}): replace or "
+            "remove it"
+        ) from None
+    if not has_text and not cut:
+        raise DataError(f"--dataset: {file} holds no text: remove it or fill it")
+    return read
+
+
+def _decode_line(file: Path, number: int, raw: bytes) -> str:
+    """Line `number` as text, or DataError naming the first byte that is not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(
+            f"--dataset: {file} line {number} is not UTF-8 text (byte "
+            f"0x{raw[exc.start]:02x}): convert the file to UTF-8, or remove it"
+        ) from None
+
+
+def _check_record(file: Path, number: int, line: str, column: str | None) -> None:
+    """DataError unless JSON line `number` is an object (holding `column`, unless None: only
+    the first record is asked, since a missing column is a wrong flag, not a bad record)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DataError(
+            f"--dataset: {file} line {number} is not JSON ({exc.msg}): fix or remove the line"
+        ) from None
+    if not isinstance(record, dict):
+        raise DataError(f"--dataset: {file} line {number} is not a JSON object")
+    if column is not None and column not in record:
+        raise DataError(
+            f"--dataset: {file} line {number} has no column {column!r} (columns: "
+            f"{', '.join(record)}): pass --text_column"
+        )
+
+
+def _is_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except json.JSONDecodeError:
+        return False

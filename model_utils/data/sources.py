@@ -1,0 +1,183 @@
+"""Where documents come from: a hub name or a local file/folder, opened as a streaming dataset,
+split into this rank's disjoint part, and read as non-empty texts.
+
+A local corpus goes through the same `datasets.IterableDataset` path as C4, so the bundled
+corpus tests the code a cluster run uses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:  # imported lazily at run time: datasets is slow to import
+    from datasets import IterableDataset
+
+HELD_OUT_FRACTION = 0.05  # share of documents kept for validation when there is no such split
+
+BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+VALIDATION_NAME = re.compile(r"(^|[^a-z0-9])(validation|valid|val|dev)([^a-z0-9]|$)")
+TEST_NAME = re.compile(r"(^|[^a-z0-9])test([^a-z0-9]|$)")
+HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+class DataError(ValueError):
+    """The data cannot be used: one line naming the file (and line or row) and what to do."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """A dataset opened for streaming: its training part and its validation split, if any."""
+
+    name: str
+    train: IterableDataset
+    validation: IterableDataset | None
+    strip: bool = False  # .txt paragraphs keep their line breaks, including a trailing one
+
+
+def looks_like_path(name: str) -> bool:
+    """Whether a name that does not exist was meant as a local path (a typo, not a hub name)."""
+    return (
+        name.startswith(("/", "./", "../", "~", "\\"))
+        or name.count("/") > 1
+        or builder_for(Path(name)) is not None
+    )
+
+
+def builder_for(path: Path) -> str | None:
+    """The `datasets` packaged builder for a file name, looking through compression suffixes."""
+    suffixes = [s.lower() for s in path.suffixes]
+    while suffixes and suffixes[-1] in COMPRESSIONS:
+        suffixes.pop()
+    return BUILDERS.get(suffixes[-1]) if suffixes else None
+
+
+def local_files(path: Path) -> tuple[str, list[str], list[str]]:
+    """(builder, training files, validation files) of a local file or folder.
+
+    In a folder, files whose path names a validation split are the validation part, `test`
+    files are left out, hidden files are ignored, and all files must share one format.
+    """
+    if path.is_file():
+        builder = builder_for(path)
+        if builder is None:
+            raise ValueError(
+                f"--dataset {path}: unsupported file type (use {', '.join(BUILDERS)}, "
+                f"optionally compressed with {', '.join(COMPRESSIONS)})"
+            )
+        return builder, [str(path)], []
+    files = sorted(
+        p
+        for p in path.rglob("*")
+        if p.is_file()
+        and builder_for(p) is not None
+        and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    )
+    if not files:
+        raise ValueError(f"--dataset {path}: no {'/'.join(BUILDERS)} files in this folder")
+    builders = {builder_for(p) for p in files}
+    if len(builders) > 1:
+        raise ValueError(f"--dataset {path}: mixes file formats ({', '.join(sorted(builders))})")
+    train, validation = [], []
+    for file in files:
+        relative = str(file.relative_to(path)).lower()
+        if VALIDATION_NAME.search(relative):
+            validation.append(str(file))
+        elif not TEST_NAME.search(relative):
+            train.append(str(file))
+    if not train:
+        raise ValueError(f"--dataset {path}: no training files (only validation/test ones)")
+    return builders.pop(), train, validation
+
+
+def check_dataset(dataset: str, config_name: str | None) -> None:
+    """Cheap argument check (no network): a local path must exist and hold supported files."""
+    if not dataset:
+        raise ValueError("--dataset is empty: give a hub dataset name or a local file/folder")
+    path = Path(dataset).expanduser()
+    if path.exists():
+        if config_name:
+            raise ValueError(
+                f"--dataset_config_name {config_name} applies to hub datasets only, "
+                f"but --dataset {dataset} is a local path"
+            )
+        local_files(path)
+    elif looks_like_path(dataset) or not HUB_NAME.match(dataset):
+        raise ValueError(f"--dataset {dataset}: no such file or directory")
+
+
+def open_source(dataset: str, config_name: str | None) -> Source:
+    """Open a hub or local dataset as streaming IterableDatasets (no download, no Arrow cache)."""
+    from datasets import load_dataset
+
+    check_dataset(dataset, config_name)
+    path = Path(dataset).expanduser()
+    if path.exists():
+        builder, train, validation = local_files(path)
+        data_files = {"train": train, **({"validation": validation} if validation else {})}
+        options = {"sample_by": "paragraph", "keep_linebreaks": True} if builder == "text" else {}
+        splits = load_dataset(builder, data_files=data_files, streaming=True, **options)
+    else:
+        try:
+            splits = load_dataset(dataset, config_name, streaming=True)
+        except (FileNotFoundError, ConnectionError) as error:  # unknown name, no network
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+            raise ValueError(f"--dataset {dataset}: cannot be opened ({reason})") from error
+        if "train" not in splits:
+            raise ValueError(f"--dataset {dataset} has no 'train' split (it has {list(splits)})")
+        builder = None
+    return Source(dataset, splits["train"], splits.get("validation"), strip=builder == "text")
+
+
+def rank_view(
+    base: IterableDataset, rank: int, world_size: int, shard_order: int
+) -> IterableDataset:
+    """This rank's disjoint part of `base`, with shard order `shard_order` (0 = file order)."""
+    from datasets.distributed import split_dataset_by_node
+
+    view = split_dataset_by_node(base, rank=rank, world_size=world_size)
+    view.set_epoch(shard_order)  # datasets shuffles the shard order with this value as the seed
+    return view
+
+
+def epoch_shard_order(seed: int, epoch: int) -> int:
+    """A positive per-(seed, epoch) value for `set_epoch`; identical on every rank."""
+    return int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0]) + 1
+
+
+def document_texts(examples: Iterator[dict], text_column: str, source: Source) -> Iterator[str]:
+    """Non-empty document texts of a stream of examples, with a clear error for a wrong column."""
+    for example in examples:
+        if text_column not in example:
+            raise DataError(
+                f"--dataset {source.name} has no column {text_column!r} (columns: "
+                f"{', '.join(example)}): pass --text_column"
+            )
+        text = example[text_column]
+        if text and source.strip:
+            text = text.strip()
+        if text:
+            yield text
+
+
+def is_held_out(text: str) -> bool:
+    """Whether a document belongs to the validation part (used when there is no such split).
+
+    A hash of the text, not a position: stable across seeds, world sizes and file orders.
+    """
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 10_000 < HELD_OUT_FRACTION * 10_000
+
+
+def require_positive(**values: int) -> None:
+    """ValueError naming the first size below 1 (a zero would loop forever or divide by zero)."""
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")

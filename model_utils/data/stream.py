@@ -1,0 +1,346 @@
+"""This rank's endless stream of packed training windows and its resumable position (how the
+order is shuffled and what a position holds: the package docstring, Order and Position)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from model_utils.data.sources import (
+    DataError,
+    Source,
+    document_texts,
+    epoch_shard_order,
+    is_held_out,
+    open_source,
+    rank_view,
+    require_positive,
+)
+from model_utils.data.tokens import TOKENIZE_BATCH, encode_documents
+
+if TYPE_CHECKING:  # imported lazily at run time: transformers/datasets are slow to import
+    from datasets import IterableDataset
+    from transformers import PreTrainedTokenizerBase
+
+BLOCK_DOCS = 1024  # documents read and permuted together (the shuffle window)
+
+Batch = dict[str, torch.Tensor]
+
+
+class _BlockReader:
+    """This rank's training documents of one epoch, read block by block in shuffled order."""
+
+    def __init__(
+        self,
+        source: Source,
+        text_column: str,
+        rank: int,
+        world_size: int,
+        seed: int,
+        block_docs: int,
+    ) -> None:
+        self.source = source
+        self.text_column = text_column
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.block_docs = block_docs
+        # Held-out documents are filtered out only when validation comes from the training part.
+        self.skip_held_out = source.validation is None
+        self.epoch = 0
+        self._view: IterableDataset | None = None
+        self._documents: Iterator[str] = iter(())
+
+    def open(self, epoch: int, dataset_state: str = "") -> None:
+        """Start reading `epoch`, at the start or at a block start saved by `position()`."""
+        self.epoch = epoch
+        self._view = rank_view(
+            self.source.train, self.rank, self.world_size, epoch_shard_order(self.seed, epoch)
+        )
+        if dataset_state:
+            self._view.load_state_dict(json.loads(dataset_state))
+        texts = document_texts(iter(self._view), self.text_column, self.source)
+        self._documents = (t for t in texts if not (self.skip_held_out and is_held_out(t)))
+
+    def position(self) -> str:
+        """The datasets state after the documents read so far (JSON, "" before any read)."""
+        state = self._view.state_dict() if self._view is not None else None
+        return json.dumps(state) if state else ""
+
+    def read_block(self, block: int) -> list[str]:
+        """The next `block_docs` documents (fewer at the end), permuted by (seed, epoch, block)."""
+        texts: list[str] = []
+        for text in self._documents:
+            texts.append(text)
+            if len(texts) == self.block_docs:
+                break
+        order = np.random.default_rng([self.seed, self.epoch, block]).permutation(len(texts))
+        return [texts[i] for i in order]
+
+    def empty_message(self) -> str:
+        return (
+            f"--dataset {self.source.name}: rank {self.rank} of {self.world_size} has no training "
+            f"documents (dataset too small, or all documents are empty or held out)"
+        )
+
+
+@dataclass
+class _Cursor:
+    """Where the next token comes from (everything needed to resume, nothing else)."""
+
+    epoch: int = 0
+    block: int = 0  # index of the block within the epoch
+    # JSON of the rank view's IterableDataset.state_dict() at the block start; "" = epoch start
+    dataset_state: str = ""
+    doc: int = 0  # first document (in the block's shuffled order) of the current tokenizer batch
+    token: int = 0  # tokens of that tokenizer batch already emitted
+
+
+class TrainStream:
+    """Endless iterator over this rank's training micro-batches: {input_ids, labels}, each a
+    LongTensor [micro_batch, seq_len].
+
+    labels == input_ids: Hugging Face causal LMs shift them internally. When the training part is
+    exhausted a new epoch starts, reshuffled deterministically from (seed, epoch).
+
+    `state_dict()` returns {f"rank{rank}": {...}}: fixed keys holding ints and strings, under a
+    key that names the rank, so that torch.distributed.checkpoint saves every rank's position
+    (DCP keeps one copy of identical keys across ranks) and a fresh stream's state_dict() is a
+    valid load template. The object follows DCP's Stateful protocol and can be put in the
+    checkpoint's state dict as is. A checkpoint from another world size: `restart_after_reshard`.
+    """
+
+    def __init__(
+        self,
+        dataset: str,
+        tokenizer: PreTrainedTokenizerBase,
+        seq_len: int,
+        micro_batch: int,
+        *,
+        config_name: str | None = None,
+        text_column: str = "text",
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        block_docs: int = BLOCK_DOCS,
+        tokenize_batch: int = TOKENIZE_BATCH,
+    ) -> None:
+        require_positive(seq_len=seq_len, micro_batch=micro_batch, world_size=world_size)
+        require_positive(block_docs=block_docs, tokenize_batch=tokenize_batch)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        self.dataset = dataset
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.micro_batch = micro_batch
+        self.text_column = text_column
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.block_docs = block_docs
+        self.tokenize_batch = tokenize_batch
+        source = open_source(dataset, config_name)
+        self._reader = _BlockReader(source, text_column, rank, world_size, seed, block_docs)
+        self._cursor = _Cursor()
+        self._block: list[str] = []  # texts of the current block, shuffled
+        self._tokens: np.ndarray | None = None  # tokens of the current tokenizer batch
+        self.batches = 0  # micro-batches yielded so far (restored by load_state_dict)
+        self._epoch_tokens = 0  # tokens encoded since the epoch started (for the tiny-data warning)
+        self._warned_tiny = False
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the next token (0-based)."""
+        return self._cursor.epoch
+
+    def __iter__(self) -> TrainStream:
+        return self
+
+    def __next__(self) -> Batch:
+        tokens = self._take(self.micro_batch * self.seq_len)
+        input_ids = torch.from_numpy(tokens).view(self.micro_batch, self.seq_len)
+        self.batches += 1
+        return {"input_ids": input_ids, "labels": input_ids.clone()}
+
+    # -- position ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        """This rank's position: small, plain, and the same keys before and after iterating."""
+        state = {
+            "dataset": _dataset_id(self.dataset),
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "block_docs": self.block_docs,
+            "tokenize_batch": self.tokenize_batch,
+            "batches": self.batches,
+            **asdict(self._cursor),
+        }
+        return {f"rank{self.rank}": state}
+
+    def load_state_dict(self, state: dict[str, dict[str, Any]]) -> None:
+        """Resume at a saved position; the next batch is the one the saved run would have yielded.
+
+        Only a state saved by the same rank of a run with the same world size, dataset, seed and
+        block sizes fits; anything else is a ValueError (see `restart_after_reshard`).
+        """
+        saved = self._own_entry(state)
+        expected = {
+            "dataset": _dataset_id(self.dataset),
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "block_docs": self.block_docs,
+            "tokenize_batch": self.tokenize_batch,
+        }
+        for name, value in expected.items():
+            if saved[name] != value:
+                raise ValueError(
+                    f"data stream state was saved with {name}={saved[name]!r}, "
+                    f"this run has {value!r}"
+                )
+        self._cursor = _Cursor(
+            epoch=int(saved["epoch"]),
+            block=int(saved["block"]),
+            dataset_state=str(saved["dataset_state"]),
+            doc=int(saved["doc"]),
+            token=int(saved["token"]),
+        )
+        self.batches = int(saved["batches"])
+        self._tokens = None  # rebuilt lazily from the cursor by the next _take
+
+    def restart_after_reshard(self, saved_states: list[dict[str, dict[str, Any]]]) -> None:
+        """Continue a run whose checkpoint was written by another number of ranks.
+
+        Saved positions do not map onto the new shards, so every rank starts the epoch after the
+        latest saved one (all ranks compute the same epoch): the rest of the interrupted epoch is
+        skipped rather than documents being repeated. `saved_states[r]` is what rank r saved.
+        """
+        entries = [next(iter(state.values())) for state in saved_states]
+        if not entries:
+            raise ValueError("restart_after_reshard needs at least one saved data state")
+        self._cursor = _Cursor(epoch=max(int(e["epoch"]) for e in entries) + 1)
+        self.batches = max(int(e["batches"]) for e in entries)
+        self._tokens = None
+
+    def _own_entry(self, state: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        key = f"rank{self.rank}"
+        if key not in state:
+            raise ValueError(f"data stream state has no entry for {key} (has {sorted(state)})")
+        return state[key]
+
+    # -- token flow --------------------------------------------------------------------------
+
+    def _take(self, count: int) -> np.ndarray:
+        """The next `count` tokens of this rank's stream."""
+        out = np.empty(count, dtype=np.int64)
+        filled = 0
+        while filled < count:
+            if self._tokens is None:
+                self._restore()
+            assert self._tokens is not None
+            start = self._cursor.token
+            available = len(self._tokens) - start
+            if available == 0:
+                self._next_tokenizer_batch()
+                continue
+            step = min(available, count - filled)
+            out[filled : filled + step] = self._tokens[start : start + step]
+            self._cursor.token += step
+            filled += step
+        return out
+
+    def _restore(self) -> None:
+        """(Re)build the reader at the cursor: one block read, one tokenizer batch encoded."""
+        cursor = self._cursor
+        self._reader.open(cursor.epoch, cursor.dataset_state)
+        self._block = self._reader.read_block(cursor.block)
+        if not self._block:
+            if cursor.block == 0 and not cursor.dataset_state:
+                raise DataError(self._reader.empty_message())
+            raise ValueError("data stream state points past the end of its epoch")
+        self._tokens = self._encode(cursor.doc)
+
+    def _next_tokenizer_batch(self) -> None:
+        cursor = self._cursor
+        cursor.doc += self.tokenize_batch
+        cursor.token = 0
+        if cursor.doc < len(self._block):
+            self._tokens = self._encode(cursor.doc)
+            return
+        block_start = self._reader.position()
+        block = self._reader.read_block(cursor.block + 1)
+        if block:
+            self._cursor = _Cursor(cursor.epoch, cursor.block + 1, block_start)
+        else:  # the epoch is over: reshuffle and go on
+            self._warn_if_tiny()
+            self._cursor = _Cursor(cursor.epoch + 1)
+            self._reader.open(self._cursor.epoch)
+            block = self._reader.read_block(0)
+            if not block:
+                raise DataError(self._reader.empty_message())
+        self._block = block
+        self._tokens = self._encode(0)
+
+    def _encode(self, first_doc: int) -> np.ndarray:
+        tokens = encode_documents(
+            self.tokenizer, self._block[first_doc : first_doc + self.tokenize_batch]
+        )
+        self._epoch_tokens += len(tokens)
+        return tokens
+
+    def _warn_if_tiny(self) -> None:
+        """Once: this rank's data is smaller than one micro-batch, so every batch repeats it
+        (the loss then says little about the model)."""
+        window = self.micro_batch * self.seq_len
+        if not self._warned_tiny and 0 < self._epoch_tokens < window:
+            self._warned_tiny = True
+            logging.getLogger(__name__).warning(
+                "--dataset %s: rank %d's training part is %d tokens, less than one micro-batch "
+                "(%d x %d tokens), so each batch repeats it ~%d times: add data",
+                self.dataset,
+                self.rank,
+                self._epoch_tokens,
+                self.micro_batch,
+                self.seq_len,
+                window // self._epoch_tokens,
+            )
+        self._epoch_tokens = 0
+
+
+def _dataset_id(dataset: str) -> str:
+    """How a saved position names its dataset: a hub name, or a local path's last component
+    (a checkpoint stays valid when the data is mounted somewhere else or given relatively)."""
+    path = Path(dataset).expanduser()
+    return path.resolve().name if path.exists() else dataset
+
+
+def epoch_documents(
+    dataset: str,
+    *,
+    config_name: str | None = None,
+    text_column: str = "text",
+    rank: int = 0,
+    world_size: int = 1,
+    seed: int = 0,
+    epoch: int = 0,
+    block_docs: int = BLOCK_DOCS,
+) -> Iterator[str]:
+    """The training documents a TrainStream with these settings packs in `epoch`, in order.
+
+    For tests and debugging ("what does rank 3 read?"); training itself does not use it.
+    """
+    source = open_source(dataset, config_name)
+    reader = _BlockReader(source, text_column, rank, world_size, seed, block_docs)
+    reader.open(epoch)
+    block = 0
+    while texts := reader.read_block(block):
+        yield from texts
+        block += 1

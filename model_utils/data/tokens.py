@@ -1,0 +1,90 @@
+"""Tokenizer loading and the pipeline's one tokenisation call: documents -> ids + EOS."""
+
+from __future__ import annotations
+
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from model_utils.data.sources import looks_like_path
+
+if TYPE_CHECKING:  # imported lazily at run time: transformers is slow to import
+    from transformers import PreTrainedTokenizerBase
+
+TOKENIZE_BATCH = 64  # documents per tokenizer call (also the re-tokenisation cost of a resume)
+
+
+def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+    """Load a Hugging Face tokenizer (hub name or local directory); it must define an EOS token."""
+    from transformers import AutoTokenizer
+
+    path = Path(name_or_path).expanduser()
+    if not path.exists() and looks_like_path(name_or_path):
+        raise ValueError(f"--tokenizer {name_or_path}: no such directory")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path) if path.exists() else name_or_path)
+    except (OSError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"--tokenizer {name_or_path}: cannot be loaded ({reason})") from error
+    if tokenizer.eos_token_id is None:
+        raise ValueError(
+            f"--tokenizer {name_or_path} has no EOS token, which is needed between documents"
+        )
+    return tokenizer
+
+
+def check_vocab(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+    """Fail early, in one line, when token ids would overflow the model's embedding table."""
+    needed = len(tokenizer)
+    if needed > vocab_size:
+        raise ValueError(
+            f"tokenizer {tokenizer.name_or_path} has {needed} tokens but the model's vocab_size is "
+            f"{vocab_size}: pass --vocab_size {needed} (or more), or use a tokenizer with at most "
+            f"{vocab_size} tokens"
+        )
+
+
+def encode_documents(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> np.ndarray:
+    """Token ids of each text followed by EOS, concatenated (int64).
+
+    One batched call into the Rust tokenizer, with no truncation and no special tokens other than
+    the EOS separator; this is the only place the pipeline tokenises.
+    """
+    eos = tokenizer.eos_token_id
+    if not texts:
+        return np.empty(0, dtype=np.int64)
+    if tokenizer.is_fast:
+        encodings = _backend(tokenizer).encode_batch_fast(texts, add_special_tokens=False)
+        documents = [encoding.ids for encoding in encodings]
+    else:  # slow (Python) tokenizers still work, just slower
+        documents = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)[
+            "input_ids"
+        ]
+    separator = np.array([eos], dtype=np.int64)
+    pieces = []
+    for ids in documents:  # one C-level list->array copy per document, then one concatenation
+        pieces.append(np.array(ids, dtype=np.int64))
+        pieces.append(separator)
+    return np.concatenate(pieces)
+
+
+_BACKENDS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def _backend(tokenizer: PreTrainedTokenizerBase) -> Any:
+    """A private copy of the Rust tokenizer with truncation and padding off, one per tokenizer.
+
+    A copy, because transformers changes the backend's truncation/padding settings per call and
+    a hub tokenizer.json may ship with truncation enabled, which would silently cut documents.
+    """
+    backend = _BACKENDS.get(tokenizer)
+    if backend is None:
+        from tokenizers import Tokenizer
+
+        backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+        backend.no_truncation()
+        backend.no_padding()
+        _BACKENDS[tokenizer] = backend
+    return backend
