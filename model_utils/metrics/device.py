@@ -1,0 +1,69 @@
+"""What the device offers and used: its dense bf16 peak (the MFU basis), peak memory, and the
+sync that ends a timed window."""
+
+from __future__ import annotations
+
+import resource
+import sys
+from collections.abc import Callable
+
+import torch
+
+GIB = float(1 << 30)
+
+# Device peaks and memory
+
+# Dense (no sparsity) BF16 tensor-core peaks in TFLOP/s from NVIDIA datasheets, the same values
+# torchtitan uses. Order matters: the first substring found in the device name wins.
+_BF16_PEAKS: tuple[tuple[str, float, str], ...] = (
+    ("H100 NVL", 835.0, "H100 NVL"),
+    ("H100 PCIe", 756.0, "H100 PCIe"),
+    ("H100", 989.0, "H100 SXM"),
+    ("H200", 989.0, "H200"),
+    ("A100", 312.0, "A100"),
+    ("B200", 2250.0, "B200"),
+)
+
+
+def peak_bf16_tflops_for_name(device_name: str) -> tuple[float | None, str]:
+    """Dense bf16 peak for a CUDA device name (e.g. ``"NVIDIA H100 80GB HBM3"``) and a label."""
+    for needle, tflops, label in _BF16_PEAKS:
+        if needle.lower() in device_name.lower():
+            return tflops, f"vs {label} dense bf16 peak {tflops:g} TFLOP/s"
+    return None, f"n/a: no bf16 peak known for {device_name!r}"
+
+
+def peak_bf16_tflops(device: torch.device | str) -> tuple[float | None, str]:
+    """``(peak TFLOP/s or None, label)``. None on CPU and on GPUs missing from the table."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return peak_bf16_tflops_for_name(torch.cuda.get_device_name(device))
+    return None, f"n/a on {device.type}"
+
+
+def peak_memory_bytes(device: torch.device | str) -> int:
+    """Peak memory so far: CUDA ``max_memory_allocated`` on GPU, process max RSS elsewhere.
+
+    The two are different quantities (tensor allocations vs the whole process, including
+    Python, libraries and the data pipeline); :func:`peak_memory_label` says which one it is.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes.
+    return int(max_rss if sys.platform == "darwin" else max_rss * 1024)
+
+
+def peak_memory_label(device: torch.device | str) -> str:
+    device = torch.device(device)
+    return "cuda max allocated" if device.type == "cuda" else "process max RSS"
+
+
+def device_sync(device: torch.device | str) -> Callable[[], None]:
+    """A function that waits for every kernel queued on ``device`` (a no-op on CPU, where work
+    runs as it is issued). The step meter calls it at the two ends of every timed window."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None

@@ -1,0 +1,87 @@
+"""FLOPs per token: the model's cost that TFLOP/s and MFU divide by (model FLOPs, not hardware
+FLOPs: see the package docstring)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def matmul_params(
+    *,
+    hidden: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate: int,
+    vocab: int,
+) -> int:
+    """Weights that take part in a matrix multiply for every token (Llama, no biases).
+
+    Per decoder layer: q ``h*(n_heads*d)``, k and v ``h*(n_kv*d)`` each, o ``(n_heads*d)*h``,
+    gate/up/down ``3*h*intermediate``; plus ``lm_head`` ``h*vocab``. The input embedding is a
+    table lookup, not a matmul, so it is excluded; norms (vectors) are excluded. ``lm_head`` is
+    counted whether or not it is tied to the embedding: the matmul runs either way.
+    """
+    if num_heads <= 0 or hidden % num_heads:
+        raise ValueError(
+            f"hidden ({hidden}) must be a positive multiple of num_heads ({num_heads})"
+        )
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    head_dim = hidden // num_heads
+    attention = hidden * num_heads * head_dim * 2 + hidden * num_kv_heads * head_dim * 2
+    mlp = 3 * hidden * intermediate
+    return num_layers * (attention + mlp) + hidden * vocab
+
+
+def flops_per_token(
+    *,
+    hidden: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate: int,
+    vocab: int,
+    seq_len: int,
+) -> float:
+    """Training FLOPs per token = ``6 * N + 12 * L * n_heads * head_dim * seq_len``.
+
+    - ``6 * N``: a matmul with N weights costs ``2N`` FLOPs per token forward and ``4N`` backward
+      (grad of input and grad of weight). N is :func:`matmul_params`: every projection, the MLP
+      and ``lm_head``; not the input embedding.
+    - ``12 * L * n_heads * head_dim * seq_len``: per layer and token, ``Q @ K^T`` and
+      ``softmax @ V`` cost ``2 * seq_len * head_dim`` each per query head forward, times 3 for
+      forward + backward. Query heads, not KV heads: GQA shares K/V but computes every score.
+      The causal mask is NOT discounted (the full ``seq x seq`` product is counted, as in
+      torchtitan/PaLM), so a causal flash kernel does about half this attention work.
+    - Not counted: norms, RoPE, SiLU, softmax, the loss, optimizer, and activation recompute.
+    Tied embeddings would not change the result: the ``lm_head`` matmul costs the same whether
+    its weight is shared (the tied case is counted in tests/test_metrics.py).
+    """
+    if seq_len <= 0:
+        raise ValueError(f"seq_len must be > 0, got {seq_len}")
+    n = matmul_params(
+        hidden=hidden,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        intermediate=intermediate,
+        vocab=vocab,
+    )
+    head_dim = hidden // num_heads
+    return float(6 * n + 12 * num_layers * num_heads * head_dim * seq_len)
+
+
+def model_flops_per_token(config: Any, seq_len: int) -> float:
+    """:func:`flops_per_token` for a transformers ``LlamaConfig`` (what train.py builds)."""
+    return flops_per_token(
+        hidden=config.hidden_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        intermediate=config.intermediate_size,
+        vocab=config.vocab_size,
+        seq_len=seq_len,
+    )

@@ -1,0 +1,159 @@
+"""What a run writes about itself: the JSONL records (run, train, val) and the log lines that
+carry the same numbers, so the run directory and the Slurm log each tell the whole story."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+
+def run_record(
+    flags: Mapping[str, Any], *, world_size: int, samples_per_step: int
+) -> dict[str, Any]:
+    """The first JSONL record of a run (and its ``run: {...}`` log line): the resolved flags
+    and the global batch, so a comparison can label runs and refuse unlike shapes or batches
+    from either the run directory or the Slurm log alone."""
+    plain = (str, int, float, bool, type(None), list, tuple, dict)
+    return {
+        "kind": "run",
+        "time": time.time(),
+        "world_size": world_size,
+        "samples_per_step": samples_per_step,
+        "flags": {k: v if isinstance(v, plain) else str(v) for k, v in sorted(flags.items())},
+    }
+
+
+def validation_record(
+    *, step: int, val_loss: float, batches: int, seconds: float
+) -> dict[str, Any]:
+    """The JSONL record of one validation pass (after optimizer step ``step``)."""
+    return {
+        "kind": "val",
+        "step": step,
+        "val_loss": float(val_loss),
+        "val_batches": batches,
+        "val_seconds": seconds,
+    }
+
+
+def _json_safe(value: Any) -> Any:
+    """Non-finite floats become null: strict JSON has no NaN/Infinity (jq, JS would reject it)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+class JsonlWriter:
+    """Appends one JSON object per line; only the rank that is ``enabled`` touches the file.
+
+    Each record is serialised completely first and then written with a single ``os.write`` on an
+    ``O_APPEND`` descriptor, so a serialisation error never leaves half a line and a crash
+    between records leaves only whole lines. Appending lets a resumed run continue its file.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, enabled: bool = True):
+        self.path = Path(path)
+        self.enabled = enabled
+        self._fd: int | None = None
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        if self._fd is None:
+            return
+        data = (json.dumps(_json_safe(record), allow_nan=False) + "\n").encode()
+        written = os.write(self._fd, data)
+        if written != len(data):  # regular files do not short-write short of a full disk
+            raise OSError(f"short write to {self.path}: {written} of {len(data)} bytes")
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> JsonlWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All records of a metrics file, in order."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ---------------------------------------------------------------------------------------------
+# Log lines
+
+
+def seed_line(step: int, loss: float, samples_per_sec: float, lr: float) -> str:
+    """The upstream recipe's line, byte for byte, so existing log parsers keep working."""
+    return f"Batch {step} Loss: {loss:.5f}, Speed: {samples_per_sec:.2f} samples/sec, lr: {lr:.6f}"
+
+
+def run_line(run: Mapping[str, Any]) -> str:
+    """``run: {json}``: the run record on one log line, so a Slurm log alone tells a comparison
+    the run's flags and global batch (scripts/compare_runs.py reads it back)."""
+    return "run: " + json.dumps(_json_safe(run), allow_nan=False)
+
+
+def _mfu_text(metrics: Mapping[str, Any]) -> str:
+    mfu = metrics.get("mfu")
+    basis = metrics.get("mfu_basis") or "vs bf16 peak"
+    if mfu is None:
+        return f"MFU: {basis}" if basis.startswith("n/a") else "MFU: n/a"
+    return f"MFU: {mfu:.1f}% ({basis})"
+
+
+def detail_line(metrics: Mapping[str, Any]) -> str:
+    """Second log line: per-device throughput, model TFLOP/s, MFU, memory, data wait."""
+    memory_kind = metrics.get("memory_kind") or "peak memory"
+    return (
+        f"  tokens/s/device: {metrics['tokens_per_sec_per_device']:,.0f}, "
+        f"TFLOP/s/device: {metrics['tflops_per_device']:.3f}, "
+        f"{_mfu_text(metrics)}, "
+        f"peak mem: {metrics['peak_mem_gib']:.2f} GiB ({memory_kind}), "
+        f"data wait: {metrics['data_wait_pct']:.1f}%"
+        f"{_eta_text(metrics)}"
+    )
+
+
+def _eta_text(metrics: Mapping[str, Any]) -> str:
+    """``, elapsed: 1h02m, remaining: ~2d03h`` (appended last, so parsers of the fields before
+    it keep working); nothing for records without timing (e.g. from older runs)."""
+    if metrics.get("elapsed_seconds") is None:
+        return ""
+    text = f", elapsed: {format_duration(metrics['elapsed_seconds'])}"
+    if "remaining_seconds" not in metrics:
+        return text
+    remaining = metrics["remaining_seconds"]
+    left = "n/a (warm-up)" if remaining is None else f"~{format_duration(remaining)}"
+    return f"{text}, remaining: {left}"
+
+
+def format_duration(seconds: float) -> str:
+    """Two units, largest first (``2d03h``, ``1h02m``, ``4m05s``, ``12s``): what a person
+    tailing a log wants, not a timestamp to decode."""
+    whole = max(int(round(seconds)), 0)
+    days, rest = divmod(whole, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{secs:02d}s"
+    return f"{secs}s"

@@ -1,0 +1,106 @@
+"""End-of-run numbers from the JSONL records, and tables that set runs side by side."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+# (key in summary, label, format) in display order.
+_SUMMARY_ROWS: tuple[tuple[str, str, str], ...] = (
+    ("samples_per_sec", "samples/s (median)", "{:.2f}"),
+    ("tokens_per_sec_per_device", "tokens/s/device (median)", "{:,.0f}"),
+    ("tflops_per_device", "TFLOP/s/device (median)", "{:.3f}"),
+    ("mfu", "MFU % vs bf16 peak (median)", "{:.1f}"),
+    ("data_wait_pct", "data wait % (median)", "{:.1f}"),
+    ("peak_mem_gib", "peak memory GiB (max)", "{:.2f}"),
+    ("final_train_loss", "final train loss", "{:.5f}"),
+    ("final_val_loss", "final validation loss", "{:.5f}"),
+)
+_MEDIAN_KEYS = (
+    "samples_per_sec",
+    "tokens_per_sec_per_device",
+    "tflops_per_device",
+    "mfu",
+    "data_wait_pct",
+)
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def summarize(records: Iterable[Mapping[str, Any]], warmup_steps: int) -> dict[str, Any]:
+    """End-of-run numbers: medians over logged train records with ``step > warmup_steps``.
+
+    Warm-up steps (allocator growth, lazy init, compilation) are excluded from throughput but
+    not from the losses: ``final_train_loss`` is the last logged train loss and
+    ``final_val_loss`` the last validation record's ``val_loss``. Peak memory is the maximum over
+    all records (it is a peak). A metric with no record after warm-up is None.
+    """
+    records = list(records)
+    train = [r for r in records if r.get("kind") == "train"]
+    val = [r for r in records if r.get("kind") == "val"]
+    measured = [r for r in train if r["step"] > warmup_steps]
+    summary: dict[str, Any] = {key: _median(r.get(key) for r in measured) for key in _MEDIAN_KEYS}
+    memory = [r["peak_mem_gib"] for r in train if r.get("peak_mem_gib") is not None]
+    summary["peak_mem_gib"] = max(memory) if memory else None
+    summary["final_train_loss"] = train[-1]["loss"] if train else None
+    summary["final_val_loss"] = val[-1]["val_loss"] if val else None
+    summary["measured_records"] = len(measured)
+    summary["warmup_steps"] = warmup_steps
+    summary["last_step"] = train[-1]["step"] if train else None
+    return summary
+
+
+def _fmt(value: Any, fmt: str) -> str:
+    return "n/a" if value is None else fmt.format(value)
+
+
+def format_summary(summary: Mapping[str, Any], title: str = "Summary") -> str:
+    """Multi-line human summary of :func:`summarize`'s result."""
+    head = (
+        f"{title} (medians over {summary['measured_records']} logged steps after "
+        f"step {summary['warmup_steps']}, last step {summary['last_step']})"
+    )
+    width = max(len(label) for _, label, _ in _SUMMARY_ROWS)
+    lines = [head]
+    for key, label, fmt in _SUMMARY_ROWS:
+        lines.append(f"  {label:<{width}}  {_fmt(summary.get(key), fmt)}")
+    return "\n".join(lines)
+
+
+def format_comparison(
+    baseline: Mapping[str, Any],
+    candidate: Mapping[str, Any],
+    names: tuple[str, str] = ("bf16", "fp8"),
+) -> str:
+    """Side-by-side table of two summaries with the candidate/baseline ratio of each metric."""
+    return format_table([baseline, candidate], names)
+
+
+def format_table(summaries: Sequence[Mapping[str, Any]], names: Sequence[str]) -> str:
+    """Summaries side by side, each after the first followed by its ratio to the first
+    (``name/first``): the question is always "what did this change buy over the baseline"."""
+    if len(summaries) != len(names) or not summaries:
+        raise ValueError(f"{len(summaries)} summaries for {len(names)} names")
+    width = max(len(label) for _, label, _ in _SUMMARY_ROWS)
+    base, first = summaries[0], names[0]
+    cols: list[tuple[str, int]] = []  # (header, width)
+    for i, name in enumerate(names):
+        cols.append((name, max(12, len(name))))
+        if i:
+            ratio = f"{name}/{first}"
+            cols.append((ratio, max(10, len(ratio))))
+    lines = ["  " + f"{'':<{width}}" + "".join(f"  {h:>{w}}" for h, w in cols)]
+    for key, label, fmt in _SUMMARY_ROWS:
+        cells = []
+        for i, summary in enumerate(summaries):
+            cells.append(_fmt(summary.get(key), fmt))
+            if i:
+                a, b = base.get(key), summary.get(key)
+                cells.append("n/a" if a is None or b is None or a == 0 else f"{b / a:.3f}")
+        row = "".join(f"  {c:>{w}}" for c, (_, w) in zip(cells, cols, strict=True))
+        lines.append(f"  {label:<{width}}{row}")
+    return "\n".join(lines)
