@@ -30,7 +30,9 @@ from model_utils import (
     metrics,
     modeling,
     optim,
+    outputs,
     precision,
+    run_lock,
     tensorboard_log,
 )
 
@@ -63,10 +65,10 @@ def validate(argv: list[str] | None, training: bool = True) -> tuple[argparse.Na
         check_requirements(args, training)
     if training:
         try:  # a live run in this directory: refused before anything starts (reads only)
-            guards.check_not_locked(guards.lock_dirs(args.output_dir, args.checkpoint_dir))
-            guards.check_locations(guards.output_locations(args))
+            run_lock.check_not_locked(run_lock.lock_dirs(args.output_dir, args.checkpoint_dir))
+            outputs.check_locations(outputs.output_locations(args))
             check_run_dir(args)
-        except (guards.RunLocked, guards.WriteProblem, ValueError) as exc:
+        except (run_lock.RunLocked, outputs.WriteProblem, ValueError) as exc:
             raise arguments.UsageError(str(exc)) from exc
     return args, tokenizer
 
@@ -234,7 +236,7 @@ def train(
 
     stream, val_batches = data.build_data(args, tokenizer, world)  # bad data before the model
     model = build_model(args, mesh, device, backend)
-    check_outputs(args, world, device, model)  # before any training time is spent
+    outputs.check_outputs(args, world, modeling.count_parameters(model), log)  # before training
 
     optimizer, scheduler = optim.from_args(model, args)
 
@@ -311,7 +313,7 @@ def train(
         # steps; a non-finite step stops the run before any checkpoint holds it.
         if save_now or run_log.is_report_step(state.step):
             asked = preemption.requested or reads.failure is not None
-            stop = check_step(guard, ckpt, state.step, model, asked, save_now)
+            stop = guards.check_step(guard, ckpt, state.step, model, asked, save_now)
             if save_now:
                 with run_log.meter.paused():
                     ckpt.save(state.step, state)
@@ -323,7 +325,7 @@ def train(
 
     if not args.validation_freq or state.step % args.validation_freq:
         run_log.validation(state.step, model, val_batches, backend)
-    check_step(guard, ckpt, state.step, model, False, saving=True)  # nothing non-finite is saved
+    guards.check_step(guard, ckpt, state.step, model, False, saving=True)  # no non-finite save
     if args.checkpoint_freq >= 0:
         ckpt.save(state.step, state)  # a step saved just before is not written twice
     ckpt.close()
@@ -357,62 +359,6 @@ def resume(ckpt, path, state, scheduler, args: argparse.Namespace, explicit: fro
 _LR_FLAGS = ("--lr", "--min_lr")
 
 
-def check_step(guard, ckpt, step: int, model, stop_requested: bool, saving: bool) -> bool:
-    """Every rank agrees whether to stop (a signal reached some rank) and whether any step so
-    far was non-finite; raises guards.Diverged for the latter, after finishing an earlier (finite)
-    async save. Before a save (periodic, or the preemption one) the weights are checked too, so
-    no checkpoint ever holds NaN/inf and pruning never runs after a non-finite step."""
-    if saving:
-        guard.observe_weights(step, model.parameters())
-    stop, bad_step = guard.agree(stop_requested)
-    if stop and not saving:  # the preemption save needs the same weight check
-        guard.observe_weights(step, model.parameters())
-        bad_step = guard.agree(False)[1]
-    if bad_step is not None:
-        ckpt.close()
-        raise guards.Diverged(bad_step, ckpt.latest())
-    return stop
-
-
-def check_outputs(args: argparse.Namespace, world, device, model) -> None:
-    """Every rank writes a probe file where it will write its checkpoint shards (mounts can
-    differ between nodes); rank 0 also in the run and export folders, and checks that a
-    checkpoint (and the export) fits in the free space. guards.WriteProblem on every rank if
-    any rank found a problem."""
-    problem = None
-    for flag, path in guards.output_locations(args).items():
-        if problem is None and (world.is_main or flag == "--checkpoint_dir"):
-            problem = guards.probe_write(flag, path)
-    if problem is None and world.is_main:
-        try:
-            guards.check_space(args, modeling.count_parameters(model), log)
-        except guards.WriteProblem as exc:
-            problem = str(exc)
-    found: list[str | None] = [None] * world.world_size
-    dist.all_gather_object(found, problem)
-    first = next((p for p in found if p), None)
-    if first:
-        raise guards.WriteProblem(first)
-
-
-def hold_run_dirs(args: argparse.Namespace, world, device) -> list[guards.RunLock]:
-    """Rank 0 locks the run's directories for the life of the run; if another live run holds
-    one, every rank learns it (one all-reduce) and all stop with guards.RunLocked."""
-    locks: list[guards.RunLock] = []
-    refused: guards.RunLocked | None = None
-    if world.is_main:
-        try:
-            for directory in guards.lock_dirs(args.output_dir, args.checkpoint_dir):
-                locks.append(guards.RunLock(directory).acquire())
-        except guards.RunLocked as exc:
-            refused = exc
-            for lock in locks:
-                lock.release()
-    if distributed.all_ranks_agree(refused is not None, device):
-        raise refused or guards.RunLocked("refused by rank 0")
-    return locks
-
-
 def hf_key_map(args: argparse.Namespace, direction: str):
     """HF <-> TE parameter names for the TE layer layout (one decoder layer at a time, so no rank
     ever holds the whole model); HF layouts need no mapping."""
@@ -443,13 +389,18 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger().setLevel(logging.WARNING)
     device = distributed.device_for(world)
     distributed.init(world, device, args.dist_timeout)
-    locks: list[guards.RunLock] = []
+    locks: list[run_lock.RunLock] = []
     try:
-        locks = hold_run_dirs(args, world, device)
+        locks = run_lock.hold_run_dirs(args, world, device)
         train(args, tokenizer, world, device, preemption, arguments.explicit_flags(argv))
     except checkpoint.UntrustedCheckpointError as exc:  # normally refused by validate() already
         arguments.exit_on_usage_error(arguments.UsageError(str(exc)))
-    except (guards.RunLocked, guards.WriteProblem, checkpoint.ResumeRefused, data.DataError) as exc:
+    except (
+        run_lock.RunLocked,
+        outputs.WriteProblem,
+        checkpoint.ResumeRefused,
+        data.DataError,
+    ) as exc:
         if world.is_main:
             arguments.exit_on_usage_error(arguments.UsageError(str(exc)))
         raise SystemExit(2) from None

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 from procs import signal_after  # noqa: E402
 
 from model_utils import checkpoint as ck  # noqa: E402
-from model_utils import guards  # noqa: E402
+from model_utils import guards, outputs, run_lock  # noqa: E402
 from model_utils.arguments import (  # noqa: E402
     BUNDLED_DATASET,
     BUNDLED_TOKENIZER,
@@ -261,7 +261,7 @@ def test_a_second_run_in_a_live_run_directory_is_refused_and_a_dead_ones_lock_is
     finally:
         first.kill()  # SIGKILL: no clean-up runs, the lock file stays behind
         first.wait()
-    assert (out / guards.LOCK_NAME).read_text().startswith(f"pid {first.pid} ")
+    assert (out / run_lock.LOCK_NAME).read_text().startswith(f"pid {first.pid} ")
     third = train(*FAST, "--max_steps", "2", f"--output_dir={out}", "--checkpoint_freq", "-1")
     assert third.returncode == 0, third.stderr[-3000:]
     assert "Batch 2 Loss" in third.stdout
@@ -269,16 +269,16 @@ def test_a_second_run_in_a_live_run_directory_is_refused_and_a_dead_ones_lock_is
 
 def test_the_lock_covers_a_checkpoint_dir_outside_the_run_dir(tmp_path: Path) -> None:
     shared = tmp_path / "shared_ckpt"
-    assert guards.lock_dirs(str(tmp_path / "a"), str(tmp_path / "a" / "ckpt")) == [tmp_path / "a"]
-    assert guards.lock_dirs(str(tmp_path / "a"), str(shared)) == [tmp_path / "a", shared]
-    held = guards.RunLock(shared).acquire()
+    assert run_lock.lock_dirs(str(tmp_path / "a"), str(tmp_path / "a" / "ckpt")) == [tmp_path / "a"]
+    assert run_lock.lock_dirs(str(tmp_path / "a"), str(shared)) == [tmp_path / "a", shared]
+    held = run_lock.RunLock(shared).acquire()
     try:
         probe = subprocess.run(
             [
                 sys.executable,
                 "-c",
-                "import sys; from model_utils import guards; "
-                "print(guards.lock_holder(sys.argv[1]))",
+                "import sys; from model_utils import run_lock; "
+                "print(run_lock.lock_holder(sys.argv[1]))",
                 str(shared),
             ],
             capture_output=True,
@@ -287,12 +287,12 @@ def test_the_lock_covers_a_checkpoint_dir_outside_the_run_dir(tmp_path: Path) ->
             check=True,
         ).stdout
         assert probe.startswith(f"pid {os.getpid()} on host ")
-        with pytest.raises(guards.RunLocked, match="shared_ckpt is in use by another run"):
-            guards.check_not_locked(guards.lock_dirs(str(tmp_path / "b"), str(shared)))
+        with pytest.raises(run_lock.RunLocked, match="shared_ckpt is in use by another run"):
+            run_lock.check_not_locked(run_lock.lock_dirs(str(tmp_path / "b"), str(shared)))
     finally:
         held.release()
-    assert guards.lock_holder(shared) is None
-    assert guards.lock_holder(tmp_path / "never_used") is None
+    assert run_lock.lock_holder(shared) is None
+    assert run_lock.lock_holder(tmp_path / "never_used") is None
     assert not (tmp_path / "never_used").exists()
 
 
@@ -301,7 +301,6 @@ def test_a_run_that_took_the_directory_after_the_check_still_stops_this_one(
 ) -> None:
     """validate() only looks; rank 0 takes the lock after the process group starts, so a run
     that started in between is still refused there (world of one, in this process)."""
-    import train
     from model_utils import distributed
 
     args = parse_args([*FAST, "--output_dir", str(tmp_path / "run")])
@@ -310,13 +309,13 @@ def test_a_run_that_took_the_directory_after_the_check_still_stops_this_one(
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         world, cpu = distributed.world_from_env({}), torch.device("cpu")
-        locks = train.hold_run_dirs(args, world, cpu)
-        assert guards.lock_holder(tmp_path / "run").startswith(f"pid {os.getpid()} ")
-        with pytest.raises(guards.RunLocked, match="in use by another run"):
-            train.hold_run_dirs(args, world, cpu)
+        locks = run_lock.hold_run_dirs(args, world, cpu)
+        assert run_lock.lock_holder(tmp_path / "run").startswith(f"pid {os.getpid()} ")
+        with pytest.raises(run_lock.RunLocked, match="in use by another run"):
+            run_lock.hold_run_dirs(args, world, cpu)
         for lock in locks:
             lock.release()
-        assert guards.lock_holder(tmp_path / "run") is None
+        assert run_lock.lock_holder(tmp_path / "run") is None
     finally:
         if created:
             dist.destroy_process_group()
@@ -563,13 +562,13 @@ def test_a_file_in_the_way_is_refused_before_anything_is_created(tmp_path: Path)
     blocker = tmp_path / "blocker"
     blocker.write_text("x")
     for flag in ("--checkpoint_dir", "--export_hf", "--output_dir"):
-        problem = guards.location_problem(flag, blocker)
+        problem = outputs.location_problem(flag, blocker)
         assert problem == f"{flag} {blocker} is a file, not a directory: choose another {flag}"
-        below = guards.location_problem(flag, blocker / "sub")
+        below = outputs.location_problem(flag, blocker / "sub")
         assert below and f"{blocker} is a file" in below
-    assert guards.location_problem("--output_dir", tmp_path / "new" / "deep") is None
+    assert outputs.location_problem("--output_dir", tmp_path / "new" / "deep") is None
     assert not (tmp_path / "new").exists()
-    assert guards.probe_write("--output_dir", tmp_path / "new" / "deep") is None
+    assert outputs.probe_write("--output_dir", tmp_path / "new" / "deep") is None
     assert not (tmp_path / "new").exists()  # the probe leaves nothing behind
     result = train("--export_hf", str(blocker), f"--output_dir={tmp_path / 'run'}")
     assert result.returncode == 2 and error_lines(result) == [
@@ -581,14 +580,14 @@ def test_a_file_in_the_way_is_refused_before_anything_is_created(tmp_path: Path)
 
 def test_free_space_verdicts() -> None:
     gib, where = 2**30, Path("/x")
-    assert guards.space_verdict(10 * gib, 1 * gib, 3, "checkpoint", where)[0] == "ok"
-    verdict, line = guards.space_verdict(2 * gib, 1 * gib, 3, "checkpoint", where)
+    assert outputs.space_verdict(10 * gib, 1 * gib, 3, "checkpoint", where)[0] == "ok"
+    verdict, line = outputs.space_verdict(2 * gib, 1 * gib, 3, "checkpoint", where)
     assert verdict == "warn" and "less than the 3 checkpoints" in line
-    verdict, line = guards.space_verdict(gib // 2, 1 * gib, 3, "checkpoint", where)
+    verdict, line = outputs.space_verdict(gib // 2, 1 * gib, 3, "checkpoint", where)
     assert verdict == "refuse" and line.startswith("/x has 0.50 GiB free, less than one checkpoint")
     # 82 MiB measured for the tiny model's 7.1M parameters with AdamW: 12 bytes per parameter
-    assert guards.checkpoint_bytes(7_100_000) == 85_200_000
-    assert guards.checkpoint_bytes(10, "adamw8bit") == 60
+    assert outputs.checkpoint_bytes(7_100_000) == 85_200_000
+    assert outputs.checkpoint_bytes(10, "adamw8bit") == 60
 
 
 @pytest.fixture

@@ -1,0 +1,159 @@
+"""Write problems found before training, not at the first save: a location that cannot be
+written (a file in the way, read-only, quota, root squash) or cannot hold one checkpoint is a
+one-line refusal (exit 2); room for fewer checkpoints than the run keeps is a warning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import socket
+from pathlib import Path
+
+from model_utils import distributed
+
+
+class WriteProblem(RuntimeError):
+    """An output location cannot be written, or cannot hold one checkpoint: one line, exit 2."""
+
+
+def output_locations(args: argparse.Namespace) -> dict[str, Path]:
+    """Where the run writes: flag -> directory."""
+    out = {"--output_dir": Path(args.output_dir), "--checkpoint_dir": Path(args.checkpoint_dir)}
+    if args.export_hf:
+        out["--export_hf"] = Path(args.export_hf)
+    return out
+
+
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def _nearest_existing(path: Path) -> Path:
+    """`path`, or its nearest ancestor that exists (the folder it would be created in)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def location_problem(flag: str, path: Path) -> str | None:
+    """Why `path` cannot become a writable directory, found without creating anything: a file
+    in the way, or a nearest existing folder that is read-only or not writable by this user."""
+    if path.exists() and not path.is_dir():
+        return f"{flag} {path} is a file, not a directory: choose another {flag}"
+    existing = _nearest_existing(path)
+    if not existing.is_dir():
+        return f"{flag} {path} cannot be created: {existing} is a file; choose another {flag}"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        why = "is on a read-only file system" if _read_only(existing) else "is not writable"
+        return f"{flag} {path} cannot be written: {existing} {why}; choose another {flag}"
+    return None
+
+
+def check_locations(locations: dict[str, Path]) -> None:
+    """WriteProblem (one line) for the first location that cannot be written. Reads only."""
+    for flag, path in locations.items():
+        problem = location_problem(flag, path)
+        if problem:
+            raise WriteProblem(problem)
+
+
+def probe_write(flag: str, path: Path) -> str | None:
+    """Create `path` and write, sync and delete a small file in it: what the run will do, so
+    what access() cannot tell (quotas, NFS root squash, ACLs) shows now. None if it worked."""
+    probe = path / f".write-probe-{socket.gethostname()}-{os.getpid()}"
+    created = [p for p in (path, *path.parents) if not p.exists()]
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as fh:
+            fh.write(b"\0" * 4096)
+            fh.flush()
+            os.fsync(fh.fileno())
+        probe.unlink()
+    except OSError as exc:
+        words = os.strerror(exc.errno) if exc.errno else str(exc)
+        return f"{flag} {path} cannot be written ({words}): choose another {flag}"
+    finally:
+        for folder in created:  # deepest first: leave nothing behind (it is made when needed)
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+    return None
+
+
+# A checkpoint holds fp32 weights (4 bytes per parameter) and the optimizer's two moments:
+# fp32 for AdamW, about a byte each for 8-bit/FP8 moments; the rest (schedule, data position,
+# RNG) is small.
+WEIGHT_BYTES_PER_PARAM = 4
+MOMENT_BYTES_PER_PARAM = {"adamw": 8, "adamw8bit": 2, "adamw_fp8": 2}
+EXPORT_BYTES_PER_PARAM = 4  # --export_hf writes fp32 safetensors
+
+
+def checkpoint_bytes(num_params: int, optimizer: str = "adamw") -> int:
+    return num_params * (WEIGHT_BYTES_PER_PARAM + MOMENT_BYTES_PER_PARAM.get(optimizer, 8))
+
+
+def space_verdict(free: int, need: int, keep: int, what: str, where: Path) -> tuple[str, str]:
+    """('refuse' | 'warn' | 'ok', one line) for `need` bytes per save with `keep` saves on disk
+    at once (a new checkpoint is written before the oldest is pruned)."""
+    gib = 2**30
+    if free < need:
+        return "refuse", (
+            f"{where} has {free / gib:.2f} GiB free, less than one {what} "
+            f"(~{need / gib:.2f} GiB): free space or choose another location"
+        )
+    if keep and free < need * keep:
+        return "warn", (
+            f"{where} has {free / gib:.2f} GiB free, less than the {keep} {what}s this run keeps "
+            f"at once (~{need * keep / gib:.2f} GiB): a later save may fail (the newest "
+            "checkpoint is then kept)"
+        )
+    return "ok", ""
+
+
+def check_space(args: argparse.Namespace, num_params: int, log: logging.Logger) -> None:
+    """Before training: WriteProblem if a checkpoint (or the HF export) cannot fit once; a
+    warning if keep_last + 1 checkpoints cannot."""
+    # Checked even with --checkpoint_freq -1: a preemption signal still saves. keep_last 0 keeps
+    # every checkpoint: warn below two.
+    keep = args.keep_last + 1 if args.keep_last else 2
+    size = checkpoint_bytes(num_params, getattr(args, "optimizer", "adamw"))
+    needs = [("checkpoint", size, keep, Path(args.checkpoint_dir))]
+    if args.export_hf:
+        needs.append(
+            ("Hugging Face export", EXPORT_BYTES_PER_PARAM * num_params, 1, Path(args.export_hf))
+        )
+    for what, need, keep, where in needs:
+        free = shutil.disk_usage(_nearest_existing(where)).free
+        verdict, line = space_verdict(free, need, keep, what, where)
+        if verdict == "refuse":
+            raise WriteProblem(line)
+        if verdict == "warn":
+            log.warning(line)
+
+
+def check_outputs(
+    args: argparse.Namespace, world: distributed.World, num_params: int, log: logging.Logger
+) -> None:
+    """Every rank writes a probe file where it will write its checkpoint shards (mounts can
+    differ between nodes); rank 0 also in the run and export folders, and checks that a
+    checkpoint (and the export) fits in the free space. WriteProblem on every rank if any
+    rank found a problem."""
+    problem = None
+    for flag, path in output_locations(args).items():
+        if problem is None and (world.is_main or flag == "--checkpoint_dir"):
+            problem = probe_write(flag, path)
+    if problem is None and world.is_main:
+        try:
+            check_space(args, num_params, log)
+        except WriteProblem as exc:
+            problem = str(exc)
+    first = distributed.first_problem(problem, world.world_size)
+    if first:
+        raise WriteProblem(first)
