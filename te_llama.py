@@ -121,7 +121,7 @@ TE_NORM_PARAMS: frozenset[str] = frozenset(
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 #: Old HF files carry RoPE buffers; they are recomputed, never loaded.
-_HF_RECOMPUTED = "rotary_emb.inv_freq"
+_HF_RECOMPUTED = ("rotary_emb.inv_freq",)
 
 
 def _fuse_layer(
@@ -175,9 +175,11 @@ def _map_layers(
     map_layer: LayerMapper,
     config: Any,
     source: str,
+    skipped: tuple[str, ...] = (),
 ) -> dict[str, torch.Tensor]:
-    """Map `layers` with `map_layer`; other tensors keep their names. A decoder-layer tensor left
-    over is an error (KeyError), so a partial or foreign state dict cannot load silently."""
+    """Map `layers` with `map_layer`; other tensors keep their names, except those ending in one
+    of `skipped`. A decoder-layer tensor left over is an error (KeyError), so a partial or
+    foreign state dict cannot load silently."""
     out: dict[str, torch.Tensor] = {}
     used: set[str] = set()
     for layer in layers:
@@ -185,7 +187,7 @@ def _map_layers(
         out.update(mapped)
         used.update(names)
     for key, tensor in state_dict.items():
-        if key in used or (source == "HF" and key.endswith(_HF_RECOMPUTED)):
+        if key in used or key.endswith(skipped):
             continue
         if _LAYER_KEY.match(key):
             raise KeyError(f"unexpected decoder-layer tensor {key!r} in {source} state dict")
@@ -213,7 +215,8 @@ def hf_to_te_state_dict(
     first missing or unexpected decoder-layer tensor). Tensors are not copied unless a
     concatenation is needed.
     """
-    return _map_layers(state_dict, range(config.num_hidden_layers), _fuse_layer, config, "HF")
+    layers = range(config.num_hidden_layers)
+    return _map_layers(state_dict, layers, _fuse_layer, config, "HF", _HF_RECOMPUTED)
 
 
 def te_to_hf_state_dict(
@@ -248,7 +251,7 @@ class StateDictAdapter:
     def from_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """HF names -> ``te`` for the decoder layers present in ``state_dict``."""
         layers = _layers_in(state_dict)
-        return _map_layers(state_dict, layers, _fuse_layer, self.config, "HF")
+        return _map_layers(state_dict, layers, _fuse_layer, self.config, "HF", _HF_RECOMPUTED)
 
     def to_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``te`` names -> HF for the decoder layers present; TE's ``_extra_state`` is dropped."""

@@ -202,6 +202,30 @@ def test_meta_build_and_deterministic_init(impl: str, te_double) -> None:
     assert torch.equal(model.model.rotary_emb.inv_freq, expected_rope)
 
 
+def test_te_model_carries_its_adapter_for_hf_export_and_import(tmp_path, te_double) -> None:
+    """--export_hf and --init_from_hf map the fused layout through ``model.state_dict_adapter``:
+    the export is HF's layout exactly, and importing it into another te model restores every
+    weight bit for bit. te_linear keeps HF's names and carries no adapter."""
+    from model_utils import checkpoint
+
+    config = tiny_config()
+    model = built(config, "te", seed=3)
+    assert isinstance(model.state_dict_adapter, te_llama.StateDictAdapter)
+    assert not hasattr(built(config, "te_linear"), "state_dict_adapter")
+    checkpoint.export_hf(model, config, tmp_path / "hf")
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    assert set(hf) == set(LlamaForCausalLM(config).state_dict())
+    expected = te_llama.te_to_hf_state_dict(model.state_dict(), config)
+    assert all(torch.equal(hf[k], expected[k]) for k in hf)
+    other = built(config, "te", seed=4)
+    checkpoint.load_hf_weights(other, tmp_path / "hf")
+    weights = {
+        k: v for k, v in model.state_dict().items() if not te_support.is_te_extra_state_key(k)
+    }
+    loaded = other.state_dict()
+    assert all(torch.equal(v, loaded[k]) for k, v in weights.items())
+
+
 def test_te_linear_swaps_decoder_linears_only(te_double) -> None:
     import transformer_engine.pytorch as te
 
