@@ -73,9 +73,10 @@ def is_te_extra_state_key(key: str) -> bool:
 
 def te_modules(model: nn.Module) -> Iterator[nn.Module]:
     """TE modules that take ``is_first_microbatch``: te_llama's decoder layers and swapped
-    linears, both marked by :data:`FIRST_MICROBATCH_ATTR`."""
+    linears, both marked by :data:`FIRST_MICROBATCH_ATTR` in their own ``__dict__`` (not
+    ``hasattr``: activation checkpointing's wrapper forwards attribute reads to what it wraps)."""
     for module in model.modules():
-        if hasattr(module, FIRST_MICROBATCH_ATTR):
+        if FIRST_MICROBATCH_ATTR in vars(module):
             yield module
 
 
