@@ -256,6 +256,24 @@ def test_round_trip_hf_te_hf_is_exact_and_training_continues_identically(
     assert losses["te"][1] != losses["te"][0]
 
 
+def test_convert_script_maps_a_te_checkpoint_to_hf_exactly(
+    tmp_path, te_double, monkeypatch
+) -> None:
+    """scripts/convert_checkpoint.py maps a --model_impl te checkpoint through te_llama's
+    StateDictAdapter: the HF directory holds exactly the trained weights under HF names."""
+    from transformers import LlamaForCausalLM
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import convert_checkpoint
+
+    run = Run("te", False, seed=1, checkpoint_dir=tmp_path / "ck")
+    run.step(seed=0)
+    path = run.checkpointer.save(1, run.state)
+    assert convert_checkpoint.main([str(path), str(tmp_path / "hf")]) == 0
+    exported = LlamaForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    assert_same(exported, run.hf_weights(), "converted te checkpoint")
+
+
 def test_moment_conversion_problem() -> None:
     """Adam's fields convert (parameter-shaped moments, scalar step); anything else restarts."""
 
