@@ -231,14 +231,10 @@ def te_to_hf_state_dict(
     return _map_layers(clean, range(config.num_hidden_layers), _split_layer, config, "TE")
 
 
-#: The parameter layouts: ``hf`` (Hugging Face names: --model_impl hf and te_linear) and ``te``
-#: (te_llama's fused TransformerLayer).
-LAYOUTS = ("hf", "te")
-
-
 class StateDictAdapter:
     """The one HF <-> ``te`` converter for a config, used by --init_from_hf, --export_hf,
-    checkpoints of the other layout and scripts/convert_checkpoint.py.
+    checkpoints of the other layout and scripts/convert_checkpoint.py. Layouts are named as
+    ``checkpoint.param_layout`` names them: ``hf`` (--model_impl hf and te_linear) and ``te``.
 
     ``from_hf`` / ``to_hf`` take any part of a state dict: callers pass one decoder layer (or
     the non-layer tensors) at a time so no rank ever holds the whole model. A ``te`` model built
