@@ -12,76 +12,50 @@ Two TE implementations of the same Hugging Face Llama:
   stay ``nn.Linear``).
 
 Nothing here monkey-patches transformers' classes, and TE is imported lazily: importing this
-module never needs TE; building a TE model without TE raises :class:`TEUnavailableError`.
+module never needs TE; building a TE model without TE raises ``TEUnavailableError``. The TE
+glue the library needs too (importing TE, FP8 scaling state, RoPE and masks in TE's form) is in
+``model_utils/te_support.py``; this file is the model.
 
 Weights are always described by :data:`LAYER_PARAM_MAP` (HF name(s) -> TE name), the single
-source of truth used by :func:`hf_to_te_state_dict` / :func:`te_to_hf_state_dict`, by
-``--init_from_hf`` / ``--export_hf`` and by checkpoint conversion.
+source of truth behind :class:`StateDictAdapter`, which converts for ``--init_from_hf`` /
+``--export_hf``, for checkpoints of the other layout and for scripts/convert_checkpoint.py.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import importlib
-import json
-import math
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from model_utils.distributed import canonical_param_name
 from model_utils.precision import FP8_DIM_MULTIPLE  # FP8 GEMMs need multiples of 16
+from model_utils.te_support import (
+    FIRST_MICROBATCH_ATTR,
+    TE_LAYER_ATTR,
+    batch_positions,
+    head_dim_of,
+    hf_mask_to_te,
+    import_te,
+    is_te_extra_state_key,
+    llama_rope_inv_freq,
+    rope_angles,
+)
 
 ModelImpl = Literal["te", "te_linear"]
 
 #: Prefix of the decoder layers inside ``LlamaForCausalLM.state_dict()``.
 LAYER_PREFIX = "model.layers."
-#: Attribute of :class:`TELlamaDecoderLayer` holding the TE ``TransformerLayer``.
-TE_LAYER_ATTR = "transformer_layer"
-#: Wrapper segments that do not belong to a parameter's identity (activation checkpointing,
-#: torch.compile, FSDP1): stripped before a name is mapped or seeded.
-_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-class TEUnavailableError(ImportError):
-    """Transformer Engine is not importable here (it needs an NVIDIA GPU build, e.g. NGC)."""
-
-
-def import_te() -> ModuleType:
-    """Return ``transformer_engine.pytorch`` or raise a one-line, actionable error."""
-    try:
-        return importlib.import_module("transformer_engine.pytorch")
-    except ImportError as err:  # also catches a TE build that cannot load its CUDA library
-        raise TEUnavailableError(
-            "Transformer Engine is not available (import transformer_engine.pytorch failed: "
-            f"{err}). Use --model_impl hf, or run inside the NGC PyTorch container built by "
-            "0.transformer-engine.dockerfile."
-        ) from err
-
-
-def te_available() -> bool:
-    """True when ``transformer_engine.pytorch`` imports (used by ``--model_impl auto``)."""
-    try:
-        import_te()
-    except TEUnavailableError:
-        return False
-    return True
-
 
 # --------------------------------------------------------------------------------------------
 # The HF <-> TE weight mapping, as data.
 # --------------------------------------------------------------------------------------------
-
-
-def head_dim_of(config: Any) -> int:
-    """Per-head width: ``config.head_dim`` when set, else ``hidden_size // num_attention_heads``."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 #: Row counts of the parts of a fused TE weight, by name, from the config.
@@ -146,67 +120,103 @@ TE_NORM_PARAMS: frozenset[str] = frozenset(
 )
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+#: Old HF files carry RoPE buffers; they are recomputed, never loaded.
+_HF_RECOMPUTED = ("rotary_emb.inv_freq",)
 
 
-def is_te_extra_state_key(key: str) -> bool:
-    """TE modules add ``<module>._extra_state`` (FP8 scaling metadata) to their state dict.
+def _fuse_layer(
+    state_dict: Mapping[str, torch.Tensor], prefix: str, config: Any
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """One decoder layer, HF -> ``te``: the TE tensors and the HF names they consumed."""
+    out: dict[str, torch.Tensor] = {}
+    used: list[str] = []
+    for mapping in LAYER_PARAM_MAP:
+        names = [prefix + hf for hf in mapping.hf]
+        missing = [n for n in names if n not in state_dict]
+        if missing:
+            raise KeyError(f"HF state dict has no {missing[0]!r} (needed for {mapping.te})")
+        parts = [state_dict[n] for n in names]
+        out[prefix + mapping.te] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        used += names
+    return out, used
 
-    Weights converted from HF have none; load them with ``strict=False`` and accept exactly
-    these missing keys (TE starts fresh FP8 statistics, as after a change of recipe).
-    """
-    return key.endswith("._extra_state") or key == "_extra_state"
+
+def _split_layer(
+    state_dict: Mapping[str, torch.Tensor], prefix: str, config: Any
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """One decoder layer, ``te`` -> HF: the HF tensors (views) and the TE names they consumed."""
+    out: dict[str, torch.Tensor] = {}
+    used: list[str] = []
+    for mapping in LAYER_PARAM_MAP:
+        key = prefix + mapping.te
+        if key not in state_dict:
+            raise KeyError(f"TE state dict has no {key!r}")
+        tensor = state_dict[key]
+        if len(mapping.hf) == 1:
+            out[prefix + mapping.hf[0]] = tensor
+        else:
+            sizes = mapping.split_sizes(config)
+            if sum(sizes) != tensor.shape[0]:
+                raise ValueError(f"{key}: {tensor.shape[0]} rows, config implies {sizes}")
+            for hf_name, part in zip(mapping.hf, tensor.split(sizes, dim=0), strict=True):
+                out[prefix + hf_name] = part
+        used.append(key)
+    return out, used
 
 
-def canonical_param_name(name: str) -> str:
-    """Strip wrapper segments (activation checkpointing, compile, FSDP1) from a parameter name."""
-    for segment in _WRAPPER_SEGMENTS:
-        name = name.replace(segment, "")
-    return name
+LayerMapper = Callable[
+    [Mapping[str, torch.Tensor], str, Any], tuple[dict[str, torch.Tensor], list[str]]
+]
 
 
-def hf_parts(name: str, shape: tuple[int, ...], config: Any) -> list[tuple[str, tuple[int, ...]]]:
-    """The HF parameters a ``te``-layout parameter is made of, as ``(hf_name, shape)`` in
-    concatenation order; a name outside the table maps to itself. Used to initialise the TE
-    layout from the values the HF layout would get, so a seed means one model in every impl."""
-    match = _LAYER_KEY.match(name)
-    mapping = next((m for m in LAYER_PARAM_MAP if match and match.group(2) == m.te), None)
-    if mapping is None:
-        return [(name, tuple(shape))]
-    prefix = f"{LAYER_PREFIX}{match.group(1)}."
-    if len(mapping.hf) == 1:
-        return [(prefix + mapping.hf[0], tuple(shape))]
-    rows = mapping.split_sizes(config)
-    return [(prefix + hf, (n, *shape[1:])) for hf, n in zip(mapping.hf, rows, strict=True)]
+def _map_layers(
+    state_dict: Mapping[str, torch.Tensor],
+    layers: Iterable[int],
+    map_layer: LayerMapper,
+    config: Any,
+    source: str,
+    skipped: tuple[str, ...] = (),
+) -> dict[str, torch.Tensor]:
+    """Map `layers` with `map_layer`; other tensors keep their names, except those ending in one
+    of `skipped`. A decoder-layer tensor left over is an error (KeyError), so a partial or
+    foreign state dict cannot load silently."""
+    out: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
+    for layer in layers:
+        mapped, names = map_layer(state_dict, f"{LAYER_PREFIX}{layer}.", config)
+        out.update(mapped)
+        used.update(names)
+    for key, tensor in state_dict.items():
+        if key in used or key.endswith(skipped):
+            continue
+        if _LAYER_KEY.match(key):
+            raise KeyError(f"unexpected decoder-layer tensor {key!r} in {source} state dict")
+        out[key] = tensor
+    return out
+
+
+def _weights_by_clean_name(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Names without wrapper segments, TE's ``_extra_state`` dropped (it is no weight)."""
+    return {
+        canonical_param_name(k): v for k, v in state_dict.items() if not is_te_extra_state_key(k)
+    }
+
+
+def _layers_in(names: Iterable[str]) -> list[int]:
+    return sorted({int(m.group(1)) for m in map(_LAYER_KEY.match, names) if m})
 
 
 def hf_to_te_state_dict(
     state_dict: Mapping[str, torch.Tensor], config: Any
 ) -> dict[str, torch.Tensor]:
-    """Convert a ``LlamaForCausalLM`` state dict (HF names) to the ``te`` implementation's names.
+    """Convert a whole ``LlamaForCausalLM`` state dict (HF names) to the ``te`` layout.
 
-    Non-layer tensors (embeddings, final norm, lm_head) keep their names. Raises ``KeyError``
-    naming the first missing or unexpected decoder-layer tensor, so a partial checkpoint cannot
-    load silently. Tensors are not copied unless a concatenation is needed.
+    Every one of ``config.num_hidden_layers`` layers must be complete (``KeyError`` naming the
+    first missing or unexpected decoder-layer tensor). Tensors are not copied unless a
+    concatenation is needed.
     """
-    out: dict[str, torch.Tensor] = {}
-    used: set[str] = set()
-    for layer in range(config.num_hidden_layers):
-        prefix = f"{LAYER_PREFIX}{layer}."
-        for mapping in LAYER_PARAM_MAP:
-            names = [prefix + hf for hf in mapping.hf]
-            missing = [n for n in names if n not in state_dict]
-            if missing:
-                raise KeyError(f"HF state dict has no {missing[0]!r} (needed for {mapping.te})")
-            parts = [state_dict[n] for n in names]
-            out[prefix + mapping.te] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-            used.update(names)
-    for key, tensor in state_dict.items():
-        if key in used or key.endswith("rotary_emb.inv_freq"):  # old HF files carry RoPE buffers
-            continue
-        if _LAYER_KEY.match(key):
-            raise KeyError(f"unexpected decoder-layer tensor {key!r} in HF state dict")
-        out[key] = tensor
-    return out
+    layers = range(config.num_hidden_layers)
+    return _map_layers(state_dict, layers, _fuse_layer, config, "HF", _HF_RECOMPUTED)
 
 
 def te_to_hf_state_dict(
@@ -217,232 +227,55 @@ def te_to_hf_state_dict(
     Accepts names with wrapper segments (``_checkpoint_wrapped_module.``) and converts
     low-precision or distributed tensors by the caller's choice beforehand (pass plain tensors).
     """
-    clean = {
-        canonical_param_name(k): v for k, v in state_dict.items() if not is_te_extra_state_key(k)
-    }
-    out: dict[str, torch.Tensor] = {}
-    used: set[str] = set()
-    for layer in range(config.num_hidden_layers):
-        prefix = f"{LAYER_PREFIX}{layer}."
-        for mapping in LAYER_PARAM_MAP:
-            key = prefix + mapping.te
-            if key not in clean:
-                raise KeyError(f"TE state dict has no {key!r}")
-            tensor = clean[key]
-            if len(mapping.hf) == 1:
-                out[prefix + mapping.hf[0]] = tensor
-            else:
-                sizes = mapping.split_sizes(config)
-                if sum(sizes) != tensor.shape[0]:
-                    raise ValueError(f"{key}: {tensor.shape[0]} rows, config implies {sizes}")
-                for hf_name, part in zip(mapping.hf, tensor.split(sizes, dim=0), strict=True):
-                    out[prefix + hf_name] = part
-            used.add(key)
-    for key, tensor in clean.items():
-        if key in used:
-            continue
-        if _LAYER_KEY.match(key):
-            raise KeyError(f"unexpected decoder-layer tensor {key!r} in TE state dict")
-        out[key] = tensor
-    return out
+    clean = _weights_by_clean_name(state_dict)
+    return _map_layers(clean, range(config.num_hidden_layers), _split_layer, config, "TE")
 
 
-# --------------------------------------------------------------------------------------------
-# FP8 scaling state as plain tensors (what TE pickles into ``_extra_state``).
-# --------------------------------------------------------------------------------------------
+class StateDictAdapter:
+    """The one HF <-> ``te`` converter for a config, used by --init_from_hf, --export_hf,
+    checkpoints of the other layout and scripts/convert_checkpoint.py. Layouts are named as
+    ``checkpoint.param_layout`` names them: ``hf`` (--model_impl hf and te_linear) and ``te``.
 
-#: Per TE module and direction, the delayed-scaling tensors TE keeps in
-#: ``fp8_meta["scaling_fwd" | "scaling_bwd"]`` (``.scale`` [n], ``.amax_history`` [len, n]; n is 3
-#: per GEMM forward and 2 backward). Current, block and MXFP8 scaling keep no state.
-FP8_DIRECTIONS = ("fwd", "bwd")
-RECIPE_KEY = "recipe"
-
-
-def _fp8_stateful_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """TE modules (anything with TE's ``fp8_meta`` and ``init_fp8_meta_tensors``), by clean name."""
-    for name, module in model.named_modules():
-        if isinstance(getattr(module, "fp8_meta", None), dict) and hasattr(
-            module, "init_fp8_meta_tensors"
-        ):
-            yield canonical_param_name(name), module
-
-
-def recipe_identity(recipe: Any) -> dict[str, Any]:
-    """The recipe class and the fields that shape its scaling state, as JSON-able values."""
-    identity: dict[str, Any] = {"class": type(recipe).__name__}
-    for field in ("fp8_format", "amax_history_len", "amax_compute_algo", "margin"):
-        value = getattr(recipe, field, None)
-        if value is not None:
-            identity[field] = getattr(value, "name", value) if not callable(value) else "custom"
-    return identity
-
-
-def _json_tensor(payload: dict[str, Any]) -> torch.Tensor:
-    return torch.tensor(list(json.dumps(payload, sort_keys=True).encode()), dtype=torch.uint8)
-
-
-def decode_recipe_identity(tensor: torch.Tensor) -> dict[str, Any]:
-    return json.loads(bytes(tensor.cpu().tolist()).decode())
-
-
-def fp8_scaling_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every TE module's delayed-scaling state as plain tensors: ``<module>.scale_fwd``,
-    ``amax_history_fwd``, ``scale_bwd``, ``amax_history_bwd`` and ``<module>.recipe`` (the
-    recipe's identity as UTF-8 JSON bytes).
-
-    TE's own ``_extra_state`` pickles these with the recipe object, and TE >= 2.18 refuses to
-    unpickle that (it could run code) unless the user sets an unsafe variable; plain tensors
-    need no trust decision and load on every TE release. Amaxes are all-reduced over the
-    data-parallel group, so every rank holds the same values.
+    ``from_hf`` / ``to_hf`` take any part of a state dict: callers pass one decoder layer (or
+    the non-layer tensors) at a time so no rank ever holds the whole model. A ``te`` model built
+    by :func:`build_te_llama` carries its adapter as ``model.state_dict_adapter``.
     """
-    out: dict[str, torch.Tensor] = {}
-    for name, module in _fp8_stateful_modules(model):
-        meta = module.fp8_meta
-        recipe = meta.get("recipe")
-        if recipe is None or not recipe.delayed() or "scaling_fwd" not in meta:
-            continue
-        prefix = f"{name}." if name else ""
-        for direction in FP8_DIRECTIONS:
-            state = meta[f"scaling_{direction}"]
-            out[f"{prefix}scale_{direction}"] = state.scale
-            out[f"{prefix}amax_history_{direction}"] = state.amax_history
-        out[prefix + RECIPE_KEY] = _json_tensor(recipe_identity(recipe))
-    return out
 
+    def __init__(self, config: Any) -> None:
+        self.config = config
 
-@torch.no_grad()
-def load_fp8_scaling_state(
-    model: nn.Module, tensors: Mapping[str, torch.Tensor], recipe: Any
-) -> list[str]:
-    """Put :func:`fp8_scaling_state` tensors back into the TE modules that run ``recipe`` (a
-    delayed-scaling recipe); returns the names of the modules restored.
+    def from_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """HF names -> ``te`` for the decoder layers present in ``state_dict``."""
+        layers = _layers_in(state_dict)
+        return _map_layers(state_dict, layers, _fuse_layer, self.config, "HF", _HF_RECOMPUTED)
 
-    Does what TE's ``set_extra_state`` does after unpickling: set the recipe and GEMM count,
-    let TE allocate its recipe state, then copy scales and histories in place (TE's amax
-    reduction buffers view these very tensors). A history saved with another
-    ``--amax_history_len`` is cut or zero-padded, as TE resizes it.
-    """
-    restored = []
-    for name, module in _fp8_stateful_modules(model):
-        prefix = f"{name}." if name else ""
-        if f"{prefix}scale_fwd" not in tensors:
-            continue
-        meta = module.fp8_meta
-        meta["recipe"] = recipe
-        meta["num_gemms"] = tensors[f"{prefix}scale_fwd"].numel() // 3
-        meta["fp8_checkpoint"] = True
-        module.init_fp8_meta_tensors(recipe)
-        for direction in FP8_DIRECTIONS:
-            state = meta[f"scaling_{direction}"]
-            state.scale.copy_(tensors[f"{prefix}scale_{direction}"])
-            saved = tensors[f"{prefix}amax_history_{direction}"]
-            rows = min(saved.shape[0], state.amax_history.shape[0])
-            state.amax_history.zero_()
-            state.amax_history[:rows].copy_(saved[:rows])
-        restored.append(name)
-    return restored
+    def to_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``te`` names -> HF for the decoder layers present; TE's ``_extra_state`` is dropped."""
+        clean = _weights_by_clean_name(state_dict)
+        return _map_layers(clean, _layers_in(clean), _split_layer, self.config, "TE")
 
+    def converter(
+        self, source: str, target: str
+    ) -> Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]:
+        """The mapping from layout ``source`` to layout ``target`` (two different layouts)."""
+        maps = {("hf", "te"): self.from_hf, ("te", "hf"): self.to_hf}
+        if (source, target) not in maps:
+            raise ValueError(f"no parameter mapping from layout {source!r} to {target!r}")
+        return maps[(source, target)]
 
-# --------------------------------------------------------------------------------------------
-# RoPE: frequencies from the config, in TE's layout.
-# --------------------------------------------------------------------------------------------
-
-
-def rope_parameters(config: Any) -> dict[str, Any]:
-    """The RoPE settings of a Llama config as a plain dict with ``rope_type`` and ``rope_theta``.
-
-    transformers 5.x keeps them in ``config.rope_parameters``; older configs used ``rope_theta``
-    and ``rope_scaling`` attributes. Both are read so a config from either era works.
-    """
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    legacy = getattr(config, "rope_scaling", None) or {}
-    for key, value in dict(legacy).items():
-        params.setdefault(key, value)
-    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    if "type" in params and "rope_type" not in params:
-        params["rope_type"] = params["type"]
-    params.setdefault("rope_type", "default")
-    return params
-
-
-def llama_rope_inv_freq(config: Any) -> torch.Tensor:
-    """Inverse RoPE frequencies (fp32, ``[head_dim // 2]``) for ``default`` and ``llama3`` RoPE.
-
-    Written from the Llama 3 reference (wavelength bands with linear smoothing) rather than
-    borrowed from transformers, so tests can check it against HF independently. Other RoPE
-    types are refused: TE receives these frequencies verbatim and a silent mismatch with the
-    HF checkpoint's positional encoding would only show as worse loss.
-    """
-    params = rope_parameters(config)
-    rope_type = params["rope_type"]
-    head_dim = head_dim_of(config)
-    # Explicitly on CPU: models are built under ``torch.device("meta")``, and meta frequencies
-    # would have no values to copy later.
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    inv_freq = 1.0 / (float(params["rope_theta"]) ** exponent)
-    if rope_type == "default":
-        return inv_freq
-    if rope_type != "llama3":
-        raise ValueError(
-            f"rope_type {rope_type!r} is not supported by the TE implementation "
-            "(supported: default, llama3); use --model_impl hf"
-        )
-    factor = float(params["factor"])
-    low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
-    context = float(params["original_max_position_embeddings"])
-    wavelength = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
-    smooth = (context / wavelength - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelength >= context / high) & (wavelength <= context / low)
-    return torch.where(medium, blended, scaled)
-
-
-def rope_angles(inv_freq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """TE's ``rotary_pos_emb``: angles ``[seq, 1, 1, head_dim]`` in fp32, halves duplicated.
-
-    TE (non-interleaved) rotates halves exactly like HF's ``rotate_half`` and takes cos/sin of
-    these angles itself, so ``cat(freqs, freqs)`` here equals HF's ``emb`` before ``cos``.
-    """
-    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb[:, None, None, :]
-
-
-def _positions(
-    position_ids: torch.Tensor | None, seq_len: int, device: torch.device
-) -> torch.Tensor:
-    """One position vector for the batch: TE's fused RoPE takes ``[s, 1, 1, d]`` frequencies."""
-    if position_ids is None:
-        return torch.arange(seq_len, device=device)
-    if position_ids.dim() == 1:
-        return position_ids
-    if position_ids.shape[0] > 1 and not bool((position_ids == position_ids[:1]).all()):
-        raise ValueError(
-            "TE decoder layers need the same position_ids for every sequence in the batch "
-            "(packed training windows satisfy this); use --model_impl hf for per-row positions"
-        )
-    return position_ids[0]
-
-
-def hf_mask_to_te(attention_mask: torch.Tensor | None) -> tuple[str, torch.Tensor | None]:
-    """Map HF's 4-D mask to TE's ``(self_attn_mask_type, attention_mask)``.
-
-    HF passes ``None`` for plain causal attention (SDPA, no padding): TE's built-in ``causal``
-    is used. Otherwise the mask already combines causality and padding; TE takes it as an
-    ``arbitrary`` boolean mask where True means *masked out* (HF's bool masks mean *attend*,
-    its float masks are additive with large negatives at masked positions).
-    """
-    if attention_mask is None:
-        return "causal", None
-    if attention_mask.dim() != 4:
-        raise ValueError(
-            "TE decoder layers expect HF's 4-D attention mask, got shape "
-            f"{tuple(attention_mask.shape)} (is config._attn_implementation flash-attention?)"
-        )
-    if attention_mask.dtype == torch.bool:
-        return "arbitrary", ~attention_mask
-    return "arbitrary", attention_mask < 0
+    def hf_parts(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+        """The HF parameters a ``te``-layout parameter is made of, as ``(hf_name, shape)`` in
+        concatenation order; a name outside the table maps to itself. Init draws the TE layout
+        from the values the HF layout would get, so a seed means one model in every impl."""
+        match = _LAYER_KEY.match(name)
+        mapping = next((m for m in LAYER_PARAM_MAP if match and match.group(2) == m.te), None)
+        if mapping is None:
+            return [(name, tuple(shape))]
+        prefix = f"{LAYER_PREFIX}{match.group(1)}."
+        if len(mapping.hf) == 1:
+            return [(prefix + mapping.hf[0], tuple(shape))]
+        rows = mapping.split_sizes(self.config)
+        return [(prefix + hf, (n, *shape[1:])) for hf, n in zip(mapping.hf, rows, strict=True)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -525,8 +358,8 @@ class TELlamaDecoderLayer(nn.Module):
         # after ``to_empty`` and nobody would re-initialise them.
         self._inv_freq_cpu = llama_rope_inv_freq(config)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
-        #: Set per micro-batch by :func:`set_is_first_microbatch` (TE caches FP8 weights).
-        self.is_first_microbatch: bool | None = None
+        #: Set per micro-batch by ``te_support.set_is_first_microbatch`` (TE caches FP8 weights).
+        self.te_is_first_microbatch: bool | None = None
 
     def reset_rope_buffers(self) -> None:
         """Nothing to reset: frequencies live in a plain CPU attribute, not a meta buffer."""
@@ -535,7 +368,7 @@ class TELlamaDecoderLayer(nn.Module):
         device = hidden_states.device
         if device not in self._inv_freq:
             self._inv_freq[device] = self._inv_freq_cpu.to(device)
-        positions = _positions(position_ids, hidden_states.shape[1], device)
+        positions = batch_positions(position_ids, hidden_states.shape[1], device)
         return rope_angles(self._inv_freq[device], positions)
 
     def forward(
@@ -554,7 +387,7 @@ class TELlamaDecoderLayer(nn.Module):
                 "TE decoder layers keep no KV cache: call the model with use_cache=False "
                 "(export to HF with --export_hf for generation)"
             )
-        is_first_microbatch = kwargs.pop("is_first_microbatch", self.is_first_microbatch)
+        is_first_microbatch = kwargs.pop("is_first_microbatch", self.te_is_first_microbatch)
         rotary_pos_emb = self._rotary_pos_emb(hidden_states, position_ids)
         mask_type, te_mask = hf_mask_to_te(attention_mask)
         return self.transformer_layer(
@@ -629,11 +462,13 @@ def build_te_llama(
             model = _skeleton(config)
             model.te_linear_skipped = swap_linears_for_te(model)
     model.te_impl = impl
+    if impl == "te":
+        model.state_dict_adapter = StateDictAdapter(model.config)
     return model
 
 
 def _first_microbatch_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    kwargs.setdefault("is_first_microbatch", getattr(module, "te_is_first_microbatch", None))
+    kwargs.setdefault("is_first_microbatch", getattr(module, FIRST_MICROBATCH_ATTR, None))
     return args, kwargs
 
 
@@ -668,41 +503,6 @@ def swap_linears_for_te(model: nn.Module) -> list[str]:
                     device=device,
                 )
                 te_linear.register_forward_pre_hook(_first_microbatch_hook, with_kwargs=True)
-                te_linear.te_is_first_microbatch = None
+                setattr(te_linear, FIRST_MICROBATCH_ATTR, None)
                 setattr(owner, child_name, te_linear)
     return skipped
-
-
-def te_modules(model: nn.Module) -> Iterator[nn.Module]:
-    """TE modules that take ``is_first_microbatch``: our decoder layers and swapped linears."""
-    for module in model.modules():
-        if isinstance(module, TELlamaDecoderLayer) or hasattr(module, "te_is_first_microbatch"):
-            yield module
-
-
-def set_is_first_microbatch(model: nn.Module, value: bool | None) -> None:
-    """Tell TE whether the next forward starts a new optimizer step (True), continues gradient
-    accumulation (False), or is outside training (None: no FP8 weight caching)."""
-    for module in te_modules(model):
-        if isinstance(module, TELlamaDecoderLayer):
-            module.is_first_microbatch = value
-        else:
-            module.te_is_first_microbatch = value
-
-
-# --------------------------------------------------------------------------------------------
-# Initialisation: meta device -> to_empty -> reset_te_parameters -> modeling.init_weights.
-# --------------------------------------------------------------------------------------------
-
-
-def reset_te_parameters(model: nn.Module) -> None:
-    """Let TE modules build their real parameters; call after ``to_empty``, before init.
-
-    Every TE module exposes ``reset_parameters(defer_init=False)``, which materialises meta
-    parameters, runs TE's init and, under ``quantized_model_init`` (``--fp8_weights``), turns
-    them into FP8 tensors (``to_empty`` alone leaves plain high-precision tensors). A
-    deterministic init afterwards writes through ``copy_``, which TE quantizes.
-    """
-    for module in model.modules():
-        if hasattr(module, "param_init_meta") and hasattr(module, "reset_parameters"):
-            module.reset_parameters(defer_init=False)

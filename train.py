@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import te_llama
 from model_utils import (
     arguments,
     checkpoint,
@@ -208,7 +209,10 @@ def te_recipe(backend) -> object | None:
 def build_model(args: argparse.Namespace, mesh, device, backend) -> torch.nn.Module:
     """Meta-device Llama -> precision swaps -> AC/compile -> FSDP2 -> initialised local shard."""
     recipe = te_recipe(backend)
-    model = backend.prepare(modeling.build(args, args.model_impl, device, fp8_recipe=recipe))
+    built = modeling.build(
+        args, args.model_impl, device, fp8_recipe=recipe, build_te=te_llama.build_te_llama
+    )
+    model = backend.prepare(built)
     if args.activation_checkpointing:
         distributed.apply_activation_checkpointing(model, backend.checkpoint_fn, args.ac_every)
     if args.compile:
@@ -216,7 +220,7 @@ def build_model(args: argparse.Namespace, mesh, device, backend) -> torch.nn.Mod
     model = distributed.shard(model, mesh, args)
     modeling.materialize(model, device, args.seed)
     if args.init_from_hf:
-        checkpoint.load_hf_weights(model, args.init_from_hf, key_map=hf_key_map(args, "in"))
+        checkpoint.load_hf_weights(model, args.init_from_hf)  # te: the model's state_dict_adapter
     return model
 
 
@@ -240,7 +244,12 @@ def train(
 
     optimizer, scheduler = optim.from_args(model, args)
 
-    ckpt = checkpoint.Checkpointer(args.checkpoint_dir, args.keep_last, args.async_checkpoint)
+    ckpt = checkpoint.Checkpointer(
+        args.checkpoint_dir,
+        args.keep_last,
+        args.async_checkpoint,
+        state_dict_adapter=te_llama.StateDictAdapter(model.config),  # loads of the other layout
+    )
     state = checkpoint.TrainState(
         model,
         optimizer,
@@ -330,7 +339,7 @@ def train(
         ckpt.save(state.step, state)  # a step saved just before is not written twice
     ckpt.close()
     if args.export_hf:
-        checkpoint.export_hf(model, model.config, args.export_hf, key_map=hf_key_map(args, "out"))
+        checkpoint.export_hf(model, model.config, args.export_hf)
         log.info("Exported Hugging Face weights to %s", args.export_hf)
     run_log.finish()
 
@@ -357,17 +366,6 @@ def resume(ckpt, path, state, scheduler, args: argparse.Namespace, explicit: fro
 
 
 _LR_FLAGS = ("--lr", "--min_lr")
-
-
-def hf_key_map(args: argparse.Namespace, direction: str):
-    """HF <-> TE parameter names for the TE layer layout (one decoder layer at a time, so no rank
-    ever holds the whole model); HF layouts need no mapping."""
-    if args.model_impl != "te":
-        return None
-    import te_llama
-
-    fn = te_llama.hf_to_te_state_dict if direction == "in" else te_llama.te_to_hf_state_dict
-    return checkpoint.layerwise_key_map(fn, modeling.llama_config(args))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,6 +30,7 @@ import torch.distributed as dist  # noqa: E402
 
 import train  # noqa: E402
 from model_utils import arguments, checkpoint, distributed, modeling, optim, precision  # noqa: E402
+from model_utils.checkpoint.manifest import dir_bytes  # noqa: E402
 
 
 def shape_flags(spec: str) -> list[str]:
@@ -98,7 +99,7 @@ def measure(spec: str, root: Path, mesh: object, device: torch.device) -> dict[s
     bench = Bench(spec, mesh, device)
     sync = checkpoint.Checkpointer(root / f"{spec}-sync", keep_last=1)
     save_s, path = timed(lambda: sync.save(1, bench.state))
-    size_mb = checkpoint._dir_bytes(path) / 2**20
+    size_mb = dir_bytes(path) / 2**20
     load_s, _ = timed(lambda: sync.load(path, bench.state))
     asyncer = checkpoint.Checkpointer(root / f"{spec}-async", keep_last=1, async_save=True)
     async_return_s, _ = timed(lambda: asyncer.save(2, bench.state))

@@ -163,6 +163,18 @@ def apply_activation_checkpointing(model: nn.Module, checkpoint_fn=None, every: 
         layers[i] = checkpoint_wrapper(layers[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kw)
 
 
+#: Name segments the wrappers add (activation checkpointing, torch.compile, FSDP1): they do not
+#: belong to a parameter's identity, so init seeds and weight mappings strip them.
+WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def canonical_param_name(name: str) -> str:
+    """``name`` without wrapper segments: the same name with or without AC/compile wrapping."""
+    for segment in WRAPPER_SEGMENTS:
+        name = name.replace(segment, "")
+    return name
+
+
 def apply_compile(model: nn.Module) -> None:
     """Compile layer by layer (in place, so parameter names stay the same for checkpoints)."""
     for layer in decoder_layers(model):

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from model_utils import loss
+from model_utils import loss, te_support
+from model_utils.distributed import canonical_param_name
 
 # Initialiser std of Llama and of transformers' LlamaConfig default.
 INIT_STD = 0.02
@@ -57,19 +58,23 @@ def attention_backend(device: torch.device) -> str:
 
 
 def build(
-    args: argparse.Namespace, impl: str, device: torch.device, fp8_recipe: object = None
+    args: argparse.Namespace,
+    impl: str,
+    device: torch.device,
+    fp8_recipe: object = None,
+    build_te: Callable[..., nn.Module] | None = None,
 ) -> nn.Module:
     """Llama for `impl` (hf, te, te_linear) with every parameter on the meta device.
 
-    `fp8_recipe` is the TE recipe --fp8_weights quantizes the weights for (TE only)."""
+    `fp8_recipe` is the TE recipe --fp8_weights quantizes the weights for (TE only). `build_te`
+    is the TE model's builder (te_llama.build_te_llama), passed in because the model file lives
+    above this package and only the TE path needs it."""
     config = llama_config(args)
     with torch.device("meta"):
         if impl in ("te", "te_linear"):
-            import te_llama  # only the TE path imports Transformer Engine
-
-            model = te_llama.build_te_llama(
-                config, impl=impl, fp8_weights=args.fp8_weights, fp8_recipe=fp8_recipe
-            )
+            if build_te is None:
+                raise ValueError(f"--model_impl {impl} needs build_te (te_llama.build_te_llama)")
+            model = build_te(config, impl=impl, fp8_weights=args.fp8_weights, fp8_recipe=fp8_recipe)
         else:
             model = LlamaForCausalLM._from_config(
                 config, attn_implementation=attention_backend(device), dtype=torch.float32
@@ -131,21 +136,19 @@ def init_weights(model: nn.Module, seed: int, std: float = INIT_STD) -> None:
 
 
 def _init_parts(model: nn.Module):
-    """Where each parameter's initial values come from: itself, or for the fused TE layout the
-    HF parameters it is concatenated from (te_llama's table), so that one seed gives the same
-    starting model in hf, te_linear and te."""
-    if getattr(model, "te_impl", None) != "te":
+    """Where each parameter's initial values come from: itself, or for a layout that fuses HF
+    parameters (te) the HF parameters it is concatenated from (the model's state_dict_adapter),
+    so that one seed gives the same starting model in hf, te_linear and te."""
+    adapter = getattr(model, "state_dict_adapter", None)
+    if adapter is None:
         return lambda name, param: [(name, param.shape)]
-    import te_llama
-
-    return lambda name, param: te_llama.hf_parts(name, tuple(param.shape), model.config)
+    return lambda name, param: adapter.hf_parts(name, tuple(param.shape))
 
 
 def _named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     """Parameter names without wrapper prefixes, so init does not depend on AC/compile wrapping."""
     for name, param in model.named_parameters():
-        clean = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-        yield clean, param
+        yield canonical_param_name(name), param
 
 
 @torch.no_grad()
@@ -166,9 +169,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     """Allocate this rank's shards on `device` and initialise them deterministically."""
     model.to_empty(device=device)
     if getattr(model, "te_impl", None):
-        import te_llama
-
-        te_llama.reset_te_parameters(model)  # TE builds its real (maybe FP8) parameters here
+        te_support.reset_te_parameters(model)  # TE builds its real (maybe FP8) parameters here
     init_weights(model, seed)
     reset_buffers(model, model.config)
 

@@ -36,9 +36,9 @@ def resolve_model_impl(requested: str) -> str:
     """`auto` means TE's TransformerLayer where TE can run, stock HF elsewhere."""
     if requested != "auto":
         return requested
-    import te_llama  # imports Transformer Engine only if it is installed
+    from model_utils import te_support  # imports Transformer Engine only if it is installed
 
-    return "te" if fp8_capable_gpu() and te_llama.te_available() else "hf"
+    return "te" if fp8_capable_gpu() and te_support.te_available() else "hf"
 
 
 def resolve_fp8_recipe(args: argparse.Namespace) -> None:

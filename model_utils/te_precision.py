@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from te_llama import set_is_first_microbatch
+from model_utils.te_support import TEUnavailableError, import_te, set_is_first_microbatch
 
 #: The Transformer Engine releases this code is contract-tested against, the one place they are
 #: stated: tests/test_te_contract.py downloads each one's pure-Python ``transformer-engine`` wheel
@@ -297,8 +297,9 @@ class TEBackend:
 
     def _te(self) -> Any:
         try:
-            return importlib.import_module("transformer_engine.pytorch")
-        except ImportError as err:
+            return import_te()
+        except TEUnavailableError as unavailable:
+            err = unavailable.__cause__ or unavailable
             raise TECapabilityError(
                 f"--model_impl {self.model_impl} needs Transformer Engine (import failed: {err}); "
                 "use the NGC container (0.transformer-engine.dockerfile) or --model_impl hf"

@@ -7,7 +7,7 @@ The output (safetensors + config.json) loads with `LlamaForCausalLM.from_pretrai
 no GPU and no process group: the checkpoint is read one decoder layer at a time, so memory stays
 near one layer plus one output shard whatever the model size. Checkpoints written with FP8 on
 (torchao Float8Linear) or off convert alike; `--model_impl te` checkpoints are mapped back to HF
-names with te_llama's table.
+names by te_llama.StateDictAdapter.
 """
 
 from __future__ import annotations
@@ -55,11 +55,10 @@ def key_map_for(marker: dict) -> tuple[object | None, str | None]:
         from transformers import AutoConfig
 
         import te_llama
-        from model_utils.checkpoint import layerwise_key_map
 
         cfg = dict(marker["model_config"])
         config = AutoConfig.for_model(cfg.pop("model_type", "llama"), **cfg)
-        return layerwise_key_map(te_llama.te_to_hf_state_dict, config), None
+        return te_llama.StateDictAdapter(config).to_hf, None
     except (ImportError, AttributeError) as exc:
         return None, f"checkpoint uses --model_impl te but te_llama cannot map it: {exc}"
 

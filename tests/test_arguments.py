@@ -126,9 +126,9 @@ def test_fp8_recipe_is_checked_against_the_backend():
 
 
 def test_auto_impl_is_hf_without_transformer_engine(monkeypatch):
-    import te_llama
+    from model_utils import te_support
 
-    monkeypatch.setattr(te_llama, "te_available", lambda: False)
+    monkeypatch.setattr(te_support, "te_available", lambda: False)
     monkeypatch.setattr(precision, "fp8_capable_gpu", lambda: True)  # even on an H100
     assert precision.resolve_model_impl("auto") == "hf"
 

@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from model_utils import checkpoint as ck  # noqa: E402
+from model_utils.checkpoint import tensors  # noqa: E402
 
 TINY = [
     "--preset",
@@ -145,7 +146,7 @@ def full_model(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return {k: ck._plain(v).detach().clone() for k, v in ck.weight_tensors(sd).items()}
+    return {k: tensors.unwrapped(v).detach().clone() for k, v in ck.weight_tensors(sd).items()}
 
 
 def full_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -157,7 +158,7 @@ def full_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
 
 def _detach(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
-        return ck._plain(obj).detach().clone()
+        return tensors.unwrapped(obj).detach().clone()
     if isinstance(obj, dict):
         return {k: _detach(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -561,7 +562,7 @@ def test_prune_plan_keeps_newest_and_the_one_just_published() -> None:
     assert ck.prune_plan(paths[:1], 3, paths[0]) == []
 
 
-def test_layer_groups_and_layerwise_key_map_match_whole_model_mapping() -> None:
+def test_layer_groups_and_the_adapter_layer_by_layer_match_whole_model_mapping() -> None:
     names = [
         "lm_head.weight",
         "model.layers.10.mlp.up_proj.weight",
@@ -582,8 +583,8 @@ def test_layer_groups_and_layerwise_key_map_match_whole_model_mapping() -> None:
     config = modeling.llama_config(arguments.parse_args([*TINY, "--num_layers", "3"]))
     hf = LlamaForCausalLM(config).state_dict()
     whole = te_llama.hf_to_te_state_dict(hf, config)
-    to_te = ck.layerwise_key_map(te_llama.hf_to_te_state_dict, config)
-    to_hf = ck.layerwise_key_map(te_llama.te_to_hf_state_dict, config)
+    adapter = te_llama.StateDictAdapter(config)
+    to_te, to_hf = adapter.from_hf, adapter.to_hf
     by_layer: dict[str, torch.Tensor] = {}
     for group in ck.layer_groups(hf):
         by_layer.update(to_te({n: hf[n] for n in group}))

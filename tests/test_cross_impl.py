@@ -31,6 +31,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 import te_llama
 from model_utils import checkpoint as ck
+from model_utils import te_support
+from model_utils.checkpoint import hf_export
 
 ROOT = Path(__file__).resolve().parent.parent
 # A small Llama (GQA, 2 layers) on the bundled corpus and tokenizer; shapes FP8 GEMMs accept.
@@ -112,7 +114,8 @@ class Run:
             config=vars(args),
             fp8_recipe=train.te_recipe(self.backend),
         )
-        self.checkpointer = ck.Checkpointer(checkpoint_dir, keep_last=0)
+        adapter = te_llama.StateDictAdapter(self.model.config)
+        self.checkpointer = ck.Checkpointer(checkpoint_dir, keep_last=0, state_dict_adapter=adapter)
 
     def step(self, seed: int) -> float:
         ids = batch(seed)
@@ -129,14 +132,14 @@ class Run:
     def hf_weights(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights under HF names, whatever the layout."""
         full = {
-            k: ck._full_cpu(v, torch.float32)
+            k: hf_export.full_cpu(v, torch.float32)
             for k, v in ck.weight_tensors(get_model_state_dict(self.model)).items()
         }
         return to_hf(full, self.model.config)
 
     def hf_moments(self, field: str) -> dict[str, torch.Tensor]:
         osd = get_optimizer_state_dict(self.model, self.optimizer)
-        full = {k: ck._full_cpu(v[field], torch.float32) for k, v in osd["state"].items()}
+        full = {k: hf_export.full_cpu(v[field], torch.float32) for k, v in osd["state"].items()}
         return to_hf(full, self.model.config)
 
     def adam_steps(self) -> set[float]:
@@ -145,7 +148,7 @@ class Run:
 
     def extra_state_bytes(self) -> int:
         sd = get_model_state_dict(self.model)
-        return sum(v.numel() for k, v in sd.items() if ck._is_extra_state(k))
+        return sum(v.numel() for k, v in sd.items() if te_support.is_te_extra_state_key(k))
 
 
 def to_hf(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
@@ -253,6 +256,24 @@ def test_round_trip_hf_te_hf_is_exact_and_training_continues_identically(
     assert losses["te"][1] != losses["te"][0]
 
 
+def test_convert_script_maps_a_te_checkpoint_to_hf_exactly(
+    tmp_path, te_double, monkeypatch
+) -> None:
+    """scripts/convert_checkpoint.py maps a --model_impl te checkpoint through te_llama's
+    StateDictAdapter: the HF directory holds exactly the trained weights under HF names."""
+    from transformers import LlamaForCausalLM
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import convert_checkpoint
+
+    run = Run("te", False, seed=1, checkpoint_dir=tmp_path / "ck")
+    run.step(seed=0)
+    path = run.checkpointer.save(1, run.state)
+    assert convert_checkpoint.main([str(path), str(tmp_path / "hf")]) == 0
+    exported = LlamaForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    assert_same(exported, run.hf_weights(), "converted te checkpoint")
+
+
 def test_moment_conversion_problem() -> None:
     """Adam's fields convert (parameter-shaped moments, scalar step); anything else restarts."""
 
@@ -285,7 +306,7 @@ def test_param_layout() -> None:
     te_name = "model.layers.3.transformer_layer.self_attention.layernorm_qkv.weight"
     assert ck.param_layout(["lm_head.weight", te_name]) == "te"
     with pytest.raises(ValueError, match="no parameter mapping"):
-        ck.layout_key_map("hf", "hf", None)
+        te_llama.StateDictAdapter(None).converter("hf", "hf")
 
 
 # ============================================================================================

@@ -17,9 +17,9 @@ import torch.distributed.checkpoint as dcp
 from te_double import install, uninstall
 from test_cross_impl import Run
 
-import te_llama
 from model_utils import checkpoint as ck
-from model_utils import te_precision
+from model_utils import te_precision, te_support
+from model_utils.checkpoint import checkpointer, stateful
 
 RECIPES = ["delayed", "current", "block", "mxfp8"]
 
@@ -37,7 +37,7 @@ def _saved_keys(path: Path) -> set[str]:
 
 
 def _fp8_state(run: Run) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in te_llama.fp8_scaling_state(run.model).items()}
+    return {k: v.clone() for k, v in te_support.fp8_scaling_state(run.model).items()}
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -70,11 +70,11 @@ def test_resume_is_bit_for_bit_for_every_recipe(recipe, tmp_path, te_double, mon
 def test_delayed_state_holds_every_module_and_the_recipe(tmp_path, te_double) -> None:
     run = Run("te", True, seed=1, checkpoint_dir=tmp_path)
     run.step(seed=0)
-    state = te_llama.fp8_scaling_state(run.model)
+    state = te_support.fp8_scaling_state(run.model)
     layers = run.model.config.num_hidden_layers
     recipes = [k for k in state if k.endswith(".recipe")]
     assert len(recipes) == 3 * layers  # qkv, proj and the MLP of every layer
-    identity = te_llama.decode_recipe_identity(state[recipes[0]])
+    identity = te_support.decode_recipe_identity(state[recipes[0]])
     assert identity == {
         "class": "DelayedScaling",
         "fp8_format": "HYBRID",
@@ -99,20 +99,20 @@ def test_delayed_state_is_left_out_when_the_resumed_run_uses_another_recipe(
         with caplog.at_level("INFO", logger="model_utils.checkpoint"):
             other.checkpointer.load(path, other.state)
         assert "holds FP8 delayed-scaling state (DelayedScaling)" in caplog.text
-        assert te_llama.fp8_scaling_state(other.model) == {}
+        assert te_support.fp8_scaling_state(other.model) == {}
         assert torch.isfinite(torch.tensor(other.step(seed=1)))
 
 
 def _save_format_1(run: Run, step: int, monkeypatch) -> Path:
     """A checkpoint as this recipe wrote it before format 2: TE's pickles as bytes."""
     with monkeypatch.context() as patch:
-        patch.setattr(ck, "CHECKPOINT_FORMAT", 1)
-        patch.setattr(ck._ModelItem, "__init__", _legacy_init)
-        patch.setattr(ck._Fp8ScalingItem, "state_dict", lambda self: {})
+        patch.setattr(checkpointer, "CHECKPOINT_FORMAT", 1)
+        patch.setattr(stateful.ModelItem, "__init__", _legacy_init)
+        patch.setattr(stateful.Fp8ScalingItem, "state_dict", lambda self: {})
         return run.checkpointer.save(step, run.state)
 
 
-_modern_init = ck._ModelItem.__init__
+_modern_init = stateful.ModelItem.__init__
 
 
 def _legacy_init(self, model, legacy=False, absent_extra_state=()):

@@ -29,6 +29,8 @@ from test_train import FAST, losses, records, run_train
 from model_utils import checkpoint as ck
 from model_utils import optim
 from model_utils.arguments import UsageError, parse_args
+from model_utils.checkpoint import optimizer_state
+from model_utils.checkpoint.saved import read_full_tensors
 
 ROOT = Path(__file__).resolve().parent.parent
 LOW_BIT = ("adamw8bit", "adamw_fp8")
@@ -322,11 +324,11 @@ def test_two_rank_checkpoint_loads_on_one_rank_with_the_same_moments(
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     metadata = FileSystemReader(str(path)).read_metadata()
-    fields = ck._optimizer_fields(metadata)
+    fields = optimizer_state.optimizer_fields(metadata)
     states = get_optimizer_state_dict(model, optimizer)["state"]
     quantized = 0
     for field in ("exp_avg", "exp_avg_sq"):
-        saved = ck._read_full_tensors(path, fields[field])  # dequantised by torchao's copy_
+        saved = read_full_tensors(path, fields[field])  # dequantised by torchao's copy_
         assert set(saved) == set(states)
         for fqn, tensor in saved.items():
             assert torch.equal(dequantized(states[fqn][field]), tensor), (fqn, field)

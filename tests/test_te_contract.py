@@ -4,7 +4,8 @@ The releases are ``te_precision.TE_CONTRACT_VERSIONS``: the newest (``PINNED_TE_
 one the GPU image ships (``IMAGE_TE_VERSION``); every contract test runs against each.
 ``scripts/fetch_te_wheel.sh VERSION`` downloads that pure-Python ``transformer-engine`` wheel
 (``pip download --no-deps``); its source is parsed with ``ast``. Every TE name, attribute and
-keyword argument used by ``te_llama.py`` and ``model_utils/te_precision.py`` is collected from
+keyword argument used by ``te_llama.py``, ``model_utils/te_support.py`` and
+``model_utils/te_precision.py`` is collected from
 *our* source with ``ast`` as well, so the check follows the code: a misspelt keyword, a class
 TE renamed, or a ``forward`` argument TE dropped fails here. The TE test double's signatures
 are compared with the pinned release's, so tests that pass on the double pass the calls TE takes.
@@ -31,7 +32,7 @@ from model_utils import checkpoint as ck
 from model_utils import te_precision
 
 ROOT = Path(__file__).resolve().parent.parent
-OUR_SOURCES = ("te_llama.py", "model_utils/te_precision.py")
+OUR_SOURCES = ("te_llama.py", "model_utils/te_support.py", "model_utils/te_precision.py")
 ALIASES = {"te": "transformer_engine.pytorch", "te_recipe": "transformer_engine.common.recipe"}
 #: Calls whose result is bound to an alias in our source (checked by the convention test).
 ALIAS_SOURCES = {"import_te()", "self._te()", "import_recipe_module()"}
@@ -604,7 +605,7 @@ def _source_text(source: TESource, module: str) -> str:
 
 
 def test_fp8_state_internals_exist(te_source: TESource) -> None:
-    """te_llama.fp8_scaling_state/load_fp8_scaling_state use TE's module attributes directly:
+    """te_support.fp8_scaling_state/load_fp8_scaling_state use TE's module attributes directly:
     ``fp8_meta["scaling_fwd"|"scaling_bwd"]`` holding a DelayedScalingRecipeState with ``scale``
     and ``amax_history``, ``init_fp8_meta_tensors(recipe)`` and ``num_gemms`` (3 forward and 2
     backward quantizers per GEMM, which is how the GEMM count is recovered from a saved scale)."""

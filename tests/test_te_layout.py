@@ -14,6 +14,7 @@ from te_double import install, reference, uninstall
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import te_llama
+from model_utils import te_support
 
 
 def llama2_style() -> LlamaConfig:
@@ -71,8 +72,8 @@ def hf_model(config: LlamaConfig, seed: int = 0) -> LlamaForCausalLM:
 def reference_logits(te_sd: dict, config: LlamaConfig, input_ids: torch.Tensor) -> torch.Tensor:
     """Embed -> reference TE layers (TE-named weights) -> final RMSNorm -> lm_head."""
     hidden = te_sd["model.embed_tokens.weight"][input_ids]
-    angles = te_llama.rope_angles(
-        te_llama.llama_rope_inv_freq(config), torch.arange(input_ids.shape[1])
+    angles = te_support.rope_angles(
+        te_support.llama_rope_inv_freq(config), torch.arange(input_ids.shape[1])
     )
     for layer in range(config.num_hidden_layers):
         prefix = f"model.layers.{layer}.{te_llama.TE_LAYER_ATTR}."
@@ -82,7 +83,7 @@ def reference_logits(te_sd: dict, config: LlamaConfig, input_ids: torch.Tensor) 
             weights,
             num_heads=config.num_attention_heads,
             num_groups=config.num_key_value_heads,
-            head_dim=te_llama.head_dim_of(config),
+            head_dim=te_support.head_dim_of(config),
             eps=config.rms_norm_eps,
             rotary_pos_emb=angles,
         )
@@ -93,7 +94,7 @@ def reference_logits(te_sd: dict, config: LlamaConfig, input_ids: torch.Tensor) 
 @pytest.mark.parametrize("style", CONFIGS)
 def test_rope_frequencies_match_hf(style: str) -> None:
     config = CONFIGS[style]()
-    ours = te_llama.llama_rope_inv_freq(config)
+    ours = te_support.llama_rope_inv_freq(config)
     theirs = LlamaForCausalLM(config).model.rotary_emb.inv_freq
     torch.testing.assert_close(ours, theirs, rtol=1e-7, atol=0)
     if style == "llama3":  # the scaling really changed some frequencies
@@ -179,7 +180,7 @@ def test_te_model_on_double_matches_hf_with_padding(style: str, te_double) -> No
     missing, unexpected = te_model.load_state_dict(
         te_llama.hf_to_te_state_dict(model.state_dict(), config), strict=False
     )
-    assert not unexpected and missing and all(map(te_llama.is_te_extra_state_key, missing))
+    assert not unexpected and missing and all(map(te_support.is_te_extra_state_key, missing))
     input_ids = torch.randint(
         0, config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(3)
     )

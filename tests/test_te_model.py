@@ -22,7 +22,7 @@ from te_double import install, subprocess_env, uninstall
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import te_llama
-from model_utils import te_precision
+from model_utils import te_precision, te_support
 from model_utils.modeling import materialize
 from model_utils.te_precision import TEBackend, TECapabilityError
 
@@ -84,8 +84,8 @@ def te_double():
 
 def test_without_te_import_works_and_build_fails_clearly() -> None:
     uninstall()
-    assert not te_llama.te_available()
-    with pytest.raises(te_llama.TEUnavailableError, match="--model_impl hf"):
+    assert not te_support.te_available()
+    with pytest.raises(te_support.TEUnavailableError, match="--model_impl hf"):
         te_llama.build_te_llama(tiny_config(), impl="te")
     with pytest.raises(TECapabilityError, match="Transformer Engine"):
         TEBackend(backend_args(fp8=True)).capability_check()
@@ -187,7 +187,7 @@ def test_meta_build_and_deterministic_init(impl: str, te_double) -> None:
         model = te_llama.build_te_llama(config, impl=impl)
     assert all(p.is_meta for p in model.parameters())
     materialize(model, torch.device("cpu"), 5)
-    state = {k: v for k, v in model.state_dict().items() if not te_llama.is_te_extra_state_key(k)}
+    state = {k: v for k, v in model.state_dict().items() if not te_support.is_te_extra_state_key(k)}
     same = built(config, impl, seed=5).state_dict()
     other = built(config, impl, seed=6).state_dict()
     for name, tensor in state.items():
@@ -198,8 +198,32 @@ def test_meta_build_and_deterministic_init(impl: str, te_double) -> None:
         else:
             assert not torch.equal(tensor, other[name]), name
             assert abs(tensor.std().item() - config.initializer_range) < 0.005, name
-    expected_rope = te_llama.llama_rope_inv_freq(config)
+    expected_rope = te_support.llama_rope_inv_freq(config)
     assert torch.equal(model.model.rotary_emb.inv_freq, expected_rope)
+
+
+def test_te_model_carries_its_adapter_for_hf_export_and_import(tmp_path, te_double) -> None:
+    """--export_hf and --init_from_hf map the fused layout through ``model.state_dict_adapter``:
+    the export is HF's layout exactly, and importing it into another te model restores every
+    weight bit for bit. te_linear keeps HF's names and carries no adapter."""
+    from model_utils import checkpoint
+
+    config = tiny_config()
+    model = built(config, "te", seed=3)
+    assert isinstance(model.state_dict_adapter, te_llama.StateDictAdapter)
+    assert not hasattr(built(config, "te_linear"), "state_dict_adapter")
+    checkpoint.export_hf(model, config, tmp_path / "hf")
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    assert set(hf) == set(LlamaForCausalLM(config).state_dict())
+    expected = te_llama.te_to_hf_state_dict(model.state_dict(), config)
+    assert all(torch.equal(hf[k], expected[k]) for k in hf)
+    other = built(config, "te", seed=4)
+    checkpoint.load_hf_weights(other, tmp_path / "hf")
+    weights = {
+        k: v for k, v in model.state_dict().items() if not te_support.is_te_extra_state_key(k)
+    }
+    loaded = other.state_dict()
+    assert all(torch.equal(v, loaded[k]) for k, v in weights.items())
 
 
 def test_te_linear_swaps_decoder_linears_only(te_double) -> None:
@@ -214,7 +238,7 @@ def test_te_linear_swaps_decoder_linears_only(te_double) -> None:
     assert "model.layers.1.mlp.down_proj" in model.te_linear_skipped
     assert len(model.te_linear_skipped) == 2 * 3
     missing, unexpected = model.load_state_dict(hf.state_dict(), strict=False)
-    assert not unexpected and all(map(te_llama.is_te_extra_state_key, missing))
+    assert not unexpected and all(map(te_support.is_te_extra_state_key, missing))
     ids = batch(config)
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, hf(ids).logits, rtol=1e-5, atol=1e-5)
@@ -314,7 +338,7 @@ def test_pickled_extra_state_is_refused_like_te_2_20(te_double, monkeypatch) -> 
     model = backend.prepare(built(config))
     train_losses(model, backend, config, steps=2)
     state = model.state_dict()
-    extra = [k for k in state if te_llama.is_te_extra_state_key(k) and state[k].numel()]
+    extra = [k for k in state if te_support.is_te_extra_state_key(k) and state[k].numel()]
     assert len(extra) == 3 * config.num_hidden_layers  # qkv, proj, mlp hold FP8 scaling state
     clone = TEBackend(backend_args(fp8=True, recipe="delayed"))
     restored = clone.prepare(built(config, seed=9))
@@ -333,7 +357,7 @@ def test_pickled_extra_state_is_refused_like_te_2_20(te_double, monkeypatch) -> 
 def _flags(model) -> set:
     return {
         getattr(m, "is_first_microbatch", getattr(m, "te_is_first_microbatch", "missing"))
-        for m in te_llama.te_modules(model)
+        for m in te_support.te_modules(model)
     }
 
 
@@ -473,7 +497,7 @@ def _two_rank_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         gathered = [torch.zeros_like(history) for _ in range(world)]
         dist.all_gather(gathered, history)
         if rank == 0:
-            weights = {k: v for k, v in full.items() if not te_llama.is_te_extra_state_key(k)}
+            weights = {k: v for k, v in full.items() if not te_support.is_te_extra_state_key(k)}
             torch.save(
                 {"weights": weights, "histories": gathered}, os.path.join(out_dir, "result.pt")
             )

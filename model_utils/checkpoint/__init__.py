@@ -1,0 +1,190 @@
+"""Checkpoints: DCP save/load with atomic publish, keep-last-k, auto-resume; HF safetensors in/out.
+
+Layout of a checkpoint directory::
+
+    <checkpoint_dir>/step_00000100/        a published, complete checkpoint
+        .metadata, __0_0.distcp, ...       torch.distributed.checkpoint (DCP) files, one per rank
+        checkpoint.json                    the marker: step, world size, run and model config,
+                                           and every file's size and sha256
+    <checkpoint_dir>/.tmp-step_00000200/   being written (or left by a crash): never resumed from
+    <checkpoint_dir>/damaged-step_00000300/  failed its checks at an `auto` resume: set aside
+
+Why the temporary name: DCP writes one file per rank and then `.metadata`; a job killed in the
+middle leaves a directory that looks like a checkpoint but is not one. Every rank writes into
+`.tmp-step_N`; when the save has finished everywhere, rank 0 writes `checkpoint.json` and renames
+the directory to `step_N` (one atomic rename). Only names `step_N` holding both `.metadata` and
+`checkpoint.json` count as complete. Stale `.tmp-*` directories are removed before the next save.
+Before the rename each rank sums the files it wrote and rank 0 records the sums in the marker; a
+resume checks them (the ranks split the files) and refuses, or with `auto` skips, a checkpoint
+whose bytes changed since (`Checkpointer.resolve_intact`).
+
+What is saved (one DCP state dict of Stateful items, see `TrainState`):
+    model      FSDP2 DTensor shards (get_model_state_dict): resharded by DCP on load
+    optimizer  AdamW state keyed by parameter name (get_optimizer_state_dict): resharded too
+               (torchao's 8-bit/FP8 states as its own tensor subclasses; a reshard that would
+               cut one of their blocks is refused: low_bit_reshard_problem)
+    scheduler  LR scheduler state_dict (identical on every rank)
+    progress   step and the run's config as JSON
+    data       per rank: `data.rank{r}`, this rank's data-stream position
+    rng        per rank: `rng.rank{r}`, python/numpy/torch(/cuda) generator states
+
+Per-rank items need per-rank keys: DCP de-duplicates non-tensor values written under the same key
+by several ranks and keeps only one copy (torch/distributed/checkpoint/_dedup_save_plans.py), so
+a shared key `data` would silently restore rank k's position on every rank. Each per-rank value is
+packed into bytes so DCP stores it as one opaque object, whatever tensors it contains.
+
+World-size changes: model and optimizer reshard. Per-rank positions cannot be mapped (rank r of 2
+and rank r of 1 read different shards), so a resharded load skips `data` and `rng`, reseeds the
+generators from (seed, step, rank), and calls `TrainState.on_data_reshard(step, saved_states)`
+if given (saved_states[r] = what rank r saved; e.g. move the stream to a position derived from
+them or from the step); without it the stream keeps its fresh position (the beginning of this
+rank's new shard). Both cases log a warning.
+
+Implementation changes: --model_impl hf and te_linear share Hugging Face parameter names; te
+fuses each decoder layer (QKV in one weight, gate/up in fc1). A checkpoint of the other layout is
+converted on load by the Checkpointer's `state_dict_adapter` (te_llama.StateDictAdapter, from
+te_llama's mapping table; `load_converted`): each decoder layer is read whole into plain tensors
+(DCP assembles them from the saved shards), mapped, and each rank copies its block into its
+DTensor shards, so no rank holds more than one layer. AdamW's moments
+have their parameter's shape and go through the same table. TE's `_extra_state` (FP8 scaling
+history) belongs to TE's module structure and is not converted: it starts fresh, as does the
+extra state a te_linear run finds missing in a checkpoint of --model_impl hf.
+
+The package, one job per module:
+    manifest.py         names, marker, completeness, checksums, which checkpoint to resume
+    compat.py           which run a checkpoint belongs to (flags a resume must keep)
+    errors.py           why a checkpoint cannot be used or written, in one line
+    stateful.py         the Stateful items DCP saves and loads; TrainState, LoadResult
+    checkpointer.py     Checkpointer: save, atomic publish, prune, verified resume, load
+    convert.py          loading a checkpoint of the other parameter layout
+    optimizer_state.py  saved optimizer fields; torchao block-quantized state and resharding
+    saved.py            reading saved tensors whole in one process
+    tensors.py          full tensors <-> this rank's shards, one decoder layer at a time
+    hf_import.py        --init_from_hf (safetensors in)
+    hf_export.py        --export_hf and checkpoint -> HF directory (safetensors out)
+    ranks.py            rank, world size and the few collectives the above need
+"""
+
+from model_utils.checkpoint.checkpointer import CHECKPOINT_FORMAT, Checkpointer
+from model_utils.checkpoint.compat import (
+    DATA_FIELDS,
+    MODEL_FIELDS,
+    OPTIMIZER_FIELDS,
+    check_fresh_start,
+    check_resumable,
+    config_changes,
+    describe_changes,
+)
+from model_utils.checkpoint.convert import load_converted, param_layout
+from model_utils.checkpoint.errors import (
+    TE_UNSAFE_PICKLE_ENV,
+    CheckpointWriteError,
+    ResumeRefused,
+    UntrustedCheckpointError,
+    untrusted_checkpoint_message,
+    write_error_reason,
+)
+from model_utils.checkpoint.hf_export import (
+    DEFAULT_MAX_SHARD_BYTES,
+    SafetensorsShardWriter,
+    dcp_to_hf,
+    export_hf,
+)
+from model_utils.checkpoint.hf_import import (
+    HF_INDEX,
+    HF_SINGLE,
+    check_hf_dir,
+    hf_weight_files,
+    load_hf_weights,
+)
+from model_utils.checkpoint.manifest import (
+    DAMAGED_PREFIX,
+    DCP_METADATA,
+    MARKER,
+    TMP_PREFIX,
+    check_resume_arg,
+    checkpoint_damage,
+    checkpoint_name,
+    checkpoint_problem,
+    complete_checkpoints,
+    content_damage,
+    is_complete,
+    latest_checkpoint,
+    prune_plan,
+    read_marker,
+    resolve_checkpoint,
+    resume_candidate,
+    step_of,
+)
+from model_utils.checkpoint.optimizer_state import (
+    low_bit_reshard_problem,
+    moment_conversion_problem,
+)
+from model_utils.checkpoint.saved import iter_dcp_model_layers
+from model_utils.checkpoint.stateful import (
+    LoadResult,
+    TrainState,
+    capture_rng,
+    derived_seed,
+    reseed_rng,
+    restore_rng,
+)
+from model_utils.checkpoint.tensors import KeyMap, layer_groups, weight_tensors
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "DAMAGED_PREFIX",
+    "DATA_FIELDS",
+    "DCP_METADATA",
+    "DEFAULT_MAX_SHARD_BYTES",
+    "HF_INDEX",
+    "HF_SINGLE",
+    "MARKER",
+    "MODEL_FIELDS",
+    "OPTIMIZER_FIELDS",
+    "TE_UNSAFE_PICKLE_ENV",
+    "TMP_PREFIX",
+    "CheckpointWriteError",
+    "Checkpointer",
+    "KeyMap",
+    "LoadResult",
+    "ResumeRefused",
+    "SafetensorsShardWriter",
+    "TrainState",
+    "UntrustedCheckpointError",
+    "capture_rng",
+    "check_fresh_start",
+    "check_hf_dir",
+    "check_resumable",
+    "check_resume_arg",
+    "checkpoint_damage",
+    "checkpoint_name",
+    "checkpoint_problem",
+    "complete_checkpoints",
+    "config_changes",
+    "content_damage",
+    "dcp_to_hf",
+    "derived_seed",
+    "describe_changes",
+    "export_hf",
+    "hf_weight_files",
+    "is_complete",
+    "iter_dcp_model_layers",
+    "latest_checkpoint",
+    "layer_groups",
+    "load_converted",
+    "load_hf_weights",
+    "low_bit_reshard_problem",
+    "moment_conversion_problem",
+    "param_layout",
+    "prune_plan",
+    "read_marker",
+    "reseed_rng",
+    "resolve_checkpoint",
+    "restore_rng",
+    "resume_candidate",
+    "step_of",
+    "untrusted_checkpoint_message",
+    "weight_tensors",
+    "write_error_reason",
+]

@@ -1,0 +1,103 @@
+"""Which run a checkpoint belongs to: the flags a resume must keep, and those it may change.
+
+Pure (reads only the marker): runs before any process group exists, so a refused resume costs
+no GPU time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from model_utils.checkpoint.errors import ResumeRefused
+from model_utils.checkpoint.manifest import complete_checkpoints, read_marker, step_of
+
+# A checkpoint resumes only a run with the same model shape and the same data stream: a model
+# with other shapes may still load when the tensors happen to fit (fewer layers, other head
+# counts), and a data position means nothing in another dataset, tokenizer or shuffle.
+MODEL_FIELDS = (
+    "hidden_width",
+    "num_layers",
+    "num_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "rope_theta",
+    "rms_norm_eps",
+    "rope_scaling",
+)
+DATA_FIELDS = ("dataset", "dataset_config_name", "text_column", "tokenizer", "seed")
+# The optimizer's state is stored in its own format (fp32 moments, or torchao's 8-bit / FP8
+# blocks): a resume keeps the saved --optimizer. Checkpoints from before the flag are adamw's.
+OPTIMIZER_FIELDS = ("optimizer",)
+_SAVED_DEFAULTS = {"optimizer": "adamw"}
+# Flags that name this launch rather than the run: never compared, never reported.
+_LAUNCH_FIELDS = frozenset(
+    {
+        "resume_from_checkpoint",
+        "output_dir",
+        "checkpoint_dir",
+        "validate_only",
+        "overwrite_output_dir",
+        "export_hf",
+        "init_from_hf",
+    }
+)
+
+
+def _same(saved: Any, current: Any, name: str) -> bool:
+    """Equal as the checkpoint stored them (JSON), paths by where they point."""
+    current = json.loads(json.dumps(current, default=str))
+    if saved == current:
+        return True
+    if name in ("dataset", "tokenizer") and isinstance(saved, str) and isinstance(current, str):
+        return os.path.exists(saved) and os.path.realpath(saved) == os.path.realpath(current)
+    return False
+
+
+def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[list, list]:
+    """Flags that differ between a checkpoint's run and this one, as ("--name", saved, now):
+    (refused: model shape and data stream; allowed: everything else, e.g. batch size, sequence
+    length, logging, precision). Fields an older checkpoint did not record are not compared,
+    except those with a known value before they existed (--optimizer: adamw)."""
+    if saved:
+        saved = {**_SAVED_DEFAULTS, **saved}
+    refused, allowed = [], []
+    for name in sorted(set(saved) & set(current) - _LAUNCH_FIELDS):
+        if not _same(saved[name], current[name], name):
+            change = (f"--{name}", saved[name], current[name])
+            kept = MODEL_FIELDS + DATA_FIELDS + OPTIMIZER_FIELDS
+            (refused if name in kept else allowed).append(change)
+    return refused, allowed
+
+
+def describe_changes(changes: Iterable[tuple[str, Any, Any]]) -> str:
+    return ", ".join(f"{flag} {saved} -> {now}" for flag, saved, now in changes)
+
+
+def check_resumable(path: str | Path, current: Mapping[str, Any]) -> list:
+    """ResumeRefused (one line listing each difference and what to do) unless the checkpoint at
+    `path` was saved by a run of the same model shape and data; returns the allowed changes."""
+    saved = read_marker(path).get("run_config") or {}
+    refused, allowed = config_changes(saved, current)
+    if refused:
+        raise ResumeRefused(
+            f"checkpoint {path} belongs to another run: {describe_changes(refused)} (saved -> "
+            "this run); resume with the saved values, or start a new run in another --output_dir"
+        )
+    return allowed
+
+
+def check_fresh_start(checkpoint_dir: str | Path, overwrite: bool) -> None:
+    """A run without --resume_from_checkpoint must not write over an earlier run's checkpoints
+    (its saves would replace them step by step and its pruning delete the rest)."""
+    found = complete_checkpoints(checkpoint_dir)
+    if found and not overwrite:
+        raise ResumeRefused(
+            f"{checkpoint_dir} holds {len(found)} checkpoint(s) of an earlier run (newest: step "
+            f"{step_of(found[-1])}): continue it with --resume_from_checkpoint auto, choose "
+            "another --output_dir, or pass --overwrite_output_dir to delete them and start afresh"
+        )

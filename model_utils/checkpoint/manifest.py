@@ -1,0 +1,225 @@
+"""A checkpoint directory on disk: names, the marker, completeness, integrity, housekeeping.
+
+Pure filesystem (safe before any process group exists): which directories are published
+checkpoints, whether one is complete and intact (every file's size and sha256 recorded in the
+marker), which one a resume would start from, and the file operations that publish and prune.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+
+from model_utils.arguments import first_line
+from model_utils.checkpoint.errors import ResumeRefused, all_damaged_message
+from model_utils.checkpoint.ranks import current_rank
+
+MARKER = "checkpoint.json"
+DCP_METADATA = ".metadata"
+TMP_PREFIX = ".tmp-"
+DAMAGED_PREFIX = "damaged-"  # a checkpoint that failed its checks, renamed by an `auto` resume
+_NAME_RE = re.compile(r"^step_(\d+)$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def step_of(path: Path) -> int | None:
+    """The step encoded in a published checkpoint's directory name, None for other names."""
+    match = _NAME_RE.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Why `path` is not a complete checkpoint (one line), or None if it is one."""
+    path = Path(path)
+    if not path.exists():
+        return f"checkpoint {path} does not exist"
+    if not path.is_dir():
+        return f"checkpoint {path} is not a directory"
+    if path.name.startswith(TMP_PREFIX):
+        return f"checkpoint {path} is an unfinished save (temporary name)"
+    if not (path / DCP_METADATA).is_file():
+        return f"checkpoint {path} has no {DCP_METADATA}: not a DCP checkpoint or not finished"
+    if not (path / MARKER).is_file():
+        return f"checkpoint {path} has no {MARKER}: the save never completed"
+    return None
+
+
+def is_complete(path: str | Path) -> bool:
+    return checkpoint_problem(path) is None
+
+
+def complete_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
+    """Published complete checkpoints in `checkpoint_dir`, oldest step first."""
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if step_of(p) is not None and is_complete(p)]
+    return sorted(found, key=lambda p: step_of(p) or 0)
+
+
+def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
+    found = complete_checkpoints(checkpoint_dir)
+    return found[-1] if found else None
+
+
+def resolve_checkpoint(
+    resume_from_checkpoint: str | None, checkpoint_dir: str | Path
+) -> Path | None:
+    """`--resume_from_checkpoint`: None -> None; 'auto' -> newest complete checkpoint in
+    checkpoint_dir or None (a fresh start); a PATH -> that path, which must be complete."""
+    if not resume_from_checkpoint:
+        return None
+    if resume_from_checkpoint == "auto":
+        return latest_checkpoint(checkpoint_dir)
+    problem = checkpoint_problem(resume_from_checkpoint)
+    if problem:
+        raise ValueError(f"--resume_from_checkpoint: {problem}")
+    return Path(resume_from_checkpoint)
+
+
+def check_resume_arg(resume_from_checkpoint: str | None, checkpoint_dir: str | Path) -> None:
+    """Raise ValueError (one line) for a resume flag that cannot work; touches no file."""
+    resolve_checkpoint(resume_from_checkpoint, checkpoint_dir)
+
+
+def read_marker(path: str | Path) -> dict[str, Any]:
+    return json.loads((Path(path) / MARKER).read_text())
+
+
+# --------------------------------------------------------------------------------------------
+# Integrity: every file's size and checksum in the marker, checked before a resume
+
+SUM_ALGORITHM = "sha256"  # ~1.5 GB/s per core with SHA extensions; each rank sums its own files
+
+
+def own_files(directory: Path) -> list[Path]:
+    """The files this rank wrote into a DCP save: its shards, which DCP's FileSystemWriter names
+    `__<rank>_<n>.distcp`, and on rank 0 the `.metadata`."""
+    files = sorted(Path(directory).glob(f"__{current_rank()}_*.distcp"))
+    return files + [Path(directory) / DCP_METADATA] if current_rank() == 0 else files
+
+
+def file_sums(files: Iterable[Path]) -> dict[str, dict[str, Any]]:
+    """name -> {"bytes", "sha256"}: what the marker records for each file."""
+    out = {}
+    for path in files:
+        with open(path, "rb") as fh:
+            digest = hashlib.file_digest(fh, SUM_ALGORITHM).hexdigest()
+        out[path.name] = {"bytes": path.stat().st_size, SUM_ALGORITHM: digest}
+    return out
+
+
+def checkpoint_damage(path: str | Path) -> str | None:
+    """Why a published checkpoint cannot be loaded, found without reading its tensors (one
+    line naming the file), or None: marker and .metadata readable, every file the marker lists
+    present with its saved size. Checkpoints from before checksums list no files."""
+    problem = checkpoint_problem(path)
+    if problem:
+        return problem
+    path = Path(path)
+    try:
+        marker = read_marker(path)
+        files = marker.get("files") or {}
+        int(marker["step"])
+    except Exception as exc:
+        return f"{path / MARKER} is not a valid checkpoint marker ({first_line(exc)})"
+    try:
+        dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:
+        return f"{path / DCP_METADATA} cannot be read ({first_line(exc)})"
+    for name, saved in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if file.stat().st_size != saved["bytes"]:
+            return (
+                f"{file} has {file.stat().st_size} bytes, {saved['bytes']} were saved "
+                "(truncated or overwritten)"
+            )
+    return None
+
+
+def content_damage(path: str | Path, files: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """The first of `files` (name -> saved sums) whose content no longer matches its checksum."""
+    for name, saved in files.items():
+        now = file_sums([Path(path) / name])[name]
+        if now[SUM_ALGORITHM] != saved.get(SUM_ALGORITHM, now[SUM_ALGORITHM]):
+            return (
+                f"{Path(path) / name} does not match its {SUM_ALGORITHM} (changed since the save)"
+            )
+    return None
+
+
+def resume_candidate(resume_from_checkpoint: str | None, checkpoint_dir: str | Path) -> Path | None:
+    """The checkpoint a resume would start from, by the checks that read no tensors (before any
+    process group; the checksums are verified by Checkpointer.resolve_intact): a PATH must pass
+    them (else ResumeRefused naming the file); 'auto' skips damaged ones (None: fresh start)."""
+    if not resume_from_checkpoint:
+        return None
+    if resume_from_checkpoint != "auto":
+        path = resolve_checkpoint(resume_from_checkpoint, checkpoint_dir)
+        damage = checkpoint_damage(path)
+        if damage:
+            raise ResumeRefused(f"--resume_from_checkpoint {path} is damaged: {damage}")
+        return path
+    found = complete_checkpoints(checkpoint_dir)
+    sound = [p for p in reversed(found) if checkpoint_damage(p) is None]
+    if found and not sound:
+        raise ResumeRefused(all_damaged_message(checkpoint_dir, checkpoint_damage(found[-1])))
+    return sound[0] if sound else None
+
+
+# --------------------------------------------------------------------------------------------
+# Publishing and pruning
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    """Write then rename, so a reader never sees half a marker."""
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "w") as fh:
+        json.dump(payload, fh, indent=1, sort_keys=True, default=str)
+        fh.flush()
+        os.fsync(fh.fileno())
+    tmp.replace(path)
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def stale_temporaries(checkpoint_dir: Path, keep: Path | None = None) -> list[Path]:
+    if not checkpoint_dir.is_dir():
+        return []
+    return [p for p in checkpoint_dir.iterdir() if p.name.startswith(TMP_PREFIX) and p != keep]
+
+
+def prune_plan(checkpoints: list[Path], keep_last: int | None, newest: Path) -> list[Path]:
+    """Checkpoints to delete so that `keep_last` remain; `newest` (just published) is never one."""
+    if not keep_last:
+        return []
+    others = [p for p in checkpoints if p != newest]
+    surplus = len(others) + 1 - keep_last
+    return others[:surplus] if surplus > 0 else []
