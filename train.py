@@ -133,7 +133,7 @@ def train(
     check_outputs(args, world, device, model)  # before any training time is spent
     optimizer, scheduler = optim.from_args(model, args)
     ckpt, state, args = restore(args, model, optimizer, scheduler, stream, backend, explicit)
-    run_log = start_log(args, model, backend, world, device, state.step)
+    run_log = RunLog(args, model, backend, world, device, start_step=state.step)
 
     guard = guards.StepGuard(device)
     reads = data.ReadGuard(stream, args.text_column)
@@ -147,24 +147,30 @@ def train(
             run_log.step(state.step, done.loss, done.lr, done.data_wait)
             if args.validation_freq and state.step % args.validation_freq == 0:
                 run_log.validation(state.step, model, val_batches, backend)
-            save_now = args.checkpoint_freq > 0 and state.step % args.checkpoint_freq == 0
-            # Checked at report and save steps only: an all-reduce + .item() every step would
-            # make the host wait for the device each step. A signal is acted on within
-            # --logging_freq steps; a non-finite step stops the run before any checkpoint holds it.
-            if save_now or run_log.is_report_step(state.step):
-                asked = preemption.requested or reads.failure is not None
-                stop = check_step(guard, ckpt, state.step, model, asked, save_now)
-                if save_now:
-                    with run_log.meter.paused():
-                        ckpt.save(state.step, state)
-                if stop:
-                    path = ckpt.save(state.step, state, block=True)
-                    raise_read_failure(reads.failure, world, state.step, path)
-                    log.info("Preemption signal received: checkpoint saved at step %d", state.step)
-                    return
+            asked = preemption.requested or reads.failure is not None
+            if step_boundary(args, state, ckpt, guard, model, run_log, asked):
+                path = ckpt.save(state.step, state, block=True)
+                raise_read_failure(reads.failure, world, state.step, path)
+                log.info("Preemption signal received: checkpoint saved at step %d", state.step)
+                return
         finish(args, model, backend, ckpt, state, guard, run_log, val_batches)
     except guards.Diverged as exc:  # here: the lr in the line is the one in use after a resume
         guards.exit_diverged(exc, args.lr, world.is_main)
+
+
+def step_boundary(args, state, ckpt, guard, model, run_log, stop_requested: bool) -> bool:
+    """At report and save steps only (an all-reduce + .item() every step would make the host
+    wait for the device each step): whether every rank stops here, after the periodic save. A
+    signal is acted on within --logging_freq steps; a non-finite step stops the run (guards.
+    Diverged) before any checkpoint holds it."""
+    save_now = args.checkpoint_freq > 0 and state.step % args.checkpoint_freq == 0
+    if not (save_now or run_log.is_report_step(state.step)):
+        return False
+    stop = check_step(guard, ckpt, state.step, model, stop_requested, save_now)
+    if save_now:
+        with run_log.meter.paused():
+            ckpt.save(state.step, state)
+    return stop
 
 
 def restore(
@@ -189,29 +195,6 @@ def restore(
         args = resume(ckpt, resume_path, state, scheduler, args, explicit)
         state.config = vars(args)
     return ckpt, state, args
-
-
-def start_log(args: arguments.Config, model, backend, world, device, start_step: int) -> RunLog:
-    """The run's report (its first line: the flags and batch) and the two start-up lines."""
-    samples_per_step = args.train_batch_size * args.grad_accum_steps * world.world_size
-    run_log = RunLog(args, model.config, world, device, samples_per_step, start_step=start_step)
-    log.info(
-        "model: %s, %.1fM parameters, impl=%s; %s",
-        args.preset,
-        modeling.count_parameters(model) / 1e6,
-        args.model_impl,
-        backend.describe(),
-    )
-    log.info(
-        "world: %d ranks (%d nodes), %s, %s sharding; global batch %d sequences x %d tokens",
-        world.world_size,
-        world.num_nodes,
-        device,
-        args.sharding_strategy,
-        samples_per_step,
-        args.max_context_width,
-    )
-    return run_log
 
 
 def finish(args: arguments.Config, model, backend, ckpt, state, guard, run_log, val_batches):

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from model_utils import metrics, tensorboard_log
+from model_utils import metrics, modeling, tensorboard_log
 
 log = logging.getLogger("train")
 
@@ -36,7 +36,8 @@ def evaluate(model, batches, backend, device) -> float:
 
 
 class RunLog:
-    """Rank 0's view of the run: the seed log line, the detail line, JSONL and the summary.
+    """Rank 0's view of the run: the start-up lines, the seed log line, the detail line, JSONL
+    and the summary.
 
     Every rank keeps the same report schedule (every --logging_freq steps and the last step):
     the loss all-reduce there is a collective, and the loop checks for preemption at the same
@@ -44,15 +45,16 @@ class RunLog:
     """
 
     def __init__(
-        self, args, config, world, device, samples_per_step: int, meter=None, start_step: int = 0
+        self, args, model, backend, world, device, start_step: int = 0, meter=None
     ) -> None:
+        samples_per_step = args.train_batch_size * args.grad_accum_steps * world.world_size
         self.args, self.device, self.samples = args, device, samples_per_step
         self.is_main = world.is_main
         self.warmup = min(SPEED_WARMUP_STEPS, args.max_steps // 2)
         if meter is None:
             peak, peak_label = metrics.peak_bf16_tflops(device)
             meter = metrics.StepMeter(
-                metrics.model_flops_per_token(config, args.max_context_width),
+                metrics.model_flops_per_token(model.config, args.max_context_width),
                 world.world_size,
                 peak,
                 peak_label,
@@ -75,6 +77,24 @@ class RunLog:
         log.info(metrics.run_line(run), stacklevel=2)  # flags and batch, for compare_runs.py
         self.writer.write(run)
         self.board.flags(run)
+        log.info(
+            "model: %s, %.1fM parameters, impl=%s; %s",
+            args.preset,
+            modeling.count_parameters(model) / 1e6,
+            args.model_impl,
+            backend.describe(),
+            stacklevel=2,
+        )
+        log.info(
+            "world: %d ranks (%d nodes), %s, %s sharding; global batch %d sequences x %d tokens",
+            world.world_size,
+            world.num_nodes,
+            device,
+            args.sharding_strategy,
+            samples_per_step,
+            args.max_context_width,
+            stacklevel=2,
+        )
 
     def is_report_step(self, step: int) -> bool:
         return step % self.args.logging_freq == 0 or step == self.args.max_steps
