@@ -103,8 +103,8 @@ def build_optimizer(
     decoupled weight decay whichever the choice; only how the two moments are stored differs.
 
     - ``adamw``: torch's AdamW, fp32 moments (8 bytes per parameter), with the fused kernel
-      where torch has one. Fused AdamW exists for CUDA and (since torch 2.4) CPU, and steps
-      several times faster than ``foreach`` (benchmarks/bench_optim_kernels.py measures both).
+      where torch has one. Fused AdamW exists for CUDA and (since torch 2.4) CPU, and it
+      is the faster kernel (benchmarks/bench_optim_kernels.py times it against ``foreach``).
       If a device or tensor subclass is not supported by the fused kernel, torch raises at
       construction and we fall back to ``foreach`` (the torch default where it applies).
     - ``adamw8bit`` / ``adamw_fp8``: torchao's AdamW8bit / AdamWFp8 (see :func:`low_bit_adamw`).
