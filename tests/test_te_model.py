@@ -236,18 +236,30 @@ def test_build_refuses_unsupported_configs(te_double) -> None:
 
 
 def train_losses(model, backend, config, steps: int) -> list[float]:
+    """train.py's step (no clip, constant lr) on one batch; every parameter must get a gradient."""
+    from model_utils.step import train_step
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    no_grad: list[str] = []
+    optimizer.register_step_pre_hook(
+        lambda *_: no_grad.extend(n for n, p in model.named_parameters() if p.grad is None)
+    )
     ids = batch(config, size=(2, 32))
+    step_args = SimpleNamespace(grad_accum_steps=1, grad_clip=0.0, sharding_strategy="full")
     losses = []
     for _ in range(steps):
-        with backend.autocast(first_micro_batch=True):
-            loss = model(ids, labels=ids).loss
-        loss.backward()
-        assert all(p.grad is not None for p in model.parameters())
-        optimizer.step()
-        optimizer.zero_grad()
-        backend.after_optimizer_step(model)
-        losses.append(loss.item())
+        done = train_step(
+            model,
+            optimizer,
+            scheduler,
+            backend,
+            lambda: ({"input_ids": ids, "labels": ids}, 1.0),
+            step_args,
+            ids.device,
+        )
+        assert no_grad == []
+        losses.append(done.loss.item())
     return losses
 
 
