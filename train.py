@@ -51,7 +51,7 @@ def validate(argv: list[str] | None, training: bool = True) -> tuple[arguments.C
             checkpoint.check_hf_dir(args.init_from_hf)
     except ValueError as exc:
         raise arguments.UsageError(str(exc)) from exc
-    if args.model_impl in ("te", "te_linear"):
+    if args.model_impl in arguments.TE_IMPLS:
         from model_utils.te_precision import check_requirements
 
         check_requirements(args, training)
