@@ -16,7 +16,6 @@ import argparse
 import logging
 import signal
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -28,27 +27,22 @@ from model_utils import (
     data,
     distributed,
     guards,
-    metrics,
     modeling,
     optim,
     outputs,
     precision,
     run_lock,
-    tensorboard_log,
 )
+from model_utils.run_log import RunLog
+from model_utils.step import train_step
 
 log = logging.getLogger("train")
 
-# Steps excluded from throughput medians (allocator growth, lazy init, compilation).
-SPEED_WARMUP_STEPS = 10
 
-
-def validate(argv: list[str] | None, training: bool = True) -> tuple[argparse.Namespace, object]:
+def validate(argv: list[str] | None, training: bool = True) -> tuple[arguments.Config, object]:
     """Every check that can fail on bad input, before any process group or file exists
     (``training=False``: the checks of a forward-only use, e.g. the GPU benchmark's rows)."""
     args = arguments.parse_args(argv)
-    args.model_impl = precision.resolve_model_impl(args.model_impl)
-    precision.resolve_fp8_recipe(args)
     try:
         data.check_dataset(args.dataset, args.dataset_config_name)
         data.check_local_data(args.dataset, args.text_column)  # empty, corrupt, not UTF-8, ...
@@ -60,7 +54,7 @@ def validate(argv: list[str] | None, training: bool = True) -> tuple[argparse.Na
             checkpoint.check_hf_dir(args.init_from_hf)
     except ValueError as exc:
         raise arguments.UsageError(str(exc)) from exc
-    if args.model_impl in ("te", "te_linear"):
+    if args.model_impl in arguments.TE_IMPLS:
         from model_utils.te_precision import check_requirements
 
         check_requirements(args, training)
@@ -101,106 +95,6 @@ class Preemption:
         self.requested = True
 
 
-def evaluate(model, batches, backend, device) -> float:
-    """Mean held-out loss over this rank's fixed validation batches, averaged over ranks."""
-    model.eval()
-    total = torch.zeros(2, device=device, dtype=torch.float64)
-    with torch.no_grad():
-        for batch in batches:
-            with backend.autocast():
-                loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
-            total += torch.stack([loss.double(), torch.ones((), device=device).double()])
-    dist.all_reduce(total)
-    model.train()
-    return (total[0] / total[1]).item()
-
-
-class RunLog:
-    """Rank 0's view of the run: the seed log line, the detail line, JSONL and the summary.
-
-    Every rank keeps the same report schedule (every --logging_freq steps and the last step):
-    the loss all-reduce there is a collective, and the loop checks for preemption at the same
-    steps, so the device is never waited for in between.
-    """
-
-    def __init__(
-        self, args, config, world, device, samples_per_step: int, meter=None, start_step: int = 0
-    ) -> None:
-        self.args, self.device, self.samples = args, device, samples_per_step
-        self.is_main = world.is_main
-        self.warmup = min(SPEED_WARMUP_STEPS, args.max_steps // 2)
-        if meter is None:
-            peak, peak_label = metrics.peak_bf16_tflops(device)
-            meter = metrics.StepMeter(
-                metrics.model_flops_per_token(config, args.max_context_width),
-                world.world_size,
-                peak,
-                peak_label,
-                metrics.peak_memory_label(device),
-                sync=metrics.device_sync(device),
-                max_steps=args.max_steps,
-                warmup_steps=self.warmup,
-            )
-        self.meter = meter
-        self.jsonl_path = f"{args.output_dir}/metrics.jsonl"
-        self.writer = metrics.JsonlWriter(self.jsonl_path, enabled=self.is_main)
-        self.board = tensorboard_log.TensorBoardLog(
-            f"{args.output_dir}/tensorboard",
-            enabled=self.is_main and args.tensorboard,
-            resumed_from=start_step,
-        )
-        run = metrics.run_record(
-            vars(args), world_size=world.world_size, samples_per_step=samples_per_step
-        )
-        log.info(metrics.run_line(run))  # flags and batch, for scripts/compare_runs.py
-        self.writer.write(run)
-        self.board.flags(run)
-
-    def is_report_step(self, step: int) -> bool:
-        return step % self.args.logging_freq == 0 or step == self.args.max_steps
-
-    def step(self, step: int, loss: torch.Tensor, lr: float, data_wait: float) -> None:
-        """Count every step; at report steps log the window since the previous report."""
-        self.meter.add_step(
-            data_wait_seconds=data_wait,
-            samples=self.samples,
-            tokens=self.samples * self.args.max_context_width,
-        )
-        if not self.is_report_step(step):
-            return
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-        loss_value = loss.item()
-        record = self.meter.report(
-            step=step,
-            loss=loss_value,
-            lr=lr,
-            peak_memory_bytes=metrics.peak_memory_bytes(self.device),
-        )
-        log.info(metrics.seed_line(step, loss_value, record["samples_per_sec"], lr))
-        log.info(metrics.detail_line(record))
-        self.writer.write(record)
-        self.board.write(record)
-
-    def validation(self, step: int, model, batches, backend) -> None:
-        with self.meter.paused():
-            start = time.perf_counter()
-            val_loss = evaluate(model, batches, backend, self.device)
-            seconds = time.perf_counter() - start
-        log.info("Validation at step %d: loss %.5f over %d batches", step, val_loss, len(batches))
-        record = metrics.validation_record(
-            step=step, val_loss=val_loss, batches=len(batches), seconds=seconds
-        )
-        self.writer.write(record)
-        self.board.write(record)
-
-    def finish(self) -> None:
-        self.writer.close()
-        self.board.close()
-        if self.is_main:
-            summary = metrics.summarize(metrics.read_jsonl(self.jsonl_path), self.warmup)
-            log.info("\n" + metrics.format_summary(summary))
-
-
 def te_recipe(backend) -> object | None:
     """The Transformer Engine recipe object, or None (bf16, torchao, or TE with FP8 off)."""
     return backend.recipe if backend.name == "te" else None
@@ -225,13 +119,15 @@ def build_model(args: argparse.Namespace, mesh, device, backend) -> torch.nn.Mod
 
 
 def train(
-    args: argparse.Namespace,
+    args: arguments.Config,
     tokenizer,
     world: distributed.World,
     device,
     preemption,
     explicit: frozenset = frozenset(),
 ) -> None:
+    """Build (data first: its problems show before the model's cost), then step until
+    --max_steps or a stop request (a signal or a bad read: checkpoint, then exit)."""
     torch.manual_seed(args.seed)
     mesh = distributed.build_mesh(world, device, args.sharding_strategy)
     if world.num_nodes > 1:  # every rank: its node and mesh groups (hybrid: replicas across)
@@ -241,9 +137,53 @@ def train(
     stream, val_batches = data.build_data(args, tokenizer, world)  # bad data before the model
     model = build_model(args, mesh, device, backend)
     outputs.check_outputs(args, world, modeling.count_parameters(model), log)  # before training
-
     optimizer, scheduler = optim.from_args(model, args)
+    ckpt, state, args = restore(args, model, optimizer, scheduler, stream, backend, explicit)
+    run_log = RunLog(args, model, backend, world, device, start_step=state.step)
 
+    guard = guards.StepGuard(device)
+    reads = data.ReadGuard(stream, args.text_column)
+    model.train()
+    run_log.meter.start()
+    try:
+        while state.step < args.max_steps:
+            done = train_step(model, optimizer, scheduler, backend, reads.next, args, device)
+            state.step += 1
+            guard.observe(state.step, done.loss, done.grad_norm)  # queued on the device, no sync
+            run_log.step(state.step, done.loss, done.lr, done.data_wait)
+            if args.validation_freq and state.step % args.validation_freq == 0:
+                run_log.validation(state.step, model, val_batches, backend)
+            asked = preemption.requested or reads.failure is not None
+            if step_boundary(args, state, ckpt, guard, model, run_log, asked):
+                path = ckpt.save(state.step, state, block=True)
+                data.raise_read_failure(reads.failure, world, state.step, path)
+                log.info("Preemption signal received: checkpoint saved at step %d", state.step)
+                return
+        finish(args, model, backend, ckpt, state, guard, run_log, val_batches)
+    except guards.Diverged as exc:  # here: the lr in the line is the one in use after a resume
+        guards.exit_diverged(exc, args.lr, world.is_main)
+
+
+def step_boundary(args, state, ckpt, guard, model, run_log, stop_requested: bool) -> bool:
+    """At report and save steps only (an all-reduce + .item() every step would make the host
+    wait for the device each step): whether every rank stops here, after the periodic save. A
+    signal is acted on within --logging_freq steps; a non-finite step stops the run (guards.
+    Diverged) before any checkpoint holds it."""
+    save_now = args.checkpoint_freq > 0 and state.step % args.checkpoint_freq == 0
+    if not (save_now or run_log.is_report_step(state.step)):
+        return False
+    stop = guards.check_step(guard, ckpt, state.step, model, stop_requested, save_now)
+    if save_now:
+        with run_log.meter.paused():
+            ckpt.save(state.step, state)
+    return stop
+
+
+def restore(
+    args: arguments.Config, model, optimizer, scheduler, stream, backend, explicit: frozenset
+) -> tuple[checkpoint.Checkpointer, checkpoint.TrainState, arguments.Config]:
+    """The checkpointer and the state it saves, resumed if asked; the flags come back with the
+    lr values a resume put in use, and the state saves them."""
     ckpt = checkpoint.Checkpointer(
         args.checkpoint_dir,
         args.keep_last,
@@ -263,75 +203,14 @@ def train(
         ckpt.remove_all()
     resume_path = ckpt.resolve_intact(args.resume_from_checkpoint)  # checksums verified
     if resume_path is not None:
-        resume(ckpt, resume_path, state, scheduler, args, explicit)
+        args = resume(ckpt, resume_path, state, scheduler, args, explicit)
+        state.config = vars(args)
+    return ckpt, state, args
 
-    samples_per_step = args.train_batch_size * args.grad_accum_steps * world.world_size
-    run_log = RunLog(args, model.config, world, device, samples_per_step, start_step=state.step)
-    log.info(
-        "model: %s, %.1fM parameters, impl=%s; %s",
-        args.preset,
-        modeling.count_parameters(model) / 1e6,
-        args.model_impl,
-        backend.describe(),
-    )
-    log.info(
-        "world: %d ranks (%d nodes), %s, %s sharding; global batch %d sequences x %d tokens",
-        world.world_size,
-        world.num_nodes,
-        device,
-        args.sharding_strategy,
-        samples_per_step,
-        args.max_context_width,
-    )
 
-    guard = guards.StepGuard(device)
-    reads = data.ReadGuard(stream, args.text_column)
-    model.train()
-    run_log.meter.start()
-    while state.step < args.max_steps:
-        data_wait, loss_sum = 0.0, torch.zeros((), device=device)
-        for micro in range(args.grad_accum_steps):
-            t0 = time.perf_counter()
-            raw, weight = reads.next()  # weight 0: a stand-in after a bad read (ReadGuard)
-            batch = {k: v.to(device, non_blocking=True) for k, v in raw.items()}
-            data_wait += time.perf_counter() - t0
-            last = micro == args.grad_accum_steps - 1
-            distributed.sync_gradients(model, args.sharding_strategy, last)
-            with backend.autocast():
-                loss = model(**batch, **backend.forward_kwargs(micro)).loss * weight
-            (loss / args.grad_accum_steps).backward()
-            loss_sum += loss.detach()
-        grad_norm = None
-        if args.grad_clip > 0:
-            grad_norm = optim.clip_grad_norm_(model.parameters(), args.grad_clip)  # fast on FSDP2
-        lr = float(scheduler.get_last_lr()[0])  # torchao keeps it as a 0-d CPU tensor
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        backend.after_optimizer_step(model)
-        state.step += 1
-
-        step_loss = loss_sum / args.grad_accum_steps
-        guard.observe(state.step, step_loss, grad_norm)  # queued on the device, no sync
-        run_log.step(state.step, step_loss, lr, data_wait)
-        if args.validation_freq and state.step % args.validation_freq == 0:
-            run_log.validation(state.step, model, val_batches, backend)
-        save_now = args.checkpoint_freq > 0 and state.step % args.checkpoint_freq == 0
-        # Checked at report and save steps only: an all-reduce + .item() every step would make
-        # the host wait for the device each step. A signal is acted on within --logging_freq
-        # steps; a non-finite step stops the run before any checkpoint holds it.
-        if save_now or run_log.is_report_step(state.step):
-            asked = preemption.requested or reads.failure is not None
-            stop = guards.check_step(guard, ckpt, state.step, model, asked, save_now)
-            if save_now:
-                with run_log.meter.paused():
-                    ckpt.save(state.step, state)
-            if stop:
-                path = ckpt.save(state.step, state, block=True)
-                data.raise_read_failure(reads.failure, world, state.step, path)
-                log.info("Preemption signal received: checkpoint saved at step %d", state.step)
-                return
-
+def finish(args: arguments.Config, model, backend, ckpt, state, guard, run_log, val_batches):
+    """The end of a run that reached --max_steps: last validation, last (finite) checkpoint,
+    the HF export, the summary."""
     if not args.validation_freq or state.step % args.validation_freq:
         run_log.validation(state.step, model, val_batches, backend)
     guards.check_step(guard, ckpt, state.step, model, False, saving=True)  # no non-finite save
@@ -344,11 +223,13 @@ def train(
     run_log.finish()
 
 
-def resume(ckpt, path, state, scheduler, args: argparse.Namespace, explicit: frozenset) -> None:
+def resume(
+    ckpt, path, state, scheduler, args: arguments.Config, explicit: frozenset
+) -> arguments.Config:
     """Load checkpoint `path` under the resume rules: the same model shape and data or
     checkpoint.ResumeRefused; other changed flags are logged; an explicit --lr/--min_lr replaces
-    the saved one (optim.resume_schedule). The lr values in use go back into `args`, so the next
-    checkpoint and metrics.jsonl record what the run really uses."""
+    the saved one (optim.resume_schedule). Returns the flags with the lr values in use, so the
+    next checkpoint and metrics.jsonl record what the run really uses."""
     changed = [c for c in checkpoint.check_resumable(path, vars(args)) if c[0] not in _LR_FLAGS]
     ckpt.load(path, state)
     given = {name: getattr(args, name) for name in ("lr", "min_lr") if name in explicit}
@@ -362,7 +243,7 @@ def resume(ckpt, path, state, scheduler, args: argparse.Namespace, explicit: fro
     for name, value in used.items():
         source = f"--{name} given" if name in given else "saved; not given"
         log.info("Resumed schedule: %s %g (%s)", name, value, source)
-        setattr(args, name, value)
+    return args.replace(**used)
 
 
 _LR_FLAGS = ("--lr", "--min_lr")
@@ -402,8 +283,6 @@ def main(argv: list[str] | None = None) -> None:
         if world.is_main:
             arguments.exit_on_usage_error(arguments.UsageError(str(exc)))
         raise SystemExit(2) from None
-    except guards.Diverged as exc:
-        guards.exit_diverged(exc, args.lr, world.is_main)
     except checkpoint.CheckpointWriteError as exc:  # the disk filled up, went read-only, ...
         if world.is_main:
             print(f"train.py: error: {exc}", file=sys.stderr, flush=True)

@@ -68,8 +68,6 @@ class Bench:
             "1",
         ]
         args = arguments.parse_args(argv)
-        args.model_impl = precision.resolve_model_impl(args.model_impl)
-        precision.resolve_fp8_recipe(args)
         self.backend = precision.build_backend(args, device)
         self.model = train.build_model(args, mesh, device, self.backend)
         self.params = modeling.count_parameters(self.model)

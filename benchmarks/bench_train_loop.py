@@ -1,4 +1,4 @@
-"""Benchmark (b): train.py's training throughput against a bare forward/backward/optimizer loop.
+"""Benchmark (b): train.py's training throughput against its bare step in a loop.
 
     .venv/bin/python benchmarks/bench_train_loop.py                     # tiny preset, bf16
     .venv/bin/python benchmarks/bench_train_loop.py --fp8 1 --rounds 3
@@ -12,9 +12,11 @@ same machine:
   wall-clock ``time`` stamps of consecutive records, so all work between two steps (logging,
   collectives, data) counts against train.py, not only what train.py itself times.
 - bare: the same model built by the same code (modeling.build -> precision backend -> FSDP2 on
-  a one-rank mesh -> materialize), the same optimizer and batch shape, one pre-made random batch
-  already on the device, and only ``forward; backward; optimizer.step; zero_grad`` per step
-  (plus a device sync per step, which train.py's per-step ``loss.item()`` also does).
+  a one-rank mesh -> materialize), the same optimizer, schedule and batch shape, one pre-made
+  random batch already on the device, and only train.py's own step per step
+  (``model_utils.step.train_step``: forward, backward, clip, optimizer and schedule step),
+  plus a device sync per step, which train.py's per-step ``loss.item()`` also does. What the
+  ratio measures is therefore what train.py's loop adds around its step: data, guards, logs.
 
 The first ``--speed_warmup`` steps of each run are dropped. Two statistics of per-step tokens/s:
 the median, and the 90th percentile ("best decile"). On a machine shared with other jobs the
@@ -44,6 +46,7 @@ sys.path.insert(0, str(REPO))
 
 import train  # noqa: E402
 from model_utils import arguments, distributed, metrics, optim, precision  # noqa: E402
+from model_utils.step import train_step  # noqa: E402
 
 GOAL = 0.97
 
@@ -82,10 +85,8 @@ def run_train_py(train_argv: list[str], warmup: int) -> tuple[Run, dict]:
 
 
 def run_bare_loop(train_argv: list[str], warmup: int) -> Run:
-    """The minimal loop on the model, precision and batch shape that ``train_argv`` selects."""
+    """train.py's step alone, on the model, precision and batch shape ``train_argv`` selects."""
     args = arguments.parse_args(train_argv)
-    args.model_impl = precision.resolve_model_impl(args.model_impl)
-    precision.resolve_fp8_recipe(args)
     world = distributed.world_from_env()
     device = distributed.device_for(world)
     distributed.init(world, device, args.dist_timeout)
@@ -94,22 +95,15 @@ def run_bare_loop(train_argv: list[str], warmup: int) -> Run:
         mesh = distributed.build_mesh(world, device, args.sharding_strategy)
         backend = precision.build_backend(args, device, dp_group=dist.group.WORLD)
         model = train.build_model(args, mesh, device, backend)
-        optimizer = optim.build_optimizer(model, args.lr, args.weight_decay, args.beta1, args.beta2)
+        optimizer, scheduler = optim.from_args(model, args)
         shape = (args.train_batch_size, args.max_context_width)
         tokens_per_step = args.grad_accum_steps * shape[0] * shape[1]
         input_ids = torch.randint(0, args.vocab_size, shape, device=device)
+        fixed = {"input_ids": input_ids, "labels": input_ids}
         model.train()
         stamps: list[float] = []
         for step in range(1, args.max_steps + 1):
-            for micro in range(args.grad_accum_steps):
-                with backend.autocast():
-                    loss = model(
-                        input_ids=input_ids, labels=input_ids, **backend.forward_kwargs(micro)
-                    ).loss
-                (loss / args.grad_accum_steps).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            backend.after_optimizer_step(model)
+            train_step(model, optimizer, scheduler, backend, lambda: (fixed, 1.0), args, device)
             _sync(device)
             if step >= warmup:
                 stamps.append(time.perf_counter())
@@ -178,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
         summaries.append(summary)
 
     both = Run(bare), Run(real)
-    print("\n== bench_train_loop: train.py vs a bare forward/backward/optimizer loop")
+    print("\n== bench_train_loop: train.py vs its step alone in a bare loop")
     print(f"command: {command}")
     print(
         f"train.py flags: {' '.join(train_argv)}; {opts.rounds} rounds, steps "

@@ -114,9 +114,17 @@ PRESET_FIELDS = (
     "train_batch_size",
 )
 
+# The first recipe of each backend is its default --fp8_recipe.
 TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-TE_RECIPES = ("delayed", "current", "block", "mxfp8")
+#: ``--fp8_recipe`` values for TE -> TE recipe class (``transformer_engine.common.recipe``).
+TE_RECIPES: dict[str, str] = {
+    "delayed": "DelayedScaling",
+    "current": "Float8CurrentScaling",
+    "block": "Float8BlockScaling",
+    "mxfp8": "MXFP8BlockScaling",
+}
 MODEL_IMPLS = ("auto", "hf", "te", "te_linear")
+TE_IMPLS = ("te", "te_linear")  # the implementations that run on the TE precision backend
 # adamw: torch's, fp32 moments; adamw8bit / adamw_fp8: torchao.optim's AdamW8bit / AdamWFp8.
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw_fp8")
 
@@ -411,11 +419,62 @@ def check_consistency(args: argparse.Namespace) -> None:
         )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def resolve_fp8_recipe(args: argparse.Namespace) -> str:
+    """--fp8_recipe for the backend that the (resolved) --model_impl runs on: TE's recipes for the
+    TE implementations, torchao's for hf; defaulted to that backend's first recipe."""
+    uses_te = args.model_impl in TE_IMPLS
+    valid = tuple(TE_RECIPES) if uses_te else TORCHAO_RECIPES
+    recipe = valid[0] if args.fp8_recipe is None else args.fp8_recipe
+    if recipe not in valid:
+        backend = "Transformer Engine" if uses_te else "torchao"
+        raise UsageError(
+            f"--fp8_recipe {recipe} is not a {backend} recipe for --model_impl "
+            f"{args.model_impl}; choose one of {', '.join(valid)}"
+        )
+    if args.fp8_all_gather and (uses_te or recipe != "tensorwise"):
+        raise UsageError(
+            "--fp8_all_gather needs torchao's tensorwise recipe (--model_impl hf "
+            "--fp8_recipe tensorwise); with TE use --fp8_weights"
+        )
+    if args.fp8_weights and not uses_te:
+        raise UsageError("--fp8_weights is a Transformer Engine option: add --model_impl te")
+    return recipe
+
+
+class Config(argparse.Namespace):
+    """The run's flags, resolved once (preset filled in, --model_impl auto and the --fp8_recipe
+    default decided) and frozen: every module reads the same values, and checkpoint.json and
+    metrics.jsonl record what the run really used. A change (resume's lr in use) is a new
+    object from :meth:`replace`. ``vars(config)`` is the flat dict of every field."""
+
+    def __init__(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"the run config is frozen: use config.replace({name}=...)")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"the run config is frozen: cannot delete {name}")
+
+    def replace(self, **changes: Any) -> Config:
+        """A copy with `changes`; only existing fields (a typo must not add a new one)."""
+        unknown = sorted(set(changes) - set(vars(self)))
+        if unknown:
+            raise AttributeError(f"no such config field: {', '.join(unknown)}")
+        return Config(**{**vars(self), **changes})
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """The one way to a run config: flags, preset, cross-flag rules, then the implementation
+    (``auto`` probes TE and the GPU) and the FP8 recipe for its backend."""
+    from model_utils.precision import resolve_model_impl  # imports torch; flags alone need not
+
     args = build_parser().parse_args(argv)
     apply_preset(args)
     check_consistency(args)
-    return args
+    args.model_impl = resolve_model_impl(args.model_impl)
+    args.fp8_recipe = resolve_fp8_recipe(args)
+    return Config(**vars(args))
 
 
 def explicit_flags(argv: list[str] | None = None) -> frozenset[str]:

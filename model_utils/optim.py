@@ -103,9 +103,9 @@ def build_optimizer(
     decoupled weight decay whichever the choice; only how the two moments are stored differs.
 
     - ``adamw``: torch's AdamW, fp32 moments (8 bytes per parameter), with the fused kernel
-      where torch has one. Fused AdamW exists for CUDA and (since torch 2.4) CPU; measured on
-      the tiny model on this 2-core CPU it steps in ~6 ms against ~24 ms for ``foreach``. If a
-      device or tensor subclass is not supported by the fused kernel, torch raises at
+      where torch has one. Fused AdamW exists for CUDA and (since torch 2.4) CPU, and it
+      is the faster kernel (benchmarks/bench_optim_kernels.py times it against ``foreach``).
+      If a device or tensor subclass is not supported by the fused kernel, torch raises at
       construction and we fall back to ``foreach`` (the torch default where it applies).
     - ``adamw8bit`` / ``adamw_fp8``: torchao's AdamW8bit / AdamWFp8 (see :func:`low_bit_adamw`).
     """
@@ -189,8 +189,8 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torc
 
     Same result as ``torch.nn.utils.clip_grad_norm_`` (coefficient ``max_norm / (norm + 1e-6)``
     clamped to 1, applied without a host sync), but fast on FSDP2: torch's version multiplies
-    every DTensor gradient through DTensor dispatch, which measured 220 ms per step on the tiny
-    model on this CPU (17% of the step), against 4 ms for multiplying the local shards in place.
+    every DTensor gradient through DTensor dispatch, a large share of a small model's step, where
+    multiplying the local shards in place costs little (benchmarks/bench_optim_kernels.py).
     The norm itself still comes from ``get_total_norm`` on the DTensors, which reduces the
     squared shard norms across ranks, so every rank gets the same global norm and coefficient.
     """

@@ -2,8 +2,8 @@
 
 A backend has four duties, each called at one point of the step (see DESIGN.md):
   prepare(model)              module swaps, before sharding (e.g. nn.Linear -> Float8Linear)
-  autocast()                  context for the forward pass only
-  forward_kwargs(micro)       extra forward arguments per micro-batch (TE's is_first_microbatch)
+  autocast(first_micro_batch) context for the forward pass only; in training, whether this is a
+                              step's first micro-batch (TE re-casts FP8 weights there only)
   after_optimizer_step(model) per-step bookkeeping (e.g. torchao's FP8 scale precompute for FSDP)
   describe()                  the startup log line
 Compute dtype itself comes from FSDP2's MixedPrecisionPolicy (bf16 params for compute, fp32
@@ -21,7 +21,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from model_utils.arguments import TE_RECIPES, TORCHAO_RECIPES, UsageError
+from model_utils.arguments import TE_IMPLS
 
 # FP8 GEMMs need both matrix dims divisible by 16 (the backward multiplies by the transpose).
 FP8_DIM_MULTIPLE = 16
@@ -41,27 +41,6 @@ def resolve_model_impl(requested: str) -> str:
     return "te" if fp8_capable_gpu() and te_support.te_available() else "hf"
 
 
-def resolve_fp8_recipe(args: argparse.Namespace) -> None:
-    """Default and validate --fp8_recipe for the backend the implementation implies."""
-    uses_te = args.model_impl in ("te", "te_linear")
-    valid = TE_RECIPES if uses_te else TORCHAO_RECIPES
-    if args.fp8_recipe is None:
-        args.fp8_recipe = valid[0] if uses_te else "tensorwise"
-    if args.fp8_recipe not in valid:
-        backend = "Transformer Engine" if uses_te else "torchao"
-        raise UsageError(
-            f"--fp8_recipe {args.fp8_recipe} is not a {backend} recipe for --model_impl "
-            f"{args.model_impl}; choose one of {', '.join(valid)}"
-        )
-    if args.fp8_all_gather and (uses_te or args.fp8_recipe != "tensorwise"):
-        raise UsageError(
-            "--fp8_all_gather needs torchao's tensorwise recipe (--model_impl hf "
-            "--fp8_recipe tensorwise); with TE use --fp8_weights"
-        )
-    if args.fp8_weights and not uses_te:
-        raise UsageError("--fp8_weights is a Transformer Engine option: add --model_impl te")
-
-
 class BF16:
     """No module swaps: FSDP2 computes in bf16 (or fp32 with --bf16=0)."""
 
@@ -74,11 +53,8 @@ class BF16:
     def prepare(self, model: nn.Module) -> nn.Module:
         return model
 
-    def autocast(self) -> contextlib.AbstractContextManager:
+    def autocast(self, first_micro_batch: bool | None = None) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
-
-    def forward_kwargs(self, micro: int) -> dict[str, object]:
-        return {}
 
     def after_optimizer_step(self, model: nn.Module) -> None:
         return None
@@ -128,11 +104,8 @@ class TorchaoFloat8:
 
         return convert_to_float8_training(model, config=self.config(), module_filter_fn=keep)
 
-    def autocast(self) -> contextlib.AbstractContextManager:
+    def autocast(self, first_micro_batch: bool | None = None) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
-
-    def forward_kwargs(self, micro: int) -> dict[str, object]:
-        return {}
 
     def after_optimizer_step(self, model: nn.Module) -> None:
         if self.all_gather:
@@ -155,7 +128,7 @@ def build_backend(
 ) -> BF16 | TorchaoFloat8:
     """The backend for (--model_impl, --fp8). TE implementations always use the TE backend so that
     --fp8=0 runs the very same TE model in bf16."""
-    if args.model_impl in ("te", "te_linear"):
+    if args.model_impl in TE_IMPLS:
         from model_utils.te_precision import TEBackend
 
         return TEBackend(args, dp_group=dp_group)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from model_utils.arguments import TE_RECIPES
 from model_utils.te_support import TEUnavailableError, import_te, set_is_first_microbatch
 
 #: The Transformer Engine releases this code is contract-tested against, the one place they are
@@ -34,13 +35,6 @@ PINNED_TE_VERSION = "2.20.2"
 IMAGE_TE_VERSION = "2.16.0"
 TE_CONTRACT_VERSIONS: tuple[str, ...] = (PINNED_TE_VERSION, IMAGE_TE_VERSION)
 
-#: ``--fp8_recipe`` values for TE -> TE recipe class (``transformer_engine.common.recipe``).
-TE_RECIPES: dict[str, str] = {
-    "delayed": "DelayedScaling",
-    "current": "Float8CurrentScaling",
-    "block": "Float8BlockScaling",
-    "mxfp8": "MXFP8BlockScaling",
-}
 #: ``--fp8_format`` -> ``recipe.Format`` member. HYBRID = E4M3 forward, E5M2 gradients.
 TE_FORMATS: dict[str, str] = {"hybrid": "HYBRID", "e4m3": "E4M3"}
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
@@ -283,8 +277,6 @@ class TEBackend:
             "amax_compute_algo": args.amax_compute_algo,
             "fp8_margin": int(args.fp8_margin),
         }
-        if self.fp8_weights and not self.fp8:
-            raise ValueError("--fp8_weights needs --fp8=1")
         self._recipe: Any = None
         self._model: nn.Module | None = None
 
@@ -358,34 +350,25 @@ class TEBackend:
         te = self._te()
         return functools.partial(te.checkpoint, use_reentrant=False)
 
-    def forward_kwargs(self, micro: int) -> dict[str, Any]:
-        """Mark the coming forward as the first micro-batch of a step (``micro == 0``: TE casts
-        and caches FP8 weights) or a later one (reuses them). Call it *inside* :meth:`autocast`
-        (entering clears the flags). Flags are set on the model's TE modules, which HF's forward
-        would not reach for ``te_linear``; nothing is returned.
+    @contextlib.contextmanager
+    def autocast(self, first_micro_batch: bool | None = None) -> Iterator[None]:
+        """Wrap the forward (not backward/optimizer): FP8 GEMMs inside when FP8 is on.
+
+        ``first_micro_batch`` marks a training forward as the first micro-batch of a step (TE
+        casts and caches FP8 weights) or a later one (reuses them); None (evaluation) caches
+        nothing, so no cached FP8 weights can go stale. The flags are set on the model's TE
+        modules, which HF's forward would not reach for ``te_linear``, and left in place on
+        exit because activation recompute in backward must replay the forward's choice. One TE
+        module must not run twice inside one autocast (the amax reduction happens at exit).
 
         Under FSDP2 (every model train.py builds) the flag stays None: FSDP2 gathers the weights
         anew for every forward, so there is nothing to cache, and TE >= 2.16 ignores the flag
         there (``cache_name = None if ... self.is_fsdp2``).
         """
-        if self._model is not None:
-            fsdp2 = isinstance(self._model, FSDPModule)
-            set_is_first_microbatch(self._model, None if fsdp2 else micro == 0)
-        return {}
-
-    @contextlib.contextmanager
-    def autocast(self, is_first_microbatch: bool | None = None) -> Iterator[None]:
-        """Wrap the forward (not backward/optimizer): FP8 GEMMs inside when FP8 is on.
-
-        Entering sets the micro-batch flags to ``is_first_microbatch`` (None by default, i.e.
-        evaluation: no cached FP8 weights can go stale); :meth:`forward_kwargs` then marks a
-        training micro-batch. Flags are left in place on exit because activation recompute in
-        backward must replay the forward's choice. One TE module must not run twice inside one
-        autocast (the amax reduction happens at exit).
-        """
         te = self._te()
         if self._model is not None:
-            set_is_first_microbatch(self._model, is_first_microbatch)
+            fsdp2 = isinstance(self._model, FSDPModule)
+            set_is_first_microbatch(self._model, None if fsdp2 else first_micro_batch)
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         with contextlib.ExitStack() as stack:
             if self.torch_autocast_dtype is not None:

@@ -115,14 +115,23 @@ def test_bad_flags_raise_usage_error(argv, message):
 
 
 def test_fp8_recipe_is_checked_against_the_backend():
-    args = parse_args(["--fp8=1", "--fp8_recipe", "delayed"])
-    args.model_impl = "hf"
     with pytest.raises(UsageError, match="not a torchao recipe"):
-        precision.resolve_fp8_recipe(args)
-    args = parse_args(["--fp8=1"])
-    args.model_impl = "hf"
-    precision.resolve_fp8_recipe(args)
+        parse_args(["--fp8=1", "--fp8_recipe", "delayed", "--model_impl", "hf"])
+    args = parse_args(["--fp8=1", "--model_impl", "hf"])
     assert args.fp8_recipe == "tensorwise"
+    assert parse_args(["--fp8=1", "--model_impl", "te"]).fp8_recipe == "delayed"
+
+
+def test_the_config_is_resolved_once_and_frozen():
+    args = parse_args(["--fp8=1"])
+    assert args.model_impl == "hf"  # auto, resolved (no Transformer Engine or FP8 GPU here)
+    with pytest.raises(AttributeError, match="frozen"):
+        args.lr = 0.5
+    changed = args.replace(lr=0.5)
+    assert (changed.lr, args.lr) == (0.5, 1e-3)
+    assert vars(changed) == {**vars(args), "lr": 0.5}
+    with pytest.raises(AttributeError, match="no such config field"):
+        args.replace(learning_rate=0.5)
 
 
 def test_auto_impl_is_hf_without_transformer_engine(monkeypatch):

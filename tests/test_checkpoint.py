@@ -105,8 +105,6 @@ class Run:
         argv = [*TINY, "--output_dir", str(workdir), f"--fp8={int(fp8)}"]
         argv += [f"--fp8_all_gather={int(all_gather)}"]
         args = arguments.parse_args(argv)
-        args.model_impl = precision.resolve_model_impl(args.model_impl)
-        precision.resolve_fp8_recipe(args)
         self.args = args
         self.world = distributed.world_from_env()
         self.device = torch.device("cpu")
@@ -124,20 +122,15 @@ class Run:
         )
 
     def train_step(self) -> float:
-        """One optimizer step; returns the loss averaged over ranks."""
+        """train.py's optimizer step; returns the loss averaged over ranks."""
         import torch.distributed as dist
 
-        batch = next(self.stream)
-        with self.backend.autocast():
-            loss = self.model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.backend.after_optimizer_step(self.model)
+        from model_utils.step import train_step
+
+        parts = (self.model, self.optimizer, self.scheduler, self.backend)
+        done = train_step(*parts, lambda: (next(self.stream), 1.0), self.args, self.device)
         self.state.step += 1
-        total = loss.detach().float().reshape(1)
+        total = done.loss.float().reshape(1)
         dist.all_reduce(total)
         return total.item() / dist.get_world_size()
 

@@ -323,8 +323,10 @@ def test_labels_and_argument_refusals(two_runs, tmp_path, capsys) -> None:
 
 
 def test_warmup_rule_is_train_py_s() -> None:
-    source = (ROOT / "train.py").read_text()
-    assert f"SPEED_WARMUP_STEPS = {cr.WARMUP_STEPS}\n" in source
+    from model_utils import run_log
+
+    assert run_log.SPEED_WARMUP_STEPS == cr.WARMUP_STEPS
+    source = (ROOT / "model_utils" / "run_log.py").read_text()
     assert "min(SPEED_WARMUP_STEPS, args.max_steps // 2)" in source
 
 

@@ -96,11 +96,9 @@ class Run:
             else ["--fp8=0", "--bf16=0"]
         )
         self.compute_dtype = torch.bfloat16 if fp8 else torch.float32
-        args = parse_args(
+        self.args = args = parse_args(
             [*SMALL, f"--model_impl={impl}", f"--seed={seed}", "--max_steps=8", *extra]
         )
-        args.model_impl = precision.resolve_model_impl(args.model_impl)
-        precision.resolve_fp8_recipe(args)
         _world_of_one()
         device = torch.device("cpu")
         mesh = distributed.build_mesh(distributed.world_from_env({}), device, "full")
@@ -118,16 +116,21 @@ class Run:
         self.checkpointer = ck.Checkpointer(checkpoint_dir, keep_last=0, state_dict_adapter=adapter)
 
     def step(self, seed: int) -> float:
+        """train.py's step on one fixed micro-batch; returns its loss."""
+        from model_utils.step import train_step
+
         ids = batch(seed)
-        with self.backend.autocast():
-            loss = self.model(input_ids=ids, labels=ids, **self.backend.forward_kwargs(0)).loss
-        loss.backward()
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.backend.after_optimizer_step(self.model)
+        done = train_step(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.backend,
+            lambda: ({"input_ids": ids, "labels": ids}, 1.0),
+            self.args,
+            torch.device("cpu"),
+        )
         self.state.step += 1
-        return loss.item()
+        return done.loss.item()
 
     def hf_weights(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights under HF names, whatever the layout."""

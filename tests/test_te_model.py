@@ -260,18 +260,30 @@ def test_build_refuses_unsupported_configs(te_double) -> None:
 
 
 def train_losses(model, backend, config, steps: int) -> list[float]:
+    """train.py's step (no clip, constant lr) on one batch; every parameter must get a gradient."""
+    from model_utils.step import train_step
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    no_grad: list[str] = []
+    optimizer.register_step_pre_hook(
+        lambda *_: no_grad.extend(n for n, p in model.named_parameters() if p.grad is None)
+    )
     ids = batch(config, size=(2, 32))
+    step_args = SimpleNamespace(grad_accum_steps=1, grad_clip=0.0, sharding_strategy="full")
     losses = []
     for _ in range(steps):
-        with backend.autocast(is_first_microbatch=True):
-            loss = model(ids, labels=ids).loss
-        loss.backward()
-        assert all(p.grad is not None for p in model.parameters())
-        optimizer.step()
-        optimizer.zero_grad()
-        backend.after_optimizer_step(model)
-        losses.append(loss.item())
+        done = train_step(
+            model,
+            optimizer,
+            scheduler,
+            backend,
+            lambda: ({"input_ids": ids, "labels": ids}, 1.0),
+            step_args,
+            ids.device,
+        )
+        assert no_grad == []
+        losses.append(done.loss.item())
     return losses
 
 
@@ -323,10 +335,12 @@ def test_capability_check_through_double(te_double, monkeypatch) -> None:
 
 
 def test_backend_refuses_hf_model(te_double) -> None:
+    from model_utils.arguments import UsageError, parse_args
+
     with pytest.raises(ValueError, match="--model_impl te or te_linear"):
         TEBackend(backend_args(fp8=True)).prepare(LlamaForCausalLM(tiny_config()))
-    with pytest.raises(ValueError, match="--fp8=1"):
-        TEBackend(backend_args(fp8=False, fp8_weights=True))
+    with pytest.raises(UsageError, match="--fp8_weights needs --fp8=1"):  # the flags' one check
+        parse_args(["--model_impl", "te", "--fp8=0", "--fp8_weights"])
 
 
 def test_pickled_extra_state_is_refused_like_te_2_20(te_double, monkeypatch) -> None:
@@ -363,23 +377,21 @@ def _flags(model) -> set:
 
 @pytest.mark.parametrize("impl", ["te", "te_linear"])
 def test_is_first_microbatch_reuses_fp8_weights(impl: str, te_double) -> None:
-    """forward_kwargs(micro > 0) makes TE reuse the FP8 weights cast on micro-batch 0; an
-    autocast entered without it (evaluation) clears the flags and re-casts."""
+    """autocast(first_micro_batch=False) makes TE reuse the FP8 weights cast on micro-batch 0;
+    an autocast entered without it (evaluation) clears the flags and re-casts."""
     config = tiny_config()
     backend = TEBackend(backend_args(fp8=True, recipe="current", impl=impl))
     model = backend.prepare(built(config, impl)).eval()
     ids = batch(config)
     with torch.no_grad():
-        with backend.autocast():
-            assert backend.forward_kwargs(0) == {}
+        with backend.autocast(first_micro_batch=True):
             assert _flags(model) == {True}
             first = model(ids).logits
         assert _flags(model) == {True}  # kept for the activation recompute in backward
         for name, param in model.named_parameters():
             if "layers" in name and "norm" not in name:
                 param.mul_(1.5)
-        with backend.autocast():
-            backend.forward_kwargs(1)
+        with backend.autocast(first_micro_batch=False):
             assert _flags(model) == {False}
             cached = model(ids).logits
         with backend.autocast():  # evaluation: no flags -> fresh FP8 weights
@@ -405,8 +417,8 @@ def test_te_activation_checkpointing_keeps_gradients(recipe: str, te_double) -> 
             distributed.apply_activation_checkpointing(model, backend.checkpoint_fn)
         for micro in range(2):  # the second runs with updated delayed-scaling factors
             model.zero_grad()
-            with backend.autocast():
-                loss = model(ids, labels=ids, **backend.forward_kwargs(micro)).loss
+            with backend.autocast(first_micro_batch=micro == 0):
+                loss = model(ids, labels=ids).loss
             loss.backward()
         grads.append(
             {
@@ -489,7 +501,7 @@ def _two_rank_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         )
         backend.prepare(model)
         ids = batch(config, seed=100 + rank)  # different data per rank -> different local amaxes
-        with backend.autocast(is_first_microbatch=True):
+        with backend.autocast(first_micro_batch=True):
             loss = model(ids, labels=ids).loss
         loss.backward()
         meta = model.model.layers[0].transformer_layer.layernorm_mlp.fp8_meta
@@ -652,8 +664,7 @@ def test_fsdp2_models_get_no_micro_batch_weight_caching(te_double, tmp_path) -> 
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     backend = TEBackend(backend_args(fp8=True))
     plain = backend.prepare(built(tiny_config()))
-    with backend.autocast():
-        backend.forward_kwargs(0)
+    with backend.autocast(first_micro_batch=True):
         assert _flags(plain) == {True}
     with torch.device("meta"):
         sharded = te_llama.build_te_llama(tiny_config(), impl="te")
@@ -662,8 +673,7 @@ def test_fsdp2_models_get_no_micro_batch_weight_caching(te_double, tmp_path) -> 
     fully_shard(sharded)
     materialize(sharded, torch.device("cpu"), 0)
     backend.prepare(sharded)
-    with backend.autocast():
-        backend.forward_kwargs(0)
+    with backend.autocast(first_micro_batch=True):
         assert _flags(sharded) == {None}
 
 

@@ -159,8 +159,6 @@ def _build_tiny(extra: list[str]):
     from model_utils.arguments import parse_args
 
     args = parse_args([*FAST, "--max_steps=5", "--warmup=1", *extra])
-    args.model_impl = precision.resolve_model_impl(args.model_impl)
-    precision.resolve_fp8_recipe(args)
     device = torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -44,10 +44,7 @@ TINY_SHAPE = [
 
 def parse_product_args(extra: list[str]) -> argparse.Namespace:
     """The product's own flag parsing and precision resolution (as train.validate does)."""
-    args = arguments.parse_args(["--preset", "tiny", *extra])
-    args.model_impl = precision.resolve_model_impl(args.model_impl)
-    precision.resolve_fp8_recipe(args)
-    return args
+    return arguments.parse_args(["--preset", "tiny", *extra])
 
 
 def start_world(timeout_s: int = 60) -> tuple[distributed.World, torch.device]:

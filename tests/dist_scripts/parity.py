@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from model_utils import optim
+from model_utils.step import train_step
 
 GLOBAL_BATCH = 4  # sequences per optimizer step, split evenly over the ranks
 STEPS = 5
@@ -62,6 +63,17 @@ def micro_batches(
     activation scales depend on which rows share a micro-batch."""
     parts = batch.chunk(world_size * accum)
     return list(parts[rank * accum : (rank + 1) * accum])
+
+
+def micro_batch_source(micros: list[torch.Tensor]) -> Callable[[], tuple[dict, float]]:
+    """train_step's data source over this rank's micro-batches (weight 1: all real data)."""
+    parts = iter(micros)
+
+    def next_micro_batch() -> tuple[dict, float]:
+        ids = next(parts)
+        return {"input_ids": ids, "labels": ids}, 1.0
+
+    return next_micro_batch
 
 
 class CollectiveRecorder:
@@ -215,6 +227,8 @@ def run_mode(
             str(out_dir),
             "--grad_clip",
             GRAD_CLIP,
+            "--grad_accum_steps",
+            str(accum),
         ]
     )
     torch.manual_seed(args.seed)
@@ -229,29 +243,24 @@ def run_mode(
     recorder.calls.clear()
     evidence.pre_all_gather.clear()
     evidence.precompute_calls = 0
+
+    # Step 0 is recorded up to its optimizer step: forwards, backwards, the clip (no all-gather).
+    def stop_recording(*_: Any) -> None:
+        recorder.enabled = evidence.enabled = False
+
+    optimizer.register_step_pre_hook(stop_recording)
     model.train()
     start = time.perf_counter()
     for step in range(STEPS):
         batch = global_batch(step, args.vocab_size, args.max_context_width)
-        micros = micro_batches(batch, world.rank, world.world_size, accum)
-        recorder.enabled = evidence.enabled = step == 0  # one step's forward + backward
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        for m, ids in enumerate(micros):  # train.py's accumulation
-            common.distributed.sync_gradients(model, strategy, m == len(micros) - 1)
-            with backend.autocast():
-                loss = model(input_ids=ids, labels=ids).loss
-            (loss / len(micros)).backward()
-            loss_sum += loss.detach().double() / len(micros)
-        recorder.enabled = evidence.enabled = False
-        grad_norm = optim.clip_grad_norm_(model.parameters(), args.grad_clip)  # as train.py
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        backend.after_optimizer_step(model)
+        recorder.enabled = evidence.enabled = step == 0
+        source = micro_batch_source(micro_batches(batch, world.rank, world.world_size, accum))
+        done = train_step(model, optimizer, scheduler, backend, source, args, device)
         if args.fp8_all_gather:
             result["scale_mismatches"].append(scale_mismatches(model))
-        total = loss_sum.reshape(1)
+        total = done.loss.double().reshape(1)
         dist.all_reduce(total)
+        grad_norm = done.grad_norm
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         result["losses"].append(total.item() / world.world_size)
         result["grad_norms"].append(float(grad_norm))

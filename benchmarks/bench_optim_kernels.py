@@ -1,0 +1,118 @@
+"""Why model_utils/optim.py picks the kernels it does: gradient clipping and the AdamW step.
+
+    .venv/bin/python benchmarks/bench_optim_kernels.py                    # tiny preset
+    .venv/bin/python benchmarks/bench_optim_kernels.py --repeats 50 -- --train_batch_size 4
+
+On the model train.py builds (FSDP2 on a world of one) and the gradients of its real step, the
+median wall time of
+  clip    optim.clip_grad_norm_ (scales the local shards in place) against
+          torch.nn.utils.clip_grad_norm_ (scales every DTensor gradient through DTensor dispatch),
+          each also as a share of one whole train_step;
+  adamw   torch's AdamW with fused=True (what optim.build_optimizer picks where it exists)
+          against foreach=True, on the same parameter groups.
+Not a test: timings depend on the machine, which is why optim.py's docstrings name this file
+instead of quoting numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import train  # noqa: E402
+from model_utils import arguments, distributed, optim, precision  # noqa: E402
+from model_utils.step import train_step  # noqa: E402
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, device: torch.device, before=None):
+    """Median wall time of `fn` over `repeats` calls (after one untimed call); `before` runs
+    untimed ahead of each call (e.g. restoring the gradients a clip scaled)."""
+    times = []
+    for index in range(repeats + 1):
+        if before is not None:
+            before()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if index:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(args: arguments.Config, repeats: int, device: torch.device) -> dict[str, float]:
+    mesh = distributed.build_mesh(distributed.world_from_env(), device, args.sharding_strategy)
+    backend = precision.build_backend(args, device, dp_group=dist.group.WORLD)
+    model = train.build_model(args, mesh, device, backend)
+    optimizer, scheduler = optim.from_args(model, args)
+    ids = torch.randint(0, args.vocab_size, (args.train_batch_size, args.max_context_width))
+    fixed = {"input_ids": ids, "labels": ids}
+
+    def step() -> None:
+        train_step(model, optimizer, scheduler, backend, lambda: (fixed, 1.0), args, device)
+
+    row = {"step": median_seconds(step, repeats, device)}
+    with backend.autocast(first_micro_batch=True):
+        model(**{k: v.to(device) for k, v in fixed.items()}).loss.backward()
+    params = [p for p in model.parameters() if p.grad is not None]
+    saved = [p.grad.detach().clone() for p in params]
+
+    def restore() -> None:
+        for param, grad in zip(params, saved, strict=True):
+            param.grad = grad.clone()
+
+    clips = {"clip_product": optim.clip_grad_norm_, "clip_torch": torch.nn.utils.clip_grad_norm_}
+    for name, clip in clips.items():
+        row[name] = median_seconds(lambda clip=clip: clip(params, 1.0), repeats, device, restore)
+    groups = optim.param_groups(model, args.weight_decay)
+    for kind in ("fused", "foreach"):
+        try:
+            adamw = torch.optim.AdamW(groups, lr=args.lr, **{kind: True})
+        except RuntimeError as exc:  # no fused kernel for this device or tensor type
+            print(f"adamw {kind}: unavailable here ({exc})")
+            continue
+        row[f"adamw_{kind}"] = median_seconds(adamw.step, repeats, device, restore)
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--repeats", type=int, default=20, help="timed calls per measurement")
+    p.add_argument("extra", nargs="*", help="after --: more train.py flags")
+    opts = p.parse_args(argv)
+    args = arguments.parse_args(["--preset", opts.preset, *opts.extra])
+    world = distributed.world_from_env()
+    if world.world_size > 1:
+        raise SystemExit("bench_optim_kernels.py runs one process; start it with python")
+    device = distributed.device_for(world)
+    distributed.init(world, device, args.dist_timeout)
+    try:
+        row = measure(args, opts.repeats, device)
+    finally:
+        distributed.cleanup()
+    ms = {k: v * 1e3 for k, v in row.items()}
+    print(f"\n== bench_optim_kernels: --preset {opts.preset} {' '.join(opts.extra)}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}")
+    print(f"  train_step            {ms['step']:8.1f} ms (median of {opts.repeats})")
+    for name, label in (("clip_product", "optim.clip_grad_norm_"), ("clip_torch", "torch clip")):
+        share = 100 * row[name] / row["step"]
+        print(f"  {label:<21} {ms[name]:8.1f} ms ({share:.0f}% of the step)")
+    for kind in ("fused", "foreach"):
+        if f"adamw_{kind}" in ms:
+            print(f"  AdamW {kind:<15} {ms[f'adamw_{kind}']:8.1f} ms per step")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""What a run reports: the seed log line, the detail line, metrics.jsonl, TensorBoard, the
+validation loss and the end-of-run summary (rank 0 writes; every rank keeps the schedule).
+
+The log calls pass ``stacklevel=2`` so a line names the train.py line that reported it, as the
+recipe's log format (``[train.py:N]``) always has.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+from model_utils import metrics, modeling, tensorboard_log
+
+log = logging.getLogger("train")
+
+# Steps excluded from throughput medians (allocator growth, lazy init, compilation).
+SPEED_WARMUP_STEPS = 10
+
+
+def evaluate(model, batches, backend, device) -> float:
+    """Mean held-out loss over this rank's fixed validation batches, averaged over ranks."""
+    model.eval()
+    total = torch.zeros(2, device=device, dtype=torch.float64)
+    with torch.no_grad():
+        for batch in batches:
+            with backend.autocast():
+                loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
+            total += torch.stack([loss.double(), torch.ones((), device=device).double()])
+    dist.all_reduce(total)
+    model.train()
+    return (total[0] / total[1]).item()
+
+
+class RunLog:
+    """Rank 0's view of the run: the start-up lines, the seed log line, the detail line, JSONL
+    and the summary.
+
+    Every rank keeps the same report schedule (every --logging_freq steps and the last step):
+    the loss all-reduce there is a collective, and the loop checks for preemption at the same
+    steps, so the device is never waited for in between.
+    """
+
+    def __init__(
+        self, args, model, backend, world, device, start_step: int = 0, meter=None
+    ) -> None:
+        samples_per_step = args.train_batch_size * args.grad_accum_steps * world.world_size
+        self.args, self.device, self.samples = args, device, samples_per_step
+        self.is_main = world.is_main
+        self.warmup = min(SPEED_WARMUP_STEPS, args.max_steps // 2)
+        if meter is None:
+            peak, peak_label = metrics.peak_bf16_tflops(device)
+            meter = metrics.StepMeter(
+                metrics.model_flops_per_token(model.config, args.max_context_width),
+                world.world_size,
+                peak,
+                peak_label,
+                metrics.peak_memory_label(device),
+                sync=metrics.device_sync(device),
+                max_steps=args.max_steps,
+                warmup_steps=self.warmup,
+            )
+        self.meter = meter
+        self.jsonl_path = f"{args.output_dir}/metrics.jsonl"
+        self.writer = metrics.JsonlWriter(self.jsonl_path, enabled=self.is_main)
+        self.board = tensorboard_log.TensorBoardLog(
+            f"{args.output_dir}/tensorboard",
+            enabled=self.is_main and args.tensorboard,
+            resumed_from=start_step,
+        )
+        run = metrics.run_record(
+            vars(args), world_size=world.world_size, samples_per_step=samples_per_step
+        )
+        log.info(metrics.run_line(run), stacklevel=2)  # flags and batch, for compare_runs.py
+        self.writer.write(run)
+        self.board.flags(run)
+        log.info(
+            "model: %s, %.1fM parameters, impl=%s; %s",
+            args.preset,
+            modeling.count_parameters(model) / 1e6,
+            args.model_impl,
+            backend.describe(),
+            stacklevel=2,
+        )
+        log.info(
+            "world: %d ranks (%d nodes), %s, %s sharding; global batch %d sequences x %d tokens",
+            world.world_size,
+            world.num_nodes,
+            device,
+            args.sharding_strategy,
+            samples_per_step,
+            args.max_context_width,
+            stacklevel=2,
+        )
+
+    def is_report_step(self, step: int) -> bool:
+        return step % self.args.logging_freq == 0 or step == self.args.max_steps
+
+    def step(self, step: int, loss: torch.Tensor, lr: float, data_wait: float) -> None:
+        """Count every step; at report steps log the window since the previous report."""
+        self.meter.add_step(
+            data_wait_seconds=data_wait,
+            samples=self.samples,
+            tokens=self.samples * self.args.max_context_width,
+        )
+        if not self.is_report_step(step):
+            return
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        loss_value = loss.item()
+        record = self.meter.report(
+            step=step,
+            loss=loss_value,
+            lr=lr,
+            peak_memory_bytes=metrics.peak_memory_bytes(self.device),
+        )
+        log.info(metrics.seed_line(step, loss_value, record["samples_per_sec"], lr), stacklevel=2)
+        log.info(metrics.detail_line(record), stacklevel=2)
+        self.writer.write(record)
+        self.board.write(record)
+
+    def validation(self, step: int, model, batches, backend) -> None:
+        with self.meter.paused():
+            start = time.perf_counter()
+            val_loss = evaluate(model, batches, backend, self.device)
+            seconds = time.perf_counter() - start
+        log.info(
+            "Validation at step %d: loss %.5f over %d batches",
+            step,
+            val_loss,
+            len(batches),
+            stacklevel=2,
+        )
+        record = metrics.validation_record(
+            step=step, val_loss=val_loss, batches=len(batches), seconds=seconds
+        )
+        self.writer.write(record)
+        self.board.write(record)
+
+    def finish(self) -> None:
+        self.writer.close()
+        self.board.close()
+        if self.is_main:
+            summary = metrics.summarize(metrics.read_jsonl(self.jsonl_path), self.warmup)
+            log.info("\n" + metrics.format_summary(summary), stacklevel=2)

@@ -1,0 +1,69 @@
+"""One optimizer step: gradient accumulation over micro-batches, clip, AdamW, LR schedule.
+
+train.py's loop calls it, and so do the tests and benchmarks that train or time a model, so
+what they check is the step that trains, not a copy of it that could drift.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from model_utils import distributed, optim
+
+#: Returns (micro-batch of CPU tensors, loss weight): data.ReadGuard.next, or a fixed batch.
+MicroBatchSource = Callable[[], tuple[dict[str, torch.Tensor], float]]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the loop needs from one step. The tensors stay on the device: reading them would
+    make the host wait for the device every step (the loop reads them at report steps only)."""
+
+    loss: torch.Tensor  # this rank's mean micro-batch loss, not yet averaged over ranks
+    grad_norm: torch.Tensor | None  # before clipping; None with --grad_clip 0
+    lr: float  # the lr this step used
+    data_wait: float  # seconds spent waiting for micro-batches
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    backend,
+    next_micro_batch: MicroBatchSource,
+    args,
+    device: torch.device,
+) -> StepResult:
+    """One optimizer step over ``args.grad_accum_steps`` micro-batches.
+
+    Each micro-batch's loss is scaled by 1/grad_accum_steps so the gradients sum to the mean,
+    and by its weight (0 for data.ReadGuard's stand-in after a bad read: no gradient, yet this
+    rank still joins the step's collectives). Only the first micro-batch of the step re-casts
+    TE's FP8 weights (the backend's autocast); later ones reuse them.
+    """
+    accum = args.grad_accum_steps
+    data_wait, loss_sum = 0.0, torch.zeros((), device=device)
+    for micro in range(accum):
+        start = time.perf_counter()
+        raw, weight = next_micro_batch()
+        micro_batch = {k: v.to(device, non_blocking=True) for k, v in raw.items()}
+        data_wait += time.perf_counter() - start
+        distributed.sync_gradients(model, args.sharding_strategy, micro == accum - 1)
+        with backend.autocast(first_micro_batch=micro == 0):
+            loss = model(**micro_batch).loss * weight
+        (loss / accum).backward()
+        loss_sum += loss.detach()
+    grad_norm = None
+    if args.grad_clip > 0:
+        grad_norm = optim.clip_grad_norm_(model.parameters(), args.grad_clip)  # fast on FSDP2
+    lr = float(scheduler.get_last_lr()[0])  # torchao keeps it as a 0-d CPU tensor
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    backend.after_optimizer_step(model)
+    return StepResult(loss_sum / accum, grad_norm, lr, data_wait)
