@@ -12,6 +12,7 @@ import argparse
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,20 +157,7 @@ class _OneLineParser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _OneLineParser(
-        description="Train Llama with FSDP2 in BF16 or FP8 (torchao or Transformer Engine).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-
-    def flag(name: str, **kw: Any) -> None:
-        p.add_argument(f"--{name}", **kw)
-
-    def switch(name: str, default: bool, help: str) -> None:
-        p.add_argument(
-            f"--{name}", type=str2bool, nargs="?", const=True, default=default, help=help
-        )
-
+def _model_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:
     m = "model shape (default: from --preset)"
     flag("preset", default="tiny", choices=sorted(PRESETS), help="model shape and data defaults")
     flag("hidden_width", type=int, help=m)
@@ -188,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
         "auto: te when TE and an FP8-capable GPU are present, else hf",
     )
 
+
+def _precision_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:
     switch("fp8", False, "train the linear layers in FP8")
     switch("bf16", True, "compute in bf16 (fp32 master weights); 0 = fp32 compute")
     flag(
@@ -203,11 +193,15 @@ def build_parser() -> argparse.ArgumentParser:
     switch("fp8_weights", False, "TE: keep weights in FP8 only (fp8_model_init)")
     switch("fp8_all_gather", False, "torchao tensorwise: FSDP2 all-gathers weights in float8")
 
+
+def _data_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:
     flag("tokenizer", help="HF tokenizer: hub name or local path (default: from --preset)")
     flag("dataset", help="HF dataset hub name (streamed) or local file/folder")
     flag("dataset_config_name", help="HF dataset config, e.g. 'en' for allenai/c4")
     flag("text_column", default="text", help="column holding the document text")
 
+
+def _optimization_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:
     flag("train_batch_size", type=int, help="micro-batch per device (sequences)")
     flag("val_batch_size", type=int, default=None, help="default: --train_batch_size")
     flag("grad_accum_steps", type=int, default=1, help="micro-batches per optimizer step")
@@ -239,12 +233,16 @@ def build_parser() -> argparse.ArgumentParser:
     flag("grad_clip", type=float, default=1.0, help="max global grad norm; 0 disables")
     flag("seed", type=int, default=42, help="model init, data order and RNG streams")
 
+
+def _reporting_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:
     flag("logging_freq", type=int, default=1, help="steps between log lines")
     flag("validation_freq", type=int, default=0, help="steps between validations; 0 = end only")
     flag("validation_batches", type=int, default=4, help="held-out batches per validation")
     flag("output_dir", default=None, help="run directory (default runs/<preset>-<precision>)")
     switch("tensorboard", False, "TensorBoard scalars in <output_dir>/tensorboard (rank 0)")
 
+
+def _parallelism_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:
     flag(
         "sharding_strategy",
         default="full",
@@ -257,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     switch("chunked_loss", True, "lm_head + cross-entropy by chunks, no full logits; 0 = HF's")
     flag("dist_timeout", type=int, default=600, help="seconds before a stuck collective fails")
 
+
+def _checkpoint_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:
     flag("checkpoint_dir", default=None, help="default <output_dir>/checkpoints")
     flag(
         "checkpoint_freq",
@@ -282,7 +282,38 @@ def build_parser() -> argparse.ArgumentParser:
         "(the launcher runs this once before torchrun)",
     )
     flag("export_hf", default=None, help="write the final model as HF safetensors to this dir")
-    return p
+
+
+_FLAG_GROUPS = (
+    ("the model's shape and implementation", _model_flags),
+    ("bf16 or FP8, and the FP8 recipe's knobs", _precision_flags),
+    ("tokenizer and dataset", _data_flags),
+    ("batch, schedule and AdamW", _optimization_flags),
+    ("logs, validation, the run folder", _reporting_flags),
+    ("sharding, memory and compilation", _parallelism_flags),
+    ("checkpoints, resume, HF import/export, dry run", _checkpoint_flags),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags, one argparse group per concern (their order is the README table's)."""
+    parser = _OneLineParser(
+        description="Train Llama with FSDP2 in BF16 or FP8 (torchao or Transformer Engine).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for title, add_flags in _FLAG_GROUPS:
+        group = parser.add_argument_group(title)
+
+        def flag(name: str, group=group, **kw: Any) -> None:
+            group.add_argument(f"--{name}", **kw)
+
+        def switch(name: str, default: bool, help: str, group=group) -> None:
+            group.add_argument(
+                f"--{name}", type=str2bool, nargs="?", const=True, default=default, help=help
+            )
+
+        add_flags(flag, switch)
+    return parser
 
 
 # Flags naming files or folders: `~` is expanded even when the shell did not (quoted, or after
@@ -346,6 +377,12 @@ def _positive(args: argparse.Namespace, *names: str, allow_zero: bool = False) -
 
 def check_consistency(args: argparse.Namespace) -> None:
     """Cross-flag rules that argparse cannot express."""
+    _check_numbers(args)
+    _check_shape(args)
+    _check_combinations(args)
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
     _positive(
         args,
         "hidden_width",
@@ -378,6 +415,14 @@ def check_consistency(args: argparse.Namespace) -> None:
     )
     if args.checkpoint_freq < -1:
         raise UsageError(f"--checkpoint_freq must be >= -1, got {args.checkpoint_freq}")
+    if not (0 <= args.beta1 < 1 and 0 <= args.beta2 < 1):
+        raise UsageError(f"--beta1/--beta2 must be in [0, 1), got {args.beta1}/{args.beta2}")
+    if args.ac_every < 1:
+        raise UsageError(f"--ac_every must be >= 1, got {args.ac_every}")
+
+
+def _check_shape(args: argparse.Namespace) -> None:
+    """Attention heads split the width evenly, and GQA groups are equal."""
     if args.hidden_width % args.num_heads:
         raise UsageError(
             f"--hidden_width {args.hidden_width} is not divisible by --num_heads {args.num_heads}"
@@ -387,6 +432,10 @@ def check_consistency(args: argparse.Namespace) -> None:
             f"--num_heads {args.num_heads} is not divisible by "
             f"--num_key_value_heads {args.num_key_value_heads} (GQA groups must be equal)"
         )
+
+
+def _check_combinations(args: argparse.Namespace) -> None:
+    """Flags that only make sense together, or never together."""
     if args.min_lr > args.lr:
         raise UsageError(f"--min_lr {args.min_lr} is larger than --lr {args.lr}")
     if args.warmup >= args.max_steps and args.lr_decay_style != "constant":
@@ -394,10 +443,6 @@ def check_consistency(args: argparse.Namespace) -> None:
             f"--warmup {args.warmup} leaves no decay phase before --max_steps {args.max_steps}; "
             "lower --warmup or use --lr_decay_style constant"
         )
-    if not (0 <= args.beta1 < 1 and 0 <= args.beta2 < 1):
-        raise UsageError(f"--beta1/--beta2 must be in [0, 1), got {args.beta1}/{args.beta2}")
-    if args.ac_every < 1:
-        raise UsageError(f"--ac_every must be >= 1, got {args.ac_every}")
     if args.ac_every > 1 and not args.activation_checkpointing:
         raise UsageError("--ac_every needs --activation_checkpointing")
     if args.fp8_all_gather and not args.fp8:
