@@ -11,10 +11,9 @@ Two TE implementations of the same Hugging Face Llama:
   (same parameter names as HF; ``lm_head`` and any linear with a dimension not divisible by 16
   stay ``nn.Linear``).
 
-Nothing here monkey-patches transformers' classes, and TE is imported lazily: importing this
-module never needs TE; building a TE model without TE raises ``TEUnavailableError``. The TE
-glue the library needs too (importing TE, FP8 scaling state, RoPE and masks in TE's form) is in
-``model_utils/te_support.py``; this file is the model.
+Nothing here monkey-patches transformers, and importing this module never needs TE (building a
+TE model without it raises ``TEUnavailableError``). The TE glue the library needs too (importing
+TE, FP8 scaling state, RoPE and masks in TE's form) is model_utils/te_support.py.
 
 Weights are always described by :data:`LAYER_PARAM_MAP` (HF name(s) -> TE name), the single
 source of truth behind :class:`StateDictAdapter`, which converts for ``--init_from_hf`` /
@@ -35,6 +34,7 @@ import torch
 from torch import nn
 
 from model_utils.distributed import canonical_param_name
+from model_utils.modeling import HF_RECOMPUTED
 from model_utils.precision import FP8_DIM_MULTIPLE  # FP8 GEMMs need multiples of 16
 from model_utils.te_support import (
     FIRST_MICROBATCH_ATTR,
@@ -53,9 +53,7 @@ ModelImpl = Literal["te", "te_linear"]
 #: Prefix of the decoder layers inside ``LlamaForCausalLM.state_dict()``.
 LAYER_PREFIX = "model.layers."
 
-# --------------------------------------------------------------------------------------------
-# The HF <-> TE weight mapping, as data.
-# --------------------------------------------------------------------------------------------
+# ---- The HF <-> TE weight mapping, as data.
 
 
 #: Row counts of the parts of a fused TE weight, by name, from the config.
@@ -120,8 +118,6 @@ TE_NORM_PARAMS: frozenset[str] = frozenset(
 )
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-#: Old HF files carry RoPE buffers; they are recomputed, never loaded.
-_HF_RECOMPUTED = ("rotary_emb.inv_freq",)
 
 
 def _fuse_layer(
@@ -216,7 +212,7 @@ def hf_to_te_state_dict(
     concatenation is needed.
     """
     layers = range(config.num_hidden_layers)
-    return _map_layers(state_dict, layers, _fuse_layer, config, "HF", _HF_RECOMPUTED)
+    return _map_layers(state_dict, layers, _fuse_layer, config, "HF", HF_RECOMPUTED)
 
 
 def te_to_hf_state_dict(
@@ -247,7 +243,7 @@ class StateDictAdapter:
     def from_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """HF names -> ``te`` for the decoder layers present in ``state_dict``."""
         layers = _layers_in(state_dict)
-        return _map_layers(state_dict, layers, _fuse_layer, self.config, "HF", _HF_RECOMPUTED)
+        return _map_layers(state_dict, layers, _fuse_layer, self.config, "HF", HF_RECOMPUTED)
 
     def to_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``te`` names -> HF for the decoder layers present; TE's ``_extra_state`` is dropped."""
@@ -278,9 +274,7 @@ class StateDictAdapter:
         return [(prefix + hf, (n, *shape[1:])) for hf, n in zip(mapping.hf, rows, strict=True)]
 
 
-# --------------------------------------------------------------------------------------------
-# The decoder layer.
-# --------------------------------------------------------------------------------------------
+# ---- The decoder layer.
 
 
 def _normal_init(std: float) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -399,9 +393,7 @@ class TELlamaDecoderLayer(nn.Module):
         )
 
 
-# --------------------------------------------------------------------------------------------
-# Building the models.
-# --------------------------------------------------------------------------------------------
+# ---- Building the models.
 
 
 def quantized_init_context(enabled: bool, recipe: Any = None) -> AbstractContextManager:

@@ -61,7 +61,7 @@ def llama70b_shard_bytes(name: str, ranks: int) -> tuple[float, int]:
     import torch
 
     from model_utils import optim
-    from model_utils.arguments import PRESETS
+    from model_utils.presets import PRESETS
 
     p = PRESETS["llama3-70b"]
     head_dim = p.hidden_width // p.num_heads

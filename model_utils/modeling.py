@@ -23,6 +23,9 @@ from model_utils.distributed import canonical_param_name
 # Initialiser std of Llama and of transformers' LlamaConfig default.
 INIT_STD = 0.02
 
+# Buffers some HF checkpoints carry that the model recomputes from its config: never loaded.
+HF_RECOMPUTED = ("rotary_emb.inv_freq",)
+
 
 def llama_config(args: argparse.Namespace) -> LlamaConfig:
     """The HF config for the shape in `args` (preset filled in by arguments.apply_preset)."""

@@ -7,7 +7,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from model_utils.arguments import PRESET_FIELDS, build_parser  # noqa: E402
+from model_utils.arguments import build_parser  # noqa: E402
+from model_utils.presets import PRESET_FIELDS  # noqa: E402
 
 
 def rows() -> list[str]:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from model_utils import arguments, modeling, precision
-from model_utils.arguments import PRESETS, UsageError, parse_args
+from model_utils.arguments import UsageError, parse_args
+from model_utils.presets import PRESETS
 
 ROOT = Path(__file__).resolve().parent.parent
 

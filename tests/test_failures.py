@@ -27,12 +27,8 @@ from procs import signal_after  # noqa: E402
 
 from model_utils import checkpoint as ck  # noqa: E402
 from model_utils import guards, outputs, run_lock  # noqa: E402
-from model_utils.arguments import (  # noqa: E402
-    BUNDLED_DATASET,
-    BUNDLED_TOKENIZER,
-    UsageError,
-    parse_args,
-)
+from model_utils.arguments import UsageError, parse_args  # noqa: E402
+from model_utils.presets import BUNDLED_DATASET, BUNDLED_TOKENIZER  # noqa: E402
 
 FAST = ["--preset", "tiny", "--train_batch_size", "4", "--max_context_width", "128"]
 

@@ -26,13 +26,12 @@ from model_utils.checkpoint.tensors import (
     require_complete,
     weight_tensors,
 )
+from model_utils.modeling import HF_RECOMPUTED  # RoPE buffers of old HF files
 
 log = logging.getLogger(__name__)
 
 HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"
-# HF checkpoints written by old transformers versions carry RoPE buffers; they are recomputed.
-_IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 _SHAPE_HINT = (
     "does the model shape (--hidden_width, --num_layers, --vocab_size, ...) match the "
     "checkpoint's config.json?"
@@ -111,7 +110,7 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
     targets = weight_tensors(get_model_state_dict(model))
     loaded: set[str] = set()
     unexpected: list[str] = []
-    names = [n for n in handle.files if not n.endswith(_IGNORED_HF_SUFFIXES)]
+    names = [n for n in handle.files if not n.endswith(HF_RECOMPUTED)]
     for group in layer_groups(names):
         if key_map is None:
             _copy_own_rows(group, handle, targets, loaded, unexpected)

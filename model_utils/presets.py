@@ -1,0 +1,111 @@
+"""Model presets: the published Llama shapes, each with the data and context it trains on.
+
+A preset fills every field in PRESET_FIELDS that the user did not set (arguments.apply_preset);
+an explicit flag always wins. Kept apart from the flags so the shapes read as a table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# The bundled data's one source. It lives with the presets (not in model_utils/data) so parsing
+# flags never imports the data stack. The paths are absolute so the recipe runs from any working
+# directory (Slurm jobs often start elsewhere).
+_DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+BUNDLED_DATASET = str(_DATA_DIR / "kjv.jsonl.gz")
+BUNDLED_TOKENIZER = str(_DATA_DIR / "tokenizer")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model shape with the training context it was published with."""
+
+    hidden_width: int
+    num_layers: int
+    num_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_context_width: int
+    rope_theta: float
+    rms_norm_eps: float = 1e-5
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int | None = None
+    tokenizer: str = BUNDLED_TOKENIZER
+    dataset: str = BUNDLED_DATASET
+    dataset_config_name: str | None = None
+    train_batch_size: int = 1
+
+
+_C4 = {"dataset": "allenai/c4", "dataset_config_name": "en"}
+_LLAMA2 = {
+    "vocab_size": 32000,
+    "rope_theta": 10000.0,
+    "max_context_width": 4096,
+    "tokenizer": "hf-internal-testing/llama-tokenizer",
+    **_C4,
+}
+_LLAMA3 = {
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "max_context_width": 8192,
+    "tokenizer": "NousResearch/Meta-Llama-3-8B",
+    **_C4,
+}
+_LLAMA31_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+# Shapes are the published ones (Llama 2 paper / Meta model cards); `tiny` is ours, for CPUs.
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(
+        hidden_width=256,
+        num_layers=4,
+        num_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=688,
+        vocab_size=8192,
+        max_context_width=256,
+        rope_theta=10000.0,
+        train_batch_size=8,
+    ),
+    "llama2-7b": Preset(4096, 32, 32, 32, 11008, **_LLAMA2),
+    "llama2-13b": Preset(5120, 40, 40, 40, 13824, **_LLAMA2),
+    "llama2-70b": Preset(8192, 80, 64, 8, 28672, **_LLAMA2),
+    "llama3-8b": Preset(4096, 32, 32, 8, 14336, **_LLAMA3),
+    "llama3-70b": Preset(8192, 80, 64, 8, 28672, **_LLAMA3),
+    "llama3.1-8b": Preset(
+        4096,
+        32,
+        32,
+        8,
+        14336,
+        **_LLAMA3,
+        rope_scaling=_LLAMA31_SCALING,
+        max_position_embeddings=131072,
+    ),
+}
+
+# Fields a preset provides; their flags default to None so we can tell "not given" from "given".
+PRESET_FIELDS = (
+    "hidden_width",
+    "num_layers",
+    "num_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "max_context_width",
+    "rope_theta",
+    "tokenizer",
+    "dataset",
+    "dataset_config_name",
+    "train_batch_size",
+)
+
+# The first recipe of each backend is its default --fp8_recipe.
