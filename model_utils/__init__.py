@@ -1,4 +1,4 @@
-"""The recipe's parts, one concern per module (see DESIGN in README)."""
+"""The recipe's parts, one concern per module (README, "How it is built", maps them)."""
 
 import logging
 
