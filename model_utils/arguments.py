@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from model_utils.presets import PRESET_FIELDS, PRESETS
+from model_utils.presets import PRESET_FIELDS, PRESETS, SHAPE_FIELDS
 
 TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 #: ``--fp8_recipe`` values for TE -> TE recipe class (``transformer_engine.common.recipe``).
@@ -286,12 +286,7 @@ def check_consistency(args: argparse.Namespace) -> None:
 def _check_numbers(args: argparse.Namespace) -> None:
     _positive(
         args,
-        "hidden_width",
-        "num_layers",
-        "num_heads",
-        "num_key_value_heads",
-        "intermediate_size",
-        "vocab_size",
+        *SHAPE_FIELDS,
         "max_context_width",
         "train_batch_size",
         "val_batch_size",

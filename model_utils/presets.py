@@ -92,14 +92,18 @@ PRESETS: dict[str, Preset] = {
     ),
 }
 
-# Fields a preset provides; their flags default to None so we can tell "not given" from "given".
-PRESET_FIELDS = (
+# The model's shape: what FLOPs, a checkpoint's tensors and a like-for-like comparison hang on.
+SHAPE_FIELDS = (
     "hidden_width",
     "num_layers",
     "num_heads",
     "num_key_value_heads",
     "intermediate_size",
     "vocab_size",
+)
+# Fields a preset provides; their flags default to None so we can tell "not given" from "given".
+PRESET_FIELDS = (
+    *SHAPE_FIELDS,
     "max_context_width",
     "rope_theta",
     "tokenizer",

@@ -14,17 +14,13 @@ from typing import Any
 
 from model_utils.checkpoint.errors import ResumeRefused
 from model_utils.checkpoint.manifest import complete_checkpoints, read_marker, step_of
+from model_utils.presets import SHAPE_FIELDS
 
 # A checkpoint resumes only a run with the same model shape and the same data stream: a model
 # with other shapes may still load when the tensors happen to fit (fewer layers, other head
 # counts), and a data position means nothing in another dataset, tokenizer or shuffle.
 MODEL_FIELDS = (
-    "hidden_width",
-    "num_layers",
-    "num_heads",
-    "num_key_value_heads",
-    "intermediate_size",
-    "vocab_size",
+    *SHAPE_FIELDS,
     "rope_theta",
     "rms_norm_eps",
     "rope_scaling",
