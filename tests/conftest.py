@@ -4,13 +4,33 @@ The CPU tier must behave the same on a laptop, in CI and on a GPU node (no test 
 because a GPU or Transformer Engine is present), so unless the run selects the ``gpu`` marker,
 CUDA devices are hidden from this process and the subprocesses it starts, before torch
 initialises CUDA. GPU-tier tests skip themselves without a GPU.
+
+Shared fixtures live here; plain helpers (ports, launching ranks) in ``tests/procs.py``.
 """
 
 from __future__ import annotations
 
 import os
 
+import pytest
+
 
 def pytest_configure(config) -> None:
     if "gpu" not in (config.option.markexpr or ""):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+@pytest.fixture
+def te_double(monkeypatch):
+    """``import transformer_engine`` loads the TE test double (tests/te_double) in this test.
+
+    The double starts from TE's default policy for pickled FP8 state: a user's
+    ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE`` does not leak in (tests that need it set it)."""
+    from te_double import install, uninstall
+
+    from model_utils import checkpoint as ck
+
+    monkeypatch.delenv(ck.TE_UNSAFE_PICKLE_ENV, raising=False)
+    install()
+    yield
+    uninstall()

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from te_double import install, subprocess_env, uninstall
+from procs import torchrun_cmd
+from te_double import subprocess_env
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 import te_llama
@@ -58,13 +57,6 @@ SMALL = [
 ]
 # Parameter layout of each --model_impl: te_linear keeps HF's names.
 LAYOUT = {"hf": "hf", "te_linear": "hf", "te": "te"}
-
-
-@pytest.fixture
-def te_double():
-    install()
-    yield
-    uninstall()
 
 
 # ============================================================================================
@@ -292,24 +284,9 @@ def test_param_layout() -> None:
 # train.py, 2 ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_train(*argv: str, nproc: int = 2) -> str:
     env = subprocess_env({**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        f"--master_port={_free_port()}",
-        str(ROOT / "train.py"),
-        *SMALL,
-        *argv,
-    ]
+    cmd = torchrun_cmd(str(ROOT / "train.py"), *SMALL, *argv, nproc=nproc)
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout

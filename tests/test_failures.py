@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from procs import signal_after  # noqa: E402
+from procs import signal_after, spawn_ranks  # noqa: E402
 
 from model_utils import checkpoint as ck  # noqa: E402
 from model_utils import guards  # noqa: E402
@@ -48,20 +48,16 @@ def error_lines(result: subprocess.CompletedProcess) -> list[str]:
     return [ln for ln in result.stderr.splitlines() if ln.startswith("train.py: error:")]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ============================================================================================
 # 1. Non-finite training never reaches a checkpoint
 
 
-def _guard_worker(rank: int, port: int, results: dict) -> None:
+def _guard_worker(rank: int, world_size: int, port: int, results: dict) -> None:
     """Rank 1 alone sees a NaN loss at step 3 and an inf grad norm at step 5; rank 0 alone
     receives a stop signal. Every rank must see the same answers."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
     try:
         guard = guards.StepGuard(torch.device("cpu"))
         seen = []
@@ -93,7 +89,7 @@ def test_float8_weights_are_checked_too() -> None:
 
 def test_ranks_agree_on_the_first_non_finite_step_and_on_a_stop_request() -> None:
     results = mp.Manager().dict()
-    mp.spawn(_guard_worker, args=(_free_port(), results), nprocs=2, join=True)
+    spawn_ranks(_guard_worker, 2, results)
     expected = [(False, None), (False, 3), (True, 3), (False, 9)]
     assert results[0] == results[1] == expected
 

@@ -191,36 +191,31 @@ def test_reshard_is_refused_only_where_a_cut_falls_inside_a_block(name: str) -> 
     assert ck.low_bit_reshard_problem(_fake_metadata((256, 688), [86, 171]), model, adamw) is None
 
 
-def test_low_bit_checkpoint_converts_across_parameter_layouts(tmp_path: Path) -> None:
+def test_low_bit_checkpoint_converts_across_parameter_layouts(tmp_path: Path, te_double) -> None:
     """hf -> te (fused QKV and gate/up, TE test double): the 8-bit moments arrive through the
     mapping table, re-quantised in the fused blocks (close, not bit for bit; said in the log),
     the lr tensors are the saved ones, and training goes on."""
     import test_cross_impl as cross
-    from te_double import install, uninstall
 
-    install()
-    try:
-        argv = [*cross.SMALL, "--optimizer=adamw8bit"]
-        saved = _cross_run(cross, argv, "hf", tmp_path / "hf")
-        for i in range(2):
-            saved.step(seed=i)
-        path = saved.checkpointer.save(2, saved.state)
-        loaded = _cross_run(cross, argv, "te", tmp_path / "te")
-        result = loaded.checkpointer.load(path, loaded.state)
-        assert result.converted_from == "hf"
-        for field in ("exp_avg", "exp_avg_sq"):
-            got, want = (_hf_moments(cross, r, field) for r in (loaded, saved))
-            assert set(got) == set(want)
-            for name, tensor in want.items():
-                scale = tensor.abs().max()
-                torch.testing.assert_close(got[name], tensor, rtol=0, atol=float(scale) * 0.02)
-        assert [g["lr"] for g in loaded.optimizer.param_groups] == [
-            g["lr"] for g in saved.optimizer.param_groups
-        ]
-        assert all(isinstance(g["lr"], torch.Tensor) for g in loaded.optimizer.param_groups)
-        assert torch.isfinite(torch.tensor(loaded.step(seed=3)))
-    finally:
-        uninstall()
+    argv = [*cross.SMALL, "--optimizer=adamw8bit"]
+    saved = _cross_run(cross, argv, "hf", tmp_path / "hf")
+    for i in range(2):
+        saved.step(seed=i)
+    path = saved.checkpointer.save(2, saved.state)
+    loaded = _cross_run(cross, argv, "te", tmp_path / "te")
+    result = loaded.checkpointer.load(path, loaded.state)
+    assert result.converted_from == "hf"
+    for field in ("exp_avg", "exp_avg_sq"):
+        got, want = (_hf_moments(cross, r, field) for r in (loaded, saved))
+        assert set(got) == set(want)
+        for name, tensor in want.items():
+            scale = tensor.abs().max()
+            torch.testing.assert_close(got[name], tensor, rtol=0, atol=float(scale) * 0.02)
+    assert [g["lr"] for g in loaded.optimizer.param_groups] == [
+        g["lr"] for g in saved.optimizer.param_groups
+    ]
+    assert all(isinstance(g["lr"], torch.Tensor) for g in loaded.optimizer.param_groups)
+    assert torch.isfinite(torch.tensor(loaded.step(seed=3)))
 
 
 def _cross_run(cross, argv: list[str], impl: str, checkpoint_dir: Path):

@@ -374,15 +374,6 @@ def pinned_te_source() -> TESource:
     return load_te_source(te_precision.PINNED_TE_VERSION)
 
 
-@pytest.fixture
-def te_double():
-    from te_double import install, uninstall
-
-    install()
-    yield
-    uninstall()
-
-
 # ------------------------------------------------------------------------------------------
 # The contract.
 # ------------------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ TE activation checkpointing, FP8 state in ``_extra_state``, and the capability m
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -17,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from procs import spawn_ranks
 from te_double import install, subprocess_env, uninstall
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -68,13 +67,6 @@ def built(config: LlamaConfig, impl: str = "te", seed: int = 0, **kwargs) -> tor
         model = te_llama.build_te_llama(config, impl=impl, **kwargs)
     materialize(model, torch.device("cpu"), seed)
     return model
-
-
-@pytest.fixture
-def te_double():
-    install()
-    yield
-    uninstall()
 
 
 # ------------------------------------------------------------------------------------------
@@ -438,12 +430,6 @@ def test_double_injects_into_subprocess(tmp_path) -> None:
 # ------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _two_rank_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import fully_shard
@@ -485,7 +471,7 @@ def _two_rank_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_fsdp2_two_ranks_init_and_amax_reduction(tmp_path, te_double) -> None:
     """2-rank FSDP2: the sharded init equals the single-process init, and delayed-scaling
     amaxes are all-reduced over the data-parallel group passed to the backend."""
-    mp.spawn(_two_rank_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_two_rank_worker, 2, str(tmp_path))
     result = torch.load(tmp_path / "result.pt")
     single = built(tiny_config(), seed=11).state_dict()
     for name, tensor in result["weights"].items():

@@ -6,13 +6,13 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from procs import torchrun_cmd
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED_LINE = re.compile(
@@ -25,21 +25,7 @@ FAST = ["--preset", "tiny", "--train_batch_size", "4", "--max_context_width", "1
 def train_cmd(*argv: str, nproc: int = 1) -> list[str]:
     if nproc == 1:
         return [sys.executable, str(ROOT / "train.py"), *argv]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        f"--master_port={free_port()}",
-        str(ROOT / "train.py"),
-        *argv,
-    ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return torchrun_cmd(str(ROOT / "train.py"), *argv, nproc=nproc)
 
 
 def train_env(nproc: int = 1) -> dict[str, str]:
