@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -177,7 +178,13 @@ def test_bool_flags_accept_upstream_style():
     assert parse_args(["--activation_checkpointing"]).activation_checkpointing is True
 
 
-@pytest.mark.parametrize("bad", ["--fp8_weights", "--compile=2"])
-def test_more_bad_inputs(bad):
-    with pytest.raises(UsageError):
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("--fp8_weights", "--fp8_weights needs --fp8=1"),
+        ("--compile=2", "argument --compile: expected 0/1 or true/false, got '2'"),
+    ],
+)
+def test_more_bad_inputs(bad, message):
+    with pytest.raises(UsageError, match=re.escape(message)):
         parse_args([bad])
