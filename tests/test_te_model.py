@@ -8,6 +8,7 @@ TE activation checkpointing, FP8 state in ``_extra_state``, and the capability m
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -406,7 +407,8 @@ def test_fp8_weights_build(te_double) -> None:
     model = built(config, fp8_weights=True, fp8_recipe=backend.recipe)
     backend.prepare(model)
     assert "weights FP8" in backend.describe()
-    assert train_losses(model, backend, config, steps=1)
+    losses = train_losses(model, backend, config, steps=3)
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0], losses
 
 
 def test_double_injects_into_subprocess(tmp_path) -> None:
@@ -497,13 +499,21 @@ def test_gpu_matrix_refuses_without_gpu(capsys, monkeypatch) -> None:
 def test_gpu_matrix_rows_are_train_py_commands_and_the_table_shows_ratios(tmp_path) -> None:
     from benchmarks import bench_gpu_matrix as bench
     from model_utils.arguments import parse_args
+    from model_utils.precision import resolve_fp8_recipe
 
     args, extra = bench.parse_args(["--preset", "tiny", "--nproc", "8", "--", "--seed", "3"])
     args.out = tmp_path
     for name, flags in bench.TRAIN_ROWS + bench.INFER_ROWS:
         cmd = bench.train_command(args, name, flags, extra)
         assert "--nproc_per_node=8" in cmd and cmd[-2:] == ["--seed", "3"]  # user flags win
-        parse_args(cmd[cmd.index(str(bench.ROOT / "train.py")) + 1 :])  # every row's flags parse
+        row = parse_args(cmd[cmd.index(str(bench.ROOT / "train.py")) + 1 :])  # every row parses
+        resolve_fp8_recipe(row)
+        # Each row runs what its name says, as train.py reads the flags (not their spelling).
+        impl, kind, *recipe = name.split("+")[0].split("-")
+        assert row.model_impl == {"torchao": "hf"}.get(impl, impl), name
+        assert row.fp8 == (kind == "fp8") and recipe in ([], [row.fp8_recipe]), name
+        assert (row.compile, row.fp8_all_gather) == ("+compile" in name, "+ag" in name), name
+        assert row.fp8_weights == ("+fp8_weights" in name), name
     names = [name for name, _ in bench.TRAIN_ROWS]
     assert {"hf-bf16", "te-bf16", "te-fp8-delayed", "te-fp8-mxfp8"} <= set(names)
     user = ["--train_batch_size", "2", "--activation_checkpointing=0"]
@@ -536,7 +546,7 @@ def test_gpu_matrix_rows_are_train_py_commands_and_the_table_shows_ratios(tmp_pa
     assert "1.10x" in ac_line and "1.38x" in ac_line
     assert "skipped: needs SM 10.0+" in table and table.startswith("preset tiny, seq 256")
     assert {"hf-bf16+compile", "torchao-fp8-rowwise+compile"} <= set(names)
-    assert all("--compile" in flags for name, flags in bench.TRAIN_ROWS if "torchao" in name)
+    assert all("+compile" in name for name in names if name.startswith("torchao"))
     log = "Traceback ...\nImportError: libcudnn_cnn.so.9: undefined symbol: cudnnFoo, version 9\n"
     note = bench.failure_note(log)
     assert "undefined symbol" in note and "LD_LIBRARY_PATH" in note
