@@ -34,3 +34,39 @@ def te_double(monkeypatch):
     install()
     yield
     uninstall()
+
+
+@pytest.fixture
+def refused_by_train(capsys):
+    """``refused_by_train(*argv)``: ``train.main(argv)`` in this process, for input train.py
+    refuses before it starts anything (no process group, no file). Asserts the exit status 2
+    and returns (stdout, the ``train.py: error:`` lines of stderr, all of stderr).
+
+    The exit through the interpreter is tested once per entry point by a subprocess test; these
+    spare the ~5 s start of one. The signal handlers and logging set-up main() installs are
+    put back."""
+    import logging
+    import signal
+
+    import train
+
+    def run(*argv: str) -> tuple[str, list[str], str]:
+        sigs = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+        handlers = {sig: signal.getsignal(sig) for sig in sigs}
+        root = logging.getLogger()
+        logging_setup = (root.handlers[:], root.level)
+        capsys.readouterr()
+        try:
+            with pytest.raises(SystemExit) as exit_:
+                train.main(list(argv))
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+            root.handlers[:], level = logging_setup
+            root.setLevel(level)
+        out, err = capsys.readouterr()
+        assert exit_.value.code == 2, err
+        lines = [ln for ln in err.splitlines() if ln.startswith("train.py: error:")]
+        return out, lines, err
+
+    return run

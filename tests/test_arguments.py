@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -134,18 +131,6 @@ def test_auto_impl_is_hf_without_transformer_engine(monkeypatch):
     assert precision.resolve_model_impl("auto") == "hf"
 
 
-def _run_train(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *argv],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -155,14 +140,17 @@ def _run_train(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
         (["--resume_from_checkpoint", "missing_ckpt"], "missing_ckpt"),
     ],
 )
-def test_bad_input_exits_2_with_one_line_before_touching_files(tmp_path, argv, message):
+def test_bad_input_exits_2_with_one_line_before_touching_files(
+    tmp_path, monkeypatch, refused_by_train, argv, message
+):
+    """train.main in this process (the exit through the interpreter: test_failures'
+    test_lr_inf_exits_2_with_one_line_and_touches_nothing)."""
+    monkeypatch.chdir(tmp_path)  # relative paths resolve in an empty folder
     out = tmp_path / "run"
-    result = _run_train(*argv, f"--output_dir={out}", cwd=tmp_path)
-    assert result.returncode == 2, result.stderr
-    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("train.py: error:")]
-    assert len(lines) == 1 and message in lines[0], result.stderr
-    assert "Traceback" not in result.stderr
-    assert not out.exists()  # nothing written
+    _, lines, stderr = refused_by_train(*argv, f"--output_dir={out}")
+    assert len(lines) == 1 and message in lines[0], stderr
+    assert "Traceback" not in stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == []  # nothing written
 
 
 def test_usage_error_is_one_line(capsys):

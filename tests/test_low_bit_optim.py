@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,7 +28,6 @@ from model_utils import checkpoint as ck
 from model_utils import optim
 from model_utils.arguments import UsageError, parse_args
 
-ROOT = Path(__file__).resolve().parent.parent
 LOW_BIT = ("adamw8bit", "adamw_fp8")
 STATE_CLASS = {"adamw8bit": "OptimState8bit", "adamw_fp8": "OptimStateFp8"}
 
@@ -340,24 +337,18 @@ def test_two_rank_checkpoint_loads_on_one_rank_with_the_same_moments(
         assert sorted(losses(out)) == [4, 5, 6]
 
 
-def test_train_refuses_an_optimizer_change_on_resume(two_rank_runs: dict[str, Path]) -> None:
+def test_train_refuses_an_optimizer_change_on_resume(
+    two_rank_runs: dict[str, Path], refused_by_train
+) -> None:
     path = two_rank_runs["root"] / "adamw8bit-full" / "checkpoints" / "step_00000003"
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "train.py"),
-            *COMMON,
-            "--optimizer=adamw_fp8",
-            f"--output_dir={two_rank_runs['root'] / 'changed'}",
-            f"--resume_from_checkpoint={path}",
-            "--validate_only",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
+    _, _, stderr = refused_by_train(
+        *COMMON,
+        "--optimizer=adamw_fp8",
+        f"--output_dir={two_rank_runs['root'] / 'changed'}",
+        f"--resume_from_checkpoint={path}",
+        "--validate_only",
     )
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
+    assert stderr.strip().splitlines() == [
         f"train.py: error: checkpoint {path} belongs to another run: --optimizer adamw8bit -> "
         "adamw_fp8 (saved -> this run); resume with the saved values, or start a new run in "
         "another --output_dir"
