@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from procs import torchrun_cmd
 from te_double import subprocess_env
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -330,6 +331,11 @@ def test_train_py_two_ranks_hf_to_te_and_back(tmp_path) -> None:
     assert sorted(got) == sorted(k for k in want if k[1] > 2)
     for key, value in got.items():
         assert value == pytest.approx(want[key], rel=2e-6), key
+    # --model_impl took effect: each run saved its own parameter layout, not just its log line.
+    saved = [reference / "checkpoints", te_run / "checkpoints", back / "checkpoints"]
+    metas = [dcp.FileSystemReader(str(ck.latest_checkpoint(d))).read_metadata() for d in saved]
+    layouts = [ck.param_layout(meta.state_dict_metadata) for meta in metas]
+    assert layouts == ["hf", "te", "hf"]
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-or-fp32", "fp8"])
