@@ -4,13 +4,70 @@ The CPU tier must behave the same on a laptop, in CI and on a GPU node (no test 
 because a GPU or Transformer Engine is present), so unless the run selects the ``gpu`` marker,
 CUDA devices are hidden from this process and the subprocesses it starts, before torch
 initialises CUDA. GPU-tier tests skip themselves without a GPU.
+
+Shared fixtures live here; plain helpers (ports, launching ranks) in ``tests/procs.py``.
 """
 
 from __future__ import annotations
 
 import os
 
+import pytest
+
 
 def pytest_configure(config) -> None:
     if "gpu" not in (config.option.markexpr or ""):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+@pytest.fixture
+def te_double(monkeypatch):
+    """``import transformer_engine`` loads the TE test double (tests/te_double) in this test.
+
+    The double starts from TE's default policy for pickled FP8 state: a user's
+    ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE`` does not leak in (tests that need it set it)."""
+    from te_double import install, uninstall
+
+    from model_utils import checkpoint as ck
+
+    monkeypatch.delenv(ck.TE_UNSAFE_PICKLE_ENV, raising=False)
+    install()
+    yield
+    uninstall()
+
+
+@pytest.fixture
+def refused_by_train(capsys):
+    """``refused_by_train(*argv)``: ``train.main(argv)`` in this process, for input train.py
+    refuses before it starts anything (no process group, no file). Asserts the exit status 2
+    and returns (stdout, the ``train.py: error:`` lines of stderr, all of stderr).
+
+    The exit through the interpreter is tested once per entry point by a subprocess test; these
+    spare the ~3 s start of one. ``--validate_only`` is appended (a launch flag: it changes no
+    check), so input that is wrongly accepted returns at once instead of training inside
+    pytest. The signal handlers and logging set-up main() installs are put back."""
+    import logging
+    import signal
+
+    import train
+
+    def run(*argv: str) -> tuple[str, list[str], str]:
+        sigs = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+        handlers = {sig: signal.getsignal(sig) for sig in sigs}
+        root = logging.getLogger()
+        logging_setup = (root.handlers[:], root.level)
+        capsys.readouterr()
+        try:
+            with pytest.raises(SystemExit) as exit_:
+                train.main([*argv, "--validate_only"])
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+            root.handlers[:], level = logging_setup
+            root.setLevel(level)
+        out, err = capsys.readouterr()
+        assert exit_.value.code == 2, err
+        lines = [ln for ln in err.splitlines() if ln.startswith("train.py: error:")]
+        return out, lines, err
+
+    return run

@@ -1,9 +1,71 @@
-"""Process helpers shared by the tests that interrupt a real run."""
+"""Process helpers shared by the tests: free ports, the one way tests start ranks, interrupts.
+
+Multi-process tests start their ranks in one of two ways, both here:
+
+* a script (``train.py``, ``tests/dist_scripts/*.py``) under torchrun: :func:`torchrun_cmd`;
+  a hand launch of such a script without an agent gets torchrun's variables from
+  :func:`rank_env`;
+* a function of the test module in ``world_size`` processes: :func:`spawn_ranks` (each rank
+  joins the gloo group on the port it is given).
+"""
 
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
+import sys
+
+
+def free_port(low: int = 0, high: int = 0) -> int:
+    """A TCP port nobody listens on (any, or the first free one in [low, high))."""
+    for port in range(low, high) if high else [0]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free port in [{low}, {high})")
+
+
+def torchrun_cmd(*argv: str, nproc: int, launcher: tuple[str, ...] | None = None) -> list[str]:
+    """``torchrun --nproc_per_node=NPROC`` of ``argv`` (a script and its flags) on this host.
+
+    ``launcher`` replaces the single-node rendezvous (127.0.0.1 and a free port), e.g. with
+    ``--nnodes=2`` and a c10d endpoint for two agents."""
+    if launcher is None:
+        launcher = ("--master_addr=127.0.0.1", f"--master_port={free_port()}")
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        *launcher,
+        *argv,
+    ]
+
+
+def rank_env(rank: int, world_size: int, port: int | str) -> dict[str, str]:
+    """The variables torchrun gives rank ``rank`` of a one-node world (for hand launches)."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
+def spawn_ranks(worker, world_size: int, *args) -> None:
+    """Run ``worker(rank, world_size, port, *args)`` in ``world_size`` processes and wait.
+
+    ``worker`` is a module-level function (it is pickled by name); ``port`` is free for the
+    gloo rendezvous. A rank that raises fails the call."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(worker, args=(world_size, free_port(), *args), nprocs=world_size, join=True)
 
 
 def signal_after(

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import re
 from pathlib import Path
 
 import pytest
@@ -143,18 +141,6 @@ def test_auto_impl_is_hf_without_transformer_engine(monkeypatch):
     assert precision.resolve_model_impl("auto") == "hf"
 
 
-def _run_train(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *argv],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -164,14 +150,17 @@ def _run_train(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
         (["--resume_from_checkpoint", "missing_ckpt"], "missing_ckpt"),
     ],
 )
-def test_bad_input_exits_2_with_one_line_before_touching_files(tmp_path, argv, message):
+def test_bad_input_exits_2_with_one_line_before_touching_files(
+    tmp_path, monkeypatch, refused_by_train, argv, message
+):
+    """train.main in this process (the exit through the interpreter: test_failures'
+    test_lr_inf_exits_2_with_one_line_and_touches_nothing)."""
+    monkeypatch.chdir(tmp_path)  # relative paths resolve in an empty folder
     out = tmp_path / "run"
-    result = _run_train(*argv, f"--output_dir={out}", cwd=tmp_path)
-    assert result.returncode == 2, result.stderr
-    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("train.py: error:")]
-    assert len(lines) == 1 and message in lines[0], result.stderr
-    assert "Traceback" not in result.stderr
-    assert not out.exists()  # nothing written
+    _, lines, stderr = refused_by_train(*argv, f"--output_dir={out}")
+    assert len(lines) == 1 and message in lines[0], stderr
+    assert "Traceback" not in stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == []  # nothing written
 
 
 def test_usage_error_is_one_line(capsys):
@@ -187,7 +176,13 @@ def test_bool_flags_accept_upstream_style():
     assert parse_args(["--activation_checkpointing"]).activation_checkpointing is True
 
 
-@pytest.mark.parametrize("bad", ["--fp8_weights", "--compile=2"])
-def test_more_bad_inputs(bad):
-    with pytest.raises(UsageError):
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("--fp8_weights", "--fp8_weights needs --fp8=1"),
+        ("--compile=2", "argument --compile: expected 0/1 or true/false, got '2'"),
+    ],
+)
+def test_more_bad_inputs(bad, message):
+    with pytest.raises(UsageError, match=re.escape(message)):
         parse_args([bad])

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from procs import free_port, rank_env
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -400,24 +400,13 @@ def worker_main(scenario: str, workdir: Path) -> None:
 # Test side
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(scenario: str, workdir: Path, world_size: int) -> list[subprocess.Popen]:
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world_size):
         env = {
             **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
+            **rank_env(rank, world_size, port),
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": str(REPO),
         }

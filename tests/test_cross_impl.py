@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from te_double import install, subprocess_env, uninstall
+import torch.distributed.checkpoint as dcp
+from procs import torchrun_cmd
+from te_double import subprocess_env
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 import te_llama
@@ -60,13 +60,6 @@ SMALL = [
 ]
 # Parameter layout of each --model_impl: te_linear keeps HF's names.
 LAYOUT = {"hf": "hf", "te_linear": "hf", "te": "te"}
-
-
-@pytest.fixture
-def te_double():
-    install()
-    yield
-    uninstall()
 
 
 # ============================================================================================
@@ -316,24 +309,9 @@ def test_param_layout() -> None:
 # train.py, 2 ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_train(*argv: str, nproc: int = 2) -> str:
     env = subprocess_env({**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        f"--master_port={_free_port()}",
-        str(ROOT / "train.py"),
-        *SMALL,
-        *argv,
-    ]
+    cmd = torchrun_cmd(str(ROOT / "train.py"), *SMALL, *argv, nproc=nproc)
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
@@ -377,6 +355,11 @@ def test_train_py_two_ranks_hf_to_te_and_back(tmp_path) -> None:
     assert sorted(got) == sorted(k for k in want if k[1] > 2)
     for key, value in got.items():
         assert value == pytest.approx(want[key], rel=2e-6), key
+    # --model_impl took effect: each run saved its own parameter layout, not just its log line.
+    saved = [reference / "checkpoints", te_run / "checkpoints", back / "checkpoints"]
+    metas = [dcp.FileSystemReader(str(ck.latest_checkpoint(d))).read_metadata() for d in saved]
+    layouts = [ck.param_layout(meta.state_dict_metadata) for meta in metas]
+    assert layouts == ["hf", "te", "hf"]
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-or-fp32", "fp8"])

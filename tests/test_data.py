@@ -278,7 +278,7 @@ def test_documents_are_never_truncated_even_if_the_tokenizer_file_says_so(tmp_pa
 
 def test_vocab_mismatch_is_one_clear_line(tokenizer):
     data.check_vocab(tokenizer, len(tokenizer))
-    with pytest.raises(ValueError) as error:
+    with pytest.raises(ValueError, match="--vocab_size") as error:
         data.check_vocab(tokenizer, 1000)
     message = str(error.value)
     assert "\n" not in message

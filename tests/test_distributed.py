@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,8 +31,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "dist_scripts"
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 sys.path.insert(0, str(REPO))
+
+from procs import free_port, rank_env, torchrun_cmd  # noqa: E402
 
 from model_utils import distributed  # noqa: E402
 
@@ -73,18 +73,6 @@ LAUNCH_VARS = (
 # Launch helpers
 
 
-def free_port(low: int = 0, high: int = 0) -> int:
-    """A TCP port nobody listens on (any, or the first free one in [low, high))."""
-    for port in range(low, high) if high else [0]:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise RuntimeError(f"no free port in [{low}, {high})")
-
-
 def clean_env(**extra: str) -> dict[str, str]:
     """The test's environment without any launcher/Slurm variables it may itself run under."""
     env = {
@@ -101,13 +89,7 @@ def tail(path: Path, chars: int = 4000) -> str:
 
 def run_torchrun(args: list[str], log: Path, nproc: int) -> None:
     """torchrun on one node with a free port; fails the test with the log tail on error."""
-    cmd = [
-        str(TORCHRUN),
-        f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        *args,
-    ]
+    cmd = torchrun_cmd(*args, nproc=nproc)
     with log.open("w") as out:
         proc = subprocess.run(
             cmd,
@@ -228,15 +210,8 @@ def hybrid(workdir: Path) -> dict[str, Any]:
     procs, logs = [], []
     for node in range(2):
         logs.append(workdir / f"hybrid_node{node}.log")
-        cmd = [
-            str(TORCHRUN),
-            "--nnodes=2",
-            "--nproc_per_node=1",
-            "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{port}",
-            "--rdzv_id=hsdp-test",
-            *script,
-        ]
+        rendezvous = ("--nnodes=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}")
+        cmd = torchrun_cmd(*script, nproc=1, launcher=(*rendezvous, "--rdzv_id=hsdp-test"))
         procs.append(popen_logged(cmd, clean_env(), logs[-1]))
     try:
         codes = [wait_exit(p, LAUNCH_TIMEOUT_S)[0] for p in procs]
@@ -323,12 +298,14 @@ def test_binding_clip_reaches_the_limit_on_two_ranks(two_ranks: dict, mode: str)
 @pytest.mark.slow
 def test_fp8_runs_really_differ_from_bf16(two_ranks: dict) -> None:
     """Control for the FP8 parity: the FP8 modes quantise (their losses leave bf16's), so their
-    1-vs-2-rank agreement is not a bf16 comparison in disguise."""
+    1-vs-2-rank agreement is not a bf16 comparison in disguise; and they stay within 2% of it."""
     bf16 = two_ranks["modes"]["bf16"]["losses"]
     assert two_ranks["modes"]["fp8"]["float8_linears"] == 14  # every linear but lm_head
     for mode in ("fp8", "fp8_ag"):
-        gap = max(abs(a - b) for a, b in zip(two_ranks["modes"][mode]["losses"], bf16, strict=True))
+        losses = two_ranks["modes"][mode]["losses"]
+        gap = max(abs(a - b) for a, b in zip(losses, bf16, strict=True))
         assert gap > 1e-3, f"{mode} losses equal bf16's: FP8 was not applied"
+        assert all(abs(a - b) / b < 0.02 for a, b in zip(losses, bf16, strict=True)), (mode, losses)
 
 
 # ============================================================================================
@@ -529,17 +506,9 @@ def test_master_addr_without_scontrol(
 @pytest.mark.slow
 def test_torchrun_job_exits_nonzero_when_a_worker_is_killed(tmp_path: Path) -> None:
     log = tmp_path / "torchrun.log"
-    cmd = [
-        str(TORCHRUN),
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        *TRAIN_ARGV,
-        "--dist_timeout",
-        "30",
-        "--output_dir",
-        str(tmp_path / "run"),
-    ]
+    cmd = torchrun_cmd(
+        *TRAIN_ARGV, "--dist_timeout", "30", "--output_dir", str(tmp_path / "run"), nproc=2
+    )
     agent = popen_logged(cmd, clean_env(), log)
     try:
         wait_for_line(log, "Batch 2 ", [agent], LAUNCH_TIMEOUT_S)
@@ -567,18 +536,8 @@ def start_ranks(
 def test_plain_env_survivor_exits_nonzero_when_its_peer_is_killed(tmp_path: Path) -> None:
     """Two `python train.py` processes with torchrun-style variables but no agent to clean up:
     the survivor itself must notice (gloo sees the connection drop) and exit."""
-    port = str(free_port())
-    envs = [
-        clean_env(
-            RANK=str(r),
-            WORLD_SIZE="2",
-            LOCAL_RANK=str(r),
-            LOCAL_WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-        )
-        for r in range(2)
-    ]
+    port = free_port()
+    envs = [clean_env(**rank_env(r, 2, port)) for r in range(2)]
     logs = [tmp_path / f"rank{r}.log" for r in range(2)]
     argv = [*TRAIN_ARGV, "--dist_timeout", "30", "--output_dir", str(tmp_path / "run")]
     procs = start_ranks(envs, argv, logs)

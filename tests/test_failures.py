@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from procs import signal_after  # noqa: E402
+from procs import signal_after, spawn_ranks  # noqa: E402
 
 from model_utils import checkpoint as ck  # noqa: E402
 from model_utils import guards, outputs, run_lock  # noqa: E402
@@ -49,20 +49,16 @@ def error_lines(result: subprocess.CompletedProcess) -> list[str]:
     return [ln for ln in result.stderr.splitlines() if ln.startswith("train.py: error:")]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ============================================================================================
 # 1. Non-finite training never reaches a checkpoint
 
 
-def _guard_worker(rank: int, port: int, results: dict) -> None:
+def _guard_worker(rank: int, world_size: int, port: int, results: dict) -> None:
     """Rank 1 alone sees a NaN loss at step 3 and an inf grad norm at step 5; rank 0 alone
     receives a stop signal. Every rank must see the same answers."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
     try:
         guard = guards.StepGuard(torch.device("cpu"))
         seen = []
@@ -94,7 +90,7 @@ def test_float8_weights_are_checked_too() -> None:
 
 def test_ranks_agree_on_the_first_non_finite_step_and_on_a_stop_request() -> None:
     results = mp.Manager().dict()
-    mp.spawn(_guard_worker, args=(_free_port(), results), nprocs=2, join=True)
+    spawn_ranks(_guard_worker, 2, results)
     expected = [(False, None), (False, 3), (True, 3), (False, 9)]
     assert results[0] == results[1] == expected
 
@@ -239,7 +235,7 @@ def _wait_for_line(proc: subprocess.Popen, text: str) -> str:
 
 
 def test_a_second_run_in_a_live_run_directory_is_refused_and_a_dead_ones_lock_is_not(
-    tmp_path: Path,
+    tmp_path: Path, refused_by_train
 ) -> None:
     out = tmp_path / "run"
     argv = [*FAST, "--max_steps", "100000", f"--output_dir={out}", "--checkpoint_freq", "-1"]
@@ -247,11 +243,9 @@ def test_a_second_run_in_a_live_run_directory_is_refused_and_a_dead_ones_lock_is
     try:
         _wait_for_line(first, "Batch 1 Loss")
         metrics_before = (out / "metrics.jsonl").read_text()
-        second = train(*argv)
-        assert second.returncode == 2, second.stderr
-        [line] = error_lines(second)
+        _, [line], stderr = refused_by_train(*argv)  # exit 2, one line
         assert f"pid {first.pid} on host {socket.gethostname()}" in line and str(out) in line
-        assert "Traceback" not in second.stderr
+        assert "Traceback" not in stderr
         assert first.poll() is None  # the first run goes on, its log untouched by the second
         assert (out / "metrics.jsonl").read_text().startswith(metrics_before)
     finally:
@@ -475,7 +469,7 @@ def test_a_damaged_checkpoint_takes_no_keep_last_slot_from_an_intact_one(tmp_pat
     assert all(ckpt.verify(tmp_path / name) is None for name in names)
 
 
-def test_resume_rules_end_to_end(tmp_path: Path) -> None:
+def test_resume_rules_end_to_end(tmp_path: Path, refused_by_train) -> None:
     """Through train.py: a plain re-run over checkpoints, a resume with another model shape,
     a resume with an explicit lr (applied, logged, recorded), and --overwrite_output_dir."""
     import json
@@ -486,12 +480,11 @@ def test_resume_rules_end_to_end(tmp_path: Path) -> None:
     first = tmp_path / "first"
     assert train(*common, "--checkpoint_freq", "2", f"--output_dir={first}").returncode == 0
 
-    again = train(*common, f"--output_dir={first}")
-    assert again.returncode == 2 and len(error_lines(again)) == 1, again.stderr
-    assert "--resume_from_checkpoint auto" in again.stderr
-    assert "--overwrite_output_dir" in again.stderr
+    _, [line], _ = refused_by_train(*common, f"--output_dir={first}")  # exit 2, one line
+    assert "--resume_from_checkpoint auto" in line
+    assert "--overwrite_output_dir" in line
 
-    shape = train(
+    _, [line], _ = refused_by_train(
         *common,
         f"--output_dir={first}",
         "--resume_from_checkpoint=auto",
@@ -500,8 +493,6 @@ def test_resume_rules_end_to_end(tmp_path: Path) -> None:
         "--num_key_value_heads",
         "4",
     )
-    assert shape.returncode == 2, shape.stderr
-    [line] = error_lines(shape)
     assert "--num_key_value_heads 2 -> 4, --num_layers 4 -> 2" in line
 
     step2 = first / "checkpoints" / ck.checkpoint_name(2)
@@ -554,7 +545,9 @@ def test_tilde_is_expanded_in_every_path_flag(tmp_path: Path, monkeypatch) -> No
     assert args.export_hf == str(tmp_path / "hf")
 
 
-def test_a_file_in_the_way_is_refused_before_anything_is_created(tmp_path: Path) -> None:
+def test_a_file_in_the_way_is_refused_before_anything_is_created(
+    tmp_path: Path, refused_by_train
+) -> None:
     blocker = tmp_path / "blocker"
     blocker.write_text("x")
     for flag in ("--checkpoint_dir", "--export_hf", "--output_dir"):
@@ -566,8 +559,8 @@ def test_a_file_in_the_way_is_refused_before_anything_is_created(tmp_path: Path)
     assert not (tmp_path / "new").exists()
     assert outputs.probe_write("--output_dir", tmp_path / "new" / "deep") is None
     assert not (tmp_path / "new").exists()  # the probe leaves nothing behind
-    result = train("--export_hf", str(blocker), f"--output_dir={tmp_path / 'run'}")
-    assert result.returncode == 2 and error_lines(result) == [
+    _, lines, _ = refused_by_train("--export_hf", str(blocker), f"--output_dir={tmp_path / 'run'}")
+    assert lines == [
         f"train.py: error: --export_hf {blocker} is a file, not a directory: choose another "
         "--export_hf"
     ]
@@ -610,12 +603,15 @@ def small_disk(tmp_path: Path):
         subprocess.run(["umount", str(point)], check=False)
 
 
-def test_a_read_only_checkpoint_dir_is_refused_at_start(tmp_path: Path, small_disk) -> None:
+def test_a_read_only_checkpoint_dir_is_refused_at_start(
+    tmp_path: Path, small_disk, refused_by_train
+) -> None:
     read_only = small_disk("ro", 4, read_only=True)
     out = tmp_path / "run"
-    result = train(*FAST, f"--output_dir={out}", f"--checkpoint_dir={read_only / 'ckpt'}")
-    assert result.returncode == 2, result.stderr
-    assert error_lines(result) == [
+    _, lines, _ = refused_by_train(
+        *FAST, f"--output_dir={out}", f"--checkpoint_dir={read_only / 'ckpt'}"
+    )
+    assert lines == [
         f"train.py: error: --checkpoint_dir {read_only / 'ckpt'} cannot be written: {read_only} "
         "is on a read-only file system; choose another --checkpoint_dir"
     ]

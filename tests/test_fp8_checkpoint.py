@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from te_double import install, uninstall
 from test_cross_impl import Run
 
 from model_utils import checkpoint as ck
@@ -22,14 +21,6 @@ from model_utils import te_precision, te_support
 from model_utils.checkpoint import checkpointer, stateful
 
 RECIPES = ["delayed", "current", "block", "mxfp8"]
-
-
-@pytest.fixture
-def te_double(monkeypatch):
-    monkeypatch.delenv(ck.TE_UNSAFE_PICKLE_ENV, raising=False)
-    install()
-    yield
-    uninstall()
 
 
 def _saved_keys(path: Path) -> set[str]:
@@ -142,20 +133,15 @@ def test_format_1_checkpoint_is_refused_in_one_line_by_te_2_20(
     assert not [k for k in _saved_keys(resaved) if k.endswith("_extra_state")]
 
 
-def test_format_1_checkpoint_loads_where_te_accepts_it(tmp_path, monkeypatch) -> None:
+def test_format_1_checkpoint_loads_where_te_accepts_it(tmp_path, te_double, monkeypatch) -> None:
     monkeypatch.setenv("TE_DOUBLE_VERSION", "2.16.0")  # the image's TE: no refusal yet
-    monkeypatch.delenv(ck.TE_UNSAFE_PICKLE_ENV, raising=False)
-    install()
-    try:
-        first = Run("te", True, seed=1, checkpoint_dir=tmp_path)
-        first.step(seed=0)
-        path = _save_format_1(first, 1, monkeypatch)
-        want = first.step(seed=1)
-        resumed = Run("te", True, seed=2, checkpoint_dir=tmp_path)
-        resumed.checkpointer.load(path, resumed.state)
-        assert resumed.step(seed=1) == want
-    finally:
-        uninstall()
+    first = Run("te", True, seed=1, checkpoint_dir=tmp_path)
+    first.step(seed=0)
+    path = _save_format_1(first, 1, monkeypatch)
+    want = first.step(seed=1)
+    resumed = Run("te", True, seed=2, checkpoint_dir=tmp_path)
+    resumed.checkpointer.load(path, resumed.state)
+    assert resumed.step(seed=1) == want
 
 
 def test_preflight_names_the_variable_before_anything_starts(tmp_path) -> None:

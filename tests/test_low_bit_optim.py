@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,7 +30,6 @@ from model_utils.arguments import UsageError, parse_args
 from model_utils.checkpoint import optimizer_state
 from model_utils.checkpoint.saved import read_full_tensors
 
-ROOT = Path(__file__).resolve().parent.parent
 LOW_BIT = ("adamw8bit", "adamw_fp8")
 STATE_CLASS = {"adamw8bit": "OptimState8bit", "adamw_fp8": "OptimStateFp8"}
 
@@ -193,36 +190,31 @@ def test_reshard_is_refused_only_where_a_cut_falls_inside_a_block(name: str) -> 
     assert ck.low_bit_reshard_problem(_fake_metadata((256, 688), [86, 171]), model, adamw) is None
 
 
-def test_low_bit_checkpoint_converts_across_parameter_layouts(tmp_path: Path) -> None:
+def test_low_bit_checkpoint_converts_across_parameter_layouts(tmp_path: Path, te_double) -> None:
     """hf -> te (fused QKV and gate/up, TE test double): the 8-bit moments arrive through the
     mapping table, re-quantised in the fused blocks (close, not bit for bit; said in the log),
     the lr tensors are the saved ones, and training goes on."""
     import test_cross_impl as cross
-    from te_double import install, uninstall
 
-    install()
-    try:
-        argv = [*cross.SMALL, "--optimizer=adamw8bit"]
-        saved = _cross_run(cross, argv, "hf", tmp_path / "hf")
-        for i in range(2):
-            saved.step(seed=i)
-        path = saved.checkpointer.save(2, saved.state)
-        loaded = _cross_run(cross, argv, "te", tmp_path / "te")
-        result = loaded.checkpointer.load(path, loaded.state)
-        assert result.converted_from == "hf"
-        for field in ("exp_avg", "exp_avg_sq"):
-            got, want = (_hf_moments(cross, r, field) for r in (loaded, saved))
-            assert set(got) == set(want)
-            for name, tensor in want.items():
-                scale = tensor.abs().max()
-                torch.testing.assert_close(got[name], tensor, rtol=0, atol=float(scale) * 0.02)
-        assert [g["lr"] for g in loaded.optimizer.param_groups] == [
-            g["lr"] for g in saved.optimizer.param_groups
-        ]
-        assert all(isinstance(g["lr"], torch.Tensor) for g in loaded.optimizer.param_groups)
-        assert torch.isfinite(torch.tensor(loaded.step(seed=3)))
-    finally:
-        uninstall()
+    argv = [*cross.SMALL, "--optimizer=adamw8bit"]
+    saved = _cross_run(cross, argv, "hf", tmp_path / "hf")
+    for i in range(2):
+        saved.step(seed=i)
+    path = saved.checkpointer.save(2, saved.state)
+    loaded = _cross_run(cross, argv, "te", tmp_path / "te")
+    result = loaded.checkpointer.load(path, loaded.state)
+    assert result.converted_from == "hf"
+    for field in ("exp_avg", "exp_avg_sq"):
+        got, want = (_hf_moments(cross, r, field) for r in (loaded, saved))
+        assert set(got) == set(want)
+        for name, tensor in want.items():
+            scale = tensor.abs().max()
+            torch.testing.assert_close(got[name], tensor, rtol=0, atol=float(scale) * 0.02)
+    assert [g["lr"] for g in loaded.optimizer.param_groups] == [
+        g["lr"] for g in saved.optimizer.param_groups
+    ]
+    assert all(isinstance(g["lr"], torch.Tensor) for g in loaded.optimizer.param_groups)
+    assert torch.isfinite(torch.tensor(loaded.step(seed=3)))
 
 
 def _cross_run(cross, argv: list[str], impl: str, checkpoint_dir: Path):
@@ -347,24 +339,18 @@ def test_two_rank_checkpoint_loads_on_one_rank_with_the_same_moments(
         assert sorted(losses(out)) == [4, 5, 6]
 
 
-def test_train_refuses_an_optimizer_change_on_resume(two_rank_runs: dict[str, Path]) -> None:
+def test_train_refuses_an_optimizer_change_on_resume(
+    two_rank_runs: dict[str, Path], refused_by_train
+) -> None:
     path = two_rank_runs["root"] / "adamw8bit-full" / "checkpoints" / "step_00000003"
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "train.py"),
-            *COMMON,
-            "--optimizer=adamw_fp8",
-            f"--output_dir={two_rank_runs['root'] / 'changed'}",
-            f"--resume_from_checkpoint={path}",
-            "--validate_only",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
+    _, _, stderr = refused_by_train(
+        *COMMON,
+        "--optimizer=adamw_fp8",
+        f"--output_dir={two_rank_runs['root'] / 'changed'}",
+        f"--resume_from_checkpoint={path}",
+        "--validate_only",
     )
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
+    assert stderr.strip().splitlines() == [
         f"train.py: error: checkpoint {path} belongs to another run: --optimizer adamw8bit -> "
         "adamw_fp8 (saved -> this run); resume with the saved values, or start a new run in "
         "another --output_dir"

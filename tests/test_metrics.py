@@ -116,7 +116,9 @@ def test_flops_terms() -> None:
     # attention grows linearly in seq_len: 12 * L * n_heads * head_dim per extra token of context
     longer = flops_per_token(**{**shape, "seq_len": 512})
     assert longer - base == 12 * 4 * 256 * 256
-    with pytest.raises(ValueError):
+    with pytest.raises(
+        ValueError, match=r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"
+    ):
         flops_per_token(**{**shape, "num_kv_heads": 3})
 
 
@@ -370,7 +372,7 @@ def test_jsonl_writer_whole_lines_rank0_only(tmp_path) -> None:
 
     with JsonlWriter(path) as writer:
         writer.write({"kind": "train", "step": 1, "loss": float("nan"), "mfu": None})
-        with pytest.raises(TypeError):
+        with pytest.raises(TypeError, match="not JSON serializable"):
             writer.write({"kind": "train", "step": 2, "bad": object()})
         # flushed per write: visible to a reader before close
         assert len(path.read_text().splitlines()) == 1
@@ -533,5 +535,5 @@ def test_format_table_three_runs_ratios_to_the_first() -> None:
     speed = next(r for r in rows if r.lstrip().startswith("samples/s")).split()
     assert speed[-5:] == ["10.00", "15.00", "1.500", "5.00", "0.500"]
     assert format_comparison(runs[0], runs[1], ("a", "b")) == format_table(runs[:2], ["a", "b"])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="3 summaries for 1 names"):
         format_table(runs, ["one"])

@@ -6,11 +6,11 @@ import io
 import math
 import os
 import pickle
-import socket
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from procs import spawn_ranks
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
@@ -89,18 +89,18 @@ def test_lr_decay_is_monotonic() -> None:
 
 
 @pytest.mark.parametrize(
-    "bad",
+    "bad, message",
     [
-        {"style": "exponential"},
-        {"min_lr": 2e-3},
-        {"lr": 0.0},
-        {"warmup": -1},
-        {"max_steps": 0},
+        ({"style": "exponential"}, "lr decay style must be one of"),
+        ({"min_lr": 2e-3}, r"min_lr must be in \[0, lr=0.001\], got 0.002"),
+        ({"lr": 0.0}, "lr must be > 0, got 0.0"),
+        ({"warmup": -1}, "warmup must be >= 0, got -1"),
+        ({"max_steps": 0}, "max_steps must be >= 1, got 0"),
     ],
 )
-def test_lr_at_rejects_bad_settings(bad: dict) -> None:
+def test_lr_at_rejects_bad_settings(bad: dict, message: str) -> None:
     settings = {**SCHEDULE, "style": "cosine", **bad}
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=message):
         lr_at(3, **settings)
 
 
@@ -286,7 +286,7 @@ def test_build_optimizer_settings() -> None:
     torch.testing.assert_close(model.model.norm.weight.detach(), norm_before, rtol=0, atol=0)
     shrunk = model.model.embed_tokens.weight.detach()
     torch.testing.assert_close(shrunk, embed_before * (1 - 3e-4 * 0.1))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"beta1 must be in \[0, 1\), got 1.0"):
         build_optimizer(model, lr=3e-4, weight_decay=0.1, beta1=1.0, beta2=0.95)
 
 
@@ -368,18 +368,10 @@ def _fsdp_worker(rank: int, world_size: int, port: int, result_dir: str) -> None
         torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_param_groups_and_optimizer_under_fsdp2(tmp_path) -> None:
     """DTensor params (with torchao float8 all-gather) get the same groups and train."""
-    torch.multiprocessing.spawn(
-        _fsdp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True
-    )
+    spawn_ranks(_fsdp_worker, 2, str(tmp_path))
     for rank in range(2):
         ok, fused, losses = (tmp_path / f"rank{rank}").read_text().split(" ", 2)
         assert ok == "True", losses

@@ -375,15 +375,6 @@ def pinned_te_source() -> TESource:
     return load_te_source(te_precision.PINNED_TE_VERSION)
 
 
-@pytest.fixture
-def te_double():
-    from te_double import install, uninstall
-
-    install()
-    yield
-    uninstall()
-
-
 # ------------------------------------------------------------------------------------------
 # The contract.
 # ------------------------------------------------------------------------------------------
@@ -395,12 +386,19 @@ def test_wheel_is_the_requested_release(te_source: TESource, request) -> None:
     assert te_source.resolve("transformer_engine.pytorch", "TransformerLayer") is not None
 
 
-def test_contract_versions_are_the_pinned_and_the_image_release() -> None:
-    """The image's release is the one the Dockerfile and docs/cluster.md name (major.minor)."""
-    assert te_precision.TE_CONTRACT_VERSIONS == (
-        te_precision.PINNED_TE_VERSION,
-        te_precision.IMAGE_TE_VERSION,
-    )
+def test_contract_covers_the_release_the_double_plays_and_the_image(te_double) -> None:
+    """Every release the tests run against is contract-checked: the double's (the newest in the
+    contract, whose signatures it mirrors) and the image's, the one the Dockerfile and
+    docs/cluster.md name (major.minor)."""
+    import transformer_engine
+
+    versions = te_precision.TE_CONTRACT_VERSIONS
+    assert len(set(versions)) == len(versions), versions  # each release fetched and checked once
+    double = transformer_engine.__version__.split("+")[0]
+    assert double in versions, (double, versions)
+    newest = max(versions, key=lambda v: tuple(int(p) for p in v.split(".")))
+    assert double == newest, f"the double mirrors {double}, the contract's newest is {newest}"
+    assert te_precision.IMAGE_TE_VERSION in versions
     major_minor = ".".join(te_precision.IMAGE_TE_VERSION.split(".")[:2])
     for doc in ("0.transformer-engine.dockerfile", "docs/cluster.md"):
         text = " ".join((ROOT / doc).read_text().split())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from te_double import install, reference, uninstall
+from te_double import reference
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import te_llama
@@ -161,13 +161,6 @@ def test_conversion_refuses_incomplete_checkpoints() -> None:
     te_sd["model.layers.0.transformer_layer.bogus"] = torch.zeros(1)
     with pytest.raises(KeyError, match="bogus"):
         te_llama.te_to_hf_state_dict(te_sd, config)
-
-
-@pytest.fixture
-def te_double():
-    install()
-    yield
-    uninstall()
 
 
 @pytest.mark.parametrize("style", CONFIGS)

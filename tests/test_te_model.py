@@ -8,8 +8,8 @@ TE activation checkpointing, FP8 state in ``_extra_state``, and the capability m
 
 from __future__ import annotations
 
+import math
 import os
-import socket
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from procs import spawn_ranks
 from te_double import install, subprocess_env, uninstall
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -68,13 +68,6 @@ def built(config: LlamaConfig, impl: str = "te", seed: int = 0, **kwargs) -> tor
         model = te_llama.build_te_llama(config, impl=impl, **kwargs)
     materialize(model, torch.device("cpu"), seed)
     return model
-
-
-@pytest.fixture
-def te_double():
-    install()
-    yield
-    uninstall()
 
 
 # ------------------------------------------------------------------------------------------
@@ -450,7 +443,8 @@ def test_fp8_weights_build(te_double) -> None:
     model = built(config, fp8_weights=True, fp8_recipe=backend.recipe)
     backend.prepare(model)
     assert "weights FP8" in backend.describe()
-    assert train_losses(model, backend, config, steps=1)
+    losses = train_losses(model, backend, config, steps=3)
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0], losses
 
 
 def test_double_injects_into_subprocess(tmp_path) -> None:
@@ -472,12 +466,6 @@ def test_double_injects_into_subprocess(tmp_path) -> None:
 # ------------------------------------------------------------------------------------------
 # Two ranks, FSDP2 on gloo.
 # ------------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _two_rank_worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -521,7 +509,7 @@ def _two_rank_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_fsdp2_two_ranks_init_and_amax_reduction(tmp_path, te_double) -> None:
     """2-rank FSDP2: the sharded init equals the single-process init, and delayed-scaling
     amaxes are all-reduced over the data-parallel group passed to the backend."""
-    mp.spawn(_two_rank_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_two_rank_worker, 2, str(tmp_path))
     result = torch.load(tmp_path / "result.pt")
     single = built(tiny_config(), seed=11).state_dict()
     for name, tensor in result["weights"].items():
@@ -547,13 +535,21 @@ def test_gpu_matrix_refuses_without_gpu(capsys, monkeypatch) -> None:
 def test_gpu_matrix_rows_are_train_py_commands_and_the_table_shows_ratios(tmp_path) -> None:
     from benchmarks import bench_gpu_matrix as bench
     from model_utils.arguments import parse_args
+    from model_utils.precision import resolve_fp8_recipe
 
     args, extra = bench.parse_args(["--preset", "tiny", "--nproc", "8", "--", "--seed", "3"])
     args.out = tmp_path
     for name, flags in bench.TRAIN_ROWS + bench.INFER_ROWS:
         cmd = bench.train_command(args, name, flags, extra)
         assert "--nproc_per_node=8" in cmd and cmd[-2:] == ["--seed", "3"]  # user flags win
-        parse_args(cmd[cmd.index(str(bench.ROOT / "train.py")) + 1 :])  # every row's flags parse
+        row = parse_args(cmd[cmd.index(str(bench.ROOT / "train.py")) + 1 :])  # every row parses
+        resolve_fp8_recipe(row)
+        # Each row runs what its name says, as train.py reads the flags (not their spelling).
+        impl, kind, *recipe = name.split("+")[0].split("-")
+        assert row.model_impl == {"torchao": "hf"}.get(impl, impl), name
+        assert row.fp8 == (kind == "fp8") and recipe in ([], [row.fp8_recipe]), name
+        assert (row.compile, row.fp8_all_gather) == ("+compile" in name, "+ag" in name), name
+        assert row.fp8_weights == ("+fp8_weights" in name), name
     names = [name for name, _ in bench.TRAIN_ROWS]
     assert {"hf-bf16", "te-bf16", "te-fp8-delayed", "te-fp8-mxfp8"} <= set(names)
     user = ["--train_batch_size", "2", "--activation_checkpointing=0"]
@@ -586,7 +582,7 @@ def test_gpu_matrix_rows_are_train_py_commands_and_the_table_shows_ratios(tmp_pa
     assert "1.10x" in ac_line and "1.38x" in ac_line
     assert "skipped: needs SM 10.0+" in table and table.startswith("preset tiny, seq 256")
     assert {"hf-bf16+compile", "torchao-fp8-rowwise+compile"} <= set(names)
-    assert all("--compile" in flags for name, flags in bench.TRAIN_ROWS if "torchao" in name)
+    assert all("+compile" in name for name in names if name.startswith("torchao"))
     log = "Traceback ...\nImportError: libcudnn_cnn.so.9: undefined symbol: cudnnFoo, version 9\n"
     note = bench.failure_note(log)
     assert "undefined symbol" in note and "LD_LIBRARY_PATH" in note

@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from procs import torchrun_cmd
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from model_utils import metrics
@@ -105,15 +104,7 @@ def test_writer_round_trip_and_resume_purges_the_rerun_steps(tmp_path: Path) -> 
 def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """A real 2-rank train.py run with --tensorboard (its stdout, i.e. rank 0's log)."""
     out = tmp_path_factory.mktemp("tb") / "run"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={port}",
+    cmd = torchrun_cmd(
         str(ROOT / "train.py"),
         "--preset",
         "tiny",
@@ -128,7 +119,8 @@ def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
         "--validation_batches=1",
         "--tensorboard",
         f"--output_dir={out}",
-    ]
+        nproc=2,
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from procs import torchrun_cmd
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED_LINE = re.compile(
@@ -25,21 +26,7 @@ FAST = ["--preset", "tiny", "--train_batch_size", "4", "--max_context_width", "1
 def train_cmd(*argv: str, nproc: int = 1) -> list[str]:
     if nproc == 1:
         return [sys.executable, str(ROOT / "train.py"), *argv]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        f"--master_port={free_port()}",
-        str(ROOT / "train.py"),
-        *argv,
-    ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return torchrun_cmd(str(ROOT / "train.py"), *argv, nproc=nproc)
 
 
 def train_env(nproc: int = 1) -> dict[str, str]:
@@ -88,17 +75,26 @@ def test_loss_goes_down_and_log_lines_have_the_seed_format(tmp_path):
     assert "Summary (medians over" in result.stdout
 
 
-def test_fp8_emulated_ends_within_2_percent_of_bf16(tmp_path):
-    finals = {}
+def test_fp8_emulated_stays_within_2_percent_of_bf16(tmp_path):
+    """train.py --fp8=1 end to end (torchao's FP8 emulated on CPU) against the same run in bf16,
+    every step. (1 vs 2 ranks, FP8 all-gather and the same closeness under FSDP2 on fixed
+    batches: test_distributed.)"""
+    runs = {}
     for fp8 in (0, 1):
         out = tmp_path / f"fp8_{fp8}"
         run_train(
-            *FAST, "--max_steps=100", f"--fp8={fp8}", "--logging_freq=10", f"--output_dir={out}"
+            *FAST,
+            "--max_steps=10",
+            f"--fp8={fp8}",
+            "--logging_freq=1",
+            "--validation_batches=1",
+            f"--output_dir={out}",
         )
-        finals[fp8] = records(out)[-1]["loss"]
-        assert records(out)[-1]["step"] == 100
-    bf16, fp8 = finals[0], finals[1]
-    assert abs(fp8 - bf16) / bf16 < 0.02, finals
+        runs[fp8] = losses(out)
+    bf16, fp8 = runs[0], runs[1]
+    assert sorted(fp8) == sorted(bf16) == list(range(1, 11))
+    assert all(math.isfinite(loss) for loss in fp8.values()) and fp8[10] < fp8[1] - 1.0, fp8
+    assert all(abs(fp8[s] - bf16[s]) / bf16[s] < 0.02 for s in bf16), runs
     assert fp8 != bf16  # FP8 numerics really ran (an exact tie would mean no FP8 casts)
 
 
@@ -219,14 +215,24 @@ def test_activation_checkpointing_every_other_layer_saves_half_and_computes_the_
     assert 0.4 < half_bytes / plain_bytes < 0.6, (half_bytes, plain_bytes)
 
 
-def test_compile_trains_like_eager(tmp_path):
-    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
-    common = [*FAST, "--max_steps=3", "--warmup=1", "--validation_batches=1"]
-    run_train(*common, f"--output_dir={eager}")
-    result = run_train(*common, "--compile", f"--output_dir={compiled}")
-    assert "Batch 3 Loss" in result.stdout
-    for step, loss in losses(eager).items():
-        assert losses(compiled)[step] == pytest.approx(loss, rel=2e-2)
+def test_compile_flag_compiles_each_decoder_layer_of_the_model_train_builds(monkeypatch):
+    """--compile reaches the model: torch.compile wraps each decoder layer, and nothing without
+    the flag. (Compiled training, cold compile included, against eager: test_distributed's
+    test_compile_under_two_ranks_trains_like_eager, on the same train.build_model.)"""
+    from model_utils.distributed import decoder_layers
+
+    compiled = []
+    real_compile = torch.compile
+
+    def spy(fn, *args, **kwargs):
+        compiled.append(getattr(fn, "__self__", fn))
+        return real_compile(fn, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", spy)
+    assert _build_tiny([]) is not None and compiled == []
+    model = _build_tiny(["--compile"])
+    layers = decoder_layers(model)
+    assert layers and [id(m) for m in compiled] == [id(m) for m in layers]
 
 
 # ~66M parameters and tiny activations: gradients dominate what a rank holds.

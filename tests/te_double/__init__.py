@@ -3,7 +3,7 @@
 ``site/`` holds a ``transformer_engine`` package (the double) and ``reference.py`` the math it
 computes with. Nothing in the product imports this; tests put it on the import path:
 
-* in-process: the ``te_double`` fixture (tests/conftest or the test module) calls
+* in-process: the ``te_double`` fixture (tests/conftest.py) calls
   :func:`install` / :func:`uninstall`, which put ``site`` on ``sys.path`` and purge
   ``transformer_engine*`` from ``sys.modules`` afterwards;
 * subprocesses (``train.py --model_impl te`` under torchrun): pass :func:`subprocess_env`.
