@@ -11,7 +11,7 @@ logits plus one weight-sized gradient, whatever the vocabulary and batch.
 Numerics follow transformers' ``ForCausalLMLoss``: labels shifted left by one, ``-100``
 ignored, logits upcast to fp32 before the log-softmax, mean over the counted tokens; the
 gradient reaching the bf16 matmuls is cast to bf16 as autograd's would be. Results equal the
-plain path up to floating-point summation order (tests/test_loss.py).
+plain path up to floating-point summation order (tests/unit/test_loss.py).
 """
 
 from __future__ import annotations

@@ -26,8 +26,9 @@ from model_utils.arguments import TE_RECIPES
 from model_utils.te_support import TEUnavailableError, import_te, set_is_first_microbatch
 
 #: The Transformer Engine releases this code is contract-tested against, the one place they are
-#: stated: tests/test_te_contract.py downloads each one's pure-Python ``transformer-engine`` wheel
-#: (scripts/fetch_te_wheel.sh) and checks every TE name and keyword we use against its source.
+#: stated: tests/integration/test_te_contract.py downloads each one's pure-Python
+#: ``transformer-engine`` wheel (scripts/fetch_te_wheel.sh) and checks every TE name and keyword
+#: we use against its source.
 #: PINNED: the newest release; the TE test double mirrors its signatures.
 PINNED_TE_VERSION = "2.20.2"
 #: IMAGE: the release the GPU image ships (0.transformer-engine.dockerfile: NGC PyTorch 26.06 has

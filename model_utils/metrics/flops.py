@@ -58,7 +58,7 @@ def flops_per_token(
       torchtitan/PaLM), so a causal flash kernel does about half this attention work.
     - Not counted: norms, RoPE, SiLU, softmax, the loss, optimizer, and activation recompute.
     Tied embeddings would not change the result: the ``lm_head`` matmul costs the same whether
-    its weight is shared (the tied case is counted in tests/test_metrics.py).
+    its weight is shared (the tied case is counted in tests/unit/test_metrics.py).
     """
     if seq_len <= 0:
         raise ValueError(f"seq_len must be > 0, got {seq_len}")

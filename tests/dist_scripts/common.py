@@ -1,4 +1,4 @@
-"""Shared helpers of the scripts that tests/test_distributed.py runs under torchrun.
+"""Shared helpers of the scripts that tests/integration/test_distributed.py runs under torchrun.
 
 The scripts build the model with the product's own functions (arguments -> modeling.build ->
 precision backend.prepare -> distributed.shard -> modeling.materialize -> optim) so that what is

@@ -1,7 +1,8 @@
 """TEST DOUBLE of ``transformer_engine`` (tests/te_double): pure PyTorch, runs on CPU.
 
 Only the API subset this project calls, with the signatures of the pinned release (checked by
-tests/test_te_contract.py). Never installed; tests put ``tests/te_double/site`` on the path.
+tests/integration/test_te_contract.py). Never installed; tests put ``tests/te_double/site`` on
+the path.
 """
 
 import os

@@ -5,7 +5,7 @@ can run code) unless ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``; empty and state
 are ignored. The double applies that policy when it emulates such a release (``TE_DOUBLE_VERSION``,
 default the pinned one) and unpickles everything when it emulates an older one, as TE 2.16 does.
 The variable's name and the advisory's wording are checked against the pinned wheel's source
-(tests/test_te_contract.py).
+(tests/integration/test_te_contract.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """TEST DOUBLE of ``transformer_engine.common.recipe``: the recipe dataclasses and ``Format``.
 
-Field names, order and defaults mirror TE 2.20.2 (tests/test_te_contract.py compares them), so
-code that builds a recipe here builds the same recipe on a GPU. Fields that only steer CUDA
-kernels are accepted and ignored by the double's FP8 emulation.
+Field names, order and defaults mirror TE 2.20.2 (tests/integration/test_te_contract.py compares
+them), so code that builds a recipe here builds the same recipe on a GPU. Fields that only steer
+CUDA kernels are accepted and ignored by the double's FP8 emulation.
 """
 
 from __future__ import annotations

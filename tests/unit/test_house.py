@@ -11,7 +11,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 60
 

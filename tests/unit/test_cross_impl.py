@@ -5,28 +5,20 @@ converted through te_llama's mapping table one decoder layer at a time, step, LR
 position and RNG load as usual, and TE's FP8 metadata (``_extra_state``) starts fresh. TE runs
 on the TE test double (tests/te_double), which computes TE's math in pure PyTorch.
 
-Two kinds of checks:
-* in this process (a world of one, gloo): the product's modules build the two models; the loaded
-  weights and moments, mapped back to HF names, equal the saved ones bit for bit; the LR is the
-  saved one; the loaded model's logits equal those of a plain HF ``LlamaForCausalLM`` holding the
-  saved weights (fp32, tight tolerance); FP8 on <-> off across implementations;
-* ``train.py`` under torchrun with 2 ranks (fp32 compute): hf trains, te resumes from its
-  checkpoint, hf resumes from te's, and every loss matches the uninterrupted hf run.
+In this process (a world of one, gloo): the product's modules build the two models; the loaded
+weights and moments, mapped back to HF names, equal the saved ones bit for bit; the LR is the
+saved one; the loaded model's logits equal those of a plain HF ``LlamaForCausalLM`` holding the
+saved weights (fp32, tight tolerance); FP8 on <-> off across implementations. train.py on 2
+ranks: tests/integration/test_cross_impl_processes.py.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from procs import torchrun_cmd
-from te_double import subprocess_env
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 import te_llama
@@ -34,7 +26,7 @@ from model_utils import checkpoint as ck
 from model_utils import te_support
 from model_utils.checkpoint import hf_export
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # A small Llama (GQA, 2 layers) on the bundled corpus and tokenizer; shapes FP8 GEMMs accept.
 SMALL = [
     "--preset",
@@ -303,63 +295,6 @@ def test_param_layout() -> None:
     assert ck.param_layout(["lm_head.weight", te_name]) == "te"
     with pytest.raises(ValueError, match="no parameter mapping"):
         te_llama.StateDictAdapter(None).converter("hf", "hf")
-
-
-# ============================================================================================
-# train.py, 2 ranks
-
-
-def run_train(*argv: str, nproc: int = 2) -> str:
-    env = subprocess_env({**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    cmd = torchrun_cmd(str(ROOT / "train.py"), *SMALL, *argv, nproc=nproc)
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
-
-
-def records(run_dir: Path) -> dict[tuple[str, int], float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    out = {}
-    for record in map(json.loads, lines):
-        if record["kind"] in ("train", "val"):
-            key = "loss" if record["kind"] == "train" else "val_loss"
-            out[(record["kind"], record["step"])] = record[key]
-    return out
-
-
-@pytest.mark.slow
-def test_train_py_two_ranks_hf_to_te_and_back(tmp_path) -> None:
-    """torchrun, 2 ranks, fp32: hf trains 6 steps; te resumes from hf's step 2 and trains to 4;
-    hf resumes from te's step 4 and trains to 6. Every train and validation loss matches the
-    uninterrupted hf run: weights, AdamW moments, LR and data position all crossed over."""
-    common = ["--max_steps=6", "--validation_freq=2", "--checkpoint_freq=2", "--keep_last=0"]
-    common += ["--bf16=0"]  # fp32 compute: hf and the TE double then agree to float rounding
-    reference, te_run, back = tmp_path / "hf", tmp_path / "te", tmp_path / "back"
-    run_train(*common, "--model_impl=hf", f"--output_dir={reference}")
-    out = run_train(
-        *common,
-        "--model_impl=te",
-        "--max_steps=4",
-        f"--output_dir={te_run}",
-        f"--resume_from_checkpoint={reference / 'checkpoints' / 'step_00000002'}",
-    )
-    assert "impl=te" in out and "at step 2" in out
-    run_train(
-        *common,
-        "--model_impl=hf",
-        f"--output_dir={back}",
-        f"--resume_from_checkpoint={te_run / 'checkpoints' / 'step_00000004'}",
-    )
-    want = records(reference)
-    got = {**records(te_run), **records(back)}
-    assert sorted(got) == sorted(k for k in want if k[1] > 2)
-    for key, value in got.items():
-        assert value == pytest.approx(want[key], rel=2e-6), key
-    # --model_impl took effect: each run saved its own parameter layout, not just its log line.
-    saved = [reference / "checkpoints", te_run / "checkpoints", back / "checkpoints"]
-    metas = [dcp.FileSystemReader(str(ck.latest_checkpoint(d))).read_metadata() for d in saved]
-    layouts = [ck.param_layout(meta.state_dict_metadata) for meta in metas]
-    assert layouts == ["hf", "te", "hf"]
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-or-fp32", "fp8"])

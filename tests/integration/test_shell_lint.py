@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 SHELL_SUFFIXES = (".sh", ".bash", ".sbatch")
 SHEBANG_RE = re.compile(r"^#!\s*(/usr/bin/env\s+)?(/\S*/)?(ba|da)?sh\b")

@@ -1,16 +1,15 @@
-"""Parameter groups, AdamW construction and the LR schedule (model_utils/optim.py)."""
+"""Parameter groups, AdamW construction, clipping and the LR schedule (model_utils/optim.py), in
+this process; under FSDP2 on 2 ranks: tests/integration/test_optim_processes.py."""
 
 from __future__ import annotations
 
 import io
 import math
-import os
 import pickle
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from procs import spawn_ranks
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
@@ -309,70 +308,3 @@ def test_clip_grad_norm_matches_torch(max_norm: float) -> None:
     assert norm.item() > 0.05  # so the first case really clips
     for a, p in zip(ours, params, strict=True):
         torch.testing.assert_close(a, p.grad)
-
-
-# ------------------------------------------------------------------- FSDP2 (2 gloo ranks)
-
-
-def _fsdp_worker(rank: int, world_size: int, port: int, result_dir: str) -> None:
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        torch.set_num_threads(1)
-        model = tiny_llama()
-        reference_groups = group_names(param_groups(model, 0.1))
-        convert_to_float8_training(
-            model,
-            config=Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=True),
-            module_filter_fn=lambda _module, fqn: fqn != "lm_head",
-        )
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-        assert all(isinstance(p, DTensor) for p in model.parameters())
-        sharded = group_names(param_groups(model, 0.1))
-        optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95)
-        batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
-        losses = []
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        # clipping DTensor shards in place equals torch's clip_grad_norm_ (the slow reference)
-        params = list(model.parameters())
-        saved = [p.grad.full_tensor() for p in params]
-        norm = clip_grad_norm_(params, 0.05)
-        ours = [p.grad.full_tensor() for p in params]
-        for p, g in zip(params, saved, strict=True):
-            p.grad = torch.distributed.tensor.distribute_tensor(g, p.device_mesh, p.placements)
-        reference = torch.nn.utils.clip_grad_norm_(params, 0.05).full_tensor()
-        clip_ok = bool(torch.allclose(norm, reference, rtol=1e-5)) and norm.item() > 0.05
-        clip_ok &= all(
-            torch.allclose(a, p.grad.full_tensor(), rtol=1e-5, atol=1e-8)
-            for a, p in zip(ours, params, strict=True)
-        )
-        optimizer.zero_grad()
-        for _ in range(3):
-            loss = model(input_ids=batch, labels=batch).loss
-            loss.backward()
-            clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
-        ok = sharded == reference_groups and losses[-1] < losses[0] and clip_ok
-        with open(os.path.join(result_dir, f"rank{rank}"), "w") as f:
-            f.write(f"{ok} {optimizer.defaults['fused']} {losses}")
-    finally:
-        torch.distributed.destroy_process_group()
-
-
-@pytest.mark.slow
-def test_param_groups_and_optimizer_under_fsdp2(tmp_path) -> None:
-    """DTensor params (with torchao float8 all-gather) get the same groups and train."""
-    spawn_ranks(_fsdp_worker, 2, str(tmp_path))
-    for rank in range(2):
-        ok, fused, losses = (tmp_path / f"rank{rank}").read_text().split(" ", 2)
-        assert ok == "True", losses
-        assert fused == "True"  # the fused kernel accepts DTensor + float8 weight subclasses

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import stage_data  # noqa: E402
@@ -107,9 +107,3 @@ def test_staged_data_trains_offline(tmp_path: Path) -> None:
     assert (
         again.stderr.strip().count("\n") == 0 and "already holds a staged dataset" in again.stderr
     )
-
-
-def test_slugs_name_hub_datasets_and_local_files() -> None:
-    assert stage_data.slug("allenai/c4", "en") == "allenai--c4-en"
-    assert stage_data.slug(str(ROOT / "data" / "kjv.jsonl.gz"), None) == "kjv"
-    assert stage_data.slug("NousResearch/Meta-Llama-3-8B", None) == "NousResearch--Meta-Llama-3-8B"

@@ -11,7 +11,7 @@ from model_utils import arguments, modeling, precision
 from model_utils.arguments import UsageError, parse_args
 from model_utils.presets import PRESETS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_preset_fills_unset_fields_and_explicit_flags_win():

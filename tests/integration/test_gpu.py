@@ -1,4 +1,5 @@
-"""The GPU tier: ``pytest -m gpu tests/test_gpu.py`` on one CUDA GPU with Transformer Engine.
+"""The GPU tier: ``pytest -m gpu tests/integration/test_gpu.py`` on one CUDA GPU with
+Transformer Engine.
 
 Every test runs the real ``train.py`` in a subprocess (one GPU, a world of one) on a small Llama
 whose shapes every FP8 recipe accepts, and checks what only a GPU shows: each implementation in
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.gpu,

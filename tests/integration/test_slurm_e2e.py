@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 import launcher  # noqa: E402
 from procs import signal_after  # noqa: E402
@@ -700,17 +700,6 @@ def test_only_an_unfinished_run_counts_as_requeueable(tmp_path: Path) -> None:
         meta = {"step": step, "run_config": {"max_steps": max_steps}}
         (folder / "checkpoint.json").write_text(json.dumps(meta))
         assert run_finished(tmp_path / "checkpoints") == (0 if step == max_steps else 1)
-
-
-def test_gpus_per_node_are_detected_not_hard_coded() -> None:
-    def nvidia_smi(listing):
-        return lambda: listing  # None: nvidia-smi failed (installed, but no driver)
-
-    assert launcher.detect_gpus({"SLURM_GPUS_ON_NODE": "4", "CUDA_VISIBLE_DEVICES": "0"}) == 4
-    assert launcher.detect_gpus({"CUDA_VISIBLE_DEVICES": "0,1,2"}, nvidia_smi(None)) == 3
-    assert launcher.detect_gpus({}, nvidia_smi(None)) == 0  # CPU
-    gpu_list = "".join(f"GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})\n" for i in range(8))
-    assert launcher.detect_gpus({}, nvidia_smi(gpu_list)) == 8
 
 
 def test_local_run_passes_arguments_through_after_the_defaults(

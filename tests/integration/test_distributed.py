@@ -29,13 +29,11 @@ from typing import Any
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "tests" / "dist_scripts"
 sys.path.insert(0, str(REPO))
 
 from procs import free_port, rank_env, torchrun_cmd  # noqa: E402
-
-from model_utils import distributed  # noqa: E402
 
 LAUNCH_TIMEOUT_S = 240
 STEPS = 5  # tests/dist_scripts/parity.py STEPS
@@ -409,94 +407,6 @@ def test_meta_device_init_keeps_each_rank_at_its_shard(memory: dict) -> None:
         assert r["peak_growth"] < 0.75 * r["full_bytes"]
     # Contrast: the same measurement sees a whole model when one process holds it all.
     assert memory[1][0]["growth"] > 0.95 * memory[1][0]["full_bytes"]
-
-
-# ============================================================================================
-# Worlds from the environment (no process group)
-
-
-@pytest.mark.parametrize(
-    ("env", "expected", "nodes"),
-    [
-        ({}, (0, 1, 0, 1), 1),
-        (
-            {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
-            (3, 8, 1, 2),
-            4,
-        ),
-        # plain srun, one task per GPU: --ntasks-per-node given, or only the always-set variant
-        (
-            {
-                "SLURM_PROCID": "9",
-                "SLURM_NTASKS": "16",
-                "SLURM_LOCALID": "1",
-                "SLURM_NTASKS_PER_NODE": "8",
-            },
-            (9, 16, 1, 8),
-            2,
-        ),
-        (
-            {
-                "SLURM_PROCID": "9",
-                "SLURM_NTASKS": "16",
-                "SLURM_LOCALID": "1",
-                "SLURM_TASKS_PER_NODE": "8(x2)",
-            },
-            (9, 16, 1, 8),
-            2,
-        ),
-        (
-            {
-                "SLURM_PROCID": "0",
-                "SLURM_NTASKS": "12",
-                "SLURM_LOCALID": "0",
-                "SLURM_TASKS_PER_NODE": "8,4",
-            },
-            (0, 12, 0, 8),
-            1,
-        ),
-        # torchrun inside a Slurm step: torchrun's variables win
-        (
-            {
-                "RANK": "5",
-                "WORLD_SIZE": "16",
-                "LOCAL_RANK": "5",
-                "LOCAL_WORLD_SIZE": "8",
-                "SLURM_PROCID": "0",
-                "SLURM_NTASKS": "2",
-                "SLURM_LOCALID": "0",
-            },
-            (5, 16, 5, 8),
-            2,
-        ),
-    ],
-)
-def test_world_from_env(env: dict[str, str], expected: tuple, nodes: int) -> None:
-    world = distributed.world_from_env(env)
-    assert (world.rank, world.world_size, world.local_rank, world.local_world_size) == expected
-    assert world.num_nodes == nodes
-    assert world.is_main == (expected[0] == 0)
-
-
-@pytest.mark.parametrize(
-    ("nodelist", "expected"),
-    [
-        ("gpu-node7", "gpu-node7"),
-        ("gpu-a,gpu-b", "gpu-a"),
-        ("gpu[1-4]", "127.0.0.1"),
-        (None, "127.0.0.1"),
-    ],
-)
-def test_master_addr_without_scontrol(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, nodelist: str | None, expected: str
-) -> None:
-    monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol anywhere
-    monkeypatch.delenv("SLURM_NODELIST", raising=False)
-    if nodelist is None:
-        monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
-    else:
-        monkeypatch.setenv("SLURM_JOB_NODELIST", nodelist)
-    assert distributed._slurm_master_addr() == expected
 
 
 # ============================================================================================

@@ -1,0 +1,26 @@
+"""Data checks that need a process of their own: a Hub dataset name that cannot be reached
+(offline) is one clear error, fast."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from model_utils import data
+
+
+def test_unreachable_hub_dataset_is_a_clear_error():
+    code = (
+        "from model_utils import data\n"
+        "try:\n"
+        "    next(data.epoch_documents('allenai/c4', config_name='en'))\n"
+        "except ValueError as error:\n"
+        "    print(error)\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(data.__file__).parents[1])}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.startswith("--dataset allenai/c4: cannot be opened ("), out.stderr[-2000:]

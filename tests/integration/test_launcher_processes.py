@@ -1,0 +1,99 @@
+"""scripts/launcher.py with real processes: signals reach workers in their own session (even
+before their handler is set), and the node exits with torchrun's status."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+
+FAKE_TORCHRUN = """#!{python}
+# Starts one "worker" in a session of its own (as torchrun does): it inherits torchrun's
+# ignored signals, installs its USR1 handler only after a while (importing torch), and exits
+# 0 once USR1 reaches it.
+import subprocess, sys
+worker = '''
+import os, signal, sys, time
+open(sys.argv[1] + ".started", "w").close()
+time.sleep(1.0)
+def handle(signum, frame):
+    open(sys.argv[1] + ".usr1", "w").close()
+    sys.exit(0)
+signal.signal(signal.SIGUSR1, handle)
+time.sleep(30)
+sys.exit(5)
+'''
+proc = subprocess.Popen([sys.executable, "-c", worker, "{marker}"], start_new_session=True)
+sys.exit(proc.wait())
+"""
+
+
+def test_signals_reach_workers_in_their_own_session_even_before_their_handler(
+    tmp_path: Path,
+) -> None:
+    """What Slurm's proctrack/pgid does: signal the task's process group only (launcher and
+    torchrun). The launcher passes USR1 on to the worker, again until it has a handler."""
+    marker = tmp_path / "worker"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    torchrun = bin_dir / "torchrun"
+    torchrun.write_text(FAKE_TORCHRUN.format(python=sys.executable, marker=marker))
+    torchrun.chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "LLAMA_REPO_DIR": str(REPO),
+        "LLAMA_NNODES": "1",
+        "NPROC_PER_NODE": "1",
+    }
+    env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
+    code = (
+        "import sys, launcher; launcher.RESEND_EVERY_S = 0.2; sys.exit(launcher.main(sys.argv[1:]))"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "node", "--preset", "tiny"],
+        env=env,
+        cwd=REPO / "scripts",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not Path(f"{marker}.started").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read()
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGUSR1)  # the worker is not in this group
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    assert Path(f"{marker}.usr1").exists(), out
+    assert "SIGUSR1 received" in out
+
+
+def test_the_node_exits_with_torchruns_status(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text("#!/bin/sh\nexit 7\n")
+    (bin_dir / "torchrun").chmod(0o755)
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "LLAMA_REPO_DIR": str(REPO),
+    }
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "launcher.py"), "node"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 7, result.stdout + result.stderr

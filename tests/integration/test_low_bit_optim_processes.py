@@ -1,0 +1,154 @@
+"""--optimizer adamw8bit | adamw_fp8 through ``train.py`` on 2 CPU ranks (gloo, FSDP2): save ->
+resume repeats the uninterrupted run bit for bit for both optimizers, all four processes sharing
+one fresh inductor cache (adamw_fp8 after adamw8bit crashed there before the cache guard); the
+2-rank checkpoint loads on 1 rank with the same (dequantised) moments, and ``train.py`` resumes
+from it on 1 rank; an optimizer change on resume is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_train import FAST, losses, records, run_train
+
+from model_utils import checkpoint as ck
+from model_utils import optim
+from model_utils.arguments import parse_args
+from model_utils.checkpoint import optimizer_state
+from model_utils.checkpoint.saved import read_full_tensors
+
+LOW_BIT = ("adamw8bit", "adamw_fp8")
+STATE_CLASS = {"adamw8bit": "OptimState8bit", "adamw_fp8": "OptimStateFp8"}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def dequantized(t: torch.Tensor) -> torch.Tensor:
+    local = _local(t)
+    return local.dequantize() if hasattr(local, "dequantize") else local.float()
+
+
+# ============================================================================================
+# train.py on 2 CPU ranks
+
+COMMON = [*FAST, "--max_steps=6", "--warmup=2", "--validation_batches=1"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Per optimizer: an uninterrupted 2-rank run saving at steps 3 and 6, and a 2-rank run
+    resumed from step 3. adamw_fp8 runs after adamw8bit with the same, fresh inductor cache:
+    without the cache guard in optim.low_bit_adamw its first step loaded adamw8bit's compiled
+    step for the same DTensor shapes and died ("'OptimStateFp8' object has no attribute
+    'qmap'")."""
+    root = tmp_path_factory.mktemp("low_bit")
+    cache = root / "inductor-cache"
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)  # inherited by run_train's processes
+    try:
+        for name in LOW_BIT:
+            full, resumed = root / f"{name}-full", root / f"{name}-resumed"
+            flags = [*COMMON, f"--optimizer={name}"]
+            run_train(*flags, "--checkpoint_freq=3", f"--output_dir={full}", nproc=2)
+            result = run_train(
+                *flags,
+                f"--output_dir={resumed}",
+                f"--resume_from_checkpoint={full / 'checkpoints' / 'step_00000003'}",
+                nproc=2,
+            )
+            assert "Resumed from" in result.stdout and "at step 3" in result.stdout
+    finally:
+        if old is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+    assert any(cache.rglob("*")), "the runs did not use the shared cache"
+    return {"root": root}
+
+
+@pytest.mark.parametrize("name", LOW_BIT)
+def test_two_rank_resume_repeats_the_uninterrupted_run_bit_for_bit(
+    two_rank_runs: dict[str, Path], name: str
+) -> None:
+    full, resumed = (two_rank_runs["root"] / f"{name}-{kind}" for kind in ("full", "resumed"))
+    want, got = losses(full), losses(resumed)
+    assert sorted(got) == [4, 5, 6]
+    assert [got[s] for s in got] == [want[s] for s in got]  # exact, not approximate
+    assert [r["lr"] for r in records(resumed)] == [r["lr"] for r in records(full)][3:]
+    assert records(resumed, "val")[-1]["val_loss"] == records(full, "val")[-1]["val_loss"]
+    run = json.loads((full / "metrics.jsonl").read_text().splitlines()[0])
+    assert run["flags"]["optimizer"] == name
+
+
+@pytest.mark.parametrize("name", LOW_BIT)
+def test_two_rank_checkpoint_loads_on_one_rank_with_the_same_moments(
+    two_rank_runs: dict[str, Path], name: str, tmp_path: Path
+) -> None:
+    """DCP reshards torchao's states 2 -> 1 (torchao's aten.slice + copy_ between its states):
+    every moment loaded on one rank equals, dequantised, what the two ranks saved, and is still
+    torchao's quantised state where the tensor is big enough."""
+    import train
+    from model_utils import distributed, precision
+
+    path = two_rank_runs["root"] / f"{name}-full" / "checkpoints" / "step_00000003"
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    args = parse_args([*COMMON, f"--optimizer={name}"])
+    device = torch.device("cpu")
+    mesh = distributed.build_mesh(distributed.world_from_env({}), device, "full")
+    backend = precision.build_backend(args, device)
+    model = train.build_model(args, mesh, device, backend)
+    optimizer, scheduler = optim.from_args(model, args)
+    state = ck.TrainState(model, optimizer, scheduler, config=vars(args))
+    result = ck.Checkpointer(tmp_path, keep_last=0).load(path, state)
+    assert result.resharded and result.saved_world_size == 2 and state.step == 3
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    metadata = FileSystemReader(str(path)).read_metadata()
+    fields = optimizer_state.optimizer_fields(metadata)
+    states = get_optimizer_state_dict(model, optimizer)["state"]
+    quantized = 0
+    for field in ("exp_avg", "exp_avg_sq"):
+        saved = read_full_tensors(path, fields[field])  # dequantised by torchao's copy_
+        assert set(saved) == set(states)
+        for fqn, tensor in saved.items():
+            assert torch.equal(dequantized(states[fqn][field]), tensor), (fqn, field)
+            quantized += type(_local(states[fqn][field])).__name__ == STATE_CLASS[name]
+    assert quantized >= 2 * 7 * 4  # the decoder layers' linear weights at least
+
+    if name == "adamw_fp8":  # and train.py resumes from it on one rank
+        out = tmp_path / "one-rank"
+        result = run_train(
+            *COMMON,
+            f"--optimizer={name}",
+            f"--output_dir={out}",
+            f"--resume_from_checkpoint={path}",
+        )
+        assert "Checkpoint written by 2 ranks, loaded on 1" in result.stdout
+        assert sorted(losses(out)) == [4, 5, 6]
+
+
+def test_train_refuses_an_optimizer_change_on_resume(
+    two_rank_runs: dict[str, Path], refused_by_train
+) -> None:
+    path = two_rank_runs["root"] / "adamw8bit-full" / "checkpoints" / "step_00000003"
+    _, _, stderr = refused_by_train(
+        *COMMON,
+        "--optimizer=adamw_fp8",
+        f"--output_dir={two_rank_runs['root'] / 'changed'}",
+        f"--resume_from_checkpoint={path}",
+        "--validate_only",
+    )
+    assert stderr.strip().splitlines() == [
+        f"train.py: error: checkpoint {path} belongs to another run: --optimizer adamw8bit -> "
+        "adamw_fp8 (saved -> this run); resume with the saved values, or start a new run in "
+        "another --output_dir"
+    ]

@@ -1,0 +1,134 @@
+"""The TE model across processes, through the TE test double: the double reaches a subprocess,
+and FSDP2 on 2 ranks builds and initialises the TE model and reduces amax over the group."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from procs import spawn_ranks
+from te_double import install, subprocess_env
+from transformers import LlamaConfig
+
+import te_llama
+from model_utils import te_support
+from model_utils.modeling import materialize
+from model_utils.te_precision import TEBackend
+
+
+def tiny_config(**overrides) -> LlamaConfig:
+    values = dict(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    values.update(overrides)
+    return LlamaConfig(**values)
+
+
+def backend_args(fp8: bool, recipe: str = "delayed", impl: str = "te", **overrides):
+    values = dict(
+        fp8=fp8,
+        fp8_recipe=recipe,
+        fp8_format="hybrid",
+        amax_history_len=16,
+        amax_compute_algo="max",
+        fp8_margin=0,
+        fp8_weights=False,
+        model_impl=impl,
+    )
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+def batch(config: LlamaConfig, seed: int = 0, size: tuple[int, int] = (2, 32)) -> torch.Tensor:
+    return torch.randint(0, config.vocab_size, size, generator=torch.Generator().manual_seed(seed))
+
+
+def built(config: LlamaConfig, impl: str = "te", seed: int = 0, **kwargs) -> torch.nn.Module:
+    """Meta build -> to_empty -> init, the lead's flow for sharded training."""
+    with torch.device("meta"):
+        model = te_llama.build_te_llama(config, impl=impl, **kwargs)
+    materialize(model, torch.device("cpu"), seed)
+    return model
+
+
+def test_double_injects_into_subprocess(tmp_path) -> None:
+    """The route train.py integration tests use: PYTHONPATH from te_double.subprocess_env."""
+    code = (
+        "import transformer_engine, transformer_engine.pytorch as te; "
+        "print(transformer_engine.__version__, te.TransformerLayer.__module__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.split() == ["2.20.2+double", "transformer_engine.pytorch"]
+
+
+# ------------------------------------------------------------------------------------------
+# Two ranks, FSDP2 on gloo.
+# ------------------------------------------------------------------------------------------
+
+
+def _two_rank_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    install()
+    try:
+        config = tiny_config()
+        backend = TEBackend(backend_args(fp8=True, recipe="delayed"), dp_group=dist.group.WORLD)
+        with torch.device("meta"):
+            model = te_llama.build_te_llama(config, impl="te")
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        materialize(model, torch.device("cpu"), 11)
+        full = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        backend.prepare(model)
+        ids = batch(config, seed=100 + rank)  # different data per rank -> different local amaxes
+        with backend.autocast(first_micro_batch=True):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        meta = model.model.layers[0].transformer_layer.layernorm_mlp.fp8_meta
+        history = meta["scaling_fwd"].amax_history
+        gathered = [torch.zeros_like(history) for _ in range(world)]
+        dist.all_gather(gathered, history)
+        if rank == 0:
+            weights = {k: v for k, v in full.items() if not te_support.is_te_extra_state_key(k)}
+            torch.save(
+                {"weights": weights, "histories": gathered}, os.path.join(out_dir, "result.pt")
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_two_ranks_init_and_amax_reduction(tmp_path, te_double) -> None:
+    """2-rank FSDP2: the sharded init equals the single-process init, and delayed-scaling
+    amaxes are all-reduced over the data-parallel group passed to the backend."""
+    spawn_ranks(_two_rank_worker, 2, str(tmp_path))
+    result = torch.load(tmp_path / "result.pt")
+    single = built(tiny_config(), seed=11).state_dict()
+    for name, tensor in result["weights"].items():
+        assert torch.equal(tensor, single[name]), name
+    first, second = result["histories"]
+    assert first.abs().sum() > 0  # the reduced amaxes entered the history
+    assert torch.equal(first, second)

@@ -1,0 +1,256 @@
+"""Checkpoints in this process: which checkpoint resumes, keep-last's plan, HF directories and
+round trips on a plain model, a world of one, the safetensors shard writer and the converter's
+refusal. The multi-rank behaviour is in tests/integration/test_checkpoint_processes.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from model_utils import checkpoint as ck  # noqa: E402
+
+TINY = [
+    "--preset",
+    "tiny",
+    "--hidden_width",
+    "64",
+    "--num_layers",
+    "2",
+    "--num_heads",
+    "4",
+    "--num_key_value_heads",
+    "2",
+    "--intermediate_size",
+    "128",
+    "--vocab_size",
+    "256",
+    "--max_context_width",
+    "32",
+    "--train_batch_size",
+    "2",
+    "--max_steps",
+    "50",
+    "--warmup",
+    "2",
+    "--lr",
+    "0.01",
+    "--seed",
+    "7",
+]
+
+
+def differences(a: Any, b: Any, path: str = "") -> list[str]:
+    """Paths where two nested states differ (tensors: exact values, dtype and shape)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
+        return [] if same else [path]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return [f"{path}{{keys: {sorted(set(a) ^ set(b))}}}"]
+        return [d for k in a for d in differences(a[k], b[k], f"{path}.{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{path}[len]"]
+        return [
+            d
+            for i, (x, y) in enumerate(zip(a, b, strict=True))
+            for d in differences(x, y, f"{path}[{i}]")
+        ]  # noqa: E501
+    return [] if a == b else [path]
+
+
+# -- pure filesystem rules --------------------------------------------------------------------
+
+
+def _fake_checkpoint(root: Path, name: str, marker: bool = True, metadata: bool = True) -> Path:
+    path = root / name
+    path.mkdir(parents=True)
+    (path / "__0_0.distcp").write_bytes(b"x")
+    if metadata:
+        (path / ck.DCP_METADATA).write_bytes(b"x")
+    if marker:
+        (path / ck.MARKER).write_text(json.dumps({"step": ck.step_of(path), "world_size": 1}))
+    return path
+
+
+def test_auto_resume_picks_newest_complete(tmp_path: Path) -> None:
+    _fake_checkpoint(tmp_path, "step_00000001")
+    newest = _fake_checkpoint(tmp_path, "step_00000020")
+    _fake_checkpoint(tmp_path, "step_00000100", marker=False)  # crashed before publish
+    _fake_checkpoint(tmp_path, ".tmp-step_00000200")
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    assert ck.resolve_checkpoint("auto", tmp_path) == newest
+    assert ck.Checkpointer(tmp_path).resolve("auto") == newest
+    assert ck.resolve_checkpoint(None, tmp_path) is None
+    assert ck.resolve_checkpoint("auto", tmp_path / "missing") is None  # fresh start
+    assert not (tmp_path / ".tmp-step_00000200").exists()  # cleaned by the Checkpointer
+
+
+@pytest.mark.parametrize(
+    ("name", "marker", "metadata", "message"),
+    [
+        ("step_00000005", False, True, "never completed"),
+        ("step_00000006", True, False, "no .metadata"),
+        (".tmp-step_00000007", True, True, "unfinished save"),
+        ("absent", None, None, "does not exist"),
+    ],
+)
+def test_explicit_resume_path_must_be_complete(
+    tmp_path: Path, name: str, marker: bool | None, metadata: bool | None, message: str
+) -> None:
+    if marker is not None:
+        _fake_checkpoint(tmp_path, name, marker=marker, metadata=metadata)
+    with pytest.raises(ValueError, match=message):
+        ck.check_resume_arg(str(tmp_path / name), tmp_path)
+    with pytest.raises(ValueError, match="--resume_from_checkpoint"):
+        ck.resolve_checkpoint(str(tmp_path / name), tmp_path)
+
+
+def test_prune_plan_keeps_newest_and_the_one_just_published() -> None:
+    paths = [Path(ck.checkpoint_name(s)) for s in (1, 2, 3, 4)]
+    assert ck.prune_plan(paths, 2, paths[-1]) == paths[:2]
+    assert ck.prune_plan(paths, None, paths[-1]) == []
+    assert ck.prune_plan(paths, 1, paths[1]) == [paths[0], paths[2], paths[3]]
+    assert ck.prune_plan(paths[:1], 3, paths[0]) == []
+
+
+def test_layer_groups_and_the_adapter_layer_by_layer_match_whole_model_mapping() -> None:
+    names = [
+        "lm_head.weight",
+        "model.layers.10.mlp.up_proj.weight",
+        "model.layers.2.self_attn.q_proj.weight",
+        "model.norm.weight",
+        "model.layers.2.mlp.up_proj.weight",
+    ]
+    assert ck.layer_groups(names) == [
+        ["lm_head.weight", "model.norm.weight"],
+        ["model.layers.2.self_attn.q_proj.weight", "model.layers.2.mlp.up_proj.weight"],
+        ["model.layers.10.mlp.up_proj.weight"],
+    ]
+    te_llama = pytest.importorskip("te_llama")
+    from transformers import LlamaForCausalLM
+
+    from model_utils import arguments, modeling
+
+    config = modeling.llama_config(arguments.parse_args([*TINY, "--num_layers", "3"]))
+    hf = LlamaForCausalLM(config).state_dict()
+    whole = te_llama.hf_to_te_state_dict(hf, config)
+    adapter = te_llama.StateDictAdapter(config)
+    to_te, to_hf = adapter.from_hf, adapter.to_hf
+    by_layer: dict[str, torch.Tensor] = {}
+    for group in ck.layer_groups(hf):
+        by_layer.update(to_te({n: hf[n] for n in group}))
+    assert differences(by_layer, whole) == []
+    back: dict[str, torch.Tensor] = {}
+    for group in ck.layer_groups(by_layer):
+        back.update(to_hf({n: by_layer[n] for n in group}))
+    assert differences(back, dict(hf)) == []
+
+
+def test_hf_dir_errors_are_one_clear_line(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        ck.check_hf_dir(tmp_path / "nope")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="neither model.safetensors nor"):
+        ck.check_hf_dir(tmp_path)
+    (tmp_path / ck.HF_INDEX).write_text(json.dumps({"weight_map": {"a": "gone.safetensors"}}))
+    with pytest.raises(ValueError, match="missing shard"):
+        ck.check_hf_dir(tmp_path)
+
+
+def test_hf_in_and_out_on_a_plain_tied_model(tmp_path: Path) -> None:
+    """No process group, no FSDP: tied embeddings (no lm_head in the file, like Llama 3.2) load,
+    export writes the tied weight once, and a shape mismatch is a clear error."""
+    from safetensors import safe_open
+    from transformers import LlamaForCausalLM
+
+    from model_utils import arguments, modeling
+
+    config = modeling.llama_config(arguments.parse_args(TINY))
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    source = LlamaForCausalLM(config)
+    source.save_pretrained(tmp_path / "src")
+    target = LlamaForCausalLM(config)
+    ck.load_hf_weights(target, tmp_path / "src")
+    assert target.lm_head.weight is target.model.embed_tokens.weight
+    assert differences(dict(target.state_dict()), dict(source.state_dict())) == []
+    ck.export_hf(target, config, tmp_path / "out")
+    with safe_open(str(tmp_path / "out" / ck.HF_SINGLE), "pt") as fh:
+        assert "lm_head.weight" not in fh.keys()
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert torch.equal(_logits(reloaded), _logits(source))
+    config.num_hidden_layers = 3
+    with pytest.raises(ValueError, match="missing.*model.layers.2"):
+        ck.load_hf_weights(LlamaForCausalLM(config), tmp_path / "src")
+    config.num_hidden_layers, config.hidden_size = 2, 128
+    with pytest.raises(ValueError, match="has shape .* but the model expects"):
+        ck.load_hf_weights(LlamaForCausalLM(config), tmp_path / "src")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_checkpoint_without_a_process_group_and_a_repeated_step(tmp_path: Path) -> None:
+    """One process without a process group saves and loads; saving a step again is skipped.
+    (TE's pickled ``_extra_state`` is never saved: tests/unit/test_fp8_checkpoint.py.)"""
+    saved = torch.nn.Sequential(torch.nn.Linear(16, 16))
+    ckpt = ck.Checkpointer(tmp_path)
+    path = ckpt.save(5, ck.TrainState(saved))
+    mtime = (path / ck.MARKER).stat().st_mtime_ns
+    assert ckpt.save(5, ck.TrainState(saved)) == path
+    assert (path / ck.MARKER).stat().st_mtime_ns == mtime
+    fresh = torch.nn.Sequential(torch.nn.Linear(16, 16))
+    state = ck.TrainState(fresh)
+    assert ck.Checkpointer(tmp_path).load(ckpt.latest(), state).step == 5
+    assert torch.equal(fresh[0].weight, saved[0].weight)
+
+
+def test_shard_writer_splits_and_indexes(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    tensors = {f"t{i}": torch.full((100,), float(i)) for i in range(5)}  # 400 bytes each
+    writer = ck.SafetensorsShardWriter(tmp_path / "multi", max_shard_bytes=1000)
+    for name, t in tensors.items():
+        writer.add(name, t)
+    files = writer.finish()
+    assert [f.name for f in files] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    index = json.loads((tmp_path / "multi" / ck.HF_INDEX).read_text())
+    assert index["metadata"]["total_size"] == 2000
+    loaded = {k: v for f in files for k, v in load_file(f).items()}
+    assert differences(loaded, tensors) == []
+    single = ck.SafetensorsShardWriter(tmp_path / "multi")  # re-export: old shards removed
+    single.add("t0", tensors["t0"])
+    assert [f.name for f in single.finish()] == [ck.HF_SINGLE]
+    assert sorted(p.name for p in (tmp_path / "multi").iterdir()) == [ck.HF_SINGLE]
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_convert_script_rejects_a_non_checkpoint_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sys.path.insert(0, str(REPO / "scripts"))
+    import convert_checkpoint
+
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert convert_checkpoint.main([str(tmp_path), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no .metadata" in err
+    assert not (tmp_path / "out").exists()
