@@ -459,15 +459,13 @@ def test_gpu_matrix_refuses_without_gpu(capsys, monkeypatch) -> None:
 def test_gpu_matrix_rows_are_train_py_commands_and_the_table_shows_ratios(tmp_path) -> None:
     from benchmarks import bench_gpu_matrix as bench
     from model_utils.arguments import parse_args
-    from model_utils.precision import resolve_fp8_recipe
 
     args, extra = bench.parse_args(["--preset", "tiny", "--nproc", "8", "--", "--seed", "3"])
     args.out = tmp_path
     for name, flags in bench.TRAIN_ROWS + bench.INFER_ROWS:
         cmd = bench.train_command(args, name, flags, extra)
         assert "--nproc_per_node=8" in cmd and cmd[-2:] == ["--seed", "3"]  # user flags win
-        row = parse_args(cmd[cmd.index(str(bench.ROOT / "train.py")) + 1 :])  # every row parses
-        resolve_fp8_recipe(row)
+        row = parse_args(cmd[cmd.index(str(bench.ROOT / "train.py")) + 1 :])  # parses, resolved
         # Each row runs what its name says, as train.py reads the flags (not their spelling).
         impl, kind, *recipe = name.split("+")[0].split("-")
         assert row.model_impl == {"torchao": "hf"}.get(impl, impl), name
