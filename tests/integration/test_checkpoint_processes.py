@@ -409,7 +409,7 @@ def _launch(scenario: str, workdir: Path, world_size: int) -> list[subprocess.Po
             **os.environ,
             **rank_env(rank, world_size, port),
             "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(REPO),
+            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),  # procs.py
         }
         log = open(workdir / f"{scenario}_rank{rank}.log", "w")
         procs.append(
