@@ -27,37 +27,11 @@ from procs import free_port, rank_env
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from test_checkpoint import TINY, _logits, differences  # noqa: E402
+
 from model_utils import checkpoint as ck  # noqa: E402
 from model_utils.checkpoint import tensors  # noqa: E402
 
-TINY = [
-    "--preset",
-    "tiny",
-    "--hidden_width",
-    "64",
-    "--num_layers",
-    "2",
-    "--num_heads",
-    "4",
-    "--num_key_value_heads",
-    "2",
-    "--intermediate_size",
-    "128",
-    "--vocab_size",
-    "256",
-    "--max_context_width",
-    "32",
-    "--train_batch_size",
-    "2",
-    "--max_steps",
-    "50",
-    "--warmup",
-    "2",
-    "--lr",
-    "0.01",
-    "--seed",
-    "7",
-]
 WORKER_TIMEOUT_S = 240
 
 
@@ -158,32 +132,6 @@ def _detach(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [_detach(v) for v in obj]
     return obj
-
-
-def differences(a: Any, b: Any, path: str = "") -> list[str]:
-    """Paths where two nested states differ (tensors: exact values, dtype and shape)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        same = (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a, b)
-        )
-        return [] if same else [path]
-    if isinstance(a, dict) and isinstance(b, dict):
-        if set(a) != set(b):
-            return [f"{path}{{keys: {sorted(set(a) ^ set(b))}}}"]
-        return [d for k in a for d in differences(a[k], b[k], f"{path}.{k}")]
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return [f"{path}[len]"]
-        return [
-            d
-            for i, (x, y) in enumerate(zip(a, b, strict=True))
-            for d in differences(x, y, f"{path}[{i}]")
-        ]  # noqa: E501
-    return [] if a == b else [path]
 
 
 def rng_snapshot() -> dict[str, Any]:
@@ -409,7 +357,7 @@ def _launch(scenario: str, workdir: Path, world_size: int) -> list[subprocess.Po
             **os.environ,
             **rank_env(rank, world_size, port),
             "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),  # procs.py
+            "PYTHONPATH": os.pathsep.join(str(REPO / d) for d in ("", "tests", "tests/unit")),
         }
         log = open(workdir / f"{scenario}_rank{rank}.log", "w")
         procs.append(
@@ -549,12 +497,6 @@ def test_fp8_and_bf16_checkpoints_load_into_each_other(train_run: list[dict]) ->
         assert r["fp8_to_bf16_optim_diff"] == []
         assert math.isfinite(r["fp8_loss_step4"])
         assert abs(r["fp8_loss_step4"] - r["loss_step4"]) < 0.05  # same weights, FP8 numerics
-
-
-def _logits(model: torch.nn.Module) -> torch.Tensor:
-    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        return model(input_ids=ids).logits
 
 
 @pytest.mark.slow

@@ -10,21 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from model_utils import metrics
-from model_utils.arguments import parse_args
-
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import compare_runs as cr  # noqa: E402
-
-
-def info(**overrides) -> dict:
-    """The run record train.py writes for the tiny preset on 2 ranks."""
-    flags = vars(parse_args(["--preset", "tiny", "--max_steps", "50"]))
-    flags.update(model_impl="hf", fp8_recipe="tensorwise", **overrides)
-    return metrics.run_record(flags, world_size=2, samples_per_step=2 * flags["train_batch_size"])
-
 
 # --------------------------------------------------------------------- a real run, both ways
 

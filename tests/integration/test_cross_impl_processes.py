@@ -13,33 +13,11 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from procs import torchrun_cmd
 from te_double import subprocess_env
+from test_cross_impl import SMALL
 
 from model_utils import checkpoint as ck
 
 ROOT = Path(__file__).resolve().parents[2]
-# A small Llama (GQA, 2 layers) on the bundled corpus and tokenizer; shapes FP8 GEMMs accept.
-SMALL = [
-    "--preset",
-    "tiny",
-    "--hidden_width",
-    "64",
-    "--num_layers",
-    "2",
-    "--num_heads",
-    "4",
-    "--num_key_value_heads",
-    "2",
-    "--intermediate_size",
-    "128",
-    "--max_context_width",
-    "32",
-    "--train_batch_size",
-    "2",
-    "--warmup",
-    "1",
-    "--validation_batches",
-    "1",
-]
 
 
 # ============================================================================================

@@ -25,11 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from procs import signal_after, spawn_ranks  # noqa: E402
+from test_failures import FAST  # noqa: E402
 
 from model_utils import checkpoint as ck  # noqa: E402
 from model_utils import guards, run_lock  # noqa: E402
-
-FAST = ["--preset", "tiny", "--train_batch_size", "4", "--max_context_width", "128"]
 
 
 def train(*argv: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from test_low_bit_optim import LOW_BIT, STATE_CLASS, _local, dequantized
 from test_train import FAST, losses, records, run_train
 
 from model_utils import checkpoint as ck
@@ -20,19 +21,6 @@ from model_utils import optim
 from model_utils.arguments import parse_args
 from model_utils.checkpoint import optimizer_state
 from model_utils.checkpoint.saved import read_full_tensors
-
-LOW_BIT = ("adamw8bit", "adamw_fp8")
-STATE_CLASS = {"adamw8bit": "OptimState8bit", "adamw_fp8": "OptimStateFp8"}
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def dequantized(t: torch.Tensor) -> torch.Tensor:
-    local = _local(t)
-    return local.dequantize() if hasattr(local, "dequantize") else local.float()
-
 
 # ============================================================================================
 # train.py on 2 CPU ranks

@@ -7,35 +7,13 @@ import os
 import pytest
 import torch
 from procs import spawn_ranks
-from transformers import LlamaConfig, LlamaForCausalLM
+from test_optim import group_names, tiny_llama
 
 from model_utils.optim import (
     build_optimizer,
     clip_grad_norm_,
     param_groups,
 )
-
-
-def tiny_llama(**overrides: object) -> LlamaForCausalLM:
-    config = {
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 128,
-        "vocab_size": 256,
-        "max_position_embeddings": 64,
-        "tie_word_embeddings": False,
-    }
-    config.update(overrides)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**config))
-
-
-def group_names(groups: list[dict]) -> tuple[set[str], set[str]]:
-    by_decay = {g["weight_decay"] > 0: set(g["param_names"]) for g in groups}
-    return by_decay.get(True, set()), by_decay.get(False, set())
-
 
 # ------------------------------------------------------------------- FSDP2 (2 gloo ranks)
 

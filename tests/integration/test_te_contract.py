@@ -27,13 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_te_contract_rules import Usage, collect_usages, our_usages
 
 from model_utils import checkpoint as ck
 from model_utils import te_precision
 
 ROOT = Path(__file__).resolve().parents[2]
-OUR_SOURCES = ("te_llama.py", "model_utils/te_support.py", "model_utils/te_precision.py")
-ALIASES = {"te": "transformer_engine.pytorch", "te_recipe": "transformer_engine.common.recipe"}
 
 
 # ------------------------------------------------------------------------------------------
@@ -204,105 +203,6 @@ def callable_params(resolved: tuple[str, Any], method: str | None = None) -> Par
 # ------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Usage:
-    where: str  # file:line
-    module: str  # the TE module the chain starts from
-    attrs: list[str]  # attribute chain
-    method: str | None = None  # "forward" for calls on a stored TE instance
-    keywords: list[str] | None = None  # None: not a call
-    positional: int = 0
-    forwarded_to: Usage | None = None  # checkpoint(fn=<TE instance>, ...): extra kwargs go here
-
-    @property
-    def label(self) -> str:
-        return ".".join([self.module, *self.attrs]) + (f".{self.method}" if self.method else "")
-
-
-def _chain(node: ast.AST) -> tuple[str, list[str]] | None:
-    attrs: list[str] = []
-    while isinstance(node, ast.Attribute):
-        attrs.insert(0, node.attr)
-        node = node.value
-    if isinstance(node, ast.Name) and node.id in ALIASES and attrs:
-        return ALIASES[node.id], attrs
-    return None
-
-
-def collect_usages(source: str, filename: str) -> list[Usage]:
-    """Every use of TE in ``source``: attribute chains, calls with their keywords, calls on
-    stored TE instances (``self.x = te.Cls(...)`` then ``self.x(...)`` -> ``Cls.forward``),
-    and ``hasattr``/``getattr`` probes with a literal name."""
-    tree = ast.parse(source, filename=filename)
-    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
-    instances: dict[str, tuple[str, list[str]]] = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
-            chain = _chain(node.value.func)
-            if chain:
-                for target in node.targets:
-                    instances[ast.unparse(target)] = chain
-
-    def call_usage(call: ast.Call, module: str, attrs: list[str], method: str | None) -> Usage:
-        usage = Usage(
-            f"{filename}:{call.lineno}",
-            module,
-            attrs,
-            method,
-            [k.arg for k in call.keywords if k.arg is not None],
-            sum(not isinstance(a, ast.Starred) for a in call.args),
-        )
-        if call.args and ast.unparse(call.args[0]) in instances:
-            inner_module, inner_attrs = instances[ast.unparse(call.args[0])]
-            usage.forwarded_to = Usage(usage.where, inner_module, inner_attrs, "forward", [], 0)
-        return usage
-
-    usages: list[Usage] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and ast.unparse(node.func) in (
-            "functools.partial",
-            "partial",
-        ):
-            chain = _chain(node.args[0]) if node.args else None
-            if chain:  # partial(te.f, *args, kw=...) binds arguments of te.f
-                bound = ast.Call(func=node.args[0], args=node.args[1:], keywords=node.keywords)
-                usages.append(call_usage(ast.copy_location(bound, node), *chain, method=None))
-        elif isinstance(node, ast.Call):
-            chain = _chain(node.func)
-            if chain:
-                usages.append(call_usage(node, *chain, method=None))
-            elif ast.unparse(node.func) in instances:
-                usages.append(
-                    call_usage(node, *instances[ast.unparse(node.func)], method="forward")
-                )
-            elif (
-                isinstance(node.func, ast.Name)
-                and node.func.id in ("hasattr", "getattr")
-                and len(node.args) >= 2
-                and isinstance(node.args[0], ast.Name)
-                and node.args[0].id in ALIASES
-                and isinstance(node.args[1], ast.Constant)
-            ):
-                usages.append(
-                    Usage(
-                        f"{filename}:{node.lineno}", ALIASES[node.args[0].id], [node.args[1].value]
-                    )
-                )
-        elif isinstance(node, ast.Attribute) and not isinstance(parents.get(node), ast.Attribute):
-            chain = _chain(node)
-            parent = parents.get(node)
-            called = isinstance(parent, ast.Call) and (
-                parent.func is node
-                or (
-                    ast.unparse(parent.func) in ("functools.partial", "partial")
-                    and parent.args[0] is node
-                )
-            )
-            if chain and not called:
-                usages.append(Usage(f"{filename}:{node.lineno}", *chain))
-    return usages
-
-
 def check_usage(te: TESource, usage: Usage) -> list[str]:
     """Problems with one usage against the real TE source (empty list = fine)."""
     resolved = te.resolve_chain(usage.module, usage.attrs)
@@ -329,13 +229,6 @@ def check_usage(te: TESource, usage: Usage) -> list[str]:
             continue  # an opaque **kwargs: nothing to check against
         problems.append(f"{usage.where}: {usage.label} has no keyword argument {keyword!r}")
     return problems
-
-
-def our_usages() -> list[Usage]:
-    usages = []
-    for relative in OUR_SOURCES:
-        usages += collect_usages((ROOT / relative).read_text(), relative)
-    return usages
 
 
 # ------------------------------------------------------------------------------------------

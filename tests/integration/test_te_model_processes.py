@@ -6,60 +6,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 from procs import spawn_ranks
 from te_double import install, subprocess_env
-from transformers import LlamaConfig
+from test_te_model import backend_args, batch, built, tiny_config
 
 import te_llama
 from model_utils import te_support
 from model_utils.modeling import materialize
 from model_utils.te_precision import TEBackend
-
-
-def tiny_config(**overrides) -> LlamaConfig:
-    values = dict(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    values.update(overrides)
-    return LlamaConfig(**values)
-
-
-def backend_args(fp8: bool, recipe: str = "delayed", impl: str = "te", **overrides):
-    values = dict(
-        fp8=fp8,
-        fp8_recipe=recipe,
-        fp8_format="hybrid",
-        amax_history_len=16,
-        amax_compute_algo="max",
-        fp8_margin=0,
-        fp8_weights=False,
-        model_impl=impl,
-    )
-    values.update(overrides)
-    return SimpleNamespace(**values)
-
-
-def batch(config: LlamaConfig, seed: int = 0, size: tuple[int, int] = (2, 32)) -> torch.Tensor:
-    return torch.randint(0, config.vocab_size, size, generator=torch.Generator().manual_seed(seed))
-
-
-def built(config: LlamaConfig, impl: str = "te", seed: int = 0, **kwargs) -> torch.nn.Module:
-    """Meta build -> to_empty -> init, the lead's flow for sharded training."""
-    with torch.device("meta"):
-        model = te_llama.build_te_llama(config, impl=impl, **kwargs)
-    materialize(model, torch.device("cpu"), seed)
-    return model
 
 
 def test_double_injects_into_subprocess(tmp_path) -> None:

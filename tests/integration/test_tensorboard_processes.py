@@ -11,26 +11,11 @@ from pathlib import Path
 
 import pytest
 from procs import torchrun_cmd
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_tensorboard import flags_text, read_events, series
 
 from model_utils import metrics
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def read_events(log_dir: Path) -> EventAccumulator:
-    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
-    events.Reload()
-    return events
-
-
-def series(events: EventAccumulator, tag: str) -> dict[int, float]:
-    return {e.step: e.value for e in events.Scalars(tag)}
-
-
-def flags_text(events: EventAccumulator) -> str:
-    (event,) = events.Tensors("flags/text_summary")
-    return event.tensor_proto.string_val[0].decode()
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,12 @@ from pathlib import Path
 
 import pytest
 from procs import torchrun_cmd
+from test_train_model import FAST
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED_LINE = re.compile(
     r"Batch (\d+) Loss: (\d+\.\d{5}), Speed: (\d+\.\d{2}) samples/sec, lr: (\d+\.\d{6})$"
 )
-# Small windows keep each step well under a second on two cores; the shape is the tiny preset's.
-FAST = ["--preset", "tiny", "--train_batch_size", "4", "--max_context_width", "128"]
 
 
 def train_cmd(*argv: str, nproc: int = 1) -> list[str]:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from procs import SMALL_LLAMA
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -18,32 +19,8 @@ sys.path.insert(0, str(REPO))
 from model_utils import checkpoint as ck  # noqa: E402
 
 TINY = [
-    "--preset",
-    "tiny",
-    "--hidden_width",
-    "64",
-    "--num_layers",
-    "2",
-    "--num_heads",
-    "4",
-    "--num_key_value_heads",
-    "2",
-    "--intermediate_size",
-    "128",
-    "--vocab_size",
-    "256",
-    "--max_context_width",
-    "32",
-    "--train_batch_size",
-    "2",
-    "--max_steps",
-    "50",
-    "--warmup",
-    "2",
-    "--lr",
-    "0.01",
-    "--seed",
-    "7",
+    *SMALL_LLAMA,
+    *"--vocab_size 256 --train_batch_size 2 --max_steps 50 --warmup 2 --lr 0.01 --seed 7".split(),
 ]
 
 

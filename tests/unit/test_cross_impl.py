@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from procs import SMALL_LLAMA
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 import te_llama
@@ -28,28 +29,7 @@ from model_utils.checkpoint import hf_export
 
 ROOT = Path(__file__).resolve().parents[2]
 # A small Llama (GQA, 2 layers) on the bundled corpus and tokenizer; shapes FP8 GEMMs accept.
-SMALL = [
-    "--preset",
-    "tiny",
-    "--hidden_width",
-    "64",
-    "--num_layers",
-    "2",
-    "--num_heads",
-    "4",
-    "--num_key_value_heads",
-    "2",
-    "--intermediate_size",
-    "128",
-    "--max_context_width",
-    "32",
-    "--train_batch_size",
-    "2",
-    "--warmup",
-    "1",
-    "--validation_batches",
-    "1",
-]
+SMALL = [*SMALL_LLAMA, *"--train_batch_size 2 --warmup 1 --validation_batches 1".split()]
 # Parameter layout of each --model_impl: te_linear keeps HF's names.
 LAYOUT = {"hf": "hf", "te_linear": "hf", "te": "te"}
 
