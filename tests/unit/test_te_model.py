@@ -528,19 +528,23 @@ def test_gpu_matrix_rows_are_train_py_commands_and_the_table_shows_ratios(tmp_pa
     assert bench.wall_clock_rate(records, warmup_steps=5) == pytest.approx(500.0)  # 2 devices
 
 
+# A shape whose tokens per micro-batch and linear dims all meet TE's FP8 rules.
+FP8_SHAPE = dict(
+    train_batch_size=2,
+    val_batch_size=2,
+    max_context_width=256,
+    hidden_width=128,
+    intermediate_size=256,
+    num_heads=4,
+    num_key_value_heads=2,
+)
+
+
 def test_check_requirements_refuses_before_training(te_double) -> None:
     """train.py's pre-flight: one UsageError line for hardware/recipe and FP8 shape problems."""
     from model_utils.arguments import UsageError
 
-    shape = dict(
-        train_batch_size=2,
-        val_batch_size=2,
-        max_context_width=256,
-        hidden_width=128,
-        intermediate_size=256,
-        num_heads=4,
-        num_key_value_heads=2,
-    )
+    shape = FP8_SHAPE
     te_precision.check_requirements(backend_args(fp8=True, **shape))
     with pytest.raises(UsageError, match="Blackwell"):
         te_precision.check_requirements(backend_args(fp8=True, recipe="mxfp8", **shape))
@@ -556,16 +560,7 @@ def test_check_requirements_refuses_before_training(te_double) -> None:
 def test_fp8_weights_is_refused_for_training_and_allowed_for_inference(te_double) -> None:
     from model_utils.arguments import UsageError
 
-    shape = dict(
-        train_batch_size=2,
-        val_batch_size=2,
-        max_context_width=256,
-        hidden_width=128,
-        intermediate_size=256,
-        num_heads=4,
-        num_key_value_heads=2,
-        checkpoint_dir="unused",
-    )
+    shape = {**FP8_SHAPE, "checkpoint_dir": "unused"}
     args = backend_args(fp8=True, fp8_weights=True, **shape)
     with pytest.raises(UsageError, match="master weights .* FusedAdam"):
         te_precision.check_requirements(args)
