@@ -49,46 +49,81 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
+def _chunk_log_probs(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 log-probabilities of one chunk, computed as HF's loss does (bf16 logits, upcast,
+    log-softmax) with at most two fp32 chunks alive: the bf16 logits are freed at the upcast.
+
+    One fused log-softmax replaces ``logsumexp`` + subtract: torch's ``logsumexp`` is composite
+    (max, a full-size ``x - max`` temporary, exp, sum), four passes and one more chunk of memory.
+    """
+    logits = (h @ weight.t()).float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _chunk_losses(log_probs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per-token ``-log p(target)`` (0 where ignored), the target log-probabilities and the mask."""
+    valid = targets != IGNORE_INDEX
+    picked = log_probs.gather(1, torch.where(valid, targets, 0)[:, None]).squeeze(1)
+    return -(picked * valid), picked, valid
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
-    """``mean CE(hidden @ weight.T, targets)`` with gradients computed chunk by chunk."""
+    """``mean CE(hidden @ weight.T, targets)`` with gradients computed chunk by chunk.
+
+    Per chunk the ``[tokens, vocab]`` work is three passes: the log-softmax (bf16 in, fp32 out),
+    one ``exp`` that writes the softmax straight into bf16, and the two GEMMs that read it. The
+    ``1 / counted`` scale and the ignored rows are applied to the small side (``hidden`` rows,
+    the chunk's ``grad_hidden``, and the weight gradient once at the end), never to the logits:
+    at Llama 3's vocabulary each full-size pass is GiBs of memory traffic.
+    """
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk: int):
         counted = (targets != IGNORE_INDEX).sum().clamp_min(1)
-        grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         total = torch.zeros((), device=hidden.device, dtype=torch.float32)
-        grad_hidden = torch.empty_like(hidden) if grads else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if grads else None
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = None
         for start in range(0, hidden.shape[0], chunk):
             h, y = hidden[start : start + chunk], targets[start : start + chunk]
-            logits = (h @ weight.t()).float()
-            valid = y != IGNORE_INDEX
-            safe = torch.where(valid, y, 0)
-            log_z = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, safe[:, None]).squeeze(1)
-            total += ((log_z - picked) * valid).sum()
-            if grads:
-                d = logits.sub_(log_z[:, None]).exp_()  # softmax, in place of the logits
-                d[torch.arange(d.shape[0], device=d.device), safe] -= 1.0
-                # Scale and cast in one pass (the fp32 chunk is GiBs at Llama 3's vocabulary).
-                d = torch.mul(
-                    d, (valid / counted)[:, None], out=torch.empty_like(d, dtype=hidden.dtype)
-                )
-                grad_hidden[start : start + chunk] = d @ weight
-                grad_weight.add_(d.t() @ h)  # one mixed-dtype kernel into the fp32 sum
-        ctx.save_for_backward(grad_hidden, grad_weight)
+            log_probs = _chunk_log_probs(h, weight)
+            losses, picked, valid = _chunk_losses(log_probs, y)
+            total += losses.sum()
+            # d loss / d logits = softmax - one_hot(target), rounded to bf16 once, like autograd.
+            d = torch.exp(log_probs, out=torch.empty_like(log_probs, dtype=hidden.dtype))
+            del log_probs
+            rows = torch.arange(d.shape[0], device=d.device)
+            d[rows, torch.where(valid, y, 0)] = picked.exp().sub_(1.0).to(d.dtype)
+            g = torch.mm(d, weight, out=grad_hidden[start : start + chunk])
+            g.mul_((valid / counted)[:, None])  # an fp32 factor: one rounding, to bf16
+            part = d.t() @ (h * valid[:, None])  # ignored rows contribute nothing
+            grad_weight = part.float() if grad_weight is None else grad_weight.add_(part)
+        ctx.save_for_backward(grad_hidden, grad_weight, counted)
         ctx.weight_dtype = weight.dtype
         return total / counted
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad_hidden, grad_weight = ctx.saved_tensors
+        grad_hidden, grad_weight, counted = ctx.saved_tensors
+        # The weight gradient's 1 / counted scale and its cast to the weight's dtype: one pass.
+        weight_scale = grad_output / counted
         return (
             grad_hidden * grad_output.to(grad_hidden.dtype),
-            (grad_weight * grad_output).to(ctx.weight_dtype),
+            torch.mul(
+                grad_weight, weight_scale, out=torch.empty_like(grad_weight, dtype=ctx.weight_dtype)
+            ),
             None,
             None,
         )
+
+
+def _loss_only(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int):
+    """The same loss without gradients (evaluation under ``torch.no_grad``): no GEMMs for them."""
+    counted = (targets != IGNORE_INDEX).sum().clamp_min(1)
+    total = torch.zeros((), device=hidden.device, dtype=torch.float32)
+    for start in range(0, hidden.shape[0], chunk):
+        log_probs = _chunk_log_probs(hidden[start : start + chunk], weight)
+        total += _chunk_losses(log_probs, targets[start : start + chunk])[0].sum()
+    return total / counted
 
 
 def linear_cross_entropy(
@@ -98,7 +133,10 @@ def linear_cross_entropy(
     against unshifted ``labels`` ``[batch, seq]`` (what HF models take)."""
     chunk = chunk or chunk_tokens(weight.shape[0], weight.shape[1])
     targets = shift_labels(labels).reshape(-1)
-    return _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets, chunk)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
+        return _loss_only(flat, weight, targets, chunk)
+    return _LinearCrossEntropy.apply(flat, weight, targets, chunk)
 
 
 def _forward_with_chunked_loss(
