@@ -1,0 +1,127 @@
+"""The loss alone: transformers' full-logits cross-entropy against the chunked loss, one device.
+
+    python benchmarks/bench_loss_kernel.py                   # CPU: 4,096 tokens, h 512, V 65536
+    python benchmarks/bench_loss_kernel.py --device cuda     # Llama 3: seq 8192 x mb 2 tokens
+    python benchmarks/bench_loss_kernel.py --device cuda --tokens 32768   # micro-batch 4
+
+Each row times ``lm_head`` + cross-entropy forward and backward (``training``) or forward only
+under ``torch.no_grad`` (``evaluation``) on random bf16 hidden states and weights, median of
+``--repeat`` runs after one warm-up; on CUDA it also reports the peak memory the step allocated
+beyond its inputs. The two paths compute the same loss (tests/unit/test_loss.py); the ratio is
+what the chunked loss costs or saves, measured in this one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from model_utils import loss  # noqa: E402
+
+#: Per device: (tokens, hidden, vocab). CUDA: Llama 3 8B at seq 8192, micro-batch 2.
+DEFAULT_SHAPES = {"cpu": (4096, 512, 65536), "cuda": (16384, 4096, 128256)}
+
+
+def hf_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """transformers' ``ForCausalLMLoss``: full bf16 logits, upcast, shifted cross-entropy."""
+    logits = (hidden @ weight.t()).float()
+    targets = loss.shift_labels(labels).reshape(-1)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, ignore_index=-100)
+
+
+def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return loss.linear_cross_entropy(hidden, weight, labels)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(
+    fn: Callable, inputs: tuple[torch.Tensor, ...], training: bool, repeat: int
+) -> tuple[float, float | None]:
+    """Median seconds per call and (CUDA) peak GiB allocated beyond the inputs."""
+    hidden, weight, labels = inputs
+    device = hidden.device
+
+    def once() -> None:
+        if training:
+            h = hidden.detach().requires_grad_()
+            w = weight.detach().requires_grad_()
+            fn(h, w, labels).backward()
+        else:
+            with torch.no_grad():
+                fn(hidden, weight, labels)
+
+    once()  # warm-up (allocator, kernels)
+    peak = None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    times = []
+    for _ in range(repeat):
+        _sync(device)
+        start = time.perf_counter()
+        once()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    if device.type == "cuda":
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return statistics.median(times), peak
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--tokens", type=int, help="tokens per micro-batch (batch x seq)")
+    parser.add_argument("--hidden", type=int)
+    parser.add_argument("--vocab", type=int)
+    parser.add_argument("--seq", type=int, default=8192, help="sequence length (labels' rows)")
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    tokens, hidden_size, vocab = DEFAULT_SHAPES[device.type]
+    tokens, hidden_size, vocab = (
+        args.tokens or tokens,
+        args.hidden or hidden_size,
+        args.vocab or vocab,
+    )
+    seq = min(args.seq, tokens)
+    if tokens % seq:
+        parser.error(f"--tokens {tokens} must be a multiple of --seq {seq}")
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    hidden = torch.randn(tokens // seq, seq, hidden_size, generator=generator)
+    weight = torch.randn(vocab, hidden_size, generator=generator) * hidden_size**-0.5
+    labels = torch.randint(0, vocab, (tokens // seq, seq), generator=generator)
+    inputs = (
+        hidden.to(device, torch.bfloat16),
+        weight.to(device, torch.bfloat16),
+        labels.to(device),
+    )
+    print(
+        f"{device.type}: {tokens} tokens, hidden {hidden_size}, vocab {vocab}, bf16, "
+        f"chunks of {loss.chunk_tokens(vocab, hidden_size)} tokens, median of {args.repeat}"
+    )
+    for training in (True, False):
+        hf_s, hf_gib = measure(hf_loss, inputs, training, args.repeat)
+        ch_s, ch_gib = measure(chunked_loss, inputs, training, args.repeat)
+        label = "training (fwd+bwd)" if training else "evaluation (no_grad)"
+        memory = f"   peak GiB {hf_gib:.2f} -> {ch_gib:.2f}" if hf_gib is not None else ""
+        print(
+            f"  {label:21s} HF {hf_s * 1e3:8.1f} ms   chunked {ch_s * 1e3:8.1f} ms   "
+            f"speed chunked/HF {hf_s / ch_s:.2f}x{memory}"
+        )
+
+
+if __name__ == "__main__":
+    main()
