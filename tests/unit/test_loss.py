@@ -59,10 +59,16 @@ def test_loss_and_gradients_equal_the_plain_path(dtype, tolerance, chunk, monkey
         )
 
 
-def test_without_labels_it_returns_logits_and_no_grad_needs_no_buffers() -> None:
+def test_without_labels_it_returns_logits_and_no_grad_forms_no_gradients(monkeypatch) -> None:
+    """Evaluation runs under no_grad: the loss must not pay for the two gradient GEMMs."""
     plain, chunked = models(torch.float32)
     ids, labels = batch()
     torch.testing.assert_close(chunked(input_ids=ids).logits, plain(input_ids=ids).logits)
+
+    def gradient_path(*args):
+        raise AssertionError("the gradient-forming path ran under torch.no_grad")
+
+    monkeypatch.setattr(loss._LinearCrossEntropy, "apply", gradient_path)
     with torch.no_grad():
         got = chunked(input_ids=ids, labels=labels).loss
         want = plain(input_ids=ids, labels=labels).loss
