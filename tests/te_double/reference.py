@@ -7,7 +7,8 @@ GQA with query head ``h`` reading KV group ``h // (heads / groups)`` (TE's
 ``fc1``, no biases, residual adds. Written from TE's documented semantics, not from HF's code,
 so the layout test compares two independent implementations.
 
-``linear`` is injectable so the TE test double can run the same math with emulated FP8 GEMMs.
+``linear`` is injectable so the TE test double can run the same math with emulated FP8 GEMMs,
+and ``attention_cast`` so it can round attention's operands through FP8 (``fp8_dpa``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,13 @@ import torch
 import torch.nn.functional as F
 
 Linear = Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]
+#: ``cast(tensor, role)`` for attention's operands: role ``qkv`` (each of Q, K, V after RoPE),
+#: ``s`` (the softmax probabilities) or ``o`` (the output); identity unless FP8 attention.
+Cast = Callable[[torch.Tensor, str], torch.Tensor]
+
+
+def no_cast(x: torch.Tensor, role: str) -> torch.Tensor:
+    return x
 
 
 def plain_linear(x: torch.Tensor, weight: torch.Tensor, name: str) -> torch.Tensor:
@@ -51,8 +59,10 @@ def attention(
     mask: torch.Tensor | None,
     dropout: float = 0.0,
     training: bool = False,
+    cast: Cast = no_cast,
 ) -> torch.Tensor:
     """Scaled dot-product attention on ``[b, s, heads, d]``; ``mask`` True = masked out."""
+    q, k, v = cast(q, "qkv"), cast(k, "qkv"), cast(v, "qkv")
     heads, groups = q.shape[2], k.shape[2]
     k = k.repeat_interleave(heads // groups, dim=2)
     v = v.repeat_interleave(heads // groups, dim=2)
@@ -68,7 +78,7 @@ def attention(
     # A finite fill (not -inf) keeps fully masked rows (padding) finite, as fused kernels do.
     scores = scores.masked_fill(blocked, torch.finfo(scores.dtype).min)
     probs = F.dropout(scores.softmax(-1), p=dropout, training=training).to(v.dtype)
-    return (probs @ v).transpose(1, 2)  # [b, s, h, d]
+    return cast((cast(probs, "s") @ v).transpose(1, 2), "o")  # [b, s, h, d]
 
 
 def transformer_layer(
@@ -86,6 +96,7 @@ def transformer_layer(
     attention_dropout: float = 0.0,
     hidden_dropout: float = 0.0,
     training: bool = False,
+    attention_cast: Cast = no_cast,
 ) -> torch.Tensor:
     """One decoder layer on ``[b, s, hidden]`` with weights named as in ``TransformerLayer``:
 
@@ -110,6 +121,7 @@ def transformer_layer(
         mask=attention_mask,
         dropout=attention_dropout,
         training=training,
+        cast=attention_cast,
     )
     attn_out = linear(
         context.reshape(batch, seq, q_rows), weights["self_attention.proj.weight"], "proj"

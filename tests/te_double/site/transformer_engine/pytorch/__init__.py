@@ -11,6 +11,10 @@ What it models, so tests exercise real behaviour rather than a stub:
   1x128 blocks (``Float8BlockScaling``), 32-element power-of-two blocks (``MXFP8BlockScaling``)
   or delayed scaling from an amax history that is all-reduced (MAX) over the
   ``amax_reduction_group`` at autocast exit, and saved in ``_extra_state``.
+* FP8 attention (a recipe's ``fp8_dpa``): Q, K, V, the softmax output and the attention output
+  are rounded through E4M3 and their gradients through E5M2 with the attention module's own
+  delayed-scaling state (TE's ``META_*`` slots); where TE would find no backend (SM < 9.0;
+  on SM 9.x anything but delayed scaling or head_dim 128) it raises TE's ValueError.
 * ``is_first_microbatch`` caches the quantized weights; ``checkpoint`` replays the forward's
   FP8 state during recompute; ``quantized_model_init`` rounds weights to FP8 at init (values
   only: parameters stay ordinary tensors).
@@ -372,17 +376,22 @@ class _TEModule(nn.Module):
         self.fp8_initialized = True
 
     def _quantize(self, x: torch.Tensor, index: int, role: str) -> torch.Tensor:
+        """GEMM ``index``'s operand: its input or weight (forward) or incoming gradient."""
+        if role == "grad":
+            return self._quantize_slot(x, "bwd", 2 * index)
+        return self._quantize_slot(x, "fwd", 3 * index + (role == "weight"))
+
+    def _quantize_slot(self, x: torch.Tensor, direction: str, slot: int) -> torch.Tensor:
+        """Round ``x`` through FP8 with the scaling of ``fp8_meta["scaling_<direction>"]``'s
+        ``slot`` (TE's FP8FwdTensors / FP8BwdTensors index) under delayed scaling."""
         fp8_recipe = self.fp8_meta["recipe"]
         fwd_fmt, bwd_fmt = _formats(fp8_recipe)
+        fmt = bwd_fmt if direction == "bwd" else fwd_fmt
         kind = fp8_recipe.scaling
         if kind != "delayed":
-            return fake_quantize(x, bwd_fmt if role == "grad" else fwd_fmt, kind)[0]
-        direction = "bwd" if role == "grad" else "fwd"
-        slot = 2 * index if role == "grad" else 3 * index + (role == "weight")
+            return fake_quantize(x, fmt, kind)[0]
         state = self.fp8_meta[f"scaling_{direction}"]
-        x_q, amax = fake_quantize(
-            x, bwd_fmt if role == "grad" else fwd_fmt, "delayed", state.scale[slot]
-        )
+        x_q, amax = fake_quantize(x, fmt, "delayed", state.scale[slot])
         if not _STATE.recompute:  # TE records this iteration's amax in history row 0
             state.amax_history[0, slot] = torch.maximum(state.amax_history[0, slot], amax)
         return x_q
@@ -577,11 +586,56 @@ class _LayerNormLinear(_TEModule):
         self.reset_parameters(defer_init=device.type == "meta")
 
 
+#: FP8 attention's scaling slots, TE's ``cpp_extensions/fused_attn.py``: ``META_QKV`` =
+#: GEMM1_OUTPUT, ``META_O`` = GEMM2_INPUT, ``META_S`` = GEMM3_OUTPUT (forward);
+#: ``META_DQKV`` = GRAD_OUTPUT1, ``META_DO`` = GRAD_INPUT2, ``META_DP`` = GRAD_INPUT3 (backward).
+_DPA_SLOTS = {"qkv": (2, 0), "o": (3, 3), "s": (8, 5)}
+
+
+class _Fp8Cast(torch.autograd.Function):
+    """Forward: the tensor rounded through FP8 (E4M3); backward: its gradient rounded (E5M2
+    under HYBRID), as cuDNN's FP8 attention keeps Q, K, V, S, O and dQKV, dO, dP in FP8."""
+
+    @staticmethod
+    def forward(ctx, x, module, role):
+        ctx.module, ctx.role = module, role
+        return module._quantize_slot(x, "fwd", _DPA_SLOTS[role][0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.module._quantize_slot(grad, "bwd", _DPA_SLOTS[ctx.role][1]), None, None
+
+
 class _DotProductAttention(_TEModule):
-    """No parameters; present for its ``_extra_state`` entry like TE's."""
+    """No parameters. Like TE's ``DotProductAttention`` (``prepare_forward(num_gemms=3)``), it
+    allocates the recipe state whenever autocast is on, so a delayed-scaling ``_extra_state``
+    is saved whether or not ``fp8_dpa`` is set; with ``fp8_dpa`` the attention's operands are
+    rounded through FP8 with that state (the emulation of cuDNN's FP8 fused attention)."""
 
     def __init__(self) -> None:
-        super().__init__(num_gemms=0)
+        super().__init__(num_gemms=3)
+
+    def check_fp8_backend(self, fp8_recipe: Any, head_dim: int) -> None:
+        """TE's ``get_attention_backend`` for FP8 on our layer: only cuDNN's FusedAttention runs
+        FP8 in training, on SM 9.x with head_dim 128 and delayed scaling (current scaling and
+        MXFP8 need SM 10.0+); with no backend left TE raises this ValueError."""
+        sm = get_device_compute_capability()
+        reasons = []
+        if sm < (9, 0):
+            reasons.append("FP8 fused attention needs SM 9.0+")
+        elif sm < (10, 0):
+            if fp8_recipe.scaling != "delayed":
+                reasons.append("Disabling FusedAttention for FP8 current scaling on arch < sm100")
+            if head_dim != 128:
+                reasons.append("FP8 fused attention on sm90 supports head_dim 128 only")
+        if reasons:
+            raise ValueError(
+                "No dot product attention backend is available for the provided inputs. "
+                + "; ".join(reasons)
+            )
+
+    def cast(self, x: torch.Tensor, role: str) -> torch.Tensor:
+        return _Fp8Cast.apply(x, self, role)
 
 
 class _MultiheadAttention(nn.Module):
@@ -789,6 +843,15 @@ class TransformerLayer(nn.Module):
             rotary_pos_emb = rotary_pos_emb[0]
         if rotary_pos_emb is not None and rotary_pos_emb.shape[0] < hidden_states.shape[1]:
             raise ValueError("rotary_pos_emb covers fewer positions than the sequence")
+        attention_cast = reference.no_cast
+        if _STATE.enabled:
+            core = attn.core_attention
+            core._init_fp8_metadata(_STATE.recipe)
+            if _STATE.recipe.fp8_dpa:
+                core.check_fp8_backend(_STATE.recipe, self.head_dim)
+                if not _STATE.recompute and core not in _STATE.region:
+                    _STATE.region.append(core)
+                attention_cast = core.cast
         return reference.transformer_layer(
             hidden_states.to(dtype),
             weights,
@@ -803,4 +866,5 @@ class TransformerLayer(nn.Module):
             attention_dropout=self.attention_dropout,
             hidden_dropout=self.hidden_dropout,
             training=self.training,
+            attention_cast=attention_cast,
         )

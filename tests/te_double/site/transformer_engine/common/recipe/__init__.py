@@ -147,6 +147,9 @@ class Float8BlockScaling(Recipe):
 
     def __post_init__(self) -> None:
         self._check_format()
+        assert not self.fp8_dpa and not self.fp8_mha, (
+            "FP8 attention is not supported for Float8BlockScaling."
+        )
 
     def __repr__(self) -> str:
         return f"recipe_type=Float8BlockScaling, format={self.fp8_format.name}"
