@@ -25,6 +25,8 @@ TE_RECIPES: dict[str, str] = {
     "block": "Float8BlockScaling",
     "mxfp8": "MXFP8BlockScaling",
 }
+#: TE recipes with an FP8 attention path (``--fp8_attention``); current scaling's needs SM 10.0+.
+FP8_ATTENTION_RECIPES = ("delayed", "current")
 MODEL_IMPLS = ("auto", "hf", "te", "te_linear")
 TE_IMPLS = ("te", "te_linear")  # the implementations that run on the TE precision backend
 # adamw: torch's, fp32 moments; adamw8bit / adamw_fp8: torchao.optim's AdamW8bit / AdamWFp8.
@@ -92,6 +94,11 @@ def _precision_flags(flag: Callable[..., None], switch: Callable[..., None]) -> 
     flag("amax_compute_algo", default="max", choices=("max", "most_recent"), help="TE delayed")
     flag("fp8_margin", type=int, default=0, help="TE scaling margin (powers of 2)")
     switch("fp8_weights", False, "TE: keep weights in FP8 only (fp8_model_init)")
+    switch(
+        "fp8_attention",
+        False,
+        "TE (--model_impl te): attention in FP8 too (cuDNN; recipe fp8_dpa); delayed on Hopper",
+    )
     switch("fp8_all_gather", False, "torchao tensorwise: FSDP2 all-gathers weights in float8")
 
 
@@ -345,6 +352,8 @@ def _check_combinations(args: argparse.Namespace) -> None:
         raise UsageError("--fp8_all_gather needs --fp8=1")
     if args.fp8_weights and not args.fp8:
         raise UsageError("--fp8_weights needs --fp8=1")
+    if args.fp8_attention and not args.fp8:
+        raise UsageError("--fp8_attention needs --fp8=1")
     if args.fp8 and not args.bf16:
         raise UsageError("--fp8=1 needs --bf16=1 (FP8 layers run inside a bf16 model)")
     if args.async_checkpoint and args.optimizer != "adamw":
@@ -379,7 +388,25 @@ def resolve_fp8_recipe(args: argparse.Namespace) -> str:
         )
     if args.fp8_weights and not uses_te:
         raise UsageError("--fp8_weights is a Transformer Engine option: add --model_impl te")
+    if args.fp8_attention:
+        _check_fp8_attention(args.model_impl, recipe)
     return recipe
+
+
+def _check_fp8_attention(model_impl: str, recipe: str) -> None:
+    """FP8 attention is TE's fused attention (only ``--model_impl te`` runs it) under a recipe
+    with an FP8 attention path (TE 2.20: Float8BlockScaling asserts ``not fp8_dpa``; MXFP8's
+    needs cuDNN >= 9.21 and is not wired here)."""
+    if model_impl != "te":
+        raise UsageError(
+            f"--fp8_attention runs TE's fused attention, which --model_impl {model_impl} does not "
+            "use (te_linear and hf keep HF's attention): add --model_impl te"
+        )
+    if recipe not in FP8_ATTENTION_RECIPES:
+        raise UsageError(
+            f"--fp8_attention has no FP8 attention path with --fp8_recipe {recipe}: use "
+            f"--fp8_recipe {' or '.join(FP8_ATTENTION_RECIPES)} (on Hopper: delayed)"
+        )
 
 
 class Config(argparse.Namespace):

@@ -15,14 +15,22 @@ import functools
 import importlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from model_utils.arguments import TE_RECIPES
+from model_utils.arguments import FP8_ATTENTION_RECIPES, TE_RECIPES
+from model_utils.te_requirements import (
+    REQUIREMENTS,
+    TE_AVAILABILITY_CHECKS,
+    TECapabilityError,
+    capability_problem,
+    fp8_attention_problem,
+    fp8_shape_problem,
+    pickled_fp8_state_problem,
+)
 from model_utils.te_support import TEUnavailableError, import_te, set_is_first_microbatch
 
 #: The Transformer Engine releases this code is contract-tested against, the one place they are
@@ -41,35 +49,6 @@ TE_FORMATS: dict[str, str] = {"hybrid": "HYBRID", "e4m3": "E4M3"}
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 
 
-@dataclass(frozen=True)
-class Requirement:
-    """What a recipe needs: GPU architecture, CUDA toolkit, TE release."""
-
-    min_sm: tuple[int, int]
-    min_cuda: tuple[int, int] | None
-    min_te: tuple[int, int]
-    hardware: str
-
-
-#: Per recipe (and for BF16 on TE). SM 8.9 = Ada (L4/L40), 9.0 = Hopper (H100/H200),
-#: 10.0 = Blackwell (B200). TE minimums are the releases that introduced each recipe.
-REQUIREMENTS: dict[str, Requirement] = {
-    "bf16": Requirement((8, 0), None, (2, 1), "an NVIDIA GPU with BF16 (SM 8.0+, A100 or newer)"),
-    "delayed": Requirement((8, 9), None, (2, 1), "SM 8.9+ (Ada, Hopper or newer)"),
-    "current": Requirement((8, 9), None, (2, 2), "SM 8.9+ (Ada, Hopper or newer)"),
-    "block": Requirement((9, 0), (12, 9), (2, 3), "SM 9.0+ (Hopper) and CUDA >= 12.9"),
-    "mxfp8": Requirement((10, 0), None, (2, 1), "SM 10.0+ (Blackwell)"),
-}
-#: TE's own availability check per recipe (``fn(return_reason=True) -> (ok, reason)``).
-TE_AVAILABILITY_CHECKS: dict[str, str] = {
-    "delayed": "is_fp8_available",
-    "current": "is_fp8_available",
-    "block": "is_fp8_block_scaling_available",
-    "mxfp8": "is_mxfp8_available",
-}
-#: FP8-only weights under FSDP2 (``--fp8_weights``): TE 2.16 is the first release without the
-#: FSDP2 FP8 weight-workspace leak (TE PR #2805) and with block-scaled weights built on CUDA.
-FP8_WEIGHTS_MIN_TE = (2, 16)
 #: Why ``--fp8_weights`` cannot train here. FP8-only weights need FP32 master weights in the
 #: optimizer (TE's FusedAdam(master_weights=True), as in TE's examples/pytorch/
 #: quantized_model_init/fully_shard.py); torch AdamW re-quantises every update to E4M3, so small
@@ -81,121 +60,6 @@ FP8_WEIGHTS_TRAINING_REFUSAL = (
     "would re-quantise every update (3% worse loss measured on an H100); train without "
     "--fp8_weights (FP8 GEMMs stay on) and use it for inference (benchmarks/bench_gpu_matrix.py)"
 )
-
-
-#: From this release TE refuses to unpickle delayed-scaling ``_extra_state`` unless
-#: ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1`` (``transformer_engine/pytorch/_extra_state.py``).
-TE_REFUSES_PICKLED_EXTRA_STATE = (2, 18)
-
-
-def pickled_fp8_state_problem(
-    path: Any, marker: dict[str, Any], te_version: str | None, env: Any
-) -> str | None:
-    """Why resuming checkpoint ``path`` (its ``checkpoint.json`` is ``marker``) would be refused
-    by this TE, or None. Format-1 checkpoints of TE delayed-scaling runs hold TE's pickled FP8
-    state; TE >= 2.18 loads it only when the user opts in (we never set the variable)."""
-    from model_utils.checkpoint import TE_UNSAFE_PICKLE_ENV, untrusted_checkpoint_message
-
-    config = marker.get("run_config") or {}
-    pickled = (
-        int(marker.get("format", 1)) < 2
-        and config.get("model_impl") in ("te", "te_linear")
-        and bool(config.get("fp8"))
-        and config.get("fp8_recipe") == "delayed"
-    )
-    release = _version_tuple(te_version)
-    if not pickled or release is None or release < TE_REFUSES_PICKLED_EXTRA_STATE:
-        return None
-    if env.get(TE_UNSAFE_PICKLE_ENV, "0") == "1":
-        return None
-    return untrusted_checkpoint_message(path, te_version)
-
-
-class TECapabilityError(RuntimeError):
-    """This machine (GPU, CUDA, TE release) cannot run the requested TE configuration."""
-
-
-def _version_tuple(version: str | None) -> tuple[int, ...] | None:
-    if not version:
-        return None
-    parts = []
-    for piece in version.split("+")[0].split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts) or None
-
-
-def _fmt(version: tuple[int, ...]) -> str:
-    return ".".join(str(v) for v in version)
-
-
-def capability_problem(
-    recipe: str,
-    *,
-    sm: tuple[int, int] | None,
-    cuda_version: str | None,
-    te_version: str | None,
-    fp8_weights: bool = False,
-) -> str | None:
-    """The first reason ``recipe`` ("bf16" or a TE recipe) cannot run here, or ``None``.
-
-    Pure: the caller passes the GPU's SM (``None`` = no CUDA GPU), ``torch.version.cuda`` and
-    TE's version (``None`` = not installed), so every message is testable on a CPU.
-    """
-    need = REQUIREMENTS[recipe]
-    label = "BF16 on Transformer Engine" if recipe == "bf16" else f"--fp8_recipe {recipe}"
-    te_release = _version_tuple(te_version)
-    if te_release is None:
-        return f"{label} needs Transformer Engine >= {_fmt(need.min_te)}, which is not installed"
-    if te_release < need.min_te:
-        return f"{label} needs Transformer Engine >= {_fmt(need.min_te)}, found {te_version}"
-    if fp8_weights and te_release < FP8_WEIGHTS_MIN_TE:
-        return (
-            f"--fp8_weights needs Transformer Engine >= {_fmt(FP8_WEIGHTS_MIN_TE)}, "
-            f"found {te_version}"
-        )
-    if sm is None:
-        return f"{label} needs {need.hardware}; no CUDA GPU is visible"
-    if tuple(sm) < need.min_sm:
-        return f"{label} needs {need.hardware}; this GPU is SM {sm[0]}.{sm[1]}"
-    cuda = _version_tuple(cuda_version)
-    if need.min_cuda and (cuda is None or cuda < need.min_cuda):
-        return f"{label} needs {need.hardware}; this PyTorch was built with CUDA {cuda_version}"
-    return None
-
-
-def fp8_shape_problem(
-    *,
-    micro_batch_size: int,
-    seq_len: int,
-    hidden_size: int,
-    intermediate_size: int,
-    num_attention_heads: int,
-    num_key_value_heads: int,
-    head_dim: int | None = None,
-    recipe: str = "delayed",
-) -> str | None:
-    """Why these shapes cannot run FP8 GEMMs, or ``None``.
-
-    Every FP8 GEMM operand needs both dimensions divisible by 16 (32 for MXFP8's blocks). The
-    forward GEMMs see ``[tokens, features]``; the weight-gradient GEMM consumes the transposed
-    activations, so tokens per micro-batch become an inner dimension and must obey the rule too.
-    """
-    multiple = 32 if recipe == "mxfp8" else 16
-    head_dim = head_dim or hidden_size // num_attention_heads
-    dims = {
-        "tokens per micro-batch (train_batch_size x max_context_width)": micro_batch_size * seq_len,
-        "hidden_width": hidden_size,
-        "intermediate_size": intermediate_size,
-        "query width (num_heads x head_dim)": num_attention_heads * head_dim,
-        "key/value width (num_key_value_heads x head_dim)": num_key_value_heads * head_dim,
-    }
-    bad = [f"{name} = {value}" for name, value in dims.items() if value % multiple]
-    if not bad:
-        return None
-    return f"FP8 ({recipe}) needs multiples of {multiple}: " + "; ".join(bad)
 
 
 def import_recipe_module() -> Any:
@@ -210,11 +74,13 @@ def build_recipe(
     amax_history_len: int = 1024,
     amax_compute_algo: str = "max",
     fp8_margin: int = 0,
+    fp8_attention: bool = False,
 ) -> Any:
     """The TE recipe object for ``--fp8_recipe name`` and its options.
 
     ``amax_history_len``/``amax_compute_algo`` only exist for delayed scaling (the others
-    compute scales from the current tensor or block); ``margin`` exists for delayed and MXFP8.
+    compute scales from the current tensor or block); ``margin`` exists for delayed and MXFP8;
+    ``fp8_attention`` is the recipe's ``fp8_dpa`` (delayed and current scaling).
     """
     if name not in TE_RECIPES:
         raise ValueError(f"unknown TE fp8 recipe {name!r}; choose from {', '.join(TE_RECIPES)}")
@@ -223,6 +89,8 @@ def build_recipe(
     if amax_compute_algo not in AMAX_COMPUTE_ALGOS:
         raise ValueError(f"amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS}")
     te_recipe = import_recipe_module()
+    if fp8_attention and name not in FP8_ATTENTION_RECIPES:
+        raise ValueError(f"--fp8_attention has no FP8 attention path with --fp8_recipe {name}")
     fmt = getattr(te_recipe.Format, TE_FORMATS[fp8_format])
     if name == "delayed":
         return te_recipe.DelayedScaling(
@@ -230,9 +98,10 @@ def build_recipe(
             amax_history_len=amax_history_len,
             amax_compute_algo=amax_compute_algo,
             margin=fp8_margin,
+            fp8_dpa=fp8_attention,
         )
     if name == "current":
-        return te_recipe.Float8CurrentScaling(fp8_format=fmt)
+        return te_recipe.Float8CurrentScaling(fp8_format=fmt, fp8_dpa=fp8_attention)
     if name == "block":
         return te_recipe.Float8BlockScaling(fp8_format=fmt)
     return te_recipe.MXFP8BlockScaling(fp8_format=fmt, margin=fp8_margin)
@@ -277,7 +146,12 @@ class TEBackend:
             "amax_history_len": int(args.amax_history_len),
             "amax_compute_algo": args.amax_compute_algo,
             "fp8_margin": int(args.fp8_margin),
+            "fp8_attention": bool(args.fp8_attention),
         }
+        #: Per-head width, for the FP8 attention backend rules (only read with --fp8_attention).
+        self.head_dim = (
+            args.hidden_width // args.num_heads if self._recipe_kwargs["fp8_attention"] else None
+        )
         self._recipe: Any = None
         self._model: nn.Module | None = None
 
@@ -328,6 +202,11 @@ class TEBackend:
                 f"--fp8_recipe {self.recipe_name} needs {REQUIREMENTS[self.recipe_name].hardware}: "
                 f"Transformer Engine reports: {reason}"
             )
+        if self._recipe_kwargs["fp8_attention"]:
+            gpu = sm or te.get_device_compute_capability()
+            problem = fp8_attention_problem(self.recipe_name, sm=gpu, head_dim=self.head_dim)
+            if problem:
+                raise TECapabilityError(problem)
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """Check the model really runs on TE modules and remember it (for micro-batch flags).

@@ -30,7 +30,7 @@ import pytest
 from test_te_contract_rules import Usage, collect_usages, our_usages
 
 from model_utils import checkpoint as ck
-from model_utils import te_precision
+from model_utils import te_precision, te_requirements
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -289,7 +289,7 @@ def test_names_kept_as_data_exist(te_source: TESource) -> None:
         assert te_source.resolve(recipe_module, cls), cls
     for member in te_precision.TE_FORMATS.values():
         assert te_source.resolve_chain(recipe_module, ["Format", member]), member
-    for check in te_precision.TE_AVAILABILITY_CHECKS.values():
+    for check in te_requirements.TE_AVAILABILITY_CHECKS.values():
         resolved = te_source.resolve("transformer_engine.pytorch", check)
         assert resolved and "return_reason" in callable_params(resolved).names, check
 
@@ -469,13 +469,13 @@ def test_pickled_extra_state_refusal_matches_the_release(
     te_source: TESource, pinned_te_source: TESource, te_double
 ) -> None:
     """TE refuses pickled delayed-scaling extra state from the release in
-    te_precision.TE_REFUSES_PICKLED_EXTRA_STATE on, under the variable the recipe names; the
+    te_requirements.TE_REFUSES_PICKLED_EXTRA_STATE on, under the variable the recipe names; the
     double's advisory is TE's, word for word (for the pinned release)."""
     from transformer_engine.pytorch import _extra_state as double
 
     module = "transformer_engine.pytorch._extra_state"
     release = tuple(int(p) for p in te_source.version.split(".")[:2])
-    refuses = release >= te_precision.TE_REFUSES_PICKLED_EXTRA_STATE
+    refuses = release >= te_requirements.TE_REFUSES_PICKLED_EXTRA_STATE
     assert (module in te_source.modules) == refuses
     if not refuses:
         return

@@ -47,7 +47,13 @@ class Run:
     """Model, optimizer and schedule exactly as train.py builds them, in a world of one."""
 
     def __init__(
-        self, impl: str, fp8: bool, seed: int, checkpoint_dir: Path, recipe: str = "delayed"
+        self,
+        impl: str,
+        fp8: bool,
+        seed: int,
+        checkpoint_dir: Path,
+        recipe: str = "delayed",
+        flags: tuple[str, ...] = (),
     ) -> None:
         import train
         from model_utils import distributed, optim, precision
@@ -62,7 +68,7 @@ class Run:
         )
         self.compute_dtype = torch.bfloat16 if fp8 else torch.float32
         self.args = args = parse_args(
-            [*SMALL, f"--model_impl={impl}", f"--seed={seed}", "--max_steps=8", *extra]
+            [*SMALL, f"--model_impl={impl}", f"--seed={seed}", "--max_steps=8", *extra, *flags]
         )
         _world_of_one()
         device = torch.device("cpu")

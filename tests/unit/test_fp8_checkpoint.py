@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from test_cross_impl import Run
 
 from model_utils import checkpoint as ck
-from model_utils import te_precision, te_support
+from model_utils import te_requirements, te_support
 from model_utils.checkpoint import checkpointer, stateful
 
 RECIPES = ["delayed", "current", "block", "mxfp8"]
@@ -151,10 +151,10 @@ def test_preflight_names_the_variable_before_anything_starts(tmp_path) -> None:
         "format": 1,
         "run_config": {"model_impl": "te", "fp8": True, "fp8_recipe": "delayed"},
     }
-    problem = te_precision.pickled_fp8_state_problem(tmp_path, marker, "2.20.2", env={})
+    problem = te_requirements.pickled_fp8_state_problem(tmp_path, marker, "2.20.2", env={})
     assert problem is not None and ck.TE_UNSAFE_PICKLE_ENV in problem and str(tmp_path) in problem
     assert "trust" in problem and "\n" not in problem
-    ok = te_precision.pickled_fp8_state_problem
+    ok = te_requirements.pickled_fp8_state_problem
     assert ok(tmp_path, marker, "2.16.0", env={}) is None  # TE 2.16 unpickles it
     assert ok(tmp_path, marker, "2.20.2", env={ck.TE_UNSAFE_PICKLE_ENV: "1"}) is None
     assert ok(tmp_path, {**marker, "format": 2}, "2.20.2", env={}) is None

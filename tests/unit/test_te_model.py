@@ -18,9 +18,10 @@ from te_double import uninstall
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import te_llama
-from model_utils import te_precision, te_support
+from model_utils import te_precision, te_requirements, te_support
 from model_utils.modeling import materialize
-from model_utils.te_precision import TEBackend, TECapabilityError
+from model_utils.te_precision import TEBackend
+from model_utils.te_requirements import TECapabilityError
 
 RECIPES = ["delayed", "current", "block", "mxfp8"]
 
@@ -48,6 +49,7 @@ def backend_args(fp8: bool, recipe: str = "delayed", impl: str = "te", **overrid
         amax_compute_algo="max",
         fp8_margin=0,
         fp8_weights=False,
+        fp8_attention=False,
         model_impl=impl,
     )
     values.update(overrides)
@@ -102,7 +104,7 @@ def test_without_te_import_works_and_build_fails_clearly() -> None:
     ],
 )
 def test_capability_problem_messages(recipe, sm, cuda, te_version, expected) -> None:
-    problem = te_precision.capability_problem(
+    problem = te_requirements.capability_problem(
         recipe, sm=sm, cuda_version=cuda, te_version=te_version
     )
     if expected is None:
@@ -112,7 +114,7 @@ def test_capability_problem_messages(recipe, sm, cuda, te_version, expected) -> 
 
 
 def test_fp8_weights_needs_te_2_16() -> None:
-    problem = te_precision.capability_problem(
+    problem = te_requirements.capability_problem(
         "delayed", sm=(9, 0), cuda_version="12.4", te_version="2.15.0", fp8_weights=True
     )
     assert problem == "--fp8_weights needs Transformer Engine >= 2.16, found 2.15.0"
@@ -121,24 +123,24 @@ def test_fp8_weights_needs_te_2_16() -> None:
 def test_fp8_shape_problem() -> None:
     shapes = dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32)
     assert (
-        te_precision.fp8_shape_problem(
+        te_requirements.fp8_shape_problem(
             micro_batch_size=1, seq_len=4096, num_key_value_heads=32, **shapes
         )
         is None
     )
-    problem = te_precision.fp8_shape_problem(
+    problem = te_requirements.fp8_shape_problem(
         micro_batch_size=1, seq_len=1000, num_key_value_heads=32, **shapes
     )
     assert problem and "tokens per micro-batch" in problem and "1000" in problem
     assert "hidden_width" not in problem
-    odd_ffn = te_precision.fp8_shape_problem(
+    odd_ffn = te_requirements.fp8_shape_problem(
         micro_batch_size=2,
         seq_len=512,
         num_key_value_heads=8,
         **{**shapes, "intermediate_size": 11000},
     )
     assert odd_ffn and "intermediate_size = 11000" in odd_ffn
-    mx = te_precision.fp8_shape_problem(
+    mx = te_requirements.fp8_shape_problem(
         micro_batch_size=1, seq_len=48, num_key_value_heads=32, recipe="mxfp8", **shapes
     )
     assert mx and "multiples of 32" in mx

@@ -1,0 +1,187 @@
+"""What a Transformer Engine configuration needs, as pure rules: GPU architecture, CUDA, TE
+release, FP8 shapes and FP8 attention backends, each answered with the message a user sees.
+
+Read from TE's source (the releases in ``te_precision.TE_CONTRACT_VERSIONS``); every rule takes
+the GPU's SM and versions as arguments, so each message is tested on a CPU, and train.py refuses
+in one line before a process group exists instead of failing inside TE after the launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """What a recipe needs: GPU architecture, CUDA toolkit, TE release."""
+
+    min_sm: tuple[int, int]
+    min_cuda: tuple[int, int] | None
+    min_te: tuple[int, int]
+    hardware: str
+
+
+#: Per recipe (and for BF16 on TE). SM 8.9 = Ada (L4/L40), 9.0 = Hopper (H100/H200),
+#: 10.0 = Blackwell (B200). TE minimums are the releases that introduced each recipe.
+REQUIREMENTS: dict[str, Requirement] = {
+    "bf16": Requirement((8, 0), None, (2, 1), "an NVIDIA GPU with BF16 (SM 8.0+, A100 or newer)"),
+    "delayed": Requirement((8, 9), None, (2, 1), "SM 8.9+ (Ada, Hopper or newer)"),
+    "current": Requirement((8, 9), None, (2, 2), "SM 8.9+ (Ada, Hopper or newer)"),
+    "block": Requirement((9, 0), (12, 9), (2, 3), "SM 9.0+ (Hopper) and CUDA >= 12.9"),
+    "mxfp8": Requirement((10, 0), None, (2, 1), "SM 10.0+ (Blackwell)"),
+}
+#: TE's own availability check per recipe (``fn(return_reason=True) -> (ok, reason)``).
+TE_AVAILABILITY_CHECKS: dict[str, str] = {
+    "delayed": "is_fp8_available",
+    "current": "is_fp8_available",
+    "block": "is_fp8_block_scaling_available",
+    "mxfp8": "is_mxfp8_available",
+}
+#: FP8-only weights under FSDP2 (``--fp8_weights``): TE 2.16 is the first release without the
+#: FSDP2 FP8 weight-workspace leak (TE PR #2805) and with block-scaled weights built on CUDA.
+FP8_WEIGHTS_MIN_TE = (2, 16)
+#: From this release TE refuses to unpickle delayed-scaling ``_extra_state`` unless
+#: ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1`` (``transformer_engine/pytorch/_extra_state.py``).
+TE_REFUSES_PICKLED_EXTRA_STATE = (2, 18)
+
+
+def pickled_fp8_state_problem(
+    path: Any, marker: dict[str, Any], te_version: str | None, env: Any
+) -> str | None:
+    """Why resuming checkpoint ``path`` (its ``checkpoint.json`` is ``marker``) would be refused
+    by this TE, or None. Format-1 checkpoints of TE delayed-scaling runs hold TE's pickled FP8
+    state; TE >= 2.18 loads it only when the user opts in (we never set the variable)."""
+    from model_utils.checkpoint import TE_UNSAFE_PICKLE_ENV, untrusted_checkpoint_message
+
+    config = marker.get("run_config") or {}
+    pickled = (
+        int(marker.get("format", 1)) < 2
+        and config.get("model_impl") in ("te", "te_linear")
+        and bool(config.get("fp8"))
+        and config.get("fp8_recipe") == "delayed"
+    )
+    release = version_tuple(te_version)
+    if not pickled or release is None or release < TE_REFUSES_PICKLED_EXTRA_STATE:
+        return None
+    if env.get(TE_UNSAFE_PICKLE_ENV, "0") == "1":
+        return None
+    return untrusted_checkpoint_message(path, te_version)
+
+
+class TECapabilityError(RuntimeError):
+    """This machine (GPU, CUDA, TE release) cannot run the requested TE configuration."""
+
+
+def version_tuple(version: str | None) -> tuple[int, ...] | None:
+    if not version:
+        return None
+    parts = []
+    for piece in version.split("+")[0].split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts) or None
+
+
+def _fmt(version: tuple[int, ...]) -> str:
+    return ".".join(str(v) for v in version)
+
+
+def capability_problem(
+    recipe: str,
+    *,
+    sm: tuple[int, int] | None,
+    cuda_version: str | None,
+    te_version: str | None,
+    fp8_weights: bool = False,
+) -> str | None:
+    """The first reason ``recipe`` ("bf16" or a TE recipe) cannot run here, or ``None``.
+
+    Pure: the caller passes the GPU's SM (``None`` = no CUDA GPU), ``torch.version.cuda`` and
+    TE's version (``None`` = not installed), so every message is testable on a CPU.
+    """
+    need = REQUIREMENTS[recipe]
+    label = "BF16 on Transformer Engine" if recipe == "bf16" else f"--fp8_recipe {recipe}"
+    te_release = version_tuple(te_version)
+    if te_release is None:
+        return f"{label} needs Transformer Engine >= {_fmt(need.min_te)}, which is not installed"
+    if te_release < need.min_te:
+        return f"{label} needs Transformer Engine >= {_fmt(need.min_te)}, found {te_version}"
+    if fp8_weights and te_release < FP8_WEIGHTS_MIN_TE:
+        return (
+            f"--fp8_weights needs Transformer Engine >= {_fmt(FP8_WEIGHTS_MIN_TE)}, "
+            f"found {te_version}"
+        )
+    if sm is None:
+        return f"{label} needs {need.hardware}; no CUDA GPU is visible"
+    if tuple(sm) < need.min_sm:
+        return f"{label} needs {need.hardware}; this GPU is SM {sm[0]}.{sm[1]}"
+    cuda = version_tuple(cuda_version)
+    if need.min_cuda and (cuda is None or cuda < need.min_cuda):
+        return f"{label} needs {need.hardware}; this PyTorch was built with CUDA {cuda_version}"
+    return None
+
+
+def fp8_shape_problem(
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    head_dim: int | None = None,
+    recipe: str = "delayed",
+) -> str | None:
+    """Why these shapes cannot run FP8 GEMMs, or ``None``.
+
+    Every FP8 GEMM operand needs both dimensions divisible by 16 (32 for MXFP8's blocks). The
+    forward GEMMs see ``[tokens, features]``; the weight-gradient GEMM consumes the transposed
+    activations, so tokens per micro-batch become an inner dimension and must obey the rule too.
+    """
+    multiple = 32 if recipe == "mxfp8" else 16
+    head_dim = head_dim or hidden_size // num_attention_heads
+    dims = {
+        "tokens per micro-batch (train_batch_size x max_context_width)": micro_batch_size * seq_len,
+        "hidden_width": hidden_size,
+        "intermediate_size": intermediate_size,
+        "query width (num_heads x head_dim)": num_attention_heads * head_dim,
+        "key/value width (num_key_value_heads x head_dim)": num_key_value_heads * head_dim,
+    }
+    bad = [f"{name} = {value}" for name, value in dims.items() if value % multiple]
+    if not bad:
+        return None
+    return f"FP8 ({recipe}) needs multiples of {multiple}: " + "; ".join(bad)
+
+
+#: cuDNN's FP8 fused attention on Hopper (TE 2.20 ``nvte_get_fused_attn_backend``, sm < 100):
+#: head_dim 128 for Q, K and V. TE finds no other FP8 attention backend in training.
+FP8_ATTENTION_HOPPER_HEAD_DIM = 128
+
+
+def fp8_attention_problem(recipe: str, *, sm: tuple[int, int], head_dim: int) -> str | None:
+    """Why TE would find no FP8 attention backend for this recipe, GPU and head width, or None.
+
+    Read from TE 2.20's ``get_attention_backend``: only cuDNN's FusedAttention runs FP8 in
+    training (FlashAttention is disabled for FP8); on SM 9.x it needs delayed scaling ("Disabling
+    FusedAttention for FP8 current scaling on arch < sm100") and head_dim 128. TE would raise
+    "No dot product attention backend is available" at the first forward, after the launch.
+    """
+    where = f"this GPU is SM {sm[0]}.{sm[1]}"
+    if tuple(sm) < (9, 0):
+        return f"--fp8_attention needs cuDNN's FP8 fused attention on SM 9.0+ (Hopper); {where}"
+    if tuple(sm) >= (10, 0):
+        return None
+    if recipe != "delayed":
+        return (
+            f"--fp8_attention with --fp8_recipe {recipe} needs SM 10.0+ (Blackwell); {where}: "
+            "on Hopper use --fp8_recipe delayed"
+        )
+    if head_dim != FP8_ATTENTION_HOPPER_HEAD_DIM:
+        return (
+            f"--fp8_attention on SM 9.x needs head_dim {FP8_ATTENTION_HOPPER_HEAD_DIM} "
+            f"(cuDNN's FP8 attention); this model has {head_dim} (hidden_width / num_heads)"
+        )
+    return None

@@ -1,0 +1,150 @@
+"""``--fp8_attention``: TE's FP8 fused attention (the recipe's ``fp8_dpa``), on the TE double.
+
+What TE 2.20 does, read from its source and mirrored by the double: only cuDNN's FusedAttention
+runs FP8 attention in training; on Hopper it needs delayed scaling and head_dim 128, current
+scaling needs SM 10.0+, Float8BlockScaling has none (its recipe asserts). Where TE would find
+no backend it raises at the first forward, after the launch; train.py refuses before it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from test_cross_impl import Run
+
+from model_utils import te_precision, te_requirements, te_support
+from model_utils.arguments import UsageError, parse_args
+from model_utils.te_precision import TEBackend
+from model_utils.te_requirements import TECapabilityError
+
+#: head_dim 128 (256 / 2): the width cuDNN's FP8 attention takes on Hopper.
+HEAD_128 = ("--hidden_width", "256", "--num_heads", "2", "--num_key_value_heads", "2")
+TE_FP8 = ("--model_impl", "te", "--fp8=1")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--model_impl", "te", "--fp8=0"), "--fp8_attention needs --fp8=1"),
+        (("--model_impl", "hf", "--fp8=1"), "does not use .*add --model_impl te"),
+        (("--model_impl", "te_linear", "--fp8=1"), "te_linear and hf keep HF's attention"),
+        ((*TE_FP8, "--fp8_recipe", "block"), "no FP8 attention path with --fp8_recipe block"),
+        ((*TE_FP8, "--fp8_recipe", "mxfp8"), "use --fp8_recipe delayed or current"),
+    ],
+    ids=["no-fp8", "hf", "te_linear", "block", "mxfp8"],
+)
+def test_flag_combinations_without_an_fp8_attention_path_are_refused(
+    flags, message, te_double
+) -> None:
+    with pytest.raises(UsageError, match=message):
+        parse_args([*flags, "--fp8_attention"])
+
+
+@pytest.mark.parametrize(
+    ("recipe", "sm", "head_dim", "expected"),
+    [
+        ("delayed", (9, 0), 128, None),
+        ("delayed", (9, 0), 64, "needs head_dim 128 .*this model has 64"),
+        ("current", (9, 0), 128, "needs SM 10.0\\+ .*on Hopper use --fp8_recipe delayed"),
+        ("delayed", (8, 9), 128, "SM 9.0\\+ \\(Hopper\\); this GPU is SM 8.9"),
+        ("current", (10, 0), 64, None),
+        ("delayed", (10, 0), 64, None),
+    ],
+)
+def test_where_te_has_an_fp8_attention_backend(recipe, sm, head_dim, expected) -> None:
+    problem = te_requirements.fp8_attention_problem(recipe, sm=sm, head_dim=head_dim)
+    if expected is None:
+        assert problem is None
+    else:
+        assert problem is not None
+        assert re.search(expected, problem), problem
+
+
+def test_the_recipe_carries_fp8_dpa(te_double) -> None:
+    assert te_precision.build_recipe("delayed", fp8_attention=True).fp8_dpa is True
+    assert te_precision.build_recipe("current", fp8_attention=True).fp8_dpa is True
+    assert te_precision.build_recipe("delayed").fp8_dpa is False
+    with pytest.raises(ValueError, match="no FP8 attention path with --fp8_recipe block"):
+        te_precision.build_recipe("block", fp8_attention=True)
+
+
+def _backend(recipe: str, head_dim: int) -> TEBackend:
+    args = parse_args(
+        [*TE_FP8, "--fp8_recipe", recipe, "--fp8_attention"]
+        + ["--hidden_width", str(2 * head_dim), "--num_heads", "2", "--num_key_value_heads", "2"]
+    )
+    return TEBackend(args)
+
+
+def test_capability_check_refuses_what_te_would_fail_on_after_the_launch(
+    te_double, monkeypatch
+) -> None:
+    with pytest.raises(TECapabilityError, match="needs head_dim 128"):
+        _backend("delayed", head_dim=32).capability_check()
+    with pytest.raises(TECapabilityError, match="current needs SM 10.0"):
+        _backend("current", head_dim=128).capability_check()
+    _backend("delayed", head_dim=128).capability_check()
+    monkeypatch.setenv("TE_DOUBLE_SM", "10.0")
+    _backend("current", head_dim=32).capability_check()
+
+
+def test_without_the_check_te_fails_at_the_first_forward(tmp_path, te_double) -> None:
+    """Why train.py checks first: TE (here its double) raises inside the first forward."""
+    run = Run("te", True, seed=0, checkpoint_dir=tmp_path)  # head_dim 16, no --fp8_attention
+    recipe = te_precision.build_recipe("delayed", amax_history_len=4, fp8_attention=True)
+    run.backend._recipe = recipe
+    with pytest.raises(ValueError, match="No dot product attention backend is available"):
+        run.step(seed=0)
+
+
+def _attention_amax(model: torch.nn.Module) -> float:
+    """The largest amax the attention modules recorded (their history, every slot)."""
+    return max(
+        float(module.fp8_meta["scaling_fwd"].amax_history.abs().max())
+        for name, module in model.named_modules()
+        if name.endswith("core_attention")
+    )
+
+
+def test_fp8_attention_trains_close_to_fp8_gemms_alone(tmp_path, te_double) -> None:
+    """Same seed and batches: FP8 attention changes the numbers (the attention modules record
+    amaxes), and the losses stay within 2% of FP8 GEMMs alone, finite and falling."""
+    runs = {
+        flag: Run("te", True, seed=0, checkpoint_dir=tmp_path / str(flag), flags=(*HEAD_128, *f))
+        for flag, f in ((False, ()), (True, ("--fp8_attention",)))
+    }
+    losses = {flag: [run.step(seed=i % 2) for i in range(6)] for flag, run in runs.items()}
+    assert _attention_amax(runs[False].model) == 0.0
+    assert _attention_amax(runs[True].model) > 0.0
+    assert losses[True] != losses[False]
+    assert all(torch.isfinite(torch.tensor(losses[True])))
+    assert losses[True][-1] < losses[True][0]
+    for on, off in zip(losses[True], losses[False], strict=True):
+        assert abs(on - off) / off < 0.02
+
+
+def test_resume_with_fp8_attention_is_bit_for_bit(tmp_path, te_double) -> None:
+    """The attention's delayed-scaling state is saved with the others and restored."""
+    flags = (*HEAD_128, "--fp8_attention")
+    first = Run("te", True, seed=1, checkpoint_dir=tmp_path, flags=flags)
+    for i in range(3):
+        first.step(seed=i)
+    path = first.checkpointer.save(3, first.state)
+    saved = te_support.fp8_scaling_state(first.model)
+    attention = [k for k in saved if "core_attention" in k and k.endswith("amax_history_fwd")]
+    assert attention and all(saved[k].abs().max() > 0 for k in attention)
+    want = [first.step(seed=i) for i in range(3, 6)]
+    resumed = Run("te", True, seed=2, checkpoint_dir=tmp_path, flags=flags)
+    resumed.checkpointer.load(path, resumed.state)
+    assert [resumed.step(seed=i) for i in range(3, 6)] == want
+
+
+def test_train_py_refuses_before_starting(refused_by_train, te_double) -> None:
+    """tiny's head_dim is 64: on the (emulated) H100 the run stops in one line, exit 2."""
+    _, errors, _ = refused_by_train(*TE_FP8, "--fp8_attention")
+    assert errors == [
+        "train.py: error: --fp8_attention on SM 9.x needs head_dim 128 (cuDNN's FP8 attention); "
+        "this model has 64 (hidden_width / num_heads)"
+    ]
