@@ -67,7 +67,13 @@ LEVER_ROWS: tuple[tuple[str, tuple[str, ...], dict[str, str]], ...] = (
     ("te-fp8 mb2 +compile", (*TE_FP8, "--train_batch_size=2", "--compile"), {}),
     ("te-fp8 mb3", (*TE_FP8, "--train_batch_size=3"), {}),
     ("te-fp8 mb3 +expandable", (*TE_FP8, "--train_batch_size=3"), EXPANDABLE),
+    ("te-bf16 mb4 +expandable", ("--model_impl=te", "--fp8=0", "--train_batch_size=4"), EXPANDABLE),
     ("te-fp8 mb4 +expandable", (*TE_FP8, "--train_batch_size=4"), EXPANDABLE),
+    (
+        "te-fp8 mb4 +fp8-attention +expandable",
+        (*TE_FP8, "--train_batch_size=4", "--fp8_attention"),
+        EXPANDABLE,
+    ),
     (
         "te-fp8 mb4 +AC/2 +expandable",
         (*TE_FP8, "--train_batch_size=4", "--activation_checkpointing", "--ac_every=2"),

@@ -107,6 +107,23 @@ def build_recipe(
     return te_recipe.MXFP8BlockScaling(fp8_format=fmt, margin=fp8_margin)
 
 
+def attention_is_deterministic() -> bool:
+    """TE's own test (``DotProductAttention.__init__``): the variable or torch's switch."""
+    return (
+        os.getenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1") == "0"
+        or torch.are_deterministic_algorithms_enabled()
+    )
+
+
+def cudnn_version() -> tuple[int, int, int] | None:
+    """The cuDNN torch loaded, as (major, minor, patch); None without CUDA (cuDNN 9 encodes
+    its version as major * 10000 + minor * 100 + patch)."""
+    if not torch.cuda.is_available() or not torch.backends.cudnn.is_available():
+        return None
+    code = torch.backends.cudnn.version()
+    return (code // 10000, code // 100 % 100, code % 100) if code else None
+
+
 def _te_version(te_module: Any) -> str | None:
     root = importlib.import_module(te_module.__name__.split(".")[0])
     return getattr(root, "__version__", None)
@@ -203,8 +220,13 @@ class TEBackend:
                 f"Transformer Engine reports: {reason}"
             )
         if self._recipe_kwargs["fp8_attention"]:
-            gpu = sm or te.get_device_compute_capability()
-            problem = fp8_attention_problem(self.recipe_name, sm=gpu, head_dim=self.head_dim)
+            problem = fp8_attention_problem(
+                self.recipe_name,
+                sm=sm or te.get_device_compute_capability(),
+                head_dim=self.head_dim,
+                deterministic=attention_is_deterministic(),
+                cudnn=cudnn_version(),
+            )
             if problem:
                 raise TECapabilityError(problem)
 

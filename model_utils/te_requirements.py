@@ -161,17 +161,38 @@ def fp8_shape_problem(
 FP8_ATTENTION_HOPPER_HEAD_DIM = 128
 
 
-def fp8_attention_problem(recipe: str, *, sm: tuple[int, int], head_dim: int) -> str | None:
+#: Deterministic FP8 attention in training (TE 2.20, "Disabling FusedAttention for determinism
+#: reasons with FP8 on arch < sm90 or cuDNN < 9.19.0").
+FP8_ATTENTION_DETERMINISTIC_MIN_CUDNN = (9, 19, 0)
+
+
+def fp8_attention_problem(
+    recipe: str,
+    *,
+    sm: tuple[int, int],
+    head_dim: int,
+    deterministic: bool = False,
+    cudnn: tuple[int, int, int] | None = None,
+) -> str | None:
     """Why TE would find no FP8 attention backend for this recipe, GPU and head width, or None.
 
     Read from TE 2.20's ``get_attention_backend``: only cuDNN's FusedAttention runs FP8 in
     training (FlashAttention is disabled for FP8); on SM 9.x it needs delayed scaling ("Disabling
-    FusedAttention for FP8 current scaling on arch < sm100") and head_dim 128. TE would raise
-    "No dot product attention backend is available" at the first forward, after the launch.
+    FusedAttention for FP8 current scaling on arch < sm100") and head_dim 128; deterministic
+    mode (``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` or torch's deterministic algorithms) needs
+    cuDNN >= 9.19. TE would raise "No dot product attention backend is available" at the first
+    forward, after the launch.
     """
     where = f"this GPU is SM {sm[0]}.{sm[1]}"
     if tuple(sm) < (9, 0):
         return f"--fp8_attention needs cuDNN's FP8 fused attention on SM 9.0+ (Hopper); {where}"
+    if deterministic and cudnn is not None and cudnn < FP8_ATTENTION_DETERMINISTIC_MIN_CUDNN:
+        need = ".".join(map(str, FP8_ATTENTION_DETERMINISTIC_MIN_CUDNN))
+        return (
+            f"--fp8_attention in deterministic mode (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 or torch's "
+            f"deterministic algorithms) needs cuDNN >= {need}, found {'.'.join(map(str, cudnn))}: "
+            "allow non-deterministic algorithms or drop --fp8_attention"
+        )
     if tuple(sm) >= (10, 0):
         return None
     if recipe != "delayed":

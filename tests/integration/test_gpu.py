@@ -6,7 +6,8 @@ whose shapes every FP8 recipe accepts, and checks what only a GPU shows: each im
 BF16 and every FP8 recipe the device supports (the others refused in one line), resume bit for
 bit per recipe, one starting model across implementations (from --seed and from HF weights),
 logged throughput equal to wall-clock throughput and MFU <= 100% at --logging_freq 1 and 10,
-activation checkpointing, accumulation and compile; --fp8_weights refused for training.
+activation checkpointing, accumulation and compile; --fp8_attention trains and resumes (refused
+in one line where TE has no backend); --fp8_weights refused for training.
 Skipped cleanly without a GPU; the CPU tier (``make test``) hides GPUs (tests/conftest.py).
 """
 
@@ -82,8 +83,13 @@ def recipe_runs_here(recipe: str) -> bool:
     return {"mxfp8": sm() >= (10, 0), "block": sm() >= (9, 0)}.get(recipe, sm() >= (8, 9))
 
 
-def train(out: Path, *flags: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+def train(out: Path, *flags: str, deterministic: bool = True) -> subprocess.CompletedProcess:
+    """train.py on SMALL; TE's deterministic algorithms unless ``deterministic`` is False."""
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0" if deterministic else "1",
+    }
     return subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *SMALL, f"--output_dir={out}", *flags],
         capture_output=True,
@@ -253,6 +259,55 @@ def test_te_fp8_with_each_feature_trains(feature, runs) -> None:
     out = runs / f"feature-{feature}"
     ok(train(out, "--model_impl=te", "--fp8=1", "--fp8_recipe=delayed", *FEATURES[feature]))
     trains(out)
+
+
+#: head_dim 128 (256 / 2 heads): what cuDNN's FP8 attention takes on Hopper.
+HEAD_128 = ("--num_heads=2", "--num_key_value_heads=2")
+TE_DELAYED = ("--model_impl=te", "--fp8=1", "--fp8_recipe=delayed")
+
+
+def _cudnn() -> tuple[int, int, int]:
+    code = torch.backends.cudnn.version() or 0
+    return code // 10000, code // 100 % 100, code % 100
+
+
+def test_fp8_attention_trains_close_to_fp8_gemms_and_resumes(runs) -> None:
+    """--fp8_attention (TE's fp8_dpa, cuDNN's FP8 fused attention): trains, stays within 3% of
+    FP8 GEMMs alone per step, and resumes from step 5. Bit for bit where cuDNN >= 9.19 runs it
+    deterministically; otherwise determinism is off (TE's rule) and the resume is within 0.5%."""
+    needs_te()
+    if sm() < (9, 0):
+        pytest.skip("FP8 attention needs SM 9.0+")
+    deterministic = _cudnn() >= (9, 19, 0)
+    gemms_only = runs / "te-delayed-head128"
+    ok(train(gemms_only, *TE_DELAYED, *HEAD_128, deterministic=deterministic))
+    out = runs / "te-delayed-fp8-attention"
+    result = train(out, *TE_DELAYED, *HEAD_128, "--fp8_attention", deterministic=deterministic)
+    ok(result)
+    assert "fp8_attention=True" in result.stdout + result.stderr
+    got, base = trains(out), trains(gemms_only)
+    assert got != base
+    assert all(abs(got[s] - base[s]) / base[s] < 0.03 for s in base), (got, base)
+    resumed = runs / "te-delayed-fp8-attention-resumed"
+    checkpoint = out / "checkpoints" / "step_00000005"
+    flags = (*TE_DELAYED, *HEAD_128, "--fp8_attention", f"--resume_from_checkpoint={checkpoint}")
+    ok(train(resumed, *flags, deterministic=deterministic))
+    want = {s: v for s, v in got.items() if s > 5}
+    if deterministic:
+        assert losses(resumed) == want
+    else:
+        assert losses(resumed) == pytest.approx(want, rel=5e-3)
+
+
+def test_fp8_attention_where_te_has_no_backend_is_refused_in_one_line(runs) -> None:
+    """SMALL's head_dim is 64: TE would fail at the first forward; train.py refuses first."""
+    needs_te()
+    if not (9, 0) <= sm() < (10, 0):
+        pytest.skip("the head_dim rule is Hopper's")
+    result = train(runs / "fp8-attention-head64", *TE_DELAYED, "--fp8_attention")
+    assert result.returncode == 2
+    message = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(message) == 1 and "needs head_dim 128" in message[0], message
 
 
 def test_fp8_weights_training_is_refused_in_one_line(runs) -> None:

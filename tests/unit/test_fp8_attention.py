@@ -62,6 +62,16 @@ def test_where_te_has_an_fp8_attention_backend(recipe, sm, head_dim, expected) -
         assert re.search(expected, problem), problem
 
 
+def test_deterministic_fp8_attention_needs_cudnn_9_19() -> None:
+    """TE disables its FP8 attention for determinism below cuDNN 9.19 (the GPU tier sets
+    NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, so it meets this rule first)."""
+    rule = te_requirements.fp8_attention_problem
+    old = rule("delayed", sm=(9, 0), head_dim=128, deterministic=True, cudnn=(9, 10, 2))
+    assert old and "needs cuDNN >= 9.19.0, found 9.10.2" in old
+    assert rule("delayed", sm=(9, 0), head_dim=128, deterministic=True, cudnn=(9, 19, 0)) is None
+    assert rule("delayed", sm=(9, 0), head_dim=128, deterministic=False, cudnn=(9, 10, 2)) is None
+
+
 def test_the_recipe_carries_fp8_dpa(te_double) -> None:
     assert te_precision.build_recipe("delayed", fp8_attention=True).fp8_dpa is True
     assert te_precision.build_recipe("current", fp8_attention=True).fp8_dpa is True
