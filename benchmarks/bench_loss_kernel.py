@@ -4,11 +4,12 @@
     python benchmarks/bench_loss_kernel.py --device cuda     # Llama 3: seq 8192 x mb 2 tokens
     python benchmarks/bench_loss_kernel.py --device cuda --tokens 32768   # micro-batch 4
 
-Each row times ``lm_head`` + cross-entropy forward and backward (``training``) or forward only
-under ``torch.no_grad`` (``evaluation``) on random bf16 hidden states and weights, median of
-``--repeat`` runs after one warm-up; on CUDA it also reports the peak memory the step allocated
-beyond its inputs. The two paths compute the same loss (tests/unit/test_loss.py); the ratio is
-what the chunked loss costs or saves, measured in this one run.
+Each row times ``lm_head`` + cross-entropy forward and backward (``training``; ``--compile``: the
+chunks' softmax gradient fused by torch.compile, the first call compiling in the warm-up) or
+forward only under ``torch.no_grad`` (``evaluation``) on random bf16 hidden states and weights,
+median of ``--repeat`` runs after one warm-up; on CUDA it also reports the peak memory the step
+allocated beyond its inputs. The paths compute the same loss (tests/unit/test_loss.py); each
+ratio is what the chunked loss costs or saves, measured in this one run.
 """
 
 from __future__ import annotations
@@ -40,6 +41,13 @@ def hf_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) ->
 
 def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return loss.linear_cross_entropy(hidden, weight, labels)
+
+
+def compiled_chunked_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """What ``--compile`` trains with: each chunk's softmax gradient fused by torch.compile."""
+    return loss.linear_cross_entropy(hidden, weight, labels, compiled=True)
 
 
 def _sync(device: torch.device) -> None:
@@ -112,10 +120,14 @@ def main(argv: list[str] | None = None) -> None:
         f"{device.type}: {tokens} tokens, hidden {hidden_size}, vocab {vocab}, bf16, "
         f"chunks of {loss.chunk_tokens(vocab, hidden_size)} tokens, median of {args.repeat}"
     )
-    for training in (True, False):
+    rows = [
+        ("training (fwd+bwd)", True, chunked_loss),
+        ("training, --compile", True, compiled_chunked_loss),
+        ("evaluation (no_grad)", False, chunked_loss),
+    ]
+    for label, training, chunked in rows:
         hf_s, hf_gib = measure(hf_loss, inputs, training, args.repeat)
-        ch_s, ch_gib = measure(chunked_loss, inputs, training, args.repeat)
-        label = "training (fwd+bwd)" if training else "evaluation (no_grad)"
+        ch_s, ch_gib = measure(chunked, inputs, training, args.repeat)
         memory = f"   peak GiB {hf_gib:.2f} -> {ch_gib:.2f}" if hf_gib is not None else ""
         print(
             f"  {label:21s} HF {hf_s * 1e3:8.1f} ms   chunked {ch_s * 1e3:8.1f} ms   "

@@ -16,7 +16,9 @@ plain path up to floating-point summation order (tests/unit/test_loss.py).
 
 from __future__ import annotations
 
+import functools
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 IGNORE_INDEX = -100
+#: ``(h, weight, targets) -> (per-token losses, unscaled d loss / d logits)`` for one chunk.
+ChunkFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 #: Logit elements per chunk (256 MiB in fp32) on a small model: 1,024 tokens at a 64k vocabulary.
 CHUNK_LOGITS = 2**26
 #: ... but never fewer tokens than this many times the hidden width: every chunk pays one pass
@@ -67,32 +71,68 @@ def _chunk_losses(log_probs: torch.Tensor, targets: torch.Tensor) -> tuple[torch
     return -(picked * valid), picked, valid
 
 
+def softmax_minus_target(
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's per-token losses (fp32, 0 where ignored) and ``d loss / d logits`` unscaled:
+    ``softmax - one_hot(target)`` rounded to ``h``'s dtype once, as autograd's cast would.
+
+    Eager, the ``[tokens, vocab]`` work is three passes: the upcast, the log-softmax, and one
+    ``exp`` that writes the softmax straight into bf16 (the target entries are fixed after).
+    """
+    log_probs = _chunk_log_probs(h, weight)
+    losses, picked, valid = _chunk_losses(log_probs, targets)
+    d = torch.exp(log_probs, out=torch.empty_like(log_probs, dtype=h.dtype))
+    del log_probs
+    rows = torch.arange(d.shape[0], device=d.device)
+    d[rows, torch.where(valid, targets, 0)] = picked.exp().sub_(1.0).to(d.dtype)
+    return losses, d
+
+
+def _softmax_minus_target_fusable(
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`softmax_minus_target` written for ``torch.compile``: no in-place writes or
+    ``out=``, the one-hot as a comparison, so inductor fuses everything after the GEMM into
+    one reduction and one pointwise kernel over the bf16 logits (no fp32 chunk is stored)."""
+    x = (h @ weight.t()).float()
+    valid = targets != IGNORE_INDEX
+    safe = torch.where(valid, targets, 0)[:, None]
+    log_z = torch.logsumexp(x, dim=-1, keepdim=True)
+    losses = (log_z - x.gather(1, safe)).squeeze(1) * valid
+    probs = torch.exp(x - log_z)
+    hit = torch.arange(x.shape[1], device=x.device)[None, :] == safe
+    return losses, torch.where(hit, probs - 1.0, probs).to(h.dtype)
+
+
+@functools.cache
+def compiled_softmax_minus_target() -> ChunkFn:
+    """The fused chunk (``--compile``), compiled once per process on first use. Static shapes:
+    the chunks of a run share one shape, a ragged last chunk adds one more graph."""
+    return torch.compile(_softmax_minus_target_fusable, dynamic=False, fullgraph=True)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """``mean CE(hidden @ weight.T, targets)`` with gradients computed chunk by chunk.
 
-    Per chunk the ``[tokens, vocab]`` work is three passes: the log-softmax (bf16 in, fp32 out),
-    one ``exp`` that writes the softmax straight into bf16, and the two GEMMs that read it. The
-    ``1 / counted`` scale and the ignored rows are applied to the small side (``hidden`` rows,
-    the chunk's ``grad_hidden``, and the weight gradient once at the end), never to the logits:
-    at Llama 3's vocabulary each full-size pass is GiBs of memory traffic.
+    Per chunk: ``chunk_fn`` (the logits GEMM and the softmax gradient:
+    :func:`softmax_minus_target` or its compiled twin) and the two GEMMs that read its bf16
+    gradient. The ``1 / counted`` scale and the ignored rows are applied to the small side
+    (``hidden`` rows, the chunk's ``grad_hidden``, the weight gradient once at the end), never
+    to the logits: at Llama 3's vocabulary each full-size pass is GiBs of memory traffic.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk: int):
+    def forward(ctx, hidden, weight, targets, chunk: int, chunk_fn: ChunkFn):
         counted = (targets != IGNORE_INDEX).sum().clamp_min(1)
         total = torch.zeros((), device=hidden.device, dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = None
         for start in range(0, hidden.shape[0], chunk):
             h, y = hidden[start : start + chunk], targets[start : start + chunk]
-            log_probs = _chunk_log_probs(h, weight)
-            losses, picked, valid = _chunk_losses(log_probs, y)
+            losses, d = chunk_fn(h, weight, y)
             total += losses.sum()
-            # d loss / d logits = softmax - one_hot(target), rounded to bf16 once, like autograd.
-            d = torch.exp(log_probs, out=torch.empty_like(log_probs, dtype=hidden.dtype))
-            del log_probs
-            rows = torch.arange(d.shape[0], device=d.device)
-            d[rows, torch.where(valid, y, 0)] = picked.exp().sub_(1.0).to(d.dtype)
+            valid = y != IGNORE_INDEX
             g = torch.mm(d, weight, out=grad_hidden[start : start + chunk])
             g.mul_((valid / counted)[:, None])  # an fp32 factor: one rounding, to bf16
             part = d.t() @ (h * valid[:, None])  # ignored rows contribute nothing
@@ -113,6 +153,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ),
             None,
             None,
+            None,
         )
 
 
@@ -127,16 +168,22 @@ def _loss_only(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk: int | None = None,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """Causal-LM loss of ``hidden`` ``[batch, seq, h]`` through ``lm_head`` weight ``[V, h]``
-    against unshifted ``labels`` ``[batch, seq]`` (what HF models take)."""
+    against unshifted ``labels`` ``[batch, seq]`` (what HF models take); ``compiled`` runs each
+    training chunk through :func:`compiled_softmax_minus_target`."""
     chunk = chunk or chunk_tokens(weight.shape[0], weight.shape[1])
     targets = shift_labels(labels).reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])
     if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
         return _loss_only(flat, weight, targets, chunk)
-    return _LinearCrossEntropy.apply(flat, weight, targets, chunk)
+    chunk_fn = compiled_softmax_minus_target() if compiled else softmax_minus_target
+    return _LinearCrossEntropy.apply(flat, weight, targets, chunk, chunk_fn)
 
 
 def _forward_with_chunked_loss(
@@ -161,16 +208,18 @@ def _lm_head_forward(self: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor
     """
     if labels is None:
         return F.linear(hidden, self.weight, self.bias)
-    return linear_cross_entropy(hidden, self.weight, labels)
+    return linear_cross_entropy(hidden, self.weight, labels, compiled=self.compiled_loss)
 
 
-def use_chunked_loss(model: nn.Module) -> nn.Module:
-    """Make ``model(input_ids, labels=...)`` compute the loss chunk by chunk (no full logits).
+def use_chunked_loss(model: nn.Module, compiled: bool = False) -> nn.Module:
+    """Make ``model(input_ids, labels=...)`` compute the loss chunk by chunk (no full logits);
+    ``compiled`` (``--compile``) fuses each chunk's softmax gradient with torch.compile.
 
     Set on the instances, so parameter names, checkpoints and HF export stay exactly as they are.
     """
     if model.lm_head.bias is not None:
         raise ValueError("the chunked loss expects lm_head without a bias (Llama has none)")
+    model.lm_head.compiled_loss = compiled
     model.lm_head.forward = types.MethodType(_lm_head_forward, model.lm_head)
     model.forward = types.MethodType(_forward_with_chunked_loss, model)
     return model

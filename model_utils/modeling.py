@@ -82,7 +82,7 @@ def build(
             model = LlamaForCausalLM._from_config(
                 config, attn_implementation=attention_backend(device), dtype=torch.float32
             )
-    return loss.use_chunked_loss(model) if args.chunked_loss else model
+    return loss.use_chunked_loss(model, compiled=args.compile) if args.chunked_loss else model
 
 
 def _generator_for(name: str, seed: int, device: torch.device) -> torch.Generator:
