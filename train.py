@@ -94,6 +94,14 @@ class Preemption:
     def _handle(self, signum: int, frame: object) -> None:
         self.requested = True
 
+    def stand_down(self) -> None:
+        """Ignore these signals from here to the exit: the run has saved what it will save. At
+        interpreter shutdown CPython puts a Python handler back to the default action (death by
+        the signal) but keeps an ignore, and the launcher resends a pending request every few
+        seconds until torchrun exits: one landing then turned a clean exit into status -10."""
+        for sig in self.SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
 
 def te_recipe(backend) -> object | None:
     """The Transformer Engine recipe object, or None (bf16, torchao, or TE with FP8 off)."""
@@ -291,6 +299,7 @@ def main(argv: list[str] | None = None) -> None:
         for lock in locks:
             lock.release()
         distributed.cleanup()
+        preemption.stand_down()
 
 
 if __name__ == "__main__":

@@ -377,3 +377,26 @@ def test_tiny_data_warns_that_each_batch_repeats_it(tmp_path: Path, caplog) -> N
         next(stream)
     [warning] = [r.getMessage() for r in caplog.records if "repeats it" in r.getMessage()]
     assert "less than one micro-batch (2 x 64 tokens)" in warning
+
+
+def test_a_checkpoint_signal_after_the_run_is_ignored_not_fatal() -> None:
+    """The launcher resends a pending USR1/TERM/INT until torchrun exits. While the run is
+    alive a signal only sets the flag; after main() it must not kill the exiting worker (CPython
+    resets a Python handler to the default action at shutdown, but keeps an ignore)."""
+    import signal
+
+    import train
+
+    saved = {sig: signal.getsignal(sig) for sig in train.Preemption.SIGNALS}
+    try:
+        preemption = train.Preemption()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert preemption.requested
+        preemption.requested = False
+        preemption.stand_down()
+        assert all(signal.getsignal(s) is signal.SIG_IGN for s in train.Preemption.SIGNALS)
+        os.kill(os.getpid(), signal.SIGUSR1)  # would end this process under SIG_DFL
+        assert not preemption.requested
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
