@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The H100 measurements that the speed levers built after the last GPU session still need.
+# Each phase fits in one 10-minute call on a lent GPU machine
+# (../shared/gpu/README.md: set up TE first).
+#
+#   bash benchmarks/gpu_levers.sh PHASE OUT_DIR
+#
+#   loss    the loss alone (bench_loss_kernel.py --device cuda), HF vs chunked vs chunked under
+#           --compile, at micro-batch 2 and 4 of seq 8192 (Llama 3 shapes)             ~1 min
+#   levers  4 Llama3-8B layers, seq 8192, 20 steps: te-fp8 mb2 with and without the chunked loss,
+#           te-bf16 and te-fp8 at mb4, te-fp8 mb4 with --fp8_attention                   ~6 min
+#   compile te-fp8 mb2 and mb4, eager and under --compile (layers and loss chunks)       ~5 min
+#   tier    the GPU test tier's FP8-attention tests and the one-seed test                ~4 min
+#
+# Everything a phase prints goes to OUT_DIR/PHASE.log as well; the matrix rows' run folders
+# (metrics.jsonl) go to OUT_DIR/PHASE/.
+set -euo pipefail
+
+phase=${1:?usage: bash benchmarks/gpu_levers.sh loss|levers|compile|tier OUT_DIR}
+out=${2:?usage: bash benchmarks/gpu_levers.sh loss|levers|compile|tier OUT_DIR}
+mkdir -p "$out"
+python=${PYTHON:-python3}
+slice=(-- --num_layers 4 --dataset data/kjv.jsonl.gz --tokenizer data/tokenizer)
+
+matrix() {
+    "$python" benchmarks/bench_gpu_matrix.py --preset llama3-8b --nproc 1 --max_steps 20 \
+        --modes levers --out "$out/$phase" --only "$1" "${slice[@]}"
+}
+
+{
+    echo "# $phase on $(hostname) at $(date -u +%FT%TZ), git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || true
+    "$python" -c 'import torch; print("torch", torch.__version__, "cuDNN", torch.backends.cudnn.version())'
+    case $phase in
+    loss)
+        "$python" benchmarks/bench_loss_kernel.py --device cuda --tokens 16384
+        "$python" benchmarks/bench_loss_kernel.py --device cuda --tokens 32768
+        ;;
+    levers)
+        matrix "te-fp8 mb2 hf-loss,te-fp8 mb2,te-bf16 mb4 +expandable,te-fp8 mb4 +expandable,te-fp8 mb4 +fp8-attention +expandable"
+        ;;
+    compile)
+        matrix "te-fp8 mb2,te-fp8 mb2 +compile,te-fp8 mb4 +expandable,te-fp8 mb4 +compile +expandable"
+        ;;
+    tier)
+        "$python" -m pytest -m gpu tests/integration/test_gpu.py -k "fp8_attention or one_seed" -v
+        ;;
+    *)
+        echo "unknown phase $phase: loss, levers, compile or tier" >&2
+        exit 2
+        ;;
+    esac
+} 2>&1 | tee "$out/$phase.log"
