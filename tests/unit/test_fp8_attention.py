@@ -158,3 +158,15 @@ def test_train_py_refuses_before_starting(refused_by_train, te_double) -> None:
         "train.py: error: --fp8_attention on SM 9.x needs head_dim 128 (cuDNN's FP8 attention); "
         "this model has 64 (hidden_width / num_heads)"
     ]
+
+
+def test_activation_checkpointing_replays_fp8_attention(tmp_path, te_double) -> None:
+    """Recomputing a layer in backward must quantize attention with the forward's scales (delayed
+    scaling updates them when the forward's autocast exits, before backward runs): the same
+    losses with and without --activation_checkpointing."""
+    losses = {}
+    for ac in (False, True):
+        flags = (*HEAD_128, "--fp8_attention", *(("--activation_checkpointing",) if ac else ()))
+        run = Run("te", True, seed=0, checkpoint_dir=tmp_path / str(ac), flags=flags)
+        losses[ac] = [run.step(seed=i % 2) for i in range(4)]
+    assert losses[True] == losses[False]
