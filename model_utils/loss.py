@@ -10,8 +10,9 @@ logits plus one weight-sized gradient, whatever the vocabulary and batch.
 
 Numerics follow transformers' ``ForCausalLMLoss``: labels shifted left by one, ``-100``
 ignored, logits upcast to fp32 before the log-softmax, mean over the counted tokens; the
-gradient reaching the bf16 matmuls is cast to bf16 as autograd's would be. Results equal the
-plain path up to floating-point summation order (tests/unit/test_loss.py).
+gradient reaching the bf16 matmuls is cast to bf16 as autograd's would be (before the ``1 / N``
+scale, which is applied on the small side). Results equal the plain path up to summation order
+and that one rounding (tests/unit/test_loss.py).
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ def chunk_tokens(vocab: int, hidden: int) -> int:
 
     Measured on an H100 (Llama 3, hidden 4096, vocab 128256, 16k tokens per micro-batch, te-fp8):
     512-token chunks (32 per step) ran at 0.66x of HF's loss, nearly all of it the per-chunk
-    gradient accumulation; 8,192-token chunks (2 per step, 4 GiB of fp32 logits each) run at
-    0.95x and free 10 GiB, enough for micro-batch 4. On the tiny CPU model (hidden 256) the
-    1,024-token floor from CHUNK_LOGITS wins.
+    gradient accumulation; 8,192-token chunks (2 per step, 4 GiB of fp32 logits each) ran at
+    0.95x and freed 10 GiB, enough for micro-batch 4 (both before the per-chunk fp32 work was
+    cut to a third). On the tiny CPU model (hidden 256) the 1,024-token floor wins.
     """
     return max(1, CHUNK_LOGITS // vocab, MIN_CHUNK_TOKENS_PER_HIDDEN * hidden)
 
