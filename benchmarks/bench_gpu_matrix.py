@@ -70,6 +70,11 @@ LEVER_ROWS: tuple[tuple[str, tuple[str, ...], dict[str, str]], ...] = (
     ("te-bf16 mb4 +expandable", ("--model_impl=te", "--fp8=0", "--train_batch_size=4"), EXPANDABLE),
     ("te-fp8 mb4 +expandable", (*TE_FP8, "--train_batch_size=4"), EXPANDABLE),
     (
+        "te-fp8 mb4 +no-reshard +expandable",
+        (*TE_FP8, "--train_batch_size=4", "--reshard_after_forward=never"),
+        EXPANDABLE,
+    ),
+    (
         "te-fp8 mb4 +compile +expandable",
         (*TE_FP8, "--train_batch_size=4", "--compile"),
         EXPANDABLE,

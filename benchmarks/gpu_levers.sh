@@ -10,14 +10,16 @@
 #   levers  4 Llama3-8B layers, seq 8192, 20 steps: te-fp8 mb2 with and without the chunked loss,
 #           te-bf16 and te-fp8 at mb4, te-fp8 mb4 with --fp8_attention                   ~6 min
 #   compile te-fp8 mb2 and mb4, eager and under --compile (layers and loss chunks)       ~5 min
+#   reshard te-fp8 mb4 with FSDP2's default resharding and with --reshard_after_forward
+#           never (backward neither gathers nor casts the parameters again)            ~3 min
 #   tier    the GPU test tier's FP8-attention tests and the one-seed test                ~4 min
 #
 # Everything a phase prints goes to OUT_DIR/PHASE.log as well; the matrix rows' run folders
 # (metrics.jsonl) go to OUT_DIR/PHASE/.
 set -euo pipefail
 
-phase=${1:?usage: bash benchmarks/gpu_levers.sh loss|levers|compile|tier OUT_DIR}
-out=${2:?usage: bash benchmarks/gpu_levers.sh loss|levers|compile|tier OUT_DIR}
+phase=${1:?usage: bash benchmarks/gpu_levers.sh loss|levers|compile|reshard|tier OUT_DIR}
+out=${2:?usage: bash benchmarks/gpu_levers.sh loss|levers|compile|reshard|tier OUT_DIR}
 mkdir -p "$out"
 python=${PYTHON:-python3}
 slice=(-- --num_layers 4 --dataset data/kjv.jsonl.gz --tokenizer data/tokenizer)
@@ -42,11 +44,14 @@ matrix() {
     compile)
         matrix "te-fp8 mb2,te-fp8 mb2 +compile,te-fp8 mb4 +expandable,te-fp8 mb4 +compile +expandable"
         ;;
+    reshard)
+        matrix "te-fp8 mb4 +expandable,te-fp8 mb4 +no-reshard +expandable"
+        ;;
     tier)
         "$python" -m pytest -m gpu tests/integration/test_gpu.py -k "fp8_attention or one_seed" -v
         ;;
     *)
-        echo "unknown phase $phase: loss, levers, compile or tier" >&2
+        echo "unknown phase $phase: loss, levers, compile, reshard or tier" >&2
         exit 2
         ;;
     esac

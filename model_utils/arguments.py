@@ -28,6 +28,8 @@ TE_RECIPES: dict[str, str] = {
 #: TE recipes with an FP8 attention path (``--fp8_attention``); current scaling's needs SM 10.0+.
 FP8_ATTENTION_RECIPES = ("delayed", "current")
 MODEL_IMPLS = ("auto", "hf", "te", "te_linear")
+#: ``--reshard_after_forward``: which FSDP2 units free their gathered parameters after forward.
+RESHARD_POLICIES = ("default", "never", "always")
 TE_IMPLS = ("te", "te_linear")  # the implementations that run on the TE precision backend
 # adamw: torch's, fp32 moments; adamw8bit / adamw_fp8: torchao.optim's AdamW8bit / AdamWFp8.
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw_fp8")
@@ -156,6 +158,13 @@ def _parallelism_flags(flag: Callable[..., None], switch: Callable[..., None]) -
         default="full",
         choices=("full", "hybrid"),
         help="full: FSDP2 over all ranks; hybrid: shard in a node, replicate across",
+    )
+    flag(
+        "reshard_after_forward",
+        default="default",
+        choices=RESHARD_POLICIES,
+        help="FSDP2: default = all but the last layer and [norm, lm_head] (torchtitan); never = "
+        "keep gathered for backward (no second gather and cast, more memory); always",
     )
     switch("activation_checkpointing", False, "recompute decoder layers in backward")
     flag("ac_every", type=int, default=1, help="with AC: recompute every Nth layer (2 = half)")

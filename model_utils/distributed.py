@@ -191,24 +191,31 @@ def shard(model: nn.Module, mesh: DeviceMesh, args: argparse.Namespace) -> nn.Mo
     """
     compute = torch.bfloat16 if args.bf16 else torch.float32
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
-    units = fsdp_units(model)
+    units = fsdp_units(model, args.reshard_after_forward)
     for unit, reshard in units:
         fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 
-def fsdp_units(model: nn.Module) -> list[tuple[nn.Module | list[nn.Module], bool]]:
+def fsdp_units(
+    model: nn.Module, policy: str = "default"
+) -> list[tuple[nn.Module | list[nn.Module], bool]]:
     """(module or module group, reshard after forward) in forward order, root excluded.
 
-    The last layer and ``[norm, lm_head]`` stay gathered after forward: backward needs them
-    first, so resharding would only gather them again at once (torchtitan's choice too).
+    ``default``: the last layer and ``[norm, lm_head]`` stay gathered after forward: backward
+    needs them first, so resharding would only gather them again at once (torchtitan's
+    choice). ``never`` keeps every unit gathered from its forward to its backward (ZeRO-2's
+    memory: the bf16 parameters of the whole model, once), so backward neither gathers nor
+    casts fp32 -> bf16 again; ``always`` reshards every unit (the least memory).
     """
     layers = decoder_layers(model)
     units: list[tuple[nn.Module | list[nn.Module], bool]] = [(model.model.embed_tokens, True)]
     units += [(layer, i < len(layers) - 1) for i, layer in enumerate(layers)]
     units.append(([model.model.norm, model.lm_head], False))
-    return units
+    if policy == "default":
+        return units
+    return [(unit, policy == "always") for unit, _ in units]
 
 
 def sync_gradients(model: nn.Module, strategy: str, last_micro: bool) -> None:

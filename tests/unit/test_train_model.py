@@ -116,3 +116,46 @@ def test_fsdp_units_are_torchtitans():
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     assert model.lm_head.weight.grad is not None and torch.isfinite(loss)
+
+
+def _unshards_per_pass(model, monkeypatch) -> tuple[int, int, float]:
+    """Parameter groups FSDP2 really gathers (and casts fp32 -> bf16) in forward and in
+    backward of one step, and the loss."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    group = _fsdp_param_group.FSDPParamGroup
+    real_unshard, count = group.unshard, [0]
+
+    def counting(self, *args, **kwargs):
+        if not self.is_unsharded and self._all_gather_result is None:
+            count[0] += 1
+        return real_unshard(self, *args, **kwargs)
+
+    monkeypatch.setattr(group, "unshard", counting)
+    ids = torch.randint(0, 8192, (2, 64), generator=torch.Generator().manual_seed(0))
+    loss = model(input_ids=ids, labels=ids).loss
+    forward = count[0]
+    loss.backward()
+    return forward, count[0] - forward, loss.item()
+
+
+def test_reshard_after_forward_policies(monkeypatch):
+    """default (torchtitan): backward gathers again every unit but the last layer and [norm,
+    lm_head]; never: backward gathers nothing again; always: every unit. Same loss."""
+    from model_utils import distributed
+
+    tiny_layers = 4
+    results = {}
+    for policy in ("default", "never", "always"):
+        model = _build_tiny([f"--reshard_after_forward={policy}"])
+        flags = [reshard for _, reshard in distributed.fsdp_units(model, policy)]
+        results[policy] = (flags, *_unshards_per_pass(model, monkeypatch))
+        monkeypatch.undo()
+    units = tiny_layers + 2  # embedding, layers, [norm, lm_head]
+    assert results["default"][0] == [True] * tiny_layers + [False, False]
+    assert results["never"][0] == [False] * units and results["always"][0] == [True] * units
+    assert [r[1] for r in results.values()] == [units] * 3  # forward gathers every unit once
+    assert results["default"][2] == tiny_layers  # embedding + the first 3 layers, again
+    assert results["never"][2] == 0
+    assert results["always"][2] == units
+    assert results["never"][3] == results["default"][3] == results["always"][3]
