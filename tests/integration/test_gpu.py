@@ -266,11 +266,6 @@ HEAD_128 = ("--num_heads=2", "--num_key_value_heads=2")
 TE_DELAYED = ("--model_impl=te", "--fp8=1", "--fp8_recipe=delayed")
 
 
-def _cudnn() -> tuple[int, int, int]:
-    code = torch.backends.cudnn.version() or 0
-    return code // 10000, code // 100 % 100, code % 100
-
-
 def test_fp8_attention_trains_close_to_fp8_gemms_and_resumes(runs) -> None:
     """--fp8_attention (TE's fp8_dpa, cuDNN's FP8 fused attention): trains, stays within 3% of
     FP8 GEMMs alone per step, and resumes from step 5. Bit for bit where cuDNN >= 9.19 runs it
@@ -278,7 +273,10 @@ def test_fp8_attention_trains_close_to_fp8_gemms_and_resumes(runs) -> None:
     needs_te()
     if sm() < (9, 0):
         pytest.skip("FP8 attention needs SM 9.0+")
-    deterministic = _cudnn() >= (9, 19, 0)
+    from model_utils.te_precision import cudnn_version
+    from model_utils.te_requirements import FP8_ATTENTION_DETERMINISTIC_MIN_CUDNN
+
+    deterministic = (cudnn_version() or (0, 0, 0)) >= FP8_ATTENTION_DETERMINISTIC_MIN_CUDNN
     gemms_only = runs / "te-delayed-head128"
     ok(train(gemms_only, *TE_DELAYED, *HEAD_128, deterministic=deterministic))
     out = runs / "te-delayed-fp8-attention"
