@@ -184,8 +184,9 @@ def load_run(path: str | os.PathLike[str]) -> Run:
 
 
 def label_from_flags(info: Mapping[str, Any] | None) -> str | None:
-    """``fp8 tensorwise hf``, ``bf16 te adamw8bit``: precision, FP8 recipe (FP8 runs),
-    implementation, and the optimizer where it is not the default adamw."""
+    """``fp8 tensorwise hf``, ``bf16 te adamw8bit``, ``fp8 delayed te fp8-attention``:
+    precision, FP8 recipe (FP8 runs), implementation, FP8 attention when on, and the optimizer
+    where it is not the default adamw."""
     if not info or "flags" not in info:
         return None
     flags = info["flags"]
@@ -195,6 +196,8 @@ def label_from_flags(info: Mapping[str, Any] | None) -> str | None:
         parts.append(str(flags["fp8_recipe"]))
     if flags.get("model_impl"):
         parts.append(str(flags["model_impl"]))
+    if flags.get("fp8") and flags.get("fp8_attention"):
+        parts.append("fp8-attention")
     if flags.get("optimizer", "adamw") != "adamw":
         parts.append(str(flags["optimizer"]))
     return " ".join(parts)

@@ -319,6 +319,13 @@ def test_labels_and_argument_refusals(two_runs, tmp_path, capsys) -> None:
     assert cr.label_from_flags(flags) == "bf16 hf"
     flags["flags"]["optimizer"] = "adamw8bit"
     assert cr.label_from_flags(flags) == "bf16 hf adamw8bit"
+    # FP8 attention tells an otherwise equal TE FP8 run apart.
+    te = {"fp8": True, "fp8_recipe": "delayed", "model_impl": "te"}
+    assert cr.label_from_flags({"flags": {**te, "fp8_attention": False}}) == "fp8 delayed te"
+    assert (
+        cr.label_from_flags({"flags": {**te, "fp8_attention": True}})
+        == "fp8 delayed te fp8-attention"
+    )
 
 
 def test_warmup_rule_is_train_py_s() -> None:
