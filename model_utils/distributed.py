@@ -11,6 +11,7 @@ import argparse
 import os
 import re
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -246,6 +247,24 @@ def first_problem(problem: str | None, world_size: int) -> str | None:
     return next((p for p in found if p), None)
 
 
+# How long cleanup() hands the GIL to gloo's worker threads before the interpreter shuts down.
+GLOO_RELEASE_GRACE_S = 0.2
+
+
 def cleanup() -> None:
+    """Leave the process group, then give gloo's worker threads a moment before exiting.
+
+    A gloo worker thread drops a finished collective's tensors just after the collective
+    returns, and that takes the GIL. If the interpreter is already shutting down, CPython 3.11
+    ends the thread by unwinding it through a C++ destructor: std::terminate, SIGABRT, and a
+    run that finished and saved is reported to Slurm as failed (seen in CI, in the rank
+    processes of our tests). destroy_process_group does not stop those threads here: after
+    fully_shard, torch 2.13 holds the gloo group from C++ (measured: both worker threads still
+    run after destroy_process_group, with no Python reference left). Sleeping hands the GIL
+    over so a pending drop finishes first. This narrows the window (the thread must be
+    scheduled within the grace) rather than closing it; the tests' spawned ranks close it by
+    skipping interpreter shutdown (tests/procs.py).
+    """
     if dist.is_initialized():
         dist.destroy_process_group()
+        time.sleep(GLOO_RELEASE_GRACE_S)
