@@ -76,7 +76,7 @@ def check_run_dir(args: argparse.Namespace) -> None:
         return
     path = checkpoint.resume_candidate(args.resume_from_checkpoint, args.checkpoint_dir)
     if path is not None:
-        checkpoint.check_resumable(path, vars(args))
+        checkpoint.check_resumable(path, args.as_dict())
 
 
 class Preemption:
@@ -203,7 +203,7 @@ def restore(
         optimizer,
         scheduler,
         stream,
-        config=vars(args),
+        config=args.as_dict(),
         on_data_reshard=lambda step, saved: stream.restart_after_reshard(saved),
         fp8_recipe=te_recipe(backend),
     )
@@ -212,7 +212,7 @@ def restore(
     resume_path = ckpt.resolve_intact(args.resume_from_checkpoint)  # checksums verified
     if resume_path is not None:
         args = resume(ckpt, resume_path, state, scheduler, args, explicit)
-        state.config = vars(args)
+        state.config = args.as_dict()
     return ckpt, state, args
 
 
@@ -238,7 +238,7 @@ def resume(
     checkpoint.ResumeRefused; other changed flags are logged; an explicit --lr/--min_lr replaces
     the saved one (optim.resume_schedule). Returns the flags with the lr values in use, so the
     next checkpoint and metrics.jsonl record what the run really uses."""
-    changed = [c for c in checkpoint.check_resumable(path, vars(args)) if c[0] not in _LR_FLAGS]
+    changed = [c for c in checkpoint.check_resumable(path, args.as_dict()) if c[0] not in _LR_FLAGS]
     ckpt.load(path, state)
     given = {name: getattr(args, name) for name in ("lr", "min_lr") if name in explicit}
     try:

@@ -422,7 +422,7 @@ class Config(argparse.Namespace):
     """The run's flags, resolved once (preset filled in, --model_impl auto and the --fp8_recipe
     default decided) and frozen: every module reads the same values, and checkpoint.json and
     metrics.jsonl record what the run really used. A change (resume's lr in use) is a new
-    object from :meth:`replace`. ``vars(config)`` is the flat dict of every field."""
+    object from :meth:`replace`; :meth:`as_dict` is a copy of every field for records."""
 
     def __init__(self, **fields: Any) -> None:
         self.__dict__.update(fields)
@@ -432,6 +432,11 @@ class Config(argparse.Namespace):
 
     def __delattr__(self, name: str) -> None:
         raise AttributeError(f"the run config is frozen: cannot delete {name}")
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every field, as a new dict: ``vars(config)`` is the live one, and a record that
+        edited it (checkpoint.json's config) would edit the frozen run config behind it."""
+        return dict(vars(self))
 
     def replace(self, **changes: Any) -> Config:
         """A copy with `changes`; only existing fields (a typo must not add a new one)."""

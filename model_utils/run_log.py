@@ -72,7 +72,7 @@ class RunLog:
             resumed_from=start_step,
         )
         run = metrics.run_record(
-            vars(args), world_size=world.world_size, samples_per_step=samples_per_step
+            args.as_dict(), world_size=world.world_size, samples_per_step=samples_per_step
         )
         log.info(metrics.run_line(run), stacklevel=2)  # flags and batch, for compare_runs.py
         self.writer.write(run)

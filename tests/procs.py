@@ -94,6 +94,20 @@ def _rank_main(rank: int, worker, world_size: int, port: int, *args) -> None:
     os._exit(0)
 
 
+def launch_report(result: subprocess.CompletedProcess, tail: int = 3000) -> str:
+    """What a failed torchrun launch printed, for an assertion message: every rank's traceback
+    lines (torchrun prefixes them ``[rankN]:``; the tail alone would show only the last rank to
+    die, not the one that failed first), then the tail of stdout and stderr."""
+    rank_lines = [line for line in result.stderr.splitlines() if line.startswith("[rank")]
+    return (
+        "\n".join(
+            [*rank_lines[:120], "--- stdout tail ---", result.stdout[-tail:], "--- stderr tail ---"]
+        )
+        + "\n"
+        + result.stderr[-tail:]
+    )
+
+
 def signal_after(
     cmd: list[str], sig: signal.Signals, marker: str = "Batch 2 Loss", timeout: float = 120, **popen
 ) -> tuple[int, str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from procs import torchrun_cmd
+from procs import launch_report, torchrun_cmd
 from te_double import subprocess_env
 from test_cross_impl import SMALL
 
@@ -28,7 +28,7 @@ def run_train(*argv: str, nproc: int = 2) -> str:
     env = subprocess_env({**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     cmd = torchrun_cmd(str(ROOT / "train.py"), *SMALL, *argv, nproc=nproc)
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, launch_report(result)
     return result.stdout
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from procs import launch_report
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -110,7 +111,7 @@ def losses(out: Path) -> dict[int, float]:
 
 
 def ok(result: subprocess.CompletedProcess) -> None:
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, launch_report(result)
 
 
 def trains(out: Path) -> dict[int, float]:

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from procs import torchrun_cmd
+from procs import launch_report, torchrun_cmd
 from test_train_model import FAST
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,7 +43,7 @@ def run_train(*argv: str, nproc: int = 1, timeout: int = 900) -> subprocess.Comp
         env=train_env(nproc),
         cwd=ROOT,
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, launch_report(result)
     return result
 
 

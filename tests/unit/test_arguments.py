@@ -131,6 +131,9 @@ def test_the_config_is_resolved_once_and_frozen():
     assert vars(changed) == {**vars(args), "lr": 0.5}
     with pytest.raises(AttributeError, match="no such config field"):
         args.replace(learning_rate=0.5)
+    record = args.as_dict()  # what checkpoint.json and metrics.jsonl keep
+    record["lr"] = 9.0
+    assert args.lr == 1e-3 and record == {**vars(args), "lr": 9.0}
 
 
 def test_auto_impl_is_hf_without_transformer_engine(monkeypatch):
