@@ -80,13 +80,13 @@ def _rank_main(rank: int, worker, world_size: int, port: int, *args) -> None:
     """One spawned rank: the worker, then an exit that skips interpreter shutdown.
 
     Why: gloo's worker threads drop a finished collective's tensors a moment after it returns,
-    and that needs the GIL. After fully_shard, torch 2.13 keeps the gloo group and its threads
-    alive past ``destroy_process_group``, and CPython 3.11 ends a thread that asks for the GIL
-    during shutdown by unwinding it through a C++ destructor: std::terminate, SIGABRT, and a
-    rank that finished its work reported as crashed (seen in CI; 1 run in 19 of the two-rank
-    FSDP2 test here, 0 in 50 with this exit). Skipping shutdown leaves no moment at which that
-    can happen (model_utils.distributed.cleanup only narrows it). A worker that raises still
-    goes through ``mp.spawn``'s own error path.
+    and that needs the GIL. Once a DTensor op has run (fully_shard runs one), torch 2.13 keeps
+    the gloo group and its threads alive past ``destroy_process_group``, and CPython 3.11 ends
+    a thread that asks for the GIL during shutdown by unwinding it through a C++ destructor:
+    std::terminate, SIGABRT, and a rank that finished its work reported as crashed (seen in
+    CI; 1 run in 19 of the two-rank FSDP2 test here, 0 in 50 with this exit). Skipping
+    shutdown leaves no moment at which that can happen (model_utils.distributed.cleanup only
+    narrows it). A worker that raises still goes through ``mp.spawn``'s own error path.
     """
     worker(rank, world_size, port, *args)
     sys.stdout.flush()
