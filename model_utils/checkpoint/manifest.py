@@ -150,9 +150,15 @@ def checkpoint_damage(path: str | Path) -> str | None:
 
 
 def content_damage(path: str | Path, files: Mapping[str, Mapping[str, Any]]) -> str | None:
-    """The first of `files` (name -> saved sums) whose content no longer matches its checksum."""
+    """The first of `files` (name -> saved sums) whose content no longer matches its checksum,
+    or that cannot be read (gone since the cheap checks, an I/O error): a line, not an
+    exception, because the ranks split the files and one rank raising would leave the others
+    waiting in the gather of everyone's verdict."""
     for name, saved in files.items():
-        now = file_sums([Path(path) / name])[name]
+        try:
+            now = file_sums([Path(path) / name])[name]
+        except OSError as exc:
+            return f"{Path(path) / name} cannot be read ({first_line(exc)})"
         if now[SUM_ALGORITHM] != saved.get(SUM_ALGORITHM, now[SUM_ALGORITHM]):
             return (
                 f"{Path(path) / name} does not match its {SUM_ALGORITHM} (changed since the save)"

@@ -233,6 +233,19 @@ def test_a_damaged_checkpoint_is_named_and_auto_resume_falls_back(tmp_path: Path
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_a_shard_gone_before_its_checksum_is_a_verdict_not_an_exception(tmp_path: Path) -> None:
+    """Each rank sums its share of the files and the verdicts are gathered: a rank that raised
+    instead would leave the others waiting in the gather (they would die of a lost peer)."""
+    _save_checkpoints(tmp_path, [1])
+    path = tmp_path / ck.checkpoint_name(1)
+    files = ck.read_marker(path)["files"]
+    assert ck.content_damage(path, files) is None
+    (path / "__0_0.distcp").unlink()  # after the cheap checks passed, before the checksum
+    problem = ck.content_damage(path, files)
+    assert problem.startswith(f"{path / '__0_0.distcp'} cannot be read (") and "\n" not in problem
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_every_checkpoint_damaged_is_refused_not_a_silent_fresh_start(tmp_path: Path) -> None:
     ckpt = _save_checkpoints(tmp_path, [1, 2])
     for step in (1, 2):
