@@ -68,7 +68,7 @@ def validate(argv: list[str] | None, training: bool = True) -> tuple[arguments.C
     return args, tokenizer
 
 
-def check_run_dir(args: argparse.Namespace) -> None:
+def check_run_dir(args: arguments.Config) -> None:
     """A checkpoint resumes only the run it belongs to, and a fresh run never writes over an
     earlier run's checkpoints (checkpoint.ResumeRefused, one line). Reads only."""
     if not args.resume_from_checkpoint:

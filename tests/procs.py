@@ -98,14 +98,9 @@ def launch_report(result: subprocess.CompletedProcess, tail: int = 3000) -> str:
     """What a failed torchrun launch printed, for an assertion message: every rank's traceback
     lines (torchrun prefixes them ``[rankN]:``; the tail alone would show only the last rank to
     die, not the one that failed first), then the tail of stdout and stderr."""
-    rank_lines = [line for line in result.stderr.splitlines() if line.startswith("[rank")]
-    return (
-        "\n".join(
-            [*rank_lines[:120], "--- stdout tail ---", result.stdout[-tail:], "--- stderr tail ---"]
-        )
-        + "\n"
-        + result.stderr[-tail:]
-    )
+    ranks = [line for line in result.stderr.splitlines() if line.startswith("[rank")][:120]
+    tails = ["--- stdout tail ---", result.stdout[-tail:], "--- stderr tail ---"]
+    return "\n".join([*ranks, *tails, result.stderr[-tail:]])
 
 
 def signal_after(
