@@ -116,7 +116,9 @@ def build_model(args: argparse.Namespace, mesh, device, backend) -> torch.nn.Mod
     )
     model = backend.prepare(built)
     if args.activation_checkpointing:
-        distributed.apply_activation_checkpointing(model, backend.checkpoint_fn, args.ac_every)
+        distributed.apply_activation_checkpointing(
+            model, backend.checkpoint_fn, args.ac_every, args.ac_scope
+        )
     if args.compile:
         distributed.apply_compile(model)
     model = distributed.shard(model, mesh, args)

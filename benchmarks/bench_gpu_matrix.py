@@ -94,6 +94,16 @@ LEVER_ROWS: tuple[tuple[str, tuple[str, ...], dict[str, str]], ...] = (
         (*TE_FP8, "--train_batch_size=4", "--activation_checkpointing"),
         EXPANDABLE,
     ),
+    (
+        "te-fp8 mb4 +AC-mlp +expandable",
+        (*TE_FP8, "--train_batch_size=4", "--activation_checkpointing", "--ac_scope=mlp"),
+        EXPANDABLE,
+    ),
+    (
+        "te-fp8 mb6 +AC-mlp +expandable",
+        (*TE_FP8, "--train_batch_size=6", "--activation_checkpointing", "--ac_scope=mlp"),
+        EXPANDABLE,
+    ),
 )
 INFER_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("hf-bf16", ("--model_impl=hf", "--fp8=0")),

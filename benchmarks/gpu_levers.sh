@@ -12,14 +12,17 @@
 #   compile te-fp8 mb2 and mb4, eager and under --compile (layers and loss chunks)       ~5 min
 #   reshard te-fp8 mb4 with FSDP2's default resharding and with --reshard_after_forward
 #           never (backward neither gathers nor casts the parameters again)            ~3 min
-#   tier    the GPU test tier's FP8-attention tests and the one-seed test                ~4 min
+#   ac      te-fp8 mb4 without AC, with every other layer recomputed, and with only the MLPs
+#           recomputed (--ac_scope mlp: TE's LayerNormMLP recompute); mb6 with the MLPs ~5 min
+#   tier    the GPU test tier's FP8-attention and MLP-recompute tests and the one-seed test
+#                                                                                        ~4 min
 #
 # Everything a phase prints goes to OUT_DIR/PHASE.log as well; the matrix rows' run folders
 # (metrics.jsonl) go to OUT_DIR/PHASE/.
 set -euo pipefail
 
-phase=${1:?usage: bash benchmarks/gpu_levers.sh loss|levers|compile|reshard|tier OUT_DIR}
-out=${2:?usage: bash benchmarks/gpu_levers.sh loss|levers|compile|reshard|tier OUT_DIR}
+phase=${1:?usage: bash benchmarks/gpu_levers.sh loss|levers|compile|reshard|ac|tier OUT_DIR}
+out=${2:?usage: bash benchmarks/gpu_levers.sh loss|levers|compile|reshard|ac|tier OUT_DIR}
 mkdir -p "$out"
 python=${PYTHON:-python3}
 slice=(-- --num_layers 4 --dataset data/kjv.jsonl.gz --tokenizer data/tokenizer)
@@ -47,11 +50,14 @@ matrix() {
     reshard)
         matrix "te-fp8 mb4 +expandable,te-fp8 mb4 +no-reshard +expandable"
         ;;
+    ac)
+        matrix "te-fp8 mb4 +expandable,te-fp8 mb4 +AC/2 +expandable,te-fp8 mb4 +AC-mlp +expandable,te-fp8 mb6 +AC-mlp +expandable"
+        ;;
     tier)
-        "$python" -m pytest -m gpu tests/integration/test_gpu.py -k "fp8_attention or one_seed" -v
+        "$python" -m pytest -m gpu tests/integration/test_gpu.py -k "fp8_attention or mlp_recompute or one_seed" -v
         ;;
     *)
-        echo "unknown phase $phase: loss, levers, compile, reshard or tier" >&2
+        echo "unknown phase $phase: loss, levers, compile, reshard, ac or tier" >&2
         exit 2
         ;;
     esac

@@ -30,6 +30,9 @@ FP8_ATTENTION_RECIPES = ("delayed", "current")
 MODEL_IMPLS = ("auto", "hf", "te", "te_linear")
 #: ``--reshard_after_forward``: which FSDP2 units free their gathered parameters after forward.
 RESHARD_POLICIES = ("default", "never", "always")
+#: What each checkpointed layer recomputes (``--ac_scope``): the whole decoder layer, or only
+#: its MLP (for ``--model_impl te`` TE's own LayerNormMLP recompute, which skips fc2).
+AC_SCOPES = ("layer", "mlp")
 TE_IMPLS = ("te", "te_linear")  # the implementations that run on the TE precision backend
 # adamw: torch's, fp32 moments; adamw8bit / adamw_fp8: torchao.optim's AdamW8bit / AdamWFp8.
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw_fp8")
@@ -168,6 +171,12 @@ def _parallelism_flags(flag: Callable[..., None], switch: Callable[..., None]) -
     )
     switch("activation_checkpointing", False, "recompute decoder layers in backward")
     flag("ac_every", type=int, default=1, help="with AC: recompute every Nth layer (2 = half)")
+    flag(
+        "ac_scope",
+        default="layer",
+        choices=AC_SCOPES,
+        help="with AC: recompute the whole layer, or only its MLP (most activations, least work)",
+    )
     switch("compile", False, "torch.compile each decoder layer")
     switch("chunked_loss", True, "lm_head + cross-entropy by chunks, no full logits; 0 = HF's")
     flag("dist_timeout", type=int, default=600, help="seconds before a stuck collective fails")
@@ -357,6 +366,8 @@ def _check_combinations(args: argparse.Namespace) -> None:
         )
     if args.ac_every > 1 and not args.activation_checkpointing:
         raise UsageError("--ac_every needs --activation_checkpointing")
+    if args.ac_scope != "layer" and not args.activation_checkpointing:
+        raise UsageError(f"--ac_scope {args.ac_scope} needs --activation_checkpointing")
     if args.fp8_all_gather and not args.fp8:
         raise UsageError("--fp8_all_gather needs --fp8=1")
     if args.fp8_weights and not args.fp8:

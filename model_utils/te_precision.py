@@ -156,6 +156,12 @@ class TEBackend:
         self.fp8_format = args.fp8_format
         self.fp8_weights = bool(getattr(args, "fp8_weights", False))
         self.model_impl = args.model_impl
+        #: TE's own MLP recompute (``--ac_scope mlp`` on the fused layer) has a TE floor.
+        self.mlp_recompute = (
+            args.model_impl == "te"
+            and bool(getattr(args, "activation_checkpointing", False))
+            and getattr(args, "ac_scope", "layer") == "mlp"
+        )
         self.torch_autocast_dtype = torch_autocast_dtype
         self.dp_group = dp_group
         self._recipe_kwargs = {
@@ -205,6 +211,7 @@ class TEBackend:
             cuda_version=torch.version.cuda,
             te_version=version,
             fp8_weights=self.fp8_weights,
+            mlp_recompute=self.mlp_recompute,
         )
         if problem and sm is None and "no CUDA GPU" in problem:
             problem = None  # TE itself decides below (it knows its device; CPU builds have none)

@@ -41,6 +41,9 @@ TE_AVAILABILITY_CHECKS: dict[str, str] = {
 #: FP8-only weights under FSDP2 (``--fp8_weights``): TE 2.16 is the first release without the
 #: FSDP2 FP8 weight-workspace leak (TE PR #2805) and with block-scaled weights built on CUDA.
 FP8_WEIGHTS_MIN_TE = (2, 16)
+#: ``--ac_scope mlp`` on ``--model_impl te`` sets ``LayerNormMLP.checkpoint``, TE's selective
+#: recompute of the fused MLP (TE PR #2311, first released in 2.11).
+MLP_RECOMPUTE_MIN_TE = (2, 11)
 #: From this release TE refuses to unpickle delayed-scaling ``_extra_state`` unless
 #: ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1`` (``transformer_engine/pytorch/_extra_state.py``).
 TE_REFUSES_PICKLED_EXTRA_STATE = (2, 18)
@@ -96,6 +99,7 @@ def capability_problem(
     cuda_version: str | None,
     te_version: str | None,
     fp8_weights: bool = False,
+    mlp_recompute: bool = False,
 ) -> str | None:
     """The first reason ``recipe`` ("bf16" or a TE recipe) cannot run here, or ``None``.
 
@@ -113,6 +117,12 @@ def capability_problem(
         return (
             f"--fp8_weights needs Transformer Engine >= {_fmt(FP8_WEIGHTS_MIN_TE)}, "
             f"found {te_version}"
+        )
+    if mlp_recompute and te_release < MLP_RECOMPUTE_MIN_TE:
+        return (
+            f"--ac_scope mlp with --model_impl te needs Transformer Engine >= "
+            f"{_fmt(MLP_RECOMPUTE_MIN_TE)} (LayerNormMLP's recompute), found {te_version}: "
+            "use --ac_scope layer"
         )
     if sm is None:
         return f"{label} needs {need.hardware}; no CUDA GPU is visible"

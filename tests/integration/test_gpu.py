@@ -262,6 +262,19 @@ def test_te_fp8_with_each_feature_trains(feature, runs) -> None:
     trains(out)
 
 
+def test_mlp_recompute_on_te_trains_like_no_recompute(runs) -> None:
+    """--ac_scope mlp on the fused layer (TE's LayerNormMLP(checkpoint=True), under FSDP2):
+    the recompute replays the forward's delayed scales, so the losses are those of the run
+    without recompute (deterministic algorithms: equal up to the order of fp32 reductions)."""
+    needs_te()
+    flags = ("--model_impl=te", "--fp8=1", "--fp8_recipe=delayed")
+    plain = runs / "te-delayed-no-ac"
+    ok(train(plain, *flags))
+    out = runs / "te-delayed-ac-mlp"
+    ok(train(out, *flags, "--activation_checkpointing", "--ac_scope=mlp"))
+    assert trains(out) == pytest.approx(trains(plain), rel=1e-3)
+
+
 #: head_dim 128 (256 / 2 heads): what cuDNN's FP8 attention takes on Hopper.
 HEAD_128 = ("--num_heads=2", "--num_key_value_heads=2")
 TE_DELAYED = ("--model_impl=te", "--fp8=1", "--fp8_recipe=delayed")

@@ -465,6 +465,45 @@ def test_fp8_state_internals_exist(te_source: TESource) -> None:
     assert "delayed" in {n.name for n in recipe.body if isinstance(n, ast.FunctionDef)}
 
 
+def test_the_fused_mlp_recompute_flag_exists(te_source: TESource, te_double) -> None:
+    """``--ac_scope mlp`` on ``--model_impl te`` sets ``layernorm_mlp.checkpoint`` on a built
+    ``TransformerLayer`` (distributed.MLP_SITES). That holds only while TransformerLayer keeps its
+    MLP as ``self.layernorm_mlp``, a ``LayerNormMLP`` it calls in forward, and LayerNormMLP
+    takes ``checkpoint`` (default off, as in the double), stores it, and hands ``self.checkpoint``
+    to its autograd function at every forward (TE PR #2311, released in 2.11)."""
+    from transformer_engine.pytorch import TransformerLayer as DoubleLayer
+
+    from model_utils import distributed
+
+    module = "transformer_engine.pytorch.module.layernorm_mlp"
+    mlp = _class_node(te_source, module, "LayerNormMLP")
+    init = next(n for n in mlp.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    params = function_params(init, drop_self=True)
+    assert "checkpoint" in params.names and params.defaults["checkpoint"] is False
+    assert "checkpoint" in _self_attributes(mlp)
+    forward = next(n for n in mlp.body if isinstance(n, ast.FunctionDef) and n.name == "forward")
+    assert "self.checkpoint" in ast.unparse(forward)
+    layer = _class_node(te_source, "transformer_engine.pytorch.transformer", "TransformerLayer")
+    text = ast.unparse(layer)
+    assert "self.layernorm_mlp = LayerNormMLP(" in text
+    assert "self.layernorm_mlp(hidden_states" in text
+    path = next(p for p, how in distributed.MLP_SITES.items() if how == "te_flag")
+    assert path == "transformer_layer.layernorm_mlp"  # te_llama's attribute, then TE's
+    built = DoubleLayer(
+        64,
+        128,
+        4,
+        bias=False,
+        activation="swiglu",
+        normalization="RMSNorm",
+        attn_input_format="bshd",
+        fuse_qkv_params=True,
+        qkv_weight_interleaved=False,
+        device="cpu",
+    )
+    assert built.layernorm_mlp.checkpoint is False
+
+
 def test_pickled_extra_state_refusal_matches_the_release(
     te_source: TESource, pinned_te_source: TESource, te_double
 ) -> None:

@@ -103,6 +103,45 @@ def transformer_layer(
     ``self_attention.layernorm_qkv.{layer_norm_weight,weight}``, ``self_attention.proj.weight``,
     ``layernorm_mlp.{layer_norm_weight,fc1_weight,fc2_weight}``.
     """
+    hidden = attention_block(
+        hidden_states,
+        weights,
+        num_heads=num_heads,
+        num_groups=num_groups,
+        head_dim=head_dim,
+        eps=eps,
+        rotary_pos_emb=rotary_pos_emb,
+        mask_type=mask_type,
+        attention_mask=attention_mask,
+        linear=linear,
+        attention_dropout=attention_dropout,
+        hidden_dropout=hidden_dropout,
+        training=training,
+        attention_cast=attention_cast,
+    )
+    return mlp_block(
+        hidden, weights, eps=eps, linear=linear, hidden_dropout=hidden_dropout, training=training
+    )
+
+
+def attention_block(
+    hidden_states: torch.Tensor,
+    weights: Mapping[str, torch.Tensor],
+    *,
+    num_heads: int,
+    num_groups: int,
+    head_dim: int,
+    eps: float,
+    rotary_pos_emb: torch.Tensor | None,
+    mask_type: str,
+    attention_mask: torch.Tensor | None,
+    linear: Linear,
+    attention_dropout: float,
+    hidden_dropout: float,
+    training: bool,
+    attention_cast: Cast,
+) -> torch.Tensor:
+    """The layer's first half: ``hidden + proj(attention(qkv(rms_norm(hidden))))``."""
     batch, seq, _ = hidden_states.shape
     x = rms_norm(hidden_states, weights["self_attention.layernorm_qkv.layer_norm_weight"], eps)
     qkv = linear(x, weights["self_attention.layernorm_qkv.weight"], "qkv")
@@ -126,7 +165,19 @@ def transformer_layer(
     attn_out = linear(
         context.reshape(batch, seq, q_rows), weights["self_attention.proj.weight"], "proj"
     )
-    hidden = hidden_states + F.dropout(attn_out, p=hidden_dropout, training=training)
+    return hidden_states + F.dropout(attn_out, p=hidden_dropout, training=training)
+
+
+def mlp_block(
+    hidden: torch.Tensor,
+    weights: Mapping[str, torch.Tensor],
+    *,
+    eps: float,
+    linear: Linear,
+    hidden_dropout: float,
+    training: bool,
+) -> torch.Tensor:
+    """The layer's second half (TE's ``layernorm_mlp``): ``hidden + fc2(swiglu(fc1(norm)))``."""
     y = rms_norm(hidden, weights["layernorm_mlp.layer_norm_weight"], eps)
     gate, up = linear(y, weights["layernorm_mlp.fc1_weight"], "fc1").chunk(2, dim=-1)
     mlp_out = linear(F.silu(gate) * up, weights["layernorm_mlp.fc2_weight"], "fc2")

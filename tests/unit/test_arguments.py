@@ -106,6 +106,8 @@ def test_readme_documents_every_flag():
         (["--train_batch_size", "0"], "--train_batch_size must be > 0"),
         (["--activation_checkpointing", "--ac_every=0"], "--ac_every must be >= 1"),
         (["--ac_every=2"], "--ac_every needs --activation_checkpointing"),
+        (["--ac_scope=mlp"], "--ac_scope mlp needs --activation_checkpointing"),
+        (["--activation_checkpointing", "--ac_scope=attention"], "invalid choice: 'attention'"),
     ],
 )
 def test_bad_flags_raise_usage_error(argv, message):

@@ -120,6 +120,28 @@ def test_fp8_weights_needs_te_2_16() -> None:
     assert problem == "--fp8_weights needs Transformer Engine >= 2.16, found 2.15.0"
 
 
+def test_mlp_recompute_on_the_fused_layer_needs_te_2_11() -> None:
+    """--ac_scope mlp sets LayerNormMLP.checkpoint, which TE 2.10 does not have; te_linear
+    wraps HF's MLP and needs nothing from TE."""
+    problem = te_requirements.capability_problem(
+        "delayed", sm=(9, 0), cuda_version="12.4", te_version="2.10.0", mlp_recompute=True
+    )
+    assert problem == (
+        "--ac_scope mlp with --model_impl te needs Transformer Engine >= 2.11 (LayerNormMLP's "
+        "recompute), found 2.10.0: use --ac_scope layer"
+    )
+    assert (
+        te_requirements.capability_problem(
+            "delayed", sm=(9, 0), cuda_version="12.4", te_version="2.11.0", mlp_recompute=True
+        )
+        is None
+    )
+    ac_mlp = dict(activation_checkpointing=True, ac_scope="mlp")
+    assert TEBackend(backend_args(True, **ac_mlp)).mlp_recompute
+    assert not TEBackend(backend_args(True, impl="te_linear", **ac_mlp)).mlp_recompute
+    assert not TEBackend(backend_args(True, activation_checkpointing=True)).mlp_recompute
+
+
 def test_fp8_shape_problem() -> None:
     shapes = dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32)
     assert (
@@ -423,17 +445,65 @@ def test_te_activation_checkpointing_keeps_gradients(recipe: str, te_double) -> 
             torch.testing.assert_close(other[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_te_linear_activation_checkpointing_keeps_state_dict_names(te_double) -> None:
+@pytest.mark.parametrize("recipe", ["bf16", "delayed"])
+def test_te_mlp_recompute_keeps_gradients_and_fp8_state(recipe: str, te_double) -> None:
+    """--ac_scope mlp on the fused layer turns on LayerNormMLP's own recompute (``checkpoint``)
+    in the chosen layers only: the MLP keeps nothing but its input, and gradients, amax
+    histories and scales come out as without recompute (the recompute replays the forward's
+    scales and records no amax)."""
+    from model_utils import distributed
+
+    config = tiny_config(num_hidden_layers=4)
+    ids = batch(config)
+    results = []
+    for scope in (None, "mlp"):
+        backend = TEBackend(backend_args(fp8=recipe != "bf16", recipe="delayed"))
+        model = backend.prepare(built(config))
+        if scope:
+            distributed.apply_activation_checkpointing(model, backend.checkpoint_fn, 2, scope)
+        layers = distributed.decoder_layers(model)
+        assert [layer.transformer_layer.layernorm_mlp.checkpoint for layer in layers] == (
+            [False, True, False, True] if scope else [False] * 4
+        )
+        saved = [0]
+
+        def pack(t: torch.Tensor, saved=saved) -> torch.Tensor:
+            saved[0] += t.numel() * t.element_size()
+            return t
+
+        for micro in range(2):  # the second runs with updated delayed-scaling factors
+            model.zero_grad()
+            saved[0] = 0
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with backend.autocast(first_micro_batch=micro == 0):
+                    loss = model(ids, labels=ids).loss
+            loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results.append((saved[0], grads, te_support.fp8_scaling_state(model)))
+    (plain_bytes, plain_grads, plain_state), (mlp_bytes, mlp_grads, mlp_state) = results
+    assert mlp_bytes < plain_bytes
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(mlp_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert plain_state.keys() == mlp_state.keys() and (recipe == "bf16") == (not plain_state)
+    for key, value in plain_state.items():
+        assert torch.equal(mlp_state[key], value), key
+
+
+@pytest.mark.parametrize("scope", ["layer", "mlp"])
+def test_te_linear_activation_checkpointing_keeps_state_dict_names(scope: str, te_double) -> None:
     from model_utils import distributed
 
     config = tiny_config()
     model = built(config, "te_linear")
     keys = set(model.state_dict())
-    distributed.apply_activation_checkpointing(model, TEBackend(backend_args(False)).checkpoint_fn)
+    checkpoint_fn = TEBackend(backend_args(False)).checkpoint_fn
+    distributed.apply_activation_checkpointing(model, checkpoint_fn, scope=scope)
     assert set(model.state_dict()) == keys
     ids = batch(config)
     model(ids, labels=ids).loss.backward()
-    assert model.model.layers[0]._checkpoint_wrapped_module.self_attn.q_proj.weight.grad is not None
+    wrapped = {"layer": "model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight"}
+    name = wrapped.get(scope, "model.layers.0.mlp._checkpoint_wrapped_module.up_proj.weight")
+    assert dict(model.named_parameters())[name].grad is not None
 
 
 def test_fp8_weights_build(te_double) -> None:
@@ -483,6 +553,7 @@ def test_gpu_matrix_rows_are_train_py_commands_and_the_table_shows_ratios(tmp_pa
         parsed = parse_args(cmd[cmd.index(str(bench.ROOT / "train.py")) + 1 :])
         assert f"--train_batch_size={parsed.train_batch_size}" in fixed, name
         assert parsed.activation_checkpointing == ("--activation_checkpointing" in fixed), name
+        assert parsed.ac_scope == ("mlp" if "+AC-mlp" in name else "layer"), name
         assert env in ({}, bench.EXPANDABLE) and ("expandable" in name) == bool(env), name
         assert " " not in cmd[-len(fixed) - len(user) - 1]  # run directory without spaces
     assert set(bench.BASELINES["levers"]) <= {name for name, *_ in bench.LEVER_ROWS}

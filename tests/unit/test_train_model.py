@@ -1,6 +1,7 @@
 """The model train.py builds, in this process: activation checkpointing (all layers, every other
-layer) saves memory and computes the same, --compile wraps each decoder layer, and the FSDP2
-units are torchtitan's. train.py's runs end to end are tests/integration/test_train.py."""
+layer, the MLPs only) saves memory and computes the same, --compile wraps each decoder layer,
+and the FSDP2 units are torchtitan's. train.py's runs end to end are
+tests/integration/test_train.py."""
 
 from __future__ import annotations
 
@@ -28,16 +29,19 @@ def _build_tiny(extra: list[str]):
     return train.build_model(args, mesh, device, backend)
 
 
-def _layer_activation_bytes_and_grads(model) -> tuple[int, float, list[torch.Tensor]]:
-    """Bytes autograd keeps for backward while inside the decoder layers, plus loss and grads."""
+def _layer_activation_bytes_and_grads(
+    model, part=lambda layer: layer
+) -> tuple[int, float, list[torch.Tensor]]:
+    """Bytes autograd keeps for backward while inside the decoder layers (or the ``part`` of
+    each layer given), plus loss and grads."""
     from model_utils import distributed
 
     torch.manual_seed(0)
     batch = torch.randint(0, 8192, (4, 128))
     inside, saved = [False], [0]
     for layer in distributed.decoder_layers(model):
-        layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
-        layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+        part(layer).register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+        part(layer).register_forward_hook(lambda *_: inside.__setitem__(0, False))
 
     def pack(t: torch.Tensor):
         if inside[0]:
@@ -58,8 +62,8 @@ def test_activation_checkpointing_saves_less_and_computes_the_same():
     )
     assert ac_loss == plain_loss
     assert all(torch.equal(a, b) for a, b in zip(ac_grads, plain_grads, strict=True))
-    # Without AC each layer keeps its intermediate activations; with AC it keeps none of them
-    # (only the layer input, saved by the checkpoint itself outside our hook).
+    # Without AC each layer keeps its intermediate activations; with AC it keeps none of them,
+    # only its input for the recompute.
     assert plain_bytes > 10_000_000 and ac_bytes < 0.1 * plain_bytes, (ac_bytes, plain_bytes)
 
 
@@ -77,6 +81,28 @@ def test_activation_checkpointing_every_other_layer_saves_half_and_computes_the_
     assert all(torch.equal(a, b) for a, b in zip(half_grads, plain_grads, strict=True))
     # The tiny model has an even number of layers: half of them keep their activations.
     assert 0.4 < half_bytes / plain_bytes < 0.6, (half_bytes, plain_bytes)
+
+
+def test_activation_checkpointing_of_the_mlps_only_saves_most_and_computes_the_same():
+    """--ac_scope mlp: each layer keeps its attention activations and recomputes its MLP."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from model_utils.distributed import decoder_layers
+
+    plain_bytes, plain_loss, plain_grads = _layer_activation_bytes_and_grads(_build_tiny([]))
+    in_mlps = _layer_activation_bytes_and_grads(_build_tiny([]), lambda layer: layer.mlp)[0]
+    model = _build_tiny(["--activation_checkpointing", "--ac_scope=mlp"])
+    layers = decoder_layers(model)
+    assert all(isinstance(layer.mlp, CheckpointWrapper) for layer in layers)
+    assert not any(isinstance(layer, CheckpointWrapper) for layer in layers)
+    mlp_bytes, mlp_loss, mlp_grads = _layer_activation_bytes_and_grads(model)
+    assert mlp_loss == plain_loss
+    assert all(torch.equal(a, b) for a, b in zip(mlp_grads, plain_grads, strict=True))
+    # Each layer keeps what it kept before, less what its MLP kept, plus the MLP's input for the
+    # recompute: a [batch, seq, hidden] tensor per layer, as full recompute keeps per layer.
+    full_bytes = _layer_activation_bytes_and_grads(_build_tiny(["--activation_checkpointing"]))[0]
+    assert in_mlps > 0.3 * plain_bytes, (in_mlps, plain_bytes)
+    assert mlp_bytes == plain_bytes - in_mlps + full_bytes, (plain_bytes, in_mlps, mlp_bytes)
 
 
 def test_compile_flag_compiles_each_decoder_layer_of_the_model_train_builds(monkeypatch):

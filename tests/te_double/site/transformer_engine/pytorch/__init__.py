@@ -15,8 +15,9 @@ What it models, so tests exercise real behaviour rather than a stub:
   are rounded through E4M3 and their gradients through E5M2 with the attention module's own
   delayed-scaling state (TE's ``META_*`` slots); where TE would find no backend (SM < 9.0;
   on SM 9.x anything but delayed scaling or head_dim 128) it raises TE's ValueError.
-* ``is_first_microbatch`` caches the quantized weights; ``checkpoint`` replays the forward's
-  FP8 state during recompute; ``quantized_model_init`` rounds weights to FP8 at init (values
+* ``is_first_microbatch`` caches the quantized weights; ``checkpoint`` and a
+  ``layernorm_mlp.checkpoint`` set to True recompute in backward, replaying the forward's FP8
+  state; ``quantized_model_init`` rounds weights to FP8 at init (values
   only: parameters stay ordinary tensors).
 
 The emulated device is an H100 (SM 9.0, CUDA 12.9); set ``TE_DOUBLE_SM=10.0`` to emulate a
@@ -25,6 +26,7 @@ Blackwell (MXFP8) or ``8.0`` for an A100 (no FP8).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import pickle
@@ -660,6 +662,9 @@ class _LayerNormMLP(_TEModule):
         )
         self._register("fc1_weight", torch.empty(2 * ffn, hidden, dtype=dtype, device=device), init)
         self._register("fc2_weight", torch.empty(hidden, ffn, dtype=dtype, device=device), out_init)
+        #: TE's selective recompute (``LayerNormMLP(checkpoint=...)``, TE >= 2.11), read at every
+        #: forward; ``TransformerLayer`` builds the module without it (False).
+        self.checkpoint = False
         self.reset_parameters(defer_init=device.type == "meta")
 
 
@@ -852,7 +857,7 @@ class TransformerLayer(nn.Module):
                 if not _STATE.recompute and core not in _STATE.region:
                     _STATE.region.append(core)
                 attention_cast = core.cast
-        return reference.transformer_layer(
+        hidden = reference.attention_block(
             hidden_states.to(dtype),
             weights,
             num_heads=self.num_heads,
@@ -868,3 +873,65 @@ class TransformerLayer(nn.Module):
             training=self.training,
             attention_cast=attention_cast,
         )
+
+        def mlp_half(x: torch.Tensor) -> torch.Tensor:
+            return reference.mlp_block(
+                x,
+                weights,
+                eps=self.eps,
+                linear=linear,
+                hidden_dropout=self.hidden_dropout,
+                training=self.training,
+            )
+
+        if mlp.checkpoint and torch.is_grad_enabled():  # LayerNormMLP's selective recompute
+            return _recompute_replaying_fp8(mlp_half, [mlp], hidden)
+        return mlp_half(hidden)
+
+
+def _recompute_replaying_fp8(
+    function: Callable, modules: list[_TEModule], *args: Any, **kwargs: Any
+) -> Any:
+    """Run ``function`` keeping only its inputs; recompute it in backward with the FP8 scaling
+    state the forward used (TE's ``copy_forward_fp8_meta_tensors_for_recompute`` and
+    ``get_old_fp8_meta_tensors_for_recompute``): the recompute reads the forward's delayed-scaling
+    factors, records no amax, and leaves the factors as it found them. Shared by ``checkpoint``
+    and ``LayerNormMLP``'s ``checkpoint=True``. Non-reentrant, torch's RNG state preserved."""
+    use_reentrant = kwargs.pop("use_reentrant", False)
+    forward_state = (_STATE.enabled, _STATE.recipe, _STATE.group)
+    scales: dict[tuple[int, str], torch.Tensor] = {}
+    calls = [0]
+
+    def delayed_states() -> dict[tuple[int, str], Any]:
+        return {
+            (id(m), key): m.fp8_meta[key]
+            for m in modules
+            for key in ("scaling_fwd", "scaling_bwd")
+            if hasattr(m.fp8_meta.get(key), "scale")
+        }
+
+    def run(*inner_args: Any, **inner_kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:  # the real forward: remember the scales it used
+            out = function(*inner_args, **inner_kwargs)
+            scales.update({k: state.scale.clone() for k, state in delayed_states().items()})
+            return out
+        saved = (_STATE.enabled, _STATE.recipe, _STATE.group, _STATE.recompute)
+        states = delayed_states()
+        current = {k: state.scale.clone() for k, state in states.items() if k in scales}
+        _STATE.enabled, _STATE.recipe, _STATE.group = forward_state
+        _STATE.recompute = True
+        for k, scale in scales.items():
+            states[k].scale.copy_(scale)
+        try:
+            return function(*inner_args, **inner_kwargs)
+        finally:
+            _STATE.enabled, _STATE.recipe, _STATE.group, _STATE.recompute = saved
+            for k, scale in current.items():
+                states[k].scale.copy_(scale)
+
+    if use_reentrant and kwargs:
+        return torch.utils.checkpoint.checkpoint(
+            functools.partial(run, **kwargs), *args, use_reentrant=True
+        )
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=use_reentrant, **kwargs)
