@@ -473,6 +473,7 @@ def test_the_fused_mlp_recompute_flag_exists(te_source: TESource, te_double) -> 
     to its autograd function at every forward (TE PR #2311, released in 2.11)."""
     from transformer_engine.pytorch import TransformerLayer as DoubleLayer
 
+    import te_llama
     from model_utils import distributed
 
     module = "transformer_engine.pytorch.module.layernorm_mlp"
@@ -488,7 +489,7 @@ def test_the_fused_mlp_recompute_flag_exists(te_source: TESource, te_double) -> 
     assert "self.layernorm_mlp = LayerNormMLP(" in text
     assert "self.layernorm_mlp(hidden_states" in text
     path = next(p for p, how in distributed.MLP_SITES.items() if how == "te_flag")
-    assert path == "transformer_layer.layernorm_mlp"  # te_llama's attribute, then TE's
+    assert path == f"{te_llama.TE_LAYER_ATTR}.layernorm_mlp"  # te_llama's attribute, then TE's
     built = DoubleLayer(
         64,
         128,

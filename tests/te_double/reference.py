@@ -14,6 +14,7 @@ and ``attention_cast`` so it can round attention's operands through FP8 (``fp8_d
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -85,42 +86,21 @@ def transformer_layer(
     hidden_states: torch.Tensor,
     weights: Mapping[str, torch.Tensor],
     *,
-    num_heads: int,
-    num_groups: int,
-    head_dim: int,
     eps: float,
-    rotary_pos_emb: torch.Tensor | None,
-    mask_type: str = "causal",
-    attention_mask: torch.Tensor | None = None,
     linear: Linear = plain_linear,
-    attention_dropout: float = 0.0,
     hidden_dropout: float = 0.0,
     training: bool = False,
-    attention_cast: Cast = no_cast,
+    **attention: Any,
 ) -> torch.Tensor:
     """One decoder layer on ``[b, s, hidden]`` with weights named as in ``TransformerLayer``:
 
     ``self_attention.layernorm_qkv.{layer_norm_weight,weight}``, ``self_attention.proj.weight``,
-    ``layernorm_mlp.{layer_norm_weight,fc1_weight,fc2_weight}``.
+    ``layernorm_mlp.{layer_norm_weight,fc1_weight,fc2_weight}``. ``attention``: the rest of
+    :func:`attention_block`'s keywords.
     """
-    hidden = attention_block(
-        hidden_states,
-        weights,
-        num_heads=num_heads,
-        num_groups=num_groups,
-        head_dim=head_dim,
-        eps=eps,
-        rotary_pos_emb=rotary_pos_emb,
-        mask_type=mask_type,
-        attention_mask=attention_mask,
-        linear=linear,
-        attention_dropout=attention_dropout,
-        hidden_dropout=hidden_dropout,
-        training=training,
-        attention_cast=attention_cast,
-    )
+    common = dict(eps=eps, linear=linear, hidden_dropout=hidden_dropout, training=training)
     return mlp_block(
-        hidden, weights, eps=eps, linear=linear, hidden_dropout=hidden_dropout, training=training
+        attention_block(hidden_states, weights, **common, **attention), weights, **common
     )
 
 
@@ -133,13 +113,13 @@ def attention_block(
     head_dim: int,
     eps: float,
     rotary_pos_emb: torch.Tensor | None,
-    mask_type: str,
-    attention_mask: torch.Tensor | None,
-    linear: Linear,
-    attention_dropout: float,
-    hidden_dropout: float,
-    training: bool,
-    attention_cast: Cast,
+    mask_type: str = "causal",
+    attention_mask: torch.Tensor | None = None,
+    linear: Linear = plain_linear,
+    attention_dropout: float = 0.0,
+    hidden_dropout: float = 0.0,
+    training: bool = False,
+    attention_cast: Cast = no_cast,
 ) -> torch.Tensor:
     """The layer's first half: ``hidden + proj(attention(qkv(rms_norm(hidden))))``."""
     batch, seq, _ = hidden_states.shape
