@@ -19,6 +19,10 @@
 #
 # Everything a phase prints goes to OUT_DIR/PHASE.log as well; the matrix rows' run folders
 # (metrics.jsonl) go to OUT_DIR/PHASE/.
+#
+# One session's 30 device-minutes hold the TE set-up (7 transfers) and about 20 minutes of
+# phases, not all 24. `loss` needs no TE: run it in the call that carries chunk0. Then, most
+# informative first: levers (the goal table), ac, reshard, compile, tier.
 set -euo pipefail
 
 phase=${1:?usage: bash benchmarks/gpu_levers.sh loss|levers|compile|reshard|ac|tier OUT_DIR}
