@@ -175,7 +175,7 @@ def _parallelism_flags(flag: Callable[..., None], switch: Callable[..., None]) -
         "ac_scope",
         default="layer",
         choices=AC_SCOPES,
-        help="with AC: recompute the whole layer, or only its MLP (most activations, least work)",
+        help="with AC: recompute whole layers, or only their MLPs (most of the activations)",
     )
     switch("compile", False, "torch.compile each decoder layer")
     switch("chunked_loss", True, "lm_head + cross-entropy by chunks, no full logits; 0 = HF's")
