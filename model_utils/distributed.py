@@ -180,18 +180,24 @@ def apply_activation_checkpointing(
 MLP_SITES: dict[str, str] = {"mlp": "wrapper", "transformer_layer.layernorm_mlp": "te_flag"}
 
 
-def _recompute_mlp(layer: nn.Module, checkpoint_fn=None) -> None:
-    for path, how in MLP_SITES.items():
+def mlp_path(layer: nn.Module) -> str:
+    """Where ``layer`` keeps its MLP (a key of ``MLP_SITES``)."""
+    for path in MLP_SITES:
         try:
-            mlp = layer.get_submodule(path)
+            layer.get_submodule(path)
         except AttributeError:
             continue
-        if how == "te_flag":
-            mlp.checkpoint = True
-        else:
-            layer.set_submodule(path, _recomputed(mlp, checkpoint_fn))
-        return
+        return path
     raise ValueError(f"{type(layer).__name__} has no MLP at {' or '.join(MLP_SITES)}")
+
+
+def _recompute_mlp(layer: nn.Module, checkpoint_fn=None) -> None:
+    path = mlp_path(layer)
+    mlp = layer.get_submodule(path)
+    if MLP_SITES[path] == "te_flag":
+        mlp.checkpoint = True
+    else:
+        layer.set_submodule(path, _recomputed(mlp, checkpoint_fn))
 
 
 def _recomputed(module: nn.Module, checkpoint_fn=None) -> nn.Module:

@@ -33,26 +33,16 @@ def _layer_activation_bytes_and_grads(
     model, part=lambda layer: layer
 ) -> tuple[int, float, list[torch.Tensor]]:
     """Bytes autograd keeps for backward while inside the decoder layers (or the ``part`` of
-    each layer given), plus loss and grads."""
-    from model_utils import distributed
+    each layer given: benchmarks/bench_activation_checkpointing.py's measure), plus loss and
+    grads."""
+    from benchmarks.bench_activation_checkpointing import kept_activation_bytes
 
     torch.manual_seed(0)
     batch = torch.randint(0, 8192, (4, 128))
-    inside, saved = [False], [0]
-    for layer in distributed.decoder_layers(model):
-        part(layer).register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
-        part(layer).register_forward_hook(lambda *_: inside.__setitem__(0, False))
-
-    def pack(t: torch.Tensor):
-        if inside[0]:
-            saved[0] += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(input_ids=batch, labels=batch).loss
+    kept, loss = kept_activation_bytes(model, batch, part)
     loss.backward()
     grads = [p.grad.full_tensor().clone() for p in model.parameters()]
-    return saved[0], loss.item(), grads
+    return kept, loss.item(), grads
 
 
 def test_activation_checkpointing_saves_less_and_computes_the_same():

@@ -1,0 +1,165 @@
+"""What each activation-checkpointing setting keeps for backward, and what its recompute costs.
+
+    .venv/bin/python benchmarks/bench_activation_checkpointing.py            # Llama3-8B-shaped
+    .venv/bin/python benchmarks/bench_activation_checkpointing.py --repeats 9 -- --num_layers 8
+
+On the model train.py builds (FSDP2 on a world of one, this machine's device), for no AC, every
+layer, every other layer, every MLP and every other MLP (``--activation_checkpointing``,
+``--ac_every``, ``--ac_scope``):
+  kept   the bytes autograd keeps for backward while inside the decoder layers (a saved-tensor
+         hook around one forward), i.e. the activations AC exists to shed; each setting's
+         share of what full recompute frees is printed beside it;
+  time   the median wall time of one forward + backward (no optimizer: the part AC changes).
+The default shape keeps Llama3-8B's proportions at 1/8 width (head_dim 128, 4:1 GQA, MLP 3.5x
+the hidden width); the layouts are ``--model_impl hf`` (HF's layer, torch SDPA), so the MLP
+recompute includes fc2, which TE's own LayerNormMLP recompute skips. Not a test: timings depend
+on the machine; the byte counts do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+import train  # noqa: E402
+from model_utils import arguments, distributed, precision  # noqa: E402
+
+#: Llama3-8B / 8 in width, same head_dim, GQA ratio and MLP ratio; 4 layers, seq 1024.
+LLAMA3_SHAPED = [
+    "--preset=tiny",
+    "--hidden_width=512",
+    "--num_heads=4",
+    "--num_key_value_heads=1",
+    "--intermediate_size=1792",
+    "--num_layers=4",
+    "--max_context_width=1024",
+    "--train_batch_size=2",
+]
+AC = "--activation_checkpointing"
+SETTINGS: dict[str, list[str]] = {
+    "no AC": [],
+    "every layer": [AC],
+    "every other layer": [AC, "--ac_every=2"],
+    "every MLP": [AC, "--ac_scope=mlp"],
+    "every other MLP": [AC, "--ac_scope=mlp", "--ac_every=2"],
+}
+
+
+def kept_activation_bytes(
+    model: nn.Module,
+    batch: torch.Tensor,
+    part: Callable[[nn.Module], nn.Module] = lambda layer: layer,
+) -> tuple[int, torch.Tensor]:
+    """Bytes autograd keeps for backward while inside each decoder layer (or the ``part`` of
+    it given), and the loss of that forward (backward not run)."""
+    inside, kept = [False], [0]
+    hooks = []
+    for layer in distributed.decoder_layers(model):
+        hooks.append(part(layer).register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)))
+        hooks.append(part(layer).register_forward_hook(lambda *_: inside.__setitem__(0, False)))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if inside[0]:
+            kept[0] += t.numel() * t.element_size()
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(input_ids=batch, labels=batch).loss
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return kept[0], loss
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Median wall time of ``fn`` over ``repeats`` calls, after one untimed call."""
+    times = []
+    for index in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if index:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def build(flags: list[str], device: torch.device) -> tuple[nn.Module, torch.Tensor]:
+    """train.py's model for ``flags`` and one fixed batch of its shape."""
+    args = arguments.parse_args(flags)
+    mesh = distributed.build_mesh(distributed.world_from_env(), device, args.sharding_strategy)
+    backend = precision.build_backend(args, device, dp_group=dist.group.WORLD)
+    model = train.build_model(args, mesh, device, backend)
+    generator = torch.Generator().manual_seed(0)
+    shape = (args.train_batch_size, args.max_context_width)
+    return model, torch.randint(0, args.vocab_size, shape, generator=generator).to(device)
+
+
+def mlp_share(flags: list[str], device: torch.device) -> float:
+    """The MLPs' share of what the decoder layers keep without AC."""
+    model, batch = build(flags, device)
+    in_layers = kept_activation_bytes(model, batch)[0]
+    in_mlps = kept_activation_bytes(
+        model, batch, lambda layer: layer.get_submodule(distributed.mlp_path(layer))
+    )[0]
+    return in_mlps / in_layers
+
+
+def measure(flags: list[str], repeats: int, device: torch.device) -> tuple[int, float]:
+    model, batch = build(flags, device)
+    kept, loss = kept_activation_bytes(model, batch)
+    loss.backward()
+
+    def forward_backward() -> None:
+        model(input_ids=batch, labels=batch).loss.backward()
+
+    return kept, median_seconds(forward_backward, repeats, device)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=5, help="timed forward + backward per setting")
+    p.add_argument("extra", nargs="*", help="train.py flags after --, e.g. -- --num_layers 8")
+    cli = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    rows = {
+        name: measure([*LLAMA3_SHAPED, *flags, *cli.extra], cli.repeats, device)
+        for name, flags in SETTINGS.items()
+    }
+    base_kept, base_time = rows["no AC"]
+    freed_by_full = base_kept - rows["every layer"][0]
+    print(f"{device.type}, {' '.join([*LLAMA3_SHAPED, *cli.extra])}, median of {cli.repeats}")
+    print(
+        f"{'setting':<18} {'kept MiB':>9} {'vs none':>8} {'share freed':>12} "
+        f"{'fwd+bwd s':>10} {'vs none':>8}"
+    )
+    for name, (kept, seconds) in rows.items():
+        share = (base_kept - kept) / freed_by_full if freed_by_full else float("nan")
+        print(
+            f"{name:<18} {kept / 2**20:>9.1f} {kept / base_kept:>7.2f}x {share:>11.0%} "
+            f"{seconds:>10.3f} {seconds / base_time:>7.2f}x"
+        )
+    print("share freed: of what recomputing every layer frees")
+    share = mlp_share([*LLAMA3_SHAPED, *cli.extra], device)
+    print(f"without AC, the MLPs keep {share:.0%} of what the decoder layers keep")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
