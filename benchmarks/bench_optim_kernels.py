@@ -1,13 +1,12 @@
-"""Why model_utils/optim.py picks the kernels it does: gradient clipping and the AdamW step.
+"""What the optimizer side of train.py's step costs: the gradient clip and the AdamW kernel.
 
     .venv/bin/python benchmarks/bench_optim_kernels.py                    # tiny preset
     .venv/bin/python benchmarks/bench_optim_kernels.py --repeats 50 -- --train_batch_size 4
 
 On the model train.py builds (FSDP2 on a world of one) and the gradients of its real step, the
 median wall time of
-  clip    optim.clip_grad_norm_ (scales the local shards in place) against
-          torch.nn.utils.clip_grad_norm_ (scales every DTensor gradient through DTensor dispatch),
-          each also as a share of one whole train_step;
+  clip    step.clip_grad_norm (torch's clip_grad_norm_ on the DTensor gradients), also as a
+          share of one whole train_step;
   adamw   torch's AdamW with fused=True (what optim.build_optimizer picks where it exists)
           against foreach=True, on the same parameter groups.
 Not a test: timings depend on the machine, which is why optim.py's docstrings name this file
@@ -30,7 +29,7 @@ import torch.distributed as dist  # noqa: E402
 
 import train  # noqa: E402
 from model_utils import arguments, distributed, optim, precision  # noqa: E402
-from model_utils.step import train_step  # noqa: E402
+from model_utils.step import clip_grad_norm, train_step  # noqa: E402
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, device: torch.device, before=None):
@@ -72,9 +71,7 @@ def measure(args: arguments.Config, repeats: int, device: torch.device) -> dict[
         for param, grad in zip(params, saved, strict=True):
             param.grad = grad.clone()
 
-    clips = {"clip_product": optim.clip_grad_norm_, "clip_torch": torch.nn.utils.clip_grad_norm_}
-    for name, clip in clips.items():
-        row[name] = median_seconds(lambda clip=clip: clip(params, 1.0), repeats, device, restore)
+    row["clip"] = median_seconds(lambda: clip_grad_norm(model, 1.0), repeats, device, restore)
     groups = optim.param_groups(model, args.weight_decay)
     for kind in ("fused", "foreach"):
         try:
@@ -106,9 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n== bench_optim_kernels: --preset {opts.preset} {' '.join(opts.extra)}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}")
     print(f"  train_step            {ms['step']:8.1f} ms (median of {opts.repeats})")
-    for name, label in (("clip_product", "optim.clip_grad_norm_"), ("clip_torch", "torch clip")):
-        share = 100 * row[name] / row["step"]
-        print(f"  {label:<21} {ms[name]:8.1f} ms ({share:.0f}% of the step)")
+    share = 100 * row["clip"] / row["step"]
+    print(f"  {'clip_grad_norm':<21} {ms['clip']:8.1f} ms ({share:.0f}% of the step)")
     for kind in ("fused", "foreach"):
         if f"adamw_{kind}" in ms:
             print(f"  AdamW {kind:<15} {ms[f'adamw_{kind}']:8.1f} ms per step")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
@@ -103,8 +102,9 @@ def build_optimizer(
     decoupled weight decay whichever the choice; only how the two moments are stored differs.
 
     - ``adamw``: torch's AdamW, fp32 moments (8 bytes per parameter), with the fused kernel
-      where torch has one. Fused AdamW exists for CUDA and (since torch 2.4) CPU, and it
-      is the faster kernel (benchmarks/bench_optim_kernels.py times it against ``foreach``).
+      where torch has one. Fused AdamW exists for CUDA and (since torch 2.4) CPU; on CUDA it
+      is torch's fastest AdamW, on CPU it ties with ``foreach``
+      (benchmarks/bench_optim_kernels.py times the two).
       If a device or tensor subclass is not supported by the fused kernel, torch raises at
       construction and we fall back to ``foreach`` (the torch default where it applies).
     - ``adamw8bit`` / ``adamw_fp8``: torchao's AdamW8bit / AdamWFp8 (see :func:`low_bit_adamw`).
@@ -182,37 +182,6 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
         for value in state.values()
         if isinstance(value, torch.Tensor)
     )
-
-
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Scale gradients so their global L2 norm is at most ``max_norm``; returns the norm before.
-
-    Same result as ``torch.nn.utils.clip_grad_norm_`` (coefficient ``max_norm / (norm + 1e-6)``
-    clamped to 1, applied without a host sync), but fast on FSDP2: torch's version multiplies
-    every DTensor gradient through DTensor dispatch, a large share of a small model's step, where
-    multiplying the local shards in place costs little (benchmarks/bench_optim_kernels.py).
-    The norm itself still comes from ``get_total_norm`` on the DTensors, which reduces the
-    squared shard norms across ranks, so every rank gets the same global norm and coefficient.
-    """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    for device_grads in _by_device_and_dtype(local):
-        torch._foreach_mul_(device_grads, coefficient.to(device_grads[0].device))
-    return total
-
-
-def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """foreach kernels want tensors of one device and dtype per call."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    return list(groups.values())
 
 
 def _check_schedule(lr: float, min_lr: float, warmup: int, max_steps: int, style: str) -> None:

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from model_utils import distributed, optim
+from model_utils import distributed
 
 #: Returns (micro-batch of CPU tensors, loss weight): data.ReadGuard.next, or a fixed batch.
 MicroBatchSource = Callable[[], tuple[dict[str, torch.Tensor], float]]
@@ -60,10 +61,19 @@ def train_step(
         loss_sum += loss.detach()
     grad_norm = None
     if args.grad_clip > 0:
-        grad_norm = optim.clip_grad_norm_(model.parameters(), args.grad_clip)  # fast on FSDP2
+        grad_norm = clip_grad_norm(model, args.grad_clip)
     lr = float(scheduler.get_last_lr()[0])  # torchao keeps it as a 0-d CPU tensor
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     backend.after_optimizer_step(model)
     return StepResult(loss_sum / accum, grad_norm, lr, data_wait)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """torch's global-norm clip; the norm (before clipping) comes back as a plain tensor.
+
+    On FSDP2's DTensor gradients the norm is reduced across the shards, so every rank scales
+    by the same coefficient; ``full_tensor`` gives the loop the same value on every rank."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from model_utils import optim
-from model_utils.step import train_step
+from model_utils.step import clip_grad_norm, train_step
 
 GLOBAL_BATCH = 4  # sequences per optimizer step, split evenly over the ranks
 STEPS = 5
@@ -184,7 +184,7 @@ def binding_clip(model: nn.Module, backend, args, world) -> dict[str, float]:
     with backend.autocast():
         model(input_ids=ids, labels=ids).loss.backward()
     before = global_grad_norm(model)
-    optim.clip_grad_norm_(model.parameters(), before / 2)
+    clip_grad_norm(model, before / 2)
     after = global_grad_norm(model)
     model.zero_grad(set_to_none=True)
     return {"before": before, "after": after, "limit": before / 2}

@@ -286,8 +286,8 @@ def test_accumulating_on_two_ranks_trains_like_one(quarters: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["bf16", "fp8_ag"])
 def test_binding_clip_reaches_the_limit_on_two_ranks(two_ranks: dict, mode: str) -> None:
-    """train.py's clip (optim.clip_grad_norm_ scales local shards in place) with a limit that
-    binds: the global gradient norm afterwards equals the limit across both ranks' shards."""
+    """train.py's clip (step.clip_grad_norm) with a limit that binds: the global gradient norm
+    afterwards equals the limit across both ranks' shards."""
     clip = two_ranks["modes"][mode]["binding_clip"]
     assert clip["before"] > 0
     assert clip["after"] == pytest.approx(clip["limit"], rel=1e-4)
