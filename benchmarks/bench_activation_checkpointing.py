@@ -19,9 +19,7 @@ on the machine; the byte counts do not.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,6 +30,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 import train  # noqa: E402
+from benchmarks.bench_optim_kernels import median_seconds  # noqa: E402
 from model_utils import arguments, distributed, precision  # noqa: E402
 
 #: Llama3-8B / 8 in width, same head_dim, GQA ratio and MLP ratio; 4 layers, seq 1024.
@@ -80,21 +79,6 @@ def kept_activation_bytes(
         for hook in hooks:
             hook.remove()
     return kept[0], loss
-
-
-def median_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
-    """Median wall time of ``fn`` over ``repeats`` calls, after one untimed call."""
-    times = []
-    for index in range(repeats + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if index:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def build(flags: list[str], device: torch.device) -> tuple[nn.Module, torch.Tensor]:
