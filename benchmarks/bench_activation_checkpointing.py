@@ -9,19 +9,25 @@ layer, every other layer, every MLP and every other MLP (``--activation_checkpoi
   kept   the bytes autograd keeps for backward while inside the decoder layers (a saved-tensor
          hook around one forward), i.e. the activations AC exists to shed; each setting's
          share of what full recompute frees is printed beside it;
-  time   the median wall time of one forward + backward (no optimizer: the part AC changes).
+  time   the median wall time of one forward + backward (no optimizer: the part AC changes),
+         inside the precision backend's autocast as in training;
+  peak   on CUDA, the peak memory allocated over those forward + backward passes.
 The default shape keeps Llama3-8B's proportions at 1/8 width (head_dim 128, 4:1 GQA, MLP 3.5x
-the hidden width); the layouts are ``--model_impl hf`` (HF's layer, torch SDPA), so the MLP
-recompute includes fc2, which TE's own LayerNormMLP recompute skips. Not a test: timings depend
-on the machine; the byte counts do not.
+the hidden width) on ``--model_impl hf`` (HF's layer, torch SDPA; its MLP recompute includes
+fc2). On a GPU with TE, ``-- --model_impl te --fp8=1`` measures TE's layer, whose MLP
+recompute is LayerNormMLP's own (benchmarks/gpu_levers.sh ac runs it at Llama3-8B width).
+Not a test: timings depend on the machine; the byte counts do not.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -58,9 +64,11 @@ def kept_activation_bytes(
     model: nn.Module,
     batch: torch.Tensor,
     part: Callable[[nn.Module], nn.Module] = lambda layer: layer,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> tuple[int, torch.Tensor]:
     """Bytes autograd keeps for backward while inside each decoder layer (or the ``part`` of
-    it given), and the loss of that forward (backward not run)."""
+    it given), and the loss of that forward (backward not run). ``autocast``: the precision
+    backend's, so TE runs its FP8 GEMMs as in training."""
     inside, kept = [False], [0]
     hooks = []
     for layer in distributed.decoder_layers(model):
@@ -73,7 +81,7 @@ def kept_activation_bytes(
         return t
 
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
             loss = model(input_ids=batch, labels=batch).loss
     finally:
         for hook in hooks:
@@ -81,36 +89,56 @@ def kept_activation_bytes(
     return kept[0], loss
 
 
-def build(flags: list[str], device: torch.device) -> tuple[nn.Module, torch.Tensor]:
-    """train.py's model for ``flags`` and one fixed batch of its shape."""
+@dataclass
+class Built:
+    """train.py's model for some flags, its precision backend, and one fixed batch."""
+
+    model: nn.Module
+    backend: Any  # precision.build_backend's: BF16, TorchaoFloat8 or TEBackend
+    batch: torch.Tensor
+
+
+def build(flags: list[str], device: torch.device) -> Built:
     args = arguments.parse_args(flags)
     mesh = distributed.build_mesh(distributed.world_from_env(), device, args.sharding_strategy)
     backend = precision.build_backend(args, device, dp_group=dist.group.WORLD)
     model = train.build_model(args, mesh, device, backend)
     generator = torch.Generator().manual_seed(0)
     shape = (args.train_batch_size, args.max_context_width)
-    return model, torch.randint(0, args.vocab_size, shape, generator=generator).to(device)
+    batch = torch.randint(0, args.vocab_size, shape, generator=generator).to(device)
+    return Built(model, backend, batch)
 
 
 def mlp_share(flags: list[str], device: torch.device) -> float:
     """The MLPs' share of what the decoder layers keep without AC."""
-    model, batch = build(flags, device)
-    in_layers = kept_activation_bytes(model, batch)[0]
+    run = build(flags, device)
+    in_layers = kept_activation_bytes(run.model, run.batch, autocast=run.backend.autocast)[0]
     in_mlps = kept_activation_bytes(
-        model, batch, lambda layer: layer.get_submodule(distributed.mlp_path(layer))
+        run.model,
+        run.batch,
+        lambda layer: layer.get_submodule(distributed.mlp_path(layer)),
+        run.backend.autocast,
     )[0]
     return in_mlps / in_layers
 
 
-def measure(flags: list[str], repeats: int, device: torch.device) -> tuple[int, float]:
-    model, batch = build(flags, device)
-    kept, loss = kept_activation_bytes(model, batch)
+def measure(flags: list[str], repeats: int, device: torch.device) -> tuple[int, float, float]:
+    """Kept bytes, median forward + backward seconds, and (CUDA) peak GiB allocated."""
+    run = build(flags, device)
+    kept, loss = kept_activation_bytes(run.model, run.batch, autocast=run.backend.autocast)
     loss.backward()
 
     def forward_backward() -> None:
-        model(input_ids=batch, labels=batch).loss.backward()
+        with run.backend.autocast():
+            loss = run.model(input_ids=run.batch, labels=run.batch).loss
+        loss.backward()
 
-    return kept, median_seconds(forward_backward, repeats, device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the previous setting's model is gone by now
+        torch.cuda.reset_peak_memory_stats(device)
+    seconds = median_seconds(forward_backward, repeats, device)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    return kept, seconds, peak
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,18 +154,19 @@ def main(argv: list[str] | None = None) -> None:
         name: measure([*LLAMA3_SHAPED, *flags, *cli.extra], cli.repeats, device)
         for name, flags in SETTINGS.items()
     }
-    base_kept, base_time = rows["no AC"]
+    base_kept, base_time, _ = rows["no AC"]
     freed_by_full = base_kept - rows["every layer"][0]
     print(f"{device.type}, {' '.join([*LLAMA3_SHAPED, *cli.extra])}, median of {cli.repeats}")
     print(
         f"{'setting':<18} {'kept MiB':>9} {'vs none':>8} {'share freed':>12} "
-        f"{'fwd+bwd s':>10} {'vs none':>8}"
+        f"{'fwd+bwd s':>10} {'vs none':>8} {'peak GiB':>9}"
     )
-    for name, (kept, seconds) in rows.items():
+    for name, (kept, seconds, peak) in rows.items():
         share = (base_kept - kept) / freed_by_full if freed_by_full else float("nan")
+        peak_gib = f"{peak:.1f}" if peak else "-"
         print(
             f"{name:<18} {kept / 2**20:>9.1f} {kept / base_kept:>7.2f}x {share:>11.0%} "
-            f"{seconds:>10.3f} {seconds / base_time:>7.2f}x"
+            f"{seconds:>10.3f} {seconds / base_time:>7.2f}x {peak_gib:>9}"
         )
     print("share freed: of what recomputing every layer frees")
     share = mlp_share([*LLAMA3_SHAPED, *cli.extra], device)

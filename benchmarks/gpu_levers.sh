@@ -12,8 +12,10 @@
 #   compile te-fp8 mb2 and mb4, eager and under --compile (layers and loss chunks)       ~5 min
 #   reshard te-fp8 mb4 with FSDP2's default resharding and with --reshard_after_forward
 #           never (backward neither gathers nor casts the parameters again)            ~3 min
-#   ac      te-fp8 mb4 without AC, with every other layer recomputed, and with only the MLPs
-#           recomputed (--ac_scope mlp: TE's LayerNormMLP recompute); mb6 with the MLPs ~5 min
+#   ac      what each AC setting keeps and costs in TE's Llama3-8B layer (4 layers, one
+#           8k sequence: bench_activation_checkpointing.py); then te-fp8 mb4 without AC, with
+#           every other layer recomputed, and with only the MLPs recomputed (--ac_scope mlp:
+#           TE's LayerNormMLP recompute), and mb6 with the MLPs                        ~7 min
 #   tier    the GPU test tier's FP8-attention and MLP-recompute tests and the one-seed test
 #                                                                                        ~4 min
 #
@@ -21,7 +23,7 @@
 # (metrics.jsonl) go to OUT_DIR/PHASE/.
 #
 # One session's 30 device-minutes hold the TE set-up (7 transfers) and about 20 minutes of
-# phases, not all 24. `loss` needs no TE: run it in the call that carries chunk0. Then, most
+# phases, not all 26. `loss` needs no TE: run it in the call that carries chunk0. Then, most
 # informative first: levers (the goal table), ac, reshard, compile, tier.
 set -euo pipefail
 
@@ -55,6 +57,9 @@ matrix() {
         matrix "te-fp8 mb4 +expandable,te-fp8 mb4 +no-reshard +expandable"
         ;;
     ac)
+        "$python" benchmarks/bench_activation_checkpointing.py --repeats 5 -- --model_impl te \
+            --fp8=1 --hidden_width 4096 --num_heads 32 --num_key_value_heads 8 \
+            --intermediate_size 14336 --max_context_width 8192 --train_batch_size 1
         matrix "te-fp8 mb4 +expandable,te-fp8 mb4 +AC/2 +expandable,te-fp8 mb4 +AC-mlp +expandable,te-fp8 mb6 +AC-mlp +expandable"
         ;;
     tier)

@@ -157,8 +157,15 @@ def mlp_block(
     hidden_dropout: float,
     training: bool,
 ) -> torch.Tensor:
-    """The layer's second half (TE's ``layernorm_mlp``): ``hidden + fc2(swiglu(fc1(norm)))``."""
+    """The layer's second half: ``hidden + dropout(mlp(hidden))``."""
+    out = mlp(hidden, weights, eps=eps, linear=linear)
+    return hidden + F.dropout(out, p=hidden_dropout, training=training)
+
+
+def mlp(
+    hidden: torch.Tensor, weights: Mapping[str, torch.Tensor], *, eps: float, linear: Linear
+) -> torch.Tensor:
+    """TE's ``layernorm_mlp`` (no residual): ``fc2(swiglu(fc1(rms_norm(hidden))))``."""
     y = rms_norm(hidden, weights["layernorm_mlp.layer_norm_weight"], eps)
     gate, up = linear(y, weights["layernorm_mlp.fc1_weight"], "fc1").chunk(2, dim=-1)
-    mlp_out = linear(F.silu(gate) * up, weights["layernorm_mlp.fc2_weight"], "fc2")
-    return hidden + F.dropout(mlp_out, p=hidden_dropout, training=training)
+    return linear(F.silu(gate) * up, weights["layernorm_mlp.fc2_weight"], "fc2")

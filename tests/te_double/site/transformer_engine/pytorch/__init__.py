@@ -653,10 +653,15 @@ class _MultiheadAttention(nn.Module):
 
 
 class _LayerNormMLP(_TEModule):
-    """RMSNorm + SwiGLU MLP: ``layer_norm_weight``, ``fc1_weight`` ([gate; up]), ``fc2_weight``."""
+    """RMSNorm + SwiGLU MLP: ``layer_norm_weight``, ``fc1_weight`` ([gate; up]), ``fc2_weight``.
 
-    def __init__(self, hidden: int, ffn: int, dtype, device, init, out_init) -> None:
+    Called as a module by ``TransformerLayer`` (as TE does), returning the MLP's output without
+    the residual; with ``checkpoint`` set it keeps only its input and recomputes in backward.
+    """
+
+    def __init__(self, hidden: int, ffn: int, eps: float, dtype, device, init, out_init) -> None:
         super().__init__(num_gemms=2)
+        self.eps = eps
         self._register(
             "layer_norm_weight", torch.empty(hidden, dtype=dtype, device=device), nn.init.ones_
         )
@@ -666,6 +671,24 @@ class _LayerNormMLP(_TEModule):
         #: forward; ``TransformerLayer`` builds the module without it (False).
         self.checkpoint = False
         self.reset_parameters(defer_init=device.type == "meta")
+
+    def forward(
+        self, hidden_states: torch.Tensor, is_first_microbatch: bool | None = None
+    ) -> torch.Tensor:
+        names = ("layer_norm_weight", "fc1_weight", "fc2_weight")
+        params = [getattr(self, name) for name in names]
+        dtype = _activation_dtype(hidden_states, params)
+        weights = {f"layernorm_mlp.{n}": p.to(dtype) for n, p in zip(names, params, strict=True)}
+
+        def linear(x: torch.Tensor, weight: torch.Tensor, which: str) -> torch.Tensor:
+            return self._gemm(x, weight, {"fc1": 0, "fc2": 1}[which], is_first_microbatch)
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            return reference.mlp(x, weights, eps=self.eps, linear=linear)
+
+        if self.checkpoint and torch.is_grad_enabled():  # TE's selective recompute
+            return _recompute_replaying_fp8(run, [self], hidden_states)
+        return run(hidden_states)
 
 
 _LAYER_SUPPORTED = {
@@ -783,7 +806,9 @@ class TransformerLayer(nn.Module):
         self.self_attention = _MultiheadAttention(
             hidden_size, q_rows, kv_rows, dtype, dev, init, out_init
         )
-        self.layernorm_mlp = _LayerNormMLP(hidden_size, ffn_hidden_size, dtype, dev, init, out_init)
+        self.layernorm_mlp = _LayerNormMLP(
+            hidden_size, ffn_hidden_size, layernorm_epsilon, dtype, dev, init, out_init
+        )
 
     def forward(
         self,
@@ -826,23 +851,21 @@ class TransformerLayer(nn.Module):
         if mask_type in ("padding", "arbitrary", "padding_causal") and attention_mask is not None:
             if attention_mask.dtype != torch.bool:
                 raise TypeError("Attention mask must be a boolean tensor")
-        attn, mlp = self.self_attention, self.layernorm_mlp
+        attn = self.self_attention
         qkv, proj = attn.layernorm_qkv, attn.proj
         tensors = {
             "self_attention.layernorm_qkv.layer_norm_weight": qkv.layer_norm_weight,
             "self_attention.layernorm_qkv.weight": qkv.weight,
             "self_attention.proj.weight": proj.weight,
-            "layernorm_mlp.layer_norm_weight": mlp.layer_norm_weight,
-            "layernorm_mlp.fc1_weight": mlp.fc1_weight,
-            "layernorm_mlp.fc2_weight": mlp.fc2_weight,
         }
-        dtype = _activation_dtype(hidden_states, list(tensors.values()))
+        mlp = self.layernorm_mlp
+        params = [*tensors.values(), mlp.layer_norm_weight, mlp.fc1_weight, mlp.fc2_weight]
+        dtype = _activation_dtype(hidden_states, params)
         weights = {k: v.to(dtype) for k, v in tensors.items()}
-        gemms = {"qkv": (qkv, 0), "proj": (proj, 0), "fc1": (mlp, 0), "fc2": (mlp, 1)}
+        gemms = {"qkv": qkv, "proj": proj}
 
         def linear(x: torch.Tensor, weight: torch.Tensor, which: str) -> torch.Tensor:
-            module, index = gemms[which]
-            return module._gemm(x, weight, index, is_first_microbatch)
+            return gemms[which]._gemm(x, weight, 0, is_first_microbatch)
 
         if isinstance(rotary_pos_emb, tuple):
             rotary_pos_emb = rotary_pos_emb[0]
@@ -874,19 +897,8 @@ class TransformerLayer(nn.Module):
             attention_cast=attention_cast,
         )
 
-        def mlp_half(x: torch.Tensor) -> torch.Tensor:
-            return reference.mlp_block(
-                x,
-                weights,
-                eps=self.eps,
-                linear=linear,
-                hidden_dropout=self.hidden_dropout,
-                training=self.training,
-            )
-
-        if mlp.checkpoint and torch.is_grad_enabled():  # LayerNormMLP's selective recompute
-            return _recompute_replaying_fp8(mlp_half, [mlp], hidden)
-        return mlp_half(hidden)
+        mlp_out = mlp(hidden, is_first_microbatch=is_first_microbatch)
+        return hidden + F.dropout(mlp_out, p=self.hidden_dropout, training=self.training)
 
 
 def _recompute_replaying_fp8(
