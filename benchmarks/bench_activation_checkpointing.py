@@ -68,15 +68,25 @@ def kept_activation_bytes(
 ) -> tuple[int, torch.Tensor]:
     """Bytes autograd keeps for backward while inside each decoder layer (or the ``part`` of
     it given), and the loss of that forward (backward not run). ``autocast``: the precision
-    backend's, so TE runs its FP8 GEMMs as in training."""
+    backend's, so TE runs its FP8 GEMMs as in training.
+
+    Saved views of the gathered parameters are left out: FSDP2 frees that storage after the
+    forward (and gathers it again for backward), so they are not activations."""
     inside, kept = [False], [0]
+    weights: set[int] = set()
+
+    def enter(module: nn.Module, *_: object) -> None:
+        inside[0] = True
+        weights.clear()
+        weights.update(p.untyped_storage().data_ptr() for p in module.parameters())
+
     hooks = []
     for layer in distributed.decoder_layers(model):
-        hooks.append(part(layer).register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)))
+        hooks.append(part(layer).register_forward_pre_hook(enter))
         hooks.append(part(layer).register_forward_hook(lambda *_: inside.__setitem__(0, False)))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if inside[0]:
+        if inside[0] and t.untyped_storage().data_ptr() not in weights:
             kept[0] += t.numel() * t.element_size()
         return t
 
