@@ -180,7 +180,35 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         help="comma-separated: train (the matrix), levers (issue 12's rows), infer",
     )
     args, extra = parser.parse_known_args(argv)
+    for problem in selection_problems(args.modes, args.only):
+        parser.error(problem)  # one line, exit 2, before any GPU work
     return args, [a for a in extra if a != "--"]
+
+
+MODES: dict[str, tuple[str, ...]] = {
+    "train": tuple(name for name, _ in TRAIN_ROWS),
+    "levers": tuple(name for name, *_ in LEVER_ROWS),
+    "infer": tuple(name for name, _ in INFER_ROWS),
+}
+
+
+def selection_problems(modes: str, only: str) -> list[str]:
+    """What is wrong with ``--modes``/``--only``: a misspelt row name would otherwise run
+    nothing and spend a GPU call on an empty table."""
+    chosen = [m for m in modes.split(",") if m]
+    problems = [
+        f"--modes: unknown mode {m!r}; choose from {', '.join(MODES)}"
+        for m in chosen
+        if m not in MODES
+    ]
+    known = {name for m in chosen if m in MODES for name in MODES[m]}
+    for name in (n for n in only.split(",") if n):
+        if name not in known:
+            problems.append(
+                f"--only: no row {name!r} in --modes {modes} "
+                f"(rows: {'; '.join(sorted(known)) or 'none'})"
+            )
+    return problems
 
 
 def train_command(

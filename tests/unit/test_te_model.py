@@ -529,6 +529,44 @@ def test_gpu_matrix_refuses_without_gpu(capsys, monkeypatch) -> None:
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_gpu_levers_script_names_only_rows_the_matrix_has(capsys) -> None:
+    """A misspelt row in gpu_levers.sh would run nothing and spend a lent GPU's call: every
+    row it names exists, and the matrix refuses an unknown row or mode in one line, exit 2."""
+    import re
+
+    from benchmarks import bench_gpu_matrix as bench
+
+    script = (bench.ROOT / "benchmarks" / "gpu_levers.sh").read_text()
+    selections = re.findall(r'^\s*matrix "([^"]+)"$', script, flags=re.M)
+    assert len(selections) == 4  # levers, compile, reshard, ac
+    for only in selections:
+        assert bench.selection_problems("levers", only) == [], only
+        bench.parse_args(["--modes", "levers", "--only", only])
+    # The ac phase's train.py flags parse under every AC setting the benchmark measures.
+    from benchmarks import bench_activation_checkpointing as ac_bench
+    from model_utils.arguments import parse_args
+
+    joined = script.replace("\\\n", " ")
+    (ac_flags,) = re.findall(
+        r"bench_activation_checkpointing\.py --repeats \d+ -- ([^\n]+)", joined
+    )
+    for flags in ac_bench.SETTINGS.values():
+        parsed = parse_args([*ac_bench.LLAMA3_SHAPED, *flags, *ac_flags.split()])
+        assert (parsed.model_impl, parsed.fp8, parsed.hidden_width) == ("te", True, 4096)
+    for argv, wanted in (
+        (
+            ["--modes", "levers", "--only", "te-fp8 mb4 +expandible"],
+            "no row 'te-fp8 mb4 +expandible'",
+        ),
+        (["--only", "te-fp8 mb2"], "no row 'te-fp8 mb2' in --modes train,infer"),
+        (["--modes", "lever"], "unknown mode 'lever'"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            bench.parse_args(argv)
+        assert exit_.value.code == 2
+        assert wanted in capsys.readouterr().err, argv
+
+
 def test_gpu_matrix_rows_are_train_py_commands_and_the_table_shows_ratios(tmp_path) -> None:
     from benchmarks import bench_gpu_matrix as bench
     from model_utils.arguments import parse_args
