@@ -41,6 +41,7 @@ MODES: dict[str, list[str]] = {
     "bf16_ac": ["--fp8=0", "--activation_checkpointing=1"],
     "fp8_ac_mlp": ["--fp8=1", "--activation_checkpointing=1", "--ac_scope=mlp"],
     "bf16_compile": ["--fp8=0", "--compile=1"],
+    "fp8_ag_keep": ["--fp8=1", "--fp8_all_gather=1", "--reshard_after_forward=never"],
 }
 
 

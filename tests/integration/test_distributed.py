@@ -182,7 +182,7 @@ def one_rank(workdir: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def two_ranks(workdir: Path) -> dict[str, Any]:
-    modes = "bf16,fp8,fp8_ag,bf16_ac,fp8_ac_mlp,bf16_compile"
+    modes = "bf16,fp8,fp8_ag,bf16_ac,fp8_ac_mlp,bf16_compile,fp8_ag_keep"
     script = [str(SCRIPTS / "parity.py"), str(workdir), "--modes", modes]
     run_torchrun(script, workdir / "parity_w2.log", nproc=2)
     return load_parity(workdir, 2)
@@ -366,6 +366,25 @@ def test_activation_checkpointing_under_two_ranks_changes_nothing(two_ranks: dic
     # derives the same scales from the same activations).
     assert modes["fp8_ac_mlp"]["losses"] == modes["fp8"]["losses"]
     assert modes["fp8_ac_mlp"]["grad_norms"] == modes["fp8"]["grad_norms"]
+
+
+@pytest.mark.slow
+def test_keeping_gathered_weights_for_backward_changes_nothing_but_the_gathers(
+    two_ranks: dict,
+) -> None:
+    """--reshard_after_forward never with float8 all-gather on 2 ranks: the same losses and
+    gradient norms, bit for bit, and step 0's backward gathers nothing again (the default
+    re-gathers every decoder layer and the embedding, in float8 for the layers)."""
+    modes = two_ranks["modes"]
+    keep, default = modes["fp8_ag_keep"], modes["fp8_ag"]
+    assert keep["losses"] == default["losses"]
+    assert keep["grad_norms"] == default["grad_norms"]
+    assert keep["scale_mismatches"] == default["scale_mismatches"]
+    print(f"\nstep 0 all-gathers: default {default['all_gathers']}\nkept {keep['all_gathers']}")
+    units = 1 + 2 + 1  # the embedding, tiny's 2 decoder layers, [norm, lm_head]
+    assert keep["all_gathers"] == default["all_gathers"][:units]  # the forward's, and no more
+    again = [c["dtype"] for c in default["all_gathers"][units:]]  # the embedding and layer 0
+    assert sorted(again) == ["torch.bfloat16", "torch.uint8"]
 
 
 @pytest.mark.slow
