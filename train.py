@@ -60,7 +60,9 @@ def validate(argv: list[str] | None, training: bool = True) -> tuple[arguments.C
         check_requirements(args, training)
     if training:
         try:  # a live run in this directory: refused before anything starts (reads only)
-            run_lock.check_not_locked(run_lock.lock_dirs(args.output_dir, args.checkpoint_dir))
+            run_lock.check_not_locked(
+                run_lock.lock_dirs(args.output_dir, args.checkpoint_dir).values()
+            )
             outputs.check_locations(outputs.output_locations(args))
             check_run_dir(args)
         except (run_lock.RunLocked, outputs.WriteProblem, ValueError) as exc:

@@ -63,6 +63,12 @@ def check_locations(locations: dict[str, Path]) -> None:
             raise WriteProblem(problem)
 
 
+def unwritable(flag: str, path: Path, exc: OSError) -> str:
+    """The one line for a location the system refused when the run tried it."""
+    words = os.strerror(exc.errno) if exc.errno else str(exc)
+    return f"{flag} {path} cannot be written ({words}): choose another {flag}"
+
+
 def probe_write(flag: str, path: Path) -> str | None:
     """Create `path` and write, sync and delete a small file in it: what the run will do, so
     what access() cannot tell (quotas, NFS root squash, ACLs) shows now. None if it worked."""
@@ -76,8 +82,7 @@ def probe_write(flag: str, path: Path) -> str | None:
             os.fsync(fh.fileno())
         probe.unlink()
     except OSError as exc:
-        words = os.strerror(exc.errno) if exc.errno else str(exc)
-        return f"{flag} {path} cannot be written ({words}): choose another {flag}"
+        return unwritable(flag, path, exc)
     finally:
         for folder in created:  # deepest first: leave nothing behind (it is made when needed)
             try:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from model_utils import distributed
+from model_utils import distributed, outputs
 
 LOCK_NAME = ".run.lock"
 
@@ -24,11 +24,14 @@ class RunLocked(RuntimeError):
     """Another live process holds the run directory: one line, exit 2."""
 
 
-def lock_dirs(output_dir: str, checkpoint_dir: str) -> list[Path]:
-    """The directories a run writes into and must own: the run directory, and the checkpoint
+def lock_dirs(output_dir: str, checkpoint_dir: str) -> dict[str, Path]:
+    """Flag -> directory a run writes into and must own: the run directory, and the checkpoint
     directory when it lies outside it (two runs with one --checkpoint_dir prune each other)."""
     out, ckpt = Path(output_dir).absolute(), Path(checkpoint_dir).absolute()
-    return [out] if ckpt == out or out in ckpt.parents else [out, ckpt]
+    owned = {"--output_dir": out}
+    if ckpt != out and out not in ckpt.parents:
+        owned["--checkpoint_dir"] = ckpt
+    return owned
 
 
 def _holder_text(fd: int) -> str:
@@ -110,14 +113,19 @@ def hold_run_dirs(
     args: argparse.Namespace, world: distributed.World, device: torch.device
 ) -> list[RunLock]:
     """Rank 0 locks the run's directories for the life of the run; if another live run holds
-    one, every rank learns it (one all-reduce) and all stop with RunLocked."""
+    one (RunLocked), or the system refuses to create it where access() saw no problem (a full
+    file system, root squash, a virtual file system: outputs.WriteProblem), every rank learns
+    it (one all-reduce) and all stop, exit 2."""
     locks: list[RunLock] = []
-    refused: RunLocked | None = None
+    refused: RunLocked | outputs.WriteProblem | None = None
     if world.is_main:
         try:
-            for directory in lock_dirs(args.output_dir, args.checkpoint_dir):
-                locks.append(RunLock(directory).acquire())
-        except RunLocked as exc:
+            for flag, directory in lock_dirs(args.output_dir, args.checkpoint_dir).items():
+                try:
+                    locks.append(RunLock(directory).acquire())
+                except OSError as exc:
+                    raise outputs.WriteProblem(outputs.unwritable(flag, directory, exc)) from None
+        except (RunLocked, outputs.WriteProblem) as exc:
             refused = exc
             for lock in locks:
                 lock.release()

@@ -212,8 +212,10 @@ def test_a_second_run_in_a_live_run_directory_is_refused_and_a_dead_ones_lock_is
 
 def test_the_lock_covers_a_checkpoint_dir_outside_the_run_dir(tmp_path: Path) -> None:
     shared = tmp_path / "shared_ckpt"
-    assert run_lock.lock_dirs(str(tmp_path / "a"), str(tmp_path / "a" / "ckpt")) == [tmp_path / "a"]
-    assert run_lock.lock_dirs(str(tmp_path / "a"), str(shared)) == [tmp_path / "a", shared]
+    inside = run_lock.lock_dirs(str(tmp_path / "a"), str(tmp_path / "a" / "ckpt"))
+    assert inside == {"--output_dir": tmp_path / "a"}
+    outside = run_lock.lock_dirs(str(tmp_path / "a"), str(shared))
+    assert outside == {"--output_dir": tmp_path / "a", "--checkpoint_dir": shared}
     held = run_lock.RunLock(shared).acquire()
     try:
         probe = subprocess.run(
@@ -231,7 +233,7 @@ def test_the_lock_covers_a_checkpoint_dir_outside_the_run_dir(tmp_path: Path) ->
         ).stdout
         assert probe.startswith(f"pid {os.getpid()} on host ")
         with pytest.raises(run_lock.RunLocked, match="shared_ckpt is in use by another run"):
-            run_lock.check_not_locked(run_lock.lock_dirs(str(tmp_path / "b"), str(shared)))
+            run_lock.check_not_locked(run_lock.lock_dirs(str(tmp_path / "b"), str(shared)).values())
     finally:
         held.release()
     assert run_lock.lock_holder(shared) is None
@@ -308,10 +310,11 @@ def small_disk(tmp_path: Path):
     """Mount tmpfs file systems of a given size (MiB) or read-only, unmounted afterwards."""
     mounted: list[Path] = []
 
-    def mount(name: str, size_mib: int, read_only: bool = False) -> Path:
+    def mount(name: str, size_mib: int, read_only: bool = False, inodes: int = 0) -> Path:
         point = tmp_path / name
         point.mkdir()
         options = f"size={size_mib}m" + (",ro" if read_only else "")
+        options += f",nr_inodes={inodes}" if inodes else ""
         done = subprocess.run(
             ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
             capture_output=True,
@@ -340,6 +343,23 @@ def test_a_read_only_checkpoint_dir_is_refused_at_start(
         "is on a read-only file system; choose another --checkpoint_dir"
     ]
     assert not out.exists()
+
+
+def test_a_directory_the_system_will_not_create_is_one_line_not_a_traceback(
+    tmp_path: Path, small_disk
+) -> None:
+    """A file system with no inode left looks writable to access(), so the start-up checks pass;
+    rank 0's run lock is the first thing created, and its failure is the one line of a write
+    problem (exit 2), not an OSError traceback."""
+    no_inodes = small_disk("no_inodes", 4, inodes=1)  # the root directory takes the only one
+    out = no_inodes / "run"
+    result = train(*FAST, f"--output_dir={out}")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert error_lines(result) == [
+        f"train.py: error: --output_dir {out} cannot be written (No space left on device): "
+        "choose another --output_dir"
+    ]
+    assert list(no_inodes.iterdir()) == []
 
 
 def test_a_full_disk_is_refused_before_training_or_named_at_save(tmp_path: Path, small_disk):
