@@ -289,6 +289,9 @@ def default_warmup(max_steps: int) -> int:
     return max(0, min(10, max_steps // 10))
 
 
+MAX_SEED = 2**63
+
+
 def _positive(args: argparse.Namespace, *names: str, allow_zero: bool = False) -> None:
     """A number that must be finite and > 0 (>= 0): NaN passes every comparison, and `--lr inf`
     or `--rope_theta nan` would otherwise train on NaN from step 1."""
@@ -340,6 +343,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise UsageError(f"--beta1/--beta2 must be in [0, 1), got {args.beta1}/{args.beta2}")
     if args.ac_every < 1:
         raise UsageError(f"--ac_every must be >= 1, got {args.ac_every}")
+    if not 0 <= args.seed < MAX_SEED:  # torch.manual_seed overflows beyond; data needs >= 0
+        raise UsageError(f"--seed must be in [0, 2**63), got {args.seed}")
 
 
 def _check_shape(args: argparse.Namespace) -> None:

@@ -107,12 +107,30 @@ def test_readme_documents_every_flag():
         (["--activation_checkpointing", "--ac_every=0"], "--ac_every must be >= 1"),
         (["--ac_every=2"], "--ac_every needs --activation_checkpointing"),
         (["--ac_scope=mlp"], "--ac_scope mlp needs --activation_checkpointing"),
+        (["--seed=-1"], "--seed must be in [0, 2**63), got -1"),
+        ([f"--seed={2**63}"], "--seed must be in [0, 2**63)"),
         (["--activation_checkpointing", "--ac_scope=attention"], "invalid choice: 'attention'"),
     ],
 )
 def test_bad_flags_raise_usage_error(argv, message):
-    with pytest.raises(UsageError, match=message.replace("-", r"\-")):
+    with pytest.raises(UsageError, match=re.escape(message)):
         parse_args(argv)
+
+
+def test_the_largest_seed_starts_a_run_the_same_way_twice():
+    """--seed 2**63 - 1: torch's generator and the data order accept it."""
+    import torch
+
+    from model_utils.checkpoint.stateful import reseed_rng
+
+    seed = parse_args([f"--seed={2**63 - 1}"]).seed
+    torch.manual_seed(seed)
+    first = torch.rand(3)
+    reseed_rng(seed)
+    assert torch.equal(torch.rand(3), first)
+    from model_utils.data.sources import epoch_shard_order
+
+    assert epoch_shard_order(seed, 1) == epoch_shard_order(seed, 1) > 0
 
 
 def test_fp8_recipe_is_checked_against_the_backend():
