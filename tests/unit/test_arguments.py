@@ -108,6 +108,22 @@ def test_readme_documents_every_flag():
         (["--ac_every=2"], "--ac_every needs --activation_checkpointing"),
         (["--ac_scope=mlp"], "--ac_scope mlp needs --activation_checkpointing"),
         (["--seed=-1"], "--seed must be in [0, 2**63), got -1"),
+        (["--dist_timeout=99999999999999999"], "--dist_timeout must be <= 2592000 s (30 days)"),
+        (
+            ["--model_impl=hf", "--fp8=1", "--amax_history_len=16"],
+            "--amax_history_len is a Transformer Engine recipe option and does nothing with "
+            "--model_impl hf (torchao): drop it, or use --model_impl te",
+        ),
+        (["--model_impl=hf", "--fp8_format=e4m3"], "--fp8_format is a Transformer Engine"),
+        (
+            ["--model_impl=te", "--fp8=1", "--fp8_recipe=current", "--amax_compute_algo=max"],
+            "--amax_compute_algo does nothing with --fp8_recipe current: only delayed scaling "
+            "read it; drop it or change --fp8_recipe",
+        ),
+        (
+            ["--model_impl=te_linear", "--fp8=1", "--fp8_recipe=block", "--fp8_margin=1"],
+            "only delayed and mxfp8 scaling read it",
+        ),
         ([f"--seed={2**63}"], "--seed must be in [0, 2**63)"),
         (["--activation_checkpointing", "--ac_scope=attention"], "invalid choice: 'attention'"),
     ],
@@ -131,6 +147,27 @@ def test_the_largest_seed_starts_a_run_the_same_way_twice():
     from model_utils.data.sources import epoch_shard_order
 
     assert epoch_shard_order(seed, 1) == epoch_shard_order(seed, 1) > 0
+
+
+def test_te_recipe_options_pass_where_a_te_recipe_reads_them():
+    """Every option its recipes read, and any of them with --fp8=0 on TE (one command line
+    toggles FP8); a default is never refused (only what the user gave)."""
+    from model_utils.flag_rules import TE_RECIPE_OPTIONS
+
+    values = {
+        "fp8_format": "e4m3",
+        "amax_history_len": "16",
+        "amax_compute_algo": "most_recent",
+        "fp8_margin": "1",
+    }
+    for name, recipes in TE_RECIPE_OPTIONS.items():
+        for recipe in recipes:
+            argv = ["--model_impl=te", "--fp8=1", f"--fp8_recipe={recipe}", f"--{name}"]
+            args = parse_args([*argv, values[name]])
+            assert str(getattr(args, name)) == values[name], (name, recipe)
+        toggled = parse_args(["--model_impl=te", "--fp8=0", f"--{name}", values[name]])
+        assert str(getattr(toggled, name)) == values[name]
+    assert parse_args(["--model_impl=hf", "--fp8=1"]).amax_history_len == 1024  # default
 
 
 def test_fp8_recipe_is_checked_against_the_backend():

@@ -60,7 +60,8 @@ class Run:
         from model_utils.arguments import parse_args
 
         # FP8 runs inside a bf16 model (train.py refuses --fp8=1 --bf16=0); others run in fp32.
-        te_fp8 = ["--fp8=1", "--fp8_recipe", recipe, "--amax_history_len", "4"]
+        te_fp8 = ["--fp8=1", "--fp8_recipe", recipe]
+        te_fp8 += ["--amax_history_len", "4"] if recipe == "delayed" else []
         extra = (
             [*(te_fp8 if impl != "hf" else ["--fp8=1"]), "--bf16=1"]
             if fp8

@@ -1,0 +1,193 @@
+"""The rules between flags that argparse cannot express: ranges, shapes, combinations, and
+which recipe an implementation's backend runs. Each broken rule is a UsageError, one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from model_utils.arguments import (
+    FP8_ATTENTION_RECIPES,
+    TE_IMPLS,
+    TE_RECIPES,
+    TORCHAO_RECIPES,
+    UsageError,
+)
+from model_utils.presets import SHAPE_FIELDS
+
+#: TE recipe options -> the ``--fp8_recipe`` values whose TE recipe reads them
+#: (``te_precision.build_recipe``). Given for any other recipe or backend they would do nothing.
+TE_RECIPE_OPTIONS: dict[str, tuple[str, ...]] = {
+    "fp8_format": tuple(TE_RECIPES),
+    "amax_history_len": ("delayed",),
+    "amax_compute_algo": ("delayed",),
+    "fp8_margin": ("delayed", "mxfp8"),
+}
+MAX_SEED = 2**63
+#: 30 days: a longer collective timeout overflows c10d's timer, and no step waits that long.
+MAX_DIST_TIMEOUT_S = 30 * 24 * 3600
+
+
+def _positive(args: argparse.Namespace, *names: str, allow_zero: bool = False) -> None:
+    """A number that must be finite and > 0 (>= 0): NaN passes every comparison, and `--lr inf`
+    or `--rope_theta nan` would otherwise train on NaN from step 1."""
+    for name in names:
+        value = getattr(args, name)
+        bound = ">= 0" if allow_zero else "> 0"
+        if not math.isfinite(value):
+            raise UsageError(f"--{name} must be a finite number {bound}, got {value}")
+        if value < 0 or (value == 0 and not allow_zero):
+            raise UsageError(f"--{name} must be {bound}, got {value}")
+
+
+def check_consistency(args: argparse.Namespace) -> None:
+    """Cross-flag rules that argparse cannot express."""
+    _check_numbers(args)
+    _check_shape(args)
+    _check_combinations(args)
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    _positive(
+        args,
+        *SHAPE_FIELDS,
+        "max_context_width",
+        "train_batch_size",
+        "val_batch_size",
+        "grad_accum_steps",
+        "max_steps",
+        "logging_freq",
+        "lr",
+        "rope_theta",
+        "dist_timeout",
+        "amax_history_len",
+    )
+    _positive(
+        args,
+        "warmup",
+        "min_lr",
+        "weight_decay",
+        "grad_clip",
+        "validation_freq",
+        "validation_batches",
+        "keep_last",
+        allow_zero=True,
+    )
+    if args.checkpoint_freq < -1:
+        raise UsageError(f"--checkpoint_freq must be >= -1, got {args.checkpoint_freq}")
+    if not (0 <= args.beta1 < 1 and 0 <= args.beta2 < 1):
+        raise UsageError(f"--beta1/--beta2 must be in [0, 1), got {args.beta1}/{args.beta2}")
+    if args.ac_every < 1:
+        raise UsageError(f"--ac_every must be >= 1, got {args.ac_every}")
+    if args.dist_timeout > MAX_DIST_TIMEOUT_S:
+        raise UsageError(
+            f"--dist_timeout must be <= {MAX_DIST_TIMEOUT_S} s (30 days), got {args.dist_timeout}"
+        )
+    if not 0 <= args.seed < MAX_SEED:  # torch.manual_seed overflows beyond; data needs >= 0
+        raise UsageError(f"--seed must be in [0, 2**63), got {args.seed}")
+
+
+def _check_shape(args: argparse.Namespace) -> None:
+    """Attention heads split the width evenly, and GQA groups are equal."""
+    if args.hidden_width % args.num_heads:
+        raise UsageError(
+            f"--hidden_width {args.hidden_width} is not divisible by --num_heads {args.num_heads}"
+        )
+    if args.num_heads % args.num_key_value_heads:
+        raise UsageError(
+            f"--num_heads {args.num_heads} is not divisible by "
+            f"--num_key_value_heads {args.num_key_value_heads} (GQA groups must be equal)"
+        )
+
+
+def _check_combinations(args: argparse.Namespace) -> None:
+    """Flags that only make sense together, or never together."""
+    if args.min_lr > args.lr:
+        raise UsageError(f"--min_lr {args.min_lr} is larger than --lr {args.lr}")
+    if args.warmup >= args.max_steps and args.lr_decay_style != "constant":
+        raise UsageError(
+            f"--warmup {args.warmup} leaves no decay phase before --max_steps {args.max_steps}; "
+            "lower --warmup or use --lr_decay_style constant"
+        )
+    if args.ac_every > 1 and not args.activation_checkpointing:
+        raise UsageError("--ac_every needs --activation_checkpointing")
+    if args.ac_scope != "layer" and not args.activation_checkpointing:
+        raise UsageError(f"--ac_scope {args.ac_scope} needs --activation_checkpointing")
+    if args.fp8_all_gather and not args.fp8:
+        raise UsageError("--fp8_all_gather needs --fp8=1")
+    if args.fp8_weights and not args.fp8:
+        raise UsageError("--fp8_weights needs --fp8=1")
+    if args.fp8_attention and not args.fp8:
+        raise UsageError("--fp8_attention needs --fp8=1")
+    if args.fp8 and not args.bf16:
+        raise UsageError("--fp8=1 needs --bf16=1 (FP8 layers run inside a bf16 model)")
+    if args.async_checkpoint and args.optimizer != "adamw":
+        raise UsageError(
+            f"--async_checkpoint cannot save --optimizer {args.optimizer}'s states: DCP's async "
+            "stager copies them with aten.new_empty, which torchao's OptimState8bit/Fp8 do not "
+            "implement (torchao/optim/subclass_8bit.py); drop --async_checkpoint"
+        )
+    if args.overwrite_output_dir and args.resume_from_checkpoint:
+        raise UsageError(
+            "--overwrite_output_dir deletes the checkpoints --resume_from_checkpoint would resume "
+            "from: give one of them"
+        )
+
+
+def resolve_fp8_recipe(args: argparse.Namespace) -> str:
+    """--fp8_recipe for the backend that the (resolved) --model_impl runs on: TE's recipes for the
+    TE implementations, torchao's for hf; defaulted to that backend's first recipe."""
+    uses_te = args.model_impl in TE_IMPLS
+    valid = tuple(TE_RECIPES) if uses_te else TORCHAO_RECIPES
+    recipe = valid[0] if args.fp8_recipe is None else args.fp8_recipe
+    if recipe not in valid:
+        backend = "Transformer Engine" if uses_te else "torchao"
+        raise UsageError(
+            f"--fp8_recipe {recipe} is not a {backend} recipe for --model_impl "
+            f"{args.model_impl}; choose one of {', '.join(valid)}"
+        )
+    if args.fp8_all_gather and (uses_te or recipe != "tensorwise"):
+        raise UsageError(
+            "--fp8_all_gather needs torchao's tensorwise recipe (--model_impl hf "
+            "--fp8_recipe tensorwise); with TE use --fp8_weights"
+        )
+    if args.fp8_weights and not uses_te:
+        raise UsageError("--fp8_weights is a Transformer Engine option: add --model_impl te")
+    if args.fp8_attention:
+        _check_fp8_attention(args.model_impl, recipe)
+    return recipe
+
+
+def _check_fp8_attention(model_impl: str, recipe: str) -> None:
+    """FP8 attention is TE's fused attention (only ``--model_impl te`` runs it) under a recipe
+    with an FP8 attention path (TE 2.20: Float8BlockScaling asserts ``not fp8_dpa``; MXFP8's
+    needs cuDNN >= 9.21 and is not wired here)."""
+    if model_impl != "te":
+        raise UsageError(
+            f"--fp8_attention runs TE's fused attention, which --model_impl {model_impl} does not "
+            "use (te_linear and hf keep HF's attention): add --model_impl te"
+        )
+    if recipe not in FP8_ATTENTION_RECIPES:
+        raise UsageError(
+            f"--fp8_attention has no FP8 attention path with --fp8_recipe {recipe}: use "
+            f"--fp8_recipe {' or '.join(FP8_ATTENTION_RECIPES)} (on Hopper: delayed)"
+        )
+
+
+def check_recipe_options(args: argparse.Namespace, given: frozenset[str]) -> None:
+    """A TE recipe option given where no TE recipe reads it is refused: the user thinks it tunes
+    the run. With --fp8=0 on TE it is let through, so one command line can toggle FP8."""
+    for name, recipes in TE_RECIPE_OPTIONS.items():
+        if name not in given:
+            continue
+        if args.model_impl not in TE_IMPLS:
+            raise UsageError(
+                f"--{name} is a Transformer Engine recipe option and does nothing with "
+                f"--model_impl {args.model_impl} (torchao): drop it, or use --model_impl te"
+            )
+        if args.fp8 and args.fp8_recipe not in recipes:
+            raise UsageError(
+                f"--{name} does nothing with --fp8_recipe {args.fp8_recipe}: only "
+                f"{' and '.join(recipes)} scaling read it; drop it or change --fp8_recipe"
+            )
