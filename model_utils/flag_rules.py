@@ -62,6 +62,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
         "rope_theta",
         "dist_timeout",
         "amax_history_len",
+        "validation_batches",  # every run validates at its end (--validation_freq 0: only there)
     )
     _positive(
         args,
@@ -70,7 +71,6 @@ def _check_numbers(args: argparse.Namespace) -> None:
         "weight_decay",
         "grad_clip",
         "validation_freq",
-        "validation_batches",
         "keep_last",
         allow_zero=True,
     )

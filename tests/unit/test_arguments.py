@@ -108,6 +108,7 @@ def test_readme_documents_every_flag():
         (["--ac_every=2"], "--ac_every needs --activation_checkpointing"),
         (["--ac_scope=mlp"], "--ac_scope mlp needs --activation_checkpointing"),
         (["--seed=-1"], "--seed must be in [0, 2**63), got -1"),
+        (["--validation_batches=0"], "--validation_batches must be > 0, got 0"),
         (["--dist_timeout=99999999999999999"], "--dist_timeout must be <= 2592000 s (30 days)"),
         (
             ["--model_impl=hf", "--fp8=1", "--amax_history_len=16"],
