@@ -8,6 +8,7 @@ recipe's log format (``[train.py:N]``) always has.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -66,6 +67,7 @@ class RunLog:
         self.meter = meter
         self.jsonl_path = f"{args.output_dir}/metrics.jsonl"
         self.writer = metrics.JsonlWriter(self.jsonl_path, enabled=self.is_main)
+        self.records_lost_from: str | None = None  # where metrics.jsonl stopped, if it did
         self.board = tensorboard_log.TensorBoardLog(
             f"{args.output_dir}/tensorboard",
             enabled=self.is_main and args.tensorboard,
@@ -75,7 +77,7 @@ class RunLog:
             args.as_dict(), world_size=world.world_size, samples_per_step=samples_per_step
         )
         log.info(metrics.run_line(run), stacklevel=2)  # flags and batch, for compare_runs.py
-        self.writer.write(run)
+        self._record(run)
         self.board.flags(run)
         log.info(
             "model: %s, %.1fM parameters, impl=%s; %s",
@@ -118,7 +120,7 @@ class RunLog:
         )
         log.info(metrics.seed_line(step, loss_value, record["samples_per_sec"], lr), stacklevel=2)
         log.info(metrics.detail_line(record), stacklevel=2)
-        self.writer.write(record)
+        self._record(record)
         self.board.write(record)
 
     def validation(self, step: int, model, batches, backend) -> None:
@@ -136,12 +138,36 @@ class RunLog:
         record = metrics.validation_record(
             step=step, val_loss=val_loss, batches=len(batches), seconds=seconds
         )
-        self.writer.write(record)
+        self._record(record)
         self.board.write(record)
+
+    def _record(self, record: dict) -> None:
+        """metrics.jsonl gets the record; if its file system refuses (full, quota), the run goes
+        on: losing the checkpoints still to come over a metrics file would be the worse loss,
+        and the log lines carry the same figures. One warning, then no more records."""
+        try:
+            self.writer.write(record)
+        except OSError as exc:
+            self.writer.close()
+            words = os.strerror(exc.errno) if exc.errno else str(exc)
+            self.records_lost_from = f"step {record['step']}" if "step" in record else "the start"
+            log.warning(
+                "%s cannot be written (%s): training goes on without it from %s on (the file "
+                "keeps only whole records; this log carries every figure); free space in "
+                "--output_dir",
+                self.jsonl_path,
+                words,
+                self.records_lost_from,
+                stacklevel=3,
+            )
 
     def finish(self) -> None:
         self.writer.close()
         self.board.close()
         if self.is_main:
             summary = metrics.summarize(metrics.read_jsonl(self.jsonl_path), self.warmup)
-            log.info("\n" + metrics.format_summary(summary), stacklevel=2)
+            title = "Summary"
+            if self.records_lost_from:
+                lost = self.records_lost_from
+                title = f"Summary of what metrics.jsonl kept (it lost the records from {lost} on)"
+            log.info("\n" + metrics.format_summary(summary, title), stacklevel=2)

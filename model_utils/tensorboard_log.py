@@ -7,9 +7,14 @@ Events go to ``<output_dir>/tensorboard``, so ``tensorboard --logdir runs`` show
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from typing import Any
+
+log = logging.getLogger("train")
 
 # Not scalars worth a chart: the x axis, the wall-clock stamp (TensorBoard's own "relative" axis).
 _NOT_SCALARS = frozenset({"kind", "step", "time"})
@@ -41,12 +46,32 @@ def flags_markdown(run: Mapping[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def _quiet_writer_thread_errors() -> None:
+    """TensorBoard's writer thread dies of a full disk with a traceback on stderr, and the main
+    thread gets the same OSError at its next write, where TensorBoardLog turns it into one
+    warning: leave the thread's copy unprinted (every other thread's error is printed)."""
+    hook = threading.excepthook
+    if getattr(hook, "quiets_tensorboard", False):
+        return
+
+    def excepthook(args: threading.ExceptHookArgs) -> None:
+        writer_thread = type(args.thread).__module__.startswith("tensorboard.")
+        if not (writer_thread and issubclass(args.exc_type, OSError)):
+            hook(args)
+
+    excepthook.quiets_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = excepthook
+
+
 class TensorBoardLog:
     """``torch.utils.tensorboard.SummaryWriter`` on rank 0, a no-op elsewhere or when disabled.
 
     ``resumed_from``: a resumed run passes its checkpoint's step, and TensorBoard drops the
     events after it that the interrupted run wrote (``purge_step``), so the charts show one line,
     not twice the steps between the last checkpoint and the interruption.
+
+    A write the file system refuses (full, quota) ends TensorBoard for the run with one
+    warning; training goes on (metrics.jsonl and the log carry the same numbers).
     """
 
     def __init__(
@@ -57,26 +82,45 @@ class TensorBoardLog:
             # Imported here: only runs that ask for TensorBoard need it importable.
             from torch.utils.tensorboard import SummaryWriter
 
+            _quiet_writer_thread_errors()
+            self.log_dir = str(log_dir)
             self._writer = SummaryWriter(
-                log_dir=str(log_dir),
+                log_dir=self.log_dir,
                 purge_step=resumed_from + 1 if resumed_from else None,
                 flush_secs=30,
             )
 
     def flags(self, run: Mapping[str, Any]) -> None:
-        if self._writer is not None:
-            self._writer.add_text("flags", flags_markdown(run), global_step=0)
+        self._guarded(lambda w: w.add_text("flags", flags_markdown(run), global_step=0))
 
     def write(self, record: Mapping[str, Any]) -> None:
-        if self._writer is None:
-            return
-        walltime = record.get("time")
-        for tag, value in scalars(record):  # a NaN loss is kept: TensorBoard shows it
-            self._writer.add_scalar(tag, value, record["step"], walltime=walltime)
-        # At every report, like the JSONL: a preempted or crashed run loses no events.
-        self._writer.flush()
+        def add(writer: Any) -> None:
+            walltime = record.get("time")
+            for tag, value in scalars(record):  # a NaN loss is kept: TensorBoard shows it
+                writer.add_scalar(tag, value, record["step"], walltime=walltime)
+            # At every report, like the JSONL: a preempted or crashed run loses no events.
+            writer.flush()
+
+        self._guarded(add)
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        self._guarded(lambda w: w.close())
+        self._writer = None
+
+    def _guarded(self, action: Callable[[Any], None]) -> None:
+        if self._writer is None:
+            return
+        try:
+            action(self._writer)
+        except OSError as exc:
+            writer, self._writer = self._writer, None
+            with contextlib.suppress(Exception):  # it fails again: the same full disk
+                writer.close()
+            words = os.strerror(exc.errno) if exc.errno else str(exc)
+            log.warning(
+                "TensorBoard: %s cannot be written (%s): no more events this run; training "
+                "goes on (metrics.jsonl and this log carry the same numbers)",
+                self.log_dir,
+                words,
+                stacklevel=4,  # the train.py line that reported
+            )

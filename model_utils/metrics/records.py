@@ -3,6 +3,8 @@ carry the same numbers, so the run directory and the Slurm log each tell the who
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
@@ -69,12 +71,20 @@ class JsonlWriter:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def write(self, record: Mapping[str, Any]) -> None:
+        """Append one line. OSError if the file system refuses it (full, quota, I/O error),
+        with the file cut back to the whole lines it held before."""
         if self._fd is None:
             return
         data = (json.dumps(_json_safe(record), allow_nan=False) + "\n").encode()
-        written = os.write(self._fd, data)
-        if written != len(data):  # regular files do not short-write short of a full disk
-            raise OSError(f"short write to {self.path}: {written} of {len(data)} bytes")
+        whole = os.fstat(self._fd).st_size
+        try:
+            written = os.write(self._fd, data)
+            if written != len(data):  # regular files do not short-write short of a full disk
+                raise OSError(errno.ENOSPC, f"short write: {written} of {len(data)} bytes")
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, whole)  # no half line for a reader to trip on
+            raise
 
     def close(self) -> None:
         if self._fd is not None:

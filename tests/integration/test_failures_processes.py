@@ -28,7 +28,7 @@ from procs import signal_after, spawn_ranks  # noqa: E402
 from test_failures import FAST  # noqa: E402
 
 from model_utils import checkpoint as ck  # noqa: E402
-from model_utils import guards, run_lock  # noqa: E402
+from model_utils import guards, metrics, run_lock  # noqa: E402
 
 
 def train(*argv: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -310,10 +310,10 @@ def small_disk(tmp_path: Path):
     """Mount tmpfs file systems of a given size (MiB) or read-only, unmounted afterwards."""
     mounted: list[Path] = []
 
-    def mount(name: str, size_mib: int, read_only: bool = False, inodes: int = 0) -> Path:
+    def mount(name: str, size_mib: float, read_only: bool = False, inodes: int = 0) -> Path:
         point = tmp_path / name
         point.mkdir()
-        options = f"size={size_mib}m" + (",ro" if read_only else "")
+        options = f"size={round(size_mib * 1024)}k" + (",ro" if read_only else "")
         options += f",nr_inodes={inodes}" if inodes else ""
         done = subprocess.run(
             ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
@@ -360,6 +360,40 @@ def test_a_directory_the_system_will_not_create_is_one_line_not_a_traceback(
         "choose another --output_dir"
     ]
     assert list(no_inodes.iterdir()) == []
+
+
+def test_a_run_dir_that_fills_up_mid_run_costs_the_metrics_not_the_run(
+    tmp_path: Path, small_disk
+) -> None:
+    """--output_dir on a 16 KiB file system, checkpoints elsewhere: metrics.jsonl and
+    TensorBoard fill it within a few steps. The run trains on to its last step and saves its
+    checkpoints; each writer warns once; metrics.jsonl holds only whole records; no traceback
+    (not even TensorBoard's writer thread's)."""
+    run, ckpt = small_disk("full", 16 / 1024) / "run", tmp_path / "ckpt"
+    result = train(
+        *FAST,
+        "--max_steps=12",
+        "--warmup=1",
+        "--validation_batches=1",
+        "--checkpoint_freq=6",
+        "--tensorboard=1",
+        f"--output_dir={run}",
+        f"--checkpoint_dir={ckpt}",
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "Exception in thread" not in result.stderr
+    assert "Batch 12 Loss" in result.stdout
+    saved = [ck.checkpoint_name(6), ck.checkpoint_name(12)]
+    assert [p.name for p in sorted(ckpt.iterdir()) if p.is_dir()] == saved
+    jsonl = [ln for ln in result.stdout.splitlines() if "metrics.jsonl cannot be written" in ln]
+    board = [ln for ln in result.stdout.splitlines() if "TensorBoard: " in ln]
+    assert len(jsonl) == 1 and "(No space left on device)" in jsonl[0], result.stdout[-3000:]
+    assert len(board) == 1 and "cannot be written (No space left on device)" in board[0]
+    assert "[train.py:" in jsonl[0] and "[train.py:" in board[0]  # the line that reported
+    lost = int(jsonl[0].split("from step ")[1].split()[0])
+    kept = metrics.read_jsonl(run / "metrics.jsonl")  # every line parses: no half record
+    assert [r["step"] for r in kept if r["kind"] == "train"] == list(range(1, lost))
+    assert f"it lost the records from step {lost} on" in result.stdout
 
 
 def test_a_full_disk_is_refused_before_training_or_named_at_save(tmp_path: Path, small_disk):

@@ -91,3 +91,34 @@ def test_writer_round_trip_and_resume_purges_the_rerun_steps(tmp_path: Path) -> 
     assert not (tmp_path / "off").exists()
     assert parse_args([]).tensorboard is False  # off by default
     assert parse_args(["--tensorboard"]).tensorboard is True
+
+
+def test_only_tensorboard_writer_threads_disk_errors_go_unprinted(monkeypatch) -> None:
+    """The quiet hook drops the OSError of TensorBoard's own writer thread (the main thread
+    warns about it) and passes every other thread's error to the hook it replaced."""
+    import threading
+
+    from tensorboard.summary.writer import event_file_writer
+
+    from model_utils import tensorboard_log
+
+    printed: list[str] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: printed.append(args.thread.name))
+    tensorboard_log._quiet_writer_thread_errors()
+    tensorboard_log._quiet_writer_thread_errors()  # installed once, not wrapped twice
+
+    def fail(exc: Exception) -> None:
+        raise exc
+
+    class WriterThread(threading.Thread):  # what TensorBoard's _AsyncWriterThread is, by module
+        pass
+
+    WriterThread.__module__ = event_file_writer.__name__
+    for thread in (
+        WriterThread(target=fail, args=(OSError(28, "No space left on device"),), name="tb-disk"),
+        WriterThread(target=fail, args=(ValueError("a bug"),), name="tb-bug"),
+        threading.Thread(target=fail, args=(OSError(28, "full"),), name="other-disk"),
+    ):
+        thread.start()
+        thread.join()
+    assert printed == ["tb-bug", "other-disk"]
