@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from model_utils import metrics, modeling, tensorboard_log
+from model_utils.arguments import first_line
 
 log = logging.getLogger("train")
 
@@ -66,6 +67,10 @@ class RunLog:
             )
         self.meter = meter
         self.jsonl_path = f"{args.output_dir}/metrics.jsonl"
+        if self.is_main and start_step == 0:  # a fresh run: its file holds this run only
+            aside = metrics.set_aside(self.jsonl_path)
+            if aside is not None:
+                log.info("An earlier run's metrics.jsonl here is kept as %s", aside, stacklevel=2)
         self.writer = metrics.JsonlWriter(self.jsonl_path, enabled=self.is_main)
         self.records_lost_from: str | None = None  # where metrics.jsonl stopped, if it did
         self.board = tensorboard_log.TensorBoardLog(
@@ -165,7 +170,17 @@ class RunLog:
         self.writer.close()
         self.board.close()
         if self.is_main:
-            summary = metrics.summarize(metrics.read_jsonl(self.jsonl_path), self.warmup)
+            try:  # the file, not memory: a resumed run's summary covers every segment
+                records = metrics.read_jsonl(self.jsonl_path)
+            except (OSError, ValueError) as exc:  # deleted, or damaged, while the run went on
+                log.warning(
+                    "No summary: %s cannot be read (%s); this log carries every figure",
+                    self.jsonl_path,
+                    first_line(exc),
+                    stacklevel=2,
+                )
+                return
+            summary = metrics.summarize(records, self.warmup)
             title = "Summary"
             if self.records_lost_from:
                 lost = self.records_lost_from

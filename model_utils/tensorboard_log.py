@@ -68,7 +68,8 @@ class TensorBoardLog:
 
     ``resumed_from``: a resumed run passes its checkpoint's step, and TensorBoard drops the
     events after it that the interrupted run wrote (``purge_step``), so the charts show one line,
-    not twice the steps between the last checkpoint and the interruption.
+    not twice the steps between the last checkpoint and the interruption. A fresh run moves an
+    earlier run's events to ``tensorboard.N`` (a run of its own in ``tensorboard --logdir``).
 
     A write the file system refuses (full, quota) ends TensorBoard for the run with one
     warning; training goes on (metrics.jsonl and the log carry the same numbers).
@@ -82,7 +83,14 @@ class TensorBoardLog:
             # Imported here: only runs that ask for TensorBoard need it importable.
             from torch.utils.tensorboard import SummaryWriter
 
+            from model_utils.metrics import set_aside
+
             _quiet_writer_thread_errors()
+            aside = None if resumed_from else set_aside(log_dir)
+            if aside is not None:  # a fresh run: its own chart, the earlier one beside it
+                log.info(
+                    "An earlier run's TensorBoard events here are kept in %s", aside, stacklevel=3
+                )
             self.log_dir = str(log_dir)
             self._writer = SummaryWriter(
                 log_dir=self.log_dir,

@@ -37,6 +37,7 @@ from model_utils.metrics.records import (
     run_line,
     run_record,
     seed_line,
+    set_aside,
     validation_record,
 )
 from model_utils.metrics.summary import (
@@ -68,6 +69,7 @@ __all__ = [
     "run_line",
     "run_record",
     "seed_line",
+    "set_aside",
     "step_metrics",
     "summarize",
     "validation_record",

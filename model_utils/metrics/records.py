@@ -98,6 +98,23 @@ class JsonlWriter:
         self.close()
 
 
+def set_aside(path: str | os.PathLike[str]) -> Path | None:
+    """Move an earlier run's non-empty metrics file (or TensorBoard folder) out of a fresh
+    run's way, to the first free ``metrics.N.jsonl`` (``tensorboard.N``) beside it, and return
+    where; None if there was nothing to move. A fresh run appending to it would mix two runs in
+    one summary, comparison or chart; deleting it would lose what the user saved."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    if path.stat().st_size == 0 if path.is_file() else not any(path.iterdir()):
+        return None
+    n = 1
+    while (aside := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
+        n += 1
+    os.rename(path, aside)
+    return aside
+
+
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """All records of a metrics file, in order."""
     with open(path, encoding="utf-8") as f:

@@ -34,14 +34,19 @@ def _median(values: Iterable[float | None]) -> float | None:
 def summarize(records: Iterable[Mapping[str, Any]], warmup_steps: int) -> dict[str, Any]:
     """End-of-run numbers: medians over logged train records with ``step > warmup_steps``.
 
+    Each step counts once, as last logged (a resumed run re-logs the steps it re-runs).
     Warm-up steps (allocator growth, lazy init, compilation) are excluded from throughput but
     not from the losses: ``final_train_loss`` is the last logged train loss and
     ``final_val_loss`` the last validation record's ``val_loss``. Peak memory is the maximum over
     all records (it is a peak). A metric with no record after warm-up is None.
     """
-    records = list(records)
-    train = [r for r in records if r.get("kind") == "train"]
-    val = [r for r in records if r.get("kind") == "val"]
+    latest: dict[tuple[Any, Any], Mapping[str, Any]] = {}
+    for record in records:  # a requeued run logs again the steps after its checkpoint: once each
+        if record.get("kind") in ("train", "val"):
+            latest[(record["kind"], record["step"])] = record
+    ordered = [latest[key] for key in sorted(latest, key=lambda key: key[1])]
+    train = [r for r in ordered if r["kind"] == "train"]
+    val = [r for r in ordered if r["kind"] == "val"]
     measured = [r for r in train if r["step"] > warmup_steps]
     summary: dict[str, Any] = {key: _median(r.get(key) for r in measured) for key in _MEDIAN_KEYS}
     memory = [r["peak_mem_gib"] for r in train if r.get("peak_mem_gib") is not None]

@@ -143,6 +143,27 @@ def test_preemption_signal_checkpoints_and_auto_resume_finishes_the_same(tmp_pat
     result = run_train(*argv)
     assert f"at step {stopped}" in result.stdout
     assert losses(out)[12] == losses(reference)[12]
+    # A resume continues its run's metrics.jsonl: both segments, one summary over 12 steps.
+    assert "kept as" not in result.stdout and not (out / "metrics.1.jsonl").exists()
+    assert sorted(losses(out)) == list(range(1, 13))
+    assert "last step 12" in result.stdout
+
+
+def test_a_fresh_run_sets_an_earlier_runs_metrics_aside(tmp_path):
+    """Two fresh runs into one --output_dir (no checkpoints): the second's metrics.jsonl and
+    TensorBoard folder hold only its own steps; the first's are kept beside them."""
+    out = tmp_path / "run"
+    common = [*FAST, "--warmup=1", "--validation_batches=1", "--checkpoint_freq=-1"]
+    common += ["--tensorboard=1", f"--output_dir={out}"]
+    run_train(*common, "--max_steps=3")
+    second = run_train(*common, "--max_steps=2")
+    assert f"kept as {out / 'metrics.1.jsonl'}" in second.stdout
+    assert f"kept in {out / 'tensorboard.1'}" in second.stdout
+    assert sorted(losses(out)) == [1, 2]
+    first = [json.loads(ln) for ln in (out / "metrics.1.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in first if r["kind"] == "train"] == [1, 2, 3]
+    assert [p.name for p in (out / "tensorboard").iterdir()] != []
+    assert "last step 2" in second.stdout
 
 
 # ~66M parameters and tiny activations: gradients dominate what a rank holds.

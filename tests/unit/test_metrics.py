@@ -437,6 +437,42 @@ def test_summarize_skips_warmup() -> None:
     assert "MFU % vs bf16 peak (median)" in text and "n/a" in text
 
 
+def test_summarize_counts_each_step_once_as_last_logged() -> None:
+    """A requeued run re-logs the steps between its checkpoint and the interruption."""
+    records = [
+        _train(1, speed=1.0, loss=9.0),
+        _train(2, speed=10.0, loss=8.0),
+        _train(3, speed=10.0, loss=7.5),  # logged, then the job was killed; resumed at step 2
+        validation_record(step=3, val_loss=7.9, batches=2, seconds=0.1),
+        _train(3, speed=30.0, loss=7.0),
+        validation_record(step=3, val_loss=7.3, batches=2, seconds=0.1),
+        _train(4, speed=30.0, loss=6.5),
+    ]
+    summary = summarize(records, warmup_steps=1)
+    assert summary["measured_records"] == 3 and summary["samples_per_sec"] == 30.0
+    assert (summary["final_train_loss"], summary["final_val_loss"]) == (6.5, 7.3)
+    assert summary["last_step"] == 4
+
+
+def test_set_aside_keeps_an_earlier_runs_file_and_folder_beside_the_new_one(tmp_path) -> None:
+    from model_utils.metrics import set_aside
+
+    path = tmp_path / "metrics.jsonl"
+    assert set_aside(path) is None  # nothing there
+    path.write_text("")
+    assert set_aside(path) is None and path.exists()  # empty: nothing to keep
+    for n in (1, 2):
+        path.write_text(f'{{"run": {n}}}\n')
+        assert set_aside(path) == tmp_path / f"metrics.{n}.jsonl" and not path.exists()
+    assert (tmp_path / "metrics.1.jsonl").read_text() == '{"run": 1}\n'
+    board = tmp_path / "tensorboard"
+    board.mkdir()
+    assert set_aside(board) is None and board.is_dir()  # an empty folder stays
+    (board / "events").write_text("x")
+    assert set_aside(board) == tmp_path / "tensorboard.1"
+    assert (tmp_path / "tensorboard.1" / "events").read_text() == "x"
+
+
 def test_format_comparison_ratios() -> None:
     bf16 = summarize([_train(20, 10.0, 6.0), _train(30, 10.0, 5.0)], warmup_steps=10)
     fp8 = summarize([_train(20, 5.0, 6.1), _train(30, 5.0, 5.05)], warmup_steps=10)
