@@ -396,6 +396,21 @@ def test_a_run_dir_that_fills_up_mid_run_costs_the_metrics_not_the_run(
     assert f"it lost the records from step {lost} on" in result.stdout
 
 
+def test_a_damaged_metrics_file_costs_the_summary_not_the_run(tmp_path: Path) -> None:
+    """A resumed run whose metrics.jsonl was damaged in between (here: a line that is no JSON)
+    appends to it and finishes; the end summary is replaced by one warning."""
+    common = [*FAST, "--warmup=1", "--validation_batches=1", f"--output_dir={tmp_path}/r"]
+    first = train(*common, "--max_steps=2")
+    assert first.returncode == 0, first.stderr[-2000:]
+    with open(tmp_path / "r" / "metrics.jsonl", "a") as fh:
+        fh.write("not json\n")
+    resumed = train(*common, "--max_steps=3", "--resume_from_checkpoint=auto")
+    assert resumed.returncode == 0 and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
+    assert "Batch 3 Loss" in resumed.stdout and "Summary (" not in resumed.stdout
+    [line] = [ln for ln in resumed.stdout.splitlines() if "No summary: " in ln]
+    assert "metrics.jsonl cannot be read (JSONDecodeError: " in line
+
+
 def test_a_full_disk_is_refused_before_training_or_named_at_save(tmp_path: Path, small_disk):
     """The tiny model's checkpoint is ~82 MiB: 50 MiB cannot hold one (refused at start-up);
     130 MiB holds one, so the second save fails: one line, and the first checkpoint stays."""
