@@ -68,7 +68,17 @@ class JsonlWriter:
         self._fd: int | None = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+            self._drop_unfinished_line()
+
+    def _drop_unfinished_line(self) -> None:
+        """A record cut short (the machine died mid-write) would swallow the next one appended
+        after it: cut the file back to its last whole line."""
+        size = os.fstat(self._fd).st_size
+        tail = os.pread(self._fd, min(size, 1 << 16), max(0, size - (1 << 16)))
+        if tail and not tail.endswith(b"\n"):
+            cut = tail.rfind(b"\n") + 1  # 0 if no newline in the tail
+            os.ftruncate(self._fd, size - len(tail) + cut)
 
     def write(self, record: Mapping[str, Any]) -> None:
         """Append one line. OSError if the file system refuses it (full, quota, I/O error),

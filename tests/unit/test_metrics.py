@@ -393,6 +393,22 @@ def test_jsonl_writer_whole_lines_rank0_only(tmp_path) -> None:
     }
 
 
+def test_a_resumed_writer_drops_a_record_cut_short_before_appending(tmp_path) -> None:
+    """The machine died mid-write: the cut record goes, the whole ones before it stay, and the
+    next record starts its own line."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "run"}\n{"kind": "train", "step": 1}\n{"kind": "train", "st')
+    with JsonlWriter(path) as writer:
+        writer.write({"kind": "train", "step": 2})
+    assert [r.get("step") for r in read_jsonl(path)] == [None, 1, 2]
+    path.write_text('{"kind": "tr')  # nothing whole at all
+    JsonlWriter(path).close()
+    assert path.read_text() == ""
+    path.write_text('{"kind": "run"}\n')  # whole: left as it is
+    JsonlWriter(path).close()
+    assert path.read_text() == '{"kind": "run"}\n'
+
+
 # ------------------------------------------------------------------------------ summary
 
 
