@@ -52,6 +52,8 @@ def validate(argv: list[str] | None, training: bool = True) -> tuple[arguments.C
         checkpoint.check_resume_arg(args.resume_from_checkpoint, args.checkpoint_dir)
         if args.init_from_hf:
             checkpoint.check_hf_dir(args.init_from_hf)
+        if args.export_hf:
+            checkpoint.check_export_dir(args.export_hf)  # an export never replaces a model
     except ValueError as exc:
         raise arguments.UsageError(str(exc)) from exc
     if args.model_impl in arguments.TE_IMPLS:
@@ -230,7 +232,7 @@ def finish(args: arguments.Config, model, backend, ckpt, state, guard, run_log, 
         ckpt.save(state.step, state)  # a step saved just before is not written twice
     ckpt.close()
     if args.export_hf:
-        checkpoint.export_hf(model, model.config, args.export_hf)
+        checkpoint.export_hf(model, model.config, args.export_hf, kept=ckpt.latest())
         log.info("Exported Hugging Face weights to %s", args.export_hf)
     run_log.finish()
 

@@ -68,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         return _fail(f"{out_dir} exists and is not a directory")
+    from model_utils.checkpoint.hf_export import export_dir_problem
+
+    problem = export_dir_problem("out_dir", out_dir)
+    if problem:
+        return _fail(problem)
     path, problem = pick_checkpoint(args.checkpoint)
     if path is None:
         return _fail(problem or "no checkpoint")

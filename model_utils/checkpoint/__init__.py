@@ -87,7 +87,9 @@ from model_utils.checkpoint.errors import (
 from model_utils.checkpoint.hf_export import (
     DEFAULT_MAX_SHARD_BYTES,
     SafetensorsShardWriter,
+    check_export_dir,
     dcp_to_hf,
+    existing_model,
     export_hf,
 )
 from model_utils.checkpoint.hf_import import (
@@ -154,6 +156,8 @@ __all__ = [
     "UntrustedCheckpointError",
     "capture_rng",
     "check_fresh_start",
+    "check_export_dir",
+    "existing_model",
     "check_hf_dir",
     "check_resumable",
     "check_resume_arg",

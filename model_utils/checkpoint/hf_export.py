@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from model_utils.checkpoint.errors import CheckpointWriteError, write_error_reason
 from model_utils.checkpoint.hf_import import HF_INDEX, HF_SINGLE
 from model_utils.checkpoint.manifest import checkpoint_problem, read_marker
-from model_utils.checkpoint.ranks import barrier, current_rank
+from model_utils.checkpoint.ranks import any_rank, current_rank
 from model_utils.checkpoint.saved import iter_dcp_model_layers
 from model_utils.checkpoint.tensors import (
     KeyMap,
@@ -34,16 +36,63 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
 
+PART_PREFIX = ".part-"  # shards being written; renamed to their HF names when all are done
+
+
+def existing_model(out_dir: str | Path) -> list[str]:
+    """The HF weight files already in `out_dir` (sorted names; [] if none or no such folder)."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return []
+    found = [*out_dir.glob("model*.safetensors"), out_dir / HF_INDEX]
+    return sorted(p.name for p in found if p.exists())
+
+
+def export_dir_problem(flag: str, out_dir: str | Path) -> str | None:
+    """Why `out_dir` cannot take an export, or None: an export never replaces a model the user
+    saved (a former export, a downloaded model), found before training rather than after it."""
+    found = existing_model(out_dir)
+    if not found:
+        return None
+    shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+    return (
+        f"{flag} {out_dir} already holds a model ({shown}): an export never replaces one; "
+        f"choose a new or empty directory, or move that model away"
+    )
+
+
+def check_export_dir(out_dir: str | Path, flag: str = "--export_hf") -> None:
+    """ValueError (one line) if `out_dir` already holds a model: before any training."""
+    problem = export_dir_problem(flag, out_dir)
+    if problem:
+        raise ValueError(problem)
+
+
+def _publish_mode() -> int:
+    """The mode a plain new file gets here (0o666 less the umask): safetensors writes through a
+    private temporary file (0o600), which would keep an export from the user's group."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 class SafetensorsShardWriter:
     """Accumulates tensors and writes HF-style shards of at most `max_shard_bytes`:
-    model.safetensors, or model-0000i-of-0000N.safetensors + model.safetensors.index.json."""
+    model.safetensors, or model-0000i-of-0000N.safetensors + model.safetensors.index.json.
+
+    Shards are written as hidden parts and take their HF names only when all are written, so
+    an export cut short leaves no half model; a folder that already holds one is refused
+    (FileExistsError)."""
 
     def __init__(self, out_dir: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
         self.out_dir = Path(out_dir)
         self.max_shard_bytes = max_shard_bytes
+        problem = export_dir_problem("export", self.out_dir)
+        if problem:
+            raise FileExistsError(problem)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        for old in [*self.out_dir.glob("model*.safetensors"), self.out_dir / HF_INDEX]:
-            old.unlink(missing_ok=True)  # a previous export with another shard count
+        for stale in self.out_dir.glob(f"{PART_PREFIX}*"):
+            stale.unlink(missing_ok=True)  # an export cut short
         self._current: dict[str, torch.Tensor] = {}
         self._current_bytes = 0
         self._written: list[tuple[Path, list[str]]] = []
@@ -58,7 +107,7 @@ class SafetensorsShardWriter:
         self.total_bytes += nbytes
 
     def _flush(self) -> None:
-        part = self.out_dir / f".part-{len(self._written):05d}.safetensors"
+        part = self.out_dir / f"{PART_PREFIX}{len(self._written):05d}.safetensors"
         save_file(self._current, str(part), metadata={"format": "pt"})
         self._written.append((part, list(self._current)))
         self._current, self._current_bytes = {}, 0
@@ -66,6 +115,9 @@ class SafetensorsShardWriter:
     def finish(self) -> list[Path]:
         if self._current or not self._written:
             self._flush()
+        mode = _publish_mode()
+        for part, _ in self._written:
+            os.chmod(part, mode)
         if len(self._written) == 1:
             final = self.out_dir / HF_SINGLE
             self._written[0][0].replace(final)
@@ -102,13 +154,16 @@ def export_hf(
     out_dir: str | Path,
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    kept: Path | None = None,
 ) -> None:
     """Write the (sharded) model as HF safetensors + config.json; all ranks call.
 
     One decoder layer at a time is gathered (all-gather of its shards) and rank 0 writes it,
     so memory is bounded by a layer plus one output shard, not the model. Tied weights are
     written once (like save_pretrained). A model in another layout (te) is mapped to HF names by
-    its ``state_dict_adapter``.
+    its ``state_dict_adapter``. If rank 0 cannot write (a full disk, a model that appeared in
+    `out_dir`), every rank still gathers to the end, then all raise CheckpointWriteError naming
+    `kept`, the checkpoint that holds the same weights (None: none does).
     """
     out_dir = Path(out_dir)
     adapter = getattr(model, "state_dict_adapter", None)
@@ -116,17 +171,45 @@ def export_hf(
     sd = weight_tensors(get_model_state_dict(model))
     aliases = alias_groups(sd)
     names = [n for n in sd if aliases[n] == n]
-    writer = SafetensorsShardWriter(out_dir, max_shard_bytes) if current_rank() == 0 else None
+    writer, failure = None, None
+    if current_rank() == 0:
+        try:
+            writer = SafetensorsShardWriter(out_dir, max_shard_bytes)
+        except OSError as exc:
+            failure = exc
     for group in layer_groups(names):
-        full = {n: full_cpu(sd[n], dtype) for n in group}
-        if writer is not None:
-            for name, tensor in (key_map(full) if key_map else full).items():
-                writer.add(name, tensor)
-    if writer is not None:
-        writer.finish()
-        _save_hf_config(config, out_dir, dtype)
-        log.info("Exported HF safetensors (%s) to %s", str(dtype).split(".")[-1], out_dir)
-    barrier()
+        full = {n: full_cpu(sd[n], dtype) for n in group}  # a collective: every rank, always
+        if writer is not None and failure is None:
+            try:
+                for name, tensor in (key_map(full) if key_map else full).items():
+                    writer.add(name, tensor)
+            except OSError as exc:
+                failure = exc
+    if writer is not None and failure is None:
+        try:
+            writer.finish()
+            _save_hf_config(config, out_dir, dtype)
+            log.info("Exported HF safetensors (%s) to %s", str(dtype).split(".")[-1], out_dir)
+        except OSError as exc:
+            failure = exc
+    if any_rank(failure is not None):
+        raise CheckpointWriteError(_export_failure(out_dir, failure, kept))
+
+
+def _export_failure(out_dir: Path, failure: BaseException | None, kept: Path | None) -> str:
+    if isinstance(failure, FileExistsError):
+        reason = f"a model appeared there during the run ({', '.join(existing_model(out_dir))})"
+    elif failure is not None:
+        reason = write_error_reason(failure, out_dir)
+    else:
+        reason = "rank 0 could not write it (see rank 0's log)"
+    then = (
+        f"the checkpoint {kept} holds the same weights: python scripts/convert_checkpoint.py "
+        f"{kept} DIR writes the export"
+        if kept
+        else "no checkpoint holds these weights (--checkpoint_freq -1)"
+    )
+    return f"the Hugging Face export to {out_dir} failed: {reason}; {then}"
 
 
 def dcp_to_hf(

@@ -330,6 +330,72 @@ def small_disk(tmp_path: Path):
         subprocess.run(["umount", str(point)], check=False)
 
 
+def test_an_export_never_replaces_a_model(tmp_path: Path, refused_by_train) -> None:
+    """At start: --export_hf into a folder that holds a model is one line, exit 2."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "model.safetensors").write_bytes(b"the user's model")
+    _, lines, _ = refused_by_train(*FAST, f"--output_dir={tmp_path / 'run'}", f"--export_hf={hf}")
+    assert lines == [
+        f"train.py: error: --export_hf {hf} already holds a model (model.safetensors): an "
+        "export never replaces one; choose a new or empty directory, or move that model away"
+    ]
+    assert (hf / "model.safetensors").read_bytes() == b"the user's model"
+
+
+def test_a_model_that_appears_in_the_export_dir_mid_run_is_kept_and_so_is_the_run(
+    tmp_path: Path,
+) -> None:
+    """2 ranks: a model lands in --export_hf during the run. Rank 0 leaves it alone; both
+    ranks still gather every layer (no hang), then stop with one line naming the final
+    checkpoint, exit 1; the convert script writes the export from it elsewhere."""
+    from procs import torchrun_cmd
+
+    hf, ckpt = tmp_path / "hf", tmp_path / "run" / "checkpoints"
+    argv = [*FAST, "--max_steps=8", "--warmup=1", "--validation_batches=1"]
+    argv += [f"--output_dir={tmp_path / 'run'}", f"--export_hf={hf}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        torchrun_cmd(str(ROOT / "train.py"), *argv, nproc=2),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "Batch 2 Loss" in line:
+            hf.mkdir()
+            (hf / "model.safetensors").write_bytes(b"someone else's model")
+    text = "".join(seen)
+    assert proc.wait(timeout=300) != 0, text[-3000:]
+    final = ckpt / ck.checkpoint_name(8)
+    [line] = [ln for ln in text.splitlines() if "train.py: error:" in ln]
+    assert line.endswith(
+        f"the Hugging Face export to {hf} failed: a model appeared there during the run "
+        f"(model.safetensors); the checkpoint {final} holds the same weights: python "
+        f"scripts/convert_checkpoint.py {final} DIR writes the export"
+    ), line
+    assert "]: Traceback" not in text  # no rank's (torchrun's agent reports the exit)
+    assert sorted(p.name for p in hf.iterdir()) == ["model.safetensors"]
+    assert (hf / "model.safetensors").read_bytes() == b"someone else's model"
+    convert = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "convert_checkpoint.py"),
+            str(final),
+            str(tmp_path / "hf2"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert convert.returncode == 0, convert.stderr
+    assert ck.existing_model(tmp_path / "hf2") == ["model.safetensors"]
+
+
 def test_a_read_only_checkpoint_dir_is_refused_at_start(
     tmp_path: Path, small_disk, refused_by_train
 ) -> None:

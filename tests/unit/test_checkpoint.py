@@ -5,6 +5,7 @@ refusal. The multi-rank behaviour is in tests/integration/test_checkpoint_proces
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -208,10 +209,30 @@ def test_shard_writer_splits_and_indexes(tmp_path: Path) -> None:
     assert index["metadata"]["total_size"] == 2000
     loaded = {k: v for f in files for k, v in load_file(f).items()}
     assert differences(loaded, tensors) == []
-    single = ck.SafetensorsShardWriter(tmp_path / "multi")  # re-export: old shards removed
-    single.add("t0", tensors["t0"])
-    assert [f.name for f in single.finish()] == [ck.HF_SINGLE]
-    assert sorted(p.name for p in (tmp_path / "multi").iterdir()) == [ck.HF_SINGLE]
+    with pytest.raises(FileExistsError, match="already holds a model .model-00001-of-00003"):
+        ck.SafetensorsShardWriter(tmp_path / "multi")  # an export never replaces a model
+
+
+def test_shard_writer_publishes_whole_models_readable_as_the_umask_allows(tmp_path: Path) -> None:
+    """Shards stay hidden parts until all are written (an export cut short leaves no model, and
+    its parts go at the next export); the files get the mode a new file gets here, not the
+    0o600 of safetensors' private temporary file."""
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / ".part-00000.safetensors").write_bytes(b"cut short")  # an earlier export died
+    old_umask = os.umask(0o027)
+    try:
+        writer = ck.SafetensorsShardWriter(out, max_shard_bytes=500)
+        writer.add("a", torch.ones(100))
+        assert not (out / ".part-00000.safetensors").exists()  # the stale part went
+        writer.add("b", torch.ones(100))  # the first shard is written now: still a part
+        assert ck.existing_model(out) == [] and len(list(out.glob(".part-*"))) == 1
+        files = writer.finish()
+    finally:
+        os.umask(old_umask)
+    assert ck.existing_model(out) == sorted([*(f.name for f in files), ck.HF_INDEX])
+    assert {oct(f.stat().st_mode & 0o777) for f in files} == {oct(0o640)}
+    assert list(out.glob(".part-*")) == []
 
 
 def _logits(model: torch.nn.Module) -> torch.Tensor:
