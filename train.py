@@ -49,6 +49,7 @@ def validate(argv: list[str] | None, training: bool = True) -> tuple[arguments.C
         data.check_hub_dataset(args.dataset)  # a name that is no local path: one quick look-up
         tokenizer = data.load_tokenizer(args.tokenizer)
         data.check_vocab(tokenizer, args.vocab_size)
+        args = args.replace(tokenizer_sha256=data.tokenizer_fingerprint(tokenizer))
         checkpoint.check_resume_arg(args.resume_from_checkpoint, args.checkpoint_dir)
         if args.init_from_hf:
             checkpoint.check_hf_dir(args.init_from_hf)

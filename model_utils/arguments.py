@@ -269,6 +269,7 @@ def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
             setattr(args, name, getattr(preset, name))
     args.dataset_config_name = args.dataset_config_name or None
     args.rms_norm_eps = preset.rms_norm_eps
+    args.tokenizer_sha256 = None  # what the tokenizer does: train.validate fills it in
     args.rope_scaling = preset.rope_scaling
     args.max_position_embeddings = preset.max_position_embeddings or args.max_context_width
     if args.val_batch_size is None:

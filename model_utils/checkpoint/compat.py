@@ -25,7 +25,16 @@ MODEL_FIELDS = (
     "rms_norm_eps",
     "rope_scaling",
 )
-DATA_FIELDS = ("dataset", "dataset_config_name", "text_column", "tokenizer", "seed")
+DATA_FIELDS = (
+    "dataset",
+    "dataset_config_name",
+    "text_column",
+    "tokenizer",
+    "tokenizer_sha256",
+    "seed",
+)
+#: Recorded fields that are no flag, by the words a refusal uses for them.
+_NOT_FLAGS = {"tokenizer_sha256": "the tokenizer's contents (sha256)"}
 # The optimizer's state is stored in its own format (fp32 moments, or torchao's 8-bit / FP8
 # blocks): a resume keeps the saved --optimizer. Checkpoints from before the flag are adamw's.
 OPTIMIZER_FIELDS = ("optimizer",)
@@ -63,8 +72,10 @@ def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tupl
         saved = {**_SAVED_DEFAULTS, **saved}
     refused, allowed = [], []
     for name in sorted(set(saved) & set(current) - _LAUNCH_FIELDS):
+        if name in _NOT_FLAGS and None in (saved[name], current[name]):
+            continue  # not measured on one side (a config built without train.validate)
         if not _same(saved[name], current[name], name):
-            change = (f"--{name}", saved[name], current[name])
+            change = (_NOT_FLAGS.get(name, f"--{name}"), saved[name], current[name])
             kept = MODEL_FIELDS + DATA_FIELDS + OPTIMIZER_FIELDS
             (refused if name in kept else allowed).append(change)
     return refused, allowed

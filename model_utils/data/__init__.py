@@ -51,7 +51,13 @@ from model_utils.data.sources import (
     open_source,
 )
 from model_utils.data.stream import BLOCK_DOCS, Batch, TrainStream, epoch_documents
-from model_utils.data.tokens import TOKENIZE_BATCH, check_vocab, encode_documents, load_tokenizer
+from model_utils.data.tokens import (
+    TOKENIZE_BATCH,
+    check_vocab,
+    encode_documents,
+    load_tokenizer,
+    tokenizer_fingerprint,
+)
 from model_utils.data.validation import validation_batches
 
 __all__ = [
@@ -77,6 +83,7 @@ __all__ = [
     "find_bad_file",
     "is_held_out",
     "load_tokenizer",
+    "tokenizer_fingerprint",
     "open_source",
     "raise_read_failure",
     "read_error_message",

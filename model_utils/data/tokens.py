@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +35,18 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
             f"--tokenizer {name_or_path} has no EOS token, which is needed between documents"
         )
     return tokenizer
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A short sha256 of what the tokenizer does (vocabulary, merges, normalisation, added
+    tokens), not of where it lives: a hub tokenizer updated upstream, or a folder retrained in
+    place, keeps its name but would turn a resumed run's data into other token ids."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        text = backend.to_str()
+    else:  # a slow tokenizer: its vocabulary is what it does
+        text = json.dumps(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def check_vocab(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:

@@ -330,6 +330,29 @@ def small_disk(tmp_path: Path):
         subprocess.run(["umount", str(point)], check=False)
 
 
+def test_a_resume_refuses_a_tokenizer_retrained_in_place(tmp_path: Path) -> None:
+    """The checkpoint records what its tokenizer does; the same --tokenizer path now
+    lower-cases its input (same vocabulary size, other token ids): one line, exit 2."""
+    import shutil
+
+    from tokenizers import Tokenizer, normalizers
+
+    tok = tmp_path / "tok"
+    shutil.copytree(ROOT / "data" / "tokenizer", tok)
+    common = [*FAST, "--warmup=1", "--validation_batches=1", f"--tokenizer={tok}"]
+    common.append(f"--output_dir={tmp_path / 'run'}")
+    first = train(*common, "--max_steps=2")
+    assert first.returncode == 0, first.stderr[-2000:]
+    retrained = Tokenizer.from_file(str(tok / "tokenizer.json"))
+    retrained.normalizer = normalizers.Lowercase()
+    retrained.save(str(tok / "tokenizer.json"))
+    resumed = train(*common, "--max_steps=4", "--resume_from_checkpoint=auto")
+    assert resumed.returncode == 2, resumed.stderr[-2000:]
+    [line] = error_lines(resumed)
+    assert "belongs to another run: the tokenizer's contents (sha256) " in line, line
+    assert "Batch 3 Loss" not in resumed.stdout
+
+
 def test_an_export_never_replaces_a_model(tmp_path: Path, refused_by_train) -> None:
     """At start: --export_hf into a folder that holds a model is one line, exit 2."""
     hf = tmp_path / "hf"

@@ -123,6 +123,28 @@ def test_model_and_data_changes_are_refused_the_rest_allowed() -> None:
     assert ck.config_changes(older, dict(saved, dataset=relative, rope_theta=1.0)) == ([], [])
 
 
+def test_a_tokenizer_changed_in_place_is_refused_by_its_contents(tmp_path) -> None:
+    """Same path, other contents (retrained in place, or a hub tokenizer updated upstream):
+    the fingerprint differs and the resume is refused; a checkpoint or a config that never
+    measured it is not compared on it."""
+    from tokenizers import AddedToken
+
+    from model_utils import data
+
+    tokenizer = data.load_tokenizer(str(ROOT / "data" / "tokenizer"))
+    before = data.tokenizer_fingerprint(tokenizer)
+    assert (
+        data.tokenizer_fingerprint(data.load_tokenizer(str(ROOT / "data" / "tokenizer"))) == before
+    )
+    tokenizer.backend_tokenizer.add_tokens([AddedToken("<extra>")])
+    after = data.tokenizer_fingerprint(tokenizer)
+    assert after != before
+    saved = dict(vars(parse_args(FAST)), tokenizer_sha256=before)
+    refused, _ = ck.config_changes(json_round_trip(saved), dict(saved, tokenizer_sha256=after))
+    assert refused == [("the tokenizer's contents (sha256)", before, after)]
+    assert ck.config_changes(json_round_trip(saved), dict(saved, tokenizer_sha256=None)) == ([], [])
+
+
 def json_round_trip(config: dict) -> dict:
     import json
 
