@@ -48,6 +48,11 @@ def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
 
 
+def os_error_words(exc: OSError) -> str:
+    """What the system said, for a one-line message: "No space left on device"."""
+    return os.strerror(exc.errno) if exc.errno else str(exc)
+
+
 def str2bool(value: str) -> bool:
     """Accept the upstream `--fp8=1` style as well as true/false."""
     lowered = str(value).strip().lower()

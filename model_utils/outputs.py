@@ -13,6 +13,7 @@ import socket
 from pathlib import Path
 
 from model_utils import distributed
+from model_utils.arguments import os_error_words
 
 
 class WriteProblem(RuntimeError):
@@ -65,7 +66,7 @@ def check_locations(locations: dict[str, Path]) -> None:
 
 def unwritable(flag: str, path: Path, exc: OSError) -> str:
     """The one line for a location the system refused when the run tried it."""
-    words = os.strerror(exc.errno) if exc.errno else str(exc)
+    words = os_error_words(exc)
     return f"{flag} {path} cannot be written ({words}): choose another {flag}"
 
 

@@ -8,14 +8,13 @@ recipe's log format (``[train.py:N]``) always has.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
 import torch.distributed as dist
 
 from model_utils import metrics, modeling, tensorboard_log
-from model_utils.arguments import first_line
+from model_utils.arguments import first_line, os_error_words
 
 log = logging.getLogger("train")
 
@@ -154,7 +153,7 @@ class RunLog:
             self.writer.write(record)
         except OSError as exc:
             self.writer.close()
-            words = os.strerror(exc.errno) if exc.errno else str(exc)
+            words = os_error_words(exc)
             self.records_lost_from = f"step {record['step']}" if "step" in record else "the start"
             log.warning(
                 "%s cannot be written (%s): training goes on without it from %s on (the file "

@@ -14,6 +14,8 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from model_utils.arguments import os_error_words
+
 log = logging.getLogger("train")
 
 # Not scalars worth a chart: the x axis, the wall-clock stamp (TensorBoard's own "relative" axis).
@@ -124,7 +126,7 @@ class TensorBoardLog:
             writer, self._writer = self._writer, None
             with contextlib.suppress(Exception):  # it fails again: the same full disk
                 writer.close()
-            words = os.strerror(exc.errno) if exc.errno else str(exc)
+            words = os_error_words(exc)
             log.warning(
                 "TensorBoard: %s cannot be written (%s): no more events this run; training "
                 "goes on (metrics.jsonl and this log carry the same numbers)",
