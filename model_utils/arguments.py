@@ -63,6 +63,19 @@ def str2bool(value: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected 0/1 or true/false, got {value!r}")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless its help already says where the default comes from (a
+    preset, another flag): "(default: from --preset) (default: None)" told the reader nothing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or "(default" in text or text.startswith("default"):
+            return text
+        if isinstance(action.default, bool):  # the switches take 0|1, so show 0|1
+            return f"{text} (default: {int(action.default)})"
+        return super()._get_help_string(action)
+
+
 class _OneLineParser(argparse.ArgumentParser):
     """argparse prints a usage block on error; a training log wants one actionable line."""
 
@@ -79,7 +92,11 @@ def _model_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None
     flag("num_key_value_heads", type=int, help=m + "; < num_heads gives GQA")
     flag("intermediate_size", type=int, help=m)
     flag("vocab_size", type=int, help=m + "; must be >= the tokenizer's size")
-    flag("max_context_width", type=int, help="sequence length of every packed window")
+    flag(
+        "max_context_width",
+        type=int,
+        help="sequence length of every packed window (default: from --preset)",
+    )
     flag("rope_theta", type=float, help="RoPE base (default: from --preset)")
     flag(
         "model_impl",
@@ -180,7 +197,8 @@ def _parallelism_flags(flag: Callable[..., None], switch: Callable[..., None]) -
         "ac_scope",
         default="layer",
         choices=AC_SCOPES,
-        help="with AC: recompute whole layers, or only their MLPs (most of the activations)",
+        help="with AC: `layer` recomputes whole layers; `mlp` only their MLPs (on --model_impl te "
+        "TE's LayerNormMLP recompute, TE >= 2.11, which skips fc2)",
     )
     switch("compile", False, "torch.compile each decoder layer")
     switch("chunked_loss", True, "lm_head + cross-entropy by chunks, no full logits; 0 = HF's")
@@ -230,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The flags, one argparse group per concern (their order is the README table's)."""
     parser = _OneLineParser(
         description="Train Llama with FSDP2 in BF16 or FP8 (torchao or Transformer Engine).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     for title, add_flags in _FLAG_GROUPS:
         group = parser.add_argument_group(title)
@@ -240,7 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
 
         def switch(name: str, default: bool, help: str, group=group) -> None:
             group.add_argument(
-                f"--{name}", type=str2bool, nargs="?", const=True, default=default, help=help
+                f"--{name}",
+                type=str2bool,
+                nargs="?",
+                const=True,
+                default=default,
+                metavar="0|1",
+                help=help,
             )
 
         add_flags(flag, switch)

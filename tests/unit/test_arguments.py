@@ -247,3 +247,15 @@ def test_bool_flags_accept_upstream_style():
 def test_more_bad_inputs(bad, message):
     with pytest.raises(UsageError, match=re.escape(message)):
         parse_args([bad])
+
+
+def test_help_states_each_default_once() -> None:
+    """--help printed "(default: from --preset) (default: None)" and "(default: False)" for
+    switches that take 0|1."""
+    text = " ".join(arguments.build_parser().format_help().split())
+    assert "(default: None)" not in text
+    assert "(default: False)" not in text and "(default: True)" not in text
+    assert "--fp8 [0|1] train the linear layers in FP8 (default: 0)" in text
+    assert "--chunked_loss [0|1]" in text and "0 = HF's (default: 1)" in text
+    assert "model shape (default: from --preset) --num_layers" in text
+    assert "steps between log lines (default: 1)" in text
