@@ -74,14 +74,17 @@ def validate(argv: list[str] | None, training: bool = True) -> tuple[arguments.C
 
 
 def check_run_dir(args: arguments.Config) -> None:
-    """A checkpoint resumes only the run it belongs to, and a fresh run never writes over an
-    earlier run's checkpoints (checkpoint.ResumeRefused, one line). Reads only."""
+    """A checkpoint resumes only the run it belongs to, and no run writes over checkpoints it
+    did not resume from: an earlier run's, or later ones of its own (checkpoint.ResumeRefused,
+    one line). Reads only."""
     if not args.resume_from_checkpoint:
         checkpoint.check_fresh_start(args.checkpoint_dir, args.overwrite_output_dir)
         return
     path = checkpoint.resume_candidate(args.resume_from_checkpoint, args.checkpoint_dir)
     if path is not None:
         checkpoint.check_resumable(path, args.as_dict())
+        explicit = args.resume_from_checkpoint != "auto"
+        checkpoint.check_resume_target(path, args.checkpoint_dir, explicit)
 
 
 class Preemption:

@@ -72,6 +72,7 @@ from model_utils.checkpoint.compat import (
     OPTIMIZER_FIELDS,
     check_fresh_start,
     check_resumable,
+    check_resume_target,
     config_changes,
     describe_changes,
 )
@@ -160,6 +161,7 @@ __all__ = [
     "existing_model",
     "check_hf_dir",
     "check_resumable",
+    "check_resume_target",
     "check_resume_arg",
     "checkpoint_damage",
     "checkpoint_name",

@@ -108,3 +108,32 @@ def check_fresh_start(checkpoint_dir: str | Path, overwrite: bool) -> None:
             f"{step_of(found[-1])}): continue it with --resume_from_checkpoint auto, choose "
             "another --output_dir, or pass --overwrite_output_dir to delete them and start afresh"
         )
+
+
+def check_resume_target(path: str | Path, checkpoint_dir: str | Path, explicit: bool) -> None:
+    """A resume saves into `checkpoint_dir` from the resumed step on, replacing checkpoints of
+    the same step and pruning the oldest: refused (ResumeRefused) where that would destroy
+    finished work, i.e. another run's checkpoints, or this run's later ones when an explicit
+    PATH goes back in time. (`auto` resumes the newest sound one; what lies past it is damaged
+    and set aside by the resume.)"""
+    found = complete_checkpoints(checkpoint_dir)
+    if not found:
+        return
+    path, newest = Path(path), found[-1]
+    if path.resolve().parent != Path(checkpoint_dir).resolve():
+        raise ResumeRefused(
+            f"{checkpoint_dir} holds {len(found)} checkpoint(s) of its own run (newest: step "
+            f"{step_of(newest)}), which a resume from {path} would overwrite and prune: resume "
+            "into another --output_dir (or --checkpoint_dir), or continue that run with "
+            "--resume_from_checkpoint auto"
+        )
+    step = int(read_marker(path)["step"])
+    later = [p for p in found if (step_of(p) or 0) > step]
+    if explicit and later:
+        raise ResumeRefused(
+            f"--resume_from_checkpoint {path} (step {step}) is older than {len(later)} "
+            f"checkpoint(s) in {checkpoint_dir} (newest: step {step_of(newest)}), which this run "
+            f"would overwrite and prune from step {step + 1} on: continue from the newest with "
+            f"--resume_from_checkpoint auto, or move the later ones out of {checkpoint_dir} to "
+            f"go back to step {step}"
+        )

@@ -78,6 +78,42 @@ def test_auto_resume_picks_newest_complete(tmp_path: Path) -> None:
     assert not (tmp_path / ".tmp-step_00000200").exists()  # cleaned by the Checkpointer
 
 
+def test_a_resume_never_writes_over_checkpoints_it_did_not_start_from(tmp_path: Path) -> None:
+    """A resume saves into its --checkpoint_dir from the resumed step on and prunes there: it
+    used to replace another run's checkpoints, or its own later ones, without a word."""
+    own, other = tmp_path / "own", tmp_path / "other"
+    step2, step4 = (_fake_checkpoint(own, f"step_0000000{n}") for n in (2, 4))
+    elsewhere = _fake_checkpoint(other, "step_00000003")
+    ck.check_resume_target(step4, own, explicit=True)  # the newest: nothing later to lose
+    ck.check_resume_target(elsewhere, tmp_path / "empty", explicit=True)  # a new folder
+    ck.check_resume_target(step2, own, explicit=False)  # auto skipped a damaged step 4
+    with pytest.raises(ck.ResumeRefused) as later:
+        ck.check_resume_target(step2, own, explicit=True)
+    assert str(later.value) == (
+        f"--resume_from_checkpoint {step2} (step 2) is older than 1 checkpoint(s) in {own} "
+        "(newest: step 4), which this run would overwrite and prune from step 3 on: continue "
+        f"from the newest with --resume_from_checkpoint auto, or move the later ones out of "
+        f"{own} to go back to step 2"
+    )
+    with pytest.raises(ck.ResumeRefused, match="of its own run \\(newest: step 4\\)"):
+        ck.check_resume_target(elsewhere, own, explicit=True)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_train_refuses_a_resume_over_another_runs_checkpoints(
+    tmp_path: Path, refused_by_train
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    own = _fake_checkpoint(tmp_path / "run" / "checkpoints", "step_00000004")
+    elsewhere = _fake_checkpoint(tmp_path / "other", "step_00000003", metadata=False)
+    dcp.save({"x": torch.zeros(2)}, checkpoint_id=elsewhere)  # a readable .metadata
+    _, lines, _ = refused_by_train(
+        f"--output_dir={own.parent.parent}", f"--resume_from_checkpoint={elsewhere}"
+    )
+    assert len(lines) == 1 and "would overwrite and prune: resume into another" in lines[0]
+
+
 @pytest.mark.parametrize(
     ("name", "marker", "metadata", "message"),
     [
