@@ -9,6 +9,7 @@ import math
 
 from model_utils.arguments import (
     FP8_ATTENTION_RECIPES,
+    PATH_FLAGS,
     TE_IMPLS,
     TE_RECIPES,
     TORCHAO_RECIPES,
@@ -27,6 +28,9 @@ TE_RECIPE_OPTIONS: dict[str, tuple[str, ...]] = {
 MAX_SEED = 2**63
 #: 30 days: a longer collective timeout overflows c10d's timer, and no step waits that long.
 MAX_DIST_TIMEOUT_S = 30 * 24 * 3600
+#: The longest file or folder name Linux file systems take (NAME_MAX): a longer one raised
+#: ENAMETOOLONG from the first `exists()` that looked at it, as a traceback.
+MAX_NAME_BYTES = 255
 
 
 def _positive(args: argparse.Namespace, *names: str, allow_zero: bool = False) -> None:
@@ -43,9 +47,33 @@ def _positive(args: argparse.Namespace, *names: str, allow_zero: bool = False) -
 
 def check_consistency(args: argparse.Namespace) -> None:
     """Cross-flag rules that argparse cannot express."""
+    _check_paths(args)
     _check_numbers(args)
     _check_shape(args)
     _check_combinations(args)
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """An empty path (typically an unset shell variable: `--output_dir "$RUN_DIR"`) meant the
+    current directory, or for --output_dir the file system's root; a name past NAME_MAX died
+    in the first file check."""
+    for name in (*PATH_FLAGS, "text_column"):
+        value = getattr(args, name)
+        if value is None:
+            continue
+        if not value.strip():
+            raise UsageError(
+                f"--{name} is empty (an unset shell variable?): give a value, or leave the flag "
+                "out for its default"
+            )
+        if name == "text_column":
+            continue
+        for part in value.split("/"):
+            if len(part.encode()) > MAX_NAME_BYTES:
+                raise UsageError(
+                    f"--{name}: the name '{part[:40]}...' is {len(part.encode())} bytes long; "
+                    f"file systems take at most {MAX_NAME_BYTES}"
+                )
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -74,6 +102,11 @@ def _check_numbers(args: argparse.Namespace) -> None:
         "keep_last",
         allow_zero=True,
     )
+    if args.max_context_width < 2:  # a window predicts each token from those before it
+        raise UsageError(
+            f"--max_context_width must be >= 2 (one token has no next token to predict), got "
+            f"{args.max_context_width}"
+        )
     if args.checkpoint_freq < -1:
         raise UsageError(f"--checkpoint_freq must be >= -1, got {args.checkpoint_freq}")
     if not (0 <= args.beta1 < 1 and 0 <= args.beta2 < 1):
@@ -89,7 +122,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 
 def _check_shape(args: argparse.Namespace) -> None:
-    """Attention heads split the width evenly, and GQA groups are equal."""
+    """Attention heads split the width evenly (and evenly again for RoPE), GQA groups are equal."""
     if args.hidden_width % args.num_heads:
         raise UsageError(
             f"--hidden_width {args.hidden_width} is not divisible by --num_heads {args.num_heads}"
@@ -98,6 +131,12 @@ def _check_shape(args: argparse.Namespace) -> None:
         raise UsageError(
             f"--num_heads {args.num_heads} is not divisible by "
             f"--num_key_value_heads {args.num_key_value_heads} (GQA groups must be equal)"
+        )
+    head_dim = args.hidden_width // args.num_heads
+    if head_dim % 2:  # RoPE rotates each head's dimensions in pairs
+        raise UsageError(
+            f"--hidden_width {args.hidden_width} / --num_heads {args.num_heads} gives heads of "
+            f"{head_dim} dimensions; RoPE needs an even number: change either flag"
         )
 
 

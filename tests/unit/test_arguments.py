@@ -127,6 +127,17 @@ def test_readme_documents_every_flag():
         ),
         ([f"--seed={2**63}"], "--seed must be in [0, 2**63)"),
         (["--activation_checkpointing", "--ac_scope=attention"], "invalid choice: 'attention'"),
+        (["--output_dir="], "--output_dir is empty (an unset shell variable?)"),
+        (["--checkpoint_dir", ""], "--checkpoint_dir is empty"),
+        (["--dataset", " "], "--dataset is empty"),
+        (["--text_column="], "--text_column is empty"),
+        (["--resume_from_checkpoint="], "--resume_from_checkpoint is empty"),
+        ([f"--tokenizer=/tmp/{'t' * 256}/x"], "is 256 bytes long; file systems take at most 255"),
+        (["--max_context_width=1"], "--max_context_width must be >= 2 (one token has no next"),
+        (
+            ["--hidden_width=260", "--num_heads=4"],
+            "gives heads of 65 dimensions; RoPE needs an even number",
+        ),
     ],
 )
 def test_bad_flags_raise_usage_error(argv, message):
