@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from model_utils.arguments import first_line
-from model_utils.data.sources import COMPRESSIONS, DataError, local_files
+from model_utils.data.sources import COMPRESSIONS, DataError, local_files, not_text_message
 
 # What the start-up check reads of local data: enough to find a bad file at once, not a whole
 # corpus (a bad byte further in is met mid-run and named then).
@@ -97,6 +97,7 @@ def find_bad_file(dataset: str, text_column: str) -> str | None:
 
 
 def _check_parquet(file: Path, text_column: str) -> None:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
@@ -106,11 +107,17 @@ def _check_parquet(file: Path, text_column: str) -> None:
             f"--dataset: {file} is not a readable parquet file ({first_line(exc)}): replace or "
             "remove it"
         ) from None
-    names = meta.schema.to_arrow_schema().names
-    if text_column not in names:
+    schema = meta.schema.to_arrow_schema()
+    if text_column not in schema.names:
         raise DataError(
-            f"--dataset: {file} has no column {text_column!r} (columns: {', '.join(names)}): pass "
-            "--text_column"
+            f"--dataset: {file} has no column {text_column!r} (columns: "
+            f"{', '.join(schema.names)}): pass --text_column"
+        )
+    kind = schema.field(text_column).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise DataError(
+            f"--dataset: {file} column {text_column!r} is of type {kind}, not text (string): "
+            "pass the --text_column that holds the documents, or convert the column"
         )
     if meta.num_rows == 0:
         raise DataError(f"--dataset: {file} has no rows: remove it or fill it")
@@ -138,6 +145,7 @@ def _scan_file(file: Path, builder: str, column: str, limit: int | None) -> int:
     if handle is None:
         return 0
     read, has_text, json_lines, seen_column, cut = 0, False, None, False, False
+    column_text = False  # some record's column holds a non-empty document
     try:
         with handle:
             for number, raw in enumerate(handle, start=1):
@@ -154,8 +162,9 @@ def _scan_file(file: Path, builder: str, column: str, limit: int | None) -> int:
                 if json_lines is None:  # a .json file may be one JSON document instead
                     json_lines = ".jsonl" in [x.lower() for x in file.suffixes] or _is_object(line)
                 if json_lines:
-                    _check_record(file, number, line, None if seen_column else column)
+                    record = _check_record(file, number, line, column, not seen_column)
                     seen_column = True
+                    column_text = column_text or bool(record.get(column))
     except (OSError, EOFError, ValueError) as exc:
         if isinstance(exc, DataError):
             raise
@@ -165,6 +174,11 @@ def _scan_file(file: Path, builder: str, column: str, limit: int | None) -> int:
         ) from None
     if not has_text and not cut:
         raise DataError(f"--dataset: {file} holds no text: remove it or fill it")
+    if json_lines and not column_text and not cut:
+        raise DataError(
+            f"--dataset: {file} has no text in column {column!r} (every record's is null or "
+            "empty): pass the --text_column that holds the documents, or remove the file"
+        )
     return read
 
 
@@ -179,9 +193,10 @@ def _decode_line(file: Path, number: int, raw: bytes) -> str:
         ) from None
 
 
-def _check_record(file: Path, number: int, line: str, column: str | None) -> None:
-    """DataError unless JSON line `number` is an object (holding `column`, unless None: only
-    the first record is asked, since a missing column is a wrong flag, not a bad record)."""
+def _check_record(file: Path, number: int, line: str, column: str, first: bool) -> dict[str, Any]:
+    """JSON line `number` as an object, or DataError: not JSON, not an object, the `column`
+    missing from the `first` record (a wrong flag; later records may lack it: empty documents)
+    or holding something other than text or null."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -190,11 +205,15 @@ def _check_record(file: Path, number: int, line: str, column: str | None) -> Non
         ) from None
     if not isinstance(record, dict):
         raise DataError(f"--dataset: {file} line {number} is not a JSON object")
-    if column is not None and column not in record:
+    if first and column not in record:
         raise DataError(
             f"--dataset: {file} line {number} has no column {column!r} (columns: "
             f"{', '.join(record)}): pass --text_column"
         )
+    value = record.get(column)
+    if value is not None and not isinstance(value, str):
+        raise DataError(not_text_message(f"--dataset: {file} line {number}", column, value))
+    return record
 
 
 def _is_object(line: str) -> bool:

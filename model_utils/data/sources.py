@@ -161,10 +161,30 @@ def document_texts(examples: Iterator[dict], text_column: str, source: Source) -
                 f"{', '.join(example)}): pass --text_column"
             )
         text = example[text_column]
+        if text is not None and not isinstance(text, str):
+            raise DataError(not_text_message(f"--dataset {source.name}", text_column, text))
         if text and source.strip:
             text = text.strip()
         if text:
             yield text
+
+
+def not_text_message(where: str, text_column: str, value: object) -> str:
+    """The line for a record whose text column holds a number, list, ... instead of a string
+    (null is an empty document). Tokenising it would fail inside the tokenizer or the
+    held-out hash, as a traceback."""
+    kind = {
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        list: "a list",
+        dict: "an object",
+    }
+    what = kind.get(type(value), f"a {type(value).__name__}")
+    return (
+        f"{where}: column {text_column!r} holds {what} ({str(value)[:40]!r}), not text: fix the "
+        "record, or pass the --text_column that holds the documents"
+    )
 
 
 def is_held_out(text: str) -> bool:

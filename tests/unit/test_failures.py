@@ -358,6 +358,17 @@ BAD_DATA = {
     "corrupt gzip": ("a.jsonl.gz", b"\x1f\x8b\x08\x00garbage", "a.jsonl.gz cannot be read"),
     "corrupt parquet": ("a.parquet", b"PAR1 not really", "a.parquet is not a readable parquet"),
     "only blank lines": ("a.txt", b"\n\n  \n", "a.txt holds no text"),
+    "a number as text": (
+        "a.jsonl",
+        b'{"text": "x"}\n{"text": 12345}\n',
+        "a.jsonl line 2: column 'text' holds a number ('12345'), not text",
+    ),
+    "a list as text": ("a.jsonl", b'{"text": ["x", "y"]}\n', "line 1: column 'text' holds a list"),
+    "text column all null": (
+        "a.jsonl",
+        b'{"text": null, "body": "x"}\n{"text": ""}\n',
+        "a.jsonl has no text in column 'text' (every record's is null or empty): pass the",
+    ),
 }
 
 
@@ -379,8 +390,15 @@ def test_parquet_column_and_a_json_document_file(tmp_path: Path) -> None:
     _write_parquet(tmp_path / "p.parquet", {"body": ["a", "b"]})
     with pytest.raises(data.DataError, match=r"p.parquet has no column 'text' \(columns: body\)"):
         data.check_local_data(str(tmp_path / "p.parquet"), "text")
+    _write_parquet(tmp_path / "n.parquet", {"text": [1, 2]})
+    with pytest.raises(data.DataError, match=r"n.parquet column 'text' is of type int64, not text"):
+        data.check_local_data(str(tmp_path / "n.parquet"), "text")
     (tmp_path / "doc.json").write_text('[\n {"text": "one"},\n {"text": "two"}\n]\n')
     data.check_local_data(str(tmp_path / "doc.json"), "text")  # a JSON array: datasets reads it
+    (tmp_path / "nums.json").write_text('[{"text": 1.5}, {"text": 2.5}]')
+    source = data.open_source(str(tmp_path / "nums.json"), None)  # not scanned by lines: read
+    with pytest.raises(data.DataError, match="nums.json: column 'text' holds a number \\('1.5'\\)"):
+        list(data.document_texts(iter(source.train), "text", source))
     data.check_local_data(BUNDLED_DATASET, "text")  # the bundled corpus passes
 
 
