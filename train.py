@@ -52,7 +52,7 @@ def validate(argv: list[str] | None, training: bool = True) -> tuple[arguments.C
         args = args.replace(tokenizer_sha256=data.tokenizer_fingerprint(tokenizer))
         checkpoint.check_resume_arg(args.resume_from_checkpoint, args.checkpoint_dir)
         if args.init_from_hf:
-            checkpoint.check_hf_dir(args.init_from_hf)
+            checkpoint.check_hf_dir(args.init_from_hf, args)  # the shape and RoPE base too
         if args.export_hf:
             checkpoint.check_export_dir(args.export_hf)  # an export never replaces a model
     except ValueError as exc:

@@ -26,12 +26,26 @@ from model_utils.checkpoint.tensors import (
     require_complete,
     weight_tensors,
 )
-from model_utils.modeling import HF_RECOMPUTED  # RoPE buffers of old HF files
+from model_utils.modeling import HF_RECOMPUTED, llama_config  # RoPE buffers of old HF files
 
 log = logging.getLogger(__name__)
 
 HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"
+HF_CONFIG = "config.json"
+#: What a HF Llama config.json calls each of our shape flags: a mismatch is told in our words.
+HF_CONFIG_FLAGS = {
+    "hidden_size": "hidden_width",
+    "num_hidden_layers": "num_layers",
+    "num_attention_heads": "num_heads",
+    "num_key_value_heads": "num_key_value_heads",
+    "intermediate_size": "intermediate_size",
+    "vocab_size": "vocab_size",
+    "rope_theta": "rope_theta",
+}
+#: Tied checkpoints (tie_word_embeddings: Llama 3.2 1B/3B) store the output projection only as
+#: the embedding; this recipe trains them untied, starting from the same values.
+TIED_HEAD, TIED_TO = "lm_head.weight", "model.embed_tokens.weight"
 _SHAPE_HINT = (
     "does the model shape (--hidden_width, --num_layers, --vocab_size, ...) match the "
     "checkpoint's config.json?"
@@ -71,21 +85,79 @@ def hf_weight_files(path: str | Path) -> dict[str, Path]:
     return out
 
 
-def check_hf_dir(path: str | Path) -> None:
-    """Raise ValueError (one line) unless `path` is a loadable HF safetensors checkpoint."""
+def check_hf_dir(path: str | Path, args: Any = None) -> None:
+    """Raise ValueError (one line) unless `path` is a loadable HF safetensors checkpoint and,
+    given the run's flags `args`, holds exactly the tensors of that model shape with its RoPE
+    base: read from the safetensors headers and config.json, before any process group (a
+    mismatch used to surface as a traceback from the load, after the model was built)."""
     try:
-        hf_weight_files(path)
+        files = hf_weight_files(path)
+        problem = None if args is None else _shape_problem(path, files, args)
     except ValueError:
         raise
     except Exception as exc:  # a corrupt header, unreadable file, ...
         raise ValueError(f"--init_from_hf: cannot read {path}: {exc}") from exc
+    if problem:
+        raise ValueError(f"--init_from_hf: {problem}")
+
+
+def _shape_problem(path: str | Path, files: dict[str, Path], args: Any) -> str | None:
+    """What in `path` does not fit the model of `args` (in this recipe's flags), or None."""
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        expected = {
+            n: tuple(t.shape) for n, t in LlamaForCausalLM(llama_config(args)).state_dict().items()
+        }
+    stored = {}
+    for name, file in files.items():
+        if not name.endswith(HF_RECOMPUTED):
+            with safe_open(str(file), framework="pt") as handle:
+                stored[name] = tuple(handle.get_slice(name).get_shape())
+    if TIED_HEAD not in stored and TIED_TO in stored:
+        stored[TIED_HEAD] = stored[TIED_TO]
+    wrong = [
+        f"{name} {stored.get(name, 'missing')} (this model: {shape})"
+        for name, shape in expected.items()
+        if stored.get(name) != shape
+    ] + [f"{name} (not in this model)" for name in stored if name not in expected]
+    saved = _config_flags(Path(path))
+    differ = {flag: v for flag, v in saved.items() if v != getattr(args, flag)}
+    if not wrong and "rope_theta" not in differ:
+        return None
+    told = " ".join(f"--{flag} {value:g}" for flag, value in differ.items())
+    fix = f"its config.json says {told}" if told else "compare its config.json with the flags"
+    what = f"{len(wrong)} tensor(s) differ, e.g. {wrong[0]}" if wrong else "another RoPE base"
+    return f"{path} does not fit this run's model: {what}; {fix}"
+
+
+def _config_flags(path: Path) -> dict[str, float]:
+    """The shape flags a HF checkpoint's config.json implies ({} without a readable one)."""
+    file = (path if path.is_dir() else path.parent) / HF_CONFIG
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return {}
+    theta = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta"))
+    config = {**config, "rope_theta": theta}
+    return {
+        flag: config[key]
+        for key, flag in HF_CONFIG_FLAGS.items()
+        if isinstance(config.get(key), (int, float))
+    }
 
 
 class _SafetensorsFiles:
     """Open safetensors handles by tensor name, each file opened once."""
 
     def __init__(self, files: dict[str, Path]) -> None:
-        self.files = files
+        self.files = dict(files)
+        self.stored = {name: name for name in files}  # the model's name -> the file's name
+        if TIED_HEAD not in files and TIED_TO in files:
+            self.files[TIED_HEAD], self.stored[TIED_HEAD] = files[TIED_TO], TIED_TO
+            log.info(
+                "%s: tied checkpoint, %s starts as a copy of %s", TIED_HEAD, TIED_HEAD, TIED_TO
+            )
         self._handles: dict[Path, Any] = {}
 
     def __call__(self, name: str) -> Any:
@@ -93,6 +165,12 @@ class _SafetensorsFiles:
         if file not in self._handles:
             self._handles[file] = safe_open(str(file), framework="pt")
         return self._handles[file]
+
+    def slice(self, name: str) -> Any:
+        return self(name).get_slice(self.stored[name])
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self(name).get_tensor(self.stored[name])
 
 
 @torch.no_grad()
@@ -115,7 +193,7 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
         if key_map is None:
             _copy_own_rows(group, handle, targets, loaded, unexpected)
         else:
-            mapped = key_map({name: handle(name).get_tensor(name) for name in group})
+            mapped = key_map({name: handle.tensor(name) for name in group})
             _copy_full_tensors(mapped, targets, loaded, unexpected)
     aliases = alias_groups(targets)
     require_complete(f"HF checkpoint {path}", targets, loaded, aliases, unexpected)
@@ -135,7 +213,7 @@ def _copy_own_rows(
             unexpected.append(name)
             continue
         target = targets[name]
-        lazy = handle(name).get_slice(name)
+        lazy = handle.slice(name)
         check_shape("HF tensor", name, lazy.get_shape(), target, _SHAPE_HINT)
         local_shard(target).copy_(lazy[local_index(target)])
         loaded.add(name)

@@ -288,3 +288,40 @@ def test_convert_script_rejects_a_non_checkpoint_with_exit_2(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no .metadata" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_init_from_hf_is_checked_against_the_run_shape_before_start(tmp_path: Path) -> None:
+    """--init_from_hf of another shape or RoPE base died in the load with a traceback after
+    the process group and model existed; a tied checkpoint (Llama 3.2) could not load into the
+    recipe's untied model at all."""
+    from transformers import LlamaForCausalLM
+
+    from model_utils import arguments, modeling
+
+    args = arguments.parse_args(TINY)
+    torch.manual_seed(0)
+    LlamaForCausalLM(modeling.llama_config(args)).save_pretrained(tmp_path / "same")
+    ck.check_hf_dir(tmp_path / "same", args)
+    deeper = arguments.parse_args([*TINY, "--num_layers", "3", "--rope_theta", "500000"])
+    with pytest.raises(ValueError) as exc:
+        ck.check_hf_dir(tmp_path / "same", deeper)
+    assert str(exc.value) == (
+        f"--init_from_hf: {tmp_path / 'same'} does not fit this run's model: 9 "
+        "tensor(s) differ, e.g. model.layers.2.self_attn.q_proj.weight missing (this model: "
+        "(64, 64)); its config.json says --num_layers 2 --rope_theta 10000"
+    )
+    with pytest.raises(
+        ValueError, match="another RoPE base; its config.json says --rope_theta 10000$"
+    ):
+        ck.check_hf_dir(tmp_path / "same", arguments.parse_args([*TINY, "--rope_theta", "1e6"]))
+
+    tied_config = modeling.llama_config(args)
+    tied_config.tie_word_embeddings = True
+    tied = LlamaForCausalLM(tied_config)
+    tied.save_pretrained(tmp_path / "tied")
+    ck.check_hf_dir(tmp_path / "tied", args)
+    untied = LlamaForCausalLM(modeling.llama_config(args))
+    ck.load_hf_weights(untied, tmp_path / "tied")
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+    assert torch.equal(untied.lm_head.weight, tied.model.embed_tokens.weight)
+    assert differences(dict(untied.state_dict()), dict(tied.state_dict())) == []
