@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from model_utils.arguments import first_line
-from model_utils.data.sources import COMPRESSIONS, DataError, local_files, not_text_message
+from model_utils.data.sources import DataError, local_files, not_text_message
 
 # What the start-up check reads of local data: enough to find a bad file at once, not a whole
 # corpus (a bad byte further in is met mid-run and named then).
@@ -123,18 +123,32 @@ def _check_parquet(file: Path, text_column: str) -> None:
         raise DataError(f"--dataset: {file} has no rows: remove it or fill it")
 
 
-def _open_binary(file: Path) -> Any | None:
-    """`file` opened for reading its decompressed bytes (None for .zst/.lz4: the datasets
-    library reads those itself)."""
+#: Compressions outside the standard library: the module (the one the datasets library needs
+#: for them too) and how it opens a file. Without it the run failed at its first read.
+_PACKAGED_COMPRESSIONS = {".zst": "zstandard", ".lz4": "lz4"}
+
+
+def _open_binary(file: Path) -> Any:
+    """`file` opened for reading its decompressed bytes; DataError when its compression needs a
+    package that is not installed."""
     import bz2
     import gzip
+    import importlib
     import lzma
 
     openers = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
     suffix = file.suffix.lower()
-    if suffix in COMPRESSIONS and suffix not in openers:
-        return None
-    return openers.get(suffix, open)(file, "rb")
+    package = _PACKAGED_COMPRESSIONS.get(suffix)
+    if package is None:
+        return openers.get(suffix, open)(file, "rb")
+    try:
+        module = importlib.import_module("lz4.frame" if package == "lz4" else package)
+    except ImportError:
+        raise DataError(
+            f"--dataset: {file} is {suffix[1:]}-compressed, which needs the {package} package: "
+            f"pip install {package} (in the image too), or decompress the file"
+        ) from None
+    return module.open(file, "rb")
 
 
 def _scan_file(file: Path, builder: str, column: str, limit: int | None) -> int:
@@ -142,8 +156,6 @@ def _scan_file(file: Path, builder: str, column: str, limit: int | None) -> int:
     line must be UTF-8 and, in JSON lines, a JSON object; the first record must hold `column`.
     DataError names the file and line. Returns the bytes read."""
     handle = _open_binary(file)
-    if handle is None:
-        return 0
     read, has_text, json_lines, seen_column, cut = 0, False, None, False, False
     column_text = False  # some record's column holds a non-empty document
     try:

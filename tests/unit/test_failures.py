@@ -453,3 +453,23 @@ def test_a_checkpoint_signal_after_the_run_is_ignored_not_fatal() -> None:
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+@pytest.mark.parametrize(("suffix", "package"), [(".zst", "zstandard"), (".lz4", "lz4.frame")])
+def test_a_compression_whose_package_is_missing_is_named(
+    tmp_path: Path, monkeypatch, suffix: str, package: str
+) -> None:
+    """.zst and .lz4 data passed the start-up check and failed at the first read, after the
+    process group and the run folder existed."""
+    from model_utils import data
+
+    monkeypatch.setitem(sys.modules, package, None)  # import raises ImportError
+    file = tmp_path / f"a.jsonl{suffix}"
+    file.write_bytes(b"\x28\xb5\x2f\xfd compressed")
+    with pytest.raises(data.DataError) as exc:
+        data.check_local_data(str(file), "text")
+    name = package.split(".")[0]
+    assert str(exc.value) == (
+        f"--dataset: {file} is {suffix[1:]}-compressed, which needs the {name} package: pip "
+        f"install {name} (in the image too), or decompress the file"
+    )
