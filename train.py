@@ -66,7 +66,7 @@ def validate(argv: list[str] | None, training: bool = True) -> tuple[arguments.C
             run_lock.check_not_locked(
                 run_lock.lock_dirs(args.output_dir, args.checkpoint_dir).values()
             )
-            outputs.check_locations(outputs.output_locations(args))
+            outputs.check_locations({**outputs.output_locations(args), **outputs.cache_location()})
             check_run_dir(args)
         except (run_lock.RunLocked, outputs.WriteProblem, ValueError) as exc:
             raise arguments.UsageError(str(exc)) from exc

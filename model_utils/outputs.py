@@ -28,6 +28,18 @@ def output_locations(args: argparse.Namespace) -> dict[str, Path]:
     return out
 
 
+def cache_location(env: dict[str, str] | None = None) -> dict[str, Path]:
+    """The Hugging Face cache the data and tokenizer libraries create and write even for
+    local files, named by the variable that placed it: an unwritable HF_HOME failed at the
+    first read, reported as a --dataset problem."""
+    env = os.environ if env is None else env
+    for var in ("HF_DATASETS_CACHE", "HF_HOME"):
+        if env.get(var):
+            return {var: Path(env[var]).expanduser()}
+    base = env.get("XDG_CACHE_HOME") or "~/.cache"
+    return {"HF_HOME (unset: the default)": Path(base).expanduser() / "huggingface"}
+
+
 def _read_only(path: Path) -> bool:
     try:
         return bool(os.statvfs(path).f_flag & os.ST_RDONLY)

@@ -67,9 +67,26 @@ def read_error_message(
     checks when read in full (a bad byte past the start-up scan), or the error's first line."""
     if isinstance(exc, DataError):
         return str(exc)
+    cache = _cache_problem(exc)
+    if cache:
+        return cache
     where = f"rank {rank} could not read its data {when} ({first_line(exc)})"
     bad = find_bad_file(dataset, text_column)
     return f"{bad} ({where})" if bad else f"--dataset {dataset}: {where}"
+
+
+def _cache_problem(exc: BaseException) -> str | None:
+    """The line for a Hugging Face cache the system refused (HF_HOME on a read-only or virtual
+    file system: what the start-up access() check cannot see), naming the variable, not the
+    data."""
+    from model_utils.outputs import cache_location, unwritable
+
+    filename = getattr(exc, "filename", None)
+    if not isinstance(exc, OSError) or not filename:
+        return None
+    ((var, cache),) = cache_location().items()
+    inside = Path(filename).expanduser().absolute().is_relative_to(cache.absolute())
+    return unwritable(var, cache, exc) if inside else None
 
 
 def build_data(

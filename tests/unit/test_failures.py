@@ -473,3 +473,28 @@ def test_a_compression_whose_package_is_missing_is_named(
         f"--dataset: {file} is {suffix[1:]}-compressed, which needs the {name} package: pip "
         f"install {name} (in the image too), or decompress the file"
     )
+
+
+def test_an_unwritable_hugging_face_cache_is_named_not_blamed_on_the_data(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """HF_HOME on a read-only or virtual file system failed the first read, reported as
+    '--dataset ...: rank 0 could not read its data at start-up (PermissionError ...)'."""
+    from model_utils import data, outputs
+
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("")
+    monkeypatch.setenv("HF_HOME", str(in_the_way))
+    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
+    with pytest.raises(outputs.WriteProblem, match=f"HF_HOME {in_the_way} is a file"):
+        outputs.check_locations(outputs.cache_location())
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    refused = PermissionError(1, "Operation not permitted", str(tmp_path / "cache" / "x" / "y"))
+    line = data.read_error_message(refused, BUNDLED_DATASET, "text", 0, "at start-up")
+    assert line == (
+        f"HF_DATASETS_CACHE {tmp_path / 'cache'} cannot be written (Operation not permitted): "
+        "choose another HF_DATASETS_CACHE"
+    )
+    elsewhere = PermissionError(13, "Permission denied", str(tmp_path / "data.jsonl"))
+    line = data.read_error_message(elsewhere, BUNDLED_DATASET, "text", 0, "at start-up")
+    assert line.startswith(f"--dataset {BUNDLED_DATASET}: rank 0 could not read its data")
