@@ -77,8 +77,26 @@ def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tupl
         if not _same(saved[name], current[name], name):
             change = (_NOT_FLAGS.get(name, f"--{name}"), saved[name], current[name])
             kept = MODEL_FIELDS + DATA_FIELDS + OPTIMIZER_FIELDS
-            (refused if name in kept else allowed).append(change)
+            moved = _moved(name, saved, current)
+            (refused if name in kept and not moved else allowed).append(change)
     return refused, allowed
+
+
+def _moved(name: str, saved: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
+    """The same data or tokenizer at another path (a moved checkout, another mount point): a
+    tokenizer whose recorded contents (sha256) are equal, or a local dataset whose saved path
+    is gone and whose file or folder name is unchanged, as the saved stream position names it.
+    Logged as a change, not refused."""
+    before, now = saved[name], current[name]
+    if not (isinstance(before, str) and isinstance(now, str)):
+        return False
+    if name == "tokenizer":
+        sums = saved.get("tokenizer_sha256"), current.get("tokenizer_sha256")
+        return None not in sums and sums[0] == sums[1]
+    if name == "dataset":
+        gone = os.path.isabs(before) and not os.path.exists(before)
+        return gone and os.path.exists(now) and Path(before).name == Path(now).resolve().name
+    return False
 
 
 def describe_changes(changes: Iterable[tuple[str, Any, Any]]) -> str:

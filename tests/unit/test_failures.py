@@ -145,6 +145,36 @@ def test_a_tokenizer_changed_in_place_is_refused_by_its_contents(tmp_path) -> No
     assert ck.config_changes(json_round_trip(saved), dict(saved, tokenizer_sha256=None)) == ([], [])
 
 
+def test_the_same_data_and_tokenizer_moved_elsewhere_still_resume(tmp_path) -> None:
+    """A checkout moved (or data mounted elsewhere) was refused as 'another run': the saved
+    paths no longer exist, though the tokenizer's contents and the data's name are the same.
+    Now that is a logged change; another tokenizer or data name is still refused."""
+    old_home = tmp_path / "old"  # where the run was: gone now
+    moved = tmp_path / "new" / "corpus.jsonl"
+    moved.parent.mkdir()
+    moved.write_text('{"text": "x"}\n')
+    saved = dict(
+        vars(parse_args(FAST)),
+        dataset=str(old_home / "corpus.jsonl"),
+        tokenizer=str(old_home / "tokenizer"),
+        tokenizer_sha256="ab" * 8,
+    )
+    now = dict(saved, dataset=str(moved), tokenizer=str(tmp_path / "new" / "tokenizer"))
+    refused, allowed = ck.config_changes(json_round_trip(saved), now)
+    assert refused == []
+    assert allowed == [
+        ("--dataset", saved["dataset"], now["dataset"]),
+        ("--tokenizer", saved["tokenizer"], now["tokenizer"]),
+    ]
+    other = dict(now, dataset=str(tmp_path / "new"), tokenizer_sha256="cd" * 8)
+    refused, _ = ck.config_changes(json_round_trip(saved), other)
+    assert [flag for flag, _, _ in refused] == [
+        "--dataset",
+        "--tokenizer",
+        "the tokenizer's contents (sha256)",
+    ]
+
+
 def json_round_trip(config: dict) -> dict:
     import json
 
