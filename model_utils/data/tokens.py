@@ -18,6 +18,11 @@ if TYPE_CHECKING:  # imported lazily at run time: transformers is slow to import
 TOKENIZE_BATCH = 64  # documents per tokenizer call (also the re-tokenisation cost of a resume)
 
 
+#: Files one of which a saved Hugging Face tokenizer folder holds (fast, config, or slow
+#: SentencePiece / BPE vocabularies).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     """Load a Hugging Face tokenizer (hub name or local directory); it must define an EOS token."""
     from transformers import AutoTokenizer
@@ -25,6 +30,16 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     path = Path(name_or_path).expanduser()
     if not path.exists() and looks_like_path(name_or_path):
         raise ValueError(f"--tokenizer {name_or_path}: no such directory")
+    if path.is_file():  # transformers took a file for a malformed hub name
+        raise ValueError(
+            f"--tokenizer {name_or_path} is a file: give the folder that holds it "
+            f"({path.parent}), with tokenizer.json or tokenizer_config.json"
+        )
+    if path.is_dir() and not any((path / n).is_file() for n in TOKENIZER_FILES):
+        raise ValueError(
+            f"--tokenizer {name_or_path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})"
+            ": give the folder a tokenizer was saved to (save_pretrained), or a hub name"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path) if path.exists() else name_or_path)
     except (OSError, ValueError) as error:
@@ -32,7 +47,8 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
         raise ValueError(f"--tokenizer {name_or_path}: cannot be loaded ({reason})") from error
     if tokenizer.eos_token_id is None:
         raise ValueError(
-            f"--tokenizer {name_or_path} has no EOS token, which is needed between documents"
+            f"--tokenizer {name_or_path} has no EOS token, which is needed between documents: "
+            "set eos_token in its tokenizer_config.json (or special_tokens_map.json)"
         )
     return tokenizer
 

@@ -297,6 +297,10 @@ def test_bad_dataset_and_tokenizer_arguments(tmp_path, corpus, tokenizer):
     data.check_dataset(BUNDLED_DATASET, None)
     with pytest.raises(ValueError, match="no such directory"):
         data.load_tokenizer("./no_tokenizer_here")
+    with pytest.raises(ValueError, match=r"tokenizer.json is a file: give the folder that holds"):
+        data.load_tokenizer(f"{BUNDLED_TOKENIZER}/tokenizer.json")  # was 'Repo id must be ...'
+    with pytest.raises(ValueError, match=f"--tokenizer {tmp_path} holds no tokenizer"):
+        data.load_tokenizer(str(tmp_path))  # was "Couldn't instantiate the backend tokenizer"
     with pytest.raises(ValueError, match="has no column 'body'"):
         next(_stream(corpus, tokenizer, text_column="body"))
     with pytest.raises(ValueError, match="only .* windows"):
