@@ -75,6 +75,8 @@ def test_auto_resume_picks_newest_complete(tmp_path: Path) -> None:
     assert ck.Checkpointer(tmp_path).resolve("auto") == newest
     assert ck.resolve_checkpoint(None, tmp_path) is None
     assert ck.resolve_checkpoint("auto", tmp_path / "missing") is None  # fresh start
+    with pytest.raises(ValueError, match=f"is a folder of checkpoints, not one: .*{newest}"):
+        ck.check_resume_arg(str(tmp_path), tmp_path)  # was "has no .metadata: not a DCP ..."
     assert not (tmp_path / ".tmp-step_00000200").exists()  # cleaned by the Checkpointer
 
 
