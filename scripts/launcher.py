@@ -4,10 +4,12 @@ Standard library only: on the batch host it runs on whatever `python3` is there 
 on the nodes on the job's Python (the container's, or the venv's). Subcommands:
 
   check-env                 exit 2 with one line for settings that would fail deep in bash/torchrun
-  folders ARGS...           train.py's --checkpoint_dir and --output_dir, absolute (two lines)
+  plan RUN_DIR N DEFAULTS(N)... ARGS...
+                            bash assignments: train.py's arguments, the folders in effect, the
+                            mode (train, validate, help) and a note for the log (requeues)
   make-dirs DIR...          create them; print the folders that did not exist (for remove-empty)
   remove-empty DIR...       remove those of them that are still empty (a refused start)
-  mounts DIR...             Pyxis --container-mounts: repo, runs, DIR..., DATA_PATH, HF_HOME
+  mounts DIR...             Pyxis --container-mounts: repo, RUNS_DIR, DIR..., DATA_PATH, HF_HOME
   rendezvous                "HEAD_NODE HEAD_ADDR NODE=ADDR,..." for this job's nodes (scontrol)
   finished CKPT_DIR         exit 0 when the newest checkpoint is at the run's max_steps
   node ARGS...              on every node: torchrun with one worker per GPU, signals forwarded
@@ -26,13 +28,11 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from launch_plan import UsageError, plan
+
 # The signals that ask train.py for a checkpoint at its next logging step, then an exit.
 FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 RESEND_EVERY_S = 5.0
-
-
-class UsageError(Exception):
-    """A setting the user must change: one line, exit 2."""
 
 
 def check_environment(env: Mapping[str, str]) -> None:
@@ -60,18 +60,6 @@ def check_environment(env: Mapping[str, str]) -> None:
         )
 
 
-def flag_value(args: Sequence[str], name: str) -> str | None:
-    """The value of --NAME in train.py's arguments (--NAME V or --NAME=V); the last one wins, as
-    in argparse."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == f"--{name}" and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(f"--{name}="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
 def make_dirs(paths: Sequence[str]) -> list[str]:
     """Create the folders; return every folder that did not exist before, deepest first."""
     created: list[str] = []
@@ -96,8 +84,11 @@ def remove_empty(paths: Sequence[str]) -> None:
 
 
 def container_mounts(env: Mapping[str, str], paths: Sequence[str]) -> str:
-    """Pyxis --container-mounts: every host folder train.py reads or writes, at the same path."""
-    wanted = [env["LLAMA_REPO_DIR"], env["RUNS_DIR"], *paths]
+    """Pyxis --container-mounts: every host folder train.py reads or writes, at the same path.
+    RUNS_DIR only when it exists: with the user's own --output_dir elsewhere it may not, and
+    Pyxis refuses to mount a missing folder."""
+    runs = env.get("RUNS_DIR", "")  # other runs' checkpoints, to resume or import from
+    wanted = [env["LLAMA_REPO_DIR"], runs if os.path.isdir(runs) else "", *paths]
     wanted += [env[name] for name in ("DATA_PATH", "HF_HOME") if env.get(name)]
     mounts = [f"{p}:{p}" for p in dict.fromkeys(p for p in wanted if p)]
     if env.get("EXTRA_MOUNTS"):
@@ -436,10 +427,8 @@ def main(argv: Sequence[str]) -> int:
     try:
         if command == "check-env":
             check_environment(env)
-        elif command == "folders":  # absolute, as train.py resolves them (from the repo)
-            for name in ("checkpoint_dir", "output_dir"):
-                value = flag_value(args, name)
-                print(os.path.abspath(os.path.expanduser(value)) if value else "")
+        elif command == "plan":
+            print(plan(env, args))
         elif command == "make-dirs":
             print("\n".join(make_dirs(args)))
         elif command == "remove-empty":

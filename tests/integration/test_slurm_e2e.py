@@ -510,6 +510,27 @@ def test_bad_arguments_through_the_launcher_give_one_line(tmp_path: Path) -> Non
     assert "torchrun" not in result.stdout and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("flag", ["--help", "--validate_only"])
+def test_help_and_validate_only_through_the_launcher_start_no_training(
+    tmp_path: Path, flag: str
+) -> None:
+    """They used to start torchrun anyway (--help printed three times) and leave an empty
+    run folder."""
+    env = clean_env(RUNS_DIR=str(tmp_path / "runs"), NPROC_PER_NODE="2")
+    result = subprocess.run(
+        ["bash", str(SBATCH), "--preset", "tiny", flag],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("usage: train.py") == (flag == "--help")
+    assert "running torchrun" not in result.stdout
+    assert not (tmp_path / "runs").exists()
+
+
 def _processes_mentioning(text: str) -> list[str]:
     found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
@@ -525,8 +546,9 @@ def _processes_mentioning(text: str) -> list[str]:
 @pytest.mark.slow
 def test_usr1_to_the_local_launcher_checkpoints_and_leaves_no_worker(tmp_path: Path) -> None:
     """`kill -USR1` of `bash 1.train_llama.sbatch` used to kill torchrun and orphan the
-    workers; now the launcher forwards it, the workers save and exit, and it exits 0."""
-    env = clean_env(RUNS_DIR=str(tmp_path / "runs"), RUN_NAME="usr1", NPROC_PER_NODE="2")
+    workers; now the launcher forwards it, the workers save and exit, and it exits 0. The
+    same command then resumes (no RUN_NAME: the run folder is runs/local, not a new one)."""
+    env = clean_env(RUNS_DIR=str(tmp_path / "runs"), NPROC_PER_NODE="2")
     args = [
         "--preset",
         "tiny",
@@ -543,9 +565,14 @@ def test_usr1_to_the_local_launcher_checkpoints_and_leaves_no_worker(tmp_path: P
     assert "USR1 received" in log
     saved = PREEMPTED.search(log)
     assert saved and 2 <= int(saved.group(1)) < 1000, log
-    ckpt = tmp_path / "runs" / "usr1" / "checkpoints" / f"step_{int(saved.group(1)):08d}"
+    ckpt = tmp_path / "runs" / "local" / "checkpoints" / f"step_{int(saved.group(1)):08d}"
     assert (ckpt / "checkpoint.json").is_file()
-    assert _processes_mentioning(str(tmp_path / "runs" / "usr1")) == []  # no orphan
+    assert _processes_mentioning(str(tmp_path / "runs" / "local")) == []  # no orphan
+
+    cmd = ["bash", str(SBATCH), *args]
+    status, log = signal_after(cmd, signal.SIGUSR1, "Resumed from", cwd=tmp_path, env=env)
+    assert status == 0, log
+    assert f"Resumed from {ckpt} at step {int(saved.group(1))}" in log, log
 
 
 # --------------------------------------------------------------------------------------
@@ -720,9 +747,7 @@ def test_local_run_passes_arguments_through_after_the_defaults(
         "--checkpoint_freq",
         "500",
         "--output_dir",
-        str(run_dir),
-        "--checkpoint_dir",
-        f"{run_dir}/checkpoints",
+        str(run_dir),  # checkpoints: train.py's default, <output_dir>/checkpoints
         "--resume_from_checkpoint",
         "auto",
         *user_args,
@@ -742,6 +767,93 @@ def test_cpu_workers_come_from_nproc_per_node(fakes: Fakes, tmp_path: Path) -> N
     result = run_script(fakes.env(RUNS_DIR=str(tmp_path), NPROC_PER_NODE="3"), "--preset", "tiny")
     assert result.returncode == 0, result.stderr
     assert "--nproc_per_node=3" in fakes.torchrun_calls()[0]["argv"]
+
+
+def test_a_local_run_without_run_name_has_one_stable_folder(fakes: Fakes, tmp_path: Path) -> None:
+    """Same command, same folder (runs/local): a rerun after Ctrl-C resumes, as a job with the
+    same name does (a `local-<time>` folder started every rerun at step 1)."""
+    for _ in range(2):
+        assert (
+            run_script(fakes.env(RUNS_DIR=str(tmp_path / "runs")), "--preset", "tiny").returncode
+            == 0
+        )
+    for call in fakes.torchrun_calls():
+        assert call["argv"][-6:-2] == [
+            "--output_dir",
+            str(tmp_path / "runs" / "local"),
+            "--resume_from_checkpoint",
+            "auto",
+        ]
+    assert os.listdir(tmp_path / "runs") == ["local"]
+
+
+@pytest.mark.parametrize("spelling", ["separate", "equals"])
+def test_the_users_output_dir_holds_the_whole_run(
+    fakes: Fakes, tmp_path: Path, spelling: str
+) -> None:
+    """Metrics and checkpoints in the user's --output_dir, none in the launcher's run folder."""
+    mine = tmp_path / "mine"
+    user = ["--output_dir", str(mine)] if spelling == "separate" else [f"--output_dir={mine}"]
+    env = fakes.env(RUNS_DIR=str(tmp_path / "runs"), RUN_NAME="r")
+    result = run_script(env, "--preset", "tiny", *user, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"run folder {mine}\n" in result.stdout
+    [call] = fakes.torchrun_calls()
+    assert "--checkpoint_dir" not in call["argv"] and str(tmp_path / "runs") not in str(call)
+    assert (mine / "checkpoints").is_dir() and not (tmp_path / "runs").exists()
+
+
+def test_a_slurm_job_mounts_and_requeues_from_the_users_folders(
+    fakes: Fakes, tmp_path: Path
+) -> None:
+    image = tmp_path / "transformer-engine.sqsh"
+    image.touch()
+    env = slurm_job_env(fakes, tmp_path, FAKE_PYXIS="1", IMAGE=str(image))
+    mine = tmp_path / "mine"
+    result = run_script(env, "--preset", "tiny", f"--output_dir={mine}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"run folder {mine}\n" in result.stdout
+    [mounts] = [o.split("=", 1)[1] for o in fakes.srun_calls()[-1] if "container-mounts" in o]
+    assert f"{mine}/checkpoints:{mine}/checkpoints" in mounts.split(",")
+    assert f"{mine}:{mine}" in mounts.split(",")
+    assert str(tmp_path / "runs") not in mounts  # does not exist: Pyxis would refuse it
+    assert not (tmp_path / "runs").exists()
+
+
+def test_overwrite_output_dir_starts_afresh_once_and_a_requeue_resumes(
+    fakes: Fakes, tmp_path: Path
+) -> None:
+    """--overwrite_output_dir with the launcher's `--resume_from_checkpoint auto` was refused
+    by train.py; a requeue (same arguments) must then resume, not delete again."""
+    user = ["--preset", "tiny", "--overwrite_output_dir"]
+    local = run_script(fakes.env(RUNS_DIR=str(tmp_path / "runs"), RUN_NAME="r"), *user)
+    assert local.returncode == 0, local.stderr
+    assert "--resume_from_checkpoint" not in fakes.torchrun_calls()[0]["argv"]
+
+    saved = tmp_path / "runs" / "llama3-fp8" / "checkpoints" / "step_00000500"
+    saved.mkdir(parents=True)
+    (saved / "checkpoint.json").write_text("{}")
+    requeued = run_script(slurm_job_env(fakes, tmp_path, SLURM_RESTART_COUNT="1"), *user)
+    assert requeued.returncode == 0, requeued.stdout + requeued.stderr
+    argv = fakes.torchrun_calls()[1]["argv"]
+    assert "--overwrite_output_dir" not in argv
+    assert argv[argv.index("--resume_from_checkpoint") + 1] == "auto"
+    assert "restart 1: without --overwrite_output_dir" in requeued.stdout
+    assert "--overwrite_output_dir" not in fakes.validations.read_text().splitlines()[-1]
+
+
+@pytest.mark.parametrize("pyxis", [False, True], ids=["host", "pyxis"])
+def test_validate_only_in_a_job_is_the_check_alone(
+    fakes: Fakes, tmp_path: Path, pyxis: bool
+) -> None:
+    image = tmp_path / "transformer-engine.sqsh"
+    image.touch()
+    extra = {"FAKE_PYXIS": "1", "IMAGE": str(image)} if pyxis else {"IMAGE": str(image)}
+    result = run_script(slurm_job_env(fakes, tmp_path, **extra), "--validate_only")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert fakes.torchrun_calls() == [] and len(fakes.srun_calls()) == int(pyxis)
+    assert fakes.validations.read_text().count("--validate_only") == 2  # launcher's + user's
+    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize(

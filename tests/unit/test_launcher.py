@@ -11,6 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
+import launch_plan  # noqa: E402
 import launcher  # noqa: E402
 
 SHOW_NODE = """\
@@ -110,9 +111,9 @@ def test_without_slurm_torchrun_is_standalone_and_cpu_threads_are_shared() -> No
 
 def test_folders_flags_and_the_cleanup_of_a_refused_start(tmp_path: Path) -> None:
     args = ["--output_dir", "a", "--checkpoint_dir=b", "--output_dir=c"]
-    assert launcher.flag_value(args, "output_dir") == "c"  # the last one wins, as in argparse
-    assert launcher.flag_value(args, "checkpoint_dir") == "b"
-    assert launcher.flag_value(args, "seed") is None
+    assert launch_plan.flag_value(args, "output_dir") == "c"  # the last one wins, as in argparse
+    assert launch_plan.flag_value(args, "checkpoint_dir") == "b"
+    assert launch_plan.flag_value(args, "seed") is None
     (tmp_path / "runs").mkdir()
     ckpt, out = tmp_path / "runs/r/checkpoints", tmp_path / "runs/r"
     created = launcher.make_dirs([str(ckpt), str(out)])
@@ -170,3 +171,14 @@ def test_efa_nodes_get_the_ofi_plugin_or_one_clear_refusal(tmp_path: Path) -> No
         {},
         "network: no EFA device; NCCL chooses (InfiniBand/RoCE if present, else TCP)",
     )
+
+
+def test_container_mounts_only_the_folders_in_effect(tmp_path: Path) -> None:
+    """RUNS_DIR is mounted when it exists; with the user's own --output_dir elsewhere it may
+    not, and Pyxis cannot mount a missing folder."""
+    env = {"LLAMA_REPO_DIR": "/repo", "RUNS_DIR": str(tmp_path / "runs")}
+    assert launcher.container_mounts(env, ["/mine/checkpoints", "/mine"]) == (
+        "/repo:/repo,/mine/checkpoints:/mine/checkpoints,/mine:/mine"
+    )
+    (tmp_path / "runs").mkdir()
+    assert f"{tmp_path}/runs:{tmp_path}/runs" in launcher.container_mounts(env, ["/mine"])

@@ -1,0 +1,144 @@
+"""scripts/launch_plan.py: train.py's arguments as the sbatch builds them, the folders in
+effect, a requeue's rewriting, and --help/--validate_only, without Slurm or torch. Through the
+script itself (recording stand-ins): tests/integration/test_slurm_e2e.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+import launch_plan  # noqa: E402
+
+# The script's defaults, as in 1.train_llama.sbatch (any will do: they go first, untouched).
+DEFAULTS = ["--preset", "llama2-7b", "--checkpoint_freq", "500"]
+
+
+@pytest.mark.parametrize(
+    ("user", "checkpoints", "run"),
+    [
+        ([], "/runs/r/checkpoints", "/runs/r"),
+        (["--output_dir", "/mine"], "/mine/checkpoints", "/mine"),
+        (["--output_dir=/mine"], "/mine/checkpoints", "/mine"),
+        (["--checkpoint_dir", "/fsx/ckpt"], "/fsx/ckpt", "/runs/r"),
+        (["--output_dir=/mine", "--checkpoint_dir=/fsx/ckpt"], "/fsx/ckpt", "/mine"),
+    ],
+)
+def test_the_users_output_dir_takes_the_checkpoints_with_it(
+    user: list[str], checkpoints: str, run: str
+) -> None:
+    """train.py's default --checkpoint_dir is <output_dir>/checkpoints: the launcher's run
+    folder must not keep the checkpoints when the user moved the run (metrics in one folder,
+    checkpoints in another, and a resume looking in the wrong one)."""
+    args = launch_plan.train_arguments(DEFAULTS, "/runs/r", user)
+    assert launch_plan.run_folders(args) == (checkpoints, run)
+    own = args[len(DEFAULTS) : len(args) - len(user)]  # what the launcher added
+    assert "--checkpoint_dir" not in own and ("/runs/r" in own) == (run == "/runs/r")
+
+
+@pytest.mark.parametrize(
+    ("user", "auto"),
+    [
+        ([], True),
+        (["--overwrite_output_dir"], False),
+        (["--overwrite_output_dir=1", "--seed", "3"], False),
+        (["--overwrite_output_dir", "0"], True),  # argparse: the switch is off
+        (["--overwrite_output_dir=false"], True),
+        (["--resume_from_checkpoint", "/old/step_00000100"], False),
+        (["--resume_from_checkpoint=auto"], False),  # theirs, not a second one
+    ],
+)
+def test_auto_resume_is_added_only_where_the_user_did_not_decide(
+    user: list[str], auto: bool
+) -> None:
+    resume = ["--resume_from_checkpoint", "auto"] if auto else []
+    assert launch_plan.train_arguments(DEFAULTS, "/runs/r", user) == [
+        *DEFAULTS,
+        "--output_dir",
+        "/runs/r",
+        *resume,
+        *user,
+    ]
+
+
+def test_a_requeue_never_deletes_or_rewinds_the_runs_own_checkpoints() -> None:
+    """A requeued job re-runs its first arguments: --overwrite_output_dir would delete the
+    progress, an explicit old PATH would redo (and overwrite) the steps since."""
+    user = ["--overwrite_output_dir", "--seed", "3", "--overwrite_output_dir=1"]
+    args, note = launch_plan.for_requeue(user, 1, "/runs/r/checkpoints", saved=True)
+    assert args == ["--seed", "3"]
+    assert note.startswith("restart 1: without --overwrite_output_dir")
+    assert "/runs/r/checkpoints" in note
+    assert launch_plan.train_arguments([], "/runs/r", args)[-4:-2] == [
+        "--resume_from_checkpoint",
+        "auto",
+    ]
+
+    user = ["--resume_from_checkpoint", "/old/step_00000100", "--lr", "1e-4"]
+    args, note = launch_plan.for_requeue(user, 2, "/runs/r/checkpoints", saved=True)
+    assert args == ["--lr", "1e-4"] and "--resume_from_checkpoint /old/step_00000100" in note
+    # Nothing saved yet: PATH is still where the run starts from (auto would start afresh).
+    assert launch_plan.for_requeue(user, 2, "/runs/r/checkpoints", saved=False) == (user, "")
+    # Nothing to change: no note.
+    assert launch_plan.for_requeue(["--overwrite_output_dir", "0"], 1, "/c", saved=True) == (
+        ["--overwrite_output_dir", "0"],
+        "",
+    )
+
+
+def run_plan(env: dict[str, str], run_dir: str, *user: str) -> dict[str, object]:
+    """`launch_plan.py plan` as the sbatch reads it (bash eval of its assignments)."""
+    code = launch_plan.plan(env, [run_dir, str(len(DEFAULTS)), *DEFAULTS, *user])
+    script = f'{code}\nprintf \'%s\\0\' "$mode" "$note" "$checkpoint_dir" "${{train_args[@]}}"'
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
+    mode, note, checkpoint_dir, *train_args = out.stdout.split("\0")[:-1]
+    return {"mode": mode, "note": note, "checkpoint_dir": checkpoint_dir, "args": train_args}
+
+
+def test_the_plan_rewrites_a_restarted_jobs_arguments_only(tmp_path: Path) -> None:
+    run = tmp_path / "r"
+    (run / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000004" / "checkpoint.json").write_text("{}")
+    user = ["--overwrite_output_dir", "--dataset", "it's a file\nwith a newline.jsonl"]
+    first = run_plan({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "0"}, str(run), *user)
+    assert first["args"] == [*DEFAULTS, "--output_dir", str(run), *user] and not first["note"]
+    again = run_plan({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1"}, str(run), *user)
+    assert again["args"] == [
+        *DEFAULTS,
+        "--output_dir",
+        str(run),
+        "--resume_from_checkpoint",
+        "auto",
+        *user[1:],
+    ]
+    assert str(again["note"]).startswith("restart 1: without --overwrite_output_dir")
+    # Outside a job a stray SLURM_RESTART_COUNT means nothing.
+    assert run_plan({"SLURM_RESTART_COUNT": "3"}, str(run), *user)["args"] == first["args"]
+    assert again["checkpoint_dir"] == str(run / "checkpoints")
+
+
+@pytest.mark.parametrize(
+    ("user", "mode"),
+    [
+        (["--preset", "tiny"], "train"),
+        (["--preset", "tiny", "--validate_only"], "validate"),
+        (["--validate_only=1"], "validate"),
+        (["--validate_only", "0"], "train"),
+        (["--help"], "help"),
+        (["--preset", "tiny", "-h"], "help"),
+    ],
+)
+def test_help_and_validate_only_are_answered_by_the_check_alone(user: list[str], mode: str) -> None:
+    assert launch_plan.launch_mode(user) == mode
+
+
+@pytest.mark.parametrize("flag", ["--output", "--checkpoint_d=/x", "--overwrite", "--val", "--he"])
+def test_abbreviations_of_the_flags_the_launcher_reads_are_refused(flag: str) -> None:
+    """argparse takes `--output x` for `--output_dir x`; the launcher would miss it."""
+    with pytest.raises(launch_plan.UsageError, match=f"^{flag.split('=')[0]}: write --"):
+        launch_plan.check_spelled_out(["--preset", "tiny", flag])
+    launch_plan.check_spelled_out(["--output_dir=x", "--checkpoint_freq", "5", "--validate_only"])
