@@ -1,24 +1,37 @@
 """Convert a training checkpoint (torch.distributed.checkpoint) to a Hugging Face directory.
 
     python scripts/convert_checkpoint.py runs/tiny-fp8/checkpoints/step_00000050 runs/tiny-hf
-    python scripts/convert_checkpoint.py runs/tiny-fp8/checkpoints runs/tiny-hf   # newest one
+    python scripts/convert_checkpoint.py runs/tiny-fp8/checkpoints runs/tiny-hf   # newest intact
 
 The output (safetensors + config.json) loads with `LlamaForCausalLM.from_pretrained`. One process,
 no GPU and no process group: the checkpoint is read one decoder layer at a time, so memory stays
 near one layer plus one output shard whatever the model size. Checkpoints written with FP8 on
 (torchao Float8Linear) or off convert alike; `--model_impl te` checkpoints are mapped back to HF
 names by te_llama.StateDictAdapter.
+
+A checkpoint is verified as train.py verifies one before resuming: every file's size and sha256
+against its checkpoint.json. A damaged checkpoint given by path is refused; given the checkpoints
+folder, the newest intact one is converted (the damaged ones are named, and left where they are).
+Refusals are one line and exit status 2, with nothing written; an export that fails part-way
+(a full disk) removes what it wrote and exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 DTYPES = ("float32", "bfloat16", "float16")
+PROG = "convert_checkpoint.py"
+
+
+class Refused(ValueError):
+    """Input this script will not convert: one line, exit status 2, nothing written."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -33,17 +46,83 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def pick_checkpoint(path: str) -> tuple[Path | None, str | None]:
-    """(checkpoint, None) or (None, why not): a complete checkpoint, or the newest one in a dir."""
-    from model_utils.checkpoint import checkpoint_problem, latest_checkpoint
+def damage(path: Path) -> str | None:
+    """Why checkpoint `path` cannot be trusted (one line naming the file), or None: the checks
+    train.py's resume makes (Checkpointer.verify in a world of one), so a checkpoint train.py
+    refuses is never exported as a model either. A marker whose file list is malformed is
+    damage too, not a KeyError."""
+    from model_utils.checkpoint import MARKER, checkpoint_damage, content_damage, read_marker
+
+    try:
+        problem = checkpoint_damage(path)
+        if problem is None:
+            problem = content_damage(path, read_marker(path).get("files") or {})
+    except (KeyError, TypeError, AttributeError) as exc:
+        problem = f"{path / MARKER} lists its files wrongly ({type(exc).__name__}: {exc})"
+    return problem
+
+
+def pick_checkpoint(path: str) -> tuple[Path, list[str]]:
+    """(the checkpoint to convert, the damaged ones skipped for it). A checkpoint given by path
+    must be intact; given a folder of checkpoints, the newest intact one is taken, as train.py's
+    `--resume_from_checkpoint auto` takes it. Refused (one line) if there is none."""
+    from model_utils.checkpoint import checkpoint_problem, complete_checkpoints
 
     problem = checkpoint_problem(path)
     if problem is None:
-        return Path(path), None
-    newest = latest_checkpoint(path)
-    if newest is not None:
-        return newest, None
-    return None, f"{problem} (and it holds no complete step_N checkpoint)"
+        why = damage(Path(path))
+        if why:
+            raise Refused(
+                f"checkpoint {path} is damaged: {why}; restore it from a copy, or convert "
+                "another checkpoint"
+            )
+        return Path(path), []
+    found = complete_checkpoints(path)
+    if not found:
+        raise Refused(f"{problem} (and it holds no complete step_N checkpoint)")
+    skipped = []
+    for candidate in reversed(found):
+        why = damage(candidate)
+        if why is None:
+            return candidate, skipped
+        skipped.append(f"{candidate.name}: {why}")
+    raise Refused(
+        f"every checkpoint in {path} is damaged (newest {skipped[0]}): restore one from a copy"
+    )
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """Refuse an out_dir that holds a model or cannot be written before the checksums are read
+    (minutes for a large checkpoint): a file in the way or a read-only folder by looking, and
+    what looking cannot tell (a root-owned pseudo file system, quotas) by creating the folder
+    and a probe file in it, then removing both as train.py's --export_hf check does."""
+    from model_utils import outputs
+    from model_utils.checkpoint.hf_export import export_dir_problem
+
+    problem = (
+        export_dir_problem("out_dir", out_dir)
+        or outputs.location_problem("out_dir", out_dir)
+        or outputs.probe_write("out_dir", out_dir)
+    )
+    if problem:
+        raise Refused(problem)
+
+
+def os_problem(exc: OSError) -> str:
+    """One line for a path the system refused to look at: the path (shortened) and the reason,
+    with the limit for a name over 255 bytes (ENAMETOOLONG), which Path.exists() raises."""
+    from model_utils.arguments import os_error_words
+    from model_utils.flag_rules import MAX_NAME_BYTES
+
+    shown = str(exc.filename or "")
+    if len(shown) > 100:
+        shown = f"{shown[:50]}...{shown[-30:]}"
+    if exc.errno == errno.ENAMETOOLONG:
+        return (
+            f"{shown}: {os_error_words(exc)} (a file or folder name is at most {MAX_NAME_BYTES} "
+            "bytes): give a shorter path"
+        )
+    return f"{shown}: {os_error_words(exc)}"
 
 
 def key_map_for(marker: dict) -> tuple[object | None, str | None]:
@@ -63,22 +142,63 @@ def key_map_for(marker: dict) -> tuple[object | None, str | None]:
         return None, f"checkpoint uses --model_impl te but te_llama cannot map it: {exc}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    out_dir = Path(args.out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        return _fail(f"{out_dir} exists and is not a directory")
-    from model_utils.checkpoint.hf_export import export_dir_problem
+def new_folders(out_dir: Path) -> list[Path]:
+    """The folders an export into `out_dir` would create (out_dir first, then its parents)."""
+    return [p for p in (out_dir, *out_dir.parents) if not p.exists()]
 
-    problem = export_dir_problem("out_dir", out_dir)
-    if problem:
-        return _fail(problem)
-    path, problem = pick_checkpoint(args.checkpoint)
-    if path is None:
-        return _fail(problem or "no checkpoint")
+
+def remove_export(out_dir: Path, created: list[Path], config_existed: bool) -> None:
+    """Undo an export that failed part-way, so no half model is left: the folders it created
+    go whole; in a folder that existed, only what an export writes (its hidden parts, the model
+    files - there were none, or it would have been refused - and a config.json it added)."""
+    from model_utils.checkpoint.hf_export import PART_PREFIX, existing_model
+
+    if created:
+        shutil.rmtree(created[-1], ignore_errors=True)  # the outermost folder it created
+        return
+    written = [*out_dir.glob(f"{PART_PREFIX}*"), *(out_dir / n for n in existing_model(out_dir))]
+    if not config_existed:
+        written.append(out_dir / "config.json")
+    for file in written:
+        file.unlink(missing_ok=True)
+
+
+def export(path: Path, out_dir: Path, key_map: object, args: argparse.Namespace) -> list[Path]:
+    """dcp_to_hf into `out_dir`; on any failure (a full disk, Ctrl-C) what it wrote is removed
+    before the exception goes on."""
     import torch
 
-    from model_utils.checkpoint import dcp_to_hf, read_marker
+    from model_utils.checkpoint import dcp_to_hf
+
+    created = new_folders(out_dir)
+    config_existed = (out_dir / "config.json").exists()
+    try:
+        return dcp_to_hf(
+            path,
+            out_dir,
+            key_map=key_map,
+            dtype=getattr(torch, args.dtype),
+            max_shard_bytes=args.max_shard_size_mb * 2**20,
+        )
+    except BaseException:
+        remove_export(out_dir, created, config_existed)
+        raise
+
+
+def convert(args: argparse.Namespace) -> int:
+    """Check everything that reads only, then export; the exit status."""
+    out_dir = Path(args.out_dir)
+    empty = [name for name in ("checkpoint", "out_dir") if not getattr(args, name).strip()]
+    if empty:  # Path("") is the current directory
+        return _fail(f"{empty[0]} is empty (an unset shell variable?): give a path")
+    try:
+        check_out_dir(out_dir)
+        path, skipped = pick_checkpoint(args.checkpoint)
+    except Refused as exc:
+        return _fail(str(exc))
+    except OSError as exc:  # a name over 255 bytes, a folder it may not list
+        return _fail(os_problem(exc))
+    from model_utils.checkpoint import read_marker, write_error_reason
 
     marker = read_marker(path)
     if not marker.get("model_config"):
@@ -86,20 +206,29 @@ def main(argv: list[str] | None = None) -> int:
     key_map, problem = key_map_for(marker)
     if problem:
         return _fail(problem)
-    files = dcp_to_hf(
-        path,
-        out_dir,
-        key_map=key_map,
-        dtype=getattr(torch, args.dtype),
-        max_shard_bytes=args.max_shard_size_mb * 2**20,
-    )
-    print(f"{path} (step {marker['step']}) -> {out_dir}: {len(files)} safetensors file(s)")
+    for line in skipped:
+        print(f"{PROG}: warning: skipped the damaged checkpoint {line}", file=sys.stderr)
+    try:
+        files = export(path, out_dir, key_map, args)
+    except OSError as exc:
+        reason = write_error_reason(exc, out_dir)
+        return _fail(f"writing {out_dir} failed: {reason}; what was written is removed", 1)
+    which = "" if path == Path(args.checkpoint) else f", newest intact in {args.checkpoint}"
+    print(f"{path} (step {marker['step']}{which}) -> {out_dir}: {len(files)} safetensors file(s)")
     return 0
 
 
-def _fail(message: str) -> int:
-    print(f"convert_checkpoint.py: error: {message}", file=sys.stderr)
-    return 2
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return convert(args)
+    except KeyboardInterrupt:
+        return _fail("interrupted; nothing was exported (what was written is removed)", 130)
+
+
+def _fail(message: str, status: int = 2) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

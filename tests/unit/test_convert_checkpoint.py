@@ -1,0 +1,158 @@
+"""scripts/convert_checkpoint.py's refusals and clean failures, in this process: a damaged
+checkpoint is refused as train.py's resume refuses it (by path) or skipped for the newest intact
+one (a folder of checkpoints); an out_dir it cannot write, or a name over 255 bytes, is one line;
+an export that fails part-way leaves nothing behind. The successful conversions of real runs are
+in tests/integration/test_checkpoint_processes.py and tests/unit/test_cross_impl.py."""
+
+from __future__ import annotations
+
+import errno
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from procs import SMALL_LLAMA
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import convert_checkpoint  # noqa: E402
+
+from model_utils import checkpoint as ck  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+LONG_NAME = "n" * 300  # over NAME_MAX (255 bytes): ENAMETOOLONG from the first stat()
+
+
+def save_checkpoints(root: Path, steps: tuple[int, ...]) -> list[Path]:
+    """Real checkpoints (DCP files and a marker with every file's sha256) of a small Llama whose
+    weights differ from step to step."""
+    from transformers import LlamaForCausalLM
+
+    from model_utils import arguments, modeling
+
+    config = modeling.llama_config(arguments.parse_args([*SMALL_LLAMA, "--vocab_size", "256"]))
+    model = LlamaForCausalLM(config)
+    checkpointer = ck.Checkpointer(root)
+    paths = []
+    for step in steps:
+        with torch.no_grad():
+            model.model.embed_tokens.weight.fill_(float(step))
+        paths.append(checkpointer.save(step, ck.TrainState(model)))
+    return paths
+
+
+def overwrite_bytes(path: Path) -> Path:
+    """4 bytes changed in the middle of the shard: the size stays, only the sha256 tells."""
+    shard = path / "__0_0.distcp"
+    with open(shard, "r+b") as fh:
+        fh.seek(shard.stat().st_size // 2)
+        fh.write(b"XXXX")
+    return shard
+
+
+def refused(argv: list[str], capsys: pytest.CaptureFixture[str], status: int = 2) -> str:
+    """The one line of a refusal: the exit status, nothing on stdout, no traceback."""
+    assert convert_checkpoint.main(argv) == status
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert err.startswith("convert_checkpoint.py: error: ")
+    return err
+
+
+def test_a_damaged_checkpoint_given_by_path_is_refused_naming_the_file(tmp_path, capsys) -> None:
+    """It was exported as a model (exit 0) while train.py refused to resume from it."""
+    [path] = save_checkpoints(tmp_path / "ckpt", (2,))
+    shard = overwrite_bytes(path)
+    out = tmp_path / "hf"
+    err = refused([str(path), str(out)], capsys)
+    assert f"checkpoint {path} is damaged: {shard} does not match its sha256" in err
+    assert not out.exists()
+    (path / ck.MARKER).unlink()  # an incomplete save: refused too, as before
+    assert "has no checkpoint.json" in refused([str(path), str(out)], capsys)
+
+
+def test_a_folder_of_checkpoints_converts_its_newest_intact_one(tmp_path, capsys) -> None:
+    """As train.py's `auto` resume: a damaged newer checkpoint is skipped with a warning and the
+    line says which one was converted; every one damaged is refused."""
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "ckpt"
+    older, newer = save_checkpoints(folder, (1, 2))
+    overwrite_bytes(newer)
+    out = tmp_path / "hf"
+    assert convert_checkpoint.main([str(folder), str(out)]) == 0
+    stdout, stderr = capsys.readouterr()
+    assert stdout.startswith(f"{older} (step 1, newest intact in {folder}) -> {out}")
+    assert stderr == (
+        f"convert_checkpoint.py: warning: skipped the damaged checkpoint {newer.name}: "
+        f"{newer / '__0_0.distcp'} does not match its sha256 (changed since the save)\n"
+    )
+    weights = load_file(str(out / ck.HF_SINGLE))
+    assert torch.all(weights["model.embed_tokens.weight"] == 1.0)  # step 1's, not step 2's
+    assert sorted(p.name for p in folder.iterdir()) == [older.name, newer.name]  # left as is
+
+    overwrite_bytes(older)
+    again = tmp_path / "hf2"
+    err = refused([str(folder), str(again)], capsys)
+    assert f"every checkpoint in {folder} is damaged (newest {newer.name}: " in err
+    assert not again.exists()
+
+
+@pytest.mark.skipif(not Path("/sys").is_dir(), reason="needs /sys (Linux)")
+def test_an_out_dir_it_cannot_create_is_one_line(tmp_path, capsys) -> None:
+    """mkdir in /sys died with PermissionError (root: EPERM, which access() does not foresee)."""
+    [path] = save_checkpoints(tmp_path / "ckpt", (1,))
+    err = refused([str(path), "/sys/nope"], capsys)
+    assert "out_dir /sys/nope cannot be" in err and "choose another out_dir" in err
+    assert not Path("/sys/nope").exists()
+
+
+@pytest.mark.parametrize("which", ["checkpoint", "out_dir"])
+def test_a_name_over_255_bytes_or_an_empty_path_is_one_line(tmp_path, capsys, which) -> None:
+    [path] = save_checkpoints(tmp_path / "ckpt", (1,))
+    argv = {
+        "checkpoint": [str(tmp_path / LONG_NAME), str(tmp_path / "hf")],
+        "out_dir": [str(path), str(tmp_path / LONG_NAME / "hf")],
+    }[which]
+    before = sorted(tmp_path.iterdir())
+    err = refused(argv, capsys)
+    assert "File name too long (a file or folder name is at most 255 bytes)" in err
+    assert sorted(tmp_path.iterdir()) == before
+    argv[["checkpoint", "out_dir"].index(which)] = ""  # an unset variable: the current folder
+    assert f"{which} is empty" in refused(argv, capsys)
+
+
+@pytest.mark.parametrize(
+    "failure, status, words",
+    [
+        (OSError(errno.ENOSPC, "No space left on device"), 1, "no space left on the device"),
+        (KeyboardInterrupt(), 130, "interrupted; nothing was exported"),
+    ],
+)
+@pytest.mark.parametrize("out_exists", [False, True])
+def test_an_export_that_fails_part_way_leaves_nothing(
+    tmp_path, capsys, monkeypatch, failure, status, words, out_exists
+) -> None:
+    """The weights are written and published, then config.json fails: the model files go too
+    (a model without its config looks finished); a folder the user had keeps its own files."""
+    from model_utils.checkpoint import hf_export
+
+    def fail(*_args, **_kwargs) -> None:
+        raise failure
+
+    [path] = save_checkpoints(tmp_path / "ckpt", (1,))
+    out = tmp_path / "new" / "hf"
+    if out_exists:
+        out.mkdir(parents=True)
+        (out / "notes.txt").write_text("mine")
+    monkeypatch.setattr(hf_export, "_save_hf_config", fail)
+    err = refused([str(path), str(out)], capsys, status)
+    assert words in err
+    if out_exists:
+        assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    else:
+        assert not (tmp_path / "new").exists()
