@@ -14,7 +14,9 @@ The dataset is written as gzipped JSON-lines shards (``train-00000-of-00064.json
 in stream order, with a validation file when the source has a validation split, so train.py
 reads it as a local dataset: shards are split between ranks, nothing is downloaded. Every file
 is written under a temporary name and renamed when complete, so an interrupted staging never
-leaves a file that looks finished.
+leaves a file that looks finished; a staging that fails (a bad record, a full disk, Ctrl-C)
+removes what it wrote. Input it can check first (the dataset, its text column, --out, the
+tokenizer) is refused in one line, exit status 2, before anything is written.
 """
 
 from __future__ import annotations
@@ -24,25 +26,30 @@ import gzip
 import json
 import os
 import re
+import shutil
 import sys
-from collections.abc import Iterator
-from itertools import islice
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from itertools import chain, islice
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from model_utils import data  # noqa: E402
-from model_utils.arguments import UsageError, apply_preset, build_parser  # noqa: E402
+from model_utils import data, outputs  # noqa: E402
+from model_utils.arguments import UsageError, apply_preset, build_parser, os_error_words  # noqa: E402
+from model_utils.flag_rules import MAX_NAME_BYTES  # noqa: E402
 
 #: Validation documents staged per training document (the source's own validation split).
 VALIDATION_SHARE = 0.01
+PROG = "stage_data.py"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="tiny", help="train.py preset whose data to stage")
-    parser.add_argument("--out", type=Path, required=True, help="shared directory to write")
+    parser.add_argument("--out", required=True, help="shared directory to write")
     parser.add_argument("--documents", type=int, default=1_000_000, help="training documents")
     parser.add_argument("--shards", type=int, default=64, help="training files (>= ranks)")
     parser.add_argument("--dataset", help="default: the preset's")
@@ -54,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise UsageError(
             f"--documents and --shards must be >= 1, got {args.documents}/{args.shards}"
         )
+    check_names(args)
+    args.out = Path(args.out).expanduser()
     train_argv = [f"--preset={args.preset}"]
     for name in ("dataset", "dataset_config_name", "tokenizer"):
         if getattr(args, name) is not None:
@@ -64,6 +73,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def check_names(args: argparse.Namespace) -> None:
+    """UsageError for an empty --out or --text_column (an unset shell variable: Path("") is the
+    current directory) and for a path with a name over NAME_MAX, which died with ENAMETOOLONG
+    in the first look at it; train.py's rules for its own path flags."""
+    for flag in ("out", "text_column"):
+        if not getattr(args, flag).strip():
+            raise UsageError(f"--{flag} is empty (an unset shell variable?): give a value")
+    for flag in ("out", "dataset", "tokenizer"):
+        for part in (getattr(args, flag) or "").split("/"):
+            if len(part.encode()) > MAX_NAME_BYTES:
+                raise UsageError(
+                    f"--{flag}: the name '{part[:40]}...' is {len(part.encode())} bytes long; "
+                    f"file systems take at most {MAX_NAME_BYTES}"
+                )
+
+
 def slug(dataset: str, config_name: str | None) -> str:
     """A directory name for a dataset: ``allenai/c4`` + ``en`` -> ``allenai--c4-en``."""
     name = Path(dataset).name if Path(dataset).expanduser().exists() else dataset
@@ -71,7 +96,95 @@ def slug(dataset: str, config_name: str | None) -> str:
     return name + (f"-{config_name}" if config_name else "")
 
 
-def write_shard(path: Path, texts: Iterator[str], text_column: str) -> int:
+@dataclass
+class Plan:
+    """What a staging reads and where it writes, found before anything is written."""
+
+    target: Path  # the dataset's folder under --out
+    tokenizer_dir: Path
+    tokenizer: Any  # None: tokenizer_dir holds it already
+    train_texts: Iterator[str]
+    validation_texts: Iterator[str] | None
+
+
+def check_inputs(args: argparse.Namespace) -> Plan:
+    """Every check that can refuse the input, before anything is written: the dataset, --out,
+    the tokenizer (a folder already staged under its name too). Raises UsageError, ValueError
+    (DataError) or OSError."""
+    data.check_dataset(args.dataset, args.dataset_config_name)
+    data.check_local_data(args.dataset, args.text_column)  # train.py's start-up scan
+    target = args.out / slug(args.dataset, args.dataset_config_name)
+    check_out(args.out, target)
+    tokenizer = data.load_tokenizer(args.tokenizer)
+    tokenizer_dir = args.out / "tokenizers" / slug(args.tokenizer, None)
+    if tokenizer_staged(tokenizer_dir, tokenizer):
+        tokenizer = None
+    train_texts, validation_texts = open_documents(args)
+    return Plan(target, tokenizer_dir, tokenizer, train_texts, validation_texts)
+
+
+def check_out(out: Path, target: Path) -> None:
+    """UsageError if the dataset is staged there already, or --out cannot be written: looked
+    at, then written to and cleaned as train.py probes its outputs (a root-owned /sys passes
+    access() and failed at mkdir)."""
+    if target.exists() and any(target.iterdir()):
+        raise UsageError(
+            f"{target} already holds a staged dataset; remove it or choose another --out"
+        )
+    problem = outputs.location_problem("--out", out) or outputs.probe_write("--out", out)
+    if problem:
+        raise UsageError(problem)
+
+
+def open_documents(args: argparse.Namespace) -> tuple[Iterator[str], Iterator[str] | None]:
+    """The training and validation documents. The first is read now: hub data is not scanned
+    at start-up, and a wrong --text_column shows at its first record."""
+    source = data.open_source(args.dataset, args.dataset_config_name)
+    train = read_checked(source.train, args, source)
+    first = next(train, None)
+    if first is None:
+        raise UsageError(f"--dataset {args.dataset} holds no document in {args.text_column!r}")
+    validation = source.validation
+    if validation is not None:
+        validation = read_checked(validation, args, source)
+    return chain([first], train), validation
+
+
+def tokenizer_staged(folder: Path, tokenizer: Any) -> bool:
+    """Whether `folder` holds this tokenizer already (staged with another dataset): then it is
+    not written again, so an interrupted staging cannot half-write it. UsageError if it holds
+    another tokenizer of the same name, which a dataset staged earlier may train with."""
+    if not folder.exists():
+        return False
+    try:
+        staged = data.tokenizer_fingerprint(data.load_tokenizer(str(folder)))
+    except ValueError:
+        staged = None
+    if staged == data.tokenizer_fingerprint(tokenizer):
+        return True
+    raise UsageError(
+        f"{folder} holds another tokenizer (staged earlier from another --tokenizer of that "
+        "name): remove it, or choose another --out"
+    )
+
+
+def read_checked(examples: Iterable[dict], args: argparse.Namespace, source: Any) -> Iterator[str]:
+    """The documents of `examples`; a read that fails (a wrong column, a bad byte past the
+    start-up scan, a file gone) is a DataError with train.py's one line for it, so a reading
+    problem is never reported as one of writing."""
+    texts = data.document_texts(iter(examples), args.text_column, source)
+    while True:
+        try:
+            text = next(texts)
+        except StopIteration:
+            return
+        except (ValueError, OSError) as exc:
+            line = data.read_error_message(exc, args.dataset, args.text_column, 0, "when staged")
+            raise data.DataError(line) from exc
+        yield text
+
+
+def write_shard(path: Path, texts: Iterable[str], text_column: str) -> int:
     """Write ``texts`` as one gzipped JSON-lines file, atomically; returns the count."""
     partial = path.with_name(path.name + ".partial")
     count = 0
@@ -83,50 +196,87 @@ def write_shard(path: Path, texts: Iterator[str], text_column: str) -> int:
     return count
 
 
-def stage_dataset(args: argparse.Namespace, target: Path) -> tuple[int, int]:
-    """(training, validation) documents written under ``target``."""
-    source = data.open_source(args.dataset, args.dataset_config_name)
-    texts = data.document_texts(iter(source.train), args.text_column, source)
+def stage_dataset(args: argparse.Namespace, plan: Plan) -> tuple[int, int]:
+    """(training, validation) documents written under ``plan.target``. Each file's documents
+    are read before it is opened, so a failed read never leaves a half-written shard."""
     per_shard = -(-args.documents // args.shards)
     written = 0
     for index in range(args.shards):
-        chunk = list(islice(texts, min(per_shard, args.documents - written)))
+        chunk = list(islice(plan.train_texts, min(per_shard, args.documents - written)))
         if not chunk:
             break
         name = f"train-{index:05d}-of-{args.shards:05d}.jsonl.gz"
-        written += write_shard(target / name, iter(chunk), args.text_column)
+        written += write_shard(plan.target / name, chunk, args.text_column)
     validation = 0
-    if source.validation is not None:
-        val_texts = data.document_texts(iter(source.validation), args.text_column, source)
+    if plan.validation_texts is not None:
         wanted = max(1, int(args.documents * VALIDATION_SHARE))
-        validation = write_shard(
-            target / "validation-00000.jsonl.gz", islice(val_texts, wanted), args.text_column
-        )
+        chunk = list(islice(plan.validation_texts, wanted))
+        validation = write_shard(plan.target / "validation-00000.jsonl.gz", chunk, args.text_column)
     return written, validation
+
+
+def new_folders(*paths: Path) -> list[Path]:
+    """The outermost folders that writing `paths` would create (none that exist now)."""
+    missing = {p for path in paths for p in (path, *path.parents) if not p.exists()}
+    return sorted(p for p in missing if p.parent not in missing)
+
+
+def stage(args: argparse.Namespace, plan: Plan) -> tuple[int, int]:
+    """Write the dataset, then the tokenizer. If anything fails (a bad record past the scan, a
+    full disk, Ctrl-C), what this staging wrote is removed before the exception goes on: the
+    folders it created, and the files in a dataset folder that was empty, so a second try is
+    not refused as 'already holds a staged dataset'. A tokenizer folder that existed is never
+    written (tokenizer_staged)."""
+    created = new_folders(plan.target, plan.tokenizer_dir)
+    try:
+        plan.target.mkdir(parents=True, exist_ok=True)
+        counts = stage_dataset(args, plan)
+        if plan.tokenizer is not None:
+            plan.tokenizer.save_pretrained(str(plan.tokenizer_dir))
+        return counts
+    except BaseException:
+        for folder in created:
+            shutil.rmtree(folder, ignore_errors=True)
+        if plan.target.is_dir():  # it existed, empty: all in it is this staging's
+            for file in plan.target.iterdir():
+                file.unlink(missing_ok=True)
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        return run(argv)
+    except KeyboardInterrupt:
+        return _fail("interrupted; what this staging wrote is removed", 130)
+
+
+def run(argv: list[str] | None) -> int:
+    """Check, then stage; the exit status."""
+    try:
         args = parse_args(argv)
-        data.check_dataset(args.dataset, args.dataset_config_name)
-        target = args.out.expanduser() / slug(args.dataset, args.dataset_config_name)
-        if target.exists() and any(target.iterdir()):
-            raise UsageError(
-                f"{target} already holds a staged dataset; remove it or choose another --out"
-            )
-        tokenizer = data.load_tokenizer(args.tokenizer)
+        plan = check_inputs(args)
     except (UsageError, ValueError) as exc:
-        print(f"stage_data.py: error: {exc}", file=sys.stderr)
-        return 2
-    target.mkdir(parents=True, exist_ok=True)
-    tokenizer_dir = args.out.expanduser() / "tokenizers" / slug(args.tokenizer, None)
-    tokenizer.save_pretrained(str(tokenizer_dir))
-    train_docs, val_docs = stage_dataset(args, target)
-    print(f"staged {train_docs} training and {val_docs} validation documents in {target}")
-    print(f"tokenizer in {tokenizer_dir}; train offline with:")
+        return _fail(str(exc))
+    except OSError as exc:  # a folder it may not list, a file it may not read
+        return _fail(f"{exc.filename}: {os_error_words(exc)}")
+    try:
+        train_docs, val_docs = stage(args, plan)
+    except ValueError as exc:
+        return _fail(f"{exc} (what this staging wrote is removed)")
+    except OSError as exc:
+        return _fail(
+            f"{outputs.unwritable('--out', args.out, exc)} (what was written is removed)", 1
+        )
+    print(f"staged {train_docs} training and {val_docs} validation documents in {plan.target}")
+    print(f"tokenizer in {plan.tokenizer_dir}; train offline with:")
     print("  export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1")
-    print(f"  ... --tokenizer {tokenizer_dir} --dataset {target}")
+    print(f"  ... --tokenizer {plan.tokenizer_dir} --dataset {plan.target}")
     return 0
+
+
+def _fail(message: str, status: int = 2) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":
