@@ -15,7 +15,9 @@ batch sizes; upstream logs have no flags, so those runs are labelled by file nam
 The picture: loss vs step (train lines, validation points), throughput vs step, and a bar of
 each run's median throughput after warm-up with its ratio to the first run written on it.
 Throughput is tokens/s per device where every run logs it, else samples/s (upstream logs).
-Bad input (no parsable line, unlike runs, an unwritable --output) is one line on stderr, exit 2.
+Bad input (no parsable line, a metrics.jsonl line that is not JSON or a record whose fields are
+of the wrong type, unlike runs, an unreadable run or unwritable --output) is one line on stderr
+naming the file (and line), exit 2.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model_utils import metrics  # noqa: E402
+from model_utils.arguments import os_error_words  # noqa: E402
 
 # model_utils/run_log.py's SPEED_WARMUP_STEPS (tests/unit/test_compare_runs.py keeps the two equal);
 # like the run's own summary, a run shorter than 2x this uses half its steps.
@@ -64,6 +67,10 @@ SHAPE_FLAGS = (
     "max_context_width",
 )
 BATCH_FLAGS = ("train_batch_size",)
+# Fields of train/val records that the table and the picture read as numbers (null: not
+# measured), and the one each kind must have.
+NUMBER_FIELDS = ("loss", "val_loss", "lr", "samples_per_sec", *DETAIL)
+REQUIRED_FIELD = {"train": "loss", "val": "val_loss"}
 
 
 class CompareError(ValueError):
@@ -127,14 +134,57 @@ def parse_log(text: str) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
             )
         elif m := RUN.search(line):
             try:
-                info = json.loads(m.group(1))
+                found = json.loads(m.group(1))
             except json.JSONDecodeError:
-                pass  # not our run line
+                continue  # not our run line
+            if run_problem(found) is None:  # else not ours either: a log holds any text
+                info = found
     return records, info
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def run_problem(info: Mapping[str, Any]) -> str | None:
+    """Why a run record's flags cannot be read (labels, the like-for-like check and the warm-up
+    rule read them), or None."""
+    flags = info.get("flags", {})
+    if not isinstance(flags, dict):
+        return f"has flags {flags!r}, not an object"
+    if flags.get("max_steps") is not None and not _is_int(flags["max_steps"]):
+        return f"has the flag max_steps {flags['max_steps']!r}, not a whole number"
+    return None
+
+
+def record_problem(record: Any) -> str | None:
+    """Why a metrics.jsonl record cannot be used, or None: the kinds this tool reads must hold
+    a whole-number step, their loss, and numbers (or null) where numbers are read. A string
+    step failed as a TypeError in the sort, flags that are no object as an AttributeError."""
+    if not isinstance(record, dict):
+        return "is not a JSON object"
+    kind = record.get("kind")
+    if kind == "run":
+        return run_problem(record)
+    if kind not in REQUIRED_FIELD:
+        return None  # a kind this tool does not read
+    if not _is_int(record.get("step")):
+        return f"has step {record.get('step')!r}, not a whole number"
+    if REQUIRED_FIELD[kind] not in record:
+        return f"has no {REQUIRED_FIELD[kind]!r}"
+    for key in NUMBER_FIELDS:
+        if record.get(key) is not None and not _is_number(record[key]):
+            return f"has {key} {record[key]!r}, not a number"
+    return None
+
+
 def parse_jsonl(text: str, name: str) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """Records of a metrics.jsonl; a bad line is refused unless it is the unfinished last one."""
+    """Records of a metrics.jsonl; a bad line is refused unless it is the unfinished last one:
+    one that is not JSON, or a record of a kind this tool reads whose fields it cannot use."""
     records, info = [], None
     for number, line in enumerate(complete_lines(text), start=1):
         if not line.strip():
@@ -143,6 +193,9 @@ def parse_jsonl(text: str, name: str) -> tuple[list[dict[str, Any]], dict[str, A
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise CompareError(f"{name}: line {number} is not JSON ({exc.msg})") from exc
+        problem = record_problem(record)
+        if problem:
+            raise CompareError(f"{name}: line {number} {problem}: fix or delete that line")
         if record.get("kind") == "run":
             info = record
         elif record.get("kind") in ("train", "val"):
@@ -162,11 +215,14 @@ def one_per_step(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
 def load_run(path: str | os.PathLike[str]) -> Run:
     """A run from a run directory, a .jsonl file or a log; refuses one with no train record."""
     source = Path(path)
-    file = source / "metrics.jsonl" if source.is_dir() else source
-    if not file.is_file():
-        what = "a directory without metrics.jsonl" if source.is_dir() else "no such file"
-        raise CompareError(f"{source}: {what}")
-    text = file.read_text(encoding="utf-8", errors="replace")
+    try:
+        file = source / "metrics.jsonl" if source.is_dir() else source
+        if not file.is_file():
+            what = "a directory without metrics.jsonl" if source.is_dir() else "no such file"
+            raise CompareError(f"{source}: {what}")
+        text = file.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:  # a name over 255 bytes, no permission
+        raise CompareError(f"{source}: cannot be read ({os_error_words(exc)})") from exc
     if file.suffix == ".jsonl":
         records, info = parse_jsonl(text, str(file))
     else:
@@ -363,11 +419,15 @@ def check_output(path: Path) -> None:
     if path.suffix.lower() != ".png":
         raise CompareError(f"--output {path}: must end in .png")
     parent = path.parent if str(path.parent) else Path(".")
-    if path.is_dir():
-        raise CompareError(f"--output {path}: is a directory")
-    if not parent.is_dir():
-        raise CompareError(f"--output {path}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+    try:
+        if path.is_dir():
+            raise CompareError(f"--output {path}: is a directory")
+        if not parent.is_dir():
+            raise CompareError(f"--output {path}: {parent} is not a directory")
+        writable = os.access(parent, os.W_OK) and (not path.exists() or os.access(path, os.W_OK))
+    except OSError as exc:  # a name over 255 bytes
+        raise CompareError(f"--output {path}: {os_error_words(exc)}") from exc
+    if not writable:
         raise CompareError(f"--output {path}: not writable")
 
 

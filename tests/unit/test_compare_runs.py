@@ -163,6 +163,53 @@ def test_metrics_jsonl_with_a_partial_last_line(tmp_path: Path) -> None:
         cr.load_run(run_dir)
 
 
+@pytest.mark.parametrize(
+    "line, why",
+    [
+        ('{"kind": "train", "step": "30", "loss": 6.0}', "has step '30', not a whole number"),
+        ('{"kind": "train", "step": 30, "loss": "6.0"}', "has loss '6.0', not a number"),
+        ('{"kind": "train", "step": 30}', "has no 'loss'"),
+        ('{"kind": "val", "step": 30, "val_loss": {}}', "has val_loss {}, not a number"),
+        ('{"kind": "run", "flags": 5}', "has flags 5, not an object"),
+        (
+            '{"kind": "run", "flags": {"max_steps": "50"}}',
+            "has the flag max_steps '50', not a whole number",
+        ),
+        ("[1, 2]", "is not a JSON object"),
+    ],
+)
+def test_a_malformed_record_is_refused_naming_its_line(tmp_path, capsys, line, why) -> None:
+    """A string step died as a TypeError in the sort, flags that are no object as an
+    AttributeError: like a line that is not JSON, refused with the file and line."""
+    run_dir = write_run_dir(tmp_path / "tiny-fp8", FP8[:2], [], info(fp8=True))
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(line + "\n")
+    other = write_run_dir(tmp_path / "tiny-bf16", BF16[:2], [], info())
+    err = refused([str(other), str(run_dir), "--output", str(tmp_path / "o.png")], capsys)
+    assert f"{run_dir / 'metrics.jsonl'}: line 4 {why}: fix or delete that line" in err
+    assert not (tmp_path / "o.png").exists()
+
+
+def test_a_log_s_run_line_with_unusable_flags_is_not_ours(tmp_path: Path) -> None:
+    """A log holds any text: like a run line that is not JSON, it is ignored (no flags: the run
+    is labelled by its file name), where it raised AttributeError."""
+    lines = log_lines(FP8[:2], [], None)
+    log = tmp_path / "slurm-7.out"
+    log.write_text("\n".join(['run: {"flags": 5}', *lines]) + "\n")
+    run = cr.load_run(log)
+    assert run.info is None and cr.default_labels([run]) == ["slurm-7"]
+
+
+def test_a_name_over_255_bytes_is_one_line(two_runs, tmp_path, capsys) -> None:
+    """ENAMETOOLONG from the first look at the path was a traceback."""
+    long = tmp_path / ("n" * 300)
+    err = refused([two_runs[0], str(long), "--output", str(tmp_path / "o.png")], capsys)
+    assert f"{long}: cannot be read (File name too long)" in err
+    err = refused([*two_runs, "--output", f"{long}.png"], capsys)
+    assert f"--output {long}.png: File name too long" in err
+    assert not (tmp_path / "o.png").exists()
+
+
 # ------------------------------------------------------------------------ table and picture
 
 
