@@ -137,6 +137,10 @@ def checkpoint_damage(path: str | Path) -> str | None:
         marker = read_marker(path)
         files = marker.get("files") or {}
         int(marker["step"])
+        if not isinstance(files, dict) or not all(
+            isinstance(sums, dict) and isinstance(sums.get("bytes"), int) for sums in files.values()
+        ):
+            raise ValueError("its file list is not {name: {bytes, sha256}}")
     except Exception as exc:
         return f"{path / MARKER} is not a valid checkpoint marker ({first_line(exc)})"
     try:
