@@ -85,6 +85,7 @@ def check_run_dir(args: arguments.Config) -> None:
         checkpoint.check_resumable(path, args.as_dict())
         explicit = args.resume_from_checkpoint != "auto"
         checkpoint.check_resume_target(path, args.checkpoint_dir, explicit)
+        checkpoint.check_steps_left(path, args.max_steps)
 
 
 class Preemption:

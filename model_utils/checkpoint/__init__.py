@@ -73,6 +73,7 @@ from model_utils.checkpoint.compat import (
     check_fresh_start,
     check_resumable,
     check_resume_target,
+    check_steps_left,
     config_changes,
     describe_changes,
 )
@@ -162,6 +163,7 @@ __all__ = [
     "check_hf_dir",
     "check_resumable",
     "check_resume_target",
+    "check_steps_left",
     "check_resume_arg",
     "checkpoint_damage",
     "checkpoint_name",

@@ -155,3 +155,15 @@ def check_resume_target(path: str | Path, checkpoint_dir: str | Path, explicit: 
             f"--resume_from_checkpoint auto, or move the later ones out of {checkpoint_dir} to "
             f"go back to step {step}"
         )
+
+
+def check_steps_left(path: str | Path, max_steps: int) -> None:
+    """A checkpoint past --max_steps has nothing left to train: the resume used to validate
+    and save it again and end as if it had trained. (At exactly --max_steps a requeued or
+    resubmitted finished run ends at once, which is what a requeue wants.)"""
+    step = int(read_marker(path)["step"])
+    if step > max_steps:
+        raise ResumeRefused(
+            f"checkpoint {path} is at step {step}, past --max_steps {max_steps}: raise "
+            "--max_steps to train on, or export it with scripts/convert_checkpoint.py"
+        )

@@ -114,6 +114,13 @@ def test_a_resume_never_writes_over_checkpoints_it_did_not_start_from(tmp_path: 
     )
     with pytest.raises(ck.ResumeRefused, match="of its own run \\(newest: step 4\\)"):
         ck.check_resume_target(elsewhere, own, explicit=True)
+    ck.check_steps_left(step4, max_steps=4)  # a finished run resubmitted: ends at once
+    with pytest.raises(ck.ResumeRefused) as past:
+        ck.check_steps_left(step4, max_steps=3)
+    assert str(past.value) == (
+        f"checkpoint {step4} is at step 4, past --max_steps 3: raise --max_steps to train on, "
+        "or export it with scripts/convert_checkpoint.py"
+    )
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
