@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model_utils import metrics  # noqa: E402
 from model_utils.arguments import os_error_words  # noqa: E402
+from model_utils.metrics.records import record_problem, run_problem  # noqa: E402
 
 # model_utils/run_log.py's SPEED_WARMUP_STEPS (tests/unit/test_compare_runs.py keeps the two equal);
 # like the run's own summary, a run shorter than 2x this uses half its steps.
@@ -68,9 +69,8 @@ SHAPE_FLAGS = (
 )
 BATCH_FLAGS = ("train_batch_size",)
 # Fields of train/val records that the table and the picture read as numbers (null: not
-# measured), and the one each kind must have.
+# measured).
 NUMBER_FIELDS = ("loss", "val_loss", "lr", "samples_per_sec", *DETAIL)
-REQUIRED_FIELD = {"train": "loss", "val": "val_loss"}
 
 
 class CompareError(ValueError):
@@ -142,46 +142,6 @@ def parse_log(text: str) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     return records, info
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def run_problem(info: Mapping[str, Any]) -> str | None:
-    """Why a run record's flags cannot be read (labels, the like-for-like check and the warm-up
-    rule read them), or None."""
-    flags = info.get("flags", {})
-    if not isinstance(flags, dict):
-        return f"has flags {flags!r}, not an object"
-    if flags.get("max_steps") is not None and not _is_int(flags["max_steps"]):
-        return f"has the flag max_steps {flags['max_steps']!r}, not a whole number"
-    return None
-
-
-def record_problem(record: Any) -> str | None:
-    """Why a metrics.jsonl record cannot be used, or None: the kinds this tool reads must hold
-    a whole-number step, their loss, and numbers (or null) where numbers are read. A string
-    step failed as a TypeError in the sort, flags that are no object as an AttributeError."""
-    if not isinstance(record, dict):
-        return "is not a JSON object"
-    kind = record.get("kind")
-    if kind == "run":
-        return run_problem(record)
-    if kind not in REQUIRED_FIELD:
-        return None  # a kind this tool does not read
-    if not _is_int(record.get("step")):
-        return f"has step {record.get('step')!r}, not a whole number"
-    if REQUIRED_FIELD[kind] not in record:
-        return f"has no {REQUIRED_FIELD[kind]!r}"
-    for key in NUMBER_FIELDS:
-        if record.get(key) is not None and not _is_number(record[key]):
-            return f"has {key} {record[key]!r}, not a number"
-    return None
-
-
 def parse_jsonl(text: str, name: str) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Records of a metrics.jsonl; a bad line is refused unless it is the unfinished last one:
     one that is not JSON, or a record of a kind this tool reads whose fields it cannot use."""
@@ -193,7 +153,7 @@ def parse_jsonl(text: str, name: str) -> tuple[list[dict[str, Any]], dict[str, A
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise CompareError(f"{name}: line {number} is not JSON ({exc.msg})") from exc
-        problem = record_problem(record)
+        problem = record_problem(record, NUMBER_FIELDS)
         if problem:
             raise CompareError(f"{name}: line {number} {problem}: fix or delete that line")
         if record.get("kind") == "run":

@@ -14,9 +14,10 @@ What the numbers mean (kept in one place so the README and the logs agree):
   other but an FP8 run's MFU is not "utilisation of the FP8 peak".
 
 The modules, one job each: `flops` (model FLOPs per token), `device` (bf16 peaks, peak
-memory, device sync), `meter` (the step meter and time left), `records` (JSONL records and the
-log lines), `summary` (end-of-run medians and comparison tables). Callers use the names
-re-exported here: `from model_utils import metrics; metrics.StepMeter(...)`.
+memory, device sync), `meter` (the step meter and time left), `records` (JSONL records, the
+log lines and what a reader checks of them), `summary` (end-of-run medians and comparison
+tables). Callers use the names re-exported here: `from model_utils import metrics;
+metrics.StepMeter(...)`.
 """
 
 from model_utils.metrics.device import (

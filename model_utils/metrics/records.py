@@ -194,3 +194,50 @@ def format_duration(seconds: float) -> str:
     if minutes:
         return f"{minutes}m{secs:02d}s"
     return f"{secs}s"
+
+
+# --------------------------------------------------------------------------------------------
+# Reading records back (scripts/compare_runs.py): what a reader may rely on
+
+#: The field each record kind a reader compares must hold.
+REQUIRED_FIELD = {"train": "loss", "val": "val_loss"}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def run_problem(info: Mapping[str, Any]) -> str | None:
+    """Why a run record's flags cannot be read (labels, the like-for-like check and the warm-up
+    rule read them), or None."""
+    flags = info.get("flags", {})
+    if not isinstance(flags, dict):
+        return f"has flags {flags!r}, not an object"
+    if flags.get("max_steps") is not None and not _is_int(flags["max_steps"]):
+        return f"has the flag max_steps {flags['max_steps']!r}, not a whole number"
+    return None
+
+
+def record_problem(record: Any, number_fields: tuple[str, ...]) -> str | None:
+    """Why a metrics.jsonl record cannot be compared, or None: the kinds a comparison reads hold
+    a whole-number step, their loss, and numbers (or null) in `number_fields`. A string
+    step failed as a TypeError in the sort, flags that are no object as an AttributeError."""
+    if not isinstance(record, dict):
+        return "is not a JSON object"
+    kind = record.get("kind")
+    if kind == "run":
+        return run_problem(record)
+    if kind not in REQUIRED_FIELD:
+        return None  # a kind no comparison reads
+    if not _is_int(record.get("step")):
+        return f"has step {record.get('step')!r}, not a whole number"
+    if REQUIRED_FIELD[kind] not in record:
+        return f"has no {REQUIRED_FIELD[kind]!r}"
+    for key in number_fields:
+        if record.get(key) is not None and not _is_number(record[key]):
+            return f"has {key} {record[key]!r}, not a number"
+    return None
