@@ -125,3 +125,13 @@ def signal_after(
         if proc.poll() is None:
             proc.kill()
     return status, "".join(seen)
+
+
+def script_refusal(main, name: str, argv: list[str], capsys, status: int = 2) -> str:
+    """The one line of a script's refusal (`main(argv)` of scripts/NAME): the exit status,
+    nothing on stdout, no traceback, the line prefixed with the script's name."""
+    assert main(argv) == status
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"{name}: error: ")
+    return err

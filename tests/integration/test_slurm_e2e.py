@@ -477,14 +477,7 @@ def test_bash_without_slurm_trains_here(tmp_path: Path) -> None:
     env = clean_env(RUNS_DIR=str(tmp_path), RUN_NAME="laptop", NPROC_PER_NODE="2")
     # No --warmup: the default follows --max_steps (a fixed 10 would refuse a 2-step run).
     args = ["--preset", "tiny", "--max_steps", "2", "--fp8=0", "--train_batch_size", "2"]
-    result = subprocess.run(
-        ["bash", str(SBATCH), *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = run_script(env, *args, cwd=tmp_path, timeout=600)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log
     assert "no Slurm job: running torchrun" in log
@@ -495,14 +488,7 @@ def test_bash_without_slurm_trains_here(tmp_path: Path) -> None:
 def test_bad_arguments_through_the_launcher_give_one_line(tmp_path: Path) -> None:
     """train.py's own check, once, before torchrun: no traceback, no empty run folder."""
     env = clean_env(RUNS_DIR=str(tmp_path / "runs"), RUN_NAME="bad", NPROC_PER_NODE="2")
-    result = subprocess.run(
-        ["bash", str(SBATCH), "--preset", "tiny", "--lr", "inf"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_script(env, "--preset", "tiny", "--lr", "inf", cwd=tmp_path, timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.strip().splitlines() == [
         "train.py: error: --lr must be a finite number > 0, got inf"
@@ -517,14 +503,7 @@ def test_help_and_validate_only_through_the_launcher_start_no_training(
     """They used to start torchrun anyway (--help printed three times) and leave an empty
     run folder."""
     env = clean_env(RUNS_DIR=str(tmp_path / "runs"), NPROC_PER_NODE="2")
-    result = subprocess.run(
-        ["bash", str(SBATCH), "--preset", "tiny", flag],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_script(env, "--preset", "tiny", flag, cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("usage: train.py") == (flag == "--help")
     assert "running torchrun" not in result.stdout
@@ -700,14 +679,15 @@ def fakes(tmp_path: Path) -> Fakes:
     )
 
 
-def run_script(env: dict[str, str], *args: str, cwd: Path | None = None):
+def run_script(env: dict[str, str], *args: str, cwd: Path | None = None, timeout: int = 60):
+    """`bash 1.train_llama.sbatch ARGS` in `cwd` (default the repository), output captured."""
     return subprocess.run(
         ["bash", str(SBATCH), *args],
         env=env,
         cwd=cwd or REPO,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=timeout,
     )
 
 

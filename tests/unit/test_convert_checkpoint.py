@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from procs import SMALL_LLAMA
+from procs import SMALL_LLAMA, script_refusal
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -55,12 +55,7 @@ def overwrite_bytes(path: Path) -> Path:
 
 
 def refused(argv: list[str], capsys: pytest.CaptureFixture[str], status: int = 2) -> str:
-    """The one line of a refusal: the exit status, nothing on stdout, no traceback."""
-    assert convert_checkpoint.main(argv) == status
-    out, err = capsys.readouterr()
-    assert out == "" and err.count("\n") == 1, err
-    assert err.startswith("convert_checkpoint.py: error: ")
-    return err
+    return script_refusal(convert_checkpoint.main, "convert_checkpoint.py", argv, capsys, status)
 
 
 def test_a_damaged_checkpoint_given_by_path_is_refused_naming_the_file(tmp_path, capsys) -> None:

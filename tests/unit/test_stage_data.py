@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from procs import script_refusal
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -44,12 +45,7 @@ def stage_argv(out: Path, dataset: Path, *extra: str) -> list[str]:
 
 
 def refused(argv: list[str], capsys: pytest.CaptureFixture[str], status: int = 2) -> str:
-    """The one line of a refusal: the exit status, nothing on stdout, no traceback."""
-    assert stage_data.main(argv) == status
-    out, err = capsys.readouterr()
-    assert out == "" and err.count("\n") == 1, err
-    assert err.startswith("stage_data.py: error: ")
-    return err
+    return script_refusal(stage_data.main, "stage_data.py", argv, capsys, status)
 
 
 def test_a_missing_text_column_is_refused_before_anything_is_written(tmp_path, capsys) -> None:
