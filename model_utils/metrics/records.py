@@ -126,9 +126,19 @@ def set_aside(path: str | os.PathLike[str]) -> Path | None:
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """All records of a metrics file, in order."""
+    """All records of a metrics file, in order; ValueError naming the line of one the summary
+    could not use (a file edited by hand: a string step was a TypeError in the end summary's
+    sort, after the run's last checkpoint)."""
+    records = []
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for number, line in enumerate(f, start=1):
+            if line.strip():
+                record = json.loads(line)
+                problem = record_problem(record, RECORD_NUMBERS)
+                if problem:
+                    raise ValueError(f"line {number} {problem}")
+                records.append(record)
+    return records
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,6 +211,19 @@ def format_duration(seconds: float) -> str:
 
 #: The field each record kind a reader compares must hold.
 REQUIRED_FIELD = {"train": "loss", "val": "val_loss"}
+#: The numbers (or null) of train and val records (metrics.meter.step_metrics, validation_record)
+#: that the end summary reads.
+RECORD_NUMBERS = (
+    "loss",
+    "val_loss",
+    "lr",
+    "samples_per_sec",
+    "tokens_per_sec_per_device",
+    "tflops_per_device",
+    "mfu",
+    "data_wait_pct",
+    "peak_mem_gib",
+)
 
 
 def _is_int(value: Any) -> bool:

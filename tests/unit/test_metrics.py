@@ -393,13 +393,32 @@ def test_jsonl_writer_whole_lines_rank0_only(tmp_path) -> None:
     }
 
 
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        ('{"kind": "train", "step": "2", "loss": 1.0}', "line 2 has step '2', not a whole number"),
+        ('{"kind": "val", "step": 2}', "line 2 has no 'val_loss'"),
+        ('{"kind": "train", "step": 2, "loss": "low"}', "line 2 has loss 'low', not a number"),
+        ('{"kind": "run", "flags": 5}', "line 2 has flags 5, not an object"),
+    ],
+)
+def test_a_record_the_summary_cannot_use_is_named_by_its_line(tmp_path, line, problem) -> None:
+    """A hand-edited metrics.jsonl: the end summary died in its sort with a TypeError (a string
+    step) after the last checkpoint; now the run warns "No summary" with this line."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "train", "step": 1, "loss": 2.5}\n' + line + "\n")
+    with pytest.raises(ValueError) as exc:
+        read_jsonl(path)
+    assert str(exc.value) == problem
+
+
 def test_a_resumed_writer_drops_a_record_cut_short_before_appending(tmp_path) -> None:
     """The machine died mid-write: the cut record goes, the whole ones before it stay, and the
     next record starts its own line."""
     path = tmp_path / "metrics.jsonl"
-    path.write_text('{"kind": "run"}\n{"kind": "train", "step": 1}\n{"kind": "train", "st')
+    path.write_text('{"kind": "run"}\n{"kind": "train", "step": 1, "loss": 2.5}\n{"kind": "tr')
     with JsonlWriter(path) as writer:
-        writer.write({"kind": "train", "step": 2})
+        writer.write({"kind": "train", "step": 2, "loss": 2.0})
     assert [r.get("step") for r in read_jsonl(path)] == [None, 1, 2]
     path.write_text('{"kind": "tr')  # nothing whole at all
     JsonlWriter(path).close()
