@@ -49,16 +49,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def damage(path: Path) -> str | None:
     """Why checkpoint `path` cannot be trusted (one line naming the file), or None: the checks
     train.py's resume makes (Checkpointer.verify in a world of one), so a checkpoint train.py
-    refuses is never exported as a model either. A marker whose file list is malformed is
-    damage too, not a KeyError."""
-    from model_utils.checkpoint import MARKER, checkpoint_damage, content_damage, read_marker
+    refuses is never exported as a model either (a malformed marker included)."""
+    from model_utils.checkpoint import checkpoint_damage, content_damage, read_marker
 
-    try:
-        problem = checkpoint_damage(path)
-        if problem is None:
-            problem = content_damage(path, read_marker(path).get("files") or {})
-    except (KeyError, TypeError, AttributeError) as exc:
-        problem = f"{path / MARKER} lists its files wrongly ({type(exc).__name__}: {exc})"
+    problem = checkpoint_damage(path)
+    if problem is None:
+        problem = content_damage(path, read_marker(path).get("files") or {})
     return problem
 
 
