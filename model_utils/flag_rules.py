@@ -58,22 +58,28 @@ def _check_paths(args: argparse.Namespace) -> None:
     current directory, or for --output_dir the file system's root; a name past NAME_MAX died
     in the first file check."""
     for name in (*PATH_FLAGS, "text_column"):
-        value = getattr(args, name)
-        if value is None:
-            continue
-        if not value.strip():
-            raise UsageError(
-                f"--{name} is empty (an unset shell variable?): give a value, or leave the flag "
-                "out for its default"
+        problem = value_problem(f"--{name}", getattr(args, name), path=name != "text_column")
+        if problem:
+            raise UsageError(problem)
+
+
+def value_problem(
+    flag: str, value: str | None, path: bool = True, required: bool = False
+) -> str | None:
+    """The line for a given value that is empty or, for a `path`, holds a name longer than file
+    systems take (None: fine, or not given). The scripts apply the same rule to theirs."""
+    if value is None:
+        return None
+    if not value.strip():
+        fix = "give a value" if required else "give a value, or leave the flag out"
+        return f"{flag} is empty (an unset shell variable?): {fix}"
+    for part in value.split("/") if path else ():
+        if len(part.encode()) > MAX_NAME_BYTES:
+            return (
+                f"{flag}: the name '{part[:40]}...' is {len(part.encode())} bytes long; file "
+                f"systems take at most {MAX_NAME_BYTES}"
             )
-        if name == "text_column":
-            continue
-        for part in value.split("/"):
-            if len(part.encode()) > MAX_NAME_BYTES:
-                raise UsageError(
-                    f"--{name}: the name '{part[:40]}...' is {len(part.encode())} bytes long; "
-                    f"file systems take at most {MAX_NAME_BYTES}"
-                )
+    return None
 
 
 def _check_numbers(args: argparse.Namespace) -> None:

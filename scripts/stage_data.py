@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from model_utils import data, outputs  # noqa: E402
 from model_utils.arguments import UsageError, apply_preset, build_parser, os_error_words  # noqa: E402
-from model_utils.flag_rules import MAX_NAME_BYTES  # noqa: E402
+from model_utils.flag_rules import value_problem  # noqa: E402
 
 #: Validation documents staged per training document (the source's own validation split).
 VALIDATION_SHARE = 0.01
@@ -77,16 +77,13 @@ def check_names(args: argparse.Namespace) -> None:
     """UsageError for an empty --out or --text_column (an unset shell variable: Path("") is the
     current directory) and for a path with a name over NAME_MAX, which died with ENAMETOOLONG
     in the first look at it; train.py's rules for its own path flags."""
-    for flag in ("out", "text_column"):
-        if not getattr(args, flag).strip():
-            raise UsageError(f"--{flag} is empty (an unset shell variable?): give a value")
-    for flag in ("out", "dataset", "tokenizer"):
-        for part in (getattr(args, flag) or "").split("/"):
-            if len(part.encode()) > MAX_NAME_BYTES:
-                raise UsageError(
-                    f"--{flag}: the name '{part[:40]}...' is {len(part.encode())} bytes long; "
-                    f"file systems take at most {MAX_NAME_BYTES}"
-                )
+    for flag in ("out", "text_column", "dataset", "tokenizer"):
+        value = getattr(args, flag)
+        problem = value_problem(
+            f"--{flag}", value, path=flag != "text_column", required=flag == "out"
+        )
+        if problem:
+            raise UsageError(problem)
 
 
 def slug(dataset: str, config_name: str | None) -> str:
