@@ -8,6 +8,7 @@ corpus tests the code a cluster run uses.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -73,13 +74,7 @@ def local_files(path: Path) -> tuple[str, list[str], list[str]]:
                 f"optionally compressed with {', '.join(COMPRESSIONS)})"
             )
         return builder, [str(path)], []
-    files = sorted(
-        p
-        for p in path.rglob("*")
-        if p.is_file()
-        and builder_for(p) is not None
-        and not any(part.startswith(".") for part in p.relative_to(path).parts)
-    )
+    files = sorted(p for p in folder_files(path) if builder_for(p) is not None)
     if not files:
         raise ValueError(f"--dataset {path}: no {'/'.join(BUILDERS)} files in this folder")
     builders = {builder_for(p) for p in files}
@@ -95,6 +90,30 @@ def local_files(path: Path) -> tuple[str, list[str], list[str]]:
     if not train:
         raise ValueError(f"--dataset {path}: no training files (only validation/test ones)")
     return builders.pop(), train, validation
+
+
+def folder_files(folder: Path) -> list[Path]:
+    """Every non-hidden file under a folder, through symlinked subfolders (`ln -s` is how data
+    on shared storage gets staged, and `Path.rglob` does not follow them); a dangling link is
+    refused rather than skipped, since its data would silently be missing from the run."""
+    found, visited = [], set()
+    for root, dirs, names in os.walk(folder, followlinks=True):
+        real = os.path.realpath(root)
+        if real in visited:  # a link back up the tree: read each folder once
+            dirs.clear()
+            continue
+        visited.add(real)
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(n for n in names if not n.startswith(".")):
+            file = Path(root) / name
+            if file.is_symlink() and not file.exists():
+                raise ValueError(
+                    f"--dataset {folder}: {file} is a broken symbolic link (to "
+                    f"{os.readlink(file)}): restore its target or remove the link"
+                )
+            if file.is_file():
+                found.append(file)
+    return found
 
 
 def check_dataset(dataset: str, config_name: str | None) -> None:

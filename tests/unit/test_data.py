@@ -145,6 +145,30 @@ def test_validation_split_files_are_used_when_present(tmp_path, documents, token
     assert _flat(batches).tolist() == start[: 2 * SEQ_LEN]
 
 
+def test_folders_are_read_through_symbolic_links_and_broken_links_refused(tmp_path, documents):
+    """Data staged with `ln -s` (a subfolder on shared storage) was silently left out, as was a
+    dangling link's file: `Path.rglob` follows neither."""
+    docs = [d for d in documents if d][:60]
+    shared = tmp_path / "lustre" / "part2"
+    shared.mkdir(parents=True)
+    _write_jsonl(shared / "b.jsonl", docs[30:])
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    _write_jsonl(folder / "a.jsonl", docs[:30])
+    (folder / "part2").symlink_to(shared)
+    (folder / "part2" / "loop").symlink_to(folder)  # a cycle is read once, not forever
+    (folder / ".cache").mkdir()
+    _write_jsonl(folder / ".cache" / "old.jsonl", ["hidden"])  # hidden folders stay ignored
+    assert sorted(data.epoch_documents(str(folder))) == sorted(_training_docs(docs))
+    (folder / "c.jsonl").symlink_to(tmp_path / "gone.jsonl")
+    with pytest.raises(ValueError) as error:
+        data.check_dataset(str(folder), None)
+    assert str(error.value) == (
+        f"--dataset {folder}: {folder / 'c.jsonl'} is a broken symbolic link (to "
+        f"{tmp_path / 'gone.jsonl'}): restore its target or remove the link"
+    )
+
+
 @pytest.mark.parametrize("files", [1, 4])
 def test_rank_shards_are_disjoint_and_complete(tmp_path, documents, tokenizer, files):
     docs = [d for d in documents if d]
