@@ -70,7 +70,10 @@ def read_error_message(
     cache = _cache_problem(exc)
     if cache:
         return cache
-    where = f"rank {rank} could not read its data {when} ({first_line(exc)})"
+    reason = first_line(exc)
+    if callable(getattr(exc, "details", None)):  # the datasets library's CastError: which columns
+        reason = f"{reason}: {exc.details()}"
+    where = f"rank {rank} could not read its data {when} ({reason})"
     bad = find_bad_file(dataset, text_column)
     return f"{bad} ({where})" if bad else f"--dataset {dataset}: {where}"
 

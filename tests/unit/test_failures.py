@@ -8,6 +8,7 @@ exit 2 and the line); tests/integration/test_failures_processes.py runs train.py
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -430,6 +431,73 @@ def test_parquet_column_and_a_json_document_file(tmp_path: Path) -> None:
     with pytest.raises(data.DataError, match="nums.json: column 'text' holds a number \\('1.5'\\)"):
         list(data.document_texts(iter(source.train), "text", source))
     data.check_local_data(BUNDLED_DATASET, "text")  # the bundled corpus passes
+
+
+def _jsonl(path: Path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_a_json_column_the_first_file_lacks_is_named_before_the_run(tmp_path: Path) -> None:
+    """The datasets library takes every JSON record's columns from the start of the first file
+    and stopped the run at a record with another one (CastError), though only the text is
+    read: now the start-up scan names that record."""
+    from datasets.packaged_modules.json.json import JsonConfig
+
+    from model_utils import data
+    from model_utils.data import checks
+    from model_utils.data.reads import read_error_message
+
+    assert JsonConfig.chunksize == checks.JSON_CHUNK_BYTES  # the library's window we mirror
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    # A column seen only on a later record of the first chunk, or absent later, is fine.
+    _jsonl(folder / "a.jsonl", [{"text": "one", "id": 1}, {"text": "two", "id": 2, "url": "u"}])
+    _jsonl(folder / "b.jsonl", [{"text": "three"}, {"text": "four", "url": "v"}])
+    data.check_local_data(str(folder), "text")
+    source = data.open_source(str(folder), None)
+    assert list(data.document_texts(iter(source.train), "text", source)) == [
+        "one",
+        "two",
+        "three",
+        "four",
+    ]
+    _jsonl(folder / "b.jsonl", [{"text": "three"}, {"text": "four", "meta": {"lang": "en"}}])
+    source = data.open_source(str(folder), None)
+    with pytest.raises(ValueError) as library:  # what a run met when it reached b.jsonl
+        list(data.document_texts(iter(source.train), "text", source))
+    expected = (
+        f"--dataset: {folder / 'b.jsonl'} line 2 has columns the start of {folder / 'a.jsonl'} "
+        "does not ('meta'): the datasets library reads every JSON record with the columns of "
+        "the first 10 MiB of the first file and would stop the run there; drop those fields "
+        "(only --text_column is read), or convert the data to one column"
+    )
+    with pytest.raises(data.DataError) as exc:
+        data.check_local_data(str(folder), "text")
+    assert str(exc.value) == expected
+    # Past the scan (a column after the first chunk of a big file), the mid-run line names it.
+    cause = "CastError: Couldn't cast: there are 1 new columns ({'meta'})"
+    mid_run = read_error_message(library.value, str(folder), "text", 0, "mid-run")
+    assert mid_run == f"{expected} (rank 0 could not read its data mid-run ({cause}))"
+    hub = read_error_message(library.value, "org/hub-data", "text", 0, "mid-run")
+    assert hub == f"--dataset org/hub-data: rank 0 could not read its data mid-run ({cause})"
+
+
+def test_a_json_column_after_the_first_chunk_is_found_by_the_full_read(
+    tmp_path: Path, monkeypatch
+) -> None:
+    from model_utils import data
+    from model_utils.data import checks
+
+    monkeypatch.setattr(checks, "JSON_CHUNK_BYTES", 48)  # the first two records (26 bytes each)
+    monkeypatch.setattr(checks, "SCAN_BYTES_PER_FILE", 100)  # the start-up scan reads 3
+    records = [{"text": f"document {i}"} for i in range(6)]
+    records[4]["source"] = "web"
+    _jsonl(tmp_path / "a.jsonl", records)
+    data.check_local_data(str(tmp_path / "a.jsonl"), "text")  # line 5 is past the scan
+    assert data.find_bad_file(str(tmp_path / "a.jsonl"), "text").startswith(
+        f"--dataset: {tmp_path / 'a.jsonl'} line 5 has columns the start of "
+        f"{tmp_path / 'a.jsonl'} does not ('source')"
+    )
 
 
 def test_a_name_that_is_no_local_path_fails_fast_offline_or_unknown(monkeypatch) -> None:
