@@ -136,7 +136,7 @@ def check_out(out: Path, target: Path) -> None:
 def open_documents(args: argparse.Namespace) -> tuple[Iterator[str], Iterator[str] | None]:
     """The training and validation documents. The first is read now: hub data is not scanned
     at start-up, and a wrong --text_column shows at its first record."""
-    source = data.open_source(args.dataset, args.dataset_config_name)
+    source = data.open_source(args.dataset, args.dataset_config_name, args.text_column)
     train = read_checked(source.train, args, source)
     first = next(train, None)
     if first is None:

@@ -18,10 +18,6 @@ from model_utils.data.sources import DataError, local_files, not_text_message
 SCAN_BYTES_PER_FILE = 8 * 2**20
 SCAN_BYTES_TOTAL = 64 * 2**20
 HUB_TIMEOUT_S = 10.0  # one look-up of a hub dataset name before anything starts
-# The datasets library's JSON reader (`JsonConfig.chunksize`) takes the columns of every JSON
-# file from the first chunk of the first training file, and stops at a later record with another
-# column (CastError): hours into a run, for a field that is not even the text.
-JSON_CHUNK_BYTES = 10 << 20
 
 
 def check_hub_dataset(dataset: str, timeout: float = HUB_TIMEOUT_S) -> None:
@@ -69,7 +65,6 @@ def check_local_data(dataset: str, text_column: str) -> None:
         return
     builder, train, validation = local_files(path)
     budget = SCAN_BYTES_TOTAL
-    columns = _json_columns(Path(train[0])) if builder == "json" else None
     for name in train + validation:
         file = Path(name)
         if file.stat().st_size == 0:
@@ -77,8 +72,7 @@ def check_local_data(dataset: str, text_column: str) -> None:
         if builder == "parquet":
             _check_parquet(file, text_column)
             continue
-        limit = min(SCAN_BYTES_PER_FILE, budget)
-        budget -= _scan_file(file, builder, text_column, limit, columns)
+        budget -= _scan_file(file, builder, text_column, min(SCAN_BYTES_PER_FILE, budget))
         if budget <= 0:
             break
 
@@ -91,15 +85,14 @@ def find_bad_file(dataset: str, text_column: str) -> str | None:
     if not path.exists():
         return None
     builder, train, validation = local_files(path)
-    try:
-        columns = _json_columns(Path(train[0])) if builder == "json" else None
-        for name in train + validation:
+    for name in train + validation:
+        try:
             if builder == "parquet":
                 _check_parquet(Path(name), text_column)
             else:
-                _scan_file(Path(name), builder, text_column, None, columns)
-    except DataError as exc:
-        return str(exc)
+                _scan_file(Path(name), builder, text_column, limit=None)
+        except DataError as exc:
+            return str(exc)
     return None
 
 
@@ -158,39 +151,10 @@ def _open_binary(file: Path) -> Any:
     return module.open(file, "rb")
 
 
-def _json_columns(first: Path) -> tuple[Path, frozenset[str]] | None:
-    """The first training file and the columns the datasets library will require of every JSON
-    record: those of the records starting in its first JSON_CHUNK_BYTES (None: not JSON lines,
-    or unreadable, which the scan itself reports)."""
-    columns: set[str] = set()
-    try:
-        with _open_binary(first) as handle:
-            read = 0
-            for raw in handle:
-                if read >= JSON_CHUNK_BYTES:
-                    break
-                read += len(raw)
-                if raw.strip():
-                    record = json.loads(raw)
-                    if not isinstance(record, dict):
-                        return None
-                    columns.update(record)
-    except (OSError, EOFError, ValueError):
-        return None
-    return first, frozenset(columns)
-
-
-def _scan_file(
-    file: Path,
-    builder: str,
-    column: str,
-    limit: int | None,
-    columns: tuple[Path, frozenset[str]] | None = None,
-) -> int:
+def _scan_file(file: Path, builder: str, column: str, limit: int | None) -> int:
     """Read `file` line by line (up to about `limit` decompressed bytes; None: all of it): each
-    line must be UTF-8 and, in JSON lines, a JSON object with no column outside `columns` (see
-    `_json_columns`); the first record must hold `column`. DataError names the file and line.
-    Returns the bytes read."""
+    line must be UTF-8 and, in JSON lines, a JSON object; the first record must hold `column`.
+    DataError names the file and line. Returns the bytes read."""
     handle = _open_binary(file)
     read, has_text, json_lines, seen_column, cut = 0, False, None, False, False
     column_text = False  # some record's column holds a non-empty document
@@ -213,8 +177,6 @@ def _scan_file(
                     record = _check_record(file, number, line, column, not seen_column)
                     seen_column = True
                     column_text = column_text or bool(record.get(column))
-                    if columns is not None and not columns[1].issuperset(record):
-                        raise DataError(_new_columns_message(file, number, record, *columns))
     except (OSError, EOFError, ValueError) as exc:
         if isinstance(exc, DataError):
             raise
@@ -271,15 +233,3 @@ def _is_object(line: str) -> bool:
         return isinstance(json.loads(line), dict)
     except json.JSONDecodeError:
         return False
-
-
-def _new_columns_message(
-    file: Path, number: int, record: dict[str, Any], first: Path, columns: frozenset[str]
-) -> str:
-    new = ", ".join(repr(c) for c in record if c not in columns)
-    return (
-        f"--dataset: {file} line {number} has columns the start of {first} does not ({new}): the "
-        f"datasets library reads every JSON record with the columns of the first "
-        f"{JSON_CHUNK_BYTES >> 20} MiB of the first file and would stop the run there; drop "
-        "those fields (only --text_column is read), or convert the data to one column"
-    )

@@ -132,8 +132,12 @@ def check_dataset(dataset: str, config_name: str | None) -> None:
         raise ValueError(f"--dataset {dataset}: no such file or directory")
 
 
-def open_source(dataset: str, config_name: str | None) -> Source:
-    """Open a hub or local dataset as streaming IterableDatasets (no download, no Arrow cache)."""
+def open_source(dataset: str, config_name: str | None, text_column: str) -> Source:
+    """Open a hub or local dataset as streaming IterableDatasets (no download, no Arrow cache).
+
+    Local JSON and parquet data are read as `text_column` alone: the datasets library casts
+    every record to the columns and types of the first file, and other columns changing
+    between files stopped runs mid-way (see local_json.py)."""
     from datasets import load_dataset
 
     check_dataset(dataset, config_name)
@@ -141,8 +145,16 @@ def open_source(dataset: str, config_name: str | None) -> Source:
     if path.exists():
         builder, train, validation = local_files(path)
         data_files = {"train": train, **({"validation": validation} if validation else {})}
-        options = {"sample_by": "paragraph", "keep_linebreaks": True} if builder == "text" else {}
-        splits = load_dataset(builder, data_files=data_files, streaming=True, **options)
+        if builder == "json":
+            from model_utils.data.local_json import open_text_json
+
+            splits = open_text_json(data_files, text_column)
+        else:
+            options = {
+                "text": {"sample_by": "paragraph", "keep_linebreaks": True},
+                "parquet": {"columns": [text_column]},
+            }[builder]
+            splits = load_dataset(builder, data_files=data_files, streaming=True, **options)
     else:
         try:
             splits = load_dataset(dataset, config_name, streaming=True)

@@ -148,7 +148,7 @@ class TrainStream:
         self.seed = seed
         self.block_docs = block_docs
         self.tokenize_batch = tokenize_batch
-        source = open_source(dataset, config_name)
+        source = open_source(dataset, config_name, text_column)
         self._reader = _BlockReader(source, text_column, rank, world_size, seed, block_docs)
         self._cursor = _Cursor()
         self._block: list[str] = []  # texts of the current block, shuffled
@@ -337,7 +337,7 @@ def epoch_documents(
 
     For tests and debugging ("what does rank 3 read?"); training itself does not use it.
     """
-    source = open_source(dataset, config_name)
+    source = open_source(dataset, config_name, text_column)
     reader = _BlockReader(source, text_column, rank, world_size, seed, block_docs)
     reader.open(epoch)
     block = 0

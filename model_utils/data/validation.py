@@ -44,7 +44,7 @@ def validation_batches(
     require_positive(
         seq_len=seq_len, batch_size=batch_size, num_batches=num_batches, world_size=world_size
     )
-    source = open_source(dataset, config_name)
+    source = open_source(dataset, config_name, text_column)
     base = source.validation if source.validation is not None else source.train
     view = rank_view(base, rank, world_size, shard_order=0)
     texts = document_texts(iter(view), text_column, source)

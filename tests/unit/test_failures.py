@@ -427,7 +427,9 @@ def test_parquet_column_and_a_json_document_file(tmp_path: Path) -> None:
     (tmp_path / "doc.json").write_text('[\n {"text": "one"},\n {"text": "two"}\n]\n')
     data.check_local_data(str(tmp_path / "doc.json"), "text")  # a JSON array: datasets reads it
     (tmp_path / "nums.json").write_text('[{"text": 1.5}, {"text": 2.5}]')
-    source = data.open_source(str(tmp_path / "nums.json"), None)  # not scanned by lines: read
+    source = data.open_source(
+        str(tmp_path / "nums.json"), None, "text"
+    )  # not scanned by lines: read
     with pytest.raises(data.DataError, match="nums.json: column 'text' holds a number \\('1.5'\\)"):
         list(data.document_texts(iter(source.train), "text", source))
     data.check_local_data(BUNDLED_DATASET, "text")  # the bundled corpus passes
@@ -437,67 +439,84 @@ def _jsonl(path: Path, records: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def test_a_json_column_the_first_file_lacks_is_named_before_the_run(tmp_path: Path) -> None:
-    """The datasets library takes every JSON record's columns from the start of the first file
-    and stopped the run at a record with another one (CastError), though only the text is
-    read: now the start-up scan names that record."""
-    from datasets.packaged_modules.json.json import JsonConfig
+def test_json_columns_that_change_between_files_do_not_stop_the_run(tmp_path: Path) -> None:
+    """The datasets library casts every JSON record to the columns and types of the start of
+    the first file: a field that appears later, a column null at first, or an int column that
+    later holds 2.5 stopped a run hours in, though training reads only the text."""
+    from datasets import load_dataset
 
     from model_utils import data
-    from model_utils.data import checks
     from model_utils.data.reads import read_error_message
 
-    assert JsonConfig.chunksize == checks.JSON_CHUNK_BYTES  # the library's window we mirror
     folder = tmp_path / "shards"
     folder.mkdir()
-    # A column seen only on a later record of the first chunk, or absent later, is fine.
-    _jsonl(folder / "a.jsonl", [{"text": "one", "id": 1}, {"text": "two", "id": 2, "url": "u"}])
-    _jsonl(folder / "b.jsonl", [{"text": "three"}, {"text": "four", "url": "v"}])
+    _jsonl(folder / "a.jsonl", [{"text": "one", "id": 1, "title": None}, {"text": "two", "id": 2}])
+    later = [
+        {"text": "three", "id": 2.5},
+        {"text": "four", "title": "Genesis", "meta": {"lang": "en"}},
+        {"id": 5},  # no text at all: an empty document
+    ]
+    _jsonl(folder / "b.jsonl", later)
+    _jsonl(folder / "validation.jsonl", [{"text": "five", "meta": [1]}])
+    files = {"train": [str(folder / "a.jsonl"), str(folder / "b.jsonl")]}
+    library = load_dataset("json", data_files=files, streaming=True)["train"]
+    with pytest.raises(ValueError):  # what a run met when it reached b.jsonl
+        list(library)
     data.check_local_data(str(folder), "text")
-    source = data.open_source(str(folder), None)
+    source = data.open_source(str(folder), None, "text")
     assert list(data.document_texts(iter(source.train), "text", source)) == [
         "one",
         "two",
         "three",
         "four",
     ]
-    _jsonl(folder / "b.jsonl", [{"text": "three"}, {"text": "four", "meta": {"lang": "en"}}])
-    source = data.open_source(str(folder), None)
-    with pytest.raises(ValueError) as library:  # what a run met when it reached b.jsonl
-        list(data.document_texts(iter(source.train), "text", source))
-    expected = (
-        f"--dataset: {folder / 'b.jsonl'} line 2 has columns the start of {folder / 'a.jsonl'} "
-        "does not ('meta'): the datasets library reads every JSON record with the columns of "
-        "the first 10 MiB of the first file and would stop the run there; drop those fields "
-        "(only --text_column is read), or convert the data to one column"
+    assert list(data.document_texts(iter(source.validation), "text", source)) == ["five"]
+    # Hub data still goes through the library: its CastError line now says which columns.
+    files = {"train": [str(folder / "a.jsonl"), str(folder / "validation.jsonl")]}
+    with pytest.raises(ValueError) as cast:
+        list(load_dataset("json", data_files=files, streaming=True)["train"])
+    assert read_error_message(cast.value, "org/hub-data", "text", 0, "mid-run") == (
+        "--dataset org/hub-data: rank 0 could not read its data mid-run (CastError: Couldn't "
+        "cast: there are 1 new columns ({'meta'}))"
     )
-    with pytest.raises(data.DataError) as exc:
-        data.check_local_data(str(folder), "text")
-    assert str(exc.value) == expected
-    # Past the scan (a column after the first chunk of a big file), the mid-run line names it.
-    cause = "CastError: Couldn't cast: there are 1 new columns ({'meta'})"
-    mid_run = read_error_message(library.value, str(folder), "text", 0, "mid-run")
-    assert mid_run == f"{expected} (rank 0 could not read its data mid-run ({cause}))"
-    hub = read_error_message(library.value, "org/hub-data", "text", 0, "mid-run")
-    assert hub == f"--dataset org/hub-data: rank 0 could not read its data mid-run ({cause})"
 
 
-def test_a_json_column_after_the_first_chunk_is_found_by_the_full_read(
-    tmp_path: Path, monkeypatch
-) -> None:
+def test_parquet_columns_that_change_between_files_do_not_stop_the_run(tmp_path: Path) -> None:
+    from datasets import load_dataset
+
     from model_utils import data
-    from model_utils.data import checks
 
-    monkeypatch.setattr(checks, "JSON_CHUNK_BYTES", 48)  # the first two records (26 bytes each)
-    monkeypatch.setattr(checks, "SCAN_BYTES_PER_FILE", 100)  # the start-up scan reads 3
-    records = [{"text": f"document {i}"} for i in range(6)]
-    records[4]["source"] = "web"
+    _write_parquet(tmp_path / "a.parquet", {"text": ["one", "two"], "id": [1, 2]})
+    _write_parquet(tmp_path / "b.parquet", {"text": ["three"], "id": ["x"], "score": [0.5]})
+    files = [str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")]
+    with pytest.raises(ValueError):  # the library alone: CastError at b.parquet
+        list(load_dataset("parquet", data_files=files, streaming=True)["train"])
+    data.check_local_data(str(tmp_path), "text")
+    source = data.open_source(str(tmp_path), None, "text")
+    assert list(data.document_texts(iter(source.train), "text", source)) == ["one", "two", "three"]
+
+
+def test_the_json_reader_keeps_every_row_and_its_position(tmp_path: Path) -> None:
+    """Only columns are dropped, never rows: a saved stream position (a count of records)
+    means the same record as with the library's reader, so checkpoints resume unchanged."""
+    from datasets import load_dataset
+    from datasets.packaged_modules.json.json import Json
+
+    from model_utils import data
+
+    assert "_cast_table" in vars(Json)  # the private method local_json.py overrides
+    records = [{"text": f"doc {i}" if i % 3 else None, "n": i} for i in range(50)]
     _jsonl(tmp_path / "a.jsonl", records)
-    data.check_local_data(str(tmp_path / "a.jsonl"), "text")  # line 5 is past the scan
-    assert data.find_bad_file(str(tmp_path / "a.jsonl"), "text").startswith(
-        f"--dataset: {tmp_path / 'a.jsonl'} line 5 has columns the start of "
-        f"{tmp_path / 'a.jsonl'} does not ('source')"
-    )
+    ours = data.open_source(str(tmp_path / "a.jsonl"), None, "text").train
+    theirs = load_dataset("json", data_files=str(tmp_path / "a.jsonl"), streaming=True)["train"]
+    assert [r["text"] for r in ours] == [r["text"] for r in records] == [r["text"] for r in theirs]
+    theirs = load_dataset("json", data_files=str(tmp_path / "a.jsonl"), streaming=True)["train"]
+    position = iter(theirs)
+    for _ in range(20):
+        next(position)
+    resumed = data.open_source(str(tmp_path / "a.jsonl"), None, "text").train
+    resumed.load_state_dict(theirs.state_dict())  # a position the library's reader saved
+    assert [r["text"] for r in resumed] == [r["text"] for r in records[20:]]
 
 
 def test_a_name_that_is_no_local_path_fails_fast_offline_or_unknown(monkeypatch) -> None:
