@@ -10,8 +10,8 @@ checkpoints and resumes are unchanged (rows are never dropped: a chunk without t
 becomes empty documents).
 
 This subclasses the library's JSON builder and overrides `_cast_table`, a private method:
-`datasets` is pinned in requirements.txt and tests/unit/test_data.py checks the method is still
-where this expects it.
+`datasets` is pinned in requirements.txt (and so in the image), and tests/unit/test_failures.py
+checks the method is still there.
 """
 
 from __future__ import annotations
