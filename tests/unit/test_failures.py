@@ -427,9 +427,8 @@ def test_parquet_column_and_a_json_document_file(tmp_path: Path) -> None:
     (tmp_path / "doc.json").write_text('[\n {"text": "one"},\n {"text": "two"}\n]\n')
     data.check_local_data(str(tmp_path / "doc.json"), "text")  # a JSON array: datasets reads it
     (tmp_path / "nums.json").write_text('[{"text": 1.5}, {"text": 2.5}]')
-    source = data.open_source(
-        str(tmp_path / "nums.json"), None, "text"
-    )  # not scanned by lines: read
+    # Not scanned by lines: found when read.
+    source = data.open_source(str(tmp_path / "nums.json"), None, "text")
     with pytest.raises(data.DataError, match="nums.json: column 'text' holds a number \\('1.5'\\)"):
         list(data.document_texts(iter(source.train), "text", source))
     data.check_local_data(BUNDLED_DATASET, "text")  # the bundled corpus passes
