@@ -36,6 +36,9 @@ AC_SCOPES = ("layer", "mlp")
 TE_IMPLS = ("te", "te_linear")  # the implementations that run on the TE precision backend
 # adamw: torch's, fp32 moments; adamw8bit / adamw_fp8: torchao.optim's AdamW8bit / AdamWFp8.
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw_fp8")
+#: Where the fp32 master weights live (``--master_weights``): in the parameters themselves (FSDP2
+#: casts them to bf16 for compute), or in the optimizer beside bf16 parameters.
+MASTER_WEIGHTS = ("params", "optimizer")
 
 
 class UsageError(ValueError):
@@ -161,6 +164,13 @@ def _optimization_flags(flag: Callable[..., None], switch: Callable[..., None]) 
         choices=OPTIMIZERS,
         help="adamw: fp32 moments (8 bytes/param); adamw8bit, adamw_fp8: torchao's AdamW with "
         "8-bit / FP8 moments (~2 bytes/param)",
+    )
+    flag(
+        "master_weights",
+        default="params",
+        choices=MASTER_WEIGHTS,
+        help="params: fp32 parameters, cast to bf16 for compute; optimizer: bf16 parameters, "
+        "fp32 master copies in AdamW (TE's FusedAdam on CUDA with TE)",
     )
     flag("weight_decay", type=float, default=0.1, help="AdamW decay (not on norms/biases)")
     flag("beta1", type=float, default=0.9, help="AdamW first-moment decay")

@@ -167,6 +167,8 @@ def _check_combinations(args: argparse.Namespace) -> None:
         raise UsageError("--fp8_attention needs --fp8=1")
     if args.fp8 and not args.bf16:
         raise UsageError("--fp8=1 needs --bf16=1 (FP8 layers run inside a bf16 model)")
+    if args.master_weights == "optimizer":
+        _check_optimizer_master_weights(args)
     if args.async_checkpoint and args.optimizer != "adamw":
         raise UsageError(
             f"--async_checkpoint cannot save --optimizer {args.optimizer}'s states: DCP's async "
@@ -177,6 +179,26 @@ def _check_combinations(args: argparse.Namespace) -> None:
         raise UsageError(
             "--overwrite_output_dir deletes the checkpoints --resume_from_checkpoint would resume "
             "from: give one of them"
+        )
+
+
+def _check_optimizer_master_weights(args: argparse.Namespace) -> None:
+    """bf16 parameters with fp32 copies in AdamW: only fp32 AdamW keeps such copies."""
+    if not args.bf16:
+        raise UsageError(
+            "--master_weights optimizer stores the parameters in bf16, and --bf16=0 computes in "
+            "fp32: drop --master_weights optimizer (fp32 parameters are their own master weights)"
+        )
+    if args.optimizer != "adamw":
+        raise UsageError(
+            f"--master_weights optimizer needs --optimizer adamw: torchao's {args.optimizer} "
+            "keeps no fp32 copy of bf16 parameters (torchao/optim/adam.py rounds each update "
+            "into them)"
+        )
+    if args.fp8_weights:
+        raise UsageError(
+            "--master_weights optimizer keeps bf16 parameters, --fp8_weights FP8 ones: give one "
+            "of them (FP8 parameters do not train yet; see --fp8_weights in the README)"
         )
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from model_utils import loss, te_support
+from model_utils import loss, master_weights, te_support
 from model_utils.distributed import canonical_param_name
 
 # Initialiser std of Llama and of transformers' LlamaConfig default.
@@ -82,6 +82,8 @@ def build(
             model = LlamaForCausalLM._from_config(
                 config, attn_implementation=attention_backend(device), dtype=torch.float32
             )
+    if args.master_weights == "optimizer":  # fp32 copies live in the optimizer instead
+        master_weights.store_parameters_in(model, torch.bfloat16)
     return loss.use_chunked_loss(model, compiled=args.compile) if args.chunked_loss else model
 
 

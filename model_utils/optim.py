@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from model_utils.arguments import OPTIMIZERS
+from model_utils.arguments import MASTER_WEIGHTS, OPTIMIZERS
+from model_utils.master_weights import MasterWeightAdamW
 
 # torch's and torchao's AdamW default, named so both optimizers are built with the same value.
 ADAM_EPS = 1e-8
@@ -97,9 +99,14 @@ def build_optimizer(
     beta1: float,
     beta2: float,
     optimizer: str = "adamw",
+    master_weights: str = "params",
+    master_adam: Callable[..., torch.optim.Optimizer] | None = None,
 ) -> torch.optim.Optimizer:
     """AdamW over :func:`param_groups` (``--optimizer``): the same groups, lr, betas, eps and
     decoupled weight decay whichever the choice; only how the two moments are stored differs.
+    With ``master_weights="optimizer"`` (bf16 parameters) the fp32 master copies live in the
+    optimizer: ``master_adam`` (TE's FusedAdam, from the TE backend on CUDA) or, where none is
+    given, master_weights.MasterWeightAdamW, the same algorithm in torch ops.
 
     - ``adamw``: torch's AdamW, fp32 moments (8 bytes per parameter), with the fused kernel
       where torch has one. Fused AdamW exists for CUDA and (since torch 2.4) CPU; on CUDA it
@@ -121,6 +128,11 @@ def build_optimizer(
         raise ValueError("the model has no trainable parameters")
     if optimizer != "adamw":
         return low_bit_adamw(optimizer)(groups, lr=lr, betas=(beta1, beta2), eps=ADAM_EPS)
+    if master_weights == "optimizer":
+        build = master_adam or MasterWeightAdamW
+        return build(groups, lr=lr, betas=(beta1, beta2), eps=ADAM_EPS)
+    if master_weights != "params":
+        raise ValueError(f"master_weights must be one of {MASTER_WEIGHTS}, got {master_weights!r}")
     try:
         return torch.optim.AdamW(groups, lr=lr, betas=(beta1, beta2), eps=ADAM_EPS, fused=True)
     except RuntimeError:
@@ -324,12 +336,21 @@ def _copy_lr(value: float | torch.Tensor) -> float | torch.Tensor:
 
 
 def from_args(
-    model: nn.Module, args: Any
+    model: nn.Module,
+    args: Any,
+    master_adam: Callable[..., torch.optim.Optimizer] | None = None,
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW (--optimizer) and its LR schedule from train.py's flags (one place for every
-    caller)."""
+    """AdamW (--optimizer, --master_weights) and its LR schedule from train.py's flags (one
+    place for every caller); ``master_adam`` is the backend's (``backend.master_weight_adam``)."""
     optimizer = build_optimizer(
-        model, args.lr, args.weight_decay, args.beta1, args.beta2, args.optimizer
+        model,
+        args.lr,
+        args.weight_decay,
+        args.beta1,
+        args.beta2,
+        args.optimizer,
+        args.master_weights,
+        master_adam,
     )
     scheduler = build_scheduler(
         optimizer,

@@ -107,14 +107,16 @@ def probe_write(flag: str, path: Path) -> str | None:
 
 # A checkpoint holds fp32 weights (4 bytes per parameter) and the optimizer's two moments:
 # fp32 for AdamW, about a byte each for 8-bit/FP8 moments; the rest (schedule, data position,
-# RNG) is small.
-WEIGHT_BYTES_PER_PARAM = 4
+# RNG) is small. With --master_weights optimizer the weights are bf16 (2 bytes) and AdamW keeps
+# an fp32 master copy (4 more).
+WEIGHT_BYTES_PER_PARAM = {"params": 4, "optimizer": 2 + 4}
 MOMENT_BYTES_PER_PARAM = {"adamw": 8, "adamw8bit": 2, "adamw_fp8": 2}
 EXPORT_BYTES_PER_PARAM = 4  # --export_hf writes fp32 safetensors
 
 
-def checkpoint_bytes(num_params: int, optimizer: str = "adamw") -> int:
-    return num_params * (WEIGHT_BYTES_PER_PARAM + MOMENT_BYTES_PER_PARAM.get(optimizer, 8))
+def checkpoint_bytes(num_params: int, optimizer: str = "adamw", masters: str = "params") -> int:
+    weights = WEIGHT_BYTES_PER_PARAM[masters]
+    return num_params * (weights + MOMENT_BYTES_PER_PARAM.get(optimizer, 8))
 
 
 def space_verdict(free: int, need: int, keep: int, what: str, where: Path) -> tuple[str, str]:
@@ -141,7 +143,9 @@ def check_space(args: argparse.Namespace, num_params: int, log: logging.Logger) 
     # Checked even with --checkpoint_freq -1: a preemption signal still saves. keep_last 0 keeps
     # every checkpoint: warn below two.
     keep = args.keep_last + 1 if args.keep_last else 2
-    size = checkpoint_bytes(num_params, getattr(args, "optimizer", "adamw"))
+    size = checkpoint_bytes(
+        num_params, getattr(args, "optimizer", "adamw"), getattr(args, "master_weights", "params")
+    )
     needs = [("checkpoint", size, keep, Path(args.checkpoint_dir))]
     if args.export_hf:
         needs.append(

@@ -49,6 +49,7 @@ class BF16:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.compute = "bf16" if args.bf16 else "fp32"
+        self.masters = MASTERS_WHERE[getattr(args, "master_weights", "params")]
 
     def prepare(self, model: nn.Module) -> nn.Module:
         return model
@@ -59,8 +60,19 @@ class BF16:
     def after_optimizer_step(self, model: nn.Module) -> None:
         return None
 
+    def master_weight_adam(self, device: torch.device) -> None:
+        """No fused master-weight AdamW of its own: optim's MasterWeightAdamW runs."""
+        return None
+
     def describe(self) -> str:
-        return f"precision: {self.compute} compute, fp32 master weights, fp32 gradient reduce"
+        return f"precision: {self.compute} compute, {self.masters}, fp32 gradient reduce"
+
+
+#: How the start-up line names each --master_weights.
+MASTERS_WHERE = {
+    "params": "fp32 master weights",
+    "optimizer": "bf16 parameters with fp32 master weights in AdamW",
+}
 
 
 def _fp8_eligible(module: nn.Module, fqn: str) -> bool:
@@ -112,6 +124,10 @@ class TorchaoFloat8:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
             precompute_float8_dynamic_scale_for_fsdp(model)
+
+    def master_weight_adam(self, device: torch.device) -> None:
+        """No fused master-weight AdamW of its own: optim's MasterWeightAdamW runs."""
+        return None
 
     def describe(self) -> str:
         mode = "emulated (numerics only, slower than bf16)" if self.emulate else "FP8 tensor cores"

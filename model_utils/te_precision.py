@@ -155,6 +155,7 @@ class TEBackend:
         self.recipe_name = args.fp8_recipe
         self.fp8_format = args.fp8_format
         self.fp8_weights = bool(getattr(args, "fp8_weights", False))
+        self.masters_in_optimizer = getattr(args, "master_weights", "params") == "optimizer"
         self.model_impl = args.model_impl
         #: TE's own MLP recompute (``--ac_scope mlp`` on the fused layer) has a TE floor.
         self.mlp_recompute = (
@@ -305,6 +306,18 @@ class TEBackend:
         """Nothing to do: TE updates FP8 scales when the autocast region exits, and FP8 weights
         are re-cast on the next ``is_first_microbatch=True`` forward."""
 
+    def master_weight_adam(self, device: torch.device) -> Any:
+        """TE's FusedAdam keeping fp32 master weights (``--master_weights optimizer``) on CUDA:
+        one multi-tensor kernel reads the bf16 gradients and writes the fp32 masters, both
+        moments and the rounded bf16 parameters. None elsewhere (FusedAdam is GPU-only), where
+        optim's MasterWeightAdamW runs the same algorithm and keeps the same state."""
+        if device.type != "cuda":
+            return None
+        te = self._te()
+        return functools.partial(
+            te.optimizers.FusedAdam, master_weights=True, master_weight_dtype=torch.float32
+        )
+
     def describe(self) -> str:
         """The startup log line: implementation, precision, recipe and its options."""
         activations = (
@@ -312,6 +325,8 @@ class TEBackend:
             if self.torch_autocast_dtype is None
             else f"torch.autocast {str(self.torch_autocast_dtype).split('.')[-1]}"
         )
+        if self.masters_in_optimizer:
+            activations += "; bf16 parameters, fp32 master weights in the optimizer"
         if not self.fp8:
             return (
                 f"model_impl={self.model_impl} precision=TE, fp8 off (same TE modules); "

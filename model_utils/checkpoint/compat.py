@@ -36,9 +36,11 @@ DATA_FIELDS = (
 #: Recorded fields that are no flag, by the words a refusal uses for them.
 _NOT_FLAGS = {"tokenizer_sha256": "the tokenizer's contents (sha256)"}
 # The optimizer's state is stored in its own format (fp32 moments, or torchao's 8-bit / FP8
-# blocks): a resume keeps the saved --optimizer. Checkpoints from before the flag are adamw's.
-OPTIMIZER_FIELDS = ("optimizer",)
-_SAVED_DEFAULTS = {"optimizer": "adamw"}
+# blocks; with --master_weights optimizer also the fp32 master copies beside bf16 parameters): a
+# resume keeps the saved --optimizer and --master_weights. Checkpoints from before a flag hold
+# its old behaviour.
+OPTIMIZER_FIELDS = ("optimizer", "master_weights")
+_SAVED_DEFAULTS = {"optimizer": "adamw", "master_weights": "params"}
 # Flags that name this launch rather than the run: never compared, never reported.
 _LAUNCH_FIELDS = frozenset(
     {
@@ -67,7 +69,8 @@ def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tupl
     """Flags that differ between a checkpoint's run and this one, as ("--name", saved, now):
     (refused: model shape and data stream; allowed: everything else, e.g. batch size, sequence
     length, logging, precision). Fields an older checkpoint did not record are not compared,
-    except those with a known value before they existed (--optimizer: adamw)."""
+    except those with a known value before they existed (--optimizer adamw, --master_weights
+    params)."""
     if saved:
         saved = {**_SAVED_DEFAULTS, **saved}
     refused, allowed = [], []
