@@ -97,9 +97,13 @@ def test_fp8_emulated_stays_within_2_percent_of_bf16(tmp_path):
     assert fp8 != bf16  # FP8 numerics really ran (an exact tie would mean no FP8 casts)
 
 
-def test_two_rank_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("masters", ["params", "optimizer"])
+def test_two_rank_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, masters):
+    """With --master_weights optimizer the checkpoint holds bf16 weights and fp32 masters, and
+    the resume must restore both (a load that rounded the masters would drift from step 5)."""
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     common = [*FAST, "--max_steps=8", "--warmup=2", "--validation_batches=2"]
+    common.append(f"--master_weights={masters}")
     run_train(*common, "--checkpoint_freq=4", f"--output_dir={full}", nproc=2)
     checkpoint = full / "checkpoints" / "step_00000004"
     assert checkpoint.is_dir()
@@ -111,6 +115,38 @@ def test_two_rank_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path):
     assert sorted(got) == [5, 6, 7, 8]
     assert [got[s] for s in got] == [want[s] for s in got]  # exact, not approximate
     assert records(resumed, "val")[-1]["val_loss"] == records(full, "val")[-1]["val_loss"]
+    assert saved_dtypes(checkpoint) == SAVED_DTYPES[masters]
+
+
+#: What a checkpoint holds, by kind of entry: model weights, and each optimizer state field.
+SAVED_DTYPES = {
+    "params": {"model": {"float32"}, "exp_avg": {"float32"}, "exp_avg_sq": {"float32"}},
+    "optimizer": {
+        "model": {"bfloat16"},
+        "exp_avg": {"float32"},
+        "exp_avg_sq": {"float32"},
+        "master_param": {"float32"},
+    },
+}
+
+
+def saved_dtypes(checkpoint: Path) -> dict[str, set[str]]:
+    """The dtypes of a DCP checkpoint's weight and optimizer-state tensors, from its metadata."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    found: dict[str, set[str]] = {}
+    for key, md in FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata) or not md.size:
+            continue  # scalars (steps), bytes, RNG states
+        if key.startswith("model.") and "_extra_state" not in key:
+            kind = "model"
+        elif key.startswith("optimizer.state."):
+            kind = key.rsplit(".", 1)[1]
+        else:
+            continue
+        found.setdefault(kind, set()).add(str(md.properties.dtype).removeprefix("torch."))
+    return found
 
 
 def test_preemption_signal_checkpoints_and_auto_resume_finishes_the_same(tmp_path):
