@@ -42,6 +42,8 @@ MODES: dict[str, list[str]] = {
     "fp8_ac_mlp": ["--fp8=1", "--activation_checkpointing=1", "--ac_scope=mlp"],
     "bf16_compile": ["--fp8=0", "--compile=1"],
     "fp8_ag_keep": ["--fp8=1", "--fp8_all_gather=1", "--reshard_after_forward=never"],
+    "bf16_masters": ["--fp8=0", "--master_weights=optimizer"],
+    "fp8_ag_masters": ["--fp8=1", "--fp8_all_gather=1", "--master_weights=optimizer"],
 }
 
 
@@ -200,6 +202,20 @@ def linear_and_norm_numels(model: nn.Module) -> dict[str, int]:
     }
 
 
+def stored_dtypes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list]:
+    """What the parameters, their local shards and any optimizer-held master copies are."""
+    params = list(model.parameters())
+    masters = [optimizer.state[p].get("master_param") for p in params]
+    return {
+        "params": sorted({str(p.dtype) for p in params}),
+        "shards": sorted({type(p).__name__ for p in params}),
+        "masters": sorted({str(m.dtype) for m in masters if m is not None}),
+        "master_shards": sorted({type(m).__name__ for m in masters if m is not None}),
+        "masters_kept": sum(m is not None for m in masters),
+        "num_params": len(params),
+    }
+
+
 def run_mode(
     mode: str,
     hybrid: bool,
@@ -272,6 +288,7 @@ def run_mode(
     result["float8_linears"] = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
     result["layer_numels"] = linear_and_norm_numels(model)
     result["binding_clip"] = binding_clip(model, backend, args, world)
+    result["dtypes"] = stored_dtypes(model, optimizer)
     result["seconds"] = time.perf_counter() - start
     result["finite"] = all(math.isfinite(x) for x in result["losses"])
     return result
