@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from test_te_contract_rules import Usage, collect_usages, our_usages
 
 from model_utils import checkpoint as ck
@@ -376,6 +377,8 @@ def _double_params(obj: Any, method: str | None) -> tuple[list[str], dict[str, A
 def _same_default(real: Any, double: Any) -> bool:
     if real is _NO_LITERAL:
         return True
+    if isinstance(real, str) and isinstance(double, torch.dtype):  # torch.float32
+        return real == str(double)
     if isinstance(real, str) and "." in real and hasattr(double, "name"):  # Format.HYBRID
         return real.split(".")[-1] == double.name
     if isinstance(real, str) and ("(" in real or real.isidentifier()):  # computed: not comparable
@@ -534,3 +537,30 @@ def test_pickled_extra_state_refusal_matches_the_release(
     real = eval(compile(ast.Expression(returned), "advisory", "eval"), names)  # an f-string
     assert double.extra_state_pickle_advisory("LayerNormLinear") == real
     assert double.UNSAFE_PICKLE_EXTRA_STATE_ENV == ck.TE_UNSAFE_PICKLE_ENV
+
+
+def test_fused_adam_keeps_the_state_our_master_weight_adamw_keeps(te_source: TESource) -> None:
+    """``--master_weights optimizer`` runs TE's FusedAdam on CUDA and MasterWeightAdamW elsewhere,
+    and their checkpoints are meant to be one format: per parameter the states named in
+    FusedAdam's ``name_to_dtype_map`` (master_weights.STATE_NAMES), one ``group["step"]`` per
+    parameter group, and a ``load_state_dict`` of its own that sets the saved fp32 states again
+    (torch's would cast them to the bf16 parameter's dtype; ours overrides it for that reason)."""
+    from model_utils.master_weights import STATE_NAMES
+
+    fused = _class_node(te_source, "transformer_engine.pytorch.optimizers.fused_adam", "FusedAdam")
+    methods = {n.name: n for n in fused.body if isinstance(n, ast.FunctionDef)}
+    assert {"step", "state_dict", "load_state_dict", "initialize_state"} <= set(methods)
+    maps = [
+        node.value
+        for node in ast.walk(methods["__init__"])
+        if isinstance(node, ast.Assign)
+        and ast.unparse(node.targets[0]) == "self.name_to_dtype_map"
+        and isinstance(node.value, ast.Dict)
+    ]
+    assert len(maps) == 1
+    assert {ast.literal_eval(key) for key in maps[0].keys} == set(STATE_NAMES)
+    step_text = ast.unparse(methods["step"])
+    assert "group['step'] += " in step_text and "group['step'] = " in step_text
+    assert "self.initialize_state(p" in step_text  # lazily, at the first step, like ours
+    loads = ast.unparse(methods["load_state_dict"])
+    assert "super().load_state_dict(state_dict)" in loads and "set_scaled_state" in loads

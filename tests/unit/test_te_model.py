@@ -708,3 +708,54 @@ def test_auto_impl_picks_te_only_with_te_and_an_fp8_gpu(te_double, monkeypatch) 
     monkeypatch.setattr(precision, "fp8_capable_gpu", lambda: True)
     assert precision.resolve_model_impl("auto") == "te"
     assert precision.resolve_model_impl("hf") == "hf"
+
+
+def test_master_weights_in_the_optimizer_on_the_te_layout(te_double) -> None:
+    """--master_weights optimizer on --model_impl te, built as train.py builds it (FSDP2, a
+    world of one): TE's own reset_parameters keeps the bf16 dtype (TE materialises with
+    ``empty_like``), the optimizer keeps an fp32 master per parameter and the model trains. On
+    CPU the optimizer is ours: TE's FusedAdam is GPU-only, so the backend offers it on CUDA only.
+    """
+    from test_train_model import _build_tiny
+
+    from model_utils import optim
+    from model_utils.arguments import parse_args
+    from model_utils.master_weights import MasterWeightAdamW
+
+    flags = ["--model_impl", "te", "--fp8=1", "--master_weights", "optimizer"]
+    model = _build_tiny(flags)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    backend = TEBackend(backend_args(fp8=True, master_weights="optimizer"))
+    assert backend.master_weight_adam(torch.device("cpu")) is None
+    assert "bf16 parameters, fp32 master weights in the optimizer" in backend.describe()
+    args = parse_args(["--preset", "tiny", *flags])
+    optimizer, _ = optim.from_args(model, args, backend.master_weight_adam(torch.device("cpu")))
+    assert type(optimizer) is MasterWeightAdamW
+    ids = batch(model.config, size=(2, 32))
+    losses = []
+    for _ in range(4):
+        with backend.autocast(first_micro_batch=True):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    masters = [optimizer.state[p]["master_param"] for p in model.parameters()]
+    assert {m.dtype for m in masters} == {torch.float32} and len(masters) == len(
+        list(model.parameters())
+    )
+
+
+def test_te_runs_offer_tes_fused_adam_with_fp32_masters_on_cuda(te_double) -> None:
+    """On a CUDA device the TE backend hands optim TE's FusedAdam keeping fp32 master weights
+    (its one fused kernel updates masters, moments and bf16 parameters); built on a machine
+    without CUDA, FusedAdam fails as TE's does, which is why the CPU path never builds it."""
+    import transformer_engine.pytorch as te
+
+    backend = TEBackend(backend_args(fp8=True, master_weights="optimizer"))
+    fused = backend.master_weight_adam(torch.device("cuda"))
+    assert fused.func is te.optimizers.FusedAdam
+    assert fused.keywords == {"master_weights": True, "master_weight_dtype": torch.float32}
+    with pytest.raises((RuntimeError, AssertionError), match="CUDA|cuda"):
+        fused([torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))], lr=1e-3)

@@ -19,6 +19,8 @@ What it models, so tests exercise real behaviour rather than a stub:
   ``layernorm_mlp.checkpoint`` set to True recompute in backward, replaying the forward's FP8
   state; ``quantized_model_init`` rounds weights to FP8 at init (values
   only: parameters stay ordinary tensors).
+* ``optimizers.FusedAdam``: TE's signature and its constructor's failure without CUDA (TE's is
+  GPU-only; the recipe builds it only for a CUDA device).
 
 The emulated device is an H100 (SM 9.0, CUDA 12.9); set ``TE_DOUBLE_SM=10.0`` to emulate a
 Blackwell (MXFP8) or ``8.0`` for an A100 (no FP8).
@@ -41,7 +43,7 @@ from te_double import reference
 from torch import nn
 
 from transformer_engine.common import recipe as _recipe
-from transformer_engine.pytorch import _extra_state, distributed
+from transformer_engine.pytorch import _extra_state, distributed, optimizers
 from transformer_engine.pytorch.distributed import checkpoint
 
 __all__ = [
@@ -56,6 +58,7 @@ __all__ = [
     "is_fp8_available",
     "is_fp8_block_scaling_available",
     "is_mxfp8_available",
+    "optimizers",
     "quantized_model_init",
 ]
 
