@@ -157,6 +157,7 @@ def train(
     model = build_model(args, mesh, device, backend)
     outputs.check_outputs(args, world, modeling.count_parameters(model), log)  # before training
     optimizer, scheduler = optim.from_args(model, args, backend.master_weight_adam(device))
+    log.info("optimizer: %s", optim.describe(optimizer))
     ckpt, state, args = restore(args, model, optimizer, scheduler, stream, backend, explicit)
     run_log = RunLog(args, model, backend, world, device, start_step=state.step)
 

@@ -70,6 +70,16 @@ LEVER_ROWS: tuple[tuple[str, tuple[str, ...], dict[str, str]], ...] = (
     ("te-bf16 mb4 +expandable", ("--model_impl=te", "--fp8=0", "--train_batch_size=4"), EXPANDABLE),
     ("te-fp8 mb4 +expandable", (*TE_FP8, "--train_batch_size=4"), EXPANDABLE),
     (
+        "te-bf16 mb4 +masters +expandable",
+        ("--model_impl=te", "--fp8=0", "--train_batch_size=4", "--master_weights=optimizer"),
+        EXPANDABLE,
+    ),
+    (
+        "te-fp8 mb4 +masters +expandable",
+        (*TE_FP8, "--train_batch_size=4", "--master_weights=optimizer"),
+        EXPANDABLE,
+    ),
+    (
         "te-fp8 mb4 +no-reshard +expandable",
         (*TE_FP8, "--train_batch_size=4", "--reshard_after_forward=never"),
         EXPANDABLE,

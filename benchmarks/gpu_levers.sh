@@ -9,6 +9,9 @@
 #           --compile, at micro-batch 2 and 4 of seq 8192 (Llama 3 shapes)             ~1 min
 #   levers  4 Llama3-8B layers, seq 8192, 20 steps: te-fp8 mb2 with and without the chunked loss,
 #           te-bf16 and te-fp8 at mb4, te-fp8 mb4 with --fp8_attention                   ~6 min
+#   masters te-bf16 and te-fp8 at mb4 with fp32 parameters (FSDP2 casts them to bf16 every
+#           gather) and with --master_weights optimizer (bf16 parameters, TE's FusedAdam
+#           keeping fp32 masters: no per-step cast, bf16 gradients)                    ~5 min
 #   compile te-fp8 mb2 and mb4, eager and under --compile (layers and loss chunks)       ~5 min
 #   reshard te-fp8 mb4 with FSDP2's default resharding and with --reshard_after_forward
 #           never (backward neither gathers nor casts the parameters again)            ~3 min
@@ -16,19 +19,19 @@
 #           8k sequence: bench_activation_checkpointing.py); then te-fp8 mb4 without AC, with
 #           every other layer recomputed, and with only the MLPs recomputed (--ac_scope mlp:
 #           TE's LayerNormMLP recompute), and mb6 with the MLPs                        ~7 min
-#   tier    the GPU test tier's FP8-attention and MLP-recompute tests and the one-seed test
-#                                                                                        ~4 min
+#   tier    the GPU test tier's FP8-attention, MLP-recompute and master-weights tests and the
+#           one-seed test                                                                ~5 min
 #
 # Everything a phase prints goes to OUT_DIR/PHASE.log as well; the matrix rows' run folders
 # (metrics.jsonl) go to OUT_DIR/PHASE/.
 #
 # One session's 30 device-minutes hold the TE set-up (7 transfers) and about 20 minutes of
-# phases, not all 26. `loss` needs no TE: run it in the call that carries chunk0. Then, most
-# informative first: levers (the goal table), ac, reshard, compile, tier.
+# phases, not all 31. `loss` needs no TE: run it in the call that carries chunk0. Then, most
+# informative first: levers (the goal table), masters, ac, reshard, compile, tier.
 set -euo pipefail
 
-phase=${1:?usage: bash benchmarks/gpu_levers.sh loss|levers|compile|reshard|ac|tier OUT_DIR}
-out=${2:?usage: bash benchmarks/gpu_levers.sh loss|levers|compile|reshard|ac|tier OUT_DIR}
+phase=${1:?usage: bash benchmarks/gpu_levers.sh loss|levers|masters|compile|reshard|ac|tier OUT_DIR}
+out=${2:?usage: bash benchmarks/gpu_levers.sh loss|levers|masters|compile|reshard|ac|tier OUT_DIR}
 mkdir -p "$out"
 python=${PYTHON:-python3}
 slice=(-- --num_layers 4 --dataset data/kjv.jsonl.gz --tokenizer data/tokenizer)
@@ -50,6 +53,9 @@ matrix() {
     levers)
         matrix "te-fp8 mb2 hf-loss,te-fp8 mb2,te-bf16 mb4 +expandable,te-fp8 mb4 +expandable,te-fp8 mb4 +fp8-attention +expandable"
         ;;
+    masters)
+        matrix "te-bf16 mb4 +expandable,te-bf16 mb4 +masters +expandable,te-fp8 mb4 +expandable,te-fp8 mb4 +masters +expandable"
+        ;;
     compile)
         matrix "te-fp8 mb2,te-fp8 mb2 +compile,te-fp8 mb4 +expandable,te-fp8 mb4 +compile +expandable"
         ;;
@@ -63,10 +69,10 @@ matrix() {
         matrix "te-fp8 mb4 +expandable,te-fp8 mb4 +AC/2 +expandable,te-fp8 mb4 +AC-mlp +expandable,te-fp8 mb6 +AC-mlp +expandable"
         ;;
     tier)
-        "$python" -m pytest -m gpu tests/integration/test_gpu.py -k "fp8_attention or mlp_recompute or one_seed" -v
+        "$python" -m pytest -m gpu tests/integration/test_gpu.py -k "fp8_attention or mlp_recompute or one_seed or master_weights" -v
         ;;
     *)
-        echo "unknown phase $phase: loss, levers, compile, reshard, ac or tier" >&2
+        echo "unknown phase $phase: loss, levers, masters, compile, reshard, ac or tier" >&2
         exit 2
         ;;
     esac

@@ -36,6 +36,9 @@ MASTER_DTYPE = torch.float32
 class MasterWeightAdamW(torch.optim.Optimizer):
     """AdamW over fp32 master copies of (bf16) parameters; see the module docstring."""
 
+    #: As TE's FusedAdam(master_weights=True) says it (optim.describe reads it).
+    master_weights = True
+
     def __init__(
         self,
         params: Iterable[nn.Parameter] | Iterable[dict[str, Any]],

@@ -174,6 +174,19 @@ def low_bit_adamw(optimizer: str) -> type[torch.optim.Optimizer]:
     return type(base.__name__, (base,), {"step": step, "__module__": __name__})
 
 
+def describe(optimizer: torch.optim.Optimizer) -> str:
+    """The start-up line's name for the optimizer that runs (which class, from which library)
+    and whether it keeps fp32 master weights: TE's FusedAdam and MasterWeightAdamW both say so
+    through their ``master_weights`` attribute."""
+    kind = type(optimizer)
+    masters = ", fp32 master weights in the optimizer" if optimizer_keeps_masters(optimizer) else ""
+    return f"{kind.__module__}.{kind.__qualname__}{masters}"
+
+
+def optimizer_keeps_masters(optimizer: torch.optim.Optimizer) -> bool:
+    return bool(getattr(optimizer, "master_weights", False))
+
+
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes this rank holds in optimizer state, counted from the tensors themselves: a DTensor
     by its local shard, a tensor subclass (torchao's OptimState8bit/Fp8) by the inner tensors

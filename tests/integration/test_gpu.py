@@ -275,6 +275,27 @@ def test_mlp_recompute_on_te_trains_like_no_recompute(runs) -> None:
     assert trains(out) == pytest.approx(trains(plain), rel=1e-3)
 
 
+def test_master_weights_in_fused_adam_train_like_fp32_parameters_and_resume(runs) -> None:
+    """--master_weights optimizer on TE: bf16 parameters under FSDP2 and TE's FusedAdam keeping
+    the fp32 masters (the start-up line names it). Trains within 1% of fp32 parameters per
+    step (bf16 gradients are the difference), and resumes from step 5 bit for bit: the masters
+    come back from the checkpoint through FusedAdam's own load."""
+    needs_te()
+    base = runs / "te-delayed-fp32-params"
+    ok(train(base, *TE_DELAYED))
+    out = runs / "te-delayed-master-weights"
+    result = train(out, *TE_DELAYED, "--master_weights=optimizer", "--checkpoint_freq=5")
+    ok(result)
+    assert "FusedAdam, fp32 master weights in the optimizer" in result.stdout
+    got, want = trains(out), trains(base)
+    assert got != want and all(abs(got[s] - want[s]) / want[s] < 0.01 for s in want), (got, want)
+    resumed = runs / "te-delayed-master-weights-resumed"
+    checkpoint = out / "checkpoints" / "step_00000005"
+    flags = ("--master_weights=optimizer", f"--resume_from_checkpoint={checkpoint}")
+    ok(train(resumed, *TE_DELAYED, *flags))
+    assert losses(resumed) == {s: v for s, v in got.items() if s > 5}
+
+
 #: head_dim 128 (256 / 2 heads): what cuDNN's FP8 attention takes on Hopper.
 HEAD_128 = ("--num_heads=2", "--num_key_value_heads=2")
 TE_DELAYED = ("--model_impl=te", "--fp8=1", "--fp8_recipe=delayed")

@@ -111,11 +111,20 @@ def test_two_rank_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, 
         *common, f"--output_dir={resumed}", f"--resume_from_checkpoint={checkpoint}", nproc=2
     )
     assert "Resumed from" in result.stdout and "at step 4" in result.stdout
+    assert f"optimizer: {OPTIMIZER_LINE[masters]}\n" in result.stdout
     want, got = losses(full), losses(resumed)
     assert sorted(got) == [5, 6, 7, 8]
     assert [got[s] for s in got] == [want[s] for s in got]  # exact, not approximate
     assert records(resumed, "val")[-1]["val_loss"] == records(full, "val")[-1]["val_loss"]
     assert saved_dtypes(checkpoint) == SAVED_DTYPES[masters]
+
+
+#: The start-up line's optimizer, by --master_weights (on CPU: torch's AdamW, or ours).
+OPTIMIZER_LINE = {
+    "params": "torch.optim.adamw.AdamW",
+    "optimizer": "model_utils.master_weights.MasterWeightAdamW, "
+    "fp32 master weights in the optimizer",
+}
 
 
 #: What a checkpoint holds, by kind of entry: model weights, and each optimizer state field.
