@@ -299,3 +299,27 @@ def test_one_seed_is_one_starting_model_in_every_impl(fp8: bool, tmp_path, te_do
     other_seed = Run("te", fp8, seed=8, checkpoint_dir=tmp_path / "other")
     up = "model.layers.0.mlp.up_proj.weight"
     assert not torch.equal(other_seed.hf_weights()[up], runs["te"].hf_weights()[up])
+
+
+def test_master_weights_convert_across_layouts_like_the_moments(tmp_path, te_double) -> None:
+    """--master_weights optimizer keeps an fp32 ``master_param`` per parameter, shaped like it:
+    hf -> te -> hf through two checkpoints returns every master and moment bit for bit (the
+    fused qkv / fc1 concatenations split back exactly), the bf16 weights too, and the run goes
+    on in the te layout with its masters."""
+    flags = ("--master_weights=optimizer",)
+    hf = Run("hf", True, seed=1, checkpoint_dir=tmp_path / "hf", flags=flags)
+    for i in range(2):
+        hf.step(seed=i)
+    first = hf.checkpointer.save(2, hf.state)
+    te = Run("te", True, seed=2, checkpoint_dir=tmp_path / "te", flags=flags)
+    assert te.checkpointer.load(first, te.state).converted_from == "hf"
+    second = te.checkpointer.save(2, te.state)
+    back = Run("hf", True, seed=3, checkpoint_dir=tmp_path / "back", flags=flags)
+    back.checkpointer.load(second, back.state)
+    assert_same(back.hf_weights(), hf.hf_weights(), "weight")
+    for field in ("exp_avg", "exp_avg_sq", "master_param"):
+        assert_same(back.hf_moments(field), hf.hf_moments(field), field)
+    masters = back.hf_moments("master_param")
+    weights = back.hf_weights()
+    assert all(torch.equal(masters[k].to(torch.bfloat16).float(), weights[k]) for k in weights)
+    assert torch.isfinite(torch.tensor(te.step(seed=5)))

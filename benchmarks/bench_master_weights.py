@@ -1,0 +1,116 @@
+"""What --master_weights optimizer holds and costs beside the default, on this machine.
+
+    python benchmarks/bench_master_weights.py                 # tiny, 30 steps per setting
+    python benchmarks/bench_master_weights.py --steps 60 -- --num_layers 8
+
+For each --master_weights setting, on the model train.py builds (FSDP2, a world of one, CPU):
+1. bytes per parameter that training holds between steps, counted from the tensors after a step:
+   the parameter shards, their gradients (set to None after each step, so counted before the
+   optimizer step) and the optimizer state (optim.optimizer_state_bytes);
+2. the median time of train.py's step (model_utils.step.train_step) after warm-up, and the
+   loss after `--steps` steps on the same data.
+On a CPU the step time says how the two optimizers compare in torch ops here, not what the
+H100 does (there TE's FusedAdam runs, and FSDP2's fp32 -> bf16 cast of every gathered unit is
+what the setting removes): the GPU figure is benchmarks/gpu_levers.sh's `masters` phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SETTINGS = ("params", "optimizer")
+TINY = ["--preset=tiny", "--train_batch_size=4", "--max_context_width=128", "--warmup=2"]
+
+
+def measure(setting: str, steps: int, extra: list[str]) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+
+    import train
+    from model_utils import distributed, optim, precision
+    from model_utils.arguments import parse_args
+    from model_utils.step import train_step
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    args = parse_args([*TINY, f"--max_steps={steps}", f"--master_weights={setting}", *extra])
+    device = torch.device("cpu")
+    torch.manual_seed(args.seed)
+    mesh = distributed.build_mesh(distributed.world_from_env({}), device, "full")
+    backend = precision.build_backend(args, device)
+    model = train.build_model(args, mesh, device, backend)
+    optimizer, scheduler = optim.from_args(model, args, backend.master_weight_adam(device))
+    gen = torch.Generator().manual_seed(0)
+    batches = [
+        torch.randint(
+            0, args.vocab_size, (args.train_batch_size, args.max_context_width), generator=gen
+        )
+        for _ in range(4)
+    ]
+    held: dict[str, int] = {}
+
+    def count_before_step(*_: object) -> None:
+        shards = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+        grads = [
+            p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in model.parameters()
+        ]
+        held["params"] = sum(t.numel() * t.element_size() for t in shards)
+        held["grads"] = sum(g.numel() * g.element_size() for g in grads if g is not None)
+
+    optimizer.register_step_pre_hook(count_before_step)
+    times, loss = [], float("nan")
+    for step in range(steps):
+        batch = {"input_ids": batches[step % len(batches)], "labels": batches[step % len(batches)]}
+        start = time.perf_counter()
+        done = train_step(
+            model, optimizer, scheduler, backend, lambda b=batch: (b, 1.0), args, device
+        )
+        loss = done.loss.item()
+        times.append(time.perf_counter() - start)
+    num = sum(p.numel() for p in model.parameters())
+    state = optim.optimizer_state_bytes(optimizer)
+    warm = times[min(5, steps - 1) :]
+    return {
+        "params_bytes": held["params"] / num,
+        "grads_bytes": held["grads"] / num,
+        "state_bytes": state / num,
+        "total_bytes": (held["params"] + held["grads"] + state) / num,
+        "step_s": statistics.median(warm),
+        "loss": loss,
+        "optimizer": optim.describe(optimizer),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30, help="train.py steps per setting")
+    parser.add_argument("extra", nargs="*", help="train.py flags after --, e.g. -- --num_layers 8")
+    cli = parser.parse_args(argv)
+    if cli.steps < 6:
+        parser.error("--steps must be >= 6 (5 warm-up steps are left out of the median)")
+    results = {setting: measure(setting, cli.steps, cli.extra) for setting in SETTINGS}
+    base = results["params"]
+    print(f"--master_weights on the tiny model as train.py builds it (CPU), {cli.steps} steps")
+    print(
+        "| setting | params | grads | optimizer state | bytes/param held | step vs params | loss |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for setting, r in results.items():
+        print(
+            f"| {setting} | {r['params_bytes']:.2f} | {r['grads_bytes']:.2f} "
+            f"| {r['state_bytes']:.2f} | {r['total_bytes']:.2f} "
+            f"| {r['step_s'] / base['step_s']:.2f}x | {r['loss']:.5f} |"
+        )
+    for setting, r in results.items():
+        print(f"{setting}: {r['optimizer']}, median step {r['step_s'] * 1e3:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
