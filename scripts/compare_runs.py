@@ -201,8 +201,8 @@ def load_run(path: str | os.PathLike[str]) -> Run:
 
 def label_from_flags(info: Mapping[str, Any] | None) -> str | None:
     """``fp8 tensorwise hf``, ``bf16 te adamw8bit``, ``fp8 delayed te fp8-attention``:
-    precision, FP8 recipe (FP8 runs), implementation, FP8 attention when on, and the optimizer
-    where it is not the default adamw."""
+    precision, FP8 recipe (FP8 runs), implementation, FP8 attention when on, the optimizer
+    where it is not the default adamw, and ``bf16-params`` with --master_weights optimizer."""
     if not info or "flags" not in info:
         return None
     flags = info["flags"]
@@ -216,6 +216,8 @@ def label_from_flags(info: Mapping[str, Any] | None) -> str | None:
         parts.append("fp8-attention")
     if flags.get("optimizer", "adamw") != "adamw":
         parts.append(str(flags["optimizer"]))
+    if flags.get("master_weights", "params") != "params":
+        parts.append("bf16-params")  # fp32 masters in the optimizer
     return " ".join(parts)
 
 

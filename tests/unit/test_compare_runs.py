@@ -373,6 +373,12 @@ def test_labels_and_argument_refusals(two_runs, tmp_path, capsys) -> None:
         cr.label_from_flags({"flags": {**te, "fp8_attention": True}})
         == "fp8 delayed te fp8-attention"
     )
+    # So does where the master weights live.
+    assert cr.label_from_flags({"flags": {**te, "master_weights": "params"}}) == "fp8 delayed te"
+    assert (
+        cr.label_from_flags({"flags": {**te, "master_weights": "optimizer"}})
+        == "fp8 delayed te bf16-params"
+    )
 
 
 def test_warmup_rule_is_train_py_s() -> None:
