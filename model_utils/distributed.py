@@ -235,7 +235,9 @@ def shard(model: nn.Module, mesh: DeviceMesh, args: argparse.Namespace) -> nn.Mo
 
     Embedding and ``lm_head`` are the two vocab-sized matrices (1.05B parameters for Llama 3);
     as their own units they are gathered only while used, not for the whole step as in the
-    root. bf16 parameters for compute and fp32 gradient reduction; master weights stay fp32.
+    root. bf16 parameters for compute and fp32 gradient reduction; master weights stay fp32:
+    the parameters themselves, or with --master_weights optimizer (bf16 parameters, which the
+    policy then leaves uncast) the optimizer's copies.
     """
     compute = torch.bfloat16 if args.bf16 else torch.float32
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)

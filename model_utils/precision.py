@@ -6,10 +6,14 @@ A backend has four duties, each called at one point of the step (README, "One st
                               step's first micro-batch (TE re-casts FP8 weights there only)
   after_optimizer_step(model) per-step bookkeeping (e.g. torchao's FP8 scale precompute for FSDP)
   describe()                  the startup log line
+  master_weight_adam(device)  the backend's own AdamW over fp32 masters (TE: FusedAdam on CUDA)
+                              for --master_weights optimizer, or None
 Compute dtype itself comes from FSDP2's MixedPrecisionPolicy (bf16 params for compute, fp32
 master weights and gradient reduction), the way torchtitan does it, so --fp8=0 and --fp8=1 run the
-same bf16 model and the comparison isolates FP8. Transformer Engine lives in te_precision.py and is
-imported only when the TE implementation is selected.
+same bf16 model and the comparison isolates FP8. With --master_weights optimizer the parameters
+are bf16 already (no cast) and the fp32 masters live in the optimizer (model_utils/master_weights).
+Transformer Engine lives in te_precision.py and is imported only when the TE implementation is
+selected.
 """
 
 from __future__ import annotations
