@@ -140,7 +140,3 @@ def store_parameters_in(model: nn.Module, dtype: torch.dtype) -> None:
                     param.detach().to(dtype), requires_grad=param.requires_grad
                 )
             setattr(module, name, made[id(param)])
-
-
-def parameter_dtypes(model: nn.Module) -> set[torch.dtype]:
-    return {p.dtype for p in model.parameters()}

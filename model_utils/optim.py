@@ -179,12 +179,9 @@ def describe(optimizer: torch.optim.Optimizer) -> str:
     and whether it keeps fp32 master weights: TE's FusedAdam and MasterWeightAdamW both say so
     through their ``master_weights`` attribute."""
     kind = type(optimizer)
-    masters = ", fp32 master weights in the optimizer" if optimizer_keeps_masters(optimizer) else ""
+    keeps = getattr(optimizer, "master_weights", False)
+    masters = ", fp32 master weights in the optimizer" if keeps else ""
     return f"{kind.__module__}.{kind.__qualname__}{masters}"
-
-
-def optimizer_keeps_masters(optimizer: torch.optim.Optimizer) -> bool:
-    return bool(getattr(optimizer, "master_weights", False))
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
