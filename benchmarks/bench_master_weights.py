@@ -57,12 +57,9 @@ def measure(setting: str, steps: int, extra: list[str]) -> dict[str, float]:
     held: dict[str, int] = {}
 
     def count_before_step(*_: object) -> None:
-        shards = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
-        grads = [
-            p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in model.parameters()
-        ]
-        held["params"] = sum(t.numel() * t.element_size() for t in shards)
-        held["grads"] = sum(g.numel() * g.element_size() for g in grads if g is not None)
+        params = list(model.parameters())
+        held["params"] = sum(optim.local_bytes(p) for p in params)
+        held["grads"] = sum(optim.local_bytes(p.grad) for p in params if p.grad is not None)
 
     optimizer.register_step_pre_hook(count_before_step)
     times, loss = [], float("nan")

@@ -185,25 +185,28 @@ def describe(optimizer: torch.optim.Optimizer) -> str:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes this rank holds in optimizer state, counted from the tensors themselves: a DTensor
-    by its local shard, a tensor subclass (torchao's OptimState8bit/Fp8) by the inner tensors
-    it stores (codes, scales and the 8-bit quantile map), a plain tensor by its elements."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    def nbytes(t: torch.Tensor) -> int:
-        if isinstance(t, DTensor):
-            return nbytes(t.to_local())
-        if is_traceable_wrapper_subclass(t):
-            names, _ = t.__tensor_flatten__()
-            return sum(nbytes(getattr(t, n)) for n in names)
-        return t.numel() * t.element_size()
-
+    """Bytes this rank holds in optimizer state, counted from the tensors themselves
+    (:func:`local_bytes`)."""
     return sum(
-        nbytes(value)
+        local_bytes(value)
         for state in optimizer.state.values()
         for value in state.values()
         if isinstance(value, torch.Tensor)
     )
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of a tensor on this rank: a DTensor by its local shard, a tensor subclass
+    (torchao's OptimState8bit/Fp8) by the inner tensors it stores (codes, scales and the 8-bit
+    quantile map), a plain tensor by its elements."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if isinstance(tensor, DTensor):
+        return local_bytes(tensor.to_local())
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(local_bytes(getattr(tensor, n)) for n in names)
+    return tensor.numel() * tensor.element_size()
 
 
 def _check_schedule(lr: float, min_lr: float, warmup: int, max_steps: int, style: str) -> None:
