@@ -27,6 +27,7 @@ from model_utils import (
     data,
     distributed,
     guards,
+    master_weights,
     modeling,
     optim,
     outputs,
@@ -131,7 +132,8 @@ def build_model(args: argparse.Namespace, mesh, device, backend) -> torch.nn.Mod
     if args.compile:
         distributed.apply_compile(model)
     model = distributed.shard(model, mesh, args)
-    modeling.materialize(model, device, args.seed)
+    # --master_weights optimizer: keep the fp32 init on the host for the optimizer's masters
+    modeling.materialize(model, device, args.seed, args.master_weights == "optimizer")
     if args.init_from_hf:
         checkpoint.load_hf_weights(model, args.init_from_hf)  # te: the model's state_dict_adapter
     return model
@@ -158,6 +160,7 @@ def train(
     outputs.check_outputs(args, world, modeling.count_parameters(model), log)  # before training
     optimizer, scheduler = optim.from_args(model, args, backend.master_weight_adam(device))
     log.info("optimizer: %s", optim.describe(optimizer))
+    master_weights.seed_masters(optimizer)  # the fp32 init, not the bf16/FP8 parameters
     ckpt, state, args = restore(args, model, optimizer, scheduler, stream, backend, explicit)
     run_log = RunLog(args, model, backend, world, device, start_step=state.step)
 
@@ -238,7 +241,10 @@ def finish(args: arguments.Config, model, backend, ckpt, state, guard, run_log, 
         ckpt.save(state.step, state)  # a step saved just before is not written twice
     ckpt.close()
     if args.export_hf:
-        checkpoint.export_hf(model, model.config, args.export_hf, kept=ckpt.latest())
+        masters = master_weights.masters_by_name(model, state.optimizer)  # fp32, if kept
+        checkpoint.export_hf(
+            model, model.config, args.export_hf, kept=ckpt.latest(), masters=masters
+        )
         log.info("Exported Hugging Face weights to %s", args.export_hf)
     run_log.finish()
 

@@ -195,11 +195,6 @@ def _check_optimizer_master_weights(args: argparse.Namespace) -> None:
             "keeps no fp32 copy of bf16 parameters (torchao/optim/adam.py rounds each update "
             "into them)"
         )
-    if args.fp8_weights:
-        raise UsageError(
-            "--master_weights optimizer keeps bf16 parameters, --fp8_weights FP8 ones: give one "
-            "of them (FP8 parameters do not train yet; see --fp8_weights in the README)"
-        )
 
 
 def resolve_fp8_recipe(args: argparse.Namespace) -> str:

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from model_utils import master_weights
+
 if TYPE_CHECKING:
     from model_utils.checkpoint import Checkpointer
 
@@ -98,7 +100,10 @@ class StepGuard:
 
 def _checkable(tensor: torch.Tensor) -> torch.Tensor:
     """torch has no isfinite for float8 (an H100 run with torchao's float8 all-gather died on it
-    at the final save); fp16 holds every float8 value, NaN and inf included."""
+    at the final save); fp16 holds every float8 value, NaN and inf included. A TE FP8
+    parameter (--fp8_weights) is checked as its value."""
+    if master_weights.is_quantized(tensor):
+        return tensor.dequantize()
     if tensor.is_floating_point() and tensor.element_size() == 1:
         return tensor.to(torch.float16)
     return tensor

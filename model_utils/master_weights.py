@@ -59,6 +59,21 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         state["master_param"] = param.detach().to(MASTER_DTYPE, copy=True)
         return state
 
+    # TE FusedAdam's API for setting up state before the first step (seed_masters calls it).
+
+    def initialize_state(self, param: torch.Tensor, store_param_remainders: bool = False) -> None:
+        """The state the first step would create: zero moments, the master from the parameter."""
+        if store_param_remainders:
+            raise ValueError("MasterWeightAdamW keeps whole fp32 masters, not bf16 remainders")
+        self._init_state(param)
+
+    @torch.no_grad()
+    def set_scaled_state(
+        self, param: torch.Tensor, state_name: str, unscaled_state: torch.Tensor
+    ) -> None:
+        """Overwrite this rank's shard of one state (all are fp32 here: nothing to scale)."""
+        _local(self.state[param][state_name]).copy_(unscaled_state)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load casts every saved state tensor to its parameter's dtype, which would
         round the fp32 masters and moments to bf16 on each resume; set them again from the
@@ -88,6 +103,94 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             if live:
                 _adamw_update(group, live)
         return loss
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def is_quantized(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (or a DTensor's local shard) is one of Transformer Engine's quantized
+    tensors (``--fp8_weights``). Read by its API, not its class, so TE need not be importable:
+    a QuantizedTensor has ``quantize_`` (writes by quantizing) and ``dequantize(dtype=...)``."""
+    return callable(getattr(_local(tensor), "quantize_", None))
+
+
+def remember_full_precision(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Keep ``value`` (this rank's shard, as initialised or loaded) for ``seed_masters`` when the
+    parameter stores it with less precision (bf16 or FP8). On the host, as TE's
+    ``preserve_high_precision_init_val`` does: it is freed once the optimizer holds it.
+
+    Not TE's own preserved value: ``modeling.init_weights`` writes the recipe's seeded init
+    after TE's ``reset_parameters``, so TE's copy would hold TE's init, not the run's."""
+    if is_quantized(param) or _local(param).dtype != MASTER_DTYPE:
+        param._master_seed = value.detach().to("cpu", MASTER_DTYPE, copy=True)
+
+
+def has_seed(param: torch.Tensor) -> bool:
+    return hasattr(param, "_master_seed")
+
+
+@torch.no_grad()
+def seed_masters(optimizer: torch.optim.Optimizer) -> int:
+    """Set up a master-weight optimizer's whole state now, as its first step would, but with
+    each master at its parameter's full-precision value (``remember_full_precision``), then
+    drop the host copies. Returns the number of masters seeded.
+
+    Without the seeds a master starts as the stored parameter: bf16, or for FP8 parameters the
+    FP8 value, so the run would train from a rounded init. The state must be whole, with each
+    group's ``step``, because DCP loads a resume into the state that exists: torch builds it by
+    a zero-lr step only when there is none. Call once, after the optimizer is built and before
+    a checkpoint is resumed (a resume replaces all of it). Both optimizers take TE FusedAdam's
+    calls, ``initialize_state`` and ``set_scaled_state``."""
+    if not getattr(optimizer, "master_weights", False):
+        return 0
+    seeded = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not optimizer.state[param]:
+                optimizer.initialize_state(param, store_param_remainders=False)
+            if has_seed(param):
+                value = param._master_seed.to(_local(param).device)
+                optimizer.set_scaled_state(param, "master_param", value)
+                del param._master_seed
+                seeded += 1
+        group.setdefault("step", 0)  # both count steps per group; the first step makes it 1
+    return seeded
+
+
+@torch.no_grad()
+def requantize_from_masters(optimizer: torch.optim.Optimizer) -> int:
+    """Write every FP8 parameter from its fp32 master again, as the optimizer's step does.
+
+    A checkpoint holds FP8 parameters as plain high-precision values (``checkpoint.ModelItem``)
+    so it loads with ``--fp8_weights`` on or off, at any world size; quantising those values
+    would not give back the FP8 bytes the step wrote from the master. Quantising the restored
+    master with the restored scaling state does, so a resumed run continues exactly. Call after
+    the model, the FP8 scaling state and the optimizer are loaded. Returns the count written."""
+    written = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            master = optimizer.state.get(param, {}).get("master_param")
+            if master is None or not is_quantized(param):
+                continue
+            _local(param).quantize_(_local(master))
+            written += 1
+    return written
+
+
+def masters_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Each parameter's fp32 master (as the parameter is sharded), under the parameter's clean
+    name; empty for an optimizer without masters. What an HF export writes in a master-weights
+    run: the parameters are these rounded to bf16 or FP8."""
+    from model_utils.distributed import canonical_param_name
+
+    named = {}
+    for name, param in model.named_parameters():
+        master = optimizer.state.get(param, {}).get("master_param")
+        if master is not None:
+            named[canonical_param_name(name)] = master
+    return named
 
 
 def _fp32_copy(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

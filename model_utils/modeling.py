@@ -114,12 +114,17 @@ def _local_view(param: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, seed: int, std: float = INIT_STD) -> None:
+def init_weights(
+    model: nn.Module, seed: int, std: float = INIT_STD, keep_master_seeds: bool = False
+) -> None:
     """Fill every parameter (sharded or not) with the values a single-process init would give.
 
     Values depend on (seed, HF parameter name) only, in every --model_impl. One full parameter
     at a time is generated and this rank's shard is copied out of it, so peak
-    extra memory is the largest single parameter, never the model.
+    extra memory is the largest single parameter, never the model. An FP8 parameter
+    (--fp8_weights) quantises the fp32 values as it takes them. ``keep_master_seeds``
+    (--master_weights optimizer) keeps the fp32 shard of every parameter stored in bf16 or FP8,
+    so the optimizer's masters start from the init itself (master_weights.seed_masters).
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -137,7 +142,9 @@ def init_weights(model: nn.Module, seed: int, std: float = INIT_STD) -> None:
             full = distribute_tensor(
                 full, param.device_mesh, param.placements, src_data_rank=None
             ).to_local()
-        local.copy_(full.to(local.dtype))
+        local.copy_(full if master_weights.is_quantized(local) else full.to(local.dtype))
+        if keep_master_seeds:
+            master_weights.remember_full_precision(param, full)
 
 
 def _init_parts(model: nn.Module):
@@ -170,12 +177,15 @@ def reset_buffers(model: nn.Module, config: LlamaConfig) -> None:
             module.reset_rope_buffers()
 
 
-def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
-    """Allocate this rank's shards on `device` and initialise them deterministically."""
+def materialize(
+    model: nn.Module, device: torch.device, seed: int, keep_master_seeds: bool = False
+) -> None:
+    """Allocate this rank's shards on `device` and initialise them deterministically
+    (``keep_master_seeds``: see init_weights)."""
     model.to_empty(device=device)
     if getattr(model, "te_impl", None):
         te_support.reset_te_parameters(model)  # TE builds its real (maybe FP8) parameters here
-    init_weights(model, seed)
+    init_weights(model, seed, keep_master_seeds=keep_master_seeds)
     reset_buffers(model, model.config)
 
 

@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from model_utils import master_weights
 from model_utils.checkpoint.convert import load_converted, param_layout
 from model_utils.checkpoint.errors import (
     CheckpointWriteError,
@@ -385,6 +386,8 @@ class Checkpointer:
             load_converted(path, metadata, state, saved_layout, self.state_dict_adapter, saved_impl)
         if "fp8_scaling" in items:
             restore_fp8_scaling(path, state, items["fp8_scaling"].loaded)
+        if state.optimizer is not None:  # FP8 parameters: the bytes the last step wrote
+            master_weights.requantize_from_masters(state.optimizer)
         self._restore_per_rank(state, targets, resharded, saved_world_size)
         converted_from = saved_layout if convert else None
         saved_config = state.saved_config or {}

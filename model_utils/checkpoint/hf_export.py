@@ -9,6 +9,7 @@ import copy
 import json
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from model_utils.checkpoint.tensors import (
     KeyMap,
     alias_groups,
     layer_groups,
+    plain_tensor,
     unwrapped,
     weight_tensors,
 )
@@ -155,8 +157,13 @@ def export_hf(
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     kept: Path | None = None,
+    masters: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
     """Write the (sharded) model as HF safetensors + config.json; all ranks call.
+
+    ``masters`` (master_weights.masters_by_name, --master_weights optimizer) replaces each
+    parameter it names by its fp32 master: the parameter itself is that master rounded to bf16
+    or to FP8. FP8 parameters without a master are written as their values (dequantised).
 
     One decoder layer at a time is gathered (all-gather of its shards) and rank 0 writes it,
     so memory is bounded by a layer plus one output shard, not the model. Tied weights are
@@ -169,6 +176,7 @@ def export_hf(
     adapter = getattr(model, "state_dict_adapter", None)
     key_map = adapter.to_hf if adapter is not None else None
     sd = weight_tensors(get_model_state_dict(model))
+    sd = {n: (masters or {}).get(n, plain_tensor(t)) for n, t in sd.items()}
     aliases = alias_groups(sd)
     names = [n for n in sd if aliases[n] == n]
     writer, failure = None, None

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from model_utils import master_weights
 from model_utils.checkpoint.tensors import (
     alias_groups,
     check_shape,
@@ -26,6 +27,7 @@ from model_utils.checkpoint.tensors import (
     require_complete,
     weight_tensors,
 )
+from model_utils.distributed import canonical_param_name
 from model_utils.modeling import HF_RECOMPUTED, llama_config  # RoPE buffers of old HF files
 
 log = logging.getLogger(__name__)
@@ -181,20 +183,30 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
     lazy reads), so no rank ever holds the whole model, nor a whole tensor. In another layout
     (the model's ``state_dict_adapter``) one decoder layer is read in full at a time, mapped,
     and each rank keeps its shard. Raises ValueError on missing, unexpected or mis-shaped keys.
+    A parameter keeping a full-precision seed for its master copy (--master_weights optimizer)
+    takes the loaded values as its seed, so the masters start from the checkpoint, not the init.
     """
     adapter = getattr(model, "state_dict_adapter", None)
     key_map = adapter.from_hf if adapter is not None else None
     handle = _SafetensorsFiles(hf_weight_files(path))
     targets = weight_tensors(get_model_state_dict(model))
+    seeded = {
+        canonical_param_name(n): p
+        for n, p in model.named_parameters()
+        if master_weights.has_seed(p)
+    }
     loaded: set[str] = set()
     unexpected: list[str] = []
     names = [n for n in handle.files if not n.endswith(HF_RECOMPUTED)]
     for group in layer_groups(names):
         if key_map is None:
-            _copy_own_rows(group, handle, targets, loaded, unexpected)
+            copied = _copy_own_rows(group, handle, targets, loaded, unexpected)
         else:
             mapped = key_map({name: handle.tensor(name) for name in group})
-            _copy_full_tensors(mapped, targets, loaded, unexpected)
+            copied = _copy_full_tensors(mapped, targets, loaded, unexpected)
+        for name, value in copied.items():
+            if name in seeded:
+                master_weights.remember_full_precision(seeded[name], value)
     aliases = alias_groups(targets)
     require_complete(f"HF checkpoint {path}", targets, loaded, aliases, unexpected)
     log.info("Loaded %d tensors from Hugging Face checkpoint %s", len(loaded), path)
@@ -206,8 +218,10 @@ def _copy_own_rows(
     targets: dict[str, torch.Tensor],
     loaded: set[str],
     unexpected: list[str],
-) -> None:
-    """Same names in file and model: read only this rank's block of each tensor."""
+) -> dict[str, torch.Tensor]:
+    """Same names in file and model: read only this rank's block of each tensor. Returns the
+    blocks read, by name."""
+    copied = {}
     for name in group:
         if name not in targets:
             unexpected.append(name)
@@ -215,8 +229,10 @@ def _copy_own_rows(
         target = targets[name]
         lazy = handle.slice(name)
         check_shape("HF tensor", name, lazy.get_shape(), target, _SHAPE_HINT)
-        local_shard(target).copy_(lazy[local_index(target)])
+        copied[name] = lazy[local_index(target)]
+        local_shard(target).copy_(copied[name])
         loaded.add(name)
+    return copied
 
 
 def _copy_full_tensors(
@@ -224,12 +240,15 @@ def _copy_full_tensors(
     targets: dict[str, torch.Tensor],
     loaded: set[str],
     unexpected: list[str],
-) -> None:
-    """Whole tensors already in the model's names: copy this rank's block of each."""
+) -> dict[str, torch.Tensor]:
+    """Whole tensors already in the model's names: copy this rank's block of each. Returns the
+    blocks copied, by name."""
+    copied = {}
     for name, full in mapped.items():
         if name not in targets:
             unexpected.append(name)
             continue
         check_shape("HF tensor", name, full.shape, targets[name], _SHAPE_HINT)
-        copy_full_into(targets[name], full)
+        copied[name] = copy_full_into(targets[name], full)
         loaded.add(name)
+    return copied

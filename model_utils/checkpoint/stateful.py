@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from model_utils.checkpoint.errors import TE_UNSAFE_PICKLE_ENV, UntrustedCheckpointError
 from model_utils.checkpoint.ranks import current_rank
+from model_utils.checkpoint.tensors import plain_tensor
 from model_utils.te_support import (
     decode_recipe_identity,
     fp8_scaling_state,
@@ -102,7 +103,7 @@ class ModelItem:
         self.absent = frozenset(absent_extra_state)
 
     def state_dict(self) -> dict[str, Any]:
-        sd = get_model_state_dict(self.model)
+        sd = {k: plain_tensor(v) for k, v in get_model_state_dict(self.model).items()}
         if not self.legacy:
             return {k: v for k, v in sd.items() if not is_te_extra_state_key(k)}
         return {

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from model_utils import master_weights
 from model_utils.te_support import is_te_extra_state_key
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -115,12 +116,34 @@ def _some(names: list[str]) -> str:
 
 
 @torch.no_grad()
-def copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
+def copy_full_into(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """Copy this rank's shard of `full` into `target` (a DTensor shard or a plain tensor); every
-    rank holds the same `full`, so no communication is needed (src_data_rank=None)."""
+    rank holds the same `full`, so no communication is needed (src_data_rank=None). Returns
+    the shard as copied (before any rounding to the target's dtype)."""
     if isinstance(target, DTensor):
         full = full.to(device=target.device)
         full = distribute_tensor(
             full, target.device_mesh, target.placements, src_data_rank=None
         ).to_local()
     local_shard(target).copy_(full)
+    return full
+
+
+def plain_tensor(value: Any) -> Any:
+    """An FP8 parameter (--fp8_weights: TE's QuantizedTensor, maybe a DTensor's shard) as its
+    value in its nominal dtype (bf16), anything else as it is. The checkpoint then holds what a
+    bf16 run holds: it loads with --fp8_weights on or off, reshards and converts like any
+    other, and loading writes it back through TE's copy_, which quantises. The exact FP8 bytes
+    come back from the fp32 masters (master_weights.requantize_from_masters)."""
+    if not isinstance(value, torch.Tensor) or not master_weights.is_quantized(value):
+        return value
+    if not isinstance(value, DTensor):
+        return value.dequantize(dtype=value.dtype)
+    local = value.to_local()
+    return DTensor.from_local(
+        local.dequantize(dtype=local.dtype),
+        device_mesh=value.device_mesh,
+        placements=value.placements,
+        shape=value.size(),
+        stride=value.stride(),
+    )

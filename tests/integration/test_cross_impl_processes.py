@@ -75,3 +75,26 @@ def test_train_py_two_ranks_hf_to_te_and_back(tmp_path) -> None:
     metas = [dcp.FileSystemReader(str(ck.latest_checkpoint(d))).read_metadata() for d in saved]
     layouts = [ck.param_layout(meta.state_dict_metadata) for meta in metas]
     assert layouts == ["hf", "te", "hf"]
+
+
+def test_train_py_fp8_weights_with_fp32_masters_on_two_ranks_resume_exactly(tmp_path) -> None:
+    """--fp8_weights --master_weights optimizer through train.py on the TE double, 2 ranks: it
+    trains, resumes from step 4 bit for bit, and the same checkpoint resumes with --fp8_weights
+    off (the parameters are saved as plain bf16 values beside the fp32 masters). Current
+    scaling: the double reduces delayed scaling's backward amaxes at the next autocast exit, not
+    at the end of backward as TE does, so its 2-rank delayed-scaling resumes are not exact."""
+    common = ["--model_impl=te", "--fp8=1", "--fp8_recipe=current", "--max_steps=8"]
+    common.append("--master_weights=optimizer")
+    full, resumed, plain = tmp_path / "full", tmp_path / "resumed", tmp_path / "plain"
+    out = run_train(*common, "--fp8_weights", "--checkpoint_freq=4", f"--output_dir={full}")
+    assert "weights FP8 (fp8_model_init)" in out
+    assert "fp32 master weights in the optimizer" in out
+    step4 = f"--resume_from_checkpoint={full / 'checkpoints' / 'step_00000004'}"
+    run_train(*common, "--fp8_weights", step4, f"--output_dir={resumed}")
+    want, got = records(full), records(resumed)
+    assert want[("train", 8)] < want[("train", 1)]
+    assert sorted(got) == sorted(k for k in want if k[1] > 4)
+    assert got == {k: want[k] for k in got}  # exact
+    out = run_train(*common, step4, f"--output_dir={plain}")
+    assert "fp8_weights" in out  # the changed flag is named, the resume goes on
+    assert records(plain)[("train", 8)] == pytest.approx(want[("train", 8)], rel=0.02)

@@ -7,7 +7,7 @@ BF16 and every FP8 recipe the device supports (the others refused in one line), 
 bit per recipe, one starting model across implementations (from --seed and from HF weights),
 logged throughput equal to wall-clock throughput and MFU <= 100% at --logging_freq 1 and 10,
 activation checkpointing, accumulation and compile; --fp8_attention trains and resumes (refused
-in one line where TE has no backend); --fp8_weights refused for training.
+in one line where TE has no backend); --fp8_weights trains from fp32 masters and resumes.
 Skipped cleanly without a GPU; the CPU tier (``make test``) hides GPUs (tests/conftest.py).
 """
 
@@ -343,9 +343,33 @@ def test_fp8_attention_where_te_has_no_backend_is_refused_in_one_line(runs) -> N
     assert len(message) == 1 and "needs head_dim 128" in message[0], message
 
 
-def test_fp8_weights_training_is_refused_in_one_line(runs) -> None:
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_fp8_weights_train_from_fp32_masters_and_resume_exactly(runs, recipe: str) -> None:
+    """--fp8_weights --master_weights optimizer: TE's FP8 parameters (quantized_model_init)
+    under FSDP2, FusedAdam's fp32 masters seeded from the run's fp32 init. Trains within 2% of
+    bf16 parameters with masters per step, resumes from step 5 bit for bit (the FP8 bytes are
+    written again from the restored masters), and exports the masters to HF. Without the masters
+    flag the run is refused in one line."""
     needs_te()
-    result = train(runs / "fp8-weights", "--model_impl=te", "--fp8=1", "--fp8_weights")
-    assert result.returncode == 2
-    message = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert len(message) == 1 and "FusedAdam(master_weights=True)" in message[0]
+    te = ("--model_impl=te", "--fp8=1", f"--fp8_recipe={recipe}", "--master_weights=optimizer")
+    refused = train(runs / f"fp8-weights-{recipe}-no-masters", *te[:3], "--fp8_weights")
+    assert refused.returncode == 2
+    message = [ln for ln in refused.stderr.splitlines() if ln.strip()]
+    assert len(message) == 1 and "add --master_weights optimizer" in message[0], message
+    base = runs / f"te-{recipe}-masters"
+    ok(train(base, *te))
+    out = runs / f"te-{recipe}-fp8-weights"
+    result = train(out, *te, "--fp8_weights", "--checkpoint_freq=5", f"--export_hf={out}/hf")
+    ok(result)
+    assert "weights FP8 (fp8_model_init)" in result.stdout + result.stderr
+    got, want = trains(out), trains(base)
+    assert got != want and all(abs(got[s] - want[s]) / want[s] < 0.02 for s in want), (got, want)
+    assert got[max(got)] < got[min(got)]
+    checkpoint = out / "checkpoints" / "step_00000005"
+    resumed = runs / f"te-{recipe}-fp8-weights-resumed"
+    ok(train(resumed, *te, "--fp8_weights", f"--resume_from_checkpoint={checkpoint}"))
+    assert losses(resumed) == {s: v for s, v in got.items() if s > 5}
+    from safetensors import safe_open
+
+    with safe_open(str(out / "hf" / "model.safetensors"), "pt") as fh:  # fp32 masters, not FP8
+        assert fh.get_tensor("model.layers.0.mlp.up_proj.weight").dtype == torch.float32

@@ -564,3 +564,67 @@ def test_fused_adam_keeps_the_state_our_master_weight_adamw_keeps(te_source: TES
     assert "self.initialize_state(p" in step_text  # lazily, at the first step, like ours
     loads = ast.unparse(methods["load_state_dict"])
     assert "super().load_state_dict(state_dict)" in loads and "set_scaled_state" in loads
+
+
+def _method(source: TESource, module: str, cls: str, name: str) -> ast.FunctionDef:
+    node = next(
+        (
+            n
+            for n in _class_node(source, module, cls).body
+            if isinstance(n, ast.FunctionDef) and n.name == name
+        ),
+        None,
+    )
+    assert node is not None, f"{module}.{cls}.{name} not found"
+    return node
+
+
+def _positional(node: ast.FunctionDef) -> list[str]:
+    return [a.arg for a in node.args.posonlyargs + node.args.args][1:]  # without self
+
+
+def test_fp8_parameters_take_the_calls_master_weights_makes(te_source: TESource, te_double) -> None:
+    """--fp8_weights with --master_weights optimizer (model_utils/master_weights.py) calls TE
+    duck-typed, outside the ``te.`` names collected above: FusedAdam's
+    ``initialize_state(param, store_param_remainders)`` and
+    ``set_scaled_state(param, state_name, unscaled_state)`` seed the masters; a QuantizedTensor
+    parameter has ``quantize_(tensor)`` and ``dequantize(*, dtype=None)``, ``copy_`` into it
+    quantises and ``detach`` keeps it quantized (the checkpoint's load path and the double's
+    QuantizedTensor rely on both). The double's methods have the same parameters."""
+    from transformer_engine.pytorch.quantized_tensor import QuantizedTensor as Double
+
+    fused = "transformer_engine.pytorch.optimizers.fused_adam"
+    init = _method(te_source, fused, "FusedAdam", "initialize_state")
+    assert _positional(init) == ["param", "store_param_remainders"]
+    seed = _method(te_source, fused, "FusedAdam", "set_scaled_state")
+    assert _positional(seed) == ["param", "state_name", "unscaled_state"]
+
+    module = "transformer_engine.pytorch.quantized_tensor"
+    quantize = _method(te_source, module, "QuantizedTensor", "quantize_")
+    dequantize = _method(te_source, module, "QuantizedTensor", "dequantize")
+    assert (
+        _positional(quantize)
+        == ["tensor"]
+        == list(inspect.signature(Double.quantize_).parameters)[1:]
+    )
+    assert [a.arg for a in dequantize.args.kwonlyargs] == ["dtype"]
+    assert (
+        inspect.signature(Double.dequantize).parameters["dtype"].kind
+        is inspect.Parameter.KEYWORD_ONLY
+    )
+    dispatch = " ".join(
+        ast.unparse(_method(te_source, module, "QuantizedTensor", "__torch_dispatch__")).split()
+    )
+    for rule in (
+        "if isinstance(dst, QuantizedTensor): dst.quantize_(src)",
+        "src = src.dequantize(dtype=dtype)",
+        "if func == torch.ops.aten.detach.default: return args[0].detach()",
+    ):
+        assert rule in dispatch, rule
+    for cls, where in (
+        ("Float8Tensor", "float8_tensor"),
+        ("MXFP8Tensor", "mxfp8_tensor"),
+        ("Float8BlockwiseQTensor", "float8_blockwise_tensor"),
+    ):
+        for name in ("quantize_", "dequantize"):
+            _method(te_source, f"transformer_engine.pytorch.tensor.{where}", cls, name)

@@ -180,10 +180,6 @@ def test_the_flag_chooses_the_optimizer() -> None:
             "--master_weights optimizer needs --optimizer adamw: torchao's adamw8bit keeps no "
             "fp32 copy",
         ),
-        (
-            ["--master_weights", "optimizer", "--model_impl", "te", "--fp8=1", "--fp8_weights"],
-            "--master_weights optimizer keeps bf16 parameters, --fp8_weights FP8 ones: give one",
-        ),
         (["--master_weights", "fp32"], "argument --master_weights: invalid choice: 'fp32'"),
     ],
 )

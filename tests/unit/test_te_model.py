@@ -669,16 +669,6 @@ def test_check_requirements_refuses_before_training(te_double) -> None:
     )
 
 
-def test_fp8_weights_is_refused_for_training_and_allowed_for_inference(te_double) -> None:
-    from model_utils.arguments import UsageError
-
-    shape = {**FP8_SHAPE, "checkpoint_dir": "unused"}
-    args = backend_args(fp8=True, fp8_weights=True, **shape)
-    with pytest.raises(UsageError, match="master weights .* FusedAdam"):
-        te_precision.check_requirements(args)
-    te_precision.check_requirements(args, training=False)  # forward-only: the benchmark's rows
-
-
 def test_fsdp2_models_get_no_micro_batch_weight_caching(te_double, tmp_path) -> None:
     """Under FSDP2 the weights are gathered anew each forward; TE ignores the flag there, so the
     backend leaves it None (unsharded models still get True/False)."""
