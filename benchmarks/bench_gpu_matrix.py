@@ -80,6 +80,11 @@ LEVER_ROWS: tuple[tuple[str, tuple[str, ...], dict[str, str]], ...] = (
         EXPANDABLE,
     ),
     (
+        "te-fp8 mb4 +fp8-weights +masters +expandable",
+        (*TE_FP8, "--train_batch_size=4", "--master_weights=optimizer", "--fp8_weights"),
+        EXPANDABLE,
+    ),
+    (
         "te-fp8 mb4 +no-reshard +expandable",
         (*TE_FP8, "--train_batch_size=4", "--reshard_after_forward=never"),
         EXPANDABLE,

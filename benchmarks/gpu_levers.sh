@@ -11,7 +11,9 @@
 #           te-bf16 and te-fp8 at mb4, te-fp8 mb4 with --fp8_attention                   ~6 min
 #   masters te-bf16 and te-fp8 at mb4 with fp32 parameters (FSDP2 casts them to bf16 every
 #           gather) and with --master_weights optimizer (bf16 parameters, TE's FusedAdam
-#           keeping fp32 masters: no per-step cast, bf16 gradients)                    ~5 min
+#           keeping fp32 masters: no per-step cast, bf16 gradients), and te-fp8 mb4 with
+#           FP8 parameters trained from those masters (--fp8_weights: FP8 gathers, no
+#           per-step weight quantisation)                                               ~6 min
 #   compile te-fp8 mb2 and mb4, eager and under --compile (layers and loss chunks)       ~5 min
 #   reshard te-fp8 mb4 with FSDP2's default resharding and with --reshard_after_forward
 #           never (backward neither gathers nor casts the parameters again)            ~3 min
@@ -19,8 +21,8 @@
 #           8k sequence: bench_activation_checkpointing.py); then te-fp8 mb4 without AC, with
 #           every other layer recomputed, and with only the MLPs recomputed (--ac_scope mlp:
 #           TE's LayerNormMLP recompute), and mb6 with the MLPs                        ~7 min
-#   tier    the GPU test tier's FP8-attention, MLP-recompute and master-weights tests and the
-#           one-seed test                                                                ~5 min
+#   tier    the GPU test tier's FP8-attention, MLP-recompute, master-weights and FP8-weights
+#           tests and the one-seed test                                                  ~7 min
 #
 # Everything a phase prints goes to OUT_DIR/PHASE.log as well; the matrix rows' run folders
 # (metrics.jsonl) go to OUT_DIR/PHASE/.
@@ -54,7 +56,7 @@ matrix() {
         matrix "te-fp8 mb2 hf-loss,te-fp8 mb2,te-bf16 mb4 +expandable,te-fp8 mb4 +expandable,te-fp8 mb4 +fp8-attention +expandable"
         ;;
     masters)
-        matrix "te-bf16 mb4 +expandable,te-bf16 mb4 +masters +expandable,te-fp8 mb4 +expandable,te-fp8 mb4 +masters +expandable"
+        matrix "te-bf16 mb4 +expandable,te-bf16 mb4 +masters +expandable,te-fp8 mb4 +expandable,te-fp8 mb4 +masters +expandable,te-fp8 mb4 +fp8-weights +masters +expandable"
         ;;
     compile)
         matrix "te-fp8 mb2,te-fp8 mb2 +compile,te-fp8 mb4 +expandable,te-fp8 mb4 +compile +expandable"
@@ -69,7 +71,7 @@ matrix() {
         matrix "te-fp8 mb4 +expandable,te-fp8 mb4 +AC/2 +expandable,te-fp8 mb4 +AC-mlp +expandable,te-fp8 mb6 +AC-mlp +expandable"
         ;;
     tier)
-        "$python" -m pytest -m gpu tests/integration/test_gpu.py -k "fp8_attention or mlp_recompute or one_seed or master_weights" -v
+        "$python" -m pytest -m gpu tests/integration/test_gpu.py -k "fp8_attention or mlp_recompute or one_seed or master_weights or fp8_weights" -v
         ;;
     *)
         echo "unknown phase $phase: loss, levers, masters, compile, reshard, ac or tier" >&2

@@ -123,7 +123,11 @@ def _precision_flags(flag: Callable[..., None], switch: Callable[..., None]) -> 
     flag("amax_history_len", type=int, default=1024, help="TE delayed scaling history")
     flag("amax_compute_algo", default="max", choices=("max", "most_recent"), help="TE delayed")
     flag("fp8_margin", type=int, default=0, help="TE scaling margin (powers of 2)")
-    switch("fp8_weights", False, "TE: keep weights in FP8 only (fp8_model_init)")
+    switch(
+        "fp8_weights",
+        False,
+        "TE: keep weights in FP8 only (fp8_model_init); trains with --master_weights optimizer",
+    )
     switch(
         "fp8_attention",
         False,

@@ -21,6 +21,8 @@ What it models, so tests exercise real behaviour rather than a stub:
   only: parameters stay ordinary tensors).
 * ``optimizers.FusedAdam``: TE's signature and its constructor's failure without CUDA (TE's is
   GPU-only; the recipe builds it only for a CUDA device).
+* ``quantized_tensor.QuantizedTensor``: the API of TE's FP8 parameters (``quantize_``,
+  ``dequantize``, ``copy_`` quantises), for unit tests of the recipe's FP8-weight training.
 
 The emulated device is an H100 (SM 9.0, CUDA 12.9); set ``TE_DOUBLE_SM=10.0`` to emulate a
 Blackwell (MXFP8) or ``8.0`` for an A100 (no FP8).
