@@ -139,6 +139,15 @@ def build_model(args: argparse.Namespace, mesh, device, backend) -> torch.nn.Mod
     return model
 
 
+def build_optimizer(model, args: argparse.Namespace, device, backend) -> tuple:
+    """The optimizer (the backend's fused one where it has one) and LR schedule; with
+    --master_weights optimizer its fp32 masters start from the fp32 init (or HF weights), not
+    from the bf16/FP8 parameters."""
+    optimizer, scheduler = optim.from_args(model, args, backend.master_weight_adam(device))
+    master_weights.seed_masters(optimizer)
+    return optimizer, scheduler
+
+
 def train(
     args: arguments.Config,
     tokenizer,
@@ -158,9 +167,8 @@ def train(
     stream, val_batches = data.build_data(args, tokenizer, world)  # bad data before the model
     model = build_model(args, mesh, device, backend)
     outputs.check_outputs(args, world, modeling.count_parameters(model), log)  # before training
-    optimizer, scheduler = optim.from_args(model, args, backend.master_weight_adam(device))
+    optimizer, scheduler = build_optimizer(model, args, device, backend)
     log.info("optimizer: %s", optim.describe(optimizer))
-    master_weights.seed_masters(optimizer)  # the fp32 init, not the bf16/FP8 parameters
     ckpt, state, args = restore(args, model, optimizer, scheduler, stream, backend, explicit)
     run_log = RunLog(args, model, backend, world, device, start_step=state.step)
 

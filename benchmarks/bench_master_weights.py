@@ -46,7 +46,7 @@ def measure(setting: str, steps: int, extra: list[str]) -> dict[str, float]:
     mesh = distributed.build_mesh(distributed.world_from_env({}), device, "full")
     backend = precision.build_backend(args, device)
     model = train.build_model(args, mesh, device, backend)
-    optimizer, scheduler = optim.from_args(model, args, backend.master_weight_adam(device))
+    optimizer, scheduler = train.build_optimizer(model, args, device, backend)
     gen = torch.Generator().manual_seed(0)
     batches = [
         torch.randint(
