@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from model_utils.distributed import canonical_param_name
+
 #: The per-parameter state of TE's FusedAdam with master weights (its ``name_to_dtype_map``),
 #: which this optimizer keeps too (tests/integration/test_te_contract.py reads TE's names).
 STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
@@ -183,8 +185,6 @@ def masters_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     """Each parameter's fp32 master (as the parameter is sharded), under the parameter's clean
     name; empty for an optimizer without masters. What an HF export writes in a master-weights
     run: the parameters are these rounded to bf16 or FP8."""
-    from model_utils.distributed import canonical_param_name
-
     named = {}
     for name, param in model.named_parameters():
         master = optimizer.state.get(param, {}).get("master_param")
