@@ -80,11 +80,10 @@ def test_train_py_two_ranks_hf_to_te_and_back(tmp_path) -> None:
 def test_train_py_fp8_weights_with_fp32_masters_on_two_ranks_resume_exactly(tmp_path) -> None:
     """--fp8_weights --master_weights optimizer through train.py on the TE double, 2 ranks: it
     trains, resumes from step 4 bit for bit, and the same checkpoint resumes with --fp8_weights
-    off (the parameters are saved as plain bf16 values beside the fp32 masters). Current
-    scaling: the double reduces delayed scaling's backward amaxes at the next autocast exit, not
-    at the end of backward as TE does, so its 2-rank delayed-scaling resumes are not exact."""
-    common = ["--model_impl=te", "--fp8=1", "--fp8_recipe=current", "--max_steps=8"]
-    common.append("--master_weights=optimizer")
+    off (the parameters are saved as plain bf16 values beside the fp32 masters). Delayed
+    scaling: its amax histories and scales must come back as every rank had them."""
+    common = ["--model_impl=te", "--fp8=1", "--fp8_recipe=delayed", "--max_steps=8"]
+    common += ["--master_weights=optimizer", "--amax_history_len=4"]
     full, resumed, plain = tmp_path / "full", tmp_path / "resumed", tmp_path / "plain"
     out = run_train(*common, "--fp8_weights", "--checkpoint_freq=4", f"--output_dir={full}")
     assert "weights FP8 (fp8_model_init)" in out

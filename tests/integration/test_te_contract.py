@@ -468,6 +468,63 @@ def test_fp8_state_internals_exist(te_source: TESource) -> None:
     assert "delayed" in {n.name for n in recipe.body if isinstance(n, ast.FunctionDef)}
 
 
+def _calls(node: ast.AST, name: str) -> list[ast.Call]:
+    return [
+        n
+        for n in ast.walk(node)
+        if isinstance(n, ast.Call) and ast.unparse(n.func).split(".")[-1] == name
+    ]
+
+
+def _guards_of(tree: ast.AST, call: ast.Call) -> list[str]:
+    """The conditions of the ``if`` statements whose body holds ``call``."""
+    return [
+        ast.unparse(n.test)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.If) and any(c is call for s in n.body for c in ast.walk(s))
+    ]
+
+
+def test_delayed_scaling_updates_where_the_double_updates(te_source: TESource) -> None:
+    """The TE double updates delayed-scaling state at TE's three points (its module docstring),
+    which decide what a checkpoint holds and how often a history rolls:
+
+    * the outermost ``autocast`` exit, with grad enabled, reduces and updates the forward state
+      (``autocast_exit``), and entering the outermost one arms ``is_first_fp8_module``;
+    * the first FP8 module's backward, the last to run, ends with the backward update
+      (``Linear``, ``LayerNormLinear``, ``LayerNormMLP``);
+    * TE's non-reentrant ``checkpoint`` recomputes inside an ``autocast`` of its own, so every
+      recomputed layer's exit updates the forward state again.
+    """
+    quantization = "transformer_engine.pytorch.quantization"
+    manager = _class_node(te_source, quantization, "FP8GlobalStateManager")
+    methods = {n.name: n for n in manager.body if isinstance(n, ast.FunctionDef)}
+    enter = ast.unparse(methods["autocast_enter"])
+    assert "if qstate.autocast_depth == 0:\n        qstate.is_first_fp8_module = True" in enter
+    exit_ = methods["autocast_exit"]
+    (forward_update,) = _calls(exit_, "reduce_and_update_fp8_tensors")
+    assert ast.unparse(forward_update.keywords[0]) == "forward=True"
+    (guard,) = _guards_of(exit_, forward_update)
+    for part in ("enabled", "qstate.autocast_depth == 0", "not _graph", "torch.is_grad_enabled()"):
+        assert part in guard, guard
+    for module in ("linear", "layernorm_linear", "layernorm_mlp"):
+        tree = te_source.modules[f"transformer_engine.pytorch.module.{module}"]
+        updates = _calls(tree, "reduce_and_update_fp8_tensors")
+        assert [ast.unparse(c.keywords[0]) for c in updates] == ["forward=False"], module
+        assert _calls(tree, "is_first_fp8_module"), module
+    distributed = te_source.modules["transformer_engine.pytorch.distributed"]
+    checkpoint = next(
+        n for n in distributed.body if isinstance(n, ast.FunctionDef) and n.name == "checkpoint"
+    )
+    recompute = next(
+        n
+        for n in ast.walk(checkpoint)
+        if isinstance(n, ast.FunctionDef) and n.name == "recompute_fn"
+    )
+    (entered,) = _calls(recompute, "autocast")
+    assert ast.unparse(entered) == "autocast(enabled=fp8, recipe=fp8_recipe)"
+
+
 def test_the_fused_mlp_recompute_flag_exists(te_source: TESource, te_double) -> None:
     """``--ac_scope mlp`` on ``--model_impl te`` sets ``layernorm_mlp.checkpoint`` on a built
     ``TransformerLayer`` (distributed.MLP_SITES). That holds only while TransformerLayer keeps its

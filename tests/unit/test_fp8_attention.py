@@ -163,10 +163,43 @@ def test_train_py_refuses_before_starting(refused_by_train, te_double) -> None:
 def test_activation_checkpointing_replays_fp8_attention(tmp_path, te_double) -> None:
     """Recomputing a layer in backward must quantize attention with the forward's scales (delayed
     scaling updates them when the forward's autocast exits, before backward runs): the same
-    losses with and without --activation_checkpointing."""
+    losses with and without --activation_checkpointing. ``most_recent``: the recompute's own
+    autocast rolls the forward histories once more (next test), which moves a ``max`` over a
+    4-row history but not the most recent amax."""
     losses = {}
     for ac in (False, True):
-        flags = (*HEAD_128, "--fp8_attention", *(("--activation_checkpointing",) if ac else ()))
+        flags = (*HEAD_128, "--fp8_attention", "--amax_compute_algo=most_recent")
+        flags += ("--activation_checkpointing",) if ac else ()
         run = Run("te", True, seed=0, checkpoint_dir=tmp_path / str(ac), flags=flags)
         losses[ac] = [run.step(seed=i % 2) for i in range(4)]
     assert losses[True] == losses[False]
+
+
+@pytest.mark.parametrize("scope", ["layer", "mlp"])
+def test_whole_layer_recompute_rolls_the_forward_histories_once_per_layer(
+    scope, tmp_path, te_double
+) -> None:
+    """TE's ``checkpoint`` recomputes a layer inside an autocast of its own, whose exit updates the
+    forward scaling state like the forward's (test_te_contract): with whole-layer
+    --activation_checkpointing a step rolls every forward amax history 1 + (recomputed layers)
+    times, so --amax_history_len counts forward passes and recomputes (README). Backward
+    histories roll once per backward; the fused MLP's own recompute opens no autocast."""
+    layers = 2
+    positions = {}
+    for ac in (False, True):
+        flags = ("--amax_history_len=8",)
+        flags += ("--activation_checkpointing", f"--ac_scope={scope}") if ac else ()
+        run = Run("te", True, seed=0, checkpoint_dir=tmp_path / str(ac), flags=flags)
+        run.step(seed=0)
+        state = te_support.fp8_scaling_state(run.model)
+        positions[ac] = {
+            direction: {
+                int(state[k].abs().sum(1).nonzero().flatten().item())
+                for k in state
+                if k.endswith(f"amax_history_{direction}") and state[k].any()
+            }
+            for direction in ("fwd", "bwd")
+        }
+    rolls = layers if scope == "layer" else 0
+    assert positions[False] == {"fwd": {7}, "bwd": {7}}  # row 7: the step's amax, rolled once
+    assert positions[True] == {"fwd": {7 - rolls}, "bwd": {7}}

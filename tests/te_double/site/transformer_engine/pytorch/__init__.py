@@ -9,8 +9,13 @@ What it models, so tests exercise real behaviour rather than a stub:
 * FP8 emulation inside ``autocast``: GEMM operands are rounded through torch's float8 dtypes
   (E4M3 forward; E5M2 gradients with ``Format.HYBRID``) with per-tensor current scaling,
   1x128 blocks (``Float8BlockScaling``), 32-element power-of-two blocks (``MXFP8BlockScaling``)
-  or delayed scaling from an amax history that is all-reduced (MAX) over the
-  ``amax_reduction_group`` at autocast exit, and saved in ``_extra_state``.
+  or delayed scaling from an amax history, saved in ``_extra_state``. Like TE's
+  ``FP8GlobalStateManager``, every module that ran delayed scaling is registered once in a
+  process-wide buffer per (recipe, group); forward amaxes are all-reduced (MAX) over the
+  ``amax_reduction_group`` and the scales updated when the outermost ``autocast`` exits with
+  grad enabled, backward amaxes when the backward of the region's first FP8 module ends, and
+  the recompute of ``checkpoint`` runs inside its own ``autocast``, whose exit updates the
+  forward state once more.
 * FP8 attention (a recipe's ``fp8_dpa``): Q, K, V, the softmax output and the attention output
   are rounded through E4M3 and their gradients through E5M2 with the attention module's own
   delayed-scaling state (TE's ``META_*`` slots); where TE would find no backend (SM < 9.0;
@@ -35,6 +40,7 @@ import inspect
 import os
 import pickle
 import warnings
+import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
@@ -123,9 +129,30 @@ class _State:
         self.recipe: Any = None
         self.group: Any = None
         self.recompute = False
-        self.region: list[_TEModule] = []
+        #: TE's ``autocast_depth`` and ``is_first_fp8_module``: set on entering the outermost
+        #: autocast, taken by the first FP8 module whose forward records autograd.
+        self.depth = 0
+        self.first_module = False
+        #: TE's global amax buffers: per (recipe, group) key, the modules registered by their
+        #: first delayed-scaling forward. Weak references: TE holds its modules for the
+        #: process's life; a test process builds many models and drops them.
+        self.buffers: dict[str, list[weakref.ref[_TEModule]]] = {}
+        self.buffer_args: dict[str, tuple[Any, Any]] = {}
+        self.registered: weakref.WeakSet[_TEModule] = weakref.WeakSet()
         self.model_init_fp8 = False
         self.model_init_recipe: Any = None
+
+    def snapshot(self) -> tuple:
+        """TE's ``get_autocast_state``: what an autocast saves on entry and restores on exit."""
+        return (self.enabled, self.recipe, self.group, self.first_module)
+
+    def restore(self, snapshot: tuple) -> None:
+        self.enabled, self.recipe, self.group, self.first_module = snapshot
+
+    def take_first_module(self) -> bool:
+        """TE's ``is_first_fp8_module``: True once per outermost autocast."""
+        first, self.first_module = self.first_module, False
+        return first
 
 
 _STATE = _State()
@@ -145,6 +172,7 @@ class autocast:
         self._enabled = enabled
         self._recipe = recipe
         self._group = amax_reduction_group
+        self._graph = _graph
         self._saved: tuple | None = None
 
     def __enter__(self) -> autocast:
@@ -153,17 +181,22 @@ class autocast:
         fp8_recipe = self._recipe if self._recipe is not None else _recipe.DelayedScaling()
         if self._enabled:
             _check_recipe_support(fp8_recipe)
-        self._saved = (_STATE.enabled, _STATE.recipe, _STATE.group, _STATE.region)
+        self._saved = _STATE.snapshot()
         _STATE.enabled, _STATE.recipe, _STATE.group = self._enabled, fp8_recipe, self._group
-        _STATE.region = []
+        if _STATE.depth == 0:
+            _STATE.first_module = True
+        _STATE.depth += 1
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        """TE's ``autocast_exit``: only the outermost exit, with grad enabled, updates the
+        forward scaling state (an inference forward's amaxes wait in row 0 for the next one)."""
         try:
-            if self._enabled:
-                _update_delayed_scaling(_STATE.region, _STATE.recipe, _STATE.group)
+            _STATE.restore(self._saved)
+            _STATE.depth -= 1
+            if self._enabled and _STATE.depth == 0 and not self._graph and torch.is_grad_enabled():
+                _reduce_and_update(forward=True)
         finally:
-            _STATE.enabled, _STATE.recipe, _STATE.group, _STATE.region = self._saved
             self._saved = None
 
 
@@ -270,13 +303,19 @@ def _assert_dim_for_fp8_exec(*tensors: torch.Tensor) -> None:
 
 
 class _Fp8Gemm(torch.autograd.Function):
-    """``y = q(x) @ q(w).T``; backward quantizes the incoming gradient (E5M2 under HYBRID)."""
+    """``y = q(x) @ q(w).T``; backward quantizes the incoming gradient (E5M2 under HYBRID).
+
+    ``reduce_bwd`` marks the autocast region's first FP8 GEMM: its backward, the region's last,
+    ends by updating the backward scaling state, as TE's modules do when they hold
+    ``reduce_and_update_bwd_fp8_tensors``.
+    """
 
     @staticmethod
-    def forward(ctx, x, weight, weight_q, module, index):
+    def forward(ctx, x, weight, weight_q, module, index, reduce_bwd):
         x_q = module._quantize(x, index, role="input")
         ctx.save_for_backward(x_q, weight_q)
         ctx.module, ctx.index, ctx.weight_dtype = module, index, weight.dtype
+        ctx.reduce_bwd = reduce_bwd
         return x_q @ weight_q.t()
 
     @staticmethod
@@ -285,7 +324,9 @@ class _Fp8Gemm(torch.autograd.Function):
         g_q = ctx.module._quantize(grad_out, ctx.index, role="grad")
         grad_x = g_q @ weight_q
         grad_w = (g_q.t() @ x_q).to(ctx.weight_dtype)
-        return grad_x, grad_w, None, None, None
+        if ctx.reduce_bwd:
+            _reduce_and_update(forward=False)
+        return grad_x, grad_w, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,8 +420,16 @@ class _TEModule(nn.Module):
             return
         meta["recipe"] = recipe
         meta["num_gemms"] = self.num_gemms
+        meta["fp8_group"] = _STATE.group
         self.init_fp8_meta_tensors(recipe)
         self.fp8_initialized = True
+
+    def _prepare_forward(self) -> None:
+        """TE's ``prepare_forward`` under autocast: metadata, then (delayed scaling, first time
+        only) the module's entry in the global amax buffer of its recipe and group."""
+        self._init_fp8_metadata(_STATE.recipe)
+        if not _STATE.recompute:
+            _add_to_global_buffer(self)
 
     def _quantize(self, x: torch.Tensor, index: int, role: str) -> torch.Tensor:
         """GEMM ``index``'s operand: its input or weight (forward) or incoming gradient."""
@@ -410,9 +459,9 @@ class _TEModule(nn.Module):
         if not _STATE.enabled:
             return F.linear(x, weight)
         _assert_dim_for_fp8_exec(x, weight)
-        self._init_fp8_metadata(_STATE.recipe)
-        if not _STATE.recompute and self not in _STATE.region:
-            _STATE.region.append(self)
+        self._prepare_forward()
+        records_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        reduce_bwd = records_grad and not _STATE.recompute and _STATE.take_first_module()
         if is_first_microbatch is False and index in self._weight_cache:
             weight_q = self._weight_cache[index]
         else:
@@ -420,7 +469,7 @@ class _TEModule(nn.Module):
             if is_first_microbatch is not None:
                 self._weight_cache[index] = weight_q
         x2d = x.reshape(-1, x.shape[-1])
-        out = _Fp8Gemm.apply(x2d, weight, weight_q, self, index)
+        out = _Fp8Gemm.apply(x2d, weight, weight_q, self, index, reduce_bwd)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     def get_extra_state(self) -> torch.Tensor:
@@ -460,8 +509,9 @@ class _TEModule(nn.Module):
 
 class _DelayedScalingState:
     """TE's ``DelayedScalingRecipeState``: ``scale`` and ``amax_history`` (float32). Row 0 of
-    the history collects the current iteration's amaxes (a backward's too, recorded after the
-    forward's autocast has exited) until the next autocast exit reduces and rolls it."""
+    the history collects the current iteration's amaxes until :func:`_reduce_and_update` reduces
+    and rolls it: at the autocast exit for the forward state, at the end of backward for the
+    backward state."""
 
     def __init__(self, recipe: Any, num_quantizers: int) -> None:
         self.scale = torch.ones(num_quantizers)
@@ -475,31 +525,67 @@ class _DelayedScalingState:
             self.amax_history = F.pad(self.amax_history, (0, 0, 0, length - rows))
 
 
-def _update_delayed_scaling(modules: list[_TEModule], fp8_recipe: Any, group: Any) -> None:
-    """TE's end-of-autocast step: reduce amaxes over the group, roll histories, new scales."""
-    if fp8_recipe is None or fp8_recipe.scaling != "delayed" or not modules:
+def _buffer_key(recipe: Any, group: Any) -> str:
+    """TE's ``get_unique_autocast_key``: the recipe's repr and the group's identity."""
+    return f"recipe={recipe},group={id(group) if group is not None else None}"
+
+
+def _add_to_global_buffer(module: _TEModule) -> None:
+    """TE's ``add_fp8_tensors_to_global_buffer``: once per module, delayed scaling only."""
+    meta = module.fp8_meta
+    if module in _STATE.registered or not meta["recipe"].delayed():
         return
-    states = [m.fp8_meta[f"scaling_{d}"] for m in modules for d in ("fwd", "bwd")]
-    flat = torch.cat([state.amax_history[0] for state in states])
-    if (
-        fp8_recipe.reduce_amax
-        and torch.distributed.is_available()
-        and torch.distributed.is_initialized()
-    ):
-        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX, group=group)
-    fwd_fmt, bwd_fmt = _formats(fp8_recipe)
-    offset = 0
-    for state, fmt in zip(states, [fwd_fmt, bwd_fmt] * len(modules), strict=True):
-        size = state.amax_history.shape[1]
-        history = state.amax_history
-        history[0] = flat[offset : offset + size]
-        offset += size
-        amax = history[0] if fp8_recipe.amax_compute_algo == "most_recent" else history.amax(0)
-        fp8_max = torch.finfo(_FP8_DTYPES[fmt]).max
-        new_scale = fp8_max / amax.clamp_min(1e-30) / 2**fp8_recipe.margin
-        state.scale.copy_(torch.where(amax > 0, new_scale, state.scale))
-        history.copy_(torch.roll(history, -1, dims=0))  # row 0 starts the next iteration
-        history[0].zero_()
+    key = _buffer_key(meta["recipe"], meta["fp8_group"])
+    _STATE.buffers.setdefault(key, []).append(weakref.ref(module))
+    _STATE.buffer_args[key] = (meta["recipe"], meta["fp8_group"])
+    _STATE.registered.add(module)
+
+
+def _reduce_and_update(forward: bool) -> None:
+    """TE's ``reduce_and_update_fp8_tensors``: for each buffer, concatenate row 0 of every
+    registered module's forward (or backward) histories, all-reduce it (MAX) over the buffer's
+    group, then per module update the scales and roll the history."""
+    direction = "fwd" if forward else "bwd"
+    for key, refs in _STATE.buffers.items():
+        refs[:] = [ref for ref in refs if ref() is not None]
+        states = [ref().fp8_meta.get(f"scaling_{direction}") for ref in refs]
+        states = [state for state in states if isinstance(state, _DelayedScalingState)]
+        if not states:
+            continue
+        fp8_recipe, group = _STATE.buffer_args[key]
+        flat = torch.cat([state.amax_history[0] for state in states])
+        if (
+            fp8_recipe.reduce_amax
+            and torch.distributed.is_available()
+            and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size(group=group) > 1
+        ):
+            torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX, group=group)
+        fmt = _formats(fp8_recipe)[0 if forward else 1]
+        offset = 0
+        for state in states:
+            size = state.amax_history.shape[1]
+            state.amax_history[0] = flat[offset : offset + size]
+            offset += size
+            _amax_and_scale_update(state, fp8_recipe, fmt)
+
+
+def _amax_and_scale_update(state: _DelayedScalingState, fp8_recipe: Any, fmt: str) -> None:
+    """TE's ``_default_get_amax_and_update_history`` and ``_default_sf_compute``."""
+    history = state.amax_history
+    if fp8_recipe.amax_compute_algo == "max":
+        amax = history.amax(0)
+    else:
+        amax = history[0].clone()
+    history.copy_(torch.roll(history, -1, dims=0))  # row 0 starts the next iteration
+    history[0].zero_()
+    fp8_max = torch.finfo(_FP8_DTYPES[fmt]).max
+    scale = state.scale
+    new = (fp8_max / amax) / 2**fp8_recipe.margin
+    new = torch.where(amax > 0, new, scale)
+    new = torch.where(torch.isfinite(amax), new, scale)
+    new = torch.where(torch.isinf(new), torch.full_like(new, torch.finfo(torch.float32).max), new)
+    scale.copy_(new)
 
 
 def _activation_dtype(x: torch.Tensor, params: list[torch.Tensor]) -> torch.dtype:
@@ -879,11 +965,9 @@ class TransformerLayer(nn.Module):
         attention_cast = reference.no_cast
         if _STATE.enabled:
             core = attn.core_attention
-            core._init_fp8_metadata(_STATE.recipe)
+            core._prepare_forward()
             if _STATE.recipe.fp8_dpa:
                 core.check_fp8_backend(_STATE.recipe, self.head_dim)
-                if not _STATE.recompute and core not in _STATE.region:
-                    _STATE.region.append(core)
                 attention_cast = core.cast
         hidden = reference.attention_block(
             hidden_states.to(dtype),
@@ -907,13 +991,23 @@ class TransformerLayer(nn.Module):
 
 
 def _recompute_replaying_fp8(
-    function: Callable, modules: list[_TEModule], *args: Any, **kwargs: Any
+    function: Callable,
+    modules: list[_TEModule],
+    *args: Any,
+    own_autocast: bool = False,
+    **kwargs: Any,
 ) -> Any:
     """Run ``function`` keeping only its inputs; recompute it in backward with the FP8 scaling
     state the forward used (TE's ``copy_forward_fp8_meta_tensors_for_recompute`` and
     ``get_old_fp8_meta_tensors_for_recompute``): the recompute reads the forward's delayed-scaling
     factors, records no amax, and leaves the factors as it found them. Shared by ``checkpoint``
-    and ``LayerNormMLP``'s ``checkpoint=True``. Non-reentrant, torch's RNG state preserved."""
+    and ``LayerNormMLP``'s ``checkpoint=True``. Non-reentrant, torch's RNG state preserved.
+
+    ``own_autocast`` (TE's ``checkpoint``): the recompute runs inside an ``autocast`` of its own,
+    entered during backward, so its exit updates the forward scaling state like any outermost
+    exit: all-reduces the (zero) row 0 and rolls every forward history one row. ``LayerNormMLP``
+    restores the autocast state instead, with no exit.
+    """
     use_reentrant = kwargs.pop("use_reentrant", False)
     forward_state = (_STATE.enabled, _STATE.recipe, _STATE.group)
     scales: dict[tuple[int, str], torch.Tensor] = {}
@@ -933,19 +1027,27 @@ def _recompute_replaying_fp8(
             out = function(*inner_args, **inner_kwargs)
             scales.update({k: state.scale.clone() for k, state in delayed_states().items()})
             return out
-        saved = (_STATE.enabled, _STATE.recipe, _STATE.group, _STATE.recompute)
+        saved = (_STATE.snapshot(), _STATE.recompute)
         states = delayed_states()
         current = {k: state.scale.clone() for k, state in states.items() if k in scales}
         _STATE.enabled, _STATE.recipe, _STATE.group = forward_state
         _STATE.recompute = True
+        if own_autocast:
+            _STATE.first_module = _STATE.first_module or _STATE.depth == 0
+            _STATE.depth += 1
         for k, scale in scales.items():
             states[k].scale.copy_(scale)
         try:
             return function(*inner_args, **inner_kwargs)
         finally:
-            _STATE.enabled, _STATE.recipe, _STATE.group, _STATE.recompute = saved
+            _STATE.restore(saved[0])
+            _STATE.recompute = saved[1]
             for k, scale in current.items():
                 states[k].scale.copy_(scale)
+            if own_autocast:
+                _STATE.depth -= 1
+                if forward_state[0] and _STATE.depth == 0 and torch.is_grad_enabled():
+                    _reduce_and_update(forward=True)
 
     if use_reentrant and kwargs:
         return torch.utils.checkpoint.checkpoint(

@@ -29,4 +29,6 @@ def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
         if isinstance(function, nn.Module)
         else []
     )
-    return _recompute_replaying_fp8(function, modules, *args, use_reentrant=use_reentrant, **kwargs)
+    return _recompute_replaying_fp8(
+        function, modules, *args, own_autocast=True, use_reentrant=use_reentrant, **kwargs
+    )
