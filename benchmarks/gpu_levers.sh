@@ -21,8 +21,8 @@
 #           8k sequence: bench_activation_checkpointing.py); then te-fp8 mb4 without AC, with
 #           every other layer recomputed, and with only the MLPs recomputed (--ac_scope mlp:
 #           TE's LayerNormMLP recompute), and mb6 with the MLPs                        ~7 min
-#   tier    the GPU test tier's FP8-attention, MLP-recompute, master-weights and FP8-weights
-#           tests and the one-seed test                                                  ~7 min
+#   tier    the GPU test tier's FP8-attention, MLP-recompute, master-weights, FP8-weights
+#           and validation tests and the one-seed test                                   ~8 min
 #
 # Everything a phase prints goes to OUT_DIR/PHASE.log as well; the matrix rows' run folders
 # (metrics.jsonl) go to OUT_DIR/PHASE/.
@@ -71,7 +71,7 @@ matrix() {
         matrix "te-fp8 mb4 +expandable,te-fp8 mb4 +AC/2 +expandable,te-fp8 mb4 +AC-mlp +expandable,te-fp8 mb6 +AC-mlp +expandable"
         ;;
     tier)
-        "$python" -m pytest -m gpu tests/integration/test_gpu.py -k "fp8_attention or mlp_recompute or one_seed or master_weights or fp8_weights" -v
+        "$python" -m pytest -m gpu tests/integration/test_gpu.py -k "fp8_attention or mlp_recompute or one_seed or master_weights or fp8_weights or validation" -v
         ;;
     *)
         echo "unknown phase $phase: loss, levers, masters, compile, reshard, ac or tier" >&2

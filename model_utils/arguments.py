@@ -120,7 +120,13 @@ def _precision_flags(flag: Callable[..., None], switch: Callable[..., None]) -> 
         f"TE: {'|'.join(TE_RECIPES)} (default delayed)",
     )
     flag("fp8_format", default="hybrid", choices=("hybrid", "e4m3"), help="TE FP8 format")
-    flag("amax_history_len", type=int, default=1024, help="TE delayed scaling history")
+    flag(
+        "amax_history_len",
+        type=int,
+        default=1024,
+        help="TE delayed scaling history (rows: one per forward, plus one per recomputed layer "
+        "under whole-layer AC)",
+    )
     flag("amax_compute_algo", default="max", choices=("max", "most_recent"), help="TE delayed")
     flag("fp8_margin", type=int, default=0, help="TE scaling margin (powers of 2)")
     switch(

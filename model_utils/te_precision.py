@@ -31,7 +31,12 @@ from model_utils.te_requirements import (
     fp8_shape_problem,
     pickled_fp8_state_problem,
 )
-from model_utils.te_support import TEUnavailableError, import_te, set_is_first_microbatch
+from model_utils.te_support import (
+    TEUnavailableError,
+    fp8_scaling_kept,
+    import_te,
+    set_is_first_microbatch,
+)
 
 #: The Transformer Engine releases this code is contract-tested against, the one place they are
 #: stated: tests/integration/test_te_contract.py downloads each one's pure-Python
@@ -273,6 +278,9 @@ class TEBackend:
         Under FSDP2 (every model train.py builds) the flag stays None: FSDP2 gathers the weights
         anew for every forward, so there is nothing to cache, and TE >= 2.16 ignores the flag
         there (``cache_name = None if ... self.is_fsdp2``).
+
+        With grad disabled (validation) the delayed-scaling state is put back on exit
+        (``te_support.fp8_scaling_kept``): held-out batches never move training's scales.
         """
         te = self._te()
         if self._model is not None:
@@ -280,6 +288,8 @@ class TEBackend:
             set_is_first_microbatch(self._model, None if fsdp2 else first_micro_batch)
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         with contextlib.ExitStack() as stack:
+            if self.fp8 and self._model is not None and not torch.is_grad_enabled():
+                stack.enter_context(fp8_scaling_kept(self._model))  # exits after TE's autocast
             if self.torch_autocast_dtype is not None:
                 stack.enter_context(
                     torch.autocast(device_type=device_type, dtype=self.torch_autocast_dtype)

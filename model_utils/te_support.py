@@ -12,6 +12,7 @@ attributes (``fp8_meta``, ``param_init_meta``, ``te_is_first_microbatch``), not 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import math
@@ -194,6 +195,36 @@ def load_fp8_scaling_state(
             state.amax_history[:rows].copy_(saved[:rows])
         restored.append(name)
     return restored
+
+
+@contextlib.contextmanager
+def fp8_scaling_kept(model: nn.Module) -> Iterator[None]:
+    """An inference forward under FP8 autocast that leaves training's delayed-scaling state as
+    it found it.
+
+    TE records an inference forward's amaxes in row 0 of every history, but reduces and
+    updates nothing when an autocast exits with grad disabled (``autocast_exit``). Left there,
+    they would wait, different on each rank, for the next training forward, so validation
+    would move training's scales; and a checkpoint saved after a validation would hold one
+    rank's unreduced row, so a multi-GPU resume would not repeat the run. Restored here: the
+    histories and scales are small (5 floats per GEMM per history row).
+    """
+    before = {k: v.clone() for k, v in fp8_scaling_state(model).items() if not _is_recipe(k)}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for key, live in fp8_scaling_state(model).items():
+                if _is_recipe(key):
+                    continue
+                if key in before:
+                    live.copy_(before[key])
+                else:  # a module whose first FP8 forward was this one: back to TE's fresh state
+                    live.fill_(1.0 if key.rsplit(".", 1)[-1].startswith("scale") else 0.0)
+
+
+def _is_recipe(key: str) -> bool:
+    return key.rsplit(".", 1)[-1] == RECIPE_KEY
 
 
 def head_dim_of(config: Any) -> int:

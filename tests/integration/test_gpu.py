@@ -173,6 +173,21 @@ def test_resume_repeats_the_uninterrupted_run_bit_for_bit(recipe, runs) -> None:
     assert losses(out) == want
 
 
+def test_validation_changes_no_training_loss_under_delayed_scaling(runs) -> None:
+    """TE keeps a no-grad forward's amaxes for the next training step (``autocast_exit``
+    reduces only with grad enabled); the backend puts the state back after validation
+    (te_support.fp8_scaling_kept), so validating every 2 steps leaves every training loss as
+    it was, bit for bit."""
+    needs_te()
+    flags = (*impl_flags("te", "delayed"), "--checkpoint_freq=5", "--keep_last=0")
+    plain = runs / "te-delayed"
+    if not (plain / "metrics.jsonl").exists():
+        ok(train(plain, *flags))
+    out = runs / "te-delayed-validating"
+    ok(train(out, *flags, "--validation_freq=2"))
+    assert losses(out) == losses(plain)
+
+
 def test_one_seed_and_one_hf_checkpoint_give_one_step_one_loss(runs) -> None:
     needs_te()
     first = {}

@@ -9,12 +9,13 @@ acceptance with ``TE_DOUBLE_VERSION=2.16.0``), so these tests would have caught 
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from test_cross_impl import Run
+from test_cross_impl import Run, batch
 
 from model_utils import checkpoint as ck
 from model_utils import te_requirements, te_support
@@ -94,6 +95,39 @@ def test_delayed_state_is_left_out_when_the_resumed_run_uses_another_recipe(
         assert "holds FP8 delayed-scaling state (DelayedScaling)" in caplog.text
         assert te_support.fp8_scaling_state(other.model) == {}
         assert torch.isfinite(torch.tensor(other.step(seed=1)))
+
+
+def test_validation_leaves_the_delayed_scaling_state_and_the_losses_alone(
+    tmp_path, te_double, monkeypatch
+) -> None:
+    """TE keeps an inference forward's amaxes in row 0 of every history and updates nothing at
+    the exit of an autocast with grad disabled; train.py's validation (run_log.evaluate) puts
+    the state back, so a validation between two steps changes neither the scaling state nor the
+    losses that follow (which a checkpoint taken right after it would otherwise carry)."""
+    from model_utils.run_log import evaluate
+
+    held_out = [{"input_ids": ids, "labels": ids} for ids in (3 * batch(7) % 8192, batch(8))]
+
+    def run_with(validate: bool) -> tuple[list[float], bool]:
+        """Six steps' losses, validating after the second; whether the state came back."""
+        run = Run("te", True, seed=1, checkpoint_dir=tmp_path / str(validate))
+        out = [run.step(seed=i) for i in range(2)]
+        before = _fp8_state(run)
+        if validate:
+            assert torch.isfinite(torch.tensor(evaluate(run.model, held_out, run.backend, "cpu")))
+        after = _fp8_state(run)
+        kept = after.keys() == before.keys() and all(
+            torch.equal(after[k], before[k]) for k in before
+        )
+        return out + [run.step(seed=i) for i in range(2, 6)], kept
+
+    plain, _ = run_with(validate=False)
+    assert run_with(validate=True) == (plain, True)
+    from model_utils import te_precision
+
+    monkeypatch.setattr(te_precision, "fp8_scaling_kept", lambda model: contextlib.nullcontext())
+    validated, kept = run_with(validate=True)  # what TE alone gives
+    assert not kept and validated[:2] == plain[:2] and validated[2:] != plain[2:]
 
 
 def _save_format_1(run: Run, step: int, monkeypatch) -> Path:
