@@ -146,8 +146,14 @@ def fp8_scaling_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
     TE's own ``_extra_state`` pickles these with the recipe object, and TE >= 2.18 refuses to
     unpickle that (it could run code) unless the user sets an unsafe variable; plain tensors
-    need no trust decision and load on every TE release. Amaxes are all-reduced over the
-    data-parallel group, so every rank holds the same values.
+    need no trust decision and load on every TE release. Between steps every rank holds the
+    same values, so one copy is saved: TE all-reduces the forward amaxes when the forward's
+    autocast exits and the backward ones when backward ends, and validation puts its amaxes
+    back (:func:`fp8_scaling_kept`). The one exception is harmless: with FP8 weights under
+    delayed scaling, TE's FusedAdam leaves each rank's weight-shard amax in the current row
+    for the next forward's MAX reduction. A resume gives every rank rank 0's, and
+    ``requantize_from_masters`` records each rank's own again; the reduction's maximum over
+    all ranks already includes rank 0's, so it comes out the same.
     """
     out: dict[str, torch.Tensor] = {}
     for name, module in _fp8_stateful_modules(model):
