@@ -322,6 +322,40 @@ def test_forward_backward_every_precision(
     assert impl in backend.describe() and ("FP8" in backend.describe()) == (precision != "bf16")
 
 
+def test_delayed_scaling_updates_where_te_updates(te_double) -> None:
+    """The double's delayed scaling follows TE's points (test_te_contract reads them in TE's
+    source): a training forward's autocast exit updates the forward state only, the end of
+    backward the backward state, and an autocast exit with grad disabled nothing: its amaxes
+    wait in row 0. The backend's no-grad autocast (validation) puts even those back."""
+    import transformer_engine.pytorch as te
+
+    config = tiny_config()
+    backend = TEBackend(backend_args(fp8=True, amax_history_len=4))
+    model = backend.prepare(built(config))
+    ids = batch(config)
+    mlp = model.model.layers[0].transformer_layer.layernorm_mlp
+
+    def history(direction: str) -> torch.Tensor:
+        return mlp.fp8_meta[f"scaling_{direction}"].amax_history.clone()
+
+    def filled_rows(direction: str) -> list[int]:
+        return history(direction).abs().sum(1).nonzero().flatten().tolist()
+
+    with backend.autocast():
+        loss = model(ids, labels=ids).loss
+    assert (filled_rows("fwd"), filled_rows("bwd")) == ([3], [])  # rolled once; bwd untouched
+    scales = mlp.fp8_meta["scaling_fwd"].scale.clone()
+    loss.backward()
+    assert (filled_rows("fwd"), filled_rows("bwd")) == ([3], [3])
+    with torch.no_grad(), te.autocast(recipe=backend.recipe):
+        model(ids, labels=ids)
+    assert filled_rows("fwd") == [0, 3] and torch.equal(mlp.fp8_meta["scaling_fwd"].scale, scales)
+    kept = history("fwd")
+    with torch.no_grad(), backend.autocast():
+        model(batch(config, seed=1), labels=ids)
+    assert torch.equal(history("fwd"), kept)
+
+
 def test_fp8_changes_numerics_but_stays_close(te_double) -> None:
     config = tiny_config()
     ids = batch(config)
