@@ -84,9 +84,35 @@ def unwritable(flag: str, path: Path, exc: OSError) -> str:
 
 def probe_write(flag: str, path: Path) -> str | None:
     """Create `path` and write, sync and delete a small file in it: what the run will do, so
-    what access() cannot tell (quotas, NFS root squash, ACLs) shows now. None if it worked."""
+    what access() cannot tell (quotas, NFS root squash, ACLs) shows now. None if it worked.
+    Leaves nothing behind (the folders are made when needed); for one process only: see
+    :func:`check_outputs` for ranks that share a node."""
+    created = missing_folders(path)
+    try:
+        return _write_probe(flag, path)
+    finally:
+        remove_folders(created)
+
+
+def missing_folders(path: Path) -> list[Path]:
+    """`path` and those of its parents that do not exist yet, deepest first."""
+    return [p for p in (path, *path.parents) if not p.exists()]
+
+
+def remove_folders(folders: list[Path]) -> None:
+    """Remove the empty folders a probe created, deepest first; one that is gone already
+    (another rank of the node removed it) or holds something is left to whoever owns it."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except FileNotFoundError:
+            continue
+        except OSError:
+            break
+
+
+def _write_probe(flag: str, path: Path) -> str | None:
     probe = path / f".write-probe-{socket.gethostname()}-{os.getpid()}"
-    created = [p for p in (path, *path.parents) if not p.exists()]
     try:
         path.mkdir(parents=True, exist_ok=True)
         with open(probe, "wb") as fh:
@@ -96,12 +122,6 @@ def probe_write(flag: str, path: Path) -> str | None:
         probe.unlink()
     except OSError as exc:
         return unwritable(flag, path, exc)
-    finally:
-        for folder in created:  # deepest first: leave nothing behind (it is made when needed)
-            try:
-                folder.rmdir()
-            except OSError:
-                break
     return None
 
 
@@ -166,16 +186,24 @@ def check_outputs(
     """Every rank writes a probe file where it will write its checkpoint shards (mounts can
     differ between nodes); rank 0 also in the run and export folders, and checks that a
     checkpoint (and the export) fits in the free space. WriteProblem on every rank if any
-    rank found a problem."""
+    rank found a problem.
+
+    The folders the probes create are removed only once every rank has probed (the agreement
+    below is a collective): the ranks of a node probe the same new folders at the same moment,
+    and one rank removing them while another is about to write its probe there refused a good
+    run ("No such file or directory", seen with 2 ranks in CI; 8 per node race harder)."""
     problem = None
+    created: list[Path] = []
     for flag, path in output_locations(args).items():
         if problem is None and (world.is_main or flag == "--checkpoint_dir"):
-            problem = probe_write(flag, path)
+            created += [p for p in missing_folders(path) if p not in created]
+            problem = _write_probe(flag, path)
     if problem is None and world.is_main:
         try:
             check_space(args, num_params, log)
         except WriteProblem as exc:
             problem = str(exc)
     first = distributed.first_problem(problem, world.world_size)
+    remove_folders(sorted(created, key=lambda p: len(p.parts), reverse=True))
     if first:
         raise WriteProblem(first)

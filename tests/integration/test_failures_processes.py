@@ -8,6 +8,7 @@ between ranks on a real gloo process group of 2 processes.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -144,6 +145,71 @@ def test_lr_inf_exits_2_with_one_line_and_touches_nothing(tmp_path: Path) -> Non
     assert result.returncode == 2, result.stderr
     assert error_lines(result) == ["train.py: error: --lr must be a finite number > 0, got inf"]
     assert "Traceback" not in result.stderr and not out.exists()
+
+
+def _probe_race_worker(rank: int, world_size: int, port: int, out_dir: str, results) -> None:
+    """The ranks of one node probe the same new checkpoint folder at once. Slowed down to the
+    interleaving CI hit: rank 0 holds the folder it made for 0.3 s (a slow fsync of its second
+    probe, the checkpoint folder's) while rank 1 finds it there and writes its own probe 0.5 s
+    later, after rank 0 is done with its probe."""
+    import argparse
+    import time
+
+    from model_utils import distributed, outputs
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    try:
+        real_fsync, real_mkdir = os.fsync, Path.mkdir
+        if rank == 0:
+            synced = []
+
+            def slow_fsync(fd: int) -> None:
+                real_fsync(fd)
+                synced.append(fd)
+                if len(synced) == 2:  # the run folder's probe first, then the checkpoint folder's
+                    time.sleep(0.3)
+
+            os.fsync = slow_fsync
+        else:
+
+            def late_mkdir(self: Path, *args, **kwargs) -> None:
+                time.sleep(0.1)
+                real_mkdir(self, *args, **kwargs)
+                time.sleep(0.5)
+
+            Path.mkdir = late_mkdir
+        args = argparse.Namespace(
+            output_dir=out_dir,
+            checkpoint_dir=f"{out_dir}/checkpoints/run",
+            export_hf=None,
+            keep_last=2,
+        )
+        world = distributed.World(rank, world_size, rank, world_size)
+        dist.barrier()
+        try:
+            outputs.check_outputs(args, world, 1000, logging.getLogger("probe-race"))
+            results[rank] = "ok"
+        except outputs.WriteProblem as exc:
+            results[rank] = str(exc)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_of_a_node_probing_one_new_checkpoint_folder_do_not_refuse_the_run(
+    tmp_path: Path,
+) -> None:
+    """Every rank probes --checkpoint_dir before training; the folders the probes create go
+    only after all ranks have probed, so no rank pulls the folder from under another's probe
+    (which refused a good 2-rank run in CI with "No such file or directory"), and nothing is
+    left behind."""
+    out = tmp_path / "run"
+    out.mkdir()  # rank 0's run lock has made the run folder by then
+    results = mp.Manager().dict()
+    spawn_ranks(_probe_race_worker, 2, str(out), results)
+    assert dict(results) == {0: "ok", 1: "ok"}
+    assert list(out.iterdir()) == []
 
 
 # ============================================================================================
