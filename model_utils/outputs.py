@@ -191,7 +191,8 @@ def check_outputs(
     The folders the probes create are removed only once every rank has probed (the agreement
     below is a collective): the ranks of a node probe the same new folders at the same moment,
     and one rank removing them while another is about to write its probe there refused a good
-    run ("No such file or directory", seen with 2 ranks in CI; 8 per node race harder)."""
+    run ("No such file or directory", seen with 2 ranks in a fresh-clone make test; 8 per node
+    race harder)."""
     problem = None
     created: list[Path] = []
     for flag, path in output_locations(args).items():

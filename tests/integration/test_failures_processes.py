@@ -149,9 +149,9 @@ def test_lr_inf_exits_2_with_one_line_and_touches_nothing(tmp_path: Path) -> Non
 
 def _probe_race_worker(rank: int, world_size: int, port: int, out_dir: str, results) -> None:
     """The ranks of one node probe the same new checkpoint folder at once. Slowed down to the
-    interleaving CI hit: rank 0 holds the folder it made for 0.3 s (a slow fsync of its second
-    probe, the checkpoint folder's) while rank 1 finds it there and writes its own probe 0.5 s
-    later, after rank 0 is done with its probe."""
+    interleaving a fresh-clone make test hit: rank 0 holds the folder it made for 0.3 s (a slow
+    fsync of its second probe, the checkpoint folder's) while rank 1 finds it there and writes
+    its own probe 0.5 s later, after rank 0 is done with its probe."""
     import argparse
     import time
 
@@ -202,7 +202,8 @@ def test_ranks_of_a_node_probing_one_new_checkpoint_folder_do_not_refuse_the_run
 ) -> None:
     """Every rank probes --checkpoint_dir before training; the folders the probes create go
     only after all ranks have probed, so no rank pulls the folder from under another's probe
-    (which refused a good 2-rank run in CI with "No such file or directory"), and nothing is
+    (which refused a good 2-rank run in a fresh-clone make test with "No such file or
+    directory"), and nothing is
     left behind."""
     out = tmp_path / "run"
     out.mkdir()  # rank 0's run lock has made the run folder by then
