@@ -6,6 +6,7 @@ one-line refusal (exit 2); room for fewer checkpoints than the run keeps is a wa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -100,15 +101,12 @@ def missing_folders(path: Path) -> list[Path]:
 
 
 def remove_folders(folders: list[Path]) -> None:
-    """Remove the empty folders a probe created, deepest first; one that is gone already
-    (another rank of the node removed it) or holds something is left to whoever owns it."""
+    """Remove the folders a probe created, deepest first (so their parents empty in turn). One
+    already gone (another rank of the node removed it) or holding something is left alone:
+    rmdir never removes a folder with anything in it."""
     for folder in folders:
-        try:
+        with contextlib.suppress(OSError):
             folder.rmdir()
-        except FileNotFoundError:
-            continue
-        except OSError:
-            break
 
 
 def _write_probe(flag: str, path: Path) -> str | None:
