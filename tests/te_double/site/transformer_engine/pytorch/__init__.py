@@ -35,6 +35,7 @@ Blackwell (MXFP8) or ``8.0`` for an A100 (no FP8).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -1027,14 +1028,17 @@ def _recompute_replaying_fp8(
             out = function(*inner_args, **inner_kwargs)
             scales.update({k: state.scale.clone() for k, state in delayed_states().items()})
             return out
+        # TE's checkpoint: ``autocast(enabled=fp8, recipe=fp8_recipe)`` around the recompute.
+        outer = autocast(forward_state[0], recipe=forward_state[1]) if own_autocast else None
+        with outer or contextlib.nullcontext():
+            return replay(*inner_args, **inner_kwargs)
+
+    def replay(*inner_args: Any, **inner_kwargs: Any) -> Any:
         saved = (_STATE.snapshot(), _STATE.recompute)
         states = delayed_states()
         current = {k: state.scale.clone() for k, state in states.items() if k in scales}
         _STATE.enabled, _STATE.recipe, _STATE.group = forward_state
         _STATE.recompute = True
-        if own_autocast:
-            _STATE.first_module = _STATE.first_module or _STATE.depth == 0
-            _STATE.depth += 1
         for k, scale in scales.items():
             states[k].scale.copy_(scale)
         try:
@@ -1044,10 +1048,6 @@ def _recompute_replaying_fp8(
             _STATE.recompute = saved[1]
             for k, scale in current.items():
                 states[k].scale.copy_(scale)
-            if own_autocast:
-                _STATE.depth -= 1
-                if forward_state[0] and _STATE.depth == 0 and torch.is_grad_enabled():
-                    _reduce_and_update(forward=True)
 
     if use_reentrant and kwargs:
         return torch.utils.checkpoint.checkpoint(
