@@ -2,6 +2,10 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# pytest-xdist workers for `make test`: most tests wait on subprocesses (imports, torchrun, Slurm),
+# so two workers keep both cores busy. Each test module stays on one worker (--dist loadscope),
+# its module fixtures run once, and tests/conftest.py starts the longest modules first.
+TEST_WORKERS ?= 2
 
 .PHONY: demo test lint format clean
 
@@ -19,7 +23,7 @@ test: $(BIN)/.installed
 	bash scripts/install_test_deps.sh $(VENV)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder tests
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .

@@ -6,19 +6,51 @@ because a GPU or Transformer Engine is present), so unless the run selects the `
 CUDA devices are hidden from this process and the subprocesses it starts, before torch
 initialises CUDA. GPU-tier tests skip themselves without a GPU.
 
+``make test`` runs the CPU tier on two pytest-xdist workers, one test module at a time per worker
+(``--dist loadscope --no-loadscope-reorder``), in the order this file collects them: the modules
+that take minutes first, so that the two workers finish together instead of one waiting alone on
+the Slurm end-to-end tests at the end.
+
 Shared fixtures live here; plain helpers (ports, launching ranks) in ``tests/procs.py``.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
+
+TESTS = Path(__file__).resolve().parent
+
+#: The modules that take minutes on 2 CPU cores, longest first (serial, 2026-11-24: the Slurm
+#: end-to-end ~5 min, train.py's runs ~3.5, low-bit optimizers ~2.5, failure handling ~3,
+#: torch.distributed ~2.5). Every other module keeps its place after them. Only the schedule
+#: depends on this list, never a result.
+LONGEST_FIRST = (
+    "integration/test_slurm_e2e.py",
+    "integration/test_train.py",
+    "integration/test_low_bit_optim_processes.py",
+    "integration/test_failures_processes.py",
+    "integration/test_distributed.py",
+)
 
 
 def pytest_configure(config) -> None:
     if "gpu" not in (config.option.markexpr or ""):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Longest modules first (a stable sort: the rest keep their collected order)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def position(item) -> int:
+        path = Path(item.path)
+        module = path.relative_to(TESTS).as_posix() if path.is_relative_to(TESTS) else ""
+        return rank.get(module, len(LONGEST_FIRST))
+
+    items.sort(key=position)
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ Multi-process tests start their ranks in one of two ways, both here:
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,15 +27,34 @@ SMALL_LLAMA = (
 
 
 def free_port(low: int = 0, high: int = 0) -> int:
-    """A TCP port nobody listens on (any, or the first free one in [low, high))."""
-    for port in range(low, high) if high else [0]:
+    """A TCP port nobody listens on: the first free one in [low, high), or by default one from
+    this pytest-xdist worker's own block (:func:`worker_ports`), tried from a random start."""
+    if high:
+        candidates = list(range(low, high))
+    else:
+        block = worker_ports()
+        start = random.randrange(len(block))
+        candidates = [*block[start:], *block[:start]]
+    for port in candidates:
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return s.getsockname()[1]
-    raise RuntimeError(f"no free port in [{low}, {high})")
+            return port
+    raise RuntimeError(f"no free port in [{candidates[0]}, {candidates[-1]}]")
+
+
+def worker_ports() -> range:
+    """2000 ports for this pytest-xdist worker (gw0: 21000-22999, gw1: 23000-24999, ...; four
+    blocks, then they repeat), so that two workers never pick the same rendezvous port between
+    choosing it and the launched process binding it. All lie below the kernel's ephemeral range
+    (32768+), where the other worker's gloo connections take their local ports, and clear of
+    the ports the launchers derive from a Slurm job id (20000 + id, 29500 + id % 1000)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker.removeprefix("gw")) if worker.removeprefix("gw").isdigit() else 0
+    low = 21000 + 2000 * (index % 4)
+    return range(low, low + 2000)
 
 
 def torchrun_cmd(*argv: str, nproc: int, launcher: tuple[str, ...] | None = None) -> list[str]:
