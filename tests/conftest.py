@@ -23,15 +23,15 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 
-#: The modules that take minutes on 2 CPU cores, longest first (serial, 2026-11-24: the Slurm
-#: end-to-end ~5 min, train.py's runs ~3.5, low-bit optimizers ~2.5, failure handling ~3,
-#: torch.distributed ~2.5). Every other module keeps its place after them. Only the schedule
-#: depends on this list, never a result.
+#: The modules that take minutes on 2 CPU cores, longest first (their tests' summed times in a
+#: two-worker run, 2026-11-24: the Slurm end-to-end 360 s, failure handling 259, train.py's runs
+#: 258, low-bit optimizers 240, torch.distributed 136). Every other module keeps its place after
+#: them. Only the schedule depends on this list, never a result.
 LONGEST_FIRST = (
     "integration/test_slurm_e2e.py",
+    "integration/test_failures_processes.py",
     "integration/test_train.py",
     "integration/test_low_bit_optim_processes.py",
-    "integration/test_failures_processes.py",
     "integration/test_distributed.py",
 )
 

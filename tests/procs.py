@@ -42,7 +42,7 @@ def free_port(low: int = 0, high: int = 0) -> int:
             except OSError:
                 continue
             return port
-    raise RuntimeError(f"no free port in [{candidates[0]}, {candidates[-1]}]")
+    raise RuntimeError(f"no free port in [{min(candidates)}, {max(candidates)}]")
 
 
 def worker_ports() -> range:
@@ -51,8 +51,8 @@ def worker_ports() -> range:
     choosing it and the launched process binding it. All lie below the kernel's ephemeral range
     (32768+), where the other worker's gloo connections take their local ports, and clear of
     the ports the launchers derive from a Slurm job id (20000 + id, 29500 + id % 1000)."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    index = int(worker.removeprefix("gw")) if worker.removeprefix("gw").isdigit() else 0
+    number = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    index = int(number) if number.isdigit() else 0
     low = 21000 + 2000 * (index % 4)
     return range(low, low + 2000)
 
