@@ -120,12 +120,19 @@ def attention_is_deterministic() -> bool:
 
 
 def cudnn_version() -> tuple[int, int, int] | None:
-    """The cuDNN torch loaded, as (major, minor, patch); None without CUDA (cuDNN 9 encodes
-    its version as major * 10000 + minor * 100 + patch)."""
-    if not torch.cuda.is_available() or not torch.backends.cudnn.is_available():
+    """The cuDNN that TE's attention runs on, as TE reports it (its backend choice reads the same
+    number); None without TE.
+
+    Not torch's ``cudnn.version()``: TE loads its own libcudnn, and where that one differs from
+    the cuDNN torch was built with, torch's call raises instead of answering (seen on an H100:
+    torch built on 9.19, TE had loaded 9.14).
+    """
+    try:
+        te = import_te()
+    except TEUnavailableError:
         return None
-    code = torch.backends.cudnn.version()
-    return (code // 10000, code // 100 % 100, code % 100) if code else None
+    major, minor, patch = te.get_cudnn_version()
+    return int(major), int(minor), int(patch)
 
 
 def _te_version(te_module: Any) -> str | None:

@@ -100,6 +100,21 @@ def test_capability_check_refuses_what_te_would_fail_on_after_the_launch(
     _backend("current", head_dim=32).capability_check()
 
 
+def test_the_cudnn_rule_reads_the_cudnn_te_loaded(te_double, monkeypatch) -> None:
+    """On an H100 torch's ``cudnn.version()`` raised (torch built on 9.19, TE had loaded 9.14),
+    so the check asks TE, whose attention backend choice reads the same number."""
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    monkeypatch.setenv("TE_DOUBLE_CUDNN", "9.14.0")
+    assert te_precision.cudnn_version() == (9, 14, 0)
+    with pytest.raises(TECapabilityError, match="needs cuDNN >= 9.19.0, found 9.14.0"):
+        _backend("delayed", head_dim=128).capability_check()
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1")
+    _backend("delayed", head_dim=128).capability_check()
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    monkeypatch.setenv("TE_DOUBLE_CUDNN", "9.19.0")
+    _backend("delayed", head_dim=128).capability_check()
+
+
 def test_without_the_check_te_fails_at_the_first_forward(tmp_path, te_double) -> None:
     """Why train.py checks first: TE (here its double) raises inside the first forward."""
     run = Run("te", True, seed=0, checkpoint_dir=tmp_path)  # head_dim 16, no --fp8_attention

@@ -627,7 +627,20 @@ def test_gpu_matrix_rows_are_train_py_commands_and_the_table_shows_ratios(tmp_pa
         assert parsed.activation_checkpointing == ("--activation_checkpointing" in fixed), name
         assert parsed.ac_scope == ("mlp" if "+AC-mlp" in name else "layer"), name
         assert env in ({}, bench.EXPANDABLE) and ("expandable" in name) == bool(env), name
+        assert parsed.compile == ("+compile" in name), name
+        assert (parsed.master_weights == "optimizer") == ("+masters" in name), name
+        assert (parsed.reshard_after_forward == "never") == ("+no-reshard" in name), name
+        assert parsed.fp8_attention == ("+fp8-attention" in name), name
         assert " " not in cmd[-len(fixed) - len(user) - 1]  # run directory without spaces
+    # The table's shape line parses from a row's own flags: the user's alone may not (the
+    # --fp8_attention of a run on H100 is refused without the --fp8=1 a row supplies).
+    from model_utils.arguments import UsageError
+
+    fixed = next(fixed for name, fixed, _ in bench.LEVER_ROWS if "+fp8-attention" in name)
+    with pytest.raises(UsageError, match="--fp8_attention needs --fp8=1"):
+        parse_args(["--preset=tiny", "--fp8_attention"])
+    shape = bench.shape_line(args, ["--fp8_attention", *fixed], per_row_batch=True)
+    assert "micro-batch per row" in shape and "preset tiny" in shape
     assert set(bench.BASELINES["levers"]) <= {name for name, *_ in bench.LEVER_ROWS}
     rows = [
         bench.Row("hf-bf16", "train", 1000.0, 100.0, 10.0),

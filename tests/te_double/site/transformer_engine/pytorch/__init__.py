@@ -63,6 +63,7 @@ __all__ = [
     "distributed",
     "fp8_autocast",
     "fp8_model_init",
+    "get_cudnn_version",
     "get_device_compute_capability",
     "is_fp8_available",
     "is_fp8_block_scaling_available",
@@ -84,6 +85,13 @@ def get_device_compute_capability() -> tuple[int, int]:
     """The emulated GPU's SM version (``TE_DOUBLE_SM``, default 9.0)."""
     major, minor = os.environ.get("TE_DOUBLE_SM", "9.0").split(".")
     return int(major), int(minor)
+
+
+def get_cudnn_version() -> tuple[int, int, int]:
+    """The emulated runtime cuDNN (``TE_DOUBLE_CUDNN``, default 9.19.0): TE's own answer, from
+    the libcudnn TE loaded, which need not be the one torch was built with."""
+    major, minor, patch = os.environ.get("TE_DOUBLE_CUDNN", "9.19.0").split(".")
+    return int(major), int(minor), int(patch)
 
 
 def _answer(ok: bool, reason: str, return_reason: bool) -> bool | tuple[bool, str]:
