@@ -21,6 +21,9 @@
 #           8k sequence: bench_activation_checkpointing.py); then te-fp8 mb4 without AC, with
 #           every other layer recomputed, and with only the MLPs recomputed (--ac_scope mlp:
 #           TE's LayerNormMLP recompute), and mb6 with the MLPs                        ~7 min
+#   best    the levers that held the loss, together (--compile, --master_weights optimizer,
+#           --reshard_after_forward never) at mb4, on te-fp8 and on te-bf16: FP8's speed-up
+#           with the same levers on both sides                                         ~3 min
 #   tier    the GPU test tier's FP8-attention, MLP-recompute, master-weights, FP8-weights
 #           and validation tests and the one-seed test                                   ~8 min
 #
@@ -29,11 +32,11 @@
 #
 # One session's 30 device-minutes hold the TE set-up (7 transfers) and about 20 minutes of
 # phases, not all 31. `loss` needs no TE: run it in the call that carries chunk0. Then, most
-# informative first: levers (the goal table), masters, ac, reshard, compile, tier.
+# informative first: levers (the goal table), masters, ac, reshard, compile, best, tier.
 set -euo pipefail
 
-phase=${1:?usage: bash benchmarks/gpu_levers.sh loss|levers|masters|compile|reshard|ac|tier OUT_DIR}
-out=${2:?usage: bash benchmarks/gpu_levers.sh loss|levers|masters|compile|reshard|ac|tier OUT_DIR}
+phase=${1:?usage: bash benchmarks/gpu_levers.sh loss|levers|masters|compile|reshard|ac|best|tier OUT_DIR}
+out=${2:?usage: bash benchmarks/gpu_levers.sh loss|levers|masters|compile|reshard|ac|best|tier OUT_DIR}
 mkdir -p "$out"
 python=${PYTHON:-python3}
 slice=(-- --num_layers 4 --dataset data/kjv.jsonl.gz --tokenizer data/tokenizer)
@@ -61,6 +64,9 @@ matrix() {
     compile)
         matrix "te-fp8 mb2,te-fp8 mb2 +compile,te-fp8 mb4 +expandable,te-fp8 mb4 +compile +expandable"
         ;;
+    best)
+        matrix "te-fp8 mb4 +compile +masters +no-reshard +expandable,te-bf16 mb4 +compile +masters +no-reshard +expandable"
+        ;;
     reshard)
         matrix "te-fp8 mb4 +expandable,te-fp8 mb4 +no-reshard +expandable"
         ;;
@@ -74,7 +80,7 @@ matrix() {
         "$python" -m pytest -m gpu tests/integration/test_gpu.py -k "fp8_attention or mlp_recompute or one_seed or master_weights or fp8_weights or validation" -v
         ;;
     *)
-        echo "unknown phase $phase: loss, levers, masters, compile, reshard, ac or tier" >&2
+        echo "unknown phase $phase: loss, levers, masters, compile, reshard, ac, best or tier" >&2
         exit 2
         ;;
     esac

@@ -351,7 +351,15 @@ def test_fp8_attention_trains_close_to_fp8_gemms_and_resumes(runs) -> None:
     gemms_only = runs / "te-delayed-head128"
     ok(train(gemms_only, *TE_DELAYED, *HEAD_128, deterministic=deterministic))
     out = runs / "te-delayed-fp8-attention"
-    result = train(out, *TE_DELAYED, *HEAD_128, "--fp8_attention", deterministic=deterministic)
+    result = train(
+        out,
+        *TE_DELAYED,
+        *HEAD_128,
+        "--fp8_attention",
+        "--checkpoint_freq=5",
+        "--keep_last=0",
+        deterministic=deterministic,
+    )
     ok(result)
     assert "fp8_attention=True" in result.stdout + result.stderr
     got, base = trains(out), trains(gemms_only)
@@ -373,10 +381,30 @@ def test_fp8_attention_where_te_has_no_backend_is_refused_in_one_line(runs) -> N
     needs_te()
     if not (9, 0) <= sm() < (10, 0):
         pytest.skip("the head_dim rule is Hopper's")
-    result = train(runs / "fp8-attention-head64", *TE_DELAYED, "--fp8_attention")
+    # Non-deterministic, so that head_dim is the only rule in the way (on the H100 of
+    # 2026-11-24 TE had loaded cuDNN 9.14, and deterministic FP8 attention needs 9.19).
+    result = train(
+        runs / "fp8-attention-head64", *TE_DELAYED, "--fp8_attention", deterministic=False
+    )
     assert result.returncode == 2
     message = message_lines(result.stderr)
     assert len(message) == 1 and "needs head_dim 128" in message[0], message
+
+
+def test_deterministic_fp8_attention_on_an_old_cudnn_is_refused_in_one_line(runs) -> None:
+    """The cuDNN rule reads the cuDNN TE loaded (torch's own query raised there)."""
+    needs_te()
+    from model_utils.te_precision import cudnn_version
+    from model_utils.te_requirements import FP8_ATTENTION_DETERMINISTIC_MIN_CUDNN
+
+    found = cudnn_version()
+    if sm() < (9, 0) or found is None or found >= FP8_ATTENTION_DETERMINISTIC_MIN_CUDNN:
+        pytest.skip("needs Hopper and a cuDNN older than 9.19 loaded by TE")
+    result = train(runs / "fp8-attention-old-cudnn", *TE_DELAYED, *HEAD_128, "--fp8_attention")
+    assert result.returncode == 2
+    message = message_lines(result.stderr)
+    version = ".".join(map(str, found))
+    assert len(message) == 1 and f"needs cuDNN >= 9.19.0, found {version}" in message[0], message
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "current"])

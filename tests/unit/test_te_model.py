@@ -572,7 +572,7 @@ def test_gpu_levers_script_names_only_rows_the_matrix_has(capsys) -> None:
 
     script = (bench.ROOT / "benchmarks" / "gpu_levers.sh").read_text()
     selections = re.findall(r'^\s*matrix "([^"]+)"$', script, flags=re.M)
-    assert len(selections) == 5  # levers, masters, compile, reshard, ac
+    assert len(selections) == 6  # levers, masters, compile, reshard, ac, best
     for only in selections:
         assert bench.selection_problems("levers", only) == [], only
         bench.parse_args(["--modes", "levers", "--only", only])
