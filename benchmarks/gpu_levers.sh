@@ -27,6 +27,11 @@
 #   tier    the GPU test tier's FP8-attention, MLP-recompute, master-weights, FP8-weights
 #           and validation tests and the one-seed test                                   ~8 min
 #
+# TE loads the CUDA toolkit's cuDNN before pip's: where that is older than torch's (9.14 against
+# 9.19 on the H100 of 2026-11-24), FP8 attention runs on the older one and is refused in
+# deterministic mode. To run TE on torch's cuDNN, first:
+#   export CUDNN_HOME=$(python3 -c "import nvidia.cudnn as m; print(m.__path__[0])")
+#
 # Everything a phase prints goes to OUT_DIR/PHASE.log as well; the matrix rows' run folders
 # (metrics.jsonl) go to OUT_DIR/PHASE/.
 #
