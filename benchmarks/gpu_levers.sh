@@ -35,9 +35,10 @@
 # Everything a phase prints goes to OUT_DIR/PHASE.log as well; the matrix rows' run folders
 # (metrics.jsonl) go to OUT_DIR/PHASE/.
 #
-# One session's 30 device-minutes hold the TE set-up (7 transfers) and about 20 minutes of
-# phases, not all 31. `loss` needs no TE: run it in the call that carries chunk0. Then, most
-# informative first: levers (the goal table), masters, ac, reshard, compile, best, tier.
+# One session's 30 device-minutes hold the TE set-up (6 transfers, about 90 s on 2026-11-24:
+# the small wheels and the last chunk fit one call) and about 25 minutes of phases, not all 34.
+# `loss` needs no TE: run it while the chunks travel. Then, most informative first: levers
+# (the goal table), masters, ac, reshard, compile, best, tier.
 set -euo pipefail
 
 phase=${1:?usage: bash benchmarks/gpu_levers.sh loss|levers|masters|compile|reshard|ac|best|tier OUT_DIR}
