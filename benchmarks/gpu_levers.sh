@@ -36,7 +36,7 @@
 # (metrics.jsonl) go to OUT_DIR/PHASE/.
 #
 # One session's 30 device-minutes hold the TE set-up (6 transfers, about 90 s on 2026-11-24:
-# the small wheels and the last chunk fit one call) and about 25 minutes of phases, not all 34.
+# the small wheels and the last chunk fit one call) and about 25 minutes of phases, not all 39.
 # `loss` needs no TE: run it while the chunks travel. Then, most informative first: levers
 # (the goal table), masters, ac, reshard, compile, best, tier.
 set -euo pipefail
