@@ -94,6 +94,13 @@ LEVER_ROWS: tuple[tuple[str, tuple[str, ...], dict[str, str]], ...] = (
         (*TE_FP8, "--train_batch_size=4", "--compile"),
         EXPANDABLE,
     ),
+    # torchao's float8 (tensorwise, float8 all-gather) under the same levers as the fastest TE
+    # row: the two FP8 paths compared where each is at its best.
+    (
+        "torchao-fp8 mb4 +ag +compile +expandable",
+        ("--model_impl=hf", "--fp8=1", "--fp8_all_gather", "--train_batch_size=4", "--compile"),
+        EXPANDABLE,
+    ),
     # The levers that changed no loss beyond run-to-run noise, together, on each precision:
     # FP8's speed-up measured with the same levers on both sides.
     (

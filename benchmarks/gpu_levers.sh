@@ -24,32 +24,41 @@
 #   best    the levers that held the loss, together (--compile, --master_weights optimizer,
 #           --reshard_after_forward never) at mb4, on te-fp8 and on te-bf16: FP8's speed-up
 #           with the same levers on both sides                                         ~3 min
-#   tier    the GPU test tier's FP8-attention, MLP-recompute, master-weights, FP8-weights
-#           and validation tests and the one-seed test                                   ~8 min
+#   tier    the GPU test tier's cuDNN, FP8-attention, MLP-recompute, master-weights,
+#           FP8-weights and validation tests and the one-seed test                       ~9 min
+#   attention  te-fp8 mb4 with and without --fp8_attention, TE now on torch's cuDNN (9.19 on
+#           the lent H100s; it was 7% slower on the toolkit's 9.14)                     ~3 min
+#   torchao torchao's float8 (tensorwise + float8 all-gather) against TE's delayed scaling,
+#           both at mb4 under --compile: the torchao/te goal with every lever on both   ~3 min
+#   depth   te-bf16 and te-fp8 at mb2 with 4 and with 8 layers: the FP8 speed-up as lm_head's
+#           share of the work shrinks (8 layers: ~72 GiB by arithmetic, fits an H100)  ~5 min
 #
-# TE loads the CUDA toolkit's cuDNN before pip's: where that is older than torch's (9.14 against
-# 9.19 on the H100 of 2026-11-24), FP8 attention runs on the older one and is refused in
-# deterministic mode. To run TE on torch's cuDNN, first:
-#   export CUDNN_HOME=$(python3 -c "import nvidia.cudnn as m; print(m.__path__[0])")
+# TE searches the CUDA toolkit for cuDNN before pip's: on the H100 of 2026-11-24 it loaded 9.14
+# beside torch's 9.19, and deterministic FP8 attention was refused. train.py now points TE at
+# torch's cuDNN itself (model_utils/te_loader.py; the start-up line says which one TE runs on);
+# `tier` checks that on the GPU.
 #
 # Everything a phase prints goes to OUT_DIR/PHASE.log as well; the matrix rows' run folders
-# (metrics.jsonl) go to OUT_DIR/PHASE/.
+# (metrics.jsonl) go to OUT_DIR/PHASE-LAYERS-layers/.
 #
 # One session's 30 device-minutes hold the TE set-up (6 transfers, about 90 s on 2026-11-24:
-# the small wheels and the last chunk fit one call) and about 25 minutes of phases, not all 39.
-# `loss` needs no TE: run it while the chunks travel. Then, most informative first: levers
-# (the goal table), masters, ac, reshard, compile, best, tier.
+# the small wheels and the last chunk fit one call) and about 25 minutes of phases, not all 51.
+# `loss` needs no TE: run it while the chunks travel. Measured on 2026-11-24: loss, levers,
+# masters, compile, reshard, best, most of ac and tier. Next, most informative first: tier,
+# attention, torchao, depth, ac.
 set -euo pipefail
 
-phase=${1:?usage: bash benchmarks/gpu_levers.sh loss|levers|masters|compile|reshard|ac|best|tier OUT_DIR}
-out=${2:?usage: bash benchmarks/gpu_levers.sh loss|levers|masters|compile|reshard|ac|best|tier OUT_DIR}
+usage="usage: bash benchmarks/gpu_levers.sh loss|levers|masters|compile|reshard|ac|best|tier|attention|torchao|depth OUT_DIR"
+phase=${1:?$usage}
+out=${2:?$usage}
 mkdir -p "$out"
 python=${PYTHON:-python3}
-slice=(-- --num_layers 4 --dataset data/kjv.jsonl.gz --tokenizer data/tokenizer)
-
+# matrix ROWS [LAYERS]: the rows on a slice of LAYERS Llama3-8B layers (default 4).
 matrix() {
+    local layers=${2:-4}
     "$python" benchmarks/bench_gpu_matrix.py --preset llama3-8b --nproc 1 --max_steps 20 \
-        --modes levers --out "$out/$phase" --only "$1" "${slice[@]}"
+        --modes levers --out "$out/$phase-$layers-layers" --only "$1" \
+        -- --num_layers "$layers" --dataset data/kjv.jsonl.gz --tokenizer data/tokenizer
 }
 
 {
@@ -83,10 +92,20 @@ matrix() {
         matrix "te-fp8 mb4 +expandable,te-fp8 mb4 +AC/2 +expandable,te-fp8 mb4 +AC-mlp +expandable,te-fp8 mb6 +AC-mlp +expandable"
         ;;
     tier)
-        "$python" -m pytest -m gpu tests/integration/test_gpu.py -k "fp8_attention or mlp_recompute or one_seed or master_weights or fp8_weights or validation" -v
+        "$python" -m pytest -m gpu tests/integration/test_gpu.py -k "cudnn or fp8_attention or mlp_recompute or one_seed or master_weights or fp8_weights or validation" -v --durations=0
+        ;;
+    attention)
+        matrix "te-fp8 mb4 +expandable,te-fp8 mb4 +fp8-attention +expandable"
+        ;;
+    torchao)
+        matrix "torchao-fp8 mb4 +ag +compile +expandable,te-fp8 mb4 +compile +expandable"
+        ;;
+    depth)
+        matrix "te-bf16 mb2,te-fp8 mb2"
+        (export PYTORCH_ALLOC_CONF=expandable_segments:True && matrix "te-bf16 mb2,te-fp8 mb2" 8)
         ;;
     *)
-        echo "unknown phase $phase: loss, levers, masters, compile, reshard, ac, best or tier" >&2
+        echo "unknown phase $phase: loss, levers, masters, compile, reshard, ac, best, tier, attention, torchao or depth" >&2
         exit 2
         ;;
     esac

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from model_utils import te_loader
 from model_utils.arguments import FP8_ATTENTION_RECIPES, TE_RECIPES
 from model_utils.te_requirements import (
     REQUIREMENTS,
@@ -67,7 +68,9 @@ FP8_WEIGHTS_TRAINING_REFUSAL = (
 
 
 def import_recipe_module() -> Any:
-    """``transformer_engine.common.recipe`` (lazy: TE may be absent)."""
+    """``transformer_engine.common.recipe`` (lazy: TE may be absent; it loads cuDNN, so first
+    point it at torch's, as ``import_te`` does)."""
+    te_loader.align_te_cudnn()
     return importlib.import_module("transformer_engine.common.recipe")
 
 
@@ -343,10 +346,11 @@ class TEBackend:
         )
         if self.masters_in_optimizer:
             activations += "; bf16 parameters, fp32 master weights in the optimizer"
+        cudnn = _describe_cudnn()
         if not self.fp8:
             return (
                 f"model_impl={self.model_impl} precision=TE, fp8 off (same TE modules); "
-                f"{activations}"
+                f"{activations}{cudnn}"
             )
         options = ", ".join(f"{k}={v}" for k, v in self._recipe_kwargs.items())
         group = "default group" if self.dp_group is None else "data-parallel group"
@@ -354,8 +358,18 @@ class TEBackend:
         return (
             f"model_impl={self.model_impl} precision=TE FP8 recipe={self.recipe_name} "
             f"({TE_RECIPES[self.recipe_name]}: {options}); {activations}; "
-            f"weights {weights}; amax reduction over the {group}"
+            f"weights {weights}; amax reduction over the {group}{cudnn}"
         )
+
+
+def _describe_cudnn() -> str:
+    """Which cuDNN TE runs on, for the start-up line: FP8 attention's rules and torch's own
+    cuDNN calls depend on it (``te_loader``)."""
+    version = cudnn_version()
+    if version is None:
+        return ""
+    home = os.environ.get("CUDNN_HOME")
+    return f"; TE's cuDNN {'.'.join(map(str, version))}" + (f" from {home}" if home else "")
 
 
 def check_requirements(args: Any, training: bool = True) -> None:

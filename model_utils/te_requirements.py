@@ -201,7 +201,8 @@ def fp8_attention_problem(
         return (
             f"--fp8_attention in deterministic mode (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 or torch's "
             f"deterministic algorithms) needs cuDNN >= {need}, found {'.'.join(map(str, cudnn))}: "
-            "allow non-deterministic algorithms or drop --fp8_attention"
+            "allow non-deterministic algorithms, point TE at a newer cuDNN (CUDNN_HOME), or "
+            "drop --fp8_attention"
         )
     if tuple(sm) >= (10, 0):
         return None

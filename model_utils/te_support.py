@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from model_utils.distributed import canonical_param_name
+from model_utils.te_loader import align_te_cudnn
 
 #: Attribute of te_llama's decoder layer holding the TE ``TransformerLayer``: a parameter name
 #: containing it belongs to the fused ``te`` layout (QKV in one weight, gate/up in ``fc1``).
@@ -38,7 +39,11 @@ class TEUnavailableError(ImportError):
 
 
 def import_te() -> ModuleType:
-    """Return ``transformer_engine.pytorch`` or raise a one-line, actionable error."""
+    """Return ``transformer_engine.pytorch`` or raise a one-line, actionable error.
+
+    TE is first pointed at the cuDNN torch runs on (``te_loader``): it loads its own at import.
+    """
+    align_te_cudnn()
     try:
         return importlib.import_module("transformer_engine.pytorch")
     except ImportError as err:  # also catches a TE build that cannot load its CUDA library

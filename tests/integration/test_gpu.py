@@ -85,12 +85,16 @@ def recipe_runs_here(recipe: str) -> bool:
     return {"mxfp8": sm() >= (10, 0), "block": sm() >= (9, 0)}.get(recipe, sm() >= (8, 9))
 
 
-def train(out: Path, *flags: str, deterministic: bool = True) -> subprocess.CompletedProcess:
-    """train.py on SMALL; TE's deterministic algorithms unless ``deterministic`` is False."""
+def train(
+    out: Path, *flags: str, deterministic: bool = True, cudnn_home: str | None = None
+) -> subprocess.CompletedProcess:
+    """train.py on SMALL; TE's deterministic algorithms unless ``deterministic`` is False; TE's
+    cuDNN chosen by the user's ``CUDNN_HOME`` where ``cudnn_home`` is given."""
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
         "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0" if deterministic else "1",
+        **({"CUDNN_HOME": cudnn_home} if cudnn_home else {}),
     }
     return subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *SMALL, f"--output_dir={out}", *flags],
@@ -391,16 +395,59 @@ def test_fp8_attention_where_te_has_no_backend_is_refused_in_one_line(runs) -> N
     assert len(message) == 1 and "needs head_dim 128" in message[0], message
 
 
-def test_deterministic_fp8_attention_on_an_old_cudnn_is_refused_in_one_line(runs) -> None:
-    """The cuDNN rule reads the cuDNN TE loaded (torch's own query raised there)."""
+#: Prints the cuDNN TE runs on and the one torch runs on, after the project's TE import.
+_CUDNN_PROBE = """
+import torch
+from model_utils.te_support import import_te
+te = import_te()
+v = torch.backends.cudnn.version()
+print(tuple(te.get_cudnn_version()), (v // 10000, v % 10000 // 100, v % 100))
+"""
+
+
+def cudnn_versions(cudnn_home: str | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(TE's cuDNN, torch's cuDNN) in a fresh process, without or with a user's CUDNN_HOME."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDNN_HOME", "CUDNN_PATH")}
+    env |= {"CUDNN_HOME": cudnn_home} if cudnn_home else {}
+    probe = subprocess.run(
+        [sys.executable, "-c", _CUDNN_PROBE], capture_output=True, text=True, cwd=ROOT, env=env
+    )
+    assert probe.returncode == 0, probe.stderr
+    te_version, torch_version = re.findall(r"\(([\d, ]+)\)", probe.stdout)
+    return (
+        tuple(int(x) for x in te_version.split(",")),
+        tuple(int(x) for x in torch_version.split(",")),
+    )
+
+
+def test_te_runs_on_the_cudnn_torch_runs_on() -> None:
+    """te_loader points TE's cuDNN search at torch's libcudnn: one cuDNN in the process, and
+    torch's own ``cudnn.version()`` answers (on the H100 of 2026-11-24, TE alone loaded the
+    toolkit's 9.14 beside torch's 9.19, and that call raised)."""
     needs_te()
-    from model_utils.te_precision import cudnn_version
+    te_cudnn, torch_cudnn = cudnn_versions()
+    assert te_cudnn == torch_cudnn
+
+
+def test_deterministic_fp8_attention_on_an_old_cudnn_is_refused_in_one_line(runs) -> None:
+    """The cuDNN rule reads the cuDNN TE loaded; here the user points TE (CUDNN_HOME) at the
+    CUDA toolkit's cuDNN, where that one is older than 9.19."""
+    needs_te()
     from model_utils.te_requirements import FP8_ATTENTION_DETERMINISTIC_MIN_CUDNN
 
-    found = cudnn_version()
-    if sm() < (9, 0) or found is None or found >= FP8_ATTENTION_DETERMINISTIC_MIN_CUDNN:
-        pytest.skip("needs Hopper and a cuDNN older than 9.19 loaded by TE")
-    result = train(runs / "fp8-attention-old-cudnn", *TE_DELAYED, *HEAD_128, "--fp8_attention")
+    toolkit = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    if sm() < (9, 0) or not list(Path(toolkit).glob("**/libcudnn.so*")):
+        pytest.skip(f"needs Hopper and a cuDNN in the CUDA toolkit ({toolkit})")
+    found, _ = cudnn_versions(toolkit)
+    if found >= FP8_ATTENTION_DETERMINISTIC_MIN_CUDNN:
+        pytest.skip(f"the toolkit's cuDNN is {found}, not older than 9.19")
+    result = train(
+        runs / "fp8-attention-old-cudnn",
+        *TE_DELAYED,
+        *HEAD_128,
+        "--fp8_attention",
+        cudnn_home=toolkit,
+    )
     assert result.returncode == 2
     message = message_lines(result.stderr)
     version = ".".join(map(str, found))

@@ -20,7 +20,10 @@ import ast
 import dataclasses
 import functools
 import inspect
+import os
+import shutil
 import subprocess
+import sys
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -685,3 +688,51 @@ def test_fp8_parameters_take_the_calls_master_weights_makes(te_source: TESource,
     ):
         for name in ("quantize_", "dequantize"):
             _method(te_source, f"transformer_engine.pytorch.tensor.{where}", cls, name)
+
+
+#: The release's own cuDNN search, run in a fresh process after a stand-in for torch's cuDNN was
+#: opened as torch from PyPI opens it (``dlopen``, RTLD_LOCAL); it prints every libcudnn mapped.
+_LOADER_SCRIPT = """
+import ctypes, functools, glob, os, platform, sys
+sys.path.insert(0, {root!r})
+ctypes.CDLL({torch_cudnn!r})
+if {align}:
+    from model_utils import te_loader
+    te_loader.align_te_cudnn()
+exec(compile({loader!r}, "transformer_engine/common/__init__.py", "exec"))
+found, _ = _load_cuda_library_from_system("cudnn")
+maps = open("/proc/self/maps").read().splitlines()
+print(found, sorted({{line.split()[-1] for line in maps if "/libcudnn.so" in line}}))
+"""
+
+
+@pytest.mark.parametrize("align", [False, True], ids=["te-alone", "aligned"])
+def test_te_opens_the_cudnn_torch_has_open(te_source: TESource, tmp_path, align: bool) -> None:
+    """te_loader against each release's real loader (``_load_cuda_library_from_system`` and
+    ``_get_sys_extension``, executed from the wheel's source) and real ``dlopen``: with a
+    toolkit cuDNN under CUDA_HOME, TE alone opens that second library beside torch's (what the
+    H100 showed: 9.14 beside 9.19); pointed by te_loader, it finds torch's, and the process
+    keeps one."""
+    from test_te_loader import real_shared_object
+
+    torch_cudnn = tmp_path / "site-packages" / "nvidia" / "cudnn" / "lib" / "libcudnn.so.9"
+    toolkit_cudnn = tmp_path / "cuda" / "lib64" / "libcudnn.so.9"
+    for lib in (torch_cudnn, toolkit_cudnn):  # two files: two libraries to the dynamic loader
+        lib.parent.mkdir(parents=True)
+        shutil.copy(real_shared_object(), lib)
+    common = te_source.modules["transformer_engine.common"]
+    wanted = {"_get_sys_extension", "_load_cuda_library_from_system"}
+    functions = [n for n in common.body if isinstance(n, ast.FunctionDef) and n.name in wanted]
+    assert len(functions) == len(wanted), "TE's cuDNN loader changed: re-read te_loader"
+    loader = ast.unparse(ast.Module(body=functions, type_ignores=[]))
+    script = _LOADER_SCRIPT.format(
+        root=str(ROOT), torch_cudnn=str(torch_cudnn), align=align, loader=loader
+    )
+    env = {k: v for k, v in os.environ.items() if "CUDNN" not in k and k != "CUDA_PATH"}
+    env["CUDA_HOME"] = str(tmp_path / "cuda")
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    expected = [str(torch_cudnn)] if align else sorted([str(torch_cudnn), str(toolkit_cudnn)])
+    assert result.stdout.strip() == f"True {expected}"

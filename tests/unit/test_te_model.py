@@ -571,8 +571,9 @@ def test_gpu_levers_script_names_only_rows_the_matrix_has(capsys) -> None:
     from benchmarks import bench_gpu_matrix as bench
 
     script = (bench.ROOT / "benchmarks" / "gpu_levers.sh").read_text()
-    selections = re.findall(r'^\s*matrix "([^"]+)"$', script, flags=re.M)
-    assert len(selections) == 6  # levers, masters, compile, reshard, ac, best
+    selections = re.findall(r'matrix "([^"]+)"(?: \d+)?\)?$', script, flags=re.M)
+    # levers, masters, compile, best, reshard, ac, attention, torchao, depth (4 and 8 layers)
+    assert len(selections) == 10
     for only in selections:
         assert bench.selection_problems("levers", only) == [], only
         bench.parse_args(["--modes", "levers", "--only", only])
