@@ -632,6 +632,9 @@ def test_gpu_matrix_rows_are_train_py_commands_and_the_table_shows_ratios(tmp_pa
         assert (parsed.master_weights == "optimizer") == ("+masters" in name), name
         assert (parsed.reshard_after_forward == "never") == ("+no-reshard" in name), name
         assert parsed.fp8_attention == ("+fp8-attention" in name), name
+        impl, kind = name.split()[0].split("-")
+        assert (parsed.model_impl, parsed.fp8) == ({"torchao": "hf"}.get(impl, impl), kind == "fp8")
+        assert parsed.fp8_all_gather == ("+ag" in name), name
         assert " " not in cmd[-len(fixed) - len(user) - 1]  # run directory without spaces
     # The table's shape line parses from a row's own flags: the user's alone may not (the
     # --fp8_attention of a run on H100 is refused without the --fp8=1 a row supplies).
