@@ -74,11 +74,13 @@ def align_te_cudnn() -> str | None:
     Called by every TE import in the project, before it. Child processes inherit the variable,
     which is what they need too: they import the same torch.
     """
+    if "transformer_engine" in sys.modules:  # every later import: TE's cuDNN is loaded for good
+        return None
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:  # not Linux: no TE build either
         return None
-    folder = cudnn_home_for_te(os.environ, maps, "transformer_engine" in sys.modules)
+    folder = cudnn_home_for_te(os.environ, maps, te_imported=False)
     if folder is not None:
         os.environ["CUDNN_HOME"] = folder
     return folder
