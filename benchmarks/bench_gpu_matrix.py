@@ -11,6 +11,13 @@ Rows: hf-bf16, te-bf16, te_linear-fp8, te-fp8 per TE recipe, torchao-fp8 (tensor
 all-gather, rowwise). Columns: tokens/s/GPU, TFLOP/s/GPU, peak memory, speed-up over hf-bf16 and
 over te-bf16 (the fair "FP8 alone" ratio: same TE model with FP8 off). A row whose recipe the GPU
 or TE cannot run is listed with train.py's one-line reason. Refuses without a CUDA GPU (exit 2).
+
+`--modes levers` runs issue 12's speed and memory levers (micro-batch, loss, compile, master
+weights, resharding, AC, FP8 attention, torchao); `--only` picks rows and `--vs ROW` compares
+every row with one of them, measured in the same run:
+
+    python benchmarks/bench_gpu_matrix.py --preset llama3-8b --nproc 1 --modes levers \
+        --only "te-bf16 mb2,te-fp8 mb2" --vs "te-bf16 mb2" -- --num_layers 8
 """
 
 from __future__ import annotations
@@ -226,8 +233,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         default="train,infer",
         help="comma-separated: train (the matrix), levers (issue 12's rows), infer",
     )
+    parser.add_argument(
+        "--vs",
+        default="",
+        help="a row every row of its mode is compared with in column A (e.g. te-bf16 against "
+        "te-fp8 on one slice); default: the mode's own baseline",
+    )
     args, extra = parser.parse_known_args(argv)
-    for problem in selection_problems(args.modes, args.only):
+    for problem in selection_problems(args.modes, args.only, args.vs):
         parser.error(problem)  # one line, exit 2, before any GPU work
     return args, [a for a in extra if a != "--"]
 
@@ -239,9 +252,9 @@ MODES: dict[str, tuple[str, ...]] = {
 }
 
 
-def selection_problems(modes: str, only: str) -> list[str]:
-    """What is wrong with ``--modes``/``--only``: a misspelt row name would otherwise run
-    nothing and spend a GPU call on an empty table."""
+def selection_problems(modes: str, only: str, vs: str = "") -> list[str]:
+    """What is wrong with ``--modes``/``--only``/``--vs``: a misspelt row name would otherwise
+    run nothing and spend a GPU call on an empty table, or print a table without its ratio."""
     chosen = [m for m in modes.split(",") if m]
     problems = [
         f"--modes: unknown mode {m!r}; choose from {', '.join(MODES)}"
@@ -255,6 +268,9 @@ def selection_problems(modes: str, only: str) -> list[str]:
                 f"--only: no row {name!r} in --modes {modes} "
                 f"(rows: {'; '.join(sorted(known)) or 'none'})"
             )
+    selected = [n for n in only.split(",") if n] or known
+    if vs and vs not in selected:
+        problems.append(f"--vs: {vs!r} is not among the rows that run; add it to --only")
     return problems
 
 
@@ -393,13 +409,20 @@ BASELINES = {
 }
 
 
-def render(rows: list[Row], shape: str = "") -> str:
+def baselines_with(vs: str) -> dict[str, tuple[str, str]]:
+    """The ratio baselines, with ``--vs`` as column A of the mode holding that row."""
+    if not vs:
+        return dict(BASELINES)
+    return {mode: (vs, b) if vs in MODES[mode] else (a, b) for mode, (a, b) in BASELINES.items()}
+
+
+def render(rows: list[Row], shape: str = "", baselines: dict | None = None) -> str:
     header = (
         f"{'mode':<6} {'row':<34} {'tokens/s/GPU':>13} {'wall tok/s':>11} {'TFLOP/s':>8} "
         f"{'peak GiB':>9} {'vs A':>6} {'vs B':>6}  note"
     )
     lines = [shape, header, "-" * len(header)] if shape else [header, "-" * len(header)]
-    for mode, (a, b) in BASELINES.items():
+    for mode, (a, b) in (baselines or BASELINES).items():
         mode_rows = [r for r in rows if r.mode == mode]
         if not mode_rows:
             continue
@@ -470,7 +493,8 @@ def main(argv: list[str] | None = None) -> int:
             ran.append([*flags, *extra])
             print(f"  done infer {name}", flush=True)
     levers_ran = any(row.mode == "levers" for row in rows)
-    print(render(rows, shape_line(args, ran[0] if ran else extra, levers_ran)))
+    shape = shape_line(args, ran[0] if ran else extra, levers_ran)
+    print(render(rows, shape, baselines_with(args.vs)))
     return 0
 
 

@@ -53,11 +53,12 @@ phase=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
 python=${PYTHON:-python3}
-# matrix ROWS [LAYERS]: the rows on a slice of LAYERS Llama3-8B layers (default 4).
+# matrix ROWS [LAYERS [VS]]: the rows on a slice of LAYERS Llama3-8B layers (default 4), with
+# each row's speed over row VS's in column A of the table (default: the hf-loss baselines).
 matrix() {
-    local layers=${2:-4}
+    local layers=${2:-4} vs=${3:-}
     "$python" benchmarks/bench_gpu_matrix.py --preset llama3-8b --nproc 1 --max_steps 20 \
-        --modes levers --out "$out/$phase-$layers-layers" --only "$1" \
+        --modes levers --out "$out/$phase-$layers-layers" --only "$1" ${vs:+--vs "$vs"} \
         -- --num_layers "$layers" --dataset data/kjv.jsonl.gz --tokenizer data/tokenizer
 }
 
@@ -95,14 +96,14 @@ matrix() {
         "$python" -m pytest -m gpu tests/integration/test_gpu.py -k "cudnn or fp8_attention or mlp_recompute or one_seed or master_weights or fp8_weights or validation" -v --durations=0
         ;;
     attention)
-        matrix "te-fp8 mb4 +expandable,te-fp8 mb4 +fp8-attention +expandable"
+        matrix "te-fp8 mb4 +expandable,te-fp8 mb4 +fp8-attention +expandable" 4 "te-fp8 mb4 +expandable"
         ;;
     torchao)
-        matrix "torchao-fp8 mb4 +ag +compile +expandable,te-fp8 mb4 +compile +expandable"
+        matrix "torchao-fp8 mb4 +ag +compile +expandable,te-fp8 mb4 +compile +expandable" 4 "te-fp8 mb4 +compile +expandable"
         ;;
     depth)
-        matrix "te-bf16 mb2,te-fp8 mb2"
-        (export PYTORCH_ALLOC_CONF=expandable_segments:True && matrix "te-bf16 mb2,te-fp8 mb2" 8)
+        matrix "te-bf16 mb2,te-fp8 mb2" 4 "te-bf16 mb2"
+        (export PYTORCH_ALLOC_CONF=expandable_segments:True && matrix "te-bf16 mb2,te-fp8 mb2" 8 "te-bf16 mb2")
         ;;
     *)
         echo "unknown phase $phase: loss, levers, masters, compile, reshard, ac, best, tier, attention, torchao or depth" >&2

@@ -571,12 +571,12 @@ def test_gpu_levers_script_names_only_rows_the_matrix_has(capsys) -> None:
     from benchmarks import bench_gpu_matrix as bench
 
     script = (bench.ROOT / "benchmarks" / "gpu_levers.sh").read_text()
-    selections = re.findall(r'matrix "([^"]+)"(?: \d+)?\)?$', script, flags=re.M)
+    selections = re.findall(r'matrix "([^"]+)"(?: \d+)?(?: "([^"]+)")?\)?$', script, flags=re.M)
     # levers, masters, compile, best, reshard, ac, attention, torchao, depth (4 and 8 layers)
     assert len(selections) == 10
-    for only in selections:
-        assert bench.selection_problems("levers", only) == [], only
-        bench.parse_args(["--modes", "levers", "--only", only])
+    for only, vs in selections:
+        assert bench.selection_problems("levers", only, vs) == [], only
+        bench.parse_args(["--modes", "levers", "--only", only, "--vs", vs])
     # The ac phase's train.py flags parse under every AC setting the benchmark measures.
     from benchmarks import bench_activation_checkpointing as ac_bench
     from model_utils.arguments import parse_args
@@ -595,6 +595,10 @@ def test_gpu_levers_script_names_only_rows_the_matrix_has(capsys) -> None:
         ),
         (["--only", "te-fp8 mb2"], "no row 'te-fp8 mb2' in --modes train,infer"),
         (["--modes", "lever"], "unknown mode 'lever'"),
+        (
+            ["--modes", "levers", "--only", "te-fp8 mb2", "--vs", "te-bf16 mb2"],
+            "--vs: 'te-bf16 mb2' is not among the rows that run",
+        ),
     ):
         with pytest.raises(SystemExit) as exit_:
             bench.parse_args(argv)
@@ -665,6 +669,21 @@ def test_gpu_matrix_rows_are_train_py_commands_and_the_table_shows_ratios(tmp_pa
     )
     ac_line = next(line for line in levers.splitlines() if "mb4" in line)
     assert "1.10x" in ac_line and "1.38x" in ac_line
+    # --vs: one slice's rows against one of them (here te-fp8 against te-bf16, measured in the
+    # same run), in column A of that row's mode; the other modes keep their baselines.
+    args, _ = bench.parse_args(
+        ["--modes", "levers", "--only", "te-bf16 mb2,te-fp8 mb2", "--vs", "te-bf16 mb2"]
+    )
+    depth = bench.render(
+        [
+            bench.Row("te-bf16 mb2", "levers", 800.0, 80.0, 50.0),
+            bench.Row("te-fp8 mb2", "levers", 1000.0, 100.0, 48.0),
+        ],
+        baselines=bench.baselines_with(args.vs),
+    )
+    assert "[levers] A = te-bf16 mb2, B = te-bf16 mb2 hf-loss" in depth
+    assert "1.25x" in next(line for line in depth.splitlines() if "te-fp8 mb2" in line)
+    assert bench.baselines_with(args.vs)["train"] == bench.BASELINES["train"]
     assert "skipped: needs SM 10.0+" in table and table.startswith("preset tiny, seq 256")
     assert {"hf-bf16+compile", "torchao-fp8-rowwise+compile"} <= set(names)
     assert all("+compile" in name for name in names if name.startswith("torchao"))
