@@ -13,7 +13,8 @@ Pointing ``CUDNN_HOME`` at the folder of torch's libcudnn, before the import, ma
 find that same file (the loader then hands back the library already open). Nothing is changed
 when the user chose a cuDNN (``CUDNN_HOME`` or ``CUDNN_PATH`` set), when TE is already imported,
 when torch opened no cuDNN (CPU builds), or when TE's search in that folder would pick another
-file. The NGC image has a single cuDNN, so there this finds TE's choice already right.
+file. The NGC image has a single cuDNN: there TE's choice and torch's are already one file,
+and the variable changes nothing.
 """
 
 from __future__ import annotations
