@@ -38,9 +38,8 @@ def pip_cudnn(root: Path) -> Path:
 def real_shared_object() -> Path:
     """A small real shared library (zlib: no dependency but libc, no initialisers) to stand in
     for libcudnn where a test opens it with ``dlopen``."""
-    for folder in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64"):
-        candidate = Path(folder) / "libz.so.1"
-        if candidate.exists():
+    for pattern in ("/lib/*/libz.so.1", "/usr/lib/*/libz.so.1", "/lib64/libz.so.1"):
+        for candidate in sorted(Path("/").glob(pattern.lstrip("/"))):
             return candidate.resolve()
     pytest.skip("no libz.so.1 to stand in for libcudnn")
 
