@@ -2,23 +2,34 @@
 
 TE loads cuDNN itself when it is imported (``transformer_engine/common/__init__.py``,
 ``_load_cuda_library``): it searches ``CUDNN_HOME``, ``CUDNN_PATH``, ``CUDA_HOME``, ``CUDA_PATH``
-and ``/usr/local/cuda`` before pip's copy, and opens what it finds with ``RTLD_GLOBAL``. With
-torch from PyPI, torch's cuDNN is pip's (``nvidia/.../libcudnn.so.9``, opened ``RTLD_LOCAL``), so
-on a machine with a CUDA toolkit TE opens a second, often older, cuDNN, and its symbols then
-answer torch's own cuDNN calls too. Seen on an H100 (torch 2.11+cu130, TE 2.20.2): TE ran on the
-toolkit's 9.14 while torch was built on 9.19, torch's ``cudnn.version()`` raised a version
-mismatch, and deterministic FP8 attention (which needs 9.19) was refused.
+and ``/usr/local/cuda``, then the system's library path, all before pip's copy, and opens what it
+finds with ``RTLD_GLOBAL``. With torch from PyPI, torch's cuDNN is pip's (``nvidia/cudnn/lib``),
+so on a machine with another cuDNN installed TE opens that one, and its symbols then answer
+torch's own cuDNN calls too. Seen on a lent H100 (torch 2.11+cu130, TE 2.20.2, 2026-11-24): the
+image's Debian cuDNN 9.14 in ``/lib/x86_64-linux-gnu`` beside torch's 9.19; torch's
+``cudnn.version()`` raised a version mismatch, and deterministic FP8 attention (which needs 9.19)
+was refused.
 
-Pointing ``CUDNN_HOME`` at the folder of torch's libcudnn, before the import, makes TE's search
-find that same file (the loader then hands back the library already open). Nothing is changed
-when the user chose a cuDNN (``CUDNN_HOME`` or ``CUDNN_PATH`` set), when TE is already imported,
-when torch opened no cuDNN (CPU builds), or when TE's search in that folder would pick another
-file. The NGC image has a single cuDNN: there TE's choice and torch's are already one file,
-and the variable changes nothing.
+Two things make TE run on torch's cuDNN, both before TE's import:
+
+1. ``CUDNN_HOME`` points at the folder of torch's libcudnn, so TE's search finds that same file
+   (the dynamic loader hands back the library already open).
+2. The cuDNN sub-libraries in that folder (``libcudnn_graph``, ``libcudnn_heuristic``, the
+   engines) are opened by path, as TE itself does where no CUDA toolkit is installed. TE's core
+   library needs them by soname; a soname nothing has open yet is looked up on the system's
+   library path, where the other cuDNN answers. On the H100, step 1 alone still gave TE the
+   Debian ``libcudnn_heuristic.so.9``, which then failed on torch's ``libcudnn_graph.so.9``
+   (undefined symbol). Opened here first, every such soname is taken by torch's file.
+
+Nothing is changed when the user chose a cuDNN (``CUDNN_HOME`` or ``CUDNN_PATH`` set), when TE is
+already imported, when torch opened no cuDNN (CPU builds), or when TE's search in that folder
+would pick another file. The NGC image has a single cuDNN: there TE's choice and torch's are
+already one file, and the alignment changes nothing.
 """
 
 from __future__ import annotations
 
+import ctypes
 import glob
 import os
 import sys
@@ -26,11 +37,16 @@ from collections.abc import MutableMapping
 from pathlib import Path
 
 #: TE's loader reads these before CUDA_HOME (``f"{lib_name.upper()}_HOME"``, ``..._PATH``); a
-#: user who set either has chosen TE's cuDNN.
+#: user who set either to another folder than torch's has chosen TE's cuDNN.
 CUDNN_CHOICE_VARIABLES = ("CUDNN_HOME", "CUDNN_PATH")
 #: The file name TE's loader globs for (``lib{lib_name}.so*``): libcudnn_graph.so.9 and the other
 #: sub-libraries do not match it.
 CUDNN_LIBRARY = "libcudnn.so"
+#: The sub-libraries TE opens from pip's cuDNN folder where no toolkit is installed
+#: (``_load_cuda_library_from_python``: ``lib*.so.*[0-9]``), the graph library first: the
+#: others need it.
+CUDNN_SUBLIBRARIES = "libcudnn_*.so.*[0-9]"
+CUDNN_GRAPH = "libcudnn_graph"
 
 
 def mapped_cudnn(maps: str) -> str | None:
@@ -51,29 +67,52 @@ def te_cudnn_pick(folder: str) -> str | None:
     return found[0] if found else None
 
 
+def cudnn_sublibraries(folder: str) -> list[str]:
+    """The cuDNN sub-libraries in ``folder`` in the order to open them: the graph library first
+    (the heuristic and engine libraries need it), then by name."""
+    found = glob.glob(os.path.join(glob.escape(folder), CUDNN_SUBLIBRARIES))
+    return sorted(found, key=lambda path: (not Path(path).name.startswith(CUDNN_GRAPH), path))
+
+
+def chosen_cudnn_folder(environ: MutableMapping[str, str]) -> str | None:
+    """The folder a cuDNN was chosen in (TE reads ``CUDNN_HOME``, then ``CUDNN_PATH``), or None."""
+    return next((environ[name] for name in CUDNN_CHOICE_VARIABLES if environ.get(name)), None)
+
+
+def same_folder(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def cudnn_home_for_te(
     environ: MutableMapping[str, str], maps: str, te_imported: bool
 ) -> str | None:
-    """The folder to set ``CUDNN_HOME`` to so TE opens the libcudnn torch has open, or None."""
-    if te_imported or any(environ.get(name) for name in CUDNN_CHOICE_VARIABLES):
-        return None
+    """The folder of the libcudnn torch has open, for ``CUDNN_HOME``, when TE's search there
+    picks that same file; None to leave TE alone.
+
+    A chosen folder that is torch's own (a child process inherits the variable from a parent
+    that aligned) still gets the folder: the child must open the sub-libraries too.
+    """
     torch_cudnn = mapped_cudnn(maps)
-    if torch_cudnn is None:
+    if te_imported or torch_cudnn is None:
         return None
     folder = str(Path(torch_cudnn).parent)
+    chosen = chosen_cudnn_folder(environ)
+    if chosen is not None and not same_folder(chosen, folder):
+        return None
     pick = te_cudnn_pick(folder)
-    try:
-        same = pick is not None and os.path.samefile(pick, torch_cudnn)
-    except OSError:  # the mapped file is gone (upgraded underneath the process)
-        same = False
-    return folder if same else None
+    # a mapped file that is gone (upgraded underneath the process) is the same as nothing
+    return folder if pick is not None and same_folder(pick, torch_cudnn) else None
 
 
 def align_te_cudnn() -> str | None:
-    """Set ``CUDNN_HOME`` for TE's loader (see the module docstring); the folder set, or None.
+    """Set ``CUDNN_HOME`` for TE's loader and open torch's cuDNN sub-libraries (see the module
+    docstring); the folder set, or None.
 
-    Called by every TE import in the project, before it. Child processes inherit the variable,
-    which is what they need too: they import the same torch.
+    Called by every TE import in the project, before it. Child processes inherit the variable
+    and make the same call: they import the same torch.
     """
     if "transformer_engine" in sys.modules:  # every later import: TE's cuDNN is loaded for good
         return None
@@ -82,6 +121,9 @@ def align_te_cudnn() -> str | None:
     except OSError:  # not Linux: no TE build either
         return None
     folder = cudnn_home_for_te(os.environ, maps, te_imported=False)
-    if folder is not None:
-        os.environ["CUDNN_HOME"] = folder
+    if folder is None:
+        return None
+    os.environ["CUDNN_HOME"] = folder
+    for library in cudnn_sublibraries(folder):
+        ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
     return folder

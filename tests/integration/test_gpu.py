@@ -395,58 +395,91 @@ def test_fp8_attention_where_te_has_no_backend_is_refused_in_one_line(runs) -> N
     assert len(message) == 1 and "needs head_dim 128" in message[0], message
 
 
-#: Prints the cuDNN TE runs on and the one torch runs on, after the project's TE import.
+#: Prints the cuDNN TE runs on and the one torch runs on (None where torch's raises: the
+#: version mismatch two cuDNNs in one process give), after the project's TE import, and every
+#: cuDNN library file the process has open.
 _CUDNN_PROBE = """
 import torch
 from model_utils.te_support import import_te
 te = import_te()
-v = torch.backends.cudnn.version()
-print(tuple(te.get_cudnn_version()), (v // 10000, v % 10000 // 100, v % 100))
+print("te", tuple(te.get_cudnn_version()))
+try:
+    v = torch.backends.cudnn.version()
+    print("torch", (v // 10000, v % 10000 // 100, v % 100))
+except RuntimeError:
+    print("torch None")
+for path in sorted({line.split()[-1] for line in open("/proc/self/maps") if "libcudnn" in line}):
+    print("mapped", path)
 """
 
 
-def cudnn_versions(cudnn_home: str | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(TE's cuDNN, torch's cuDNN) in a fresh process, without or with a user's CUDNN_HOME."""
+def cudnn_probe(cudnn_home: str | None = None) -> dict[str, list[str]]:
+    """The probe's lines by key, in a fresh process, without or with a user's CUDNN_HOME."""
     env = {k: v for k, v in os.environ.items() if k not in ("CUDNN_HOME", "CUDNN_PATH")}
     env |= {"CUDNN_HOME": cudnn_home} if cudnn_home else {}
     probe = subprocess.run(
         [sys.executable, "-c", _CUDNN_PROBE], capture_output=True, text=True, cwd=ROOT, env=env
     )
     assert probe.returncode == 0, probe.stderr
-    te_version, torch_version = re.findall(r"\(([\d, ]+)\)", probe.stdout)
-    return (
-        tuple(int(x) for x in te_version.split(",")),
-        tuple(int(x) for x in torch_version.split(",")),
-    )
+    found: dict[str, list[str]] = {}
+    for key, value in re.findall(r"^(te|torch|mapped) (.*)$", probe.stdout, flags=re.MULTILINE):
+        found.setdefault(key, []).append(value)
+    return found
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", text))
+
+
+def other_cudnn_folder() -> str | None:
+    """A cuDNN installed beside torch's: the CUDA toolkit's, or the system's (``ldconfig``; on
+    the lent H100s, Debian's 9.14 in /lib/x86_64-linux-gnu)."""
+    from model_utils.te_loader import mapped_cudnn
+
+    torch.backends.cudnn.version()  # torch opens its cuDNN
+    torch_cudnn = mapped_cudnn(Path("/proc/self/maps").read_text())
+    torch_folder = Path(torch_cudnn).parent.resolve() if torch_cudnn else None
+    toolkit = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+    candidates = [p.parent for p in sorted(toolkit.glob("**/libcudnn.so*"))]
+    ldconfig = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    candidates += [Path(p).parent for p in re.findall(r"libcudnn\.so\S* .*=> (\S+)", ldconfig)]
+    for folder in candidates:
+        if folder.resolve() != torch_folder:
+            return str(folder)
+    return None
 
 
 def test_te_runs_on_the_cudnn_torch_runs_on() -> None:
-    """te_loader points TE's cuDNN search at torch's libcudnn: one cuDNN in the process, and
-    torch's own ``cudnn.version()`` answers (on the H100 of 2026-11-24, TE alone loaded the
-    toolkit's 9.14 beside torch's 9.19, and that call raised)."""
+    """te_loader makes TE load torch's libcudnn and its sub-libraries: TE and torch report the
+    same cuDNN, torch's own ``cudnn.version()`` answers, and every cuDNN file open is in
+    torch's folder (on the H100 of 2026-11-24, TE alone loaded Debian's 9.14 beside torch's
+    9.19, and that call raised)."""
     needs_te()
-    te_cudnn, torch_cudnn = cudnn_versions()
-    assert te_cudnn == torch_cudnn
+    found = cudnn_probe()
+    assert found["torch"] != ["None"], found
+    assert version_tuple(found["te"][0]) == version_tuple(found["torch"][0]), found
+    assert len({str(Path(p).parent) for p in found["mapped"]}) == 1, found["mapped"]
 
 
 def test_deterministic_fp8_attention_on_an_old_cudnn_is_refused_in_one_line(runs) -> None:
-    """The cuDNN rule reads the cuDNN TE loaded; here the user points TE (CUDNN_HOME) at the
-    CUDA toolkit's cuDNN, where that one is older than 9.19."""
+    """The cuDNN rule reads the cuDNN TE loaded; here the user points TE (CUDNN_HOME) at
+    another cuDNN on the machine (the toolkit's or the system's), where that one is older
+    than 9.19."""
     needs_te()
     from model_utils.te_requirements import FP8_ATTENTION_DETERMINISTIC_MIN_CUDNN
 
-    toolkit = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    if sm() < (9, 0) or not list(Path(toolkit).glob("**/libcudnn.so*")):
-        pytest.skip(f"needs Hopper and a cuDNN in the CUDA toolkit ({toolkit})")
-    found, _ = cudnn_versions(toolkit)
+    other = other_cudnn_folder()
+    if sm() < (9, 0) or other is None:
+        pytest.skip("needs Hopper and a second cuDNN beside torch's")
+    found = version_tuple(cudnn_probe(other)["te"][0])
     if found >= FP8_ATTENTION_DETERMINISTIC_MIN_CUDNN:
-        pytest.skip(f"the toolkit's cuDNN is {found}, not older than 9.19")
+        pytest.skip(f"the cuDNN in {other} is {found}, not older than 9.19")
     result = train(
         runs / "fp8-attention-old-cudnn",
         *TE_DELAYED,
         *HEAD_128,
         "--fp8_attention",
-        cudnn_home=toolkit,
+        cudnn_home=other,
     )
     assert result.returncode == 2
     message = message_lines(result.stderr)

@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import inspect
 import os
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -691,7 +690,9 @@ def test_fp8_parameters_take_the_calls_master_weights_makes(te_source: TESource,
 
 
 #: The release's own cuDNN search, run in a fresh process after a stand-in for torch's cuDNN was
-#: opened as torch from PyPI opens it (``dlopen``, RTLD_LOCAL); it prints every libcudnn mapped.
+#: opened as torch from PyPI opens it (``dlopen``, RTLD_LOCAL), then TE's core library opened as
+#: TE opens it; it prints what TE's search found, the cuDNN version the core library reaches
+#: through its sub-library, and every cuDNN file mapped.
 _LOADER_SCRIPT = """
 import ctypes, functools, glob, os, platform, sys
 sys.path.insert(0, {root!r})
@@ -701,38 +702,62 @@ if {align}:
     te_loader.align_te_cudnn()
 exec(compile({loader!r}, "transformer_engine/common/__init__.py", "exec"))
 found, _ = _load_cuda_library_from_system("cudnn")
+core = ctypes.CDLL({core!r}, mode=ctypes.RTLD_GLOBAL | os.RTLD_LAZY)
 maps = open("/proc/self/maps").read().splitlines()
-print(found, sorted({{line.split()[-1] for line in maps if "/libcudnn.so" in line}}))
+mapped = sorted({{line.split()[-1] for line in maps if "/libcudnn" in line}})
+print(found, core.core_cudnn_version(), mapped)
 """
 
 
+@pytest.mark.parametrize("layout", ["toolkit", "system"])
 @pytest.mark.parametrize("align", [False, True], ids=["te-alone", "aligned"])
-def test_te_opens_the_cudnn_torch_has_open(te_source: TESource, tmp_path, align: bool) -> None:
+def test_te_opens_the_cudnn_torch_has_open(
+    te_source: TESource, tmp_path, align: bool, layout: str
+) -> None:
     """te_loader against each release's real loader (``_load_cuda_library_from_system`` and
-    ``_get_sys_extension``, executed from the wheel's source) and real ``dlopen``: with a
-    toolkit cuDNN under CUDA_HOME, TE alone opens that second library beside torch's (what the
-    H100 showed: 9.14 beside 9.19); pointed by te_loader, it finds torch's, and the process
-    keeps one."""
-    from test_te_loader import real_shared_object
+    ``_get_sys_extension``, executed from the wheel's source) and real ``dlopen``, with torch's
+    cuDNN family (9.19, pip's layout) and another one (9.14) on the library path: under
+    CUDA_HOME (a toolkit), or only on the library path (the lent H100s: Debian's cuDNN in
+    /lib/x86_64-linux-gnu, which TE finds last, by name).
 
-    torch_cudnn = tmp_path / "site-packages" / "nvidia" / "cudnn" / "lib" / "libcudnn.so.9"
-    toolkit_cudnn = tmp_path / "cuda" / "lib64" / "libcudnn.so.9"
-    for lib in (torch_cudnn, toolkit_cudnn):  # two files: two libraries to the dynamic loader
-        lib.parent.mkdir(parents=True)
-        shutil.copy(real_shared_object(), lib)
+    TE alone opens the other family's front library, and TE's core library (a stand-in that
+    needs ``libcudnn_heuristic.so.9`` by soname) reaches 9.14 through the other family's
+    sub-libraries. Aligned, TE's search finds torch's file and the core library torch's
+    sub-libraries: one family in the process, 9.19 everywhere. Without the sub-libraries
+    opened first (``CUDNN_HOME`` alone), the core library still reached 9.14: what the H100
+    showed after the first fix."""
+    from cudnn_standins import build_core, build_cudnn_family
+
+    torch_lib = build_cudnn_family(
+        tmp_path / "site-packages" / "nvidia" / "cudnn" / "lib", 91900, origin_runpath=True
+    )
+    cuda_home = tmp_path / "cuda"
+    other_lib = cuda_home / "lib64" if layout == "toolkit" else tmp_path / "lib" / "x86_64"
+    build_cudnn_family(other_lib, 91400, origin_runpath=False)
+    (cuda_home / "include").mkdir(parents=True)
+    core = build_core(tmp_path / "te" / "libtransformer_engine.so", torch_lib)
     common = te_source.modules["transformer_engine.common"]
     wanted = {"_get_sys_extension", "_load_cuda_library_from_system"}
     functions = [n for n in common.body if isinstance(n, ast.FunctionDef) and n.name in wanted]
     assert len(functions) == len(wanted), "TE's cuDNN loader changed: re-read te_loader"
     loader = ast.unparse(ast.Module(body=functions, type_ignores=[]))
     script = _LOADER_SCRIPT.format(
-        root=str(ROOT), torch_cudnn=str(torch_cudnn), align=align, loader=loader
+        root=str(ROOT),
+        torch_cudnn=str(torch_lib / "libcudnn.so.9"),
+        align=align,
+        loader=loader,
+        core=str(core),
     )
     env = {k: v for k, v in os.environ.items() if "CUDNN" not in k and k != "CUDA_PATH"}
-    env["CUDA_HOME"] = str(tmp_path / "cuda")
+    env |= {"CUDA_HOME": str(cuda_home), "LD_LIBRARY_PATH": str(other_lib)}
     result = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
-    expected = [str(torch_cudnn)] if align else sorted([str(torch_cudnn), str(toolkit_cudnn)])
-    assert result.stdout.strip() == f"True {expected}"
+    family = ("libcudnn.so.9", "libcudnn_graph.so.9", "libcudnn_heuristic.so.9")
+    if align:
+        expected = (91900, sorted(str(torch_lib / name) for name in family))
+    else:
+        other = [str(other_lib / name) for name in family]
+        expected = (91400, sorted([str(torch_lib / "libcudnn.so.9"), *other]))
+    assert result.stdout.strip() == f"True {expected[0]} {expected[1]}"

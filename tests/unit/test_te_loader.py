@@ -74,6 +74,39 @@ def test_a_users_choice_or_an_imported_te_is_left_alone(tmp_path, environ, te_im
     assert te_loader.cudnn_home_for_te(environ, maps_line(lib), te_imported) is None
 
 
+@pytest.mark.parametrize("variable", ["CUDNN_HOME", "CUDNN_PATH"])
+def test_a_choice_of_torchs_own_folder_is_aligned_again(tmp_path, variable) -> None:
+    """A child process inherits the ``CUDNN_HOME`` its parent set: the folder is torch's, so
+    the child aligns too (it must open the sub-libraries itself)."""
+    lib = pip_cudnn(tmp_path)
+    environ = {variable: str(lib.parent)}
+    assert te_loader.cudnn_home_for_te(environ, maps_line(lib), te_imported=False) == str(
+        lib.parent
+    )
+
+
+def test_the_sub_libraries_open_graph_first_and_the_front_library_is_not_among_them(
+    tmp_path,
+) -> None:
+    """TE's no-toolkit pattern (``lib*.so.*[0-9]``) for the sub-libraries: versioned files
+    only; the graph library first, since the heuristic and engine libraries need it."""
+    lib = pip_cudnn(tmp_path)
+    for name in (
+        "libcudnn_adv.so.9",
+        "libcudnn_engines_precompiled.so.9",
+        "libcudnn_graph.so.9",
+        "libcudnn_heuristic.so.9",
+        "libcudnn_ops.so",
+    ):
+        (lib.parent / name).write_bytes(b"")
+    assert [Path(p).name for p in te_loader.cudnn_sublibraries(str(lib.parent))] == [
+        "libcudnn_graph.so.9",
+        "libcudnn_adv.so.9",
+        "libcudnn_engines_precompiled.so.9",
+        "libcudnn_heuristic.so.9",
+    ]
+
+
 def test_without_a_cudnn_in_the_process_nothing_changes() -> None:
     """CPU torch opens no cuDNN: this very process (the test machine has no GPU build)."""
     maps = Path("/proc/self/maps").read_text()
@@ -110,10 +143,13 @@ def test_a_mapped_file_that_was_replaced_is_not_used(tmp_path) -> None:
 def test_every_te_import_first_points_te_at_torchs_cudnn(tmp_path, te_import) -> None:
     """In a fresh process that opened a libcudnn the way torch from PyPI does (``dlopen``,
     RTLD_LOCAL), importing TE (the double) through the project sets ``CUDNN_HOME`` to its folder
-    first, and the start-up line names it; a user's ``CUDNN_HOME`` is kept."""
+    and opens the sub-libraries there first, and the start-up line names it; a child's
+    inherited ``CUDNN_HOME`` (torch's folder) does the same; a user's other folder is kept and
+    nothing is opened."""
     lib = tmp_path / "site-packages" / "nvidia" / "cudnn" / "lib" / "libcudnn.so.9"
     lib.parent.mkdir(parents=True)
     shutil.copy(real_shared_object(), lib)
+    shutil.copy(real_shared_object(), lib.parent / "libcudnn_graph.so.9")
     script = textwrap.dedent(
         f"""
         import ctypes, os, sys
@@ -123,6 +159,8 @@ def test_every_te_import_first_points_te_at_torchs_cudnn(tmp_path, te_import) ->
         {te_import}()
         print("CUDNN_HOME=" + os.environ.get("CUDNN_HOME", ""))
         print("describe=" + te_precision._describe_cudnn())
+        maps = open("/proc/self/maps").read()
+        print("graph=" + str("libcudnn_graph.so.9" in maps))
         """
     )
 
@@ -134,6 +172,8 @@ def test_every_te_import_first_points_te_at_torchs_cudnn(tmp_path, te_import) ->
         return dict(re.findall(r"^(\w+)=(.*)$", out, flags=re.MULTILINE))
 
     aligned = run({})
-    assert aligned["CUDNN_HOME"] == str(lib.parent)
+    assert aligned["CUDNN_HOME"] == str(lib.parent) and aligned["graph"] == "True"
     assert aligned["describe"] == f"; TE's cuDNN 9.19.0 from {lib.parent}"
-    assert run({"CUDNN_HOME": "/opt/cudnn"})["CUDNN_HOME"] == "/opt/cudnn"
+    assert run({"CUDNN_HOME": str(lib.parent)})["graph"] == "True"
+    chosen = run({"CUDNN_HOME": "/opt/cudnn"})
+    assert chosen["CUDNN_HOME"] == "/opt/cudnn" and chosen["graph"] == "False"
