@@ -27,25 +27,23 @@
 #   tier    the GPU test tier's cuDNN, FP8-attention, MLP-recompute, master-weights,
 #           FP8-weights and validation tests and the one-seed test                       ~9 min
 #   attention  te-fp8 mb4 with and without --fp8_attention, TE now on torch's cuDNN (9.19 on
-#           the lent H100s; it was 7% slower on the toolkit's 9.14)                     ~3 min
+#           the lent H100s): 0.94x there, as on the image's Debian 9.14                 ~2 min
 #   torchao torchao's float8 (tensorwise + float8 all-gather) against TE's delayed scaling,
 #           both at mb4 under --compile: the torchao/te goal with every lever on both   ~3 min
 #   depth   te-bf16 and te-fp8 at mb2 with 4 and with 8 layers: the FP8 speed-up as lm_head's
 #           share of the work shrinks (8 layers: ~72 GiB by arithmetic, fits an H100)  ~5 min
 #
-# TE searches the CUDA toolkit for cuDNN before pip's: on the H100 of 2026-11-24 it loaded 9.14
-# beside torch's 9.19, and deterministic FP8 attention was refused. train.py now points TE at
-# torch's cuDNN itself (model_utils/te_loader.py; the start-up line says which one TE runs on);
-# `tier` checks that on the GPU.
+# TE searches the CUDA toolkit and the system for cuDNN before pip's: on the H100 of 2026-11-24
+# it loaded Debian's 9.14 beside torch's 9.19, and deterministic FP8 attention was refused.
+# train.py now points TE at torch's cuDNN and its sub-libraries (model_utils/te_loader.py; the
+# start-up line says which one TE runs on); `tier` checks that on the GPU (passed 2026-11-24).
 #
 # Everything a phase prints goes to OUT_DIR/PHASE.log as well; the matrix rows' run folders
 # (metrics.jsonl) go to OUT_DIR/PHASE-LAYERS-layers/.
 #
 # One session's 30 device-minutes hold the TE set-up (6 transfers, about 90 s on 2026-11-24:
 # the small wheels and the last chunk fit one call) and about 25 minutes of phases, not all 51.
-# `loss` needs no TE: run it while the chunks travel. Measured on 2026-11-24: loss, levers,
-# masters, compile, reshard, best, most of ac and tier. Next, most informative first: tier,
-# attention, torchao, depth, ac.
+# `loss` needs no TE: run it while the chunks travel. All phases ran on 2026-11-24 (README).
 set -euo pipefail
 
 usage="usage: bash benchmarks/gpu_levers.sh loss|levers|masters|compile|reshard|ac|best|tier|attention|torchao|depth OUT_DIR"
