@@ -144,11 +144,11 @@ def measure(flags: list[str], repeats: int, device: torch.device) -> tuple[int, 
             loss = run.model(input_ids=run.batch, labels=run.batch).loss
         loss.backward()
 
+    # The previous settings' models live on in reference cycles (FSDP2's hooks) until the
+    # collector runs: on the H100 of 2026-11-24 each setting's peak included theirs (12.7,
+    # 17.6, 25.8, 32.4 GiB in the order measured).
+    gc.collect()
     if device.type == "cuda":
-        # The previous settings' models live on in reference cycles (FSDP2's and TE's hooks)
-        # until the collector runs: on the H100 of 2026-11-24 each setting's peak included
-        # theirs (12.7, 17.6, 25.8, 32.4 GiB in the order measured).
-        gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     seconds = median_seconds(forward_backward, repeats, device)

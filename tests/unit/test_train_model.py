@@ -175,3 +175,37 @@ def test_reshard_after_forward_policies(monkeypatch):
     assert results["never"][2] == 0
     assert results["always"][2] == units
     assert results["never"][3] == results["default"][3] == results["always"][3]
+
+
+def test_the_ac_benchmark_times_each_setting_with_only_its_own_model_alive(monkeypatch):
+    """bench_activation_checkpointing measures settings one after another in one process; the
+    models before stay alive in reference cycles unless collected, and on the H100 each
+    setting's peak memory then included theirs."""
+    import weakref
+
+    import torch.distributed as dist
+
+    from benchmarks import bench_activation_checkpointing as bench
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+    built: list[weakref.ref] = []
+    alive_while_timing: list[int] = []
+    real_build = bench.build
+
+    def build(flags, device):
+        run = real_build(flags, device)
+        built.append(weakref.ref(run.model))
+        return run
+
+    def median_seconds(step, repeats, device):
+        alive_while_timing.append(sum(ref() is not None for ref in built))
+        return 1.0
+
+    monkeypatch.setattr(bench, "build", build)
+    monkeypatch.setattr(bench, "median_seconds", median_seconds)
+    flags = [*FAST, "--num_layers=2"]
+    for _ in range(3):
+        bench.measure(flags, 1, torch.device("cpu"))
+    assert alive_while_timing == [1, 1, 1]
