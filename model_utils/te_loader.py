@@ -125,5 +125,11 @@ def align_te_cudnn() -> str | None:
         return None
     os.environ["CUDNN_HOME"] = folder
     for library in cudnn_sublibraries(folder):
-        ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
+        try:
+            ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
+        except OSError as err:
+            raise OSError(
+                f"opening torch's cuDNN library {library} for TE failed ({err}); "
+                "choose TE's cuDNN with CUDNN_HOME"
+            ) from err
     return folder

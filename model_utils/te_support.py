@@ -43,10 +43,12 @@ def import_te() -> ModuleType:
 
     TE is first pointed at the cuDNN torch runs on (``te_loader``): it loads its own at import.
     """
-    align_te_cudnn()
     try:
+        align_te_cudnn()
         return importlib.import_module("transformer_engine.pytorch")
-    except ImportError as err:  # also catches a TE build that cannot load its CUDA library
+    # OSError: TE opens its CUDA libraries with ctypes, which raises it (on an H100, a system
+    # cuDNN sub-library that did not match the cuDNN already open: "undefined symbol")
+    except (ImportError, OSError) as err:
         raise TEUnavailableError(
             "Transformer Engine is not available (import transformer_engine.pytorch failed: "
             f"{err}). Use --model_impl hf, or run inside the NGC PyTorch container built by "

@@ -177,3 +177,31 @@ def test_every_te_import_first_points_te_at_torchs_cudnn(tmp_path, te_import) ->
     assert run({"CUDNN_HOME": str(lib.parent)})["graph"] == "True"
     chosen = run({"CUDNN_HOME": "/opt/cudnn"})
     assert chosen["CUDNN_HOME"] == "/opt/cudnn" and chosen["graph"] == "False"
+
+
+def test_a_cudnn_library_that_cannot_be_opened_makes_te_unavailable_in_one_line(tmp_path) -> None:
+    """A broken file beside torch's libcudnn: the TE import fails with one line naming it (and
+    ``--model_impl auto`` falls back to hf), not with a ctypes traceback."""
+    lib = tmp_path / "site-packages" / "nvidia" / "cudnn" / "lib" / "libcudnn.so.9"
+    lib.parent.mkdir(parents=True)
+    shutil.copy(real_shared_object(), lib)
+    (lib.parent / "libcudnn_graph.so.9").write_bytes(b"not a shared object")
+    script = textwrap.dedent(
+        f"""
+        import ctypes, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        ctypes.CDLL({str(lib)!r})
+        from model_utils import te_support
+        try:
+            te_support.import_te()
+        except te_support.TEUnavailableError as err:
+            print(err)
+        """
+    )
+    env = subprocess_env({k: v for k, v in os.environ.items() if "CUDNN" not in k})
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert len(out.splitlines()) == 1, out
+    assert str(lib.parent / "libcudnn_graph.so.9") in out and "CUDNN_HOME" in out, out
+    assert out.startswith("Transformer Engine is not available"), out
