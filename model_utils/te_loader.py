@@ -21,10 +21,10 @@ Two things make TE run on torch's cuDNN, both before TE's import:
    Debian ``libcudnn_heuristic.so.9``, which then failed on torch's ``libcudnn_graph.so.9``
    (undefined symbol). Opened here first, every such soname is taken by torch's file.
 
-Nothing is changed when the user chose a cuDNN (``CUDNN_HOME`` or ``CUDNN_PATH`` set), when TE is
-already imported, when torch opened no cuDNN (CPU builds), or when TE's search in that folder
-would pick another file. The NGC image has a single cuDNN: there TE's choice and torch's are
-already one file, and the alignment changes nothing.
+Nothing is changed when the user chose another cuDNN (``CUDNN_HOME`` or ``CUDNN_PATH`` set to
+another folder), when TE is already imported, when torch opened no cuDNN (CPU builds), or when
+TE's search in that folder would pick another file. The NGC image has a single cuDNN: there
+TE's choice and torch's are already one file, and the alignment changes nothing.
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ def chosen_cudnn_folder(environ: MutableMapping[str, str]) -> str | None:
     return next((environ[name] for name in CUDNN_CHOICE_VARIABLES if environ.get(name)), None)
 
 
-def same_folder(a: str, b: str) -> bool:
+def same_path(a: str, b: str) -> bool:
+    """Whether two paths name one file or folder (False where either is gone)."""
     try:
         return os.path.samefile(a, b)
     except OSError:
@@ -100,11 +101,11 @@ def cudnn_home_for_te(
         return None
     folder = str(Path(torch_cudnn).parent)
     chosen = chosen_cudnn_folder(environ)
-    if chosen is not None and not same_folder(chosen, folder):
+    if chosen is not None and not same_path(chosen, folder):
         return None
     pick = te_cudnn_pick(folder)
     # a mapped file that is gone (upgraded underneath the process) is the same as nothing
-    return folder if pick is not None and same_folder(pick, torch_cudnn) else None
+    return folder if pick is not None and same_path(pick, torch_cudnn) else None
 
 
 def align_te_cudnn() -> str | None:
