@@ -1,14 +1,38 @@
-"""Print train.py's flags as the Markdown table in README.md (regenerate after adding a flag)."""
+"""Write train.py's flags as the Markdown table of docs/flags.md (a test keeps it current).
+
+    python scripts/flags_table.py           # print the page
+    python scripts/flags_table.py --write   # rewrite docs/flags.md after adding or changing a flag
+    python scripts/flags_table.py --check   # exit 1 if docs/flags.md differs from the parser
+
+tests/unit/test_flags_table.py regenerates the page and compares it with docs/flags.md, so the
+table cannot go stale.
+"""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 from model_utils.arguments import build_parser  # noqa: E402
 from model_utils.presets import PRESET_FIELDS  # noqa: E402
+
+DOC = ROOT / "docs" / "flags.md"
+
+HEADER = """\
+# Flags of train.py
+
+Generated from train.py's parser (`model_utils/arguments.py`) by
+`python scripts/flags_table.py --write`; do not edit by hand: `tests/unit/test_flags_table.py`
+regenerates this page and fails when it differs. `python train.py --help` prints the same flags.
+
+Every flag can follow `train.py` or `1.train_llama.sbatch`. Explicit flags override the preset.
+Booleans accept `--flag`, `--flag=1`, `--flag=0`.
+
+"""
 
 
 def rows() -> list[str]:
@@ -31,5 +55,30 @@ def rows() -> list[str]:
     return out
 
 
+def page() -> str:
+    """The whole of docs/flags.md."""
+    return HEADER + "\n".join(rows()) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="rewrite the page")
+    mode.add_argument("--check", action="store_true", help="exit 1 if the page is stale")
+    parser.add_argument("--doc", type=Path, default=DOC, help="the page (default docs/flags.md)")
+    args = parser.parse_args(argv)
+    text = page()
+    if args.write:
+        args.doc.write_text(text)
+    elif args.check:
+        current = args.doc.read_text() if args.doc.is_file() else ""
+        if current != text:
+            print(f"{args.doc} is stale: run python scripts/flags_table.py --write")
+            return 1
+    else:
+        print(text, end="")
+    return 0
+
+
 if __name__ == "__main__":
-    print("\n".join(rows()))
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""docs/flags.md is scripts/flags_table.py's page for today's parser, so it cannot go stale."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from model_utils import arguments
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "flags.md"
+
+
+def flags_table():
+    spec = importlib.util.spec_from_file_location(
+        "flags_table", ROOT / "scripts" / "flags_table.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_docs_flags_is_the_generated_page():
+    assert DOC.read_text() == flags_table().page(), "run python scripts/flags_table.py --write"
+
+
+def test_docs_flags_documents_every_flag():
+    text = DOC.read_text()
+    parser = arguments.build_parser()
+    missing = [a.dest for a in parser._actions if a.dest != "help" and f"`--{a.dest}`" not in text]
+    assert missing == [], "regenerate docs/flags.md with python scripts/flags_table.py --write"
+
+
+def test_check_mode_fails_on_a_stale_page_and_write_mends_it(tmp_path, capsys):
+    module = flags_table()
+    doc = tmp_path / "flags.md"
+    doc.write_text(DOC.read_text().replace("`--fp8`", "`--fp9`"))
+    assert module.main(["--check", "--doc", str(doc)]) == 1
+    assert "is stale" in capsys.readouterr().out
+    assert module.main(["--write", "--doc", str(doc)]) == 0
+    assert module.main(["--check", "--doc", str(doc)]) == 0
+    assert doc.read_text() == DOC.read_text()
