@@ -1,16 +1,19 @@
 """One run per directory: two runs writing one run or checkpoint directory would prune and
 overwrite each other's checkpoints, so a live run holds an flock there and any other is refused
-in one line (exit 2) before it starts, or at the latest when its rank 0 takes the lock.
+in one line (exit 2) before it starts, or at the latest when its rank 0 takes the lock. A folder
+inside a live run's folder (its default checkpoints/, say), or one holding a live run's folder,
+is refused the same way: the lock covers everything below the folder it is in.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import os
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -18,6 +21,12 @@ import torch
 from model_utils import distributed, outputs
 
 LOCK_NAME = ".run.lock"
+# How far below a run's folders the start-up check looks for a live run's lock: run folders are
+# shallow (runs/<name>/checkpoints), and a check must not walk a whole home directory.
+SCAN_DEPTH = 3
+SCAN_FOLDERS = 2000
+# A checkpoint's own folders hold no run: not walked.
+_NOT_RUNS = ("step_", ".tmp-", "damaged-", "unverified-")
 
 
 class RunLocked(RuntimeError):
@@ -65,12 +74,51 @@ def lock_holder(directory: str | Path) -> str | None:
     return None
 
 
-def check_not_locked(directories: Iterable[Path]) -> None:
-    """Refuse (RunLocked, one line) before anything starts if a live run holds a directory."""
+def locks_below(directory: Path) -> Iterator[Path]:
+    """Folders strictly below `directory` holding a lock file, breadth first, at most
+    SCAN_DEPTH levels and SCAN_FOLDERS folders deep (checkpoint folders are not walked)."""
+    todo, walked = [(directory, 0)], 0
+    while todo and walked < SCAN_FOLDERS:
+        folder, depth = todo.pop(0)
+        walked += 1
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError:
+            continue
+        for entry in entries:
+            if entry.name == LOCK_NAME and folder != directory:
+                yield folder
+            elif depth < SCAN_DEPTH and not entry.name.startswith(_NOT_RUNS):
+                if entry.is_dir(follow_symlinks=False):
+                    todo.append((Path(entry.path), depth + 1))
+
+
+def overlap_problem(directory: Path, own: Iterable[Path] = ()) -> str | None:
+    """The one line refusing `directory` if a live run other than this one (whose locked
+    folders are `own`) holds it, a folder it is inside, or a folder inside it; else None."""
+    directory, mine = Path(directory).absolute(), set(own)
+    for other in (directory, *directory.parents, *locks_below(directory)):
+        holder = None if other in mine else lock_holder(other)
+        if holder is None:
+            continue
+        if other == directory:
+            return _locked_message(directory, holder)
+        where = "is inside" if other in directory.parents else "holds"
+        return (
+            f"{directory} {where} {other}, which is in use by another run ({holder}): one run "
+            "would prune and overwrite the other's checkpoints; wait for it to end or stop it, "
+            "or choose another --output_dir/--checkpoint_dir"
+        )
+    return None
+
+
+def check_not_locked(directories: Iterable[Path], own: Iterable[Path] = ()) -> None:
+    """Refuse (RunLocked, one line) if a live run holds a directory, a folder it is inside or
+    one inside it; `own`: the folders this run has locked. Reads only."""
     for directory in directories:
-        holder = lock_holder(directory)
-        if holder is not None:
-            raise RunLocked(_locked_message(directory, holder))
+        problem = overlap_problem(directory, own)
+        if problem is not None:
+            raise RunLocked(problem)
 
 
 class RunLock:
@@ -84,16 +132,22 @@ class RunLock:
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
         self.fd: int | None = None
+        self.created: list[Path] = []  # the folders acquire() made, deepest first
 
     def acquire(self) -> RunLock:
+        self.created = outputs.missing_folders(self.directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _holder_text(fd)
-            os.close(fd)
-            raise RunLocked(_locked_message(self.directory, holder)) from None
+        while True:
+            fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _holder_text(fd)
+                os.close(fd)
+                raise RunLocked(_locked_message(self.directory, holder)) from None
+            if _still_named(fd, self.directory / LOCK_NAME):
+                break
+            os.close(fd)  # a run that ended removed the file we locked: lock the new one
         started = time.strftime("%Y-%m-%d %H:%M:%S")
         os.ftruncate(fd, 0)
         os.pwrite(
@@ -103,10 +157,33 @@ class RunLock:
         return self
 
     def release(self) -> None:
-        if self.fd is not None:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-            self.fd = None
+        """Unlock; a folder the run left holding nothing but the lock (a run refused after
+        start-up: a damaged checkpoint, bad data, no space) is removed with the lock file, as
+        are the folders acquire() made for it, so a refusal leaves no empty run folder."""
+        if self.fd is None:
+            return
+        if _only_the_lock(self.directory):
+            with contextlib.suppress(OSError):
+                os.unlink(self.directory / LOCK_NAME)  # still locked: no one can take it now
+            outputs.remove_folders(self.created)  # rmdir: only folders left empty
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = None
+
+
+def _still_named(fd: int, path: Path) -> bool:
+    """Whether `path` is still the file open as `fd` (not unlinked by a run releasing it)."""
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except OSError:
+        return False
+
+
+def _only_the_lock(directory: Path) -> bool:
+    try:
+        return [e.name for e in os.scandir(directory)] == [LOCK_NAME]
+    except OSError:
+        return False
 
 
 def hold_run_dirs(
@@ -120,11 +197,13 @@ def hold_run_dirs(
     refused: RunLocked | outputs.WriteProblem | None = None
     if world.is_main:
         try:
-            for flag, directory in lock_dirs(args.output_dir, args.checkpoint_dir).items():
+            owned = lock_dirs(args.output_dir, args.checkpoint_dir)
+            for flag, directory in owned.items():
                 try:
                     locks.append(RunLock(directory).acquire())
                 except OSError as exc:
                     raise outputs.WriteProblem(outputs.unwritable(flag, directory, exc)) from None
+            check_not_locked(owned.values(), own=owned.values())  # a run that started since
         except (RunLocked, outputs.WriteProblem) as exc:
             refused = exc
             for lock in locks:
