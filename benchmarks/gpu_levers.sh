@@ -43,7 +43,8 @@
 #
 # One session's 30 device-minutes hold the TE set-up (6 transfers, about 90 s on 2026-11-24:
 # the small wheels and the last chunk fit one call) and about 25 minutes of phases, not all 51.
-# `loss` needs no TE: run it while the chunks travel. All phases ran on 2026-11-24 (README).
+# `loss` needs no TE: run it while the chunks travel. All phases ran on 2026-11-24
+# (benchmarks/results/2026-11-24-h100.md).
 set -euo pipefail
 
 usage="usage: bash benchmarks/gpu_levers.sh loss|levers|masters|compile|reshard|ac|best|tier|attention|torchao|depth OUT_DIR"

@@ -1,4 +1,4 @@
-"""The recipe's parts, one concern per module (README, "How it is built", maps them)."""
+"""The recipe's parts, one concern per module (README, "Map of the code", maps them)."""
 
 import logging
 

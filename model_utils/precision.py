@@ -1,6 +1,6 @@
 """Precision backends: one object per way of computing, all behind the same `--fp8` flag.
 
-A backend has four duties, each called at one point of the step (README, "One step"):
+A backend has four duties, each called at one point of the step (docs/architecture.md, "One step"):
   prepare(model)              module swaps, before sharding (e.g. nn.Linear -> Float8Linear)
   autocast(first_micro_batch) context for the forward pass only; in training, whether this is a
                               step's first micro-batch (TE re-casts FP8 weights there only)

@@ -20,8 +20,8 @@ import compare_runs  # noqa: E402
 NOTE = """\
 FP8 on this machine is emulated: torchao casts to float8 and back around bf16 matmuls, so the
 losses show FP8's numerics but the speed is lower than bf16 (extra casts, no FP8 tensor cores).
-On H100s the same --fp8=1 flag runs real FP8 GEMMs; see README for published GPU figures and
-benchmarks/bench_gpu_matrix.py to produce your own."""
+On H100s the same --fp8=1 flag runs real FP8 GEMMs; README.md shows our H100 figures
+(benchmarks/results/ all of them), and benchmarks/bench_gpu_matrix.py produces your own."""
 TITLE = (
     "CPU demo (make demo): tiny Llama, 2 cores; FP8 emulated by torchao: its losses, not its speed"
 )

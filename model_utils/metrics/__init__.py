@@ -1,6 +1,6 @@
 """Throughput accounting: FLOPs per token, device peaks, the step meter, log lines, JSONL, summary.
 
-What the numbers mean (kept in one place so the README and the logs agree):
+What the numbers mean (kept in one place so docs/metrics.md and the logs agree):
 - A *step* is one optimizer step (all gradient-accumulation micro-batches). Figures are per
   *window*: the steps between two log lines, timed by the wall clock between two device syncs
   (see :class:`StepMeter`), so they hold whatever ``--logging_freq`` is. Speed includes data

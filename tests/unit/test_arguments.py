@@ -84,15 +84,6 @@ def test_every_flag_is_read_somewhere():
     assert unread == []
 
 
-def test_readme_documents_every_flag():
-    readme = (ROOT / "README.md").read_text()
-    parser = arguments.build_parser()
-    missing = [
-        a.dest for a in parser._actions if a.dest != "help" and f"`--{a.dest}`" not in readme
-    ]
-    assert missing == [], "regenerate the README table with scripts/flags_table.py"
-
-
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -197,8 +197,8 @@ def test_whole_layer_recompute_rolls_the_forward_histories_once_per_layer(
     """TE's ``checkpoint`` recomputes a layer inside an autocast of its own, whose exit updates the
     forward scaling state like the forward's (test_te_contract): with whole-layer
     --activation_checkpointing a step rolls every forward amax history 1 + (recomputed layers)
-    times, so --amax_history_len counts forward passes and recomputes (README). Backward
-    histories roll once per backward; the fused MLP's own recompute opens no autocast."""
+    times, so --amax_history_len counts forward passes and recomputes (docs/architecture.md).
+    Backward histories roll once per backward; the fused MLP's own recompute opens no autocast."""
     layers = 2
     positions = {}
     for ac in (False, True):
