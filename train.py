@@ -190,7 +190,7 @@ def train(
                 data.raise_read_failure(reads.failure, world, state.step, path)
                 log.info("Preemption signal received: checkpoint saved at step %d", state.step)
                 return
-        finish(args, model, backend, ckpt, state, guard, run_log, val_batches)
+        finish(args, model, backend, ckpt, state, guard, run_log, val_batches, tokenizer)
     except guards.Diverged as exc:  # here: the lr in the line is the one in use after a resume
         guards.exit_diverged(exc, args.lr, world.is_main)
 
@@ -239,9 +239,11 @@ def restore(
     return ckpt, state, args
 
 
-def finish(args: arguments.Config, model, backend, ckpt, state, guard, run_log, val_batches):
+def finish(
+    args: arguments.Config, model, backend, ckpt, state, guard, run_log, val_batches, tokenizer
+):
     """The end of a run that reached --max_steps: last validation, last (finite) checkpoint,
-    the HF export, the summary."""
+    the HF export (with the run's tokenizer: a folder clients load whole), the summary."""
     if not args.validation_freq or state.step % args.validation_freq:
         run_log.validation(state.step, model, val_batches, backend)
     guards.check_step(guard, ckpt, state.step, model, False, saving=True)  # no non-finite save
@@ -251,7 +253,7 @@ def finish(args: arguments.Config, model, backend, ckpt, state, guard, run_log, 
     if args.export_hf:
         masters = master_weights.masters_by_name(model, state.optimizer)  # fp32, if kept
         checkpoint.export_hf(
-            model, model.config, args.export_hf, kept=ckpt.latest(), masters=masters
+            model, model.config, args.export_hf, tokenizer, kept=ckpt.latest(), masters=masters
         )
         log.info("Exported Hugging Face weights to %s", args.export_hf)
     run_log.finish()

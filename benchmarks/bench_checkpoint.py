@@ -29,8 +29,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import train  # noqa: E402
-from model_utils import arguments, checkpoint, distributed, modeling, optim, precision  # noqa: E402
+from model_utils import arguments, checkpoint, data, distributed, modeling, optim, precision  # noqa: E402
 from model_utils.checkpoint.manifest import dir_bytes  # noqa: E402
+from model_utils.presets import BUNDLED_TOKENIZER  # noqa: E402
 
 
 def shape_flags(spec: str) -> list[str]:
@@ -102,7 +103,10 @@ def measure(spec: str, root: Path, mesh: object, device: torch.device) -> dict[s
     asyncer = checkpoint.Checkpointer(root / f"{spec}-async", keep_last=1, async_save=True)
     async_return_s, _ = timed(lambda: asyncer.save(2, bench.state))
     async_total_s, _ = timed(asyncer.wait)
-    export_s, _ = timed(lambda: checkpoint.export_hf(bench.model, bench.model.config, root / "hf"))
+    tokenizer = data.load_tokenizer(BUNDLED_TOKENIZER)
+    export_s, _ = timed(
+        lambda: checkpoint.export_hf(bench.model, bench.model.config, root / "hf", tokenizer)
+    )
     return {
         "params_m": bench.params / 1e6,
         "size_mb": size_mb,

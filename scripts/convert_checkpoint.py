@@ -3,7 +3,12 @@
     python scripts/convert_checkpoint.py runs/tiny-fp8/checkpoints/step_00000050 runs/tiny-hf
     python scripts/convert_checkpoint.py runs/tiny-fp8/checkpoints runs/tiny-hf   # newest intact
 
-The output (safetensors + config.json) loads with `LlamaForCausalLM.from_pretrained`. One process,
+The output is the folder `--export_hf` writes: safetensors, config.json (the tokenizer's bos/eos/pad
+ids, `architectures`, `use_cache`), generation_config.json and the run's tokenizer, so that
+`AutoModelForCausalLM.from_pretrained` + `AutoTokenizer.from_pretrained` + `generate` (or
+lm-eval-harness) need nothing else. The tokenizer is the one the checkpoint's run recorded
+(`--tokenizer PATH` where that one is gone or offline); it must do what the run's did (the
+fingerprint the run recorded), else the conversion is refused. One process,
 no GPU and no process group: the checkpoint is read one decoder layer at a time, so memory stays
 near one layer plus one output shard whatever the model size. Checkpoints written with FP8 on
 (torchao Float8Linear) or off convert alike; `--model_impl te` checkpoints are mapped back to HF
@@ -40,6 +45,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("out_dir", help="Hugging Face output directory")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype of the weights")
     p.add_argument("--max_shard_size_mb", type=int, default=5120, help="safetensors shard size")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="the run's tokenizer (folder or hub name), where the one its checkpoint records is "
+        "gone or offline; it must match the fingerprint the run recorded",
+    )
     args = p.parse_args(argv)
     if args.max_shard_size_mb <= 0:
         p.error(f"--max_shard_size_mb must be > 0, got {args.max_shard_size_mb}")
@@ -138,28 +149,61 @@ def key_map_for(marker: dict) -> tuple[object | None, str | None]:
         return None, f"checkpoint uses --model_impl te but te_llama cannot map it: {exc}"
 
 
+def run_tokenizer(path: Path, marker: dict, given: str | None) -> object:
+    """The run's tokenizer: `given` (--tokenizer), else the one the checkpoint's run recorded.
+    It must do what the run's did (the fingerprint train.py records), and fit the vocabulary:
+    another tokenizer would turn the model's ids into other text. Refused (one line) if none
+    loads or it is another one."""
+    from model_utils import data
+
+    run = marker.get("run_config") or {}
+    name = given or run.get("tokenizer")
+    if not name:
+        raise Refused(f"checkpoint {path} records no tokenizer: give the run's with --tokenizer")
+    try:
+        tokenizer = data.load_tokenizer(str(name))
+        data.check_vocab(tokenizer, int(marker["model_config"]["vocab_size"]))
+    except ValueError as exc:
+        if given:
+            raise Refused(str(exc)) from exc
+        raise Refused(
+            f"checkpoint {path} records the tokenizer {name}, which cannot be used "
+            f"({str(exc).removeprefix('--tokenizer ')}): "
+            "give the run's tokenizer with --tokenizer PATH"
+        ) from exc
+    recorded, found = run.get("tokenizer_sha256"), data.tokenizer_fingerprint(tokenizer)
+    if recorded and found != recorded:
+        raise Refused(
+            f"tokenizer {name} is not the run's: its fingerprint {found} differs from the "
+            f"{recorded} checkpoint {path} records (other ids for the same text); give the "
+            "run's tokenizer with --tokenizer PATH"
+        )
+    return tokenizer
+
+
 def new_folders(out_dir: Path) -> list[Path]:
     """The folders an export into `out_dir` would create (out_dir first, then its parents)."""
     return [p for p in (out_dir, *out_dir.parents) if not p.exists()]
 
 
-def remove_export(out_dir: Path, created: list[Path], config_existed: bool) -> None:
+def remove_export(out_dir: Path, created: list[Path], before: set[str]) -> None:
     """Undo an export that failed part-way, so no half model is left: the folders it created
-    go whole; in a folder that existed, only what an export writes (its hidden parts, the model
-    files - there were none, or it would have been refused - and a config.json it added)."""
-    from model_utils.checkpoint.hf_export import PART_PREFIX, existing_model
+    go whole; in a folder that existed, what the export added (its hidden parts and staged
+    files, the model files - there were none, or it would have been refused -, config.json,
+    generation_config.json, the tokenizer's files), while the names in `before` stay."""
+    from model_utils.checkpoint.hf_export import PART_PREFIX, remove_path
 
     if created:
         shutil.rmtree(created[-1], ignore_errors=True)  # the outermost folder it created
         return
-    written = [*out_dir.glob(f"{PART_PREFIX}*"), *(out_dir / n for n in existing_model(out_dir))]
-    if not config_existed:
-        written.append(out_dir / "config.json")
-    for file in written:
-        file.unlink(missing_ok=True)
+    for entry in out_dir.iterdir():
+        if entry.name.startswith(PART_PREFIX) or entry.name not in before:
+            remove_path(entry)
 
 
-def export(path: Path, out_dir: Path, key_map: object, args: argparse.Namespace) -> list[Path]:
+def export(
+    path: Path, out_dir: Path, key_map: object, tokenizer: object, args: argparse.Namespace
+) -> list[Path]:
     """dcp_to_hf into `out_dir`; on any failure (a full disk, Ctrl-C) what it wrote is removed
     before the exception goes on."""
     import torch
@@ -167,17 +211,18 @@ def export(path: Path, out_dir: Path, key_map: object, args: argparse.Namespace)
     from model_utils.checkpoint import dcp_to_hf
 
     created = new_folders(out_dir)
-    config_existed = (out_dir / "config.json").exists()
+    before = set() if created else {p.name for p in out_dir.iterdir()}
     try:
         return dcp_to_hf(
             path,
             out_dir,
+            tokenizer,
             key_map=key_map,
             dtype=getattr(torch, args.dtype),
             max_shard_bytes=args.max_shard_size_mb * 2**20,
         )
     except BaseException:
-        remove_export(out_dir, created, config_existed)
+        remove_export(out_dir, created, before)
         raise
 
 
@@ -202,10 +247,14 @@ def convert(args: argparse.Namespace) -> int:
     key_map, problem = key_map_for(marker)
     if problem:
         return _fail(problem)
+    try:
+        tokenizer = run_tokenizer(path, marker, args.tokenizer)
+    except Refused as exc:
+        return _fail(str(exc))
     for line in skipped:
         print(f"{PROG}: warning: skipped the damaged checkpoint {line}", file=sys.stderr)
     try:
-        files = export(path, out_dir, key_map, args)
+        files = export(path, out_dir, key_map, tokenizer, args)
     except OSError as exc:
         reason = write_error_reason(exc, out_dir)
         return _fail(f"writing {out_dir} failed: {reason}; what was written is removed", 1)

@@ -1,14 +1,17 @@
-"""Hugging Face safetensors out: `--export_hf` from a sharded model, and a saved checkpoint to a
-HF directory without a process group (scripts/convert_checkpoint.py). Memory stays one decoder
-layer plus one output shard.
+"""Hugging Face folders out: `--export_hf` from a sharded model, and a saved checkpoint to a
+HF directory without a process group (scripts/convert_checkpoint.py). Both write the same
+complete folder (weights, config, generation config, the run's tokenizer: hf_folder). Memory
+stays one decoder layer plus one output shard.
+
+The hand-written shard writer, not torch DCP's HuggingFaceStorageWriter: see docs/hf_export.md.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from model_utils.checkpoint.errors import CheckpointWriteError, write_error_reason
+from model_utils.checkpoint.hf_folder import write_model_files
 from model_utils.checkpoint.hf_import import HF_INDEX, HF_SINGLE
 from model_utils.checkpoint.manifest import checkpoint_problem, read_marker
 from model_utils.checkpoint.ranks import any_rank, current_rank
@@ -39,6 +43,7 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
 
 PART_PREFIX = ".part-"  # shards being written; renamed to their HF names when all are done
+STAGED_FILES = f"{PART_PREFIX}files"  # the folder's other files, staged the same way
 
 
 def existing_model(out_dir: str | Path) -> list[str]:
@@ -93,8 +98,9 @@ class SafetensorsShardWriter:
         if problem:
             raise FileExistsError(problem)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        for stale in self.out_dir.glob(f"{PART_PREFIX}*"):
-            stale.unlink(missing_ok=True)  # an export cut short
+        for stale in self.out_dir.glob(f"{PART_PREFIX}*"):  # an export cut short
+            remove_path(stale)
+        self.staging = self.out_dir / STAGED_FILES  # config, tokenizer: published with the weights
         self._current: dict[str, torch.Tensor] = {}
         self._current_bytes = 0
         self._written: list[tuple[Path, list[str]]] = []
@@ -120,6 +126,7 @@ class SafetensorsShardWriter:
         mode = _publish_mode()
         for part, _ in self._written:
             os.chmod(part, mode)
+        self._publish_staged()
         if len(self._written) == 1:
             final = self.out_dir / HF_SINGLE
             self._written[0][0].replace(final)
@@ -136,6 +143,23 @@ class SafetensorsShardWriter:
         (self.out_dir / HF_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
         return finals
 
+    def _publish_staged(self) -> None:
+        """Move the staged files (config.json, generation_config.json, the tokenizer's) into the
+        folder before any weight file takes its name: a folder that holds weights holds them too."""
+        if not self.staging.is_dir():
+            return
+        for staged in sorted(self.staging.iterdir()):
+            staged.replace(self.out_dir / staged.name)
+        self.staging.rmdir()
+
+
+def remove_path(path: Path) -> None:
+    """Remove a file or a folder (an export's staging folder), whichever it is."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
 
 def full_cpu(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Gather a DTensor (collective: every rank calls) into a plain CPU tensor of `dtype`."""
@@ -144,22 +168,18 @@ def full_cpu(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return unwrapped(tensor).detach().to(device="cpu", dtype=dtype)
 
 
-def _save_hf_config(config: Any, out_dir: Path, dtype: torch.dtype) -> None:
-    config = copy.deepcopy(config)
-    config.dtype = dtype
-    config.save_pretrained(str(out_dir))
-
-
 def export_hf(
     model: nn.Module,
     config: Any,
     out_dir: str | Path,
+    tokenizer: Any,
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     kept: Path | None = None,
     masters: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
-    """Write the (sharded) model as HF safetensors + config.json; all ranks call.
+    """Write the (sharded) model as a complete HF folder: safetensors, config.json,
+    generation_config.json and `tokenizer`'s files (hf_folder); all ranks call.
 
     ``masters`` (master_weights.masters_by_name, --master_weights optimizer) replaces each
     parameter it names by its fp32 master: the parameter itself is that master rounded to bf16
@@ -183,6 +203,7 @@ def export_hf(
     if current_rank() == 0:
         try:
             writer = SafetensorsShardWriter(out_dir, max_shard_bytes)
+            write_model_files(writer.staging, config, tokenizer, dtype)
         except OSError as exc:
             failure = exc
     for group in layer_groups(names):
@@ -196,7 +217,6 @@ def export_hf(
     if writer is not None and failure is None:
         try:
             writer.finish()
-            _save_hf_config(config, out_dir, dtype)
             log.info("Exported HF safetensors (%s) to %s", str(dtype).split(".")[-1], out_dir)
         except OSError as exc:
             failure = exc
@@ -223,31 +243,38 @@ def _export_failure(out_dir: Path, failure: BaseException | None, kept: Path | N
 def dcp_to_hf(
     path: str | Path,
     out_dir: str | Path,
+    tokenizer: Any,
     key_map: KeyMap | None = None,
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> list[Path]:
-    """Convert a saved checkpoint to a HF directory without a process group or a model object.
+    """Convert a saved checkpoint to a HF directory without a process group or a model object:
+    the same folder --export_hf writes (`tokenizer` is the run's, see convert_checkpoint.py).
 
     Needs the model config recorded in the checkpoint's marker. Memory: one layer at a time.
     """
-    from transformers import AutoConfig
-
     problem = checkpoint_problem(path)
     if problem:
         raise ValueError(problem)
-    model_config = read_marker(path).get("model_config")
-    if not model_config:
-        raise ValueError(f"checkpoint {path} records no model config: cannot write config.json")
-    model_config = dict(model_config)
-    config = AutoConfig.for_model(model_config.pop("model_type", "llama"), **model_config)
+    config = marker_model_config(path)
     writer = SafetensorsShardWriter(out_dir, max_shard_bytes)
+    write_model_files(writer.staging, config, tokenizer, dtype)
     for layer in iter_dcp_model_layers(path):
         layer = {n: t.to(dtype) for n, t in layer.items()}
         for name, tensor in (key_map(layer) if key_map else layer).items():
             if config.tie_word_embeddings and name == "lm_head.weight":
                 continue
             writer.add(name, tensor)
-    files = writer.finish()
-    _save_hf_config(config, Path(out_dir), dtype)
-    return files
+    return writer.finish()
+
+
+def marker_model_config(path: str | Path) -> Any:
+    """The model config the run built, as its checkpoint's marker records it (the model's
+    `config.to_dict()`, stateful.TrainState.model_config): the same object --export_hf writes."""
+    from transformers import AutoConfig
+
+    model_config = read_marker(path).get("model_config")
+    if not model_config:
+        raise ValueError(f"checkpoint {path} records no model config: cannot write config.json")
+    model_config = dict(model_config)
+    return AutoConfig.for_model(model_config.pop("model_type", "llama"), **model_config)

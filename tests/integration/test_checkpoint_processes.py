@@ -31,6 +31,7 @@ from test_checkpoint import TINY, _logits, differences  # noqa: E402
 
 from model_utils import checkpoint as ck  # noqa: E402
 from model_utils.checkpoint import tensors  # noqa: E402
+from model_utils.data import load_tokenizer  # noqa: E402
 
 WORKER_TIMEOUT_S = 240
 
@@ -244,7 +245,10 @@ def scenario_train(workdir: Path, rank: int) -> dict[str, Any]:
     out["hsdp_init_from_hf_diff"] = differences(full_model(hsdp.model), reference)
 
     # HF export of the trained bf16 model, forced into several shards.
-    ck.export_hf(fresh.model, fresh.model.config, workdir / "hf_out", max_shard_bytes=150_000)
+    tokenizer = load_tokenizer(fresh.args.tokenizer)
+    ck.export_hf(
+        fresh.model, fresh.model.config, workdir / "hf_out", tokenizer, max_shard_bytes=150_000
+    )
     if rank == 0:
         torch.save(full_model(fresh.model), workdir / "export_reference.pt")
     else:

@@ -216,7 +216,8 @@ def test_hf_in_and_out_on_a_plain_tied_model(tmp_path: Path) -> None:
     from safetensors import safe_open
     from transformers import LlamaForCausalLM
 
-    from model_utils import arguments, modeling
+    from model_utils import arguments, data, modeling
+    from model_utils.presets import BUNDLED_TOKENIZER
 
     config = modeling.llama_config(arguments.parse_args(TINY))
     config.tie_word_embeddings = True
@@ -227,7 +228,7 @@ def test_hf_in_and_out_on_a_plain_tied_model(tmp_path: Path) -> None:
     ck.load_hf_weights(target, tmp_path / "src")
     assert target.lm_head.weight is target.model.embed_tokens.weight
     assert differences(dict(target.state_dict()), dict(source.state_dict())) == []
-    ck.export_hf(target, config, tmp_path / "out")
+    ck.export_hf(target, config, tmp_path / "out", data.load_tokenizer(BUNDLED_TOKENIZER))
     with safe_open(str(tmp_path / "out" / ck.HF_SINGLE), "pt") as fh:
         assert "lm_head.weight" not in fh.keys()
     reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)

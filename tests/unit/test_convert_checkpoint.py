@@ -28,20 +28,23 @@ LONG_NAME = "n" * 300  # over NAME_MAX (255 bytes): ENAMETOOLONG from the first 
 
 
 def save_checkpoints(root: Path, steps: tuple[int, ...]) -> list[Path]:
-    """Real checkpoints (DCP files and a marker with every file's sha256) of a small Llama whose
-    weights differ from step to step."""
+    """Real checkpoints (DCP files and a marker with every file's sha256, the run's tokenizer
+    and its fingerprint, as train.py records them) of a small Llama whose weights differ from
+    step to step."""
     from transformers import LlamaForCausalLM
 
-    from model_utils import arguments, modeling
+    from model_utils import arguments, data, modeling
 
-    config = modeling.llama_config(arguments.parse_args([*SMALL_LLAMA, "--vocab_size", "256"]))
-    model = LlamaForCausalLM(config)
+    args = arguments.parse_args(SMALL_LLAMA)
+    fingerprint = data.tokenizer_fingerprint(data.load_tokenizer(args.tokenizer))
+    run_config = {"tokenizer": args.tokenizer, "tokenizer_sha256": fingerprint}
+    model = LlamaForCausalLM(modeling.llama_config(args))
     checkpointer = ck.Checkpointer(root)
     paths = []
     for step in steps:
         with torch.no_grad():
             model.model.embed_tokens.weight.fill_(float(step))
-        paths.append(checkpointer.save(step, ck.TrainState(model)))
+        paths.append(checkpointer.save(step, ck.TrainState(model, config=run_config)))
     return paths
 
 
@@ -132,11 +135,16 @@ def test_a_name_over_255_bytes_or_an_empty_path_is_one_line(tmp_path, capsys, wh
 def test_an_export_that_fails_part_way_leaves_nothing(
     tmp_path, capsys, monkeypatch, failure, status, words, out_exists
 ) -> None:
-    """The weights are written and published, then config.json fails: the model files go too
-    (a model without its config looks finished); a folder the user had keeps its own files."""
+    """The whole folder is written and published (weights, config, generation config, the
+    tokenizer's files), then the export fails: all of it goes; a folder the user had keeps its
+    own files."""
     from model_utils.checkpoint import hf_export
 
-    def fail(*_args, **_kwargs) -> None:
+    publish = hf_export.SafetensorsShardWriter.finish
+
+    def fail(writer: hf_export.SafetensorsShardWriter) -> None:
+        publish(writer)
+        assert (writer.out_dir / "tokenizer.json").is_file()
         raise failure
 
     [path] = save_checkpoints(tmp_path / "ckpt", (1,))
@@ -144,7 +152,7 @@ def test_an_export_that_fails_part_way_leaves_nothing(
     if out_exists:
         out.mkdir(parents=True)
         (out / "notes.txt").write_text("mine")
-    monkeypatch.setattr(hf_export, "_save_hf_config", fail)
+    monkeypatch.setattr(hf_export.SafetensorsShardWriter, "finish", fail)
     err = refused([str(path), str(out)], capsys, status)
     assert words in err
     if out_exists:

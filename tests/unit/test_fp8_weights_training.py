@@ -155,6 +155,9 @@ def test_the_guard_and_the_export_see_values_and_masters(te_double, tmp_path) ->
 def test_seeds_are_kept_only_when_asked_and_hf_weights_replace_them(tmp_path) -> None:
     """materialize keeps each bf16 parameter's fp32 init for the masters when asked; a model
     loaded from HF weights afterwards seeds its masters from those weights instead."""
+    from model_utils import data
+    from model_utils.presets import BUNDLED_TOKENIZER
+
     args = parse_args(["--preset", "tiny", "--master_weights", "optimizer"])
     model = modeling.build(args, "hf", torch.device("cpu"))
     modeling.materialize(model, torch.device("cpu"), seed=3, keep_master_seeds=True)
@@ -172,7 +175,7 @@ def test_seeds_are_kept_only_when_asked_and_hf_weights_replace_them(tmp_path) ->
 
     source = modeling.build(parse_args(["--preset", "tiny"]), "hf", torch.device("cpu"))
     modeling.materialize(source, torch.device("cpu"), seed=9)  # fp32 weights, another seed
-    ck.export_hf(source, source.config, tmp_path / "hf")
+    ck.export_hf(source, source.config, tmp_path / "hf", data.load_tokenizer(BUNDLED_TOKENIZER))
     loaded = modeling.build(args, "hf", torch.device("cpu"))
     modeling.materialize(loaded, torch.device("cpu"), seed=3, keep_master_seeds=True)
     ck.load_hf_weights(loaded, tmp_path / "hf")

@@ -219,13 +219,14 @@ def test_te_model_carries_its_adapter_for_hf_export_and_import(tmp_path, te_doub
     """--export_hf and --init_from_hf map the fused layout through ``model.state_dict_adapter``:
     the export is HF's layout exactly, and importing it into another te model restores every
     weight bit for bit. te_linear keeps HF's names and carries no adapter."""
-    from model_utils import checkpoint
+    from model_utils import checkpoint, data
+    from model_utils.presets import BUNDLED_TOKENIZER
 
     config = tiny_config()
     model = built(config, "te", seed=3)
     assert isinstance(model.state_dict_adapter, te_llama.StateDictAdapter)
     assert not hasattr(built(config, "te_linear"), "state_dict_adapter")
-    checkpoint.export_hf(model, config, tmp_path / "hf")
+    checkpoint.export_hf(model, config, tmp_path / "hf", data.load_tokenizer(BUNDLED_TOKENIZER))
     hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
     assert set(hf) == set(LlamaForCausalLM(config).state_dict())
     expected = te_llama.te_to_hf_state_dict(model.state_dict(), config)
