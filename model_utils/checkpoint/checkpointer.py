@@ -31,7 +31,6 @@ from model_utils.checkpoint.errors import (
     CheckpointWriteError,
     ResumeRefused,
     UntrustedCheckpointError,
-    all_damaged_message,
     untrusted_checkpoint_message,
     write_error_reason,
 )
@@ -49,14 +48,20 @@ from model_utils.checkpoint.manifest import (
     fsync_dir,
     is_complete,
     latest_checkpoint,
+    no_sound_checkpoint,
     own_files,
     prune_plan,
     read_marker,
     resolve_checkpoint,
+    set_aside_all,
     stale_temporaries,
+    step_dirs,
+    unverified_reason,
+    verdict,
+    verified_checkpoints,
     write_json,
 )
-from model_utils.checkpoint.optimizer_state import low_bit_reshard_problem
+from model_utils.checkpoint.optimizer_state import refuse_low_bit_reshard
 from model_utils.checkpoint.ranks import (
     all_gather_object,
     any_rank,
@@ -167,8 +172,10 @@ class Checkpointer:
 
     def resolve_intact(self, resume_from_checkpoint: str | None) -> Path | None:
         """--resume_from_checkpoint, verified (all ranks call): None/'' -> None; PATH -> PATH if
-        intact, else ResumeRefused naming the damaged file; 'auto' -> the newest intact
-        checkpoint, with a warning for each newer damaged one it skips (None: fresh start)."""
+        intact (one without checksums with a warning: it was named), else ResumeRefused naming
+        the damaged file; 'auto' -> the newest intact, verified checkpoint, each newer one set
+        aside with a warning (damaged: `damaged-`, no checksums: `unverified-`); ResumeRefused
+        if there are checkpoints but none of those (None: a fresh start)."""
         if not resume_from_checkpoint:
             return None
         if resume_from_checkpoint != "auto":
@@ -176,22 +183,20 @@ class Checkpointer:
             problem = self.verify(path)
             if problem:
                 raise ResumeRefused(f"--resume_from_checkpoint {path} is damaged: {problem}")
+            if unverified_reason(path) and current_rank() == 0:
+                log.warning("Loading %s unverified, as named: %s", path, unverified_reason(path))
             return path
-        found = all_gather_object(complete_checkpoints(self.checkpoint_dir))[0]  # rank 0's
-        first_problem = None
+        found = all_gather_object(step_dirs(self.checkpoint_dir))[0]  # rank 0's
+        passed = []
         for path in reversed(found):
-            problem = self.verify(path)
-            if problem is None:
-                if first_problem:
-                    log.warning("Resuming from %s, the newest intact checkpoint", path)
+            passed_by = verdict(path, self.verify(path))
+            if passed_by is None:
+                set_aside_all(passed, f"resuming from {path}, the newest verified checkpoint")
                 return path
-            first_problem = first_problem or problem
-            aside = path.with_name(DAMAGED_PREFIX + path.name)
-            log.warning("Checkpoint %s is damaged, set aside as %s: %s", path, aside.name, problem)
-            if current_rank() == 0:  # out of resume and pruning's way, kept for a look (delete it)
-                path.rename(aside)
-        if found:
-            raise ResumeRefused(all_damaged_message(self.checkpoint_dir, first_problem))
+            passed.append((path, *passed_by))
+        if passed:
+            set_aside_all([p for p in passed if p[1] == DAMAGED_PREFIX], "")
+            raise ResumeRefused(no_sound_checkpoint(self.checkpoint_dir, passed))
         return None
 
     def resolve(self, resume_from_checkpoint: str | None) -> Path | None:
@@ -290,6 +295,8 @@ class Checkpointer:
         marker = {**pending.marker, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
         write_json(pending.tmp / MARKER, marker)
         replaced = None
+        if pending.final.exists() and not is_complete(pending.final):  # damage: kept, named
+            set_aside_all([(pending.final, DAMAGED_PREFIX, checkpoint_problem(pending.final))], "")
         if pending.final.exists():  # the same step saved again (e.g. a rerun from older state)
             replaced = pending.final.with_name(f"{TMP_PREFIX}{pending.final.name}.replaced")
             pending.final.rename(replaced)
@@ -308,7 +315,7 @@ class Checkpointer:
         # The checkpoint just published is intact (its files were just summed), so pruning the
         # others never removes the last intact one.
         for old in prune_plan(
-            complete_checkpoints(self.checkpoint_dir), self.keep_last, pending.final
+            verified_checkpoints(self.checkpoint_dir), self.keep_last, pending.final
         ):
             shutil.rmtree(old, ignore_errors=True)
             log.info("Removed old checkpoint %s (keep_last=%d)", old, self.keep_last)
@@ -369,7 +376,7 @@ class Checkpointer:
         targets = self._per_rank_targets(path, state, marker, resharded, saved_world_size)
         items = state.items(targets)
         if resharded and not convert and "optimizer" in items:
-            _refuse_low_bit_reshard(path, metadata, state, saved_world_size)
+            refuse_low_bit_reshard(path, metadata, state, saved_world_size)
         if convert:
             del items["model"]
             items.pop("optimizer", None)
@@ -462,21 +469,6 @@ class Checkpointer:
             world_size(),
             state.step,
             action,
-        )
-
-
-def _refuse_low_bit_reshard(
-    path: Path, metadata: Any, state: TrainState, saved_world_size: int
-) -> None:
-    """ResumeRefused on every rank if any rank's torchao optimizer state would be cut inside a
-    quantization block by this world size."""
-    problem = low_bit_reshard_problem(metadata, state.model, state.optimizer)
-    problem = next((p for p in all_gather_object(problem) if p), None)
-    if problem:
-        raise ResumeRefused(
-            f"checkpoint {path} was saved by {saved_world_size} ranks and cannot load "
-            f"on {world_size()}: {problem}; resume on {saved_world_size} ranks, or on "
-            "a count whose shards hold whole blocks"
         )
 
 

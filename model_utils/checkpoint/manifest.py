@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -25,7 +26,11 @@ MARKER = "checkpoint.json"
 DCP_METADATA = ".metadata"
 TMP_PREFIX = ".tmp-"
 DAMAGED_PREFIX = "damaged-"  # a checkpoint that failed its checks, renamed by an `auto` resume
+# A checkpoint without checksums for every file (saved before they were recorded, or the table
+# removed), newer than the one an `auto` resume starts from: kept, out of resume and pruning.
+UNVERIFIED_PREFIX = "unverified-"
 _NAME_RE = re.compile(r"^step_(\d+)$")
+log = logging.getLogger(__name__)
 
 
 def checkpoint_name(step: int) -> str:
@@ -70,6 +75,16 @@ def complete_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if step_of(p) is not None and is_complete(p)]
+    return sorted(found, key=lambda p: step_of(p) or 0)
+
+
+def step_dirs(checkpoint_dir: str | Path) -> list[Path]:
+    """Every folder named like a published checkpoint (`step_N`), complete or not, oldest
+    first: one missing its `.metadata` or marker is damage an `auto` resume must name."""
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if step_of(p) is not None and p.is_dir()]
     return sorted(found, key=lambda p: step_of(p) or 0)
 
 
@@ -176,10 +191,82 @@ def content_damage(path: str | Path, files: Mapping[str, Mapping[str, Any]]) -> 
     return None
 
 
+def unverified_reason(path: str | Path) -> str | None:
+    """Why the bytes of a sound checkpoint cannot be checked (one line), or None: a marker
+    without a checksum table, an empty one, or one lacking a file DCP reads. Such a
+    checkpoint could be corrupted without a sign, so it is never trusted unnamed (an `auto`
+    resume passes it by) and never takes a verified one's place in keep-last."""
+    path = Path(path)
+    try:
+        files = read_marker(path).get("files") or {}
+    except (OSError, ValueError):
+        return f"{path / MARKER} cannot be read"
+    if not isinstance(files, dict) or not files:
+        return f"{path / MARKER} records no checksums"
+    present = [DCP_METADATA, *sorted(p.name for p in path.glob("*.distcp"))]
+    unlisted = [name for name in present if name not in files]
+    if unlisted:
+        return f"{path / MARKER} records no checksum for {unlisted[0]}"
+    return None
+
+
+def verified_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
+    """The complete checkpoints whose every file has a checksum, oldest first: keep-last
+    counts and prunes these only."""
+    return [p for p in complete_checkpoints(checkpoint_dir) if unverified_reason(p) is None]
+
+
+def verdict(path: Path, damage: str | None) -> tuple[str, str] | None:
+    """(prefix it is set aside under, why) for a checkpoint an `auto` resume must pass by, or
+    None for a sound, verified one. `damage`: checkpoint_damage's (or verify's) line."""
+    if damage is not None:
+        return DAMAGED_PREFIX, damage
+    unverified = unverified_reason(path)
+    return None if unverified is None else (UNVERIFIED_PREFIX, unverified)
+
+
+def no_sound_checkpoint(checkpoint_dir: str | Path, passed: list[tuple[Path, str, str]]) -> str:
+    """The refusal when an `auto` resume found checkpoints but none sound and verified."""
+    unverified = [(path, why) for path, prefix, why in passed if prefix == UNVERIFIED_PREFIX]
+    if not unverified:
+        return all_damaged_message(checkpoint_dir, passed[0][2])
+    path, why = unverified[0]
+    return (
+        f"no checkpoint in {checkpoint_dir} is verified (newest unverified: {why}): to load "
+        f"{path} without checking its bytes, name it with --resume_from_checkpoint {path}; or "
+        "pass --overwrite_output_dir without --resume_from_checkpoint to start afresh"
+    )
+
+
+def set_aside(path: Path, prefix: str) -> Path:
+    """Rename checkpoint `path` to `<prefix><name>` (a free name: `.2`, `.3` after an earlier
+    one), out of resume's and pruning's way, kept for a look. Rank 0 renames; every rank
+    returns the name rank 0 would choose before renaming."""
+    aside, n = path.with_name(prefix + path.name), 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{prefix}{path.name}.{n}")
+    if current_rank() == 0:
+        path.rename(aside)
+    return aside
+
+
+def set_aside_all(passed: list[tuple[Path, str, str]], then: str) -> None:
+    """Rename each checkpoint an `auto` resume passed by (or a save found damaged) out of the
+    way with its prefix, one warning line each naming it and why; then `then`, if any."""
+    for path, prefix, why in passed:
+        aside = set_aside(path, prefix)
+        if current_rank() == 0:
+            log.warning("Checkpoint %s set aside as %s: %s", path, aside.name, why)
+    if passed and then and current_rank() == 0:
+        log.warning("%s%s", then[0].upper(), then[1:])
+
+
 def resume_candidate(resume_from_checkpoint: str | None, checkpoint_dir: str | Path) -> Path | None:
     """The checkpoint a resume would start from, by the checks that read no tensors (before any
     process group; the checksums are verified by Checkpointer.resolve_intact): a PATH must pass
-    them (else ResumeRefused naming the file); 'auto' skips damaged ones (None: fresh start)."""
+    them (else ResumeRefused naming the file); 'auto' passes damaged and unverified ones by
+    (None: a fresh start, where there are none at all)."""
     if not resume_from_checkpoint:
         return None
     if resume_from_checkpoint != "auto":
@@ -188,11 +275,15 @@ def resume_candidate(resume_from_checkpoint: str | None, checkpoint_dir: str | P
         if damage:
             raise ResumeRefused(f"--resume_from_checkpoint {path} is damaged: {damage}")
         return path
-    found = complete_checkpoints(checkpoint_dir)
-    sound = [p for p in reversed(found) if checkpoint_damage(p) is None]
-    if found and not sound:
-        raise ResumeRefused(all_damaged_message(checkpoint_dir, checkpoint_damage(found[-1])))
-    return sound[0] if sound else None
+    passed = []
+    for path in reversed(step_dirs(checkpoint_dir)):
+        found = verdict(path, checkpoint_damage(path))
+        if found is None:
+            return path
+        passed.append((path, *found))
+    if passed:
+        raise ResumeRefused(no_sound_checkpoint(checkpoint_dir, passed))
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,7 +324,9 @@ def stale_temporaries(checkpoint_dir: Path, keep: Path | None = None) -> list[Pa
 
 
 def prune_plan(checkpoints: list[Path], keep_last: int | None, newest: Path) -> list[Path]:
-    """Checkpoints to delete so that `keep_last` remain; `newest` (just published) is never one."""
+    """Checkpoints to delete so that `keep_last` remain; `newest` (just published) is never one.
+    The caller passes verified checkpoints only (verified_checkpoints): an unverified one must
+    never push a verified one out."""
     if not keep_last:
         return []
     others = [p for p in checkpoints if p != newest]

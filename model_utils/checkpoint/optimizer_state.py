@@ -15,6 +15,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from model_utils.checkpoint.errors import ResumeRefused
+from model_utils.checkpoint.ranks import all_gather_object, world_size
 from model_utils.checkpoint.saved import load_local, saved_tensors
 from model_utils.checkpoint.tensors import local_index, local_shard
 
@@ -151,3 +153,16 @@ def load_param_group_hyperparameters(path: Path, metadata: Any, optimizer: Any) 
         else:
             group[name] = value.item() if isinstance(value, torch.Tensor) else value
     return True
+
+
+def refuse_low_bit_reshard(path: Path, metadata: Any, state: Any, saved_world_size: int) -> None:
+    """ResumeRefused on every rank if any rank's torchao optimizer state would be cut inside a
+    quantization block by this world size."""
+    problem = low_bit_reshard_problem(metadata, state.model, state.optimizer)
+    problem = next((p for p in all_gather_object(problem) if p), None)
+    if problem:
+        raise ResumeRefused(
+            f"checkpoint {path} was saved by {saved_world_size} ranks and cannot load "
+            f"on {world_size()}: {problem}; resume on {saved_world_size} ranks, or on "
+            "a count whose shards hold whole blocks"
+        )

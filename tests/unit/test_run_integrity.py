@@ -116,3 +116,148 @@ def test_train_refuses_a_checkpoint_dir_inside_a_live_runs_folder(
         holder.wait()
     assert f"is inside {live}, which is in use by another run (pid {holder.pid} " in line
     assert "Traceback" not in stderr and not (tmp_path / "b").exists()
+
+
+# ============================================================================================
+# 2. A checkpoint is verified or it is not trusted; 3. every damaged one is set aside, named
+
+
+def _save(root: Path, steps: list[int], keep_last: int = 0):
+    """Real DCP checkpoints of a small model, one process, no process group."""
+    import torch
+
+    from model_utils import checkpoint as ck
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    ckpt = ck.Checkpointer(root, keep_last=keep_last)
+    for step in steps:
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        ckpt.save(step, ck.TrainState(model, config={"seed": 1}))
+    return ckpt
+
+
+def _strip_checksums(path: Path, empty: bool = False) -> None:
+    """The marker of a checkpoint saved before checksums (no table), or with its table emptied,
+    and a megabyte of its weights zeroed: damage no check can see."""
+    import json
+
+    from model_utils import checkpoint as ck
+
+    marker = ck.read_marker(path)
+    if empty:
+        marker["files"] = {}
+    else:
+        del marker["files"]
+    (path / ck.MARKER).write_text(json.dumps(marker))
+    shard = next(path.glob("__0_*.distcp"))
+    with open(shard, "r+b") as fh:
+        fh.seek(1000)
+        fh.write(b"\0" * min(2**20, shard.stat().st_size - 1000))
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+@pytest.mark.parametrize("empty", [False, True], ids=["no table", "empty table"])
+def test_auto_resume_passes_an_unverified_checkpoint_by_and_keeps_it(
+    tmp_path: Path, empty: bool, caplog
+) -> None:
+    from model_utils import checkpoint as ck
+
+    ckpt = _save(tmp_path, [1, 2, 3])
+    newest = tmp_path / ck.checkpoint_name(3)
+    _strip_checksums(newest, empty)
+    assert ck.resume_candidate("auto", tmp_path) == tmp_path / ck.checkpoint_name(2)
+    with caplog.at_level("WARNING"):
+        assert ckpt.resolve_intact("auto") == tmp_path / ck.checkpoint_name(2)
+    aside = tmp_path / f"unverified-{ck.checkpoint_name(3)}"
+    assert aside.is_dir() and (aside / "__0_0.distcp").is_file()  # kept, out of the way
+    [set_aside, resuming] = _warnings(caplog)
+    assert f"{newest} set aside as {aside.name}: " in set_aside
+    assert "records no checksums" in set_aside
+    assert (
+        resuming
+        == f"Resuming from {tmp_path / ck.checkpoint_name(2)}, the newest verified checkpoint"
+    )
+
+
+def test_an_unverified_checkpoint_loads_only_when_named_with_a_warning(tmp_path: Path, caplog):
+    from model_utils import checkpoint as ck
+
+    ckpt = _save(tmp_path, [1])
+    only = tmp_path / ck.checkpoint_name(1)
+    _strip_checksums(only)
+    with pytest.raises(ck.ResumeRefused) as refused:  # auto: nothing verified to fall back to
+        ckpt.resolve_intact("auto")
+    line = str(refused.value)
+    assert f"no checkpoint in {tmp_path} is verified" in line and "\n" not in line
+    assert f"--resume_from_checkpoint {only}" in line and only.is_dir()  # not renamed
+    with pytest.raises(ck.ResumeRefused, match="is verified"):  # before any process group too
+        ck.resume_candidate("auto", tmp_path)
+    with caplog.at_level("WARNING"):
+        assert ckpt.resolve_intact(str(only)) == only
+    assert _warnings(caplog) == [
+        f"Loading {only} unverified, as named: {only / ck.MARKER} records no checksums"
+    ]
+
+
+def test_keep_last_never_prunes_a_verified_checkpoint_for_an_unverified_one(tmp_path: Path):
+    from model_utils import checkpoint as ck
+
+    _save(tmp_path, [1, 2, 3], keep_last=3)
+    _strip_checksums(tmp_path / ck.checkpoint_name(3))
+    _save(tmp_path, [4], keep_last=2)  # e.g. a run resumed from the unverified one, by name
+    names = [p.name for p in ck.complete_checkpoints(tmp_path)]
+    assert names == [ck.checkpoint_name(s) for s in (2, 3, 4)]  # 2 kept; 3 takes no slot
+
+
+@pytest.mark.parametrize("lost", [".metadata", "checkpoint.json"])
+def test_a_newest_checkpoint_missing_a_file_is_set_aside_and_named(
+    tmp_path: Path, lost: str, caplog
+) -> None:
+    from model_utils import checkpoint as ck
+
+    ckpt = _save(tmp_path, [1, 2, 3])
+    newest = tmp_path / ck.checkpoint_name(3)
+    (newest / lost).unlink()
+    with caplog.at_level("WARNING"):
+        assert ckpt.resolve_intact("auto") == tmp_path / ck.checkpoint_name(2)
+    aside = tmp_path / f"damaged-{ck.checkpoint_name(3)}"
+    assert aside.is_dir() and not newest.exists()
+    assert (
+        f"{newest} set aside as {aside.name}: checkpoint {newest} has no {lost}"
+        in (_warnings(caplog)[0])
+    )
+    _save(tmp_path, [3])  # the resumed run's next save: the damaged copy is not overwritten
+    assert (aside / "__0_0.distcp").is_file() and ck.is_complete(newest)
+
+
+def test_a_save_onto_a_damaged_step_folder_sets_it_aside(tmp_path: Path, caplog) -> None:
+    """A fresh run (no resume) reaching the step of a damaged folder keeps it, named."""
+    from model_utils import checkpoint as ck
+
+    _save(tmp_path, [1])
+    (tmp_path / ck.checkpoint_name(1) / ck.DCP_METADATA).unlink()
+    with caplog.at_level("WARNING"):
+        _save(tmp_path, [1])
+    assert (tmp_path / f"damaged-{ck.checkpoint_name(1)}" / "__0_0.distcp").is_file()
+    assert ck.is_complete(tmp_path / ck.checkpoint_name(1))
+    assert "set aside as damaged-step_00000001" in _warnings(caplog)[0]
+
+
+def test_only_damaged_step_folders_are_refused_not_a_silent_fresh_start(tmp_path: Path) -> None:
+    from model_utils import checkpoint as ck
+
+    ckpt = _save(tmp_path, [1])
+    (tmp_path / ck.checkpoint_name(1) / ck.DCP_METADATA).unlink()
+    with pytest.raises(ck.ResumeRefused, match="every checkpoint in .* is damaged"):
+        ck.resume_candidate("auto", tmp_path)  # before any process group
+    with pytest.raises(ck.ResumeRefused, match="every checkpoint in .* is damaged"):
+        ckpt.resolve_intact("auto")
+    assert (tmp_path / f"damaged-{ck.checkpoint_name(1)}").is_dir()
