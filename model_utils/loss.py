@@ -2,7 +2,7 @@
 
 Hugging Face's loss materialises ``[tokens, vocab]`` logits in bf16, upcasts them to fp32 and
 keeps both plus their gradient: for Llama 3 at seq 8192 and micro-batch 4 that is 15.7 GiB for
-the fp32 copy alone, which is what capped the micro-batch on an H100. Here the logits exist for
+the fp32 copy alone, which caps the micro-batch (docs/performance.md). Here the logits exist for
 one chunk of tokens at a time: the forward computes each chunk's loss *and* its gradients with
 respect to the hidden states and ``lm_head``'s weight (the softmax minus the one-hot target, as
 autograd would), so nothing is recomputed in backward and the extra memory is one chunk's
@@ -40,11 +40,9 @@ def chunk_tokens(vocab: int, hidden: int) -> int:
     """Tokens per chunk: small enough that the logits stay a fraction of HF's, large enough that
     the per-chunk gradient accumulation stays a few percent of the step.
 
-    Measured on an H100 (Llama 3, hidden 4096, vocab 128256, 16k tokens per micro-batch, te-fp8):
-    512-token chunks (32 per step) ran at 0.66x of HF's loss, nearly all of it the per-chunk
-    gradient accumulation; 8,192-token chunks (2 per step, 4 GiB of fp32 logits each) ran at
-    0.95x and freed 10 GiB, enough for micro-batch 4 (both before the per-chunk fp32 work was
-    cut to a third). On the tiny CPU model (hidden 256) the 1,024-token floor wins.
+    Small chunks spend the step on the per-chunk gradient accumulation, so a chunk holds at least
+    2x hidden tokens (the H100 measurements that set this: docs/performance.md, "The chunked
+    loss"). On the tiny CPU model (hidden 256) the 1,024-token floor wins.
     """
     return max(1, CHUNK_LOGITS // vocab, MIN_CHUNK_TOKENS_PER_HIDDEN * hidden)
 

@@ -5,10 +5,9 @@ TE loads cuDNN itself when it is imported (``transformer_engine/common/__init__.
 and ``/usr/local/cuda``, then the system's library path, all before pip's copy, and opens what it
 finds with ``RTLD_GLOBAL``. With torch from PyPI, torch's cuDNN is pip's (``nvidia/cudnn/lib``),
 so on a machine with another cuDNN installed TE opens that one, and its symbols then answer
-torch's own cuDNN calls too. Seen on a lent H100 (torch 2.11+cu130, TE 2.20.2, 2026-11-24): the
-image's Debian cuDNN 9.14 in ``/lib/x86_64-linux-gnu`` beside torch's 9.19; torch's
-``cudnn.version()`` raised a version mismatch, and deterministic FP8 attention (which needs 9.19)
-was refused.
+torch's own cuDNN calls too: torch's ``cudnn.version()`` raises a version mismatch, and what
+needs torch's newer cuDNN (deterministic FP8 attention) is refused. The incident that showed it is
+in docs/failures.md ("Where the rules came from").
 
 Two things make TE run on torch's cuDNN, both before TE's import:
 
@@ -17,9 +16,9 @@ Two things make TE run on torch's cuDNN, both before TE's import:
 2. The cuDNN sub-libraries in that folder (``libcudnn_graph``, ``libcudnn_heuristic``, the
    engines) are opened by path, as TE itself does where no CUDA toolkit is installed. TE's core
    library needs them by soname; a soname nothing has open yet is looked up on the system's
-   library path, where the other cuDNN answers. On the H100, step 1 alone still gave TE the
-   Debian ``libcudnn_heuristic.so.9``, which then failed on torch's ``libcudnn_graph.so.9``
-   (undefined symbol). Opened here first, every such soname is taken by torch's file.
+   library path, where the other cuDNN answers, and that sub-library then fails on torch's
+   (undefined symbol): step 1 alone is not enough. Opened here first, every such soname is taken
+   by torch's file.
 
 Nothing is changed when the user chose another cuDNN (``CUDNN_HOME`` or ``CUDNN_PATH`` set to
 another folder), when TE is already imported, when torch opened no cuDNN (CPU builds), or when

@@ -58,8 +58,7 @@ AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 #: Why ``--fp8_weights`` trains only with ``--master_weights optimizer``. FP8-only weights need
 #: FP32 master weights in the optimizer (TE's FusedAdam(master_weights=True), as in TE's
 #: examples/pytorch/quantized_model_init/fully_shard.py); torch AdamW re-quantises every update
-#: to E4M3, so small updates vanish (on an H100, 40 steps: final loss 3.0% worse with delayed
-#: scaling, 2.6% with current).
+#: to E4M3, so small updates vanish (the loss this cost on an H100: docs/checkpoints.md).
 FP8_WEIGHTS_TRAINING_REFUSAL = (
     "--fp8_weights keeps weights only in FP8, and training them needs fp32 master weights in the "
     "optimizer: add --master_weights optimizer (without it AdamW would re-quantise every update "
@@ -127,8 +126,8 @@ def cudnn_version() -> tuple[int, int, int] | None:
     number); None without TE.
 
     Not torch's ``cudnn.version()``: TE loads its own libcudnn, and where that one differs from
-    the cuDNN torch was built with, torch's call raises instead of answering (seen on an H100:
-    torch built on 9.19, TE had loaded 9.14).
+    the cuDNN torch was built with, torch's call raises instead of answering (the incident:
+    docs/failures.md, "Where the rules came from").
     """
     try:
         te = import_te()

@@ -46,8 +46,8 @@ def import_te() -> ModuleType:
     try:
         align_te_cudnn()
         return importlib.import_module("transformer_engine.pytorch")
-    # OSError: TE opens its CUDA libraries with ctypes, which raises it (on an H100, a system
-    # cuDNN sub-library that did not match the cuDNN already open: "undefined symbol")
+    # OSError: TE opens its CUDA libraries with ctypes, which raises it (e.g. a system cuDNN
+    # sub-library that does not match the cuDNN already open: "undefined symbol")
     except (ImportError, OSError) as err:
         raise TEUnavailableError(
             "Transformer Engine is not available (import transformer_engine.pytorch failed: "

@@ -62,7 +62,8 @@ class StepMeter:
 
     A GPU runs behind the host: a step's kernels are only paid for when something waits for
     them. Summing per-step host intervals therefore drops whatever the device still owed when an
-    interval ended (on an H100 that made ``--logging_freq 5`` report 2.3x the real speed). Here a
+    interval ended, so the speed logged above ``--logging_freq 1`` runs ahead of the real one
+    (by how much on an H100: docs/failures.md, "Where the rules came from"). Here a
     window's time is, by construction, ``clock()`` after a ``sync()`` at :meth:`report` minus
     ``clock()`` after the ``sync()`` that ended the previous window (or :meth:`start`): all device
     work queued in between is inside it, whenever it ran. Work that is not training (validation,
