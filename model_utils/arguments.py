@@ -265,7 +265,7 @@ _FLAG_GROUPS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The flags, one argparse group per concern (their order is the README table's)."""
+    """The flags, one argparse group per concern (their order is docs/flags.md's table)."""
     parser = _OneLineParser(
         description="Train Llama with FSDP2 in BF16 or FP8 (torchao or Transformer Engine).",
         formatter_class=_HelpFormatter,
