@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 
@@ -285,19 +286,42 @@ def resume(
 _LR_FLAGS = ("--lr", "--min_lr")
 
 
-def main(argv: list[str] | None = None) -> None:
+def ready_line(args: arguments.Config) -> str:
+    """--validate_only's answer: the run as resolved (preset, precision and implementation,
+    world, folder), so a launch can be checked before it costs a node."""
+    precision = "fp8" if args.fp8 else ("bf16" if args.bf16 else "fp32")
+    if args.fp8:
+        precision += f" {args.fp8_recipe}"
+    world = os.environ.get("WORLD_SIZE", "set by torchrun")
+    resume = args.resume_from_checkpoint or "none (a fresh start)"
+    recipe = f"--recipe {args.recipe}, " if args.recipe else ""
+    return (
+        f"train.py: ready: {recipe}--preset {args.preset}, {precision} on --model_impl "
+        f"{args.model_impl}, world {world}, run folder {os.path.abspath(args.output_dir)}, "
+        f"resume {resume}"
+    )
+
+
+def configure_logging() -> None:
+    """The upstream recipe's line format, its level letter included (a warning shows W, so
+    grep finds every warning of a Slurm log by it)."""
     logging.basicConfig(
         level=logging.INFO,
-        format="%(asctime)s I [%(filename)s:%(lineno)d] %(message)s",
+        format="%(asctime)s %(levelname).1s [%(filename)s:%(lineno)d] %(message)s",
         datefmt="%Y-%m-%d %H:%M:%S",
         stream=sys.stdout,
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    configure_logging()
     preemption = Preemption()  # first: a signal during start-up must not kill the rank
     try:
         args, tokenizer = validate(argv)
     except arguments.UsageError as exc:
         arguments.exit_on_usage_error(exc)
     if args.validate_only:
+        print(ready_line(args), flush=True)
         return
     world = distributed.world_from_env()
     if not world.is_main:

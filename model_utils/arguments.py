@@ -88,6 +88,12 @@ class _OneLineParser(argparse.ArgumentParser):
 
 def _model_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:
     m = "model shape (default: from --preset)"
+    flag(
+        "recipe",
+        default=None,
+        help="a named A/B recipe (e.g. llama3-8b-fp8 and its twin llama3-8b-bf16): its flags "
+        "take this place on the command line; later flags override them",
+    )
     flag("preset", default="tiny", choices=sorted(PRESETS), help="model shape and data defaults")
     flag("hidden_width", type=int, help=m)
     flag("num_layers", type=int, help=m)
@@ -269,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(
         description="Train Llama with FSDP2 in BF16 or FP8 (torchao or Transformer Engine).",
         formatter_class=_HelpFormatter,
+        allow_abbrev=False,  # `--output /x` must not quietly mean --output_dir
     )
     for title, add_flags in _FLAG_GROUPS:
         group = parser.add_argument_group(title)
@@ -370,21 +377,47 @@ class Config(argparse.Namespace):
 def parse_args(argv: list[str] | None = None) -> Config:
     """The one way to a run config: flags, preset, cross-flag rules, then the implementation
     (``auto`` probes TE and the GPU) and the FP8 recipe for its backend."""
-    from model_utils import flag_rules
+    from model_utils import flag_rules, hf_config, recipes
     from model_utils.precision import resolve_model_impl  # imports torch; flags alone need not
 
+    given = sys.argv[1:] if argv is None else argv
+    argv = with_recipes(given)
     args = build_parser().parse_args(argv)
+    args.recipe = recipes.named(given)  # recorded: the run says which recipe it started from
     apply_preset(args)
+    if args.init_from_hf:
+        try:
+            hf_config.apply(args, explicit_flags(argv))
+        except hf_config.ConfigError as exc:
+            raise UsageError(str(exc)) from exc
     flag_rules.check_consistency(args)
     args.model_impl = resolve_model_impl(args.model_impl)
+    rope_type = (args.rope_scaling or {}).get("rope_type", "default")
+    if args.model_impl in TE_IMPLS and rope_type not in hf_config.TE_ROPE_TYPES:
+        raise UsageError(
+            f"--model_impl {args.model_impl} computes RoPE of types "
+            f"{', '.join(hf_config.TE_ROPE_TYPES)}, not {rope_type!r} (from --init_from_hf): "
+            "use --model_impl hf"
+        )
     args.fp8_recipe = flag_rules.resolve_fp8_recipe(args)
     flag_rules.check_recipe_options(args, explicit_flags(argv))
     return Config(**vars(args))
 
 
+def with_recipes(argv: list[str] | None) -> list[str]:
+    """The command line with each --recipe replaced by its flags (model_utils/recipes.py)."""
+    from model_utils import recipes
+
+    try:
+        return recipes.expand(sys.argv[1:] if argv is None else argv)
+    except recipes.RecipeError as exc:
+        raise UsageError(str(exc)) from exc
+
+
 def explicit_flags(argv: list[str] | None = None) -> frozenset[str]:
-    """The flags given on the command line, not filled in by a default or a preset: on resume an
-    explicit --lr means "use this lr", a default does not."""
+    """The flags given on the command line (a recipe's included), not filled in by a default
+    or a preset: on resume an explicit --lr means "use this lr", a default does not."""
+    argv = with_recipes(argv)
     parser = build_parser()
     for action in parser._actions:
         action.default = argparse.SUPPRESS

@@ -6,14 +6,54 @@ otherwise, the folders in effect, what a requeue must not repeat, and whether to
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import ModuleType
 
 
 class UsageError(Exception):
     """A setting the user must change: one line, exit 2."""
+
+
+def _recipes() -> ModuleType:
+    """model_utils/recipes.py, loaded from its file: it is standard-library Python, and importing
+    the model_utils package from here would need the repository on sys.path."""
+    path = Path(__file__).resolve().parents[1] / "model_utils" / "recipes.py"
+    spec = importlib.util.spec_from_file_location("llama_recipes", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def with_recipes(args: Sequence[str]) -> list[str]:
+    """`args` with each --recipe expanded, as train.py expands it (UsageError if unknown)."""
+    recipes = _recipes()
+    try:
+        return recipes.expand(args)
+    except recipes.RecipeError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def precision(args: Sequence[str]) -> str:
+    """fp8, bf16 or fp32, as train.py names a run's precision (its default --output_dir)."""
+    args = with_recipes(args)
+    if switch_value(args, "fp8"):
+        return "fp8"
+    mentioned = any(a == "--bf16" or a.startswith("--bf16=") for a in args)
+    return "bf16" if not mentioned or switch_value(args, "bf16") else "fp32"
+
+
+def run_folder(run_dir: str, args: Sequence[str], named: bool) -> str:
+    """The run folder: a RUN_NAME is taken as given; a job name (or `local`) gets the precision
+    appended unless it ends with it, so `--fp8=1` and `--fp8=0` of one command are two runs (the
+    second used to resume the first one's checkpoints and re-label them)."""
+    if named:
+        return run_dir
+    suffix = f"-{precision(args)}"
+    return run_dir if run_dir.endswith(suffix) else run_dir + suffix
 
 
 def flag_value(args: Sequence[str], name: str) -> str | None:
@@ -120,6 +160,8 @@ def train_arguments(defaults: Sequence[str], run_dir: str, args: Sequence[str]) 
     `--resume_from_checkpoint auto` with their own resume or --overwrite_output_dir (which
     train.py refuses together)."""
     own = [] if flag_value(args, "output_dir") is not None else ["--output_dir", run_dir]
+    if flag_value(args, "init_from_hf") is not None:
+        defaults = without_flag(defaults, "preset")  # the model is the checkpoint's config.json
     if flag_value(args, "resume_from_checkpoint") is None and not switch_value(
         args, "overwrite_output_dir"
     ):
@@ -161,6 +203,7 @@ def plan(env: Mapping[str, str], argv: Sequence[str]) -> str:
     run_dir, count, rest = argv[0], int(argv[1]), list(argv[2:])
     defaults, args = rest[:count], rest[count:]
     check_spelled_out(args)
+    run_dir = run_folder(run_dir, [*defaults, *args], named=bool(env.get("RUN_NAME")))
     checkpoint_dir, output_dir = run_folders(train_arguments(defaults, run_dir, args))
     note, restart = "", restart_count(env)
     if restart > 0:

@@ -40,6 +40,19 @@ _NOT_FLAGS = {"tokenizer_sha256": "the tokenizer's contents (sha256)"}
 # resume keeps the saved --optimizer and --master_weights. Checkpoints from before a flag hold
 # its old behaviour.
 OPTIMIZER_FIELDS = ("optimizer", "master_weights")
+# What an fp8/bf16 A/B compares is part of a run's identity: a resume that flipped --fp8 would
+# re-label the FP8 run's curve as bf16 (and the next save would record the lie). The FP8 knobs
+# only count while FP8 is on: with --fp8=0 their values train nothing. --fp8_weights (where the
+# weights are kept, FP8 or bf16 beside fp32 masters) and --fp8_all_gather (what FSDP moves) may
+# change: a checkpoint stores plain values either way.
+PRECISION_FIELDS = ("fp8", "bf16", "model_impl", "fp8_recipe")
+FP8_NUMERICS_FIELDS = (
+    "fp8_format",
+    "amax_history_len",
+    "amax_compute_algo",
+    "fp8_margin",
+    "fp8_attention",
+)
 _SAVED_DEFAULTS = {"optimizer": "adamw", "master_weights": "params"}
 # Flags that name this launch rather than the run: never compared, never reported.
 _LAUNCH_FIELDS = frozenset(
@@ -67,19 +80,21 @@ def _same(saved: Any, current: Any, name: str) -> bool:
 
 def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[list, list]:
     """Flags that differ between a checkpoint's run and this one, as ("--name", saved, now):
-    (refused: model shape and data stream; allowed: everything else, e.g. batch size, sequence
-    length, logging, precision). Fields an older checkpoint did not record are not compared,
-    except those with a known value before they existed (--optimizer adamw, --master_weights
-    params)."""
+    (refused: model shape, data stream, optimizer format and precision; allowed: everything
+    else, e.g. batch size, sequence length, logging). Fields an older checkpoint did not record
+    are not compared, except those with a known value before they existed (--optimizer adamw,
+    --master_weights params)."""
     if saved:
         saved = {**_SAVED_DEFAULTS, **saved}
     refused, allowed = [], []
+    kept = set(MODEL_FIELDS + DATA_FIELDS + OPTIMIZER_FIELDS + PRECISION_FIELDS)
+    if saved.get("fp8") and current.get("fp8"):
+        kept.update(FP8_NUMERICS_FIELDS)
     for name in sorted(set(saved) & set(current) - _LAUNCH_FIELDS):
         if name in _NOT_FLAGS and None in (saved[name], current[name]):
             continue  # not measured on one side (a config built without train.validate)
         if not _same(saved[name], current[name], name):
             change = (_NOT_FLAGS.get(name, f"--{name}"), saved[name], current[name])
-            kept = MODEL_FIELDS + DATA_FIELDS + OPTIMIZER_FIELDS
             moved = _moved(name, saved, current)
             (refused if name in kept and not moved else allowed).append(change)
     return refused, allowed
@@ -114,7 +129,8 @@ def check_resumable(path: str | Path, current: Mapping[str, Any]) -> list:
     if refused:
         raise ResumeRefused(
             f"checkpoint {path} belongs to another run: {describe_changes(refused)} (saved -> "
-            "this run); resume with the saved values, or start a new run in another --output_dir"
+            "this run); resume with the saved values, or start a new run in another "
+            "--output_dir (1.train_llama.sbatch: another RUN_NAME)"
         )
     return allowed
 

@@ -160,6 +160,7 @@ def submit(
 ) -> Job:
     """sbatch exactly as a user would (from the repo, the script's own directives), on `nodes`
     nodes with `workers` CPU workers each; output and run folders go to `tmp`."""
+    env = {"RUN_NAME": name, **env}  # the folder is the job's name (no precision appended)
     env = dict(cluster.env, NPROC_PER_NODE=str(workers), RUNS_DIR=str(tmp / "runs"), **env)
     out = subprocess.run(
         [
@@ -526,7 +527,8 @@ def _processes_mentioning(text: str) -> list[str]:
 def test_usr1_to_the_local_launcher_checkpoints_and_leaves_no_worker(tmp_path: Path) -> None:
     """`kill -USR1` of `bash 1.train_llama.sbatch` used to kill torchrun and orphan the
     workers; now the launcher forwards it, the workers save and exit, and it exits 0. The
-    same command then resumes (no RUN_NAME: the run folder is runs/local, not a new one)."""
+    same command then resumes (no RUN_NAME: the run folder is runs/local-bf16, not a new
+    one)."""
     env = clean_env(RUNS_DIR=str(tmp_path / "runs"), NPROC_PER_NODE="2")
     args = [
         "--preset",
@@ -544,9 +546,10 @@ def test_usr1_to_the_local_launcher_checkpoints_and_leaves_no_worker(tmp_path: P
     assert "USR1 received" in log
     saved = PREEMPTED.search(log)
     assert saved and 2 <= int(saved.group(1)) < 1000, log
-    ckpt = tmp_path / "runs" / "local" / "checkpoints" / f"step_{int(saved.group(1)):08d}"
+    run = tmp_path / "runs" / "local-bf16"
+    ckpt = run / "checkpoints" / f"step_{int(saved.group(1)):08d}"
     assert (ckpt / "checkpoint.json").is_file()
-    assert _processes_mentioning(str(tmp_path / "runs" / "local")) == []  # no orphan
+    assert _processes_mentioning(str(run)) == []  # no orphan
 
     cmd = ["bash", str(SBATCH), *args]
     status, log = signal_after(cmd, signal.SIGUSR1, "Resumed from", cwd=tmp_path, env=env)
@@ -750,8 +753,9 @@ def test_cpu_workers_come_from_nproc_per_node(fakes: Fakes, tmp_path: Path) -> N
 
 
 def test_a_local_run_without_run_name_has_one_stable_folder(fakes: Fakes, tmp_path: Path) -> None:
-    """Same command, same folder (runs/local): a rerun after Ctrl-C resumes, as a job with the
-    same name does (a `local-<time>` folder started every rerun at step 1)."""
+    """Same command, same folder (runs/local-fp8): a rerun after Ctrl-C resumes, as a job with
+    the same name does (a `local-<time>` folder started every rerun at step 1); the same
+    command with --fp8=0 is another run (runs/local-bf16), not a resume of the FP8 one."""
     for _ in range(2):
         assert (
             run_script(fakes.env(RUNS_DIR=str(tmp_path / "runs")), "--preset", "tiny").returncode
@@ -760,11 +764,14 @@ def test_a_local_run_without_run_name_has_one_stable_folder(fakes: Fakes, tmp_pa
     for call in fakes.torchrun_calls():
         assert call["argv"][-6:-2] == [
             "--output_dir",
-            str(tmp_path / "runs" / "local"),
+            str(tmp_path / "runs" / "local-fp8"),
             "--resume_from_checkpoint",
             "auto",
         ]
-    assert os.listdir(tmp_path / "runs") == ["local"]
+    assert os.listdir(tmp_path / "runs") == ["local-fp8"]
+    env = fakes.env(RUNS_DIR=str(tmp_path / "runs"))
+    assert run_script(env, "--preset", "tiny", "--fp8=0").returncode == 0
+    assert sorted(os.listdir(tmp_path / "runs")) == ["local-bf16", "local-fp8"]
 
 
 @pytest.mark.parametrize("spelling", ["separate", "equals"])

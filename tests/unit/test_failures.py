@@ -103,7 +103,7 @@ def test_a_run_that_took_the_directory_after_the_check_still_stops_this_one(
 # 2. A checkpoint is loaded only into the run it belongs to, and only if it is intact
 
 
-def test_model_and_data_changes_are_refused_the_rest_allowed() -> None:
+def test_model_data_and_precision_changes_are_refused_the_rest_allowed() -> None:
     saved = vars(parse_args([*FAST, "--max_steps", "20"]))
     now = dict(
         saved,
@@ -115,13 +115,41 @@ def test_model_and_data_changes_are_refused_the_rest_allowed() -> None:
         resume_from_checkpoint="auto",
     )
     refused, allowed = ck.config_changes(json_round_trip(saved), now)
-    assert refused == [("--num_layers", 4, 2), ("--tokenizer", saved["tokenizer"], "other/tok")]
-    assert allowed == [("--fp8", False, True), ("--train_batch_size", 4, 2)]
+    assert refused == [
+        ("--fp8", False, True),
+        ("--num_layers", 4, 2),
+        ("--tokenizer", saved["tokenizer"], "other/tok"),
+    ]
+    assert allowed == [("--train_batch_size", 4, 2)]
     # A path that points at the same place is the same dataset; an older marker's missing
     # fields are not compared.
     relative = os.path.relpath(saved["dataset"])
     older = {k: v for k, v in json_round_trip(saved).items() if k != "rope_theta"}
     assert ck.config_changes(older, dict(saved, dataset=relative, rope_theta=1.0)) == ([], [])
+
+
+def test_what_the_fp8_bf16_comparison_compares_is_part_of_the_run() -> None:
+    """--fp8, the implementation, the recipe and the FP8 knobs that change numerics are refused
+    on resume (the resumed run would be recorded under the other precision); the FP8 knobs count
+    only while FP8 is on; --fp8_all_gather and --fp8_weights (what is moved or kept, not the
+    GEMMs' numerics) may change."""
+    fp8 = json_round_trip(vars(parse_args([*FAST, "--fp8=1"])))
+    for change in (
+        {"fp8": False, "fp8_recipe": None},
+        {"fp8_recipe": "rowwise"},
+        {"model_impl": "te"},
+        {"bf16": False},
+        {"amax_history_len": 16},
+        {"fp8_format": "e4m3"},
+    ):
+        refused, _ = ck.config_changes(fp8, dict(fp8, **change))
+        assert {flag for flag, _, _ in refused} == {f"--{name}" for name in change}, change
+    assert ck.config_changes(fp8, dict(fp8, fp8_all_gather=True)) == (
+        [],
+        [("--fp8_all_gather", False, True)],
+    )
+    bf16 = json_round_trip(vars(parse_args(FAST)))
+    assert ck.config_changes(bf16, dict(bf16, amax_history_len=16))[0] == []
 
 
 def test_a_tokenizer_changed_in_place_is_refused_by_its_contents(tmp_path) -> None:

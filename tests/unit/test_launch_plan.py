@@ -90,13 +90,56 @@ def test_a_requeue_never_deletes_or_rewinds_the_runs_own_checkpoints() -> None:
     )
 
 
-def run_plan(env: dict[str, str], run_dir: str, *user: str) -> dict[str, object]:
-    """`launch_plan.py plan` as the sbatch reads it (bash eval of its assignments)."""
+def run_plan(env: dict[str, str], run_dir: str, *user: str, named: bool = True) -> dict:
+    """`launch_plan.py plan` as the sbatch reads it (bash eval of its assignments); `named`:
+    the run folder is a RUN_NAME (taken as given), else a job name (the precision appended)."""
+    env = {**env, "RUN_NAME": Path(run_dir).name} if named else env
     code = launch_plan.plan(env, [run_dir, str(len(DEFAULTS)), *DEFAULTS, *user])
-    script = f'{code}\nprintf \'%s\\0\' "$mode" "$note" "$checkpoint_dir" "${{train_args[@]}}"'
+    script = f'{code}\nprintf \'%s\\0\' "$mode" "$note" "$output_dir" "${{train_args[@]}}"'
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
-    mode, note, checkpoint_dir, *train_args = out.stdout.split("\0")[:-1]
+    mode, note, output_dir, *train_args = out.stdout.split("\0")[:-1]
+    checkpoint_dir = str(Path(output_dir) / "checkpoints")
     return {"mode": mode, "note": note, "checkpoint_dir": checkpoint_dir, "args": train_args}
+
+
+@pytest.mark.parametrize(
+    ("user", "folder"),
+    [
+        ([], "local-bf16"),
+        (["--fp8=1"], "local-fp8"),
+        (["--fp8"], "local-fp8"),
+        (["--fp8=1", "--fp8", "0"], "local-bf16"),
+        (["--bf16=0"], "local-fp32"),
+        (["--recipe", "tiny-fp8"], "local-fp8"),
+        (["--recipe=llama3-8b-bf16"], "local-bf16"),
+        (["--recipe=tiny-fp8", "--fp8=0"], "local-bf16"),
+    ],
+)
+def test_without_run_name_the_precision_names_the_run_folder(user: list[str], folder: str) -> None:
+    """The README's `--fp8=1` run then the same command with `--fp8=0` are two runs: the second
+    used to resume the first's checkpoints and record them as bf16."""
+    plan = run_plan({}, "/runs/local", *user, named=False)
+    assert plan["args"][len(DEFAULTS) : len(DEFAULTS) + 2] == ["--output_dir", f"/runs/{folder}"]
+
+
+def test_a_run_name_is_taken_as_given_and_a_job_name_keeps_its_own_suffix() -> None:
+    assert run_plan({}, "/runs/mine", "--fp8=1")["args"][len(DEFAULTS) + 1] == "/runs/mine"
+    plan = run_plan({}, "/runs/llama3-fp8", "--fp8=1", named=False)
+    assert plan["args"][len(DEFAULTS) + 1] == "/runs/llama3-fp8"
+
+
+def test_an_unknown_recipe_is_refused_before_anything_is_made() -> None:
+    with pytest.raises(launch_plan.UsageError, match="--recipe nope: no such recipe"):
+        launch_plan.plan({}, ["/runs/local", "0", "--recipe", "nope"])
+
+
+def test_the_launchers_preset_gives_way_to_a_hf_checkpoints_config() -> None:
+    """The sbatch's `--preset llama2-7b` default is an explicit flag to train.py, which refuses a
+    preset that contradicts --init_from_hf's config.json: the launcher leaves it out there."""
+    args = launch_plan.train_arguments(DEFAULTS, "/runs/r", ["--init_from_hf", "/hf/llama3"])
+    assert "--preset" not in args and args[:2] == ["--checkpoint_freq", "500"]
+    mine = ["--init_from_hf", "/hf/llama3", "--preset", "llama3-8b"]
+    assert launch_plan.train_arguments(DEFAULTS, "/runs/r", mine)[-2:] == ["--preset", "llama3-8b"]
 
 
 def test_the_plan_rewrites_a_restarted_jobs_arguments_only(tmp_path: Path) -> None:

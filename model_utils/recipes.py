@@ -1,0 +1,109 @@
+"""Named A/B recipes: `--recipe llama3-8b-fp8` and its twin `--recipe llama3-8b-bf16`.
+
+A recipe is a list of train.py flags, expanded where `--recipe` stands on the command line (as
+argparse's @file would be): flags before it (1.train_llama.sbatch's defaults) are overridden by
+it, flags after it override it. The fp8 and bf16 recipes of a model are built from one list of
+shared flags, so the twins differ in the precision flags alone: the A/B is fair by construction.
+
+Standard library only: 1.train_llama.sbatch's launcher reads recipes too (for the run folder's
+precision), on whatever Python the batch host has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# One node of 8xH100, full depth. The settings are the fastest measured per layer on one H100
+# (benchmarks/results/): delayed scaling, --compile, micro-batch 4 with the MLPs recomputed
+# (what fits 32 layers at seq 8192 by the per-layer activation arithmetic, not measured at full
+# depth). Schedule: torchtitan's Llama 3 8B defaults (lr 3e-4, 200 warm-up steps, 1000 steps).
+_SHARED: dict[str, tuple[str, ...]] = {
+    "llama3-8b": (
+        "--preset=llama3-8b",
+        "--model_impl=te",
+        "--train_batch_size=4",
+        "--activation_checkpointing=1",
+        "--ac_scope=mlp",
+        "--compile=1",
+        "--lr=3e-4",
+        "--min_lr=3e-5",
+        "--warmup=200",
+        "--max_steps=1000",
+        "--validation_freq=100",
+        "--checkpoint_freq=200",
+    ),
+    "llama2-7b": (
+        "--preset=llama2-7b",
+        "--model_impl=te",
+        "--train_batch_size=6",
+        "--activation_checkpointing=1",
+        "--ac_scope=mlp",
+        "--compile=1",
+        "--lr=3e-4",
+        "--min_lr=3e-5",
+        "--warmup=200",
+        "--max_steps=1000",
+        "--validation_freq=100",
+        "--checkpoint_freq=200",
+    ),
+    # The local try: the tiny preset on CPU (emulated FP8 via torchao), a minute per run.
+    "tiny": ("--preset=tiny", "--max_steps=50", "--validation_freq=25"),
+}
+#: What each side of an A/B adds to the shared flags; nothing else differs.
+PRECISIONS: dict[str, tuple[str, ...]] = {
+    "fp8": ("--fp8=1",),
+    "bf16": ("--fp8=0",),
+}
+_DELAYED_ON_TE = ("--fp8_recipe=delayed",)
+
+
+class RecipeError(ValueError):
+    """An unknown recipe or a --recipe without a name: one line, exit 2."""
+
+
+def names() -> list[str]:
+    return [f"{model}-{precision}" for model in _SHARED for precision in PRECISIONS]
+
+
+def flags(name: str) -> list[str]:
+    """The flags of recipe `name` (`<model>-fp8` or `<model>-bf16`)."""
+    model, _, precision = name.rpartition("-")
+    if model not in _SHARED or precision not in PRECISIONS:
+        raise RecipeError(f"--recipe {name}: no such recipe; choose one of {', '.join(names())}")
+    shared = list(_SHARED[model])
+    extra = PRECISIONS[precision]
+    if precision == "fp8" and "--model_impl=te" in shared:
+        extra = (*extra, *_DELAYED_ON_TE)
+    return [*shared, *extra]
+
+
+def named(argv: Sequence[str]) -> str | None:
+    """The last recipe `argv` names (the run's record says which recipe it started from)."""
+    found = None
+    for i, arg in enumerate(argv):
+        if arg == "--recipe" and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif arg.startswith("--recipe="):
+            found = arg.split("=", 1)[1]
+    return found
+
+
+def expand(argv: Sequence[str]) -> list[str]:
+    """`argv` with each `--recipe NAME` (or `--recipe=NAME`) replaced in place by its flags."""
+    out: list[str] = []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--recipe":
+            if i + 1 >= len(args) or args[i + 1].startswith("-"):
+                raise RecipeError(f"--recipe needs a name: one of {', '.join(names())}")
+            out += flags(args[i + 1])
+            i += 2
+            continue
+        if arg.startswith("--recipe="):
+            out += flags(arg.split("=", 1)[1])
+        else:
+            out.append(arg)
+        i += 1
+    return out

@@ -1,0 +1,76 @@
+"""What a run is, said plainly: named A/B recipes whose twins differ only in precision, the
+--validate_only "ready" line, no abbreviated flags, and log lines that carry their level."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from model_utils import recipes
+from model_utils.arguments import UsageError, parse_args
+
+ROOT = Path(__file__).resolve().parents[2]
+PRECISION_FLAGS = {"fp8", "fp8_recipe"}
+RUN_FOLDERS = {"output_dir", "checkpoint_dir"}  # runs/<preset>-fp8 and -bf16: two runs
+
+
+@pytest.mark.parametrize("model", sorted({name.rsplit("-", 1)[0] for name in recipes.names()}))
+def test_a_recipes_twins_differ_in_precision_alone(model: str) -> None:
+    fp8 = vars(parse_args(["--recipe", f"{model}-fp8"]))
+    bf16 = vars(parse_args(["--recipe", f"{model}-bf16"]))
+    differ = {name for name in fp8 if fp8[name] != bf16[name]}
+    assert differ == {"recipe", *RUN_FOLDERS, *(PRECISION_FLAGS & differ)} and "fp8" in differ
+    assert fp8["output_dir"].endswith("-fp8") and bf16["output_dir"].endswith("-bf16")
+    assert fp8["fp8"] is True and bf16["fp8"] is False
+
+
+def test_a_recipe_stands_where_it_is_written() -> None:
+    """Like argparse's @file: the sbatch's defaults before it give way, the user's flags after
+    it win."""
+    args = parse_args(["--preset", "llama2-7b", "--fp8=0", "--recipe=llama3-8b-fp8", "--lr=1e-4"])
+    assert (args.preset, args.fp8, args.fp8_recipe, args.lr) == ("llama3-8b", True, "delayed", 1e-4)
+    assert args.train_batch_size == 4 and args.ac_scope == "mlp" and args.compile
+    assert args.recipe == "llama3-8b-fp8"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--recipe", "llama3-8b"], "--recipe llama3-8b: no such recipe; choose one of"),
+        (["--recipe"], "--recipe needs a name: one of llama3-8b-fp8"),
+        (["--output", "/x"], "unrecognized arguments: --output /x"),
+        (["--fp8_rec", "delayed"], "unrecognized arguments: --fp8_rec delayed"),
+    ],
+)
+def test_unknown_recipes_and_abbreviated_flags_are_refused(argv: list[str], message: str) -> None:
+    """argparse used to take `--output /x` as --output_dir."""
+    with pytest.raises(UsageError, match=message):
+        parse_args(argv)
+
+
+def test_validate_only_prints_one_ready_line(tmp_path, capsys) -> None:
+    import train
+
+    train.main(["--recipe", "tiny-fp8", f"--output_dir={tmp_path / 'run'}", "--validate_only"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == (
+        "train.py: ready: --recipe tiny-fp8, --preset tiny, fp8 tensorwise on --model_impl hf, "
+        f"world set by torchrun, run folder {tmp_path / 'run'}, resume none (a fresh start)"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_log_lines_carry_their_level_letter() -> None:
+    """The upstream format puts the level after the time; a warning was printed as `I`."""
+    code = (
+        "import logging, train; train.configure_logging(); "
+        "logging.getLogger('t').info('told'); logging.getLogger('t').warning('warned')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    told, warned = out.strip().splitlines()
+    assert " I [<string>:1] told" in told and " W [<string>:1] warned" in warned
