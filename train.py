@@ -174,26 +174,40 @@ def train(
     run_log = RunLog(args, model, backend, world, device, start_step=state.step)
 
     guard = guards.StepGuard(device)
-    reads = data.ReadGuard(stream, args.text_column)
+    reads = data.ReadGuard(stream, args.text_column, world.world_size)
     model.train()
     run_log.meter.start()
+    start_step = state.step
     try:
         while state.step < args.max_steps:
-            done = train_step(model, optimizer, scheduler, backend, reads.next, args, device)
+            done = train_step(
+                model, optimizer, scheduler, backend, reads.next, args, device, reads.all_read
+            )
+            if not done.stepped:  # a bad read: the step is dropped, the last full one saved
+                stop_on_bad_read(reads, world, ckpt, state, guard, model, start_step)
             state.step += 1
             guard.observe(state.step, done.loss, done.grad_norm)  # queued on the device, no sync
             run_log.step(state.step, done.loss, done.lr, done.data_wait)
             if args.validation_freq and state.step % args.validation_freq == 0:
                 run_log.validation(state.step, model, val_batches, backend)
-            asked = preemption.requested or reads.failure is not None
-            if step_boundary(args, state, ckpt, guard, model, run_log, asked):
-                path = ckpt.save(state.step, state, block=True)
-                data.raise_read_failure(reads.failure, world, state.step, path)
+            if step_boundary(args, state, ckpt, guard, model, run_log, preemption.requested):
+                ckpt.save(state.step, state, block=True)
                 log.info("Preemption signal received: checkpoint saved at step %d", state.step)
                 return
         finish(args, model, backend, ckpt, state, guard, run_log, val_batches, tokenizer)
     except guards.Diverged as exc:  # here: the lr in the line is the one in use after a resume
         guards.exit_diverged(exc, args.lr, world.is_main)
+
+
+def stop_on_bad_read(reads, world, ckpt, state, guard, model, start_step: int) -> None:
+    """A rank's read failed during the step just dropped: every rank saves the last full step
+    (after the non-finite check every save gets; none if this launch trained no step, whose
+    state is already saved or is the initial one), then raises the read's DataError."""
+    path = ckpt.latest()
+    if state.step > start_step:
+        guards.check_step(guard, ckpt, state.step, model, True, saving=True)
+        path = ckpt.save(state.step, state, block=True)
+    data.raise_read_failure(reads.failure, world, state.step, path)
 
 
 def step_boundary(args, state, ckpt, guard, model, run_log, stop_requested: bool) -> bool:

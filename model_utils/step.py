@@ -29,6 +29,8 @@ class StepResult:
     grad_norm: torch.Tensor | None  # before clipping; None with --grad_clip 0
     lr: float  # the lr this step used
     data_wait: float  # seconds spent waiting for micro-batches
+    # False: a rank's read failed during the step (data_ok): no optimizer step, nothing to record
+    stepped: bool = True
 
 
 def train_step(
@@ -39,6 +41,7 @@ def train_step(
     next_micro_batch: MicroBatchSource,
     args,
     device: torch.device,
+    data_ok: Callable[[], bool] | None = None,
 ) -> StepResult:
     """One optimizer step over ``args.grad_accum_steps`` micro-batches.
 
@@ -46,6 +49,11 @@ def train_step(
     and by its weight (0 for data.ReadGuard's stand-in after a bad read: no gradient, yet this
     rank still joins the step's collectives). Only the first micro-batch of the step re-casts
     TE's FP8 weights (the backend's autocast); later ones reuse them.
+
+    ``data_ok`` (data.ReadGuard.all_read), asked after the last micro-batch: False if any rank's
+    read failed during the step. The step is then not taken (gradients dropped, no optimizer or
+    schedule step): an update from a stand-in batch, or from part of the data, is no step a
+    checkpoint should hold, and ``stepped=False`` tells the loop to record nothing.
     """
     accum = args.grad_accum_steps
     data_wait, loss_sum = 0.0, torch.zeros((), device=device)
@@ -59,10 +67,13 @@ def train_step(
             loss = model(**micro_batch).loss * weight
         (loss / accum).backward()
         loss_sum += loss.detach()
+    lr = float(scheduler.get_last_lr()[0])  # torchao keeps it as a 0-d CPU tensor
+    if data_ok is not None and not data_ok():
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss_sum / accum, None, lr, data_wait, stepped=False)
     grad_norm = None
     if args.grad_clip > 0:
         grad_norm = clip_grad_norm(model, args.grad_clip)
-    lr = float(scheduler.get_last_lr()[0])  # torchao keeps it as a 0-d CPU tensor
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)

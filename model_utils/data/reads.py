@@ -1,8 +1,10 @@
 """A rank's reads going wrong, with every rank stopping together: a data problem may show on
 one rank only (each reads its own shard), yet all ranks are inside the same collectives.
 At start-up (`build_data`) every rank learns the first problem and raises it; mid-run
-(`ReadGuard`) the failed rank keeps stepping with weight-0 batches until the loop's next stop
-check, and `raise_read_failure` turns its line into the run's exit message after the save.
+(`ReadGuard`) the failed rank finishes the step's micro-batches with weight-0 stand-ins, the
+ranks agree before the optimizer step that this step read bad data (`ReadGuard.all_read`), the
+step is not taken or recorded, and `raise_read_failure` turns the line into the run's exit
+message after the save of the last full step.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from model_utils.arguments import first_line
 from model_utils.data.checks import find_bad_file
@@ -31,15 +34,25 @@ class ReadGuard:
     start-up scan, a file that changed).
 
     The rank must not stop alone: the others are inside the step's collectives with it. So from
-    the failed read on it repeats its last batch with weight 0 (no gradient: the step goes on
-    with the other ranks' data) and `failure` says what broke and in which file; the training
-    loop treats that as a stop request, which every rank acts on at its next logging step
-    (checkpoint, then exit with the line)."""
+    the failed read on it repeats its last batch with weight 0 to the end of the step, and
+    `failure` says what broke and in which file; `all_read` then tells every rank, and the loop
+    drops the step, saves the last full one and exits with the line."""
 
-    def __init__(self, stream: TrainStream, text_column: str) -> None:
+    def __init__(self, stream: TrainStream, text_column: str, world_size: int = 1) -> None:
         self.stream, self.text_column = stream, text_column
         self.failure: str | None = None
         self._last: Batch | None = None
+        # One host-side flag a step, on its own gloo group: no wait for the device (an NCCL
+        # all-reduce read on the host would drain the queue every step). One rank: none.
+        self._group = dist.new_group(backend="gloo") if world_size > 1 else None
+
+    def all_read(self) -> bool:
+        """Whether every rank read real data for every micro-batch so far (all ranks call it
+        once a step, before the optimizer step)."""
+        failed = torch.tensor([int(self.failure is not None)])
+        if self._group is not None:
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self._group)
+        return not bool(failed.item())
 
     def next(self) -> tuple[Batch, float]:
         """(batch, loss weight): weight 1 for real data, 0 for the stand-in after a failure."""
@@ -133,14 +146,17 @@ def build_data(
 
 
 def raise_read_failure(failure: str | None, world: World, step: int, path: Path | None) -> None:
-    """After the stop's checkpoint: if any rank met bad data mid-run, DataError (every rank,
-    with that rank's line) saying what was saved; the caller exits 2."""
+    """After the bad read: if any rank met bad data mid-run, DataError (every rank, with that
+    rank's line) saying which step was dropped and what is kept; the caller exits 2."""
     from model_utils.distributed import first_problem
 
     first = first_problem(failure, world.world_size)
-    if first:
-        raise DataError(
-            f"{first}; checkpoint saved at step {step} ({path}; the steps since the bad read "
-            "went on without that rank's batches): fix or remove the file, then resume with "
-            "--resume_from_checkpoint auto"
-        )
+    if not first:
+        return
+    kept = (
+        f"checkpoint of step {step} at {path}; fix or remove the file, then resume with "
+        "--resume_from_checkpoint auto"
+        if path is not None
+        else "nothing was trained, no checkpoint saved; fix or remove the file, then run again"
+    )
+    raise DataError(f"{first}; step {step + 1} met it and was not taken: {kept}")

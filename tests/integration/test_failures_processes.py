@@ -607,10 +607,11 @@ def test_too_little_data_for_validation_is_one_line_before_the_model(tmp_path: P
     assert "the validation part has only 0 windows" in line and "parameters" not in result.stdout
 
 
-def test_a_bad_byte_met_mid_run_saves_a_checkpoint_and_names_the_file(tmp_path: Path) -> None:
-    """Past the start-up scan (8 MiB per file) the stream meets a bad byte: the rank trains on
-    with weight 0, every rank stops at the logging step, saves, and exits 2 naming file and
-    line."""
+def test_a_bad_byte_met_mid_run_is_named_and_its_step_not_taken(tmp_path: Path) -> None:
+    """Past the start-up scan (8 MiB per file) the stream meets a bad byte (the reader reads the
+    file whole, so in step 1): the step is not taken, nothing is recorded or saved as if it had
+    trained (a step-1 checkpoint and a loss of 0.0 used to be), exit 2 naming file and line.
+    A failure later in a run: tests/integration/test_run_integrity_processes.py."""
     from model_utils import data
 
     folder = tmp_path / "late"
@@ -638,6 +639,7 @@ def test_a_bad_byte_met_mid_run_saves_a_checkpoint_and_names_the_file(tmp_path: 
     assert result.returncode == 2, result.stderr[-3000:]
     [line] = error_lines(result)
     assert f"{folder / 'train.txt'} line {lines_before} is not UTF-8 text" in line
-    assert "mid-run" in line and "checkpoint saved at step 1" in line
-    [saved] = ck.complete_checkpoints(out / "checkpoints")
-    assert ck.step_of(saved) == 1 and ck.Checkpointer(out / "checkpoints").verify(saved) is None
+    assert "mid-run" in line and "step 1 met it and was not taken: nothing was trained" in line
+    assert ck.complete_checkpoints(out / "checkpoints") == []
+    assert "Batch 1 Loss" not in result.stdout
+    assert not [r for r in metrics.read_jsonl(out / "metrics.jsonl") if r.get("kind") == "train"]

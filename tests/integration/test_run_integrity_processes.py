@@ -1,0 +1,130 @@
+"""Never lose a run, round 3 (issue 33), through real train.py processes and real ranks: a bad
+read records nothing false, and a resume refuses data that changed since the save.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from procs import spawn_ranks  # noqa: E402
+from test_failures import FAST  # noqa: E402
+
+from model_utils import checkpoint as ck  # noqa: E402
+from model_utils import data, metrics  # noqa: E402
+
+# train.py with the third micro-batch read failing as a disk does (EIO): a fault past the
+# start-up scan, at a step of this launch's choosing.
+_FAILING_READ = """
+import sys
+import train
+from model_utils.data import stream
+
+reads, fail_at = [0], int(sys.argv[1])
+original = stream.TrainStream.__next__
+
+def failing(self):
+    reads[0] += 1
+    if reads[0] == fail_at:
+        raise OSError(5, "Input/output error")
+    return original(self)
+
+stream.TrainStream.__next__ = failing
+train.main(sys.argv[2:])
+"""
+
+
+def _train_failing_at(read: int, *argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+    return subprocess.run(
+        [sys.executable, "-c", _FAILING_READ, str(read), *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+def _train_records(out: Path) -> dict[int, dict]:
+    records = metrics.read_jsonl(out / "metrics.jsonl")
+    return {r["step"]: r for r in records if r.get("kind") == "train"}
+
+
+# ============================================================================================
+# 4. A bad read records nothing false
+
+
+def test_a_read_failing_mid_run_drops_its_step_and_saves_the_last_full_one(tmp_path: Path):
+    out = tmp_path / "run"
+    common = [*FAST, "--warmup", "1", "--validation_batches", "1", "--logging_freq", "1"]
+    result = _train_failing_at(3, *common, "--max_steps", "10", f"--output_dir={out}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    [line] = [ln for ln in result.stderr.splitlines() if ln.startswith("train.py: error:")]
+    saved = out / "checkpoints" / ck.checkpoint_name(2)
+    assert "could not read its data mid-run (OSError: [Errno 5] Input/output error)" in line
+    assert f"step 3 met it and was not taken: checkpoint of step 2 at {saved}" in line
+    assert sorted(_train_records(out)) == [1, 2]  # no step 3, no loss 0.0
+    assert all(r["loss"] > 1.0 for r in _train_records(out).values())
+    assert "Batch 3 Loss" not in result.stdout
+    assert ck.complete_checkpoints(out / "checkpoints") == [saved]
+    assert ck.read_marker(saved)["step"] == 2
+    resumed = subprocess.run(  # the saved state is a whole step 2: the run goes on from there
+        [sys.executable, str(ROOT / "train.py"), *common, "--max_steps", "4"]
+        + [f"--output_dir={out}", "--resume_from_checkpoint=auto"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"},
+        cwd=ROOT,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert sorted(_train_records(out)) == [1, 2, 3, 4]
+
+
+class _Stream:
+    """A stream of one-token batches whose `fail_at`-th read fails (0: never)."""
+
+    micro_batch, seq_len, dataset, rank = 1, 4, "memory", 0
+
+    def __init__(self, fail_at: int) -> None:
+        self.reads, self.fail_at = 0, fail_at
+
+    def __next__(self) -> dict:
+        self.reads += 1
+        if self.reads == self.fail_at:
+            raise data.DataError("a bad record")
+        ids = torch.full((1, 4), self.reads)
+        return {"input_ids": ids, "labels": ids}
+
+
+def _all_read_worker(rank: int, world_size: int, port: int, results: dict) -> None:
+    """Rank 1's second read fails; every rank must learn it at the same step."""
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    try:
+        reads = data.ReadGuard(_Stream(2 if rank == 1 else 0), "text", world_size)
+        seen = []
+        for _ in range(3):
+            batch, weight = reads.next()
+            seen.append((weight, reads.all_read()))
+        results[rank] = seen
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_learns_of_a_bad_read_before_the_optimizer_step() -> None:
+    results = mp.Manager().dict()
+    spawn_ranks(_all_read_worker, 2, results)
+    assert results[0] == [(1.0, True), (1.0, False), (1.0, False)]
+    assert results[1] == [(1.0, True), (0.0, False), (0.0, False)]
