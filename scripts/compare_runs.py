@@ -12,7 +12,8 @@ later one. This recipe's logs and run directories also carry the run's flags (th
 line/record): they label the runs and let the tool refuse runs of different model shapes or
 batch sizes; upstream logs have no flags, so those runs are labelled by file name, unchecked.
 
-The picture: loss vs step (train lines, validation points), throughput vs step, and a bar of
+The picture: loss vs step (train lines, validation points), each run's loss minus the first's
+inside the band a healthy FP8 run stays in, throughput vs step, and a bar of
 each run's median throughput after warm-up with its ratio to the first run written on it.
 Throughput is tokens/s per device where every run logs it, else samples/s (upstream logs).
 Bad input (no parsable line, a metrics.jsonl line that is not JSON or a record whose fields are
@@ -42,7 +43,12 @@ from model_utils.metrics.records import record_problem, run_problem  # noqa: E40
 # model_utils/run_log.py's SPEED_WARMUP_STEPS (tests/unit/test_compare_runs.py keeps the two equal);
 # like the run's own summary, a run shorter than 2x this uses half its steps.
 WARMUP_STEPS = 10
-FIGSIZE, DPI = (15.0, 4.5), 100  # 1500 x 450 pixels
+FIGSIZE, DPI = (20.0, 4.5), 100  # 2000 x 450 pixels
+# The loss-difference panel's band: an FP8 run whose train loss stays within 1% of the BF16
+# run's, step for step, trains the same model (NVIDIA's and torchao's published FP8 runs stay
+# well inside it; this recipe's tiny CPU runs differ by ~0.1%). A curve drifting out of it, or
+# growing with the steps, is what to investigate.
+HEALTHY_REL_GAP = 0.01
 
 _NUM = r"([-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|nan|inf))"
 _GROUPED = r"(\d{1,3}(?:,\d{3})*(?:\.\d+)?)"  # 1,234,567 (the detail line's tokens/s)
@@ -137,8 +143,8 @@ def parse_log(text: str) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
                 found = json.loads(m.group(1))
             except json.JSONDecodeError:
                 continue  # not our run line
-            if run_problem(found) is None:  # else not ours either: a log holds any text
-                info = found
+            if run_problem(found) is None and info is None:  # else not ours: a log holds any text
+                info = found  # the first: what the run trained with (see parse_jsonl)
     return records, info
 
 
@@ -157,7 +163,9 @@ def parse_jsonl(text: str, name: str) -> tuple[list[dict[str, Any]], dict[str, A
         if problem:
             raise CompareError(f"{name}: line {number} {problem}: fix or delete that line")
         if record.get("kind") == "run":
-            info = record
+            # The first record says what the run trained: a resume writes another, and a
+            # resume that changed what it compares once re-labelled an FP8 run as bf16.
+            info = info or record
         elif record.get("kind") in ("train", "val"):
             records.append(record)
     return records, info
@@ -333,7 +341,10 @@ def make_figure(
     key = throughput_key(runs)
     unit = "tokens/s per device" if key == "tokens_per_sec_per_device" else "samples/s"
     fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
-    loss_ax, speed_ax, bar_ax = fig.subplots(1, 3)
+    loss_ax, gap_ax, speed_ax, bar_ax = fig.subplots(1, 4)
+    plot_loss_gap(gap_ax, runs, labels)
+    if log_steps:
+        gap_ax.set_xscale("log")
     for i, (run, label) in enumerate(zip(runs, labels, strict=True)):
         color = f"C{i}"
         loss_ax.plot(*_series(run, "train", "loss"), color=color, label=f"{label} train")
@@ -371,6 +382,41 @@ def make_figure(
     bar_ax.margins(y=0.15)
     fig.suptitle(title or " vs ".join(labels))
     return fig
+
+
+def loss_gap(run: Run, base: Run) -> tuple[list[int], list[float], list[float]]:
+    """(steps both runs logged, this run's train loss minus the first's, the first's loss)."""
+    theirs = dict(zip(*_series(base, "train", "loss"), strict=True))
+    steps, gaps, bases = [], [], []
+    for step, loss in zip(*_series(run, "train", "loss"), strict=True):
+        if step in theirs:
+            steps.append(step)
+            gaps.append(loss - theirs[step])
+            bases.append(theirs[step])
+    return steps, gaps, bases
+
+
+def plot_loss_gap(ax, runs: Sequence[Run], labels: Sequence[str]) -> None:
+    """Each run's train loss minus the first run's, step for step, inside the band a healthy
+    FP8 run stays in (±HEALTHY_REL_GAP of the first run's loss)."""
+    steps, _, bases = loss_gap(runs[0], runs[0])
+    band = [HEALTHY_REL_GAP * abs(b) for b in bases]
+    ax.fill_between(
+        steps,
+        [-b for b in band],
+        band,
+        color="0.85",
+        label=f"±{HEALTHY_REL_GAP:.0%} of {labels[0]}",
+    )
+    ax.axhline(0.0, color="C0", linewidth=1)
+    for i, (run, label) in enumerate(zip(runs, labels, strict=True)):
+        if i:
+            ax.plot(*loss_gap(run, runs[0])[:2], color=f"C{i}", label=f"{label} - {labels[0]}")
+    ax.set_title(f"train loss minus {labels[0]}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss difference")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
 
 
 # ---------------------------------------------------------------------------------- output

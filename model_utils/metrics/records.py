@@ -164,12 +164,19 @@ def _mfu_text(metrics: Mapping[str, Any]) -> str:
     return f"MFU: {mfu:.1f}% ({basis})"
 
 
+def tflops_text(tflops: float) -> str:
+    """Three decimals on a GPU (711.234); four significant digits below 1 TFLOP/s (a CPU's
+    0.0001234), where three decimals printed 0.000 for both runs and the ratio of the rounded
+    values read back from a log was 0/0 or off by a third."""
+    return f"{tflops:.3f}" if abs(tflops) >= 1 else f"{tflops:.4g}"
+
+
 def detail_line(metrics: Mapping[str, Any]) -> str:
     """Second log line: per-device throughput, model TFLOP/s, MFU, memory, data wait."""
     memory_kind = metrics.get("memory_kind") or "peak memory"
     return (
         f"  tokens/s/device: {metrics['tokens_per_sec_per_device']:,.0f}, "
-        f"TFLOP/s/device: {metrics['tflops_per_device']:.3f}, "
+        f"TFLOP/s/device: {tflops_text(metrics['tflops_per_device'])}, "
         f"{_mfu_text(metrics)}, "
         f"peak mem: {metrics['peak_mem_gib']:.2f} GiB ({memory_kind}), "
         f"data wait: {metrics['data_wait_pct']:.1f}%"

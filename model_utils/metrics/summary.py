@@ -6,11 +6,13 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from model_utils.metrics.records import tflops_text
+
 # (key in summary, label, format) in display order.
 _SUMMARY_ROWS: tuple[tuple[str, str, str], ...] = (
     ("samples_per_sec", "samples/s (median)", "{:.2f}"),
     ("tokens_per_sec_per_device", "tokens/s/device (median)", "{:,.0f}"),
-    ("tflops_per_device", "TFLOP/s/device (median)", "{:.3f}"),
+    ("tflops_per_device", "TFLOP/s/device (median)", "tflops"),
     ("mfu", "MFU % vs bf16 peak (median)", "{:.1f}"),
     ("data_wait_pct", "data wait % (median)", "{:.1f}"),
     ("peak_mem_gib", "peak memory GiB (max)", "{:.2f}"),
@@ -60,7 +62,18 @@ def summarize(records: Iterable[Mapping[str, Any]], warmup_steps: int) -> dict[s
 
 
 def _fmt(value: Any, fmt: str) -> str:
-    return "n/a" if value is None else fmt.format(value)
+    if value is None:
+        return "n/a"
+    return tflops_text(value) if fmt == "tflops" else fmt.format(value)
+
+
+def _shows_zero(cell: str) -> bool:
+    """A cell that prints as 0 (0.0, 0.00000): a ratio beside two of them would be read as a
+    measured change, though the table shows none (e.g. data wait 0.04% vs 0.02%)."""
+    try:
+        return float(cell.replace(",", "")) == 0
+    except ValueError:
+        return False
 
 
 def format_summary(summary: Mapping[str, Any], title: str = "Summary") -> str:
@@ -105,7 +118,13 @@ def format_table(summaries: Sequence[Mapping[str, Any]], names: Sequence[str]) -
             cells.append(_fmt(summary.get(key), fmt))
             if i:
                 a, b = base.get(key), summary.get(key)
-                cells.append("n/a" if a is None or b is None or a == 0 else f"{b / a:.3f}")
+                shown = (_fmt(a, fmt), cells[-1])
+                if a is None or b is None or a == 0:
+                    cells.append("n/a")
+                elif all(_shows_zero(c) for c in shown):
+                    cells.append("-")
+                else:  # from the unrounded medians, not from the cells
+                    cells.append(f"{b / a:.3f}")
         row = "".join(f"  {c:>{w}}" for c, (_, w) in zip(cells, cols, strict=True))
         lines.append(f"  {label:<{width}}{row}")
     return "\n".join(lines)

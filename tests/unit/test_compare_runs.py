@@ -4,6 +4,7 @@ tests/integration/test_compare_runs_processes.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import sys
@@ -251,13 +252,13 @@ def test_png_has_the_expected_size_and_the_plotted_data_is_the_input(two_runs, t
     cr.compare(args)
     header = png.read_bytes()[:24]
     assert header[:8] == b"\x89PNG\r\n\x1a\n"
-    assert struct.unpack(">II", header[16:24]) == (1500, 450)  # FIGSIZE x DPI
+    assert struct.unpack(">II", header[16:24]) == (2000, 450)  # FIGSIZE x DPI
 
     runs = [cr.load_run(p) for p in two_runs]
     labels = cr.default_labels(runs)
     summaries = [metrics.summarize(r.records, 10) for r in runs]
     fig = cr.make_figure(runs, labels, summaries, log_steps=True, title="CPU demo")
-    loss_ax, speed_ax, bar_ax = fig.axes
+    loss_ax, gap_ax, speed_ax, bar_ax = fig.axes
     assert fig.get_suptitle() == "CPU demo" and labels == ["bf16 hf", "fp8 tensorwise hf"]
     lines = {ln.get_label(): ln for ln in loss_ax.get_lines()}
     for label, rows, val in (
@@ -270,11 +271,47 @@ def test_png_has_the_expected_size_and_the_plotted_data_is_the_input(two_runs, t
         assert list(lines[f"{label} validation"].get_ydata()) == pytest.approx([v for _, v in val])
         speed = next(ln for ln in speed_ax.get_lines() if ln.get_label() == label)
         assert list(speed.get_ydata()) == pytest.approx([v * 128 for _, v, _ in rows])
-    assert loss_ax.get_xscale() == speed_ax.get_xscale() == "log"
+    assert loss_ax.get_xscale() == speed_ax.get_xscale() == gap_ax.get_xscale() == "log"
+    # fp8 - bf16, step for step, inside a band of 1% of the bf16 loss
+    [gap] = [ln for ln in gap_ax.get_lines() if ln.get_label() == "fp8 tensorwise hf - bf16 hf"]
+    assert list(gap.get_xdata()) == [s for s, _, _ in BF16]
+    want = [f - b for (_, _, f), (_, _, b) in zip(FP8, BF16, strict=True)]
+    assert list(gap.get_ydata()) == pytest.approx(want)
+    [band] = gap_ax.collections
+    top = band.get_paths()[0].vertices[:, 1].max()
+    assert top == pytest.approx(0.01 * max(b for _, _, b in BF16))
     assert speed_ax.get_ylabel() == "tokens/s per device"
     assert [p.get_height() for p in bar_ax.patches] == pytest.approx([11.5 * 128, 19.5 * 128])
     assert [t.get_text() for t in bar_ax.texts] == ["1.00x", f"{19.5 / 11.5:.2f}x"]
     assert [t.get_text() for t in bar_ax.get_xticklabels()] == labels
+
+
+def test_a_run_is_labelled_by_what_it_trained_first(tmp_path) -> None:
+    """A resume writes another run record; before resumes refused a precision change, one that
+    flipped --fp8 re-labelled the FP8 run as bf16 (the last record won)."""
+    run_dir = write_run_dir(tmp_path / "r", FP8, VAL["fp8"], info(fp8=True))
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({**info(), "kind": "run"}) + "\n")
+    assert cr.default_labels([cr.load_run(run_dir)]) == ["fp8 tensorwise hf"]
+    log = tmp_path / "slurm-5.out"
+    lines = log_lines(FP8, VAL["fp8"], info(fp8=True)) + log_lines([], [], info())
+    log.write_text("\n".join(lines) + "\n")
+    assert cr.default_labels([cr.load_run(log)]) == ["fp8 tensorwise hf"]
+
+
+def test_a_ratio_of_two_cells_that_print_zero_is_not_printed() -> None:
+    """CPU runs: data wait 0.04% vs 0.02% printed 0.0, 0.0 and a ratio of 0.500; a TFLOP/s of
+    0.0001234 printed 0.000 (the ratio, read back from a log, was 0/0)."""
+    base = {"data_wait_pct": 0.04, "tflops_per_device": 0.0001234}
+    other = {"data_wait_pct": 0.02, "tflops_per_device": 0.0002468}
+    table = metrics.format_table([base, other], ["bf16", "fp8"])
+    assert row(table, "data wait")[-3:] == ["0.0", "0.0", "-"]
+    assert row(table, "TFLOP/s/device")[-3:] == ["0.0001234", "0.0002468", "2.000"]
+    line = metrics.detail_line(
+        {"tokens_per_sec_per_device": 5.0, "tflops_per_device": 0.0001234, "mfu": None}
+        | {"peak_mem_gib": 0.5, "data_wait_pct": 0.0}
+    )
+    assert "TFLOP/s/device: 0.0001234," in line
 
 
 # -------------------------------------------------------------------------------- refusals
