@@ -51,7 +51,10 @@ def validate(argv: list[str] | None, training: bool = True) -> tuple[arguments.C
         data.check_hub_dataset(args.dataset)  # a name that is no local path: one quick look-up
         tokenizer = data.load_tokenizer(args.tokenizer)
         data.check_vocab(tokenizer, args.vocab_size)
-        args = args.replace(tokenizer_sha256=data.tokenizer_fingerprint(tokenizer))
+        args = args.replace(
+            tokenizer_sha256=data.tokenizer_fingerprint(tokenizer),
+            data_fingerprint=data.data_fingerprint(args.dataset),
+        )
         checkpoint.check_resume_arg(args.resume_from_checkpoint, args.checkpoint_dir)
         if args.init_from_hf:
             checkpoint.check_hf_dir(args.init_from_hf, args)  # the shape and RoPE base too
@@ -84,10 +87,42 @@ def check_run_dir(args: arguments.Config) -> None:
         return
     path = checkpoint.resume_candidate(args.resume_from_checkpoint, args.checkpoint_dir)
     if path is not None:
-        checkpoint.check_resumable(path, args.as_dict())
+        checkpoint.check_resumable(path, resume_fields(args))
+        check_same_data(path, args)
         explicit = args.resume_from_checkpoint != "auto"
         checkpoint.check_resume_target(path, args.checkpoint_dir, explicit)
         checkpoint.check_steps_left(path, args.max_steps)
+
+
+def resume_fields(args: arguments.Config) -> dict:
+    """The flags a resume compares with the checkpoint's (checkpoint.check_resumable); the data
+    files' fingerprint has its own rule and words (check_same_data), and --allow_data_change
+    is this launch's choice."""
+    fields = args.as_dict()
+    for name in ("data_fingerprint", "allow_data_change"):
+        fields.pop(name, None)
+    return fields
+
+
+def check_same_data(path, args: arguments.Config) -> None:
+    """A checkpoint's data position means something only in the data it was saved with: a
+    local file changed since is refused (checkpoint.ResumeRefused, one line naming it), or with
+    --allow_data_change a warning. Checkpoints from before fingerprints, and hub datasets, have
+    none to compare."""
+    saved = (checkpoint.read_marker(path).get("run_config") or {}).get("data_fingerprint")
+    change = data.data_change(saved, args.data_fingerprint)
+    if change is None:
+        return
+    if args.allow_data_change:
+        log.warning(
+            "Resuming on changed data (--allow_data_change): %s in %s", change, args.dataset
+        )
+        return
+    raise checkpoint.ResumeRefused(
+        f"checkpoint {path} was saved with other data: {change} in --dataset {args.dataset} "
+        "since the save, so its saved position points into other text; resume on the data it "
+        "was saved with, or pass --allow_data_change to resume on this data anyway"
+    )
 
 
 class Preemption:
@@ -281,7 +316,10 @@ def resume(
     checkpoint.ResumeRefused; other changed flags are logged; an explicit --lr/--min_lr replaces
     the saved one (optim.resume_schedule). Returns the flags with the lr values in use, so the
     next checkpoint and metrics.jsonl record what the run really uses."""
-    changed = [c for c in checkpoint.check_resumable(path, args.as_dict()) if c[0] not in _LR_FLAGS]
+    changed = [
+        c for c in checkpoint.check_resumable(path, resume_fields(args)) if c[0] not in _LR_FLAGS
+    ]
+    check_same_data(path, args)  # the checkpoint resolve_intact chose, maybe an older one
     ckpt.load(path, state)
     given = {name: getattr(args, name) for name in ("lr", "min_lr") if name in explicit}
     try:

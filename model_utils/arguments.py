@@ -249,6 +249,12 @@ def _checkpoint_flags(flag: Callable[..., None], switch: Callable[..., None]) ->
         "start afresh where an earlier run left checkpoints: they are deleted at start-up "
         "(without it such a run is refused)",
     )
+    switch(
+        "allow_data_change",
+        False,
+        "resume although a local --dataset file changed since the checkpoint was saved (its "
+        "saved position then points into other text; without it such a resume is refused)",
+    )
     flag("init_from_hf", default=None, help="start from a Hugging Face Llama checkpoint dir")
     switch(
         "validate_only",
@@ -326,6 +332,7 @@ def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
     args.dataset_config_name = args.dataset_config_name or None
     args.rms_norm_eps = preset.rms_norm_eps
     args.tokenizer_sha256 = None  # what the tokenizer does: train.validate fills it in
+    args.data_fingerprint = None  # each local data file's size and ends: train.validate too
     args.rope_scaling = preset.rope_scaling
     args.max_position_embeddings = preset.max_position_embeddings or args.max_context_width
     if args.val_batch_size is None:

@@ -33,11 +33,14 @@ re-exported here: `from model_utils import data; data.TrainStream(...)`.
 """
 
 from model_utils.data.checks import (
+    FINGERPRINT_BYTES,
     HUB_TIMEOUT_S,
     SCAN_BYTES_PER_FILE,
     SCAN_BYTES_TOTAL,
     check_hub_dataset,
     check_local_data,
+    data_change,
+    data_fingerprint,
     find_bad_file,
 )
 from model_utils.data.reads import ReadGuard, build_data, raise_read_failure, read_error_message
@@ -62,6 +65,7 @@ from model_utils.data.validation import validation_batches
 
 __all__ = [
     "BLOCK_DOCS",
+    "FINGERPRINT_BYTES",
     "HELD_OUT_FRACTION",
     "HUB_TIMEOUT_S",
     "SCAN_BYTES_PER_FILE",
@@ -77,6 +81,8 @@ __all__ = [
     "check_hub_dataset",
     "check_local_data",
     "check_vocab",
+    "data_change",
+    "data_fingerprint",
     "document_texts",
     "encode_documents",
     "epoch_documents",

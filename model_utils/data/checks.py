@@ -5,6 +5,7 @@ line, instead of surfacing as a library traceback minutes into the run.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -233,3 +234,54 @@ def _is_object(line: str) -> bool:
         return isinstance(json.loads(line), dict)
     except json.JSONDecodeError:
         return False
+
+
+# --------------------------------------------------------------------------------------------
+# What a checkpoint's data position points into: a resume on other data would read other text
+# from the saved position without a sign. Size and a sum of each file's ends, not the whole
+# file: cheap on a corpus of a thousand files on network storage, and it names the file; not
+# the modification time, which a fresh copy (node-local staging, a new mount) changes.
+
+FINGERPRINT_BYTES = 64 * 2**10  # read from each end of each file
+
+
+def data_fingerprint(dataset: str) -> dict[str, str] | None:
+    """{file, relative to --dataset's folder: "<bytes>:<sha256 of its first and last 64 KiB>"}
+    for every local file the run reads (training and validation); None for a hub dataset."""
+    path = Path(dataset).expanduser()
+    if not path.exists():
+        return None
+    _, train, validation = local_files(path)
+    base = path if path.is_dir() else path.parent
+    return {
+        str(Path(f).relative_to(base)): _file_fingerprint(Path(f))
+        for f in sorted(train + validation)
+    }
+
+
+def _file_fingerprint(file: Path) -> str:
+    size = file.stat().st_size
+    digest = hashlib.sha256()
+    with open(file, "rb") as fh:
+        digest.update(fh.read(FINGERPRINT_BYTES))
+        fh.seek(max(0, size - FINGERPRINT_BYTES))
+        digest.update(fh.read(FINGERPRINT_BYTES))
+    return f"{size}:{digest.hexdigest()[:16]}"
+
+
+def data_change(saved: dict[str, str] | None, now: dict[str, str] | None) -> str | None:
+    """The first difference between the data a checkpoint was saved with and today's, in
+    words naming the file; None if the same (or either side unknown: a hub dataset, or a
+    checkpoint from before fingerprints)."""
+    if not isinstance(saved, dict) or not isinstance(now, dict):
+        return None
+    for name in sorted(set(saved) | set(now)):
+        if name not in now:
+            return f"{name} is gone"
+        if name not in saved:
+            return f"{name} was added"
+        if saved[name] != now[name]:
+            before, after = saved[name].split(":")[0], now[name].split(":")[0]
+            sizes = f"{before} -> {after} bytes" if before != after else "same size"
+            return f"{name} changed ({sizes}, other contents)"
+    return None

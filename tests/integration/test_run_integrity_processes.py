@@ -128,3 +128,51 @@ def test_every_rank_learns_of_a_bad_read_before_the_optimizer_step() -> None:
     spawn_ranks(_all_read_worker, 2, results)
     assert results[0] == [(1.0, True), (1.0, False), (1.0, False)]
     assert results[1] == [(1.0, True), (0.0, False), (0.0, False)]
+
+
+# ============================================================================================
+# 5. The data a run resumes on is the data it saved with
+
+
+def _train(*argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+def test_a_resume_refuses_a_data_file_replaced_since_the_save(
+    tmp_path: Path, refused_by_train
+) -> None:
+    import gzip
+
+    corpus = tmp_path / "corpus.jsonl.gz"
+    lines = gzip.decompress((ROOT / "data" / "kjv.jsonl.gz").read_bytes()).splitlines(True)
+    corpus.write_bytes(gzip.compress(b"".join(lines)))
+    out = tmp_path / "run"
+    common = [*FAST, "--warmup=1", "--validation_batches=1", f"--dataset={corpus}"]
+    common.append(f"--output_dir={out}")
+    first = _train(*common, "--max_steps=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    saved = ck.latest_checkpoint(out / "checkpoints")
+    recorded = ck.read_marker(saved)["run_config"]["data_fingerprint"]
+    assert list(recorded) == ["corpus.jsonl.gz"]
+
+    corpus.write_bytes(gzip.compress(b"".join(lines[1:])))  # same path, one document less
+    _, [line], _ = refused_by_train(*common, "--max_steps=3", "--resume_from_checkpoint=auto")
+    assert f"checkpoint {saved} was saved with other data: corpus.jsonl.gz changed (" in line
+    assert "--allow_data_change" in line
+
+    allowed = _train(
+        *common, "--max_steps=3", "--resume_from_checkpoint=auto", "--allow_data_change"
+    )
+    assert allowed.returncode == 0, allowed.stderr[-3000:]
+    assert "Resuming on changed data (--allow_data_change): corpus.jsonl.gz changed" in (
+        allowed.stdout
+    )
+    assert ck.step_of(ck.latest_checkpoint(out / "checkpoints")) == 3
