@@ -151,18 +151,14 @@ def key_map_for(marker: dict) -> tuple[object | None, str | None]:
 
 def run_tokenizer(path: Path, marker: dict, given: str | None) -> object:
     """The run's tokenizer: `given` (--tokenizer), else the one the checkpoint's run recorded.
-    It must do what the run's did (the fingerprint train.py records), and fit the vocabulary:
-    another tokenizer would turn the model's ids into other text. Refused (one line) if none
-    loads or it is another one."""
+    Refused (one line) if none loads, or if it is another tokenizer (not_the_runs)."""
     from model_utils import data
 
-    run = marker.get("run_config") or {}
-    name = given or run.get("tokenizer")
+    name = given or (marker.get("run_config") or {}).get("tokenizer")
     if not name:
         raise Refused(f"checkpoint {path} records no tokenizer: give the run's with --tokenizer")
     try:
         tokenizer = data.load_tokenizer(str(name))
-        data.check_vocab(tokenizer, int(marker["model_config"]["vocab_size"]))
     except ValueError as exc:
         if given:
             raise Refused(str(exc)) from exc
@@ -171,14 +167,32 @@ def run_tokenizer(path: Path, marker: dict, given: str | None) -> object:
             f"({str(exc).removeprefix('--tokenizer ')}): "
             "give the run's tokenizer with --tokenizer PATH"
         ) from exc
-    recorded, found = run.get("tokenizer_sha256"), data.tokenizer_fingerprint(tokenizer)
-    if recorded and found != recorded:
-        raise Refused(
-            f"tokenizer {name} is not the run's: its fingerprint {found} differs from the "
-            f"{recorded} checkpoint {path} records (other ids for the same text); give the "
-            "run's tokenizer with --tokenizer PATH"
-        )
+    problem = not_the_runs(tokenizer, name, path, marker)
+    if problem:
+        raise Refused(f"{problem}; give the run's tokenizer with --tokenizer PATH")
     return tokenizer
+
+
+def not_the_runs(tokenizer: object, name: str, path: Path, marker: dict) -> str | None:
+    """Why `tokenizer` is not the one the run trained with, or None: it must do what the run's
+    did (the fingerprint train.py records) and fit the model's vocabulary, as another tokenizer
+    would turn the model's ids into other text."""
+    from model_utils import data
+
+    recorded = (marker.get("run_config") or {}).get("tokenizer_sha256")
+    found = data.tokenizer_fingerprint(tokenizer)
+    if recorded and found != recorded:
+        return (
+            f"tokenizer {name} is not the run's: its fingerprint {found} differs from the "
+            f"{recorded} checkpoint {path} records (other ids for the same text)"
+        )
+    vocab = int(marker["model_config"]["vocab_size"])
+    if len(tokenizer) > vocab:
+        return (
+            f"tokenizer {name} is not the run's: it has {len(tokenizer)} tokens, the model of "
+            f"checkpoint {path} {vocab}"
+        )
+    return None
 
 
 def new_folders(out_dir: Path) -> list[Path]:

@@ -7,6 +7,7 @@ in tests/integration/test_checkpoint_processes.py and tests/unit/test_cross_impl
 from __future__ import annotations
 
 import errno
+import shutil
 import sys
 from pathlib import Path
 
@@ -27,7 +28,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 LONG_NAME = "n" * 300  # over NAME_MAX (255 bytes): ENAMETOOLONG from the first stat()
 
 
-def save_checkpoints(root: Path, steps: tuple[int, ...]) -> list[Path]:
+def save_checkpoints(
+    root: Path, steps: tuple[int, ...], tokenizer: str | None = None
+) -> list[Path]:
     """Real checkpoints (DCP files and a marker with every file's sha256, the run's tokenizer
     and its fingerprint, as train.py records them) of a small Llama whose weights differ from
     step to step."""
@@ -36,8 +39,9 @@ def save_checkpoints(root: Path, steps: tuple[int, ...]) -> list[Path]:
     from model_utils import arguments, data, modeling
 
     args = arguments.parse_args(SMALL_LLAMA)
-    fingerprint = data.tokenizer_fingerprint(data.load_tokenizer(args.tokenizer))
-    run_config = {"tokenizer": args.tokenizer, "tokenizer_sha256": fingerprint}
+    tokenizer = tokenizer or args.tokenizer
+    fingerprint = data.tokenizer_fingerprint(data.load_tokenizer(tokenizer))
+    run_config = {"tokenizer": tokenizer, "tokenizer_sha256": fingerprint}
     model = LlamaForCausalLM(modeling.llama_config(args))
     checkpointer = ck.Checkpointer(root)
     paths = []
@@ -159,3 +163,46 @@ def test_an_export_that_fails_part_way_leaves_nothing(
         assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
     else:
         assert not (tmp_path / "new").exists()
+
+
+def copy_of_the_run_tokenizer(folder: Path, extra_token: str | None = None) -> Path:
+    """The bundled tokenizer saved elsewhere; with `extra_token`, another tokenizer (one more
+    token: another fingerprint) under the same kind of path."""
+    from model_utils import data
+    from model_utils.presets import BUNDLED_TOKENIZER
+
+    tokenizer = data.load_tokenizer(BUNDLED_TOKENIZER)
+    if extra_token:
+        tokenizer.add_tokens([extra_token])
+    tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+def test_the_run_tokenizer_gone_is_refused_until_given_with_tokenizer(tmp_path, capsys) -> None:
+    """The recorded tokenizer folder was removed: refused in one line naming --tokenizer,
+    nothing written; another tokenizer given is refused by its fingerprint; the run's, given,
+    converts to a folder whose tokenizer is the run's."""
+    from transformers import AutoTokenizer
+
+    from model_utils import data
+
+    recorded = copy_of_the_run_tokenizer(tmp_path / "tok")
+    [path] = save_checkpoints(tmp_path / "ckpt", (1,), tokenizer=str(recorded))
+    shutil.rmtree(recorded)
+    out = tmp_path / "hf"
+    err = refused([str(path), str(out)], capsys)
+    assert f"checkpoint {path} records the tokenizer {recorded}, which cannot be used " in err
+    assert err.rstrip().endswith("give the run's tokenizer with --tokenizer PATH")
+    assert not out.exists()
+
+    other = copy_of_the_run_tokenizer(tmp_path / "other", extra_token="<|pad|>")
+    err = refused([str(path), str(out), "--tokenizer", str(other)], capsys)
+    assert f"tokenizer {other} is not the run's: its fingerprint " in err
+    assert not out.exists()
+
+    given = copy_of_the_run_tokenizer(tmp_path / "given")
+    assert convert_checkpoint.main([str(path), str(out), "--tokenizer", str(given)]) == 0
+    exported = AutoTokenizer.from_pretrained(str(out))
+    assert data.tokenizer_fingerprint(exported) == data.tokenizer_fingerprint(
+        data.load_tokenizer(str(given))
+    )
