@@ -74,3 +74,11 @@ def test_log_lines_carry_their_level_letter() -> None:
     ).stdout
     told, warned = out.strip().splitlines()
     assert " I [<string>:1] told" in told and " W [<string>:1] warned" in warned
+
+
+def test_docs_recipes_lists_every_recipe_with_its_flags() -> None:
+    """docs/recipes.md is what a user copies from: each FP8 recipe's flags exactly as expanded."""
+    page = (ROOT / "docs" / "recipes.md").read_text()
+    for name in recipes.names():
+        if name.endswith("-fp8"):
+            assert f"| `{name}` | `{' '.join(recipes.flags(name))}`" in page, name

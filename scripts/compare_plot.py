@@ -1,0 +1,127 @@
+"""compare_runs.py's picture: loss vs step, each run's loss minus the first's inside the band a
+healthy FP8 run stays in, throughput vs step, and a bar of each run's median throughput with its
+ratio to the first. A run is compare_runs.Run (its ``records``: metrics.jsonl's train and val
+records, one per step)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+FIGSIZE, DPI = (20.0, 4.5), 100  # 2000 x 450 pixels
+# The loss-difference panel's band: an FP8 run whose train loss stays within 1% of the BF16
+# run's, step for step, trains the same model (NVIDIA's and torchao's published FP8 runs stay
+# well inside it; this recipe's tiny CPU runs differ by ~0.1%). A curve drifting out of it, or
+# growing with the steps, is what to investigate.
+HEALTHY_REL_GAP = 0.01
+
+
+def throughput_key(runs: Sequence[Any]) -> str:
+    """tokens/s per device where every run logs it (this recipe), else samples/s (upstream)."""
+    key = "tokens_per_sec_per_device"
+    has = all(any(key in r for r in run.records if r["kind"] == "train") for run in runs)
+    return key if has else "samples_per_sec"
+
+
+# ---------------------------------------------------------------------------- the picture
+
+
+def _series(run: Any, kind: str, key: str) -> tuple[list[int], list[float]]:
+    rows = [r for r in run.records if r["kind"] == kind and key in r]
+    return [r["step"] for r in rows], [math.nan if r[key] is None else r[key] for r in rows]
+
+
+def make_figure(
+    runs: Sequence[Any],
+    labels: Sequence[str],
+    summaries: Sequence[Mapping[str, Any]],
+    *,
+    log_steps: bool = False,
+    title: str | None = None,
+):
+    """Loss vs step, throughput vs step, median throughput bars with ratios to the first run.
+
+    A ``matplotlib.figure.Figure`` without pyplot (no global state, no display needed); tests
+    read the plotted data back from it."""
+    from matplotlib.figure import Figure
+
+    key = throughput_key(runs)
+    unit = "tokens/s per device" if key == "tokens_per_sec_per_device" else "samples/s"
+    fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
+    loss_ax, gap_ax, speed_ax, bar_ax = fig.subplots(1, 4)
+    plot_loss_gap(gap_ax, runs, labels)
+    if log_steps:
+        gap_ax.set_xscale("log")
+    for i, (run, label) in enumerate(zip(runs, labels, strict=True)):
+        color = f"C{i}"
+        loss_ax.plot(*_series(run, "train", "loss"), color=color, label=f"{label} train")
+        steps, val = _series(run, "val", "val_loss")
+        if steps:
+            loss_ax.plot(steps, val, "o--", color=color, label=f"{label} validation")
+        speed_ax.plot(*_series(run, "train", key), color=color, label=label)
+    for ax, ylabel in ((loss_ax, "loss"), (speed_ax, unit)):
+        ax.set_xlabel("step" + (" (log scale)" if log_steps else ""))
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+        if log_steps:
+            ax.set_xscale("log")
+    loss_ax.set_title("loss")
+    speed_ax.set_title(f"{unit} (each logged window)")
+
+    medians = [s.get(key) for s in summaries]
+    heights = [m if m is not None else 0.0 for m in medians]
+    bars = bar_ax.bar(range(len(runs)), heights, color=[f"C{i}" for i in range(len(runs))])
+    bar_ax.set_xticks(range(len(runs)), labels, fontsize="small")
+    bar_ax.set_ylabel(f"median {unit}")
+    bar_ax.set_title(f"median {unit} after warm-up\nratio to {labels[0]}")
+    for bar, median in zip(bars, medians, strict=True):
+        base = medians[0]
+        text = "n/a" if median is None or not base else f"{median / base:.2f}x"
+        bar_ax.annotate(
+            text,
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize="large",
+            fontweight="bold",
+        )
+    bar_ax.margins(y=0.15)
+    fig.suptitle(title or " vs ".join(labels))
+    return fig
+
+
+def loss_gap(run: Any, base: Any) -> tuple[list[int], list[float], list[float]]:
+    """(steps both runs logged, this run's train loss minus the first's, the first's loss)."""
+    theirs = dict(zip(*_series(base, "train", "loss"), strict=True))
+    steps, gaps, bases = [], [], []
+    for step, loss in zip(*_series(run, "train", "loss"), strict=True):
+        if step in theirs:
+            steps.append(step)
+            gaps.append(loss - theirs[step])
+            bases.append(theirs[step])
+    return steps, gaps, bases
+
+
+def plot_loss_gap(ax, runs: Sequence[Any], labels: Sequence[str]) -> None:
+    """Each run's train loss minus the first run's, step for step, inside the band a healthy
+    FP8 run stays in (±HEALTHY_REL_GAP of the first run's loss)."""
+    steps, _, bases = loss_gap(runs[0], runs[0])
+    band = [HEALTHY_REL_GAP * abs(b) for b in bases]
+    ax.fill_between(
+        steps,
+        [-b for b in band],
+        band,
+        color="0.85",
+        label=f"±{HEALTHY_REL_GAP:.0%} of {labels[0]}",
+    )
+    ax.axhline(0.0, color="C0", linewidth=1)
+    for i, (run, label) in enumerate(zip(runs, labels, strict=True)):
+        if i:
+            ax.plot(*loss_gap(run, runs[0])[:2], color=f"C{i}", label=f"{label} - {labels[0]}")
+    ax.set_title(f"train loss minus {labels[0]}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss difference")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
