@@ -507,6 +507,17 @@ def test_help_and_validate_only_through_the_launcher_start_no_training(
     result = run_script(env, "--preset", "tiny", flag, cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("usage: train.py") == (flag == "--help")
+    run = tmp_path / "runs" / "local-fp8"
+    if flag == "--help":  # what the launcher adds to the user's arguments, before train.py's help
+        assert (
+            "--preset llama2-7b --fp8=1 --checkpoint_freq 500 "
+            f"--output_dir {run} --resume_from_checkpoint auto --preset tiny --help"
+        ) in result.stdout
+    else:  # one line with the run as resolved
+        assert "train.py: ready: --preset tiny, fp8 tensorwise on --model_impl hf, world set " in (
+            result.stdout
+        )
+        assert f"run folder {run}, resume auto" in result.stdout
     assert "running torchrun" not in result.stdout
     assert not (tmp_path / "runs").exists()
 
