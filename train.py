@@ -149,16 +149,14 @@ class Preemption:
             signal.signal(sig, signal.SIG_IGN)
 
 
-def te_recipe(backend) -> object | None:
-    """The Transformer Engine recipe object, or None (bf16, torchao, or TE with FP8 off)."""
-    return backend.recipe if backend.name == "te" else None
-
-
 def build_model(args: argparse.Namespace, mesh, device, backend) -> torch.nn.Module:
     """Meta-device Llama -> precision swaps -> AC/compile -> FSDP2 -> initialised local shard."""
-    recipe = te_recipe(backend)
     built = modeling.build(
-        args, args.model_impl, device, fp8_recipe=recipe, build_te=te_llama.build_te_llama
+        args,
+        args.model_impl,
+        device,
+        fp8_recipe=backend.te_recipe,
+        build_te=te_llama.build_te_llama,
     )
     model = backend.prepare(built)
     if args.activation_checkpointing:
@@ -278,7 +276,7 @@ def restore(
         stream,
         config=args.as_dict(),
         on_data_reshard=lambda step, saved: stream.restart_after_reshard(saved),
-        fp8_recipe=te_recipe(backend),
+        fp8_recipe=backend.te_recipe,
     )
     if args.overwrite_output_dir:
         ckpt.remove_all()

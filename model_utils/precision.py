@@ -1,6 +1,7 @@
 """Precision backends: one object per way of computing, all behind the same `--fp8` flag.
 
-A backend has four duties, each called at one point of the step (docs/architecture.md, "One step"):
+A backend (the PrecisionBackend protocol below: train.py calls it the same way for all three,
+never by name) has these duties, each called at one point of the step (docs/architecture.md):
   prepare(model)              module swaps, before sharding (e.g. nn.Linear -> Float8Linear)
   autocast(first_micro_batch) context for the forward pass only; in training, whether this is a
                               step's first micro-batch (TE re-casts FP8 weights there only)
@@ -8,6 +9,9 @@ A backend has four duties, each called at one point of the step (docs/architectu
   describe()                  the startup log line
   master_weight_adam(device)  the backend's own AdamW over fp32 masters (TE: FusedAdam on CUDA)
                               for --master_weights optimizer, or None
+  te_recipe                   the TE recipe object that TE layers are built and checkpointed
+                              with (quantized weights, FP8 state), or None: bf16, torchao, FP8 off
+  checkpoint_fn               the activation-checkpoint function its layers need, or None (torch's)
 Compute dtype itself comes from FSDP2's MixedPrecisionPolicy (bf16 params for compute, fp32
 master weights and gradient reduction), the way torchtitan does it, so --fp8=0 and --fp8=1 run the
 same bf16 model and the comparison isolates FP8. With --master_weights optimizer the parameters
@@ -21,6 +25,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -45,11 +51,37 @@ def resolve_model_impl(requested: str) -> str:
     return "te" if fp8_capable_gpu() and te_support.te_available() else "hf"
 
 
+@runtime_checkable
+class PrecisionBackend(Protocol):
+    """What train.py, step.py and run_log.py call on a precision backend."""
+
+    name: str
+
+    @property
+    def te_recipe(self) -> Any | None: ...
+
+    @property
+    def checkpoint_fn(self) -> Callable[..., Any] | None: ...
+
+    def prepare(self, model: nn.Module) -> nn.Module: ...
+
+    def autocast(
+        self, first_micro_batch: bool | None = None
+    ) -> contextlib.AbstractContextManager: ...
+
+    def after_optimizer_step(self, model: nn.Module) -> None: ...
+
+    def master_weight_adam(self, device: torch.device) -> Any | None: ...
+
+    def describe(self) -> str: ...
+
+
 class BF16:
     """No module swaps: FSDP2 computes in bf16 (or fp32 with --bf16=0)."""
 
     name = "bf16"
     checkpoint_fn = None
+    te_recipe = None
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.compute = "bf16" if args.bf16 else "fp32"
@@ -92,9 +124,10 @@ class TorchaoFloat8:
 
     name = "torchao-fp8"
     checkpoint_fn = None
+    te_recipe = None
 
     def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
-        self.recipe = args.fp8_recipe
+        self.recipe_name = args.fp8_recipe
         self.all_gather = args.fp8_all_gather
         # Real FP8 GEMMs need FP8 tensor cores; elsewhere torchao emulates the numerics in bf16.
         self.emulate = device.type != "cuda" or not fp8_capable_gpu()
@@ -104,7 +137,7 @@ class TorchaoFloat8:
     def config(self):
         from torchao.float8 import Float8LinearConfig
 
-        base = Float8LinearConfig.from_recipe_name(self.recipe)
+        base = Float8LinearConfig.from_recipe_name(self.recipe_name)
         return dataclasses.replace(
             base, emulate=self.emulate, enable_fsdp_float8_all_gather=self.all_gather
         )
@@ -138,14 +171,14 @@ class TorchaoFloat8:
         gather = ", float8 all-gather" if self.all_gather else ""
         kept = ", ".join(self.skipped) if self.skipped else "none"
         return (
-            f"precision: torchao float8 {self.recipe}{gather}, {mode}; "
+            f"precision: torchao float8 {self.recipe_name}{gather}, {mode}; "
             f"{len(self.converted)} linears in FP8, kept in bf16: {kept}"
         )
 
 
 def build_backend(
     args: argparse.Namespace, device: torch.device, dp_group: object | None = None
-) -> BF16 | TorchaoFloat8:
+) -> PrecisionBackend:
     """The backend for (--model_impl, --fp8). TE implementations always use the TE backend so that
     --fp8=0 runs the very same TE model in bf16."""
     if args.model_impl in TE_IMPLS:

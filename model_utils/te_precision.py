@@ -199,6 +199,11 @@ class TEBackend:
             self._recipe = build_recipe(self.recipe_name, **self._recipe_kwargs)
         return self._recipe if self.fp8 else None
 
+    @property
+    def te_recipe(self) -> Any:
+        """PrecisionBackend's name for :attr:`recipe`: the same on every backend."""
+        return self.recipe
+
     def _te(self) -> Any:
         try:
             return import_te()

@@ -82,7 +82,7 @@ class Run:
             self.optimizer,
             self.scheduler,
             config=vars(args),
-            fp8_recipe=train.te_recipe(self.backend),
+            fp8_recipe=self.backend.te_recipe,
         )
         adapter = te_llama.StateDictAdapter(self.model.config)
         self.checkpointer = ck.Checkpointer(checkpoint_dir, keep_last=0, state_dict_adapter=adapter)

@@ -82,3 +82,28 @@ def test_docs_recipes_lists_every_recipe_with_its_flags() -> None:
     for name in recipes.names():
         if name.endswith("-fp8"):
             assert f"| `{name}` | `{' '.join(recipes.flags(name))}`" in page, name
+
+
+@pytest.mark.parametrize(
+    ("flags", "name", "fp8_recipe"),
+    [
+        (["--fp8=0"], "bf16", None),
+        (["--fp8=1"], "torchao-fp8", None),
+        (["--model_impl=te", "--fp8=0"], "te", None),
+        (["--model_impl=te", "--fp8=1", "--fp8_recipe=delayed"], "te", "DelayedScaling"),
+    ],
+)
+def test_every_precision_backend_is_one_interface(
+    flags: list[str], name: str, fp8_recipe: str | None, te_double
+) -> None:
+    """train.py calls the three backends the same way (PrecisionBackend), with no branch on
+    their names: the TE recipe that TE layers are built with is None outside TE FP8."""
+    import torch
+
+    from model_utils import precision
+
+    backend = precision.build_backend(parse_args(flags), torch.device("cpu"))
+    assert isinstance(backend, precision.PrecisionBackend) and backend.name == name
+    assert type(backend.te_recipe).__name__ == (fp8_recipe or "NoneType")
+    members = {m for m in dir(precision.PrecisionBackend) if not m.startswith("_")}
+    assert members <= set(dir(backend))
