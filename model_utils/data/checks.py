@@ -28,7 +28,7 @@ def check_hub_dataset(dataset: str, timeout: float = HUB_TIMEOUT_S) -> None:
     dataset needs the network anyway, so an offline setting is refused too."""
     if Path(dataset).expanduser().exists():
         return
-    offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if _env_true(v)]
+    offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if env_true(v)]
     local_hint = "give a local file with its extension (.jsonl, .txt, .parquet) or folder"
     if offline:
         raise DataError(
@@ -53,7 +53,7 @@ def check_hub_dataset(dataset: str, timeout: float = HUB_TIMEOUT_S) -> None:
         ) from None
 
 
-def _env_true(name: str) -> bool:
+def env_true(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from model_utils.arguments import first_line
+from model_utils.data.checks import HUB_TIMEOUT_S, env_true
 from model_utils.data.sources import looks_like_path
 
 if TYPE_CHECKING:  # imported lazily at run time: transformers is slow to import
@@ -40,8 +42,12 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
             f"--tokenizer {name_or_path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})"
             ": give the folder a tokenizer was saved to (save_pretrained), or a hub name"
         )
+    tokenizer = None if path.exists() else _cached(name_or_path)
+    if tokenizer is None and not path.exists():
+        check_hub_tokenizer(name_or_path)  # one quick look-up, not a minute of retries
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path) if path.exists() else name_or_path)
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(str(path) if path.exists() else name_or_path)
     except (OSError, ValueError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ValueError(f"--tokenizer {name_or_path}: cannot be loaded ({reason})") from error
@@ -51,6 +57,48 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
             "set eos_token in its tokenizer_config.json (or special_tokens_map.json)"
         )
     return tokenizer
+
+
+def _cached(name: str) -> PreTrainedTokenizerBase | None:
+    """The hub tokenizer `name` from the local Hugging Face cache, touching no network; None if
+    it is not there."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError):
+        return None
+
+
+def check_hub_tokenizer(name: str, timeout: float = HUB_TIMEOUT_S) -> None:
+    """A tokenizer named by hub name and not in the local cache: one look-up of the name
+    (ValueError in one line if hub look-ups are off, the name is unknown, or the hub does not
+    answer within `timeout`), where the loader would retry each file for about a minute and
+    print some 45 lines before its own error. As --dataset's name gets (check_hub_dataset)."""
+    offline = [v for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if env_true(v)]
+    hint = "give the local folder a tokenizer was saved to (save_pretrained)"
+    if offline:
+        raise ValueError(
+            f"--tokenizer {name}: no local folder of that name, not in the Hugging Face cache, "
+            f"and hub look-ups are off ({offline[0]}=1): {hint}, or download it where there is "
+            "network"
+        )
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    try:
+        HfApi().model_info(name, timeout=timeout)
+    except RepositoryNotFoundError:
+        raise ValueError(
+            f"--tokenizer {name}: no local folder of that name, and no such model on the Hugging "
+            f"Face hub (or it is private or gated: set HF_TOKEN): {hint}, or a hub name"
+        ) from None
+    except Exception as exc:  # no network, DNS, proxy, timeout, server error
+        raise ValueError(
+            f"--tokenizer {name}: no local folder of that name, not in the Hugging Face cache, and "
+            f"the hub did not answer within {timeout:g} s ({first_line(exc)}): {hint}, or check "
+            "the network"
+        ) from None
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:

@@ -176,3 +176,60 @@ def test_a_resume_refuses_a_data_file_replaced_since_the_save(
         allowed.stdout
     )
     assert ck.step_of(ck.latest_checkpoint(out / "checkpoints")) == 3
+
+
+# ============================================================================================
+# 6. Offline answers fast
+
+
+def _hub_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """An empty Hugging Face cache, and a hub endpoint that refuses every connection (what a
+    node without network sees), unless `extra` says otherwise."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "HF_TOKEN"):
+        env.pop(var, None)
+    return {**env, "HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9", **extra}
+
+
+def test_a_hub_tokenizer_without_network_is_one_line_at_once(tmp_path: Path) -> None:
+    import time
+
+    for extra in ({}, {"HF_HUB_OFFLINE": "1"}):
+        start = time.monotonic()
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "train.py"), "--preset", "tiny"]
+            + ["--tokenizer", "someorg/sometok", "--validate_only"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=_hub_env(tmp_path, **extra),
+            cwd=ROOT,
+        )
+        seconds = time.monotonic() - start
+        assert result.returncode == 2, result.stderr[-2000:]
+        [line] = (result.stdout + result.stderr).splitlines()  # was 45 lines, after a minute
+        assert line.startswith("train.py: error: --tokenizer someorg/sometok: no local folder")
+        assert ("HF_HUB_OFFLINE=1" if extra else "the hub did not answer within 10 s") in line
+        assert seconds < 40, seconds  # the loader's retries took 57 s on this machine
+
+
+def test_a_hub_tokenizer_in_the_cache_loads_without_network(tmp_path: Path) -> None:
+    import shutil
+
+    snapshot = tmp_path / "hf" / "hub" / "models--someorg--tok" / "snapshots" / "abc"
+    shutil.copytree(ROOT / "data" / "tokenizer", snapshot)
+    (snapshot / "config.json").write_text('{"model_type": "llama"}')  # as a hub model has
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("abc")
+    code = "from model_utils import data; print(len(data.load_tokenizer('someorg/tok')))"
+    for extra in ({}, {"HF_HUB_OFFLINE": "1"}):
+        result = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=_hub_env(tmp_path, **extra),
+            cwd=ROOT,
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert int(result.stdout) > 1000
