@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -32,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 DTYPES = ("float32", "bfloat16", "float16")
+EXPORT_EXTRA_BYTES = 16 * 2**20  # config.json, generation_config.json, the tokenizer's files
 PROG = "convert_checkpoint.py"
 
 
@@ -113,6 +115,42 @@ def check_out_dir(out_dir: Path) -> None:
     )
     if problem:
         raise Refused(problem)
+
+
+def export_bytes(path: Path, dtype: str) -> int:
+    """What the export's weights take at `dtype`, from the checkpoint's DCP metadata (reads no
+    tensor): every model tensor but TE's FP8 extra state. A tied embedding counts twice: a
+    little over, never under."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from model_utils.te_support import is_te_extra_state_key
+
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    numel = sum(
+        math.prod(entry.size)
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith("model.")
+        and isinstance(entry, TensorStorageMetadata)
+        and not is_te_extra_state_key(key)
+    )
+    return numel * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def check_space(path: Path, out_dir: Path, dtype: str) -> None:
+    """Refuse (one line, nothing written) an out_dir whose file system has less free space than
+    the weights (plus EXPORT_EXTRA_BYTES for config and tokenizer files): found before the
+    export, not as the writer's traceback part-way through it."""
+    from model_utils import outputs
+
+    where = next(p for p in (out_dir, *out_dir.parents) if p.exists())
+    need = export_bytes(path, dtype) + EXPORT_EXTRA_BYTES
+    verdict, line = outputs.space_verdict(
+        shutil.disk_usage(where).free, need, 1, f"Hugging Face export at {dtype}", out_dir
+    )
+    if verdict == "refuse":
+        raise Refused(line)
 
 
 def os_problem(exc: OSError) -> str:
@@ -257,6 +295,7 @@ def convert(args: argparse.Namespace) -> int:
         return _fail(problem)
     try:
         tokenizer = run_tokenizer(path, marker, args.tokenizer)
+        check_space(path, out_dir, args.dtype)
     except Refused as exc:
         return _fail(str(exc))
     for line in skipped:
