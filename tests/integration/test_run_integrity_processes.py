@@ -233,3 +233,18 @@ def test_a_hub_tokenizer_in_the_cache_loads_without_network(tmp_path: Path) -> N
         )
         assert result.returncode == 0, result.stderr[-2000:]
         assert int(result.stdout) > 1000
+
+
+# ============================================================================================
+# 8. A refusal found after start-up leaves no run folder holding only .run.lock
+
+
+def test_a_refusal_after_start_up_leaves_no_run_folder_behind(tmp_path: Path) -> None:
+    """Too little data for validation is found by the ranks' readers, after the process group
+    and the run lock: the folder the lock made goes with it."""
+    (tmp_path / "one.jsonl").write_text('{"text": "just a few words"}\n')
+    out = tmp_path / "runs" / "r"
+    result = _train(*FAST, "--dataset", str(tmp_path / "one.jsonl"), f"--output_dir={out}")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "the validation part has only 0 windows" in result.stderr
+    assert not (tmp_path / "runs").exists()
