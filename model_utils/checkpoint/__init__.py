@@ -7,7 +7,11 @@ Layout of a checkpoint directory::
         checkpoint.json                    the marker: step, world size, run and model config,
                                            and every file's size and sha256
     <checkpoint_dir>/.tmp-step_00000200/   being written (or left by a crash): never resumed from
-    <checkpoint_dir>/damaged-step_00000300/  failed its checks at an `auto` resume: set aside
+    <checkpoint_dir>/damaged-step_00000300/  failed its checks at an `auto` resume (or lost its
+                                           .metadata or marker): set aside, kept for a look
+    <checkpoint_dir>/unverified-step_00000400/  no checksum for every file (saved before them,
+                                           or the table removed), newer than the checkpoint an
+                                           `auto` resume took: set aside; loads only by name
 
 Why the temporary name: DCP writes one file per rank and then `.metadata`; a job killed in the
 middle leaves a directory that looks like a checkpoint but is not one. Every rank writes into
