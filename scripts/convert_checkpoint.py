@@ -2,6 +2,7 @@
 
     python scripts/convert_checkpoint.py runs/tiny-fp8/checkpoints/step_00000050 runs/tiny-hf
     python scripts/convert_checkpoint.py runs/tiny-fp8/checkpoints runs/tiny-hf   # newest intact
+    python scripts/convert_checkpoint.py CKPT OUT --tokenizer PATH   # the run's tokenizer, moved
 
 The output is the folder `--export_hf` writes: safetensors, config.json (the tokenizer's bos/eos/pad
 ids, `architectures`, `use_cache`), generation_config.json and the run's tokenizer, so that
