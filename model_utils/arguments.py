@@ -15,45 +15,20 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from model_utils.errors import UsageError, first_line, os_error_words  # noqa: F401 (re-exported)
+from model_utils.options import (  # noqa: F401 (re-exported: the flags' choices)
+    AC_SCOPES,
+    FP8_ATTENTION_RECIPES,
+    MASTER_WEIGHTS,
+    MODEL_IMPLS,
+    OPTIMIZERS,
+    PATH_FLAGS,
+    RESHARD_POLICIES,
+    TE_IMPLS,
+    TE_RECIPES,
+    TORCHAO_RECIPES,
+)
 from model_utils.presets import PRESET_FIELDS, PRESETS
-
-TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-#: ``--fp8_recipe`` values for TE -> TE recipe class (``transformer_engine.common.recipe``).
-TE_RECIPES: dict[str, str] = {
-    "delayed": "DelayedScaling",
-    "current": "Float8CurrentScaling",
-    "block": "Float8BlockScaling",
-    "mxfp8": "MXFP8BlockScaling",
-}
-#: TE recipes with an FP8 attention path (``--fp8_attention``); current scaling's needs SM 10.0+.
-FP8_ATTENTION_RECIPES = ("delayed", "current")
-MODEL_IMPLS = ("auto", "hf", "te", "te_linear")
-#: ``--reshard_after_forward``: which FSDP2 units free their gathered parameters after forward.
-RESHARD_POLICIES = ("default", "never", "always")
-#: What each checkpointed layer recomputes (``--ac_scope``): the whole decoder layer, or only
-#: its MLP (for ``--model_impl te`` TE's own LayerNormMLP recompute, which skips fc2).
-AC_SCOPES = ("layer", "mlp")
-TE_IMPLS = ("te", "te_linear")  # the implementations that run on the TE precision backend
-# adamw: torch's, fp32 moments; adamw8bit / adamw_fp8: torchao.optim's AdamW8bit / AdamWFp8.
-OPTIMIZERS = ("adamw", "adamw8bit", "adamw_fp8")
-#: Where the fp32 master weights live (``--master_weights``): in the parameters themselves (FSDP2
-#: casts them to bf16 for compute), or in the optimizer beside bf16 parameters.
-MASTER_WEIGHTS = ("params", "optimizer")
-
-
-class UsageError(ValueError):
-    """Bad user input: printed as one line, exit code 2."""
-
-
-def first_line(exc: BaseException) -> str:
-    """An exception as a clause for a one-line message: its type and its first line."""
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
-
-
-def os_error_words(exc: OSError) -> str:
-    """What the system said, for a one-line message: "No space left on device"."""
-    return os.strerror(exc.errno) if exc.errno else str(exc)
 
 
 def str2bool(value: str) -> bool:
@@ -302,19 +277,6 @@ def build_parser() -> argparse.ArgumentParser:
 
         add_flags(flag, switch)
     return parser
-
-
-# Flags naming files or folders: `~` is expanded even when the shell did not (quoted, or after
-# `--flag=`), instead of becoming a folder literally named `~`.
-PATH_FLAGS = (
-    "output_dir",
-    "checkpoint_dir",
-    "export_hf",
-    "init_from_hf",
-    "resume_from_checkpoint",
-    "dataset",
-    "tokenizer",
-)
 
 
 def apply_preset(args: argparse.Namespace) -> argparse.Namespace:

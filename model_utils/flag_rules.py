@@ -7,13 +7,13 @@ from __future__ import annotations
 import argparse
 import math
 
-from model_utils.arguments import (
+from model_utils.errors import UsageError
+from model_utils.options import (
     FP8_ATTENTION_RECIPES,
     PATH_FLAGS,
     TE_IMPLS,
     TE_RECIPES,
     TORCHAO_RECIPES,
-    UsageError,
 )
 from model_utils.presets import SHAPE_FIELDS
 

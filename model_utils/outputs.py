@@ -14,7 +14,7 @@ import socket
 from pathlib import Path
 
 from model_utils import distributed
-from model_utils.arguments import os_error_words
+from model_utils.errors import os_error_words
 
 
 class WriteProblem(RuntimeError):

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from model_utils import metrics, modeling, tensorboard_log
-from model_utils.arguments import first_line, os_error_words
+from model_utils.errors import first_line, os_error_words
 
 log = logging.getLogger("train")
 

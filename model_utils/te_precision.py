@@ -22,7 +22,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from model_utils import te_loader
-from model_utils.arguments import FP8_ATTENTION_RECIPES, TE_RECIPES
+from model_utils.errors import UsageError
+from model_utils.options import FP8_ATTENTION_RECIPES, TE_RECIPES
 from model_utils.te_requirements import (
     REQUIREMENTS,
     TE_AVAILABILITY_CHECKS,
@@ -379,11 +380,10 @@ def _describe_cudnn() -> str:
 def check_requirements(args: Any, training: bool = True) -> None:
     """Everything about TE that can be refused before a process group or file exists.
 
-    Raises ``model_utils.arguments.UsageError`` (one line, exit 2) for a missing TE, an
+    Raises ``model_utils.errors.UsageError`` (one line, exit 2) for a missing TE, an
     unsupported GPU/CUDA/TE release for the recipe, or shapes FP8 GEMMs cannot take (training
     and validation micro-batches: validation runs under the same precision).
     """
-    from model_utils.arguments import UsageError
 
     if training and args.fp8_weights and args.master_weights != "optimizer":
         raise UsageError(FP8_WEIGHTS_TRAINING_REFUSAL)
@@ -413,7 +413,6 @@ def check_requirements(args: Any, training: bool = True) -> None:
 
 def _check_resumable(args: Any, te_version: str | None) -> None:
     """Refuse, before anything starts, a resume this TE would refuse after the model is built."""
-    from model_utils.arguments import UsageError
     from model_utils.checkpoint import read_marker, resolve_checkpoint
 
     resume = getattr(args, "resume_from_checkpoint", None)

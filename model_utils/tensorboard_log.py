@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from model_utils.arguments import os_error_words
+from model_utils.errors import os_error_words
 
 log = logging.getLogger("train")
 

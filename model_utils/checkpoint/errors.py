@@ -10,7 +10,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from model_utils.arguments import first_line
+from model_utils.errors import first_line
 
 
 class ResumeRefused(ValueError):

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
-from model_utils.arguments import first_line
 from model_utils.checkpoint.errors import ResumeRefused, all_damaged_message
 from model_utils.checkpoint.ranks import current_rank
+from model_utils.errors import first_line
 
 MARKER = "checkpoint.json"
 DCP_METADATA = ".metadata"

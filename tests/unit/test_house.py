@@ -189,3 +189,86 @@ def test_the_link_check_sees_a_broken_file_and_a_broken_anchor(tmp_path, monkeyp
         "page.md: page.md#not-a-heading (no such heading)",
         "page.md: #three (no such heading)",
     ]
+
+
+# ============================================================================================
+# Imports: no circle between the package's modules, counting imports inside functions too
+# (a function-level import hides a circle from Python at start-up, not from a reader).
+
+
+def package_modules() -> dict[str, Path]:
+    modules = {}
+    for path in sorted((ROOT / "model_utils").rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules `name` imports anywhere in its file: for `from a.b import c`, a.b.c
+    if it is a module, else a.b, and every package on the way (their __init__ runs first)."""
+
+    def known(dotted: str) -> str | None:
+        while dotted and dotted not in modules:
+            dotted = dotted.rpartition(".")[0]
+        return dotted or None
+
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            targets = [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for target in filter(None, map(known, targets)):
+            parts = target.split(".")
+            found.update(".".join(parts[:i]) for i in range(2, len(parts) + 1))
+    own_packages = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+    return {m for m in found if m in modules and m != name and m not in own_packages}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_no_import_circle_between_the_packages_modules():
+    modules = package_modules()
+    graph = {name: imported_modules(name, path, modules) for name, path in modules.items()}
+    cycles = import_cycles(graph)
+    assert not cycles, "import circles (function-level imports included): " + "; ".join(
+        " <-> ".join(group) for group in cycles
+    )
+
+
+def test_the_circle_check_sees_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_cycles(graph) == [["a", "b", "c"]]
