@@ -203,8 +203,12 @@ def export_hf(
     if current_rank() == 0:
         try:
             writer = SafetensorsShardWriter(out_dir, max_shard_bytes)
-            write_model_files(writer.staging, config, tokenizer, dtype)
         except OSError as exc:
+            failure = exc
+        try:  # any error: rank 0 alone must not leave the gathers below (the others would hang)
+            if writer is not None:
+                write_model_files(writer.staging, config, tokenizer, dtype)
+        except Exception as exc:
             failure = exc
     for group in layer_groups(names):
         full = {n: full_cpu(sd[n], dtype) for n in group}  # a collective: every rank, always
