@@ -73,10 +73,13 @@ def damage(path: Path) -> str | None:
 
 
 def pick_checkpoint(path: str) -> tuple[Path, list[str]]:
-    """(the checkpoint to convert, the damaged ones skipped for it). A checkpoint given by path
-    must be intact; given a folder of checkpoints, the newest intact one is taken, as train.py's
-    `--resume_from_checkpoint auto` takes it. Refused (one line) if there is none."""
+    """(the checkpoint to convert, warning lines). A checkpoint given by path must be intact
+    (one without checksums is converted with a warning: it was named); given a folder of
+    checkpoints, the newest intact and verified one is taken, as train.py's
+    `--resume_from_checkpoint auto` takes it, naming those it skipped. Refused (one line) if
+    there is none."""
     from model_utils.checkpoint import checkpoint_problem, complete_checkpoints
+    from model_utils.checkpoint.manifest import unverified_reason
 
     problem = checkpoint_problem(path)
     if problem is None:
@@ -86,6 +89,9 @@ def pick_checkpoint(path: str) -> tuple[Path, list[str]]:
                 f"checkpoint {path} is damaged: {why}; restore it from a copy, or convert "
                 "another checkpoint"
             )
+        unverified = unverified_reason(Path(path))
+        if unverified:
+            return Path(path), [f"converting {path} unverified, as named: {unverified}"]
         return Path(path), []
     found = complete_checkpoints(path)
     if not found:
@@ -93,11 +99,20 @@ def pick_checkpoint(path: str) -> tuple[Path, list[str]]:
     skipped = []
     for candidate in reversed(found):
         why = damage(candidate)
-        if why is None:
+        unverified = None if why else unverified_reason(candidate)
+        if why is None and unverified is None:
             return candidate, skipped
-        skipped.append(f"{candidate.name}: {why}")
+        kind = "damaged" if why else "unverified"
+        skipped.append(f"skipped the {kind} checkpoint {candidate.name}: {why or unverified}")
+    newest = skipped[0].removeprefix("skipped the ")
+    if all(line.startswith("skipped the damaged") for line in skipped):
+        newest = newest.removeprefix("damaged checkpoint ")
+        raise Refused(
+            f"every checkpoint in {path} is damaged (newest {newest}): restore one from a copy"
+        )
     raise Refused(
-        f"every checkpoint in {path} is damaged (newest {skipped[0]}): restore one from a copy"
+        f"no checkpoint in {path} is intact and verified (newest: the {newest}): restore one "
+        "from a copy, or give an unverified one by path to convert it as it is"
     )
 
 
@@ -300,7 +315,7 @@ def convert(args: argparse.Namespace) -> int:
     except Refused as exc:
         return _fail(str(exc))
     for line in skipped:
-        print(f"{PROG}: warning: skipped the damaged checkpoint {line}", file=sys.stderr)
+        print(f"{PROG}: warning: {line}", file=sys.stderr)
     try:
         files = export(path, out_dir, key_map, tokenizer, args)
     except OSError as exc:

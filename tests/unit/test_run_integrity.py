@@ -308,3 +308,37 @@ def test_convert_checkpoint_onto_a_full_disk_is_refused_before_writing(
     assert list(disk.iterdir()) == []  # nothing written, not even the folder
     half = convert_checkpoint.export_bytes(path, "bfloat16")
     assert half == weights // 2
+
+
+def test_convert_checkpoint_trusts_an_unverified_checkpoint_only_by_name(
+    tmp_path: Path, capsys
+) -> None:
+    """As train.py's resume: a folder converts its newest verified checkpoint, naming the
+    unverified one it skipped; given by path, an unverified one converts with a warning."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import convert_checkpoint
+    from test_convert_checkpoint import save_checkpoints
+
+    from model_utils import checkpoint as ck
+
+    folder = tmp_path / "ckpt"
+    older, newer = save_checkpoints(folder, (1, 2))
+    marker = ck.read_marker(newer)
+    del marker["files"]
+    (newer / ck.MARKER).write_text(json.dumps(marker))
+    assert convert_checkpoint.main([str(folder), str(tmp_path / "hf")]) == 0
+    stdout, stderr = capsys.readouterr()
+    assert stdout.startswith(f"{older} (step 1, newest intact in {folder})")
+    assert stderr == (
+        f"convert_checkpoint.py: warning: skipped the unverified checkpoint {newer.name}: "
+        f"{newer / ck.MARKER} records no checksums\n"
+    )
+    assert convert_checkpoint.main([str(newer), str(tmp_path / "hf2")]) == 0
+    stdout, stderr = capsys.readouterr()
+    assert stdout.startswith(f"{newer} (step 2) -> ")
+    assert stderr == (
+        f"convert_checkpoint.py: warning: converting {newer} unverified, as named: "
+        f"{newer / ck.MARKER} records no checksums\n"
+    )
