@@ -10,7 +10,7 @@
 # Transformer Engine 2.x (and warns without flash-attn, which the recipe does not need), so a
 # different BASE_IMAGE is checked too.
 # The TE releases our code is contract-tested against (this image's and the newest) are
-# stated once, in model_utils/te_precision.py (TE_CONTRACT_VERSIONS).
+# stated once, in model_utils/precision/te.py (TE_CONTRACT_VERSIONS).
 #
 # The project's pinned requirements are installed WITHOUT touching the image's torch,
 # Transformer Engine, flash-attn, triton, numpy or NVIDIA libraries: those are built for

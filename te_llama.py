@@ -13,7 +13,7 @@ Two TE implementations of the same Hugging Face Llama:
 
 Nothing here monkey-patches transformers, and importing this module never needs TE (building a
 TE model without it raises ``TEUnavailableError``). The TE glue the library needs too (importing
-TE, FP8 scaling state, RoPE and masks in TE's form) is model_utils/te_support.py.
+TE, FP8 scaling state, RoPE and masks in TE's form) is model_utils/model/te_support.py.
 
 Weights are always described by :data:`LAYER_PARAM_MAP` (HF name(s) -> TE name), the single
 source of truth behind :class:`StateDictAdapter`, which converts for ``--init_from_hf`` /
@@ -33,10 +33,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from model_utils.distributed import canonical_param_name
-from model_utils.modeling import HF_RECOMPUTED
-from model_utils.precision import FP8_DIM_MULTIPLE  # FP8 GEMMs need multiples of 16
-from model_utils.te_support import (
+from model_utils.model.modeling import HF_RECOMPUTED
+from model_utils.model.te_support import (
     FIRST_MICROBATCH_ATTR,
     TE_LAYER_ATTR,
     batch_positions,
@@ -47,6 +45,8 @@ from model_utils.te_support import (
     llama_rope_inv_freq,
     rope_angles,
 )
+from model_utils.parallel.distributed import canonical_param_name
+from model_utils.precision.backends import FP8_DIM_MULTIPLE  # FP8 GEMMs need multiples of 16
 
 ModelImpl = Literal["te", "te_linear"]
 
@@ -435,7 +435,7 @@ def build_te_llama(
     """Build ``LlamaForCausalLM`` whose decoder runs on TE (``impl="te"`` or ``"te_linear"``).
 
     Follows the ambient ``torch.device`` context: build under ``torch.device("meta")``, shard,
-    then ``model_utils.modeling.materialize``. ``fp8_weights=True`` constructs the TE
+    then ``model_utils.model.modeling.materialize``. ``fp8_weights=True`` constructs the TE
     modules under ``quantized_model_init(recipe=fp8_recipe)``: weights are held only in FP8
     (FSDP2 all-gathers FP8 bytes; inference memory halves); training with them needs an
     optimizer with fp32 master weights (TE's FusedAdam(master_weights=True)).

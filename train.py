@@ -22,21 +22,15 @@ import torch
 import torch.distributed as dist
 
 import te_llama
-from model_utils import (
-    arguments,
-    checkpoint,
-    data,
-    distributed,
-    guards,
-    master_weights,
-    modeling,
-    optim,
-    outputs,
-    precision,
-    run_lock,
-)
-from model_utils.run_log import RunLog
-from model_utils.step import train_step
+from model_utils import checkpoint, data, optim
+from model_utils.config import arguments
+from model_utils.model import modeling
+from model_utils.parallel import distributed
+from model_utils.precision import backends as precision
+from model_utils.precision import master_weights
+from model_utils.run import guards, outputs, run_lock
+from model_utils.run.run_log import RunLog
+from model_utils.run.step import train_step
 
 log = logging.getLogger("train")
 
@@ -63,7 +57,7 @@ def validate(argv: list[str] | None, training: bool = True) -> tuple[arguments.C
     except ValueError as exc:
         raise arguments.UsageError(str(exc)) from exc
     if args.model_impl in arguments.TE_IMPLS:
-        from model_utils.te_precision import check_requirements
+        from model_utils.precision.te import check_requirements
 
         check_requirements(args, training)
     if training:

@@ -38,7 +38,9 @@ from torch import nn  # noqa: E402
 
 import train  # noqa: E402
 from benchmarks.bench_optim_kernels import median_seconds  # noqa: E402
-from model_utils import arguments, distributed, precision  # noqa: E402
+from model_utils.config import arguments
+from model_utils.parallel import distributed
+from model_utils.precision import backends as precision  # noqa: E402
 
 #: Llama3-8B / 8 in width, same head_dim, GQA ratio and MLP ratio; 4 layers, seq 1024.
 LLAMA3_SHAPED = [

@@ -29,9 +29,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import train  # noqa: E402
-from model_utils import arguments, checkpoint, data, distributed, modeling, optim, precision  # noqa: E402
+from model_utils import checkpoint, data, optim  # noqa: E402
 from model_utils.checkpoint.manifest import dir_bytes  # noqa: E402
-from model_utils.presets import BUNDLED_TOKENIZER  # noqa: E402
+from model_utils.config import arguments
+from model_utils.config.presets import BUNDLED_TOKENIZER  # noqa: E402
+from model_utils.model import modeling
+from model_utils.parallel import distributed
+from model_utils.precision import backends as precision
 
 
 def shape_flags(spec: str) -> list[str]:

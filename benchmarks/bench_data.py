@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from torch.utils.data import IterableDataset as TorchIterable  # noqa: E402
 
 from model_utils import data  # noqa: E402
-from model_utils.presets import BUNDLED_DATASET, BUNDLED_TOKENIZER  # noqa: E402
+from model_utils.config.presets import BUNDLED_DATASET, BUNDLED_TOKENIZER  # noqa: E402
 
 Batches = Iterator[dict[str, torch.Tensor]]
 

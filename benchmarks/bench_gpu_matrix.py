@@ -36,8 +36,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from model_utils import metrics  # noqa: E402
-from model_utils.arguments import TE_RECIPES  # noqa: E402
+from model_utils.config.arguments import TE_RECIPES  # noqa: E402
+from model_utils.run import metrics  # noqa: E402
 
 # (row name, train.py flags). Every row shares the preset, batch, steps and data. torchao's
 # float8 needs torch.compile to fuse its casts (torchtitan requires it), so its rows and their
@@ -360,7 +360,8 @@ def _timed_forwards(args, name: str, train_args) -> Row:
     import torch.distributed as dist
 
     import train
-    from model_utils import distributed, precision
+    from model_utils.parallel import distributed
+    from model_utils.precision import backends as precision
 
     device = torch.device("cuda", 0)
     world = distributed.world_from_env({})
@@ -447,7 +448,7 @@ def shape_line(args, row_flags: list[str], per_row_batch: bool) -> str:
     Parsed from the first row's own flags (the user's alone may not parse: ``--fp8_attention``
     is refused without the ``--fp8=1`` a row supplies). Lever rows fix their own micro-batch.
     """
-    from model_utils.arguments import parse_args as train_parse_args
+    from model_utils.config.arguments import parse_args as train_parse_args
 
     shaped = train_parse_args([f"--preset={args.preset}", *row_flags])
     batch = (

@@ -41,8 +41,9 @@ def make_checkpoint(root: Path, shape: str) -> Path:
     """A checkpoint of a Llama of `shape` (hidden x layers, the tiny preset's proportions)."""
     from transformers import LlamaForCausalLM
 
-    from model_utils import arguments, modeling
     from model_utils import checkpoint as ck
+    from model_utils.config import arguments
+    from model_utils.model import modeling
 
     hidden, layers = (int(x) for x in shape.split("x"))
     argv = ["--preset", "tiny", "--hidden_width", str(hidden), "--num_layers", str(layers)]

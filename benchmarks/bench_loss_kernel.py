@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from model_utils import loss  # noqa: E402
+from model_utils.model import loss  # noqa: E402
 
 #: Per device: (tokens, hidden, vocab). CUDA: Llama 3 8B at seq 8192, micro-batch 2.
 DEFAULT_SHAPES = {"cpu": (4096, 512, 65536), "cuda": (16384, 4096, 128256)}

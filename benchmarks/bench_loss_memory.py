@@ -5,7 +5,7 @@
 
 Each row is a fresh `train.py` process (default flags otherwise, 3 steps, no checkpoints), so
 its peak RSS is the whole run's; the full-logits row holds [tokens, vocab] logits in bf16 and
-fp32 plus their gradient, the chunked row one chunk's (model_utils/loss.py). Prints the two
+fp32 plus their gradient, the chunked row one chunk's (model_utils/model/loss.py). Prints the two
 peaks and their ratio, measured in one run of this script.
 """
 

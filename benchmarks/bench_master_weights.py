@@ -7,7 +7,7 @@ For each --master_weights setting, on the model train.py builds (FSDP2, a world 
 1. bytes per parameter that training holds between steps, counted from the tensors after a step:
    the parameter shards, their gradients (set to None after each step, so counted before the
    optimizer step) and the optimizer state (optim.optimizer_state_bytes);
-2. the median time of train.py's step (model_utils.step.train_step) after warm-up, and the
+2. the median time of train.py's step (model_utils.run.step.train_step) after warm-up, and the
    loss after `--steps` steps on the same data.
 On a CPU the step time says how the two optimizers compare in torch ops here, not what the
 H100 does (there TE's FusedAdam runs, and FSDP2's fp32 -> bf16 cast of every gathered unit is
@@ -34,9 +34,11 @@ def measure(setting: str, steps: int, extra: list[str]) -> dict[str, float]:
     import torch.distributed as dist
 
     import train
-    from model_utils import distributed, optim, precision
-    from model_utils.arguments import parse_args
-    from model_utils.step import train_step
+    from model_utils import optim
+    from model_utils.config.arguments import parse_args
+    from model_utils.parallel import distributed
+    from model_utils.precision import backends as precision
+    from model_utils.run.step import train_step
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

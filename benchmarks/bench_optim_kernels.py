@@ -28,8 +28,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import train  # noqa: E402
-from model_utils import arguments, distributed, optim, precision  # noqa: E402
-from model_utils.step import clip_grad_norm, train_step  # noqa: E402
+from model_utils import optim  # noqa: E402
+from model_utils.config import arguments
+from model_utils.parallel import distributed
+from model_utils.precision import backends as precision
+from model_utils.run.step import clip_grad_norm, train_step  # noqa: E402
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, device: torch.device, before=None):

@@ -38,8 +38,10 @@ def tiny_state_bytes(name: str) -> tuple[float, int]:
     import torch.distributed as dist
 
     import train
-    from model_utils import distributed, optim, precision
-    from model_utils.arguments import parse_args
+    from model_utils import optim
+    from model_utils.config.arguments import parse_args
+    from model_utils.parallel import distributed
+    from model_utils.precision import backends as precision
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -61,7 +63,7 @@ def llama70b_shard_bytes(name: str, ranks: int) -> tuple[float, int]:
     import torch
 
     from model_utils import optim
-    from model_utils.presets import PRESETS
+    from model_utils.config.presets import PRESETS
 
     p = PRESETS["llama3-70b"]
     head_dim = p.hidden_width // p.num_heads

@@ -14,7 +14,7 @@ same machine:
 - bare: the same model built by the same code (modeling.build -> precision backend -> FSDP2 on
   a one-rank mesh -> materialize), the same optimizer, schedule and batch shape, one pre-made
   random batch already on the device, and only train.py's own step per step
-  (``model_utils.step.train_step``: forward, backward, clip, optimizer and schedule step),
+  (``model_utils.run.step.train_step``: forward, backward, clip, optimizer and schedule step),
   plus a device sync per step, which train.py's per-step ``loss.item()`` also does. What the
   ratio measures is therefore what train.py's loop adds around its step: data, guards, logs.
 
@@ -45,8 +45,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import train  # noqa: E402
-from model_utils import arguments, distributed, metrics, optim, precision  # noqa: E402
-from model_utils.step import train_step  # noqa: E402
+from model_utils import optim  # noqa: E402
+from model_utils.config import arguments  # noqa: E402
+from model_utils.parallel import distributed  # noqa: E402
+from model_utils.precision import backends as precision  # noqa: E402
+from model_utils.run import metrics  # noqa: E402
+from model_utils.run.step import train_step  # noqa: E402
 
 GOAL = 0.97
 

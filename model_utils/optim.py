@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from model_utils.master_weights import MasterWeightAdamW
-from model_utils.options import MASTER_WEIGHTS, OPTIMIZERS
+from model_utils.config.options import MASTER_WEIGHTS, OPTIMIZERS
+from model_utils.precision.master_weights import MasterWeightAdamW
 
 # torch's and torchao's AdamW default, named so both optimizers are built with the same value.
 ADAM_EPS = 1e-8

@@ -37,12 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from compare_plot import DPI, FIGSIZE, make_figure, throughput_key  # noqa: E402, F401
 
-from model_utils import metrics  # noqa: E402
-from model_utils.arguments import os_error_words  # noqa: E402
-from model_utils.metrics.records import record_problem, run_problem  # noqa: E402
+from model_utils.config.arguments import os_error_words  # noqa: E402
+from model_utils.run import metrics  # noqa: E402
+from model_utils.run.metrics.records import record_problem, run_problem  # noqa: E402
 
-# model_utils/run_log.py's SPEED_WARMUP_STEPS (tests/unit/test_compare_runs.py keeps the two equal);
-# like the run's own summary, a run shorter than 2x this uses half its steps.
+# model_utils/run/run_log.py's SPEED_WARMUP_STEPS (tests/unit/test_compare_runs.py keeps the two
+# equal); like the run's own summary, a run shorter than 2x this uses half its steps.
 WARMUP_STEPS = 10
 
 _NUM = r"([-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|nan|inf))"

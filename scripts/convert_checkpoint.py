@@ -121,8 +121,8 @@ def check_out_dir(out_dir: Path) -> None:
     (minutes for a large checkpoint): a file in the way or a read-only folder by looking, and
     what looking cannot tell (a root-owned pseudo file system, quotas) by creating the folder
     and a probe file in it, then removing both as train.py's --export_hf check does."""
-    from model_utils import outputs
     from model_utils.checkpoint.hf_export import export_dir_problem
+    from model_utils.run import outputs
 
     problem = (
         export_dir_problem("out_dir", out_dir)
@@ -141,7 +141,7 @@ def export_bytes(path: Path, dtype: str) -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from model_utils.te_support import is_te_extra_state_key
+    from model_utils.model.te_support import is_te_extra_state_key
 
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     numel = sum(
@@ -158,7 +158,7 @@ def check_space(path: Path, out_dir: Path, dtype: str) -> None:
     """Refuse (one line, nothing written) an out_dir whose file system has less free space than
     the weights (plus EXPORT_EXTRA_BYTES for config and tokenizer files): found before the
     export, not as the writer's traceback part-way through it."""
-    from model_utils import outputs
+    from model_utils.run import outputs
 
     where = next(p for p in (out_dir, *out_dir.parents) if p.exists())
     need = export_bytes(path, dtype) + EXPORT_EXTRA_BYTES
@@ -172,8 +172,8 @@ def check_space(path: Path, out_dir: Path, dtype: str) -> None:
 def os_problem(exc: OSError) -> str:
     """One line for a path the system refused to look at: the path (shortened) and the reason,
     with the limit for a name over 255 bytes (ENAMETOOLONG), which Path.exists() raises."""
-    from model_utils.arguments import os_error_words
-    from model_utils.flag_rules import MAX_NAME_BYTES
+    from model_utils.config.arguments import os_error_words
+    from model_utils.config.flag_rules import MAX_NAME_BYTES
 
     shown = str(exc.filename or "")
     if len(shown) > 100:

@@ -3,14 +3,14 @@
 # tests/integration/test_te_contract.py can parse TE's real source with `ast` on a machine without a GPU.
 #
 # Usage: scripts/fetch_te_wheel.sh [VERSION]   -> prints the wheel's path on stdout.
-# VERSION defaults to PINNED_TE_VERSION in model_utils/te_precision.py. The wheel is cached in
+# VERSION defaults to PINNED_TE_VERSION in model_utils/precision/te.py. The wheel is cached in
 # $TE_WHEEL_CACHE (default ~/.cache/llama-fp8/te-wheels). Exit 3 = PyPI unreachable.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-version="${1:-$(sed -n 's/^PINNED_TE_VERSION = "\(.*\)"$/\1/p' model_utils/te_precision.py)}"
+version="${1:-$(sed -n 's/^PINNED_TE_VERSION = "\(.*\)"$/\1/p' model_utils/precision/te.py)}"
 if [[ -z "$version" ]]; then
-    echo "fetch_te_wheel: no PINNED_TE_VERSION in model_utils/te_precision.py" >&2
+    echo "fetch_te_wheel: no PINNED_TE_VERSION in model_utils/precision/te.py" >&2
     exit 1
 fi
 dest="${TE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/llama-fp8/te-wheels}"

@@ -17,15 +17,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from model_utils.arguments import build_parser  # noqa: E402
-from model_utils.presets import PRESET_FIELDS  # noqa: E402
+from model_utils.config.arguments import build_parser  # noqa: E402
+from model_utils.config.presets import PRESET_FIELDS  # noqa: E402
 
 DOC = ROOT / "docs" / "flags.md"
 
 HEADER = """\
 # Flags of train.py
 
-Generated from train.py's parser (`model_utils/arguments.py`) by
+Generated from train.py's parser (`model_utils/config/arguments.py`) by
 `python scripts/flags_table.py --write`; do not edit by hand: `tests/unit/test_flags_table.py`
 regenerates this page and fails when it differs. `python train.py --help` prints the same flags.
 

@@ -19,9 +19,9 @@ class UsageError(Exception):
 
 
 def _recipes() -> ModuleType:
-    """model_utils/recipes.py, loaded from its file: it is standard-library Python, and importing
-    the model_utils package from here would need the repository on sys.path."""
-    path = Path(__file__).resolve().parents[1] / "model_utils" / "recipes.py"
+    """model_utils/config/recipes.py, loaded from its file: it is standard-library Python, and
+    importing the model_utils package from here would need the repository on sys.path."""
+    path = Path(__file__).resolve().parents[1] / "model_utils" / "config" / "recipes.py"
     spec = importlib.util.spec_from_file_location("llama_recipes", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

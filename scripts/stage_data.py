@@ -37,9 +37,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from model_utils import data, outputs  # noqa: E402
-from model_utils.arguments import UsageError, apply_preset, build_parser, os_error_words  # noqa: E402
-from model_utils.flag_rules import value_problem  # noqa: E402
+from model_utils import data  # noqa: E402
+from model_utils.config.arguments import UsageError, apply_preset, build_parser, os_error_words  # noqa: E402
+from model_utils.config.flag_rules import value_problem  # noqa: E402
+from model_utils.run import outputs  # noqa: E402
 
 #: Validation documents staged per training document (the source's own validation split).
 VALIDATION_SHARE = 0.01

@@ -105,8 +105,9 @@ def _rank_main(rank: int, worker, world_size: int, port: int, *args) -> None:
     a thread that asks for the GIL during shutdown by unwinding it through a C++ destructor:
     std::terminate, SIGABRT, and a rank that finished its work reported as crashed (seen in
     CI; 1 run in 19 of the two-rank FSDP2 test here, 0 in 50 with this exit). Skipping
-    shutdown leaves no moment at which that can happen (model_utils.distributed.cleanup only
-    narrows it). A worker that raises still goes through ``mp.spawn``'s own error path.
+    shutdown leaves no moment at which that can happen
+    (model_utils.parallel.distributed.cleanup only narrows it). A worker that raises still goes
+    through ``mp.spawn``'s own error path.
     """
     worker(rank, world_size, port, *args)
     sys.stdout.flush()

@@ -25,7 +25,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from model_utils import master_weights
 from model_utils.checkpoint.convert import load_converted, param_layout
 from model_utils.checkpoint.errors import (
     CheckpointWriteError,
@@ -81,7 +80,8 @@ from model_utils.checkpoint.stateful import (
     reseed_rng,
     restore_fp8_scaling,
 )
-from model_utils.te_support import is_te_extra_state_key
+from model_utils.model.te_support import is_te_extra_state_key
+from model_utils.precision import master_weights
 
 log = logging.getLogger(__name__)
 

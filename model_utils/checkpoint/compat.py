@@ -14,7 +14,7 @@ from typing import Any
 
 from model_utils.checkpoint.errors import ResumeRefused
 from model_utils.checkpoint.manifest import complete_checkpoints, read_marker, step_of
-from model_utils.presets import SHAPE_FIELDS
+from model_utils.config.presets import SHAPE_FIELDS
 
 # A checkpoint resumes only a run with the same model shape and the same data stream: a model
 # with other shapes may still load when the tensors happen to fit (fewer layers, other head

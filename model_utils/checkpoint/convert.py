@@ -41,7 +41,7 @@ from model_utils.checkpoint.tensors import (
     require_complete,
     weight_tensors,
 )
-from model_utils.te_support import TE_LAYER_ATTR
+from model_utils.model.te_support import TE_LAYER_ATTR
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from model_utils import master_weights
 from model_utils.checkpoint.tensors import (
     alias_groups,
     check_shape,
@@ -27,8 +26,9 @@ from model_utils.checkpoint.tensors import (
     require_complete,
     weight_tensors,
 )
-from model_utils.distributed import canonical_param_name
-from model_utils.modeling import HF_RECOMPUTED, llama_config  # RoPE buffers of old HF files
+from model_utils.model.modeling import HF_RECOMPUTED, llama_config  # RoPE buffers of old HF files
+from model_utils.parallel.distributed import canonical_param_name
+from model_utils.precision import master_weights
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from model_utils.checkpoint.tensors import layer_groups
-from model_utils.te_support import is_te_extra_state_key
+from model_utils.model.te_support import is_te_extra_state_key
 
 MODEL_PREFIX = "model."
 

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 from model_utils.checkpoint.errors import TE_UNSAFE_PICKLE_ENV, UntrustedCheckpointError
 from model_utils.checkpoint.ranks import current_rank
 from model_utils.checkpoint.tensors import plain_tensor
-from model_utils.te_support import (
+from model_utils.model.te_support import (
     decode_recipe_identity,
     fp8_scaling_state,
     is_te_extra_state_key,

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from model_utils import master_weights
-from model_utils.te_support import is_te_extra_state_key
+from model_utils.model.te_support import is_te_extra_state_key
+from model_utils.precision import master_weights
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

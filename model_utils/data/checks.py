@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from model_utils.arguments import first_line
+from model_utils.config.arguments import first_line
 from model_utils.data.sources import DataError, local_files, not_text_message
 
 # What the start-up check reads of local data: enough to find a bad file at once, not a whole

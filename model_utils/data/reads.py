@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from model_utils.arguments import first_line
+from model_utils.config.arguments import first_line
 from model_utils.data.checks import find_bad_file
 from model_utils.data.sources import DataError
 from model_utils.data.stream import Batch, TrainStream
@@ -26,7 +26,7 @@ from model_utils.data.validation import validation_batches
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from model_utils.distributed import World
+    from model_utils.parallel.distributed import World
 
 
 class ReadGuard:
@@ -95,7 +95,7 @@ def _cache_problem(exc: BaseException) -> str | None:
     """The line for a Hugging Face cache the system refused (HF_HOME on a read-only or virtual
     file system: what the start-up access() check cannot see), naming the variable, not the
     data."""
-    from model_utils.outputs import cache_location, unwritable
+    from model_utils.run.outputs import cache_location, unwritable
 
     filename = getattr(exc, "filename", None)
     if not isinstance(exc, OSError) or not filename:
@@ -111,7 +111,7 @@ def build_data(
     """This rank's training stream and validation batches. Each rank reads its own shard, so a
     data problem may show on one rank only: every rank learns it (all_gather) and all raise
     DataError with its one line."""
-    from model_utils.distributed import first_problem
+    from model_utils.parallel.distributed import first_problem
 
     stream = val_batches = problem = None
     try:
@@ -148,7 +148,7 @@ def build_data(
 def raise_read_failure(failure: str | None, world: World, step: int, path: Path | None) -> None:
     """After the bad read: if any rank met bad data mid-run, DataError (every rank, with that
     rank's line) saying which step was dropped and what is kept; the caller exits 2."""
-    from model_utils.distributed import first_problem
+    from model_utils.parallel.distributed import first_problem
 
     first = first_problem(failure, world.world_size)
     if not first:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from model_utils.arguments import first_line
+from model_utils.config.arguments import first_line
 from model_utils.data.checks import HUB_TIMEOUT_S, env_true
 from model_utils.data.sources import looks_like_path
 

@@ -21,7 +21,9 @@ from torch import nn  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 
 import train  # noqa: E402
-from model_utils import arguments, distributed, precision  # noqa: E402
+from model_utils.config import arguments  # noqa: E402
+from model_utils.parallel import distributed  # noqa: E402
+from model_utils.precision import backends as precision  # noqa: E402
 
 # A Llama small enough for milliseconds per step whose linears all qualify for FP8 (dims % 16).
 TINY_SHAPE = [

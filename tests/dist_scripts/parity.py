@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from model_utils import optim
-from model_utils.step import clip_grad_norm, train_step
+from model_utils.run.step import clip_grad_norm, train_step
 
 GLOBAL_BATCH = 4  # sequences per optimizer step, split evenly over the ranks
 STEPS = 5

@@ -76,7 +76,10 @@ class Run:
         self, workdir: Path, fp8: bool = False, all_gather: bool = False, hybrid: bool = False
     ) -> None:
         import train
-        from model_utils import arguments, distributed, optim, precision
+        from model_utils import optim
+        from model_utils.config import arguments
+        from model_utils.parallel import distributed
+        from model_utils.precision import backends as precision
 
         argv = [*TINY, "--output_dir", str(workdir), f"--fp8={int(fp8)}"]
         argv += [f"--fp8_all_gather={int(all_gather)}"]
@@ -101,7 +104,7 @@ class Run:
         """train.py's optimizer step; returns the loss averaged over ranks."""
         import torch.distributed as dist
 
-        from model_utils.step import train_step
+        from model_utils.run.step import train_step
 
         parts = (self.model, self.optimizer, self.scheduler, self.backend)
         done = train_step(*parts, lambda: (next(self.stream), 1.0), self.args, self.device)
@@ -337,7 +340,7 @@ MESH = None
 
 def worker_main(scenario: str, workdir: Path) -> None:
     global MESH
-    from model_utils import distributed
+    from model_utils.parallel import distributed
 
     world = distributed.world_from_env()
     distributed.init(world, torch.device("cpu"), 60)
@@ -396,7 +399,8 @@ def _write_hf_input(workdir: Path) -> None:
     """A sharded HF checkpoint of the tiny shape, made by transformers itself."""
     from transformers import LlamaForCausalLM
 
-    from model_utils import arguments, modeling
+    from model_utils.config import arguments
+    from model_utils.model import modeling
 
     config = modeling.llama_config(arguments.parse_args(TINY))
     torch.manual_seed(123)

@@ -29,7 +29,7 @@ from procs import signal_after, spawn_ranks  # noqa: E402
 from test_failures import FAST  # noqa: E402
 
 from model_utils import checkpoint as ck  # noqa: E402
-from model_utils import guards, metrics, run_lock  # noqa: E402
+from model_utils.run import guards, metrics, run_lock  # noqa: E402
 
 
 def train(*argv: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -155,7 +155,8 @@ def _probe_race_worker(rank: int, world_size: int, port: int, out_dir: str, resu
     import argparse
     import time
 
-    from model_utils import distributed, outputs
+    from model_utils.parallel import distributed
+    from model_utils.run import outputs
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
@@ -289,7 +290,7 @@ def test_the_lock_covers_a_checkpoint_dir_outside_the_run_dir(tmp_path: Path) ->
             [
                 sys.executable,
                 "-c",
-                "import sys; from model_utils import run_lock; "
+                "import sys; from model_utils.run import run_lock; "
                 "print(run_lock.lock_holder(sys.argv[1]))",
                 str(shared),
             ],

@@ -348,8 +348,8 @@ def test_fp8_attention_trains_close_to_fp8_gemms_and_resumes(runs) -> None:
     needs_te()
     if sm() < (9, 0):
         pytest.skip("FP8 attention needs SM 9.0+")
-    from model_utils.te_precision import cudnn_version
-    from model_utils.te_requirements import FP8_ATTENTION_DETERMINISTIC_MIN_CUDNN
+    from model_utils.precision.te import cudnn_version
+    from model_utils.precision.te_requirements import FP8_ATTENTION_DETERMINISTIC_MIN_CUDNN
 
     deterministic = (cudnn_version() or (0, 0, 0)) >= FP8_ATTENTION_DETERMINISTIC_MIN_CUDNN
     gemms_only = runs / "te-delayed-head128"
@@ -400,7 +400,7 @@ def test_fp8_attention_where_te_has_no_backend_is_refused_in_one_line(runs) -> N
 #: cuDNN library file the process has open.
 _CUDNN_PROBE = """
 import torch
-from model_utils.te_support import import_te
+from model_utils.model.te_support import import_te
 te = import_te()
 print("te", tuple(te.get_cudnn_version()))
 try:
@@ -434,7 +434,7 @@ def version_tuple(text: str) -> tuple[int, ...]:
 def other_cudnn_folder() -> str | None:
     """A cuDNN installed beside torch's: the CUDA toolkit's, or the system's (``ldconfig``; on
     the lent H100s, Debian's 9.14 in /lib/x86_64-linux-gnu)."""
-    from model_utils.te_loader import mapped_cudnn
+    from model_utils.precision.te_loader import mapped_cudnn
 
     torch.backends.cudnn.version()  # torch opens its cuDNN
     torch_cudnn = mapped_cudnn(Path("/proc/self/maps").read_text())
@@ -466,7 +466,7 @@ def test_deterministic_fp8_attention_on_an_old_cudnn_is_refused_in_one_line(runs
     another cuDNN on the machine (the toolkit's or the system's), where that one is older
     than 9.19."""
     needs_te()
-    from model_utils.te_requirements import FP8_ATTENTION_DETERMINISTIC_MIN_CUDNN
+    from model_utils.precision.te_requirements import FP8_ATTENTION_DETERMINISTIC_MIN_CUDNN
 
     other = other_cudnn_folder()
     if sm() < (9, 0) or other is None:

@@ -115,7 +115,7 @@ def check_client(report: dict) -> None:
     """Loads as a Llama, the ids are the tokenizer's, and generate ends the learnt document
     with the tokenizer's eos (before max_new_tokens) and stops there."""
     from model_utils import data
-    from model_utils.presets import BUNDLED_TOKENIZER
+    from model_utils.config.presets import BUNDLED_TOKENIZER
 
     tokenizer = data.load_tokenizer(BUNDLED_TOKENIZER)
     eos = tokenizer.eos_token_id
@@ -188,8 +188,10 @@ def project_log_likelihood(checkpoint: Path) -> float:
     the run trained with) holding the checkpoint's weights, in fp32, on the tokens the data
     pipeline makes (encode_documents: the text, then eos), each predicted after the eos that
     precedes every document in training, times the number of tokens predicted."""
-    from model_utils import arguments, data, modeling
+    from model_utils import data
     from model_utils.checkpoint import iter_dcp_model_layers
+    from model_utils.config import arguments
+    from model_utils.model import modeling
 
     args = arguments.parse_args(TRAINING)
     model = modeling.build(args, "hf", torch.device("cpu"))

@@ -18,9 +18,9 @@ from test_train import FAST, losses, records, run_train
 
 from model_utils import checkpoint as ck
 from model_utils import optim
-from model_utils.arguments import parse_args
 from model_utils.checkpoint import optimizer_state
 from model_utils.checkpoint.saved import read_full_tensors
+from model_utils.config.arguments import parse_args
 
 # ============================================================================================
 # train.py on 2 CPU ranks
@@ -82,7 +82,8 @@ def test_two_rank_checkpoint_loads_on_one_rank_with_the_same_moments(
     every moment loaded on one rank equals, dequantised, what the two ranks saved, and is still
     torchao's quantised state where the tensor is big enough."""
     import train
-    from model_utils import distributed, precision
+    from model_utils.parallel import distributed
+    from model_utils.precision import backends as precision
 
     path = two_rank_runs["root"] / f"{name}-full" / "checkpoints" / "step_00000003"
     if not dist.is_initialized():

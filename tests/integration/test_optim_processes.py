@@ -10,7 +10,7 @@ from procs import spawn_ranks
 from test_optim import group_names, tiny_llama
 
 from model_utils.optim import build_optimizer, param_groups
-from model_utils.step import clip_grad_norm
+from model_utils.run.step import clip_grad_norm
 
 # ------------------------------------------------------------------- FSDP2 (2 gloo ranks)
 

@@ -20,7 +20,8 @@ from procs import spawn_ranks  # noqa: E402
 from test_failures import FAST  # noqa: E402
 
 from model_utils import checkpoint as ck  # noqa: E402
-from model_utils import data, metrics  # noqa: E402
+from model_utils import data  # noqa: E402
+from model_utils.run import metrics  # noqa: E402
 
 # train.py with the third micro-batch read failing as a disk does (EIO): a fault past the
 # start-up scan, at a step of this launch's choosing.

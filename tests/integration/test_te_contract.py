@@ -4,8 +4,8 @@ The releases are ``te_precision.TE_CONTRACT_VERSIONS``: the newest (``PINNED_TE_
 one the GPU image ships (``IMAGE_TE_VERSION``); every contract test runs against each.
 ``scripts/fetch_te_wheel.sh VERSION`` downloads that pure-Python ``transformer-engine`` wheel
 (``pip download --no-deps``); its source is parsed with ``ast``. Every TE name, attribute and
-keyword argument used by ``te_llama.py``, ``model_utils/te_support.py`` and
-``model_utils/te_precision.py`` is collected from
+keyword argument used by ``te_llama.py``, ``model_utils/model/te_support.py`` and
+``model_utils/precision/te.py`` is collected from
 *our* source with ``ast`` as well, so the check follows the code: a misspelt keyword, a class
 TE renamed, or a ``forward`` argument TE dropped fails here. The TE test double's signatures
 are compared with the pinned release's, so tests that pass on the double pass the calls TE takes.
@@ -33,7 +33,8 @@ import torch
 from test_te_contract_rules import Usage, collect_usages, our_usages
 
 from model_utils import checkpoint as ck
-from model_utils import te_precision, te_requirements
+from model_utils.precision import te as te_precision
+from model_utils.precision import te_requirements
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -536,7 +537,7 @@ def test_the_fused_mlp_recompute_flag_exists(te_source: TESource, te_double) -> 
     from transformer_engine.pytorch import TransformerLayer as DoubleLayer
 
     import te_llama
-    from model_utils import distributed
+    from model_utils.parallel import distributed
 
     module = "transformer_engine.pytorch.module.layernorm_mlp"
     mlp = _class_node(te_source, module, "LayerNormMLP")
@@ -604,7 +605,7 @@ def test_fused_adam_keeps_the_state_our_master_weight_adamw_keeps(te_source: TES
     FusedAdam's ``name_to_dtype_map`` (master_weights.STATE_NAMES), one ``group["step"]`` per
     parameter group, and a ``load_state_dict`` of its own that sets the saved fp32 states again
     (torch's would cast them to the bf16 parameter's dtype; ours overrides it for that reason)."""
-    from model_utils.master_weights import STATE_NAMES
+    from model_utils.precision.master_weights import STATE_NAMES
 
     fused = _class_node(te_source, "transformer_engine.pytorch.optimizers.fused_adam", "FusedAdam")
     methods = {n.name: n for n in fused.body if isinstance(n, ast.FunctionDef)}
@@ -643,8 +644,8 @@ def _positional(node: ast.FunctionDef) -> list[str]:
 
 
 def test_fp8_parameters_take_the_calls_master_weights_makes(te_source: TESource, te_double) -> None:
-    """--fp8_weights with --master_weights optimizer (model_utils/master_weights.py) calls TE
-    duck-typed, outside the ``te.`` names collected above: FusedAdam's
+    """--fp8_weights with --master_weights optimizer (model_utils/precision/master_weights.py)
+    calls TE duck-typed, outside the ``te.`` names collected above: FusedAdam's
     ``initialize_state(param, store_param_remainders)`` and
     ``set_scaled_state(param, state_name, unscaled_state)`` seed the masters; a QuantizedTensor
     parameter has ``quantize_(tensor)`` and ``dequantize(*, dtype=None)``, ``copy_`` into it
@@ -698,7 +699,7 @@ import ctypes, functools, glob, os, platform, sys
 sys.path.insert(0, {root!r})
 ctypes.CDLL({torch_cudnn!r})
 if {align}:
-    from model_utils import te_loader
+    from model_utils.precision import te_loader
     te_loader.align_te_cudnn()
 exec(compile({loader!r}, "transformer_engine/common/__init__.py", "exec"))
 found, _ = _load_cuda_library_from_system("cudnn")

@@ -15,9 +15,9 @@ from te_double import install, subprocess_env
 from test_te_model import backend_args, batch, built, tiny_config
 
 import te_llama
-from model_utils import te_support
-from model_utils.modeling import materialize
-from model_utils.te_precision import TEBackend
+from model_utils.model import te_support
+from model_utils.model.modeling import materialize
+from model_utils.precision.te import TEBackend
 
 
 def test_double_injects_into_subprocess(tmp_path) -> None:

@@ -13,7 +13,7 @@ import pytest
 from procs import torchrun_cmd
 from test_tensorboard import flags_text, read_events, series
 
-from model_utils import metrics
+from model_utils.run import metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 

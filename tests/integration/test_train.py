@@ -122,7 +122,7 @@ def test_two_rank_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, 
 #: The start-up line's optimizer, by --master_weights (on CPU: torch's AdamW, or ours).
 OPTIMIZER_LINE = {
     "params": "torch.optim.adamw.AdamW",
-    "optimizer": "model_utils.master_weights.MasterWeightAdamW, "
+    "optimizer": "model_utils.precision.master_weights.MasterWeightAdamW, "
     "fp32 master weights in the optimizer",
 }
 

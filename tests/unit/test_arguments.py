@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from model_utils import arguments, modeling, precision
-from model_utils.arguments import UsageError, parse_args
-from model_utils.presets import PRESETS
+from model_utils.config import arguments
+from model_utils.config.arguments import UsageError, parse_args
+from model_utils.config.presets import PRESETS
+from model_utils.model import modeling
+from model_utils.precision import backends as precision
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -155,7 +157,7 @@ def test_the_largest_seed_starts_a_run_the_same_way_twice():
 def test_te_recipe_options_pass_where_a_te_recipe_reads_them():
     """Every option its recipes read, and any of them with --fp8=0 on TE (one command line
     toggles FP8); a default is never refused (only what the user gave)."""
-    from model_utils.flag_rules import TE_RECIPE_OPTIONS
+    from model_utils.config.flag_rules import TE_RECIPE_OPTIONS
 
     values = {
         "fp8_format": "e4m3",
@@ -197,7 +199,7 @@ def test_the_config_is_resolved_once_and_frozen():
 
 
 def test_auto_impl_is_hf_without_transformer_engine(monkeypatch):
-    from model_utils import te_support
+    from model_utils.model import te_support
 
     monkeypatch.setattr(te_support, "te_available", lambda: False)
     monkeypatch.setattr(precision, "fp8_capable_gpu", lambda: True)  # even on an H100

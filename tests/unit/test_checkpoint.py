@@ -182,7 +182,8 @@ def test_layer_groups_and_the_adapter_layer_by_layer_match_whole_model_mapping()
     te_llama = pytest.importorskip("te_llama")
     from transformers import LlamaForCausalLM
 
-    from model_utils import arguments, modeling
+    from model_utils.config import arguments
+    from model_utils.model import modeling
 
     config = modeling.llama_config(arguments.parse_args([*TINY, "--num_layers", "3"]))
     hf = LlamaForCausalLM(config).state_dict()
@@ -216,8 +217,10 @@ def test_hf_in_and_out_on_a_plain_tied_model(tmp_path: Path) -> None:
     from safetensors import safe_open
     from transformers import LlamaForCausalLM
 
-    from model_utils import arguments, data, modeling
-    from model_utils.presets import BUNDLED_TOKENIZER
+    from model_utils import data
+    from model_utils.config import arguments
+    from model_utils.config.presets import BUNDLED_TOKENIZER
+    from model_utils.model import modeling
 
     config = modeling.llama_config(arguments.parse_args(TINY))
     config.tie_word_embeddings = True
@@ -321,7 +324,8 @@ def test_init_from_hf_is_checked_against_the_run_shape_before_start(tmp_path: Pa
     recipe's untied model at all."""
     from transformers import LlamaForCausalLM
 
-    from model_utils import arguments, modeling
+    from model_utils.config import arguments
+    from model_utils.model import modeling
 
     args = arguments.parse_args(TINY)
     torch.manual_seed(0)

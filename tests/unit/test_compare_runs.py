@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from model_utils import metrics
-from model_utils.arguments import parse_args
+from model_utils.config.arguments import parse_args
+from model_utils.run import metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -419,8 +419,8 @@ def test_labels_and_argument_refusals(two_runs, tmp_path, capsys) -> None:
 
 
 def test_warmup_rule_is_train_py_s() -> None:
-    from model_utils import run_log
+    from model_utils.run import run_log
 
     assert run_log.SPEED_WARMUP_STEPS == cr.WARMUP_STEPS
-    source = (ROOT / "model_utils" / "run_log.py").read_text()
+    source = (ROOT / "model_utils" / "run" / "run_log.py").read_text()
     assert "min(SPEED_WARMUP_STEPS, args.max_steps // 2)" in source

@@ -36,7 +36,9 @@ def save_checkpoints(
     step to step."""
     from transformers import LlamaForCausalLM
 
-    from model_utils import arguments, data, modeling
+    from model_utils import data
+    from model_utils.config import arguments
+    from model_utils.model import modeling
 
     args = arguments.parse_args(SMALL_LLAMA)
     tokenizer = tokenizer or args.tokenizer
@@ -169,7 +171,7 @@ def copy_of_the_run_tokenizer(folder: Path, extra_token: str | None = None) -> P
     """The bundled tokenizer saved elsewhere; with `extra_token`, another tokenizer (one more
     token: another fingerprint) under the same kind of path."""
     from model_utils import data
-    from model_utils.presets import BUNDLED_TOKENIZER
+    from model_utils.config.presets import BUNDLED_TOKENIZER
 
     tokenizer = data.load_tokenizer(BUNDLED_TOKENIZER)
     if extra_token:

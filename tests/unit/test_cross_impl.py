@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 import te_llama
 from model_utils import checkpoint as ck
-from model_utils import te_support
 from model_utils.checkpoint import hf_export
+from model_utils.model import te_support
 
 ROOT = Path(__file__).resolve().parents[2]
 # A small Llama (GQA, 2 layers) on the bundled corpus and tokenizer; shapes FP8 GEMMs accept.
@@ -56,8 +56,10 @@ class Run:
         flags: tuple[str, ...] = (),
     ) -> None:
         import train
-        from model_utils import distributed, optim, precision
-        from model_utils.arguments import parse_args
+        from model_utils import optim
+        from model_utils.config.arguments import parse_args
+        from model_utils.parallel import distributed
+        from model_utils.precision import backends as precision
 
         # FP8 runs inside a bf16 model (train.py refuses --fp8=1 --bf16=0); others run in fp32.
         te_fp8 = ["--fp8=1", "--fp8_recipe", recipe]
@@ -89,7 +91,7 @@ class Run:
 
     def step(self, seed: int) -> float:
         """train.py's step on one fixed micro-batch; returns its loss."""
-        from model_utils.step import train_step
+        from model_utils.run.step import train_step
 
         ids = batch(seed)
         done = train_step(

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from model_utils import data
-from model_utils.presets import BUNDLED_DATASET, BUNDLED_TOKENIZER
+from model_utils.config.presets import BUNDLED_DATASET, BUNDLED_TOKENIZER
 
 SEQ_LEN = 32
 MICRO_BATCH = 2

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 
-from model_utils import distributed  # noqa: E402
+from model_utils.parallel import distributed  # noqa: E402
 
 # ============================================================================================
 # Worlds from the environment (no process group)

@@ -22,9 +22,9 @@ sys.path.insert(0, str(ROOT))
 
 
 from model_utils import checkpoint as ck  # noqa: E402
-from model_utils import guards, outputs, run_lock  # noqa: E402
-from model_utils.arguments import UsageError, parse_args  # noqa: E402
-from model_utils.presets import BUNDLED_DATASET, BUNDLED_TOKENIZER  # noqa: E402
+from model_utils.config.arguments import UsageError, parse_args  # noqa: E402
+from model_utils.config.presets import BUNDLED_DATASET, BUNDLED_TOKENIZER  # noqa: E402
+from model_utils.run import guards, outputs, run_lock  # noqa: E402
 
 FAST = ["--preset", "tiny", "--train_batch_size", "4", "--max_context_width", "128"]
 
@@ -79,7 +79,7 @@ def test_a_run_that_took_the_directory_after_the_check_still_stops_this_one(
 ) -> None:
     """validate() only looks; rank 0 takes the lock after the process group starts, so a run
     that started in between is still refused there (world of one, in this process)."""
-    from model_utils import distributed
+    from model_utils.parallel import distributed
 
     args = parse_args([*FAST, "--output_dir", str(tmp_path / "run")])
     created = not dist.is_initialized()
@@ -248,7 +248,7 @@ def test_explicit_lr_on_resume_replaces_the_saved_one_a_default_does_not() -> No
 
 
 def test_explicit_flags_are_those_on_the_command_line() -> None:
-    from model_utils.arguments import explicit_flags
+    from model_utils.config.arguments import explicit_flags
 
     assert explicit_flags(["--preset", "tiny", "--lr=3e-4", "--fp8"]) == {"preset", "lr", "fp8"}
     assert explicit_flags([]) == frozenset()
@@ -624,7 +624,8 @@ def test_an_unwritable_hugging_face_cache_is_named_not_blamed_on_the_data(
 ) -> None:
     """HF_HOME on a read-only or virtual file system failed the first read, reported as
     '--dataset ...: rank 0 could not read its data at start-up (PermissionError ...)'."""
-    from model_utils import data, outputs
+    from model_utils import data
+    from model_utils.run import outputs
 
     in_the_way = tmp_path / "a-file"
     in_the_way.write_text("")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from model_utils import arguments
+from model_utils.config import arguments
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "flags.md"

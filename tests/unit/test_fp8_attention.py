@@ -14,10 +14,12 @@ import pytest
 import torch
 from test_cross_impl import Run
 
-from model_utils import te_precision, te_requirements, te_support
-from model_utils.arguments import UsageError, parse_args
-from model_utils.te_precision import TEBackend
-from model_utils.te_requirements import TECapabilityError
+from model_utils.config.arguments import UsageError, parse_args
+from model_utils.model import te_support
+from model_utils.precision import te as te_precision
+from model_utils.precision import te_requirements
+from model_utils.precision.te import TEBackend
+from model_utils.precision.te_requirements import TECapabilityError
 
 #: head_dim 128 (256 / 2): the width cuDNN's FP8 attention takes on Hopper.
 HEAD_128 = ("--hidden_width", "256", "--num_heads", "2", "--num_key_value_heads", "2")

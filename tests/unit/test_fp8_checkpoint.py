@@ -18,8 +18,9 @@ import torch.distributed.checkpoint as dcp
 from test_cross_impl import Run, batch
 
 from model_utils import checkpoint as ck
-from model_utils import te_requirements, te_support
 from model_utils.checkpoint import checkpointer, stateful
+from model_utils.model import te_support
+from model_utils.precision import te_requirements
 
 RECIPES = ["delayed", "current", "block", "mxfp8"]
 
@@ -104,7 +105,7 @@ def test_validation_leaves_the_delayed_scaling_state_and_the_losses_alone(
     the exit of an autocast with grad disabled; train.py's validation (run_log.evaluate) puts
     the state back, so a validation between two steps changes neither the scaling state nor the
     losses that follow (which a checkpoint taken right after it would otherwise carry)."""
-    from model_utils.run_log import evaluate
+    from model_utils.run.run_log import evaluate
 
     held_out = [{"input_ids": ids, "labels": ids} for ids in (3 * batch(7) % 8192, batch(8))]
 
@@ -123,7 +124,7 @@ def test_validation_leaves_the_delayed_scaling_state_and_the_losses_alone(
 
     plain, _ = run_with(validate=False)
     assert run_with(validate=True) == (plain, True)
-    from model_utils import te_precision
+    from model_utils.precision import te as te_precision
 
     monkeypatch.setattr(te_precision, "fp8_scaling_kept", lambda model: contextlib.nullcontext())
     validated, kept = run_with(validate=True)  # what TE alone gives

@@ -24,10 +24,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from model_utils import checkpoint as ck
-from model_utils import guards, modeling
-from model_utils.arguments import UsageError, parse_args
 from model_utils.checkpoint.stateful import ModelItem
-from model_utils.master_weights import (
+from model_utils.config.arguments import UsageError, parse_args
+from model_utils.model import modeling
+from model_utils.precision.master_weights import (
     STATE_NAMES,
     MasterWeightAdamW,
     is_quantized,
@@ -36,6 +36,7 @@ from model_utils.master_weights import (
     requantize_from_masters,
     seed_masters,
 )
+from model_utils.run import guards
 
 
 def quantized_tensor_type() -> type:
@@ -156,7 +157,7 @@ def test_seeds_are_kept_only_when_asked_and_hf_weights_replace_them(tmp_path) ->
     """materialize keeps each bf16 parameter's fp32 init for the masters when asked; a model
     loaded from HF weights afterwards seeds its masters from those weights instead."""
     from model_utils import data
-    from model_utils.presets import BUNDLED_TOKENIZER
+    from model_utils.config.presets import BUNDLED_TOKENIZER
 
     args = parse_args(["--preset", "tiny", "--master_weights", "optimizer"])
     model = modeling.build(args, "hf", torch.device("cpu"))
@@ -184,7 +185,7 @@ def test_seeds_are_kept_only_when_asked_and_hf_weights_replace_them(tmp_path) ->
 
 
 def test_fp8_weights_train_only_with_masters_in_the_optimizer(te_double) -> None:
-    from model_utils import te_precision
+    from model_utils.precision import te as te_precision
 
     shape = ["--max_context_width", "64", "--train_batch_size", "2", "--val_batch_size", "2"]
     base = ["--preset", "tiny", "--model_impl", "te", "--fp8=1", "--fp8_weights", *shape]

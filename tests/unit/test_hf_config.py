@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from model_utils.arguments import UsageError, parse_args
+from model_utils.config.arguments import UsageError, parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(
@@ -91,8 +91,10 @@ def world_of_one() -> None:
 def our_loss_and_logits(folder: Path, impl: str, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
     """train.py's model (built, sharded, loaded from `folder`) and its step-1 loss: fp32."""
     import train
-    from model_utils import distributed, optim, precision
-    from model_utils.step import train_step
+    from model_utils import optim
+    from model_utils.parallel import distributed
+    from model_utils.precision import backends as precision
+    from model_utils.run.step import train_step
 
     args = parse_args(
         [f"--init_from_hf={folder}", f"--model_impl={impl}", "--fp8=0", "--bf16=0"]

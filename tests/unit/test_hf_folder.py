@@ -28,7 +28,7 @@ LLAMA3_SCALING = {
 
 def run_tokenizer():
     from model_utils import data
-    from model_utils.presets import BUNDLED_TOKENIZER
+    from model_utils.config.presets import BUNDLED_TOKENIZER
 
     return data.load_tokenizer(BUNDLED_TOKENIZER)
 
@@ -38,7 +38,8 @@ def scaled_model():
     far beyond the run's window."""
     from transformers import LlamaForCausalLM
 
-    from model_utils import arguments, modeling
+    from model_utils.config import arguments
+    from model_utils.model import modeling
 
     args = arguments.parse_args(SMALL_LLAMA)
     args = args.replace(rope_scaling=LLAMA3_SCALING, max_position_embeddings=131072)

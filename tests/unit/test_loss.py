@@ -1,4 +1,5 @@
-"""The chunked lm_head + cross-entropy (model_utils/loss.py) against transformers' own loss."""
+"""The chunked lm_head + cross-entropy (model_utils/model/loss.py) against transformers' own
+loss."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from model_utils import loss
+from model_utils.model import loss
 
 CONFIG = dict(
     vocab_size=512,
@@ -89,7 +90,10 @@ def test_train_py_trains_the_same_with_and_without_the_chunked_loss(tmp_path) ->
     from test_cross_impl import SMALL, _world_of_one
 
     import train
-    from model_utils import arguments, distributed, optim, precision
+    from model_utils import optim
+    from model_utils.config import arguments
+    from model_utils.parallel import distributed
+    from model_utils.precision import backends as precision
 
     _world_of_one()
     device = torch.device("cpu")
@@ -147,8 +151,8 @@ def test_compiled_chunks_equal_the_eager_ones() -> None:
 
 
 def test_compile_flag_reaches_the_loss() -> None:
-    from model_utils import modeling
-    from model_utils.arguments import parse_args
+    from model_utils.config.arguments import parse_args
+    from model_utils.model import modeling
 
     for flag, want in (("--compile=0", False), ("--compile=1", True)):
         args = parse_args(["--model_impl=hf", flag, "--num_layers=1"])

@@ -15,7 +15,7 @@ from test_optim import group_names, tiny_llama
 
 from model_utils import checkpoint as ck
 from model_utils import optim
-from model_utils.arguments import UsageError, parse_args
+from model_utils.config.arguments import UsageError, parse_args
 
 LOW_BIT = ("adamw8bit", "adamw_fp8")
 STATE_CLASS = {"adamw8bit": "OptimState8bit", "adamw_fp8": "OptimStateFp8"}

@@ -18,11 +18,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from model_utils import modeling, outputs
-from model_utils.arguments import UsageError, parse_args
 from model_utils.checkpoint.compat import config_changes
-from model_utils.master_weights import STATE_NAMES, MasterWeightAdamW, store_parameters_in
+from model_utils.config.arguments import UsageError, parse_args
+from model_utils.model import modeling
 from model_utils.optim import ADAM_EPS, build_optimizer, param_groups
+from model_utils.precision.master_weights import STATE_NAMES, MasterWeightAdamW, store_parameters_in
+from model_utils.run import outputs
 
 BETAS = (0.9, 0.95)
 

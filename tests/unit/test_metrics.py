@@ -11,7 +11,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from model_utils.metrics import (
+from model_utils.run.metrics import (
     GIB,
     JsonlWriter,
     StepMeter,
@@ -36,7 +36,7 @@ from model_utils.metrics import (
     validation_record,
 )
 
-# The `tiny` preset's shape (model_utils/arguments.py), GQA included.
+# The `tiny` preset's shape (model_utils/config/arguments.py), GQA included.
 TINY = {
     "hidden": 256,
     "num_layers": 4,
@@ -490,7 +490,7 @@ def test_summarize_counts_each_step_once_as_last_logged() -> None:
 
 
 def test_set_aside_keeps_an_earlier_runs_file_and_folder_beside_the_new_one(tmp_path) -> None:
-    from model_utils.metrics import set_aside
+    from model_utils.run.metrics import set_aside
 
     path = tmp_path / "metrics.jsonl"
     assert set_aside(path) is None  # nothing there

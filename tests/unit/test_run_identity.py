@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from model_utils import recipes
-from model_utils.arguments import UsageError, parse_args
+from model_utils.config import recipes
+from model_utils.config.arguments import UsageError, parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
 PRECISION_FLAGS = {"fp8", "fp8_recipe"}
@@ -100,7 +100,7 @@ def test_every_precision_backend_is_one_interface(
     their names: the TE recipe that TE layers are built with is None outside TE FP8."""
     import torch
 
-    from model_utils import precision
+    from model_utils.precision import backends as precision
 
     backend = precision.build_backend(parse_args(flags), torch.device("cpu"))
     assert isinstance(backend, precision.PrecisionBackend) and backend.name == name

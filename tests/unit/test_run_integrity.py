@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from model_utils import run_lock  # noqa: E402
+from model_utils.run import run_lock  # noqa: E402
 
 # ============================================================================================
 # 1. A live run's lock covers every folder below it, and a folder holding it
@@ -25,8 +25,8 @@ from model_utils import run_lock  # noqa: E402
 def _holder_in_another_process(directory: Path) -> subprocess.Popen:
     """A process that holds `directory`'s run lock until its stdin closes."""
     code = (
-        "import sys; from model_utils import run_lock; run_lock.RunLock(sys.argv[1]).acquire(); "
-        "print('held', flush=True); sys.stdin.read()"
+        "import sys; from model_utils.run import run_lock; "
+        "run_lock.RunLock(sys.argv[1]).acquire(); print('held', flush=True); sys.stdin.read()"
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", code, str(directory)],
@@ -67,8 +67,8 @@ def test_the_lock_taken_after_start_up_also_covers_overlaps(tmp_path: Path) -> N
     import torch
     import torch.distributed as dist
 
-    from model_utils import distributed
-    from model_utils.arguments import parse_args
+    from model_utils.config.arguments import parse_args
+    from model_utils.parallel import distributed
 
     live = tmp_path / "a"
     holder = _holder_in_another_process(live)

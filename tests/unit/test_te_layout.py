@@ -14,7 +14,7 @@ from te_double import reference
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import te_llama
-from model_utils import te_support
+from model_utils.model import te_support
 
 
 def llama2_style() -> LlamaConfig:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from te_double import subprocess_env
 
-from model_utils import te_loader
+from model_utils.precision import te_loader
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -155,7 +155,8 @@ def test_every_te_import_first_points_te_at_torchs_cudnn(tmp_path, te_import) ->
         import ctypes, os, sys
         sys.path.insert(0, {str(ROOT)!r})
         ctypes.CDLL({str(lib)!r})
-        from model_utils import te_precision, te_support
+        from model_utils.model import te_support
+        from model_utils.precision import te as te_precision
         {te_import}()
         print("CUDNN_HOME=" + os.environ.get("CUDNN_HOME", ""))
         print("describe=" + te_precision._describe_cudnn())
@@ -191,7 +192,7 @@ def test_a_cudnn_library_that_cannot_be_opened_makes_te_unavailable_in_one_line(
         import ctypes, sys
         sys.path.insert(0, {str(ROOT)!r})
         ctypes.CDLL({str(lib)!r})
-        from model_utils import te_support
+        from model_utils.model import te_support
         try:
             te_support.import_te()
         except te_support.TEUnavailableError as err:

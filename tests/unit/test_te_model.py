@@ -18,10 +18,12 @@ from te_double import uninstall
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import te_llama
-from model_utils import te_precision, te_requirements, te_support
-from model_utils.modeling import materialize
-from model_utils.te_precision import TEBackend
-from model_utils.te_requirements import TECapabilityError
+from model_utils.model import te_support
+from model_utils.model.modeling import materialize
+from model_utils.precision import te as te_precision
+from model_utils.precision import te_requirements
+from model_utils.precision.te import TEBackend
+from model_utils.precision.te_requirements import TECapabilityError
 
 RECIPES = ["delayed", "current", "block", "mxfp8"]
 
@@ -220,7 +222,7 @@ def test_te_model_carries_its_adapter_for_hf_export_and_import(tmp_path, te_doub
     the export is HF's layout exactly, and importing it into another te model restores every
     weight bit for bit. te_linear keeps HF's names and carries no adapter."""
     from model_utils import checkpoint, data
-    from model_utils.presets import BUNDLED_TOKENIZER
+    from model_utils.config.presets import BUNDLED_TOKENIZER
 
     config = tiny_config()
     model = built(config, "te", seed=3)
@@ -275,7 +277,7 @@ def test_build_refuses_unsupported_configs(te_double) -> None:
 
 def train_losses(model, backend, config, steps: int) -> list[float]:
     """train.py's step (no clip, constant lr) on one batch; every parameter must get a gradient."""
-    from model_utils.step import train_step
+    from model_utils.run.step import train_step
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
@@ -383,7 +385,7 @@ def test_capability_check_through_double(te_double, monkeypatch) -> None:
 
 
 def test_backend_refuses_hf_model(te_double) -> None:
-    from model_utils.arguments import UsageError, parse_args
+    from model_utils.config.arguments import UsageError, parse_args
 
     with pytest.raises(ValueError, match="--model_impl te or te_linear"):
         TEBackend(backend_args(fp8=True)).prepare(LlamaForCausalLM(tiny_config()))
@@ -454,7 +456,7 @@ def test_is_first_microbatch_reuses_fp8_weights(impl: str, te_double) -> None:
 def test_te_activation_checkpointing_keeps_gradients(recipe: str, te_double) -> None:
     """train.py's route (checkpoint_wrapper with TE's checkpoint as backend.checkpoint_fn)
     recomputes with TE's checkpoint and gives the gradients of no recompute."""
-    from model_utils import distributed
+    from model_utils.parallel import distributed
 
     config = tiny_config()
     ids = batch(config)
@@ -486,7 +488,7 @@ def test_te_mlp_recompute_keeps_gradients_and_fp8_state(recipe: str, te_double) 
     in the chosen layers only: the MLP keeps nothing but its input, and gradients, amax
     histories and scales come out as without recompute (the recompute replays the forward's
     scales and records no amax)."""
-    from model_utils import distributed
+    from model_utils.parallel import distributed
 
     config = tiny_config(num_hidden_layers=4)
     ids = batch(config)
@@ -526,7 +528,7 @@ def test_te_mlp_recompute_keeps_gradients_and_fp8_state(recipe: str, te_double) 
 
 @pytest.mark.parametrize("scope", ["layer", "mlp"])
 def test_te_linear_activation_checkpointing_keeps_state_dict_names(scope: str, te_double) -> None:
-    from model_utils import distributed
+    from model_utils.parallel import distributed
 
     config = tiny_config()
     model = built(config, "te_linear")
@@ -580,7 +582,7 @@ def test_gpu_levers_script_names_only_rows_the_matrix_has(capsys) -> None:
         bench.parse_args(["--modes", "levers", "--only", only, "--vs", vs])
     # The ac phase's train.py flags parse under every AC setting the benchmark measures.
     from benchmarks import bench_activation_checkpointing as ac_bench
-    from model_utils.arguments import parse_args
+    from model_utils.config.arguments import parse_args
 
     joined = script.replace("\\\n", " ")
     (ac_flags,) = re.findall(
@@ -609,7 +611,7 @@ def test_gpu_levers_script_names_only_rows_the_matrix_has(capsys) -> None:
 
 def test_gpu_matrix_rows_are_train_py_commands_and_the_table_shows_ratios(tmp_path) -> None:
     from benchmarks import bench_gpu_matrix as bench
-    from model_utils.arguments import parse_args
+    from model_utils.config.arguments import parse_args
 
     args, extra = bench.parse_args(["--preset", "tiny", "--nproc", "8", "--", "--seed", "3"])
     args.out = tmp_path
@@ -643,7 +645,7 @@ def test_gpu_matrix_rows_are_train_py_commands_and_the_table_shows_ratios(tmp_pa
         assert " " not in cmd[-len(fixed) - len(user) - 1]  # run directory without spaces
     # The table's shape line parses from a row's own flags: the user's alone may not (the
     # --fp8_attention of a run on H100 is refused without the --fp8=1 a row supplies).
-    from model_utils.arguments import UsageError
+    from model_utils.config.arguments import UsageError
 
     fixed = next(fixed for name, fixed, _ in bench.LEVER_ROWS if "+fp8-attention" in name)
     with pytest.raises(UsageError, match="--fp8_attention needs --fp8=1"):
@@ -725,7 +727,7 @@ FP8_SHAPE = dict(
 
 def test_check_requirements_refuses_before_training(te_double) -> None:
     """train.py's pre-flight: one UsageError line for hardware/recipe and FP8 shape problems."""
-    from model_utils.arguments import UsageError
+    from model_utils.config.arguments import UsageError
 
     shape = FP8_SHAPE
     te_precision.check_requirements(backend_args(fp8=True, **shape))
@@ -763,7 +765,7 @@ def test_fsdp2_models_get_no_micro_batch_weight_caching(te_double, tmp_path) -> 
 
 
 def test_auto_impl_picks_te_only_with_te_and_an_fp8_gpu(te_double, monkeypatch) -> None:
-    from model_utils import precision
+    from model_utils.precision import backends as precision
 
     assert precision.resolve_model_impl("auto") == "hf"  # TE importable, but no GPU here
     monkeypatch.setattr(precision, "fp8_capable_gpu", lambda: True)
@@ -780,8 +782,8 @@ def test_master_weights_in_the_optimizer_on_the_te_layout(te_double) -> None:
     from test_train_model import _build_tiny
 
     from model_utils import optim
-    from model_utils.arguments import parse_args
-    from model_utils.master_weights import MasterWeightAdamW
+    from model_utils.config.arguments import parse_args
+    from model_utils.precision.master_weights import MasterWeightAdamW
 
     flags = ["--model_impl", "te", "--fp8=1", "--master_weights", "optimizer"]
     model = _build_tiny(flags)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from model_utils import metrics
-from model_utils.arguments import parse_args
-from model_utils.tensorboard_log import TensorBoardLog, flags_markdown, scalars
+from model_utils.config.arguments import parse_args
+from model_utils.run import metrics
+from model_utils.run.tensorboard_log import TensorBoardLog, flags_markdown, scalars
 
 
 def read_events(log_dir: Path) -> EventAccumulator:
@@ -100,7 +100,7 @@ def test_only_tensorboard_writer_threads_disk_errors_go_unprinted(monkeypatch) -
 
     from tensorboard.summary.writer import event_file_writer
 
-    from model_utils import tensorboard_log
+    from model_utils.run import tensorboard_log
 
     printed: list[str] = []
     monkeypatch.setattr(threading, "excepthook", lambda args: printed.append(args.thread.name))

@@ -16,8 +16,9 @@ def _build_tiny(extra: list[str]):
     import torch.distributed as dist
 
     import train
-    from model_utils import distributed, precision
-    from model_utils.arguments import parse_args
+    from model_utils.config.arguments import parse_args
+    from model_utils.parallel import distributed
+    from model_utils.precision import backends as precision
 
     args = parse_args([*FAST, "--max_steps=5", "--warmup=1", *extra])
     device = torch.device("cpu")
@@ -58,7 +59,7 @@ def test_activation_checkpointing_saves_less_and_computes_the_same():
 
 
 def test_activation_checkpointing_every_other_layer_saves_half_and_computes_the_same():
-    from model_utils.distributed import checkpointed_layers
+    from model_utils.parallel.distributed import checkpointed_layers
 
     assert checkpointed_layers(4, 1) == [0, 1, 2, 3]
     assert checkpointed_layers(4, 2) == [1, 3] and checkpointed_layers(3, 2) == [0, 2]
@@ -77,7 +78,7 @@ def test_activation_checkpointing_of_the_mlps_only_saves_most_and_computes_the_s
     """--ac_scope mlp: each layer keeps its attention activations and recomputes its MLP."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    from model_utils.distributed import decoder_layers
+    from model_utils.parallel.distributed import decoder_layers
 
     plain_bytes, plain_loss, plain_grads = _layer_activation_bytes_and_grads(_build_tiny([]))
     in_mlps = _layer_activation_bytes_and_grads(_build_tiny([]), lambda layer: layer.mlp)[0]
@@ -99,7 +100,7 @@ def test_compile_flag_compiles_each_decoder_layer_of_the_model_train_builds(monk
     """--compile reaches the model: torch.compile wraps each decoder layer, and nothing without
     the flag. (Compiled training, cold compile included, against eager: test_distributed's
     test_compile_under_two_ranks_trains_like_eager, on the same train.build_model.)"""
-    from model_utils.distributed import decoder_layers
+    from model_utils.parallel.distributed import decoder_layers
 
     compiled = []
     real_compile = torch.compile
@@ -158,7 +159,7 @@ def _unshards_per_pass(model, monkeypatch) -> tuple[int, int, float]:
 def test_reshard_after_forward_policies(monkeypatch):
     """default (torchtitan): backward gathers again every unit but the last layer and [norm,
     lm_head]; never: backward gathers nothing again; always: every unit. Same loss."""
-    from model_utils import distributed
+    from model_utils.parallel import distributed
 
     tiny_layers = 4
     results = {}

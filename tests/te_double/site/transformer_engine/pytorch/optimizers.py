@@ -4,8 +4,9 @@ TE's FusedAdam is GPU-only: its constructor validates the state dtypes and then 
 overflow buffer on ``"cuda"`` (transformer_engine/pytorch/optimizers/fused_adam.py), so on a
 machine without CUDA it raises before it holds any state. That is all this double does: the
 recipe builds FusedAdam only for a CUDA device (te_precision.TEBackend.master_weight_adam) and
-never on the CPU machines the double serves, where model_utils.master_weights.MasterWeightAdamW
-runs instead. The signature is TE 2.20.2's, checked by tests/integration/test_te_contract.py.
+never on the CPU machines the double serves, where
+model_utils.precision.master_weights.MasterWeightAdamW runs instead. The signature is TE 2.20.2's,
+checked by tests/integration/test_te_contract.py.
 """
 
 from __future__ import annotations

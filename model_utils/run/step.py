@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from model_utils import distributed
+from model_utils.parallel import distributed
 
 #: Returns (micro-batch of CPU tensors, loss weight): data.ReadGuard.next, or a fixed batch.
 MicroBatchSource = Callable[[], tuple[dict[str, torch.Tensor], float]]

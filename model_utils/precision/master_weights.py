@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from model_utils.distributed import canonical_param_name
+from model_utils.parallel.distributed import canonical_param_name
 
 #: The per-parameter state of TE's FusedAdam with master weights (its ``name_to_dtype_map``),
 #: which this optimizer keeps too (tests/integration/test_te_contract.py reads TE's names).

@@ -13,7 +13,7 @@ from typing import Any
 # The bundled data's one source. It lives with the presets (not in model_utils/data) so parsing
 # flags never imports the data stack. The paths are absolute so the recipe runs from any working
 # directory (Slurm jobs often start elsewhere).
-_DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+_DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 BUNDLED_DATASET = str(_DATA_DIR / "kjv.jsonl.gz")
 BUNDLED_TOKENIZER = str(_DATA_DIR / "tokenizer")
 

@@ -7,15 +7,15 @@ from __future__ import annotations
 import argparse
 import math
 
-from model_utils.errors import UsageError
-from model_utils.options import (
+from model_utils.config.options import (
     FP8_ATTENTION_RECIPES,
     PATH_FLAGS,
     TE_IMPLS,
     TE_RECIPES,
     TORCHAO_RECIPES,
 )
-from model_utils.presets import SHAPE_FIELDS
+from model_utils.config.presets import SHAPE_FIELDS
+from model_utils.errors import UsageError
 
 #: TE recipe options -> the ``--fp8_recipe`` values whose TE recipe reads them
 #: (``te_precision.build_recipe``). Given for any other recipe or backend they would do nothing.

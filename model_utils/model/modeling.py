@@ -17,8 +17,9 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from model_utils import loss, master_weights, te_support
-from model_utils.distributed import canonical_param_name
+from model_utils.model import loss, te_support
+from model_utils.parallel.distributed import canonical_param_name
+from model_utils.precision import master_weights
 
 # Initialiser std of Llama and of transformers' LlamaConfig default.
 INIT_STD = 0.02

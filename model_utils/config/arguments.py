@@ -15,8 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from model_utils.errors import UsageError, first_line, os_error_words  # noqa: F401 (re-exported)
-from model_utils.options import (  # noqa: F401 (re-exported: the flags' choices)
+from model_utils.config.options import (  # noqa: F401 (re-exported: the flags' choices)
     AC_SCOPES,
     FP8_ATTENTION_RECIPES,
     MASTER_WEIGHTS,
@@ -28,7 +27,8 @@ from model_utils.options import (  # noqa: F401 (re-exported: the flags' choices
     TE_RECIPES,
     TORCHAO_RECIPES,
 )
-from model_utils.presets import PRESET_FIELDS, PRESETS
+from model_utils.config.presets import PRESET_FIELDS, PRESETS
+from model_utils.errors import UsageError, first_line, os_error_words  # noqa: F401 (re-exported)
 
 
 def str2bool(value: str) -> bool:
@@ -346,8 +346,10 @@ class Config(argparse.Namespace):
 def parse_args(argv: list[str] | None = None) -> Config:
     """The one way to a run config: flags, preset, cross-flag rules, then the implementation
     (``auto`` probes TE and the GPU) and the FP8 recipe for its backend."""
-    from model_utils import flag_rules, hf_config, recipes
-    from model_utils.precision import resolve_model_impl  # imports torch; flags alone need not
+    from model_utils.config import flag_rules, hf_config, recipes
+    from model_utils.precision.backends import (
+        resolve_model_impl,  # imports torch; flags alone need not
+    )
 
     given = sys.argv[1:] if argv is None else argv
     argv = with_recipes(given)
@@ -374,8 +376,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
 
 
 def with_recipes(argv: list[str] | None) -> list[str]:
-    """The command line with each --recipe replaced by its flags (model_utils/recipes.py)."""
-    from model_utils import recipes
+    """The command line with each --recipe replaced by its flags (model_utils/config/recipes.py)."""
+    from model_utils.config import recipes
 
     try:
         return recipes.expand(sys.argv[1:] if argv is None else argv)

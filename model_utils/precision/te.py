@@ -21,10 +21,16 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from model_utils import te_loader
+from model_utils.config.options import FP8_ATTENTION_RECIPES, TE_RECIPES
 from model_utils.errors import UsageError
-from model_utils.options import FP8_ATTENTION_RECIPES, TE_RECIPES
-from model_utils.te_requirements import (
+from model_utils.model.te_support import (
+    TEUnavailableError,
+    fp8_scaling_kept,
+    import_te,
+    set_is_first_microbatch,
+)
+from model_utils.precision import te_loader
+from model_utils.precision.te_requirements import (
     REQUIREMENTS,
     TE_AVAILABILITY_CHECKS,
     TECapabilityError,
@@ -32,12 +38,6 @@ from model_utils.te_requirements import (
     fp8_attention_problem,
     fp8_shape_problem,
     pickled_fp8_state_problem,
-)
-from model_utils.te_support import (
-    TEUnavailableError,
-    fp8_scaling_kept,
-    import_te,
-    set_is_first_microbatch,
 )
 
 #: The Transformer Engine releases this code is contract-tested against, the one place they are

@@ -16,11 +16,11 @@ What the numbers mean (kept in one place so docs/metrics.md and the logs agree):
 The modules, one job each: `flops` (model FLOPs per token), `device` (bf16 peaks, peak
 memory, device sync), `meter` (the step meter and time left), `records` (JSONL records, the
 log lines and what a reader checks of them), `summary` (end-of-run medians and comparison
-tables). Callers use the names re-exported here: `from model_utils import metrics;
+tables). Callers use the names re-exported here: `from model_utils.run import metrics;
 metrics.StepMeter(...)`.
 """
 
-from model_utils.metrics.device import (
+from model_utils.run.metrics.device import (
     GIB,
     device_sync,
     peak_bf16_tflops,
@@ -28,9 +28,9 @@ from model_utils.metrics.device import (
     peak_memory_bytes,
     peak_memory_label,
 )
-from model_utils.metrics.flops import flops_per_token, matmul_params, model_flops_per_token
-from model_utils.metrics.meter import StepMeter, remaining_seconds, step_metrics
-from model_utils.metrics.records import (
+from model_utils.run.metrics.flops import flops_per_token, matmul_params, model_flops_per_token
+from model_utils.run.metrics.meter import StepMeter, remaining_seconds, step_metrics
+from model_utils.run.metrics.records import (
     JsonlWriter,
     detail_line,
     format_duration,
@@ -41,7 +41,7 @@ from model_utils.metrics.records import (
     set_aside,
     validation_record,
 )
-from model_utils.metrics.summary import (
+from model_utils.run.metrics.summary import (
     format_comparison,
     format_summary,
     format_table,

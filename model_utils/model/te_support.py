@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from model_utils.distributed import canonical_param_name
-from model_utils.te_loader import align_te_cudnn
+from model_utils.parallel.distributed import canonical_param_name
+from model_utils.precision.te_loader import align_te_cudnn
 
 #: Attribute of te_llama's decoder layer holding the TE ``TransformerLayer``: a parameter name
 #: containing it belongs to the fused ``te`` layout (QKV in one weight, gate/up in ``fc1``).

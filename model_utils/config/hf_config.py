@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from model_utils.presets import PRESETS
+from model_utils.config.presets import PRESETS
 
 #: Our field -> the name a HF Llama config.json gives it (the table both directions use).
 CONFIG_KEYS: dict[str, str] = {

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from model_utils import master_weights
+from model_utils.precision import master_weights
 
 if TYPE_CHECKING:
     from model_utils.checkpoint import Checkpointer

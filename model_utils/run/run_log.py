@@ -13,8 +13,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from model_utils import metrics, modeling, tensorboard_log
 from model_utils.errors import first_line, os_error_words
+from model_utils.model import modeling
+from model_utils.run import metrics, tensorboard_log
 
 log = logging.getLogger("train")
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from model_utils import distributed, outputs
+from model_utils.parallel import distributed
+from model_utils.run import outputs
 
 LOCK_NAME = ".run.lock"
 # How far below a run's folders the start-up check looks for a live run's lock: run folders are

@@ -16,7 +16,7 @@ Compute dtype itself comes from FSDP2's MixedPrecisionPolicy (bf16 params for co
 master weights and gradient reduction), the way torchtitan does it, so --fp8=0 and --fp8=1 run the
 same bf16 model and the comparison isolates FP8. With --master_weights optimizer the parameters
 are bf16 already (no cast) and the fp32 masters live in the optimizer (model_utils/master_weights).
-Transformer Engine lives in te_precision.py and is imported only when the TE implementation is
+Transformer Engine lives in precision/te.py and is imported only when the TE implementation is
 selected.
 """
 
@@ -31,7 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from model_utils.options import TE_IMPLS
+from model_utils.config.options import TE_IMPLS
 
 # FP8 GEMMs need both matrix dims divisible by 16 (the backward multiplies by the transpose).
 FP8_DIM_MULTIPLE = 16
@@ -46,7 +46,7 @@ def resolve_model_impl(requested: str) -> str:
     """`auto` means TE's TransformerLayer where TE can run, stock HF elsewhere."""
     if requested != "auto":
         return requested
-    from model_utils import te_support  # imports Transformer Engine only if it is installed
+    from model_utils.model import te_support  # imports Transformer Engine only if it is installed
 
     return "te" if fp8_capable_gpu() and te_support.te_available() else "hf"
 
@@ -182,7 +182,7 @@ def build_backend(
     """The backend for (--model_impl, --fp8). TE implementations always use the TE backend so that
     --fp8=0 runs the very same TE model in bf16."""
     if args.model_impl in TE_IMPLS:
-        from model_utils.te_precision import TEBackend
+        from model_utils.precision.te import TEBackend
 
         return TEBackend(args, dp_group=dp_group)
     if args.fp8:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from model_utils.metrics.device import GIB
+from model_utils.run.metrics.device import GIB
 
 
 def step_metrics(

@@ -13,8 +13,8 @@ import shutil
 import socket
 from pathlib import Path
 
-from model_utils import distributed
 from model_utils.errors import os_error_words
+from model_utils.parallel import distributed
 
 
 class WriteProblem(RuntimeError):
