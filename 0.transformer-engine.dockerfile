@@ -72,8 +72,10 @@ RUN grep -iE "${IMAGE_OWNED}" /etc/pip/constraint.txt > /tmp/image-owned.txt || 
     && rm -f /tmp/image-owned.txt /tmp/requirements.txt /tmp/before.txt /tmp/after.txt
 
 # Checked from package metadata: importing TE needs a GPU driver, which `docker build` lacks.
-RUN te=$(pip show transformer_engine 2>/dev/null | sed -n 's/^Version: //p') \
-    && fa=$(pip show flash_attn 2>/dev/null | sed -n 's/^Version: //p') \
+# (`pip show` fails for a missing package; `|| true` keeps pipefail from ending the build there
+# with a bare "exit code: 1" instead of the message below.)
+RUN te=$({ pip show transformer_engine 2>/dev/null || true; } | sed -n 's/^Version: //p') \
+    && fa=$({ pip show flash_attn 2>/dev/null || true; } | sed -n 's/^Version: //p') \
     && echo "torch $(pip show torch | sed -n 's/^Version: //p'), Transformer Engine ${te:-none}, flash-attn ${fa:-none}" \
     && case "${te}" in \
         2.*) ;; \

