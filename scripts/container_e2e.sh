@@ -287,9 +287,9 @@ build_standin() {
     rm -rf "$ctx"
 }
 
-# The TE release the NGC image ships (model_utils/te_precision.py), for the double's metadata.
+# The TE release the NGC image ships (model_utils/precision/te.py), for the double's metadata.
 image_te_version() {
-    sed -n 's/^IMAGE_TE_VERSION = "\(.*\)"$/\1/p' "$repo_dir/model_utils/te_precision.py"
+    sed -n 's/^IMAGE_TE_VERSION = "\(.*\)"$/\1/p' "$repo_dir/model_utils/precision/te.py"
 }
 
 # The recipe's image: its Dockerfile unchanged, on the stand-in; every step run afresh.
