@@ -66,58 +66,10 @@ def validate(argv: list[str] | None, training: bool = True) -> tuple[arguments.C
                 run_lock.lock_dirs(args.output_dir, args.checkpoint_dir).values()
             )
             outputs.check_locations({**outputs.output_locations(args), **outputs.cache_location()})
-            check_run_dir(args)
+            checkpoint.check_before_start(args)  # the resume policy: checkpoint/resume.py
         except (run_lock.RunLocked, outputs.WriteProblem, ValueError) as exc:
             raise arguments.UsageError(str(exc)) from exc
     return args, tokenizer
-
-
-def check_run_dir(args: arguments.Config) -> None:
-    """A checkpoint resumes only the run it belongs to, and no run writes over checkpoints it
-    did not resume from: an earlier run's, or later ones of its own (checkpoint.ResumeRefused,
-    one line). Reads only."""
-    if not args.resume_from_checkpoint:
-        checkpoint.check_fresh_start(args.checkpoint_dir, args.overwrite_output_dir)
-        return
-    path = checkpoint.resume_candidate(args.resume_from_checkpoint, args.checkpoint_dir)
-    if path is not None:
-        checkpoint.check_resumable(path, resume_fields(args))
-        check_same_data(path, args, warn=False)  # the resume warns, once
-        explicit = args.resume_from_checkpoint != "auto"
-        checkpoint.check_resume_target(path, args.checkpoint_dir, explicit)
-        checkpoint.check_steps_left(path, args.max_steps)
-
-
-def resume_fields(args: arguments.Config) -> dict:
-    """The flags a resume compares with the checkpoint's (checkpoint.check_resumable); the data
-    files' fingerprint has its own rule and words (check_same_data), and --allow_data_change
-    is this launch's choice."""
-    fields = args.as_dict()
-    for name in ("data_fingerprint", "allow_data_change"):
-        fields.pop(name, None)
-    return fields
-
-
-def check_same_data(path, args: arguments.Config, warn: bool = True) -> None:
-    """A checkpoint's data position means something only in the data it was saved with: a
-    local file changed since is refused (checkpoint.ResumeRefused, one line naming it), or with
-    --allow_data_change a warning. Checkpoints from before fingerprints, and hub datasets, have
-    none to compare."""
-    saved = (checkpoint.read_marker(path).get("run_config") or {}).get("data_fingerprint")
-    change = data.data_change(saved, args.data_fingerprint)
-    if change is None:
-        return
-    if args.allow_data_change:
-        if warn:
-            log.warning(
-                "Resuming on changed data (--allow_data_change): %s in %s", change, args.dataset
-            )
-        return
-    raise checkpoint.ResumeRefused(
-        f"checkpoint {path} was saved with other data: {change} in --dataset {args.dataset} "
-        "since the save, so its saved position points into other text; resume on the data it "
-        "was saved with, or pass --allow_data_change to resume on this data anyway"
-    )
 
 
 class Preemption:
@@ -273,12 +225,7 @@ def restore(
         on_data_reshard=lambda step, saved: stream.restart_after_reshard(saved),
         fp8_recipe=backend.te_recipe,
     )
-    if args.overwrite_output_dir:
-        ckpt.remove_all()
-    resume_path = ckpt.resolve_intact(args.resume_from_checkpoint)  # checksums verified
-    if resume_path is not None:
-        args = resume(ckpt, resume_path, state, scheduler, args, explicit)
-        state.config = args.as_dict()
+    args = checkpoint.resume_or_start(ckpt, state, scheduler, args, explicit)
     return ckpt, state, args
 
 
@@ -300,35 +247,6 @@ def finish(
         )
         log.info("Exported Hugging Face weights to %s", args.export_hf)
     run_log.finish()
-
-
-def resume(
-    ckpt, path, state, scheduler, args: arguments.Config, explicit: frozenset
-) -> arguments.Config:
-    """Load checkpoint `path` under the resume rules: the same model shape and data or
-    checkpoint.ResumeRefused; other changed flags are logged; an explicit --lr/--min_lr replaces
-    the saved one (optim.resume_schedule). Returns the flags with the lr values in use, so the
-    next checkpoint and metrics.jsonl record what the run really uses."""
-    changed = [
-        c for c in checkpoint.check_resumable(path, resume_fields(args)) if c[0] not in _LR_FLAGS
-    ]
-    check_same_data(path, args)  # the checkpoint resolve_intact chose, maybe an older one
-    ckpt.load(path, state)
-    given = {name: getattr(args, name) for name in ("lr", "min_lr") if name in explicit}
-    try:
-        used = optim.resume_schedule(scheduler, given)
-    except ValueError as exc:
-        raise checkpoint.ResumeRefused(f"resuming from {path}: {exc}") from exc
-    log.info("Resumed from %s at step %d", path, state.step)
-    if changed:
-        log.info("Flags changed since the checkpoint: %s", checkpoint.describe_changes(changed))
-    for name, value in used.items():
-        source = f"--{name} given" if name in given else "saved; not given"
-        log.info("Resumed schedule: %s %g (%s)", name, value, source)
-    return args.replace(**used)
-
-
-_LR_FLAGS = ("--lr", "--min_lr")
 
 
 def ready_line(args: arguments.Config) -> str:

@@ -128,6 +128,7 @@ from model_utils.checkpoint.optimizer_state import (
     low_bit_reshard_problem,
     moment_conversion_problem,
 )
+from model_utils.checkpoint.resume import check_before_start, resume_or_start
 from model_utils.checkpoint.saved import iter_dcp_model_layers
 from model_utils.checkpoint.stateful import (
     LoadResult,
@@ -161,6 +162,7 @@ __all__ = [
     "TrainState",
     "UntrustedCheckpointError",
     "capture_rng",
+    "check_before_start",
     "check_fresh_start",
     "check_export_dir",
     "existing_model",
@@ -194,6 +196,7 @@ __all__ = [
     "reseed_rng",
     "resolve_checkpoint",
     "restore_rng",
+    "resume_or_start",
     "resume_candidate",
     "step_of",
     "untrusted_checkpoint_message",

@@ -64,6 +64,9 @@ _LAUNCH_FIELDS = frozenset(
         "overwrite_output_dir",
         "export_hf",
         "init_from_hf",
+        "allow_data_change",
+        # the data files' fingerprint has its own rule and words (resume.check_same_data)
+        "data_fingerprint",
     }
 )
 

@@ -11,8 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from model_utils.config.arguments import first_line
 from model_utils.data.sources import DataError, local_files, not_text_message
+from model_utils.errors import first_line
 
 # What the start-up check reads of local data: enough to find a bad file at once, not a whole
 # corpus (a bad byte further in is met mid-run and named then).

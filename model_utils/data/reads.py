@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from model_utils.config.arguments import first_line
 from model_utils.data.checks import find_bad_file
 from model_utils.data.sources import DataError
 from model_utils.data.stream import Batch, TrainStream
 from model_utils.data.validation import validation_batches
+from model_utils.errors import first_line
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from model_utils.config.arguments import first_line
 from model_utils.data.checks import HUB_TIMEOUT_S, env_true
 from model_utils.data.sources import looks_like_path
+from model_utils.errors import first_line
 
 if TYPE_CHECKING:  # imported lazily at run time: transformers is slow to import
     from transformers import PreTrainedTokenizerBase

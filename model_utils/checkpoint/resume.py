@@ -1,0 +1,96 @@
+"""The resume policy in two calls: what a run may start on (before anything exists), and what
+its resume does (after the model and optimizer are built).
+
+`check_before_start(args)` reads only: a fresh start must not write over an earlier run's
+checkpoints; a resume takes only a checkpoint of the same run (model, data, optimizer format,
+precision: compat.py), never one whose saves would replace finished work, never one past
+--max_steps, and never on data changed since the save. `resume_or_start(...)` then deletes what
+--overwrite_output_dir asked to, picks the checkpoint whose checksums hold, checks it again (an
+older one may have been chosen), loads it and puts the schedule's lr in use.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from model_utils import data, optim
+from model_utils.checkpoint.compat import (
+    check_fresh_start,
+    check_resumable,
+    check_resume_target,
+    check_steps_left,
+    describe_changes,
+)
+from model_utils.checkpoint.errors import ResumeRefused
+from model_utils.checkpoint.manifest import read_marker, resume_candidate
+
+log = logging.getLogger(__name__)
+
+#: Flags whose resumed value replaces the saved one when given (optim.resume_schedule).
+LR_FLAGS = ("lr", "min_lr")
+
+
+def check_before_start(args: Any) -> None:
+    """ResumeRefused (one line) for a run that would resume another run's checkpoint or write
+    over finished work. Reads only; runs before any process group exists."""
+    if not args.resume_from_checkpoint:
+        check_fresh_start(args.checkpoint_dir, args.overwrite_output_dir)
+        return
+    path = resume_candidate(args.resume_from_checkpoint, args.checkpoint_dir)
+    if path is not None:
+        check_resumable(path, args.as_dict())
+        check_same_data(path, args, warn=False)  # the resume warns, once
+        explicit = args.resume_from_checkpoint != "auto"
+        check_resume_target(path, args.checkpoint_dir, explicit)
+        check_steps_left(path, args.max_steps)
+
+
+def check_same_data(path: str | Path, args: Any, warn: bool = True) -> None:
+    """A checkpoint's data position means something only in the data it was saved with: a
+    local file changed since is refused (one line naming it), or with --allow_data_change a
+    warning. Checkpoints from before fingerprints, and hub datasets, have none to compare."""
+    saved = (read_marker(path).get("run_config") or {}).get("data_fingerprint")
+    change = data.data_change(saved, args.data_fingerprint)
+    if change is None:
+        return
+    if args.allow_data_change:
+        if warn:
+            log.warning(
+                "Resuming on changed data (--allow_data_change): %s in %s", change, args.dataset
+            )
+        return
+    raise ResumeRefused(
+        f"checkpoint {path} was saved with other data: {change} in --dataset {args.dataset} "
+        "since the save, so its saved position points into other text; resume on the data it "
+        "was saved with, or pass --allow_data_change to resume on this data anyway"
+    )
+
+
+def resume_or_start(ckpt: Any, state: Any, scheduler: Any, args: Any, explicit: frozenset) -> Any:
+    """Start afresh (deleting the old checkpoints with --overwrite_output_dir) or load the
+    newest intact checkpoint under the rules above. Returns the run's flags with the lr values
+    in use, which the state then saves."""
+    if args.overwrite_output_dir:
+        ckpt.remove_all()
+    path = ckpt.resolve_intact(args.resume_from_checkpoint)  # checksums verified
+    if path is None:
+        return args
+    changed = [c for c in check_resumable(path, args.as_dict()) if c[0][2:] not in LR_FLAGS]
+    check_same_data(path, args)  # the checkpoint resolve_intact chose, maybe an older one
+    ckpt.load(path, state)
+    given = {name: getattr(args, name) for name in LR_FLAGS if name in explicit}
+    try:
+        used = optim.resume_schedule(scheduler, given)
+    except ValueError as exc:
+        raise ResumeRefused(f"resuming from {path}: {exc}") from exc
+    log.info("Resumed from %s at step %d", path, state.step)
+    if changed:
+        log.info("Flags changed since the checkpoint: %s", describe_changes(changed))
+    for name, value in used.items():
+        source = f"--{name} given" if name in given else "saved; not given"
+        log.info("Resumed schedule: %s %g (%s)", name, value, source)
+    args = args.replace(**used)
+    state.config = args.as_dict()
+    return args
