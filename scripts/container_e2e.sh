@@ -315,8 +315,8 @@ import_squashfs() {
 cmd_build() {
     check_prerequisites
     local state sources cache
-    state=$(state_dir "${1:-}")
     sources=$(sources_dir)
+    state=$(state_dir "${1:-}")
     cache=$(cache_dir)
     [[ ! -s $state/slurm/slurmctld.pid ]] || die_usage "$state has a running cluster: stop it first"
     # One build at a time per cache (the Docker data root is in it).

@@ -28,6 +28,8 @@ TESTS = Path(__file__).resolve().parent
 #: 258, low-bit optimizers 240, torch.distributed 136). Every other module keeps its place after
 #: them. Only the schedule depends on this list, never a result.
 LONGEST_FIRST = (
+    # the container path (image build, enroot import, two Pyxis jobs): ~5 min, 2026-11-25
+    "integration/test_container_e2e.py",
     "integration/test_slurm_e2e.py",
     "integration/test_failures_processes.py",
     "integration/test_train.py",
