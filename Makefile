@@ -9,15 +9,18 @@ TEST_WORKERS ?= 2
 
 .PHONY: demo test lint format clean
 
-$(BIN)/.installed: requirements.txt requirements-dev.txt
+$(BIN)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# One pip call so torch==2.13.0 (local CPU wheel) constrains everything else.
 	$(BIN)/pip install --quiet -r requirements.txt -r requirements-dev.txt
+	# The recipe itself, editable and without dependencies (pinned above): scripts, benchmarks
+	# and torchrun workers import model_utils from wherever they run.
+	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
 demo: $(BIN)/.installed
-	$(BIN)/python scripts/demo.py
+	$(BIN)/python -m scripts.demo
 
 test: $(BIN)/.installed
 	bash scripts/install_test_deps.sh $(VENV)

@@ -1,7 +1,7 @@
 """What each activation-checkpointing setting keeps for backward, and what its recompute costs.
 
-    .venv/bin/python benchmarks/bench_activation_checkpointing.py            # Llama3-8B-shaped
-    .venv/bin/python benchmarks/bench_activation_checkpointing.py --repeats 9 -- --num_layers 8
+    .venv/bin/python -m benchmarks.bench_activation_checkpointing            # Llama3-8B-shaped
+    .venv/bin/python -m benchmarks.bench_activation_checkpointing --repeats 9 -- --num_layers 8
 
 On the model train.py builds (FSDP2 on a world of one, this machine's device), for no AC, every
 layer, every other layer, every MLP and every other MLP (``--activation_checkpointing``,
@@ -24,23 +24,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
+from torch import nn
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-
-import train  # noqa: E402
-from benchmarks.bench_optim_kernels import median_seconds  # noqa: E402
+import train
+from benchmarks.bench_optim_kernels import median_seconds
 from model_utils.config import arguments
 from model_utils.parallel import distributed
-from model_utils.precision import backends as precision  # noqa: E402
+from model_utils.precision import backends as precision
 
 #: Llama3-8B / 8 in width, same head_dim, GQA ratio and MLP ratio; 4 layers, seq 1024.
 LLAMA3_SHAPED = [

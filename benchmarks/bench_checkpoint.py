@@ -1,8 +1,8 @@
 """Checkpoint save/load time versus state size (model + AdamW state + schedule + data + RNG).
 
-    .venv/bin/python benchmarks/bench_checkpoint.py                          # 1 process
+    .venv/bin/python -m benchmarks.bench_checkpoint                          # 1 process
     .venv/bin/torchrun --nproc_per_node=2 benchmarks/bench_checkpoint.py     # 2 ranks (gloo)
-    .venv/bin/python benchmarks/bench_checkpoint.py --sizes 256x4,1024x8 --dir /fast/disk/tmp
+    .venv/bin/python -m benchmarks.bench_checkpoint --sizes 256x4,1024x8 --dir /fast/disk/tmp
 
 For each model shape (hidden x layers, Llama proportions, built by the training code itself:
 meta device -> FSDP2 -> materialise), one training step creates the AdamW state, then it measures
@@ -23,16 +23,14 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import train  # noqa: E402
-from model_utils import checkpoint, data, optim  # noqa: E402
-from model_utils.checkpoint.manifest import dir_bytes  # noqa: E402
+import train
+from model_utils import checkpoint, data, optim
+from model_utils.checkpoint.manifest import dir_bytes
 from model_utils.config import arguments
-from model_utils.config.presets import BUNDLED_TOKENIZER  # noqa: E402
+from model_utils.config.presets import BUNDLED_TOKENIZER
 from model_utils.model import modeling
 from model_utils.parallel import distributed
 from model_utils.precision import backends as precision

@@ -1,7 +1,7 @@
 """Data pipeline throughput on the bundled corpus: model_utils.data vs the upstream recipe's style.
 
-    .venv/bin/python benchmarks/bench_data.py                     # tiny preset shape: 8 x 256
-    .venv/bin/python benchmarks/bench_data.py --seq_len 4096 --micro_batch 1
+    .venv/bin/python -m benchmarks.bench_data                     # tiny preset shape: 8 x 256
+    .venv/bin/python -m benchmarks.bench_data --seq_len 4096 --micro_batch 1
 
 Pipelines, each fed the same corpus file through `datasets` streaming and a freshly loaded copy
 of the bundled tokenizer (so no run profits from another's BPE cache):
@@ -30,16 +30,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+from torch.utils.data import IterableDataset as TorchIterable
+
+from model_utils import data
+from model_utils.config.presets import BUNDLED_DATASET, BUNDLED_TOKENIZER
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
-from torch.utils.data import IterableDataset as TorchIterable  # noqa: E402
-
-from model_utils import data  # noqa: E402
-from model_utils.config.presets import BUNDLED_DATASET, BUNDLED_TOKENIZER  # noqa: E402
 
 Batches = Iterator[dict[str, torch.Tensor]]
 

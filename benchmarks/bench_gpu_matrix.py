@@ -4,8 +4,8 @@ Training rows run the real recipe (`torchrun train.py`, FSDP2, the same preset, 
 and read each run's metrics.jsonl summary; inference rows time forward passes of the model
 train.py builds, with Transformer Engine's FP8-only weights (`--fp8_weights`, fp8_model_init).
 
-    python benchmarks/bench_gpu_matrix.py --preset llama3-8b --nproc 8
-    python benchmarks/bench_gpu_matrix.py --preset llama2-7b --nproc 8 -- --max_context_width 4096
+    python -m benchmarks.bench_gpu_matrix --preset llama3-8b --nproc 8
+    python -m benchmarks.bench_gpu_matrix --preset llama2-7b --nproc 8 -- --max_context_width 4096
 
 Rows: hf-bf16, te-bf16, te_linear-fp8, te-fp8 per TE recipe, torchao-fp8 (tensorwise with float8
 all-gather, rowwise). Columns: tokens/s/GPU, TFLOP/s/GPU, peak memory, speed-up over hf-bf16 and
@@ -16,7 +16,7 @@ or TE cannot run is listed with train.py's one-line reason. Refuses without a CU
 weights, resharding, AC, FP8 attention, torchao); `--only` picks rows and `--vs ROW` compares
 every row with one of them, measured in the same run:
 
-    python benchmarks/bench_gpu_matrix.py --preset llama3-8b --nproc 1 --modes levers \
+    python -m benchmarks.bench_gpu_matrix --preset llama3-8b --nproc 1 --modes levers \
         --only "te-bf16 mb2,te-fp8 mb2" --vs "te-bf16 mb2" -- --num_layers 8
 """
 
@@ -33,11 +33,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from model_utils.config.arguments import TE_RECIPES
+from model_utils.run import metrics
 
-from model_utils.config.arguments import TE_RECIPES  # noqa: E402
-from model_utils.run import metrics  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+
 
 # (row name, train.py flags). Every row shares the preset, batch, steps and data. torchao's
 # float8 needs torch.compile to fuse its casts (torchtitan requires it), so its rows and their

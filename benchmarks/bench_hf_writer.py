@@ -1,8 +1,8 @@
 """The converter's safetensors writer against torch DCP's HuggingFaceStorageWriter, on one
 checkpoint (issue 30: whether DCP's writer should replace the hand-written one).
 
-    .venv/bin/python benchmarks/bench_hf_writer.py                       # 1024x8, ~0.5 GB fp32
-    .venv/bin/python benchmarks/bench_hf_writer.py --shape 2048x8 --shard_mb 500 --repeats 3
+    .venv/bin/python -m benchmarks.bench_hf_writer                       # 1024x8, ~0.5 GB fp32
+    .venv/bin/python -m benchmarks.bench_hf_writer --shape 2048x8 --shard_mb 500 --repeats 3
 
 Both read the same DCP checkpoint (saved by the training code's Checkpointer) in one process
 without a process group and write fp32 safetensors shards of at most --shard_mb:
@@ -30,9 +30,7 @@ import time
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
+import torch
 
 WRITERS = ("ours", "dcp")
 

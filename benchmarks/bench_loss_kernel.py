@@ -1,8 +1,8 @@
 """The loss alone: transformers' full-logits cross-entropy against the chunked loss, one device.
 
-    python benchmarks/bench_loss_kernel.py                   # CPU: 4,096 tokens, h 512, V 65536
-    python benchmarks/bench_loss_kernel.py --device cuda     # Llama 3: seq 8192 x mb 2 tokens
-    python benchmarks/bench_loss_kernel.py --device cuda --tokens 32768   # micro-batch 4
+    python -m benchmarks.bench_loss_kernel                   # CPU: 4,096 tokens, h 512, V 65536
+    python -m benchmarks.bench_loss_kernel --device cuda     # Llama 3: seq 8192 x mb 2 tokens
+    python -m benchmarks.bench_loss_kernel --device cuda --tokens 32768   # micro-batch 4
 
 Each row times ``lm_head`` + cross-entropy forward and backward (``training``; ``--compile``: the
 chunks' softmax gradient fused by torch.compile, the first call compiling in the warm-up) or
@@ -16,17 +16,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from model_utils.model import loss  # noqa: E402
+from model_utils.model import loss
 
 #: Per device: (tokens, hidden, vocab). CUDA: Llama 3 8B at seq 8192, micro-batch 2.
 DEFAULT_SHAPES = {"cpu": (4096, 512, 65536), "cuda": (16384, 4096, 128256)}

@@ -1,7 +1,7 @@
 """Peak memory of train.py with and without the chunked loss (process max RSS on CPU).
 
-    python benchmarks/bench_loss_memory.py                      # tiny, vocab 65536, seq 1024, mb 8
-    python benchmarks/bench_loss_memory.py --vocab_size 8192    # the default vocabulary
+    python -m benchmarks.bench_loss_memory                      # tiny, vocab 65536, seq 1024, mb 8
+    python -m benchmarks.bench_loss_memory --vocab_size 8192    # the default vocabulary
 
 Each row is a fresh `train.py` process (default flags otherwise, 3 steps, no checkpoints), so
 its peak RSS is the whole run's; the full-logits row holds [tokens, vocab] logits in bf16 and

@@ -1,7 +1,7 @@
 """What --master_weights optimizer holds and costs beside the default, on this machine.
 
-    python benchmarks/bench_master_weights.py                 # tiny, 30 steps per setting
-    python benchmarks/bench_master_weights.py --steps 60 -- --num_layers 8
+    python -m benchmarks.bench_master_weights                 # tiny, 30 steps per setting
+    python -m benchmarks.bench_master_weights --steps 60 -- --num_layers 8
 
 For each --master_weights setting, on the model train.py builds (FSDP2, a world of one, CPU):
 1. bytes per parameter that training holds between steps, counted from the tensors after a step:
@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 SETTINGS = ("params", "optimizer")
 TINY = ["--preset=tiny", "--train_batch_size=4", "--max_context_width=128", "--warmup=2"]

@@ -1,7 +1,7 @@
 """What the optimizer side of train.py's step costs: the gradient clip and the AdamW kernel.
 
-    .venv/bin/python benchmarks/bench_optim_kernels.py                    # tiny preset
-    .venv/bin/python benchmarks/bench_optim_kernels.py --repeats 50 -- --train_batch_size 4
+    .venv/bin/python -m benchmarks.bench_optim_kernels                    # tiny preset
+    .venv/bin/python -m benchmarks.bench_optim_kernels --repeats 50 -- --train_batch_size 4
 
 On the model train.py builds (FSDP2 on a world of one) and the gradients of its real step, the
 median wall time of
@@ -17,22 +17,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import train  # noqa: E402
-from model_utils import optim  # noqa: E402
+import train
+from model_utils import optim
 from model_utils.config import arguments
 from model_utils.parallel import distributed
 from model_utils.precision import backends as precision
-from model_utils.run.step import clip_grad_norm, train_step  # noqa: E402
+from model_utils.run.step import clip_grad_norm, train_step
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, device: torch.device, before=None):

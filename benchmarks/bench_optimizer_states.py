@@ -1,7 +1,7 @@
 """Optimizer-state memory and final loss of --optimizer adamw | adamw8bit | adamw_fp8.
 
-    python benchmarks/bench_optimizer_states.py                  # 200 tiny steps per optimizer
-    python benchmarks/bench_optimizer_states.py --steps 50       # quicker
+    python -m benchmarks.bench_optimizer_states                  # 200 tiny steps per optimizer
+    python -m benchmarks.bench_optimizer_states --steps 50       # quicker
 
 Three measurements, each from the real objects:
 1. bytes of optimizer state per parameter on the tiny model as train.py builds it (FSDP2, world
@@ -26,7 +26,6 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw_fp8")
 TINY = ["--preset=tiny", "--train_batch_size=4", "--max_context_width=128"]

@@ -1,8 +1,8 @@
 """Benchmark: data-parallel scaling of train.py, 2 ranks against 1 rank, tokens per second.
 
-    .venv/bin/python benchmarks/bench_scaling.py                       # tiny preset, bf16
-    .venv/bin/python benchmarks/bench_scaling.py --rounds 3 --steps 60
-    .venv/bin/python benchmarks/bench_scaling.py -- --fp8=1 --fp8_all_gather=1   # more flags
+    .venv/bin/python -m benchmarks.bench_scaling                       # tiny preset, bf16
+    .venv/bin/python -m benchmarks.bench_scaling --rounds 3 --steps 60
+    .venv/bin/python -m benchmarks.bench_scaling -- --fp8=1 --fp8_all_gather=1   # more flags
 
 What runs: train.py itself under `torchrun --nproc_per_node=N` (gloo on CPU, FSDP2, the bundled
 corpus sharded per rank, loss all-reduce per logged step), N = 1 and N = 2 alternating round by

@@ -1,8 +1,8 @@
 """Benchmark (b): train.py's training throughput against its bare step in a loop.
 
-    .venv/bin/python benchmarks/bench_train_loop.py                     # tiny preset, bf16
-    .venv/bin/python benchmarks/bench_train_loop.py --fp8 1 --rounds 3
-    .venv/bin/python benchmarks/bench_train_loop.py -- --train_batch_size 4   # extra train.py flags
+    .venv/bin/python -m benchmarks.bench_train_loop                     # tiny preset, bf16
+    .venv/bin/python -m benchmarks.bench_train_loop --fp8 1 --rounds 3
+    .venv/bin/python -m benchmarks.bench_train_loop -- --train_batch_size 4   # extra train.py flags
 
 What is compared, in one process and alternating round by round so that both sides see the
 same machine:
@@ -41,16 +41,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import train
+from model_utils import optim
+from model_utils.config import arguments
+from model_utils.parallel import distributed
+from model_utils.precision import backends as precision
+from model_utils.run import metrics
+from model_utils.run.step import train_step
 
-import train  # noqa: E402
-from model_utils import optim  # noqa: E402
-from model_utils.config import arguments  # noqa: E402
-from model_utils.parallel import distributed  # noqa: E402
-from model_utils.precision import backends as precision  # noqa: E402
-from model_utils.run import metrics  # noqa: E402
-from model_utils.run.step import train_step  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+
 
 GOAL = 0.97
 

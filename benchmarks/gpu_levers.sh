@@ -56,7 +56,7 @@ python=${PYTHON:-python3}
 # each row's speed over row VS's in column A of the table (default: the hf-loss baselines).
 matrix() {
     local layers=${2:-4} vs=${3:-}
-    "$python" benchmarks/bench_gpu_matrix.py --preset llama3-8b --nproc 1 --max_steps 20 \
+    "$python" -m benchmarks.bench_gpu_matrix --preset llama3-8b --nproc 1 --max_steps 20 \
         --modes levers --out "$out/$phase-$layers-layers" --only "$1" ${vs:+--vs "$vs"} \
         -- --num_layers "$layers" --dataset data/kjv.jsonl.gz --tokenizer data/tokenizer
 }
@@ -67,8 +67,8 @@ matrix() {
     "$python" -c 'import torch; print("torch", torch.__version__, "cuDNN", torch.backends.cudnn.version())'
     case $phase in
     loss)
-        "$python" benchmarks/bench_loss_kernel.py --device cuda --tokens 16384
-        "$python" benchmarks/bench_loss_kernel.py --device cuda --tokens 32768
+        "$python" -m benchmarks.bench_loss_kernel --device cuda --tokens 16384
+        "$python" -m benchmarks.bench_loss_kernel --device cuda --tokens 32768
         ;;
     levers)
         matrix "te-fp8 mb2 hf-loss,te-fp8 mb2,te-bf16 mb4 +expandable,te-fp8 mb4 +expandable,te-fp8 mb4 +fp8-attention +expandable"
@@ -86,7 +86,7 @@ matrix() {
         matrix "te-fp8 mb4 +expandable,te-fp8 mb4 +no-reshard +expandable"
         ;;
     ac)
-        "$python" benchmarks/bench_activation_checkpointing.py --repeats 5 -- --model_impl te \
+        "$python" -m benchmarks.bench_activation_checkpointing --repeats 5 -- --model_impl te \
             --fp8=1 --hidden_width 4096 --num_heads 32 --num_key_value_heads 8 \
             --intermediate_size 14336 --max_context_width 8192 --train_batch_size 1
         matrix "te-fp8 mb4 +expandable,te-fp8 mb4 +AC/2 +expandable,te-fp8 mb4 +AC-mlp +expandable,te-fp8 mb6 +AC-mlp +expandable"

@@ -1,8 +1,8 @@
 """Compare training runs: a table of medians with each run's ratio to the first, and one PNG.
 
-    python scripts/compare_runs.py slurm-101.out slurm-102.out                # two Slurm logs
-    python scripts/compare_runs.py runs/tiny-bf16 runs/tiny-fp8 --output fp8.png
-    python scripts/compare_runs.py a.out b.out c.out --labels bf16,fp8-te,fp8-ao --log_steps
+    python -m scripts.compare_runs slurm-101.out slurm-102.out                # two Slurm logs
+    python -m scripts.compare_runs runs/tiny-bf16 runs/tiny-fp8 --output fp8.png
+    python -m scripts.compare_runs a.out b.out c.out --labels bf16,fp8-te,fp8-ao --log_steps
 
 A run is a run directory (its metrics.jsonl), a metrics.jsonl file, or any log with the seed line
 ``Batch N Loss: L, Speed: S samples/sec, lr: R``: this recipe's slurm-<job>.out, the upstream
@@ -33,13 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from compare_plot import DPI, FIGSIZE, make_figure, throughput_key  # noqa: E402, F401
-
-from model_utils.config.arguments import os_error_words  # noqa: E402
-from model_utils.run import metrics  # noqa: E402
-from model_utils.run.metrics.records import record_problem, run_problem  # noqa: E402
+from model_utils.config.arguments import os_error_words
+from model_utils.run import metrics
+from model_utils.run.metrics.records import record_problem, run_problem
+from scripts.compare_plot import DPI, FIGSIZE, make_figure, throughput_key  # noqa: F401
 
 # model_utils/run/run_log.py's SPEED_WARMUP_STEPS (tests/unit/test_compare_runs.py keeps the two
 # equal); like the run's own summary, a run shorter than 2x this uses half its steps.

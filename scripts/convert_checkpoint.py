@@ -1,8 +1,8 @@
 """Convert a training checkpoint (torch.distributed.checkpoint) to a Hugging Face directory.
 
-    python scripts/convert_checkpoint.py runs/tiny-fp8/checkpoints/step_00000050 runs/tiny-hf
-    python scripts/convert_checkpoint.py runs/tiny-fp8/checkpoints runs/tiny-hf   # newest intact
-    python scripts/convert_checkpoint.py CKPT OUT --tokenizer PATH   # the run's tokenizer, moved
+    python -m scripts.convert_checkpoint runs/tiny-fp8/checkpoints/step_00000050 runs/tiny-hf
+    python -m scripts.convert_checkpoint runs/tiny-fp8/checkpoints runs/tiny-hf   # newest intact
+    python -m scripts.convert_checkpoint CKPT OUT --tokenizer PATH   # the run's tokenizer, moved
 
 The output is the folder `--export_hf` writes: safetensors, config.json (the tokenizer's bos/eos/pad
 ids, `architectures`, `use_cache`), generation_config.json and the run's tokenizer, so that
@@ -30,8 +30,6 @@ import math
 import shutil
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 DTYPES = ("float32", "bfloat16", "float16")
 EXPORT_EXTRA_BYTES = 16 * 2**20  # config.json, generation_config.json, the tokenizer's files

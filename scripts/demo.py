@@ -12,10 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+from scripts import compare_runs
 
-import compare_runs  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+
 
 NOTE = """\
 FP8 on this machine is emulated: torchao casts to float8 and back around bf16 matmuls, so the

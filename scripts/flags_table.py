@@ -1,8 +1,8 @@
 """Write train.py's flags as the Markdown table of docs/flags.md (a test keeps it current).
 
-    python scripts/flags_table.py           # print the page
-    python scripts/flags_table.py --write   # rewrite docs/flags.md after adding or changing a flag
-    python scripts/flags_table.py --check   # exit 1 if docs/flags.md differs from the parser
+    python -m scripts.flags_table           # print the page
+    python -m scripts.flags_table --write   # rewrite docs/flags.md after adding or changing a flag
+    python -m scripts.flags_table --check   # exit 1 if docs/flags.md differs from the parser
 
 tests/unit/test_flags_table.py regenerates the page and compares it with docs/flags.md, so the
 table cannot go stale.
@@ -14,11 +14,11 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from model_utils.config.arguments import build_parser
+from model_utils.config.presets import PRESET_FIELDS
 
-from model_utils.config.arguments import build_parser  # noqa: E402
-from model_utils.config.presets import PRESET_FIELDS  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+
 
 DOC = ROOT / "docs" / "flags.md"
 
@@ -26,7 +26,7 @@ HEADER = """\
 # Flags of train.py
 
 Generated from train.py's parser (`model_utils/config/arguments.py`) by
-`python scripts/flags_table.py --write`; do not edit by hand: `tests/unit/test_flags_table.py`
+`python -m scripts.flags_table --write`; do not edit by hand: `tests/unit/test_flags_table.py`
 regenerates this page and fails when it differs. `python train.py --help` prints the same flags.
 
 Every flag can follow `train.py` or `1.train_llama.sbatch`. Explicit flags override the preset.
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.check:
         current = args.doc.read_text() if args.doc.is_file() else ""
         if current != text:
-            print(f"{args.doc} is stale: run python scripts/flags_table.py --write")
+            print(f"{args.doc} is stale: run python -m scripts.flags_table --write")
             return 1
     else:
         print(text, end="")

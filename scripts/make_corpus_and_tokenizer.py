@@ -6,8 +6,8 @@ what this script makes (it is byte-for-byte reproducible; see data/README.md for
 
 Source: the King James Version as printed by the Debian package `bible-kjv` (4.38):
     apt-get install -y bible-kjv
-    .venv/bin/python scripts/make_corpus_and_tokenizer.py          # write data/...
-    .venv/bin/python scripts/make_corpus_and_tokenizer.py --check  # rebuild in a temp dir, compare
+    .venv/bin/python -m scripts.make_corpus_and_tokenizer          # write data/...
+    .venv/bin/python -m scripts.make_corpus_and_tokenizer --check  # rebuild in a temp dir, compare
 
 Documents are chapters (1,189 of them): a title line ("Genesis 1") then one verse per line,
 without verse numbers. The tokenizer is a byte-level BPE (vocab 8192, one special token
@@ -30,10 +30,10 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from model_utils.data import is_held_out
 
-from model_utils.data import is_held_out  # noqa: E402  (after the sys.path fix above)
+REPO = Path(__file__).resolve().parent.parent
+
 
 BIBLE_RANGE = "Gen1:1-Rev22:21"
 EXPECTED_SOURCE_SHA256 = "cd45f0c9cedab8e4439bd6486c8952c77cc8b0ecc5d1f6ae3513f2039f47229d"

@@ -4,7 +4,7 @@ without internet.
 Run once on a machine that can reach the Hub (the login or batch host), into a directory every
 node mounts; then train offline from the staged copy:
 
-    python scripts/stage_data.py --preset llama3-8b --out /fsx/stage --documents 2000000
+    python -m scripts.stage_data --preset llama3-8b --out /fsx/stage --documents 2000000
     export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
     sbatch 1.train_llama.sbatch --preset llama3-8b \\
         --tokenizer /fsx/stage/tokenizers/NousResearch--Meta-Llama-3-8B \\
@@ -34,13 +34,13 @@ from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from model_utils import data
+from model_utils.config.arguments import UsageError, apply_preset, build_parser, os_error_words
+from model_utils.config.flag_rules import value_problem
+from model_utils.run import outputs
 
-from model_utils import data  # noqa: E402
-from model_utils.config.arguments import UsageError, apply_preset, build_parser, os_error_words  # noqa: E402
-from model_utils.config.flag_rules import value_problem  # noqa: E402
-from model_utils.run import outputs  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+
 
 #: Validation documents staged per training document (the source's own validation split).
 VALIDATION_SHARE = 0.01

@@ -236,7 +236,7 @@ def _export_failure(out_dir: Path, failure: BaseException | None, kept: Path | N
     else:
         reason = "rank 0 could not write it (see rank 0's log)"
     then = (
-        f"the checkpoint {kept} holds the same weights: python scripts/convert_checkpoint.py "
+        f"the checkpoint {kept} holds the same weights: python -m scripts.convert_checkpoint "
         f"{kept} DIR writes the export"
         if kept
         else "no checkpoint holds these weights (--checkpoint_freq -1)"

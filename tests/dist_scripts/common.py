@@ -9,21 +9,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+import train
+from model_utils.config import arguments
+from model_utils.parallel import distributed
+from model_utils.precision import backends as precision
+
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
-
-import train  # noqa: E402
-from model_utils.config import arguments  # noqa: E402
-from model_utils.parallel import distributed  # noqa: E402
-from model_utils.precision import backends as precision  # noqa: E402
 
 # A Llama small enough for milliseconds per step whose linears all qualify for FP8 (dims % 16).
 TINY_SHAPE = [

@@ -23,15 +23,14 @@ from typing import Any
 import pytest
 import torch
 from procs import free_port, rank_env
+from test_checkpoint import TINY, _logits, differences
+
+from model_utils import checkpoint as ck
+from model_utils.checkpoint import tensors
+from model_utils.data import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
-from test_checkpoint import TINY, _logits, differences  # noqa: E402
-
-from model_utils import checkpoint as ck  # noqa: E402
-from model_utils.checkpoint import tensors  # noqa: E402
-from model_utils.data import load_tokenizer  # noqa: E402
 
 WORKER_TIMEOUT_S = 240
 

@@ -8,12 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import compare_runs as cr
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
 
-import compare_runs as cr  # noqa: E402
 
 # --------------------------------------------------------------------- a real run, both ways
 

@@ -28,12 +28,11 @@ from typing import Any
 
 import pytest
 import torch
+from procs import free_port, rank_env, torchrun_cmd
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "tests" / "dist_scripts"
-sys.path.insert(0, str(REPO))
 
-from procs import free_port, rank_env, torchrun_cmd  # noqa: E402
 
 LAUNCH_TIMEOUT_S = 240
 STEPS = 5  # tests/dist_scripts/parity.py STEPS

@@ -21,15 +21,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from procs import signal_after, spawn_ranks
+from test_failures import FAST
+
+from model_utils import checkpoint as ck
+from model_utils.run import guards, metrics, run_lock
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from procs import signal_after, spawn_ranks  # noqa: E402
-from test_failures import FAST  # noqa: E402
-
-from model_utils import checkpoint as ck  # noqa: E402
-from model_utils.run import guards, metrics, run_lock  # noqa: E402
 
 
 def train(*argv: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
 
 FAKE_TORCHRUN = """#!{python}
 # Starts one "worker" in a session of its own (as torchrun does): it inherits torchrun's

@@ -12,16 +12,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from procs import spawn_ranks
+from test_failures import FAST
+
+from model_utils import checkpoint as ck
+from model_utils import data
+from model_utils.run import metrics
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
-from procs import spawn_ranks  # noqa: E402
-from test_failures import FAST  # noqa: E402
-
-from model_utils import checkpoint as ck  # noqa: E402
-from model_utils import data  # noqa: E402
-from model_utils.run import metrics  # noqa: E402
 
 # train.py with the third micro-batch read failing as a disk does (EIO): a fault past the
 # start-up scan, at a step of this launch's choosing.

@@ -28,12 +28,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import launcher
 import pytest
+from procs import signal_after
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
-import launcher  # noqa: E402
-from procs import signal_after  # noqa: E402
 
 SBATCH = REPO / "1.train_llama.sbatch"
 CLUSTER = REPO / "scripts" / "slurm_cluster.sh"

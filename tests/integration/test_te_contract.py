@@ -696,7 +696,6 @@ def test_fp8_parameters_take_the_calls_master_weights_makes(te_source: TESource,
 #: through its sub-library, and every cuDNN file mapped.
 _LOADER_SCRIPT = """
 import ctypes, functools, glob, os, platform, sys
-sys.path.insert(0, {root!r})
 ctypes.CDLL({torch_cudnn!r})
 if {align}:
     from model_utils.precision import te_loader

@@ -4,17 +4,21 @@
 computes with. Nothing in the product imports this; tests put it on the import path:
 
 * in-process: the ``te_double`` fixture (tests/conftest.py) calls
-  :func:`install` / :func:`uninstall`, which put ``site`` on ``sys.path`` and purge
+  :func:`install` / :func:`uninstall`, which put a finder for ``transformer_engine`` first on
+  ``sys.meta_path`` (its submodules follow the package's own path) and purge
   ``transformer_engine*`` from ``sys.modules`` afterwards;
 * subprocesses (``train.py --model_impl te`` under torchrun): pass :func:`subprocess_env`.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import ModuleType
 
 SITE_DIR = Path(__file__).resolve().parent / "site"
 TESTS_DIR = Path(__file__).resolve().parent.parent
@@ -39,16 +43,29 @@ def _purge() -> None:
             del sys.modules[name]
 
 
+class _DoubleFinder(importlib.abc.MetaPathFinder):
+    """Finds the top-level ``transformer_engine`` in ``site/``, before any installed TE."""
+
+    def find_spec(
+        self, name: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if name != "transformer_engine":
+            return None  # submodules: found through the double package's own __path__
+        return importlib.machinery.PathFinder.find_spec(name, [str(SITE_DIR)])
+
+
+_FINDER = _DoubleFinder()
+
+
 def install() -> None:
     """Make ``import transformer_engine`` load the double in this process."""
     _purge()
-    for entry in reversed(pythonpath_entries()):
-        if entry not in sys.path:
-            sys.path.insert(0, entry)
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
 
 
 def uninstall() -> None:
-    """Undo :func:`install` (the double's modules and its path entry)."""
+    """Undo :func:`install` (the double's modules and its finder)."""
     _purge()
-    if str(SITE_DIR) in sys.path:
-        sys.path.remove(str(SITE_DIR))
+    if _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +13,10 @@ import pytest
 import torch
 from procs import SMALL_LLAMA
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from model_utils import checkpoint as ck
 
-from model_utils import checkpoint as ck  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
+
 
 TINY = [
     *SMALL_LLAMA,
@@ -308,7 +307,6 @@ def _logits(model: torch.nn.Module) -> torch.Tensor:
 def test_convert_script_rejects_a_non_checkpoint_with_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    sys.path.insert(0, str(REPO / "scripts"))
     import convert_checkpoint
 
     (tmp_path / "model.safetensors").write_bytes(b"")

@@ -7,18 +7,16 @@ from __future__ import annotations
 import json
 import os
 import struct
-import sys
 from pathlib import Path
 
+import compare_runs as cr
 import pytest
 
 from model_utils.config.arguments import parse_args
 from model_utils.run import metrics
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
 
-import compare_runs as cr  # noqa: E402
 
 # (step, samples/s, loss) of two 50-step runs logged every 10 steps; step 10 is warm-up.
 BF16 = [(10, 1.0, 9.0), (20, 10.0, 7.0), (30, 14.0, 6.0), (40, 12.0, 5.5), (50, 11.0, 5.0)]

@@ -8,20 +8,17 @@ from __future__ import annotations
 
 import errno
 import shutil
-import sys
 from pathlib import Path
 
+import convert_checkpoint
 import pytest
 import torch
 from procs import SMALL_LLAMA, script_refusal
 
+from model_utils import checkpoint as ck
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
-import convert_checkpoint  # noqa: E402
-
-from model_utils import checkpoint as ck  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

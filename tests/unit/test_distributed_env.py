@@ -4,16 +4,14 @@ tests/integration/test_distributed.py."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
+from model_utils.parallel import distributed
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
-
-from model_utils.parallel import distributed  # noqa: E402
 
 # ============================================================================================
 # Worlds from the environment (no process group)

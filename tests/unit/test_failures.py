@@ -17,14 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from model_utils import checkpoint as ck
+from model_utils.config.arguments import UsageError, parse_args
+from model_utils.config.presets import BUNDLED_DATASET, BUNDLED_TOKENIZER
+from model_utils.run import guards, outputs, run_lock
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
-
-from model_utils import checkpoint as ck  # noqa: E402
-from model_utils.config.arguments import UsageError, parse_args  # noqa: E402
-from model_utils.config.presets import BUNDLED_DATASET, BUNDLED_TOKENIZER  # noqa: E402
-from model_utils.run import guards, outputs, run_lock  # noqa: E402
 
 FAST = ["--preset", "tiny", "--train_batch_size", "4", "--max_context_width", "128"]
 

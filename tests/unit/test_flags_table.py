@@ -21,14 +21,14 @@ def flags_table():
 
 
 def test_docs_flags_is_the_generated_page():
-    assert DOC.read_text() == flags_table().page(), "run python scripts/flags_table.py --write"
+    assert DOC.read_text() == flags_table().page(), "run python -m scripts.flags_table --write"
 
 
 def test_docs_flags_documents_every_flag():
     text = DOC.read_text()
     parser = arguments.build_parser()
     missing = [a.dest for a in parser._actions if a.dest != "help" and f"`--{a.dest}`" not in text]
-    assert missing == [], "regenerate docs/flags.md with python scripts/flags_table.py --write"
+    assert missing == [], "regenerate docs/flags.md with python -m scripts.flags_table --write"
 
 
 def test_check_mode_fails_on_a_stale_page_and_write_mends_it(tmp_path, capsys):

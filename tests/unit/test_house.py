@@ -272,3 +272,15 @@ def test_no_import_circle_between_the_packages_modules():
 def test_the_circle_check_sees_a_circle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_cycles(graph) == [["a", "b", "c"]]
+
+
+def test_nothing_edits_the_import_path():
+    """The recipe is installable (`pip install -e .`, make does it) and scripts and benchmarks
+    run as modules from the repository root; the TE double is found by a meta-path finder."""
+    edits = []
+    for folder in ("model_utils", "scripts", "benchmarks", "tests"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for number, line in enumerate(path.read_text().splitlines(), start=1):
+                if re.search(r"sys\.path\.(insert|append)\(|sys\.path\[:0\]", line):
+                    edits.append(f"{path.relative_to(ROOT)}:{number}")
+    assert not edits, f"sys.path edited in {edits}"

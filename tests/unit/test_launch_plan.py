@@ -5,14 +5,12 @@ script itself (recording stand-ins): tests/integration/test_slurm_e2e.py."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
+import launch_plan
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
-import launch_plan  # noqa: E402
 
 # The script's defaults, as in 1.train_llama.sbatch (any will do: they go first, untouched).
 DEFAULTS = ["--preset", "llama2-7b", "--checkpoint_freq", "500"]

@@ -4,15 +4,13 @@ processes: tests/integration/test_launcher_processes.py."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+import launch_plan
+import launcher
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
-import launch_plan  # noqa: E402
-import launcher  # noqa: E402
 
 SHOW_NODE = """\
 NodeName=node1 Arch=x86_64 CoresPerSocket=1 CPUAlloc=0 NodeAddr=10.7.0.11 NodeHostName=ip-10-7-0-11 Version=22.05.8

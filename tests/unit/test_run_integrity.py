@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from model_utils.run import run_lock
 
-from model_utils.run import run_lock  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+
 
 # ============================================================================================
 # 1. A live run's lock covers every folder below it, and a folder holding it
@@ -296,7 +296,6 @@ def small_disk(tmp_path: Path):
 def test_convert_checkpoint_onto_a_full_disk_is_refused_before_writing(
     tmp_path: Path, small_disk, capsys
 ) -> None:
-    sys.path.insert(0, str(ROOT / "scripts"))
     import convert_checkpoint
     from test_convert_checkpoint import refused, save_checkpoints
 
@@ -320,7 +319,6 @@ def test_convert_checkpoint_trusts_an_unverified_checkpoint_only_by_name(
     unverified one it skipped; given by path, an unverified one converts with a warning."""
     import json
 
-    sys.path.insert(0, str(ROOT / "scripts"))
     import convert_checkpoint
     from test_convert_checkpoint import save_checkpoints
 

@@ -4,12 +4,11 @@ allocation, never a hard-coded 8. The sbatch on real Slurm is tests/integration/
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+import launcher
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
-import launcher  # noqa: E402
 
 
 def test_gpus_per_node_are_detected_not_hard_coded() -> None:

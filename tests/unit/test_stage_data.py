@@ -6,16 +6,13 @@ tests/integration/test_stage_data_processes.py."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
+import stage_data
 from procs import script_refusal
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import stage_data  # noqa: E402
 
 
 def test_slugs_name_hub_datasets_and_local_files() -> None:

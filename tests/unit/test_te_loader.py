@@ -153,7 +153,6 @@ def test_every_te_import_first_points_te_at_torchs_cudnn(tmp_path, te_import) ->
     script = textwrap.dedent(
         f"""
         import ctypes, os, sys
-        sys.path.insert(0, {str(ROOT)!r})
         ctypes.CDLL({str(lib)!r})
         from model_utils.model import te_support
         from model_utils.precision import te as te_precision
@@ -190,7 +189,6 @@ def test_a_cudnn_library_that_cannot_be_opened_makes_te_unavailable_in_one_line(
     script = textwrap.dedent(
         f"""
         import ctypes, sys
-        sys.path.insert(0, {str(ROOT)!r})
         ctypes.CDLL({str(lib)!r})
         from model_utils.model import te_support
         try:

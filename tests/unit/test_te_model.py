@@ -586,7 +586,7 @@ def test_gpu_levers_script_names_only_rows_the_matrix_has(capsys) -> None:
 
     joined = script.replace("\\\n", " ")
     (ac_flags,) = re.findall(
-        r"bench_activation_checkpointing\.py --repeats \d+ -- ([^\n]+)", joined
+        r"benchmarks.bench_activation_checkpointing --repeats \d+ -- ([^\n]+)", joined
     )
     for flags in ac_bench.SETTINGS.values():
         parsed = parse_args([*ac_bench.LLAMA3_SHAPED, *flags, *ac_flags.split()])
