@@ -300,7 +300,9 @@ build_recipe_image() {
         -f 0.transformer-engine.dockerfile .) >"$state/docker-build.log" 2>&1 ||
         die "docker build -f 0.transformer-engine.dockerfile failed: $(grep -E 'ERROR|error' \
             "$state/docker-build.log" | tail -3) (all of it: $state/docker-build.log)"
-    docker_cli image prune --force >/dev/null # the previous build's layers
+    # The previous builds' layers; the build cache keeps the newest (the stand-in's included).
+    docker_cli image prune --force >/dev/null
+    docker_cli builder prune --force --keep-storage 3gb >/dev/null
 }
 
 import_squashfs() {
@@ -310,6 +312,15 @@ import_squashfs() {
         enroot import -o "$state/transformer-engine.sqsh" "dockerd://$IMAGE_TAG" \
         >"$state/enroot-import.log" 2>&1 ||
         die "enroot import failed: $(tail -3 "$state/enroot-import.log")"
+}
+
+# After a build: no daemon left; after a failed one, no tmpfs either.
+build_cleanup() {
+    local status=$? state=$1
+    stop_dockerd "$state"
+    if ((status != 0)) && mountpoint -q "$state/enroot"; then
+        umount "$state/enroot" || umount -l "$state/enroot"
+    fi
 }
 
 cmd_build() {
@@ -324,7 +335,7 @@ cmd_build() {
     flock "$lock"
     stop_dockerd "$state" # one an earlier, interrupted build left running
     # shellcheck disable=SC2064  # the folder now: the trap may run where $state is gone
-    trap "stop_dockerd $(printf %q "$state")" EXIT
+    trap "build_cleanup $(printf %q "$state")" EXIT
     phase "enroot + Pyxis from $sources" build_enroot_pyxis "$state" "$sources"
     mount_tmpfs "$state"
     configure_enroot "$state"
