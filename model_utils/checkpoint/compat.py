@@ -81,17 +81,23 @@ def _same(saved: Any, current: Any, name: str) -> bool:
     return False
 
 
-def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[list, list]:
+def config_changes(
+    saved: Mapping[str, Any], current: Mapping[str, Any], same_run: bool = True
+) -> tuple[list, list]:
     """Flags that differ between a checkpoint's run and this one, as ("--name", saved, now):
     (refused: model shape, data stream, optimizer format and precision; allowed: everything
     else, e.g. batch size, sequence length, logging). Fields an older checkpoint did not record
     are not compared, except those with a known value before they existed (--optimizer adamw,
-    --master_weights params)."""
+    --master_weights params). The precision is refused only within `same_run` (a resume from the
+    run's own checkpoint_dir): a checkpoint of another run loaded into a new folder starts a new
+    run from its weights, in another implementation or precision if asked (logged)."""
     if saved:
         saved = {**_SAVED_DEFAULTS, **saved}
     refused, allowed = [], []
-    kept = set(MODEL_FIELDS + DATA_FIELDS + OPTIMIZER_FIELDS + PRECISION_FIELDS)
-    if saved.get("fp8") and current.get("fp8"):
+    kept = set(MODEL_FIELDS + DATA_FIELDS + OPTIMIZER_FIELDS)
+    if same_run:
+        kept.update(PRECISION_FIELDS)
+    if same_run and saved.get("fp8") and current.get("fp8"):
         kept.update(FP8_NUMERICS_FIELDS)
     for name in sorted(set(saved) & set(current) - _LAUNCH_FIELDS):
         if name in _NOT_FLAGS and None in (saved[name], current[name]):
@@ -128,7 +134,9 @@ def check_resumable(path: str | Path, current: Mapping[str, Any]) -> list:
     """ResumeRefused (one line listing each difference and what to do) unless the checkpoint at
     `path` was saved by a run of the same model shape and data; returns the allowed changes."""
     saved = read_marker(path).get("run_config") or {}
-    refused, allowed = config_changes(saved, current)
+    here = current.get("checkpoint_dir")
+    same_run = here is None or Path(path).resolve().parent == Path(here).resolve()
+    refused, allowed = config_changes(saved, current, same_run)
     if refused:
         raise ResumeRefused(
             f"checkpoint {path} belongs to another run: {describe_changes(refused)} (saved -> "

@@ -129,7 +129,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]
     if os.geteuid() != 0:
         skip_or_fail("needs root: dockerd, mounts and slurmd")
     if not all((SOURCES / name).is_file() for name in TARBALLS):
-        skip_or_fail(f"no {' and '.join(TARBALLS)} in {SOURCES} (set CONTAINER_SOURCES)")
+        # A skip even in CI: a clone without the sources beside it cannot build enroot/Pyxis.
+        pytest.skip(f"no {' and '.join(TARBALLS)} in {SOURCES} (set CONTAINER_SOURCES)")
     state = tmp_path_factory.mktemp("container-e2e")
     result, seconds = build(state)
     if result.returncode == 2 and "install_test_deps.sh" in result.stderr:

@@ -465,7 +465,7 @@ def test_a_model_that_appears_in_the_export_dir_mid_run_is_kept_and_so_is_the_ru
     assert line.endswith(
         f"the Hugging Face export to {hf} failed: a model appeared there during the run "
         f"(model.safetensors); the checkpoint {final} holds the same weights: python "
-        f"scripts/convert_checkpoint.py {final} DIR writes the export"
+        f"-m scripts.convert_checkpoint {final} DIR writes the export"
     ), line
     assert "]: Traceback" not in text  # no rank's (torchrun's agent reports the exit)
     assert sorted(p.name for p in hf.iterdir()) == ["model.safetensors"]

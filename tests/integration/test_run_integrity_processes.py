@@ -173,7 +173,7 @@ def test_a_resume_refuses_a_data_file_replaced_since_the_save(
     )
     assert allowed.returncode == 0, allowed.stderr[-3000:]
     [warning] = [ln for ln in allowed.stdout.splitlines() if "Resuming on changed data" in ln]
-    assert " W [train.py:" in warning  # once, as a warning
+    assert " W [resume.py:" in warning  # once, as a warning
     assert "(--allow_data_change): corpus.jsonl.gz changed" in warning
     assert ck.step_of(ck.latest_checkpoint(out / "checkpoints")) == 3
 

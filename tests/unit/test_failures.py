@@ -149,6 +149,10 @@ def test_what_the_fp8_bf16_comparison_compares_is_part_of_the_run() -> None:
     )
     bf16 = json_round_trip(vars(parse_args(FAST)))
     assert ck.config_changes(bf16, dict(bf16, amax_history_len=16))[0] == []
+    # Another run's checkpoint loaded into a new folder starts a new run from its weights: the
+    # implementation or precision may change there (hf -> te conversion, BF16 -> FP8).
+    refused, allowed = ck.config_changes(fp8, dict(fp8, model_impl="te"), same_run=False)
+    assert refused == [] and allowed == [("--model_impl", "hf", "te")]
 
 
 def test_a_tokenizer_changed_in_place_is_refused_by_its_contents(tmp_path) -> None:
