@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from model_utils.config.presets import PRESETS
+from model_utils.config.presets import PRESETS, SHAPE_FIELDS
 
 #: Our field -> the name a HF Llama config.json gives it (the table both directions use).
 CONFIG_KEYS: dict[str, str] = {
@@ -29,15 +29,7 @@ CONFIG_KEYS: dict[str, str] = {
     "rms_norm_eps": "rms_norm_eps",
 }
 #: Fields with a flag; the others (rope_scaling, rms_norm_eps) come from the preset alone.
-_FLAGGED = (
-    "hidden_width",
-    "num_layers",
-    "num_heads",
-    "num_key_value_heads",
-    "intermediate_size",
-    "vocab_size",
-    "rope_theta",
-)
+_FLAGGED = (*SHAPE_FIELDS, "rope_theta")
 #: Files that make DIR a tokenizer too: then it is the run's default --tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 #: The RoPE types te_llama computes itself (te_support.llama_rope_inv_freq); hf takes any.

@@ -17,35 +17,21 @@ from collections.abc import Sequence
 # (benchmarks/results/): delayed scaling, --compile, micro-batch 4 with the MLPs recomputed
 # (what fits 32 layers at seq 8192 by the per-layer activation arithmetic, not measured at full
 # depth). Schedule: torchtitan's Llama 3 8B defaults (lr 3e-4, 200 warm-up steps, 1000 steps).
+_H100_NODE = (
+    "--model_impl=te",
+    "--activation_checkpointing=1",
+    "--ac_scope=mlp",
+    "--compile=1",
+    "--lr=3e-4",
+    "--min_lr=3e-5",
+    "--warmup=200",
+    "--max_steps=1000",
+    "--validation_freq=100",
+    "--checkpoint_freq=200",
+)
 _SHARED: dict[str, tuple[str, ...]] = {
-    "llama3-8b": (
-        "--preset=llama3-8b",
-        "--model_impl=te",
-        "--train_batch_size=4",
-        "--activation_checkpointing=1",
-        "--ac_scope=mlp",
-        "--compile=1",
-        "--lr=3e-4",
-        "--min_lr=3e-5",
-        "--warmup=200",
-        "--max_steps=1000",
-        "--validation_freq=100",
-        "--checkpoint_freq=200",
-    ),
-    "llama2-7b": (
-        "--preset=llama2-7b",
-        "--model_impl=te",
-        "--train_batch_size=6",
-        "--activation_checkpointing=1",
-        "--ac_scope=mlp",
-        "--compile=1",
-        "--lr=3e-4",
-        "--min_lr=3e-5",
-        "--warmup=200",
-        "--max_steps=1000",
-        "--validation_freq=100",
-        "--checkpoint_freq=200",
-    ),
+    "llama3-8b": ("--preset=llama3-8b", "--train_batch_size=4", *_H100_NODE),
+    "llama2-7b": ("--preset=llama2-7b", "--train_batch_size=6", *_H100_NODE),
     # The local try: the tiny preset on CPU (emulated FP8 via torchao), a minute per run.
     "tiny": ("--preset=tiny", "--max_steps=50", "--validation_freq=25"),
 }
