@@ -85,7 +85,7 @@ class BF16:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.compute = "bf16" if args.bf16 else "fp32"
-        self.masters = MASTERS_WHERE[getattr(args, "master_weights", "params")]
+        self.masters = MASTERS_WHERE[args.master_weights]
 
     def prepare(self, model: nn.Module) -> nn.Module:
         return model

@@ -169,13 +169,11 @@ class TEBackend:
         self.recipe_name = args.fp8_recipe
         self.fp8_format = args.fp8_format
         self.fp8_weights = bool(getattr(args, "fp8_weights", False))
-        self.masters_in_optimizer = getattr(args, "master_weights", "params") == "optimizer"
+        self.masters_in_optimizer = args.master_weights == "optimizer"
         self.model_impl = args.model_impl
         #: TE's own MLP recompute (``--ac_scope mlp`` on the fused layer) has a TE floor.
         self.mlp_recompute = (
-            args.model_impl == "te"
-            and bool(getattr(args, "activation_checkpointing", False))
-            and getattr(args, "ac_scope", "layer") == "mlp"
+            args.model_impl == "te" and args.activation_checkpointing and args.ac_scope == "mlp"
         )
         self.torch_autocast_dtype = torch_autocast_dtype
         self.dp_group = dp_group
@@ -415,7 +413,7 @@ def _check_resumable(args: Any, te_version: str | None) -> None:
     """Refuse, before anything starts, a resume this TE would refuse after the model is built."""
     from model_utils.checkpoint import read_marker, resolve_checkpoint
 
-    resume = getattr(args, "resume_from_checkpoint", None)
+    resume = args.resume_from_checkpoint
     path = resolve_checkpoint(resume, args.checkpoint_dir) if resume else None
     if path is None:
         return

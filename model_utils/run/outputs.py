@@ -161,9 +161,7 @@ def check_space(args: argparse.Namespace, num_params: int, log: logging.Logger) 
     # Checked even with --checkpoint_freq -1: a preemption signal still saves. keep_last 0 keeps
     # every checkpoint: warn below two.
     keep = args.keep_last + 1 if args.keep_last else 2
-    size = checkpoint_bytes(
-        num_params, getattr(args, "optimizer", "adamw"), getattr(args, "master_weights", "params")
-    )
+    size = checkpoint_bytes(num_params, args.optimizer, args.master_weights)
     needs = [("checkpoint", size, keep, Path(args.checkpoint_dir))]
     if args.export_hf:
         needs.append(

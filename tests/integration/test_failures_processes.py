@@ -184,6 +184,8 @@ def _probe_race_worker(rank: int, world_size: int, port: int, out_dir: str, resu
             checkpoint_dir=f"{out_dir}/checkpoints/run",
             export_hf=None,
             keep_last=2,
+            optimizer="adamw",
+            master_weights="params",
         )
         world = distributed.World(rank, world_size, rank, world_size)
         dist.barrier()

@@ -43,7 +43,12 @@ def tiny_config(**overrides) -> LlamaConfig:
 
 
 def backend_args(fp8: bool, recipe: str = "delayed", impl: str = "te", **overrides):
-    values = dict(
+    """Every flag at its default (as the parser and the tiny preset give it), then these: a
+    backend reads only resolved configs, whose fields all exist."""
+    from model_utils.config.arguments import apply_preset, build_parser
+
+    values = vars(apply_preset(build_parser().parse_args([])))
+    values.update(
         fp8=fp8,
         fp8_recipe=recipe,
         fp8_format="hybrid",
