@@ -17,6 +17,7 @@ Shared fixtures live here; plain helpers (ports, launching ranks) in ``tests/pro
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,28 @@ def refused_by_train(capsys):
         return out, lines, err
 
     return run
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """Mount tmpfs file systems of a given size (MiB) or read-only, unmounted afterwards."""
+    mounted: list[Path] = []
+
+    def mount(name: str, size_mib: float, read_only: bool = False, inodes: int = 0) -> Path:
+        point = tmp_path / name
+        point.mkdir()
+        options = f"size={round(size_mib * 1024)}k" + (",ro" if read_only else "")
+        options += f",nr_inodes={inodes}" if inodes else ""
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            pytest.skip(f"needs root allowed to mount a tmpfs: {done.stderr.strip()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", str(point)], check=False)

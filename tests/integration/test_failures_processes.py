@@ -373,31 +373,6 @@ def test_resume_rules_end_to_end(tmp_path: Path, refused_by_train) -> None:
     assert ck.complete_checkpoints(first / "checkpoints") == []
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path):
-    """Mount tmpfs file systems of a given size (MiB) or read-only, unmounted afterwards."""
-    mounted: list[Path] = []
-
-    def mount(name: str, size_mib: float, read_only: bool = False, inodes: int = 0) -> Path:
-        point = tmp_path / name
-        point.mkdir()
-        options = f"size={round(size_mib * 1024)}k" + (",ro" if read_only else "")
-        options += f",nr_inodes={inodes}" if inodes else ""
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
-            capture_output=True,
-            text=True,
-        )
-        if done.returncode != 0:
-            pytest.skip(f"needs root allowed to mount a tmpfs: {done.stderr.strip()}")
-        mounted.append(point)
-        return point
-
-    yield mount
-    for point in mounted:
-        subprocess.run(["umount", str(point)], check=False)
-
-
 def test_a_resume_refuses_a_tokenizer_retrained_in_place(tmp_path: Path) -> None:
     """The checkpoint records what its tokenizer does; the same --tokenizer path now
     lower-cases its input (same vocabulary size, other token ids): one line, exit 2."""

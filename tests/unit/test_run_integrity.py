@@ -270,29 +270,6 @@ def test_only_damaged_step_folders_are_refused_not_a_silent_fresh_start(tmp_path
 # 7. Writers check space first
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path):
-    """`small_disk(name, size_kib)`: a tmpfs of that size, unmounted afterwards (root only)."""
-    mounted: list[Path] = []
-
-    def mount(name: str, size_kib: int) -> Path:
-        point = tmp_path / name
-        point.mkdir()
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(point)],
-            capture_output=True,
-            text=True,
-        )
-        if done.returncode != 0:
-            pytest.skip(f"needs root allowed to mount a tmpfs: {done.stderr.strip()}")
-        mounted.append(point)
-        return point
-
-    yield mount
-    for point in mounted:
-        subprocess.run(["umount", str(point)], check=False)
-
-
 def test_convert_checkpoint_onto_a_full_disk_is_refused_before_writing(
     tmp_path: Path, small_disk, capsys
 ) -> None:
@@ -302,7 +279,7 @@ def test_convert_checkpoint_onto_a_full_disk_is_refused_before_writing(
     [path] = save_checkpoints(tmp_path / "ckpt", (1,))
     weights = convert_checkpoint.export_bytes(path, "float32")
     assert weights > 2**22  # the small Llama's fp32 weights: more than the disk holds
-    disk = small_disk("disk", 2048)
+    disk = small_disk("disk", 2)
     line = refused([str(path), str(disk / "hf")], capsys)  # exit 2, one line
     assert f"{disk / 'hf'} has 0.00 GiB free, less than one Hugging Face export at float32" in (
         line
