@@ -126,19 +126,10 @@ def test_train_refuses_a_checkpoint_dir_inside_a_live_runs_folder(
 
 
 def _save(root: Path, steps: list[int], keep_last: int = 0):
-    """Real DCP checkpoints of a small model, one process, no process group."""
-    import torch
+    """Real DCP checkpoints of a small model (test_failures' helper)."""
+    from test_failures import _save_checkpoints
 
-    from model_utils import checkpoint as ck
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
-    ckpt = ck.Checkpointer(root, keep_last=keep_last)
-    for step in steps:
-        with torch.no_grad():
-            model[0].weight.add_(1.0)
-        ckpt.save(step, ck.TrainState(model, config={"seed": 1}))
-    return ckpt
+    return _save_checkpoints(root, steps, keep_last)
 
 
 def _strip_checksums(path: Path, empty: bool = False) -> None:
