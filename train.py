@@ -12,7 +12,6 @@ initialise each rank's shard, then train: data -> forward (under the backend's a
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
@@ -24,6 +23,7 @@ import torch.distributed as dist
 import te_llama
 from model_utils import checkpoint, data, optim
 from model_utils.config import arguments
+from model_utils.config.sections import Config
 from model_utils.model import modeling
 from model_utils.parallel import distributed
 from model_utils.precision import backends as precision
@@ -35,41 +35,43 @@ from model_utils.run.step import train_step
 log = logging.getLogger("train")
 
 
-def validate(argv: list[str] | None, training: bool = True) -> tuple[arguments.Config, object]:
+def validate(argv: list[str] | None, training: bool = True) -> tuple[Config, object]:
     """Every check that can fail on bad input, before any process group or file exists
     (``training=False``: the checks of a forward-only use, e.g. the GPU benchmark's rows)."""
-    args = arguments.parse_args(argv)
+    config = arguments.parse_args(argv)
+    source, ckpt = config.data, config.checkpoint
     try:
-        data.check_dataset(args.dataset, args.dataset_config_name)
-        data.check_local_data(args.dataset, args.text_column)  # empty, corrupt, not UTF-8, ...
-        data.check_hub_dataset(args.dataset)  # a name that is no local path: one quick look-up
-        tokenizer = data.load_tokenizer(args.tokenizer)
-        data.check_vocab(tokenizer, args.vocab_size)
-        args = args.replace(
+        data.check_dataset(source.dataset, source.dataset_config_name)
+        data.check_local_data(source.dataset, source.text_column)  # empty, corrupt, not UTF-8
+        data.check_hub_dataset(source.dataset)  # a name that is no local path: one quick look-up
+        tokenizer = data.load_tokenizer(source.tokenizer)
+        data.check_vocab(tokenizer, config.model.vocab_size)
+        config = config.replace(
             tokenizer_sha256=data.tokenizer_fingerprint(tokenizer),
-            data_fingerprint=data.data_fingerprint(args.dataset),
+            data_fingerprint=data.data_fingerprint(source.dataset),
         )
-        checkpoint.check_resume_arg(args.resume_from_checkpoint, args.checkpoint_dir)
-        if args.init_from_hf:
-            checkpoint.check_hf_dir(args.init_from_hf, args)  # the shape and RoPE base too
-        if args.export_hf:
-            checkpoint.check_export_dir(args.export_hf)  # an export never replaces a model
+        checkpoint.check_resume_arg(ckpt.resume_from_checkpoint, ckpt.checkpoint_dir)
+        if ckpt.init_from_hf:
+            checkpoint.check_hf_dir(ckpt.init_from_hf, config.model)  # the shape and RoPE too
+        if ckpt.export_hf:
+            checkpoint.check_export_dir(ckpt.export_hf)  # an export never replaces a model
     except ValueError as exc:
         raise arguments.UsageError(str(exc)) from exc
-    if args.model_impl in arguments.TE_IMPLS:
+    if config.precision.model_impl in arguments.TE_IMPLS:
         from model_utils.precision.te import check_requirements
 
-        check_requirements(args, training)
+        check_requirements(config, training)
     if training:
         try:  # a live run in this directory: refused before anything starts (reads only)
-            run_lock.check_not_locked(
-                run_lock.lock_dirs(args.output_dir, args.checkpoint_dir).values()
+            locks = run_lock.lock_dirs(config.run.output_dir, ckpt.checkpoint_dir)
+            run_lock.check_not_locked(locks.values())
+            outputs.check_locations(
+                {**outputs.output_locations(config), **outputs.cache_location()}
             )
-            outputs.check_locations({**outputs.output_locations(args), **outputs.cache_location()})
-            checkpoint.check_before_start(args)  # the resume policy: checkpoint/resume.py
+            checkpoint.check_before_start(config)  # the resume policy: checkpoint/resume.py
         except (run_lock.RunLocked, outputs.WriteProblem, ValueError) as exc:
             raise arguments.UsageError(str(exc)) from exc
-    return args, tokenizer
+    return config, tokenizer
 
 
 class Preemption:
@@ -96,41 +98,44 @@ class Preemption:
             signal.signal(sig, signal.SIG_IGN)
 
 
-def build_model(args: argparse.Namespace, mesh, device, backend) -> torch.nn.Module:
+def build_model(config: Config, mesh, device, backend) -> torch.nn.Module:
     """Meta-device Llama -> precision swaps -> AC/compile -> FSDP2 -> initialised local shard."""
     built = modeling.build(
-        args,
-        args.model_impl,
+        config,
+        config.precision.model_impl,
         device,
         fp8_recipe=backend.te_recipe,
         build_te=te_llama.build_te_llama,
     )
     model = backend.prepare(built)
-    if args.activation_checkpointing:
+    parallel = config.parallel
+    if parallel.activation_checkpointing:
         distributed.apply_activation_checkpointing(
-            model, backend.checkpoint_fn, args.ac_every, args.ac_scope
+            model, backend.checkpoint_fn, parallel.ac_every, parallel.ac_scope
         )
-    if args.compile:
+    if parallel.compile:
         distributed.apply_compile(model)
-    model = distributed.shard(model, mesh, args)
+    model = distributed.shard(model, mesh, parallel, bf16=config.precision.bf16)
     # --master_weights optimizer: keep the fp32 init on the host for the optimizer's masters
-    modeling.materialize(model, device, args.seed, args.master_weights == "optimizer")
-    if args.init_from_hf:
-        checkpoint.load_hf_weights(model, args.init_from_hf)  # te: the model's state_dict_adapter
+    modeling.materialize(model, device, config.run.seed, config.optim.master_weights == "optimizer")
+    if config.checkpoint.init_from_hf:  # te: loaded through the model's state_dict_adapter
+        checkpoint.load_hf_weights(model, config.checkpoint.init_from_hf)
     return model
 
 
-def build_optimizer(model, args: argparse.Namespace, device, backend) -> tuple:
+def build_optimizer(model, config: Config, device, backend) -> tuple:
     """The optimizer (the backend's fused one where it has one) and LR schedule; with
     --master_weights optimizer its fp32 masters start from the fp32 init (or HF weights), not
     from the bf16/FP8 parameters."""
-    optimizer, scheduler = optim.from_args(model, args, backend.master_weight_adam(device))
+    optimizer, scheduler = optim.from_config(
+        model, config.optim, config.run.max_steps, backend.master_weight_adam(device)
+    )
     master_weights.seed_masters(optimizer)
     return optimizer, scheduler
 
 
 def train(
-    args: arguments.Config,
+    config: Config,
     tokenizer,
     world: distributed.World,
     device,
@@ -139,44 +144,44 @@ def train(
 ) -> None:
     """Build (data first: its problems show before the model's cost), then step until
     --max_steps or a stop request (a signal or a bad read: checkpoint, then exit)."""
-    torch.manual_seed(args.seed)
-    mesh = distributed.build_mesh(world, device, args.sharding_strategy)
+    torch.manual_seed(config.run.seed)
+    mesh = distributed.build_mesh(world, device, config.parallel.sharding_strategy)
     if world.num_nodes > 1:  # every rank: its node and mesh groups (hybrid: replicas across)
         print(distributed.describe_rank(world, mesh), flush=True)
-    backend = precision.build_backend(args, device, dp_group=dist.group.WORLD)
+    backend = precision.build_backend(config, device, dp_group=dist.group.WORLD)
 
-    stream, val_batches = data.build_data(args, tokenizer, world)  # bad data before the model
-    model = build_model(args, mesh, device, backend)
-    outputs.check_outputs(args, world, modeling.count_parameters(model), log)  # before training
-    optimizer, scheduler = build_optimizer(model, args, device, backend)
+    stream, val_batches = data.build_data(config, tokenizer, world)  # bad data before the model
+    model = build_model(config, mesh, device, backend)
+    outputs.check_outputs(config, world, modeling.count_parameters(model), log)  # before training
+    optimizer, scheduler = build_optimizer(model, config, device, backend)
     log.info("optimizer: %s", optim.describe(optimizer))
-    ckpt, state, args = restore(args, model, optimizer, scheduler, stream, backend, explicit)
-    run_log = RunLog(args, model, backend, world, device, start_step=state.step)
+    ckpt, state, config = restore(config, model, optimizer, scheduler, stream, backend, explicit)
+    run_log = RunLog(config, model, backend, world, device, start_step=state.step)
 
     guard = guards.StepGuard(device)
-    reads = data.ReadGuard(stream, args.text_column, world.world_size)
+    reads = data.ReadGuard(stream, config.data.text_column, world.world_size)
     model.train()
     run_log.meter.start()
     start_step = state.step
     try:
-        while state.step < args.max_steps:
+        while state.step < config.run.max_steps:
             done = train_step(
-                model, optimizer, scheduler, backend, reads.next, args, device, reads.all_read
+                model, optimizer, scheduler, backend, reads.next, config, device, reads.all_read
             )
             if not done.stepped:  # a bad read: the step is dropped, the last full one saved
                 stop_on_bad_read(reads, world, ckpt, state, guard, model, start_step)
             state.step += 1
             guard.observe(state.step, done.loss, done.grad_norm)  # queued on the device, no sync
             run_log.step(state.step, done.loss, done.lr, done.data_wait)
-            if args.validation_freq and state.step % args.validation_freq == 0:
+            if config.run.validation_freq and state.step % config.run.validation_freq == 0:
                 run_log.validation(state.step, model, val_batches, backend)
-            if step_boundary(args, state, ckpt, guard, model, run_log, preemption.requested):
+            if step_boundary(config, state, ckpt, guard, model, run_log, preemption.requested):
                 ckpt.save(state.step, state, block=True)
                 log.info("Preemption signal received: checkpoint saved at step %d", state.step)
                 return
-        finish(args, model, backend, ckpt, state, guard, run_log, val_batches, tokenizer)
+        finish(config, model, backend, ckpt, state, guard, run_log, val_batches, tokenizer)
     except guards.Diverged as exc:  # here: the lr in the line is the one in use after a resume
-        guards.exit_diverged(exc, args.lr, world.is_main)
+        guards.exit_diverged(exc, config.optim.lr, world.is_main)
 
 
 def stop_on_bad_read(reads, world, ckpt, state, guard, model, start_step: int) -> None:
@@ -190,12 +195,13 @@ def stop_on_bad_read(reads, world, ckpt, state, guard, model, start_step: int) -
     data.raise_read_failure(reads.failure, world, state.step, path)
 
 
-def step_boundary(args, state, ckpt, guard, model, run_log, stop_requested: bool) -> bool:
+def step_boundary(config, state, ckpt, guard, model, run_log, stop_requested: bool) -> bool:
     """At report and save steps only (an all-reduce + .item() every step would make the host
     wait for the device each step): whether every rank stops here, after the periodic save. A
     signal is acted on within --logging_freq steps; a non-finite step stops the run (guards.
     Diverged) before any checkpoint holds it."""
-    save_now = args.checkpoint_freq > 0 and state.step % args.checkpoint_freq == 0
+    every = config.checkpoint.checkpoint_freq
+    save_now = every > 0 and state.step % every == 0
     if not (save_now or run_log.is_report_step(state.step)):
         return False
     stop = guards.check_step(guard, ckpt, state.step, model, stop_requested, save_now)
@@ -206,14 +212,14 @@ def step_boundary(args, state, ckpt, guard, model, run_log, stop_requested: bool
 
 
 def restore(
-    args: arguments.Config, model, optimizer, scheduler, stream, backend, explicit: frozenset
-) -> tuple[checkpoint.Checkpointer, checkpoint.TrainState, arguments.Config]:
+    config: Config, model, optimizer, scheduler, stream, backend, explicit: frozenset
+) -> tuple[checkpoint.Checkpointer, checkpoint.TrainState, Config]:
     """The checkpointer and the state it saves, resumed if asked; the flags come back with the
     lr values a resume put in use, and the state saves them."""
     ckpt = checkpoint.Checkpointer(
-        args.checkpoint_dir,
-        args.keep_last,
-        args.async_checkpoint,
+        config.checkpoint.checkpoint_dir,
+        config.checkpoint.keep_last,
+        config.checkpoint.async_checkpoint,
         state_dict_adapter=te_llama.StateDictAdapter(model.config),  # loads of the other layout
     )
     state = checkpoint.TrainState(
@@ -221,47 +227,50 @@ def restore(
         optimizer,
         scheduler,
         stream,
-        config=args.as_dict(),
+        config=config.as_dict(),
         on_data_reshard=lambda step, saved: stream.restart_after_reshard(saved),
         fp8_recipe=backend.te_recipe,
     )
-    args = checkpoint.resume_or_start(ckpt, state, scheduler, args, explicit)
-    return ckpt, state, args
+    config = checkpoint.resume_or_start(ckpt, state, scheduler, config, explicit)
+    return ckpt, state, config
 
 
-def finish(
-    args: arguments.Config, model, backend, ckpt, state, guard, run_log, val_batches, tokenizer
-):
+def finish(config: Config, model, backend, ckpt, state, guard, run_log, val_batches, tokenizer):
     """The end of a run that reached --max_steps: last validation, last (finite) checkpoint,
     the HF export (with the run's tokenizer: a folder clients load whole), the summary."""
-    if not args.validation_freq or state.step % args.validation_freq:
+    if not config.run.validation_freq or state.step % config.run.validation_freq:
         run_log.validation(state.step, model, val_batches, backend)
     guards.check_step(guard, ckpt, state.step, model, False, saving=True)  # no non-finite save
-    if args.checkpoint_freq >= 0:
+    if config.checkpoint.checkpoint_freq >= 0:
         ckpt.save(state.step, state)  # a step saved just before is not written twice
     ckpt.close()
-    if args.export_hf:
+    if config.checkpoint.export_hf:
         masters = master_weights.masters_by_name(model, state.optimizer)  # fp32, if kept
         checkpoint.export_hf(
-            model, model.config, args.export_hf, tokenizer, kept=ckpt.latest(), masters=masters
+            model,
+            model.config,
+            config.checkpoint.export_hf,
+            tokenizer,
+            kept=ckpt.latest(),
+            masters=masters,
         )
-        log.info("Exported Hugging Face weights to %s", args.export_hf)
+        log.info("Exported Hugging Face weights to %s", config.checkpoint.export_hf)
     run_log.finish()
 
 
-def ready_line(args: arguments.Config) -> str:
+def ready_line(config: Config) -> str:
     """--validate_only's answer: the run as resolved (preset, precision and implementation,
     world, folder), so a launch can be checked before it costs a node."""
-    precision = "fp8" if args.fp8 else ("bf16" if args.bf16 else "fp32")
-    if args.fp8:
-        precision += f" {args.fp8_recipe}"
+    precision = config.precision.name
+    if config.precision.fp8:
+        precision += f" {config.precision.fp8_recipe}"
     world = os.environ.get("WORLD_SIZE", "set by torchrun")
-    resume = args.resume_from_checkpoint or "none (a fresh start)"
-    recipe = f"--recipe {args.recipe}, " if args.recipe else ""
+    resume = config.checkpoint.resume_from_checkpoint or "none (a fresh start)"
+    recipe = f"--recipe {config.recipe}, " if config.recipe else ""
+    folder = os.path.abspath(config.run.output_dir)
     return (
-        f"train.py: ready: {recipe}--preset {args.preset}, {precision} on --model_impl "
-        f"{args.model_impl}, world {world}, run folder {os.path.abspath(args.output_dir)}, "
-        f"resume {resume}"
+        f"train.py: ready: {recipe}--preset {config.preset}, {precision} on --model_impl "
+        f"{config.precision.model_impl}, world {world}, run folder {folder}, resume {resume}"
     )
 
 
@@ -280,21 +289,21 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging()
     preemption = Preemption()  # first: a signal during start-up must not kill the rank
     try:
-        args, tokenizer = validate(argv)
+        config, tokenizer = validate(argv)
     except arguments.UsageError as exc:
         arguments.exit_on_usage_error(exc)
-    if args.validate_only:
-        print(ready_line(args), flush=True)
+    if config.run.validate_only:
+        print(ready_line(config), flush=True)
         return
     world = distributed.world_from_env()
     if not world.is_main:
         logging.getLogger().setLevel(logging.WARNING)
     device = distributed.device_for(world)
-    distributed.init(world, device, args.dist_timeout)
+    distributed.init(world, device, config.parallel.dist_timeout)
     locks: list[run_lock.RunLock] = []
     try:
-        locks = run_lock.hold_run_dirs(args, world, device)
-        train(args, tokenizer, world, device, preemption, arguments.explicit_flags(argv))
+        locks = run_lock.hold_run_dirs(config, world, device)
+        train(config, tokenizer, world, device, preemption, arguments.explicit_flags(argv))
     except checkpoint.UntrustedCheckpointError as exc:  # normally refused by validate() already
         arguments.exit_on_usage_error(arguments.UsageError(str(exc)))
     except (

@@ -109,12 +109,14 @@ class Built:
 
 def build(flags: list[str], device: torch.device) -> Built:
     args = arguments.parse_args(flags)
-    mesh = distributed.build_mesh(distributed.world_from_env(), device, args.sharding_strategy)
+    mesh = distributed.build_mesh(
+        distributed.world_from_env(), device, args.parallel.sharding_strategy
+    )
     backend = precision.build_backend(args, device, dp_group=dist.group.WORLD)
     model = train.build_model(args, mesh, device, backend)
     generator = torch.Generator().manual_seed(0)
-    shape = (args.train_batch_size, args.max_context_width)
-    batch = torch.randint(0, args.vocab_size, shape, generator=generator).to(device)
+    shape = (args.data.train_batch_size, args.model.max_context_width)
+    batch = torch.randint(0, args.model.vocab_size, shape, generator=generator).to(device)
     return Built(model, backend, batch)
 
 

@@ -74,17 +74,19 @@ class Bench:
         self.backend = precision.build_backend(args, device)
         self.model = train.build_model(args, mesh, device, self.backend)
         self.params = modeling.count_parameters(self.model)
-        self.optimizer = optim.build_optimizer(self.model, args.lr, 0.1, 0.9, 0.95)
+        self.optimizer = optim.build_optimizer(self.model, args.optim.lr, 0.1, 0.9, 0.95)
         self.scheduler = optim.build_scheduler(
-            self.optimizer, lr=args.lr, min_lr=0.0, warmup=1, max_steps=10, style="cosine"
+            self.optimizer, lr=args.optim.lr, min_lr=0.0, warmup=1, max_steps=10, style="cosine"
         )
-        ids = torch.randint(0, args.vocab_size, (1, args.max_context_width), device=device)
+        ids = torch.randint(
+            0, args.model.vocab_size, (1, args.model.max_context_width), device=device
+        )
         self.model(input_ids=ids, labels=ids).loss.backward()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state = checkpoint.TrainState(
-            self.model, self.optimizer, self.scheduler, config=vars(args), step=1
+            self.model, self.optimizer, self.scheduler, config=args.as_dict(), step=1
         )
 
 

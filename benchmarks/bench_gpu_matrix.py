@@ -366,7 +366,7 @@ def _timed_forwards(args, name: str, train_args) -> Row:
     device = torch.device("cuda", 0)
     world = distributed.world_from_env({})
     if not dist.is_initialized():
-        distributed.init(world, device, train_args.dist_timeout)
+        distributed.init(world, device, train_args.parallel.dist_timeout)
     backend = precision.build_backend(train_args, device, dp_group=dist.group.WORLD)
     model = train.build_model(
         train_args, distributed.build_mesh(world, device, "full"), device, backend
@@ -374,8 +374,8 @@ def _timed_forwards(args, name: str, train_args) -> Row:
     model.eval()
     batch = torch.randint(
         0,
-        train_args.vocab_size,
-        (train_args.train_batch_size, train_args.max_context_width),
+        train_args.model.vocab_size,
+        (train_args.data.train_batch_size, train_args.model.max_context_width),
         device=device,
     )
     torch.cuda.reset_peak_memory_stats()
@@ -389,7 +389,7 @@ def _timed_forwards(args, name: str, train_args) -> Row:
             if i >= 3:
                 times.append(time.perf_counter() - start)
     tokens_per_s = batch.numel() / statistics.median(times)
-    flops = metrics.model_flops_per_token(model.config, train_args.max_context_width)
+    flops = metrics.model_flops_per_token(model.config, train_args.model.max_context_width)
     peak = torch.cuda.max_memory_allocated() / 2**30
     del model
     torch.cuda.empty_cache()
@@ -451,14 +451,15 @@ def shape_line(args, row_flags: list[str], per_row_batch: bool) -> str:
     from model_utils.config.arguments import parse_args as train_parse_args
 
     shaped = train_parse_args([f"--preset={args.preset}", *row_flags])
+    shape, data = shaped.model, shaped.data
     batch = (
         "micro-batch per row"
         if per_row_batch
-        else f"micro-batch {shaped.train_batch_size} x {shaped.grad_accum_steps} accumulation"
+        else f"micro-batch {data.train_batch_size} x {shaped.optim.grad_accum_steps} accumulation"
     )
     return (
-        f"preset {args.preset} ({shaped.num_layers} layers, hidden {shaped.hidden_width}, "
-        f"vocab {shaped.vocab_size}), seq {shaped.max_context_width}, {batch}, {args.max_steps} "
+        f"preset {args.preset} ({shape.num_layers} layers, hidden {shape.hidden_width}, "
+        f"vocab {shape.vocab_size}), seq {shape.max_context_width}, {batch}, {args.max_steps} "
         f"steps (medians after step {WARMUP_STEPS}), {args.nproc} GPU(s)"
     )
 

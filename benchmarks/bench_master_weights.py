@@ -42,7 +42,7 @@ def measure(setting: str, steps: int, extra: list[str]) -> dict[str, float]:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     args = parse_args([*TINY, f"--max_steps={steps}", f"--master_weights={setting}", *extra])
     device = torch.device("cpu")
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.run.seed)
     mesh = distributed.build_mesh(distributed.world_from_env({}), device, "full")
     backend = precision.build_backend(args, device)
     model = train.build_model(args, mesh, device, backend)
@@ -50,7 +50,10 @@ def measure(setting: str, steps: int, extra: list[str]) -> dict[str, float]:
     gen = torch.Generator().manual_seed(0)
     batches = [
         torch.randint(
-            0, args.vocab_size, (args.train_batch_size, args.max_context_width), generator=gen
+            0,
+            args.model.vocab_size,
+            (args.data.train_batch_size, args.model.max_context_width),
+            generator=gen,
         )
         for _ in range(4)
     ]

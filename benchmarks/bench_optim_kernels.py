@@ -50,11 +50,15 @@ def median_seconds(fn: Callable[[], object], repeats: int, device: torch.device,
 
 
 def measure(args: arguments.Config, repeats: int, device: torch.device) -> dict[str, float]:
-    mesh = distributed.build_mesh(distributed.world_from_env(), device, args.sharding_strategy)
+    mesh = distributed.build_mesh(
+        distributed.world_from_env(), device, args.parallel.sharding_strategy
+    )
     backend = precision.build_backend(args, device, dp_group=dist.group.WORLD)
     model = train.build_model(args, mesh, device, backend)
-    optimizer, scheduler = optim.from_args(model, args)
-    ids = torch.randint(0, args.vocab_size, (args.train_batch_size, args.max_context_width))
+    optimizer, scheduler = optim.from_config(model, args.optim, args.run.max_steps)
+    ids = torch.randint(
+        0, args.model.vocab_size, (args.data.train_batch_size, args.model.max_context_width)
+    )
     fixed = {"input_ids": ids, "labels": ids}
 
     def step() -> None:
@@ -71,10 +75,10 @@ def measure(args: arguments.Config, repeats: int, device: torch.device) -> dict[
             param.grad = grad.clone()
 
     row["clip"] = median_seconds(lambda: clip_grad_norm(model, 1.0), repeats, device, restore)
-    groups = optim.param_groups(model, args.weight_decay)
+    groups = optim.param_groups(model, args.optim.weight_decay)
     for kind in ("fused", "foreach"):
         try:
-            adamw = torch.optim.AdamW(groups, lr=args.lr, **{kind: True})
+            adamw = torch.optim.AdamW(groups, lr=args.optim.lr, **{kind: True})
         except RuntimeError as exc:  # no fused kernel for this device or tensor type
             print(f"adamw {kind}: unavailable here ({exc})")
             continue
@@ -93,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     if world.world_size > 1:
         raise SystemExit("bench_optim_kernels.py runs one process; start it with python")
     device = distributed.device_for(world)
-    distributed.init(world, device, args.dist_timeout)
+    distributed.init(world, device, args.parallel.dist_timeout)
     try:
         row = measure(args, opts.repeats, device)
     finally:

@@ -48,8 +48,10 @@ def tiny_state_bytes(name: str) -> tuple[float, int]:
     device = torch.device("cpu")
     mesh = distributed.build_mesh(distributed.world_from_env({}), device, "full")
     model = train.build_model(args, mesh, device, precision.build_backend(args, device))
-    optimizer, _ = optim.from_args(model, args)
-    ids = torch.randint(0, args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    optimizer, _ = optim.from_config(model, args.optim, args.run.max_steps)
+    ids = torch.randint(
+        0, args.model.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0)
+    )
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     params = sum(p.numel() for p in model.parameters())

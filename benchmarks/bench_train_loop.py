@@ -93,20 +93,20 @@ def run_bare_loop(train_argv: list[str], warmup: int) -> Run:
     args = arguments.parse_args(train_argv)
     world = distributed.world_from_env()
     device = distributed.device_for(world)
-    distributed.init(world, device, args.dist_timeout)
+    distributed.init(world, device, args.parallel.dist_timeout)
     try:
-        torch.manual_seed(args.seed)
-        mesh = distributed.build_mesh(world, device, args.sharding_strategy)
+        torch.manual_seed(args.run.seed)
+        mesh = distributed.build_mesh(world, device, args.parallel.sharding_strategy)
         backend = precision.build_backend(args, device, dp_group=dist.group.WORLD)
         model = train.build_model(args, mesh, device, backend)
-        optimizer, scheduler = optim.from_args(model, args)
-        shape = (args.train_batch_size, args.max_context_width)
-        tokens_per_step = args.grad_accum_steps * shape[0] * shape[1]
-        input_ids = torch.randint(0, args.vocab_size, shape, device=device)
+        optimizer, scheduler = optim.from_config(model, args.optim, args.run.max_steps)
+        shape = (args.data.train_batch_size, args.model.max_context_width)
+        tokens_per_step = args.optim.grad_accum_steps * shape[0] * shape[1]
+        input_ids = torch.randint(0, args.model.vocab_size, shape, device=device)
         fixed = {"input_ids": input_ids, "labels": input_ids}
         model.train()
         stamps: list[float] = []
-        for step in range(1, args.max_steps + 1):
+        for step in range(1, args.run.max_steps + 1):
             train_step(model, optimizer, scheduler, backend, lambda: (fixed, 1.0), args, device)
             _sync(device)
             if step >= warmup:

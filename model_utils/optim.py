@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from model_utils.config.options import MASTER_WEIGHTS, OPTIMIZERS
+from model_utils.config.sections import OptimConfig
 from model_utils.precision.master_weights import MasterWeightAdamW
 
 # torch's and torchao's AdamW default, named so both optimizers are built with the same value.
@@ -348,29 +349,31 @@ def _copy_lr(value: float | torch.Tensor) -> float | torch.Tensor:
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
-def from_args(
+def from_config(
     model: nn.Module,
-    args: Any,
+    optim: OptimConfig,
+    max_steps: int,
     master_adam: Callable[..., torch.optim.Optimizer] | None = None,
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW (--optimizer, --master_weights) and its LR schedule from train.py's flags (one
-    place for every caller); ``master_adam`` is the backend's (``backend.master_weight_adam``)."""
+    """AdamW (--optimizer, --master_weights) and its LR schedule over `max_steps` from the
+    run's optim section (one place for every caller); ``master_adam`` is the backend's
+    (``backend.master_weight_adam``)."""
     optimizer = build_optimizer(
         model,
-        args.lr,
-        args.weight_decay,
-        args.beta1,
-        args.beta2,
-        args.optimizer,
-        args.master_weights,
+        optim.lr,
+        optim.weight_decay,
+        optim.beta1,
+        optim.beta2,
+        optim.optimizer,
+        optim.master_weights,
         master_adam,
     )
     scheduler = build_scheduler(
         optimizer,
-        lr=args.lr,
-        min_lr=args.min_lr,
-        warmup=args.warmup,
-        max_steps=args.max_steps,
-        style=args.lr_decay_style,
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        warmup=optim.warmup,
+        max_steps=max_steps,
+        style=optim.lr_decay_style,
     )
     return optimizer, scheduler

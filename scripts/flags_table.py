@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from model_utils.config.arguments import build_parser
+from model_utils.config.arguments import build_parser, section_flags
 from model_utils.config.presets import PRESET_FIELDS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,13 +30,16 @@ Generated from train.py's parser (`model_utils/config/arguments.py`) by
 regenerates this page and fails when it differs. `python train.py --help` prints the same flags.
 
 Every flag can follow `train.py` or `1.train_llama.sbatch`. Explicit flags override the preset.
-Booleans accept `--flag`, `--flag=1`, `--flag=0`.
+Booleans accept `--flag`, `--flag=1`, `--flag=0`. The config field is where the resolved value
+lives (`model_utils/config/sections.py`: one typed section per pipeline stage), e.g. `--lr` is
+`config.optim.lr`; checkpoint.json and metrics.jsonl record the flat flag names.
 
 """
 
 
 def rows() -> list[str]:
-    out = ["| flag | default | meaning |", "|---|---|---|"]
+    section_of = {flag: section for section, flags in section_flags().items() for flag in flags}
+    out = ["| flag | config field | default | meaning |", "|---|---|---|---|"]
     for action in build_parser()._actions:
         if action.dest == "help":
             continue
@@ -51,7 +54,8 @@ def rows() -> list[str]:
         if "data/" in default:
             default = default[default.index("data/") :]
         help_text = (action.help or "").replace("|", "\\|")
-        out.append(f"| `--{action.dest}` | {default} | {help_text}{choices} |")
+        field = ".".join(filter(None, (section_of[action.dest], action.dest)))
+        out.append(f"| `--{action.dest}` | `{field}` | {default} | {help_text}{choices} |")
     return out
 
 

@@ -26,6 +26,7 @@ from model_utils.checkpoint.tensors import (
     require_complete,
     weight_tensors,
 )
+from model_utils.config.sections import HF_KEYS, ModelShape
 from model_utils.model.modeling import HF_RECOMPUTED, llama_config  # RoPE buffers of old HF files
 from model_utils.parallel.distributed import canonical_param_name
 from model_utils.precision import master_weights
@@ -36,15 +37,16 @@ HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"
 HF_CONFIG = "config.json"
 #: What a HF Llama config.json calls each of our shape flags: a mismatch is told in our words.
-HF_CONFIG_FLAGS = {
-    "hidden_size": "hidden_width",
-    "num_hidden_layers": "num_layers",
-    "num_attention_heads": "num_heads",
-    "num_key_value_heads": "num_key_value_heads",
-    "intermediate_size": "intermediate_size",
-    "vocab_size": "vocab_size",
-    "rope_theta": "rope_theta",
-}
+#: The shape flags a config.json states as numbers (its keys: config/sections.HF_KEYS).
+_NUMBER_FLAGS = (
+    "hidden_width",
+    "num_layers",
+    "num_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "rope_theta",
+)
 #: Tied checkpoints (tie_word_embeddings: Llama 3.2 1B/3B) store the output projection only as
 #: the embedding; this recipe trains them untied, starting from the same values.
 TIED_HEAD, TIED_TO = "lm_head.weight", "model.embed_tokens.weight"
@@ -87,14 +89,14 @@ def hf_weight_files(path: str | Path) -> dict[str, Path]:
     return out
 
 
-def check_hf_dir(path: str | Path, args: Any = None) -> None:
+def check_hf_dir(path: str | Path, shape: ModelShape | None = None) -> None:
     """Raise ValueError (one line) unless `path` is a loadable HF safetensors checkpoint and,
-    given the run's flags `args`, holds exactly the tensors of that model shape with its RoPE
+    given the run's model `shape`, holds exactly the tensors of that shape with its RoPE
     base: read from the safetensors headers and config.json, before any process group (a
     mismatch used to surface as a traceback from the load, after the model was built)."""
     try:
         files = hf_weight_files(path)
-        problem = None if args is None else _shape_problem(path, files, args)
+        problem = None if shape is None else _shape_problem(path, files, shape)
     except ValueError:
         raise
     except Exception as exc:  # a corrupt header, unreadable file, ...
@@ -103,13 +105,13 @@ def check_hf_dir(path: str | Path, args: Any = None) -> None:
         raise ValueError(f"--init_from_hf: {problem}")
 
 
-def _shape_problem(path: str | Path, files: dict[str, Path], args: Any) -> str | None:
-    """What in `path` does not fit the model of `args` (in this recipe's flags), or None."""
+def _shape_problem(path: str | Path, files: dict[str, Path], shape: ModelShape) -> str | None:
+    """What in `path` does not fit the model of `shape` (in this recipe's flags), or None."""
     from transformers import LlamaForCausalLM
 
     with torch.device("meta"):
         expected = {
-            n: tuple(t.shape) for n, t in LlamaForCausalLM(llama_config(args)).state_dict().items()
+            n: tuple(t.shape) for n, t in LlamaForCausalLM(llama_config(shape)).state_dict().items()
         }
     stored = {}
     for name, file in files.items():
@@ -124,7 +126,7 @@ def _shape_problem(path: str | Path, files: dict[str, Path], args: Any) -> str |
         if stored.get(name) != shape
     ] + [f"{name} (not in this model)" for name in stored if name not in expected]
     saved = _config_flags(Path(path))
-    differ = {flag: v for flag, v in saved.items() if v != getattr(args, flag)}
+    differ = {flag: v for flag, v in saved.items() if v != getattr(shape, flag)}
     if not wrong and "rope_theta" not in differ:
         return None
     told = " ".join(f"--{flag} {value:g}" for flag, value in differ.items())
@@ -143,9 +145,9 @@ def _config_flags(path: Path) -> dict[str, float]:
     theta = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta"))
     config = {**config, "rope_theta": theta}
     return {
-        flag: config[key]
-        for key, flag in HF_CONFIG_FLAGS.items()
-        if isinstance(config.get(key), (int, float))
+        flag: config[HF_KEYS[flag]]
+        for flag in _NUMBER_FLAGS
+        if isinstance(config.get(HF_KEYS[flag]), (int, float))
     }
 
 

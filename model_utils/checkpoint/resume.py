@@ -25,6 +25,7 @@ from model_utils.checkpoint.compat import (
 )
 from model_utils.checkpoint.errors import ResumeRefused
 from model_utils.checkpoint.manifest import read_marker, resume_candidate
+from model_utils.config.sections import Config
 
 log = logging.getLogger(__name__)
 
@@ -32,55 +33,59 @@ log = logging.getLogger(__name__)
 LR_FLAGS = ("lr", "min_lr")
 
 
-def check_before_start(args: Any) -> None:
+def check_before_start(args: Config) -> None:
     """ResumeRefused (one line) for a run that would resume another run's checkpoint or write
     over finished work. Reads only; runs before any process group exists."""
-    if not args.resume_from_checkpoint:
-        check_fresh_start(args.checkpoint_dir, args.overwrite_output_dir)
+    if not args.checkpoint.resume_from_checkpoint:
+        check_fresh_start(args.checkpoint.checkpoint_dir, args.checkpoint.overwrite_output_dir)
         return
-    path = resume_candidate(args.resume_from_checkpoint, args.checkpoint_dir)
+    path = resume_candidate(args.checkpoint.resume_from_checkpoint, args.checkpoint.checkpoint_dir)
     if path is not None:
         check_resumable(path, args.as_dict())
         check_same_data(path, args, warn=False)  # the resume warns, once
-        explicit = args.resume_from_checkpoint != "auto"
-        check_resume_target(path, args.checkpoint_dir, explicit)
-        check_steps_left(path, args.max_steps)
+        explicit = args.checkpoint.resume_from_checkpoint != "auto"
+        check_resume_target(path, args.checkpoint.checkpoint_dir, explicit)
+        check_steps_left(path, args.run.max_steps)
 
 
-def check_same_data(path: str | Path, args: Any, warn: bool = True) -> None:
+def check_same_data(path: str | Path, args: Config, warn: bool = True) -> None:
     """A checkpoint's data position means something only in the data it was saved with: a
     local file changed since is refused (one line naming it), or with --allow_data_change a
     warning. Checkpoints from before fingerprints, and hub datasets, have none to compare."""
     saved = (read_marker(path).get("run_config") or {}).get("data_fingerprint")
-    change = data.data_change(saved, args.data_fingerprint)
+    change = data.data_change(saved, args.data.data_fingerprint)
     if change is None:
         return
-    if args.allow_data_change:
+    if args.checkpoint.allow_data_change:
         if warn:
             log.warning(
-                "Resuming on changed data (--allow_data_change): %s in %s", change, args.dataset
+                "Resuming on changed data (--allow_data_change): %s in %s",
+                change,
+                args.data.dataset,
             )
         return
     raise ResumeRefused(
-        f"checkpoint {path} was saved with other data: {change} in --dataset {args.dataset} "
+        f"checkpoint {path} was saved with other data: {change} in --dataset {args.data.dataset} "
         "since the save, so its saved position points into other text; resume on the data it "
         "was saved with, or pass --allow_data_change to resume on this data anyway"
     )
 
 
-def resume_or_start(ckpt: Any, state: Any, scheduler: Any, args: Any, explicit: frozenset) -> Any:
+def resume_or_start(
+    ckpt: Any, state: Any, scheduler: Any, args: Config, explicit: frozenset
+) -> Any:
     """Start afresh (deleting the old checkpoints with --overwrite_output_dir) or load the
     newest intact checkpoint under the rules above. Returns the run's flags with the lr values
     in use, which the state then saves."""
-    if args.overwrite_output_dir:
+    if args.checkpoint.overwrite_output_dir:
         ckpt.remove_all()
-    path = ckpt.resolve_intact(args.resume_from_checkpoint)  # checksums verified
+    path = ckpt.resolve_intact(args.checkpoint.resume_from_checkpoint)  # checksums verified
     if path is None:
         return args
     changed = [c for c in check_resumable(path, args.as_dict()) if c[0][2:] not in LR_FLAGS]
     check_same_data(path, args)  # the checkpoint resolve_intact chose, maybe an older one
     ckpt.load(path, state)
-    given = {name: getattr(args, name) for name in LR_FLAGS if name in explicit}
+    given = {name: args.get(name) for name in LR_FLAGS if name in explicit}
     try:
         used = optim.resume_schedule(scheduler, given)
     except ValueError as exc:

@@ -1,5 +1,5 @@
-"""Command-line flags and the resolved run config (presets: presets.py; the rules between
-flags: flag_rules.py).
+"""Command-line flags -> the resolved run config (its typed sections: sections.py; presets:
+presets.py; the rules between flags: flag_rules.py).
 
 Flag names follow the upstream FSDP/TE Llama recipe (`--fp8`, `--train_batch_size`,
 `--max_context_width`, ...) so its users feel at home. A preset fills every model/data field the
@@ -28,6 +28,7 @@ from model_utils.config.options import (  # noqa: F401 (re-exported: the flags' 
     TORCHAO_RECIPES,
 )
 from model_utils.config.presets import PRESET_FIELDS, PRESETS
+from model_utils.config.sections import Config
 from model_utils.errors import UsageError, first_line, os_error_words  # noqa: F401 (re-exported)
 
 
@@ -61,8 +62,7 @@ class _OneLineParser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _model_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:
-    m = "model shape (default: from --preset)"
+def _recipe_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:
     flag(
         "recipe",
         default=None,
@@ -70,6 +70,10 @@ def _model_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None
         "take this place on the command line; later flags override them",
     )
     flag("preset", default="tiny", choices=sorted(PRESETS), help="model shape and data defaults")
+
+
+def _model_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:
+    m = "model shape (default: from --preset)"
     flag("hidden_width", type=int, help=m)
     flag("num_layers", type=int, help=m)
     flag("num_heads", type=int, help=m)
@@ -82,6 +86,9 @@ def _model_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None
         help="sequence length of every packed window (default: from --preset)",
     )
     flag("rope_theta", type=float, help="RoPE base (default: from --preset)")
+
+
+def _precision_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:
     flag(
         "model_impl",
         default="auto",
@@ -89,9 +96,6 @@ def _model_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None
         help="te: TE TransformerLayer; te_linear: HF with te.Linear; hf: stock HF; "
         "auto: te when TE and an FP8-capable GPU are present, else hf",
     )
-
-
-def _precision_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:
     switch("fp8", False, "train the linear layers in FP8")
     switch("bf16", True, "compute in bf16 (fp32 master weights); 0 = fp32 compute")
     flag(
@@ -128,13 +132,12 @@ def _data_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:
     flag("dataset", help="HF dataset hub name (streamed) or local file/folder")
     flag("dataset_config_name", help="HF dataset config, e.g. 'en' for allenai/c4")
     flag("text_column", default="text", help="column holding the document text")
-
-
-def _optimization_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:
     flag("train_batch_size", type=int, help="micro-batch per device (sequences)")
     flag("val_batch_size", type=int, default=None, help="default: --train_batch_size")
+
+
+def _optim_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:
     flag("grad_accum_steps", type=int, default=1, help="micro-batches per optimizer step")
-    flag("max_steps", type=int, default=100, help="optimizer steps")
     flag("lr", type=float, default=1e-3, help="peak learning rate")
     flag("min_lr", type=float, default=1e-4, help="learning rate at max_steps")
     flag(
@@ -167,18 +170,25 @@ def _optimization_flags(flag: Callable[..., None], switch: Callable[..., None]) 
     flag("beta1", type=float, default=0.9, help="AdamW first-moment decay")
     flag("beta2", type=float, default=0.95, help="AdamW second-moment decay")
     flag("grad_clip", type=float, default=1.0, help="max global grad norm; 0 disables")
+
+
+def _run_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:
+    flag("max_steps", type=int, default=100, help="optimizer steps")
     flag("seed", type=int, default=42, help="model init, data order and RNG streams")
-
-
-def _reporting_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:
     flag("logging_freq", type=int, default=1, help="steps between log lines")
     flag("validation_freq", type=int, default=0, help="steps between validations; 0 = end only")
     flag("validation_batches", type=int, default=4, help="held-out batches per validation")
     flag("output_dir", default=None, help="run directory (default runs/<preset>-<precision>)")
     switch("tensorboard", False, "TensorBoard scalars in <output_dir>/tensorboard (rank 0)")
+    switch(
+        "validate_only",
+        False,
+        "check flags, data, tokenizer and checkpoint, then exit: 0 ready, 2 bad input "
+        "(the launcher runs this once before torchrun)",
+    )
 
 
-def _parallelism_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:
+def _parallel_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:
     flag(
         "sharding_strategy",
         default="full",
@@ -231,23 +241,20 @@ def _checkpoint_flags(flag: Callable[..., None], switch: Callable[..., None]) ->
         "saved position then points into other text; without it such a resume is refused)",
     )
     flag("init_from_hf", default=None, help="start from a Hugging Face Llama checkpoint dir")
-    switch(
-        "validate_only",
-        False,
-        "check flags, data, tokenizer and checkpoint, then exit: 0 ready, 2 bad input "
-        "(the launcher runs this once before torchrun)",
-    )
     flag("export_hf", default=None, help="write the final model as HF safetensors to this dir")
 
 
+#: (section, title, flags): a group per config section (config/sections.py), in its order;
+#: docs/flags.md's table follows it. None: the run's own fields (Config.recipe, .preset).
 _FLAG_GROUPS = (
-    ("the model's shape and implementation", _model_flags),
-    ("bf16 or FP8, and the FP8 recipe's knobs", _precision_flags),
-    ("tokenizer and dataset", _data_flags),
-    ("batch, schedule and AdamW", _optimization_flags),
-    ("logs, validation, the run folder", _reporting_flags),
-    ("sharding, memory and compilation", _parallelism_flags),
-    ("checkpoints, resume, HF import/export, dry run", _checkpoint_flags),
+    (None, "the recipe and preset the run starts from", _recipe_flags),
+    ("model", "the model's shape", _model_flags),
+    ("precision", "bf16 or FP8: the implementation and the FP8 recipe's knobs", _precision_flags),
+    ("data", "tokenizer, dataset and batches", _data_flags),
+    ("optim", "AdamW, master weights and the LR schedule", _optim_flags),
+    ("parallel", "sharding, memory and compilation", _parallel_flags),
+    ("checkpoint", "checkpoints, resume, HF import/export", _checkpoint_flags),
+    ("run", "steps, seed, logs, validation, the run folder, dry run", _run_flags),
 )
 
 
@@ -258,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
         allow_abbrev=False,  # `--output /x` must not quietly mean --output_dir
     )
-    for title, add_flags in _FLAG_GROUPS:
+    for _, title, add_flags in _FLAG_GROUPS:
         group = parser.add_argument_group(title)
 
         def flag(name: str, group=group, **kw: Any) -> None:
@@ -301,7 +308,7 @@ def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
         args.val_batch_size = args.train_batch_size
     if args.warmup is None:
         args.warmup = default_warmup(args.max_steps)
-    precision = "fp8" if args.fp8 else ("bf16" if args.bf16 else "fp32")
+    precision = "fp8" if args.fp8 else ("bf16" if args.bf16 else "fp32")  # PrecisionConfig.name
     if args.output_dir is None:
         args.output_dir = f"runs/{args.preset}-{precision}"
     if args.checkpoint_dir is None:
@@ -315,32 +322,16 @@ def default_warmup(max_steps: int) -> int:
     return max(0, min(10, max_steps // 10))
 
 
-class Config(argparse.Namespace):
-    """The run's flags, resolved once (preset filled in, --model_impl auto and the --fp8_recipe
-    default decided) and frozen: every module reads the same values, and checkpoint.json and
-    metrics.jsonl record what the run really used. A change (resume's lr in use) is a new
-    object from :meth:`replace`; :meth:`as_dict` is a copy of every field for records."""
-
-    def __init__(self, **fields: Any) -> None:
-        self.__dict__.update(fields)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"the run config is frozen: use config.replace({name}=...)")
-
-    def __delattr__(self, name: str) -> None:
-        raise AttributeError(f"the run config is frozen: cannot delete {name}")
-
-    def as_dict(self) -> dict[str, Any]:
-        """Every field, as a new dict: ``vars(config)`` is the live one, and a record that
-        edited it (checkpoint.json's config) would edit the frozen run config behind it."""
-        return dict(vars(self))
-
-    def replace(self, **changes: Any) -> Config:
-        """A copy with `changes`; only existing fields (a typo must not add a new one)."""
-        unknown = sorted(set(changes) - set(vars(self)))
-        if unknown:
-            raise AttributeError(f"no such config field: {', '.join(unknown)}")
-        return Config(**{**vars(self), **changes})
+def section_flags() -> dict[str | None, list[str]]:
+    """Each config section's flags (None: the run's own, --recipe and --preset), from the
+    parser's groups: a test holds them equal to the sections' fields."""
+    parser = build_parser()
+    titles = {title: section for section, title, _ in _FLAG_GROUPS}
+    return {
+        titles[group.title]: [action.dest for action in group._group_actions]
+        for group in parser._action_groups
+        if group.title in titles
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
@@ -372,7 +363,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         )
     args.fp8_recipe = flag_rules.resolve_fp8_recipe(args)
     flag_rules.check_recipe_options(args, explicit_flags(argv))
-    return Config(**vars(args))
+    return Config.from_flat(vars(args))
 
 
 def with_recipes(argv: list[str] | None) -> list[str]:

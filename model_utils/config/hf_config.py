@@ -15,19 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from model_utils.config.presets import PRESETS, SHAPE_FIELDS
+from model_utils.config.sections import HF_KEYS
 
-#: Our field -> the name a HF Llama config.json gives it (the table both directions use).
-CONFIG_KEYS: dict[str, str] = {
-    "hidden_width": "hidden_size",
-    "num_layers": "num_hidden_layers",
-    "num_heads": "num_attention_heads",
-    "num_key_value_heads": "num_key_value_heads",
-    "intermediate_size": "intermediate_size",
-    "vocab_size": "vocab_size",
-    "rope_theta": "rope_theta",
-    "rope_scaling": "rope_scaling",
-    "rms_norm_eps": "rms_norm_eps",
-}
+#: The fields a config.json must agree with where a flag or --preset states them (their keys:
+#: sections.HF_KEYS); max_position_embeddings is taken as it is, never contradicted.
+CHECKED = tuple(name for name in HF_KEYS if name != "max_position_embeddings")
 #: Fields with a flag; the others (rope_scaling, rms_norm_eps) come from the preset alone.
 _FLAGGED = (*SHAPE_FIELDS, "rope_theta")
 #: Files that make DIR a tokenizer too: then it is the run's default --tokenizer.
@@ -122,7 +114,7 @@ def contradiction(
     field: str, theirs: Any, args: argparse.Namespace, explicit: frozenset[str]
 ) -> tuple[str, str] | None:
     """(what config.json says, what the user gave) for `field`, in their words, or None."""
-    key = CONFIG_KEYS[field]
+    key = HF_KEYS[field]
     if field in _FLAGGED and field in explicit and getattr(args, field) != theirs:
         ours = getattr(args, field)
         return _shown(key, theirs, ours), f"--{_shown(field, ours, theirs)}"
@@ -142,7 +134,7 @@ def apply(args: argparse.Namespace, explicit: frozenset[str]) -> None:
     if config is None:
         return
     found = architecture(config)
-    for field in CONFIG_KEYS:
+    for field in CHECKED:
         found_given = contradiction(field, found[field], args, explicit)
         if found_given:
             said, given = found_given

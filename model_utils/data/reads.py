@@ -9,7 +9,6 @@ message after the save of the last full step.
 
 from __future__ import annotations
 
-import argparse
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from model_utils.config.sections import Config
 from model_utils.data.checks import find_bad_file
 from model_utils.data.sources import DataError
 from model_utils.data.stream import Batch, TrainStream
@@ -106,7 +106,7 @@ def _cache_problem(exc: BaseException) -> str | None:
 
 
 def build_data(
-    args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, world: World
+    args: Config, tokenizer: PreTrainedTokenizerBase, world: World
 ) -> tuple[TrainStream, list[Batch]]:
     """This rank's training stream and validation batches. Each rank reads its own shard, so a
     data problem may show on one rank only: every rank learns it (all_gather) and all raise
@@ -116,29 +116,31 @@ def build_data(
     stream = val_batches = problem = None
     try:
         stream = TrainStream(
-            args.dataset,
+            args.data.dataset,
             tokenizer,
-            args.max_context_width,
-            args.train_batch_size,
-            config_name=args.dataset_config_name,
-            text_column=args.text_column,
+            args.model.max_context_width,
+            args.data.train_batch_size,
+            config_name=args.data.dataset_config_name,
+            text_column=args.data.text_column,
             rank=world.rank,
             world_size=world.world_size,
-            seed=args.seed,
+            seed=args.run.seed,
         )
         val_batches = validation_batches(
-            args.dataset,
+            args.data.dataset,
             tokenizer,
-            args.max_context_width,
-            args.val_batch_size,
-            args.validation_batches,
-            config_name=args.dataset_config_name,
-            text_column=args.text_column,
+            args.model.max_context_width,
+            args.data.val_batch_size,
+            args.run.validation_batches,
+            config_name=args.data.dataset_config_name,
+            text_column=args.data.text_column,
             rank=world.rank,
             world_size=world.world_size,
         )
     except (ValueError, OSError) as exc:  # DataError, a bad byte (UnicodeDecodeError), ...
-        problem = read_error_message(exc, args.dataset, args.text_column, world.rank, "at start-up")
+        problem = read_error_message(
+            exc, args.data.dataset, args.data.text_column, world.rank, "at start-up"
+        )
     first = first_problem(problem, world.world_size)
     if first:
         raise DataError(first)

@@ -9,7 +9,6 @@ would hold at that position, whatever the world size.
 
 from __future__ import annotations
 
-import argparse
 import zlib
 from collections.abc import Callable, Iterator
 
@@ -17,6 +16,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from model_utils.config.sections import HF_KEYS, Config, ModelShape
 from model_utils.model import loss, te_support
 from model_utils.parallel.distributed import canonical_param_name
 from model_utils.precision import master_weights
@@ -28,20 +28,28 @@ INIT_STD = 0.02
 HF_RECOMPUTED = ("rotary_emb.inv_freq",)
 
 
-def llama_config(args: argparse.Namespace) -> LlamaConfig:
-    """The HF config for the shape in `args` (preset filled in by arguments.apply_preset)."""
-    rope = {"rope_type": "default", "rope_theta": args.rope_theta}
-    if args.rope_scaling:
-        rope = {**args.rope_scaling, "rope_theta": args.rope_theta}
+#: The shape fields LlamaConfig takes as they are (config/sections.HF_KEYS names them); RoPE
+#: and the position count are composed below.
+_AS_IS = (
+    "hidden_width",
+    "num_layers",
+    "num_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "rms_norm_eps",
+)
+
+
+def llama_config(shape: ModelShape) -> LlamaConfig:
+    """The HF config of `shape` (transformers 5 takes RoPE's base and scaling as one dict)."""
+    rope = {"rope_type": "default", "rope_theta": shape.rope_theta}
+    if shape.rope_scaling:
+        rope = {**shape.rope_scaling, "rope_theta": shape.rope_theta}
+    positions = max(shape.max_position_embeddings or 0, shape.max_context_width)
     return LlamaConfig(
-        vocab_size=args.vocab_size,
-        hidden_size=args.hidden_width,
-        intermediate_size=args.intermediate_size,
-        num_hidden_layers=args.num_layers,
-        num_attention_heads=args.num_heads,
-        num_key_value_heads=args.num_key_value_heads,
-        max_position_embeddings=max(args.max_position_embeddings, args.max_context_width),
-        rms_norm_eps=args.rms_norm_eps,
+        **{HF_KEYS[name]: getattr(shape, name) for name in _AS_IS},
+        max_position_embeddings=positions,
         rope_parameters=rope,
         initializer_range=INIT_STD,
         tie_word_embeddings=False,
@@ -62,7 +70,7 @@ def attention_backend(device: torch.device) -> str:
 
 
 def build(
-    args: argparse.Namespace,
+    args: Config,
     impl: str,
     device: torch.device,
     fp8_recipe: object = None,
@@ -73,19 +81,25 @@ def build(
     `fp8_recipe` is the TE recipe --fp8_weights quantizes the weights for (TE only). `build_te`
     is the TE model's builder (te_llama.build_te_llama), passed in because the model file lives
     above this package and only the TE path needs it."""
-    config = llama_config(args)
+    config = llama_config(args.model)
     with torch.device("meta"):
         if impl in ("te", "te_linear"):
             if build_te is None:
                 raise ValueError(f"--model_impl {impl} needs build_te (te_llama.build_te_llama)")
-            model = build_te(config, impl=impl, fp8_weights=args.fp8_weights, fp8_recipe=fp8_recipe)
+            model = build_te(
+                config, impl=impl, fp8_weights=args.precision.fp8_weights, fp8_recipe=fp8_recipe
+            )
         else:
             model = LlamaForCausalLM._from_config(
                 config, attn_implementation=attention_backend(device), dtype=torch.float32
             )
-    if args.master_weights == "optimizer":  # fp32 copies live in the optimizer instead
+    if args.optim.master_weights == "optimizer":  # fp32 copies live in the optimizer instead
         master_weights.store_parameters_in(model, torch.bfloat16)
-    return loss.use_chunked_loss(model, compiled=args.compile) if args.chunked_loss else model
+    return (
+        loss.use_chunked_loss(model, compiled=args.parallel.compile)
+        if args.parallel.chunked_loss
+        else model
+    )
 
 
 def _generator_for(name: str, seed: int, device: torch.device) -> torch.Generator:

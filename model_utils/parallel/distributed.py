@@ -7,7 +7,6 @@ process gets a process group and FSDP2, so what runs in CI is what runs on the c
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import socket
@@ -21,6 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from model_utils.config.sections import ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -229,7 +230,7 @@ def apply_compile(model: nn.Module) -> None:
         layer.compile()
 
 
-def shard(model: nn.Module, mesh: DeviceMesh, args: argparse.Namespace) -> nn.Module:
+def shard(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig, bf16: bool) -> nn.Module:
     """FSDP2 units as torchtitan draws them: the embedding, each decoder layer, the final norm
     with ``lm_head``, and the root (what is left: rotary buffers).
 
@@ -239,9 +240,9 @@ def shard(model: nn.Module, mesh: DeviceMesh, args: argparse.Namespace) -> nn.Mo
     the parameters themselves, or with --master_weights optimizer (bf16 parameters, which the
     policy then leaves uncast) the optimizer's copies.
     """
-    compute = torch.bfloat16 if args.bf16 else torch.float32
+    compute = torch.bfloat16 if bf16 else torch.float32
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
-    units = fsdp_units(model, args.reshard_after_forward)
+    units = fsdp_units(model, parallel.reshard_after_forward)
     for unit, reshard in units:
         fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=policy)

@@ -22,7 +22,6 @@ selected.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 from collections.abc import Callable
@@ -32,6 +31,7 @@ import torch
 from torch import nn
 
 from model_utils.config.options import TE_IMPLS
+from model_utils.config.sections import Config
 
 # FP8 GEMMs need both matrix dims divisible by 16 (the backward multiplies by the transpose).
 FP8_DIM_MULTIPLE = 16
@@ -83,9 +83,9 @@ class BF16:
     checkpoint_fn = None
     te_recipe = None
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.compute = "bf16" if args.bf16 else "fp32"
-        self.masters = MASTERS_WHERE[args.master_weights]
+    def __init__(self, args: Config) -> None:
+        self.compute = "bf16" if args.precision.bf16 else "fp32"
+        self.masters = MASTERS_WHERE[args.optim.master_weights]
 
     def prepare(self, model: nn.Module) -> nn.Module:
         return model
@@ -126,9 +126,9 @@ class TorchaoFloat8:
     checkpoint_fn = None
     te_recipe = None
 
-    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
-        self.recipe_name = args.fp8_recipe
-        self.all_gather = args.fp8_all_gather
+    def __init__(self, args: Config, device: torch.device) -> None:
+        self.recipe_name = args.precision.fp8_recipe
+        self.all_gather = args.precision.fp8_all_gather
         # Real FP8 GEMMs need FP8 tensor cores; elsewhere torchao emulates the numerics in bf16.
         self.emulate = device.type != "cuda" or not fp8_capable_gpu()
         self.converted: list[str] = []
@@ -177,14 +177,14 @@ class TorchaoFloat8:
 
 
 def build_backend(
-    args: argparse.Namespace, device: torch.device, dp_group: object | None = None
+    args: Config, device: torch.device, dp_group: object | None = None
 ) -> PrecisionBackend:
     """The backend for (--model_impl, --fp8). TE implementations always use the TE backend so that
     --fp8=0 runs the very same TE model in bf16."""
-    if args.model_impl in TE_IMPLS:
+    if args.precision.model_impl in TE_IMPLS:
         from model_utils.precision.te import TEBackend
 
         return TEBackend(args, dp_group=dp_group)
-    if args.fp8:
+    if args.precision.fp8:
         return TorchaoFloat8(args, device)
     return BF16(args)

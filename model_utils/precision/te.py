@@ -1,7 +1,7 @@
 """Transformer Engine precision backend: FP8 recipes, capability checks, autocast.
 
 Same seam as the other precision backends (``prepare`` / ``autocast`` / ``after_optimizer_step``
-/ ``describe``). With ``args.fp8`` false the same TE model runs in BF16, so fp8-vs-bf16 runs
+/ ``describe``). With ``--fp8=0`` the same TE model runs in BF16, so fp8-vs-bf16 runs
 compare FP8 alone, not FP8 plus TE's kernel fusion.
 
 TE is imported lazily; building the recipe, the shape rules and the capability messages are
@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from model_utils.config.options import FP8_ATTENTION_RECIPES, TE_RECIPES
+from model_utils.config.sections import Config
 from model_utils.errors import UsageError
 from model_utils.model.te_support import (
     TEUnavailableError,
@@ -163,30 +164,34 @@ class TEBackend:
     name = "te"
 
     def __init__(
-        self, args: Any, dp_group: Any = None, *, torch_autocast_dtype: torch.dtype | None = None
+        self, args: Config, dp_group: Any = None, *, torch_autocast_dtype: torch.dtype | None = None
     ) -> None:
-        self.fp8 = bool(args.fp8)
-        self.recipe_name = args.fp8_recipe
-        self.fp8_format = args.fp8_format
-        self.fp8_weights = bool(getattr(args, "fp8_weights", False))
-        self.masters_in_optimizer = args.master_weights == "optimizer"
-        self.model_impl = args.model_impl
+        self.fp8 = bool(args.precision.fp8)
+        self.recipe_name = args.precision.fp8_recipe
+        self.fp8_format = args.precision.fp8_format
+        self.fp8_weights = bool(args.precision.fp8_weights)
+        self.masters_in_optimizer = args.optim.master_weights == "optimizer"
+        self.model_impl = args.precision.model_impl
         #: TE's own MLP recompute (``--ac_scope mlp`` on the fused layer) has a TE floor.
         self.mlp_recompute = (
-            args.model_impl == "te" and args.activation_checkpointing and args.ac_scope == "mlp"
+            args.precision.model_impl == "te"
+            and args.parallel.activation_checkpointing
+            and args.parallel.ac_scope == "mlp"
         )
         self.torch_autocast_dtype = torch_autocast_dtype
         self.dp_group = dp_group
         self._recipe_kwargs = {
-            "fp8_format": args.fp8_format,
-            "amax_history_len": int(args.amax_history_len),
-            "amax_compute_algo": args.amax_compute_algo,
-            "fp8_margin": int(args.fp8_margin),
-            "fp8_attention": bool(args.fp8_attention),
+            "fp8_format": args.precision.fp8_format,
+            "amax_history_len": int(args.precision.amax_history_len),
+            "amax_compute_algo": args.precision.amax_compute_algo,
+            "fp8_margin": int(args.precision.fp8_margin),
+            "fp8_attention": bool(args.precision.fp8_attention),
         }
         #: Per-head width, for the FP8 attention backend rules (only read with --fp8_attention).
         self.head_dim = (
-            args.hidden_width // args.num_heads if self._recipe_kwargs["fp8_attention"] else None
+            args.model.hidden_width // args.model.num_heads
+            if self._recipe_kwargs["fp8_attention"]
+            else None
         )
         self._recipe: Any = None
         self._model: nn.Module | None = None
@@ -375,7 +380,7 @@ def _describe_cudnn() -> str:
     return f"; TE's cuDNN {'.'.join(map(str, version))}" + (f" from {home}" if home else "")
 
 
-def check_requirements(args: Any, training: bool = True) -> None:
+def check_requirements(args: Config, training: bool = True) -> None:
     """Everything about TE that can be refused before a process group or file exists.
 
     Raises ``model_utils.errors.UsageError`` (one line, exit 2) for a missing TE, an
@@ -383,7 +388,7 @@ def check_requirements(args: Any, training: bool = True) -> None:
     and validation micro-batches: validation runs under the same precision).
     """
 
-    if training and args.fp8_weights and args.master_weights != "optimizer":
+    if training and args.precision.fp8_weights and args.optim.master_weights != "optimizer":
         raise UsageError(FP8_WEIGHTS_TRAINING_REFUSAL)
     try:
         backend = TEBackend(args)
@@ -393,28 +398,28 @@ def check_requirements(args: Any, training: bool = True) -> None:
     except (TECapabilityError, ValueError) as err:
         raise UsageError(str(err)) from err
     _check_resumable(args, _te_version(backend._te()))
-    if not args.fp8:
+    if not args.precision.fp8:
         return
     for flag in ("train_batch_size", "val_batch_size"):
         problem = fp8_shape_problem(
-            micro_batch_size=getattr(args, flag),
-            seq_len=args.max_context_width,
-            hidden_size=args.hidden_width,
-            intermediate_size=args.intermediate_size,
-            num_attention_heads=args.num_heads,
-            num_key_value_heads=args.num_key_value_heads,
-            recipe=args.fp8_recipe,
+            micro_batch_size=args.get(flag),
+            seq_len=args.model.max_context_width,
+            hidden_size=args.model.hidden_width,
+            intermediate_size=args.model.intermediate_size,
+            num_attention_heads=args.model.num_heads,
+            num_key_value_heads=args.model.num_key_value_heads,
+            recipe=args.precision.fp8_recipe,
         )
         if problem:
-            raise UsageError(f"{problem} (--{flag} {getattr(args, flag)})")
+            raise UsageError(f"{problem} (--{flag} {args.get(flag)})")
 
 
-def _check_resumable(args: Any, te_version: str | None) -> None:
+def _check_resumable(args: Config, te_version: str | None) -> None:
     """Refuse, before anything starts, a resume this TE would refuse after the model is built."""
     from model_utils.checkpoint import read_marker, resolve_checkpoint
 
-    resume = args.resume_from_checkpoint
-    path = resolve_checkpoint(resume, args.checkpoint_dir) if resume else None
+    resume = args.checkpoint.resume_from_checkpoint
+    path = resolve_checkpoint(resume, args.checkpoint.checkpoint_dir) if resume else None
     if path is None:
         return
     problem = pickled_fp8_state_problem(path, read_marker(path), te_version, os.environ)

@@ -5,7 +5,6 @@ one-line refusal (exit 2); room for fewer checkpoints than the run keeps is a wa
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -13,6 +12,7 @@ import shutil
 import socket
 from pathlib import Path
 
+from model_utils.config.sections import Config
 from model_utils.errors import os_error_words
 from model_utils.parallel import distributed
 
@@ -21,11 +21,14 @@ class WriteProblem(RuntimeError):
     """An output location cannot be written, or cannot hold one checkpoint: one line, exit 2."""
 
 
-def output_locations(args: argparse.Namespace) -> dict[str, Path]:
+def output_locations(args: Config) -> dict[str, Path]:
     """Where the run writes: flag -> directory."""
-    out = {"--output_dir": Path(args.output_dir), "--checkpoint_dir": Path(args.checkpoint_dir)}
-    if args.export_hf:
-        out["--export_hf"] = Path(args.export_hf)
+    out = {
+        "--output_dir": Path(args.run.output_dir),
+        "--checkpoint_dir": Path(args.checkpoint.checkpoint_dir),
+    }
+    if args.checkpoint.export_hf:
+        out["--export_hf"] = Path(args.checkpoint.export_hf)
     return out
 
 
@@ -155,17 +158,22 @@ def space_verdict(free: int, need: int, keep: int, what: str, where: Path) -> tu
     return "ok", ""
 
 
-def check_space(args: argparse.Namespace, num_params: int, log: logging.Logger) -> None:
+def check_space(args: Config, num_params: int, log: logging.Logger) -> None:
     """Before training: WriteProblem if a checkpoint (or the HF export) cannot fit once; a
     warning if keep_last + 1 checkpoints cannot."""
     # Checked even with --checkpoint_freq -1: a preemption signal still saves. keep_last 0 keeps
     # every checkpoint: warn below two.
-    keep = args.keep_last + 1 if args.keep_last else 2
-    size = checkpoint_bytes(num_params, args.optimizer, args.master_weights)
-    needs = [("checkpoint", size, keep, Path(args.checkpoint_dir))]
-    if args.export_hf:
+    keep = args.checkpoint.keep_last + 1 if args.checkpoint.keep_last else 2
+    size = checkpoint_bytes(num_params, args.optim.optimizer, args.optim.master_weights)
+    needs = [("checkpoint", size, keep, Path(args.checkpoint.checkpoint_dir))]
+    if args.checkpoint.export_hf:
         needs.append(
-            ("Hugging Face export", EXPORT_BYTES_PER_PARAM * num_params, 1, Path(args.export_hf))
+            (
+                "Hugging Face export",
+                EXPORT_BYTES_PER_PARAM * num_params,
+                1,
+                Path(args.checkpoint.export_hf),
+            )
         )
     for what, need, keep, where in needs:
         free = shutil.disk_usage(_nearest_existing(where)).free
@@ -177,7 +185,7 @@ def check_space(args: argparse.Namespace, num_params: int, log: logging.Logger) 
 
 
 def check_outputs(
-    args: argparse.Namespace, world: distributed.World, num_params: int, log: logging.Logger
+    args: Config, world: distributed.World, num_params: int, log: logging.Logger
 ) -> None:
     """Every rank writes a probe file where it will write its checkpoint shards (mounts can
     differ between nodes); rank 0 also in the run and export folders, and checks that a

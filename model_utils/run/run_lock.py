@@ -7,7 +7,6 @@ is refused the same way: the lock covers everything below the folder it is in.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import os
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from model_utils.config.sections import Config
 from model_utils.parallel import distributed
 from model_utils.run import outputs
 
@@ -187,9 +187,7 @@ def _only_the_lock(directory: Path) -> bool:
         return False
 
 
-def hold_run_dirs(
-    args: argparse.Namespace, world: distributed.World, device: torch.device
-) -> list[RunLock]:
+def hold_run_dirs(args: Config, world: distributed.World, device: torch.device) -> list[RunLock]:
     """Rank 0 locks the run's directories for the life of the run; if another live run holds
     one (RunLocked), or the system refuses to create it where access() saw no problem (a full
     file system, root squash, a virtual file system: outputs.WriteProblem), every rank learns
@@ -198,7 +196,7 @@ def hold_run_dirs(
     refused: RunLocked | outputs.WriteProblem | None = None
     if world.is_main:
         try:
-            owned = lock_dirs(args.output_dir, args.checkpoint_dir)
+            owned = lock_dirs(args.run.output_dir, args.checkpoint.checkpoint_dir)
             for flag, directory in owned.items():
                 try:
                     locks.append(RunLock(directory).acquire())

@@ -59,7 +59,7 @@ def build_sharded(
     args: argparse.Namespace, world: distributed.World, device: torch.device
 ) -> tuple[nn.Module, object, DeviceMesh]:
     """train.train's model construction, step by step; returns (model, backend, mesh)."""
-    mesh = distributed.build_mesh(world, device, args.sharding_strategy)
+    mesh = distributed.build_mesh(world, device, args.parallel.sharding_strategy)
     backend = precision.build_backend(args, device)
     return train.build_model(args, mesh, device, backend), backend, mesh
 

@@ -182,7 +182,10 @@ def binding_clip(model: nn.Module, backend, args, world) -> dict[str, float]:
     the norm): the global norm afterwards must be the limit on every world size, which fails if
     a rank scaled its shards by a coefficient from its local norm only."""
     ids = micro_batches(
-        global_batch(0, args.vocab_size, args.max_context_width), world.rank, world.world_size, 1
+        global_batch(0, args.model.vocab_size, args.model.max_context_width),
+        world.rank,
+        world.world_size,
+        1,
     )[0]
     with backend.autocast():
         model(input_ids=ids, labels=ids).loss.backward()
@@ -249,12 +252,12 @@ def run_mode(
             str(accum),
         ]
     )
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.run.seed)
     model, backend, mesh = common.build_sharded(args, world, device)
     init = common.full_parameters(model)
     if world.is_main:
         torch.save(init, out_dir / f"init_{mode}_w{world.world_size}_{strategy}.pt")
-    optimizer, scheduler = optim.from_args(model, args)
+    optimizer, scheduler = optim.from_config(model, args.optim, args.run.max_steps)
 
     result: dict[str, Any] = {"losses": [], "grad_norms": [], "scale_mismatches": []}
     result["mesh"] = {"shape": list(mesh.shape), "dim_names": list(mesh.mesh_dim_names or ())}
@@ -270,11 +273,11 @@ def run_mode(
     model.train()
     start = time.perf_counter()
     for step in range(STEPS):
-        batch = global_batch(step, args.vocab_size, args.max_context_width)
+        batch = global_batch(step, args.model.vocab_size, args.model.max_context_width)
         recorder.enabled = evidence.enabled = step == 0
         source = micro_batch_source(micro_batches(batch, world.rank, world.world_size, accum))
         done = train_step(model, optimizer, scheduler, backend, source, args, device)
-        if args.fp8_all_gather:
+        if args.precision.fp8_all_gather:
             result["scale_mismatches"].append(scale_mismatches(model))
         total = done.loss.double().reshape(1)
         dist.all_reduce(total)

@@ -91,12 +91,17 @@ class Run:
         if hybrid:  # HSDP: replicate across the 2 ranks, shard within each (of size 1)
             mesh = distributed.build_mesh(self.world, self.device, "hybrid")
         self.model = train.build_model(args, mesh, self.device, self.backend)
-        self.optimizer, self.scheduler = optim.from_args(self.model, args)
+        self.optimizer, self.scheduler = optim.from_config(
+            self.model, args.optim, args.run.max_steps
+        )
         self.stream = CounterStream(
-            self.world.rank, args.vocab_size, args.train_batch_size, args.max_context_width
+            self.world.rank,
+            args.model.vocab_size,
+            args.data.train_batch_size,
+            args.model.max_context_width,
         )
         self.state = ck.TrainState(
-            self.model, self.optimizer, self.scheduler, self.stream, config=vars(args)
+            self.model, self.optimizer, self.scheduler, self.stream, config=args.as_dict()
         )
 
     def train_step(self) -> float:
@@ -401,7 +406,7 @@ def _write_hf_input(workdir: Path) -> None:
     from model_utils.config import arguments
     from model_utils.model import modeling
 
-    config = modeling.llama_config(arguments.parse_args(TINY))
+    config = modeling.llama_config(arguments.parse_args(TINY).model)
     torch.manual_seed(123)
     LlamaForCausalLM(config).save_pretrained(workdir / "hf_in", max_shard_size="100KB")
 

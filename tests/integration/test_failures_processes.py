@@ -150,9 +150,9 @@ def _probe_race_worker(rank: int, world_size: int, port: int, out_dir: str, resu
     interleaving a fresh-clone make test hit: rank 0 holds the folder it made for 0.3 s (a slow
     fsync of its second probe, the checkpoint folder's) while rank 1 finds it there and writes
     its own probe 0.5 s later, after rank 0 is done with its probe."""
-    import argparse
     import time
 
+    from model_utils.config.arguments import parse_args
     from model_utils.parallel import distributed
     from model_utils.run import outputs
 
@@ -179,13 +179,8 @@ def _probe_race_worker(rank: int, world_size: int, port: int, out_dir: str, resu
                 time.sleep(0.5)
 
             Path.mkdir = late_mkdir
-        args = argparse.Namespace(
-            output_dir=out_dir,
-            checkpoint_dir=f"{out_dir}/checkpoints/run",
-            export_hf=None,
-            keep_last=2,
-            optimizer="adamw",
-            master_weights="params",
+        args = parse_args(
+            ["--output_dir", out_dir, "--checkpoint_dir", f"{out_dir}/checkpoints/run"]
         )
         world = distributed.World(rank, world_size, rank, world_size)
         dist.barrier()

@@ -195,13 +195,13 @@ def project_log_likelihood(checkpoint: Path) -> float:
 
     args = arguments.parse_args(TRAINING)
     model = modeling.build(args, "hf", torch.device("cpu"))
-    modeling.materialize(model, torch.device("cpu"), seed=args.seed)
+    modeling.materialize(model, torch.device("cpu"), seed=args.run.seed)
     weights = {name: t for layer in iter_dcp_model_layers(checkpoint) for name, t in layer.items()}
     model.load_state_dict(weights, strict=True)
-    tokenizer = data.load_tokenizer(args.tokenizer)
+    tokenizer = data.load_tokenizer(args.data.tokenizer)
     tokens = data.encode_documents(tokenizer, [TEXT]).tolist()  # the text, then its eos
     ids = torch.tensor([[tokenizer.eos_token_id, *tokens[:-1]]])
-    assert ids.shape[1] <= args.max_context_width
+    assert ids.shape[1] <= args.model.max_context_width
     with torch.no_grad():
         loss = model.eval()(input_ids=ids, labels=ids).loss
     return -float(loss) * (ids.shape[1] - 1)

@@ -93,8 +93,8 @@ def test_two_rank_checkpoint_loads_on_one_rank_with_the_same_moments(
     mesh = distributed.build_mesh(distributed.world_from_env({}), device, "full")
     backend = precision.build_backend(args, device)
     model = train.build_model(args, mesh, device, backend)
-    optimizer, scheduler = optim.from_args(model, args)
-    state = ck.TrainState(model, optimizer, scheduler, config=vars(args))
+    optimizer, scheduler = optim.from_config(model, args.optim, args.run.max_steps)
+    state = ck.TrainState(model, optimizer, scheduler, config=args.as_dict())
     result = ck.Checkpointer(tmp_path, keep_last=0).load(path, state)
     assert result.resharded and result.saved_world_size == 2 and state.step == 3
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 from model_utils.config import arguments
 from model_utils.config.arguments import UsageError, parse_args
 from model_utils.config.presets import PRESETS
+from model_utils.config.sections import SECTIONS, TOP_FIELDS, Config
 from model_utils.model import modeling
 from model_utils.precision import backends as precision
 
@@ -18,22 +20,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_preset_fills_unset_fields_and_explicit_flags_win():
     args = parse_args(["--preset", "llama3-8b", "--num_layers", "2", "--max_steps", "20"])
-    assert args.num_layers == 2  # explicit
-    assert args.hidden_width == 4096 and args.num_key_value_heads == 8  # from preset
-    assert args.vocab_size == 128256 and args.rope_theta == 500000.0
-    assert args.max_context_width == 8192
-    assert args.val_batch_size == args.train_batch_size
+    assert args.model.num_layers == 2  # explicit
+    assert args.model.hidden_width == 4096 and args.model.num_key_value_heads == 8  # from preset
+    assert args.model.vocab_size == 128256 and args.model.rope_theta == 500000.0
+    assert args.model.max_context_width == 8192
+    assert args.data.val_batch_size == args.data.train_batch_size
 
 
 def test_preset_dataset_config_follows_the_preset_dataset_only():
     """llama3-8b streams allenai/c4 'en'; a user's own --dataset must not inherit 'en' (the
     GPU matrix on the bundled corpus was refused for exactly that)."""
-    assert parse_args(["--preset", "llama3-8b"]).dataset_config_name == "en"
+    assert parse_args(["--preset", "llama3-8b"]).data.dataset_config_name == "en"
     own = parse_args(["--preset", "llama3-8b", "--dataset", "data/kjv.jsonl.gz"])
-    assert own.dataset_config_name is None
+    assert own.data.dataset_config_name is None
     both = ["--preset", "llama3-8b", "--dataset", "x/y", "--dataset_config_name", "de"]
-    assert parse_args(both).dataset_config_name == "de"
-    assert parse_args(["--preset", "tiny"]).dataset_config_name is None
+    assert parse_args(both).data.dataset_config_name == "de"
+    assert parse_args(["--preset", "tiny"]).data.dataset_config_name is None
 
 
 @pytest.mark.parametrize(
@@ -67,23 +69,47 @@ def test_llama2_7b_parameter_count_matches_published_6_74b():
 
 def test_llama31_preset_carries_rope_scaling_into_the_hf_config():
     args = parse_args(["--preset", "llama3.1-8b", "--max_steps", "20"])
-    config = modeling.llama_config(args)
+    config = modeling.llama_config(args.model)
     assert config.rope_parameters["rope_type"] == "llama3"
     assert config.rope_parameters["rope_theta"] == 500000.0
 
 
 def test_every_flag_is_read_somewhere():
-    """No dead flags: each option's name appears in the code outside the parser."""
+    """No dead flags: each option is read as a config field (`.optim.lr`, `optim.lr` inside
+    the optim stage, or a table of fields read by name) outside the config package, which only
+    parses and checks them."""
     sources = [
         ROOT / "train.py",
         *sorted((ROOT / "model_utils").rglob("*.py")),  # packages too (data/, metrics/)
         ROOT / "te_llama.py",
     ]
-    code = "\n".join(p.read_text() for p in sources if p.exists() and p.name != "arguments.py")
+    config_dir = ROOT / "model_utils" / "config"
+    code = "\n".join(p.read_text() for p in sources if config_dir not in p.parents)
     parser = arguments.build_parser()
     dests = {a.dest for a in parser._actions if a.dest != "help"}
-    unread = sorted(d for d in dests if f"args.{d}" not in code)
+
+    def read(d: str) -> bool:  # as a field, by name, or in a table of fields
+        ways = [rf"\w\.{d}\b", rf'get\("{d}"\)', rf'^    "{d}",$']
+        return bool(re.search("|".join(ways), code, re.MULTILINE))
+
+    unread = sorted(d for d in dests if not read(d))
     assert unread == []
+
+
+def test_each_flag_group_is_a_config_section():
+    """The parser's groups are the sections (docs/flags.md's order): a flag added to a group
+    is a field of that section, and a section field is a flag unless a preset or the run's
+    checks fill it in."""
+    derived = {
+        "model": {"rms_norm_eps", "rope_scaling", "max_position_embeddings"},
+        "data": {"tokenizer_sha256", "data_fingerprint"},
+    }
+    groups = arguments.section_flags()
+    assert groups.pop(None) == list(TOP_FIELDS)
+    assert list(groups) == list(SECTIONS)
+    for section, kind in SECTIONS.items():
+        fields = [f.name for f in dataclasses.fields(kind)]
+        assert [f for f in fields if f not in derived.get(section, ())] == groups[section]
 
 
 @pytest.mark.parametrize(
@@ -144,7 +170,7 @@ def test_the_largest_seed_starts_a_run_the_same_way_twice():
 
     from model_utils.checkpoint.stateful import reseed_rng
 
-    seed = parse_args([f"--seed={2**63 - 1}"]).seed
+    seed = parse_args([f"--seed={2**63 - 1}"]).run.seed
     torch.manual_seed(seed)
     first = torch.rand(3)
     reseed_rng(seed)
@@ -169,33 +195,37 @@ def test_te_recipe_options_pass_where_a_te_recipe_reads_them():
         for recipe in recipes:
             argv = ["--model_impl=te", "--fp8=1", f"--fp8_recipe={recipe}", f"--{name}"]
             args = parse_args([*argv, values[name]])
-            assert str(getattr(args, name)) == values[name], (name, recipe)
+            assert str(args.get(name)) == values[name], (name, recipe)
         toggled = parse_args(["--model_impl=te", "--fp8=0", f"--{name}", values[name]])
-        assert str(getattr(toggled, name)) == values[name]
-    assert parse_args(["--model_impl=hf", "--fp8=1"]).amax_history_len == 1024  # default
+        assert str(toggled.get(name)) == values[name]
+    assert parse_args(["--model_impl=hf", "--fp8=1"]).precision.amax_history_len == 1024  # default
 
 
 def test_fp8_recipe_is_checked_against_the_backend():
     with pytest.raises(UsageError, match="not a torchao recipe"):
         parse_args(["--fp8=1", "--fp8_recipe", "delayed", "--model_impl", "hf"])
     args = parse_args(["--fp8=1", "--model_impl", "hf"])
-    assert args.fp8_recipe == "tensorwise"
-    assert parse_args(["--fp8=1", "--model_impl", "te"]).fp8_recipe == "delayed"
+    assert args.precision.fp8_recipe == "tensorwise"
+    assert parse_args(["--fp8=1", "--model_impl", "te"]).precision.fp8_recipe == "delayed"
 
 
 def test_the_config_is_resolved_once_and_frozen():
     args = parse_args(["--fp8=1"])
-    assert args.model_impl == "hf"  # auto, resolved (no Transformer Engine or FP8 GPU here)
-    with pytest.raises(AttributeError, match="frozen"):
-        args.lr = 0.5
-    changed = args.replace(lr=0.5)
-    assert (changed.lr, args.lr) == (0.5, 1e-3)
-    assert vars(changed) == {**vars(args), "lr": 0.5}
+    assert args.precision.model_impl == "hf"  # auto, resolved (no TE or FP8 GPU here)
+    with pytest.raises(AttributeError, match="cannot assign"):
+        args.optim.lr = 0.5
+    with pytest.raises(AttributeError, match="cannot assign"):
+        args.optim = args.optim
+    changed = args.replace(lr=0.5)  # by the flag's name
+    assert (changed.optim.lr, args.optim.lr) == (0.5, 1e-3)
+    assert changed.as_dict() == {**args.as_dict(), "lr": 0.5}
     with pytest.raises(AttributeError, match="no such config field"):
         args.replace(learning_rate=0.5)
-    record = args.as_dict()  # what checkpoint.json and metrics.jsonl keep
+    record = args.as_dict()  # what checkpoint.json and metrics.jsonl keep: flat flag names
     record["lr"] = 9.0
-    assert args.lr == 1e-3 and record == {**vars(args), "lr": 9.0}
+    record["rope_scaling"] = {"factor": 2.0}
+    assert args.optim.lr == 1e-3 and args.model.rope_scaling is None
+    assert Config.from_flat(args.as_dict()) == args  # a record reads back as the same config
 
 
 def test_auto_impl_is_hf_without_transformer_engine(monkeypatch):
@@ -236,9 +266,9 @@ def test_usage_error_is_one_line(capsys):
 
 
 def test_bool_flags_accept_upstream_style():
-    assert parse_args(["--fp8=1"]).fp8 is True
-    assert parse_args(["--fp8=0"]).fp8 is False
-    assert parse_args(["--activation_checkpointing"]).activation_checkpointing is True
+    assert parse_args(["--fp8=1"]).precision.fp8 is True
+    assert parse_args(["--fp8=0"]).precision.fp8 is False
+    assert parse_args(["--activation_checkpointing"]).parallel.activation_checkpointing is True
 
 
 @pytest.mark.parametrize(

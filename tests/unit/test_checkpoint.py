@@ -184,7 +184,7 @@ def test_layer_groups_and_the_adapter_layer_by_layer_match_whole_model_mapping()
     from model_utils.config import arguments
     from model_utils.model import modeling
 
-    config = modeling.llama_config(arguments.parse_args([*TINY, "--num_layers", "3"]))
+    config = modeling.llama_config(arguments.parse_args([*TINY, "--num_layers", "3"]).model)
     hf = LlamaForCausalLM(config).state_dict()
     whole = te_llama.hf_to_te_state_dict(hf, config)
     adapter = te_llama.StateDictAdapter(config)
@@ -221,7 +221,7 @@ def test_hf_in_and_out_on_a_plain_tied_model(tmp_path: Path) -> None:
     from model_utils.config.presets import BUNDLED_TOKENIZER
     from model_utils.model import modeling
 
-    config = modeling.llama_config(arguments.parse_args(TINY))
+    config = modeling.llama_config(arguments.parse_args(TINY).model)
     config.tie_word_embeddings = True
     torch.manual_seed(0)
     source = LlamaForCausalLM(config)
@@ -327,11 +327,11 @@ def test_init_from_hf_is_checked_against_the_run_shape_before_start(tmp_path: Pa
 
     args = arguments.parse_args(TINY)
     torch.manual_seed(0)
-    LlamaForCausalLM(modeling.llama_config(args)).save_pretrained(tmp_path / "same")
-    ck.check_hf_dir(tmp_path / "same", args)
+    LlamaForCausalLM(modeling.llama_config(args.model)).save_pretrained(tmp_path / "same")
+    ck.check_hf_dir(tmp_path / "same", args.model)
     deeper = arguments.parse_args([*TINY, "--num_layers", "3", "--rope_theta", "500000"])
     with pytest.raises(ValueError) as exc:
-        ck.check_hf_dir(tmp_path / "same", deeper)
+        ck.check_hf_dir(tmp_path / "same", deeper.model)
     assert str(exc.value) == (
         f"--init_from_hf: {tmp_path / 'same'} does not fit this run's model: 9 "
         "tensor(s) differ, e.g. model.layers.2.self_attn.q_proj.weight missing (this model: "
@@ -340,14 +340,16 @@ def test_init_from_hf_is_checked_against_the_run_shape_before_start(tmp_path: Pa
     with pytest.raises(
         ValueError, match="another RoPE base; its config.json says --rope_theta 10000$"
     ):
-        ck.check_hf_dir(tmp_path / "same", arguments.parse_args([*TINY, "--rope_theta", "1e6"]))
+        ck.check_hf_dir(
+            tmp_path / "same", arguments.parse_args([*TINY, "--rope_theta", "1e6"]).model
+        )
 
-    tied_config = modeling.llama_config(args)
+    tied_config = modeling.llama_config(args.model)
     tied_config.tie_word_embeddings = True
     tied = LlamaForCausalLM(tied_config)
     tied.save_pretrained(tmp_path / "tied")
-    ck.check_hf_dir(tmp_path / "tied", args)
-    untied = LlamaForCausalLM(modeling.llama_config(args))
+    ck.check_hf_dir(tmp_path / "tied", args.model)
+    untied = LlamaForCausalLM(modeling.llama_config(args.model))
     ck.load_hf_weights(untied, tmp_path / "tied")
     assert untied.lm_head.weight is not untied.model.embed_tokens.weight
     assert torch.equal(untied.lm_head.weight, tied.model.embed_tokens.weight)

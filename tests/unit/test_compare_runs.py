@@ -44,7 +44,7 @@ def train_record(step: int, speed: float, loss: float) -> dict:
 
 def info(**overrides) -> dict:
     """The run record train.py writes for the tiny preset on 2 ranks."""
-    flags = vars(parse_args(["--preset", "tiny", "--max_steps", "50"]))
+    flags = parse_args(["--preset", "tiny", "--max_steps", "50"]).as_dict()
     flags.update(model_impl="hf", fp8_recipe="tensorwise", **overrides)
     return metrics.run_record(flags, world_size=2, samples_per_step=2 * flags["train_batch_size"])
 
@@ -421,4 +421,4 @@ def test_warmup_rule_is_train_py_s() -> None:
 
     assert run_log.SPEED_WARMUP_STEPS == cr.WARMUP_STEPS
     source = (ROOT / "model_utils" / "run" / "run_log.py").read_text()
-    assert "min(SPEED_WARMUP_STEPS, args.max_steps // 2)" in source
+    assert "min(SPEED_WARMUP_STEPS, args.run.max_steps // 2)" in source

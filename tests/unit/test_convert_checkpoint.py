@@ -38,10 +38,10 @@ def save_checkpoints(
     from model_utils.model import modeling
 
     args = arguments.parse_args(SMALL_LLAMA)
-    tokenizer = tokenizer or args.tokenizer
+    tokenizer = tokenizer or args.data.tokenizer
     fingerprint = data.tokenizer_fingerprint(data.load_tokenizer(tokenizer))
     run_config = {"tokenizer": tokenizer, "tokenizer_sha256": fingerprint}
-    model = LlamaForCausalLM(modeling.llama_config(args))
+    model = LlamaForCausalLM(modeling.llama_config(args.model))
     checkpointer = ck.Checkpointer(root)
     paths = []
     for step in steps:

@@ -78,12 +78,14 @@ class Run:
         mesh = distributed.build_mesh(distributed.world_from_env({}), device, "full")
         self.backend = precision.build_backend(args, device)
         self.model = train.build_model(args, mesh, device, self.backend)
-        self.optimizer, self.scheduler = optim.from_args(self.model, args)
+        self.optimizer, self.scheduler = optim.from_config(
+            self.model, args.optim, args.run.max_steps
+        )
         self.state = ck.TrainState(
             self.model,
             self.optimizer,
             self.scheduler,
-            config=vars(args),
+            config=args.as_dict(),
             fp8_recipe=self.backend.te_recipe,
         )
         adapter = te_llama.StateDictAdapter(self.model.config)

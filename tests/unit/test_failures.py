@@ -64,13 +64,13 @@ def test_non_finite_or_non_positive_numbers_are_refused(argv: list[str], message
 )
 def test_default_warmup_follows_max_steps(max_steps: int, warmup: int) -> None:
     """`--preset tiny --max_steps 10`, a newcomer's first try, must not be refused by a default."""
-    assert parse_args(["--preset", "tiny", "--max_steps", str(max_steps)]).warmup == warmup
+    assert parse_args(["--preset", "tiny", "--max_steps", str(max_steps)]).optim.warmup == warmup
 
 
 def test_an_explicit_warmup_is_still_checked() -> None:
     with pytest.raises(UsageError, match="--warmup 10 leaves no decay phase"):
         parse_args(["--preset", "tiny", "--max_steps", "10", "--warmup", "10"])
-    assert parse_args(["--max_steps", "10", "--warmup", "3"]).warmup == 3
+    assert parse_args(["--max_steps", "10", "--warmup", "3"]).optim.warmup == 3
 
 
 def test_a_run_that_took_the_directory_after_the_check_still_stops_this_one(
@@ -103,7 +103,7 @@ def test_a_run_that_took_the_directory_after_the_check_still_stops_this_one(
 
 
 def test_model_data_and_precision_changes_are_refused_the_rest_allowed() -> None:
-    saved = vars(parse_args([*FAST, "--max_steps", "20"]))
+    saved = parse_args([*FAST, "--max_steps", "20"]).as_dict()
     now = dict(
         saved,
         num_layers=2,
@@ -132,7 +132,7 @@ def test_what_the_fp8_bf16_comparison_compares_is_part_of_the_run() -> None:
     on resume (the resumed run would be recorded under the other precision); the FP8 knobs count
     only while FP8 is on; --fp8_all_gather and --fp8_weights (what is moved or kept, not the
     GEMMs' numerics) may change."""
-    fp8 = json_round_trip(vars(parse_args([*FAST, "--fp8=1"])))
+    fp8 = json_round_trip(parse_args([*FAST, "--fp8=1"]).as_dict())
     for change in (
         {"fp8": False, "fp8_recipe": None},
         {"fp8_recipe": "rowwise"},
@@ -147,7 +147,7 @@ def test_what_the_fp8_bf16_comparison_compares_is_part_of_the_run() -> None:
         [],
         [("--fp8_all_gather", False, True)],
     )
-    bf16 = json_round_trip(vars(parse_args(FAST)))
+    bf16 = json_round_trip(parse_args(FAST).as_dict())
     assert ck.config_changes(bf16, dict(bf16, amax_history_len=16))[0] == []
     # Another run's checkpoint loaded into a new folder starts a new run from its weights: the
     # implementation or precision may change there (hf -> te conversion, BF16 -> FP8).
@@ -171,7 +171,7 @@ def test_a_tokenizer_changed_in_place_is_refused_by_its_contents(tmp_path) -> No
     tokenizer.backend_tokenizer.add_tokens([AddedToken("<extra>")])
     after = data.tokenizer_fingerprint(tokenizer)
     assert after != before
-    saved = dict(vars(parse_args(FAST)), tokenizer_sha256=before)
+    saved = dict(parse_args(FAST).as_dict(), tokenizer_sha256=before)
     refused, _ = ck.config_changes(json_round_trip(saved), dict(saved, tokenizer_sha256=after))
     assert refused == [("the tokenizer's contents (sha256)", before, after)]
     assert ck.config_changes(json_round_trip(saved), dict(saved, tokenizer_sha256=None)) == ([], [])
@@ -186,7 +186,7 @@ def test_the_same_data_and_tokenizer_moved_elsewhere_still_resume(tmp_path) -> N
     moved.parent.mkdir()
     moved.write_text('{"text": "x"}\n')
     saved = dict(
-        vars(parse_args(FAST)),
+        parse_args(FAST).as_dict(),
         dataset=str(old_home / "corpus.jsonl"),
         tokenizer=str(old_home / "tokenizer"),
         tokenizer_sha256="ab" * 8,
@@ -360,9 +360,9 @@ def test_a_damaged_checkpoint_takes_no_keep_last_slot_from_an_intact_one(tmp_pat
 def test_tilde_is_expanded_in_every_path_flag(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
     args = parse_args(["--output_dir", "~/run", "--export_hf=~/hf"])
-    assert args.output_dir == str(tmp_path / "run")
-    assert args.checkpoint_dir == str(tmp_path / "run" / "checkpoints")
-    assert args.export_hf == str(tmp_path / "hf")
+    assert args.run.output_dir == str(tmp_path / "run")
+    assert args.checkpoint.checkpoint_dir == str(tmp_path / "run" / "checkpoints")
+    assert args.checkpoint.export_hf == str(tmp_path / "hf")
 
 
 def test_a_file_in_the_way_is_refused_before_anything_is_created(

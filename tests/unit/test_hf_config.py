@@ -107,7 +107,7 @@ def our_loss_and_logits(folder: Path, impl: str, ids: torch.Tensor) -> tuple[flo
     model = train.build_model(args, mesh, device, backend)
     with torch.no_grad():
         logits = model(input_ids=ids).logits.float()
-    optimizer, scheduler = optim.from_args(model, args)
+    optimizer, scheduler = optim.from_config(model, args.optim, args.run.max_steps)
     done = train_step(
         model,
         optimizer,
@@ -165,20 +165,25 @@ def test_the_run_takes_every_model_field_from_config_json(family: str, tmp_path)
     folder = save_config_only(tmp_path, **SMALL, **FAMILIES[family])
     args = parse_args([f"--init_from_hf={folder}", "--fp8=0"])
     spec = FAMILIES[family]
-    assert (args.hidden_width, args.num_layers, args.intermediate_size, args.vocab_size) == (
+    assert (
+        args.model.hidden_width,
+        args.model.num_layers,
+        args.model.intermediate_size,
+        args.model.vocab_size,
+    ) == (
         64,
         2,
         128,
         8192,
     )
-    assert (args.num_heads, args.num_key_value_heads) == (
+    assert (args.model.num_heads, args.model.num_key_value_heads) == (
         spec["num_attention_heads"],
         spec["num_key_value_heads"],
     )
-    assert args.rope_theta == spec["rope_theta"]
-    assert args.rope_scaling == spec.get("rope_scaling")
-    assert args.rms_norm_eps == spec.get("rms_norm_eps", 1e-6)  # transformers' default
-    assert args.max_position_embeddings == spec.get("max_position_embeddings", 2048)
+    assert args.model.rope_theta == spec["rope_theta"]
+    assert args.model.rope_scaling == spec.get("rope_scaling")
+    assert args.model.rms_norm_eps == spec.get("rms_norm_eps", 1e-6)  # transformers' default
+    assert args.model.max_position_embeddings == spec.get("max_position_embeddings", 2048)
 
 
 LLAMA31_8B = dict(
@@ -254,7 +259,7 @@ def test_a_contradicting_preset_or_flag_is_refused_naming_both(
 def test_a_matching_preset_is_accepted(tmp_path) -> None:
     folder = save_config_only(tmp_path, **LLAMA31_8B, rope_scaling=SCALING)
     args = parse_args([f"--init_from_hf={folder}", "--preset=llama3.1-8b", "--fp8=0"])
-    assert args.rope_scaling["factor"] == 8.0 and args.num_layers == 32
+    assert args.model.rope_scaling["factor"] == 8.0 and args.model.num_layers == 32
 
 
 def test_a_folder_without_config_json_is_refused(tmp_path) -> None:
@@ -268,9 +273,9 @@ def test_the_checkpoints_tokenizer_is_the_default(tmp_path) -> None:
     import shutil
 
     folder = save_config_only(tmp_path / "m", **SMALL, **FAMILIES["llama3"])
-    assert parse_args([f"--init_from_hf={folder}"]).tokenizer != str(folder)
+    assert parse_args([f"--init_from_hf={folder}"]).data.tokenizer != str(folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(ROOT / "data" / "tokenizer" / name, folder / name)
-    assert parse_args([f"--init_from_hf={folder}"]).tokenizer == str(folder)
+    assert parse_args([f"--init_from_hf={folder}"]).data.tokenizer == str(folder)
     given = str(ROOT / "data" / "tokenizer")
-    assert parse_args([f"--init_from_hf={folder}", f"--tokenizer={given}"]).tokenizer == given
+    assert parse_args([f"--init_from_hf={folder}", f"--tokenizer={given}"]).data.tokenizer == given

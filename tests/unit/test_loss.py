@@ -105,9 +105,9 @@ def test_train_py_trains_the_same_with_and_without_the_chunked_loss(tmp_path) ->
         mesh = distributed.build_mesh(distributed.world_from_env({}), device, "full")
         backend = precision.build_backend(args, device)
         model = train.build_model(args, mesh, device, backend)
-        optimizer, _ = optim.from_args(model, args)
+        optimizer, _ = optim.from_config(model, args.optim, args.run.max_steps)
         ids, labels = batch()
-        ids = ids % args.vocab_size
+        ids = ids % args.model.vocab_size
         run = []
         for _ in range(3):
             step_loss = model(input_ids=ids, labels=ids).loss

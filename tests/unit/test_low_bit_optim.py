@@ -122,13 +122,13 @@ def test_schedule_on_torchaos_tensor_lr_resumes_exactly_and_takes_an_explicit_lr
 
 
 def test_flag_and_the_refused_combinations() -> None:
-    assert parse_args([]).optimizer == "adamw"
-    assert parse_args(["--optimizer", "adamw_fp8"]).optimizer == "adamw_fp8"
+    assert parse_args([]).optim.optimizer == "adamw"
+    assert parse_args(["--optimizer", "adamw_fp8"]).optim.optimizer == "adamw_fp8"
     with pytest.raises(UsageError, match="invalid choice"):
         parse_args(["--optimizer", "adam4bit"])
     with pytest.raises(UsageError, match="aten.new_empty.*drop --async_checkpoint"):
         parse_args(["--optimizer", "adamw8bit", "--async_checkpoint"])
-    assert parse_args(["--optimizer", "adamw", "--async_checkpoint"]).async_checkpoint
+    assert parse_args(["--optimizer", "adamw", "--async_checkpoint"]).checkpoint.async_checkpoint
 
     # A resume keeps the saved optimizer; checkpoints from before the flag are adamw's.
     refused, _ = ck.config_changes({"optimizer": "adamw8bit"}, {"optimizer": "adamw"})

@@ -19,8 +19,8 @@ RUN_FOLDERS = {"output_dir", "checkpoint_dir"}  # runs/<preset>-fp8 and -bf16: t
 
 @pytest.mark.parametrize("model", sorted({name.rsplit("-", 1)[0] for name in recipes.names()}))
 def test_a_recipes_twins_differ_in_precision_alone(model: str) -> None:
-    fp8 = vars(parse_args(["--recipe", f"{model}-fp8"]))
-    bf16 = vars(parse_args(["--recipe", f"{model}-bf16"]))
+    fp8 = parse_args(["--recipe", f"{model}-fp8"]).as_dict()
+    bf16 = parse_args(["--recipe", f"{model}-bf16"]).as_dict()
     differ = {name for name in fp8 if fp8[name] != bf16[name]}
     assert differ == {"recipe", *RUN_FOLDERS, *(PRECISION_FLAGS & differ)} and "fp8" in differ
     assert fp8["output_dir"].endswith("-fp8") and bf16["output_dir"].endswith("-bf16")
@@ -31,8 +31,17 @@ def test_a_recipe_stands_where_it_is_written() -> None:
     """Like argparse's @file: the sbatch's defaults before it give way, the user's flags after
     it win."""
     args = parse_args(["--preset", "llama2-7b", "--fp8=0", "--recipe=llama3-8b-fp8", "--lr=1e-4"])
-    assert (args.preset, args.fp8, args.fp8_recipe, args.lr) == ("llama3-8b", True, "delayed", 1e-4)
-    assert args.train_batch_size == 4 and args.ac_scope == "mlp" and args.compile
+    assert (args.preset, args.precision.fp8, args.precision.fp8_recipe, args.optim.lr) == (
+        "llama3-8b",
+        True,
+        "delayed",
+        1e-4,
+    )
+    assert (
+        args.data.train_batch_size == 4
+        and args.parallel.ac_scope == "mlp"
+        and args.parallel.compile
+    )
     assert args.recipe == "llama3-8b-fp8"
 
 

@@ -89,8 +89,8 @@ def test_writer_round_trip_and_resume_purges_the_rerun_steps(tmp_path: Path) -> 
     off.write(record(1, 1.0))
     off.close()
     assert not (tmp_path / "off").exists()
-    assert parse_args([]).tensorboard is False  # off by default
-    assert parse_args(["--tensorboard"]).tensorboard is True
+    assert parse_args([]).run.tensorboard is False  # off by default
+    assert parse_args(["--tensorboard"]).run.tensorboard is True
 
 
 def test_only_tensorboard_writer_threads_disk_errors_go_unprinted(monkeypatch) -> None:
