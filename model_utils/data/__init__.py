@@ -26,10 +26,11 @@ The pipeline, and why it is built this way:
   re-tokenises one tokenizer batch; nothing before the block is read or tokenised again.
 
 The modules, one job each: `sources` (naming and opening a dataset, this rank's part),
-`checks` (the start-up scan of the user's files and hub name), `tokens` (tokenizer, encoding),
-`stream` (the training stream and its position), `validation` (the fixed validation batches),
-`reads` (a read failing on one rank while all ranks stop together). Callers use the names
-re-exported here: `from model_utils import data; data.TrainStream(...)`.
+`checks` (the start-up scan of the user's files, and the one hub look-up of a dataset or
+tokenizer name), `tokens` (tokenizer, encoding), `stream` (the training stream and its
+position), `validation` (the fixed validation batches), `reads` (a read failing on one rank
+while all ranks stop together). Callers use the names re-exported here:
+`from model_utils import data; data.TrainStream(...)`.
 """
 
 from model_utils.data.checks import (

@@ -9,7 +9,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from model_utils.data.sources import DataError, local_files, not_text_message
 from model_utils.errors import first_line
@@ -18,7 +18,7 @@ from model_utils.errors import first_line
 # corpus (a bad byte further in is met mid-run and named then).
 SCAN_BYTES_PER_FILE = 8 * 2**20
 SCAN_BYTES_TOTAL = 64 * 2**20
-HUB_TIMEOUT_S = 10.0  # one look-up of a hub dataset name before anything starts
+HUB_TIMEOUT_S = 10.0  # one look-up of a hub name (dataset, tokenizer) before anything starts
 
 
 def check_hub_dataset(dataset: str, timeout: float = HUB_TIMEOUT_S) -> None:
@@ -28,32 +28,77 @@ def check_hub_dataset(dataset: str, timeout: float = HUB_TIMEOUT_S) -> None:
     dataset needs the network anyway, so an offline setting is refused too."""
     if Path(dataset).expanduser().exists():
         return
-    offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if env_true(v)]
-    local_hint = "give a local file with its extension (.jsonl, .txt, .parquet) or folder"
-    if offline:
-        raise DataError(
-            f"--dataset {dataset}: no local file or folder of that name, and hub look-ups are "
-            f"off ({offline[0]}=1; streaming a hub dataset needs the network): {local_hint}"
-        )
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import RepositoryNotFoundError
+    check_hub_repo(
+        dataset,
+        "dataset",
+        f"--dataset {dataset}: no local file or folder of that name",
+        "give a local file with its extension (.jsonl, .txt, .parquet) or folder",
+        error=DataError,
+        timeout=timeout,
+    )
 
-    try:
-        HfApi().dataset_info(dataset, timeout=timeout)
-    except RepositoryNotFoundError:
-        raise DataError(
-            f"--dataset {dataset}: no local file or folder of that name, and no such dataset on "
-            f"the Hugging Face hub (or it is private: set HF_TOKEN): {local_hint}"
-        ) from None
-    except Exception as exc:  # no network, DNS, proxy, timeout, server error
-        raise DataError(
-            f"--dataset {dataset}: no local file or folder of that name, and the Hugging Face hub "
-            f"did not answer within {timeout:g} s ({first_line(exc)}): {local_hint}, or check "
-            "the network"
-        ) from None
+
+#: Per kind of hub repository: the HfApi call that asks about it; the switches that turn hub
+#: look-ups off for the library that would load it (huggingface_hub's own, then that
+#: library's: transformers', datasets'); and what to do when one is on (a tokenizer, once
+#: downloaded, is read from the cache; a hub dataset is streamed from the hub all run long).
+_HUB_KINDS = {
+    "model": (
+        "model_info",
+        ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"),
+        "download it where there is network",
+    ),
+    "dataset": (
+        "dataset_info",
+        ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"),
+        "run where there is network, without {switch} (a hub dataset is streamed from the hub)",
+    ),
+}
+
+
+def check_hub_repo(
+    name: str,
+    kind: Literal["model", "dataset"],
+    subject: str,
+    hint: str,
+    *,
+    error: type[Exception] = ValueError,
+    timeout: float = HUB_TIMEOUT_S,
+) -> None:
+    """One look-up of hub repository `name` of `kind`, within `timeout` seconds, where the
+    loading library (transformers, datasets) would retry each file for half a minute to a
+    minute and print dozens of lines before its own error. If the hub cannot give it, `error`
+    in one line: `subject` (the flag, the name, and where it was not found locally), why (hub
+    look-ups switched off, and by which variable; no such repository; the hub, named by its
+    address, did not answer), then `hint` (the local way) and the fix for that reason."""
+    method, switches, offline_fix = _HUB_KINDS[kind]
+    switch = next((s for s in switches if env_true(s)), None)
+    if switch is not None:
+        reason, fix = f"hub look-ups are off ({switch}=1)", offline_fix.format(switch=switch)
+    else:
+        from huggingface_hub import HfApi, constants
+        from huggingface_hub.errors import RepositoryNotFoundError
+
+        try:
+            getattr(HfApi(), method)(name, timeout=timeout)
+            return
+        except RepositoryNotFoundError:
+            reason = (
+                f"no such {kind} on the Hugging Face hub (or it is private or gated: set HF_TOKEN)"
+            )
+            fix = "correct the hub name"
+        except Exception as exc:  # no network, DNS, proxy, timeout, server error
+            reason = (
+                f"the Hugging Face hub ({constants.ENDPOINT}) did not answer within "
+                f"{timeout:g} s ({first_line(exc)})"
+            )
+            fix = "check the network"
+    raise error(f"{subject}, and {reason}: {hint}, or {fix}")
 
 
 def env_true(name: str) -> bool:
+    """Whether switch `name` is on, as huggingface_hub reads one, but read now rather than at
+    import: a switch set after start-up (a test, a wrapper) is heard too."""
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 

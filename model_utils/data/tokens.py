@@ -10,9 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from model_utils.data.checks import HUB_TIMEOUT_S, env_true
+from model_utils.data.checks import HUB_TIMEOUT_S, check_hub_repo
 from model_utils.data.sources import looks_like_path
-from model_utils.errors import first_line
 
 if TYPE_CHECKING:  # imported lazily at run time: transformers is slow to import
     from transformers import PreTrainedTokenizerBase
@@ -74,31 +73,14 @@ def check_hub_tokenizer(name: str, timeout: float = HUB_TIMEOUT_S) -> None:
     """A tokenizer named by hub name and not in the local cache: one look-up of the name
     (ValueError in one line if hub look-ups are off, the name is unknown, or the hub does not
     answer within `timeout`), where the loader would retry each file for about a minute and
-    print some 45 lines before its own error. As --dataset's name gets (check_hub_dataset)."""
-    offline = [v for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if env_true(v)]
-    hint = "give the local folder a tokenizer was saved to (save_pretrained)"
-    if offline:
-        raise ValueError(
-            f"--tokenizer {name}: no local folder of that name, not in the Hugging Face cache, "
-            f"and hub look-ups are off ({offline[0]}=1): {hint}, or download it where there is "
-            "network"
-        )
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import RepositoryNotFoundError
-
-    try:
-        HfApi().model_info(name, timeout=timeout)
-    except RepositoryNotFoundError:
-        raise ValueError(
-            f"--tokenizer {name}: no local folder of that name, and no such model on the Hugging "
-            f"Face hub (or it is private or gated: set HF_TOKEN): {hint}, or a hub name"
-        ) from None
-    except Exception as exc:  # no network, DNS, proxy, timeout, server error
-        raise ValueError(
-            f"--tokenizer {name}: no local folder of that name, not in the Hugging Face cache, and "
-            f"the hub did not answer within {timeout:g} s ({first_line(exc)}): {hint}, or check "
-            "the network"
-        ) from None
+    print some 45 lines before its own error. The same look-up as --dataset's name gets."""
+    check_hub_repo(
+        name,
+        "model",
+        f"--tokenizer {name}: no local folder of that name, not in the Hugging Face cache",
+        "give the local folder a tokenizer was saved to (save_pretrained)",
+        timeout=timeout,
+    )
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:

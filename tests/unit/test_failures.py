@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -565,6 +566,48 @@ def test_a_name_that_is_no_local_path_fails_fast_offline_or_unknown(monkeypatch)
     with pytest.raises(data.DataError, match="4f1c: no local file or folder of that name"):
         data.check_hub_dataset("no-such-user-4f1c/no-such-dataset-4f1c", timeout=5)
     assert time.monotonic() - started < 15  # not the datasets library's half-minute of retries
+
+
+def test_the_hub_look_up_heeds_each_loaders_offline_switch_and_names_the_hub(monkeypatch) -> None:
+    """--dataset's and --tokenizer's names get the same look-up (check_hub_repo): each refused
+    at once by huggingface_hub's switch or its own loader's (datasets', transformers'), and
+    not by the other's; an unknown name or a hub that does not answer says which, and where."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    from model_utils import data
+    from model_utils.data.tokens import check_hub_tokenizer
+
+    class NotFound(RepositoryNotFoundError):
+        def __init__(self) -> None:
+            Exception.__init__(self, "404")
+
+    answers = {"model_info": ConnectionError("[Errno 111] Connection refused")}
+    answers["dataset_info"] = NotFound()
+
+    def ask(kind: str):
+        def info(*_args, **_kwargs):
+            raise answers[kind]
+
+        return info
+
+    for kind in answers:
+        monkeypatch.setattr(huggingface_hub.HfApi, kind, ask(kind))
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    unreachable = f"the Hugging Face hub ({constants.ENDPOINT}) did not answer within 10 s"
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(data.DataError, match=r"off \(HF_DATASETS_OFFLINE=1\).*without HF_DATA"):
+        data.check_hub_dataset("org/corpus")
+    with pytest.raises(ValueError, match=re.escape(f"{unreachable} (ConnectionError: [Errno")):
+        check_hub_tokenizer("org/tok")  # datasets' switch is not transformers'
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    with pytest.raises(ValueError, match=r"off \(TRANSFORMERS_OFFLINE=1\).*, or download it"):
+        check_hub_tokenizer("org/tok")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE")
+    with pytest.raises(data.DataError, match="org/corpus: .* no such dataset on the Hugging"):
+        data.check_hub_dataset("org/corpus")
 
 
 def test_tiny_data_warns_that_each_batch_repeats_it(tmp_path: Path, caplog) -> None:
