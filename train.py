@@ -57,15 +57,16 @@ def validate(argv: list[str] | None, training: bool = True) -> tuple[arguments.C
     except ValueError as exc:
         raise arguments.UsageError(str(exc)) from exc
     if args.model_impl in arguments.TE_IMPLS:
-        from model_utils.precision.te import check_requirements
+        from model_utils.precision.te import check_requirements, te_version
 
         check_requirements(args, training)
+        checkpoint.check_fp8_state_loadable(args, te_version())  # a resume this TE would refuse
     if training:
         try:  # a live run in this directory: refused before anything starts (reads only)
             run_lock.check_not_locked(
                 run_lock.lock_dirs(args.output_dir, args.checkpoint_dir).values()
             )
-            outputs.check_locations({**outputs.output_locations(args), **outputs.cache_location()})
+            outputs.check_locations({**outputs.output_locations(args), **data.cache_location()})
             checkpoint.check_before_start(args)  # the resume policy: checkpoint/resume.py
         except (run_lock.RunLocked, outputs.WriteProblem, ValueError) as exc:
             raise arguments.UsageError(str(exc)) from exc
