@@ -12,8 +12,8 @@ Two TE implementations of the same Hugging Face Llama:
   stay ``nn.Linear``).
 
 Nothing here monkey-patches transformers, and importing this module never needs TE (building a
-TE model without it raises ``TEUnavailableError``). The TE glue the library needs too (importing
-TE, FP8 scaling state, RoPE and masks in TE's form) is model_utils/model/te_support.py.
+TE model without it raises ``TEUnavailableError``). The TE glue of model_utils: TE's import in
+config/te_loader.py, FP8 state in precision/te_state.py, RoPE and masks in model/te_support.py.
 
 Weights are always described by :data:`LAYER_PARAM_MAP` (HF name(s) -> TE name), the single
 source of truth behind :class:`StateDictAdapter`, which converts for ``--init_from_hf`` /
@@ -33,20 +33,20 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from model_utils.config.te_loader import import_te
 from model_utils.model.modeling import HF_RECOMPUTED
 from model_utils.model.te_support import (
-    FIRST_MICROBATCH_ATTR,
     TE_LAYER_ATTR,
     batch_positions,
     head_dim_of,
     hf_mask_to_te,
-    import_te,
     is_te_extra_state_key,
     llama_rope_inv_freq,
     rope_angles,
 )
 from model_utils.parallel.distributed import canonical_param_name
 from model_utils.precision.backends import FP8_DIM_MULTIPLE  # FP8 GEMMs need multiples of 16
+from model_utils.precision.te_state import FIRST_MICROBATCH_ATTR
 
 ModelImpl = Literal["te", "te_linear"]
 
@@ -352,7 +352,7 @@ class TELlamaDecoderLayer(nn.Module):
         # after ``to_empty`` and nobody would re-initialise them.
         self._inv_freq_cpu = llama_rope_inv_freq(config)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
-        #: Set per micro-batch by ``te_support.set_is_first_microbatch`` (TE caches FP8 weights).
+        #: Set per micro-batch by ``te_state.set_is_first_microbatch`` (TE caches FP8 weights).
         self.te_is_first_microbatch: bool | None = None
 
     def reset_rope_buffers(self) -> None:

@@ -58,16 +58,16 @@ def validate(argv: list[str] | None, training: bool = True) -> tuple[Config, obj
     except ValueError as exc:
         raise arguments.UsageError(str(exc)) from exc
     if config.precision.model_impl in arguments.TE_IMPLS:
-        from model_utils.precision.te import check_requirements
+        from model_utils.precision.te import check_requirements, te_version
 
         check_requirements(config, training)
+        checkpoint.check_fp8_state_loadable(config, te_version())  # a resume this TE refuses
     if training:
         try:  # a live run in this directory: refused before anything starts (reads only)
             locks = run_lock.lock_dirs(config.run.output_dir, ckpt.checkpoint_dir)
             run_lock.check_not_locked(locks.values())
-            outputs.check_locations(
-                {**outputs.output_locations(config), **outputs.cache_location()}
-            )
+            places = {**outputs.output_locations(config), **data.cache_location()}
+            outputs.check_locations(places)
             checkpoint.check_before_start(config)  # the resume policy: checkpoint/resume.py
         except (run_lock.RunLocked, outputs.WriteProblem, ValueError) as exc:
             raise arguments.UsageError(str(exc)) from exc

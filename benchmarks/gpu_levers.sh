@@ -35,7 +35,7 @@
 #
 # TE searches the CUDA toolkit and the system for cuDNN before pip's: on the H100 of 2026-11-24
 # it loaded Debian's 9.14 beside torch's 9.19, and deterministic FP8 attention was refused.
-# train.py now points TE at torch's cuDNN and its sub-libraries (model_utils/precision/te_loader.py; the
+# train.py now points TE at torch's cuDNN and its sub-libraries (model_utils/config/te_loader.py; the
 # start-up line says which one TE runs on); `tier` checks that on the GPU (passed 2026-11-24).
 #
 # Everything a phase prints goes to OUT_DIR/PHASE.log as well; the matrix rows' run folders

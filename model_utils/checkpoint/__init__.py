@@ -87,6 +87,7 @@ from model_utils.checkpoint.errors import (
     CheckpointWriteError,
     ResumeRefused,
     UntrustedCheckpointError,
+    pickled_fp8_state_problem,
     untrusted_checkpoint_message,
     write_error_reason,
 )
@@ -128,7 +129,11 @@ from model_utils.checkpoint.optimizer_state import (
     low_bit_reshard_problem,
     moment_conversion_problem,
 )
-from model_utils.checkpoint.resume import check_before_start, resume_or_start
+from model_utils.checkpoint.resume import (
+    check_before_start,
+    check_fp8_state_loadable,
+    resume_or_start,
+)
 from model_utils.checkpoint.saved import iter_dcp_model_layers
 from model_utils.checkpoint.stateful import (
     LoadResult,
@@ -163,6 +168,7 @@ __all__ = [
     "UntrustedCheckpointError",
     "capture_rng",
     "check_before_start",
+    "check_fp8_state_loadable",
     "check_fresh_start",
     "check_export_dir",
     "existing_model",
@@ -191,6 +197,7 @@ __all__ = [
     "low_bit_reshard_problem",
     "moment_conversion_problem",
     "param_layout",
+    "pickled_fp8_state_problem",
     "prune_plan",
     "read_marker",
     "reseed_rng",

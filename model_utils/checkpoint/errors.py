@@ -7,10 +7,12 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
 from model_utils.errors import first_line
+from model_utils.precision.te_requirements import TE_REFUSES_PICKLED_EXTRA_STATE, version_tuple
 
 
 class ResumeRefused(ValueError):
@@ -83,6 +85,27 @@ def untrusted_checkpoint_message(path: str | Path, te_version: str) -> str:
         f"wrote it), resume once with {TE_UNSAFE_PICKLE_ENV}=1 in the job's environment (the "
         "next checkpoint is saved without pickles), or start a fresh run"
     )
+
+
+def pickled_fp8_state_problem(
+    path: Any, marker: dict[str, Any], te_version: str | None, env: Any
+) -> str | None:
+    """Why resuming checkpoint ``path`` (its ``checkpoint.json`` is ``marker``) would be refused
+    by this TE, or None. Format-1 checkpoints of TE delayed-scaling runs hold TE's pickled FP8
+    state; TE >= 2.18 loads it only when the user opts in (we never set the variable)."""
+    config = marker.get("run_config") or {}
+    pickled = (
+        int(marker.get("format", 1)) < 2
+        and config.get("model_impl") in ("te", "te_linear")
+        and bool(config.get("fp8"))
+        and config.get("fp8_recipe") == "delayed"
+    )
+    release = version_tuple(te_version)
+    if not pickled or release is None or release < TE_REFUSES_PICKLED_EXTRA_STATE:
+        return None
+    if env.get(TE_UNSAFE_PICKLE_ENV, "0") == "1":
+        return None
+    return untrusted_checkpoint_message(path, te_version)
 
 
 def all_damaged_message(checkpoint_dir: str | Path, newest_problem: str | None) -> str:

@@ -4,7 +4,9 @@ its resume does (after the model and optimizer are built).
 `check_before_start(args)` reads only: a fresh start must not write over an earlier run's
 checkpoints; a resume takes only a checkpoint of the same run (model, data, optimizer format,
 precision: compat.py), never one whose saves would replace finished work, never one past
---max_steps, and never on data changed since the save. `resume_or_start(...)` then deletes what
+--max_steps, and never on data changed since the save. For the TE implementations,
+`check_fp8_state_loadable(args, te_version)` also refuses before the start a checkpoint whose
+pickled FP8 state this TE would refuse to load. `resume_or_start(...)` then deletes what
 --overwrite_output_dir asked to, picks the checkpoint whose checksums hold, checks it again (an
 older one may have been chosen), loads it and puts the schedule's lr in use.
 """
@@ -12,6 +14,7 @@ older one may have been chosen), loads it and puts the schedule's lr in use.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +26,10 @@ from model_utils.checkpoint.compat import (
     check_steps_left,
     describe_changes,
 )
-from model_utils.checkpoint.errors import ResumeRefused
-from model_utils.checkpoint.manifest import read_marker, resume_candidate
+from model_utils.checkpoint.errors import ResumeRefused, pickled_fp8_state_problem
+from model_utils.checkpoint.manifest import read_marker, resolve_checkpoint, resume_candidate
 from model_utils.config.sections import Config
+from model_utils.errors import UsageError
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,18 @@ def check_before_start(args: Config) -> None:
         explicit = args.checkpoint.resume_from_checkpoint != "auto"
         check_resume_target(path, args.checkpoint.checkpoint_dir, explicit)
         check_steps_left(path, args.run.max_steps)
+
+
+def check_fp8_state_loadable(args: Config, te_version: str | None) -> None:
+    """Refuse, before anything starts, a resume this TE (release ``te_version``) would refuse
+    after the model is built: a format-1 checkpoint's pickled FP8 state (UsageError, one line)."""
+    resume = args.checkpoint.resume_from_checkpoint
+    path = resolve_checkpoint(resume, args.checkpoint.checkpoint_dir) if resume else None
+    if path is None:
+        return
+    problem = pickled_fp8_state_problem(path, read_marker(path), te_version, os.environ)
+    if problem:
+        raise UsageError(problem)
 
 
 def check_same_data(path: str | Path, args: Config, warn: bool = True) -> None:

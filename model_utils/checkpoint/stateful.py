@@ -31,10 +31,10 @@ from torch.distributed.checkpoint.state_dict import (
 from model_utils.checkpoint.errors import TE_UNSAFE_PICKLE_ENV, UntrustedCheckpointError
 from model_utils.checkpoint.ranks import current_rank
 from model_utils.checkpoint.tensors import plain_tensor
-from model_utils.model.te_support import (
+from model_utils.model.te_support import is_te_extra_state_key
+from model_utils.precision.te_state import (
     decode_recipe_identity,
     fp8_scaling_state,
-    is_te_extra_state_key,
     load_fp8_scaling_state,
     recipe_identity,
 )
@@ -135,7 +135,7 @@ FP8_PREFIX = "fp8_scaling."
 
 
 class Fp8ScalingItem:
-    """TE's delayed-scaling FP8 state as plain tensors (te_support.fp8_scaling_state): per module
+    """TE's delayed-scaling FP8 state as plain tensors (te_state.fp8_scaling_state): per module
     and direction the scales and amax history, and the recipe's identity as JSON bytes. Saving
     and loading it unpickles nothing, so no TE release refuses it.
 

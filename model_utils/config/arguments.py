@@ -338,7 +338,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     """The one way to a run config: flags, preset, cross-flag rules, then the implementation
     (``auto`` probes TE and the GPU) and the FP8 recipe for its backend."""
     from model_utils.config import flag_rules, hf_config, recipes
-    from model_utils.precision.backends import (
+    from model_utils.config.machine import (
         resolve_model_impl,  # imports torch; flags alone need not
     )
 

@@ -29,8 +29,8 @@ The modules, one job each: `sources` (naming and opening a dataset, this rank's 
 `checks` (the start-up scan of the user's files, and the one hub look-up of a dataset or
 tokenizer name), `tokens` (tokenizer, encoding), `stream` (the training stream and its
 position), `validation` (the fixed validation batches), `reads` (a read failing on one rank
-while all ranks stop together). Callers use the names re-exported here:
-`from model_utils import data; data.TrainStream(...)`.
+while all ranks stop together; where the Hugging Face cache is). Callers use the names
+re-exported here: `from model_utils import data; data.TrainStream(...)`.
 """
 
 from model_utils.data.checks import (
@@ -44,7 +44,13 @@ from model_utils.data.checks import (
     data_fingerprint,
     find_bad_file,
 )
-from model_utils.data.reads import ReadGuard, build_data, raise_read_failure, read_error_message
+from model_utils.data.reads import (
+    ReadGuard,
+    build_data,
+    cache_location,
+    raise_read_failure,
+    read_error_message,
+)
 from model_utils.data.sources import (
     HELD_OUT_FRACTION,
     DataError,
@@ -78,6 +84,7 @@ __all__ = [
     "Source",
     "TrainStream",
     "build_data",
+    "cache_location",
     "check_dataset",
     "check_hub_dataset",
     "check_local_data",

@@ -4,12 +4,15 @@ At start-up (`build_data`) every rank learns the first problem and raises it; mi
 (`ReadGuard`) the failed rank finishes the step's micro-batches with weight-0 stand-ins, the
 ranks agree before the optimizer step that this step read bad data (`ReadGuard.all_read`), the
 step is not taken or recorded, and `raise_read_failure` turns the line into the run's exit
-message after the save of the last full step.
+message after the save of the last full step. A read the system refused inside the Hugging Face
+cache (`cache_location`, which train.py also checks before the start) names the cache, not the
+data.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,7 +24,7 @@ from model_utils.data.checks import find_bad_file
 from model_utils.data.sources import DataError
 from model_utils.data.stream import Batch, TrainStream
 from model_utils.data.validation import validation_batches
-from model_utils.errors import first_line
+from model_utils.errors import first_line, unwritable
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -91,12 +94,22 @@ def read_error_message(
     return f"{bad} ({where})" if bad else f"--dataset {dataset}: {where}"
 
 
+def cache_location(env: dict[str, str] | None = None) -> dict[str, Path]:
+    """The Hugging Face cache the data and tokenizer libraries create and write even for
+    local files, named by the variable that placed it: an unwritable HF_HOME failed at the
+    first read, reported as a --dataset problem."""
+    env = os.environ if env is None else env
+    for var in ("HF_DATASETS_CACHE", "HF_HOME"):
+        if env.get(var):
+            return {var: Path(env[var]).expanduser()}
+    base = env.get("XDG_CACHE_HOME") or "~/.cache"
+    return {"HF_HOME (unset: the default)": Path(base).expanduser() / "huggingface"}
+
+
 def _cache_problem(exc: BaseException) -> str | None:
     """The line for a Hugging Face cache the system refused (HF_HOME on a read-only or virtual
     file system: what the start-up access() check cannot see), naming the variable, not the
     data."""
-    from model_utils.run.outputs import cache_location, unwritable
-
     filename = getattr(exc, "filename", None)
     if not isinstance(exc, OSError) or not filename:
         return None

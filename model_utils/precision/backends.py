@@ -30,25 +30,12 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from model_utils.config.machine import fp8_capable_gpu
 from model_utils.config.options import TE_IMPLS
 from model_utils.config.sections import Config
 
 # FP8 GEMMs need both matrix dims divisible by 16 (the backward multiplies by the transpose).
 FP8_DIM_MULTIPLE = 16
-
-
-def fp8_capable_gpu() -> bool:
-    """Hopper/Ada (SM 8.9+) or newer: the GPUs with FP8 tensor cores."""
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-
-
-def resolve_model_impl(requested: str) -> str:
-    """`auto` means TE's TransformerLayer where TE can run, stock HF elsewhere."""
-    if requested != "auto":
-        return requested
-    from model_utils.model import te_support  # imports Transformer Engine only if it is installed
-
-    return "te" if fp8_capable_gpu() and te_support.te_available() else "hf"
 
 
 @runtime_checkable

@@ -21,16 +21,11 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from model_utils.config import te_loader
 from model_utils.config.options import FP8_ATTENTION_RECIPES, TE_RECIPES
 from model_utils.config.sections import Config
+from model_utils.config.te_loader import TEUnavailableError, import_te
 from model_utils.errors import UsageError
-from model_utils.model.te_support import (
-    TEUnavailableError,
-    fp8_scaling_kept,
-    import_te,
-    set_is_first_microbatch,
-)
-from model_utils.precision import te_loader
 from model_utils.precision.te_requirements import (
     REQUIREMENTS,
     TE_AVAILABILITY_CHECKS,
@@ -38,8 +33,8 @@ from model_utils.precision.te_requirements import (
     capability_problem,
     fp8_attention_problem,
     fp8_shape_problem,
-    pickled_fp8_state_problem,
 )
+from model_utils.precision.te_state import fp8_scaling_kept, set_is_first_microbatch
 
 #: The Transformer Engine releases this code is contract-tested against, the one place they are
 #: stated: tests/integration/test_te_contract.py downloads each one's pure-Python
@@ -142,6 +137,16 @@ def cudnn_version() -> tuple[int, int, int] | None:
 def _te_version(te_module: Any) -> str | None:
     root = importlib.import_module(te_module.__name__.split(".")[0])
     return getattr(root, "__version__", None)
+
+
+def te_version() -> str | None:
+    """The installed Transformer Engine's release (``transformer_engine.__version__``), or None
+    without TE: what a resume's check of a checkpoint's FP8 state needs
+    (``checkpoint.check_fp8_state_loadable``)."""
+    try:
+        return _te_version(import_te())
+    except TEUnavailableError:
+        return None
 
 
 def _has_te_modules(model: nn.Module) -> bool:
@@ -298,7 +303,7 @@ class TEBackend:
         there (``cache_name = None if ... self.is_fsdp2``).
 
         With grad disabled (validation) the delayed-scaling state is put back on exit
-        (``te_support.fp8_scaling_kept``): held-out batches never move training's scales.
+        (``te_state.fp8_scaling_kept``): held-out batches never move training's scales.
         """
         te = self._te()
         if self._model is not None:
@@ -385,7 +390,9 @@ def check_requirements(args: Config, training: bool = True) -> None:
 
     Raises ``model_utils.errors.UsageError`` (one line, exit 2) for a missing TE, an
     unsupported GPU/CUDA/TE release for the recipe, or shapes FP8 GEMMs cannot take (training
-    and validation micro-batches: validation runs under the same precision).
+    and validation micro-batches: validation runs under the same precision). A resume's
+    checkpoint is the checkpoint stage's to inspect (``checkpoint.check_fp8_state_loadable``
+    with :func:`te_version`); train.py runs it right after this.
     """
 
     if training and args.precision.fp8_weights and args.optim.master_weights != "optimizer":
@@ -397,7 +404,6 @@ def check_requirements(args: Config, training: bool = True) -> None:
             backend.recipe  # noqa: B018  (builds the recipe: bad options fail here)
     except (TECapabilityError, ValueError) as err:
         raise UsageError(str(err)) from err
-    _check_resumable(args, _te_version(backend._te()))
     if not args.precision.fp8:
         return
     for flag in ("train_batch_size", "val_batch_size"):
@@ -412,16 +418,3 @@ def check_requirements(args: Config, training: bool = True) -> None:
         )
         if problem:
             raise UsageError(f"{problem} (--{flag} {args.get(flag)})")
-
-
-def _check_resumable(args: Config, te_version: str | None) -> None:
-    """Refuse, before anything starts, a resume this TE would refuse after the model is built."""
-    from model_utils.checkpoint import read_marker, resolve_checkpoint
-
-    resume = args.checkpoint.resume_from_checkpoint
-    path = resolve_checkpoint(resume, args.checkpoint.checkpoint_dir) if resume else None
-    if path is None:
-        return
-    problem = pickled_fp8_state_problem(path, read_marker(path), te_version, os.environ)
-    if problem:
-        raise UsageError(problem)

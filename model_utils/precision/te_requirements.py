@@ -9,7 +9,6 @@ in one line before a process group exists instead of failing inside TE after the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass(frozen=True)
@@ -45,31 +44,9 @@ FP8_WEIGHTS_MIN_TE = (2, 16)
 #: recompute of the fused MLP (TE PR #2311, first released in 2.11).
 MLP_RECOMPUTE_MIN_TE = (2, 11)
 #: From this release TE refuses to unpickle delayed-scaling ``_extra_state`` unless
-#: ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1`` (``transformer_engine/pytorch/_extra_state.py``).
+#: ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1`` (``transformer_engine/pytorch/_extra_state.py``;
+#: which checkpoints hold such state: ``checkpoint.pickled_fp8_state_problem``).
 TE_REFUSES_PICKLED_EXTRA_STATE = (2, 18)
-
-
-def pickled_fp8_state_problem(
-    path: Any, marker: dict[str, Any], te_version: str | None, env: Any
-) -> str | None:
-    """Why resuming checkpoint ``path`` (its ``checkpoint.json`` is ``marker``) would be refused
-    by this TE, or None. Format-1 checkpoints of TE delayed-scaling runs hold TE's pickled FP8
-    state; TE >= 2.18 loads it only when the user opts in (we never set the variable)."""
-    from model_utils.checkpoint import TE_UNSAFE_PICKLE_ENV, untrusted_checkpoint_message
-
-    config = marker.get("run_config") or {}
-    pickled = (
-        int(marker.get("format", 1)) < 2
-        and config.get("model_impl") in ("te", "te_linear")
-        and bool(config.get("fp8"))
-        and config.get("fp8_recipe") == "delayed"
-    )
-    release = version_tuple(te_version)
-    if not pickled or release is None or release < TE_REFUSES_PICKLED_EXTRA_STATE:
-        return None
-    if env.get(TE_UNSAFE_PICKLE_ENV, "0") == "1":
-        return None
-    return untrusted_checkpoint_message(path, te_version)
 
 
 class TECapabilityError(RuntimeError):

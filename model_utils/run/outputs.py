@@ -13,7 +13,7 @@ import socket
 from pathlib import Path
 
 from model_utils.config.sections import Config
-from model_utils.errors import os_error_words
+from model_utils.errors import unwritable
 from model_utils.parallel import distributed
 
 
@@ -30,18 +30,6 @@ def output_locations(args: Config) -> dict[str, Path]:
     if args.checkpoint.export_hf:
         out["--export_hf"] = Path(args.checkpoint.export_hf)
     return out
-
-
-def cache_location(env: dict[str, str] | None = None) -> dict[str, Path]:
-    """The Hugging Face cache the data and tokenizer libraries create and write even for
-    local files, named by the variable that placed it: an unwritable HF_HOME failed at the
-    first read, reported as a --dataset problem."""
-    env = os.environ if env is None else env
-    for var in ("HF_DATASETS_CACHE", "HF_HOME"):
-        if env.get(var):
-            return {var: Path(env[var]).expanduser()}
-    base = env.get("XDG_CACHE_HOME") or "~/.cache"
-    return {"HF_HOME (unset: the default)": Path(base).expanduser() / "huggingface"}
 
 
 def _read_only(path: Path) -> bool:
@@ -78,12 +66,6 @@ def check_locations(locations: dict[str, Path]) -> None:
         problem = location_problem(flag, path)
         if problem:
             raise WriteProblem(problem)
-
-
-def unwritable(flag: str, path: Path, exc: OSError) -> str:
-    """The one line for a location the system refused when the run tried it."""
-    words = os_error_words(exc)
-    return f"{flag} {path} cannot be written ({words}): choose another {flag}"
 
 
 def probe_write(flag: str, path: Path) -> str | None:

@@ -201,7 +201,7 @@ def test_resume_repeats_the_uninterrupted_run_bit_for_bit(recipe, runs) -> None:
 def test_validation_changes_no_training_loss_under_delayed_scaling(runs) -> None:
     """TE keeps a no-grad forward's amaxes for the next training step (``autocast_exit``
     reduces only with grad enabled); the backend puts the state back after validation
-    (te_support.fp8_scaling_kept), so validating every 2 steps leaves every training loss as
+    (te_state.fp8_scaling_kept), so validating every 2 steps leaves every training loss as
     it was, bit for bit."""
     needs_te()
     flags = (*impl_flags("te", "delayed"), "--checkpoint_freq=5", "--keep_last=0")
@@ -400,7 +400,7 @@ def test_fp8_attention_where_te_has_no_backend_is_refused_in_one_line(runs) -> N
 #: cuDNN library file the process has open.
 _CUDNN_PROBE = """
 import torch
-from model_utils.model.te_support import import_te
+from model_utils.config.te_loader import import_te
 te = import_te()
 print("te", tuple(te.get_cudnn_version()))
 try:
@@ -434,7 +434,7 @@ def version_tuple(text: str) -> tuple[int, ...]:
 def other_cudnn_folder() -> str | None:
     """A cuDNN installed beside torch's: the CUDA toolkit's, or the system's (``ldconfig``; on
     the lent H100s, Debian's 9.14 in /lib/x86_64-linux-gnu)."""
-    from model_utils.precision.te_loader import mapped_cudnn
+    from model_utils.config.te_loader import mapped_cudnn
 
     torch.backends.cudnn.version()  # torch opens its cuDNN
     torch_cudnn = mapped_cudnn(Path("/proc/self/maps").read_text())

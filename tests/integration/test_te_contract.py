@@ -4,8 +4,8 @@ The releases are ``te_precision.TE_CONTRACT_VERSIONS``: the newest (``PINNED_TE_
 one the GPU image ships (``IMAGE_TE_VERSION``); every contract test runs against each.
 ``scripts/fetch_te_wheel.sh VERSION`` downloads that pure-Python ``transformer-engine`` wheel
 (``pip download --no-deps``); its source is parsed with ``ast``. Every TE name, attribute and
-keyword argument used by ``te_llama.py``, ``model_utils/model/te_support.py`` and
-``model_utils/precision/te.py`` is collected from
+keyword argument used by ``te_llama.py`` and the package's TE modules
+(``test_te_contract_rules.OUR_SOURCES``) is collected from
 *our* source with ``ast`` as well, so the check follows the code: a misspelt keyword, a class
 TE renamed, or a ``forward`` argument TE dropped fails here. The TE test double's signatures
 are compared with the pinned release's, so tests that pass on the double pass the calls TE takes.
@@ -451,7 +451,7 @@ def _source_text(source: TESource, module: str) -> str:
 
 
 def test_fp8_state_internals_exist(te_source: TESource) -> None:
-    """te_support.fp8_scaling_state/load_fp8_scaling_state use TE's module attributes directly:
+    """te_state.fp8_scaling_state/load_fp8_scaling_state use TE's module attributes directly:
     ``fp8_meta["scaling_fwd"|"scaling_bwd"]`` holding a DelayedScalingRecipeState with ``scale``
     and ``amax_history``, ``init_fp8_meta_tensors(recipe)`` and ``num_gemms`` (3 forward and 2
     backward quantizers per GEMM, which is how the GEMM count is recovered from a saved scale)."""
@@ -698,7 +698,7 @@ _LOADER_SCRIPT = """
 import ctypes, functools, glob, os, platform, sys
 ctypes.CDLL({torch_cudnn!r})
 if {align}:
-    from model_utils.precision import te_loader
+    from model_utils.config import te_loader
     te_loader.align_te_cudnn()
 exec(compile({loader!r}, "transformer_engine/common/__init__.py", "exec"))
 found, _ = _load_cuda_library_from_system("cudnn")

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from model_utils.config import arguments
+from model_utils.config import arguments, machine
 from model_utils.config.arguments import UsageError, parse_args
 from model_utils.config.presets import PRESETS
 from model_utils.config.sections import SECTIONS, TOP_FIELDS, Config
 from model_utils.model import modeling
-from model_utils.precision import backends as precision
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -229,11 +228,9 @@ def test_the_config_is_resolved_once_and_frozen():
 
 
 def test_auto_impl_is_hf_without_transformer_engine(monkeypatch):
-    from model_utils.model import te_support
-
-    monkeypatch.setattr(te_support, "te_available", lambda: False)
-    monkeypatch.setattr(precision, "fp8_capable_gpu", lambda: True)  # even on an H100
-    assert precision.resolve_model_impl("auto") == "hf"
+    monkeypatch.setattr(machine, "te_available", lambda: False)
+    monkeypatch.setattr(machine, "fp8_capable_gpu", lambda: True)  # even on an H100
+    assert machine.resolve_model_impl("auto") == "hf"
 
 
 @pytest.mark.parametrize(

@@ -678,7 +678,7 @@ def test_an_unwritable_hugging_face_cache_is_named_not_blamed_on_the_data(
     monkeypatch.setenv("HF_HOME", str(in_the_way))
     monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
     with pytest.raises(outputs.WriteProblem, match=f"HF_HOME {in_the_way} is a file"):
-        outputs.check_locations(outputs.cache_location())
+        outputs.check_locations(data.cache_location())
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
     refused = PermissionError(1, "Operation not permitted", str(tmp_path / "cache" / "x" / "y"))
     line = data.read_error_message(refused, BUNDLED_DATASET, "text", 0, "at start-up")

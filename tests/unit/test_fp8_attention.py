@@ -15,9 +15,8 @@ import torch
 from test_cross_impl import Run
 
 from model_utils.config.arguments import UsageError, parse_args
-from model_utils.model import te_support
 from model_utils.precision import te as te_precision
-from model_utils.precision import te_requirements
+from model_utils.precision import te_requirements, te_state
 from model_utils.precision.te import TEBackend
 from model_utils.precision.te_requirements import TECapabilityError
 
@@ -159,7 +158,7 @@ def test_resume_with_fp8_attention_is_bit_for_bit(tmp_path, te_double) -> None:
     for i in range(3):
         first.step(seed=i)
     path = first.checkpointer.save(3, first.state)
-    saved = te_support.fp8_scaling_state(first.model)
+    saved = te_state.fp8_scaling_state(first.model)
     attention = [k for k in saved if "core_attention" in k and k.endswith("amax_history_fwd")]
     assert attention and all(saved[k].abs().max() > 0 for k in attention)
     want = [first.step(seed=i) for i in range(3, 6)]
@@ -208,7 +207,7 @@ def test_whole_layer_recompute_rolls_the_forward_histories_once_per_layer(
         flags += ("--activation_checkpointing", f"--ac_scope={scope}") if ac else ()
         run = Run("te", True, seed=0, checkpoint_dir=tmp_path / str(ac), flags=flags)
         run.step(seed=0)
-        state = te_support.fp8_scaling_state(run.model)
+        state = te_state.fp8_scaling_state(run.model)
         positions[ac] = {
             direction: {
                 int(state[k].abs().sum(1).nonzero().flatten().item())

@@ -19,8 +19,7 @@ from test_cross_impl import Run, batch
 
 from model_utils import checkpoint as ck
 from model_utils.checkpoint import checkpointer, stateful
-from model_utils.model import te_support
-from model_utils.precision import te_requirements
+from model_utils.precision import te_state
 
 RECIPES = ["delayed", "current", "block", "mxfp8"]
 
@@ -30,7 +29,7 @@ def _saved_keys(path: Path) -> set[str]:
 
 
 def _fp8_state(run: Run) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in te_support.fp8_scaling_state(run.model).items()}
+    return {k: v.clone() for k, v in te_state.fp8_scaling_state(run.model).items()}
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -63,13 +62,13 @@ def test_resume_is_bit_for_bit_for_every_recipe(recipe, tmp_path, te_double, mon
 def test_delayed_state_holds_every_module_and_the_recipe(tmp_path, te_double) -> None:
     run = Run("te", True, seed=1, checkpoint_dir=tmp_path)
     run.step(seed=0)
-    state = te_support.fp8_scaling_state(run.model)
+    state = te_state.fp8_scaling_state(run.model)
     layers = run.model.config.num_hidden_layers
     recipes = [k for k in state if k.endswith(".recipe")]
     # qkv, proj, the MLP and core attention of every layer (TE allocates the attention's state
     # under any FP8 autocast; --fp8_attention fills it)
     assert len(recipes) == 4 * layers
-    identity = te_support.decode_recipe_identity(state[recipes[0]])
+    identity = te_state.decode_recipe_identity(state[recipes[0]])
     assert identity == {
         "class": "DelayedScaling",
         "fp8_format": "HYBRID",
@@ -94,7 +93,7 @@ def test_delayed_state_is_left_out_when_the_resumed_run_uses_another_recipe(
         with caplog.at_level("INFO", logger="model_utils.checkpoint"):
             other.checkpointer.load(path, other.state)
         assert "holds FP8 delayed-scaling state (DelayedScaling)" in caplog.text
-        assert te_support.fp8_scaling_state(other.model) == {}
+        assert te_state.fp8_scaling_state(other.model) == {}
         assert torch.isfinite(torch.tensor(other.step(seed=1)))
 
 
@@ -186,13 +185,37 @@ def test_preflight_names_the_variable_before_anything_starts(tmp_path) -> None:
         "format": 1,
         "run_config": {"model_impl": "te", "fp8": True, "fp8_recipe": "delayed"},
     }
-    problem = te_requirements.pickled_fp8_state_problem(tmp_path, marker, "2.20.2", env={})
+    problem = ck.pickled_fp8_state_problem(tmp_path, marker, "2.20.2", env={})
     assert problem is not None and ck.TE_UNSAFE_PICKLE_ENV in problem and str(tmp_path) in problem
     assert "trust" in problem and "\n" not in problem
-    ok = te_requirements.pickled_fp8_state_problem
+    ok = ck.pickled_fp8_state_problem
     assert ok(tmp_path, marker, "2.16.0", env={}) is None  # TE 2.16 unpickles it
     assert ok(tmp_path, marker, "2.20.2", env={ck.TE_UNSAFE_PICKLE_ENV: "1"}) is None
     assert ok(tmp_path, {**marker, "format": 2}, "2.20.2", env={}) is None
     current = {**marker, "run_config": {**marker["run_config"], "fp8_recipe": "current"}}
     assert ok(tmp_path, current, "2.20.2", env={}) is None  # stateless: TE ignores its payload
     assert ok(tmp_path, {**marker, "run_config": {"model_impl": "hf"}}, "2.20.2", env={}) is None
+
+
+def test_preflight_reads_the_checkpoint_a_resume_would_take(tmp_path) -> None:
+    """checkpoint.check_fp8_state_loadable, which train.py's validate() runs for the TE
+    implementations: the newest complete checkpoint (``auto``) or the one named, refused in one
+    line (UsageError: exit 2) when this TE would refuse its pickled FP8 state."""
+    import json
+    from types import SimpleNamespace
+
+    from model_utils.errors import UsageError
+
+    saved = tmp_path / ck.checkpoint_name(2)
+    saved.mkdir()
+    (saved / ck.DCP_METADATA).write_bytes(b"")
+    run_config = {"model_impl": "te", "fp8": True, "fp8_recipe": "delayed"}
+    (saved / ck.MARKER).write_text(json.dumps({"format": 1, "run_config": run_config}))
+    for resume in ("auto", str(saved)):
+        args = SimpleNamespace(resume_from_checkpoint=resume, checkpoint_dir=str(tmp_path))
+        with pytest.raises(UsageError, match=ck.TE_UNSAFE_PICKLE_ENV) as err:
+            ck.check_fp8_state_loadable(args, "2.20.2")
+        assert str(saved) in str(err.value) and "\n" not in str(err.value)
+        ck.check_fp8_state_loadable(args, "2.16.0")  # TE 2.16 unpickles it
+    fresh = SimpleNamespace(resume_from_checkpoint=None, checkpoint_dir=str(tmp_path))
+    ck.check_fp8_state_loadable(fresh, "2.20.2")  # no resume: nothing to read

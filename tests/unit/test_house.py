@@ -1,9 +1,10 @@
 """The house rules a newcomer relies on (issue 9), checked on every `make test`.
 
 Files and functions small enough to read in one sitting, the formatter owning layout, the
-package never reaching up into the repo root, the README's map of the tree matching the tree,
-the README staying a short user's guide, and every relative link in the docs resolving. Each
-rule names the offenders so a failure says what to split or fix.
+package never reaching up into the repo root, no import circle and no import from a later stage
+of the pipeline, the README's map of the tree matching the tree, the README staying a short
+user's guide, and every relative link in the docs resolving. Each rule names the offenders so a
+failure says what to split or fix.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import ast
 import itertools
 import re
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -272,6 +274,79 @@ def test_no_import_circle_between_the_packages_modules():
 def test_the_circle_check_sees_a_circle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_cycles(graph) == [["a", "b", "c"]]
+
+
+# ============================================================================================
+# Stages: the package's folders are pipeline stages, and no module imports one of a later stage
+# (issue 32), counting imports inside functions too. Order and reasons: docs/architecture.md.
+
+#: The stages in pipeline order. `errors` is a leaf (model_utils/errors.py); `parallel` is the
+#: foundation, as torchtitan's distributed/: world, device, process group, canonical parameter
+#: names, mesh, FSDP. model_utils/__init__.py is no stage.
+STAGES = (
+    "errors",
+    "config",
+    "parallel",
+    "precision",
+    "data",
+    "model",
+    "optim",
+    "checkpoint",
+    "run",
+)
+
+
+def stage_of(module: str) -> str:
+    """`model_utils.<stage>...` -> `<stage>`; "" for the package itself."""
+    return module.split(".")[1] if "." in module else ""
+
+
+def unstaged_modules(modules: Iterable[str], stages: tuple[str, ...] = STAGES) -> list[str]:
+    return sorted(m for m in modules if m != "model_utils" and stage_of(m) not in stages)
+
+
+def later_stage_imports(graph: dict[str, set[str]], stages: tuple[str, ...] = STAGES) -> list[str]:
+    """Each import of a later stage's module, as `module -> module (stage -> stage)`."""
+    order = {stage: i for i, stage in enumerate(stages)}
+    found = []
+    for name in sorted(graph):
+        for other in sorted(graph[name]):
+            mine, theirs = order.get(stage_of(name)), order.get(stage_of(other))
+            if mine is not None and theirs is not None and theirs > mine:
+                found.append(f"{name} -> {other} ({stage_of(name)} -> {stage_of(other)})")
+    return found
+
+
+def test_no_import_from_a_later_stage():
+    modules = package_modules()
+    unstaged = unstaged_modules(modules)
+    assert not unstaged, (
+        f"modules in no stage: {unstaged}: add their package to STAGES in "
+        "tests/unit/test_house.py at its place in the order (and to docs/architecture.md)"
+    )
+    graph = {name: imported_modules(name, path, modules) for name, path in modules.items()}
+    upward = later_stage_imports(graph)
+    assert not upward, (
+        f"imports from a later stage (order: {' < '.join(STAGES)}; function-level imports "
+        "included): " + "; ".join(upward)
+    )
+
+
+def test_the_stage_check_sees_an_upward_import_and_an_unknown_package():
+    graph = {
+        "model_utils": {"model_utils.run.b"},
+        "model_utils.errors": set(),
+        "model_utils.config.a": {"model_utils.errors", "model_utils.run.b"},
+        "model_utils.run.b": {"model_utils.config.a", "model_utils.run"},
+        "model_utils.run": set(),
+    }
+    assert later_stage_imports(graph) == [
+        "model_utils.config.a -> model_utils.run.b (config -> run)"
+    ]
+    assert unstaged_modules([*graph, "model_utils.extra", "model_utils.extra.c"]) == [
+        "model_utils.extra",
+        "model_utils.extra.c",
+    ]
 
 
 def test_nothing_edits_the_import_path():

@@ -13,7 +13,13 @@ from pathlib import Path
 from model_utils.precision import te as te_precision
 
 ROOT = Path(__file__).resolve().parents[2]
-OUR_SOURCES = ("te_llama.py", "model_utils/model/te_support.py", "model_utils/precision/te.py")
+OUR_SOURCES = (
+    "te_llama.py",
+    "model_utils/config/te_loader.py",
+    "model_utils/model/te_support.py",
+    "model_utils/precision/te.py",
+    "model_utils/precision/te_state.py",
+)
 ALIASES = {"te": "transformer_engine.pytorch", "te_recipe": "transformer_engine.common.recipe"}
 #: Calls whose result is bound to an alias in our source (checked by the convention test).
 ALIAS_SOURCES = {"import_te()", "self._te()", "import_recipe_module()"}

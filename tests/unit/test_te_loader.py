@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from te_double import subprocess_env
 
-from model_utils.precision import te_loader
+from model_utils.config import te_loader
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -139,7 +139,7 @@ def test_a_mapped_file_that_was_replaced_is_not_used(tmp_path) -> None:
     assert te_loader.cudnn_home_for_te({}, maps, te_imported=False) is None
 
 
-@pytest.mark.parametrize("te_import", ["te_support.import_te", "te_precision.import_recipe_module"])
+@pytest.mark.parametrize("te_import", ["te_loader.import_te", "te_precision.import_recipe_module"])
 def test_every_te_import_first_points_te_at_torchs_cudnn(tmp_path, te_import) -> None:
     """In a fresh process that opened a libcudnn the way torch from PyPI does (``dlopen``,
     RTLD_LOCAL), importing TE (the double) through the project sets ``CUDNN_HOME`` to its folder
@@ -154,7 +154,7 @@ def test_every_te_import_first_points_te_at_torchs_cudnn(tmp_path, te_import) ->
         f"""
         import ctypes, os, sys
         ctypes.CDLL({str(lib)!r})
-        from model_utils.model import te_support
+        from model_utils.config import te_loader
         from model_utils.precision import te as te_precision
         {te_import}()
         print("CUDNN_HOME=" + os.environ.get("CUDNN_HOME", ""))
@@ -190,10 +190,10 @@ def test_a_cudnn_library_that_cannot_be_opened_makes_te_unavailable_in_one_line(
         f"""
         import ctypes, sys
         ctypes.CDLL({str(lib)!r})
-        from model_utils.model import te_support
+        from model_utils.config import te_loader
         try:
-            te_support.import_te()
-        except te_support.TEUnavailableError as err:
+            te_loader.import_te()
+        except te_loader.TEUnavailableError as err:
             print(err)
         """
     )

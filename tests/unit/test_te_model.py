@@ -17,11 +17,12 @@ from te_double import uninstall
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import te_llama
+from model_utils.config import te_loader
 from model_utils.config.sections import Config
 from model_utils.model import te_support
 from model_utils.model.modeling import materialize
 from model_utils.precision import te as te_precision
-from model_utils.precision import te_requirements
+from model_utils.precision import te_requirements, te_state
 from model_utils.precision.te import TEBackend
 from model_utils.precision.te_requirements import TECapabilityError
 
@@ -82,8 +83,8 @@ def built(config: LlamaConfig, impl: str = "te", seed: int = 0, **kwargs) -> tor
 
 def test_without_te_import_works_and_build_fails_clearly() -> None:
     uninstall()
-    assert not te_support.te_available()
-    with pytest.raises(te_support.TEUnavailableError, match="--model_impl hf"):
+    assert not te_loader.te_available()
+    with pytest.raises(te_loader.TEUnavailableError, match="--model_impl hf"):
         te_llama.build_te_llama(tiny_config(), impl="te")
     with pytest.raises(TECapabilityError, match="Transformer Engine"):
         TEBackend(backend_args(fp8=True)).capability_check()
@@ -427,7 +428,7 @@ def test_pickled_extra_state_is_refused_like_te_2_20(te_double, monkeypatch) -> 
 def _flags(model) -> set:
     return {
         getattr(m, "is_first_microbatch", getattr(m, "te_is_first_microbatch", "missing"))
-        for m in te_support.te_modules(model)
+        for m in te_state.te_modules(model)
     }
 
 
@@ -521,7 +522,7 @@ def test_te_mlp_recompute_keeps_gradients_and_fp8_state(recipe: str, te_double) 
                     loss = model(ids, labels=ids).loss
             loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        results.append((saved[0], grads, te_support.fp8_scaling_state(model)))
+        results.append((saved[0], grads, te_state.fp8_scaling_state(model)))
     (plain_bytes, plain_grads, plain_state), (mlp_bytes, mlp_grads, mlp_state) = results
     assert mlp_bytes < plain_bytes
     for name, grad in plain_grads.items():
@@ -785,12 +786,12 @@ def test_fsdp2_models_get_no_micro_batch_weight_caching(te_double, tmp_path) -> 
 
 
 def test_auto_impl_picks_te_only_with_te_and_an_fp8_gpu(te_double, monkeypatch) -> None:
-    from model_utils.precision import backends as precision
+    from model_utils.config import machine
 
-    assert precision.resolve_model_impl("auto") == "hf"  # TE importable, but no GPU here
-    monkeypatch.setattr(precision, "fp8_capable_gpu", lambda: True)
-    assert precision.resolve_model_impl("auto") == "te"
-    assert precision.resolve_model_impl("hf") == "hf"
+    assert machine.resolve_model_impl("auto") == "hf"  # TE importable, but no GPU here
+    monkeypatch.setattr(machine, "fp8_capable_gpu", lambda: True)
+    assert machine.resolve_model_impl("auto") == "te"
+    assert machine.resolve_model_impl("hf") == "hf"
 
 
 def test_master_weights_in_the_optimizer_on_the_te_layout(te_double) -> None:

@@ -1,4 +1,8 @@
-"""One cuDNN per process: make Transformer Engine load the libcudnn torch already runs on.
+"""How Transformer Engine is loaded: on the libcudnn torch already runs on (one cuDNN per
+process), by one importer with one error (``import_te``, ``TEUnavailableError``).
+
+Part of the config stage because ``--model_impl auto`` asks, while the flags are resolved,
+whether TE imports here (``te_available``); the precision and model stages import TE through it.
 
 TE loads cuDNN itself when it is imported (``transformer_engine/common/__init__.py``,
 ``_load_cuda_library``): it searches ``CUDNN_HOME``, ``CUDNN_PATH``, ``CUDA_HOME``, ``CUDA_PATH``
@@ -30,10 +34,12 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import importlib
 import os
 import sys
 from collections.abc import MutableMapping
 from pathlib import Path
+from types import ModuleType
 
 #: TE's loader reads these before CUDA_HOME (``f"{lib_name.upper()}_HOME"``, ``..._PATH``); a
 #: user who set either to another folder than torch's has chosen TE's cuDNN.
@@ -133,3 +139,35 @@ def align_te_cudnn() -> str | None:
                 "choose TE's cuDNN with CUDNN_HOME"
             ) from err
     return folder
+
+
+class TEUnavailableError(ImportError):
+    """Transformer Engine is not importable here (it needs an NVIDIA GPU build, e.g. NGC)."""
+
+
+def import_te() -> ModuleType:
+    """Return ``transformer_engine.pytorch`` or raise a one-line, actionable error.
+
+    TE is first pointed at the cuDNN torch runs on (:func:`align_te_cudnn`): it loads its own
+    at import.
+    """
+    try:
+        align_te_cudnn()
+        return importlib.import_module("transformer_engine.pytorch")
+    # OSError: TE opens its CUDA libraries with ctypes, which raises it (e.g. a system cuDNN
+    # sub-library that does not match the cuDNN already open: "undefined symbol")
+    except (ImportError, OSError) as err:
+        raise TEUnavailableError(
+            "Transformer Engine is not available (import transformer_engine.pytorch failed: "
+            f"{err}). Use --model_impl hf, or run inside the NGC PyTorch container built by "
+            "0.transformer-engine.dockerfile."
+        ) from err
+
+
+def te_available() -> bool:
+    """True when ``transformer_engine.pytorch`` imports (used by ``--model_impl auto``)."""
+    try:
+        import_te()
+    except TEUnavailableError:
+        return False
+    return True
