@@ -119,7 +119,7 @@ def _cache_problem(exc: BaseException) -> str | None:
 
 
 def build_data(
-    args: Config, tokenizer: PreTrainedTokenizerBase, world: World
+    config: Config, tokenizer: PreTrainedTokenizerBase, world: World
 ) -> tuple[TrainStream, list[Batch]]:
     """This rank's training stream and validation batches. Each rank reads its own shard, so a
     data problem may show on one rank only: every rank learns it (all_gather) and all raise
@@ -129,30 +129,30 @@ def build_data(
     stream = val_batches = problem = None
     try:
         stream = TrainStream(
-            args.data.dataset,
+            config.data.dataset,
             tokenizer,
-            args.model.max_context_width,
-            args.data.train_batch_size,
-            config_name=args.data.dataset_config_name,
-            text_column=args.data.text_column,
+            config.model.max_context_width,
+            config.data.train_batch_size,
+            config_name=config.data.dataset_config_name,
+            text_column=config.data.text_column,
             rank=world.rank,
             world_size=world.world_size,
-            seed=args.run.seed,
+            seed=config.run.seed,
         )
         val_batches = validation_batches(
-            args.data.dataset,
+            config.data.dataset,
             tokenizer,
-            args.model.max_context_width,
-            args.data.val_batch_size,
-            args.run.validation_batches,
-            config_name=args.data.dataset_config_name,
-            text_column=args.data.text_column,
+            config.model.max_context_width,
+            config.data.val_batch_size,
+            config.run.validation_batches,
+            config_name=config.data.dataset_config_name,
+            text_column=config.data.text_column,
             rank=world.rank,
             world_size=world.world_size,
         )
     except (ValueError, OSError) as exc:  # DataError, a bad byte (UnicodeDecodeError), ...
         problem = read_error_message(
-            exc, args.data.dataset, args.data.text_column, world.rank, "at start-up"
+            exc, config.data.dataset, config.data.text_column, world.rank, "at start-up"
         )
     first = first_problem(problem, world.world_size)
     if first:

@@ -70,9 +70,9 @@ class BF16:
     checkpoint_fn = None
     te_recipe = None
 
-    def __init__(self, args: Config) -> None:
-        self.compute = "bf16" if args.precision.bf16 else "fp32"
-        self.masters = MASTERS_WHERE[args.optim.master_weights]
+    def __init__(self, config: Config) -> None:
+        self.compute = "bf16" if config.precision.bf16 else "fp32"
+        self.masters = MASTERS_WHERE[config.optim.master_weights]
 
     def prepare(self, model: nn.Module) -> nn.Module:
         return model
@@ -113,9 +113,9 @@ class TorchaoFloat8:
     checkpoint_fn = None
     te_recipe = None
 
-    def __init__(self, args: Config, device: torch.device) -> None:
-        self.recipe_name = args.precision.fp8_recipe
-        self.all_gather = args.precision.fp8_all_gather
+    def __init__(self, config: Config, device: torch.device) -> None:
+        self.recipe_name = config.precision.fp8_recipe
+        self.all_gather = config.precision.fp8_all_gather
         # Real FP8 GEMMs need FP8 tensor cores; elsewhere torchao emulates the numerics in bf16.
         self.emulate = device.type != "cuda" or not fp8_capable_gpu()
         self.converted: list[str] = []
@@ -164,14 +164,14 @@ class TorchaoFloat8:
 
 
 def build_backend(
-    args: Config, device: torch.device, dp_group: object | None = None
+    config: Config, device: torch.device, dp_group: object | None = None
 ) -> PrecisionBackend:
     """The backend for (--model_impl, --fp8). TE implementations always use the TE backend so that
     --fp8=0 runs the very same TE model in bf16."""
-    if args.precision.model_impl in TE_IMPLS:
+    if config.precision.model_impl in TE_IMPLS:
         from model_utils.precision.te import TEBackend
 
-        return TEBackend(args, dp_group=dp_group)
-    if args.precision.fp8:
-        return TorchaoFloat8(args, device)
-    return BF16(args)
+        return TEBackend(config, dp_group=dp_group)
+    if config.precision.fp8:
+        return TorchaoFloat8(config, device)
+    return BF16(config)

@@ -156,10 +156,11 @@ def _has_te_modules(model: nn.Module) -> bool:
 class TEBackend:
     """Precision backend for ``--model_impl te|te_linear``.
 
-    ``args`` attributes: ``fp8`` (bool), ``fp8_recipe``, ``fp8_format``, ``amax_history_len``,
-    ``amax_compute_algo``, ``fp8_margin``, ``fp8_weights``, ``model_impl``. ``dp_group`` is the
-    whole data-parallel (FSDP) group: FP8 amaxes are all-reduced over it so every rank uses the
-    same scales (``None`` = default group, or no reduction in a single process).
+    Reads the run's ``config.precision`` (``fp8``, the recipe and its knobs, ``fp8_weights``,
+    ``model_impl``), ``config.optim.master_weights``, the AC scope and the head width.
+    ``dp_group`` is the whole data-parallel (FSDP) group: FP8 amaxes are all-reduced over it so
+    every rank uses the same scales (``None`` = default group, or no reduction in a single
+    process).
 
     The compute dtype normally comes from FSDP2's ``MixedPrecisionPolicy`` (bf16 parameters),
     exactly as for the other backends; ``torch_autocast_dtype`` adds a ``torch.autocast`` for
@@ -169,32 +170,36 @@ class TEBackend:
     name = "te"
 
     def __init__(
-        self, args: Config, dp_group: Any = None, *, torch_autocast_dtype: torch.dtype | None = None
+        self,
+        config: Config,
+        dp_group: Any = None,
+        *,
+        torch_autocast_dtype: torch.dtype | None = None,
     ) -> None:
-        self.fp8 = bool(args.precision.fp8)
-        self.recipe_name = args.precision.fp8_recipe
-        self.fp8_format = args.precision.fp8_format
-        self.fp8_weights = bool(args.precision.fp8_weights)
-        self.masters_in_optimizer = args.optim.master_weights == "optimizer"
-        self.model_impl = args.precision.model_impl
+        self.fp8 = bool(config.precision.fp8)
+        self.recipe_name = config.precision.fp8_recipe
+        self.fp8_format = config.precision.fp8_format
+        self.fp8_weights = bool(config.precision.fp8_weights)
+        self.masters_in_optimizer = config.optim.master_weights == "optimizer"
+        self.model_impl = config.precision.model_impl
         #: TE's own MLP recompute (``--ac_scope mlp`` on the fused layer) has a TE floor.
         self.mlp_recompute = (
-            args.precision.model_impl == "te"
-            and args.parallel.activation_checkpointing
-            and args.parallel.ac_scope == "mlp"
+            config.precision.model_impl == "te"
+            and config.parallel.activation_checkpointing
+            and config.parallel.ac_scope == "mlp"
         )
         self.torch_autocast_dtype = torch_autocast_dtype
         self.dp_group = dp_group
         self._recipe_kwargs = {
-            "fp8_format": args.precision.fp8_format,
-            "amax_history_len": int(args.precision.amax_history_len),
-            "amax_compute_algo": args.precision.amax_compute_algo,
-            "fp8_margin": int(args.precision.fp8_margin),
-            "fp8_attention": bool(args.precision.fp8_attention),
+            "fp8_format": config.precision.fp8_format,
+            "amax_history_len": int(config.precision.amax_history_len),
+            "amax_compute_algo": config.precision.amax_compute_algo,
+            "fp8_margin": int(config.precision.fp8_margin),
+            "fp8_attention": bool(config.precision.fp8_attention),
         }
         #: Per-head width, for the FP8 attention backend rules (only read with --fp8_attention).
         self.head_dim = (
-            args.model.hidden_width // args.model.num_heads
+            config.model.hidden_width // config.model.num_heads
             if self._recipe_kwargs["fp8_attention"]
             else None
         )
@@ -385,7 +390,7 @@ def _describe_cudnn() -> str:
     return f"; TE's cuDNN {'.'.join(map(str, version))}" + (f" from {home}" if home else "")
 
 
-def check_requirements(args: Config, training: bool = True) -> None:
+def check_requirements(config: Config, training: bool = True) -> None:
     """Everything about TE that can be refused before a process group or file exists.
 
     Raises ``model_utils.errors.UsageError`` (one line, exit 2) for a missing TE, an
@@ -395,26 +400,26 @@ def check_requirements(args: Config, training: bool = True) -> None:
     with :func:`te_version`); train.py runs it right after this.
     """
 
-    if training and args.precision.fp8_weights and args.optim.master_weights != "optimizer":
+    if training and config.precision.fp8_weights and config.optim.master_weights != "optimizer":
         raise UsageError(FP8_WEIGHTS_TRAINING_REFUSAL)
     try:
-        backend = TEBackend(args)
+        backend = TEBackend(config)
         backend.capability_check()
         if backend.fp8:
             backend.recipe  # noqa: B018  (builds the recipe: bad options fail here)
     except (TECapabilityError, ValueError) as err:
         raise UsageError(str(err)) from err
-    if not args.precision.fp8:
+    if not config.precision.fp8:
         return
     for flag in ("train_batch_size", "val_batch_size"):
         problem = fp8_shape_problem(
-            micro_batch_size=args.get(flag),
-            seq_len=args.model.max_context_width,
-            hidden_size=args.model.hidden_width,
-            intermediate_size=args.model.intermediate_size,
-            num_attention_heads=args.model.num_heads,
-            num_key_value_heads=args.model.num_key_value_heads,
-            recipe=args.precision.fp8_recipe,
+            micro_batch_size=config.get(flag),
+            seq_len=config.model.max_context_width,
+            hidden_size=config.model.hidden_width,
+            intermediate_size=config.model.intermediate_size,
+            num_attention_heads=config.model.num_heads,
+            num_key_value_heads=config.model.num_key_value_heads,
+            recipe=config.precision.fp8_recipe,
         )
         if problem:
-            raise UsageError(f"{problem} (--{flag} {args.get(flag)})")
+            raise UsageError(f"{problem} (--{flag} {config.get(flag)})")

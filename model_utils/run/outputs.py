@@ -21,14 +21,14 @@ class WriteProblem(RuntimeError):
     """An output location cannot be written, or cannot hold one checkpoint: one line, exit 2."""
 
 
-def output_locations(args: Config) -> dict[str, Path]:
+def output_locations(config: Config) -> dict[str, Path]:
     """Where the run writes: flag -> directory."""
     out = {
-        "--output_dir": Path(args.run.output_dir),
-        "--checkpoint_dir": Path(args.checkpoint.checkpoint_dir),
+        "--output_dir": Path(config.run.output_dir),
+        "--checkpoint_dir": Path(config.checkpoint.checkpoint_dir),
     }
-    if args.checkpoint.export_hf:
-        out["--export_hf"] = Path(args.checkpoint.export_hf)
+    if config.checkpoint.export_hf:
+        out["--export_hf"] = Path(config.checkpoint.export_hf)
     return out
 
 
@@ -140,21 +140,21 @@ def space_verdict(free: int, need: int, keep: int, what: str, where: Path) -> tu
     return "ok", ""
 
 
-def check_space(args: Config, num_params: int, log: logging.Logger) -> None:
+def check_space(config: Config, num_params: int, log: logging.Logger) -> None:
     """Before training: WriteProblem if a checkpoint (or the HF export) cannot fit once; a
     warning if keep_last + 1 checkpoints cannot."""
     # Checked even with --checkpoint_freq -1: a preemption signal still saves. keep_last 0 keeps
     # every checkpoint: warn below two.
-    keep = args.checkpoint.keep_last + 1 if args.checkpoint.keep_last else 2
-    size = checkpoint_bytes(num_params, args.optim.optimizer, args.optim.master_weights)
-    needs = [("checkpoint", size, keep, Path(args.checkpoint.checkpoint_dir))]
-    if args.checkpoint.export_hf:
+    keep = config.checkpoint.keep_last + 1 if config.checkpoint.keep_last else 2
+    size = checkpoint_bytes(num_params, config.optim.optimizer, config.optim.master_weights)
+    needs = [("checkpoint", size, keep, Path(config.checkpoint.checkpoint_dir))]
+    if config.checkpoint.export_hf:
         needs.append(
             (
                 "Hugging Face export",
                 EXPORT_BYTES_PER_PARAM * num_params,
                 1,
-                Path(args.checkpoint.export_hf),
+                Path(config.checkpoint.export_hf),
             )
         )
     for what, need, keep, where in needs:
@@ -167,7 +167,7 @@ def check_space(args: Config, num_params: int, log: logging.Logger) -> None:
 
 
 def check_outputs(
-    args: Config, world: distributed.World, num_params: int, log: logging.Logger
+    config: Config, world: distributed.World, num_params: int, log: logging.Logger
 ) -> None:
     """Every rank writes a probe file where it will write its checkpoint shards (mounts can
     differ between nodes); rank 0 also in the run and export folders, and checks that a
@@ -181,13 +181,13 @@ def check_outputs(
     race harder)."""
     problem = None
     created: list[Path] = []
-    for flag, path in output_locations(args).items():
+    for flag, path in output_locations(config).items():
         if problem is None and (world.is_main or flag == "--checkpoint_dir"):
             created += [p for p in missing_folders(path) if p not in created]
             problem = _write_probe(flag, path)
     if problem is None and world.is_main:
         try:
-            check_space(args, num_params, log)
+            check_space(config, num_params, log)
         except WriteProblem as exc:
             problem = str(exc)
     first = distributed.first_problem(problem, world.world_size)

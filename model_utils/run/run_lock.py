@@ -187,7 +187,7 @@ def _only_the_lock(directory: Path) -> bool:
         return False
 
 
-def hold_run_dirs(args: Config, world: distributed.World, device: torch.device) -> list[RunLock]:
+def hold_run_dirs(config: Config, world: distributed.World, device: torch.device) -> list[RunLock]:
     """Rank 0 locks the run's directories for the life of the run; if another live run holds
     one (RunLocked), or the system refuses to create it where access() saw no problem (a full
     file system, root squash, a virtual file system: outputs.WriteProblem), every rank learns
@@ -196,7 +196,7 @@ def hold_run_dirs(args: Config, world: distributed.World, device: torch.device) 
     refused: RunLocked | outputs.WriteProblem | None = None
     if world.is_main:
         try:
-            owned = lock_dirs(args.run.output_dir, args.checkpoint.checkpoint_dir)
+            owned = lock_dirs(config.run.output_dir, config.checkpoint.checkpoint_dir)
             for flag, directory in owned.items():
                 try:
                     locks.append(RunLock(directory).acquire())

@@ -47,28 +47,28 @@ class RunLog:
     """
 
     def __init__(
-        self, args, model, backend, world, device, start_step: int = 0, meter=None
+        self, config, model, backend, world, device, start_step: int = 0, meter=None
     ) -> None:
         samples_per_step = (
-            args.data.train_batch_size * args.optim.grad_accum_steps * world.world_size
+            config.data.train_batch_size * config.optim.grad_accum_steps * world.world_size
         )
-        self.args, self.device, self.samples = args, device, samples_per_step
+        self.config, self.device, self.samples = config, device, samples_per_step
         self.is_main = world.is_main
-        self.warmup = min(SPEED_WARMUP_STEPS, args.run.max_steps // 2)
+        self.warmup = min(SPEED_WARMUP_STEPS, config.run.max_steps // 2)
         if meter is None:
             peak, peak_label = metrics.peak_bf16_tflops(device)
             meter = metrics.StepMeter(
-                metrics.model_flops_per_token(model.config, args.model.max_context_width),
+                metrics.model_flops_per_token(model.config, config.model.max_context_width),
                 world.world_size,
                 peak,
                 peak_label,
                 metrics.peak_memory_label(device),
                 sync=metrics.device_sync(device),
-                max_steps=args.run.max_steps,
+                max_steps=config.run.max_steps,
                 warmup_steps=self.warmup,
             )
         self.meter = meter
-        self.jsonl_path = f"{args.run.output_dir}/metrics.jsonl"
+        self.jsonl_path = f"{config.run.output_dir}/metrics.jsonl"
         if self.is_main and start_step == 0:  # a fresh run: its file holds this run only
             aside = metrics.set_aside(self.jsonl_path)
             if aside is not None:
@@ -76,21 +76,21 @@ class RunLog:
         self.writer = metrics.JsonlWriter(self.jsonl_path, enabled=self.is_main)
         self.records_lost_from: str | None = None  # where metrics.jsonl stopped, if it did
         self.board = tensorboard_log.TensorBoardLog(
-            f"{args.run.output_dir}/tensorboard",
-            enabled=self.is_main and args.run.tensorboard,
+            f"{config.run.output_dir}/tensorboard",
+            enabled=self.is_main and config.run.tensorboard,
             resumed_from=start_step,
         )
         run = metrics.run_record(
-            args.as_dict(), world_size=world.world_size, samples_per_step=samples_per_step
+            config.as_dict(), world_size=world.world_size, samples_per_step=samples_per_step
         )
         log.info(metrics.run_line(run), stacklevel=2)  # flags and batch, for compare_runs.py
         self._record(run)
         self.board.flags(run)
         log.info(
             "model: %s, %.1fM parameters, impl=%s; %s",
-            args.preset,
+            config.preset,
             modeling.count_parameters(model) / 1e6,
-            args.precision.model_impl,
+            config.precision.model_impl,
             backend.describe(),
             stacklevel=2,
         )
@@ -99,21 +99,21 @@ class RunLog:
             world.world_size,
             world.num_nodes,
             device,
-            args.parallel.sharding_strategy,
+            config.parallel.sharding_strategy,
             samples_per_step,
-            args.model.max_context_width,
+            config.model.max_context_width,
             stacklevel=2,
         )
 
     def is_report_step(self, step: int) -> bool:
-        return step % self.args.run.logging_freq == 0 or step == self.args.run.max_steps
+        return step % self.config.run.logging_freq == 0 or step == self.config.run.max_steps
 
     def step(self, step: int, loss: torch.Tensor, lr: float, data_wait: float) -> None:
         """Count every step; at report steps log the window since the previous report."""
         self.meter.add_step(
             data_wait_seconds=data_wait,
             samples=self.samples,
-            tokens=self.samples * self.args.model.max_context_width,
+            tokens=self.samples * self.config.model.max_context_width,
         )
         if not self.is_report_step(step):
             return

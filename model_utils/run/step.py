@@ -39,11 +39,11 @@ def train_step(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     backend,
     next_micro_batch: MicroBatchSource,
-    args,
+    config,
     device: torch.device,
     data_ok: Callable[[], bool] | None = None,
 ) -> StepResult:
-    """One optimizer step over ``args.optim.grad_accum_steps`` micro-batches.
+    """One optimizer step over ``config.optim.grad_accum_steps`` micro-batches.
 
     Each micro-batch's loss is scaled by 1/grad_accum_steps so the gradients sum to the mean,
     and by its weight (0 for data.ReadGuard's stand-in after a bad read: no gradient, yet this
@@ -55,14 +55,14 @@ def train_step(
     schedule step): an update from a stand-in batch, or from part of the data, is no step a
     checkpoint should hold, and ``stepped=False`` tells the loop to record nothing.
     """
-    accum = args.optim.grad_accum_steps
+    accum = config.optim.grad_accum_steps
     data_wait, loss_sum = 0.0, torch.zeros((), device=device)
     for micro in range(accum):
         start = time.perf_counter()
         raw, weight = next_micro_batch()
         micro_batch = {k: v.to(device, non_blocking=True) for k, v in raw.items()}
         data_wait += time.perf_counter() - start
-        distributed.sync_gradients(model, args.parallel.sharding_strategy, micro == accum - 1)
+        distributed.sync_gradients(model, config.parallel.sharding_strategy, micro == accum - 1)
         with backend.autocast(first_micro_batch=micro == 0):
             loss = model(**micro_batch).loss * weight
         (loss / accum).backward()
@@ -72,8 +72,8 @@ def train_step(
         optimizer.zero_grad(set_to_none=True)
         return StepResult(loss_sum / accum, None, lr, data_wait, stepped=False)
     grad_norm = None
-    if args.optim.grad_clip > 0:
-        grad_norm = clip_grad_norm(model, args.optim.grad_clip)
+    if config.optim.grad_clip > 0:
+        grad_norm = clip_grad_norm(model, config.optim.grad_clip)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)

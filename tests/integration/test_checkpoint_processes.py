@@ -252,7 +252,7 @@ def scenario_train(workdir: Path, rank: int) -> dict[str, Any]:
     out["hsdp_init_from_hf_diff"] = differences(full_model(hsdp.model), reference)
 
     # HF export of the trained bf16 model, forced into several shards.
-    tokenizer = load_tokenizer(fresh.args.tokenizer)
+    tokenizer = load_tokenizer(fresh.args.data.tokenizer)
     ck.export_hf(
         fresh.model, fresh.model.config, workdir / "hf_out", tokenizer, max_shard_bytes=150_000
     )
@@ -324,7 +324,7 @@ def scenario_reshard(workdir: Path, rank: int) -> dict[str, Any]:
     out["hook_calls"] = calls
     out["warned"] = any("loaded on 1" in r and "reseeded" in r for r in records)
     drawn = torch.rand(4)
-    ck.reseed_rng(ck.derived_seed(run.args.seed, 3, 0))
+    ck.reseed_rng(ck.derived_seed(run.args.run.seed, 3, 0))
     out["rng_is_derived"] = torch.equal(drawn, torch.rand(4))
     out["loss_after_reshard"] = run.train_step()
 
