@@ -61,7 +61,7 @@ def validate(argv: list[str] | None, training: bool = True) -> tuple[Config, obj
         from model_utils.precision.te import check_requirements, te_version
 
         check_requirements(config, training)
-        checkpoint.check_fp8_state_loadable(config, te_version())  # a resume this TE refuses
+        checkpoint.check_fp8_state_loadable(ckpt, te_version())  # a resume this TE refuses
     if training:
         try:  # a live run in this directory: refused before anything starts (reads only)
             locks = run_lock.lock_dirs(config.run.output_dir, ckpt.checkpoint_dir)

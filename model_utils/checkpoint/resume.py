@@ -28,7 +28,7 @@ from model_utils.checkpoint.compat import (
 )
 from model_utils.checkpoint.errors import ResumeRefused, pickled_fp8_state_problem
 from model_utils.checkpoint.manifest import read_marker, resolve_checkpoint, resume_candidate
-from model_utils.config.sections import Config
+from model_utils.config.sections import CheckpointConfig, Config
 from model_utils.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -54,11 +54,11 @@ def check_before_start(config: Config) -> None:
         check_steps_left(path, config.run.max_steps)
 
 
-def check_fp8_state_loadable(config: Config, te_version: str | None) -> None:
+def check_fp8_state_loadable(checkpoint: CheckpointConfig, te_version: str | None) -> None:
     """Refuse, before anything starts, a resume this TE (release ``te_version``) would refuse
     after the model is built: a format-1 checkpoint's pickled FP8 state (UsageError, one line)."""
-    resume = config.checkpoint.resume_from_checkpoint
-    path = resolve_checkpoint(resume, config.checkpoint.checkpoint_dir) if resume else None
+    resume = checkpoint.resume_from_checkpoint
+    path = resolve_checkpoint(resume, checkpoint.checkpoint_dir) if resume else None
     if path is None:
         return
     problem = pickled_fp8_state_problem(path, read_marker(path), te_version, os.environ)

@@ -421,4 +421,4 @@ def test_warmup_rule_is_train_py_s() -> None:
 
     assert run_log.SPEED_WARMUP_STEPS == cr.WARMUP_STEPS
     source = (ROOT / "model_utils" / "run" / "run_log.py").read_text()
-    assert "min(SPEED_WARMUP_STEPS, args.run.max_steps // 2)" in source
+    assert "min(SPEED_WARMUP_STEPS, config.run.max_steps // 2)" in source

@@ -202,9 +202,13 @@ def test_preflight_reads_the_checkpoint_a_resume_would_take(tmp_path) -> None:
     implementations: the newest complete checkpoint (``auto``) or the one named, refused in one
     line (UsageError: exit 2) when this TE would refuse its pickled FP8 state."""
     import json
-    from types import SimpleNamespace
 
+    from model_utils.config.arguments import parse_args
     from model_utils.errors import UsageError
+
+    def resuming(resume: str | None):
+        flags = ["--checkpoint_dir", str(tmp_path)]
+        return parse_args([*flags, *(["--resume_from_checkpoint", resume] if resume else [])])
 
     saved = tmp_path / ck.checkpoint_name(2)
     saved.mkdir()
@@ -212,10 +216,10 @@ def test_preflight_reads_the_checkpoint_a_resume_would_take(tmp_path) -> None:
     run_config = {"model_impl": "te", "fp8": True, "fp8_recipe": "delayed"}
     (saved / ck.MARKER).write_text(json.dumps({"format": 1, "run_config": run_config}))
     for resume in ("auto", str(saved)):
-        args = SimpleNamespace(resume_from_checkpoint=resume, checkpoint_dir=str(tmp_path))
+        args = resuming(resume).checkpoint
         with pytest.raises(UsageError, match=ck.TE_UNSAFE_PICKLE_ENV) as err:
             ck.check_fp8_state_loadable(args, "2.20.2")
         assert str(saved) in str(err.value) and "\n" not in str(err.value)
         ck.check_fp8_state_loadable(args, "2.16.0")  # TE 2.16 unpickles it
-    fresh = SimpleNamespace(resume_from_checkpoint=None, checkpoint_dir=str(tmp_path))
+    fresh = resuming(None).checkpoint
     ck.check_fp8_state_loadable(fresh, "2.20.2")  # no resume: nothing to read
