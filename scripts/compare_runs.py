@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from model_utils.config.arguments import os_error_words
-from model_utils.config.presets import SHAPE_FIELDS
+from model_utils.config.sections import ModelShape, flag_fields
 from model_utils.run import metrics
 from model_utils.run.metrics.records import record_problem, run_problem
 from scripts.compare_plot import DPI, FIGSIZE, make_figure, throughput_key  # noqa: F401
@@ -56,8 +56,9 @@ DETAIL = {
     "peak_mem_gib": re.compile(rf"peak mem: {_NUM} GiB"),
     "data_wait_pct": re.compile(rf"data wait: {_NUM}%"),
 }
-# What must match for two runs to be compared like for like (flags of the run record).
-SHAPE_FLAGS = (*SHAPE_FIELDS, "max_context_width")
+# What must match for two runs to be compared like for like (flags of the run record): the
+# model section's flags (shape, context, RoPE base) and the micro-batch.
+SHAPE_FLAGS = flag_fields(ModelShape)
 BATCH_FLAGS = ("train_batch_size",)
 # Fields of train/val records that the table and the picture read as numbers (null: not
 # measured).

@@ -174,6 +174,24 @@ SECTIONS: dict[str, type] = {
 }
 #: The fields of the run itself, beside the sections: what it was built from.
 TOP_FIELDS = ("recipe", "preset")
+#: Section fields no flag sets: a preset or --init_from_hf's config.json fills in the model's,
+#: train.validate the data's fingerprints.
+DERIVED = frozenset(
+    {
+        "rms_norm_eps",
+        "rope_scaling",
+        "max_position_embeddings",
+        "tokenizer_sha256",
+        "data_fingerprint",
+    }
+)
+
+
+def flag_fields(kind: type) -> tuple[str, ...]:
+    """A section's fields that are flags, in its order (and the parser's)."""
+    return tuple(f.name for f in fields(kind) if f.name not in DERIVED)
+
+
 #: Flat field name -> its section.
 SECTION_OF: dict[str, str] = {
     f.name: section for section, kind in SECTIONS.items() for f in fields(kind)
