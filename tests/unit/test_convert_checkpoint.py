@@ -16,6 +16,8 @@ import torch
 from procs import SMALL_LLAMA, script_refusal
 
 from model_utils import checkpoint as ck
+from model_utils.checkpoint.hf_import import HF_SINGLE
+from model_utils.checkpoint.manifest import MARKER
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,7 +74,7 @@ def test_a_damaged_checkpoint_given_by_path_is_refused_naming_the_file(tmp_path,
     err = refused([str(path), str(out)], capsys)
     assert f"checkpoint {path} is damaged: {shard} does not match its sha256" in err
     assert not out.exists()
-    (path / ck.MARKER).unlink()  # an incomplete save: refused too, as before
+    (path / MARKER).unlink()  # an incomplete save: refused too, as before
     assert "has no checkpoint.json" in refused([str(path), str(out)], capsys)
 
 
@@ -92,7 +94,7 @@ def test_a_folder_of_checkpoints_converts_its_newest_intact_one(tmp_path, capsys
         f"convert_checkpoint.py: warning: skipped the damaged checkpoint {newer.name}: "
         f"{newer / '__0_0.distcp'} does not match its sha256 (changed since the save)\n"
     )
-    weights = load_file(str(out / ck.HF_SINGLE))
+    weights = load_file(str(out / HF_SINGLE))
     assert torch.all(weights["model.embed_tokens.weight"] == 1.0)  # step 1's, not step 2's
     assert sorted(p.name for p in folder.iterdir()) == [older.name, newer.name]  # left as is
 

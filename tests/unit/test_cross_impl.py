@@ -25,6 +25,9 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 import te_llama
 from model_utils import checkpoint as ck
 from model_utils.checkpoint import hf_export
+from model_utils.checkpoint.convert import param_layout
+from model_utils.checkpoint.optimizer_state import moment_conversion_problem
+from model_utils.checkpoint.tensors import weight_tensors
 from model_utils.model import te_support
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,7 +113,7 @@ class Run:
         """Full fp32 weights under HF names, whatever the layout."""
         full = {
             k: hf_export.full_cpu(v, torch.float32)
-            for k, v in ck.weight_tensors(get_model_state_dict(self.model)).items()
+            for k, v in weight_tensors(get_model_state_dict(self.model)).items()
         }
         return to_hf(full, self.model.config)
 
@@ -129,7 +132,7 @@ class Run:
 
 
 def to_hf(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
-    if ck.param_layout(state) == "te":
+    if param_layout(state) == "te":
         return te_llama.te_to_hf_state_dict(state, config)
     return state
 
@@ -267,7 +270,7 @@ def test_moment_conversion_problem() -> None:
         exp_avg={"a.weight": Md(4, 2), "b.weight": Md(3)},
         step={"a.weight": Md(), "b.weight": Md()},
     )
-    check = ck.moment_conversion_problem
+    check = moment_conversion_problem
     assert check(adam, params, ["exp_avg", "step"]) is None
     assert "no optimizer state" in check({}, params, ["exp_avg"])
     assert "fields" in check(adam, params, ["exp_avg", "step", "momentum_buffer"])
@@ -278,10 +281,10 @@ def test_moment_conversion_problem() -> None:
 
 
 def test_param_layout() -> None:
-    assert ck.param_layout(["model.layers.0.self_attn.q_proj.weight"]) == "hf"
-    assert ck.param_layout(["model.layers.0.self_attn.q_proj._extra_state"]) == "hf"
+    assert param_layout(["model.layers.0.self_attn.q_proj.weight"]) == "hf"
+    assert param_layout(["model.layers.0.self_attn.q_proj._extra_state"]) == "hf"
     te_name = "model.layers.3.transformer_layer.self_attention.layernorm_qkv.weight"
-    assert ck.param_layout(["lm_head.weight", te_name]) == "te"
+    assert param_layout(["lm_head.weight", te_name]) == "te"
     with pytest.raises(ValueError, match="no parameter mapping"):
         te_llama.StateDictAdapter(None).converter("hf", "hf")
 

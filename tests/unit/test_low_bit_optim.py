@@ -13,8 +13,9 @@ import pytest
 import torch
 from test_optim import group_names, tiny_llama
 
-from model_utils import checkpoint as ck
 from model_utils import optim
+from model_utils.checkpoint.compat import config_changes
+from model_utils.checkpoint.optimizer_state import low_bit_reshard_problem
 from model_utils.config.arguments import UsageError, parse_args
 
 LOW_BIT = ("adamw8bit", "adamw_fp8")
@@ -131,11 +132,11 @@ def test_flag_and_the_refused_combinations() -> None:
     assert parse_args(["--optimizer", "adamw", "--async_checkpoint"]).async_checkpoint
 
     # A resume keeps the saved optimizer; checkpoints from before the flag are adamw's.
-    refused, _ = ck.config_changes({"optimizer": "adamw8bit"}, {"optimizer": "adamw"})
+    refused, _ = config_changes({"optimizer": "adamw8bit"}, {"optimizer": "adamw"})
     assert refused == [("--optimizer", "adamw8bit", "adamw")]
-    refused, _ = ck.config_changes({"seed": 1}, {"seed": 1, "optimizer": "adamw_fp8"})
+    refused, _ = config_changes({"seed": 1}, {"seed": 1, "optimizer": "adamw_fp8"})
     assert refused == [("--optimizer", "adamw", "adamw_fp8")]
-    assert ck.config_changes({"seed": 1}, {"seed": 1, "optimizer": "adamw"}) == ([], [])
+    assert config_changes({"seed": 1}, {"seed": 1, "optimizer": "adamw"}) == ([], [])
 
 
 def _fake_metadata(shape: tuple[int, ...], row_splits: list[int]):
@@ -169,12 +170,12 @@ def test_reshard_is_refused_only_where_a_cut_falls_inside_a_block(name: str) -> 
         "exp_avg_sq": opt._new_buffer(p, False),
     }
     assert type(opt.state[p]["exp_avg"]).__name__ == STATE_CLASS[name]
-    assert ck.low_bit_reshard_problem(_fake_metadata((256, 688), [128]), model, opt) is None
-    problem = ck.low_bit_reshard_problem(_fake_metadata((256, 688), [86, 171]), model, opt)
+    assert low_bit_reshard_problem(_fake_metadata((256, 688), [128]), model, opt) is None
+    problem = low_bit_reshard_problem(_fake_metadata((256, 688), [86, 171]), model, opt)
     assert "weight (exp_avg, shape (256, 688)) in blocks of 256" in problem
     assert "row 86 falls inside a block" in problem and "subclass_8bit.py" in problem
     adamw = optim.build_optimizer(model, 1e-3, 0.1, 0.9, 0.95)
-    assert ck.low_bit_reshard_problem(_fake_metadata((256, 688), [86, 171]), model, adamw) is None
+    assert low_bit_reshard_problem(_fake_metadata((256, 688), [86, 171]), model, adamw) is None
 
 
 def test_low_bit_checkpoint_converts_across_parameter_layouts(tmp_path: Path, te_double) -> None:
