@@ -11,7 +11,8 @@ initialises CUDA. GPU-tier tests skip themselves without a GPU.
 that take minutes first, so that the two workers finish together instead of one waiting alone on
 the Slurm end-to-end tests at the end.
 
-Shared fixtures live here; plain helpers (ports, launching ranks) in ``tests/procs.py``.
+Shared fixtures live here; plain helpers (ports, launching ranks, runs, checkpoints, ...) in the
+``tests/helpers`` package (``from helpers.procs import ...``).
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 import torch
-from procs import free_port, rank_env
-from test_checkpoint import TINY, _logits, differences
+from helpers.checkpoints import TINY, differences, logits
+from helpers.procs import free_port, rank_env
 
 from model_utils import checkpoint as ck
 from model_utils.checkpoint import tensors
@@ -367,7 +367,7 @@ def _launch(scenario: str, workdir: Path, world_size: int) -> list[subprocess.Po
             **os.environ,
             **rank_env(rank, world_size, port),
             "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(str(REPO / d) for d in ("", "tests", "tests/unit")),
+            "PYTHONPATH": os.pathsep.join(str(REPO / d) for d in ("", "tests")),
         }
         log = open(workdir / f"{scenario}_rank{rank}.log", "w")
         procs.append(
@@ -519,7 +519,7 @@ def test_export_hf_round_trip_has_identical_logits(workdir: Path, train_run: lis
     exported = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
     reference = LlamaForCausalLM(exported.config)
     reference.load_state_dict(torch.load(workdir / "export_reference.pt"))
-    assert torch.equal(_logits(exported), _logits(reference))
+    assert torch.equal(logits(exported), logits(reference))
 
 
 @pytest.mark.slow
@@ -536,7 +536,7 @@ def test_convert_script_writes_loadable_hf(workdir: Path, train_run: list[dict])
     assert differences(dict(converted.state_dict()), snapshot) == []
     reference = LlamaForCausalLM(converted.config)
     reference.load_state_dict(snapshot)
-    assert torch.equal(_logits(converted), _logits(reference))
+    assert torch.equal(logits(converted), logits(reference))
 
 
 # -- a rank killed mid-save; then 2 -> 1 resharding ------------------------------------------

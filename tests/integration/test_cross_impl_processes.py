@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from procs import launch_report, torchrun_cmd
+from helpers.inprocess import SMALL
+from helpers.procs import launch_report, torchrun_cmd
 from te_double import subprocess_env
-from test_cross_impl import SMALL
 
 from model_utils.checkpoint.convert import param_layout
 from model_utils.checkpoint.manifest import latest_checkpoint

@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from procs import signal_after, spawn_ranks
-from test_failures import FAST
+from helpers.procs import signal_after, spawn_ranks
+from helpers.runs import FAST
 
 from model_utils import checkpoint as ck
 from model_utils.checkpoint.hf_export import existing_model
@@ -418,7 +418,7 @@ def test_a_model_that_appears_in_the_export_dir_mid_run_is_kept_and_so_is_the_ru
     """2 ranks: a model lands in --export_hf during the run. Rank 0 leaves it alone; both
     ranks still gather every layer (no hang), then stop with one line naming the final
     checkpoint, exit 1; the convert script writes the export from it elsewhere."""
-    from procs import torchrun_cmd
+    from helpers.procs import torchrun_cmd
 
     hf, ckpt = tmp_path / "hf", tmp_path / "run" / "checkpoints"
     argv = [*FAST, "--max_steps=8", "--warmup=1", "--validation_batches=1"]

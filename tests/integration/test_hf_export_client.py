@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from procs import launch_report
-from test_train import run_train
+from helpers.procs import launch_report
+from helpers.runs import run_train
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The document the run learns, and the prompt whose greedy continuation must end it with eos.

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from procs import spawn_ranks
-from test_failures import FAST
+from helpers.procs import spawn_ranks
+from helpers.runs import FAST
 
 from model_utils import checkpoint as ck
 from model_utils import data

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_te_contract_rules import Usage, collect_usages, our_usages
+from helpers.te_usages import Usage, collect_usages, our_usages
 
 from model_utils import checkpoint as ck
 from model_utils.precision import te as te_precision
@@ -726,7 +726,7 @@ def test_te_opens_the_cudnn_torch_has_open(
     sub-libraries: one family in the process, 9.19 everywhere. Without the sub-libraries
     opened first (``CUDNN_HOME`` alone), the core library still reached 9.14: what the H100
     showed after the first fix."""
-    from cudnn_standins import build_core, build_cudnn_family
+    from helpers.cudnn_standins import build_core, build_cudnn_family
 
     torch_lib = build_cudnn_family(
         tmp_path / "site-packages" / "nvidia" / "cudnn" / "lib", 91900, origin_runpath=True

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from procs import SMALL_LLAMA
+from helpers.checkpoints import TINY, differences, logits
 
 from model_utils import checkpoint as ck
 from model_utils.checkpoint.compat import check_resume_target, check_steps_left
@@ -27,38 +27,6 @@ from model_utils.checkpoint.manifest import (
 from model_utils.checkpoint.tensors import layer_groups
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-TINY = [
-    *SMALL_LLAMA,
-    *"--vocab_size 256 --train_batch_size 2 --max_steps 50 --warmup 2 --lr 0.01 --seed 7".split(),
-]
-
-
-def differences(a: Any, b: Any, path: str = "") -> list[str]:
-    """Paths where two nested states differ (tensors: exact values, dtype and shape)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        same = (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a, b)
-        )
-        return [] if same else [path]
-    if isinstance(a, dict) and isinstance(b, dict):
-        if set(a) != set(b):
-            return [f"{path}{{keys: {sorted(set(a) ^ set(b))}}}"]
-        return [d for k in a for d in differences(a[k], b[k], f"{path}.{k}")]
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return [f"{path}[len]"]
-        return [
-            d
-            for i, (x, y) in enumerate(zip(a, b, strict=True))
-            for d in differences(x, y, f"{path}[{i}]")
-        ]  # noqa: E501
-    return [] if a == b else [path]
 
 
 # -- pure filesystem rules --------------------------------------------------------------------
@@ -245,7 +213,7 @@ def test_hf_in_and_out_on_a_plain_tied_model(tmp_path: Path) -> None:
     with safe_open(str(tmp_path / "out" / HF_SINGLE), "pt") as fh:
         assert "lm_head.weight" not in fh.keys()
     reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
-    assert torch.equal(_logits(reloaded), _logits(source))
+    assert torch.equal(logits(reloaded), logits(source))
     config.num_hidden_layers = 3
     with pytest.raises(ValueError, match="missing.*model.layers.2"):
         ck.load_hf_weights(LlamaForCausalLM(config), tmp_path / "src")
@@ -309,16 +277,10 @@ def test_shard_writer_publishes_whole_models_readable_as_the_umask_allows(tmp_pa
     assert list(out.glob(".part-*")) == []
 
 
-def _logits(model: torch.nn.Module) -> torch.Tensor:
-    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        return model(input_ids=ids).logits
-
-
 def test_convert_script_rejects_a_non_checkpoint_with_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import convert_checkpoint
+    from scripts import convert_checkpoint
 
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert convert_checkpoint.main([str(tmp_path), str(tmp_path / "out")]) == 2

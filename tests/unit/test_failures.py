@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.checkpoints import save_plain_checkpoints
+from helpers.runs import FAST
 
 from model_utils import checkpoint as ck
 from model_utils.checkpoint.compat import config_changes
@@ -31,9 +33,6 @@ from model_utils.config.presets import BUNDLED_DATASET, BUNDLED_TOKENIZER
 from model_utils.run import guards, outputs, run_lock
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-FAST = ["--preset", "tiny", "--train_batch_size", "4", "--max_context_width", "128"]
 
 
 def test_float8_weights_are_checked_too() -> None:
@@ -265,18 +264,6 @@ def test_explicit_flags_are_those_on_the_command_line() -> None:
     assert explicit_flags([]) == frozenset()
 
 
-def _save_checkpoints(root: Path, steps: list[int], keep_last: int = 0) -> ck.Checkpointer:
-    """Real DCP checkpoints of a small model, one process, no process group."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
-    ckpt = ck.Checkpointer(root, keep_last=keep_last)
-    for step in steps:
-        with torch.no_grad():
-            model[0].weight.add_(1.0)
-        ckpt.save(step, ck.TrainState(model, config={"seed": 1}))
-    return ckpt
-
-
 def _zero_a_megabyte(path: Path) -> None:
     shard = next(path.glob("__0_*.distcp"))
     with open(shard, "r+b") as fh:
@@ -306,7 +293,7 @@ DAMAGE = {
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_a_damaged_checkpoint_is_named_and_auto_resume_falls_back(tmp_path: Path, kind: str):
     damage, message = DAMAGE[kind]
-    ckpt = _save_checkpoints(tmp_path, [1, 2, 3])
+    ckpt = save_plain_checkpoints(tmp_path, [1, 2, 3])
     assert sorted(ck.read_marker(tmp_path / checkpoint_name(3))["files"]) == [
         DCP_METADATA,
         "__0_0.distcp",
@@ -328,7 +315,7 @@ def test_a_damaged_checkpoint_is_named_and_auto_resume_falls_back(tmp_path: Path
 def test_a_shard_gone_before_its_checksum_is_a_verdict_not_an_exception(tmp_path: Path) -> None:
     """Each rank sums its share of the files and the verdicts are gathered: a rank that raised
     instead would leave the others waiting in the gather (they would die of a lost peer)."""
-    _save_checkpoints(tmp_path, [1])
+    save_plain_checkpoints(tmp_path, [1])
     path = tmp_path / checkpoint_name(1)
     files = ck.read_marker(path)["files"]
     assert ck.content_damage(path, files) is None
@@ -339,12 +326,12 @@ def test_a_shard_gone_before_its_checksum_is_a_verdict_not_an_exception(tmp_path
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_every_checkpoint_damaged_is_refused_not_a_silent_fresh_start(tmp_path: Path) -> None:
-    ckpt = _save_checkpoints(tmp_path, [1, 2])
+    ckpt = save_plain_checkpoints(tmp_path, [1, 2])
     for step in (1, 2):
         _zero_a_megabyte(tmp_path / checkpoint_name(step))
     with pytest.raises(ck.ResumeRefused, match="every checkpoint in .* is damaged"):
         ckpt.resolve_intact("auto")
-    ckpt = _save_checkpoints(tmp_path / "cheap", [1])
+    ckpt = save_plain_checkpoints(tmp_path / "cheap", [1])
     (tmp_path / "cheap" / checkpoint_name(1) / MARKER).write_text("[]")
     with pytest.raises(ck.ResumeRefused, match="every checkpoint"):  # before a process group
         resume_candidate("auto", tmp_path / "cheap")
@@ -352,10 +339,10 @@ def test_every_checkpoint_damaged_is_refused_not_a_silent_fresh_start(tmp_path: 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_a_damaged_checkpoint_takes_no_keep_last_slot_from_an_intact_one(tmp_path: Path):
-    ckpt = _save_checkpoints(tmp_path, [1, 2, 3], keep_last=2)
+    ckpt = save_plain_checkpoints(tmp_path, [1, 2, 3], keep_last=2)
     _zero_a_megabyte(tmp_path / checkpoint_name(3))
     assert ckpt.resolve_intact("auto") == tmp_path / checkpoint_name(2)
-    _save_checkpoints(tmp_path, [4], keep_last=2)  # the resumed run saves on
+    save_plain_checkpoints(tmp_path, [4], keep_last=2)  # the resumed run saves on
     names = [p.name for p in ck.complete_checkpoints(tmp_path)]
     assert names == [checkpoint_name(2), checkpoint_name(4)]  # both intact ones kept
     assert all(ckpt.verify(tmp_path / name) is None for name in names)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from test_cross_impl import Run, batch
+from helpers.inprocess import Run, batch
 
 from model_utils import checkpoint as ck
 from model_utils.checkpoint import checkpointer, stateful

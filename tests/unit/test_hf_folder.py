@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from procs import SMALL_LLAMA
+from helpers.runs import SMALL_LLAMA
 
 from model_utils import checkpoint as ck
 from model_utils.checkpoint.hf_export import existing_model

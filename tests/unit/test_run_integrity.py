@@ -127,9 +127,9 @@ def test_train_refuses_a_checkpoint_dir_inside_a_live_runs_folder(
 
 def _save(root: Path, steps: list[int], keep_last: int = 0):
     """Real DCP checkpoints of a small model (test_failures' helper)."""
-    from test_failures import _save_checkpoints
+    from helpers.checkpoints import save_plain_checkpoints
 
-    return _save_checkpoints(root, steps, keep_last)
+    return save_plain_checkpoints(root, steps, keep_last)
 
 
 def _strip_checksums(path: Path, empty: bool = False) -> None:
@@ -267,14 +267,15 @@ def test_only_damaged_step_folders_are_refused_not_a_silent_fresh_start(tmp_path
 def test_convert_checkpoint_onto_a_full_disk_is_refused_before_writing(
     tmp_path: Path, small_disk, capsys
 ) -> None:
-    import convert_checkpoint
-    from test_convert_checkpoint import refused, save_checkpoints
+    from helpers.checkpoints import convert_refused, save_llama_checkpoints
 
-    [path] = save_checkpoints(tmp_path / "ckpt", (1,))
+    from scripts import convert_checkpoint
+
+    [path] = save_llama_checkpoints(tmp_path / "ckpt", (1,))
     weights = convert_checkpoint.export_bytes(path, "float32")
     assert weights > 2**22  # the small Llama's fp32 weights: more than the disk holds
     disk = small_disk("disk", 2)
-    line = refused([str(path), str(disk / "hf")], capsys)  # exit 2, one line
+    line = convert_refused([str(path), str(disk / "hf")], capsys)  # exit 2, one line
     assert f"{disk / 'hf'} has 0.00 GiB free, less than one Hugging Face export at float32" in (
         line
     )
@@ -290,14 +291,14 @@ def test_convert_checkpoint_trusts_an_unverified_checkpoint_only_by_name(
     unverified one it skipped; given by path, an unverified one converts with a warning."""
     import json
 
-    import convert_checkpoint
-    from test_convert_checkpoint import save_checkpoints
+    from helpers.checkpoints import save_llama_checkpoints
 
     from model_utils import checkpoint as ck
     from model_utils.checkpoint.manifest import MARKER
+    from scripts import convert_checkpoint
 
     folder = tmp_path / "ckpt"
-    older, newer = save_checkpoints(folder, (1, 2))
+    older, newer = save_llama_checkpoints(folder, (1, 2))
     marker = ck.read_marker(newer)
     del marker["files"]
     (newer / MARKER).write_text(json.dumps(marker))
