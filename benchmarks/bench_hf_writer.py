@@ -52,8 +52,8 @@ def make_checkpoint(root: Path, shape: str) -> Path:
 
 
 def write_ours(checkpoint: Path, out: Path, shard_bytes: int) -> None:
-    from model_utils.checkpoint import iter_dcp_model_layers
     from model_utils.checkpoint.hf_export import SafetensorsShardWriter
+    from model_utils.checkpoint.saved import iter_dcp_model_layers
 
     writer = SafetensorsShardWriter(out, shard_bytes)
     for layer in iter_dcp_model_layers(checkpoint):

@@ -76,8 +76,7 @@ def pick_checkpoint(path: str) -> tuple[Path, list[str]]:
     checkpoints, the newest intact and verified one is taken, as train.py's
     `--resume_from_checkpoint auto` takes it, naming those it skipped. Refused (one line) if
     there is none."""
-    from model_utils.checkpoint import checkpoint_problem, complete_checkpoints
-    from model_utils.checkpoint.manifest import unverified_reason
+    from model_utils.checkpoint import checkpoint_problem, complete_checkpoints, unverified_reason
 
     problem = checkpoint_problem(path)
     if problem is None:
@@ -119,7 +118,7 @@ def check_out_dir(out_dir: Path) -> None:
     (minutes for a large checkpoint): a file in the way or a read-only folder by looking, and
     what looking cannot tell (a root-owned pseudo file system, quotas) by creating the folder
     and a probe file in it, then removing both as train.py's --export_hf check does."""
-    from model_utils.checkpoint.hf_export import export_dir_problem
+    from model_utils.checkpoint import export_dir_problem
     from model_utils.run import outputs
 
     problem = (
@@ -251,7 +250,7 @@ def remove_export(out_dir: Path, created: list[Path], before: set[str]) -> None:
     go whole; in a folder that existed, what the export added (its hidden parts and staged
     files, the model files - there were none, or it would have been refused -, config.json,
     generation_config.json, the tokenizer's files), while the names in `before` stay."""
-    from model_utils.checkpoint.hf_export import PART_PREFIX, remove_path
+    from model_utils.checkpoint import PART_PREFIX, remove_path
 
     if created:
         shutil.rmtree(created[-1], ignore_errors=True)  # the outermost folder it created

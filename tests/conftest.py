@@ -11,7 +11,8 @@ initialises CUDA. GPU-tier tests skip themselves without a GPU.
 that take minutes first, so that the two workers finish together instead of one waiting alone on
 the Slurm end-to-end tests at the end.
 
-Shared fixtures live here; plain helpers (ports, launching ranks) in ``tests/procs.py``.
+Shared fixtures live here; plain helpers (ports, launching ranks, runs, checkpoints, ...) in the
+``tests/helpers`` package (``from helpers.procs import ...``).
 """
 
 from __future__ import annotations
@@ -64,9 +65,9 @@ def te_double(monkeypatch):
     ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE`` does not leak in (tests that need it set it)."""
     from te_double import install, uninstall
 
-    from model_utils import checkpoint as ck
+    from model_utils.checkpoint.errors import TE_UNSAFE_PICKLE_ENV
 
-    monkeypatch.delenv(ck.TE_UNSAFE_PICKLE_ENV, raising=False)
+    monkeypatch.delenv(TE_UNSAFE_PICKLE_ENV, raising=False)
     install()
     yield
     uninstall()

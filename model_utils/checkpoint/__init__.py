@@ -67,146 +67,83 @@ The package, one job per module:
     hf_import.py        --init_from_hf (safetensors in)
     hf_export.py        --export_hf and checkpoint -> HF directory (safetensors out)
     ranks.py            rank, world size and the few collectives the above need
+
+Public API: what code outside the package uses (train.py, run/guards.py,
+scripts/convert_checkpoint.py). Everything else is imported from its module, as the tests of
+internals and the benchmarks do::
+
+    Checkpointer, TrainState                 save, atomic publish, prune, verified resume, load
+    check_before_start, resume_or_start      the resume policy, before / after the process group
+    check_resume_arg, check_hf_dir,          validate: --resume_from_checkpoint, --init_from_hf,
+    check_export_dir                         --export_hf
+    export_hf, load_hf_weights               HF safetensors out and in
+    CheckpointWriteError, ResumeRefused,     why a checkpoint cannot be used or written
+    UntrustedCheckpointError,
+    write_error_reason
+    check_fp8_state_loadable                 validate (TE): a resume's pickled FP8 state
+    read_marker                              a checkpoint's marker (the converter)
+    complete_checkpoints,                    the converter: which checkpoint, and is it
+    checkpoint_problem, checkpoint_damage,   complete, intact and verified
+    content_damage, unverified_reason
+    dcp_to_hf, export_dir_problem,           the converter: checkpoint -> HF folder, and
+    PART_PREFIX, remove_path                 removing what a failed export wrote
 """
 
-from model_utils.checkpoint.checkpointer import CHECKPOINT_FORMAT, Checkpointer
-from model_utils.checkpoint.compat import (
-    DATA_FIELDS,
-    MODEL_FIELDS,
-    OPTIMIZER_FIELDS,
-    check_fresh_start,
-    check_resumable,
-    check_resume_target,
-    check_steps_left,
-    config_changes,
-    describe_changes,
-)
-from model_utils.checkpoint.convert import load_converted, param_layout
+from model_utils.checkpoint.checkpointer import Checkpointer
 from model_utils.checkpoint.errors import (
-    TE_UNSAFE_PICKLE_ENV,
     CheckpointWriteError,
     ResumeRefused,
     UntrustedCheckpointError,
-    pickled_fp8_state_problem,
-    untrusted_checkpoint_message,
     write_error_reason,
 )
 from model_utils.checkpoint.hf_export import (
-    DEFAULT_MAX_SHARD_BYTES,
-    SafetensorsShardWriter,
+    PART_PREFIX,
     check_export_dir,
     dcp_to_hf,
-    existing_model,
+    export_dir_problem,
     export_hf,
+    remove_path,
 )
-from model_utils.checkpoint.hf_import import (
-    HF_INDEX,
-    HF_SINGLE,
-    check_hf_dir,
-    hf_weight_files,
-    load_hf_weights,
-)
+from model_utils.checkpoint.hf_import import check_hf_dir, load_hf_weights
 from model_utils.checkpoint.manifest import (
-    DAMAGED_PREFIX,
-    DCP_METADATA,
-    MARKER,
-    TMP_PREFIX,
     check_resume_arg,
     checkpoint_damage,
-    checkpoint_name,
     checkpoint_problem,
     complete_checkpoints,
     content_damage,
-    is_complete,
-    latest_checkpoint,
-    prune_plan,
     read_marker,
-    resolve_checkpoint,
-    resume_candidate,
-    step_of,
-)
-from model_utils.checkpoint.optimizer_state import (
-    low_bit_reshard_problem,
-    moment_conversion_problem,
+    unverified_reason,
 )
 from model_utils.checkpoint.resume import (
     check_before_start,
     check_fp8_state_loadable,
     resume_or_start,
 )
-from model_utils.checkpoint.saved import iter_dcp_model_layers
-from model_utils.checkpoint.stateful import (
-    LoadResult,
-    TrainState,
-    capture_rng,
-    derived_seed,
-    reseed_rng,
-    restore_rng,
-)
-from model_utils.checkpoint.tensors import KeyMap, layer_groups, weight_tensors
+from model_utils.checkpoint.stateful import TrainState
 
 __all__ = [
-    "CHECKPOINT_FORMAT",
-    "DAMAGED_PREFIX",
-    "DATA_FIELDS",
-    "DCP_METADATA",
-    "DEFAULT_MAX_SHARD_BYTES",
-    "HF_INDEX",
-    "HF_SINGLE",
-    "MARKER",
-    "MODEL_FIELDS",
-    "OPTIMIZER_FIELDS",
-    "TE_UNSAFE_PICKLE_ENV",
-    "TMP_PREFIX",
+    "PART_PREFIX",
     "CheckpointWriteError",
     "Checkpointer",
-    "KeyMap",
-    "LoadResult",
     "ResumeRefused",
-    "SafetensorsShardWriter",
     "TrainState",
     "UntrustedCheckpointError",
-    "capture_rng",
     "check_before_start",
     "check_fp8_state_loadable",
-    "check_fresh_start",
     "check_export_dir",
-    "existing_model",
     "check_hf_dir",
-    "check_resumable",
-    "check_resume_target",
-    "check_steps_left",
     "check_resume_arg",
     "checkpoint_damage",
-    "checkpoint_name",
     "checkpoint_problem",
     "complete_checkpoints",
-    "config_changes",
     "content_damage",
     "dcp_to_hf",
-    "derived_seed",
-    "describe_changes",
+    "export_dir_problem",
     "export_hf",
-    "hf_weight_files",
-    "is_complete",
-    "iter_dcp_model_layers",
-    "latest_checkpoint",
-    "layer_groups",
-    "load_converted",
     "load_hf_weights",
-    "low_bit_reshard_problem",
-    "moment_conversion_problem",
-    "param_layout",
-    "pickled_fp8_state_problem",
-    "prune_plan",
     "read_marker",
-    "reseed_rng",
-    "resolve_checkpoint",
-    "restore_rng",
+    "remove_path",
     "resume_or_start",
-    "resume_candidate",
-    "step_of",
-    "untrusted_checkpoint_message",
-    "weight_tensors",
+    "unverified_reason",
     "write_error_reason",
 ]

@@ -314,7 +314,7 @@ def cleanup() -> None:
     no Python reference left and DTensor's Python caches cleared). Sleeping hands the GIL
     over so a pending drop finishes first. This narrows the window (the thread must be
     scheduled within the grace) rather than closing it; the tests' spawned ranks close it by
-    skipping interpreter shutdown (tests/procs.py).
+    skipping interpreter shutdown (tests/helpers/procs.py).
     """
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -22,11 +22,15 @@ from typing import Any
 
 import pytest
 import torch
-from procs import free_port, rank_env
-from test_checkpoint import TINY, _logits, differences
+from helpers.checkpoints import TINY, differences, logits
+from helpers.procs import free_port, rank_env
 
 from model_utils import checkpoint as ck
 from model_utils.checkpoint import tensors
+from model_utils.checkpoint.hf_import import HF_INDEX, hf_weight_files
+from model_utils.checkpoint.manifest import checkpoint_name, latest_checkpoint
+from model_utils.checkpoint.stateful import capture_rng, derived_seed, reseed_rng
+from model_utils.checkpoint.tensors import weight_tensors
 from model_utils.data import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -122,7 +126,7 @@ def full_model(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return {k: tensors.unwrapped(v).detach().clone() for k, v in ck.weight_tensors(sd).items()}
+    return {k: tensors.unwrapped(v).detach().clone() for k, v in weight_tensors(sd).items()}
 
 
 def full_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -143,7 +147,7 @@ def _detach(obj: Any) -> Any:
 
 
 def rng_snapshot() -> dict[str, Any]:
-    state = ck.capture_rng()
+    state = capture_rng()
     return {"torch": state["torch"].clone(), "python": state["python"], "numpy": state["numpy"]}
 
 
@@ -165,7 +169,7 @@ def scenario_train(workdir: Path, rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     run = Run(workdir)
     ck.load_hf_weights(run.model, workdir / "hf_in")
-    hf_files = ck.hf_weight_files(workdir / "hf_in")
+    hf_files = hf_weight_files(workdir / "hf_in")
     reference = {}
     for name, f in hf_files.items():
         with safe_open(str(f), framework="pt") as fh:
@@ -229,7 +233,7 @@ def scenario_train(workdir: Path, rank: int) -> dict[str, Any]:
     )
     ck.load_hf_weights(fp8.model, workdir / "hf_in")  # into Float8Linear + float8 all-gather
     out["fp8_init_from_hf_diff"] = differences(full_model(fp8.model), reference)
-    ckpt.load(workdir / "ckpt" / ck.checkpoint_name(3), fp8.state)
+    ckpt.load(workdir / "ckpt" / checkpoint_name(3), fp8.state)
     out["bf16_to_fp8_model_diff"] = differences(full_model(fp8.model), model3)
     out["bf16_to_fp8_optim_diff"] = differences(full_optimizer(fp8.model, fp8.optimizer), optim3)
     out["fp8_loss_step4"] = fp8.train_step()
@@ -246,7 +250,7 @@ def scenario_train(workdir: Path, rank: int) -> dict[str, Any]:
     # HSDP (2-D mesh: replicate x shard) loads the FSDP checkpoint and HF weights alike.
     hsdp = Run(workdir, hybrid=True)
     out["hsdp_placements"] = str(next(hsdp.model.parameters()).placements)
-    ckpt.load(workdir / "ckpt" / ck.checkpoint_name(3), hsdp.state)
+    ckpt.load(workdir / "ckpt" / checkpoint_name(3), hsdp.state)
     out["hsdp_model_diff"] = differences(full_model(hsdp.model), model3)
     ck.load_hf_weights(hsdp.model, workdir / "hf_in")
     out["hsdp_init_from_hf_diff"] = differences(full_model(hsdp.model), reference)
@@ -324,7 +328,7 @@ def scenario_reshard(workdir: Path, rank: int) -> dict[str, Any]:
     out["hook_calls"] = calls
     out["warned"] = any("loaded on 1" in r and "reseeded" in r for r in records)
     drawn = torch.rand(4)
-    ck.reseed_rng(ck.derived_seed(run.args.run.seed, 3, 0))
+    reseed_rng(derived_seed(run.args.run.seed, 3, 0))
     out["rng_is_derived"] = torch.equal(drawn, torch.rand(4))
     out["loss_after_reshard"] = run.train_step()
 
@@ -368,7 +372,7 @@ def _launch(scenario: str, workdir: Path, world_size: int) -> list[subprocess.Po
             **os.environ,
             **rank_env(rank, world_size, port),
             "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(str(REPO / d) for d in ("", "tests", "tests/unit")),
+            "PYTHONPATH": os.pathsep.join(str(REPO / d) for d in ("", "tests")),
         }
         log = open(workdir / f"{scenario}_rank{rank}.log", "w")
         procs.append(
@@ -441,7 +445,7 @@ def kill_run(workdir: Path, train_run: list[dict]) -> dict[str, Any]:
     return {
         "returncodes": [p.returncode for p in procs],
         "listing": sorted(p.name for p in (workdir / "killck").iterdir()),
-        "latest": ck.latest_checkpoint(workdir / "killck"),
+        "latest": latest_checkpoint(workdir / "killck"),
     }
 
 
@@ -516,11 +520,11 @@ def test_export_hf_round_trip_has_identical_logits(workdir: Path, train_run: lis
     from transformers import LlamaForCausalLM
 
     out = workdir / "hf_out"
-    assert (out / ck.HF_INDEX).is_file() and len(list(out.glob("model-*.safetensors"))) > 1
+    assert (out / HF_INDEX).is_file() and len(list(out.glob("model-*.safetensors"))) > 1
     exported = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
     reference = LlamaForCausalLM(exported.config)
     reference.load_state_dict(torch.load(workdir / "export_reference.pt"))
-    assert torch.equal(_logits(exported), _logits(reference))
+    assert torch.equal(logits(exported), logits(reference))
 
 
 @pytest.mark.slow
@@ -537,7 +541,7 @@ def test_convert_script_writes_loadable_hf(workdir: Path, train_run: list[dict])
     assert differences(dict(converted.state_dict()), snapshot) == []
     reference = LlamaForCausalLM(converted.config)
     reference.load_state_dict(snapshot)
-    assert torch.equal(_logits(converted), _logits(reference))
+    assert torch.equal(logits(converted), logits(reference))
 
 
 # -- a rank killed mid-save; then 2 -> 1 resharding ------------------------------------------

@@ -8,8 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import compare_runs as cr
 import pytest
+
+from scripts import compare_runs as cr
 
 ROOT = Path(__file__).resolve().parents[2]
 

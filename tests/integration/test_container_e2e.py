@@ -30,10 +30,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_slurm_e2e import (
+from helpers.slurm import (
     FINAL_LOSS,
     FINAL_STATES,
     IN_CI,
+    STEPS,
     Cluster,
     Job,
     check_both_nodes_ran,
@@ -52,7 +53,6 @@ INSTALL_DEPS = REPO / "scripts" / "install_test_deps.sh"
 SOURCES = Path(os.environ.get("CONTAINER_SOURCES", REPO.parent / "shared" / "container"))
 TARBALLS = ("enroot-4.1.2.tar.gz", "pyxis-0.24.0.tar.gz")
 
-STEPS = 16
 FP8_ARGS = [
     "--preset",
     "tiny",

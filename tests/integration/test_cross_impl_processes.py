@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from procs import launch_report, torchrun_cmd
+from helpers.inprocess import SMALL
+from helpers.procs import launch_report, torchrun_cmd
 from te_double import subprocess_env
-from test_cross_impl import SMALL
 
-from model_utils import checkpoint as ck
+from model_utils.checkpoint.convert import param_layout
+from model_utils.checkpoint.manifest import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,8 +73,8 @@ def test_train_py_two_ranks_hf_to_te_and_back(tmp_path) -> None:
         assert value == pytest.approx(want[key], rel=2e-6), key
     # --model_impl took effect: each run saved its own parameter layout, not just its log line.
     saved = [reference / "checkpoints", te_run / "checkpoints", back / "checkpoints"]
-    metas = [dcp.FileSystemReader(str(ck.latest_checkpoint(d))).read_metadata() for d in saved]
-    layouts = [ck.param_layout(meta.state_dict_metadata) for meta in metas]
+    metas = [dcp.FileSystemReader(str(latest_checkpoint(d))).read_metadata() for d in saved]
+    layouts = [param_layout(meta.state_dict_metadata) for meta in metas]
     assert layouts == ["hf", "te", "hf"]
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import torch
-from procs import free_port, rank_env, torchrun_cmd
+from helpers.procs import free_port, rank_env, torchrun_cmd
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "tests" / "dist_scripts"

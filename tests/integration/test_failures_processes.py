@@ -21,10 +21,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from procs import signal_after, spawn_ranks
-from test_failures import FAST
+from helpers.procs import signal_after, spawn_ranks
+from helpers.runs import FAST
 
 from model_utils import checkpoint as ck
+from model_utils.checkpoint.hf_export import existing_model
+from model_utils.checkpoint.manifest import checkpoint_name, step_of
+from model_utils.checkpoint.saved import iter_dcp_model_layers
 from model_utils.run import guards, metrics, run_lock
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,7 +87,7 @@ def test_ranks_agree_on_the_first_non_finite_step_and_on_a_stop_request() -> Non
 def _weights_are_finite(path: Path) -> bool:
     return all(
         bool(torch.isfinite(t).all())
-        for layer in ck.iter_dcp_model_layers(path)
+        for layer in iter_dcp_model_layers(path)
         for t in layer.values()
     )
 
@@ -131,7 +134,7 @@ def test_a_diverging_run_stops_naming_the_step_and_saves_nothing_non_finite(
     assert "--lr" in line
     kept = ck.complete_checkpoints(out / "checkpoints")
     assert len(kept) == saved, kept
-    assert all(ck.step_of(p) < step and _weights_are_finite(p) for p in kept)
+    assert all(step_of(p) < step and _weights_are_finite(p) for p in kept)
     if kept:
         assert str(kept[-1]) in line  # the line says where to resume from
     assert not (tmp_path / "hf").exists()  # nothing exported either
@@ -222,7 +225,7 @@ def test_ctrl_c_checkpoints_at_the_step_boundary_and_exits_0(tmp_path: Path) -> 
     status, log = signal_after(cmd, signal.SIGINT, env=env, cwd=ROOT)
     assert status == 0 and "Traceback" not in log and "KeyboardInterrupt" not in log, log
     step = int(log.split("checkpoint saved at step ")[1].split()[0])
-    assert [ck.step_of(p) for p in ck.complete_checkpoints(out / "checkpoints")] == [step]
+    assert [step_of(p) for p in ck.complete_checkpoints(out / "checkpoints")] == [step]
 
 
 # ============================================================================================
@@ -330,7 +333,7 @@ def test_resume_rules_end_to_end(tmp_path: Path, refused_by_train) -> None:
     )
     assert "--num_key_value_heads 2 -> 4, --num_layers 4 -> 2" in line
 
-    step2 = first / "checkpoints" / ck.checkpoint_name(2)
+    step2 = first / "checkpoints" / checkpoint_name(2)
     second = tmp_path / "second"
     lower = train(
         *common,
@@ -352,7 +355,7 @@ def test_resume_rules_end_to_end(tmp_path: Path, refused_by_train) -> None:
     }
     schedule = {"min_lr": 1e-4, "warmup": 1, "max_steps": 4, "style": "cosine"}
     assert logged[3] == pytest.approx(optim.lr_at(3, lr=5e-4, **schedule), rel=1e-9)
-    final = ck.read_marker(second / "checkpoints" / ck.checkpoint_name(4))["run_config"]
+    final = ck.read_marker(second / "checkpoints" / checkpoint_name(4))["run_config"]
     assert (final["lr"], final["min_lr"]) == (5e-4, 1e-4)  # the values used, not the flags
 
     fresh = train(
@@ -410,7 +413,7 @@ def test_a_model_that_appears_in_the_export_dir_mid_run_is_kept_and_so_is_the_ru
     """2 ranks: a model lands in --export_hf during the run. Rank 0 leaves it alone; both
     ranks still gather every layer (no hang), then stop with one line naming the final
     checkpoint, exit 1; the convert script writes the export from it elsewhere."""
-    from procs import torchrun_cmd
+    from helpers.procs import torchrun_cmd
 
     hf, ckpt = tmp_path / "hf", tmp_path / "run" / "checkpoints"
     argv = [*FAST, "--max_steps=8", "--warmup=1", "--validation_batches=1"]
@@ -432,7 +435,7 @@ def test_a_model_that_appears_in_the_export_dir_mid_run_is_kept_and_so_is_the_ru
             (hf / "model.safetensors").write_bytes(b"someone else's model")
     text = "".join(seen)
     assert proc.wait(timeout=300) != 0, text[-3000:]
-    final = ckpt / ck.checkpoint_name(8)
+    final = ckpt / checkpoint_name(8)
     [line] = [ln for ln in text.splitlines() if "train.py: error:" in ln]
     assert line.endswith(
         f"the Hugging Face export to {hf} failed: a model appeared there during the run "
@@ -454,7 +457,7 @@ def test_a_model_that_appears_in_the_export_dir_mid_run_is_kept_and_so_is_the_ru
         env=env,
     )
     assert convert.returncode == 0, convert.stderr
-    assert ck.existing_model(tmp_path / "hf2") == ["model.safetensors"]
+    assert existing_model(tmp_path / "hf2") == ["model.safetensors"]
 
 
 def test_a_read_only_checkpoint_dir_is_refused_at_start(
@@ -510,7 +513,7 @@ def test_a_run_dir_that_fills_up_mid_run_costs_the_metrics_not_the_run(
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "Traceback" not in result.stderr and "Exception in thread" not in result.stderr
     assert "Batch 12 Loss" in result.stdout
-    saved = [ck.checkpoint_name(6), ck.checkpoint_name(12)]
+    saved = [checkpoint_name(6), checkpoint_name(12)]
     assert [p.name for p in sorted(ckpt.iterdir()) if p.is_dir()] == saved
     jsonl = [ln for ln in result.stdout.splitlines() if "metrics.jsonl cannot be written" in ln]
     board = [ln for ln in result.stdout.splitlines() if "TensorBoard: " in ln]
@@ -562,7 +565,7 @@ def test_a_full_disk_is_refused_before_training_or_named_at_save(tmp_path: Path,
     assert full.returncode == 1, full.stderr[-3000:]
     assert "less than the 3 checkpoints this run keeps" in full.stdout  # warned at start
     [line] = error_lines(full)
-    first = disk / ck.checkpoint_name(2)
+    first = disk / checkpoint_name(2)
     assert line.startswith(f"train.py: error: checkpoint step 4 could not be written to {disk}: ")
     assert "no space left on the device" in line and f"the newest checkpoint, {first}" in line
     assert "Traceback" not in full.stderr

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from procs import launch_report
+from helpers.procs import launch_report
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from procs import launch_report
-from test_train import run_train
+from helpers.procs import launch_report
+from helpers.runs import run_train
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The document the run learns, and the prompt whose greedy continuation must end it with eos.
@@ -189,7 +189,7 @@ def project_log_likelihood(checkpoint: Path) -> float:
     pipeline makes (encode_documents: the text, then eos), each predicted after the eos that
     precedes every document in training, times the number of tokens predicted."""
     from model_utils import data
-    from model_utils.checkpoint import iter_dcp_model_layers
+    from model_utils.checkpoint.saved import iter_dcp_model_layers
     from model_utils.config import arguments
     from model_utils.model import modeling
 
@@ -208,7 +208,7 @@ def project_log_likelihood(checkpoint: Path) -> float:
 
 
 def test_lm_eval_scores_the_export_as_the_projects_own_loss(run: Path, tmp_path: Path) -> None:
-    from model_utils.checkpoint import latest_checkpoint
+    from model_utils.checkpoint.manifest import latest_checkpoint
 
     expected = project_log_likelihood(latest_checkpoint(run / "run" / "checkpoints"))
     scored = lm_eval_log_likelihood(run / "hf", tmp_path / "lm_eval")

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from test_low_bit_optim import LOW_BIT, STATE_CLASS, _local, dequantized
-from test_train import FAST, losses, records, run_train
+from helpers.optimizers import LOW_BIT, STATE_CLASS, dequantized, local_tensor
+from helpers.runs import FAST, losses, records, run_train
 
 from model_utils import checkpoint as ck
 from model_utils import optim
@@ -110,7 +110,7 @@ def test_two_rank_checkpoint_loads_on_one_rank_with_the_same_moments(
         assert set(saved) == set(states)
         for fqn, tensor in saved.items():
             assert torch.equal(dequantized(states[fqn][field]), tensor), (fqn, field)
-            quantized += type(_local(states[fqn][field])).__name__ == STATE_CLASS[name]
+            quantized += type(local_tensor(states[fqn][field])).__name__ == STATE_CLASS[name]
     assert quantized >= 2 * 7 * 4  # the decoder layers' linear weights at least
 
     if name == "adamw_fp8":  # and train.py resumes from it on one rank

@@ -6,8 +6,9 @@ import os
 
 import pytest
 import torch
-from procs import spawn_ranks
-from test_optim import group_names, tiny_llama
+from helpers.inprocess import tiny_llama
+from helpers.optimizers import group_names
+from helpers.procs import spawn_ranks
 
 from model_utils.optim import build_optimizer, param_groups
 from model_utils.run.step import clip_grad_norm

@@ -10,7 +10,7 @@ import socket
 
 import pytest
 import torch.distributed as dist
-from procs import free_port, spawn_ranks, worker_ports
+from helpers.procs import free_port, spawn_ranks, worker_ports
 from torch.multiprocessing.spawn import ProcessRaisedException
 
 

@@ -12,11 +12,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from procs import spawn_ranks
-from test_failures import FAST
+from helpers.procs import spawn_ranks
+from helpers.runs import FAST
 
 from model_utils import checkpoint as ck
 from model_utils import data
+from model_utils.checkpoint.manifest import checkpoint_name, latest_checkpoint, step_of
 from model_utils.run import metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,7 +71,7 @@ def test_a_read_failing_mid_run_drops_its_step_and_saves_the_last_full_one(tmp_p
     result = _train_failing_at(3, *common, "--max_steps", "10", f"--output_dir={out}")
     assert result.returncode == 2, result.stderr[-3000:]
     [line] = [ln for ln in result.stderr.splitlines() if ln.startswith("train.py: error:")]
-    saved = out / "checkpoints" / ck.checkpoint_name(2)
+    saved = out / "checkpoints" / checkpoint_name(2)
     assert "could not read its data mid-run (OSError: [Errno 5] Input/output error)" in line
     assert f"step 3 met it and was not taken: checkpoint of step 2 at {saved}" in line
     assert sorted(_train_records(out)) == [1, 2]  # no step 3, no loss 0.0
@@ -159,7 +160,7 @@ def test_a_resume_refuses_a_data_file_replaced_since_the_save(
     common.append(f"--output_dir={out}")
     first = _train(*common, "--max_steps=2")
     assert first.returncode == 0, first.stderr[-3000:]
-    saved = ck.latest_checkpoint(out / "checkpoints")
+    saved = latest_checkpoint(out / "checkpoints")
     recorded = ck.read_marker(saved)["run_config"]["data_fingerprint"]
     assert list(recorded) == ["corpus.jsonl.gz"]
 
@@ -175,7 +176,7 @@ def test_a_resume_refuses_a_data_file_replaced_since_the_save(
     [warning] = [ln for ln in allowed.stdout.splitlines() if "Resuming on changed data" in ln]
     assert " W [resume.py:" in warning  # once, as a warning
     assert "(--allow_data_change): corpus.jsonl.gz changed" in warning
-    assert ck.step_of(ck.latest_checkpoint(out / "checkpoints")) == 3
+    assert step_of(latest_checkpoint(out / "checkpoints")) == 3
 
 
 # ============================================================================================

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import stage_data
+from scripts import stage_data
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -30,9 +30,9 @@ from typing import Any
 
 import pytest
 import torch
-from test_te_contract_rules import Usage, collect_usages, our_usages
+from helpers.te_usages import Usage, collect_usages, our_usages
 
-from model_utils import checkpoint as ck
+from model_utils.checkpoint.errors import TE_UNSAFE_PICKLE_ENV
 from model_utils.precision import te as te_precision
 from model_utils.precision import te_requirements
 
@@ -583,7 +583,7 @@ def test_pickled_extra_state_refusal_matches_the_release(
     if not refuses:
         return
     text = _source_text(te_source, module)
-    assert f"UNSAFE_PICKLE_EXTRA_STATE_ENV = '{ck.TE_UNSAFE_PICKLE_ENV}'" in text
+    assert f"UNSAFE_PICKLE_EXTRA_STATE_ENV = '{TE_UNSAFE_PICKLE_ENV}'" in text
     assert "def should_load_extra_state_pickle(data: bytes, context: str) -> bool" in text
     for recipe, policy in (("DelayedScaling", "STATEFUL"), ("Float8CurrentScaling", "STATELESS")):
         assert f"(_RECIPE_MODULE, '{recipe}'): CheckpointExtraStatePolicy.{policy}" in text
@@ -593,10 +593,10 @@ def test_pickled_extra_state_refusal_matches_the_release(
         if isinstance(n, ast.FunctionDef) and n.name == "extra_state_pickle_advisory"
     )
     returned = next(n for n in ast.walk(advisory) if isinstance(n, ast.Return)).value
-    names = {"context": "LayerNormLinear", "UNSAFE_PICKLE_EXTRA_STATE_ENV": ck.TE_UNSAFE_PICKLE_ENV}
+    names = {"context": "LayerNormLinear", "UNSAFE_PICKLE_EXTRA_STATE_ENV": TE_UNSAFE_PICKLE_ENV}
     real = eval(compile(ast.Expression(returned), "advisory", "eval"), names)  # an f-string
     assert double.extra_state_pickle_advisory("LayerNormLinear") == real
-    assert double.UNSAFE_PICKLE_EXTRA_STATE_ENV == ck.TE_UNSAFE_PICKLE_ENV
+    assert double.UNSAFE_PICKLE_EXTRA_STATE_ENV == TE_UNSAFE_PICKLE_ENV
 
 
 def test_fused_adam_keeps_the_state_our_master_weight_adamw_keeps(te_source: TESource) -> None:
@@ -726,7 +726,7 @@ def test_te_opens_the_cudnn_torch_has_open(
     sub-libraries: one family in the process, 9.19 everywhere. Without the sub-libraries
     opened first (``CUDNN_HOME`` alone), the core library still reached 9.14: what the H100
     showed after the first fix."""
-    from cudnn_standins import build_core, build_cudnn_family
+    from helpers.cudnn_standins import build_core, build_cudnn_family
 
     torch_lib = build_cudnn_family(
         tmp_path / "site-packages" / "nvidia" / "cudnn" / "lib", 91900, origin_runpath=True

@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from procs import spawn_ranks
+from helpers.procs import spawn_ranks
+from helpers.te_models import backend_args, batch, built, tiny_config
 from te_double import install, subprocess_env
-from test_te_model import backend_args, batch, built, tiny_config
 
 import te_llama
 from model_utils.model import te_support

@@ -10,8 +10,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from procs import torchrun_cmd
-from test_tensorboard import flags_text, read_events, series
+from helpers.procs import torchrun_cmd
+from helpers.tensorboard_events import flags_text, read_events, series
 
 from model_utils.run import metrics
 

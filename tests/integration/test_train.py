@@ -5,55 +5,17 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from procs import launch_report, torchrun_cmd
-from test_train_model import FAST
+from helpers.runs import FAST, losses, records, run_train, train_cmd, train_env
 
-ROOT = Path(__file__).resolve().parents[2]
 SEED_LINE = re.compile(
     r"Batch (\d+) Loss: (\d+\.\d{5}), Speed: (\d+\.\d{2}) samples/sec, lr: (\d+\.\d{6})$"
 )
-
-
-def train_cmd(*argv: str, nproc: int = 1) -> list[str]:
-    if nproc == 1:
-        return [sys.executable, str(ROOT / "train.py"), *argv]
-    return torchrun_cmd(str(ROOT / "train.py"), *argv, nproc=nproc)
-
-
-def train_env(nproc: int = 1) -> dict[str, str]:
-    """Thread count is part of the numerics (reduction order): runs that are compared bit for
-    bit must use the same one, whatever the caller's environment says."""
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1" if nproc > 1 else "2"}
-
-
-def run_train(*argv: str, nproc: int = 1, timeout: int = 900) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        train_cmd(*argv, nproc=nproc),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=train_env(nproc),
-        cwd=ROOT,
-    )
-    assert result.returncode == 0, launch_report(result)
-    return result
-
-
-def records(run_dir: Path, kind: str = "train") -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == kind]
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in records(run_dir)}
 
 
 def test_loss_goes_down_and_log_lines_have_the_seed_format(tmp_path):

@@ -11,43 +11,22 @@ from typing import Any
 
 import pytest
 import torch
-from procs import SMALL_LLAMA
+from helpers.checkpoints import TINY, differences, logits
 
 from model_utils import checkpoint as ck
+from model_utils.checkpoint.compat import check_resume_target, check_steps_left
+from model_utils.checkpoint.hf_export import SafetensorsShardWriter, existing_model
+from model_utils.checkpoint.hf_import import HF_INDEX, HF_SINGLE
+from model_utils.checkpoint.manifest import (
+    DCP_METADATA,
+    MARKER,
+    checkpoint_name,
+    prune_plan,
+    step_of,
+)
+from model_utils.checkpoint.tensors import layer_groups
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-TINY = [
-    *SMALL_LLAMA,
-    *"--vocab_size 256 --train_batch_size 2 --max_steps 50 --warmup 2 --lr 0.01 --seed 7".split(),
-]
-
-
-def differences(a: Any, b: Any, path: str = "") -> list[str]:
-    """Paths where two nested states differ (tensors: exact values, dtype and shape)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        same = (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a, b)
-        )
-        return [] if same else [path]
-    if isinstance(a, dict) and isinstance(b, dict):
-        if set(a) != set(b):
-            return [f"{path}{{keys: {sorted(set(a) ^ set(b))}}}"]
-        return [d for k in a for d in differences(a[k], b[k], f"{path}.{k}")]
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return [f"{path}[len]"]
-        return [
-            d
-            for i, (x, y) in enumerate(zip(a, b, strict=True))
-            for d in differences(x, y, f"{path}[{i}]")
-        ]  # noqa: E501
-    return [] if a == b else [path]
 
 
 # -- pure filesystem rules --------------------------------------------------------------------
@@ -58,9 +37,9 @@ def _fake_checkpoint(root: Path, name: str, marker: bool = True, metadata: bool 
     path.mkdir(parents=True)
     (path / "__0_0.distcp").write_bytes(b"x")
     if metadata:
-        (path / ck.DCP_METADATA).write_bytes(b"x")
+        (path / DCP_METADATA).write_bytes(b"x")
     if marker:
-        (path / ck.MARKER).write_text(json.dumps({"step": ck.step_of(path), "world_size": 1}))
+        (path / MARKER).write_text(json.dumps({"step": step_of(path), "world_size": 1}))
     return path
 
 
@@ -87,9 +66,9 @@ def test_a_malformed_file_list_is_damage_not_a_traceback(tmp_path: Path, files: 
     path = _fake_checkpoint(tmp_path, "step_00000001", metadata=False)
     dcp.save({"x": torch.zeros(2)}, checkpoint_id=path)
     assert ck.checkpoint_damage(path) is None
-    (path / ck.MARKER).write_text(json.dumps({"step": 1, "files": files}))
+    (path / MARKER).write_text(json.dumps({"step": 1, "files": files}))
     assert ck.checkpoint_damage(path) == (
-        f"{path / ck.MARKER} is not a valid checkpoint marker (ValueError: its file list is not "
+        f"{path / MARKER} is not a valid checkpoint marker (ValueError: its file list is not "
         "{name: {bytes, sha256}})"
     )
 
@@ -100,11 +79,11 @@ def test_a_resume_never_writes_over_checkpoints_it_did_not_start_from(tmp_path: 
     own, other = tmp_path / "own", tmp_path / "other"
     step2, step4 = (_fake_checkpoint(own, f"step_0000000{n}") for n in (2, 4))
     elsewhere = _fake_checkpoint(other, "step_00000003")
-    ck.check_resume_target(step4, own, explicit=True)  # the newest: nothing later to lose
-    ck.check_resume_target(elsewhere, tmp_path / "empty", explicit=True)  # a new folder
-    ck.check_resume_target(step2, own, explicit=False)  # auto skipped a damaged step 4
+    check_resume_target(step4, own, explicit=True)  # the newest: nothing later to lose
+    check_resume_target(elsewhere, tmp_path / "empty", explicit=True)  # a new folder
+    check_resume_target(step2, own, explicit=False)  # auto skipped a damaged step 4
     with pytest.raises(ck.ResumeRefused) as later:
-        ck.check_resume_target(step2, own, explicit=True)
+        check_resume_target(step2, own, explicit=True)
     assert str(later.value) == (
         f"--resume_from_checkpoint {step2} (step 2) is older than 1 checkpoint(s) in {own} "
         "(newest: step 4), which this run would overwrite and prune from step 3 on: continue "
@@ -112,10 +91,10 @@ def test_a_resume_never_writes_over_checkpoints_it_did_not_start_from(tmp_path: 
         f"{own} to go back to step 2"
     )
     with pytest.raises(ck.ResumeRefused, match="of its own run \\(newest: step 4\\)"):
-        ck.check_resume_target(elsewhere, own, explicit=True)
-    ck.check_steps_left(step4, max_steps=4)  # a finished run resubmitted: ends at once
+        check_resume_target(elsewhere, own, explicit=True)
+    check_steps_left(step4, max_steps=4)  # a finished run resubmitted: ends at once
     with pytest.raises(ck.ResumeRefused) as past:
-        ck.check_steps_left(step4, max_steps=3)
+        check_steps_left(step4, max_steps=3)
     assert str(past.value) == (
         f"checkpoint {step4} is at step 4, past --max_steps 3: raise --max_steps to train on, "
         "or export it with scripts/convert_checkpoint.py"
@@ -158,11 +137,11 @@ def test_explicit_resume_path_must_be_complete(
 
 
 def test_prune_plan_keeps_newest_and_the_one_just_published() -> None:
-    paths = [Path(ck.checkpoint_name(s)) for s in (1, 2, 3, 4)]
-    assert ck.prune_plan(paths, 2, paths[-1]) == paths[:2]
-    assert ck.prune_plan(paths, None, paths[-1]) == []
-    assert ck.prune_plan(paths, 1, paths[1]) == [paths[0], paths[2], paths[3]]
-    assert ck.prune_plan(paths[:1], 3, paths[0]) == []
+    paths = [Path(checkpoint_name(s)) for s in (1, 2, 3, 4)]
+    assert prune_plan(paths, 2, paths[-1]) == paths[:2]
+    assert prune_plan(paths, None, paths[-1]) == []
+    assert prune_plan(paths, 1, paths[1]) == [paths[0], paths[2], paths[3]]
+    assert prune_plan(paths[:1], 3, paths[0]) == []
 
 
 def test_layer_groups_and_the_adapter_layer_by_layer_match_whole_model_mapping() -> None:
@@ -173,7 +152,7 @@ def test_layer_groups_and_the_adapter_layer_by_layer_match_whole_model_mapping()
         "model.norm.weight",
         "model.layers.2.mlp.up_proj.weight",
     ]
-    assert ck.layer_groups(names) == [
+    assert layer_groups(names) == [
         ["lm_head.weight", "model.norm.weight"],
         ["model.layers.2.self_attn.q_proj.weight", "model.layers.2.mlp.up_proj.weight"],
         ["model.layers.10.mlp.up_proj.weight"],
@@ -190,11 +169,11 @@ def test_layer_groups_and_the_adapter_layer_by_layer_match_whole_model_mapping()
     adapter = te_llama.StateDictAdapter(config)
     to_te, to_hf = adapter.from_hf, adapter.to_hf
     by_layer: dict[str, torch.Tensor] = {}
-    for group in ck.layer_groups(hf):
+    for group in layer_groups(hf):
         by_layer.update(to_te({n: hf[n] for n in group}))
     assert differences(by_layer, whole) == []
     back: dict[str, torch.Tensor] = {}
-    for group in ck.layer_groups(by_layer):
+    for group in layer_groups(by_layer):
         back.update(to_hf({n: by_layer[n] for n in group}))
     assert differences(back, dict(hf)) == []
 
@@ -205,7 +184,7 @@ def test_hf_dir_errors_are_one_clear_line(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="neither model.safetensors nor"):
         ck.check_hf_dir(tmp_path)
-    (tmp_path / ck.HF_INDEX).write_text(json.dumps({"weight_map": {"a": "gone.safetensors"}}))
+    (tmp_path / HF_INDEX).write_text(json.dumps({"weight_map": {"a": "gone.safetensors"}}))
     with pytest.raises(ValueError, match="missing shard"):
         ck.check_hf_dir(tmp_path)
 
@@ -231,10 +210,10 @@ def test_hf_in_and_out_on_a_plain_tied_model(tmp_path: Path) -> None:
     assert target.lm_head.weight is target.model.embed_tokens.weight
     assert differences(dict(target.state_dict()), dict(source.state_dict())) == []
     ck.export_hf(target, config, tmp_path / "out", data.load_tokenizer(BUNDLED_TOKENIZER))
-    with safe_open(str(tmp_path / "out" / ck.HF_SINGLE), "pt") as fh:
+    with safe_open(str(tmp_path / "out" / HF_SINGLE), "pt") as fh:
         assert "lm_head.weight" not in fh.keys()
     reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
-    assert torch.equal(_logits(reloaded), _logits(source))
+    assert torch.equal(logits(reloaded), logits(source))
     config.num_hidden_layers = 3
     with pytest.raises(ValueError, match="missing.*model.layers.2"):
         ck.load_hf_weights(LlamaForCausalLM(config), tmp_path / "src")
@@ -250,9 +229,9 @@ def test_checkpoint_without_a_process_group_and_a_repeated_step(tmp_path: Path) 
     saved = torch.nn.Sequential(torch.nn.Linear(16, 16))
     ckpt = ck.Checkpointer(tmp_path)
     path = ckpt.save(5, ck.TrainState(saved))
-    mtime = (path / ck.MARKER).stat().st_mtime_ns
+    mtime = (path / MARKER).stat().st_mtime_ns
     assert ckpt.save(5, ck.TrainState(saved)) == path
-    assert (path / ck.MARKER).stat().st_mtime_ns == mtime
+    assert (path / MARKER).stat().st_mtime_ns == mtime
     fresh = torch.nn.Sequential(torch.nn.Linear(16, 16))
     state = ck.TrainState(fresh)
     assert ck.Checkpointer(tmp_path).load(ckpt.latest(), state).step == 5
@@ -263,17 +242,17 @@ def test_shard_writer_splits_and_indexes(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     tensors = {f"t{i}": torch.full((100,), float(i)) for i in range(5)}  # 400 bytes each
-    writer = ck.SafetensorsShardWriter(tmp_path / "multi", max_shard_bytes=1000)
+    writer = SafetensorsShardWriter(tmp_path / "multi", max_shard_bytes=1000)
     for name, t in tensors.items():
         writer.add(name, t)
     files = writer.finish()
     assert [f.name for f in files] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
-    index = json.loads((tmp_path / "multi" / ck.HF_INDEX).read_text())
+    index = json.loads((tmp_path / "multi" / HF_INDEX).read_text())
     assert index["metadata"]["total_size"] == 2000
     loaded = {k: v for f in files for k, v in load_file(f).items()}
     assert differences(loaded, tensors) == []
     with pytest.raises(FileExistsError, match="already holds a model .model-00001-of-00003"):
-        ck.SafetensorsShardWriter(tmp_path / "multi")  # an export never replaces a model
+        SafetensorsShardWriter(tmp_path / "multi")  # an export never replaces a model
 
 
 def test_shard_writer_publishes_whole_models_readable_as_the_umask_allows(tmp_path: Path) -> None:
@@ -285,29 +264,23 @@ def test_shard_writer_publishes_whole_models_readable_as_the_umask_allows(tmp_pa
     (out / ".part-00000.safetensors").write_bytes(b"cut short")  # an earlier export died
     old_umask = os.umask(0o027)
     try:
-        writer = ck.SafetensorsShardWriter(out, max_shard_bytes=500)
+        writer = SafetensorsShardWriter(out, max_shard_bytes=500)
         writer.add("a", torch.ones(100))
         assert not (out / ".part-00000.safetensors").exists()  # the stale part went
         writer.add("b", torch.ones(100))  # the first shard is written now: still a part
-        assert ck.existing_model(out) == [] and len(list(out.glob(".part-*"))) == 1
+        assert existing_model(out) == [] and len(list(out.glob(".part-*"))) == 1
         files = writer.finish()
     finally:
         os.umask(old_umask)
-    assert ck.existing_model(out) == sorted([*(f.name for f in files), ck.HF_INDEX])
+    assert existing_model(out) == sorted([*(f.name for f in files), HF_INDEX])
     assert {oct(f.stat().st_mode & 0o777) for f in files} == {oct(0o640)}
     assert list(out.glob(".part-*")) == []
-
-
-def _logits(model: torch.nn.Module) -> torch.Tensor:
-    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        return model(input_ids=ids).logits
 
 
 def test_convert_script_rejects_a_non_checkpoint_with_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import convert_checkpoint
+    from scripts import convert_checkpoint
 
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert convert_checkpoint.main([str(tmp_path), str(tmp_path / "out")]) == 2

@@ -9,11 +9,11 @@ import os
 import struct
 from pathlib import Path
 
-import compare_runs as cr
 import pytest
 
 from model_utils.config.arguments import parse_args
 from model_utils.run import metrics
+from scripts import compare_runs as cr
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,12 +10,13 @@ import errno
 import shutil
 from pathlib import Path
 
-import convert_checkpoint
 import pytest
 import torch
-from procs import SMALL_LLAMA, script_refusal
+from helpers.checkpoints import convert_refused, save_llama_checkpoints
 
-from model_utils import checkpoint as ck
+from model_utils.checkpoint.hf_import import HF_SINGLE
+from model_utils.checkpoint.manifest import MARKER
+from scripts import convert_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,32 +24,6 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 LONG_NAME = "n" * 300  # over NAME_MAX (255 bytes): ENAMETOOLONG from the first stat()
-
-
-def save_checkpoints(
-    root: Path, steps: tuple[int, ...], tokenizer: str | None = None
-) -> list[Path]:
-    """Real checkpoints (DCP files and a marker with every file's sha256, the run's tokenizer
-    and its fingerprint, as train.py records them) of a small Llama whose weights differ from
-    step to step."""
-    from transformers import LlamaForCausalLM
-
-    from model_utils import data
-    from model_utils.config import arguments
-    from model_utils.model import modeling
-
-    args = arguments.parse_args(SMALL_LLAMA)
-    tokenizer = tokenizer or args.data.tokenizer
-    fingerprint = data.tokenizer_fingerprint(data.load_tokenizer(tokenizer))
-    run_config = {"tokenizer": tokenizer, "tokenizer_sha256": fingerprint}
-    model = LlamaForCausalLM(modeling.llama_config(args.model))
-    checkpointer = ck.Checkpointer(root)
-    paths = []
-    for step in steps:
-        with torch.no_grad():
-            model.model.embed_tokens.weight.fill_(float(step))
-        paths.append(checkpointer.save(step, ck.TrainState(model, config=run_config)))
-    return paths
 
 
 def overwrite_bytes(path: Path) -> Path:
@@ -60,20 +35,16 @@ def overwrite_bytes(path: Path) -> Path:
     return shard
 
 
-def refused(argv: list[str], capsys: pytest.CaptureFixture[str], status: int = 2) -> str:
-    return script_refusal(convert_checkpoint.main, "convert_checkpoint.py", argv, capsys, status)
-
-
 def test_a_damaged_checkpoint_given_by_path_is_refused_naming_the_file(tmp_path, capsys) -> None:
     """It was exported as a model (exit 0) while train.py refused to resume from it."""
-    [path] = save_checkpoints(tmp_path / "ckpt", (2,))
+    [path] = save_llama_checkpoints(tmp_path / "ckpt", (2,))
     shard = overwrite_bytes(path)
     out = tmp_path / "hf"
-    err = refused([str(path), str(out)], capsys)
+    err = convert_refused([str(path), str(out)], capsys)
     assert f"checkpoint {path} is damaged: {shard} does not match its sha256" in err
     assert not out.exists()
-    (path / ck.MARKER).unlink()  # an incomplete save: refused too, as before
-    assert "has no checkpoint.json" in refused([str(path), str(out)], capsys)
+    (path / MARKER).unlink()  # an incomplete save: refused too, as before
+    assert "has no checkpoint.json" in convert_refused([str(path), str(out)], capsys)
 
 
 def test_a_folder_of_checkpoints_converts_its_newest_intact_one(tmp_path, capsys) -> None:
@@ -82,7 +53,7 @@ def test_a_folder_of_checkpoints_converts_its_newest_intact_one(tmp_path, capsys
     from safetensors.torch import load_file
 
     folder = tmp_path / "ckpt"
-    older, newer = save_checkpoints(folder, (1, 2))
+    older, newer = save_llama_checkpoints(folder, (1, 2))
     overwrite_bytes(newer)
     out = tmp_path / "hf"
     assert convert_checkpoint.main([str(folder), str(out)]) == 0
@@ -92,13 +63,13 @@ def test_a_folder_of_checkpoints_converts_its_newest_intact_one(tmp_path, capsys
         f"convert_checkpoint.py: warning: skipped the damaged checkpoint {newer.name}: "
         f"{newer / '__0_0.distcp'} does not match its sha256 (changed since the save)\n"
     )
-    weights = load_file(str(out / ck.HF_SINGLE))
+    weights = load_file(str(out / HF_SINGLE))
     assert torch.all(weights["model.embed_tokens.weight"] == 1.0)  # step 1's, not step 2's
     assert sorted(p.name for p in folder.iterdir()) == [older.name, newer.name]  # left as is
 
     overwrite_bytes(older)
     again = tmp_path / "hf2"
-    err = refused([str(folder), str(again)], capsys)
+    err = convert_refused([str(folder), str(again)], capsys)
     assert f"every checkpoint in {folder} is damaged (newest {newer.name}: " in err
     assert not again.exists()
 
@@ -106,25 +77,25 @@ def test_a_folder_of_checkpoints_converts_its_newest_intact_one(tmp_path, capsys
 @pytest.mark.skipif(not Path("/sys").is_dir(), reason="needs /sys (Linux)")
 def test_an_out_dir_it_cannot_create_is_one_line(tmp_path, capsys) -> None:
     """mkdir in /sys died with PermissionError (root: EPERM, which access() does not foresee)."""
-    [path] = save_checkpoints(tmp_path / "ckpt", (1,))
-    err = refused([str(path), "/sys/nope"], capsys)
+    [path] = save_llama_checkpoints(tmp_path / "ckpt", (1,))
+    err = convert_refused([str(path), "/sys/nope"], capsys)
     assert "out_dir /sys/nope cannot be" in err and "choose another out_dir" in err
     assert not Path("/sys/nope").exists()
 
 
 @pytest.mark.parametrize("which", ["checkpoint", "out_dir"])
 def test_a_name_over_255_bytes_or_an_empty_path_is_one_line(tmp_path, capsys, which) -> None:
-    [path] = save_checkpoints(tmp_path / "ckpt", (1,))
+    [path] = save_llama_checkpoints(tmp_path / "ckpt", (1,))
     argv = {
         "checkpoint": [str(tmp_path / LONG_NAME), str(tmp_path / "hf")],
         "out_dir": [str(path), str(tmp_path / LONG_NAME / "hf")],
     }[which]
     before = sorted(tmp_path.iterdir())
-    err = refused(argv, capsys)
+    err = convert_refused(argv, capsys)
     assert "File name too long (a file or folder name is at most 255 bytes)" in err
     assert sorted(tmp_path.iterdir()) == before
     argv[["checkpoint", "out_dir"].index(which)] = ""  # an unset variable: the current folder
-    assert f"{which} is empty" in refused(argv, capsys)
+    assert f"{which} is empty" in convert_refused(argv, capsys)
 
 
 @pytest.mark.parametrize(
@@ -150,13 +121,13 @@ def test_an_export_that_fails_part_way_leaves_nothing(
         assert (writer.out_dir / "tokenizer.json").is_file()
         raise failure
 
-    [path] = save_checkpoints(tmp_path / "ckpt", (1,))
+    [path] = save_llama_checkpoints(tmp_path / "ckpt", (1,))
     out = tmp_path / "new" / "hf"
     if out_exists:
         out.mkdir(parents=True)
         (out / "notes.txt").write_text("mine")
     monkeypatch.setattr(hf_export.SafetensorsShardWriter, "finish", fail)
-    err = refused([str(path), str(out)], capsys, status)
+    err = convert_refused([str(path), str(out)], capsys, status)
     assert words in err
     if out_exists:
         assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
@@ -186,16 +157,16 @@ def test_the_run_tokenizer_gone_is_refused_until_given_with_tokenizer(tmp_path, 
     from model_utils import data
 
     recorded = copy_of_the_run_tokenizer(tmp_path / "tok")
-    [path] = save_checkpoints(tmp_path / "ckpt", (1,), tokenizer=str(recorded))
+    [path] = save_llama_checkpoints(tmp_path / "ckpt", (1,), tokenizer=str(recorded))
     shutil.rmtree(recorded)
     out = tmp_path / "hf"
-    err = refused([str(path), str(out)], capsys)
+    err = convert_refused([str(path), str(out)], capsys)
     assert f"checkpoint {path} records the tokenizer {recorded}, which cannot be used " in err
     assert err.rstrip().endswith("give the run's tokenizer with --tokenizer PATH")
     assert not out.exists()
 
     other = copy_of_the_run_tokenizer(tmp_path / "other", extra_token="<|pad|>")
-    err = refused([str(path), str(out), "--tokenizer", str(other)], capsys)
+    err = convert_refused([str(path), str(out), "--tokenizer", str(other)], capsys)
     assert f"tokenizer {other} is not the run's: its fingerprint " in err
     assert not out.exists()
 

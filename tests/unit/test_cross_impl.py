@@ -14,130 +14,20 @@ ranks: tests/integration/test_cross_impl_processes.py.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
-from procs import SMALL_LLAMA
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from helpers.inprocess import Run, batch
 
 import te_llama
-from model_utils import checkpoint as ck
-from model_utils.checkpoint import hf_export
-from model_utils.model import te_support
+from model_utils.checkpoint.convert import param_layout
+from model_utils.checkpoint.optimizer_state import moment_conversion_problem
 
-ROOT = Path(__file__).resolve().parents[2]
-# A small Llama (GQA, 2 layers) on the bundled corpus and tokenizer; shapes FP8 GEMMs accept.
-SMALL = [*SMALL_LLAMA, *"--train_batch_size 2 --warmup 1 --validation_batches 1".split()]
 # Parameter layout of each --model_impl: te_linear keeps HF's names.
 LAYOUT = {"hf": "hf", "te_linear": "hf", "te": "te"}
 
 
 # ============================================================================================
 # In this process
-
-
-def _world_of_one() -> None:
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-
-
-class Run:
-    """Model, optimizer and schedule exactly as train.py builds them, in a world of one."""
-
-    def __init__(
-        self,
-        impl: str,
-        fp8: bool,
-        seed: int,
-        checkpoint_dir: Path,
-        recipe: str = "delayed",
-        flags: tuple[str, ...] = (),
-    ) -> None:
-        import train
-        from model_utils import optim
-        from model_utils.config.arguments import parse_args
-        from model_utils.parallel import distributed
-        from model_utils.precision import backends as precision
-
-        # FP8 runs inside a bf16 model (train.py refuses --fp8=1 --bf16=0); others run in fp32.
-        te_fp8 = ["--fp8=1", "--fp8_recipe", recipe]
-        te_fp8 += ["--amax_history_len", "4"] if recipe == "delayed" else []
-        extra = (
-            [*(te_fp8 if impl != "hf" else ["--fp8=1"]), "--bf16=1"]
-            if fp8
-            else ["--fp8=0", "--bf16=0"]
-        )
-        self.compute_dtype = torch.bfloat16 if fp8 else torch.float32
-        self.args = args = parse_args(
-            [*SMALL, f"--model_impl={impl}", f"--seed={seed}", "--max_steps=8", *extra, *flags]
-        )
-        _world_of_one()
-        device = torch.device("cpu")
-        mesh = distributed.build_mesh(distributed.world_from_env({}), device, "full")
-        self.backend = precision.build_backend(args, device)
-        self.model = train.build_model(args, mesh, device, self.backend)
-        self.optimizer, self.scheduler = optim.from_config(
-            self.model, args.optim, args.run.max_steps
-        )
-        self.state = ck.TrainState(
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            config=args.as_dict(),
-            fp8_recipe=self.backend.te_recipe,
-        )
-        adapter = te_llama.StateDictAdapter(self.model.config)
-        self.checkpointer = ck.Checkpointer(checkpoint_dir, keep_last=0, state_dict_adapter=adapter)
-
-    def step(self, seed: int) -> float:
-        """train.py's step on one fixed micro-batch; returns its loss."""
-        from model_utils.run.step import train_step
-
-        ids = batch(seed)
-        done = train_step(
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            self.backend,
-            lambda: ({"input_ids": ids, "labels": ids}, 1.0),
-            self.args,
-            torch.device("cpu"),
-        )
-        self.state.step += 1
-        return done.loss.item()
-
-    def hf_weights(self) -> dict[str, torch.Tensor]:
-        """Full fp32 weights under HF names, whatever the layout."""
-        full = {
-            k: hf_export.full_cpu(v, torch.float32)
-            for k, v in ck.weight_tensors(get_model_state_dict(self.model)).items()
-        }
-        return to_hf(full, self.model.config)
-
-    def hf_moments(self, field: str) -> dict[str, torch.Tensor]:
-        osd = get_optimizer_state_dict(self.model, self.optimizer)
-        full = {k: hf_export.full_cpu(v[field], torch.float32) for k, v in osd["state"].items()}
-        return to_hf(full, self.model.config)
-
-    def adam_steps(self) -> set[float]:
-        osd = get_optimizer_state_dict(self.model, self.optimizer)
-        return {v["step"].item() for v in osd["state"].values()}
-
-    def extra_state_bytes(self) -> int:
-        sd = get_model_state_dict(self.model)
-        return sum(v.numel() for k, v in sd.items() if te_support.is_te_extra_state_key(k))
-
-
-def to_hf(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
-    if ck.param_layout(state) == "te":
-        return te_llama.te_to_hf_state_dict(state, config)
-    return state
-
-
-def batch(seed: int) -> torch.Tensor:
-    return torch.randint(0, 8192, (2, 32), generator=torch.Generator().manual_seed(seed))
 
 
 def reference_logits(weights: dict[str, torch.Tensor], config, ids: torch.Tensor) -> torch.Tensor:
@@ -235,15 +125,12 @@ def test_round_trip_hf_te_hf_is_exact_and_training_continues_identically(
     assert losses["te"][1] != losses["te"][0]
 
 
-def test_convert_script_maps_a_te_checkpoint_to_hf_exactly(
-    tmp_path, te_double, monkeypatch
-) -> None:
+def test_convert_script_maps_a_te_checkpoint_to_hf_exactly(tmp_path, te_double) -> None:
     """scripts/convert_checkpoint.py maps a --model_impl te checkpoint through te_llama's
     StateDictAdapter: the HF directory holds exactly the trained weights under HF names."""
     from transformers import LlamaForCausalLM
 
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    import convert_checkpoint
+    from scripts import convert_checkpoint
 
     run = Run("te", False, seed=1, checkpoint_dir=tmp_path / "ck")
     run.step(seed=0)
@@ -269,7 +156,7 @@ def test_moment_conversion_problem() -> None:
         exp_avg={"a.weight": Md(4, 2), "b.weight": Md(3)},
         step={"a.weight": Md(), "b.weight": Md()},
     )
-    check = ck.moment_conversion_problem
+    check = moment_conversion_problem
     assert check(adam, params, ["exp_avg", "step"]) is None
     assert "no optimizer state" in check({}, params, ["exp_avg"])
     assert "fields" in check(adam, params, ["exp_avg", "step", "momentum_buffer"])
@@ -280,10 +167,10 @@ def test_moment_conversion_problem() -> None:
 
 
 def test_param_layout() -> None:
-    assert ck.param_layout(["model.layers.0.self_attn.q_proj.weight"]) == "hf"
-    assert ck.param_layout(["model.layers.0.self_attn.q_proj._extra_state"]) == "hf"
+    assert param_layout(["model.layers.0.self_attn.q_proj.weight"]) == "hf"
+    assert param_layout(["model.layers.0.self_attn.q_proj._extra_state"]) == "hf"
     te_name = "model.layers.3.transformer_layer.self_attention.layernorm_qkv.weight"
-    assert ck.param_layout(["lm_head.weight", te_name]) == "te"
+    assert param_layout(["lm_head.weight", te_name]) == "te"
     with pytest.raises(ValueError, match="no parameter mapping"):
         te_llama.StateDictAdapter(None).converter("hf", "hf")
 

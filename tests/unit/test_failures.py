@@ -10,23 +10,29 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.checkpoints import save_plain_checkpoints
+from helpers.runs import FAST
 
 from model_utils import checkpoint as ck
+from model_utils.checkpoint.compat import config_changes
+from model_utils.checkpoint.manifest import (
+    DAMAGED_PREFIX,
+    DCP_METADATA,
+    MARKER,
+    checkpoint_name,
+    resume_candidate,
+)
 from model_utils.config.arguments import UsageError, parse_args
 from model_utils.config.presets import BUNDLED_DATASET, BUNDLED_TOKENIZER
 from model_utils.run import guards, outputs, run_lock
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-FAST = ["--preset", "tiny", "--train_batch_size", "4", "--max_context_width", "128"]
 
 
 def test_float8_weights_are_checked_too() -> None:
@@ -114,7 +120,7 @@ def test_model_data_and_precision_changes_are_refused_the_rest_allowed() -> None
         output_dir="elsewhere",
         resume_from_checkpoint="auto",
     )
-    refused, allowed = ck.config_changes(json_round_trip(saved), now)
+    refused, allowed = config_changes(json_round_trip(saved), now)
     assert refused == [
         ("--fp8", False, True),
         ("--num_layers", 4, 2),
@@ -125,7 +131,7 @@ def test_model_data_and_precision_changes_are_refused_the_rest_allowed() -> None
     # fields are not compared.
     relative = os.path.relpath(saved["dataset"])
     older = {k: v for k, v in json_round_trip(saved).items() if k != "rope_theta"}
-    assert ck.config_changes(older, dict(saved, dataset=relative, rope_theta=1.0)) == ([], [])
+    assert config_changes(older, dict(saved, dataset=relative, rope_theta=1.0)) == ([], [])
 
 
 def test_what_the_fp8_bf16_comparison_compares_is_part_of_the_run() -> None:
@@ -142,17 +148,17 @@ def test_what_the_fp8_bf16_comparison_compares_is_part_of_the_run() -> None:
         {"amax_history_len": 16},
         {"fp8_format": "e4m3"},
     ):
-        refused, _ = ck.config_changes(fp8, dict(fp8, **change))
+        refused, _ = config_changes(fp8, dict(fp8, **change))
         assert {flag for flag, _, _ in refused} == {f"--{name}" for name in change}, change
-    assert ck.config_changes(fp8, dict(fp8, fp8_all_gather=True)) == (
+    assert config_changes(fp8, dict(fp8, fp8_all_gather=True)) == (
         [],
         [("--fp8_all_gather", False, True)],
     )
     bf16 = json_round_trip(parse_args(FAST).as_dict())
-    assert ck.config_changes(bf16, dict(bf16, amax_history_len=16))[0] == []
+    assert config_changes(bf16, dict(bf16, amax_history_len=16))[0] == []
     # Another run's checkpoint loaded into a new folder starts a new run from its weights: the
     # implementation or precision may change there (hf -> te conversion, BF16 -> FP8).
-    refused, allowed = ck.config_changes(fp8, dict(fp8, model_impl="te"), same_run=False)
+    refused, allowed = config_changes(fp8, dict(fp8, model_impl="te"), same_run=False)
     assert refused == [] and allowed == [("--model_impl", "hf", "te")]
 
 
@@ -173,9 +179,9 @@ def test_a_tokenizer_changed_in_place_is_refused_by_its_contents(tmp_path) -> No
     after = data.tokenizer_fingerprint(tokenizer)
     assert after != before
     saved = dict(parse_args(FAST).as_dict(), tokenizer_sha256=before)
-    refused, _ = ck.config_changes(json_round_trip(saved), dict(saved, tokenizer_sha256=after))
+    refused, _ = config_changes(json_round_trip(saved), dict(saved, tokenizer_sha256=after))
     assert refused == [("the tokenizer's contents (sha256)", before, after)]
-    assert ck.config_changes(json_round_trip(saved), dict(saved, tokenizer_sha256=None)) == ([], [])
+    assert config_changes(json_round_trip(saved), dict(saved, tokenizer_sha256=None)) == ([], [])
 
 
 def test_the_same_data_and_tokenizer_moved_elsewhere_still_resume(tmp_path) -> None:
@@ -193,14 +199,14 @@ def test_the_same_data_and_tokenizer_moved_elsewhere_still_resume(tmp_path) -> N
         tokenizer_sha256="ab" * 8,
     )
     now = dict(saved, dataset=str(moved), tokenizer=str(tmp_path / "new" / "tokenizer"))
-    refused, allowed = ck.config_changes(json_round_trip(saved), now)
+    refused, allowed = config_changes(json_round_trip(saved), now)
     assert refused == []
     assert allowed == [
         ("--dataset", saved["dataset"], now["dataset"]),
         ("--tokenizer", saved["tokenizer"], now["tokenizer"]),
     ]
     other = dict(now, dataset=str(tmp_path / "new"), tokenizer_sha256="cd" * 8)
-    refused, _ = ck.config_changes(json_round_trip(saved), other)
+    refused, _ = config_changes(json_round_trip(saved), other)
     assert [flag for flag, _, _ in refused] == [
         "--dataset",
         "--tokenizer",
@@ -258,18 +264,6 @@ def test_explicit_flags_are_those_on_the_command_line() -> None:
     assert explicit_flags([]) == frozenset()
 
 
-def _save_checkpoints(root: Path, steps: list[int], keep_last: int = 0) -> ck.Checkpointer:
-    """Real DCP checkpoints of a small model, one process, no process group."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
-    ckpt = ck.Checkpointer(root, keep_last=keep_last)
-    for step in steps:
-        with torch.no_grad():
-            model[0].weight.add_(1.0)
-        ckpt.save(step, ck.TrainState(model, config={"seed": 1}))
-    return ckpt
-
-
 def _zero_a_megabyte(path: Path) -> None:
     shard = next(path.glob("__0_*.distcp"))
     with open(shard, "r+b") as fh:
@@ -285,11 +279,11 @@ DAMAGE = {
     ),
     "deleted shard": (lambda p: (p / "__0_0.distcp").unlink(), "__0_0.distcp is missing"),
     "garbage .metadata": (
-        lambda p: (p / ck.DCP_METADATA).write_bytes(b"garbage" * 10),
+        lambda p: (p / DCP_METADATA).write_bytes(b"garbage" * 10),
         ".metadata cannot be read",
     ),
     "bad checkpoint.json": (
-        lambda p: (p / ck.MARKER).write_text("{not json"),
+        lambda p: (p / MARKER).write_text("{not json"),
         "checkpoint.json is not a valid",
     ),
 }
@@ -299,20 +293,20 @@ DAMAGE = {
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_a_damaged_checkpoint_is_named_and_auto_resume_falls_back(tmp_path: Path, kind: str):
     damage, message = DAMAGE[kind]
-    ckpt = _save_checkpoints(tmp_path, [1, 2, 3])
-    assert sorted(ck.read_marker(tmp_path / ck.checkpoint_name(3))["files"]) == [
-        ck.DCP_METADATA,
+    ckpt = save_plain_checkpoints(tmp_path, [1, 2, 3])
+    assert sorted(ck.read_marker(tmp_path / checkpoint_name(3))["files"]) == [
+        DCP_METADATA,
         "__0_0.distcp",
     ]
-    newest = tmp_path / ck.checkpoint_name(3)
+    newest = tmp_path / checkpoint_name(3)
     damage(newest)
     with pytest.raises(ck.ResumeRefused) as refused:  # an explicit path: one line, the file
         ckpt.resolve_intact(str(newest))
     assert str(newest) in str(refused.value) and message in str(refused.value)
     assert "\n" not in str(refused.value)
     # auto: the newest intact one, the damaged one set aside (out of resume and pruning)
-    assert ckpt.resolve_intact("auto") == tmp_path / ck.checkpoint_name(2)
-    assert (tmp_path / f"{ck.DAMAGED_PREFIX}{ck.checkpoint_name(3)}").is_dir()
+    assert ckpt.resolve_intact("auto") == tmp_path / checkpoint_name(2)
+    assert (tmp_path / f"{DAMAGED_PREFIX}{checkpoint_name(3)}").is_dir()
     state = ck.TrainState(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)))
     assert ckpt.load(ckpt.resolve_intact("auto"), state).step == 2
 
@@ -321,8 +315,8 @@ def test_a_damaged_checkpoint_is_named_and_auto_resume_falls_back(tmp_path: Path
 def test_a_shard_gone_before_its_checksum_is_a_verdict_not_an_exception(tmp_path: Path) -> None:
     """Each rank sums its share of the files and the verdicts are gathered: a rank that raised
     instead would leave the others waiting in the gather (they would die of a lost peer)."""
-    _save_checkpoints(tmp_path, [1])
-    path = tmp_path / ck.checkpoint_name(1)
+    save_plain_checkpoints(tmp_path, [1])
+    path = tmp_path / checkpoint_name(1)
     files = ck.read_marker(path)["files"]
     assert ck.content_damage(path, files) is None
     (path / "__0_0.distcp").unlink()  # after the cheap checks passed, before the checksum
@@ -332,25 +326,25 @@ def test_a_shard_gone_before_its_checksum_is_a_verdict_not_an_exception(tmp_path
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_every_checkpoint_damaged_is_refused_not_a_silent_fresh_start(tmp_path: Path) -> None:
-    ckpt = _save_checkpoints(tmp_path, [1, 2])
+    ckpt = save_plain_checkpoints(tmp_path, [1, 2])
     for step in (1, 2):
-        _zero_a_megabyte(tmp_path / ck.checkpoint_name(step))
+        _zero_a_megabyte(tmp_path / checkpoint_name(step))
     with pytest.raises(ck.ResumeRefused, match="every checkpoint in .* is damaged"):
         ckpt.resolve_intact("auto")
-    ckpt = _save_checkpoints(tmp_path / "cheap", [1])
-    (tmp_path / "cheap" / ck.checkpoint_name(1) / ck.MARKER).write_text("[]")
+    ckpt = save_plain_checkpoints(tmp_path / "cheap", [1])
+    (tmp_path / "cheap" / checkpoint_name(1) / MARKER).write_text("[]")
     with pytest.raises(ck.ResumeRefused, match="every checkpoint"):  # before a process group
-        ck.resume_candidate("auto", tmp_path / "cheap")
+        resume_candidate("auto", tmp_path / "cheap")
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_a_damaged_checkpoint_takes_no_keep_last_slot_from_an_intact_one(tmp_path: Path):
-    ckpt = _save_checkpoints(tmp_path, [1, 2, 3], keep_last=2)
-    _zero_a_megabyte(tmp_path / ck.checkpoint_name(3))
-    assert ckpt.resolve_intact("auto") == tmp_path / ck.checkpoint_name(2)
-    _save_checkpoints(tmp_path, [4], keep_last=2)  # the resumed run saves on
+    ckpt = save_plain_checkpoints(tmp_path, [1, 2, 3], keep_last=2)
+    _zero_a_megabyte(tmp_path / checkpoint_name(3))
+    assert ckpt.resolve_intact("auto") == tmp_path / checkpoint_name(2)
+    save_plain_checkpoints(tmp_path, [4], keep_last=2)  # the resumed run saves on
     names = [p.name for p in ck.complete_checkpoints(tmp_path)]
-    assert names == [ck.checkpoint_name(2), ck.checkpoint_name(4)]  # both intact ones kept
+    assert names == [checkpoint_name(2), checkpoint_name(4)]  # both intact ones kept
     assert all(ckpt.verify(tmp_path / name) is None for name in names)
 
 
@@ -566,48 +560,6 @@ def test_a_name_that_is_no_local_path_fails_fast_offline_or_unknown(monkeypatch)
     with pytest.raises(data.DataError, match="4f1c: no local file or folder of that name"):
         data.check_hub_dataset("no-such-user-4f1c/no-such-dataset-4f1c", timeout=5)
     assert time.monotonic() - started < 15  # not the datasets library's half-minute of retries
-
-
-def test_the_hub_look_up_heeds_each_loaders_offline_switch_and_names_the_hub(monkeypatch) -> None:
-    """--dataset's and --tokenizer's names get the same look-up (check_hub_repo): each refused
-    at once by huggingface_hub's switch or its own loader's (datasets', transformers'), and
-    not by the other's; an unknown name or a hub that does not answer says which, and where."""
-    import huggingface_hub
-    from huggingface_hub import constants
-    from huggingface_hub.errors import RepositoryNotFoundError
-
-    from model_utils import data
-    from model_utils.data.tokens import check_hub_tokenizer
-
-    class NotFound(RepositoryNotFoundError):
-        def __init__(self) -> None:
-            Exception.__init__(self, "404")
-
-    answers = {"model_info": ConnectionError("[Errno 111] Connection refused")}
-    answers["dataset_info"] = NotFound()
-
-    def ask(kind: str):
-        def info(*_args, **_kwargs):
-            raise answers[kind]
-
-        return info
-
-    for kind in answers:
-        monkeypatch.setattr(huggingface_hub.HfApi, kind, ask(kind))
-    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
-        monkeypatch.delenv(var, raising=False)
-    unreachable = f"the Hugging Face hub ({constants.ENDPOINT}) did not answer within 10 s"
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    with pytest.raises(data.DataError, match=r"off \(HF_DATASETS_OFFLINE=1\).*without HF_DATA"):
-        data.check_hub_dataset("org/corpus")
-    with pytest.raises(ValueError, match=re.escape(f"{unreachable} (ConnectionError: [Errno")):
-        check_hub_tokenizer("org/tok")  # datasets' switch is not transformers'
-    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
-    with pytest.raises(ValueError, match=r"off \(TRANSFORMERS_OFFLINE=1\).*, or download it"):
-        check_hub_tokenizer("org/tok")
-    monkeypatch.delenv("HF_DATASETS_OFFLINE")
-    with pytest.raises(data.DataError, match="org/corpus: .* no such dataset on the Hugging"):
-        data.check_hub_dataset("org/corpus")
 
 
 def test_tiny_data_warns_that_each_batch_repeats_it(tmp_path: Path, caplog) -> None:

@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 from model_utils.config import arguments
+from scripts import flags_table
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "flags.md"
 
 
-def flags_table():
-    spec = importlib.util.spec_from_file_location(
-        "flags_table", ROOT / "scripts" / "flags_table.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_docs_flags_is_the_generated_page():
-    assert DOC.read_text() == flags_table().page(), "run python -m scripts.flags_table --write"
+    assert DOC.read_text() == flags_table.page(), "run python -m scripts.flags_table --write"
 
 
 def test_docs_flags_documents_every_flag():
@@ -32,11 +23,10 @@ def test_docs_flags_documents_every_flag():
 
 
 def test_check_mode_fails_on_a_stale_page_and_write_mends_it(tmp_path, capsys):
-    module = flags_table()
     doc = tmp_path / "flags.md"
-    doc.write_text(module.page().replace("`--fp8`", "`--fp9`"))
-    assert module.main(["--check", "--doc", str(doc)]) == 1
+    doc.write_text(flags_table.page().replace("`--fp8`", "`--fp9`"))
+    assert flags_table.main(["--check", "--doc", str(doc)]) == 1
     assert "is stale" in capsys.readouterr().out
-    assert module.main(["--write", "--doc", str(doc)]) == 0
-    assert module.main(["--check", "--doc", str(doc)]) == 0
-    assert doc.read_text() == module.page()
+    assert flags_table.main(["--write", "--doc", str(doc)]) == 0
+    assert flags_table.main(["--check", "--doc", str(doc)]) == 0
+    assert doc.read_text() == flags_table.page()

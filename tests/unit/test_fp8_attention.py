@@ -12,7 +12,7 @@ import re
 
 import pytest
 import torch
-from test_cross_impl import Run
+from helpers.inprocess import Run
 
 from model_utils.config.arguments import UsageError, parse_args
 from model_utils.precision import te as te_precision

@@ -15,10 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from test_cross_impl import Run, batch
+from helpers.inprocess import Run, batch
 
 from model_utils import checkpoint as ck
 from model_utils.checkpoint import checkpointer, stateful
+from model_utils.checkpoint.errors import TE_UNSAFE_PICKLE_ENV, pickled_fp8_state_problem
+from model_utils.checkpoint.manifest import DCP_METADATA, MARKER, checkpoint_name
 from model_utils.precision import te_state
 
 RECIPES = ["delayed", "current", "block", "mxfp8"]
@@ -47,7 +49,7 @@ def test_resume_is_bit_for_bit_for_every_recipe(recipe, tmp_path, te_double, mon
 
     keys = _saved_keys(path)
     assert not [k for k in keys if k.endswith("_extra_state")]
-    assert ck.read_marker(path)["format"] == ck.CHECKPOINT_FORMAT == 2
+    assert ck.read_marker(path)["format"] == checkpointer.CHECKPOINT_FORMAT == 2
     assert bool([k for k in keys if k.startswith("fp8_scaling.")]) == (recipe == "delayed")
 
     resumed = Run("te", True, seed=2, checkpoint_dir=tmp_path, recipe=recipe)
@@ -157,11 +159,11 @@ def test_format_1_checkpoint_is_refused_in_one_line_by_te_2_20(
     want = [first.step(seed=i) for i in (2, 3)]
 
     refused = Run("te", True, seed=2, checkpoint_dir=tmp_path)
-    with pytest.raises(ck.UntrustedCheckpointError, match=ck.TE_UNSAFE_PICKLE_ENV) as err:
+    with pytest.raises(ck.UntrustedCheckpointError, match=TE_UNSAFE_PICKLE_ENV) as err:
         refused.checkpointer.load(path, refused.state)
     assert "\n" not in str(err.value)
 
-    monkeypatch.setenv(ck.TE_UNSAFE_PICKLE_ENV, "1")  # the user's trust decision, not ours
+    monkeypatch.setenv(TE_UNSAFE_PICKLE_ENV, "1")  # the user's trust decision, not ours
     trusted = Run("te", True, seed=2, checkpoint_dir=tmp_path)
     trusted.checkpointer.load(path, trusted.state)
     assert [trusted.step(seed=i) for i in (2, 3)] == want
@@ -185,12 +187,12 @@ def test_preflight_names_the_variable_before_anything_starts(tmp_path) -> None:
         "format": 1,
         "run_config": {"model_impl": "te", "fp8": True, "fp8_recipe": "delayed"},
     }
-    problem = ck.pickled_fp8_state_problem(tmp_path, marker, "2.20.2", env={})
-    assert problem is not None and ck.TE_UNSAFE_PICKLE_ENV in problem and str(tmp_path) in problem
+    problem = pickled_fp8_state_problem(tmp_path, marker, "2.20.2", env={})
+    assert problem is not None and TE_UNSAFE_PICKLE_ENV in problem and str(tmp_path) in problem
     assert "trust" in problem and "\n" not in problem
-    ok = ck.pickled_fp8_state_problem
+    ok = pickled_fp8_state_problem
     assert ok(tmp_path, marker, "2.16.0", env={}) is None  # TE 2.16 unpickles it
-    assert ok(tmp_path, marker, "2.20.2", env={ck.TE_UNSAFE_PICKLE_ENV: "1"}) is None
+    assert ok(tmp_path, marker, "2.20.2", env={TE_UNSAFE_PICKLE_ENV: "1"}) is None
     assert ok(tmp_path, {**marker, "format": 2}, "2.20.2", env={}) is None
     current = {**marker, "run_config": {**marker["run_config"], "fp8_recipe": "current"}}
     assert ok(tmp_path, current, "2.20.2", env={}) is None  # stateless: TE ignores its payload
@@ -210,14 +212,14 @@ def test_preflight_reads_the_checkpoint_a_resume_would_take(tmp_path) -> None:
         flags = ["--checkpoint_dir", str(tmp_path)]
         return parse_args([*flags, *(["--resume_from_checkpoint", resume] if resume else [])])
 
-    saved = tmp_path / ck.checkpoint_name(2)
+    saved = tmp_path / checkpoint_name(2)
     saved.mkdir()
-    (saved / ck.DCP_METADATA).write_bytes(b"")
+    (saved / DCP_METADATA).write_bytes(b"")
     run_config = {"model_impl": "te", "fp8": True, "fp8_recipe": "delayed"}
-    (saved / ck.MARKER).write_text(json.dumps({"format": 1, "run_config": run_config}))
+    (saved / MARKER).write_text(json.dumps({"format": 1, "run_config": run_config}))
     for resume in ("auto", str(saved)):
         args = resuming(resume).checkpoint
-        with pytest.raises(UsageError, match=ck.TE_UNSAFE_PICKLE_ENV) as err:
+        with pytest.raises(UsageError, match=TE_UNSAFE_PICKLE_ENV) as err:
             ck.check_fp8_state_loadable(args, "2.20.2")
         assert str(saved) in str(err.value) and "\n" not in str(err.value)
         ck.check_fp8_state_loadable(args, "2.16.0")  # TE 2.16 unpickles it

@@ -16,7 +16,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from test_master_weights import BETAS
+from helpers.optimizers import BETAS
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from procs import SMALL_LLAMA
+from helpers.runs import SMALL_LLAMA
 
 from model_utils import checkpoint as ck
+from model_utils.checkpoint.hf_export import existing_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -93,7 +94,7 @@ def test_the_other_files_are_staged_and_published_before_the_weights(tmp_path: P
     cut_short.add("x", torch.ones(4))
     cut_short._flush()
     assert all(p.name.startswith(hf_export.PART_PREFIX) for p in out.iterdir())
-    assert ck.existing_model(out) == []
+    assert existing_model(out) == []
 
     writer = hf_export.SafetensorsShardWriter(out)
     assert list(out.iterdir()) == []  # the stale parts and staged files are gone

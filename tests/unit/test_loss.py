@@ -87,7 +87,7 @@ def test_all_ignored_labels_give_zero_not_nan() -> None:
 
 def test_train_py_trains_the_same_with_and_without_the_chunked_loss(tmp_path) -> None:
     """The flag through train.py's own model build (FSDP2, world of one): same losses."""
-    from test_cross_impl import SMALL, _world_of_one
+    from helpers.inprocess import SMALL, world_of_one
 
     import train
     from model_utils import optim
@@ -95,7 +95,7 @@ def test_train_py_trains_the_same_with_and_without_the_chunked_loss(tmp_path) ->
     from model_utils.parallel import distributed
     from model_utils.precision import backends as precision
 
-    _world_of_one()
+    world_of_one()
     device = torch.device("cpu")
     losses = {}
     for flag in ("1", "0"):

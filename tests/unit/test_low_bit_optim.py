@@ -11,24 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_optim import group_names, tiny_llama
+from helpers.inprocess import Run, tiny_llama, to_hf
+from helpers.optimizers import LOW_BIT, STATE_CLASS, dequantized, group_names, local_tensor
 
-from model_utils import checkpoint as ck
 from model_utils import optim
+from model_utils.checkpoint.compat import config_changes
+from model_utils.checkpoint.optimizer_state import low_bit_reshard_problem
 from model_utils.config.arguments import UsageError, parse_args
-
-LOW_BIT = ("adamw8bit", "adamw_fp8")
-STATE_CLASS = {"adamw8bit": "OptimState8bit", "adamw_fp8": "OptimStateFp8"}
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def dequantized(t: torch.Tensor) -> torch.Tensor:
-    local = _local(t)
-    return local.dequantize() if hasattr(local, "dequantize") else local.float()
-
 
 # ============================================================================================
 # In this process
@@ -66,7 +55,8 @@ def test_same_groups_and_settings_and_a_first_step_like_adamw(name: str) -> None
         assert error < 0.02, (n, float(error))  # the update is ~lr * sign(g) at step 1
 
     kinds = {
-        n: type(_local(ours.state[p]["exp_avg"])).__name__ for n, p in model.named_parameters()
+        n: type(local_tensor(ours.state[p]["exp_avg"])).__name__
+        for n, p in model.named_parameters()
     }
     assert kinds["model.embed_tokens.weight"] == STATE_CLASS[name]
     assert kinds["model.layers.0.mlp.up_proj.weight"] == STATE_CLASS[name]
@@ -131,11 +121,11 @@ def test_flag_and_the_refused_combinations() -> None:
     assert parse_args(["--optimizer", "adamw", "--async_checkpoint"]).checkpoint.async_checkpoint
 
     # A resume keeps the saved optimizer; checkpoints from before the flag are adamw's.
-    refused, _ = ck.config_changes({"optimizer": "adamw8bit"}, {"optimizer": "adamw"})
+    refused, _ = config_changes({"optimizer": "adamw8bit"}, {"optimizer": "adamw"})
     assert refused == [("--optimizer", "adamw8bit", "adamw")]
-    refused, _ = ck.config_changes({"seed": 1}, {"seed": 1, "optimizer": "adamw_fp8"})
+    refused, _ = config_changes({"seed": 1}, {"seed": 1, "optimizer": "adamw_fp8"})
     assert refused == [("--optimizer", "adamw", "adamw_fp8")]
-    assert ck.config_changes({"seed": 1}, {"seed": 1, "optimizer": "adamw"}) == ([], [])
+    assert config_changes({"seed": 1}, {"seed": 1, "optimizer": "adamw"}) == ([], [])
 
 
 def _fake_metadata(shape: tuple[int, ...], row_splits: list[int]):
@@ -169,30 +159,28 @@ def test_reshard_is_refused_only_where_a_cut_falls_inside_a_block(name: str) -> 
         "exp_avg_sq": opt._new_buffer(p, False),
     }
     assert type(opt.state[p]["exp_avg"]).__name__ == STATE_CLASS[name]
-    assert ck.low_bit_reshard_problem(_fake_metadata((256, 688), [128]), model, opt) is None
-    problem = ck.low_bit_reshard_problem(_fake_metadata((256, 688), [86, 171]), model, opt)
+    assert low_bit_reshard_problem(_fake_metadata((256, 688), [128]), model, opt) is None
+    problem = low_bit_reshard_problem(_fake_metadata((256, 688), [86, 171]), model, opt)
     assert "weight (exp_avg, shape (256, 688)) in blocks of 256" in problem
     assert "row 86 falls inside a block" in problem and "subclass_8bit.py" in problem
     adamw = optim.build_optimizer(model, 1e-3, 0.1, 0.9, 0.95)
-    assert ck.low_bit_reshard_problem(_fake_metadata((256, 688), [86, 171]), model, adamw) is None
+    assert low_bit_reshard_problem(_fake_metadata((256, 688), [86, 171]), model, adamw) is None
 
 
 def test_low_bit_checkpoint_converts_across_parameter_layouts(tmp_path: Path, te_double) -> None:
     """hf -> te (fused QKV and gate/up, TE test double): the 8-bit moments arrive through the
     mapping table, re-quantised in the fused blocks (close, not bit for bit; said in the log),
     the lr tensors are the saved ones, and training goes on."""
-    import test_cross_impl as cross
-
-    argv = [*cross.SMALL, "--optimizer=adamw8bit"]
-    saved = _cross_run(cross, argv, "hf", tmp_path / "hf")
+    flags = ("--optimizer=adamw8bit",)
+    saved = Run("hf", False, seed=1, checkpoint_dir=tmp_path / "hf", flags=flags)
     for i in range(2):
         saved.step(seed=i)
     path = saved.checkpointer.save(2, saved.state)
-    loaded = _cross_run(cross, argv, "te", tmp_path / "te")
+    loaded = Run("te", False, seed=2, checkpoint_dir=tmp_path / "te", flags=flags)
     result = loaded.checkpointer.load(path, loaded.state)
     assert result.converted_from == "hf"
     for field in ("exp_avg", "exp_avg_sq"):
-        got, want = (_hf_moments(cross, r, field) for r in (loaded, saved))
+        got, want = (_hf_moments(r, field) for r in (loaded, saved))
         assert set(got) == set(want)
         for name, tensor in want.items():
             scale = tensor.abs().max()
@@ -204,21 +192,9 @@ def test_low_bit_checkpoint_converts_across_parameter_layouts(tmp_path: Path, te
     assert torch.isfinite(torch.tensor(loaded.step(seed=3)))
 
 
-def _cross_run(cross, argv: list[str], impl: str, checkpoint_dir: Path):
-    """test_cross_impl's Run (fp32, world of one) with --optimizer added to its flags."""
-    original = list(cross.SMALL)
-    cross.SMALL[:] = argv
-    try:
-        return cross.Run(impl, False, seed=1 if impl == "hf" else 2, checkpoint_dir=checkpoint_dir)
-    finally:
-        cross.SMALL[:] = original
-
-
-def _hf_moments(cross, run, field: str) -> dict[str, torch.Tensor]:
+def _hf_moments(run, field: str) -> dict[str, torch.Tensor]:
     """Dequantised moments under HF names (a world of one: the local tensor is all of it)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     osd = get_optimizer_state_dict(run.model, run.optimizer)
-    return cross.to_hf(
-        {k: dequantized(v[field]) for k, v in osd["state"].items()}, run.model.config
-    )
+    return to_hf({k: dequantized(v[field]) for k, v in osd["state"].items()}, run.model.config)

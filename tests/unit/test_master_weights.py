@@ -12,7 +12,8 @@ import re
 
 import pytest
 import torch
-from test_optim import tiny_llama
+from helpers.inprocess import tiny_llama
+from helpers.optimizers import BETAS
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
@@ -24,8 +25,6 @@ from model_utils.model import modeling
 from model_utils.optim import ADAM_EPS, build_optimizer, param_groups
 from model_utils.precision.master_weights import STATE_NAMES, MasterWeightAdamW, store_parameters_in
 from model_utils.run import outputs
-
-BETAS = (0.9, 0.95)
 
 
 def loss_of(model: torch.nn.Module, step: int) -> torch.Tensor:

@@ -10,12 +10,13 @@ import pickle
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers.inprocess import tiny_llama
+from helpers.optimizers import group_names
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from model_utils.optim import (
     build_optimizer,
@@ -26,27 +27,6 @@ from model_utils.optim import (
 )
 
 SCHEDULE = {"lr": 1e-3, "min_lr": 1e-4, "warmup": 10, "max_steps": 110}
-
-
-def tiny_llama(**overrides: object) -> LlamaForCausalLM:
-    config = {
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 128,
-        "vocab_size": 256,
-        "max_position_embeddings": 64,
-        "tie_word_embeddings": False,
-    }
-    config.update(overrides)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**config))
-
-
-def group_names(groups: list[dict]) -> tuple[set[str], set[str]]:
-    by_decay = {g["weight_decay"] > 0: set(g["param_names"]) for g in groups}
-    return by_decay.get(True, set()), by_decay.get(False, set())
 
 
 # ------------------------------------------------------------------------------ LR schedule

@@ -127,9 +127,9 @@ def test_train_refuses_a_checkpoint_dir_inside_a_live_runs_folder(
 
 def _save(root: Path, steps: list[int], keep_last: int = 0):
     """Real DCP checkpoints of a small model (test_failures' helper)."""
-    from test_failures import _save_checkpoints
+    from helpers.checkpoints import save_plain_checkpoints
 
-    return _save_checkpoints(root, steps, keep_last)
+    return save_plain_checkpoints(root, steps, keep_last)
 
 
 def _strip_checksums(path: Path, empty: bool = False) -> None:
@@ -138,13 +138,14 @@ def _strip_checksums(path: Path, empty: bool = False) -> None:
     import json
 
     from model_utils import checkpoint as ck
+    from model_utils.checkpoint.manifest import MARKER
 
     marker = ck.read_marker(path)
     if empty:
         marker["files"] = {}
     else:
         del marker["files"]
-    (path / ck.MARKER).write_text(json.dumps(marker))
+    (path / MARKER).write_text(json.dumps(marker))
     shard = next(path.glob("__0_*.distcp"))
     with open(shard, "r+b") as fh:
         fh.seek(1000)
@@ -162,30 +163,30 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 def test_auto_resume_passes_an_unverified_checkpoint_by_and_keeps_it(
     tmp_path: Path, empty: bool, caplog
 ) -> None:
-    from model_utils import checkpoint as ck
+    from model_utils.checkpoint.manifest import checkpoint_name, resume_candidate
 
     ckpt = _save(tmp_path, [1, 2, 3])
-    newest = tmp_path / ck.checkpoint_name(3)
+    newest = tmp_path / checkpoint_name(3)
     _strip_checksums(newest, empty)
-    assert ck.resume_candidate("auto", tmp_path) == tmp_path / ck.checkpoint_name(2)
+    assert resume_candidate("auto", tmp_path) == tmp_path / checkpoint_name(2)
     with caplog.at_level("WARNING"):
-        assert ckpt.resolve_intact("auto") == tmp_path / ck.checkpoint_name(2)
-    aside = tmp_path / f"unverified-{ck.checkpoint_name(3)}"
+        assert ckpt.resolve_intact("auto") == tmp_path / checkpoint_name(2)
+    aside = tmp_path / f"unverified-{checkpoint_name(3)}"
     assert aside.is_dir() and (aside / "__0_0.distcp").is_file()  # kept, out of the way
     [set_aside, resuming] = _warnings(caplog)
     assert f"{newest} set aside as {aside.name}: " in set_aside
     assert "records no checksums" in set_aside
     assert (
-        resuming
-        == f"Resuming from {tmp_path / ck.checkpoint_name(2)}, the newest verified checkpoint"
+        resuming == f"Resuming from {tmp_path / checkpoint_name(2)}, the newest verified checkpoint"
     )
 
 
 def test_an_unverified_checkpoint_loads_only_when_named_with_a_warning(tmp_path: Path, caplog):
     from model_utils import checkpoint as ck
+    from model_utils.checkpoint.manifest import MARKER, checkpoint_name, resume_candidate
 
     ckpt = _save(tmp_path, [1])
-    only = tmp_path / ck.checkpoint_name(1)
+    only = tmp_path / checkpoint_name(1)
     _strip_checksums(only)
     with pytest.raises(ck.ResumeRefused) as refused:  # auto: nothing verified to fall back to
         ckpt.resolve_intact("auto")
@@ -193,68 +194,70 @@ def test_an_unverified_checkpoint_loads_only_when_named_with_a_warning(tmp_path:
     assert f"no checkpoint in {tmp_path} is verified" in line and "\n" not in line
     assert f"--resume_from_checkpoint {only}" in line and only.is_dir()  # not renamed
     with pytest.raises(ck.ResumeRefused, match="is verified"):  # before any process group too
-        ck.resume_candidate("auto", tmp_path)
+        resume_candidate("auto", tmp_path)
     with caplog.at_level("WARNING"):
         assert ckpt.resolve_intact(str(only)) == only
     assert _warnings(caplog) == [
-        f"Loading {only} unverified, as named: {only / ck.MARKER} records no checksums"
+        f"Loading {only} unverified, as named: {only / MARKER} records no checksums"
     ]
 
 
 def test_keep_last_never_prunes_a_verified_checkpoint_for_an_unverified_one(tmp_path: Path):
     from model_utils import checkpoint as ck
+    from model_utils.checkpoint.manifest import checkpoint_name
 
     _save(tmp_path, [1, 2, 3], keep_last=3)
-    _strip_checksums(tmp_path / ck.checkpoint_name(3))
+    _strip_checksums(tmp_path / checkpoint_name(3))
     _save(tmp_path, [4], keep_last=2)  # e.g. a run resumed from the unverified one, by name
     names = [p.name for p in ck.complete_checkpoints(tmp_path)]
-    assert names == [ck.checkpoint_name(s) for s in (2, 3, 4)]  # 2 kept; 3 takes no slot
+    assert names == [checkpoint_name(s) for s in (2, 3, 4)]  # 2 kept; 3 takes no slot
 
 
 @pytest.mark.parametrize("lost", [".metadata", "checkpoint.json"])
 def test_a_newest_checkpoint_missing_a_file_is_set_aside_and_named(
     tmp_path: Path, lost: str, caplog
 ) -> None:
-    from model_utils import checkpoint as ck
+    from model_utils.checkpoint.manifest import checkpoint_name, is_complete
 
     ckpt = _save(tmp_path, [1, 2, 3])
-    newest = tmp_path / ck.checkpoint_name(3)
+    newest = tmp_path / checkpoint_name(3)
     (newest / lost).unlink()
     with caplog.at_level("WARNING"):
-        assert ckpt.resolve_intact("auto") == tmp_path / ck.checkpoint_name(2)
-    aside = tmp_path / f"damaged-{ck.checkpoint_name(3)}"
+        assert ckpt.resolve_intact("auto") == tmp_path / checkpoint_name(2)
+    aside = tmp_path / f"damaged-{checkpoint_name(3)}"
     assert aside.is_dir() and not newest.exists()
     assert (
         f"{newest} set aside as {aside.name}: checkpoint {newest} has no {lost}"
         in (_warnings(caplog)[0])
     )
     _save(tmp_path, [3])  # the resumed run's next save: the damaged copy is not overwritten
-    assert (aside / "__0_0.distcp").is_file() and ck.is_complete(newest)
+    assert (aside / "__0_0.distcp").is_file() and is_complete(newest)
 
 
 def test_a_save_onto_a_damaged_step_folder_sets_it_aside(tmp_path: Path, caplog) -> None:
     """A fresh run (no resume) reaching the step of a damaged folder keeps it, named."""
-    from model_utils import checkpoint as ck
+    from model_utils.checkpoint.manifest import DCP_METADATA, checkpoint_name, is_complete
 
     _save(tmp_path, [1])
-    (tmp_path / ck.checkpoint_name(1) / ck.DCP_METADATA).unlink()
+    (tmp_path / checkpoint_name(1) / DCP_METADATA).unlink()
     with caplog.at_level("WARNING"):
         _save(tmp_path, [1])
-    assert (tmp_path / f"damaged-{ck.checkpoint_name(1)}" / "__0_0.distcp").is_file()
-    assert ck.is_complete(tmp_path / ck.checkpoint_name(1))
+    assert (tmp_path / f"damaged-{checkpoint_name(1)}" / "__0_0.distcp").is_file()
+    assert is_complete(tmp_path / checkpoint_name(1))
     assert "set aside as damaged-step_00000001" in _warnings(caplog)[0]
 
 
 def test_only_damaged_step_folders_are_refused_not_a_silent_fresh_start(tmp_path: Path) -> None:
     from model_utils import checkpoint as ck
+    from model_utils.checkpoint.manifest import DCP_METADATA, checkpoint_name, resume_candidate
 
     ckpt = _save(tmp_path, [1])
-    (tmp_path / ck.checkpoint_name(1) / ck.DCP_METADATA).unlink()
+    (tmp_path / checkpoint_name(1) / DCP_METADATA).unlink()
     with pytest.raises(ck.ResumeRefused, match="every checkpoint in .* is damaged"):
-        ck.resume_candidate("auto", tmp_path)  # before any process group
+        resume_candidate("auto", tmp_path)  # before any process group
     with pytest.raises(ck.ResumeRefused, match="every checkpoint in .* is damaged"):
         ckpt.resolve_intact("auto")
-    assert (tmp_path / f"damaged-{ck.checkpoint_name(1)}").is_dir()
+    assert (tmp_path / f"damaged-{checkpoint_name(1)}").is_dir()
 
 
 # ============================================================================================
@@ -264,14 +267,15 @@ def test_only_damaged_step_folders_are_refused_not_a_silent_fresh_start(tmp_path
 def test_convert_checkpoint_onto_a_full_disk_is_refused_before_writing(
     tmp_path: Path, small_disk, capsys
 ) -> None:
-    import convert_checkpoint
-    from test_convert_checkpoint import refused, save_checkpoints
+    from helpers.checkpoints import convert_refused, save_llama_checkpoints
 
-    [path] = save_checkpoints(tmp_path / "ckpt", (1,))
+    from scripts import convert_checkpoint
+
+    [path] = save_llama_checkpoints(tmp_path / "ckpt", (1,))
     weights = convert_checkpoint.export_bytes(path, "float32")
     assert weights > 2**22  # the small Llama's fp32 weights: more than the disk holds
     disk = small_disk("disk", 2)
-    line = refused([str(path), str(disk / "hf")], capsys)  # exit 2, one line
+    line = convert_refused([str(path), str(disk / "hf")], capsys)  # exit 2, one line
     assert f"{disk / 'hf'} has 0.00 GiB free, less than one Hugging Face export at float32" in (
         line
     )
@@ -287,27 +291,28 @@ def test_convert_checkpoint_trusts_an_unverified_checkpoint_only_by_name(
     unverified one it skipped; given by path, an unverified one converts with a warning."""
     import json
 
-    import convert_checkpoint
-    from test_convert_checkpoint import save_checkpoints
+    from helpers.checkpoints import save_llama_checkpoints
 
     from model_utils import checkpoint as ck
+    from model_utils.checkpoint.manifest import MARKER
+    from scripts import convert_checkpoint
 
     folder = tmp_path / "ckpt"
-    older, newer = save_checkpoints(folder, (1, 2))
+    older, newer = save_llama_checkpoints(folder, (1, 2))
     marker = ck.read_marker(newer)
     del marker["files"]
-    (newer / ck.MARKER).write_text(json.dumps(marker))
+    (newer / MARKER).write_text(json.dumps(marker))
     assert convert_checkpoint.main([str(folder), str(tmp_path / "hf")]) == 0
     stdout, stderr = capsys.readouterr()
     assert stdout.startswith(f"{older} (step 1, newest intact in {folder})")
     assert stderr == (
         f"convert_checkpoint.py: warning: skipped the unverified checkpoint {newer.name}: "
-        f"{newer / ck.MARKER} records no checksums\n"
+        f"{newer / MARKER} records no checksums\n"
     )
     assert convert_checkpoint.main([str(newer), str(tmp_path / "hf2")]) == 0
     stdout, stderr = capsys.readouterr()
     assert stdout.startswith(f"{newer} (step 2) -> ")
     assert stderr == (
         f"convert_checkpoint.py: warning: converting {newer} unverified, as named: "
-        f"{newer / ck.MARKER} records no checksums\n"
+        f"{newer / MARKER} records no checksums\n"
     )

@@ -9,8 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
-import stage_data
-from procs import script_refusal
+from helpers.procs import script_refusal
+
+from scripts import stage_data
 
 ROOT = Path(__file__).resolve().parents[2]
 

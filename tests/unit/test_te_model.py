@@ -13,12 +13,12 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.te_models import backend_args, batch, built, tiny_config
 from te_double import uninstall
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import te_llama
 from model_utils.config import te_loader
-from model_utils.config.sections import Config
 from model_utils.model import te_support
 from model_utils.model.modeling import materialize
 from model_utils.precision import te as te_precision
@@ -27,53 +27,6 @@ from model_utils.precision.te import TEBackend
 from model_utils.precision.te_requirements import TECapabilityError
 
 RECIPES = ["delayed", "current", "block", "mxfp8"]
-
-
-def tiny_config(**overrides) -> LlamaConfig:
-    values = dict(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    values.update(overrides)
-    return LlamaConfig(**values)
-
-
-def backend_args(fp8: bool, recipe: str = "delayed", impl: str = "te", **overrides):
-    """Every flag at its default (as the parser and the tiny preset give it), then these: a
-    backend reads only resolved configs, whose fields all exist."""
-    from model_utils.config.arguments import apply_preset, build_parser
-
-    values = vars(apply_preset(build_parser().parse_args([])))
-    values.update(
-        fp8=fp8,
-        fp8_recipe=recipe,
-        fp8_format="hybrid",
-        amax_history_len=16,
-        amax_compute_algo="max",
-        fp8_margin=0,
-        fp8_weights=False,
-        fp8_attention=False,
-        model_impl=impl,
-    )
-    values.update(overrides)
-    return Config.from_flat(values)
-
-
-def batch(config: LlamaConfig, seed: int = 0, size: tuple[int, int] = (2, 32)) -> torch.Tensor:
-    return torch.randint(0, config.vocab_size, size, generator=torch.Generator().manual_seed(seed))
-
-
-def built(config: LlamaConfig, impl: str = "te", seed: int = 0, **kwargs) -> torch.nn.Module:
-    """Meta build -> to_empty -> init, the lead's flow for sharded training."""
-    with torch.device("meta"):
-        model = te_llama.build_te_llama(config, impl=impl, **kwargs)
-    materialize(model, torch.device("cpu"), seed)
-    return model
 
 
 # ------------------------------------------------------------------------------------------
@@ -559,181 +512,6 @@ def test_fp8_weights_build(te_double) -> None:
     assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0], losses
 
 
-# ------------------------------------------------------------------------------------------
-# The GPU benchmark's CPU-checkable parts.
-# ------------------------------------------------------------------------------------------
-
-
-def test_gpu_matrix_refuses_without_gpu(capsys, monkeypatch) -> None:
-    from benchmarks import bench_gpu_matrix
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert bench_gpu_matrix.main([]) == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().err
-
-
-def test_gpu_levers_script_names_only_rows_the_matrix_has(capsys) -> None:
-    """A misspelt row in gpu_levers.sh would run nothing and spend a lent GPU's call: every
-    row it names exists, and the matrix refuses an unknown row or mode in one line, exit 2."""
-    import re
-
-    from benchmarks import bench_gpu_matrix as bench
-
-    script = (bench.ROOT / "benchmarks" / "gpu_levers.sh").read_text()
-    selections = re.findall(r'matrix "([^"]+)"(?: \d+)?(?: "([^"]+)")?\)?$', script, flags=re.M)
-    # levers, masters, compile, best, reshard, ac, attention, torchao, depth (4 and 8 layers)
-    assert len(selections) == 10
-    for only, vs in selections:
-        assert bench.selection_problems("levers", only, vs) == [], only
-        bench.parse_args(["--modes", "levers", "--only", only, "--vs", vs])
-    # The ac phase's train.py flags parse under every AC setting the benchmark measures.
-    from benchmarks import bench_activation_checkpointing as ac_bench
-    from model_utils.config.arguments import parse_args
-
-    joined = script.replace("\\\n", " ")
-    (ac_flags,) = re.findall(
-        r"benchmarks.bench_activation_checkpointing --repeats \d+ -- ([^\n]+)", joined
-    )
-    for flags in ac_bench.SETTINGS.values():
-        parsed = parse_args([*ac_bench.LLAMA3_SHAPED, *flags, *ac_flags.split()])
-        assert (parsed.precision.model_impl, parsed.precision.fp8, parsed.model.hidden_width) == (
-            "te",
-            True,
-            4096,
-        )
-    for argv, wanted in (
-        (
-            ["--modes", "levers", "--only", "te-fp8 mb4 +expandible"],
-            "no row 'te-fp8 mb4 +expandible'",
-        ),
-        (["--only", "te-fp8 mb2"], "no row 'te-fp8 mb2' in --modes train,infer"),
-        (["--modes", "lever"], "unknown mode 'lever'"),
-        (
-            ["--modes", "levers", "--only", "te-fp8 mb2", "--vs", "te-bf16 mb2"],
-            "--vs: 'te-bf16 mb2' is not among the rows that run",
-        ),
-    ):
-        with pytest.raises(SystemExit) as exit_:
-            bench.parse_args(argv)
-        assert exit_.value.code == 2
-        assert wanted in capsys.readouterr().err, argv
-
-
-def test_gpu_matrix_rows_are_train_py_commands_and_the_table_shows_ratios(tmp_path) -> None:
-    from benchmarks import bench_gpu_matrix as bench
-    from model_utils.config.arguments import parse_args
-
-    args, extra = bench.parse_args(["--preset", "tiny", "--nproc", "8", "--", "--seed", "3"])
-    args.out = tmp_path
-    for name, flags in bench.TRAIN_ROWS + bench.INFER_ROWS:
-        cmd = bench.train_command(args, name, flags, extra)
-        assert "--nproc_per_node=8" in cmd and cmd[-2:] == ["--seed", "3"]  # user flags win
-        row = parse_args(cmd[cmd.index(str(bench.ROOT / "train.py")) + 1 :])  # parses, resolved
-        # Each row runs what its name says, as train.py reads the flags (not their spelling).
-        impl, kind, *recipe = name.split("+")[0].split("-")
-        assert row.precision.model_impl == {"torchao": "hf"}.get(impl, impl), name
-        assert row.precision.fp8 == (kind == "fp8") and recipe in (
-            [],
-            [row.precision.fp8_recipe],
-        ), name
-        assert (row.parallel.compile, row.precision.fp8_all_gather) == (
-            "+compile" in name,
-            "+ag" in name,
-        ), name
-        assert row.precision.fp8_weights == ("+fp8_weights" in name), name
-    names = [name for name, _ in bench.TRAIN_ROWS]
-    assert {"hf-bf16", "te-bf16", "te-fp8-delayed", "te-fp8-mxfp8"} <= set(names)
-    user = ["--train_batch_size", "2", "--activation_checkpointing=0"]
-    for name, fixed, env in bench.LEVER_ROWS:  # the row's own micro-batch and AC win
-        cmd = bench.train_command(args, name, (), user, fixed)
-        parsed = parse_args(cmd[cmd.index(str(bench.ROOT / "train.py")) + 1 :])
-        assert f"--train_batch_size={parsed.data.train_batch_size}" in fixed, name
-        assert parsed.parallel.activation_checkpointing == (
-            "--activation_checkpointing" in fixed
-        ), name
-        assert parsed.parallel.ac_scope == ("mlp" if "+AC-mlp" in name else "layer"), name
-        assert env in ({}, bench.EXPANDABLE) and ("expandable" in name) == bool(env), name
-        assert parsed.parallel.compile == ("+compile" in name), name
-        assert (parsed.optim.master_weights == "optimizer") == ("+masters" in name), name
-        assert (parsed.parallel.reshard_after_forward == "never") == ("+no-reshard" in name), name
-        assert parsed.precision.fp8_attention == ("+fp8-attention" in name), name
-        impl, kind = name.split()[0].split("-")
-        assert (parsed.precision.model_impl, parsed.precision.fp8) == (
-            {"torchao": "hf"}.get(impl, impl),
-            kind == "fp8",
-        )
-        assert parsed.precision.fp8_all_gather == ("+ag" in name), name
-        assert " " not in cmd[-len(fixed) - len(user) - 1]  # run directory without spaces
-    # The table's shape line parses from a row's own flags: the user's alone may not (the
-    # --fp8_attention of a run on H100 is refused without the --fp8=1 a row supplies).
-    from model_utils.config.arguments import UsageError
-
-    fixed = next(fixed for name, fixed, _ in bench.LEVER_ROWS if "+fp8-attention" in name)
-    with pytest.raises(UsageError, match="--fp8_attention needs --fp8=1"):
-        parse_args(["--preset=tiny", "--fp8_attention"])
-    shape = bench.shape_line(args, ["--fp8_attention", *fixed], per_row_batch=True)
-    assert "micro-batch per row" in shape and "preset tiny" in shape
-    assert set(bench.BASELINES["levers"]) <= {name for name, *_ in bench.LEVER_ROWS}
-    rows = [
-        bench.Row("hf-bf16", "train", 1000.0, 100.0, 10.0),
-        bench.Row("te-bf16", "train", 1250.0, 125.0, 9.0),
-        bench.Row("te-fp8-delayed", "train", 1500.0, 150.0, 8.0),
-        bench.Row("te-fp8-mxfp8", "train", note="skipped: needs SM 10.0+"),
-    ]
-    table = bench.render(rows, "preset tiny, seq 256, micro-batch 8 x 1 accumulation")
-    fp8_line = next(line for line in table.splitlines() if "te-fp8-delayed" in line)
-    assert "1.50x" in fp8_line and "1.20x" in fp8_line
-    assert "[train] A = hf-bf16, B = te-bf16" in table and "[levers]" not in table
-    levers = bench.render(
-        [
-            bench.Row("te-fp8 mb2 hf-loss", "levers", 1000.0, 100.0, 50.0),
-            bench.Row("te-bf16 mb2 hf-loss", "levers", 800.0, 80.0, 52.0),
-            bench.Row("te-fp8 mb4 +AC +expandable", "levers", 1100.0, 110.0, 40.0),
-        ]
-    )
-    ac_line = next(line for line in levers.splitlines() if "mb4" in line)
-    assert "1.10x" in ac_line and "1.38x" in ac_line
-    # --vs: one slice's rows against one of them (here te-fp8 against te-bf16, measured in the
-    # same run), in column A of that row's mode; the other modes keep their baselines.
-    args, _ = bench.parse_args(
-        ["--modes", "levers", "--only", "te-bf16 mb2,te-fp8 mb2", "--vs", "te-bf16 mb2"]
-    )
-    depth = bench.render(
-        [
-            bench.Row("te-bf16 mb2", "levers", 800.0, 80.0, 50.0),
-            bench.Row("te-fp8 mb2", "levers", 1000.0, 100.0, 48.0),
-        ],
-        baselines=bench.baselines_with(args.vs),
-    )
-    assert "[levers] A = te-bf16 mb2, B = te-bf16 mb2 hf-loss" in depth
-    assert "1.25x" in next(line for line in depth.splitlines() if "te-fp8 mb2" in line)
-    assert bench.baselines_with(args.vs)["train"] == bench.BASELINES["train"]
-    assert "skipped: needs SM 10.0+" in table and table.startswith("preset tiny, seq 256")
-    assert {"hf-bf16+compile", "torchao-fp8-rowwise+compile"} <= set(names)
-    assert all("+compile" in name for name in names if name.startswith("torchao"))
-    log = "Traceback ...\nImportError: libcudnn_cnn.so.9: undefined symbol: cudnnFoo, version 9\n"
-    note = bench.failure_note(log)
-    assert "undefined symbol" in note and "LD_LIBRARY_PATH" in note
-    torchrun = (
-        "train.py: error: --num_layers must be > 0, got 0\n"
-        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
-        "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
-    )
-    assert "--num_layers must be > 0" in bench.failure_note(torchrun)
-    records = [
-        {
-            "kind": "train",
-            "step": s,
-            "tokens": 1000,
-            "time": 10.0 + s,
-            "step_seconds": 1.0,
-            "tokens_per_sec_per_device": 500.0,
-        }
-        for s in range(1, 11)
-    ]
-    assert bench.wall_clock_rate(records, warmup_steps=5) == pytest.approx(500.0)  # 2 devices
-
-
 # A shape whose tokens per micro-batch and linear dims all meet TE's FP8 rules.
 FP8_SHAPE = dict(
     train_batch_size=2,
@@ -800,14 +578,14 @@ def test_master_weights_in_the_optimizer_on_the_te_layout(te_double) -> None:
     ``empty_like``), the optimizer keeps an fp32 master per parameter and the model trains. On
     CPU the optimizer is ours: TE's FusedAdam is GPU-only, so the backend offers it on CUDA only.
     """
-    from test_train_model import _build_tiny
+    from helpers.inprocess import build_tiny
 
     from model_utils import optim
     from model_utils.config.arguments import parse_args
     from model_utils.precision.master_weights import MasterWeightAdamW
 
     flags = ["--model_impl", "te", "--fp8=1", "--master_weights", "optimizer"]
-    model = _build_tiny(flags)
+    model = build_tiny(flags)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     backend = TEBackend(backend_args(fp8=True, master_weights="optimizer"))
     assert backend.master_weight_adam(torch.device("cpu")) is None

@@ -5,26 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from helpers.tensorboard_events import flags_text, read_events, series
 
 from model_utils.config.arguments import parse_args
 from model_utils.run import metrics
 from model_utils.run.tensorboard_log import TensorBoardLog, flags_markdown, scalars
-
-
-def read_events(log_dir: Path) -> EventAccumulator:
-    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
-    events.Reload()
-    return events
-
-
-def series(events: EventAccumulator, tag: str) -> dict[int, float]:
-    return {e.step: e.value for e in events.Scalars(tag)}
-
-
-def flags_text(events: EventAccumulator) -> str:
-    (event,) = events.Tensors("flags/text_summary")
-    return event.tensor_proto.string_val[0].decode()
 
 
 def test_scalars_are_every_number_of_a_record_by_kind() -> None:

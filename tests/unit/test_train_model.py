@@ -6,28 +6,7 @@ tests/integration/test_train.py."""
 from __future__ import annotations
 
 import torch
-
-# Small windows keep each step well under a second on two cores; the shape is the tiny preset's.
-FAST = ["--preset", "tiny", "--train_batch_size", "4", "--max_context_width", "128"]
-
-
-def _build_tiny(extra: list[str]):
-    """The model train.py would build, in this process (a world of one)."""
-    import torch.distributed as dist
-
-    import train
-    from model_utils.config.arguments import parse_args
-    from model_utils.parallel import distributed
-    from model_utils.precision import backends as precision
-
-    args = parse_args([*FAST, "--max_steps=5", "--warmup=1", *extra])
-    device = torch.device("cpu")
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    world = distributed.world_from_env({})
-    mesh = distributed.build_mesh(world, device, "full")
-    backend = precision.build_backend(args, device)
-    return train.build_model(args, mesh, device, backend)
+from helpers.inprocess import build_tiny
 
 
 def _layer_activation_bytes_and_grads(
@@ -47,9 +26,9 @@ def _layer_activation_bytes_and_grads(
 
 
 def test_activation_checkpointing_saves_less_and_computes_the_same():
-    plain_bytes, plain_loss, plain_grads = _layer_activation_bytes_and_grads(_build_tiny([]))
+    plain_bytes, plain_loss, plain_grads = _layer_activation_bytes_and_grads(build_tiny([]))
     ac_bytes, ac_loss, ac_grads = _layer_activation_bytes_and_grads(
-        _build_tiny(["--activation_checkpointing"])
+        build_tiny(["--activation_checkpointing"])
     )
     assert ac_loss == plain_loss
     assert all(torch.equal(a, b) for a, b in zip(ac_grads, plain_grads, strict=True))
@@ -64,9 +43,9 @@ def test_activation_checkpointing_every_other_layer_saves_half_and_computes_the_
     assert checkpointed_layers(4, 1) == [0, 1, 2, 3]
     assert checkpointed_layers(4, 2) == [1, 3] and checkpointed_layers(3, 2) == [0, 2]
     assert checkpointed_layers(4, 8) == [3]
-    plain_bytes, plain_loss, plain_grads = _layer_activation_bytes_and_grads(_build_tiny([]))
+    plain_bytes, plain_loss, plain_grads = _layer_activation_bytes_and_grads(build_tiny([]))
     half_bytes, half_loss, half_grads = _layer_activation_bytes_and_grads(
-        _build_tiny(["--activation_checkpointing", "--ac_every=2"])
+        build_tiny(["--activation_checkpointing", "--ac_every=2"])
     )
     assert half_loss == plain_loss
     assert all(torch.equal(a, b) for a, b in zip(half_grads, plain_grads, strict=True))
@@ -80,9 +59,9 @@ def test_activation_checkpointing_of_the_mlps_only_saves_most_and_computes_the_s
 
     from model_utils.parallel.distributed import decoder_layers
 
-    plain_bytes, plain_loss, plain_grads = _layer_activation_bytes_and_grads(_build_tiny([]))
-    in_mlps = _layer_activation_bytes_and_grads(_build_tiny([]), lambda layer: layer.mlp)[0]
-    model = _build_tiny(["--activation_checkpointing", "--ac_scope=mlp"])
+    plain_bytes, plain_loss, plain_grads = _layer_activation_bytes_and_grads(build_tiny([]))
+    in_mlps = _layer_activation_bytes_and_grads(build_tiny([]), lambda layer: layer.mlp)[0]
+    model = build_tiny(["--activation_checkpointing", "--ac_scope=mlp"])
     layers = decoder_layers(model)
     assert all(isinstance(layer.mlp, CheckpointWrapper) for layer in layers)
     assert not any(isinstance(layer, CheckpointWrapper) for layer in layers)
@@ -91,7 +70,7 @@ def test_activation_checkpointing_of_the_mlps_only_saves_most_and_computes_the_s
     assert all(torch.equal(a, b) for a, b in zip(mlp_grads, plain_grads, strict=True))
     # Each layer keeps what it kept before, less what its MLP kept, plus the MLP's input for the
     # recompute: a [batch, seq, hidden] tensor per layer, as full recompute keeps per layer.
-    full_bytes = _layer_activation_bytes_and_grads(_build_tiny(["--activation_checkpointing"]))[0]
+    full_bytes = _layer_activation_bytes_and_grads(build_tiny(["--activation_checkpointing"]))[0]
     assert in_mlps > 0.3 * plain_bytes, (in_mlps, plain_bytes)
     assert mlp_bytes == plain_bytes - in_mlps + full_bytes, (plain_bytes, in_mlps, mlp_bytes)
 
@@ -110,8 +89,8 @@ def test_compile_flag_compiles_each_decoder_layer_of_the_model_train_builds(monk
         return real_compile(fn, *args, **kwargs)
 
     monkeypatch.setattr(torch, "compile", spy)
-    assert _build_tiny([]) is not None and compiled == []
-    model = _build_tiny(["--compile"])
+    assert build_tiny([]) is not None and compiled == []
+    model = build_tiny(["--compile"])
     layers = decoder_layers(model)
     assert layers and [id(m) for m in compiled] == [id(m) for m in layers]
 
@@ -120,7 +99,7 @@ def test_fsdp_units_are_torchtitans():
     """Embedding, each layer, [final norm, lm_head], and a root that holds no parameters."""
     from torch.distributed.fsdp import fully_shard
 
-    model = _build_tiny([])
+    model = build_tiny([])
     inner = model.model
     state = fully_shard.state
     assert state(inner.norm) is state(model.lm_head)
@@ -164,7 +143,7 @@ def test_reshard_after_forward_policies(monkeypatch):
     tiny_layers = 4
     results = {}
     for policy in ("default", "never", "always"):
-        model = _build_tiny([f"--reshard_after_forward={policy}"])
+        model = build_tiny([f"--reshard_after_forward={policy}"])
         flags = [reshard for _, reshard in distributed.fsdp_units(model, policy)]
         results[policy] = (flags, *_unshards_per_pass(model, monkeypatch))
         monkeypatch.undo()
@@ -176,37 +155,3 @@ def test_reshard_after_forward_policies(monkeypatch):
     assert results["never"][2] == 0
     assert results["always"][2] == units
     assert results["never"][3] == results["default"][3] == results["always"][3]
-
-
-def test_the_ac_benchmark_times_each_setting_with_only_its_own_model_alive(monkeypatch):
-    """bench_activation_checkpointing measures settings one after another in one process; the
-    models before stay alive in reference cycles unless collected, and on the H100 each
-    setting's peak memory then included theirs."""
-    import weakref
-
-    import torch.distributed as dist
-
-    from benchmarks import bench_activation_checkpointing as bench
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-
-    built: list[weakref.ref] = []
-    alive_while_timing: list[int] = []
-    real_build = bench.build
-
-    def build(flags, device):
-        run = real_build(flags, device)
-        built.append(weakref.ref(run.model))
-        return run
-
-    def median_seconds(step, repeats, device):
-        alive_while_timing.append(sum(ref() is not None for ref in built))
-        return 1.0
-
-    monkeypatch.setattr(bench, "build", build)
-    monkeypatch.setattr(bench, "median_seconds", median_seconds)
-    flags = [*FAST, "--num_layers=2"]
-    for _ in range(3):
-        bench.measure(flags, 1, torch.device("cpu"))
-    assert alive_while_timing == [1, 1, 1]

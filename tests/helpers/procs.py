@@ -18,13 +18,6 @@ import socket
 import subprocess
 import sys
 
-# The tiny preset cut to milliseconds per step (GQA, 2 layers; every linear FP8-sized): the shape
-# the in-process checkpoint and cross-implementation tests and their processes share.
-SMALL_LLAMA = (
-    "--preset tiny --hidden_width 64 --num_layers 2 --num_heads 4 --num_key_value_heads 2 "
-    "--intermediate_size 128 --max_context_width 32"
-).split()
-
 
 def free_port(low: int = 0, high: int = 0) -> int:
     """A TCP port nobody listens on: the first free one in [low, high), or by default one from

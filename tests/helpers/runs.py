@@ -1,0 +1,60 @@
+"""train.py's arguments the tests share (the tiny preset cut to milliseconds per step), and
+train.py in a subprocess: its command, its environment, what its metrics.jsonl recorded."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers.procs import launch_report, torchrun_cmd
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# The tiny preset cut to milliseconds per step (GQA, 2 layers; every linear FP8-sized): the shape
+# the in-process checkpoint and cross-implementation tests and their processes share.
+SMALL_LLAMA = (
+    "--preset tiny --hidden_width 64 --num_layers 2 --num_heads 4 --num_key_value_heads 2 "
+    "--intermediate_size 128 --max_context_width 32"
+).split()
+
+
+# Small windows keep each step well under a second on two cores; the shape is the tiny preset's.
+FAST = ["--preset", "tiny", "--train_batch_size", "4", "--max_context_width", "128"]
+
+
+def train_cmd(*argv: str, nproc: int = 1) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, str(ROOT / "train.py"), *argv]
+    return torchrun_cmd(str(ROOT / "train.py"), *argv, nproc=nproc)
+
+
+def train_env(nproc: int = 1) -> dict[str, str]:
+    """Thread count is part of the numerics (reduction order): runs that are compared bit for
+    bit must use the same one, whatever the caller's environment says."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1" if nproc > 1 else "2"}
+
+
+def run_train(*argv: str, nproc: int = 1, timeout: int = 900) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        train_cmd(*argv, nproc=nproc),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=train_env(nproc),
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, launch_report(result)
+    return result
+
+
+def records(run_dir: Path, kind: str = "train") -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records(run_dir)}

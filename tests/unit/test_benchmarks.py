@@ -1,0 +1,211 @@
+"""The benchmarks' own behaviour, on CPU: bench_gpu_matrix refuses without a GPU, its rows are
+train.py commands that run what their names say, its table shows the ratios and its failure
+notes the cause; every row gpu_levers.sh names exists; bench_activation_checkpointing times each
+setting with only its own model alive."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.runs import FAST
+
+
+def test_gpu_matrix_refuses_without_gpu(capsys, monkeypatch) -> None:
+    from benchmarks import bench_gpu_matrix
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_gpu_matrix.main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_gpu_levers_script_names_only_rows_the_matrix_has(capsys) -> None:
+    """A misspelt row in gpu_levers.sh would run nothing and spend a lent GPU's call: every
+    row it names exists, and the matrix refuses an unknown row or mode in one line, exit 2."""
+    import re
+
+    from benchmarks import bench_gpu_matrix as bench
+
+    script = (bench.ROOT / "benchmarks" / "gpu_levers.sh").read_text()
+    selections = re.findall(r'matrix "([^"]+)"(?: \d+)?(?: "([^"]+)")?\)?$', script, flags=re.M)
+    # levers, masters, compile, best, reshard, ac, attention, torchao, depth (4 and 8 layers)
+    assert len(selections) == 10
+    for only, vs in selections:
+        assert bench.selection_problems("levers", only, vs) == [], only
+        bench.parse_args(["--modes", "levers", "--only", only, "--vs", vs])
+    # The ac phase's train.py flags parse under every AC setting the benchmark measures.
+    from benchmarks import bench_activation_checkpointing as ac_bench
+    from model_utils.config.arguments import parse_args
+
+    joined = script.replace("\\\n", " ")
+    (ac_flags,) = re.findall(
+        r"benchmarks.bench_activation_checkpointing --repeats \d+ -- ([^\n]+)", joined
+    )
+    for flags in ac_bench.SETTINGS.values():
+        parsed = parse_args([*ac_bench.LLAMA3_SHAPED, *flags, *ac_flags.split()])
+        assert (parsed.model_impl, parsed.fp8, parsed.hidden_width) == ("te", True, 4096)
+    for argv, wanted in (
+        (
+            ["--modes", "levers", "--only", "te-fp8 mb4 +expandible"],
+            "no row 'te-fp8 mb4 +expandible'",
+        ),
+        (["--only", "te-fp8 mb2"], "no row 'te-fp8 mb2' in --modes train,infer"),
+        (["--modes", "lever"], "unknown mode 'lever'"),
+        (
+            ["--modes", "levers", "--only", "te-fp8 mb2", "--vs", "te-bf16 mb2"],
+            "--vs: 'te-bf16 mb2' is not among the rows that run",
+        ),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            bench.parse_args(argv)
+        assert exit_.value.code == 2
+        assert wanted in capsys.readouterr().err, argv
+
+
+def test_gpu_matrix_rows_are_train_py_commands(tmp_path) -> None:
+    """Each row runs what its name says as train.py reads the flags, the user's flags after
+    the defaults and a lever row's own micro-batch and AC after the user's."""
+    from benchmarks import bench_gpu_matrix as bench
+    from model_utils.config.arguments import parse_args
+
+    args, extra = bench.parse_args(["--preset", "tiny", "--nproc", "8", "--", "--seed", "3"])
+    args.out = tmp_path
+    for name, flags in bench.TRAIN_ROWS + bench.INFER_ROWS:
+        cmd = bench.train_command(args, name, flags, extra)
+        assert "--nproc_per_node=8" in cmd and cmd[-2:] == ["--seed", "3"]  # user flags win
+        row = parse_args(cmd[cmd.index(str(bench.ROOT / "train.py")) + 1 :])  # parses, resolved
+        # Each row runs what its name says, as train.py reads the flags (not their spelling).
+        impl, kind, *recipe = name.split("+")[0].split("-")
+        assert row.model_impl == {"torchao": "hf"}.get(impl, impl), name
+        assert row.fp8 == (kind == "fp8") and recipe in ([], [row.fp8_recipe]), name
+        assert (row.compile, row.fp8_all_gather) == ("+compile" in name, "+ag" in name), name
+        assert row.fp8_weights == ("+fp8_weights" in name), name
+    names = [name for name, _ in bench.TRAIN_ROWS]
+    assert {"hf-bf16", "te-bf16", "te-fp8-delayed", "te-fp8-mxfp8"} <= set(names)
+    user = ["--train_batch_size", "2", "--activation_checkpointing=0"]
+    for name, fixed, env in bench.LEVER_ROWS:  # the row's own micro-batch and AC win
+        cmd = bench.train_command(args, name, (), user, fixed)
+        parsed = parse_args(cmd[cmd.index(str(bench.ROOT / "train.py")) + 1 :])
+        assert f"--train_batch_size={parsed.train_batch_size}" in fixed, name
+        assert parsed.activation_checkpointing == ("--activation_checkpointing" in fixed), name
+        assert parsed.ac_scope == ("mlp" if "+AC-mlp" in name else "layer"), name
+        assert env in ({}, bench.EXPANDABLE) and ("expandable" in name) == bool(env), name
+        assert parsed.compile == ("+compile" in name), name
+        assert (parsed.master_weights == "optimizer") == ("+masters" in name), name
+        assert (parsed.reshard_after_forward == "never") == ("+no-reshard" in name), name
+        assert parsed.fp8_attention == ("+fp8-attention" in name), name
+        impl, kind = name.split()[0].split("-")
+        assert (parsed.model_impl, parsed.fp8) == ({"torchao": "hf"}.get(impl, impl), kind == "fp8")
+        assert parsed.fp8_all_gather == ("+ag" in name), name
+        assert " " not in cmd[-len(fixed) - len(user) - 1]  # run directory without spaces
+    # The table's shape line parses from a row's own flags: the user's alone may not (the
+    # --fp8_attention of a run on H100 is refused without the --fp8=1 a row supplies).
+    from model_utils.config.arguments import UsageError
+
+    fixed = next(fixed for name, fixed, _ in bench.LEVER_ROWS if "+fp8-attention" in name)
+    with pytest.raises(UsageError, match="--fp8_attention needs --fp8=1"):
+        parse_args(["--preset=tiny", "--fp8_attention"])
+    shape = bench.shape_line(args, ["--fp8_attention", *fixed], per_row_batch=True)
+    assert "micro-batch per row" in shape and "preset tiny" in shape
+    assert set(bench.BASELINES["levers"]) <= {name for name, *_ in bench.LEVER_ROWS}
+    assert {"hf-bf16+compile", "torchao-fp8-rowwise+compile"} <= set(names)
+    assert all("+compile" in name for name in names if name.startswith("torchao"))
+
+
+def test_gpu_matrix_table_shows_ratios_against_each_modes_baseline() -> None:
+    from benchmarks import bench_gpu_matrix as bench
+
+    rows = [
+        bench.Row("hf-bf16", "train", 1000.0, 100.0, 10.0),
+        bench.Row("te-bf16", "train", 1250.0, 125.0, 9.0),
+        bench.Row("te-fp8-delayed", "train", 1500.0, 150.0, 8.0),
+        bench.Row("te-fp8-mxfp8", "train", note="skipped: needs SM 10.0+"),
+    ]
+    table = bench.render(rows, "preset tiny, seq 256, micro-batch 8 x 1 accumulation")
+    fp8_line = next(line for line in table.splitlines() if "te-fp8-delayed" in line)
+    assert "1.50x" in fp8_line and "1.20x" in fp8_line
+    assert "[train] A = hf-bf16, B = te-bf16" in table and "[levers]" not in table
+    levers = bench.render(
+        [
+            bench.Row("te-fp8 mb2 hf-loss", "levers", 1000.0, 100.0, 50.0),
+            bench.Row("te-bf16 mb2 hf-loss", "levers", 800.0, 80.0, 52.0),
+            bench.Row("te-fp8 mb4 +AC +expandable", "levers", 1100.0, 110.0, 40.0),
+        ]
+    )
+    ac_line = next(line for line in levers.splitlines() if "mb4" in line)
+    assert "1.10x" in ac_line and "1.38x" in ac_line
+    # --vs: one slice's rows against one of them (here te-fp8 against te-bf16, measured in the
+    # same run), in column A of that row's mode; the other modes keep their baselines.
+    args, _ = bench.parse_args(
+        ["--modes", "levers", "--only", "te-bf16 mb2,te-fp8 mb2", "--vs", "te-bf16 mb2"]
+    )
+    depth = bench.render(
+        [
+            bench.Row("te-bf16 mb2", "levers", 800.0, 80.0, 50.0),
+            bench.Row("te-fp8 mb2", "levers", 1000.0, 100.0, 48.0),
+        ],
+        baselines=bench.baselines_with(args.vs),
+    )
+    assert "[levers] A = te-bf16 mb2, B = te-bf16 mb2 hf-loss" in depth
+    assert "1.25x" in next(line for line in depth.splitlines() if "te-fp8 mb2" in line)
+    assert bench.baselines_with(args.vs)["train"] == bench.BASELINES["train"]
+    assert "skipped: needs SM 10.0+" in table and table.startswith("preset tiny, seq 256")
+
+
+def test_gpu_matrix_failure_notes_and_wall_clock_rate() -> None:
+    from benchmarks import bench_gpu_matrix as bench
+
+    log = "Traceback ...\nImportError: libcudnn_cnn.so.9: undefined symbol: cudnnFoo, version 9\n"
+    note = bench.failure_note(log)
+    assert "undefined symbol" in note and "LD_LIBRARY_PATH" in note
+    torchrun = (
+        "train.py: error: --num_layers must be > 0, got 0\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
+        "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+    )
+    assert "--num_layers must be > 0" in bench.failure_note(torchrun)
+    records = [
+        {
+            "kind": "train",
+            "step": s,
+            "tokens": 1000,
+            "time": 10.0 + s,
+            "step_seconds": 1.0,
+            "tokens_per_sec_per_device": 500.0,
+        }
+        for s in range(1, 11)
+    ]
+    assert bench.wall_clock_rate(records, warmup_steps=5) == pytest.approx(500.0)  # 2 devices
+
+
+def test_the_ac_benchmark_times_each_setting_with_only_its_own_model_alive(monkeypatch):
+    """bench_activation_checkpointing measures settings one after another in one process; the
+    models before stay alive in reference cycles unless collected, and on the H100 each
+    setting's peak memory then included theirs."""
+    import weakref
+
+    import torch.distributed as dist
+
+    from benchmarks import bench_activation_checkpointing as bench
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+    built: list[weakref.ref] = []
+    alive_while_timing: list[int] = []
+    real_build = bench.build
+
+    def build(flags, device):
+        run = real_build(flags, device)
+        built.append(weakref.ref(run.model))
+        return run
+
+    def median_seconds(step, repeats, device):
+        alive_while_timing.append(sum(ref() is not None for ref in built))
+        return 1.0
+
+    monkeypatch.setattr(bench, "build", build)
+    monkeypatch.setattr(bench, "median_seconds", median_seconds)
+    flags = [*FAST, "--num_layers=2"]
+    for _ in range(3):
+        bench.measure(flags, 1, torch.device("cpu"))
+    assert alive_while_timing == [1, 1, 1]
