@@ -42,7 +42,11 @@ def test_gpu_levers_script_names_only_rows_the_matrix_has(capsys) -> None:
     )
     for flags in ac_bench.SETTINGS.values():
         parsed = parse_args([*ac_bench.LLAMA3_SHAPED, *flags, *ac_flags.split()])
-        assert (parsed.model_impl, parsed.fp8, parsed.hidden_width) == ("te", True, 4096)
+        assert (parsed.precision.model_impl, parsed.precision.fp8, parsed.model.hidden_width) == (
+            "te",
+            True,
+            4096,
+        )
     for argv, wanted in (
         (
             ["--modes", "levers", "--only", "te-fp8 mb4 +expandible"],
@@ -75,27 +79,38 @@ def test_gpu_matrix_rows_are_train_py_commands(tmp_path) -> None:
         row = parse_args(cmd[cmd.index(str(bench.ROOT / "train.py")) + 1 :])  # parses, resolved
         # Each row runs what its name says, as train.py reads the flags (not their spelling).
         impl, kind, *recipe = name.split("+")[0].split("-")
-        assert row.model_impl == {"torchao": "hf"}.get(impl, impl), name
-        assert row.fp8 == (kind == "fp8") and recipe in ([], [row.fp8_recipe]), name
-        assert (row.compile, row.fp8_all_gather) == ("+compile" in name, "+ag" in name), name
-        assert row.fp8_weights == ("+fp8_weights" in name), name
+        assert row.precision.model_impl == {"torchao": "hf"}.get(impl, impl), name
+        assert row.precision.fp8 == (kind == "fp8") and recipe in (
+            [],
+            [row.precision.fp8_recipe],
+        ), name
+        assert (row.parallel.compile, row.precision.fp8_all_gather) == (
+            "+compile" in name,
+            "+ag" in name,
+        ), name
+        assert row.precision.fp8_weights == ("+fp8_weights" in name), name
     names = [name for name, _ in bench.TRAIN_ROWS]
     assert {"hf-bf16", "te-bf16", "te-fp8-delayed", "te-fp8-mxfp8"} <= set(names)
     user = ["--train_batch_size", "2", "--activation_checkpointing=0"]
     for name, fixed, env in bench.LEVER_ROWS:  # the row's own micro-batch and AC win
         cmd = bench.train_command(args, name, (), user, fixed)
         parsed = parse_args(cmd[cmd.index(str(bench.ROOT / "train.py")) + 1 :])
-        assert f"--train_batch_size={parsed.train_batch_size}" in fixed, name
-        assert parsed.activation_checkpointing == ("--activation_checkpointing" in fixed), name
-        assert parsed.ac_scope == ("mlp" if "+AC-mlp" in name else "layer"), name
+        assert f"--train_batch_size={parsed.data.train_batch_size}" in fixed, name
+        assert parsed.parallel.activation_checkpointing == (
+            "--activation_checkpointing" in fixed
+        ), name
+        assert parsed.parallel.ac_scope == ("mlp" if "+AC-mlp" in name else "layer"), name
         assert env in ({}, bench.EXPANDABLE) and ("expandable" in name) == bool(env), name
-        assert parsed.compile == ("+compile" in name), name
-        assert (parsed.master_weights == "optimizer") == ("+masters" in name), name
-        assert (parsed.reshard_after_forward == "never") == ("+no-reshard" in name), name
-        assert parsed.fp8_attention == ("+fp8-attention" in name), name
+        assert parsed.parallel.compile == ("+compile" in name), name
+        assert (parsed.optim.master_weights == "optimizer") == ("+masters" in name), name
+        assert (parsed.parallel.reshard_after_forward == "never") == ("+no-reshard" in name), name
+        assert parsed.precision.fp8_attention == ("+fp8-attention" in name), name
         impl, kind = name.split()[0].split("-")
-        assert (parsed.model_impl, parsed.fp8) == ({"torchao": "hf"}.get(impl, impl), kind == "fp8")
-        assert parsed.fp8_all_gather == ("+ag" in name), name
+        assert (parsed.precision.model_impl, parsed.precision.fp8) == (
+            {"torchao": "hf"}.get(impl, impl),
+            kind == "fp8",
+        )
+        assert parsed.precision.fp8_all_gather == ("+ag" in name), name
         assert " " not in cmd[-len(fixed) - len(user) - 1]  # run directory without spaces
     # The table's shape line parses from a row's own flags: the user's alone may not (the
     # --fp8_attention of a run on H100 is refused without the --fp8=1 a row supplies).

@@ -22,6 +22,7 @@ from model_utils.checkpoint.manifest import (
     MARKER,
     checkpoint_name,
     prune_plan,
+    resolve_checkpoint,
     step_of,
 )
 from model_utils.checkpoint.tensors import layer_groups
@@ -49,10 +50,10 @@ def test_auto_resume_picks_newest_complete(tmp_path: Path) -> None:
     _fake_checkpoint(tmp_path, "step_00000100", marker=False)  # crashed before publish
     _fake_checkpoint(tmp_path, ".tmp-step_00000200")
     (tmp_path / "notes.txt").write_text("not a checkpoint")
-    assert ck.resolve_checkpoint("auto", tmp_path) == newest
+    assert resolve_checkpoint("auto", tmp_path) == newest
     assert ck.Checkpointer(tmp_path).resolve("auto") == newest
-    assert ck.resolve_checkpoint(None, tmp_path) is None
-    assert ck.resolve_checkpoint("auto", tmp_path / "missing") is None  # fresh start
+    assert resolve_checkpoint(None, tmp_path) is None
+    assert resolve_checkpoint("auto", tmp_path / "missing") is None  # fresh start
     with pytest.raises(ValueError, match=f"is a folder of checkpoints, not one: .*{newest}"):
         ck.check_resume_arg(str(tmp_path), tmp_path)  # was "has no .metadata: not a DCP ..."
     assert not (tmp_path / ".tmp-step_00000200").exists()  # cleaned by the Checkpointer
@@ -133,7 +134,7 @@ def test_explicit_resume_path_must_be_complete(
     with pytest.raises(ValueError, match=message):
         ck.check_resume_arg(str(tmp_path / name), tmp_path)
     with pytest.raises(ValueError, match="--resume_from_checkpoint"):
-        ck.resolve_checkpoint(str(tmp_path / name), tmp_path)
+        resolve_checkpoint(str(tmp_path / name), tmp_path)
 
 
 def test_prune_plan_keeps_newest_and_the_one_just_published() -> None:
