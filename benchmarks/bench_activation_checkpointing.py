@@ -22,9 +22,7 @@ Not a test: timings depend on the machine; the byte counts do not.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +35,7 @@ from benchmarks.bench_optim_kernels import median_seconds
 from model_utils.config import arguments
 from model_utils.parallel import distributed
 from model_utils.precision import backends as precision
+from model_utils.run.metrics.device import kept_activation_bytes
 
 #: Llama3-8B / 8 in width, same head_dim, GQA ratio and MLP ratio; 4 layers, seq 1024.
 LLAMA3_SHAPED = [
@@ -57,45 +56,6 @@ SETTINGS: dict[str, list[str]] = {
     "every MLP": [AC, "--ac_scope=mlp"],
     "every other MLP": [AC, "--ac_scope=mlp", "--ac_every=2"],
 }
-
-
-def kept_activation_bytes(
-    model: nn.Module,
-    batch: torch.Tensor,
-    part: Callable[[nn.Module], nn.Module] = lambda layer: layer,
-    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-) -> tuple[int, torch.Tensor]:
-    """Bytes autograd keeps for backward while inside each decoder layer (or the ``part`` of
-    it given), and the loss of that forward (backward not run). ``autocast``: the precision
-    backend's, so TE runs its FP8 GEMMs as in training.
-
-    Saved views of the gathered parameters are left out: FSDP2 frees that storage after the
-    forward (and gathers it again for backward), so they are not activations."""
-    inside, kept = [False], [0]
-    weights: set[int] = set()
-
-    def enter(module: nn.Module, *_: object) -> None:
-        inside[0] = True
-        weights.clear()
-        weights.update(p.untyped_storage().data_ptr() for p in module.parameters())
-
-    hooks = []
-    for layer in distributed.decoder_layers(model):
-        hooks.append(part(layer).register_forward_pre_hook(enter))
-        hooks.append(part(layer).register_forward_hook(lambda *_: inside.__setitem__(0, False)))
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if inside[0] and t.untyped_storage().data_ptr() not in weights:
-            kept[0] += t.numel() * t.element_size()
-        return t
-
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
-            loss = model(input_ids=batch, labels=batch).loss
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return kept[0], loss
 
 
 @dataclass

@@ -359,3 +359,24 @@ def test_nothing_edits_the_import_path():
                 if re.search(r"sys\.path\.(insert|append)\(|sys\.path\[:0\]", line):
                     edits.append(f"{path.relative_to(ROOT)}:{number}")
     assert not edits, f"sys.path edited in {edits}"
+
+
+def test_tests_share_helpers_not_each_other():
+    """Shared test code lives in tests/helpers; a test module imports no other test module,
+    and only the benchmarks' own tests (test_benchmarks.py) import a benchmark."""
+    found = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top, last = name.split(".")[0], name.split(".")[-1]
+                if last.startswith("test_") or (
+                    top == "benchmarks" and path.name != "test_benchmarks.py"
+                ):
+                    found.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not found, f"move what these share into tests/helpers: {found}"

@@ -13,9 +13,9 @@ def _layer_activation_bytes_and_grads(
     model, part=lambda layer: layer
 ) -> tuple[int, float, list[torch.Tensor]]:
     """Bytes autograd keeps for backward while inside the decoder layers (or the ``part`` of
-    each layer given: benchmarks/bench_activation_checkpointing.py's measure), plus loss and
+    each layer given: metrics.kept_activation_bytes, the AC benchmark's measure too), plus loss and
     grads."""
-    from benchmarks.bench_activation_checkpointing import kept_activation_bytes
+    from model_utils.run.metrics.device import kept_activation_bytes
 
     torch.manual_seed(0)
     batch = torch.randint(0, 8192, (4, 128))

@@ -1,13 +1,18 @@
-"""What the device offers and used: its dense bf16 peak (the MFU basis), peak memory, and the
+"""What the device offers and used: its dense bf16 peak (the MFU basis), peak memory, the bytes
+autograd keeps for backward in each decoder layer (what AC saves), and the
 sync that ends a timed window."""
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import sys
 from collections.abc import Callable
 
 import torch
+from torch import nn
+
+from model_utils.parallel import distributed
 
 GIB = float(1 << 30)
 
@@ -67,3 +72,45 @@ def device_sync(device: torch.device | str) -> Callable[[], None]:
     if device.type == "cuda":
         return lambda: torch.cuda.synchronize(device)
     return lambda: None
+
+
+# Activation memory
+
+
+def kept_activation_bytes(
+    model: nn.Module,
+    batch: torch.Tensor,
+    part: Callable[[nn.Module], nn.Module] = lambda layer: layer,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> tuple[int, torch.Tensor]:
+    """Bytes autograd keeps for backward while inside each decoder layer (or the ``part`` of
+    it given), and the loss of that forward (backward not run). ``autocast``: the precision
+    backend's, so TE runs its FP8 GEMMs as in training.
+
+    Saved views of the gathered parameters are left out: FSDP2 frees that storage after the
+    forward (and gathers it again for backward), so they are not activations."""
+    inside, kept = [False], [0]
+    weights: set[int] = set()
+
+    def enter(module: nn.Module, *_: object) -> None:
+        inside[0] = True
+        weights.clear()
+        weights.update(p.untyped_storage().data_ptr() for p in module.parameters())
+
+    hooks = []
+    for layer in distributed.decoder_layers(model):
+        hooks.append(part(layer).register_forward_pre_hook(enter))
+        hooks.append(part(layer).register_forward_hook(lambda *_: inside.__setitem__(0, False)))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if inside[0] and t.untyped_storage().data_ptr() not in weights:
+            kept[0] += t.numel() * t.element_size()
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
+            loss = model(input_ids=batch, labels=batch).loss
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return kept[0], loss
