@@ -26,7 +26,7 @@ from model_utils.checkpoint.tensors import (
     require_complete,
     weight_tensors,
 )
-from model_utils.config.sections import HF_KEYS, ModelShape
+from model_utils.config.sections import HF_KEYS, SHAPE_FIELDS, ModelShape
 from model_utils.model.modeling import HF_RECOMPUTED, llama_config  # RoPE buffers of old HF files
 from model_utils.parallel.distributed import canonical_param_name
 from model_utils.precision import master_weights
@@ -36,17 +36,8 @@ log = logging.getLogger(__name__)
 HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"
 HF_CONFIG = "config.json"
-#: What a HF Llama config.json calls each of our shape flags: a mismatch is told in our words.
 #: The shape flags a config.json states as numbers (its keys: config/sections.HF_KEYS).
-_NUMBER_FLAGS = (
-    "hidden_width",
-    "num_layers",
-    "num_heads",
-    "num_key_value_heads",
-    "intermediate_size",
-    "vocab_size",
-    "rope_theta",
-)
+_NUMBER_FLAGS = (*SHAPE_FIELDS, "rope_theta")
 #: Tied checkpoints (tie_word_embeddings: Llama 3.2 1B/3B) store the output projection only as
 #: the embedding; this recipe trains them untied, starting from the same values.
 TIED_HEAD, TIED_TO = "lm_head.weight", "model.embed_tokens.weight"

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from model_utils.config.sections import SHAPE_FIELDS, ModelShape
 
 # The bundled data's one source. It lives with the presets (not in model_utils/data) so parsing
 # flags never imports the data stack. The paths are absolute so the recipe runs from any working
@@ -19,20 +20,10 @@ BUNDLED_TOKENIZER = str(_DATA_DIR / "tokenizer")
 
 
 @dataclass(frozen=True)
-class Preset:
-    """A model shape with the training context it was published with."""
+class Preset(ModelShape):
+    """A model shape (config/sections.py's ModelShape, field for field) with the training data
+    and context it was published with."""
 
-    hidden_width: int
-    num_layers: int
-    num_heads: int
-    num_key_value_heads: int
-    intermediate_size: int
-    vocab_size: int
-    max_context_width: int
-    rope_theta: float
-    rms_norm_eps: float = 1e-5
-    rope_scaling: dict[str, Any] | None = None
-    max_position_embeddings: int | None = None
     tokenizer: str = BUNDLED_TOKENIZER
     dataset: str = BUNDLED_DATASET
     dataset_config_name: str | None = None
@@ -92,15 +83,6 @@ PRESETS: dict[str, Preset] = {
     ),
 }
 
-# The model's shape: what FLOPs, a checkpoint's tensors and a like-for-like comparison hang on.
-SHAPE_FIELDS = (
-    "hidden_width",
-    "num_layers",
-    "num_heads",
-    "num_key_value_heads",
-    "intermediate_size",
-    "vocab_size",
-)
 # Fields a preset provides; their flags default to None so we can tell "not given" from "given".
 PRESET_FIELDS = (
     *SHAPE_FIELDS,

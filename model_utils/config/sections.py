@@ -25,6 +25,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+#: The model's size: what FLOPs, a checkpoint's tensors and a like-for-like comparison hang on
+#: (ModelShape's first fields).
+SHAPE_FIELDS = (
+    "hidden_width",
+    "num_layers",
+    "num_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+)
 #: Our shape names -> the keys of a Hugging Face Llama config.json: the one mapping table, read
 #: by model/modeling.llama_config (our shape -> LlamaConfig) and config/hf_config (config.json ->
 #: our shape) and checkpoint/hf_import (a file that does not fit, in flag words).

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from model_utils.config.sections import HF_KEYS, Config, ModelShape
+from model_utils.config.sections import HF_KEYS, SHAPE_FIELDS, Config, ModelShape
 from model_utils.model import loss, te_support
 from model_utils.parallel.distributed import canonical_param_name
 from model_utils.precision import master_weights
@@ -30,15 +30,7 @@ HF_RECOMPUTED = ("rotary_emb.inv_freq",)
 
 #: The shape fields LlamaConfig takes as they are (config/sections.HF_KEYS names them); RoPE
 #: and the position count are composed below.
-_AS_IS = (
-    "hidden_width",
-    "num_layers",
-    "num_heads",
-    "num_key_value_heads",
-    "intermediate_size",
-    "vocab_size",
-    "rms_norm_eps",
-)
+_AS_IS = (*SHAPE_FIELDS, "rms_norm_eps")
 
 
 def llama_config(shape: ModelShape) -> LlamaConfig:
