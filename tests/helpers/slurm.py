@@ -252,3 +252,14 @@ def check_both_nodes_ran(log: str) -> None:
     assert sorted(ranks) == [0, 1], log
     assert {host for host, _, _ in ranks.values()} == {host for _, host, _ in nodes.values()}
     assert "world: 2 ranks (2 nodes)" in log
+
+
+def check_two_node_preemption(log: str, check_part: Callable[[str], None]) -> None:
+    """A preempted two-node job's log: the first run and the requeued one each pass
+    `check_part` (ran on both nodes, or in the image), and each node's launcher received the
+    USR1 in the first (each passes it on to its own workers)."""
+    first, second = log.split("restart 1:", 1)
+    for part in (first, second):
+        check_part(part)
+    for rank in (0, 1):
+        assert re.search(rf"^{rank}: \[node \S+\] SIGUSR1 received", first, re.M), first

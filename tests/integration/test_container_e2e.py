@@ -38,6 +38,7 @@ from helpers.slurm import (
     Cluster,
     Job,
     check_both_nodes_ran,
+    check_two_node_preemption,
     clean_env,
     preempt_and_check_exact_resume,
     seed_losses,
@@ -244,8 +245,4 @@ def test_preempted_container_job_checkpoints_requeues_and_resumes_exactly(
 ) -> None:
     job = submit_two_nodes(cluster, tmp_path, "ctr-preempted", FP8_ARGS)
     log = preempt_and_check_exact_resume(cluster, job, reference_job)
-    first, second = log.split("restart 1:", 1)
-    for part in (first, second):
-        check_ran_in_the_image(part)
-    assert re.search(r"^0: \[node \S+\] SIGUSR1 received", first, re.M), first
-    assert re.search(r"^1: \[node \S+\] SIGUSR1 received", first, re.M), first
+    check_two_node_preemption(log, check_ran_in_the_image)

@@ -40,6 +40,7 @@ from helpers.slurm import (
     Cluster,
     Job,
     check_both_nodes_ran,
+    check_two_node_preemption,
     clean_env,
     preempt_and_check_exact_resume,
     rank_lines,
@@ -166,11 +167,7 @@ def test_preempted_two_node_job_checkpoints_requeues_and_resumes_exactly(
     the workers, each in a session of its own, checkpoint because the launcher passes USR1 on."""
     job = submit_two_nodes(two_nodes, tmp_path, "two-nodes-preempted", TINY_CPU_ARGS)
     log = preempt_and_check_exact_resume(two_nodes, job, reference_job)
-    first, second = log.split("restart 1:", 1)
-    for part in (first, second):
-        check_both_nodes_ran(part)
-    assert re.search(r"^0: \[node \S+\] SIGUSR1 received", first, re.M), first
-    assert re.search(r"^1: \[node \S+\] SIGUSR1 received", first, re.M), first
+    check_two_node_preemption(log, check_both_nodes_ran)
     assert _processes_mentioning(str(job.run_dir)) == []
 
 
