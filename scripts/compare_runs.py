@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from model_utils.config.arguments import os_error_words
-from model_utils.config.sections import ModelShape, flag_fields
+from model_utils.config.sections import ModelShape, flag_fields, precision_name
 from model_utils.run import metrics
 from model_utils.run.metrics.records import record_problem, run_problem
 from scripts.compare_plot import DPI, FIGSIZE, make_figure, throughput_key  # noqa: F401
@@ -200,7 +200,7 @@ def label_from_flags(info: Mapping[str, Any] | None) -> str | None:
     if not info or "flags" not in info:
         return None
     flags = info["flags"]
-    precision = "fp8" if flags.get("fp8") else ("bf16" if flags.get("bf16", True) else "fp32")
+    precision = precision_name(flags.get("fp8"), flags.get("bf16", True))
     parts = [precision]
     if flags.get("fp8") and flags.get("fp8_recipe"):
         parts.append(str(flags["fp8_recipe"]))

@@ -28,7 +28,7 @@ from model_utils.config.options import (  # noqa: F401 (re-exported: the flags' 
     TORCHAO_RECIPES,
 )
 from model_utils.config.presets import PRESET_FIELDS, PRESETS
-from model_utils.config.sections import Config
+from model_utils.config.sections import Config, precision_name
 from model_utils.errors import UsageError, first_line, os_error_words  # noqa: F401 (re-exported)
 
 
@@ -308,7 +308,7 @@ def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
         args.val_batch_size = args.train_batch_size
     if args.warmup is None:
         args.warmup = default_warmup(args.max_steps)
-    precision = "fp8" if args.fp8 else ("bf16" if args.bf16 else "fp32")  # PrecisionConfig.name
+    precision = precision_name(args.fp8, args.bf16)
     if args.output_dir is None:
         args.output_dir = f"runs/{args.preset}-{precision}"
     if args.checkpoint_dir is None:

@@ -74,6 +74,12 @@ class ModelShape:
         return self.hidden_width // self.num_heads
 
 
+def precision_name(fp8: bool, bf16: bool) -> str:
+    """fp8, bf16 or fp32: how run folders, run records, the ready line and compare_runs' labels
+    name a run's precision."""
+    return "fp8" if fp8 else ("bf16" if bf16 else "fp32")
+
+
 @dataclass(frozen=True)
 class PrecisionConfig:
     """BF16 or FP8, the implementation that computes it, and the FP8 recipe's knobs: the
@@ -93,8 +99,7 @@ class PrecisionConfig:
 
     @property
     def name(self) -> str:
-        """fp8, bf16 or fp32: how run folders, records and the ready line name the precision."""
-        return "fp8" if self.fp8 else ("bf16" if self.bf16 else "fp32")
+        return precision_name(self.fp8, self.bf16)
 
 
 @dataclass(frozen=True)
