@@ -24,6 +24,7 @@ MODEL_FIELDS = (
     "rope_theta",
     "rms_norm_eps",
     "rope_scaling",
+    "tie_word_embeddings",
 )
 DATA_FIELDS = (
     "dataset",
@@ -53,7 +54,7 @@ FP8_NUMERICS_FIELDS = (
     "fp8_margin",
     "fp8_attention",
 )
-_SAVED_DEFAULTS = {"optimizer": "adamw", "master_weights": "params"}
+_SAVED_DEFAULTS = {"optimizer": "adamw", "master_weights": "params", "tie_word_embeddings": False}
 # Flags that name this launch rather than the run: never compared, never reported.
 _LAUNCH_FIELDS = frozenset(
     {
@@ -88,7 +89,7 @@ def config_changes(
     (refused: model shape, data stream, optimizer format and precision; allowed: everything
     else, e.g. batch size, sequence length, logging). Fields an older checkpoint did not record
     are not compared, except those with a known value before they existed (--optimizer adamw,
-    --master_weights params). The precision is refused only within `same_run` (a resume from the
+    --master_weights params, untied embeddings). The precision is refused only within `same_run` (a resume from the
     run's own checkpoint_dir): a checkpoint of another run loaded into a new folder starts a new
     run from its weights, in another implementation or precision if asked (logged)."""
     if saved:

@@ -196,8 +196,8 @@ def export_hf(
     adapter = getattr(model, "state_dict_adapter", None)
     key_map = adapter.to_hf if adapter is not None else None
     sd = weight_tensors(get_model_state_dict(model))
+    aliases = alias_groups(sd)  # before the masters: a tied master is named once
     sd = {n: (masters or {}).get(n, plain_tensor(t)) for n, t in sd.items()}
-    aliases = alias_groups(sd)
     names = [n for n in sd if aliases[n] == n]
     writer, failure = None, None
     if current_rank() == 0:

@@ -39,7 +39,9 @@ HF_CONFIG = "config.json"
 #: The shape flags a config.json states as numbers (its keys: config/sections.HF_KEYS).
 _NUMBER_FLAGS = (*SHAPE_FIELDS, "rope_theta")
 #: Tied checkpoints (tie_word_embeddings: Llama 3.2 1B/3B) store the output projection only as
-#: the embedding; this recipe trains them untied, starting from the same values.
+#: the embedding: a tied model reads it once; a model built untied from such a file (only by
+#: the explicit --tie_word_embeddings 0, which config.json's check refuses) would start its
+#: lm_head as a copy.
 TIED_HEAD, TIED_TO = "lm_head.weight", "model.embed_tokens.weight"
 _SHAPE_HINT = (
     "does the model shape (--hidden_width, --num_layers, --vocab_size, ...) match the "
@@ -145,10 +147,12 @@ def _config_flags(path: Path) -> dict[str, float]:
 class _SafetensorsFiles:
     """Open safetensors handles by tensor name, each file opened once."""
 
-    def __init__(self, files: dict[str, Path]) -> None:
+    def __init__(self, files: dict[str, Path], tied: bool) -> None:
         self.files = dict(files)
         self.stored = {name: name for name in files}  # the model's name -> the file's name
-        if TIED_HEAD not in files and TIED_TO in files:
+        if tied:  # one parameter: read once, as the embedding
+            self.files.pop(TIED_HEAD, None)
+        elif TIED_HEAD not in files and TIED_TO in files:
             self.files[TIED_HEAD], self.stored[TIED_HEAD] = files[TIED_TO], TIED_TO
             log.info(
                 "%s: tied checkpoint, %s starts as a copy of %s", TIED_HEAD, TIED_HEAD, TIED_TO
@@ -181,7 +185,8 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
     """
     adapter = getattr(model, "state_dict_adapter", None)
     key_map = adapter.from_hf if adapter is not None else None
-    handle = _SafetensorsFiles(hf_weight_files(path))
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    handle = _SafetensorsFiles(hf_weight_files(path), tied)
     targets = weight_tensors(get_model_state_dict(model))
     seeded = {
         canonical_param_name(n): p

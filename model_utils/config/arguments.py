@@ -86,6 +86,16 @@ def _model_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None
         help="sequence length of every packed window (default: from --preset)",
     )
     flag("rope_theta", type=float, help="RoPE base (default: from --preset)")
+    flag(
+        "tie_word_embeddings",
+        type=str2bool,
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="0|1",
+        help="one matrix for the input embedding and lm_head, trained as one parameter "
+        "(Llama 3.2 1B/3B; default: from --preset or --init_from_hf's config.json)",
+    )
 
 
 def _precision_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:

@@ -21,7 +21,7 @@ from model_utils.config.sections import HF_KEYS
 #: sections.HF_KEYS); max_position_embeddings is taken as it is, never contradicted.
 CHECKED = tuple(name for name in HF_KEYS if name != "max_position_embeddings")
 #: Fields with a flag; the others (rope_scaling, rms_norm_eps) come from the preset alone.
-_FLAGGED = (*SHAPE_FIELDS, "rope_theta")
+_FLAGGED = (*SHAPE_FIELDS, "rope_theta", "tie_word_embeddings")
 #: Files that make DIR a tokenizer too: then it is the run's default --tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 #: The RoPE types te_llama computes itself (te_support.llama_rope_inv_freq); hf takes any.
@@ -87,6 +87,7 @@ def architecture(config: Any) -> dict[str, Any]:
         "rope_scaling": rope if rope.get("rope_type", "default") != "default" else None,
         "rms_norm_eps": float(config.rms_norm_eps),
         "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
     }
 
 

@@ -52,6 +52,12 @@ _LLAMA31_SCALING = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
+_LLAMA32 = {
+    **_LLAMA3,
+    "rope_scaling": {**_LLAMA31_SCALING, "factor": 32.0},
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": True,
+}
 
 # Shapes are the published ones (Llama 2 paper / Meta model cards); `tiny` is ours, for CPUs.
 PRESETS: dict[str, Preset] = {
@@ -81,6 +87,10 @@ PRESETS: dict[str, Preset] = {
         rope_scaling=_LLAMA31_SCALING,
         max_position_embeddings=131072,
     ),
+    # Llama 3.2: 128K context from 8K by RoPE scaling (factor 32), input and output embeddings
+    # tied (one 128256 x hidden matrix).
+    "llama3.2-1b": Preset(2048, 16, 32, 8, 8192, **_LLAMA32),
+    "llama3.2-3b": Preset(3072, 28, 24, 8, 8192, **_LLAMA32),
 }
 
 # Fields a preset provides; their flags default to None so we can tell "not given" from "given".
@@ -88,6 +98,7 @@ PRESET_FIELDS = (
     *SHAPE_FIELDS,
     "max_context_width",
     "rope_theta",
+    "tie_word_embeddings",
     "tokenizer",
     "dataset",
     "dataset_config_name",

@@ -49,13 +49,18 @@ HF_KEYS: dict[str, str] = {
     "rope_scaling": "rope_scaling",
     "rms_norm_eps": "rms_norm_eps",
     "max_position_embeddings": "max_position_embeddings",
+    "tie_word_embeddings": "tie_word_embeddings",
 }
 
 
 @dataclass(frozen=True)
 class ModelShape:
     """The Llama's shape and positions: what FLOPs, a checkpoint's tensors and a like-for-like
-    comparison hang on. The last three come from the preset or the HF config.json, not flags."""
+    comparison hang on. The last three come from the preset or the HF config.json, not flags.
+
+    ``tie_word_embeddings``: one matrix is both the input embedding and the output projection
+    (Llama 3.2 1B/3B), trained as one parameter; a tied and an untied model are different
+    models, with different checkpoints."""
 
     hidden_width: int
     num_layers: int
@@ -65,6 +70,7 @@ class ModelShape:
     vocab_size: int
     max_context_width: int
     rope_theta: float
+    tie_word_embeddings: bool = False
     rms_norm_eps: float = 1e-5
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int | None = None

@@ -30,7 +30,7 @@ HF_RECOMPUTED = ("rotary_emb.inv_freq",)
 
 #: The shape fields LlamaConfig takes as they are (config/sections.HF_KEYS names them); RoPE
 #: and the position count are composed below.
-_AS_IS = (*SHAPE_FIELDS, "rms_norm_eps")
+_AS_IS = (*SHAPE_FIELDS, "rms_norm_eps", "tie_word_embeddings")
 
 
 def llama_config(shape: ModelShape) -> LlamaConfig:
@@ -44,7 +44,6 @@ def llama_config(shape: ModelShape) -> LlamaConfig:
         max_position_embeddings=positions,
         rope_parameters=rope,
         initializer_range=INIT_STD,
-        tie_word_embeddings=False,
         use_cache=False,
     )
 

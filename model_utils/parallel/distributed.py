@@ -259,11 +259,18 @@ def fsdp_units(
     choice). ``never`` keeps every unit gathered from its forward to its backward (ZeRO-2's
     memory: the bf16 parameters of the whole model, once), so backward neither gathers nor
     casts fp32 -> bf16 again; ``always`` reshards every unit (the least memory).
+
+    Tied embeddings (one matrix for embed_tokens and lm_head) are one unit with the final
+    norm: one parameter gathered once per step and one gradient reduced, its two uses summed.
     """
     layers = decoder_layers(model)
-    units: list[tuple[nn.Module | list[nn.Module], bool]] = [(model.model.embed_tokens, True)]
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    head = [model.model.norm, model.lm_head]
+    units: list[tuple[nn.Module | list[nn.Module], bool]] = []
+    if not tied:
+        units.append((model.model.embed_tokens, True))
     units += [(layer, i < len(layers) - 1) for i, layer in enumerate(layers)]
-    units.append(([model.model.norm, model.lm_head], False))
+    units.append(([model.model.embed_tokens, *head] if tied else head, False))
     if policy == "default":
         return units
     return [(unit, policy == "always") for unit, _ in units]

@@ -88,36 +88,44 @@ def world_of_one() -> None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
-def our_loss_and_logits(folder: Path, impl: str, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
-    """train.py's model (built, sharded, loaded from `folder`) and its step-1 loss: fp32."""
+def our_model(folder: Path, impl: str, *flags: str):
+    """train.py's model (built, sharded, loaded from `folder`), its optimizer, schedule,
+    backend and config: fp32."""
     import train
     from model_utils import optim
     from model_utils.parallel import distributed
     from model_utils.precision import backends as precision
-    from model_utils.run.step import train_step
 
     args = parse_args(
         [f"--init_from_hf={folder}", f"--model_impl={impl}", "--fp8=0", "--bf16=0"]
         + ["--max_context_width=32", "--train_batch_size=2", "--max_steps=4", "--warmup=1"]
+        + list(flags)
     )
     world_of_one()
     device = torch.device("cpu")
     mesh = distributed.build_mesh(distributed.world_from_env({}), device, "full")
     backend = precision.build_backend(args, device)
     model = train.build_model(args, mesh, device, backend)
+    optimizer, scheduler = optim.from_config(model, args.optim, args.run.max_steps)
+    return model, optimizer, scheduler, backend, args
+
+
+def one_step(model, optimizer, scheduler, backend, args, ids: torch.Tensor) -> float:
+    from model_utils.run.step import train_step
+
+    batch = ({"input_ids": ids, "labels": ids}, 1.0)
+    done = train_step(
+        model, optimizer, scheduler, backend, lambda: batch, args, torch.device("cpu")
+    )
+    return done.loss.item()
+
+
+def our_loss_and_logits(folder: Path, impl: str, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """train.py's model loaded from `folder`: its logits, then its step-1 loss."""
+    model, optimizer, scheduler, backend, args = our_model(folder, impl)
     with torch.no_grad():
         logits = model(input_ids=ids).logits.float()
-    optimizer, scheduler = optim.from_config(model, args.optim, args.run.max_steps)
-    done = train_step(
-        model,
-        optimizer,
-        scheduler,
-        backend,
-        lambda: ({"input_ids": ids, "labels": ids}, 1.0),
-        args,
-        device,
-    )
-    return done.loss.item(), logits
+    return one_step(model, optimizer, scheduler, backend, args, ids), logits
 
 
 def transformers_loss_and_logits(folder: Path, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
@@ -142,6 +150,54 @@ def test_the_loaded_model_computes_what_transformers_computes(
     got_loss, got_logits = our_loss_and_logits(folder, impl, ids)
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
     assert got_loss == pytest.approx(want_loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["hf", "te"])
+def test_a_tied_checkpoint_trains_as_one_matrix(impl: str, tmp_path, te_double) -> None:
+    """Llama 3.2's tied embedding is one parameter through embedding and lm_head: counted
+    once, stepped once by AdamW, and still one tensor after training."""
+    folder = save_hf_model(tmp_path / "tied", "llama3.2")
+    model, optimizer, scheduler, backend, args = our_model(folder, impl)
+    assert args.model.tie_word_embeddings
+    head, embedding = model.lm_head.weight, model.model.embed_tokens.weight
+    assert head is embedding
+    listed = [p for group in optimizer.param_groups for p in group["params"]]
+    assert sum(p is head for p in listed) == 1
+    start = head.detach().clone()
+    ids = torch.randint(0, 8192, (2, 32), generator=torch.Generator().manual_seed(7))
+    losses = [one_step(model, optimizer, scheduler, backend, args, ids) for _ in range(3)]
+    assert losses[-1] < losses[0]
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert not torch.equal(model.lm_head.weight.detach(), start)
+    # The export is the same kind of model: config tied, one tensor, the same logits.
+    import json
+
+    from safetensors import safe_open
+    from transformers import LlamaForCausalLM
+
+    from model_utils import checkpoint, data
+    from model_utils.config.presets import BUNDLED_TOKENIZER
+
+    out = tmp_path / "export"
+    checkpoint.export_hf(model, model.config, out, data.load_tokenizer(BUNDLED_TOKENIZER))
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    with safe_open(str(out / "model.safetensors"), framework="pt") as stored:
+        assert "lm_head.weight" not in stored.keys()
+    with torch.no_grad():
+        ours = model(input_ids=ids).logits.float()
+    reloaded = LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, ours, rtol=1e-4, atol=1e-4)
+
+
+def test_an_untied_flag_on_a_tied_checkpoint_is_refused(tmp_path) -> None:
+    folder = save_config_only(tmp_path, **SMALL, **FAMILIES["llama3.2"])
+    with pytest.raises(UsageError) as refused:
+        parse_args([f"--init_from_hf={folder}", "--tie_word_embeddings=0"])
+    assert "its config.json has tie_word_embeddings True, but --tie_word_embeddings False" in (
+        str(refused.value)
+    )
 
 
 def test_rope_scaling_is_visible_at_this_size(tmp_path) -> None:
@@ -184,6 +240,7 @@ def test_the_run_takes_every_model_field_from_config_json(family: str, tmp_path)
     assert args.model.rope_scaling == spec.get("rope_scaling")
     assert args.model.rms_norm_eps == spec.get("rms_norm_eps", 1e-6)  # transformers' default
     assert args.model.max_position_embeddings == spec.get("max_position_embeddings", 2048)
+    assert args.model.tie_word_embeddings == spec.get("tie_word_embeddings", False)
 
 
 LLAMA31_8B = dict(
