@@ -89,9 +89,10 @@ def config_changes(
     (refused: model shape, data stream, optimizer format and precision; allowed: everything
     else, e.g. batch size, sequence length, logging). Fields an older checkpoint did not record
     are not compared, except those with a known value before they existed (--optimizer adamw,
-    --master_weights params, untied embeddings). The precision is refused only within `same_run` (a resume from the
-    run's own checkpoint_dir): a checkpoint of another run loaded into a new folder starts a new
-    run from its weights, in another implementation or precision if asked (logged)."""
+    --master_weights params, untied embeddings). The precision is refused only within
+    `same_run` (a resume from the run's own checkpoint_dir): a checkpoint of another run loaded
+    into a new folder starts a new run from its weights, in another implementation or precision
+    if asked (logged)."""
     if saved:
         saved = {**_SAVED_DEFAULTS, **saved}
     refused, allowed = [], []
