@@ -134,6 +134,24 @@ def test_model_data_and_precision_changes_are_refused_the_rest_allowed() -> None
     assert config_changes(older, dict(saved, dataset=relative, rope_theta=1.0)) == ([], [])
 
 
+def test_tied_and_untied_embeddings_are_different_models() -> None:
+    """Either way, and from a checkpoint older than the field (it was untied then), in this run
+    or another's: one matrix where the checkpoint has two (or two where it has one) is refused."""
+    untied = json_round_trip(parse_args(FAST).as_dict())
+    tied = dict(untied, tie_word_embeddings=True)
+    older = {k: v for k, v in untied.items() if k != "tie_word_embeddings"}
+    for saved, now in ((untied, tied), (tied, untied), (older, tied)):
+        for same_run in (True, False):
+            refused, _ = config_changes(saved, now, same_run)
+            want = (
+                "--tie_word_embeddings",
+                not now["tie_word_embeddings"],
+                now["tie_word_embeddings"],
+            )
+            assert refused == [want]
+    assert config_changes(older, untied) == ([], [])
+
+
 def test_what_the_fp8_bf16_comparison_compares_is_part_of_the_run() -> None:
     """--fp8, the implementation, the recipe and the FP8 knobs that change numerics are refused
     on resume (the resumed run would be recorded under the other precision); the FP8 knobs count
