@@ -191,6 +191,45 @@ def test_a_tied_checkpoint_trains_as_one_matrix(impl: str, tmp_path, te_double) 
         torch.testing.assert_close(reloaded(input_ids=ids).logits, ours, rtol=1e-4, atol=1e-4)
 
 
+TIED_VARIANTS = {
+    "fp8": ("--bf16=1", "--fp8=1"),
+    "fp32-masters": ("--bf16=1", "--master_weights=optimizer"),
+    "8bit-moments": ("--optimizer=adamw8bit",),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(TIED_VARIANTS))
+@pytest.mark.parametrize("impl", ["hf", "te"])
+def test_tied_stays_one_matrix_in_every_precision_and_optimizer(
+    impl: str, variant: str, tmp_path, te_double
+) -> None:
+    """FP8 (lm_head and the embedding stay high precision), fp32 masters in the optimizer
+    (one master for the one matrix; the export writes it once) and 8-bit moments."""
+    from model_utils import checkpoint, data
+    from model_utils.config.presets import BUNDLED_TOKENIZER
+    from model_utils.precision import master_weights
+
+    folder = save_hf_model(tmp_path / "tied", "llama3.2")
+    model, optimizer, scheduler, backend, args = our_model(folder, impl, *TIED_VARIANTS[variant])
+    ids = torch.randint(0, 8192, (2, 32), generator=torch.Generator().manual_seed(7))
+    losses = [one_step(model, optimizer, scheduler, backend, args, ids) for _ in range(3)]
+    assert losses[-1] < losses[0]
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    masters = master_weights.masters_by_name(model, optimizer)
+    if variant != "fp32-masters":
+        return
+    assert [n for n in masters if "embed" in n or "lm_head" in n] == ["model.embed_tokens.weight"]
+    out = tmp_path / "export"
+    tokenizer = data.load_tokenizer(BUNDLED_TOKENIZER)
+    checkpoint.export_hf(model, model.config, out, tokenizer, masters=masters)
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), framework="pt") as stored:
+        assert "lm_head.weight" not in stored.keys()
+        exported = stored.get_tensor("model.embed_tokens.weight")
+    assert torch.equal(exported, masters["model.embed_tokens.weight"].full_tensor())
+
+
 def test_an_untied_flag_on_a_tied_checkpoint_is_refused(tmp_path) -> None:
     folder = save_config_only(tmp_path, **SMALL, **FAMILIES["llama3.2"])
     with pytest.raises(UsageError) as refused:
