@@ -24,6 +24,9 @@ BACKWARD = "backward"
 LM_HEAD = "lm_head"
 #: gradient clip, optimizer, LR schedule, the backend's bookkeeping (torchao's scale precompute).
 OPTIMIZER = "optimizer"
+#: validation and checkpoint saves: the run's step meter leaves them out of the step time
+#: (run/metrics/meter.py), and so does the breakdown.
+OUTSIDE_STEP = "outside_step"
 
 
 def annotate(name: str) -> AbstractContextManager:

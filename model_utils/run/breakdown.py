@@ -49,6 +49,7 @@ class RankBreakdown:
     overlapped_comm_ms: float
     fp8_gemm_ms: float
     gemm_names: dict[str, float]
+    gpu: bool = False  # a trace with device kernels (its steps are the device's timeline)
 
 
 def summarize(rank: int, steps: list[StepTime]) -> RankBreakdown:
@@ -83,4 +84,6 @@ def read_rank(path: Path, rank: int) -> RankBreakdown:
     steps = rank_steps(trace)
     for s in steps:
         s.step += offset
-    return summarize(rank, steps)
+    summary = summarize(rank, steps)
+    summary.gpu = any(e.get("cat") == "kernel" for e in trace.get("traceEvents", []))
+    return summary

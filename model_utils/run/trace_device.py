@@ -57,6 +57,8 @@ def _classify(
             continue
         caller = host.innermost(*launch)
         own = kinds_of(e["name"], DEVICE) if e.get("cat") == "kernel" else frozenset()
+        if caller is not None and "outside_step" in caller.chain:
+            continue  # validation, a checkpoint save: not the step's work
         category = category_of(own | (caller.chain if caller else frozenset()))
         ts = float(e["ts"])
         end = ts + float(e.get("dur", 0))
@@ -72,6 +74,7 @@ def device_steps(
     """Each profiled step's window on the device, cut into categories."""
     by_step, results = _classify(host, steps, kernels, events)
     waits = [(ev.ts, ev.end) for ev in host.by_tid.get(tid, []) if ev.name == "data_wait"]
+    outside = [(ev.ts, ev.end) for ev in host.by_tid.get(tid, []) if ev.name == "outside_step"]
     numbers = [k for k, _ in steps if by_step[k]]
     out = []
     for i, k in enumerate(numbers):
@@ -82,18 +85,27 @@ def device_steps(
             else max(end for _, end, _ in by_step[k])
         )
         result = results[k]
-        result.total_ms = (hi - lo) / 1000.0
-        result.ms, overlapped = sweep(by_step[k], lo, hi, waits)
+        result.ms, overlapped = sweep(by_step[k], lo, hi, waits, outside)
+        result.total_ms = sum(result.ms.values())
         result.overlapped_comm_ms = overlapped / 1000.0
         out.append(result)
     return out
 
 
+def _overlap(a: float, b: float, spans: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in spans)
+
+
 def sweep(
-    items: list[Interval], lo: float, hi: float, waits: list[tuple[float, float]]
+    items: list[Interval],
+    lo: float,
+    hi: float,
+    waits: list[tuple[float, float]],
+    outside: list[tuple[float, float]] = (),
 ) -> tuple[dict[str, float], float]:
-    """Milliseconds per category over [lo, hi) (they sum to hi - lo) and the microseconds
-    collectives ran beside compute."""
+    """Milliseconds per category over [lo, hi) and the microseconds collectives ran beside
+    compute. Every instant is counted once, except idle time while the host was ``outside``
+    the step (validation, a checkpoint save), which is no part of it."""
     points = []
     for ts, end, category in items:
         ts, end = max(ts, lo), min(end, hi)
@@ -116,9 +128,10 @@ def sweep(
         elif comm:
             ms["comm_exposed"] = ms.get("comm_exposed", 0.0) + (b - a) / 1000.0
         else:
-            waited = sum(max(0.0, min(b, y) - max(a, x)) for x, y in waits)
+            away = _overlap(a, b, outside)
+            waited = min(_overlap(a, b, waits), b - a - away)
             ms["data_wait"] = ms.get("data_wait", 0.0) + waited / 1000.0
-            ms["idle"] = ms.get("idle", 0.0) + (b - a - waited) / 1000.0
+            ms["idle"] = ms.get("idle", 0.0) + (b - a - away - waited) / 1000.0
 
     for time, delta, category in points:
         if time > t:

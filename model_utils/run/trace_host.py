@@ -166,6 +166,10 @@ def host_step(host: Host, tid: object, step: Event, number: int) -> StepTime:
     for ev in host.by_tid[tid]:
         if ev.ts < step.ts or ev.ts >= step.end:
             continue
+        if "outside_step" in ev.chain:  # validation, a checkpoint save: not the step's time
+            if ev.parent is not None and "outside_step" not in ev.parent.chain:
+                result.total_ms -= (ev.end - ev.ts) / 1000.0
+            continue
         category = category_of(ev.chain) if ev is not step else "other"
         own = max(0.0, ev.end - ev.ts - ev.children_us)
         _add(ms, category, own)

@@ -26,7 +26,7 @@ TRACE_METADATA_KEY = "llama_recipe_profile"
 
 @dataclass(frozen=True)
 class Rule:
-    kind: str  # gemm, attention, collective, fp8_cast, data_wait, optimizer, lm_head
+    kind: str  # gemm, attention, collective, fp8_cast, data_wait, optimizer, lm_head, ...
     where: str  # HOST, DEVICE or ANY
     pattern: str  # a regular expression searched (not matched) in the name, ignoring case
     catches: str  # what it is for: the docs' words and the test's subject
@@ -58,6 +58,12 @@ RULES: tuple[Rule, ...] = (
         HOST,
         r"^optimizer$|^Optimizer\.(step|zero_grad)#",
         "clip, AdamW, the LR schedule (run/step.py's range and torch's Optimizer.step# ranges)",
+    ),
+    Rule(
+        "outside_step",
+        HOST,
+        r"^outside_step$",
+        "validation and checkpoint saves: no part of the step (the run's meter leaves them out)",
     ),
     Rule(
         "lm_head",
