@@ -98,18 +98,19 @@ def write_trace(prof: torch.profiler.profile, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     raw = path.with_name(f".{path.name}.{os.getpid()}.tmp.json")
     packed = path.with_name(f".{path.name}.{os.getpid()}.tmp.gz")
+    kineto_tmp = raw.with_name(raw.name + ".tmp")  # Kineto's own name while it writes
     try:
         prof.export_chrome_trace(str(raw))
-        if not _whole_json(raw):
-            raise OSError(f"the export of {raw.name} stopped short (disk full?)")
+        if not raw.exists() or not _whole_json(raw):
+            raise OSError("the profiler's export stopped short or wrote nothing (disk full?)")
         with open(raw, "rb") as fin, gzip.open(packed, "wb", compresslevel=6) as fout:
             shutil.copyfileobj(fin, fout, 1 << 20)
         with open(packed, "rb") as f:
             os.fsync(f.fileno())
         os.replace(packed, path)
     finally:
-        raw.unlink(missing_ok=True)
-        packed.unlink(missing_ok=True)
+        for leftover in (raw, kineto_tmp, packed):
+            leftover.unlink(missing_ok=True)
 
 
 class RunProfiler:
