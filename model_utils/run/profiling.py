@@ -9,9 +9,10 @@ Why these shapes:
 - Outside the window no profiler object exists, so the step is the step without the flag (the
   annotations of ``model_utils/model/annotate.py`` are no-ops then): measured by
   ``benchmarks/bench_profiler_cost.py``.
-- A trace is written to a temporary name on the run's disk, checked whole, compressed and renamed
-  into place: a kill or a full disk while it is written never leaves a damaged file under the
-  name ``scripts/step_breakdown.py`` reads. A full disk costs the trace (one warning), not the run.
+- A trace is exported to a temporary file, checked whole, compressed to a temporary name on the
+  run's disk and renamed into place: a kill or a full disk while it is written never leaves a
+  damaged file under the name ``scripts/step_breakdown.py`` reads. A full disk costs the trace
+  (one warning), not the run.
 - An out-of-memory error in a step becomes one line naming the snapshot (if recorded) and the
   flags that lower memory, instead of a page of traceback; the newest checkpoint is untouched.
 """
@@ -23,6 +24,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,21 +89,30 @@ def trace_path(output_dir: str | Path, first_step: int, rank: int) -> Path:
 def _whole_json(path: Path) -> bool:
     """Kineto writes the JSON from C++ and does not report a short write: a whole file ends
     with the closing brace of its top-level object."""
+    if not path.exists():
+        return False
     with open(path, "rb") as f:
         f.seek(max(0, path.stat().st_size - 64))
         return f.read().rstrip().endswith(b"}")
 
 
 def write_trace(prof: torch.profiler.profile, path: Path) -> None:
-    """The profiler's Chrome trace at ``path``, gzip'd; only a whole trace gets that name (the
-    uncompressed export goes to the same disk first, so a full disk shows there)."""
+    """The profiler's Chrome trace at ``path``, gzip'd; only a whole trace gets that name.
+
+    Kineto exports the JSON from C++ to the temporary folder (as torch's own ``.gz`` export
+    does), where a short write is caught by reading the file's end; Python compresses it onto
+    the run's disk under a temporary name and renames it into place. (Exported straight onto a
+    full disk, Kineto reported nothing and kept the file open, so the disk could not even be
+    unmounted.)"""
     path.parent.mkdir(parents=True, exist_ok=True)
-    raw = path.with_name(f".{path.name}.{os.getpid()}.tmp.json")
-    packed = path.with_name(f".{path.name}.{os.getpid()}.tmp.gz")
+    handle, name = tempfile.mkstemp(prefix=f"{path.stem}.", suffix=".json")
+    os.close(handle)
+    raw = Path(name)
     kineto_tmp = raw.with_name(raw.name + ".tmp")  # Kineto's own name while it writes
+    packed = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         prof.export_chrome_trace(str(raw))
-        if not raw.exists() or not _whole_json(raw):
+        if not _whole_json(raw):
             raise OSError("the profiler's export stopped short or wrote nothing (disk full?)")
         with open(raw, "rb") as fin, gzip.open(packed, "wb", compresslevel=6) as fout:
             shutil.copyfileobj(fin, fout, 1 << 20)

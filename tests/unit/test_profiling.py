@@ -164,7 +164,7 @@ def test_a_stop_inside_the_window_writes_the_steps_recorded(tmp_path, caplog) ->
 
 
 def test_a_full_disk_costs_the_trace_and_one_warning_not_the_run(small_disk, caplog) -> None:
-    disk = small_disk("full", 0.1)
+    disk = small_disk("full", 0.008)  # 8 KiB: less than a compressed trace of Tiny
     with caplog.at_level(logging.INFO, logger="train"):
         profiler = train(disk, "2:3", steps=4)
     assert profiler.written == [] and written(disk) == []
