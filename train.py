@@ -29,6 +29,7 @@ from model_utils.parallel import distributed
 from model_utils.precision import backends as precision
 from model_utils.precision import master_weights
 from model_utils.run import guards, outputs, run_lock
+from model_utils.run.profiling import RunProfiler, StepOutOfMemory
 from model_utils.run.run_log import RunLog
 from model_utils.run.step import train_step
 
@@ -163,22 +164,25 @@ def train(
     model.train()
     run_log.meter.start()
     start_step = state.step
+    profiler = RunProfiler(config.run, world.rank, world.world_size, device, state.step)
     try:
-        while state.step < config.run.max_steps:
-            done = train_step(
-                model, optimizer, scheduler, backend, reads.next, config, device, reads.all_read
-            )
-            if not done.stepped:  # a bad read: the step is dropped, the last full one saved
-                stop_on_bad_read(reads, world, ckpt, state, guard, model, start_step)
-            state.step += 1
-            guard.observe(state.step, done.loss, done.grad_norm)  # queued on the device, no sync
-            run_log.step(state.step, done.loss, done.lr, done.data_wait)
-            if config.run.validation_freq and state.step % config.run.validation_freq == 0:
-                run_log.validation(state.step, model, val_batches, backend)
-            if step_boundary(config, state, ckpt, guard, model, run_log, preemption.requested):
-                ckpt.save(state.step, state, block=True)
-                log.info("Preemption signal received: checkpoint saved at step %d", state.step)
-                return
+        with profiler:  # --profile_steps, --memory_snapshot_step; an OOM: one line
+            while state.step < config.run.max_steps:
+                done = train_step(
+                    model, optimizer, scheduler, backend, reads.next, config, device, reads.all_read
+                )
+                if not done.stepped:  # a bad read: the step is dropped, the last full one saved
+                    stop_on_bad_read(reads, world, ckpt, state, guard, model, start_step)
+                state.step += 1
+                guard.observe(state.step, done.loss, done.grad_norm)  # on the device, no sync
+                run_log.step(state.step, done.loss, done.lr, done.data_wait)
+                profiler.step(state.step)
+                if config.run.validation_freq and state.step % config.run.validation_freq == 0:
+                    run_log.validation(state.step, model, val_batches, backend)
+                if step_boundary(config, state, ckpt, guard, model, run_log, preemption.requested):
+                    ckpt.save(state.step, state, block=True)
+                    log.info("Preemption signal received: checkpoint saved at step %d", state.step)
+                    return
         finish(config, model, backend, ckpt, state, guard, run_log, val_batches, tokenizer)
     except guards.Diverged as exc:  # here: the lr in the line is the one in use after a resume
         guards.exit_diverged(exc, config.optim.lr, world.is_main)
@@ -318,6 +322,9 @@ def main(argv: list[str] | None = None) -> None:
     except checkpoint.CheckpointWriteError as exc:  # the disk filled up, went read-only, ...
         if world.is_main:
             print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    except StepOutOfMemory as exc:  # every rank that ran out says so: it may be one alone
+        print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     finally:
         for lock in locks:

@@ -32,6 +32,13 @@
 #           both at mb4 under --compile: the torchao/te goal with every lever on both   ~3 min
 #   depth   te-bf16 and te-fp8 at mb2 with 4 and with 8 layers: the FP8 speed-up as lm_head's
 #           share of the work shrinks (8 layers: ~72 GiB by arithmetic, fits an H100)  ~5 min
+#   full-torchao  a whole Llama 3.2 1B (16 layers, tied, seq 8192, mb4): torchao's float8
+#           under --compile; needs no TE, so it can run while TE's chunks travel        ~2 min
+#   full    the same model's A/B with the same levers on both sides (te-bf16 and te-fp8
+#           delayed, mb4, --compile, fp32 masters in the optimizer, no resharding), steps
+#           19-20 profiled; then scripts/step_breakdown.py's breakdown and FP8 ceiling of the
+#           pair and compare_runs' table of both (and of full-torchao's run if it is in OUT_DIR)
+#                                                                                       ~5 min
 #
 # TE searches the CUDA toolkit and the system for cuDNN before pip's: on the H100 of 2026-11-24
 # it loaded Debian's 9.14 beside torch's 9.19, and deterministic FP8 attention was refused.
@@ -47,7 +54,7 @@
 # (benchmarks/results/2026-11-24-h100.md).
 set -euo pipefail
 
-usage="usage: bash benchmarks/gpu_levers.sh loss|levers|masters|compile|reshard|ac|best|tier|attention|torchao|depth OUT_DIR"
+usage="usage: bash benchmarks/gpu_levers.sh loss|levers|masters|compile|reshard|ac|best|tier|attention|torchao|depth|full-torchao|full OUT_DIR"
 phase=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -60,6 +67,19 @@ matrix() {
         --modes levers --out "$out/$phase-$layers-layers" --only "$1" ${vs:+--vs "$vs"} \
         -- --num_layers "$layers" --dataset data/kjv.jsonl.gz --tokenizer data/tokenizer
 }
+# full_depth ROWS [VS [TRAIN.PY FLAGS...]]: the rows on the whole Llama 3.2 1B, each row's speed
+# over row VS's in column A; the run folders go to OUT_DIR/full/.
+full_depth() {
+    local rows=$1 vs=${2:-}
+    shift 2 || shift $#
+    "$python" -m benchmarks.bench_gpu_matrix --preset llama3.2-1b --nproc 1 --max_steps 20 \
+        --modes levers --out "$out/full" --only "$rows" ${vs:+--vs "$vs"} \
+        -- --dataset data/kjv.jsonl.gz --tokenizer data/tokenizer "$@"
+}
+BEST_BF16="te-bf16 mb4 +compile +masters +no-reshard +expandable"
+BEST_FP8="te-fp8 mb4 +compile +masters +no-reshard +expandable"
+TORCHAO="torchao-fp8 mb4 +ag +compile +expandable"
+folder() { echo "$out/full/${1// /_}"; }
 
 {
     echo "# $phase on $(hostname) at $(date -u +%FT%TZ), git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
@@ -104,8 +124,18 @@ matrix() {
         matrix "te-bf16 mb2,te-fp8 mb2" 4 "te-bf16 mb2"
         (export PYTORCH_ALLOC_CONF=expandable_segments:True && matrix "te-bf16 mb2,te-fp8 mb2" 8 "te-bf16 mb2")
         ;;
+    full-torchao)
+        full_depth "$TORCHAO"
+        ;;
+    full)
+        full_depth "$BEST_BF16,$BEST_FP8" "$BEST_BF16" --profile_steps 19:20
+        "$python" -m scripts.step_breakdown "$(folder "$BEST_BF16")" "$(folder "$BEST_FP8")"
+        runs=("$(folder "$BEST_BF16")" "$(folder "$BEST_FP8")")
+        [ -f "$(folder "$TORCHAO")/metrics.jsonl" ] && runs+=("$(folder "$TORCHAO")")
+        "$python" -m scripts.compare_runs "${runs[@]}" --output "$out/full-compare.png" || true
+        ;;
     *)
-        echo "unknown phase $phase: loss, levers, masters, compile, reshard, ac, best, tier, attention, torchao or depth" >&2
+        echo "unknown phase $phase: loss, levers, masters, compile, reshard, ac, best, tier, attention, torchao, depth, full-torchao or full" >&2
         exit 2
         ;;
     esac

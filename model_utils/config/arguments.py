@@ -196,6 +196,23 @@ def _run_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:
         "check flags, data, tokenizer and checkpoint, then exit: 0 ready, 2 bad input "
         "(the launcher runs this once before torchrun)",
     )
+    flag(
+        "profile_steps",
+        default=None,
+        metavar="START:END",
+        help="torch.profiler traces of steps START..END (inclusive; one warm-up step before), "
+        "on every rank: <output_dir>/profile/step_START/rank_R.pt.trace.json.gz; read them "
+        "with `python -m scripts.step_breakdown RUN...` (default: off)",
+    )
+    flag(
+        "memory_snapshot_step",
+        type=int,
+        default=None,
+        metavar="N",
+        help="CUDA only: record the caching allocator's history and dump a snapshot after step "
+        "N and at an out-of-memory error (0: at an OOM only) to <output_dir>/memory/; open it "
+        "at https://pytorch.org/memory_viz (default: off)",
+    )
 
 
 def _parallel_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:
@@ -264,7 +281,7 @@ _FLAG_GROUPS = (
     ("optim", "AdamW, master weights and the LR schedule", _optim_flags),
     ("parallel", "sharding, memory and compilation", _parallel_flags),
     ("checkpoint", "checkpoints, resume, HF import/export", _checkpoint_flags),
-    ("run", "steps, seed, logs, validation, the run folder, dry run", _run_flags),
+    ("run", "steps, seed, logs, validation, the run folder, dry run, profiling", _run_flags),
 )
 
 
@@ -348,8 +365,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
     """The one way to a run config: flags, preset, cross-flag rules, then the implementation
     (``auto`` probes TE and the GPU) and the FP8 recipe for its backend."""
     from model_utils.config import flag_rules, hf_config, recipes
-    from model_utils.config.machine import (
-        resolve_model_impl,  # imports torch; flags alone need not
+    from model_utils.config.machine import (  # import torch; flags alone need not
+        has_cuda,
+        resolve_model_impl,
     )
 
     given = sys.argv[1:] if argv is None else argv
@@ -363,6 +381,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         except hf_config.ConfigError as exc:
             raise UsageError(str(exc)) from exc
     flag_rules.check_consistency(args)
+    flag_rules.check_memory_snapshot(args, has_cuda())
     args.model_impl = resolve_model_impl(args.model_impl)
     rope_type = (args.rope_scaling or {}).get("rope_type", "default")
     if args.model_impl in TE_IMPLS and rope_type not in hf_config.TE_ROPE_TYPES:

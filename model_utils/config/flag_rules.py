@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 
 from model_utils.config.options import (
     FP8_ATTENTION_RECIPES,
@@ -51,6 +52,50 @@ def check_consistency(args: argparse.Namespace) -> None:
     _check_numbers(args)
     _check_shape(args)
     _check_combinations(args)
+    _check_observation(args)
+
+
+def profile_window(spec: str) -> tuple[int, int]:
+    """``--profile_steps START:END`` -> (START, END), the steps traced (both included); a
+    UsageError for any other form."""
+    match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", spec)
+    if not match:
+        raise UsageError(
+            f"--profile_steps takes START:END, the first and last step to trace (e.g. 20:23), "
+            f"got {spec!r}"
+        )
+    start, end = int(match[1]), int(match[2])
+    if not 1 <= start <= end:
+        raise UsageError(
+            f"--profile_steps {spec}: steps count from 1 and END must not come before START"
+        )
+    return start, end
+
+
+def _check_observation(args: argparse.Namespace) -> None:
+    """The profiler's window and the memory snapshot's step lie inside the run."""
+    if args.profile_steps is not None:
+        _, end = profile_window(args.profile_steps)
+        if end > args.max_steps:
+            raise UsageError(
+                f"--profile_steps {args.profile_steps} ends after --max_steps {args.max_steps}: "
+                "trace steps the run takes"
+            )
+    step = args.memory_snapshot_step
+    if step is not None and not 0 <= step <= args.max_steps:
+        raise UsageError(
+            f"--memory_snapshot_step must be in [0, --max_steps {args.max_steps}] (0: at an "
+            f"out-of-memory error only), got {step}"
+        )
+
+
+def check_memory_snapshot(args: argparse.Namespace, cuda: bool) -> None:
+    """A snapshot is of CUDA's caching allocator: without a GPU there is none to record."""
+    if args.memory_snapshot_step is not None and not cuda:
+        raise UsageError(
+            "--memory_snapshot_step records CUDA's caching allocator, and this machine has no "
+            "CUDA GPU: drop the flag (on CPU, `--profile_steps` still traces the steps)"
+        )
 
 
 def _check_paths(args: argparse.Namespace) -> None:

@@ -22,3 +22,8 @@ def resolve_model_impl(requested: str) -> str:
     if requested != "auto":
         return requested
     return "te" if fp8_capable_gpu() and te_available() else "hf"
+
+
+def has_cuda() -> bool:
+    """A CUDA GPU this process can use (what CUDA-only flags need)."""
+    return torch.cuda.is_available()

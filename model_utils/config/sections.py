@@ -171,7 +171,8 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """The run itself: its length, seed, reports, validation and folder."""
+    """The run itself: its length, seed, reports, validation and folder, and what observes it
+    (profiler traces, memory snapshots)."""
 
     max_steps: int
     seed: int
@@ -181,6 +182,10 @@ class RunConfig:
     output_dir: str
     tensorboard: bool
     validate_only: bool
+    # Observation only (a resume may change them); None: off. Records older than the flags
+    # read back with them off.
+    profile_steps: str | None = None  # "START:END", steps START..END inclusive
+    memory_snapshot_step: int | None = None  # 0: at an out-of-memory error only
 
 
 #: Section name -> its type, in the pipeline's order (docs/flags.md's groups follow it).

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_utils.model.annotate import LM_HEAD, annotate
+
 IGNORE_INDEX = -100
 #: ``(h, weight, targets) -> (per-token losses, unscaled d loss / d logits)`` for one chunk.
 ChunkFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -205,9 +207,10 @@ def _lm_head_forward(self: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor
     FSDP2 gathers ``lm_head`` (its own unit with the final norm, as torchtitan shards it) in its
     pre-forward and schedules its gradient reduce-scatter from there.
     """
-    if labels is None:
-        return F.linear(hidden, self.weight, self.bias)
-    return linear_cross_entropy(hidden, self.weight, labels, compiled=self.compiled_loss)
+    with annotate(LM_HEAD):
+        if labels is None:
+            return F.linear(hidden, self.weight, self.bias)
+        return linear_cross_entropy(hidden, self.weight, labels, compiled=self.compiled_loss)
 
 
 def use_chunked_loss(model: nn.Module, compiled: bool = False) -> nn.Module:
@@ -221,4 +224,16 @@ def use_chunked_loss(model: nn.Module, compiled: bool = False) -> nn.Module:
     model.lm_head.compiled_loss = compiled
     model.lm_head.forward = types.MethodType(_lm_head_forward, model.lm_head)
     model.forward = types.MethodType(_forward_with_chunked_loss, model)
+    return model
+
+
+def _annotated_linear(self: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    with annotate(LM_HEAD):
+        return F.linear(hidden, self.weight, self.bias)
+
+
+def annotate_lm_head(model: nn.Module) -> nn.Module:
+    """``--chunked_loss=0``: ``lm_head``'s GEMM (not HF's loss after it) inside the ``lm_head``
+    range, so a profile counts it among the matmuls FP8 does not run (set on the instance)."""
+    model.lm_head.forward = types.MethodType(_annotated_linear, model.lm_head)
     return model

@@ -89,7 +89,7 @@ def build(
     return (
         loss.use_chunked_loss(model, compiled=args.parallel.compile)
         if args.parallel.chunked_loss
-        else model
+        else loss.annotate_lm_head(model)
     )
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from model_utils.model.annotate import BACKWARD, DATA_WAIT, FORWARD, OPTIMIZER, annotate
 from model_utils.parallel import distributed
 
 #: Returns (micro-batch of CPU tensors, loss weight): data.ReadGuard.next, or a fixed batch.
@@ -59,25 +60,28 @@ def train_step(
     data_wait, loss_sum = 0.0, torch.zeros((), device=device)
     for micro in range(accum):
         start = time.perf_counter()
-        raw, weight = next_micro_batch()
-        micro_batch = {k: v.to(device, non_blocking=True) for k, v in raw.items()}
+        with annotate(DATA_WAIT):
+            raw, weight = next_micro_batch()
+            micro_batch = {k: v.to(device, non_blocking=True) for k, v in raw.items()}
         data_wait += time.perf_counter() - start
         distributed.sync_gradients(model, config.parallel.sharding_strategy, micro == accum - 1)
-        with backend.autocast(first_micro_batch=micro == 0):
+        with annotate(FORWARD), backend.autocast(first_micro_batch=micro == 0):
             loss = model(**micro_batch).loss * weight
-        (loss / accum).backward()
+        with annotate(BACKWARD):
+            (loss / accum).backward()
         loss_sum += loss.detach()
     lr = float(scheduler.get_last_lr()[0])  # torchao keeps it as a 0-d CPU tensor
     if data_ok is not None and not data_ok():
         optimizer.zero_grad(set_to_none=True)
         return StepResult(loss_sum / accum, None, lr, data_wait, stepped=False)
     grad_norm = None
-    if config.optim.grad_clip > 0:
-        grad_norm = clip_grad_norm(model, config.optim.grad_clip)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    backend.after_optimizer_step(model)
+    with annotate(OPTIMIZER):
+        if config.optim.grad_clip > 0:
+            grad_norm = clip_grad_norm(model, config.optim.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        backend.after_optimizer_step(model)
     return StepResult(loss_sum / accum, grad_norm, lr, data_wait)
 
 

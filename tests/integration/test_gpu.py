@@ -517,3 +517,102 @@ def test_fp8_weights_train_from_fp32_masters_and_resume_exactly(runs, recipe: st
 
     with safe_open(str(out / "hf" / "model.safetensors"), "pt") as fh:  # fp32 masters, not FP8
         assert fh.get_tensor("model.layers.0.mlp.up_proj.weight").dtype == torch.float32
+
+
+def profiled(out: Path, *flags: str) -> tuple[object, subprocess.CompletedProcess]:
+    """A SMALL run with steps 6-8 traced: rank 0's breakdown and the run's output."""
+    from model_utils.run.breakdown import read_rank
+
+    result = train(out, *flags, "--profile_steps=6:8")
+    ok(result)
+    assert "Profiler trace of step(s) 6-8: " in result.stdout
+    got = read_rank(out / "profile" / "step_6" / "rank_0.pt.trace.json.gz", 0)
+    assert [s.step for s in got.steps] == [6, 7, 8] and got.gpu
+    for step in got.steps:
+        assert sum(step.ms.values()) == pytest.approx(step.total_ms, rel=1e-9)
+    return got, result
+
+
+def test_a_te_trace_finds_fp8_gemms_under_fp8_only_and_lm_head_in_the_bf16_share(
+    runs, capsys
+) -> None:
+    """On real TE kernels: cuBLAS's FP8 GEMMs (e4m3 in xmma names, qq in nvjet's) appear with
+    --fp8=1, in the share FP8 can run, and not at all with --fp8=0; lm_head's GEMMs (launched
+    inside the lm_head range, its backward linked to it) are bf16 kernels in the other share."""
+    needs_te()
+    from model_utils.run.trace_rules import fp8_named
+    from scripts import step_breakdown
+
+    got = {}
+    for precision, flags in (("bf16", impl_flags("te", "bf16")), ("fp8", TE_DELAYED)):
+        got[precision], _ = profiled(runs / f"profiled-te-{precision}", *flags)
+        head = [k for k in got[precision].gemm_names if k.startswith("bf16_matmul\t")]
+        assert head and not any(fp8_named(k) for k in head), got[precision].gemm_names
+    fp8_gemms = [k for k in got["fp8"].gemm_names if fp8_named(k)]
+    assert got["fp8"].fp8_gemm_ms > 0 and all(k.startswith("fp8_matmul\t") for k in fp8_gemms)
+    assert got["bf16"].fp8_gemm_ms == 0
+    assert not any(fp8_named(k) for k in got["bf16"].gemm_names), got["bf16"].gemm_names
+    assert got["fp8"].ms["fp8_cast"] > 0 and got["bf16"].ms["fp8_cast"] == 0
+    runs_given = [str(runs / "profiled-te-bf16"), str(runs / "profiled-te-fp8")]
+    assert step_breakdown.main(runs_given) == 0
+    out = capsys.readouterr().out
+    assert "The matmuls FP8 can run were " in out and "; ceiling " in out
+
+
+@pytest.mark.parametrize("feature", ["compile", "activation_checkpointing"])
+def test_profiling_works_with_compile_and_recompute(runs, feature: str) -> None:
+    needs_te()
+    got, _ = profiled(runs / f"profiled-te-fp8-{feature}", *TE_DELAYED, f"--{feature}")
+    assert got.fp8_gemm_ms > 0 and got.ms["bf16_matmul"] > 0
+
+
+#: Llama3-8B's layer width on 2 layers, one 8k window per sequence: micro-batch 1 fits an H100
+#: easily, 24 (~110 GB of activations by arithmetic) does not.
+OOM_SHAPE = (
+    "--model_impl=hf",
+    "--fp8=0",
+    "--hidden_width=4096",
+    "--num_heads=32",
+    "--num_key_value_heads=8",
+    "--intermediate_size=14336",
+    "--num_layers=2",
+    "--max_context_width=8192",
+    "--warmup=0",
+    "--validation_batches=1",
+)
+
+
+def test_an_oversized_micro_batch_is_one_line_with_a_readable_snapshot(runs) -> None:
+    """--memory_snapshot_step: a snapshot after step 1; then a resume at 24x the micro-batch
+    runs out of memory in step 2: one line (exit 1) naming the snapshot and the levers, the
+    snapshot loads (segments and the allocator's history), and the checkpoint of step 1 is
+    intact."""
+    import pickle
+
+    from model_utils.checkpoint import complete_checkpoints
+
+    out = runs / "oom"
+    first = train(
+        out, *OOM_SHAPE, "--train_batch_size=1", "--max_steps=1", "--memory_snapshot_step=1"
+    )
+    ok(first)
+    with open(out / "memory" / "step_1_rank_0.pickle", "rb") as f:
+        assert "segments" in pickle.load(f)
+    result = train(
+        out,
+        *OOM_SHAPE,
+        "--train_batch_size=24",
+        "--max_steps=2",
+        "--memory_snapshot_step=0",
+        "--resume_from_checkpoint=auto",
+    )
+    assert result.returncode == 1, launch_report(result)
+    message = message_lines(result.stderr)
+    assert len(message) == 1 and "step 2 ran out of GPU memory" in message[0], message
+    snapshot = out / "memory" / "oom_step_2_rank_0.pickle"
+    for words in (str(snapshot), "--train_batch_size", "--activation_checkpointing", "memory_viz"):
+        assert words in message[0], message
+    with open(snapshot, "rb") as f:
+        loaded = pickle.load(f)
+    assert loaded["segments"] and "device_traces" in loaded
+    assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step_00000001"]

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from model_utils.model.annotate import OUTSIDE_STEP, annotate
 from model_utils.run.metrics.device import GIB
 
 
@@ -111,11 +112,13 @@ class StepMeter:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Leave the enclosed work (validation, a checkpoint save) out of the window's time."""
+        """Leave the enclosed work (validation, a checkpoint save) out of the window's time (and
+        out of a profiled step: the ``outside_step`` range)."""
         self.sync()
         begin = self.clock()
         try:
-            yield
+            with annotate(OUTSIDE_STEP):
+                yield
         finally:
             self.sync()
             self._paused += self.clock() - begin

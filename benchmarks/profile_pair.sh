@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Where FP8's step goes on one GPU with Transformer Engine: te-bf16 and te-fp8 on 4 Llama3-8B
+# layers (seq 8192, micro-batch 2, 8 steps; steps 6-8 traced after one warm-up step), then
+# scripts/step_breakdown.py on the pair: each category's ms and share, its speed-up, and FP8's
+# Amdahl ceiling against the measured ratio.
+#
+#   bash benchmarks/profile_pair.sh OUT_DIR        (~2-3 min on one H100, TE installed)
+#
+# OUT_DIR gets profile_pair.log (everything printed), and the two run folders te-bf16/ and
+# te-fp8/: metrics.jsonl and profile/step_6/rank_0.pt.trace.json.gz (gzip'd Chrome traces, open
+# them in https://ui.perfetto.dev). No checkpoints are written. PYTHON=... picks the interpreter.
+# GPU_TESTS=1 also runs the GPU tier's profiling and OOM tests afterwards (~3 min more).
+set -euo pipefail
+
+usage="usage: bash benchmarks/profile_pair.sh OUT_DIR"
+out=${1:?$usage}
+mkdir -p "$out"
+python=${PYTHON:-python3}
+common=(--preset llama3-8b --num_layers 4 --dataset data/kjv.jsonl.gz --tokenizer data/tokenizer
+    --model_impl te --train_batch_size 2 --max_steps 8 --warmup 2 --logging_freq 1
+    --checkpoint_freq -1 --validation_batches 1 --profile_steps 6:8)
+
+{
+    echo "# profile_pair on $(hostname) at $(date -u +%FT%TZ), git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || true
+    "$python" -c 'import torch; print("torch", torch.__version__)'
+    for fp8 in 0 1; do
+        name=te-bf16
+        [ "$fp8" = 1 ] && name=te-fp8
+        SECONDS=0
+        "$python" train.py "${common[@]}" --fp8="$fp8" --output_dir "$out/$name" --overwrite_output_dir
+        echo "# $name: ${SECONDS} s"
+    done
+    "$python" -m scripts.step_breakdown "$out/te-bf16" "$out/te-fp8"
+    if [ "${GPU_TESTS:-0}" = 1 ]; then
+        "$python" -m pytest -m gpu tests/integration/test_gpu.py -v --durations=0 \
+            -k "profil or oversized or fp8_gemms_under_fp8"
+    fi
+} 2>&1 | tee "$out/profile_pair.log"

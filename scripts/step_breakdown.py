@@ -1,0 +1,248 @@
+"""Where a profiled step goes, per rank, and for an fp8/bf16 pair FP8's ceiling.
+
+    python train.py ... --fp8=0 --profile_steps 20:23 --output_dir runs/a-bf16
+    python train.py ... --fp8=1 --profile_steps 20:23 --output_dir runs/a-fp8
+    python -m scripts.step_breakdown runs/a-bf16 runs/a-fp8
+
+Reads each run folder's traces (``<run>/profile/step_<N>/rank_<R>.pt.trace.json.gz``, the newest
+window unless ``--window N``) and prints, per rank and for the slowest rank, the milliseconds
+and share of a mean profiled step in each category: the matmuls FP8 can run, those it cannot
+(``lm_head``), FP8's casts, attention, ``lm_head``'s loss, collectives (exposed; overlapped ones
+beside the table), optimizer, data wait, other, and on a GPU the time it idles for the host. The
+categories add up to the step.
+
+Given an fp8 run and a bf16 run (told apart by the ``fp8`` flag of each run's metrics.jsonl), it
+prints each category's speed-up and Amdahl's ceiling of the whole step: if the matmuls FP8 can
+run take a share ``f`` of the bf16 step and run ``Y`` times faster, the step cannot get faster
+than ``1 / ((1 - f) + f / Y)`` even if nothing else changed; the ideal ceiling uses ``Y = 2``
+(H100's FP8 peak over BF16). The measured ratio falls short of the ceiling by what FP8 added
+(its casts) and whatever else moved, which the table shows.
+
+On GPU traces Holistic Trace Analysis (``pip install -e '.[hta]'``), when installed, adds its
+temporal breakdown and communication/computation overlap per rank as a cross-check; nothing
+here needs it. Bad input is one line on stderr, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from model_utils.run.breakdown import RankBreakdown, read_rank
+from model_utils.run.trace_rules import CATEGORIES
+
+NAME = "step_breakdown.py"
+#: H100 SXM dense peaks: 1979 TFLOP/s FP8 over 989 BF16.
+IDEAL_FP8_SPEEDUP = 2.0
+_RANK = re.compile(r"^rank_(\d+)\.pt\.trace\.json(\.gz)?$")
+
+
+class Refused(ValueError):
+    """Bad input: one line."""
+
+
+@dataclass
+class Run:
+    path: Path
+    window: Path
+    fp8: bool | None
+    label: str
+    ranks: list[RankBreakdown]
+
+    @property
+    def slowest(self) -> RankBreakdown:
+        return max(self.ranks, key=lambda r: r.total_ms)
+
+
+def trace_window(run: Path, window: int | None) -> Path:
+    folders = sorted(
+        (int(p.name.split("_", 1)[1]), p)
+        for p in (run / "profile").glob("step_*")
+        if p.name.split("_", 1)[1].isdigit()
+    )
+    if window is not None:
+        folders = [(n, p) for n, p in folders if n == window]
+    if not folders:
+        which = f"step_{window}" if window is not None else "any window"
+        raise Refused(
+            f"{run}: no profiler traces ({run / 'profile'} has {which}): train it with "
+            "--profile_steps START:END"
+        )
+    return folders[-1][1]
+
+
+def run_flags(run: Path) -> dict:
+    """The run record's flags (metrics.jsonl's first record), {} if there is none."""
+    try:
+        first = (run / "metrics.jsonl").read_text().splitlines()[0]
+        record = json.loads(first)
+    except (OSError, IndexError, ValueError):
+        return {}
+    return record.get("flags", {}) if record.get("kind") == "run" else {}
+
+
+def read_run(run: Path, window: int | None) -> Run:
+    if not run.is_dir():
+        raise Refused(f"{run} is no run folder (give the --output_dir of a profiled run)")
+    folder = trace_window(run, window)
+    files = sorted(
+        (int(m[1]), p) for p in folder.iterdir() if (m := _RANK.match(p.name)) is not None
+    )
+    if not files:
+        raise Refused(f"{folder} holds no rank_<R>.pt.trace.json.gz")
+    ranks = []
+    for rank, path in files:
+        try:
+            ranks.append(read_rank(path, rank))
+        except (OSError, ValueError, EOFError) as exc:
+            raise Refused(f"{path} cannot be read as a profiler trace: {exc}") from exc
+    flags = run_flags(run)
+    fp8 = flags.get("fp8")
+    label = {True: "fp8", False: "bf16"}.get(fp8, "?")
+    return Run(run, folder, fp8, label, ranks)
+
+
+def _cell(ms: float, total: float) -> str:
+    return f"{ms:9.1f} ms {100 * ms / total:5.1f}%" if total else f"{ms:9.1f} ms"
+
+
+def format_run(run: Run) -> str:
+    """One run's table: a column per rank (up to 8), then the slowest rank."""
+    shown = run.ranks if len(run.ranks) <= 8 else []
+    columns = [(f"rank {r.rank}", r) for r in shown]
+    slow = run.slowest
+    if len(run.ranks) > 1 or not shown:
+        columns.append((f"slowest: rank {slow.rank}", slow))
+    steps = ", ".join(str(s.step) for s in slow.steps)
+    lines = [
+        f"{run.path} ({run.label}): {run.window.name}, steps {steps}, {len(run.ranks)} rank(s)"
+    ]
+    lines.append(f"  {'':34s}" + "".join(f"{name:>20s}" for name, _ in columns))
+    for key, words in CATEGORIES.items():
+        if any(r.ms.get(key, 0.0) for _, r in columns):
+            cells = "".join(f"{_cell(r.ms[key], r.total_ms):>20s}" for _, r in columns)
+            lines.append(f"  {words:34s}{cells}")
+    lines.append(
+        f"  {'step':34s}" + "".join(f"{_cell(r.total_ms, r.total_ms):>20s}" for _, r in columns)
+    )
+    for words, field in (
+        ("collectives overlapped (not above)", "overlapped_comm_ms"),
+        ("GEMMs run in FP8 (by name)", "fp8_gemm_ms"),
+    ):
+        cells = "".join(f"{getattr(r, field):9.1f} ms{'':7s}".rjust(20) for _, r in columns)
+        lines.append(f"  {words:34s}{cells}")
+    for r in run.ranks:
+        if r.left_out:
+            lines.append(
+                f"  rank {r.rank}: step(s) {r.left_out} left out (over 1.5x the median step: a "
+                "checkpoint or validation inside the window?)"
+            )
+    return "\n".join(lines)
+
+
+def amdahl(share: float, speedup: float) -> float:
+    """The whole step's speed-up if only a ``share`` of it ran ``speedup`` times faster."""
+    return 1.0 / ((1.0 - share) + share / speedup)
+
+
+def format_pair(bf16: Run, fp8: Run) -> str:
+    """Each category's speed-up (slowest rank of each run) and the ceiling sentence."""
+    a, b = bf16.slowest, fp8.slowest
+    lines = [
+        f"fp8 {fp8.path} against bf16 {bf16.path} (slowest rank of each):",
+        f"  {'':34s}{'bf16':>12s}{'fp8':>12s}{'speed-up':>10s}{'fp8 - bf16':>14s}",
+    ]
+    for key, words in CATEGORIES.items():
+        x, y = a.ms.get(key, 0.0), b.ms.get(key, 0.0)
+        if x or y:
+            ratio = f"{x / y:9.2f}x" if x and y else f"{'new' if y else 'gone':>10s}"
+            lines.append(f"  {words:34s}{x:9.1f} ms{y:9.1f} ms{ratio}{y - x:+11.1f} ms")
+    measured = a.total_ms / b.total_ms
+    lines.append(
+        f"  {'step':34s}{a.total_ms:9.1f} ms{b.total_ms:9.1f} ms{measured:9.2f}x"
+        f"{b.total_ms - a.total_ms:+11.1f} ms"
+    )
+    f, fast = a.ms["fp8_matmul"] / a.total_ms, a.ms["fp8_matmul"]
+    slow = b.ms["fp8_matmul"]
+    if fast and slow:
+        y = fast / slow
+        pace = "faster" if y >= 1 else "as fast (slower)"
+        lines.append(
+            f"The matmuls FP8 can run were {100 * f:.1f}% of the bf16 step and ran {y:.2f}x "
+            f"{pace}; ceiling {amdahl(f, y):.2f}x; measured {measured:.2f}x."
+        )
+        lines.append(
+            f"Had they run {IDEAL_FP8_SPEEDUP:.0f}x faster (H100's FP8 peak over BF16), the "
+            f"ceiling would be {amdahl(f, IDEAL_FP8_SPEEDUP):.2f}x; the matmuls FP8 cannot run "
+            f"were {100 * a.ms['bf16_matmul'] / a.total_ms:.1f}% of the bf16 step."
+        )
+    else:
+        lines.append("No matmul FP8 can run was found in one of the runs: no ceiling.")
+    return "\n".join(lines)
+
+
+def hta_lines(run: Run) -> list[str]:
+    """Holistic Trace Analysis's temporal breakdown and comm/compute overlap of a GPU run's
+    window, where HTA is installed (an optional extra: it pulls in Jupyter and plotly)."""
+    try:
+        from hta.trace_analysis import TraceAnalysis
+    except ImportError:
+        return [f"{run.path}: HTA not installed (pip install -e '.[hta]'): no cross-check"]
+    files = {
+        int(m[1]): str(p) for p in run.window.iterdir() if (m := _RANK.match(p.name)) is not None
+    }
+    try:
+        analysis = TraceAnalysis(trace_files=files, trace_dir=str(run.window))
+        temporal = analysis.get_temporal_breakdown(visualize=False)
+        overlap = analysis.get_comm_comp_overlap(visualize=False)
+    except Exception as exc:  # a cross-check must not hide our own report
+        return [f"{run.path}: HTA could not read the traces ({type(exc).__name__}: {exc})"]
+    return [
+        f"{run.path}: HTA temporal breakdown (all profiled steps but the last):",
+        temporal.to_string(index=False),
+        f"{run.path}: HTA communication/computation overlap:",
+        overlap.to_string(index=False),
+    ]
+
+
+def report(runs: list[Run], hta: bool = True) -> str:
+    parts = [format_run(run) for run in runs]
+    bf16 = next((r for r in runs if r.fp8 is False), None)
+    fp8 = next((r for r in runs if r.fp8 is True), None)
+    if bf16 is not None and fp8 is not None:
+        parts.append(format_pair(bf16, fp8))
+    if hta:
+        parts += ["\n".join(hta_lines(run)) for run in runs if any(r.gpu for r in run.ranks)]
+    return "\n\n".join(parts)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.step_breakdown",
+        description="Where a profiled step goes (--profile_steps), and FP8's ceiling from an "
+        "fp8/bf16 pair.",
+    )
+    parser.add_argument("runs", nargs="+", type=Path, help="run folders (train.py --output_dir)")
+    parser.add_argument("--window", type=int, help="profile/step_N to read (default: newest)")
+    parser.add_argument("--no_hta", action="store_true", help="skip HTA's cross-check")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        runs = [read_run(path, args.window) for path in args.runs]
+    except Refused as exc:
+        print(f"{NAME}: error: {exc}", file=sys.stderr)
+        return 2
+    print(report(runs, hta=not args.no_hta), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
