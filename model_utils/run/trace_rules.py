@@ -125,9 +125,10 @@ RULES: tuple[Rule, ...] = (
 #: a collective; a GEMM inside torchao's FP8 function is a GEMM, the rest of it a cast.
 PRECEDENCE = ("collective", "data_wait", "attention", "gemm", "fp8_cast", "optimizer", "lm_head")
 
-#: A GEMM whose kernel name says FP8 (cuBLAS xmma ``e4m3``/``e5m2``, nvjet's ``qq`` type letters,
-#: ``_scaled_mm``). Names only add evidence: nvjet and CUTLASS names may say nothing.
-FP8_GEMM_NAME = r"e4m3|e5m2|fp8|float8|nvjet_(sm\d+_)?qq|_scaled_mm"
+#: A GEMM whose kernel name says FP8 (cuBLAS xmma ``e4m3``/``e5m2``, nvjet's operand type
+#: letters ``q`` (e4m3) and ``r`` (e5m2): ``qq`` forward, ``qr``/``rq`` the backward GEMMs of
+#: TE's hybrid format; ``_scaled_mm``). Names only add evidence: CUTLASS names may say nothing.
+FP8_GEMM_NAME = r"e4m3|e5m2|fp8|float8|nvjet_(sm\d+_)?(q[qr]|rq)|_scaled_mm"
 
 
 #: Category key -> the words a report uses, in the report's order.

@@ -88,3 +88,45 @@ def test_hta_reads_the_same_h100_traces(h100) -> None:
     temporal = analysis.get_temporal_breakdown(visualize=False)
     kernel_ms = float(temporal["kernel_time(us)"].iloc[0]) / 1000
     assert kernel_ms == pytest.approx(h100["fp8"].steps[0].total_ms, rel=0.02)
+
+
+# --------------------------------------------------------------------------------------------
+# Transformer Engine at full depth: the te-bf16/te-fp8 pair of benchmarks/gpu_levers.sh `full`
+# (Llama 3.2 1B, 16 TE layers, tied embeddings, seq 8192, micro-batch 4, --compile, steps 19-20;
+# H100, TE 2.20.2, 2026-11-26; benchmarks/results/2026-11-26-h100-full-depth.md).
+
+
+@pytest.fixture(scope="module")
+def te_1b():
+    return {
+        p: read_rank(TRACES / f"te_llama32_1b_{p}.pt.trace.json.gz", 0) for p in ("bf16", "fp8")
+    }
+
+
+def test_te_fp8_gemms_are_all_fp8_by_name_and_none_under_bf16(te_1b) -> None:
+    """Every GEMM of the share FP8 can run is an FP8 kernel under --fp8=1 (nvjet's qq forward,
+    qr for the e5m2 gradients of the hybrid format) and none is under --fp8=0."""
+    from model_utils.run.trace_rules import fp8_named
+
+    fp8 = gemms(te_1b["fp8"], "fp8_matmul")
+    assert {k.split("_1")[0][:16] for k in fp8} == {"nvjet_sm90_qqtst", "nvjet_sm90_qrtst"}
+    assert all(fp8_named(k) for k in fp8)
+    assert te_1b["fp8"].fp8_gemm_ms == pytest.approx(te_1b["fp8"].ms["fp8_matmul"], rel=1e-6)
+    assert te_1b["bf16"].fp8_gemm_ms == 0
+    kernels = [k.split("\t", 1)[1] for k in te_1b["bf16"].gemm_names]  # "category\tkernel"
+    assert kernels and not any(fp8_named(k) for k in kernels)
+    assert te_1b["fp8"].ms["fp8_cast"] > 0 and te_1b["bf16"].ms["fp8_cast"] == 0
+
+
+def test_te_lm_head_gemms_stay_bf16_and_cost_the_same_in_both(te_1b) -> None:
+    """The tied 2048 x 128256 head: its three GEMMs are bf16 kernels in the other share, and
+    FP8 does not change them (within 2%)."""
+    from model_utils.run.trace_rules import fp8_named
+
+    for rank in te_1b.values():
+        head = gemms(rank, "bf16_matmul")
+        assert len(head) == 3 and not any(fp8_named(k) for k in head)
+        for step in rank.steps:
+            assert sum(step.ms.values()) == pytest.approx(step.total_ms, rel=1e-9)
+    bf16, fp8 = (te_1b[p].ms["bf16_matmul"] for p in ("bf16", "fp8"))
+    assert fp8 == pytest.approx(bf16, rel=0.02)

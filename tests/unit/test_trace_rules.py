@@ -132,6 +132,8 @@ def test_rule(rule) -> None:
 
 def test_fp8_gemm_names() -> None:
     assert fp8_named(XMMA_FP8) and fp8_named("nvjet_qqtst_128x256_64x4_2x1_v_bz_coopB_TNT")
+    # TE's hybrid format on an H100: e4m3 x e5m2 in the backward GEMMs (TE 2.20.2, cuBLAS 13)
+    assert fp8_named("nvjet_sm90_qrtst_128x160_128x5_2x1_v_bz_coopA_algo2_TNT")
     assert fp8_named("aten::_scaled_mm")
     assert not fp8_named(XMMA_BF16) and not fp8_named("nvjet_tst_192x192_64x3_2x1_v_bz_coopA_NNT")
 
