@@ -142,6 +142,7 @@ class RunLog:
             len(batches),
             stacklevel=2,
         )
+        log.info(metrics.upstream_validation_line(step, val_loss), stacklevel=2)
         record = metrics.validation_record(
             step=step, val_loss=val_loss, batches=len(batches), seconds=seconds
         )

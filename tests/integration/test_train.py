@@ -33,6 +33,8 @@ def test_loss_goes_down_and_log_lines_have_the_seed_format(tmp_path):
     assert last < first - 2.0, (first, last)  # from ~ln(8192)=9.0 to well below
     val = records(out, "val")
     assert val and val[-1]["val_loss"] < first - 2.0
+    # upstream's validation line too, so its log parsers find the validation
+    assert f"Batch 30 Validation loss: {val[-1]['val_loss']:.5f}" in result.stdout
     assert "Summary (medians over" in result.stdout
 
 

@@ -33,6 +33,7 @@ from model_utils.run.metrics import (
     seed_line,
     step_metrics,
     summarize,
+    upstream_validation_line,
     validation_record,
 )
 
@@ -329,6 +330,10 @@ def test_seed_line_is_byte_exact() -> None:
     assert line == "Batch 20 Loss: 8.42184, Speed: 47.06 samples/sec, lr: 0.000100"
     assert SEED_RE.match(line)
     assert SEED_RE.match(seed_line(1, 10.0, 0.5, 3e-4))
+
+
+def test_upstream_validation_line_is_byte_exact() -> None:
+    assert upstream_validation_line(20, 8.421846) == "Batch 20 Validation loss: 8.42185"
 
 
 def test_detail_line_labels() -> None:

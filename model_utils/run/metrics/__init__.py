@@ -39,6 +39,7 @@ from model_utils.run.metrics.records import (
     run_record,
     seed_line,
     set_aside,
+    upstream_validation_line,
     validation_record,
 )
 from model_utils.run.metrics.summary import (
@@ -70,6 +71,7 @@ __all__ = [
     "run_line",
     "run_record",
     "seed_line",
+    "upstream_validation_line",
     "set_aside",
     "step_metrics",
     "summarize",

@@ -150,6 +150,12 @@ def seed_line(step: int, loss: float, samples_per_sec: float, lr: float) -> str:
     return f"Batch {step} Loss: {loss:.5f}, Speed: {samples_per_sec:.2f} samples/sec, lr: {lr:.6f}"
 
 
+def upstream_validation_line(step: int, val_loss: float) -> str:
+    """The upstream recipe's validation line, so a parser of its logs finds validation too
+    (written beside this recipe's own, which says over how many batches)."""
+    return f"Batch {step} Validation loss: {val_loss:.5f}"
+
+
 def run_line(run: Mapping[str, Any]) -> str:
     """``run: {json}``: the run record on one log line, so a Slurm log alone tells a comparison
     the run's flags and global batch (scripts/compare_runs.py reads it back)."""
