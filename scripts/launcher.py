@@ -396,11 +396,13 @@ def run_node(train_args: Sequence[str], env: Mapping[str, str] = os.environ) -> 
     """torchrun with the signals passed on to its workers; its exit status. (The arguments
     were checked once, by the sbatch, before any node started.)"""
     os.chdir(env["LLAMA_REPO_DIR"])  # relative paths mean the same as in the container
-    argv, extra, line = torchrun_command(env, train_args, detect_gpus(env), os.cpu_count() or 1)
-    network, network_line = network_settings(env, efa_devices(), find_ofi_plugin(env))
-    extra.update(network)
+    gpus = detect_gpus(env)
+    argv, extra, line = torchrun_command(env, train_args, gpus, os.cpu_count() or 1)
     print(line, flush=True)
-    print(f"{line[: line.index(']') + 1]} {network_line}", flush=True)
+    if gpus:  # NCCL's network; a CPU run's gloo has nothing to choose
+        network, network_line = network_settings(env, efa_devices(), find_ofi_plugin(env))
+        extra.update(network)
+        print(f"{line[: line.index(']') + 1]} {network_line}", flush=True)
     forwarder = Forwarder(-1)
     for sig in FORWARDED:  # from here on a signal is never lost, even before torchrun exists
         signal.signal(sig, forwarder.handle)
