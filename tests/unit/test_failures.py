@@ -157,7 +157,7 @@ def test_what_the_fp8_bf16_comparison_compares_is_part_of_the_run() -> None:
     on resume (the resumed run would be recorded under the other precision); the FP8 knobs count
     only while FP8 is on; --fp8_all_gather and --fp8_weights (what is moved or kept, not the
     GEMMs' numerics) may change."""
-    fp8 = json_round_trip(parse_args([*FAST, "--fp8=1"]).as_dict())
+    fp8 = json_round_trip(parse_args([*FAST, "--bf16=1", "--fp8=1"]).as_dict())
     for change in (
         {"fp8": False, "fp8_recipe": None},
         {"fp8_recipe": "rowwise"},
@@ -172,7 +172,7 @@ def test_what_the_fp8_bf16_comparison_compares_is_part_of_the_run() -> None:
         [],
         [("--fp8_all_gather", False, True)],
     )
-    bf16 = json_round_trip(parse_args(FAST).as_dict())
+    bf16 = json_round_trip(parse_args([*FAST, "--bf16=1"]).as_dict())
     assert config_changes(bf16, dict(bf16, amax_history_len=16))[0] == []
     # Another run's checkpoint loaded into a new folder starts a new run from its weights: the
     # implementation or precision may change there (hf -> te conversion, BF16 -> FP8).

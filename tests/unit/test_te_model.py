@@ -584,7 +584,7 @@ def test_master_weights_in_the_optimizer_on_the_te_layout(te_double) -> None:
     from model_utils.config.arguments import parse_args
     from model_utils.precision.master_weights import MasterWeightAdamW
 
-    flags = ["--model_impl", "te", "--fp8=1", "--master_weights", "optimizer"]
+    flags = ["--model_impl", "te", "--bf16=1", "--fp8=1", "--master_weights", "optimizer"]
     model = build_tiny(flags)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     backend = TEBackend(backend_args(fp8=True, master_weights="optimizer"))
