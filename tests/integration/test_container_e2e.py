@@ -64,6 +64,9 @@ FP8_ARGS = [
     "--fp8=1",
     "--train_batch_size",
     "2",
+    # FP8 on a CPU is bf16 underneath, 10-25x slower than fp32 here: short windows
+    "--max_context_width",
+    "64",
 ]
 # "0: container: ip-10-1-2-11: Python 3.11.2 (/usr/bin/python), torch 2.13.0+cpu,
 #  transformer_engine 2.16.0+double" (srun --label: task 0 = node 0), from inside the image
