@@ -28,7 +28,7 @@ from model_utils.checkpoint.tensors import (
 )
 from model_utils.config.sections import HF_KEYS, SHAPE_FIELDS, ModelShape
 from model_utils.model.modeling import HF_RECOMPUTED, llama_config  # RoPE buffers of old HF files
-from model_utils.parallel.distributed import canonical_param_name
+from model_utils.parallel.distributed import canonical_param_name, has_tied_embeddings
 from model_utils.precision import master_weights
 
 log = logging.getLogger(__name__)
@@ -185,8 +185,7 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
     """
     adapter = getattr(model, "state_dict_adapter", None)
     key_map = adapter.from_hf if adapter is not None else None
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
-    handle = _SafetensorsFiles(hf_weight_files(path), tied)
+    handle = _SafetensorsFiles(hf_weight_files(path), has_tied_embeddings(model))
     targets = weight_tensors(get_model_state_dict(model))
     seeded = {
         canonical_param_name(n): p

@@ -264,7 +264,7 @@ def fsdp_units(
     norm: one parameter gathered once per step and one gradient reduced, its two uses summed.
     """
     layers = decoder_layers(model)
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    tied = has_tied_embeddings(model)
     head = [model.model.norm, model.lm_head]
     units: list[tuple[nn.Module | list[nn.Module], bool]] = []
     if not tied:
@@ -274,6 +274,11 @@ def fsdp_units(
     if policy == "default":
         return units
     return [(unit, policy == "always") for unit, _ in units]
+
+
+def has_tied_embeddings(model: nn.Module) -> bool:
+    """One parameter is both the input embedding and lm_head (Llama 3.2's tie_word_embeddings)."""
+    return model.lm_head.weight is model.model.embed_tokens.weight
 
 
 def sync_gradients(model: nn.Module, strategy: str, last_micro: bool) -> None:
