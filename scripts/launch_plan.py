@@ -1,36 +1,53 @@
-"""train.py's arguments as 1.train_llama.sbatch builds them (`launcher.py plan`): the script's
-defaults, the run folder and `--resume_from_checkpoint auto` where the user did not decide
-otherwise, the folders in effect, what a requeue must not repeat, and whether to train at all
-(--help, --validate_only). Standard library only, like launcher.py.
+"""One launch of 1.train_llama.sbatch, decided on the batch host before any node starts
+(`launcher.py plan`): train.py's arguments (the script's defaults, the run folder and
+`--resume_from_checkpoint auto` where the user did not decide otherwise, what a requeue must
+not repeat), the folders in effect, whether to train at all (--help, --validate_only), where the
+job runs (the image through Pyxis, else the host's Python) and the rendezvous its nodes meet at.
+Standard library only, like launcher.py.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import os
-import shlex
-from collections.abc import Mapping, Sequence
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load(relative: str) -> ModuleType:
+    """A standard-library module of model_utils, loaded from its file: importing the package
+    would import torch (model_utils/checkpoint/__init__.py does), which a batch host may lack."""
+    name = "llama_launch_" + Path(relative).stem
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / relative)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before running it: dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+argv = _load("model_utils/config/argv.py")  # train.py's grammar: one definition for both
+published = _load("model_utils/checkpoint/published.py")  # what a complete checkpoint is
+flag_value, switch_value, without_flag = argv.flag_value, argv.switch_value, argv.without_flag
 
 
 class UsageError(Exception):
     """A setting the user must change: one line, exit 2."""
 
 
-def _recipes() -> ModuleType:
-    """model_utils/config/recipes.py, loaded from its file: it is standard-library Python, and
-    importing the model_utils package from here would need the repository on sys.path."""
-    path = Path(__file__).resolve().parents[1] / "model_utils" / "config" / "recipes.py"
-    spec = importlib.util.spec_from_file_location("llama_recipes", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def with_recipes(args: Sequence[str]) -> list[str]:
     """`args` with each --recipe expanded, as train.py expands it (UsageError if unknown)."""
-    recipes = _recipes()
+    recipes = _load("model_utils/config/recipes.py")
     try:
         return recipes.expand(args)
     except recipes.RecipeError as exc:
@@ -39,11 +56,7 @@ def with_recipes(args: Sequence[str]) -> list[str]:
 
 def precision(args: Sequence[str]) -> str:
     """fp8, bf16 or fp32, as train.py names a run's precision (its default --output_dir)."""
-    args = with_recipes(args)
-    if switch_value(args, "fp8"):
-        return "fp8"
-    mentioned = any(a == "--bf16" or a.startswith("--bf16=") for a in args)
-    return "bf16" if not mentioned or switch_value(args, "bf16") else "fp32"
+    return argv.precision_of(with_recipes(args))
 
 
 def run_folder(run_dir: str, args: Sequence[str], named: bool) -> str:
@@ -56,18 +69,6 @@ def run_folder(run_dir: str, args: Sequence[str], named: bool) -> str:
     return run_dir if run_dir.endswith(suffix) else run_dir + suffix
 
 
-def flag_value(args: Sequence[str], name: str) -> str | None:
-    """The value of --NAME in train.py's arguments (--NAME V or --NAME=V); the last one wins, as
-    in argparse."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == f"--{name}" and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(f"--{name}="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
 #: train.py's flags that this launcher reads: an abbreviation of one (argparse takes --output
 #: for --output_dir) would get past it, and e.g. split the run between two folders.
 READ_FLAGS = (
@@ -78,7 +79,6 @@ READ_FLAGS = (
     "validate_only",
     "help",
 )
-FALSE_WORDS = ("0", "false", "no", "off")  # train.py's str2bool
 
 
 def check_spelled_out(args: Sequence[str]) -> None:
@@ -93,36 +93,6 @@ def check_spelled_out(args: Sequence[str]) -> None:
                 f"--{name}: write {' or '.join(matches)} in full (the launcher reads it and "
                 "would miss an abbreviation)"
             )
-
-
-def switch_value(args: Sequence[str], name: str) -> bool:
-    """Is train.py's switch --NAME on? As argparse reads it (nargs='?'): `--NAME`, `--NAME 0`,
-    `--NAME=false`; the last one wins. A value train.py will refuse counts as on."""
-    on = False
-    for i, arg in enumerate(args):
-        if arg == f"--{name}":
-            following = args[i + 1] if i + 1 < len(args) else "-"
-            on = following.startswith("-") or following.strip().lower() not in FALSE_WORDS
-        elif arg.startswith(f"--{name}="):
-            on = arg.split("=", 1)[1].strip().lower() not in FALSE_WORDS
-    return on
-
-
-def without_flag(args: Sequence[str], name: str, optional_value: bool = False) -> list[str]:
-    """`args` without --NAME and its value (`--NAME V`, `--NAME=V`; with `optional_value`, a
-    switch's value is dropped only when it is one, as argparse would take it)."""
-    kept: list[str] = []
-    skip_value = False
-    for arg in args:
-        if skip_value:
-            skip_value = False
-            if not (optional_value and arg.startswith("-")):
-                continue
-        if arg == f"--{name}":
-            skip_value = True
-        elif not arg.startswith(f"--{name}="):
-            kept.append(arg)
-    return kept
 
 
 def for_requeue(
@@ -186,36 +156,316 @@ def launch_mode(args: Sequence[str]) -> str:
     return "validate" if switch_value(args, "validate_only") else "train"
 
 
-def has_checkpoint(checkpoint_dir: str) -> bool:
-    """Does the folder hold a published checkpoint (step_N/checkpoint.json)?"""
-    return any(Path(checkpoint_dir).glob("step_*/checkpoint.json"))
-
-
 def restart_count(env: Mapping[str, str]) -> int:
     """How often Slurm has requeued this job (0 outside a job: a stray variable means nothing)."""
     restart = env.get("SLURM_RESTART_COUNT", "") if env.get("SLURM_JOB_ID") else ""
     return int(restart) if restart.isdigit() else 0
 
 
-def plan(env: Mapping[str, str], argv: Sequence[str]) -> str:
-    """`plan RUN_DIR N DEFAULTS... ARGS...` as bash assignments (quoted for eval): train_args,
-    checkpoint_dir, output_dir, mode, note."""
-    run_dir, count, rest = argv[0], int(argv[1]), list(argv[2:])
-    defaults, args = rest[:count], rest[count:]
+def run_name(env: Mapping[str, str]) -> str:
+    """The run's name, hence its folder: RUN_NAME, else the job's name, else `local`; a stable
+    one, so that the same command (a requeue, a resubmission, a rerun) resumes the same
+    checkpoints."""
+    name = env.get("RUN_NAME") or (env.get("SLURM_JOB_NAME") or "llama")
+    name = name if env.get("RUN_NAME") or env.get("SLURM_JOB_ID") else "local"
+    if "/" in name or name in (".", ".."):
+        raise UsageError(f"RUN_NAME/job name '{name}' must be a plain folder name")
+    return name
+
+
+@dataclass
+class Plan:
+    """What one launch does: train.py's arguments, the folders in effect (checkpoints, run),
+    the mode (train, validate, help) and a note for the log (a requeue's rewriting)."""
+
+    train_args: list[str]
+    checkpoint_dir: str
+    output_dir: str
+    mode: str
+    note: str
+
+
+def plan(env: Mapping[str, str], defaults: Sequence[str], args: Sequence[str]) -> Plan:
+    """The launch of `args` after the script's `defaults`, in RUNS_DIR/<run name>."""
     check_spelled_out(args)
-    run_dir = run_folder(run_dir, [*defaults, *args], named=bool(env.get("RUN_NAME")))
+    runs = env.get("RUNS_DIR") or os.path.join(env.get("LLAMA_REPO_DIR") or str(REPO), "runs")
+    named = bool(env.get("RUN_NAME"))
+    run_dir = run_folder(os.path.join(runs, run_name(env)), [*defaults, *args], named=named)
     checkpoint_dir, output_dir = run_folders(train_arguments(defaults, run_dir, args))
     note, restart = "", restart_count(env)
     if restart > 0:
-        saved = has_checkpoint(checkpoint_dir)
+        saved = published.latest_checkpoint(checkpoint_dir) is not None
         args, note = for_requeue(args, restart, checkpoint_dir, saved)
-    values = {
-        "checkpoint_dir": checkpoint_dir,
-        "output_dir": output_dir,
-        "mode": launch_mode(args),
-        "note": note,
-    }
-    train_args = " ".join(map(shlex.quote, train_arguments(defaults, run_dir, args)))
-    lines = [f"train_args=({train_args})"]
-    lines += [f"{name}={shlex.quote(value)}" for name, value in values.items()]
-    return "\n".join(lines)
+    train_args = train_arguments(defaults, run_dir, args)
+    return Plan(train_args, checkpoint_dir, output_dir, launch_mode(args), note)
+
+
+def check_environment(env: Mapping[str, str]) -> None:
+    nproc = env.get("NPROC_PER_NODE", "")
+    if nproc and not re.fullmatch(r"[1-9][0-9]*", nproc):
+        raise UsageError(
+            f"NPROC_PER_NODE={nproc} is not a number of workers per node >= 1 "
+            "(unset it for one worker per GPU, or 2 on a CPU-only node)"
+        )
+    nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or ""
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    job_id = env.get("SLURM_JOB_ID", "")
+    if nodes and not re.fullmatch(r"[1-9][0-9]*", nodes):
+        raise UsageError(f"SLURM_NNODES={nodes} is not a number of nodes >= 1")
+    if job_id and not nodelist:
+        raise UsageError(
+            f"SLURM_JOB_ID={job_id} is set but SLURM_JOB_NODELIST is not: submit with sbatch "
+            "(or run inside salloc), or unset SLURM_JOB_ID to train on this machine"
+        )
+    if not job_id and nodes and int(nodes) > 1:
+        raise UsageError(
+            f"SLURM_NNODES={nodes} asks for {nodes} nodes outside a Slurm job (no SLURM_JOB_ID "
+            f"or node list): submit with sbatch --nodes={nodes}, or unset SLURM_NNODES to train "
+            "on this machine"
+        )
+
+
+def make_dirs(paths: Sequence[str]) -> list[str]:
+    """Create the folders; return every folder that did not exist before, deepest first."""
+    created: list[str] = []
+    for path in paths:
+        p = Path(path).absolute()
+        missing = []
+        while not p.exists():
+            missing.append(str(p))
+            p = p.parent
+        Path(path).mkdir(parents=True, exist_ok=True)
+        created.extend(m for m in missing if m not in created)
+    return created
+
+
+def container_mounts(env: Mapping[str, str], paths: Sequence[str]) -> str:
+    """Pyxis --container-mounts: every host folder train.py reads or writes, at the same path.
+    RUNS_DIR only when it exists: with the user's own --output_dir elsewhere it may not, and
+    Pyxis refuses to mount a missing folder."""
+    runs = env.get("RUNS_DIR", "")  # other runs' checkpoints, to resume or import from
+    wanted = [env["LLAMA_REPO_DIR"], runs if os.path.isdir(runs) else "", *paths]
+    wanted += [env[name] for name in ("DATA_PATH", "HF_HOME") if env.get(name)]
+    mounts = [f"{p}:{p}" for p in dict.fromkeys(p for p in wanted if p)]
+    if env.get("EXTRA_MOUNTS"):
+        mounts.append(env["EXTRA_MOUNTS"])
+    return ",".join(mounts)
+
+
+# --------------------------------------------------------------------------------------------
+# Rendezvous by address
+
+
+def parse_node_addrs(scontrol_show_node: str) -> dict[str, str]:
+    """NodeName -> NodeAddr from `scontrol show node --oneliner` (NodeAddr defaults to the
+    name; it is how slurmctld itself reaches the node)."""
+    nodes = {}
+    for line in scontrol_show_node.splitlines():
+        fields = dict(re.findall(r"(\w+)=(\S*)", line))
+        if "NodeName" in fields:
+            nodes[fields["NodeName"]] = fields.get("NodeAddr") or fields["NodeName"]
+    return nodes
+
+
+def _ipv4(host: str) -> list[str]:
+    try:
+        infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return []
+    return list(dict.fromkeys(info[4][0] for info in infos))
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
+
+def _source_address_towards(peer: str) -> str | None:
+    """This machine's address on the route to `peer` (a UDP connect sends nothing)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((peer, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def resolve_node_addrs(
+    hosts: Sequence[str],
+    node_addrs: Mapping[str, str],
+    this_node: str | None = None,
+    resolve: Callable[[str], list[str]] = _ipv4,
+    source_towards: Callable[[str], str | None] = _source_address_towards,
+) -> dict[str, str]:
+    """Node -> IPv4 address the other nodes can reach, for the job's `hosts`.
+
+    NodeAddr is resolved here (it may be a name); a node whose name resolves only to loopback
+    (Debian's "127.0.1.1 myhost" line) on the batch host, which is `this_node`, gets the
+    address this machine uses towards another node instead. An unresolvable node keeps its
+    NodeAddr and torch resolves it (or says it cannot)."""
+    out = {}
+    for host in hosts:
+        name = node_addrs.get(host, host)
+        found = resolve(name)
+        usable = [a for a in found if not _is_loopback(a)]
+        out[host] = usable[0] if usable else (found[0] if found else name)
+    if this_node in out and _is_loopback(out[this_node]):
+        peers = [out[h] for h in hosts if h != this_node and not _is_loopback(out[h])]
+        own = source_towards(peers[0]) if peers else None
+        if own:
+            out[this_node] = own
+    return out
+
+
+def rendezvous(env: Mapping[str, str], run: Callable[..., str] | None = None) -> str:
+    """'HEAD_NODE HEAD_ADDR NODE=ADDR,...' for the job's nodes, head (first) node first.
+
+    torchrun's c10d store listens on the head node; the others reach it by address, not by
+    NodeName (which need not be a DNS name, or may differ from the node's hostname). As in
+    torchtitan's multinode_trainer.slurm, but from Slurm's NodeAddr, the address slurmctld
+    itself uses to reach the node."""
+    run = run or _scontrol
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    hosts = run("show", "hostnames", nodelist).split()
+    if not hosts:
+        raise UsageError(f"scontrol show hostnames '{nodelist}' listed no node")
+    try:
+        node_addrs = parse_node_addrs(run("show", "node", "--oneliner", nodelist))
+    except subprocess.CalledProcessError:
+        node_addrs = {}
+    addrs = resolve_node_addrs(hosts, node_addrs, env.get("SLURMD_NODENAME") or hosts[0])
+    return " ".join([hosts[0], addrs[hosts[0]], ",".join(f"{h}={a}" for h, a in addrs.items())])
+
+
+def _scontrol(*args: str) -> str:
+    return subprocess.run(
+        ["scontrol", *args], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+
+
+# --------------------------------------------------------------------------------------------
+# The plan the sbatch reads
+
+
+def host_python(env: Mapping[str, str]) -> tuple[dict[str, str], str]:
+    """(PATH to export, the python it finds) for a run on the host's Python: VENV, else the
+    repository's .venv, else PATH as it is; torchrun comes with that Python."""
+    venv = env.get("VENV") or ""
+    repo_venv = Path(env.get("LLAMA_REPO_DIR") or REPO) / ".venv"
+    if not venv and (repo_venv / "bin" / "python").is_file():
+        venv = str(repo_venv)
+    path = env.get("PATH", "")
+    if venv:
+        if not os.access(Path(venv) / "bin" / "python", os.X_OK):
+            raise UsageError(f"VENV={venv} has no bin/python")
+        path = f"{venv}/bin:{path}"
+    if not shutil.which("torchrun", path=path):
+        raise UsageError("torchrun not found (set VENV or install torch)")
+    return {"PATH": path}, shutil.which("python", path=path) or "python"
+
+
+def container_hf_home(env: Mapping[str, str]) -> str:
+    """HF_HOME for a Pyxis run: the image's root (home included) is read-only, so the Hugging
+    Face cache must be a host folder mounted at the same path; unset, the user's own cache."""
+    hf_home = env.get("HF_HOME") or ""
+    if not hf_home:
+        base = env.get("XDG_CACHE_HOME") or (env["HOME"] + "/.cache" if env.get("HOME") else "")
+        if not base:
+            raise UsageError(
+                "neither HF_HOME nor HOME is set: set HF_HOME to a folder every node can write"
+            )
+        hf_home = base + "/huggingface"
+    try:
+        os.makedirs(hf_home, exist_ok=True)
+    except OSError:
+        raise UsageError(
+            f"HF_HOME={hf_home} cannot be created: set HF_HOME to a folder every node can write"
+        ) from None
+    return hf_home
+
+
+def has_pyxis() -> bool:
+    """Does srun take --container-image (the Pyxis plugin)?"""
+    try:
+        found = subprocess.run(["srun", "--help"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "--container-image" in found.stdout + found.stderr
+
+
+def slurm_records(env: Mapping[str, str], folders: Sequence[str]) -> list[tuple[str, str]]:
+    """The job's part of the plan: where it runs (the image through Pyxis, else the host's
+    Python), the rendezvous every node meets at, and the folders the mounts need (created last,
+    after every check that can refuse)."""
+    repo = env.get("LLAMA_REPO_DIR") or str(REPO)
+    env = {**env, "LLAMA_REPO_DIR": repo, "RUNS_DIR": env.get("RUNS_DIR") or f"{repo}/runs"}
+    image = env.get("IMAGE") or f"{repo}/transformer-engine.sqsh"
+    if env.get("IMAGE") and image.endswith(".sqsh") and not os.path.isfile(image):
+        raise UsageError(
+            f"IMAGE={image} does not exist (build it: see 0.transformer-engine.dockerfile)"
+        )
+    pyxis = has_pyxis() and (os.path.isfile(image) or bool(env.get("IMAGE")))
+    if pyxis:
+        env["HF_HOME"] = container_hf_home(env)
+        records = [("env", f"HF_HOME={env['HF_HOME']}"), ("env", f"LLAMA_CONTAINER_IMAGE={image}")]
+        records += [("say", f"container: {image} (Pyxis)")]
+    else:
+        path, python = host_python(env)
+        why = "srun has no --container-image (no Pyxis)"
+        why = why if os.path.isfile(image) else f"no container image at {image}"
+        records = [("env", f"PATH={path['PATH']}"), ("say", f"host Python {python}: {why}")]
+    head, head_addr, node_addrs = rendezvous(env).split(" ")
+    nnodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or "1"
+    job = env["SLURM_JOB_ID"]
+    endpoint = f"{head_addr}:{env.get('RDZV_PORT') or 20000 + int(job) % 20000}"
+    for name, value in (
+        ("LLAMA_NNODES", nnodes),
+        ("LLAMA_RDZV_ID", job),
+        ("LLAMA_HEAD_NODE", head),
+        ("LLAMA_RDZV_ENDPOINT", endpoint),
+        ("LLAMA_NODE_ADDRS", node_addrs),
+    ):
+        records.append(("env", f"{name}={value}"))
+    records.append(
+        (
+            "say",
+            f"job {job} ({env.get('SLURM_JOB_NAME', '')}), restart "
+            f"{env.get('SLURM_RESTART_COUNT', '0')}: {nnodes} node(s) "
+            f"{env.get('SLURM_JOB_NODELIST', '')}, rendezvous {endpoint} ({head}), "
+            f"run folder {folders[-1]}",
+        )
+    )
+    records += [("created", path) for path in make_dirs(folders)]  # Pyxis mounts need them
+    if pyxis:
+        records += [
+            ("container", f"--container-image={image}"),
+            ("container", f"--container-name=llama-{job}"),
+            ("container", f"--container-mounts={container_mounts(env, folders)}"),
+            ("container", f"--container-workdir={repo}"),
+        ]
+    return records
+
+
+def launch_records(env: Mapping[str, str], argv: Sequence[str]) -> list[tuple[str, str]]:
+    """`plan N DEFAULTS(N)... ARGS...`: every decision of one launch, as (key, value) records."""
+    check_environment(env)
+    count = int(argv[0])
+    defaults, args = list(argv[1 : 1 + count]), list(argv[1 + count :])
+    launch = plan(env, defaults, args)
+    folders = [launch.checkpoint_dir, launch.output_dir]
+    records = [
+        ("mode", launch.mode),
+        ("checkpoint_dir", launch.checkpoint_dir),
+        ("output_dir", launch.output_dir),
+        *(("arg", arg) for arg in launch.train_args),
+    ]
+    if env.get("SLURM_JOB_ID"):
+        records += slurm_records(env, folders)
+    else:
+        path, _ = host_python(env)
+        records.append(("env", f"PATH={path['PATH']}"))
+    if launch.note:
+        records.append(("say", launch.note))
+    return records

@@ -1,25 +1,27 @@
-"""What 1.train_llama.sbatch does besides talking to Slurm, where it can be tested.
+"""What 1.train_llama.sbatch asks Python for, where it can be tested: the plan (on the batch
+host, scripts/launch_plan.py) and each node's torchrun (here).
 
 Standard library only: on the batch host it runs on whatever `python3` is there (3.8 or newer),
 on the nodes on the job's Python (the container's, or the venv's). Subcommands:
 
-  check-env                 exit 2 with one line for settings that would fail deep in bash/torchrun
-  plan RUN_DIR N DEFAULTS(N)... ARGS...
-                            bash assignments: train.py's arguments, the folders in effect, the
-                            mode (train, validate, help) and a note for the log (requeues)
-  make-dirs DIR...          create them; print the folders that did not exist (for remove-empty)
-  remove-empty DIR...       remove those of them that are still empty (a refused start)
-  mounts DIR...             Pyxis --container-mounts: repo, RUNS_DIR, DIR..., DATA_PATH, HF_HOME
-  rendezvous                "HEAD_NODE HEAD_ADDR NODE=ADDR,..." for this job's nodes (scontrol)
-  finished CKPT_DIR         exit 0 when the newest checkpoint is at the run's max_steps
-  node ARGS...              on every node: torchrun with one worker per GPU, signals forwarded
+  plan N DEFAULTS(N)... ARGS...
+            the whole launch, as NUL-separated `key=value` records the sbatch reads (no shell
+            is generated): train.py's arguments (arg=), the folders in effect, the mode (train,
+            validate, help), variables to export (env=), lines to log (say=), the Pyxis options
+            (container=) and the folders this launch created (created=, removed again if the
+            argument check refuses the run). Bad settings: one line, exit 2, nothing created.
+  node ARGS...
+            on every node: torchrun with one worker per GPU, signals forwarded to the workers
+  finished CKPT_DIR
+            exit 0 when the newest complete checkpoint is at the run's max_steps (asked only
+            after a preemption, before a requeue)
 """
 
 from __future__ import annotations
 
-import ipaddress
-import json
+import importlib.metadata
 import os
+import platform
 import re
 import signal
 import socket
@@ -28,179 +30,11 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from launch_plan import UsageError, plan
+from launch_plan import UsageError, launch_records, published
 
 # The signals that ask train.py for a checkpoint at its next logging step, then an exit.
 FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 RESEND_EVERY_S = 5.0
-
-
-def check_environment(env: Mapping[str, str]) -> None:
-    nproc = env.get("NPROC_PER_NODE", "")
-    if nproc and not re.fullmatch(r"[1-9][0-9]*", nproc):
-        raise UsageError(
-            f"NPROC_PER_NODE={nproc} is not a number of workers per node >= 1 "
-            "(unset it for one worker per GPU, or 2 on a CPU-only node)"
-        )
-    nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or ""
-    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
-    job_id = env.get("SLURM_JOB_ID", "")
-    if nodes and not re.fullmatch(r"[1-9][0-9]*", nodes):
-        raise UsageError(f"SLURM_NNODES={nodes} is not a number of nodes >= 1")
-    if job_id and not nodelist:
-        raise UsageError(
-            f"SLURM_JOB_ID={job_id} is set but SLURM_JOB_NODELIST is not: submit with sbatch "
-            "(or run inside salloc), or unset SLURM_JOB_ID to train on this machine"
-        )
-    if not job_id and nodes and int(nodes) > 1:
-        raise UsageError(
-            f"SLURM_NNODES={nodes} asks for {nodes} nodes outside a Slurm job (no SLURM_JOB_ID "
-            f"or node list): submit with sbatch --nodes={nodes}, or unset SLURM_NNODES to train "
-            "on this machine"
-        )
-
-
-def make_dirs(paths: Sequence[str]) -> list[str]:
-    """Create the folders; return every folder that did not exist before, deepest first."""
-    created: list[str] = []
-    for path in paths:
-        p = Path(path).absolute()
-        missing = []
-        while not p.exists():
-            missing.append(str(p))
-            p = p.parent
-        Path(path).mkdir(parents=True, exist_ok=True)
-        created.extend(m for m in missing if m not in created)
-    return created
-
-
-def remove_empty(paths: Sequence[str]) -> None:
-    """Remove those of `paths` that are empty folders, children before parents."""
-    for path in sorted(paths, key=lambda p: p.count(os.sep), reverse=True):
-        try:
-            os.rmdir(path)
-        except OSError:
-            pass
-
-
-def container_mounts(env: Mapping[str, str], paths: Sequence[str]) -> str:
-    """Pyxis --container-mounts: every host folder train.py reads or writes, at the same path.
-    RUNS_DIR only when it exists: with the user's own --output_dir elsewhere it may not, and
-    Pyxis refuses to mount a missing folder."""
-    runs = env.get("RUNS_DIR", "")  # other runs' checkpoints, to resume or import from
-    wanted = [env["LLAMA_REPO_DIR"], runs if os.path.isdir(runs) else "", *paths]
-    wanted += [env[name] for name in ("DATA_PATH", "HF_HOME") if env.get(name)]
-    mounts = [f"{p}:{p}" for p in dict.fromkeys(p for p in wanted if p)]
-    if env.get("EXTRA_MOUNTS"):
-        mounts.append(env["EXTRA_MOUNTS"])
-    return ",".join(mounts)
-
-
-def run_finished(checkpoint_dir: str) -> bool:
-    """Did the run reach max_steps? The newest published checkpoint (step_N/checkpoint.json)
-    records its step and the run's max_steps: a signal that came too late (or was lost while
-    train.py was starting) must not requeue a finished run."""
-    found = sorted(Path(checkpoint_dir).glob("step_*/checkpoint.json"))
-    if not found:
-        return False
-    try:
-        meta = json.loads(found[-1].read_text())
-        return int(meta["step"]) >= int(meta["run_config"]["max_steps"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-
-
-# --------------------------------------------------------------------------------------------
-# Rendezvous by address
-
-
-def parse_node_addrs(scontrol_show_node: str) -> dict[str, str]:
-    """NodeName -> NodeAddr from `scontrol show node --oneliner` (NodeAddr defaults to the
-    name; it is how slurmctld itself reaches the node)."""
-    nodes = {}
-    for line in scontrol_show_node.splitlines():
-        fields = dict(re.findall(r"(\w+)=(\S*)", line))
-        if "NodeName" in fields:
-            nodes[fields["NodeName"]] = fields.get("NodeAddr") or fields["NodeName"]
-    return nodes
-
-
-def _ipv4(host: str) -> list[str]:
-    try:
-        infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
-    except (OSError, UnicodeError):
-        return []
-    return list(dict.fromkeys(info[4][0] for info in infos))
-
-
-def _is_loopback(addr: str) -> bool:
-    try:
-        return ipaddress.ip_address(addr).is_loopback
-    except ValueError:
-        return False
-
-
-def _source_address_towards(peer: str) -> str | None:
-    """This machine's address on the route to `peer` (a UDP connect sends nothing)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((peer, 9))
-            return s.getsockname()[0]
-    except OSError:
-        return None
-
-
-def resolve_node_addrs(
-    hosts: Sequence[str],
-    node_addrs: Mapping[str, str],
-    this_node: str | None = None,
-    resolve: Callable[[str], list[str]] = _ipv4,
-    source_towards: Callable[[str], str | None] = _source_address_towards,
-) -> dict[str, str]:
-    """Node -> IPv4 address the other nodes can reach, for the job's `hosts`.
-
-    NodeAddr is resolved here (it may be a name); a node whose name resolves only to loopback
-    (Debian's "127.0.1.1 myhost" line) on the batch host, which is `this_node`, gets the
-    address this machine uses towards another node instead. An unresolvable node keeps its
-    NodeAddr and torch resolves it (or says it cannot)."""
-    out = {}
-    for host in hosts:
-        name = node_addrs.get(host, host)
-        found = resolve(name)
-        usable = [a for a in found if not _is_loopback(a)]
-        out[host] = usable[0] if usable else (found[0] if found else name)
-    if this_node in out and _is_loopback(out[this_node]):
-        peers = [out[h] for h in hosts if h != this_node and not _is_loopback(out[h])]
-        own = source_towards(peers[0]) if peers else None
-        if own:
-            out[this_node] = own
-    return out
-
-
-def rendezvous(env: Mapping[str, str], run: Callable[..., str] | None = None) -> str:
-    """'HEAD_NODE HEAD_ADDR NODE=ADDR,...' for the job's nodes, head (first) node first.
-
-    torchrun's c10d store listens on the head node; the others reach it by address, not by
-    NodeName (which need not be a DNS name, or may differ from the node's hostname). As in
-    torchtitan's multinode_trainer.slurm, but from Slurm's NodeAddr, the address slurmctld
-    itself uses to reach the node."""
-    run = run or _scontrol
-    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
-    hosts = run("show", "hostnames", nodelist).split()
-    if not hosts:
-        raise UsageError(f"scontrol show hostnames '{nodelist}' listed no node")
-    try:
-        node_addrs = parse_node_addrs(run("show", "node", "--oneliner", nodelist))
-    except subprocess.CalledProcessError:
-        node_addrs = {}
-    addrs = resolve_node_addrs(hosts, node_addrs, env.get("SLURMD_NODENAME") or hosts[0])
-    return " ".join([hosts[0], addrs[hosts[0]], ",".join(f"{h}={a}" for h, a in addrs.items())])
-
-
-def _scontrol(*args: str) -> str:
-    return subprocess.run(
-        ["scontrol", *args], capture_output=True, text=True, check=True, timeout=60
-    ).stdout
 
 
 # --------------------------------------------------------------------------------------------
@@ -398,6 +232,8 @@ def run_node(train_args: Sequence[str], env: Mapping[str, str] = os.environ) -> 
     os.chdir(env["LLAMA_REPO_DIR"])  # relative paths mean the same as in the container
     gpus = detect_gpus(env)
     argv, extra, line = torchrun_command(env, train_args, gpus, os.cpu_count() or 1)
+    if env.get("LLAMA_CONTAINER_IMAGE"):  # the node's image, before its first step
+        print(container_report(env), flush=True)
     print(line, flush=True)
     if gpus:  # NCCL's network; a CPU run's gloo has nothing to choose
         network, network_line = network_settings(env, efa_devices(), find_ofi_plugin(env))
@@ -418,6 +254,22 @@ def run_node(train_args: Sequence[str], env: Mapping[str, str] = os.environ) -> 
     return status if status >= 0 else 128 - status
 
 
+def container_report(env: Mapping[str, str]) -> str:
+    """One line from inside the image: its hostname, Python, torch and Transformer Engine."""
+
+    def version(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "none"
+
+    return (
+        f"container: {socket.gethostname()}: Python {platform.python_version()} "
+        f"({sys.executable}), torch {version('torch')}, transformer_engine "
+        f"{version('transformer_engine')}"
+    )
+
+
 # --------------------------------------------------------------------------------------------
 
 
@@ -427,20 +279,11 @@ def main(argv: Sequence[str]) -> int:
         return 2
     command, args, env = argv[0], list(argv[1:]), os.environ
     try:
-        if command == "check-env":
-            check_environment(env)
-        elif command == "plan":
-            print(plan(env, args))
-        elif command == "make-dirs":
-            print("\n".join(make_dirs(args)))
-        elif command == "remove-empty":
-            remove_empty(args)
-        elif command == "mounts":
-            print(container_mounts(env, args))
-        elif command == "rendezvous":
-            print(rendezvous(env))
+        if command == "plan":
+            records = launch_records(env, args)
+            sys.stdout.write("".join(f"{key}={value}\0" for key, value in records))
         elif command == "finished":
-            return 0 if run_finished(args[0]) else 1
+            return 0 if published.finished(args[0]) else 1
         elif command == "node":
             return run_node(args, env)
         else:

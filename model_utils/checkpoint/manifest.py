@@ -11,7 +11,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -19,78 +18,26 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 
 from model_utils.checkpoint.errors import ResumeRefused, all_damaged_message
+from model_utils.checkpoint.published import (  # noqa: F401 (re-exported: the package's names)
+    DCP_METADATA,
+    MARKER,
+    TMP_PREFIX,
+    checkpoint_name,
+    checkpoint_problem,
+    complete_checkpoints,
+    is_complete,
+    latest_checkpoint,
+    step_dirs,
+    step_of,
+)
 from model_utils.checkpoint.ranks import current_rank
 from model_utils.errors import first_line
 
-MARKER = "checkpoint.json"
-DCP_METADATA = ".metadata"
-TMP_PREFIX = ".tmp-"
 DAMAGED_PREFIX = "damaged-"  # a checkpoint that failed its checks, renamed by an `auto` resume
 # A checkpoint without checksums for every file (saved before they were recorded, or the table
 # removed), newer than the one an `auto` resume starts from: kept, out of resume and pruning.
 UNVERIFIED_PREFIX = "unverified-"
-_NAME_RE = re.compile(r"^step_(\d+)$")
 log = logging.getLogger(__name__)
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def step_of(path: Path) -> int | None:
-    """The step encoded in a published checkpoint's directory name, None for other names."""
-    match = _NAME_RE.match(Path(path).name)
-    return int(match.group(1)) if match else None
-
-
-def checkpoint_problem(path: str | Path) -> str | None:
-    """Why `path` is not a complete checkpoint (one line), or None if it is one."""
-    path = Path(path)
-    if not path.exists():
-        return f"checkpoint {path} does not exist"
-    if not path.is_dir():
-        return f"checkpoint {path} is not a directory"
-    if path.name.startswith(TMP_PREFIX):
-        return f"checkpoint {path} is an unfinished save (temporary name)"
-    if not (path / DCP_METADATA).is_file():
-        inside = complete_checkpoints(path)
-        if inside:  # the checkpoint folder itself, given for one checkpoint
-            return (
-                f"{path} is a folder of checkpoints, not one: give one of them (newest: "
-                f"{inside[-1]}), or --resume_from_checkpoint auto with --checkpoint_dir {path}"
-            )
-        return f"checkpoint {path} has no {DCP_METADATA}: not a DCP checkpoint or not finished"
-    if not (path / MARKER).is_file():
-        return f"checkpoint {path} has no {MARKER}: the save never completed"
-    return None
-
-
-def is_complete(path: str | Path) -> bool:
-    return checkpoint_problem(path) is None
-
-
-def complete_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
-    """Published complete checkpoints in `checkpoint_dir`, oldest step first."""
-    root = Path(checkpoint_dir)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if step_of(p) is not None and is_complete(p)]
-    return sorted(found, key=lambda p: step_of(p) or 0)
-
-
-def step_dirs(checkpoint_dir: str | Path) -> list[Path]:
-    """Every folder named like a published checkpoint (`step_N`), complete or not, oldest
-    first: one missing its `.metadata` or marker is damage an `auto` resume must name."""
-    root = Path(checkpoint_dir)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if step_of(p) is not None and p.is_dir()]
-    return sorted(found, key=lambda p: step_of(p) or 0)
-
-
-def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
-    found = complete_checkpoints(checkpoint_dir)
-    return found[-1] if found else None
 
 
 def resolve_checkpoint(

@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from model_utils.config import argv
+from model_utils.config.argv import precision_name
 from model_utils.config.options import (  # noqa: F401 (re-exported: the flags' choices)
     AC_SCOPES,
     FP8_ATTENTION_RECIPES,
@@ -28,18 +30,16 @@ from model_utils.config.options import (  # noqa: F401 (re-exported: the flags' 
     TORCHAO_RECIPES,
 )
 from model_utils.config.presets import PRESET_FIELDS, PRESETS
-from model_utils.config.sections import Config, precision_name
+from model_utils.config.sections import Config
 from model_utils.errors import UsageError, first_line, os_error_words  # noqa: F401 (re-exported)
 
 
 def str2bool(value: str) -> bool:
-    """Accept the upstream `--fp8=1` style as well as true/false."""
-    lowered = str(value).strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected 0/1 or true/false, got {value!r}")
+    """Accept the upstream `--fp8=1` style as well as true/false (config/argv.py's words)."""
+    try:
+        return argv.str2bool(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from model_utils.config.argv import precision_name
+
 #: The model's size: what FLOPs, a checkpoint's tensors and a like-for-like comparison hang on
 #: (ModelShape's first fields).
 SHAPE_FIELDS = (
@@ -78,12 +80,6 @@ class ModelShape:
     @property
     def head_dim(self) -> int:
         return self.hidden_width // self.num_heads
-
-
-def precision_name(fp8: bool, bf16: bool) -> str:
-    """fp8, bf16 or fp32: how run folders, run records, the ready line and compare_runs' labels
-    name a run's precision."""
-    return "fp8" if fp8 else ("bf16" if bf16 else "fp32")
 
 
 @dataclass(frozen=True)

@@ -515,6 +515,8 @@ def test_only_an_unfinished_run_counts_as_requeueable(tmp_path: Path) -> None:
         folder.mkdir(parents=True)
         meta = {"step": step, "run_config": {"max_steps": max_steps}}
         (folder / "checkpoint.json").write_text(json.dumps(meta))
+        assert run_finished(tmp_path / "checkpoints") == 1  # no DCP .metadata: not complete
+        (folder / ".metadata").write_text("")
         assert run_finished(tmp_path / "checkpoints") == (0 if step == max_steps else 1)
 
 
@@ -726,10 +728,9 @@ def test_slurm_job_runs_torchrun_per_node_in_the_pyxis_container(
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"container: {image} (Pyxis)" in result.stdout
 
-    # First the argument check in one task, then each node's report from inside the container
-    # (its Python, torch, Transformer Engine), then the nodes' step, in the same named container.
-    check, report, srun = fakes.srun_calls()
-    assert report == srun, (report, srun)
+    # First the argument check in one task, then the nodes' step in the same named container,
+    # where each node's launcher says which Python, torch and Transformer Engine it runs.
+    check, srun = fakes.srun_calls()
     assert re.search(r"^container: \S+: Python \d+\.\d+\.\d+ \(\S+\), torch ", result.stdout, re.M)
     assert check[:2] == ["--nodes=1", "--ntasks=1"] and check[2:] == srun[5:], (check, srun)
     assert srun[:5] == [

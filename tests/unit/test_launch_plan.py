@@ -4,7 +4,9 @@ script itself (recording stand-ins): tests/integration/test_slurm_e2e.py."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import launch_plan
@@ -89,15 +91,40 @@ def test_a_requeue_never_deletes_or_rewinds_the_runs_own_checkpoints() -> None:
 
 
 def run_plan(env: dict[str, str], run_dir: str, *user: str, named: bool = True) -> dict:
-    """`launch_plan.py plan` as the sbatch reads it (bash eval of its assignments); `named`:
-    the run folder is a RUN_NAME (taken as given), else a job name (the precision appended)."""
-    env = {**env, "RUN_NAME": Path(run_dir).name} if named else env
-    code = launch_plan.plan(env, [run_dir, str(len(DEFAULTS)), *DEFAULTS, *user])
-    script = f'{code}\nprintf \'%s\\0\' "$mode" "$note" "$output_dir" "${{train_args[@]}}"'
-    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
-    mode, note, output_dir, *train_args = out.stdout.split("\0")[:-1]
-    checkpoint_dir = str(Path(output_dir) / "checkpoints")
-    return {"mode": mode, "note": note, "checkpoint_dir": checkpoint_dir, "args": train_args}
+    """The plan of a launch in `run_dir`; `named`: its folder is a RUN_NAME (taken as given),
+    else a job's name (or `local` without Slurm: the precision appended)."""
+    runs, name = str(Path(run_dir).parent), Path(run_dir).name
+    if named:
+        env = {**env, "RUN_NAME": name}
+    elif name != "local":
+        env = {**env, "SLURM_JOB_ID": env.get("SLURM_JOB_ID", "1"), "SLURM_JOB_NAME": name}
+    got = launch_plan.plan({**env, "RUNS_DIR": runs}, DEFAULTS, list(user))
+    return {
+        "mode": got.mode,
+        "note": got.note,
+        "checkpoint_dir": got.checkpoint_dir,
+        "args": got.train_args,
+    }
+
+
+def test_the_sbatch_reads_the_plan_as_records_whatever_the_values_hold(tmp_path: Path) -> None:
+    """`launcher.py plan` writes NUL-separated key=value records (the sbatch reads them with
+    `read -d ''`, no shell generated and evaluated): quotes and newlines come through as typed."""
+    odd = "it's a file\nwith a newline.jsonl"
+    user = ["--dataset", odd, "--output_dir", str(tmp_path / "r")]
+    env = {"PATH": os.environ.get("PATH", ""), "VENV": sys.prefix, "HOME": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "scripts/launcher.py", "plan", "2", "--preset", "tiny", *user],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    records = [field.split("=", 1) for field in out.split("\0")[:-1]]
+    args = [value for key, value in records if key == "arg"]
+    assert args == ["--preset", "tiny", "--resume_from_checkpoint", "auto", *user]
+    assert ["output_dir", str(tmp_path / "r")] in records and ["mode", "train"] in records
+    assert not (tmp_path / "r").exists()  # without Slurm the folders wait for the check
 
 
 @pytest.mark.parametrize(
@@ -128,7 +155,7 @@ def test_a_run_name_is_taken_as_given_and_a_job_name_keeps_its_own_suffix() -> N
 
 def test_an_unknown_recipe_is_refused_before_anything_is_made() -> None:
     with pytest.raises(launch_plan.UsageError, match="--recipe nope: no such recipe"):
-        launch_plan.plan({}, ["/runs/local", "0", "--recipe", "nope"])
+        launch_plan.plan({}, [], ["--recipe", "nope"])
 
 
 def test_the_launchers_preset_gives_way_to_a_hf_checkpoints_config() -> None:
@@ -144,6 +171,7 @@ def test_the_plan_rewrites_a_restarted_jobs_arguments_only(tmp_path: Path) -> No
     run = tmp_path / "r"
     (run / "checkpoints" / "step_00000004").mkdir(parents=True)
     (run / "checkpoints" / "step_00000004" / "checkpoint.json").write_text("{}")
+    (run / "checkpoints" / "step_00000004" / ".metadata").write_text("")  # DCP's, complete
     user = ["--overwrite_output_dir", "--dataset", "it's a file\nwith a newline.jsonl"]
     first = run_plan({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "0"}, str(run), *user)
     assert first["args"] == [*DEFAULTS, "--output_dir", str(run), *user] and not first["note"]
@@ -183,3 +211,27 @@ def test_abbreviations_of_the_flags_the_launcher_reads_are_refused(flag: str) ->
     with pytest.raises(launch_plan.UsageError, match=f"^{flag.split('=')[0]}: write --"):
         launch_plan.check_spelled_out(["--preset", "tiny", flag])
     launch_plan.check_spelled_out(["--output_dir=x", "--checkpoint_freq", "5", "--validate_only"])
+
+
+@pytest.mark.parametrize(
+    "user",
+    [
+        [],
+        ["--fp8=1"],
+        ["--fp8", "0"],
+        ["--fp8", "--bf16=1"],
+        ["--bf16", "off", "--validate_only"],
+        ["--recipe", "tiny-fp8"],
+        ["--recipe=tiny-fp8", "--fp8=no", "--validate_only", "false"],
+        ["--preset", "tiny", "--fp8=yes", "--fp8=0", "--bf16=1"],
+    ],
+)
+def test_the_launcher_reads_arguments_as_train_py_parses_them(user: list[str]) -> None:
+    """One grammar (model_utils/config/argv.py): the run folder's precision and the launch mode
+    the launcher reads are the ones train.py's own parser resolves from the same arguments."""
+    from model_utils.config import arguments
+
+    config = arguments.parse_args(["--preset", "tiny", *user])
+    assert launch_plan.precision(["--preset", "tiny", *user]) == config.precision.name
+    mode = "validate" if config.run.validate_only else "train"
+    assert launch_plan.launch_mode(user) == mode

@@ -4,6 +4,7 @@ processes: tests/integration/test_launcher_processes.py."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import launch_plan
@@ -19,11 +20,11 @@ NodeName=node2 Arch=x86_64 CoresPerSocket=1 CPUAlloc=0 NodeAddr=10.7.0.12 NodeHo
 
 
 def test_node_addresses_come_from_slurm_nodeaddr() -> None:
-    assert launcher.parse_node_addrs(SHOW_NODE) == {"node1": "10.7.0.11", "node2": "10.7.0.12"}
+    assert launch_plan.parse_node_addrs(SHOW_NODE) == {"node1": "10.7.0.11", "node2": "10.7.0.12"}
     # A NodeAddr that is a name is resolved on the batch host; the node name itself is never
     # what the other nodes are told to connect to when an address is known.
     table = {"gpu-a": ["10.0.0.5"], "gpu-b": ["10.0.0.6"]}
-    addrs = launcher.resolve_node_addrs(
+    addrs = launch_plan.resolve_node_addrs(
         ["n1", "n2"], {"n1": "gpu-a", "n2": "gpu-b"}, "n1", resolve=lambda h: table.get(h, [])
     )
     assert addrs == {"n1": "10.0.0.5", "n2": "10.0.0.6"}
@@ -32,7 +33,7 @@ def test_node_addresses_come_from_slurm_nodeaddr() -> None:
 def test_a_head_node_resolving_to_loopback_uses_its_address_towards_the_others() -> None:
     """Debian's '127.0.1.1 myhost' line: the head's own name resolves to loopback there."""
     table = {"n1": ["127.0.1.1"], "n2": ["10.0.0.6"]}
-    addrs = launcher.resolve_node_addrs(
+    addrs = launch_plan.resolve_node_addrs(
         ["n1", "n2"],
         {},
         "n1",
@@ -41,7 +42,7 @@ def test_a_head_node_resolving_to_loopback_uses_its_address_towards_the_others()
     )
     assert addrs == {"n1": "10.0.0.5", "n2": "10.0.0.6"}
     # Unresolvable here: left to torch on the nodes (it says so if it cannot either).
-    assert launcher.resolve_node_addrs(["x"], {}, "x", resolve=lambda h: []) == {"x": "x"}
+    assert launch_plan.resolve_node_addrs(["x"], {}, "x", resolve=lambda h: []) == {"x": "x"}
 
 
 def test_rendezvous_names_the_head_node_and_every_address() -> None:
@@ -49,7 +50,7 @@ def test_rendezvous_names_the_head_node_and_every_address() -> None:
         return {"hostnames": "node1\nnode2\n", "node": SHOW_NODE}[args[1]]
 
     env = {"SLURM_JOB_NODELIST": "node[1-2]", "SLURMD_NODENAME": "node1"}
-    line = launcher.rendezvous(env, run=scontrol)
+    line = launch_plan.rendezvous(env, run=scontrol)
     assert line == "node1 10.7.0.11 node1=10.7.0.11,node2=10.7.0.12"
 
 
@@ -114,9 +115,10 @@ def test_folders_flags_and_the_cleanup_of_a_refused_start(tmp_path: Path) -> Non
     assert launch_plan.flag_value(args, "seed") is None
     (tmp_path / "runs").mkdir()
     ckpt, out = tmp_path / "runs/r/checkpoints", tmp_path / "runs/r"
-    created = launcher.make_dirs([str(ckpt), str(out)])
-    assert set(created) == {str(ckpt), str(out)} and ckpt.is_dir()
-    launcher.remove_empty(created)
+    created = launch_plan.make_dirs([str(ckpt), str(out)])
+    assert created == [str(ckpt), str(out)] and ckpt.is_dir()
+    for path in created:  # the sbatch's `rmdir` of a refused start: deepest first
+        os.rmdir(path)
     assert not out.exists() and (tmp_path / "runs").is_dir()  # only what it created
 
 
@@ -130,9 +132,9 @@ def test_folders_flags_and_the_cleanup_of_a_refused_start(tmp_path: Path) -> Non
     ],
 )
 def test_bad_settings_are_one_usage_error(env: dict[str, str], message: str) -> None:
-    with pytest.raises(launcher.UsageError, match=message):
-        launcher.check_environment(env)
-    launcher.check_environment(
+    with pytest.raises(launch_plan.UsageError, match=message):
+        launch_plan.check_environment(env)
+    launch_plan.check_environment(
         {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1", "SLURM_NNODES": "2"}
     )
 
@@ -149,7 +151,7 @@ def test_efa_nodes_get_the_ofi_plugin_or_one_clear_refusal(tmp_path: Path) -> No
     assert devices == ["rdmap16s27", "rdmap32s27"]
     assert launcher.efa_devices(tmp_path / "absent") == []
 
-    with pytest.raises(launcher.UsageError, match="no aws-ofi-nccl plugin .* INSTALL_EFA=1"):
+    with pytest.raises(launch_plan.UsageError, match="no aws-ofi-nccl plugin .* INSTALL_EFA=1"):
         launcher.network_settings({}, devices, launcher.find_ofi_plugin({}, dirs=()))
 
     plugin_dir = tmp_path / "ofi" / "lib"
@@ -175,8 +177,8 @@ def test_container_mounts_only_the_folders_in_effect(tmp_path: Path) -> None:
     """RUNS_DIR is mounted when it exists; with the user's own --output_dir elsewhere it may
     not, and Pyxis cannot mount a missing folder."""
     env = {"LLAMA_REPO_DIR": "/repo", "RUNS_DIR": str(tmp_path / "runs")}
-    assert launcher.container_mounts(env, ["/mine/checkpoints", "/mine"]) == (
+    assert launch_plan.container_mounts(env, ["/mine/checkpoints", "/mine"]) == (
         "/repo:/repo,/mine/checkpoints:/mine/checkpoints,/mine:/mine"
     )
     (tmp_path / "runs").mkdir()
-    assert f"{tmp_path}/runs:{tmp_path}/runs" in launcher.container_mounts(env, ["/mine"])
+    assert f"{tmp_path}/runs:{tmp_path}/runs" in launch_plan.container_mounts(env, ["/mine"])
