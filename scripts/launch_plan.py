@@ -61,8 +61,8 @@ def precision(args: Sequence[str]) -> str:
 
 def run_folder(run_dir: str, args: Sequence[str], named: bool) -> str:
     """The run folder: a RUN_NAME is taken as given; a job name (or `local`) gets the precision
-    appended unless it ends with it, so `--fp8=1` and `--fp8=0` of one command are two runs (the
-    second used to resume the first one's checkpoints and re-label them)."""
+    appended unless it ends with it, so `--fp8=1` and `--fp8=0` of one command are two runs (one
+    folder would have the second resume the first one's checkpoints and re-label them)."""
     if named:
         return run_dir
     suffix = f"-{precision(args)}"

@@ -193,9 +193,9 @@ def check_resume_target(path: str | Path, checkpoint_dir: str | Path, explicit: 
 
 
 def check_steps_left(path: str | Path, max_steps: int) -> None:
-    """A checkpoint past --max_steps has nothing left to train: the resume used to validate
-    and save it again and end as if it had trained. (At exactly --max_steps a requeued or
-    resubmitted finished run ends at once, which is what a requeue wants.)"""
+    """A checkpoint past --max_steps has nothing left to train: resumed, it would be validated
+    and saved again, and the run would end as if it had trained. (At exactly --max_steps a
+    requeued or resubmitted finished run ends at once, which is what a requeue wants.)"""
     step = int(read_marker(path)["step"])
     if step > max_steps:
         raise ResumeRefused(

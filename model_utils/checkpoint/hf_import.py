@@ -85,8 +85,8 @@ def hf_weight_files(path: str | Path) -> dict[str, Path]:
 def check_hf_dir(path: str | Path, shape: ModelShape | None = None) -> None:
     """Raise ValueError (one line) unless `path` is a loadable HF safetensors checkpoint and,
     given the run's model `shape`, holds exactly the tensors of that shape with its RoPE
-    base: read from the safetensors headers and config.json, before any process group (a
-    mismatch used to surface as a traceback from the load, after the model was built)."""
+    base: read from the safetensors headers and config.json, before any process group (the
+    load itself would meet a mismatch as a traceback, after the model was built)."""
     try:
         files = hf_weight_files(path)
         problem = None if shape is None else _shape_problem(path, files, shape)

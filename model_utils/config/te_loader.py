@@ -10,8 +10,8 @@ and ``/usr/local/cuda``, then the system's library path, all before pip's copy, 
 finds with ``RTLD_GLOBAL``. With torch from PyPI, torch's cuDNN is pip's (``nvidia/cudnn/lib``),
 so on a machine with another cuDNN installed TE opens that one, and its symbols then answer
 torch's own cuDNN calls too: torch's ``cudnn.version()`` raises a version mismatch, and what
-needs torch's newer cuDNN (deterministic FP8 attention) is refused. The incident that showed it is
-in docs/failures.md ("Where the rules came from").
+needs torch's newer cuDNN (deterministic FP8 attention) is refused (docs/failures.md, "Where the
+rules came from").
 
 Two things make TE run on torch's cuDNN, both before TE's import:
 

@@ -123,8 +123,8 @@ def cudnn_version() -> tuple[int, int, int] | None:
     number); None without TE.
 
     Not torch's ``cudnn.version()``: TE loads its own libcudnn, and where that one differs from
-    the cuDNN torch was built with, torch's call raises instead of answering (the incident:
-    docs/failures.md, "Where the rules came from").
+    the cuDNN torch was built with, torch's call raises instead of answering (docs/failures.md,
+    "Where the rules came from").
     """
     try:
         te = import_te()

@@ -99,8 +99,8 @@ class StepGuard:
 
 
 def _checkable(tensor: torch.Tensor) -> torch.Tensor:
-    """torch has no isfinite for float8, so the check would itself fail on a float8 tensor (the
-    incident: docs/failures.md); fp16 holds every float8 value, NaN and inf included. A TE FP8
+    """torch has no isfinite for float8, so the check would itself fail on a float8 tensor
+    (docs/failures.md); fp16 holds every float8 value, NaN and inf included. A TE FP8
     parameter (--fp8_weights) is checked as its value."""
     if master_weights.is_quantized(tensor):
         return tensor.dequantize()
