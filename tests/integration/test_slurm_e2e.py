@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import launcher
+import launch_plan
 import pytest
 from helpers.procs import signal_after
 from helpers.slurm import (
@@ -104,7 +104,7 @@ def test_sbatch_trains_to_completion_on_slurm(slurm: Cluster, reference_job: Job
     assert float(summary.group(1)) == pytest.approx(float(losses[STEPS]), abs=1e-5)
     assert "requeueing" not in log and "USR1" not in log, "a finished job must not requeue"
     # A late USR1 would not requeue it either: the script reads train.py's last checkpoint.
-    assert launcher.run_finished(str(reference_job.run_dir / "checkpoints"))
+    assert launch_plan.published.finished(reference_job.run_dir / "checkpoints")
 
 
 @pytest.mark.slow
