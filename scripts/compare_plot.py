@@ -1,12 +1,14 @@
 """compare_runs.py's picture: loss vs step, each run's loss minus the first's inside the band a
 healthy FP8 run stays in, throughput vs step, and a bar of each run's median throughput with its
-ratio to the first. A run is compare_runs.Run (its ``records``: metrics.jsonl's train and val
-records, one per step)."""
+ratio to the first; with ``--breakdown``, each run's profiled step as a stacked bar of where it
+goes. A run is compare_runs.Run (its ``records``: metrics.jsonl's train and val records, one per
+step)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 FIGSIZE, DPI = (20.0, 4.5), 100  # 2000 x 450 pixels
@@ -15,6 +17,17 @@ FIGSIZE, DPI = (20.0, 4.5), 100  # 2000 x 450 pixels
 # well inside it; this recipe's tiny CPU runs differ by ~0.1%). A curve drifting out of it, or
 # growing with the steps, is what to investigate.
 HEALTHY_REL_GAP = 0.01
+
+
+@dataclass
+class Breakdown:
+    """Each run's profiled step (its slowest rank): milliseconds per category, in the order of
+    ``words`` (category -> what the legend says); ``note``: the ceiling sentence of an
+    fp8/bf16 pair, if the runs hold one."""
+
+    ms: list[dict[str, float]]
+    words: dict[str, str]
+    note: str | None = None
 
 
 def throughput_key(runs: Sequence[Any]) -> str:
@@ -39,6 +52,7 @@ def make_figure(
     *,
     log_steps: bool = False,
     title: str | None = None,
+    breakdown: Breakdown | None = None,
 ):
     """Loss vs step, throughput vs step, median throughput bars with ratios to the first run.
 
@@ -48,8 +62,12 @@ def make_figure(
 
     key = throughput_key(runs)
     unit = "tokens/s per device" if key == "tokens_per_sec_per_device" else "samples/s"
-    fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
-    loss_ax, gap_ax, speed_ax, bar_ax = fig.subplots(1, 4)
+    panels = 4 if breakdown is None else 5
+    width, height = FIGSIZE
+    fig = Figure(figsize=(width * panels / 4, height), dpi=DPI, layout="constrained")
+    loss_ax, gap_ax, speed_ax, bar_ax, *step_ax = fig.subplots(1, panels)
+    if breakdown is not None:
+        plot_breakdown(step_ax[0], labels, breakdown)
     plot_loss_gap(gap_ax, runs, labels)
     if log_steps:
         gap_ax.set_xscale("log")
@@ -125,3 +143,20 @@ def plot_loss_gap(ax, runs: Sequence[Any], labels: Sequence[str]) -> None:
     ax.set_ylabel("loss difference")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
+
+
+def plot_breakdown(ax, labels: Sequence[str], breakdown: Breakdown) -> None:
+    """One horizontal bar per run, its step split into the categories in one colour each, the
+    first run on top; the ceiling sentence under the axis."""
+    rows = range(len(labels))
+    left = [0.0] * len(labels)
+    for i, (key, words) in enumerate(breakdown.words.items()):
+        widths = [ms.get(key, 0.0) for ms in breakdown.ms]
+        if any(widths):
+            ax.barh(rows, widths, left=left, color=f"C{i % 10}", label=words)
+            left = [a + b for a, b in zip(left, widths, strict=True)]
+    ax.set_yticks(list(rows), labels, fontsize="small")
+    ax.invert_yaxis()
+    ax.set_title("where a profiled step goes (slowest rank)")
+    ax.set_xlabel("ms per step" + (f"\n{breakdown.note}" if breakdown.note else ""))
+    ax.legend(fontsize="x-small", loc="lower right")

@@ -3,6 +3,7 @@
     python -m scripts.compare_runs slurm-101.out slurm-102.out                # two Slurm logs
     python -m scripts.compare_runs runs/tiny-bf16 runs/tiny-fp8 --output fp8.png
     python -m scripts.compare_runs a.out b.out c.out --labels bf16,fp8-te,fp8-ao --log_steps
+    python -m scripts.compare_runs runs/a-bf16 runs/a-fp8 --breakdown          # profiled runs
 
 A run is a run directory (its metrics.jsonl), a metrics.jsonl file, or any log with the seed line
 ``Batch N Loss: L, Speed: S samples/sec, lr: R``: this recipe's slurm-<job>.out, the upstream
@@ -37,7 +38,8 @@ from model_utils.config.arguments import os_error_words
 from model_utils.config.sections import ModelShape, flag_fields, precision_name
 from model_utils.run import metrics
 from model_utils.run.metrics.records import record_problem, run_problem
-from scripts.compare_plot import DPI, FIGSIZE, make_figure, throughput_key  # noqa: F401
+from model_utils.run.trace_rules import CATEGORIES
+from scripts.compare_plot import DPI, FIGSIZE, Breakdown, make_figure, throughput_key  # noqa: F401
 
 # model_utils/run/run_log.py's SPEED_WARMUP_STEPS (tests/unit/test_compare_runs.py keeps the two
 # equal); like the run's own summary, a run shorter than 2x this uses half its steps.
@@ -338,12 +340,34 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="compare unlike model shapes or batch sizes (marked)",
     )
     p.add_argument("--title", help="figure title (default: the labels)")
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="a fifth panel: each run's profiled step as a stacked bar, with FP8's ceiling for "
+        "an fp8/bf16 pair (run folders trained with --profile_steps; the numbers: "
+        "python -m scripts.step_breakdown)",
+    )
     args = p.parse_args(argv)
     if len(args.runs) < 2:
         raise CompareError("give two or more runs to compare")
     if args.warmup_steps is not None and args.warmup_steps < 0:
         raise CompareError(f"--warmup_steps must be >= 0, got {args.warmup_steps}")
     return args
+
+
+def step_breakdowns(paths: Sequence[str]) -> Breakdown:
+    """The runs' profiled steps (scripts/step_breakdown.py reads the traces), for the picture."""
+    from scripts import step_breakdown
+
+    try:
+        found = [step_breakdown.read_run(Path(path), None) for path in paths]
+    except step_breakdown.Refused as exc:
+        raise CompareError(f"--breakdown: {exc}") from exc
+    bf16 = next((r for r in found if r.fp8 is False), None)
+    fp8 = next((r for r in found if r.fp8 is True), None)
+    pair = step_breakdown.ceiling(bf16, fp8) if bf16 and fp8 else None
+    ms = [dict(run.slowest.ms) for run in found]
+    return Breakdown(ms, dict(CATEGORIES), pair.sentence() if pair else None)
 
 
 def compare(args: argparse.Namespace) -> str:
@@ -364,7 +388,10 @@ def compare(args: argparse.Namespace) -> str:
         )
     warmup = default_warmup(runs) if args.warmup_steps is None else args.warmup_steps
     summaries = [metrics.summarize(run.records, warmup) for run in runs]
-    figure = make_figure(runs, labels, summaries, log_steps=args.log_steps, title=args.title)
+    breakdown = step_breakdowns(args.runs) if args.breakdown else None
+    figure = make_figure(
+        runs, labels, summaries, log_steps=args.log_steps, title=args.title, breakdown=breakdown
+    )
     try:
         figure.savefig(args.output, format="png", dpi=DPI)
     except OSError as exc:

@@ -150,6 +150,36 @@ def amdahl(share: float, speedup: float) -> float:
     return 1.0 / ((1.0 - share) + share / speedup)
 
 
+@dataclass
+class Ceiling:
+    """An fp8/bf16 pair in four numbers: the share of the bf16 step FP8 can run, how much
+    faster it ran, the step's Amdahl ceiling from those two, and the measured step ratio."""
+
+    share: float
+    speedup: float
+    ceiling: float
+    measured: float
+
+    def sentence(self) -> str:
+        pace = "faster" if self.speedup >= 1 else "as fast (slower)"
+        return (
+            f"The matmuls FP8 can run were {100 * self.share:.1f}% of the bf16 step and ran "
+            f"{self.speedup:.2f}x {pace}; ceiling {self.ceiling:.2f}x; measured "
+            f"{self.measured:.2f}x."
+        )
+
+
+def ceiling(bf16: Run, fp8: Run) -> Ceiling | None:
+    """The pair's ceiling from the slowest rank of each; None if either run has no matmul FP8
+    can run (nothing to scale)."""
+    a, b = bf16.slowest, fp8.slowest
+    fast, slow = a.ms.get("fp8_matmul", 0.0), b.ms.get("fp8_matmul", 0.0)
+    if not (fast and slow and a.total_ms and b.total_ms):
+        return None
+    share, speedup = fast / a.total_ms, fast / slow
+    return Ceiling(share, speedup, amdahl(share, speedup), a.total_ms / b.total_ms)
+
+
 def format_pair(bf16: Run, fp8: Run) -> str:
     """Each category's speed-up (slowest rank of each run) and the ceiling sentence."""
     a, b = bf16.slowest, fp8.slowest
@@ -167,19 +197,13 @@ def format_pair(bf16: Run, fp8: Run) -> str:
         f"  {'step':34s}{a.total_ms:9.1f} ms{b.total_ms:9.1f} ms{measured:9.2f}x"
         f"{b.total_ms - a.total_ms:+11.1f} ms"
     )
-    f, fast = a.ms["fp8_matmul"] / a.total_ms, a.ms["fp8_matmul"]
-    slow = b.ms["fp8_matmul"]
-    if fast and slow:
-        y = fast / slow
-        pace = "faster" if y >= 1 else "as fast (slower)"
-        lines.append(
-            f"The matmuls FP8 can run were {100 * f:.1f}% of the bf16 step and ran {y:.2f}x "
-            f"{pace}; ceiling {amdahl(f, y):.2f}x; measured {measured:.2f}x."
-        )
+    found = ceiling(bf16, fp8)
+    if found is not None:
+        lines.append(found.sentence())
         lines.append(
             f"Had they run {IDEAL_FP8_SPEEDUP:.0f}x faster (H100's FP8 peak over BF16), the "
-            f"ceiling would be {amdahl(f, IDEAL_FP8_SPEEDUP):.2f}x; the matmuls FP8 cannot run "
-            f"were {100 * a.ms['bf16_matmul'] / a.total_ms:.1f}% of the bf16 step."
+            f"ceiling would be {amdahl(found.share, IDEAL_FP8_SPEEDUP):.2f}x; the matmuls FP8 "
+            f"cannot run were {100 * a.ms['bf16_matmul'] / a.total_ms:.1f}% of the bf16 step."
         )
     else:
         lines.append("No matmul FP8 can run was found in one of the runs: no ceiling.")

@@ -284,6 +284,55 @@ def test_png_has_the_expected_size_and_the_plotted_data_is_the_input(two_runs, t
     assert [t.get_text() for t in bar_ax.get_xticklabels()] == labels
 
 
+def profiled_pair(tmp_path: Path) -> list[str]:
+    """Two run folders of the Llama 3.2 1B pair on an H100 (tests/traces: real TE traces), each
+    with its run record and its trace window, as train.py --profile_steps leaves them."""
+    folders = []
+    for precision, rows, fp8 in (("bf16", BF16, False), ("fp8", FP8, True)):
+        run = write_run_dir(tmp_path / f"1b-{precision}", rows, [], info(fp8=fp8))
+        window = run / "profile" / "step_8"
+        window.mkdir(parents=True)
+        trace = ROOT / "tests" / "traces" / f"te_llama32_1b_{precision}.pt.trace.json.gz"
+        (window / "rank_0.pt.trace.json.gz").write_bytes(trace.read_bytes())
+        folders.append(str(run))
+    return folders
+
+
+def test_the_breakdown_panel_stacks_each_runs_step_and_states_the_ceiling(
+    tmp_path, capsys
+) -> None:
+    """--breakdown: a fifth panel with one bar per run whose segments are step_breakdown's
+    categories (they add up to the slowest rank's step) and the pair's ceiling sentence, the
+    one step_breakdown prints."""
+    from scripts import step_breakdown
+
+    runs_given = profiled_pair(tmp_path)
+    png = tmp_path / "compare.png"
+    assert cr.main([*runs_given, "--breakdown", "--output", str(png)]) == 0
+    assert struct.unpack(">II", png.read_bytes()[16:24]) == (2500, 450)  # five panels
+
+    runs = [cr.load_run(p) for p in runs_given]
+    labels = cr.default_labels(runs)
+    summaries = [metrics.summarize(r.records, 10) for r in runs]
+    breakdown = cr.step_breakdowns(runs_given)
+    fig = cr.make_figure(runs, labels, summaries, breakdown=breakdown)
+    step_ax = fig.axes[4]
+    read = [step_breakdown.read_run(Path(p), None) for p in runs_given]
+    for row, run in enumerate(read):
+        widths = [p.get_width() for p in step_ax.patches if round(p.get_y() + 0.4) == row]
+        assert sum(widths) == pytest.approx(run.slowest.total_ms, rel=1e-6)
+    sentence = step_breakdown.ceiling(read[0], read[1]).sentence()
+    assert sentence in step_ax.get_xlabel() and "; ceiling " in sentence
+    assert step_breakdown.main([*runs_given, "--no_hta"]) == 0
+    assert sentence in capsys.readouterr().out
+
+
+def test_the_breakdown_of_a_run_without_traces_is_one_line(two_runs, tmp_path, capsys) -> None:
+    err = refused([*two_runs, "--breakdown", "--output", str(tmp_path / "o.png")], capsys)
+    assert "--breakdown: " in err and "--profile_steps START:END" in err
+    assert not (tmp_path / "o.png").exists()
+
+
 def test_a_run_is_labelled_by_what_it_trained_first(tmp_path) -> None:
     """A resume writes another run record; before resumes refused a precision change, one that
     flipped --fp8 re-labelled the FP8 run as bf16 (the last record won)."""
