@@ -298,9 +298,7 @@ def profiled_pair(tmp_path: Path) -> list[str]:
     return folders
 
 
-def test_the_breakdown_panel_stacks_each_runs_step_and_states_the_ceiling(
-    tmp_path, capsys
-) -> None:
+def test_the_breakdown_panel_stacks_each_runs_step_and_states_the_ceiling(tmp_path, capsys) -> None:
     """--breakdown: a fifth panel with one bar per run whose segments are step_breakdown's
     categories (they add up to the slowest rank's step) and the pair's ceiling sentence, the
     one step_breakdown prints."""
