@@ -62,11 +62,16 @@ def damage(path: Path) -> str | None:
     """Why checkpoint `path` cannot be trusted (one line naming the file), or None: the checks
     train.py's resume makes (Checkpointer.verify in a world of one), so a checkpoint train.py
     refuses is never exported as a model either (a malformed marker included)."""
-    from model_utils.checkpoint import checkpoint_damage, content_damage, read_marker
+    from model_utils.checkpoint import (
+        checkpoint_damage,
+        content_damage,
+        read_marker,
+        recorded_sums,
+    )
 
     problem = checkpoint_damage(path)
     if problem is None:
-        problem = content_damage(path, read_marker(path).get("files") or {})
+        problem = content_damage(path, recorded_sums(read_marker(path)))
     return problem
 
 

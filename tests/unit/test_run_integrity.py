@@ -213,6 +213,66 @@ def test_keep_last_never_prunes_a_verified_checkpoint_for_an_unverified_one(tmp_
     assert names == [checkpoint_name(s) for s in (2, 3, 4)]  # 2 kept; 3 takes no slot
 
 
+def _malform(path: Path, form: str) -> None:
+    """Rewrite checkpoint `path`'s table in one malformed `form` and zero a megabyte of its
+    weights: a table that proves nothing about damage it cannot see."""
+    import json
+
+    from model_utils import checkpoint as ck
+    from model_utils.checkpoint.manifest import MARKER
+
+    marker = ck.read_marker(path)
+    files = marker["files"]
+    if form == "no sha256":  # sizes only: every file listed, no checksum
+        marker["files"] = {name: {"bytes": sums["bytes"]} for name, sums in files.items()}
+    elif form == "null sha256":
+        marker["files"] = {name: {**sums, "sha256": None} for name, sums in files.items()}
+    elif form == "sizes as text":
+        marker["files"] = {
+            name: {**sums, "bytes": str(sums["bytes"])} for name, sums in files.items()
+        }
+    elif form == "a list":
+        marker["files"] = sorted(files)
+    (path / MARKER).write_text(json.dumps(marker))
+    shard = next(path.glob("__0_*.distcp"))
+    with open(shard, "r+b") as fh:
+        fh.seek(1000)
+        fh.write(b"\0" * min(2**20, shard.stat().st_size - 1000))
+
+
+MALFORMED = ["no sha256", "null sha256", "sizes as text", "a list"]
+
+
+@pytest.mark.parametrize("form", MALFORMED)
+def test_a_malformed_checksum_table_is_unverified_everywhere(
+    tmp_path: Path, form: str, caplog, capsys
+) -> None:
+    """Verified means every file a load reads has a recorded checksum that matched: a table
+    of sizes only used to pass as verified, so a corrupted newest checkpoint was resumed and
+    exported without a word and the clean one pruned. Any malformed table is unverified, with
+    an unverified checkpoint's consequences: `auto` and the converter pass it by, by path it
+    loads with a warning, keep-last gives it no slot."""
+    from model_utils import checkpoint as ck
+    from model_utils.checkpoint.manifest import checkpoint_name, resume_candidate
+    from scripts import convert_checkpoint
+
+    ckpt = _save(tmp_path, [1, 2], keep_last=2)
+    newest = tmp_path / checkpoint_name(2)
+    _malform(newest, form)
+    assert ck.unverified_reason(newest) is not None
+    assert resume_candidate("auto", tmp_path) == tmp_path / checkpoint_name(1)
+    assert convert_checkpoint.pick_checkpoint(str(tmp_path))[0] == tmp_path / checkpoint_name(1)
+    _save(tmp_path, [3], keep_last=2)  # keep-last: 1 and 3 verified, 2 takes no slot
+    assert [p.name for p in ck.complete_checkpoints(tmp_path)] == [
+        checkpoint_name(s) for s in (1, 2, 3)
+    ]
+    with caplog.at_level("WARNING"):
+        assert ckpt.resolve_intact(str(newest)) == newest
+    assert _warnings(caplog) == [
+        f"Loading {newest} unverified, as named: {ck.unverified_reason(newest)}"
+    ]
+
+
 @pytest.mark.parametrize("lost", [".metadata", "checkpoint.json"])
 def test_a_newest_checkpoint_missing_a_file_is_set_aside_and_named(
     tmp_path: Path, lost: str, caplog
