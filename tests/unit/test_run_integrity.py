@@ -61,6 +61,36 @@ def test_a_folder_inside_or_around_a_live_run_is_refused_naming_the_holder(tmp_p
     run_lock.check_not_locked([inside, tmp_path / "runs"])  # a dead holder blocks nothing
 
 
+def test_a_link_or_another_spelling_of_a_live_runs_folder_is_that_folder(tmp_path: Path):
+    """Locks compare resolved paths: a symlink to a live run's checkpoints folder (or to its
+    run folder), or a spelling through `..`, used to pass, and two runs overwrote each other's
+    checkpoints."""
+    live = tmp_path / "runs" / "a"
+    (live / "checkpoints").mkdir(parents=True)
+    (tmp_path / "ckpt-link").symlink_to(live / "checkpoints")
+    (tmp_path / "run-link").symlink_to(live)
+    holder = _holder_in_another_process(live)
+    try:
+        for spelled, where in [
+            (tmp_path / "ckpt-link", "is inside"),
+            (tmp_path / "runs" / "x" / ".." / "a" / "checkpoints", "is inside"),
+        ]:
+            owned = run_lock.lock_dirs(str(tmp_path / "b"), str(spelled))
+            with pytest.raises(run_lock.RunLocked) as refused:
+                run_lock.check_not_locked(owned.values())
+            line = str(refused.value)
+            assert f"{where} {live}, which is in use by another run (pid {holder.pid} " in line
+            assert "\n" not in line
+        with pytest.raises(run_lock.RunLocked, match=f"which is {live}\\) is in use by"):
+            run_lock.check_not_locked([tmp_path / "run-link"])
+        with pytest.raises(run_lock.RunLocked, match=f"is inside {live}, which is in use"):
+            run_lock.check_not_locked([tmp_path / "run-link" / "checkpoints"])
+    finally:
+        holder.stdin.close()
+        holder.wait()
+    assert sorted(p.name for p in (live / "checkpoints").iterdir()) == []  # nothing written
+
+
 def test_the_lock_taken_after_start_up_also_covers_overlaps(tmp_path: Path) -> None:
     """validate() only looks; a run that took a folder around this one's in between is still
     refused when rank 0 takes its locks, and leaves no folder of its own behind."""
