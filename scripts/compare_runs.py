@@ -99,13 +99,13 @@ def _number(text: str) -> float:
     return float(text.replace(",", ""))
 
 
-def parse_log(text: str) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+def parse_log(text: str, name: str = "log") -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Records from a training log: seed lines (+ this recipe's detail line), validation lines,
     and the last ``run: {...}`` line. Anything else (timestamps, srun's ``0:`` prefix, other
     ranks' warnings) is ignored."""
     records: list[dict[str, Any]] = []
     info, last_train = None, None
-    for line in complete_lines(text):
+    for number, line in enumerate(complete_lines(text), start=1):
         if m := SEED.search(line):
             last_train = {
                 "kind": "train",
@@ -129,8 +129,15 @@ def parse_log(text: str) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
                 found = json.loads(m.group(1))
             except json.JSONDecodeError:
                 continue  # not our run line
-            if run_problem(found) is None and info is None:  # else not ours: a log holds any text
-                info = found  # the first: what the run trained with (see parse_jsonl)
+            if run_problem(found) is not None:
+                continue  # not ours: a log holds any text
+            change = metrics.identity_change(info, found)
+            if change:
+                raise CompareError(
+                    f"{name}: line {number} starts another run ({change}): the log holds two "
+                    f"runs; split it at line {number} and compare the parts"
+                )
+            info = info or found  # the first: what the run trained with (see parse_jsonl)
     return records, info
 
 
@@ -151,6 +158,12 @@ def parse_jsonl(text: str, name: str) -> tuple[list[dict[str, Any]], dict[str, A
         if record.get("kind") == "run":
             # The first record says what the run trained: a resume writes another, and a
             # resume that changed what it compares once re-labelled an FP8 run as bf16.
+            change = metrics.identity_change(info, record)
+            if change:  # a file from before train.py kept one run per file
+                raise CompareError(
+                    f"{name}: line {number} starts another run ({change}): the file holds two "
+                    f"runs; split it at line {number} and compare the parts"
+                )
             info = info or record
         elif record.get("kind") in ("train", "val"):
             records.append(record)
@@ -180,7 +193,7 @@ def load_run(path: str | os.PathLike[str]) -> Run:
     if file.suffix == ".jsonl":
         records, info = parse_jsonl(text, str(file))
     else:
-        records, info = parse_log(text)
+        records, info = parse_log(text, str(file))
     records = one_per_step(records)
     if not any(r["kind"] == "train" for r in records):
         raise CompareError(

@@ -284,17 +284,28 @@ def test_png_has_the_expected_size_and_the_plotted_data_is_the_input(two_runs, t
     assert [t.get_text() for t in bar_ax.get_xticklabels()] == labels
 
 
-def test_a_run_is_labelled_by_what_it_trained_first(tmp_path) -> None:
-    """A resume writes another run record; before resumes refused a precision change, one that
-    flipped --fp8 re-labelled the FP8 run as bf16 (the last record won)."""
+def test_a_run_is_never_labelled_by_another_runs_records(tmp_path) -> None:
+    """A resume writes another run record of the same run: labelled by the first. A file or
+    log holding a second identity (another precision, another --checkpoint_dir) used to be
+    labelled by the first run's flags, its bf16 steps shown as fp8: refused, naming the line."""
     run_dir = write_run_dir(tmp_path / "r", FP8, VAL["fp8"], info(fp8=True))
     with open(run_dir / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({**info(), "kind": "run"}) + "\n")
+        f.write(json.dumps({**info(fp8=True), "kind": "run"}) + "\n")  # the run resumed
     assert cr.default_labels([cr.load_run(run_dir)]) == ["fp8 tensorwise hf"]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({**info(), "kind": "run"}) + "\n")
+    with pytest.raises(cr.CompareError) as refused:
+        cr.load_run(run_dir)
+    assert str(refused.value) == (
+        f"{run_dir / 'metrics.jsonl'}: line {len(lines) + 1} starts another run (fp8 True, now "
+        f"False): the file holds two runs; split it at line {len(lines) + 1} and compare the parts"
+    )
     log = tmp_path / "slurm-5.out"
     lines = log_lines(FP8, VAL["fp8"], info(fp8=True)) + log_lines([], [], info())
     log.write_text("\n".join(lines) + "\n")
-    assert cr.default_labels([cr.load_run(log)]) == ["fp8 tensorwise hf"]
+    with pytest.raises(cr.CompareError, match=r"slurm-5.out: line \d+ starts another run \(fp8"):
+        cr.load_run(log)
 
 
 def test_a_ratio_of_two_cells_that_print_zero_is_not_printed() -> None:
