@@ -72,14 +72,7 @@ class RunLog:
         run = metrics.run_record(
             config.as_dict(), world_size=world.world_size, samples_per_step=samples_per_step
         )
-        other = None  # how the run whose records are here is another run, if it is
-        if self.is_main:  # the file holds one run: a fresh start or another identity moves it
-            other = metrics.identity_change(metrics.first_run_record(self.jsonl_path), run)
-            if start_step == 0 or other:
-                aside = metrics.set_aside(self.jsonl_path)
-                if aside is not None:
-                    why = f"another run's records ({other})" if other else "an earlier run's"
-                    log.info("metrics.jsonl here held %s: kept as %s", why, aside, stacklevel=2)
+        other = self._own_records(run, start_step) if self.is_main else None
         self.writer = metrics.JsonlWriter(self.jsonl_path, enabled=self.is_main)
         self.records_lost_from: str | None = None  # where metrics.jsonl stopped, if it did
         self.board = tensorboard_log.TensorBoardLog(
@@ -108,6 +101,18 @@ class RunLog:
             config.model.max_context_width,
             stacklevel=2,
         )
+
+    def _own_records(self, run: dict, start_step: int) -> str | None:
+        """metrics.jsonl holds one run: a fresh start, or a launch of another run (another
+        identity, metrics.identity_change), moves the file there aside. Returns how the run
+        whose records were there is another run, None if it is this one."""
+        other = metrics.identity_change(metrics.first_run_record(self.jsonl_path), run)
+        if start_step == 0 or other:
+            aside = metrics.set_aside(self.jsonl_path)
+            if aside is not None:
+                why = f"another run's records ({other})" if other else "an earlier run's"
+                log.info("metrics.jsonl here held %s: kept as %s", why, aside, stacklevel=3)
+        return other
 
     def is_report_step(self, step: int) -> bool:
         return step % self.config.run.logging_freq == 0 or step == self.config.run.max_steps

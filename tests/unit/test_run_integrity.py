@@ -406,3 +406,99 @@ def test_convert_checkpoint_trusts_an_unverified_checkpoint_only_by_name(
         f"convert_checkpoint.py: warning: converting {newer} unverified, as named: "
         f"{newer / MARKER} records no checksums\n"
     )
+
+
+# ============================================================================================
+# 8. A disk that fills during an export: one line, nothing left, the weights' checkpoint named
+
+
+@pytest.fixture
+def files_capped():
+    """Cap every file this process writes at `nbytes` (RLIMIT_FSIZE, SIGXFSZ ignored: a write
+    past it fails with EFBIG, as a full disk fails one with ENOSPC), restored afterwards."""
+    import resource
+    import signal
+
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    def cap(nbytes: int) -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, old[1]))
+
+    yield cap
+    resource.setrlimit(resource.RLIMIT_FSIZE, old)
+    signal.signal(signal.SIGXFSZ, handler)
+
+
+def test_a_converter_export_cut_short_leaves_nothing_and_names_the_checkpoint(
+    tmp_path: Path, files_capped, capsys
+) -> None:
+    from helpers.checkpoints import convert_refused, save_llama_checkpoints
+
+    [path] = save_llama_checkpoints(tmp_path / "ckpt", (1,))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's")
+    files_capped(1536 * 1024)  # config and tokenizer fit; the weights do not
+    for out in (tmp_path / "new" / "hf", mine):
+        argv = [str(path), str(out), "--max_shard_size_mb", "1"]
+        line = convert_refused(argv, capsys, status=1)
+        assert line.startswith(f"convert_checkpoint.py: error: writing {out} failed: ")
+        assert line.rstrip("\n").endswith(
+            f"what was written is removed, and the weights are still in the checkpoint {path}"
+        )
+    assert not (tmp_path / "new").exists()
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]  # no hidden parts left
+
+
+def test_train_export_cut_short_leaves_nothing_and_names_the_checkpoint(
+    tmp_path: Path, files_capped
+) -> None:
+    """--export_hf at the end of a run (checkpoint.export_hf, as train.py calls it): the hidden
+    parts and staged files it wrote used to stay behind."""
+    from helpers.runs import SMALL_LLAMA
+    from transformers import LlamaForCausalLM
+
+    from model_utils import checkpoint as ck
+    from model_utils import data
+    from model_utils.config import arguments
+    from model_utils.model import modeling
+
+    args = arguments.parse_args(SMALL_LLAMA)
+    model = LlamaForCausalLM(modeling.llama_config(args.model))
+    tokenizer = data.load_tokenizer(args.data.tokenizer)
+    kept = tmp_path / "ckpt" / "step_00000009"
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's")
+    files_capped(1536 * 1024)
+    for out in (tmp_path / "new" / "hf", mine):
+        with pytest.raises(ck.CheckpointWriteError) as failed:
+            ck.export_hf(model, model.config, out, tokenizer, max_shard_bytes=2**20, kept=kept)
+        line = str(failed.value)
+        assert line.startswith(f"the Hugging Face export to {out} failed: ") and "\n" not in line
+        assert f"(what it wrote is removed); the checkpoint {kept} holds the same" in line
+    assert not (tmp_path / "new").exists()
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+
+
+def test_the_converter_names_a_damaged_newest_step_it_passes_over(tmp_path: Path, capsys):
+    """As train.py's `auto` names it: a newest step_N missing its .metadata was skipped without
+    a word (only complete checkpoints were looked at)."""
+    from helpers.checkpoints import convert_refused, save_llama_checkpoints
+
+    from scripts import convert_checkpoint
+
+    folder = tmp_path / "ckpt"
+    older, newer = save_llama_checkpoints(folder, (1, 2))
+    (newer / ".metadata").unlink()
+    assert convert_checkpoint.main([str(folder), str(tmp_path / "hf")]) == 0
+    stdout, stderr = capsys.readouterr()
+    assert stdout.startswith(f"{older} (step 1, newest intact in {folder})")
+    assert stderr == (
+        f"convert_checkpoint.py: warning: skipped the damaged checkpoint {newer.name}: "
+        f"checkpoint {newer} has no .metadata: not a DCP checkpoint or not finished\n"
+    )
+    (older / "checkpoint.json").unlink()
+    line = convert_refused([str(folder), str(tmp_path / "hf2")], capsys)
+    assert f"every checkpoint in {folder} is damaged (newest {newer.name}: " in line
