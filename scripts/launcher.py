@@ -431,11 +431,10 @@ def run_node(train_args: Sequence[str], env: Mapping[str, str] = os.environ) -> 
 
 
 class TorchrunErrors:
-    """Passes torchrun's stderr (its workers' too) on line by line, but holds back torchrun's
-    own report of a failed worker (its "failed (exitcode: N)" line, traceback and box): a
-    worker that exited 2 has refused its input in one line already (a run folder another
-    launch took a moment earlier, say), so the launch exits 2 with that line alone; any other
-    failure gets torchrun's report as it was written."""
+    """Passes torchrun's stderr (its workers' too) on, holding back torchrun's own report of a
+    failed worker ("failed (exitcode: N)", traceback, box): a worker that exited 2 refused its
+    input in one line already (a run folder another launch just took), so the launch exits 2
+    with that line alone; any other failure gets torchrun's report as written."""
 
     FAILED = re.compile(r"elastic/multiprocessing/api\.py.*failed \(exitcode: (-?\d+)\)")
 
@@ -449,11 +448,10 @@ class TorchrunErrors:
             found = self.FAILED.search(line) if self.code is None else None
             if found:
                 self.code = int(found.group(1))
-            if self.code is not None:
-                self.held.append(line)
-            else:
+            if self.code is None:
                 self.out.write(line)
                 self.out.flush()
+            self.held += [line] if self.code is not None else []
 
     def finish(self, status: int) -> int:
         """The launch's exit status: 2 for a refusal, else torchrun's (its report written)."""
