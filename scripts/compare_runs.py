@@ -336,7 +336,12 @@ class _OneLineParser(argparse.ArgumentParser):
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = _OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", help="run directories, metrics.jsonl files or logs")
-    p.add_argument("--output", type=Path, default=Path("compare_runs.png"), help="PNG to write")
+    p.add_argument(
+        "--output",
+        type=Path,
+        help="PNG to write (default: compare_runs.png in the last run's folder when it is a run "
+        "folder, else in the current directory)",
+    )
     p.add_argument("--labels", help="comma-separated, one per run (default: from the flags)")
     p.add_argument("--log_steps", action="store_true", help="log-scaled step axes")
     p.add_argument(
@@ -356,7 +361,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         raise CompareError("give two or more runs to compare")
     if args.warmup_steps is not None and args.warmup_steps < 0:
         raise CompareError(f"--warmup_steps must be >= 0, got {args.warmup_steps}")
+    if args.output is None:
+        args.output = default_output(args.runs)
     return args
+
+
+def default_output(runs: Sequence[str]) -> Path:
+    """Where the picture goes unless --output says: beside the last run's records when it is a
+    run folder (runs/ is the user's, git-ignored), so a comparison never adds an untracked
+    file to the repository it was run from; else compare_runs.png here (git-ignored too)."""
+    last = Path(runs[-1])
+    return last / "compare_runs.png" if last.is_dir() else Path("compare_runs.png")
 
 
 def compare(args: argparse.Namespace) -> str:

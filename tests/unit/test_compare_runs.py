@@ -433,3 +433,22 @@ def test_warmup_rule_is_train_py_s() -> None:
     assert run_log.SPEED_WARMUP_STEPS == cr.WARMUP_STEPS
     source = (ROOT / "model_utils" / "run" / "run_log.py").read_text()
     assert "min(SPEED_WARMUP_STEPS, config.run.max_steps // 2)" in source
+
+
+def test_the_default_picture_lands_in_the_last_run_folder_not_the_repo(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    """It was compare_runs.png in the current directory: run from the checkout, as the docs
+    show, it left an untracked file in the repository."""
+    bf16 = write_run_dir(tmp_path / "tiny-bf16", BF16, [], info())
+    fp8 = write_run_dir(tmp_path / "tiny-fp8", FP8, [], info(fp8=True))
+    monkeypatch.chdir(tmp_path)
+    assert cr.main([str(bf16), str(fp8)]) == 0
+    assert capsys.readouterr().out.endswith(f"Wrote {fp8 / 'compare_runs.png'}\n")
+    assert (fp8 / "compare_runs.png").is_file() and not (tmp_path / "compare_runs.png").exists()
+    log = tmp_path / "slurm-9.out"
+    log.write_text("\n".join(log_lines(FP8, [], info(fp8=True))) + "\n")
+    assert cr.main([str(bf16), str(log)]) == 0  # a log last: here, a git-ignored name
+    assert (tmp_path / "compare_runs.png").is_file()
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    assert "/compare_runs.png" in ignored
