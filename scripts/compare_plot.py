@@ -55,7 +55,9 @@ def make_figure(
         gap_ax.set_xscale("log")
     for i, (run, label) in enumerate(zip(runs, labels, strict=True)):
         color = f"C{i}"
-        loss_ax.plot(*_series(run, "train", "loss"), color=color, label=f"{label} train")
+        loss_ax.plot(
+            *_series(run, "train", "loss"), color=color, label=f"{label} train", **_style(i)
+        )
         steps, val = _series(run, "val", "val_loss")
         if steps:
             loss_ax.plot(steps, val, "o--", color=color, label=f"{label} validation")
@@ -102,6 +104,14 @@ def loss_gap(run: Any, base: Any) -> tuple[list[int], list[float], list[float]]:
             gaps.append(loss - theirs[step])
             bases.append(theirs[step])
     return steps, gaps, bases
+
+
+def _style(i: int) -> dict:
+    """Run i's train-loss line: the first wide and solid underneath, the others thinner and
+    dashed on top, so a run that tracks the first (a healthy FP8 run) leaves it visible."""
+    if i == 0:
+        return {"linewidth": 3.5, "alpha": 0.6, "zorder": 2}
+    return {"linewidth": 1.5, "linestyle": ("--", ":", "-.")[(i - 1) % 3], "zorder": 2 + i}
 
 
 def plot_loss_gap(ax, runs: Sequence[Any], labels: Sequence[str]) -> None:

@@ -259,6 +259,9 @@ def test_png_has_the_expected_size_and_the_plotted_data_is_the_input(two_runs, t
     loss_ax, gap_ax, speed_ax, bar_ax = fig.axes
     assert fig.get_suptitle() == "CPU demo" and labels == ["bf16 hf", "fp8 tensorwise hf"]
     lines = {ln.get_label(): ln for ln in loss_ax.get_lines()}
+    first, second = (lines[f"{label} train"] for label in labels)
+    assert first.get_linewidth() > second.get_linewidth()  # the first stays visible under
+    assert first.get_linestyle() == "-" and second.get_linestyle() == "--"
     for label, rows, val in (
         ("bf16 hf", BF16, VAL["bf16"]),
         ("fp8 tensorwise hf", FP8, VAL["fp8"]),
