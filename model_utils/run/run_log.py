@@ -85,7 +85,7 @@ class RunLog:
         self.board.flags(run)
         log.info(
             "model: %s, %.1fM parameters, impl=%s; %s",
-            config.preset,
+            config.model_source,
             modeling.count_parameters(model) / 1e6,
             config.precision.model_impl,
             backend.describe(),
