@@ -273,7 +273,7 @@ def ready_line(config: Config) -> str:
     recipe = f"--recipe {config.recipe}, " if config.recipe else ""
     folder = os.path.abspath(config.run.output_dir)
     return (
-        f"train.py: ready: {recipe}--preset {config.preset}, {precision} on --model_impl "
+        f"train.py: ready: {recipe}{config.model_source}, {precision} on --model_impl "
         f"{config.precision.model_impl}, world {world}, run folder {folder}, resume {resume}"
     )
 

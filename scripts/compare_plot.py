@@ -73,7 +73,9 @@ def make_figure(
         gap_ax.set_xscale("log")
     for i, (run, label) in enumerate(zip(runs, labels, strict=True)):
         color = f"C{i}"
-        loss_ax.plot(*_series(run, "train", "loss"), color=color, label=f"{label} train")
+        loss_ax.plot(
+            *_series(run, "train", "loss"), color=color, label=f"{label} train", **_style(i)
+        )
         steps, val = _series(run, "val", "val_loss")
         if steps:
             loss_ax.plot(steps, val, "o--", color=color, label=f"{label} validation")
@@ -88,10 +90,16 @@ def make_figure(
     loss_ax.set_title("loss")
     speed_ax.set_title(f"{unit} (each logged window)")
 
-    medians = [s.get(key) for s in summaries]
+    plot_medians(bar_ax, labels, [s.get(key) for s in summaries], unit)
+    fig.suptitle(title or " vs ".join(labels))
+    return fig
+
+
+def plot_medians(bar_ax, labels: Sequence[str], medians: Sequence[float | None], unit: str):
+    """A bar per run of its median throughput, its ratio to the first run written on it."""
     heights = [m if m is not None else 0.0 for m in medians]
-    bars = bar_ax.bar(range(len(runs)), heights, color=[f"C{i}" for i in range(len(runs))])
-    bar_ax.set_xticks(range(len(runs)), labels, fontsize="small")
+    bars = bar_ax.bar(range(len(labels)), heights, color=[f"C{i}" for i in range(len(labels))])
+    bar_ax.set_xticks(range(len(labels)), labels, fontsize="small")
     bar_ax.set_ylabel(f"median {unit}")
     bar_ax.set_title(f"median {unit} after warm-up\nratio to {labels[0]}")
     for bar, median in zip(bars, medians, strict=True):
@@ -106,8 +114,6 @@ def make_figure(
             fontweight="bold",
         )
     bar_ax.margins(y=0.15)
-    fig.suptitle(title or " vs ".join(labels))
-    return fig
 
 
 def loss_gap(run: Any, base: Any) -> tuple[list[int], list[float], list[float]]:
@@ -120,6 +126,14 @@ def loss_gap(run: Any, base: Any) -> tuple[list[int], list[float], list[float]]:
             gaps.append(loss - theirs[step])
             bases.append(theirs[step])
     return steps, gaps, bases
+
+
+def _style(i: int) -> dict:
+    """Run i's train-loss line: the first wide and solid underneath, the others thinner and
+    dashed on top, so a run that tracks the first (a healthy FP8 run) leaves it visible."""
+    if i == 0:
+        return {"linewidth": 3.5, "alpha": 0.6, "zorder": 2}
+    return {"linewidth": 1.5, "linestyle": ("--", ":", "-.")[(i - 1) % 3], "zorder": 2 + i}
 
 
 def plot_loss_gap(ax, runs: Sequence[Any], labels: Sequence[str]) -> None:

@@ -101,13 +101,13 @@ def _number(text: str) -> float:
     return float(text.replace(",", ""))
 
 
-def parse_log(text: str) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+def parse_log(text: str, name: str = "log") -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Records from a training log: seed lines (+ this recipe's detail line), validation lines,
     and the last ``run: {...}`` line. Anything else (timestamps, srun's ``0:`` prefix, other
     ranks' warnings) is ignored."""
     records: list[dict[str, Any]] = []
     info, last_train = None, None
-    for line in complete_lines(text):
+    for number, line in enumerate(complete_lines(text), start=1):
         if m := SEED.search(line):
             last_train = {
                 "kind": "train",
@@ -131,8 +131,15 @@ def parse_log(text: str) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
                 found = json.loads(m.group(1))
             except json.JSONDecodeError:
                 continue  # not our run line
-            if run_problem(found) is None and info is None:  # else not ours: a log holds any text
-                info = found  # the first: what the run trained with (see parse_jsonl)
+            if run_problem(found) is not None:
+                continue  # not ours: a log holds any text
+            change = metrics.identity_change(info, found)
+            if change:
+                raise CompareError(
+                    f"{name}: line {number} starts another run ({change}): the log holds two "
+                    f"runs; split it at line {number} and compare the parts"
+                )
+            info = info or found  # the first: what the run trained with (see parse_jsonl)
     return records, info
 
 
@@ -153,6 +160,12 @@ def parse_jsonl(text: str, name: str) -> tuple[list[dict[str, Any]], dict[str, A
         if record.get("kind") == "run":
             # The first record says what the run trained: a resume writes another, and a
             # resume that changed what it compares once re-labelled an FP8 run as bf16.
+            change = metrics.identity_change(info, record)
+            if change:  # a file from before train.py kept one run per file
+                raise CompareError(
+                    f"{name}: line {number} starts another run ({change}): the file holds two "
+                    f"runs; split it at line {number} and compare the parts"
+                )
             info = info or record
         elif record.get("kind") in ("train", "val"):
             records.append(record)
@@ -182,7 +195,7 @@ def load_run(path: str | os.PathLike[str]) -> Run:
     if file.suffix == ".jsonl":
         records, info = parse_jsonl(text, str(file))
     else:
-        records, info = parse_log(text)
+        records, info = parse_log(text, str(file))
     records = one_per_step(records)
     if not any(r["kind"] == "train" for r in records):
         raise CompareError(
@@ -325,7 +338,12 @@ class _OneLineParser(argparse.ArgumentParser):
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = _OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", help="run directories, metrics.jsonl files or logs")
-    p.add_argument("--output", type=Path, default=Path("compare_runs.png"), help="PNG to write")
+    p.add_argument(
+        "--output",
+        type=Path,
+        help="PNG to write (default: compare_runs.png in the last run's folder when it is a run "
+        "folder, else in the current directory)",
+    )
     p.add_argument("--labels", help="comma-separated, one per run (default: from the flags)")
     p.add_argument("--log_steps", action="store_true", help="log-scaled step axes")
     p.add_argument(
@@ -352,6 +370,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         raise CompareError("give two or more runs to compare")
     if args.warmup_steps is not None and args.warmup_steps < 0:
         raise CompareError(f"--warmup_steps must be >= 0, got {args.warmup_steps}")
+    if args.output is None:
+        args.output = default_output(args.runs)
     return args
 
 
@@ -368,6 +388,14 @@ def step_breakdowns(paths: Sequence[str]) -> Breakdown:
     pair = step_breakdown.ceiling(bf16, fp8) if bf16 and fp8 else None
     ms = [dict(run.slowest.ms) for run in found]
     return Breakdown(ms, dict(CATEGORIES), pair.sentence() if pair else None)
+
+
+def default_output(runs: Sequence[str]) -> Path:
+    """Where the picture goes unless --output says: beside the last run's records when it is a
+    run folder (runs/ is the user's, git-ignored), so a comparison never adds an untracked
+    file to the repository it was run from; else compare_runs.png here (git-ignored too)."""
+    last = Path(runs[-1])
+    return last / "compare_runs.png" if last.is_dir() else Path("compare_runs.png")
 
 
 def compare(args: argparse.Namespace) -> str:

@@ -62,11 +62,16 @@ def damage(path: Path) -> str | None:
     """Why checkpoint `path` cannot be trusted (one line naming the file), or None: the checks
     train.py's resume makes (Checkpointer.verify in a world of one), so a checkpoint train.py
     refuses is never exported as a model either (a malformed marker included)."""
-    from model_utils.checkpoint import checkpoint_damage, content_damage, read_marker
+    from model_utils.checkpoint import (
+        checkpoint_damage,
+        content_damage,
+        read_marker,
+        recorded_sums,
+    )
 
     problem = checkpoint_damage(path)
     if problem is None:
-        problem = content_damage(path, read_marker(path).get("files") or {})
+        problem = content_damage(path, recorded_sums(read_marker(path)))
     return problem
 
 
@@ -77,6 +82,7 @@ def pick_checkpoint(path: str) -> tuple[Path, list[str]]:
     `--resume_from_checkpoint auto` takes it, naming those it skipped. Refused (one line) if
     there is none."""
     from model_utils.checkpoint import checkpoint_problem, complete_checkpoints, unverified_reason
+    from model_utils.checkpoint.manifest import step_dirs
 
     problem = checkpoint_problem(path)
     if problem is None:
@@ -90,8 +96,13 @@ def pick_checkpoint(path: str) -> tuple[Path, list[str]]:
         if unverified:
             return Path(path), [f"converting {path} unverified, as named: {unverified}"]
         return Path(path), []
-    found = complete_checkpoints(path)
-    if not found:
+    found = step_dirs(path)  # incomplete ones too: a damaged newest step is named, not hidden
+    if not complete_checkpoints(path):
+        if found:
+            raise Refused(
+                f"every checkpoint in {path} is damaged (newest {found[-1].name}: "
+                f"{damage(found[-1])}): restore one from a copy"
+            )
         raise Refused(f"{problem} (and it holds no complete step_N checkpoint)")
     skipped = []
     for candidate in reversed(found):
@@ -240,26 +251,6 @@ def not_the_runs(tokenizer: object, name: str, path: Path, marker: dict) -> str 
     return None
 
 
-def new_folders(out_dir: Path) -> list[Path]:
-    """The folders an export into `out_dir` would create (out_dir first, then its parents)."""
-    return [p for p in (out_dir, *out_dir.parents) if not p.exists()]
-
-
-def remove_export(out_dir: Path, created: list[Path], before: set[str]) -> None:
-    """Undo an export that failed part-way, so no half model is left: the folders it created
-    go whole; in a folder that existed, what the export added (its hidden parts and staged
-    files, the model files - there were none, or it would have been refused -, config.json,
-    generation_config.json, the tokenizer's files), while the names in `before` stay."""
-    from model_utils.checkpoint import PART_PREFIX, remove_path
-
-    if created:
-        shutil.rmtree(created[-1], ignore_errors=True)  # the outermost folder it created
-        return
-    for entry in out_dir.iterdir():
-        if entry.name.startswith(PART_PREFIX) or entry.name not in before:
-            remove_path(entry)
-
-
 def export(
     path: Path, out_dir: Path, key_map: object, tokenizer: object, args: argparse.Namespace
 ) -> list[Path]:
@@ -267,10 +258,9 @@ def export(
     before the exception goes on."""
     import torch
 
-    from model_utils.checkpoint import dcp_to_hf
+    from model_utils.checkpoint.hf_export import dcp_to_hf, export_snapshot, undo_export
 
-    created = new_folders(out_dir)
-    before = set() if created else {p.name for p in out_dir.iterdir()}
+    snapshot = export_snapshot(out_dir)
     try:
         return dcp_to_hf(
             path,
@@ -281,7 +271,7 @@ def export(
             max_shard_bytes=args.max_shard_size_mb * 2**20,
         )
     except BaseException:
-        remove_export(out_dir, created, before)
+        undo_export(out_dir, snapshot)
         raise
 
 
@@ -317,7 +307,11 @@ def convert(args: argparse.Namespace) -> int:
         files = export(path, out_dir, key_map, tokenizer, args)
     except OSError as exc:
         reason = write_error_reason(exc, out_dir)
-        return _fail(f"writing {out_dir} failed: {reason}; what was written is removed", 1)
+        return _fail(
+            f"writing {out_dir} failed: {reason}; what was written is removed, and the weights "
+            f"are still in the checkpoint {path}",
+            1,
+        )
     which = "" if path == Path(args.checkpoint) else f", newest intact in {args.checkpoint}"
     print(f"{path} (step {marker['step']}{which}) -> {out_dir}: {len(files)} safetensors file(s)")
     return 0

@@ -26,8 +26,9 @@ HEADER = """\
 # Flags of train.py
 
 Generated from train.py's parser (`model_utils/config/arguments.py`) by
-`python -m scripts.flags_table --write`; do not edit by hand: `tests/unit/test_flags_table.py`
-regenerates this page and fails when it differs. `python train.py --help` prints the same flags.
+`.venv/bin/python -m scripts.flags_table --write`; do not edit by hand:
+`tests/unit/test_flags_table.py` regenerates this page and fails when it differs.
+`.venv/bin/python train.py --help` prints the same flags.
 
 Every flag can follow `train.py` or `1.train_llama.sbatch`. Explicit flags override the preset.
 Booleans accept `--flag`, `--flag=1`, `--flag=0`. The config field is where the resolved value

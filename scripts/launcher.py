@@ -27,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -242,8 +243,18 @@ def run_node(train_args: Sequence[str], env: Mapping[str, str] = os.environ) -> 
     forwarder = Forwarder(-1)
     for sig in FORWARDED:  # from here on a signal is never lost, even before torchrun exists
         signal.signal(sig, forwarder.handle)
-    torchrun = subprocess.Popen(argv, env={**env, **extra}, preexec_fn=_ignore_forwarded)
+    torchrun = subprocess.Popen(
+        argv,
+        env={**env, **extra},
+        preexec_fn=_ignore_forwarded,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+    )
     forwarder.pid = torchrun.pid
+    errors = TorchrunErrors(sys.stderr)
+    reader = threading.Thread(target=errors.pump, args=(torchrun.stderr,), daemon=True)
+    reader.start()
     while True:
         try:
             status = torchrun.wait(timeout=RESEND_EVERY_S)
@@ -251,7 +262,40 @@ def run_node(train_args: Sequence[str], env: Mapping[str, str] = os.environ) -> 
         except subprocess.TimeoutExpired:
             if forwarder.pending:
                 forwarder.send()
-    return status if status >= 0 else 128 - status
+    reader.join()
+    return errors.finish(status if status >= 0 else 128 - status)
+
+
+class TorchrunErrors:
+    """Passes torchrun's stderr (its workers' too) on, holding back torchrun's own report of a
+    failed worker ("failed (exitcode: N)", traceback, box): a worker that exited 2 refused its
+    input in one line already (a run folder another launch just took), so the launch exits 2
+    with that line alone; any other failure gets torchrun's report as written."""
+
+    FAILED = re.compile(r"elastic/multiprocessing/api\.py.*failed \(exitcode: (-?\d+)\)")
+
+    def __init__(self, out) -> None:
+        self.out = out
+        self.held: list[str] = []
+        self.code: int | None = None
+
+    def pump(self, stream) -> None:
+        for line in stream:
+            found = self.FAILED.search(line) if self.code is None else None
+            if found:
+                self.code = int(found.group(1))
+            if self.code is None:
+                self.out.write(line)
+                self.out.flush()
+            self.held += [line] if self.code is not None else []
+
+    def finish(self, status: int) -> int:
+        """The launch's exit status: 2 for a refusal, else torchrun's (its report written)."""
+        if self.code == 2:
+            return 2
+        self.out.writelines(self.held)
+        self.out.flush()
+        return status
 
 
 def container_report(env: Mapping[str, str]) -> str:

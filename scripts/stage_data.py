@@ -111,6 +111,7 @@ def check_inputs(args: argparse.Namespace) -> Plan:
     (DataError) or OSError."""
     data.check_dataset(args.dataset, args.dataset_config_name)
     data.check_local_data(args.dataset, args.text_column)  # train.py's start-up scan
+    data.check_hub_dataset(args.dataset)  # a hub name: one quick look-up, as train.py makes
     target = args.out / slug(args.dataset, args.dataset_config_name)
     check_out(args.out, target)
     tokenizer = data.load_tokenizer(args.tokenizer)

@@ -84,7 +84,8 @@ internals and the benchmarks do::
     read_marker                              a checkpoint's marker (the converter)
     complete_checkpoints,                    the converter: which checkpoint, and is it
     checkpoint_problem, checkpoint_damage,   complete, intact and verified
-    content_damage, unverified_reason
+    content_damage, unverified_reason,
+    recorded_sums
     dcp_to_hf, export_dir_problem,           the converter: checkpoint -> HF folder, and
     PART_PREFIX, remove_path                 removing what a failed export wrote
 """
@@ -112,6 +113,7 @@ from model_utils.checkpoint.manifest import (
     complete_checkpoints,
     content_damage,
     read_marker,
+    recorded_sums,
     unverified_reason,
 )
 from model_utils.checkpoint.resume import (
@@ -142,6 +144,7 @@ __all__ = [
     "export_hf",
     "load_hf_weights",
     "read_marker",
+    "recorded_sums",
     "remove_path",
     "resume_or_start",
     "unverified_reason",

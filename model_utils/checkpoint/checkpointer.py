@@ -51,6 +51,7 @@ from model_utils.checkpoint.manifest import (
     own_files,
     prune_plan,
     read_marker,
+    recorded_sums,
     resolve_checkpoint,
     set_aside_all,
     stale_temporaries,
@@ -166,7 +167,7 @@ class Checkpointer:
         then every file's checksum, the files split over the ranks so each is read once."""
         problem = checkpoint_damage(path)
         if problem is None:
-            files = sorted((read_marker(path).get("files") or {}).items())
+            files = sorted(recorded_sums(read_marker(path)).items())
             problem = content_damage(path, dict(files[current_rank() :: world_size()]))
         return next((p for p in all_gather_object(problem) if p), None)
 

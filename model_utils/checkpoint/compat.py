@@ -75,6 +75,14 @@ _LAUNCH_FIELDS = frozenset(
 )
 
 
+#: The way out of every refusal an existing run folder causes: a new run in a folder of its own,
+#: named as the user launches (the launcher's RUN_NAME, train.py's --output_dir).
+NEW_RUN = (
+    "start a new run in another folder (RUN_NAME=NAME with 1.train_llama.sbatch, --output_dir "
+    "DIR with train.py)"
+)
+
+
 def _same(saved: Any, current: Any, name: str) -> bool:
     """Equal as the checkpoint stored them (JSON), paths by where they point."""
     current = json.loads(json.dumps(current, default=str))
@@ -145,8 +153,7 @@ def check_resumable(path: str | Path, current: Mapping[str, Any]) -> list:
     if refused:
         raise ResumeRefused(
             f"checkpoint {path} belongs to another run: {describe_changes(refused)} (saved -> "
-            "this run); resume with the saved values, or start a new run in another "
-            "--output_dir (1.train_llama.sbatch: another RUN_NAME)"
+            f"this run); resume with the saved values, or {NEW_RUN}"
         )
     return allowed
 
@@ -158,8 +165,8 @@ def check_fresh_start(checkpoint_dir: str | Path, overwrite: bool) -> None:
     if found and not overwrite:
         raise ResumeRefused(
             f"{checkpoint_dir} holds {len(found)} checkpoint(s) of an earlier run (newest: step "
-            f"{step_of(found[-1])}): continue it with --resume_from_checkpoint auto, choose "
-            "another --output_dir, or pass --overwrite_output_dir to delete them and start afresh"
+            f"{step_of(found[-1])}): continue it with --resume_from_checkpoint auto, {NEW_RUN}, "
+            "or pass --overwrite_output_dir to delete them and start afresh"
         )
 
 
@@ -176,8 +183,8 @@ def check_resume_target(path: str | Path, checkpoint_dir: str | Path, explicit: 
     if path.resolve().parent != Path(checkpoint_dir).resolve():
         raise ResumeRefused(
             f"{checkpoint_dir} holds {len(found)} checkpoint(s) of its own run (newest: step "
-            f"{step_of(newest)}), which a resume from {path} would overwrite and prune: resume "
-            "into another --output_dir (or --checkpoint_dir), or continue that run with "
+            f"{step_of(newest)}), which a resume from {path} would overwrite and prune: "
+            f"{NEW_RUN} to resume from it there, or continue that run with "
             "--resume_from_checkpoint auto"
         )
     step = int(read_marker(path)["step"])
@@ -200,5 +207,5 @@ def check_steps_left(path: str | Path, max_steps: int) -> None:
     if step > max_steps:
         raise ResumeRefused(
             f"checkpoint {path} is at step {step}, past --max_steps {max_steps}: raise "
-            "--max_steps to train on, or export it with scripts/convert_checkpoint.py"
+            f"--max_steps to train on, export it with scripts/convert_checkpoint.py, or {NEW_RUN}"
         )

@@ -8,15 +8,19 @@ The hand-written shard writer, not torch DCP's HuggingFaceStorageWriter: see doc
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
+import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -116,7 +120,10 @@ class SafetensorsShardWriter:
 
     def _flush(self) -> None:
         part = self.out_dir / f"{PART_PREFIX}{len(self._written):05d}.safetensors"
-        save_file(self._current, str(part), metadata={"format": "pt"})
+        try:
+            save_file(self._current, str(part), metadata={"format": "pt"})
+        except SafetensorError as exc:  # a full disk reaches us as this, not as an OSError
+            raise _os_error(exc, part) from exc
         self._written.append((part, list(self._current)))
         self._current, self._current_bytes = {}, 0
 
@@ -153,12 +160,41 @@ class SafetensorsShardWriter:
         self.staging.rmdir()
 
 
+def _os_error(exc: SafetensorError, path: Path) -> OSError:
+    """safetensors' I/O failure ("... I/O error: No space left on device (os error 28)") as the
+    OSError it is, so the export's one-line failure names the reason."""
+    found = re.search(r"os error (\d+)", str(exc))
+    code = int(found.group(1)) if found else errno.EIO
+    return OSError(code, os.strerror(code), str(path))
+
+
 def remove_path(path: Path) -> None:
     """Remove a file or a folder (an export's staging folder), whichever it is."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
+
+
+def export_snapshot(out_dir: Path) -> tuple[list[Path], set[str]]:
+    """What is there before an export into `out_dir`: the folders it will create (out_dir
+    first, then its parents) and, where out_dir exists, the names already in it."""
+    created = [p for p in (out_dir, *out_dir.parents) if not p.exists()]
+    return created, set() if created else {p.name for p in out_dir.iterdir()}
+
+
+def undo_export(out_dir: Path, snapshot: tuple[list[Path], set[str]]) -> None:
+    """Remove what an export that failed part-way wrote, hidden parts included, so no half
+    model and no hidden leftover stays: the folders it created go whole; in a folder that
+    existed, every name it added, while the names there before stay."""
+    created, before = snapshot
+    if created:
+        shutil.rmtree(created[-1], ignore_errors=True)  # the outermost folder it created
+        return
+    with contextlib.suppress(OSError):
+        for entry in list(out_dir.iterdir()):
+            if entry.name.startswith(PART_PREFIX) or entry.name not in before:
+                remove_path(entry)
 
 
 def full_cpu(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -186,21 +222,21 @@ def export_hf(
     or to FP8. FP8 parameters without a master are written as their values (dequantised).
 
     One decoder layer at a time is gathered (all-gather of its shards) and rank 0 writes it,
-    so memory is bounded by a layer plus one output shard, not the model. Tied weights are
-    written once (like save_pretrained). A model in another layout (te) is mapped to HF names by
-    its ``state_dict_adapter``. If rank 0 cannot write (a full disk, a model that appeared in
-    `out_dir`), every rank still gathers to the end, then all raise CheckpointWriteError naming
-    `kept`, the checkpoint that holds the same weights (None: none does).
+    so memory is bounded by a layer plus one output shard. Tied weights are written once (like
+    save_pretrained); a te model is mapped to HF names by its ``state_dict_adapter``. If rank 0
+    cannot write (a full disk: what it wrote is removed; a model that appeared in `out_dir`),
+    every rank still gathers to the end, then all raise CheckpointWriteError naming `kept`, the
+    checkpoint that holds the same weights (None: none does).
     """
     out_dir = Path(out_dir)
-    adapter = getattr(model, "state_dict_adapter", None)
-    key_map = adapter.to_hf if adapter is not None else None
+    key_map = getattr(getattr(model, "state_dict_adapter", None), "to_hf", None)
     sd = weight_tensors(get_model_state_dict(model))
     aliases = alias_groups(sd)  # before the masters: a tied master is named once
     sd = {n: (masters or {}).get(n, plain_tensor(t)) for n, t in sd.items()}
     names = [n for n in sd if aliases[n] == n]
     writer, failure = None, None
     if current_rank() == 0:
+        snapshot = export_snapshot(out_dir)
         try:
             writer = SafetensorsShardWriter(out_dir, max_shard_bytes)
         except OSError as exc:
@@ -224,6 +260,8 @@ def export_hf(
             log.info("Exported HF safetensors (%s) to %s", str(dtype).split(".")[-1], out_dir)
         except OSError as exc:
             failure = exc
+    if failure is not None and not isinstance(failure, FileExistsError):
+        undo_export(out_dir, snapshot)  # a model that appeared there is not ours to remove
     if any_rank(failure is not None):
         raise CheckpointWriteError(_export_failure(out_dir, failure, kept))
 
@@ -232,7 +270,7 @@ def _export_failure(out_dir: Path, failure: BaseException | None, kept: Path | N
     if isinstance(failure, FileExistsError):
         reason = f"a model appeared there during the run ({', '.join(existing_model(out_dir))})"
     elif failure is not None:
-        reason = write_error_reason(failure, out_dir)
+        reason = f"{write_error_reason(failure, out_dir)} (what it wrote is removed)"
     else:
         reason = "rank 0 could not write it (see rank 0's log)"
     then = (

@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ DAMAGED_PREFIX = "damaged-"  # a checkpoint that failed its checks, renamed by a
 # A checkpoint without checksums for every file (saved before they were recorded, or the table
 # removed), newer than the one an `auto` resume starts from: kept, out of resume and pruning.
 UNVERIFIED_PREFIX = "unverified-"
+_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 log = logging.getLogger(__name__)
 
 
@@ -87,28 +89,63 @@ def file_sums(files: Iterable[Path]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def recorded_sums(marker: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The marker's file table, only its well-formed entries (name -> {"bytes": int, "sha256":
+    64 hex digits}): what the size and checksum checks can rely on. Anything else in it (a list,
+    an entry without its checksum, a size that is not a number) proves nothing, and
+    unverified_reason names it."""
+    files = marker.get("files")
+    if not isinstance(files, dict):
+        return {}
+    return {name: dict(sums) for name, sums in files.items() if _entry_problem(sums) is None}
+
+
+def _entry_problem(sums: Any) -> str | None:
+    """What is wrong with one file's entry in the marker's table, or None."""
+    if not isinstance(sums, dict):
+        return "an entry that is not {bytes, sha256}"
+    size, digest = sums.get("bytes"), sums.get(SUM_ALGORITHM)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        return "no size"
+    if not isinstance(digest, str) or not _DIGEST_RE.fullmatch(digest):
+        return f"no {SUM_ALGORITHM}"
+    return None
+
+
+def needed_files(path: Path) -> list[str]:
+    """Every file a load of checkpoint `path` reads: the .metadata, the shards it names, and
+    any other shard in the folder. Metadata that cannot be read names none beyond itself."""
+    names = {p.name for p in path.glob("*.distcp")}
+    try:
+        storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data or {}
+        names |= {str(info.relative_path) for info in storage.values()}
+    except Exception:
+        pass
+    return [DCP_METADATA, *sorted(names)]
+
+
 def checkpoint_damage(path: str | Path) -> str | None:
     """Why a published checkpoint cannot be loaded, found without reading its tensors (one
-    line naming the file), or None: marker and .metadata readable, every file the marker lists
-    present with its saved size. Checkpoints from before checksums list no files."""
+    line naming the file), or None: marker and .metadata readable, every file a load reads
+    present, and every file with a well-formed entry in the marker at its saved size. Whether
+    the table proves the bytes is unverified_reason's question, not damage."""
     problem = checkpoint_problem(path)
     if problem:
         return problem
     path = Path(path)
     try:
         marker = read_marker(path)
-        files = marker.get("files") or {}
         int(marker["step"])
-        if not isinstance(files, dict) or not all(
-            isinstance(sums, dict) and isinstance(sums.get("bytes"), int) for sums in files.values()
-        ):
-            raise ValueError("its file list is not {name: {bytes, sha256}}")
     except Exception as exc:
         return f"{path / MARKER} is not a valid checkpoint marker ({first_line(exc)})"
     try:
         dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as exc:
         return f"{path / DCP_METADATA} cannot be read ({first_line(exc)})"
+    files = recorded_sums(marker)
+    for name in needed_files(path):
+        if name not in files and not (path / name).is_file():
+            return f"{path / name} is missing"
     for name, saved in files.items():
         file = path / name
         if not file.is_file():
@@ -125,13 +162,16 @@ def content_damage(path: str | Path, files: Mapping[str, Mapping[str, Any]]) -> 
     """The first of `files` (name -> saved sums) whose content no longer matches its checksum,
     or that cannot be read (gone since the cheap checks, an I/O error): a line, not an
     exception, because the ranks split the files and one rank raising would leave the others
-    waiting in the gather of everyone's verdict."""
+    waiting in the gather of everyone's verdict. Entries without a well-formed checksum are
+    not checked here (they prove nothing: unverified_reason names them)."""
     for name, saved in files.items():
+        if _entry_problem(saved) is not None:
+            continue
         try:
             now = file_sums([Path(path) / name])[name]
         except OSError as exc:
             return f"{Path(path) / name} cannot be read ({first_line(exc)})"
-        if now[SUM_ALGORITHM] != saved.get(SUM_ALGORITHM, now[SUM_ALGORITHM]):
+        if now[SUM_ALGORITHM] != saved[SUM_ALGORITHM]:
             return (
                 f"{Path(path) / name} does not match its {SUM_ALGORITHM} (changed since the save)"
             )
@@ -139,10 +179,12 @@ def content_damage(path: str | Path, files: Mapping[str, Mapping[str, Any]]) -> 
 
 
 def unverified_reason(path: str | Path) -> str | None:
-    """Why the bytes of a sound checkpoint cannot be checked (one line), or None: a marker
-    without a checksum table, an empty one, or one lacking a file DCP reads. Such a
-    checkpoint could be corrupted without a sign, so it is never trusted unnamed (an `auto`
-    resume passes it by) and never takes a verified one's place in keep-last."""
+    """Why the bytes of a checkpoint are not proven (one line), or None: verified means every
+    file a load reads has a well-formed recorded size and sha256 (which verify then matches).
+    No table, an empty or malformed one, a file without its entry, an entry without its
+    checksum: all the same, unverified. Such a checkpoint could be corrupted without a sign,
+    so it is never trusted unnamed (an `auto` resume and the converter pass it by) and never
+    takes a verified one's place in keep-last."""
     path = Path(path)
     try:
         files = read_marker(path).get("files") or {}
@@ -150,17 +192,23 @@ def unverified_reason(path: str | Path) -> str | None:
         return f"{path / MARKER} cannot be read"
     if not isinstance(files, dict) or not files:
         return f"{path / MARKER} records no checksums"
-    present = [DCP_METADATA, *sorted(p.name for p in path.glob("*.distcp"))]
-    unlisted = [name for name in present if name not in files]
-    if unlisted:
-        return f"{path / MARKER} records no checksum for {unlisted[0]}"
+    for name in needed_files(path):
+        if name not in files:
+            return f"{path / MARKER} records no checksum for {name}"
+        problem = _entry_problem(files[name])
+        if problem:
+            return f"{path / MARKER} records {problem} for {name}"
     return None
 
 
 def verified_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
-    """The complete checkpoints whose every file has a checksum, oldest first: keep-last
-    counts and prunes these only."""
-    return [p for p in complete_checkpoints(checkpoint_dir) if unverified_reason(p) is None]
+    """The complete checkpoints that are sound by the checks that read no tensors and whose
+    every file has a recorded checksum, oldest first: keep-last counts and prunes these only."""
+    return [
+        p
+        for p in complete_checkpoints(checkpoint_dir)
+        if checkpoint_damage(p) is None and unverified_reason(p) is None
+    ]
 
 
 def verdict(path: Path, damage: str | None) -> tuple[str, str] | None:

@@ -57,7 +57,27 @@ def read_config(path: str | Path) -> Any | None:
             f"--init_from_hf: {folder / 'config.json'} is a {config.model_type!r} model; this "
             "recipe trains Llama (model_type 'llama')"
         )
+    missing = missing_shape_keys(folder / "config.json")
+    if missing:
+        raise ConfigError(
+            f"--init_from_hf: {folder / 'config.json'} has no {', '.join(missing)}: the model's "
+            "shape is read from it, not guessed (transformers would fill in a default of its "
+            "own); add them as the checkpoint was trained, or save it with save_pretrained"
+        )
     return config
+
+
+def missing_shape_keys(config_json: Path) -> list[str]:
+    """The shape keys (config.json words) a Llama config.json must state and this one does not.
+    num_key_value_heads may be left out: by the format, absent means one per attention head."""
+    import json
+
+    try:
+        raw = json.loads(config_json.read_text())
+    except (OSError, ValueError):
+        return []  # transformers read it, so it is there: nothing more to say
+    wanted = [HF_KEYS[name] for name in SHAPE_FIELDS if name != "num_key_value_heads"]
+    return [key for key in wanted if key not in raw]
 
 
 def architecture(config: Any) -> dict[str, Any]:

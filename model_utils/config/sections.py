@@ -256,6 +256,19 @@ class Config:
             flat.update(dataclasses.asdict(getattr(self, section)))
         return flat
 
+    @property
+    def model_source(self) -> str:
+        """What the model built is, in the words the user gave: `--init_from_hf DIR (N layers,
+        hidden H)` for a checkpoint's config.json, else `--preset NAME` (the lines describing
+        a run said `tiny`, the default preset, for a Llama 3 8B loaded from a folder)."""
+        if self.checkpoint.init_from_hf:
+            shape = self.model
+            return (
+                f"--init_from_hf {self.checkpoint.init_from_hf} ({shape.num_layers} layers, "
+                f"hidden {shape.hidden_width})"
+            )
+        return f"--preset {self.preset}"
+
     def get(self, name: str) -> Any:
         """One field by its flat flag name (code that walks a list of flags, e.g. compat)."""
         if name in TOP_FIELDS:

@@ -2,7 +2,9 @@
 overwrite each other's checkpoints, so a live run holds an flock there and any other is refused
 in one line (exit 2) before it starts, or at the latest when its rank 0 takes the lock. A folder
 inside a live run's folder (its default checkpoints/, say), or one holding a live run's folder,
-is refused the same way: the lock covers everything below the folder it is in.
+is refused the same way: the lock covers everything below the folder it is in. Folders are
+compared by what they resolve to, so a symlink (or `..`, or another spelling) to a live run's
+folder, or to any folder inside it, is that folder.
 """
 
 from __future__ import annotations
@@ -36,10 +38,13 @@ class RunLocked(RuntimeError):
 
 def lock_dirs(output_dir: str, checkpoint_dir: str) -> dict[str, Path]:
     """Flag -> directory a run writes into and must own: the run directory, and the checkpoint
-    directory when it lies outside it (two runs with one --checkpoint_dir prune each other)."""
+    directory when it lies outside it (two runs with one --checkpoint_dir prune each other).
+    Inside or not is decided on resolved paths: a link under the run folder to a folder
+    elsewhere is elsewhere, and one elsewhere that leads into the run folder is inside."""
     out, ckpt = Path(output_dir).absolute(), Path(checkpoint_dir).absolute()
     owned = {"--output_dir": out}
-    if ckpt != out and out not in ckpt.parents:
+    real_out, real_ckpt = out.resolve(), ckpt.resolve()
+    if real_ckpt != real_out and real_out not in real_ckpt.parents:
         owned["--checkpoint_dir"] = ckpt
     return owned
 
@@ -96,17 +101,21 @@ def locks_below(directory: Path) -> Iterator[Path]:
 
 def overlap_problem(directory: Path, own: Iterable[Path] = ()) -> str | None:
     """The one line refusing `directory` if a live run other than this one (whose locked
-    folders are `own`) holds it, a folder it is inside, or a folder inside it; else None."""
-    directory, mine = Path(directory).absolute(), set(own)
+    folders are `own`) holds it, a folder it is inside, or a folder inside it; else None. The
+    search runs on the resolved path (links followed), and the line names both spellings when
+    they differ."""
+    given = Path(directory).absolute()
+    directory, mine = given.resolve(), {Path(p).resolve() for p in own}
+    shown = str(given) if given == directory else f"{given} (which is {directory})"
     for other in (directory, *directory.parents, *locks_below(directory)):
         holder = None if other in mine else lock_holder(other)
         if holder is None:
             continue
         if other == directory:
-            return _locked_message(directory, holder)
+            return _locked_message(Path(shown), holder)
         where = "is inside" if other in directory.parents else "holds"
         return (
-            f"{directory} {where} {other}, which is in use by another run ({holder}): one run "
+            f"{shown} {where} {other}, which is in use by another run ({holder}): one run "
             "would prune and overwrite the other's checkpoints; wait for it to end or stop it, "
             "or choose another --output_dir/--checkpoint_dir"
         )

@@ -69,26 +69,23 @@ class RunLog:
             )
         self.meter = meter
         self.jsonl_path = f"{config.run.output_dir}/metrics.jsonl"
-        if self.is_main and start_step == 0:  # a fresh run: its file holds this run only
-            aside = metrics.set_aside(self.jsonl_path)
-            if aside is not None:
-                log.info("An earlier run's metrics.jsonl here is kept as %s", aside, stacklevel=2)
+        run = metrics.run_record(
+            config.as_dict(), world_size=world.world_size, samples_per_step=samples_per_step
+        )
+        other = self._own_records(run, start_step) if self.is_main else None
         self.writer = metrics.JsonlWriter(self.jsonl_path, enabled=self.is_main)
         self.records_lost_from: str | None = None  # where metrics.jsonl stopped, if it did
         self.board = tensorboard_log.TensorBoardLog(
             f"{config.run.output_dir}/tensorboard",
             enabled=self.is_main and config.run.tensorboard,
-            resumed_from=start_step,
-        )
-        run = metrics.run_record(
-            config.as_dict(), world_size=world.world_size, samples_per_step=samples_per_step
+            resumed_from=0 if other else start_step,  # another run's events: its own chart
         )
         log.info(metrics.run_line(run), stacklevel=2)  # flags and batch, for compare_runs.py
         self._record(run)
         self.board.flags(run)
         log.info(
             "model: %s, %.1fM parameters, impl=%s; %s",
-            config.preset,
+            config.model_source,
             modeling.count_parameters(model) / 1e6,
             config.precision.model_impl,
             backend.describe(),
@@ -104,6 +101,18 @@ class RunLog:
             config.model.max_context_width,
             stacklevel=2,
         )
+
+    def _own_records(self, run: dict, start_step: int) -> str | None:
+        """metrics.jsonl holds one run: a fresh start, or a launch of another run (another
+        identity, metrics.identity_change), moves the file there aside. Returns how the run
+        whose records were there is another run, None if it is this one."""
+        other = metrics.identity_change(metrics.first_run_record(self.jsonl_path), run)
+        if start_step == 0 or other:
+            aside = metrics.set_aside(self.jsonl_path)
+            if aside is not None:
+                why = f"another run's records ({other})" if other else "an earlier run's"
+                log.info("metrics.jsonl here held %s: kept as %s", why, aside, stacklevel=3)
+        return other
 
     def is_report_step(self, step: int) -> bool:
         return step % self.config.run.logging_freq == 0 or step == self.config.run.max_steps

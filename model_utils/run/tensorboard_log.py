@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from model_utils.errors import os_error_words
@@ -94,6 +96,14 @@ class TensorBoardLog:
                     "An earlier run's TensorBoard events here are kept in %s", aside, stacklevel=3
                 )
             self.log_dir = str(log_dir)
+            log.info(
+                "TensorBoard events go to %s; to watch them: %s -m tensorboard.main --logdir %s "
+                "(then open http://localhost:6006)",
+                self.log_dir,
+                sys.executable,  # the Python this run has, with tensorboard installed
+                Path(self.log_dir).parent,
+                stacklevel=3,
+            )
             self._writer = SummaryWriter(
                 log_dir=self.log_dir,
                 purge_step=resumed_from + 1 if resumed_from else None,

@@ -96,3 +96,41 @@ def test_the_node_exits_with_torchruns_status(tmp_path: Path) -> None:
         timeout=60,
     )
     assert result.returncode == 7, result.stdout + result.stderr
+
+
+def test_a_launch_that_loses_the_run_folder_says_one_line_and_exits_2(tmp_path: Path) -> None:
+    """Two launches of one run folder at once both pass the sbatch's check; the one whose rank
+    0 finds the folder taken refuses in one line. torchrun then added its own traceback and
+    box and exited 1: now the launch exits 2 with the refusal alone. (Real torchrun; the
+    winner is a process holding the folder's lock.)"""
+    run = tmp_path / "run"
+    code = (
+        "import sys; from model_utils.run import run_lock; "
+        "run_lock.RunLock(sys.argv[1]).acquire(); print('held', flush=True); sys.stdin.read()"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    winner = subprocess.Popen(
+        [sys.executable, "-c", code, str(run)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert winner.stdout.readline().strip() == "held"
+        path = f"{Path(sys.executable).parent}:{env['PATH']}"  # this venv's torchrun
+        loser = subprocess.run(
+            [sys.executable, str(REPO / "scripts" / "launcher.py"), "node"]
+            + ["--preset", "tiny", "--bf16=0", f"--output_dir={run}"],
+            env={**env, "PATH": path, "LLAMA_REPO_DIR": str(REPO), "NPROC_PER_NODE": "1"},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        winner.stdin.close()
+        winner.wait()
+    assert loser.returncode == 2, loser.stderr
+    assert "Traceback" not in loser.stderr and "ChildFailedError" not in loser.stderr
+    [line] = [ln for ln in loser.stderr.splitlines() if "error" in ln.lower()]
+    assert line.startswith(f"train.py: error: {run} is in use by another run (pid {winner.pid} ")

@@ -139,5 +139,5 @@ def test_train_refuses_an_optimizer_change_on_resume(
     assert stderr.strip().splitlines() == [
         f"train.py: error: checkpoint {path} belongs to another run: --optimizer adamw8bit -> "
         "adamw_fp8 (saved -> this run); resume with the saved values, or start a new run in "
-        "another --output_dir (1.train_llama.sbatch: another RUN_NAME)"
+        "another folder (RUN_NAME=NAME with 1.train_llama.sbatch, --output_dir DIR with train.py)"
     ]

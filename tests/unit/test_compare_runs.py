@@ -259,6 +259,9 @@ def test_png_has_the_expected_size_and_the_plotted_data_is_the_input(two_runs, t
     loss_ax, gap_ax, speed_ax, bar_ax = fig.axes
     assert fig.get_suptitle() == "CPU demo" and labels == ["bf16 hf", "fp8 tensorwise hf"]
     lines = {ln.get_label(): ln for ln in loss_ax.get_lines()}
+    first, second = (lines[f"{label} train"] for label in labels)
+    assert first.get_linewidth() > second.get_linewidth()  # the first stays visible under
+    assert first.get_linestyle() == "-" and second.get_linestyle() == "--"
     for label, rows, val in (
         ("bf16 hf", BF16, VAL["bf16"]),
         ("fp8 tensorwise hf", FP8, VAL["fp8"]),
@@ -331,17 +334,28 @@ def test_the_breakdown_of_a_run_without_traces_is_one_line(two_runs, tmp_path, c
     assert not (tmp_path / "o.png").exists()
 
 
-def test_a_run_is_labelled_by_what_it_trained_first(tmp_path) -> None:
-    """A resume writes another run record; before resumes refused a precision change, one that
-    flipped --fp8 re-labelled the FP8 run as bf16 (the last record won)."""
+def test_a_run_is_never_labelled_by_another_runs_records(tmp_path) -> None:
+    """A resume writes another run record of the same run: labelled by the first. A file or
+    log holding a second identity (another precision, another --checkpoint_dir) used to be
+    labelled by the first run's flags, its bf16 steps shown as fp8: refused, naming the line."""
     run_dir = write_run_dir(tmp_path / "r", FP8, VAL["fp8"], info(fp8=True))
     with open(run_dir / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({**info(), "kind": "run"}) + "\n")
+        f.write(json.dumps({**info(fp8=True), "kind": "run"}) + "\n")  # the run resumed
     assert cr.default_labels([cr.load_run(run_dir)]) == ["fp8 tensorwise hf"]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({**info(), "kind": "run"}) + "\n")
+    with pytest.raises(cr.CompareError) as refused:
+        cr.load_run(run_dir)
+    assert str(refused.value) == (
+        f"{run_dir / 'metrics.jsonl'}: line {len(lines) + 1} starts another run (fp8 True, now "
+        f"False): the file holds two runs; split it at line {len(lines) + 1} and compare the parts"
+    )
     log = tmp_path / "slurm-5.out"
     lines = log_lines(FP8, VAL["fp8"], info(fp8=True)) + log_lines([], [], info())
     log.write_text("\n".join(lines) + "\n")
-    assert cr.default_labels([cr.load_run(log)]) == ["fp8 tensorwise hf"]
+    with pytest.raises(cr.CompareError, match=r"slurm-5.out: line \d+ starts another run \(fp8"):
+        cr.load_run(log)
 
 
 def test_a_ratio_of_two_cells_that_print_zero_is_not_printed() -> None:
@@ -469,3 +483,22 @@ def test_warmup_rule_is_train_py_s() -> None:
     assert run_log.SPEED_WARMUP_STEPS == cr.WARMUP_STEPS
     source = (ROOT / "model_utils" / "run" / "run_log.py").read_text()
     assert "min(SPEED_WARMUP_STEPS, config.run.max_steps // 2)" in source
+
+
+def test_the_default_picture_lands_in_the_last_run_folder_not_the_repo(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    """It was compare_runs.png in the current directory: run from the checkout, as the docs
+    show, it left an untracked file in the repository."""
+    bf16 = write_run_dir(tmp_path / "tiny-bf16", BF16, [], info())
+    fp8 = write_run_dir(tmp_path / "tiny-fp8", FP8, [], info(fp8=True))
+    monkeypatch.chdir(tmp_path)
+    assert cr.main([str(bf16), str(fp8)]) == 0
+    assert capsys.readouterr().out.endswith(f"Wrote {fp8 / 'compare_runs.png'}\n")
+    assert (fp8 / "compare_runs.png").is_file() and not (tmp_path / "compare_runs.png").exists()
+    log = tmp_path / "slurm-9.out"
+    log.write_text("\n".join(log_lines(FP8, [], info(fp8=True))) + "\n")
+    assert cr.main([str(bf16), str(log)]) == 0  # a log last: here, a git-ignored name
+    assert (tmp_path / "compare_runs.png").is_file()
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    assert "/compare_runs.png" in ignored

@@ -357,3 +357,29 @@ def test_bundled_corpus_and_tokenizer_work_offline():
     assert 0.03 < held_out / len(chapters) < 0.08  # ~5%: enough for the tiny preset's validation
     text = "In the beginning God created the heaven and the earth."
     assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+
+
+def test_the_data_fingerprint_sees_a_same_size_edit_in_a_sampled_block(tmp_path) -> None:
+    """Head and tail alone missed an edit in the middle that kept the size (a record fixed in
+    place): the sampled blocks see one that touches them; what no block touches is the stated
+    limit (docs/data.md); a fingerprint saved before the samples still matches its file."""
+    from model_utils.data import checks
+
+    corpus = tmp_path / "corpus.jsonl"
+    lines = [f'{{"text": "document {i:07d} ' + "x" * 90 + '"}\n' for i in range(40_000)]
+    corpus.write_text("".join(lines))
+    saved = checks.data_fingerprint(str(corpus))
+    size, block = corpus.stat().st_size, checks.FINGERPRINT_BYTES
+    sampled = (size - block) * 8 // (checks.FINGERPRINT_SAMPLES + 1) + 100
+    unsampled = sampled + block + 100  # between two sampled blocks (4 MB: gaps of ~170 KB)
+    with open(corpus, "r+b") as fh:
+        fh.seek(unsampled)
+        fh.write(b"y")
+    assert checks.data_change(saved, checks.data_fingerprint(str(corpus))) is None  # the limit
+    with open(corpus, "r+b") as fh:
+        fh.seek(sampled)
+        fh.write(b"y")
+    now = checks.data_fingerprint(str(corpus))
+    assert checks.data_change(saved, now) == "corpus.jsonl changed (same size, other contents)"
+    before_samples = {name: ":".join(v.split(":")[:2]) for name, v in now.items()}
+    assert checks.data_change(before_samples, now) is None

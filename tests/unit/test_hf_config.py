@@ -364,6 +364,23 @@ def test_a_folder_without_config_json_is_refused(tmp_path) -> None:
         parse_args([f"--init_from_hf={tmp_path}"])
 
 
+def test_a_config_json_missing_shape_fields_is_refused_naming_them(tmp_path) -> None:
+    """transformers fills a missing hidden_size with its own 4096: the refusal then spoke of a
+    value the file never held. Now it names the missing fields."""
+    import json
+
+    folder = save_config_only(tmp_path, **SMALL, **FAMILIES["llama3"])
+    raw = json.loads((folder / "config.json").read_text())
+    for key in ("hidden_size", "vocab_size", "num_key_value_heads"):
+        del raw[key]
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(UsageError) as refused:
+        parse_args([f"--init_from_hf={folder}", "--fp8=0"])
+    message = str(refused.value)
+    assert "\n" not in message and "4096" not in message
+    assert f"{folder / 'config.json'} has no hidden_size, vocab_size: " in message
+
+
 def test_the_checkpoints_tokenizer_is_the_default(tmp_path) -> None:
     """A HF folder with tokenizer files is the run's tokenizer unless --tokenizer is given."""
     import shutil

@@ -613,3 +613,37 @@ def test_format_table_three_runs_ratios_to_the_first() -> None:
     assert format_comparison(runs[0], runs[1], ("a", "b")) == format_table(runs[:2], ["a", "b"])
     with pytest.raises(ValueError, match="3 summaries for 1 names"):
         format_table(runs, ["one"])
+
+
+def test_another_run_never_appends_to_a_run_folders_metrics(tmp_path) -> None:
+    """One run identity per metrics.jsonl: a resume of the same run appends; a launch into the
+    same run folder with another --checkpoint_dir or precision (a resume of another run's
+    checkpoint) used to append too, and compare_runs labelled its records by the first run's
+    flags. Now the earlier file is kept aside and the new run starts its own."""
+    from helpers.runs import SMALL_LLAMA
+
+    from model_utils.config.arguments import parse_args
+    from model_utils.model import modeling
+    from model_utils.parallel import distributed
+    from model_utils.precision.backends import BF16
+    from model_utils.run.run_log import RunLog
+
+    def launch(*flags: str, start_step: int) -> None:
+        config = parse_args([*SMALL_LLAMA, f"--output_dir={tmp_path}", "--bf16=0", *flags])
+        model = LlamaForCausalLM(modeling.llama_config(config.model))
+        world = distributed.world_from_env({})
+        RunLog(config, model, BF16(config), world, torch.device("cpu"), start_step=start_step)
+
+    def runs(name: str = "metrics.jsonl") -> list[dict]:
+        lines = (tmp_path / name).read_text().splitlines()
+        return [r["flags"] for r in map(json.loads, lines) if r["kind"] == "run"]
+
+    launch(start_step=0)
+    launch(start_step=5)  # the same run resumed: its records go on in its file
+    assert len(runs()) == 2 and not (tmp_path / "metrics.1.jsonl").exists()
+    launch(f"--checkpoint_dir={tmp_path / 'elsewhere'}", start_step=5)
+    assert len(runs("metrics.1.jsonl")) == 2  # the first run's records, whole, beside
+    assert [r["checkpoint_dir"] for r in runs()] == [str(tmp_path / "elsewhere")]
+    launch(f"--checkpoint_dir={tmp_path / 'elsewhere'}", "--bf16=1", start_step=7)
+    assert [r["bf16"] for r in runs("metrics.2.jsonl")] == [False]
+    assert [r["bf16"] for r in runs()] == [True]

@@ -116,3 +116,20 @@ def test_every_precision_backend_is_one_interface(
     assert type(backend.te_recipe).__name__ == (fp8_recipe or "NoneType")
     members = {m for m in dir(precision.PrecisionBackend) if not m.startswith("_")}
     assert members <= set(dir(backend))
+
+
+def test_a_run_from_a_hf_folder_is_described_as_the_model_it_builds(tmp_path) -> None:
+    """An --init_from_hf run was "model: tiny" and "ready: --preset tiny" (the default preset's
+    name) while it built the checkpoint's model."""
+    from transformers import LlamaConfig
+
+    import train
+
+    shape = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4)
+    LlamaConfig(**shape, num_key_value_heads=2, intermediate_size=128).save_pretrained(tmp_path)
+    config = parse_args([f"--init_from_hf={tmp_path}", "--fp8=0"])
+    assert config.model_source == f"--init_from_hf {tmp_path} (3 layers, hidden 64)"
+    line = train.ready_line(config)
+    assert f"ready: --init_from_hf {tmp_path} (3 layers, hidden 64), bf16 on " in line
+    assert "--preset" not in line
+    assert parse_args([]).model_source == "--preset tiny"

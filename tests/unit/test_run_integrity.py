@@ -61,6 +61,36 @@ def test_a_folder_inside_or_around_a_live_run_is_refused_naming_the_holder(tmp_p
     run_lock.check_not_locked([inside, tmp_path / "runs"])  # a dead holder blocks nothing
 
 
+def test_a_link_or_another_spelling_of_a_live_runs_folder_is_that_folder(tmp_path: Path):
+    """Locks compare resolved paths: a symlink to a live run's checkpoints folder (or to its
+    run folder), or a spelling through `..`, used to pass, and two runs overwrote each other's
+    checkpoints."""
+    live = tmp_path / "runs" / "a"
+    (live / "checkpoints").mkdir(parents=True)
+    (tmp_path / "ckpt-link").symlink_to(live / "checkpoints")
+    (tmp_path / "run-link").symlink_to(live)
+    holder = _holder_in_another_process(live)
+    try:
+        for spelled, where in [
+            (tmp_path / "ckpt-link", "is inside"),
+            (tmp_path / "runs" / "x" / ".." / "a" / "checkpoints", "is inside"),
+        ]:
+            owned = run_lock.lock_dirs(str(tmp_path / "b"), str(spelled))
+            with pytest.raises(run_lock.RunLocked) as refused:
+                run_lock.check_not_locked(owned.values())
+            line = str(refused.value)
+            assert f"{where} {live}, which is in use by another run (pid {holder.pid} " in line
+            assert "\n" not in line
+        with pytest.raises(run_lock.RunLocked, match=f"which is {live}\\) is in use by"):
+            run_lock.check_not_locked([tmp_path / "run-link"])
+        with pytest.raises(run_lock.RunLocked, match=f"is inside {live}, which is in use"):
+            run_lock.check_not_locked([tmp_path / "run-link" / "checkpoints"])
+    finally:
+        holder.stdin.close()
+        holder.wait()
+    assert sorted(p.name for p in (live / "checkpoints").iterdir()) == []  # nothing written
+
+
 def test_the_lock_taken_after_start_up_also_covers_overlaps(tmp_path: Path) -> None:
     """validate() only looks; a run that took a folder around this one's in between is still
     refused when rank 0 takes its locks, and leaves no folder of its own behind."""
@@ -213,6 +243,66 @@ def test_keep_last_never_prunes_a_verified_checkpoint_for_an_unverified_one(tmp_
     assert names == [checkpoint_name(s) for s in (2, 3, 4)]  # 2 kept; 3 takes no slot
 
 
+def _malform(path: Path, form: str) -> None:
+    """Rewrite checkpoint `path`'s table in one malformed `form` and zero a megabyte of its
+    weights: a table that proves nothing about damage it cannot see."""
+    import json
+
+    from model_utils import checkpoint as ck
+    from model_utils.checkpoint.manifest import MARKER
+
+    marker = ck.read_marker(path)
+    files = marker["files"]
+    if form == "no sha256":  # sizes only: every file listed, no checksum
+        marker["files"] = {name: {"bytes": sums["bytes"]} for name, sums in files.items()}
+    elif form == "null sha256":
+        marker["files"] = {name: {**sums, "sha256": None} for name, sums in files.items()}
+    elif form == "sizes as text":
+        marker["files"] = {
+            name: {**sums, "bytes": str(sums["bytes"])} for name, sums in files.items()
+        }
+    elif form == "a list":
+        marker["files"] = sorted(files)
+    (path / MARKER).write_text(json.dumps(marker))
+    shard = next(path.glob("__0_*.distcp"))
+    with open(shard, "r+b") as fh:
+        fh.seek(1000)
+        fh.write(b"\0" * min(2**20, shard.stat().st_size - 1000))
+
+
+MALFORMED = ["no sha256", "null sha256", "sizes as text", "a list"]
+
+
+@pytest.mark.parametrize("form", MALFORMED)
+def test_a_malformed_checksum_table_is_unverified_everywhere(
+    tmp_path: Path, form: str, caplog, capsys
+) -> None:
+    """Verified means every file a load reads has a recorded checksum that matched: a table
+    of sizes only used to pass as verified, so a corrupted newest checkpoint was resumed and
+    exported without a word and the clean one pruned. Any malformed table is unverified, with
+    an unverified checkpoint's consequences: `auto` and the converter pass it by, by path it
+    loads with a warning, keep-last gives it no slot."""
+    from model_utils import checkpoint as ck
+    from model_utils.checkpoint.manifest import checkpoint_name, resume_candidate
+    from scripts import convert_checkpoint
+
+    ckpt = _save(tmp_path, [1, 2], keep_last=2)
+    newest = tmp_path / checkpoint_name(2)
+    _malform(newest, form)
+    assert ck.unverified_reason(newest) is not None
+    assert resume_candidate("auto", tmp_path) == tmp_path / checkpoint_name(1)
+    assert convert_checkpoint.pick_checkpoint(str(tmp_path))[0] == tmp_path / checkpoint_name(1)
+    _save(tmp_path, [3], keep_last=2)  # keep-last: 1 and 3 verified, 2 takes no slot
+    assert [p.name for p in ck.complete_checkpoints(tmp_path)] == [
+        checkpoint_name(s) for s in (1, 2, 3)
+    ]
+    with caplog.at_level("WARNING"):
+        assert ckpt.resolve_intact(str(newest)) == newest
+    assert _warnings(caplog) == [
+        f"Loading {newest} unverified, as named: {ck.unverified_reason(newest)}"
+    ]
+
+
 @pytest.mark.parametrize("lost", [".metadata", "checkpoint.json"])
 def test_a_newest_checkpoint_missing_a_file_is_set_aside_and_named(
     tmp_path: Path, lost: str, caplog
@@ -316,3 +406,99 @@ def test_convert_checkpoint_trusts_an_unverified_checkpoint_only_by_name(
         f"convert_checkpoint.py: warning: converting {newer} unverified, as named: "
         f"{newer / MARKER} records no checksums\n"
     )
+
+
+# ============================================================================================
+# 8. A disk that fills during an export: one line, nothing left, the weights' checkpoint named
+
+
+@pytest.fixture
+def files_capped():
+    """Cap every file this process writes at `nbytes` (RLIMIT_FSIZE, SIGXFSZ ignored: a write
+    past it fails with EFBIG, as a full disk fails one with ENOSPC), restored afterwards."""
+    import resource
+    import signal
+
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    def cap(nbytes: int) -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, old[1]))
+
+    yield cap
+    resource.setrlimit(resource.RLIMIT_FSIZE, old)
+    signal.signal(signal.SIGXFSZ, handler)
+
+
+def test_a_converter_export_cut_short_leaves_nothing_and_names_the_checkpoint(
+    tmp_path: Path, files_capped, capsys
+) -> None:
+    from helpers.checkpoints import convert_refused, save_llama_checkpoints
+
+    [path] = save_llama_checkpoints(tmp_path / "ckpt", (1,))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's")
+    files_capped(1536 * 1024)  # config and tokenizer fit; the weights do not
+    for out in (tmp_path / "new" / "hf", mine):
+        argv = [str(path), str(out), "--max_shard_size_mb", "1"]
+        line = convert_refused(argv, capsys, status=1)
+        assert line.startswith(f"convert_checkpoint.py: error: writing {out} failed: ")
+        assert line.rstrip("\n").endswith(
+            f"what was written is removed, and the weights are still in the checkpoint {path}"
+        )
+    assert not (tmp_path / "new").exists()
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]  # no hidden parts left
+
+
+def test_train_export_cut_short_leaves_nothing_and_names_the_checkpoint(
+    tmp_path: Path, files_capped
+) -> None:
+    """--export_hf at the end of a run (checkpoint.export_hf, as train.py calls it): the hidden
+    parts and staged files it wrote used to stay behind."""
+    from helpers.runs import SMALL_LLAMA
+    from transformers import LlamaForCausalLM
+
+    from model_utils import checkpoint as ck
+    from model_utils import data
+    from model_utils.config import arguments
+    from model_utils.model import modeling
+
+    args = arguments.parse_args(SMALL_LLAMA)
+    model = LlamaForCausalLM(modeling.llama_config(args.model))
+    tokenizer = data.load_tokenizer(args.data.tokenizer)
+    kept = tmp_path / "ckpt" / "step_00000009"
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's")
+    files_capped(1536 * 1024)
+    for out in (tmp_path / "new" / "hf", mine):
+        with pytest.raises(ck.CheckpointWriteError) as failed:
+            ck.export_hf(model, model.config, out, tokenizer, max_shard_bytes=2**20, kept=kept)
+        line = str(failed.value)
+        assert line.startswith(f"the Hugging Face export to {out} failed: ") and "\n" not in line
+        assert f"(what it wrote is removed); the checkpoint {kept} holds the same" in line
+    assert not (tmp_path / "new").exists()
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+
+
+def test_the_converter_names_a_damaged_newest_step_it_passes_over(tmp_path: Path, capsys):
+    """As train.py's `auto` names it: a newest step_N missing its .metadata was skipped without
+    a word (only complete checkpoints were looked at)."""
+    from helpers.checkpoints import convert_refused, save_llama_checkpoints
+
+    from scripts import convert_checkpoint
+
+    folder = tmp_path / "ckpt"
+    older, newer = save_llama_checkpoints(folder, (1, 2))
+    (newer / ".metadata").unlink()
+    assert convert_checkpoint.main([str(folder), str(tmp_path / "hf")]) == 0
+    stdout, stderr = capsys.readouterr()
+    assert stdout.startswith(f"{older} (step 1, newest intact in {folder})")
+    assert stderr == (
+        f"convert_checkpoint.py: warning: skipped the damaged checkpoint {newer.name}: "
+        f"checkpoint {newer} has no .metadata: not a DCP checkpoint or not finished\n"
+    )
+    (older / "checkpoint.json").unlink()
+    line = convert_refused([str(folder), str(tmp_path / "hf2")], capsys)
+    assert f"every checkpoint in {folder} is damaged (newest {newer.name}: " in line

@@ -156,3 +156,30 @@ def test_a_tokenizer_staged_before_is_reused_and_another_of_its_name_refused(
     err = refused(argv, capsys)
     assert f"{out / 'tokenizers' / 'tokenizer'} holds another tokenizer" in err
     assert staged.stat().st_mtime_ns == mtime and not (out / "three").exists()
+
+
+def test_a_hub_dataset_it_cannot_reach_is_one_quick_line(tmp_path, capsys, monkeypatch) -> None:
+    """The same one look-up train.py makes of a hub name, before the tokenizer or any file:
+    staging went on to the datasets library, which retried for minutes, page after page."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    out = tmp_path / "stage"
+    err = refused(stage_argv(out, "someone/no-such-corpus"), capsys)
+    assert err.startswith(
+        "stage_data.py: error: --dataset someone/no-such-corpus: no local file or folder of that "
+        "name, and hub look-ups are off (HF_DATASETS_OFFLINE=1)"
+    )
+    assert not out.exists()
+
+
+def test_a_hub_that_does_not_answer_is_one_quick_line(tmp_path, capsys, monkeypatch) -> None:
+    import time
+
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    out = tmp_path / "stage"
+    started = time.monotonic()
+    err = refused(stage_argv(out, "someone/no-such-corpus"), capsys)
+    assert time.monotonic() - started < 30
+    assert "and the Hugging Face hub (http://127.0.0.1:9) did not answer within " in err
+    assert not out.exists()

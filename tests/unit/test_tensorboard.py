@@ -3,6 +3,7 @@ TensorBoard's own reader; a resume purges the steps it re-runs."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from helpers.tensorboard_events import flags_text, read_events, series
@@ -47,11 +48,16 @@ def test_scalars_are_every_number_of_a_record_by_kind() -> None:
     ]
 
 
-def test_writer_round_trip_and_resume_purges_the_rerun_steps(tmp_path: Path) -> None:
+def test_writer_round_trip_and_resume_purges_the_rerun_steps(tmp_path: Path, caplog) -> None:
     def record(step: int, loss: float) -> dict:
         return {"kind": "train", "step": step, "loss": loss, "time": 1000.0 + step}
 
-    board = TensorBoardLog(tmp_path, enabled=True)
+    with caplog.at_level("INFO"):
+        board = TensorBoardLog(tmp_path, enabled=True)
+    assert (  # where the events go, and a command that opens the run's (and earlier ones')
+        f"TensorBoard events go to {tmp_path}; to watch them: {sys.executable} -m "
+        f"tensorboard.main --logdir {tmp_path.parent} (then open http://localhost:6006)"
+    ) in caplog.messages
     board.flags(metrics.run_record({"fp8": True}, world_size=2, samples_per_step=16))
     for step in range(1, 6):
         board.write(record(step, 10.0 - step))

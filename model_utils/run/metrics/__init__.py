@@ -33,7 +33,9 @@ from model_utils.run.metrics.meter import StepMeter, remaining_seconds, step_met
 from model_utils.run.metrics.records import (
     JsonlWriter,
     detail_line,
+    first_run_record,
     format_duration,
+    identity_change,
     read_jsonl,
     run_line,
     run_record,
@@ -54,6 +56,8 @@ __all__ = [
     "JsonlWriter",
     "StepMeter",
     "detail_line",
+    "first_run_record",
+    "identity_change",
     "device_sync",
     "flops_per_token",
     "format_comparison",

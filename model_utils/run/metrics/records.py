@@ -30,6 +30,43 @@ def run_record(
     }
 
 
+# What makes a run's records one run's: the precision an fp8/bf16 A/B compares and where its
+# checkpoints go (another --checkpoint_dir is another run, even in one run folder). A resume
+# keeps these (checkpoint/compat.py refuses a precision change).
+IDENTITY_FLAGS = ("fp8", "bf16", "model_impl", "fp8_recipe", "checkpoint_dir")
+
+
+def identity_change(before: Mapping[str, Any] | None, now: Mapping[str, Any]) -> str | None:
+    """How run record `now` is another run than `before` (``fp8 True, now False``), or None:
+    the first of IDENTITY_FLAGS that differs, folders compared by where they lead."""
+    if not before or "flags" not in before or "flags" not in now:
+        return None
+    for name in IDENTITY_FLAGS:
+        old, new = before["flags"].get(name), now["flags"].get(name)
+        if name == "checkpoint_dir" and old is not None and new is not None:
+            same = Path(str(old)).resolve() == Path(str(new)).resolve()
+        else:
+            same = old == new
+        if not same:
+            return f"{name} {old}, now {new}"
+    return None
+
+
+def first_run_record(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The first ``run`` record of a metrics file (what its run trained with), None if it has
+    none or cannot be read as JSON lines."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                with contextlib.suppress(ValueError):
+                    record = json.loads(line)
+                    if isinstance(record, dict) and record.get("kind") == "run":
+                        return record
+    except OSError:
+        return None
+    return None
+
+
 def validation_record(
     *, step: int, val_loss: float, batches: int, seconds: float
 ) -> dict[str, Any]:
