@@ -87,12 +87,13 @@ def dump_flight_recorder(rank: int) -> Path | None:
     prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
     if not prefix:
         return None
-    try:
-        from torch._C._distributed_c10d import _dump_nccl_trace
-    except ImportError:  # a build without NCCL
+    import torch._C._distributed_c10d as c10d
+
+    dump = getattr(c10d, "_dump_nccl_trace", None) or getattr(c10d, "_dump_fr_trace", None)
+    if dump is None:  # a build without NCCL
         return None
     path = Path(f"{prefix}{rank}")
-    path.write_bytes(_dump_nccl_trace())
+    path.write_bytes(dump())
     return path
 
 

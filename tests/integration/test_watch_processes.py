@@ -27,7 +27,10 @@ from helpers.runs import SMALL_LLAMA, losses, records, run_train
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 60
-THRESHOLD = "1.25"  # two hogs give the hogged rank ~3x the busy time of the other: ~1.5x median
+# Three hogs give the hogged rank a quarter of its core: ~4x the other's busy time, ~1.6x the
+# median of two; an unhogged pair stays within ~1.1x on a loaded 2-core machine.
+THRESHOLD = "1.35"
+HOGS = 3
 HANG_S = 4
 ARGV = [
     *SMALL_LLAMA,
@@ -39,7 +42,7 @@ ARGV = [
     "--warmup",
     "2",
     "--logging_freq",
-    "3",
+    "5",
     "--checkpoint_freq",
     "4",
     "--keep_last",
@@ -122,11 +125,11 @@ def steady(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 @pytest.fixture(scope="module")
 def hung(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Rank 1 slowed by two CPU hogs on its core until it is named, then stopped (SIGSTOP)
+    """Rank 1 slowed by CPU hogs on its core until it is named, then stopped (SIGSTOP)
     once a checkpoint is out; rank 0's watchdog ends the job; rank 1 is then continued."""
     out = tmp_path_factory.mktemp("watch") / "hung"
     hog = [sys.executable, "-c", "while True: pass"]
-    hogs = [start_pinned(hog, cores()[1], out.parent / f"hog{i}.log") for i in range(2)]
+    hogs = [start_pinned(hog, cores()[1], out.parent / f"hog{i}.log") for i in range(HOGS)]
     procs, logs = start_ranks(out, "--hang_timeout", str(HANG_S))
     try:
         named = "slow rank: rank 1"
@@ -155,7 +158,7 @@ def test_no_slow_rank_is_named_when_no_rank_is_slowed(steady: tuple[Path, str]) 
     out, log0 = steady
     assert "slow rank:" not in log0
     ratios = [r["slowest_rank_ratio"] for r in records(out)]
-    assert len(ratios) == STEPS // 3 and max(ratios) < float(THRESHOLD), ratios
+    assert len(ratios) == STEPS // 5 and max(ratios) < float(THRESHOLD), ratios
     assert not any(r["slow_rank_named"] for r in records(out))
     assert "slow ranks" not in log0
 
@@ -179,7 +182,8 @@ def test_a_stopped_rank_makes_the_other_write_its_stacks_and_end(hung: dict) -> 
     text = stacks.read_text()
     assert "no training step done for" in text and 'File "' in text, text
     assert "train.py" in text  # the main thread's stack reaches the training loop
-    assert not (out / "hang" / "stacks.rank1.txt").exists()  # it was stopped: nothing ran
+    # Rank 1, continued, ends too: by its own watchdog (its clock ran on while it was stopped,
+    # its stacks show where it stood) or by the collective its peer left.
     assert f"its Python stacks are in {stacks}" in log0
 
 
