@@ -157,12 +157,7 @@ def train(
     optimizer, scheduler = build_optimizer(model, config, device, backend)
     log.info("optimizer: %s", optim.describe(optimizer))
     ckpt, state, config = restore(config, model, optimizer, scheduler, stream, backend, explicit)
-    hang = watchdog.Watchdog(
-        config.run.hang_timeout,
-        config.run.output_dir,
-        world.rank,
-        flight_recorder=device.type == "cuda",
-    )
+    hang = watchdog.for_run(config.run, world.rank, device)  # --hang_timeout
     run_log = RunLog(config, model, backend, world, device, start_step=state.step, watchdog=hang)
 
     guard = guards.StepGuard(device)

@@ -39,6 +39,21 @@ def evaluate(model, batches, backend, device) -> float:
     return (total[0] / total[1]).item()
 
 
+def step_meter(config, model, world_size: int, device, warmup: int) -> metrics.StepMeter:
+    """The run's step meter: model FLOPs, the device's bf16 peak, its sync."""
+    peak, peak_label = metrics.peak_bf16_tflops(device)
+    return metrics.StepMeter(
+        metrics.model_flops_per_token(model.config, config.model.max_context_width),
+        world_size,
+        peak,
+        peak_label,
+        metrics.peak_memory_label(device),
+        sync=metrics.device_sync(device),
+        max_steps=config.run.max_steps,
+        warmup_steps=warmup,
+    )
+
+
 class RunLog:
     """Rank 0's view of the run: the start-up lines, the seed log line, the detail line, JSONL
     and the summary.
@@ -65,19 +80,7 @@ class RunLog:
         self.config, self.device, self.samples = config, device, samples_per_step
         self.is_main = world.is_main
         self.warmup = min(SPEED_WARMUP_STEPS, config.run.max_steps // 2)
-        if meter is None:
-            peak, peak_label = metrics.peak_bf16_tflops(device)
-            meter = metrics.StepMeter(
-                metrics.model_flops_per_token(model.config, config.model.max_context_width),
-                world.world_size,
-                peak,
-                peak_label,
-                metrics.peak_memory_label(device),
-                sync=metrics.device_sync(device),
-                max_steps=config.run.max_steps,
-                warmup_steps=self.warmup,
-            )
-        self.meter = meter
+        self.meter = meter or step_meter(config, model, world.world_size, device, self.warmup)
         self.watchdog = watchdog  # watchdog.Watchdog: told of every step, paused with the meter
         threshold = config.run.slow_rank_threshold
         self.ranks = slow_rank.RankTimes(world.world_size if threshold else 1, device, threshold)

@@ -188,3 +188,9 @@ class Watchdog:
         for handler in logging.getLogger().handlers:
             handler.flush()
         os._exit(EXIT_HUNG)
+
+
+def for_run(run, rank: int, device) -> Watchdog:
+    """The watchdog of a run's RunConfig (the Flight Recorder is dumped on CUDA, where NCCL
+    records it)."""
+    return Watchdog(run.hang_timeout, run.output_dir, rank, flight_recorder=device.type == "cuda")
