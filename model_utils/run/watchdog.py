@@ -119,7 +119,6 @@ class Watchdog:
     def start(self) -> None:
         if not self.enabled:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._last = time.monotonic()
         self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
         self._thread.start()
@@ -165,6 +164,7 @@ class Watchdog:
     def _fire(self, idle: float) -> None:
         """Stacks to the file, one line to the log, the rank ends (no Python cleanup: the main
         thread is the one stuck)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "w") as out:
             out.write(f"rank {self.rank}: no training step done for {idle:.0f} s\n")
             out.flush()
