@@ -26,7 +26,7 @@ from helpers.procs import free_port, launch_report, rank_env
 from helpers.runs import SMALL_LLAMA, losses, records, run_train
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 60
+STEPS = 30
 # Three hogs give the hogged rank a quarter of its core: ~4x the other's busy time, ~1.6x the
 # median of two; an unhogged pair stays within ~1.1x on a loaded 2-core machine.
 THRESHOLD = "1.35"
@@ -44,7 +44,7 @@ ARGV = [
     "--logging_freq",
     "5",
     "--checkpoint_freq",
-    "4",
+    "10",
     "--keep_last",
     "0",
     "--slow_rank_threshold",
@@ -125,18 +125,23 @@ def steady(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 @pytest.fixture(scope="module")
 def hung(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Rank 1 slowed by CPU hogs on its core until it is named, then stopped (SIGSTOP)
-    once a checkpoint is out; rank 0's watchdog ends the job; rank 1 is then continued."""
+    """Rank 1 slowed by CPU hogs on its core until it is named, then stopped (SIGSTOP) right
+    after the checkpoint of step 10; rank 0's watchdog ends the job; rank 1 is then continued."""
     out = tmp_path_factory.mktemp("watch") / "hung"
     hog = [sys.executable, "-c", "while True: pass"]
-    hogs = [start_pinned(hog, cores()[1], out.parent / f"hog{i}.log") for i in range(HOGS)]
     procs, logs = start_ranks(out, "--hang_timeout", str(HANG_S))
-    try:
+    hogs: list[subprocess.Popen] = []
+    try:  # the hogs from the first step on: a hogged start-up would only cost time
+        started = "hang watchdog:"
+        wait_for(lambda: started in logs[0].read_text(), procs, "the training loop", logs[0])
+        hogs += [start_pinned(hog, cores()[1], out.parent / f"hog{i}.log") for i in range(HOGS)]
         named = "slow rank: rank 1"
         wait_for(lambda: named in logs[0].read_text(), procs, "slow-rank line", logs[0])
         stop_all(hogs)
-        first = out / "checkpoints" / "step_00000004"
-        wait_for(first.exists, procs, "checkpoint at step 4", logs[0])
+        # Stopped between saves (a save is not timed: a hang there is --dist_timeout's), with
+        # 10 steps to spare before the next one
+        saved = "Checkpoint step 10 saved"
+        wait_for(lambda: saved in logs[0].read_text(), procs, "checkpoint at step 10", logs[0])
         os.kill(procs[1].pid, signal.SIGSTOP)
         stopped = time.monotonic()
         procs[0].wait(timeout=HANG_S + 60)
@@ -192,7 +197,7 @@ def test_the_checkpoint_before_a_hang_resumes_exactly(steady, hung: dict) -> Non
     kept = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
     assert kept, "no checkpoint before the hang"
     saved = int(kept[-1].removeprefix("step_"))
-    assert saved < STEPS
+    assert 10 <= saved < STEPS
     result = run_train(*ARGV, "--output_dir", str(out), "--resume_from_checkpoint", "auto", nproc=2)
     assert result.returncode == 0, launch_report(result)
     resumed, reference = losses(out), losses(steady[0])
