@@ -28,7 +28,7 @@ from model_utils.model import modeling
 from model_utils.parallel import distributed
 from model_utils.precision import backends as precision
 from model_utils.precision import master_weights
-from model_utils.run import guards, outputs, run_lock
+from model_utils.run import guards, outputs, run_lock, watchdog
 from model_utils.run.profiling import RunProfiler, StepOutOfMemory
 from model_utils.run.run_log import RunLog
 from model_utils.run.step import train_step
@@ -157,7 +157,8 @@ def train(
     optimizer, scheduler = build_optimizer(model, config, device, backend)
     log.info("optimizer: %s", optim.describe(optimizer))
     ckpt, state, config = restore(config, model, optimizer, scheduler, stream, backend, explicit)
-    run_log = RunLog(config, model, backend, world, device, start_step=state.step)
+    hang = watchdog.for_run(config.run, world.rank, device)  # --hang_timeout
+    run_log = RunLog(config, model, backend, world, device, start_step=state.step, watchdog=hang)
 
     guard = guards.StepGuard(device)
     reads = data.ReadGuard(stream, config.data.text_column, world.world_size)
@@ -165,6 +166,7 @@ def train(
     run_log.meter.start()
     start_step = state.step
     profiler = RunProfiler(config.run, world.rank, world.world_size, device, state.step)
+    hang.start()
     try:
         with profiler:  # --profile_steps, --memory_snapshot_step; an OOM: one line
             while state.step < config.run.max_steps:
@@ -172,7 +174,8 @@ def train(
                     model, optimizer, scheduler, backend, reads.next, config, device, reads.all_read
                 )
                 if not done.stepped:  # a bad read: the step is dropped, the last full one saved
-                    stop_on_bad_read(reads, world, ckpt, state, guard, model, start_step)
+                    with run_log.paused():
+                        stop_on_bad_read(reads, world, ckpt, state, guard, model, start_step)
                 state.step += 1
                 guard.observe(state.step, done.loss, done.grad_norm)  # on the device, no sync
                 run_log.step(state.step, done.loss, done.lr, done.data_wait)
@@ -180,12 +183,16 @@ def train(
                 if config.run.validation_freq and state.step % config.run.validation_freq == 0:
                     run_log.validation(state.step, model, val_batches, backend)
                 if step_boundary(config, state, ckpt, guard, model, run_log, preemption.requested):
-                    ckpt.save(state.step, state, block=True)
+                    with run_log.paused():
+                        ckpt.save(state.step, state, block=True)
                     log.info("Preemption signal received: checkpoint saved at step %d", state.step)
                     return
+        hang.close()  # the last validation, save and export are not training steps
         finish(config, model, backend, ckpt, state, guard, run_log, val_batches, tokenizer)
     except guards.Diverged as exc:  # here: the lr in the line is the one in use after a resume
         guards.exit_diverged(exc, config.optim.lr, world.is_main)
+    finally:
+        hang.close()
 
 
 def stop_on_bad_read(reads, world, ckpt, state, guard, model, start_step: int) -> None:
@@ -210,7 +217,7 @@ def step_boundary(config, state, ckpt, guard, model, run_log, stop_requested: bo
         return False
     stop = guards.check_step(guard, ckpt, state.step, model, stop_requested, save_now)
     if save_now:
-        with run_log.meter.paused():
+        with run_log.paused():
             ckpt.save(state.step, state)
     return stop
 
@@ -303,6 +310,8 @@ def main(argv: list[str] | None = None) -> None:
     if not world.is_main:
         logging.getLogger().setLevel(logging.WARNING)
     device = distributed.device_for(world)
+    if device.type == "cuda":  # NCCL's Flight Recorder, into the run folder (docs/hangs.md)
+        watchdog.enable_flight_recorder(config.run.output_dir, world.rank)
     distributed.init(world, device, config.parallel.dist_timeout)
     locks: list[run_lock.RunLock] = []
     try:

@@ -213,6 +213,23 @@ def _run_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:
         "N and at an out-of-memory error (0: at an OOM only) to <output_dir>/memory/; open it "
         "at https://pytorch.org/memory_viz (default: off)",
     )
+    flag(
+        "slow_rank_threshold",
+        type=float,
+        default=1.5,
+        metavar="RATIO",
+        help="at report steps, a W line names the rank (and node) whose busy time per step is "
+        "more than RATIO x the ranks' median (docs/hangs.md); 0 = off",
+    )
+    flag(
+        "hang_timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="no step done for SECONDS: every rank writes its Python stacks to "
+        "<output_dir>/hang/ and exits (docs/hangs.md); default 20x the measured step time, at "
+        "least 300 s; 0 = off",
+    )
 
 
 def _parallel_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:

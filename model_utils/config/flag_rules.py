@@ -158,6 +158,15 @@ def _check_numbers(args: argparse.Namespace) -> None:
             f"--max_context_width must be >= 2 (one token has no next token to predict), got "
             f"{args.max_context_width}"
         )
+    ratio = args.slow_rank_threshold
+    if not (ratio == 0 or (math.isfinite(ratio) and ratio > 1)):
+        raise UsageError(
+            f"--slow_rank_threshold is a ratio to the median step time: > 1, or 0 for off; got "
+            f"{ratio:g}"
+        )
+    hang = args.hang_timeout
+    if hang is not None and not (math.isfinite(hang) and hang >= 0):
+        raise UsageError(f"--hang_timeout must be >= 0 seconds (0: off), got {hang:g}")
     if args.checkpoint_freq < -1:
         raise UsageError(f"--checkpoint_freq must be >= -1, got {args.checkpoint_freq}")
     if not (0 <= args.beta1 < 1 and 0 <= args.beta2 < 1):

@@ -182,6 +182,8 @@ class RunConfig:
     # read back with them off.
     profile_steps: str | None = None  # "START:END", steps START..END inclusive
     memory_snapshot_step: int | None = None  # 0: at an out-of-memory error only
+    slow_rank_threshold: float = 1.5  # slowest/median busy time per step; 0: off
+    hang_timeout: float | None = None  # None: from the measured step time; 0: off
 
 
 #: Section name -> its type, in the pipeline's order (docs/flags.md's groups follow it).

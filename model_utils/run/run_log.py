@@ -7,15 +7,17 @@ recipe's log format (``[train.py:N]``) always has.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 from model_utils.errors import first_line, os_error_words
 from model_utils.model import modeling
-from model_utils.run import metrics, tensorboard_log
+from model_utils.run import metrics, slow_rank, tensorboard_log
 
 log = logging.getLogger("train")
 
@@ -37,6 +39,21 @@ def evaluate(model, batches, backend, device) -> float:
     return (total[0] / total[1]).item()
 
 
+def step_meter(config, model, world_size: int, device, warmup: int) -> metrics.StepMeter:
+    """The run's step meter: model FLOPs, the device's bf16 peak, its sync."""
+    peak, peak_label = metrics.peak_bf16_tflops(device)
+    return metrics.StepMeter(
+        metrics.model_flops_per_token(model.config, config.model.max_context_width),
+        world_size,
+        peak,
+        peak_label,
+        metrics.peak_memory_label(device),
+        sync=metrics.device_sync(device),
+        max_steps=config.run.max_steps,
+        warmup_steps=warmup,
+    )
+
+
 class RunLog:
     """Rank 0's view of the run: the start-up lines, the seed log line, the detail line, JSONL
     and the summary.
@@ -47,7 +64,15 @@ class RunLog:
     """
 
     def __init__(
-        self, config, model, backend, world, device, start_step: int = 0, meter=None
+        self,
+        config,
+        model,
+        backend,
+        world,
+        device,
+        start_step: int = 0,
+        meter=None,
+        watchdog=None,
     ) -> None:
         samples_per_step = (
             config.data.train_batch_size * config.optim.grad_accum_steps * world.world_size
@@ -55,19 +80,10 @@ class RunLog:
         self.config, self.device, self.samples = config, device, samples_per_step
         self.is_main = world.is_main
         self.warmup = min(SPEED_WARMUP_STEPS, config.run.max_steps // 2)
-        if meter is None:
-            peak, peak_label = metrics.peak_bf16_tflops(device)
-            meter = metrics.StepMeter(
-                metrics.model_flops_per_token(model.config, config.model.max_context_width),
-                world.world_size,
-                peak,
-                peak_label,
-                metrics.peak_memory_label(device),
-                sync=metrics.device_sync(device),
-                max_steps=config.run.max_steps,
-                warmup_steps=self.warmup,
-            )
-        self.meter = meter
+        self.meter = meter or step_meter(config, model, world.world_size, device, self.warmup)
+        self.watchdog = watchdog  # watchdog.Watchdog: told of every step, paused with the meter
+        threshold = config.run.slow_rank_threshold
+        self.ranks = slow_rank.RankTimes(world.world_size if threshold else 1, device, threshold)
         self.jsonl_path = f"{config.run.output_dir}/metrics.jsonl"
         run = metrics.run_record(
             config.as_dict(), world_size=world.world_size, samples_per_step=samples_per_step
@@ -117,13 +133,25 @@ class RunLog:
     def is_report_step(self, step: int) -> bool:
         return step % self.config.run.logging_freq == 0 or step == self.config.run.max_steps
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Work that is not training (validation, a checkpoint save): out of the window's time,
+        out of the ranks' busy times, not timed by the hang watchdog."""
+        watchdog = self.watchdog.paused() if self.watchdog else contextlib.nullcontext()
+        with watchdog, self.meter.paused(), self.ranks.paused():
+            yield
+
     def step(self, step: int, loss: torch.Tensor, lr: float, data_wait: float) -> None:
-        """Count every step; at report steps log the window since the previous report."""
+        """Count every step; at report steps log the window since the previous report, and
+        name the slowest rank if it is over --slow_rank_threshold."""
+        if self.watchdog:
+            self.watchdog.step_done()
         self.meter.add_step(
             data_wait_seconds=data_wait,
             samples=self.samples,
             tokens=self.samples * self.config.model.max_context_width,
         )
+        self.ranks.add_step(data_wait)
         if not self.is_report_step(step):
             return
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
@@ -136,11 +164,19 @@ class RunLog:
         )
         log.info(metrics.seed_line(step, loss_value, record["samples_per_sec"], lr), stacklevel=2)
         log.info(metrics.detail_line(record), stacklevel=2)
+        slow = self.ranks.gather()  # every rank: one all-gather of two numbers
+        if slow is not None:
+            record.update(slow_rank.record_fields(slow))
+            if slow.named and self.is_main:
+                line = slow_rank.slow_rank_line(step, record["window_steps"], slow)
+                log.warning(line, stacklevel=2)
+        if self.watchdog:
+            self.watchdog.measured(record["step_seconds"] / record["window_steps"])
         self._record(record)
         self.board.write(record)
 
     def validation(self, step: int, model, batches, backend) -> None:
-        with self.meter.paused():
+        with self.paused():
             start = time.perf_counter()
             val_loss = evaluate(model, batches, backend, self.device)
             seconds = time.perf_counter() - start
@@ -197,4 +233,6 @@ class RunLog:
             if self.records_lost_from:
                 lost = self.records_lost_from
                 title = f"Summary of what metrics.jsonl kept (it lost the records from {lost} on)"
-            log.info("\n" + metrics.format_summary(summary, title), stacklevel=2)
+            text = metrics.format_summary(summary, title)
+            slow = slow_rank.summary_line(records)
+            log.info("\n" + text + (f"\n{slow}" if slow else ""), stacklevel=2)

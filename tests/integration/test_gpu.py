@@ -625,3 +625,57 @@ def test_an_oversized_micro_batch_is_one_line_with_a_readable_snapshot(runs) -> 
         loaded = pickle.load(f)
     assert loaded["segments"] and "device_traces" in loaded
     assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step_00000001"]
+
+
+FLIGHT_RECORDER_WORKER = """
+import sys, time, torch, torch.distributed as dist
+from model_utils.parallel import distributed
+from model_utils.run import watchdog
+out = sys.argv[1]
+world = distributed.world_from_env()
+device = distributed.device_for(world)
+watchdog.enable_flight_recorder(out, world.rank)  # what train.main does on CUDA
+distributed.init(world, device, 60)
+for _ in range(3):
+    dist.all_reduce(torch.ones(1024, device=device))
+torch.cuda.synchronize()
+dog = watchdog.Watchdog(1.0, out, world.rank, flight_recorder=True)
+dog.start()
+time.sleep(60)  # no step: the watchdog writes the stacks and the recorder, and exits 4
+"""
+
+
+def test_flight_recorder_dumps_into_the_run_folder(tmp_path: Path) -> None:
+    """NCCL with the variables train.py sets: the hang watchdog's dump holds this rank's
+    collectives, lands in <run>/flight_recorder/rank_0, and PyTorch's analyser reads it."""
+    import pickle
+
+    from helpers.procs import free_port, rank_env
+
+    env = {**os.environ, **rank_env(0, 1, free_port()), "PYTHONPATH": str(ROOT)}
+    for name in list(env):
+        if name.startswith(("TORCH_FR_", "TORCH_NCCL_TRACE", "TORCH_NCCL_DEBUG_INFO")):
+            del env[name]  # the run folder's settings, not the machine's
+    result = subprocess.run(
+        [sys.executable, "-c", FLIGHT_RECORDER_WORKER, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
+    assert result.returncode == 4, launch_report(result)
+    assert (tmp_path / "hang" / "stacks.rank0.txt").read_text().count('File "') > 0
+    dump = tmp_path / "flight_recorder" / "rank_0"
+    assert f"NCCL Flight Recorder in {dump}" in result.stdout + result.stderr
+    entries = pickle.loads(dump.read_bytes())["entries"]
+    assert sum("all_reduce" in e["profiling_name"] for e in entries) >= 3, entries[:3]
+    analysed = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace"]
+        + [str(dump.parent), "--prefix", "rank_", "-j"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert analysed.returncode == 0, analysed.stdout[-2000:] + analysed.stderr[-2000:]
+    assert "all_reduce" in analysed.stdout + analysed.stderr
