@@ -150,3 +150,15 @@ def test_a_conflict_inside_a_recipe_names_the_recipe(tmp_path) -> None:
     with pytest.raises(UsageError) as typed:  # typed by the user: theirs, no recipe to name
         parse_args(["--recipe=llama3-8b-fp8", "--preset=llama3-8b", f"--init_from_hf={tmp_path}"])
     assert "from --recipe" not in str(typed.value)
+
+
+def test_the_recipes_expected_output_agrees_with_itself_within_its_tolerance() -> None:
+    """docs/recipes.md shows a log and a table of the same run: the step-1 loss in both must be
+    the same figure, and the page states the tolerance another machine's run is held to."""
+    import re
+
+    page = (ROOT / "docs" / "recipes.md").read_text()
+    [logged] = re.findall(r"Batch 1 Loss: ([\d.]+)", page)
+    [tabled] = re.findall(r"\| step-1 loss \| ([\d.]+) fp8 /", page)
+    assert logged == tabled
+    assert "Expect the step-1\nloss within ±0.001 of the table" in page
