@@ -10,16 +10,24 @@ TEST_WORKERS ?= 2
 .PHONY: demo test lint format clean
 
 $(BIN)/.installed: requirements.txt requirements-dev.txt pyproject.toml
+	@echo "make: installing the Python environment in $(VENV) (torch for CPU, transformers, torchao,"
+	@echo "      datasets, matplotlib, ruff, pytest; about 2.3 GB installed): several minutes the"
+	@echo "      first time (downloads), pip quiet until it is done. Later makes skip this step."
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# One pip call so torch==2.13.0 (local CPU wheel) constrains everything else.
 	$(BIN)/pip install --quiet -r requirements.txt -r requirements-dev.txt
 	# The recipe itself, editable and without dependencies (pinned above): scripts, benchmarks
-	# and torchrun workers import model_utils from wherever they run.
-	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
+	# and torchrun workers import model_utils from wherever they run. setuptools' banners (not
+	# errors) go to a log, shown only if the install fails.
+	@$(BIN)/pip install --quiet --no-deps --no-build-isolation -e . > $(VENV)/install-editable.log 2>&1 \
+		|| { cat $(VENV)/install-editable.log; exit 1; }
 	touch $@
+	@echo "make: environment ready: commands in README.md and docs/ run .venv/bin/python"
 
 demo: $(BIN)/.installed
+	@echo "make demo: trains the tiny preset twice on CPU (--fp8=0, then --fp8=1, emulated) and"
+	@echo "           compares them: about 2 minutes on 2 cores"
 	$(BIN)/python -m scripts.demo
 
 test: $(BIN)/.installed

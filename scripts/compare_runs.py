@@ -34,6 +34,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+try:  # run by path with a Python that lacks the environment: one line, not a traceback
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import model_utils  # noqa: F401
+except ModuleNotFoundError as missing:
+    print(
+        f"compare_runs.py: error: {sys.executable} has no module {missing.name!r}: run "
+        f".venv/bin/python -m scripts.compare_runs (the environment make creates)",
+        file=sys.stderr,
+    )
+    sys.exit(2)
 from model_utils.config.arguments import os_error_words
 from model_utils.config.sections import ModelShape, flag_fields, precision_name
 from model_utils.run import metrics

@@ -34,6 +34,18 @@ from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
+try:  # run by path with a Python that lacks the environment: one line, not a traceback
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import model_utils  # noqa: F401
+except ModuleNotFoundError as missing:
+    print(
+        f"stage_data.py: error: {sys.executable} has no module {missing.name!r}: run "
+        f".venv/bin/python -m scripts.stage_data (the environment make creates)",
+        file=sys.stderr,
+    )
+    sys.exit(2)
 from model_utils import data
 from model_utils.config.arguments import UsageError, apply_preset, build_parser, os_error_words
 from model_utils.config.flag_rules import value_problem

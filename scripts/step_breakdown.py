@@ -33,6 +33,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+try:  # run by path with a Python that lacks the environment: one line, not a traceback
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import model_utils  # noqa: F401
+except ModuleNotFoundError as missing:
+    print(
+        f"step_breakdown.py: error: {sys.executable} has no module {missing.name!r}: run "
+        f".venv/bin/python -m scripts.step_breakdown (the environment make creates)",
+        file=sys.stderr,
+    )
+    sys.exit(2)
+
 from model_utils.run.breakdown import RankBreakdown, read_rank
 from model_utils.run.trace_rules import CATEGORIES
 

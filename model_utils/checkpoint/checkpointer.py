@@ -399,6 +399,10 @@ class Checkpointer:
         self._restore_per_rank(state, targets, resharded, saved_world_size)
         converted_from = saved_layout if convert else None
         saved_config = state.saved_config or {}
+        if path.resolve().parent == Path(self.checkpoint_dir).resolve() and not resharded:
+            # This run's own checkpoint, loaded as saved: a run with nothing left to train (a
+            # finished run resumed to --export_hf) does not write it again.
+            self._last_saved_step = state.step if not convert else None
         return LoadResult(
             path, state.step, saved_world_size, resharded, saved_config, converted_from
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -381,16 +382,25 @@ def section_flags() -> dict[str | None, list[str]]:
 def parse_args(argv: list[str] | None = None) -> Config:
     """The one way to a run config: flags, preset, cross-flag rules, then the implementation
     (``auto`` probes TE and the GPU) and the FP8 recipe for its backend."""
-    from model_utils.config import flag_rules, hf_config, recipes
-    from model_utils.config.machine import (  # import torch; flags alone need not
-        has_cuda,
-        resolve_model_impl,
-    )
+    from model_utils.config import recipes
 
     given = sys.argv[1:] if argv is None else argv
     argv = with_recipes(given)
     args = build_parser().parse_args(argv)
     args.recipe = recipes.named(given)  # recorded: the run says which recipe it started from
+    try:
+        resolve(args, argv)
+    except UsageError as exc:
+        raise UsageError(recipe_origin(str(exc), given, args.recipe)) from exc
+    return Config.from_flat(vars(args))
+
+
+def resolve(args: argparse.Namespace, argv: list[str]) -> None:
+    """Preset, --init_from_hf's config.json, the cross-flag rules, the implementation and the
+    FP8 recipe, into `args` (UsageError for a combination that cannot run)."""
+    from model_utils.config import flag_rules, hf_config
+    from model_utils.config.machine import has_cuda, resolve_model_impl  # imports torch
+
     apply_preset(args)
     if args.init_from_hf:
         try:
@@ -409,7 +419,25 @@ def parse_args(argv: list[str] | None = None) -> Config:
         )
     args.fp8_recipe = flag_rules.resolve_fp8_recipe(args)
     flag_rules.check_recipe_options(args, explicit_flags(argv))
-    return Config.from_flat(vars(args))
+
+
+def recipe_origin(message: str, given: list[str], recipe: str | None) -> str:
+    """`message`, with the flags it names that the user did not type but `--recipe` set
+    said to come from the recipe: the user typed the recipe's name, not its flags."""
+    from model_utils.config import recipes
+
+    if not recipe:
+        return message
+    typed = [a for i, a in enumerate(given) if not _is_recipe_arg(given, i)]
+    supplied = explicit_flags(recipes.flags(recipe)) - explicit_flags(typed)
+    named = [f"--{n}" for n in sorted(supplied) if re.search(rf"--{n}\b(?!_)", message)]
+    return f"{message} ({', '.join(named)} from --recipe {recipe})" if named else message
+
+
+def _is_recipe_arg(argv: list[str], i: int) -> bool:
+    """Whether argv[i] is `--recipe`, `--recipe=NAME`, or the NAME after `--recipe`."""
+    arg = argv[i]
+    return arg == "--recipe" or arg.startswith("--recipe=") or (i > 0 and argv[i - 1] == "--recipe")
 
 
 def with_recipes(argv: list[str] | None) -> list[str]:

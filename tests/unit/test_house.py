@@ -15,9 +15,12 @@ from __future__ import annotations
 import ast
 import itertools
 import re
+import subprocess
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_FILE_LINES = 800
@@ -332,6 +335,26 @@ def test_every_documented_command_runs_the_venvs_python():
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     bare = [hit for page in pages for hit in bare_python_commands(page)]
     assert not bare, f"say .venv/bin/python (the environment make creates): {bare}"
+
+
+@pytest.mark.parametrize(
+    "script", ["compare_runs", "convert_checkpoint", "stage_data", "step_breakdown"]
+)
+def test_a_script_run_by_path_without_the_environment_says_so_in_one_line(script: str):
+    """`python3 scripts/X.py` with a Python that lacks torch (here: site-packages off, -S) was
+    a ModuleNotFoundError traceback."""
+    done = subprocess.run(
+        [sys.executable, "-S", str(ROOT / "scripts" / f"{script}.py"), "a", "b"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT.parent,
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (
+        f"{script}.py: error: {sys.executable} has no module 'torch': run .venv/bin/python -m "
+        f"scripts.{script} (the environment make creates)\n"
+    )
 
 
 def test_the_python_check_sees_a_bare_command(tmp_path, monkeypatch):

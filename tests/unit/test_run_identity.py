@@ -133,3 +133,32 @@ def test_a_run_from_a_hf_folder_is_described_as_the_model_it_builds(tmp_path) ->
     assert f"ready: --init_from_hf {tmp_path} (3 layers, hidden 64), bf16 on " in line
     assert "--preset" not in line
     assert parse_args([]).model_source == "--preset tiny"
+
+
+def test_a_conflict_inside_a_recipe_names_the_recipe(tmp_path) -> None:
+    """The user typed `--recipe llama3-8b-fp8`, not `--preset llama3-8b`: the refusal named a
+    flag they never wrote."""
+    from transformers import LlamaConfig
+
+    shape = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4)
+    LlamaConfig(**shape, num_key_value_heads=2, intermediate_size=128).save_pretrained(tmp_path)
+    with pytest.raises(UsageError) as refused:
+        parse_args(["--recipe", "llama3-8b-fp8", f"--init_from_hf={tmp_path}"])
+    message = str(refused.value)
+    assert "but --preset llama3-8b (" in message and "\n" not in message
+    assert message.endswith("(--preset from --recipe llama3-8b-fp8)")
+    with pytest.raises(UsageError) as typed:  # typed by the user: theirs, no recipe to name
+        parse_args(["--recipe=llama3-8b-fp8", "--preset=llama3-8b", f"--init_from_hf={tmp_path}"])
+    assert "from --recipe" not in str(typed.value)
+
+
+def test_the_recipes_expected_output_agrees_with_itself_within_its_tolerance() -> None:
+    """docs/recipes.md shows a log and a table of the same run: the step-1 loss in both must be
+    the same figure, and the page states the tolerance another machine's run is held to."""
+    import re
+
+    page = (ROOT / "docs" / "recipes.md").read_text()
+    [logged] = re.findall(r"Batch 1 Loss: ([\d.]+)", page)
+    [tabled] = re.findall(r"\| step-1 loss \| ([\d.]+) fp8 /", page)
+    assert logged == tabled
+    assert "Expect the step-1\nloss within ±0.001 of the table" in page

@@ -502,3 +502,27 @@ def test_the_converter_names_a_damaged_newest_step_it_passes_over(tmp_path: Path
     (older / "checkpoint.json").unlink()
     line = convert_refused([str(folder), str(tmp_path / "hf2")], capsys)
     assert f"every checkpoint in {folder} is damaged (newest {newer.name}: " in line
+
+
+def test_a_finished_run_resumed_to_export_does_not_save_its_checkpoint_again(tmp_path: Path):
+    """train.py's finish() saves the last step; a run resumed at --max_steps (only to write
+    --export_hf) used to write its own final checkpoint again: minutes for a large model, and
+    a moment in which the only copy was being replaced."""
+    import torch
+
+    from model_utils import checkpoint as ck
+    from model_utils.checkpoint.manifest import MARKER, checkpoint_name
+
+    _save(tmp_path, [1, 2])
+    final = tmp_path / checkpoint_name(2)
+    before = {p.name: p.stat().st_mtime_ns for p in final.iterdir()}
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    state = ck.TrainState(model, config={"seed": 1})
+    resumed = ck.Checkpointer(tmp_path)
+    resumed.load(final, state)
+    assert state.step == 2
+    assert resumed.save(2, state) == final  # nothing left to train: the same checkpoint
+    resumed.close()
+    assert {p.name: p.stat().st_mtime_ns for p in final.iterdir()} == before
+    assert (final / MARKER).is_file() and not list(tmp_path.glob(".tmp-*"))
