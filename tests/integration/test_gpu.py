@@ -652,7 +652,8 @@ def test_flight_recorder_dumps_into_the_run_folder(tmp_path: Path) -> None:
 
     from helpers.procs import free_port, rank_env
 
-    env = {**os.environ, **rank_env(0, 1, free_port()), "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, **rank_env(0, 1, free_port()), "PYTHONPATH": path}
     for name in list(env):
         if name.startswith(("TORCH_FR_", "TORCH_NCCL_TRACE", "TORCH_NCCL_DEBUG_INFO")):
             del env[name]  # the run folder's settings, not the machine's
