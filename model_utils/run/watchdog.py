@@ -53,30 +53,49 @@ def flight_recorder_prefix(output_dir: str | os.PathLike[str]) -> Path:
     return Path(output_dir).absolute() / "flight_recorder" / "rank_"
 
 
+#: The first torch that reads TORCH_FR_* (and warns, on every rank's stderr, about the older
+#: TORCH_NCCL_TRACE_BUFFER_SIZE / TORCH_NCCL_DEBUG_INFO_TEMP_FILE names it still honours).
+FR_NAMES_SINCE = (2, 7)
+
+
+def torch_release() -> tuple[int, int]:
+    import torch
+
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
 def flight_recorder_env(
-    output_dir: str | os.PathLike[str], env: Mapping[str, str]
+    output_dir: str | os.PathLike[str],
+    env: Mapping[str, str],
+    release: tuple[int, int] | None = None,
 ) -> dict[str, str]:
-    """The variables that turn on PyTorch's NCCL Flight Recorder into the run folder (those the
-    user set are kept). torch >= 2.7 reads TORCH_FR_*, older ones the TORCH_NCCL_* names; both
-    are set to the same values."""
+    """The variables that turn on PyTorch's NCCL Flight Recorder into the run folder, under the
+    names this torch ``release`` reads (values the user set, under either name, are kept)."""
     size = env.get("TORCH_FR_BUFFER_SIZE") or env.get("TORCH_NCCL_TRACE_BUFFER_SIZE")
     size = size or str(FLIGHT_RECORDER_ENTRIES)
     prefix = env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
     prefix = prefix or str(flight_recorder_prefix(output_dir))
+    new = (release or torch_release()) >= FR_NAMES_SINCE
+    size_name = "TORCH_FR_BUFFER_SIZE" if new else "TORCH_NCCL_TRACE_BUFFER_SIZE"
+    file_name = "TORCH_FR_DUMP_TEMP_FILE" if new else "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
     return {
-        "TORCH_FR_BUFFER_SIZE": size,
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": size,
+        size_name: size,
         "TORCH_NCCL_DUMP_ON_TIMEOUT": env.get("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
-        "TORCH_FR_DUMP_TEMP_FILE": prefix,
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
+        file_name: prefix,
     }
+
+
+def flight_recorder_file(env: Mapping[str, str]) -> str | None:
+    """The dump prefix in effect, under either name."""
+    return env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 
 
 def enable_flight_recorder(output_dir: str, rank: int) -> Path:
     """Before the NCCL process group starts: set the variables, make the folder; the file this
     rank's dump will have."""
     os.environ.update(flight_recorder_env(output_dir, os.environ))
-    prefix = Path(os.environ["TORCH_FR_DUMP_TEMP_FILE"])
+    prefix = Path(flight_recorder_file(os.environ))
     prefix.parent.mkdir(parents=True, exist_ok=True)
     return Path(f"{prefix}{rank}")
 
@@ -84,7 +103,7 @@ def enable_flight_recorder(output_dir: str, rank: int) -> Path:
 def dump_flight_recorder(rank: int) -> Path | None:
     """This rank's Flight Recorder entries written where a timeout would write them; None
     without NCCL (or with the recorder off)."""
-    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+    prefix = flight_recorder_file(os.environ)
     if not prefix:
         return None
     import torch._C._distributed_c10d as c10d

@@ -130,17 +130,21 @@ def test_the_watchdog_does_not_fire_while_paused_or_stepping(tmp_path) -> None:
 
 
 def test_flight_recorder_variables_point_into_the_run_folder(tmp_path) -> None:
-    env = watchdog.flight_recorder_env(tmp_path, {})
+    """Under the names the running torch reads, and only those: torch 2.11 warns on every
+    rank's stderr about the older names (a second line beside a one-line refusal)."""
     prefix = str(tmp_path.absolute() / "flight_recorder" / "rank_")
-    assert env == {
+    assert watchdog.flight_recorder_env(tmp_path, {}, release=(2, 11)) == {
         "TORCH_FR_BUFFER_SIZE": "2000",
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_FR_DUMP_TEMP_FILE": prefix,
+    }
+    assert watchdog.flight_recorder_env(tmp_path, {}, release=(2, 6)) == {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
     }
     mine = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "500", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/x/t_"}
-    kept = watchdog.flight_recorder_env(tmp_path, mine)
+    kept = watchdog.flight_recorder_env(tmp_path, mine, release=(2, 11))
     assert kept["TORCH_FR_BUFFER_SIZE"] == "500" and kept["TORCH_FR_DUMP_TEMP_FILE"] == "/x/t_"
 
 
