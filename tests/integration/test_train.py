@@ -179,8 +179,12 @@ def test_a_fresh_run_sets_an_earlier_runs_metrics_aside(tmp_path):
     assert "last step 2" in second.stdout
 
 
-# ~66M parameters and tiny activations: gradients dominate what a rank holds.
+# ~66M parameters and tiny activations: gradients dominate what a rank holds. fp32 compute
+# (--bf16=0): what accumulation keeps alive is the fp32 gradient either way (FSDP2 accumulates
+# the unsharded gradient in fp32, the reduce dtype, under bf16 too), and bf16 matmuls run 10-25x
+# slower than fp32 ones on a CPU without bf16 units (this test took 268 s of a 2-worker run).
 GRADIENT_HEAVY = [
+    "--bf16=0",
     "--hidden_width",
     "512",
     "--num_layers",
