@@ -190,6 +190,14 @@ def _run_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:
     flag("validation_batches", type=int, default=4, help="held-out batches per validation")
     flag("output_dir", default=None, help="run directory (default runs/<preset>-<precision>)")
     switch("tensorboard", False, "TensorBoard scalars in <output_dir>/tensorboard (rank 0)")
+    flag(
+        "tracker",
+        default="",
+        metavar="NAME[,NAME]",
+        help="experiment trackers fed from rank 0 at report steps: wandb, mlflow, tensorboard "
+        "(tensorboard = --tensorboard); a resume continues the same tracker runs; see "
+        "docs/trackers.md (default: none)",
+    )
     switch(
         "validate_only",
         False,

@@ -53,6 +53,16 @@ def check_consistency(args: argparse.Namespace) -> None:
     _check_shape(args)
     _check_combinations(args)
     _check_observation(args)
+    _check_trackers(args)
+
+
+def _check_trackers(args: argparse.Namespace) -> None:
+    """Known tracker names whose packages are importable (before any process starts)."""
+    from model_utils.run import trackers
+
+    names = trackers.parse_names(getattr(args, "tracker", "") or "")
+    trackers.check_installed(names)
+    args.tracker = ",".join(names)
 
 
 def profile_window(spec: str) -> tuple[int, int]:

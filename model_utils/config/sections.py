@@ -186,6 +186,7 @@ class RunConfig:
     # read back with them off.
     profile_steps: str | None = None  # "START:END", steps START..END inclusive
     memory_snapshot_step: int | None = None  # 0: at an out-of-memory error only
+    tracker: str = ""  # comma list of wandb, mlflow, tensorboard (run/trackers.py)
 
 
 #: Section name -> its type, in the pipeline's order (docs/flags.md's groups follow it).

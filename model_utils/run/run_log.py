@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from model_utils.errors import first_line, os_error_words
 from model_utils.model import modeling
-from model_utils.run import metrics, tensorboard_log
+from model_utils.run import metrics, tensorboard_log, trackers
 
 log = logging.getLogger("train")
 
@@ -77,7 +77,8 @@ class RunLog:
         self.records_lost_from: str | None = None  # where metrics.jsonl stopped, if it did
         self.board = tensorboard_log.TensorBoardLog(
             f"{config.run.output_dir}/tensorboard",
-            enabled=self.is_main and config.run.tensorboard,
+            enabled=self.is_main
+            and (config.run.tensorboard or "tensorboard" in config.run.tracker.split(",")),
             resumed_from=start_step,
         )
         run = metrics.run_record(
@@ -86,6 +87,9 @@ class RunLog:
         log.info(metrics.run_line(run), stacklevel=2)  # flags and batch, for compare_runs.py
         self._record(run)
         self.board.flags(run)
+        self.trackers = trackers.Trackers(
+            config.run.tracker.split(","), run, config.run.output_dir, enabled=self.is_main
+        )
         log.info(
             "model: %s, %.1fM parameters, impl=%s; %s",
             config.preset,
@@ -129,6 +133,7 @@ class RunLog:
         log.info(metrics.detail_line(record), stacklevel=2)
         self._record(record)
         self.board.write(record)
+        self.trackers.write(record)
 
     def validation(self, step: int, model, batches, backend) -> None:
         with self.meter.paused():
@@ -148,6 +153,7 @@ class RunLog:
         )
         self._record(record)
         self.board.write(record)
+        self.trackers.write(record)
 
     def _record(self, record: dict) -> None:
         """metrics.jsonl gets the record; if its file system refuses (full, quota), the run goes
@@ -172,6 +178,7 @@ class RunLog:
     def finish(self) -> None:
         self.writer.close()
         self.board.close()
+        self.trackers.close()
         if self.is_main:
             try:  # the file, not memory: a resumed run's summary covers every segment
                 records = metrics.read_jsonl(self.jsonl_path)

@@ -1,0 +1,80 @@
+"""--tracker's rules (names, packages) and the tracker-run ids a resume reads back; a tracker that
+fails mid-run is dropped with one warning while the others go on."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from model_utils.config.arguments import UsageError, parse_args
+from model_utils.run import trackers
+
+
+def test_names_are_parsed_checked_and_deduplicated() -> None:
+    assert trackers.parse_names(" wandb, MLflow,wandb,,") == ["wandb", "mlflow"]
+    assert trackers.parse_names("") == []
+    with pytest.raises(UsageError, match="unknown tracker 'neptune'"):
+        trackers.parse_names("wandb,neptune")
+
+
+def test_the_flag_is_normalised_and_tensorboard_is_one_of_its_names() -> None:
+    args = parse_args(["--preset", "tiny", "--tracker", "TensorBoard, tensorboard"])
+    assert args.run.tracker == "tensorboard"
+    with pytest.raises(UsageError, match="--tracker: unknown tracker 'tb'"):
+        parse_args(["--preset", "tiny", "--tracker", "tb"])
+
+
+def test_a_missing_package_is_a_usage_error_with_the_install_line(monkeypatch) -> None:
+    monkeypatch.setitem(trackers.PACKAGES, "wandb", "no_such_package_for_this_test")
+    with pytest.raises(UsageError, match=r"needs the no_such_package_for_this_test package"):
+        trackers.check_installed(["tensorboard", "wandb"])
+
+
+def test_ids_round_trip_and_a_damaged_file_reads_as_none(tmp_path: Path) -> None:
+    assert trackers.read_ids(tmp_path) == {}
+    trackers.write_ids(tmp_path, {"wandb": "abc", "mlflow": "0f"})
+    assert trackers.read_ids(tmp_path) == {"wandb": "abc", "mlflow": "0f"}
+    (tmp_path / trackers.IDS_FILE).write_text("{not json")
+    assert trackers.read_ids(tmp_path) == {}
+
+
+class _Fails:
+    name = "broken"
+
+    def write(self, record: dict) -> None:
+        raise ConnectionError("server went away\ntraceback detail")
+
+    def close(self) -> None:
+        raise AssertionError("a dropped tracker is not closed")
+
+
+class _Keeps:
+    name = "kept"
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.closed = False
+
+    def write(self, record: dict) -> None:
+        self.steps.append(record["step"])
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_failing_tracker_is_one_warning_and_the_others_go_on(caplog) -> None:
+    group = trackers.Trackers([], {}, "unused", enabled=False)
+    kept = _Keeps()
+    group.active = [_Fails(), kept]
+    with caplog.at_level(logging.WARNING, logger="train"):
+        for step in (1, 2):
+            group.write({"kind": "train", "step": step, "loss": 1.0})
+        group.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "broken failed (ConnectionError: server went away): no more broken this run; training goes on "
+        "(metrics.jsonl and this log carry the same numbers)"
+    ]
+    assert kept.steps == [1, 2] and kept.closed
