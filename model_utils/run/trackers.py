@@ -111,7 +111,7 @@ class WandbTracker:
         )
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT", DEFAULT_PROJECT),
-            id=run_id or wandb.util.generate_id(),
+            id=run_id or uuid.uuid4().hex[:16],
             resume="allow",
             name=Path(output_dir).name,
             dir=output_dir,

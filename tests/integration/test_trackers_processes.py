@@ -26,7 +26,9 @@ COMMON = [*FAST, "--max_context_width=64", "--warmup=1", "--validation_batches=1
 COMMON += ["--validation_freq=2", "--checkpoint_freq=2"]
 
 
-def _train(out: Path, max_steps: int, env: dict[str, str], nproc: int, *extra: str) -> str:
+def _train(out: Path, max_steps: int, env: dict[str, str | None], nproc: int, *extra: str) -> str:
+    """train.py with `env` over the test's environment (a None value: unset)."""
+    merged = {k: v for k, v in {**train_env(nproc), **env}.items() if v is not None}
     argv = [*COMMON, f"--max_steps={max_steps}", f"--output_dir={out}", *extra]
     argv.append("--resume_from_checkpoint=auto")
     done = subprocess.run(
@@ -34,7 +36,7 @@ def _train(out: Path, max_steps: int, env: dict[str, str], nproc: int, *extra: s
         capture_output=True,
         text=True,
         timeout=600,
-        env={**train_env(nproc), **env},
+        env=merged,
         cwd=ROOT,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -87,7 +89,7 @@ def test_mlflow_gets_every_metric_of_a_2_rank_run_and_its_resume_in_one_run(
     from mlflow.tracking import MlflowClient
 
     out = tmp_path / "run"
-    env = {"MLFLOW_TRACKING_URI": mlflow_server, "MLFLOW_EXPERIMENT_NAME": "ab-test"}
+    env: dict[str, str | None] = {"MLFLOW_TRACKING_URI": mlflow_server, "MLFLOW_EXPERIMENT_NAME": "ab-test"}
     first = _train(out, 4, env, 2, "--tracker=mlflow")
     run_id = trackers.read_ids(out)["mlflow"]
     assert f"mlflow: run {run_id}" in first
@@ -118,13 +120,13 @@ def test_wandb_offline_writes_a_run_wandb_reads_back_and_a_resume_continues_it(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "run"
-    env = {
+    env: dict[str, str | None] = {
         "WANDB_PROJECT": "ab-test",
         "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
         "WANDB_CACHE_DIR": str(tmp_path / "wandb-cache"),
         "WANDB_DATA_DIR": str(tmp_path / "wandb-data"),
-        "WANDB_MODE": "",
-        "WANDB_API_KEY": "",
+        "WANDB_MODE": None,  # no key, no mode: offline, as on a compute node without internet
+        "WANDB_API_KEY": None,
     }
     first = _train(out, 2, env, 1, "--tracker=wandb,tensorboard")
     run_id = trackers.read_ids(out)["wandb"]
