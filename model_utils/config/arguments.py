@@ -190,14 +190,6 @@ def _run_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:
     flag("validation_batches", type=int, default=4, help="held-out batches per validation")
     flag("output_dir", default=None, help="run directory (default runs/<preset>-<precision>)")
     switch("tensorboard", False, "TensorBoard scalars in <output_dir>/tensorboard (rank 0)")
-    flag(
-        "tracker",
-        default="",
-        metavar="NAME[,NAME]",
-        help="experiment trackers fed from rank 0 at report steps: wandb, mlflow, tensorboard "
-        "(tensorboard = --tensorboard); a resume continues the same tracker runs; see "
-        "docs/trackers.md (default: none)",
-    )
     switch(
         "validate_only",
         False,
@@ -220,6 +212,14 @@ def _run_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:
         help="CUDA only: record the caching allocator's history and dump a snapshot after step "
         "N and at an out-of-memory error (0: at an OOM only) to <output_dir>/memory/; open it "
         "at https://pytorch.org/memory_viz (default: off)",
+    )
+    flag(
+        "tracker",
+        default="",
+        metavar="NAME[,NAME]",
+        help="experiment trackers fed from rank 0 at report steps: wandb, mlflow, tensorboard "
+        "(tensorboard = --tensorboard); a resume continues the same tracker runs; see "
+        "docs/trackers.md (default: none)",
     )
 
 

@@ -75,21 +75,12 @@ class RunLog:
                 log.info("An earlier run's metrics.jsonl here is kept as %s", aside, stacklevel=2)
         self.writer = metrics.JsonlWriter(self.jsonl_path, enabled=self.is_main)
         self.records_lost_from: str | None = None  # where metrics.jsonl stopped, if it did
-        self.board = tensorboard_log.TensorBoardLog(
-            f"{config.run.output_dir}/tensorboard",
-            enabled=self.is_main
-            and (config.run.tensorboard or "tensorboard" in config.run.tracker.split(",")),
-            resumed_from=start_step,
-        )
         run = metrics.run_record(
             config.as_dict(), world_size=world.world_size, samples_per_step=samples_per_step
         )
         log.info(metrics.run_line(run), stacklevel=2)  # flags and batch, for compare_runs.py
         self._record(run)
-        self.board.flags(run)
-        self.trackers = trackers.Trackers(
-            config.run.tracker.split(","), run, config.run.output_dir, enabled=self.is_main
-        )
+        self._open_trackers(run, start_step)
         log.info(
             "model: %s, %.1fM parameters, impl=%s; %s",
             config.preset,
@@ -108,6 +99,17 @@ class RunLog:
             config.model.max_context_width,
             stacklevel=2,
         )
+
+    def _open_trackers(self, run: dict, start_step: int) -> None:
+        """TensorBoard (``--tensorboard`` or ``--tracker tensorboard``), W&B and MLflow."""
+        names, out = self.config.run.tracker.split(","), self.config.run.output_dir
+        self.board = tensorboard_log.TensorBoardLog(
+            f"{out}/tensorboard",
+            enabled=self.is_main and (self.config.run.tensorboard or "tensorboard" in names),
+            resumed_from=start_step,
+        )
+        self.board.flags(run)
+        self.trackers = trackers.Trackers(names, run, out, enabled=self.is_main)
 
     def is_report_step(self, step: int) -> bool:
         return step % self.config.run.logging_freq == 0 or step == self.config.run.max_steps

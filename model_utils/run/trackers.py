@@ -12,7 +12,6 @@ cannot start (a server that does not answer) is one warning before training.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -23,42 +22,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from model_utils.config.sections import precision_name
-from model_utils.errors import UsageError, first_line
+from model_utils.errors import first_line
 from model_utils.run.tensorboard_log import scalars
 
 log = logging.getLogger("train")
 
-#: Tracker name -> the package it needs (None: ships with the recipe's own requirements).
-PACKAGES: dict[str, str | None] = {"tensorboard": None, "wandb": "wandb", "mlflow": "mlflow"}
 #: The W&B project / MLflow experiment when the environment names none: both A/B twins land here.
 DEFAULT_PROJECT = "fp8-llama"
 IDS_FILE = "trackers.json"
-
-
-def parse_names(spec: str) -> list[str]:
-    """``"wandb, mlflow"`` -> ``["wandb", "mlflow"]`` (order kept, repeats dropped); a
-    UsageError names an unknown tracker."""
-    names: list[str] = []
-    for part in spec.split(","):
-        name = part.strip().lower()
-        if not name or name in names:
-            continue
-        if name not in PACKAGES:
-            raise UsageError(
-                f"--tracker: unknown tracker {name!r}; choose from {', '.join(PACKAGES)}"
-            )
-        names.append(name)
-    return names
-
-
-def check_installed(names: list[str]) -> None:
-    """A UsageError for a tracker whose package is not importable, with the install line."""
-    for name in names:
-        package = PACKAGES[name]
-        if package and importlib.util.find_spec(package) is None:
-            raise UsageError(
-                f"--tracker {name} needs the {package} package: pip install -e '.[trackers]'"
-            )
 
 
 def numbers(record: Mapping[str, Any]) -> dict[str, float]:
@@ -216,8 +187,11 @@ class Trackers:
             try:
                 write_ids(output_dir, ids)
             except OSError as exc:
-                log.warning("%s cannot be written (%s): a resume starts new tracker runs",
-                            Path(output_dir) / IDS_FILE, first_line(exc))
+                log.warning(
+                    "%s cannot be written (%s): a resume starts new tracker runs",
+                    Path(output_dir) / IDS_FILE,
+                    first_line(exc),
+                )
 
     def write(self, record: Mapping[str, Any]) -> None:
         for tracker in list(self.active):

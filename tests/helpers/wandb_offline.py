@@ -50,6 +50,9 @@ def read_run(path: Path) -> dict[str, Any]:
             for item in record.run.config.update:
                 run["config"][item.key] = json.loads(item.value_json)
         elif which == "history":
-            row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+            row = {
+                i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                for i in record.history.item
+            }
             run["history"][int(row.pop("_step"))] = row
     return run

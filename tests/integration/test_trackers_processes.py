@@ -89,7 +89,10 @@ def test_mlflow_gets_every_metric_of_a_2_rank_run_and_its_resume_in_one_run(
     from mlflow.tracking import MlflowClient
 
     out = tmp_path / "run"
-    env: dict[str, str | None] = {"MLFLOW_TRACKING_URI": mlflow_server, "MLFLOW_EXPERIMENT_NAME": "ab-test"}
+    env: dict[str, str | None] = {
+        "MLFLOW_TRACKING_URI": mlflow_server,
+        "MLFLOW_EXPERIMENT_NAME": "ab-test",
+    }
     first = _train(out, 4, env, 2, "--tracker=mlflow")
     run_id = trackers.read_ids(out)["mlflow"]
     assert f"mlflow: run {run_id}" in first

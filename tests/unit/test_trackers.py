@@ -8,15 +8,16 @@ from pathlib import Path
 
 import pytest
 
+from model_utils.config import flag_rules
 from model_utils.config.arguments import UsageError, parse_args
 from model_utils.run import trackers
 
 
 def test_names_are_parsed_checked_and_deduplicated() -> None:
-    assert trackers.parse_names(" wandb, MLflow,wandb,,") == ["wandb", "mlflow"]
-    assert trackers.parse_names("") == []
+    assert flag_rules.tracker_names(" wandb, MLflow,wandb,,") == ["wandb", "mlflow"]
+    assert flag_rules.tracker_names("") == []
     with pytest.raises(UsageError, match="unknown tracker 'neptune'"):
-        trackers.parse_names("wandb,neptune")
+        flag_rules.tracker_names("wandb,neptune")
 
 
 def test_the_flag_is_normalised_and_tensorboard_is_one_of_its_names() -> None:
@@ -27,9 +28,9 @@ def test_the_flag_is_normalised_and_tensorboard_is_one_of_its_names() -> None:
 
 
 def test_a_missing_package_is_a_usage_error_with_the_install_line(monkeypatch) -> None:
-    monkeypatch.setitem(trackers.PACKAGES, "wandb", "no_such_package_for_this_test")
+    monkeypatch.setitem(flag_rules.TRACKER_PACKAGES, "wandb", "no_such_package_for_this_test")
     with pytest.raises(UsageError, match=r"needs the no_such_package_for_this_test package"):
-        trackers.check_installed(["tensorboard", "wandb"])
+        flag_rules.check_tracker_packages(["tensorboard", "wandb"])
 
 
 def test_ids_round_trip_and_a_damaged_file_reads_as_none(tmp_path: Path) -> None:
@@ -74,7 +75,7 @@ def test_a_failing_tracker_is_one_warning_and_the_others_go_on(caplog) -> None:
         group.close()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [
-        "broken failed (ConnectionError: server went away): no more broken this run; training goes on "
-        "(metrics.jsonl and this log carry the same numbers)"
+        "broken failed (ConnectionError: server went away): no more broken this run; training "
+        "goes on (metrics.jsonl and this log carry the same numbers)"
     ]
     assert kept.steps == [1, 2] and kept.closed
