@@ -79,3 +79,20 @@ def test_a_failing_tracker_is_one_warning_and_the_others_go_on(caplog) -> None:
         "goes on (metrics.jsonl and this log carry the same numbers)"
     ]
     assert kept.steps == [1, 2] and kept.closed
+
+
+def test_a_server_that_does_not_answer_is_one_warning_before_training(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    pytest.importorskip("mlflow", reason="pip install -e '.[trackers]'")
+    from helpers.procs import free_port
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")  # nobody there
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    run = {"flags": {"fp8": False, "bf16": True}, "world_size": 1}
+    with caplog.at_level(logging.WARNING, logger="train"):
+        group = trackers.Trackers(["tensorboard", "mlflow"], run, str(tmp_path), enabled=True)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith("mlflow cannot start (")
+    assert warnings[0].endswith("): training goes on without it"), warnings
+    assert group.active == [] and not (tmp_path / trackers.IDS_FILE).exists()
