@@ -96,3 +96,35 @@ def test_a_server_that_does_not_answer_is_one_warning_before_training(
     assert len(warnings) == 1 and warnings[0].startswith("mlflow cannot start (")
     assert warnings[0].endswith("): training goes on without it"), warnings
     assert group.active == [] and not (tmp_path / trackers.IDS_FILE).exists()
+
+
+def test_ab_twins_are_two_runs_of_one_experiment_in_the_local_store(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """No MLFLOW_TRACKING_URI: runs/mlflow.db beside the run folders, shared by both halves,
+    each run tagged with its precision; reopening a folder's id continues its run."""
+    pytest.importorskip("mlflow", reason="pip install -e '.[trackers]'")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "twins")
+    ids = {}
+    for label, fp8 in (("fp8", True), ("bf16", False)):
+        out = tmp_path / f"tiny-{label}"
+        out.mkdir()
+        run = {"flags": {"fp8": fp8, "bf16": True, "max_steps": 2}, "world_size": 1}
+        group = trackers.Trackers(["mlflow"], run, str(out), enabled=True)
+        group.write({"kind": "train", "step": 1, "time": 1.0, "loss": 3.0, "mfu": None})
+        group.close()
+        again = trackers.Trackers(["mlflow"], run, str(out), enabled=True)
+        again.write({"kind": "val", "step": 2, "time": 2.0, "val_loss": 2.5})
+        again.close()
+        ids[label] = trackers.read_ids(out)["mlflow"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    found = client.search_runs([client.get_experiment_by_name("twins").experiment_id])
+    assert sorted((r.data.tags["precision"], r.info.run_id) for r in found) == sorted(
+        (label, run_id) for label, run_id in ids.items()
+    )
+    for r in found:
+        assert r.data.metrics == {"train/loss": 3.0, "val/val_loss": 2.5}
+        assert r.info.run_name == f"tiny-{r.data.tags['precision']}"
