@@ -74,6 +74,19 @@ RUN grep -iE "${IMAGE_OWNED}" /etc/pip/constraint.txt > /tmp/image-owned.txt || 
     fi \
     && rm -f /tmp/image-owned.txt /tmp/requirements.txt /tmp/before.txt /tmp/after.txt
 
+# --tracker wandb,mlflow (docs/trackers.md): the W&B client and MLflow's client-only package,
+# which logs to a tracking server (MLFLOW_TRACKING_URI); pinned as pyproject's [trackers] extra.
+# The same guard: an image-owned package must not move.
+RUN grep -iE "${IMAGE_OWNED}" /etc/pip/constraint.txt > /tmp/image-owned.txt || true \
+    && pip freeze | grep -iE "${IMAGE_OWNED}" > /tmp/before.txt \
+    && PIP_CONSTRAINT=/tmp/image-owned.txt pip install --no-cache-dir \
+        wandb==0.31.0 mlflow-skinny==3.17.2 \
+    && pip freeze | grep -iE "${IMAGE_OWNED}" > /tmp/after.txt \
+    && if ! diff /tmp/before.txt /tmp/after.txt; then \
+        echo "the trackers changed an image-owned package (diff above)" >&2; exit 1; \
+    fi \
+    && rm -f /tmp/image-owned.txt /tmp/before.txt /tmp/after.txt
+
 # Checked from package metadata: importing TE needs a GPU driver, which `docker build` lacks.
 # (`pip show` fails for a missing package; `|| true` keeps pipefail from ending the build there
 # with a bare "exit code: 1" instead of the message below.)

@@ -56,7 +56,7 @@ FP8_NUMERICS_FIELDS = (
 )
 _SAVED_DEFAULTS = {"optimizer": "adamw", "master_weights": "params", "tie_word_embeddings": False}
 # Every flag in none of the lists above or below is one a resume may change (logged as a change):
-# the batch, the context, and what observes the run (--logging_freq, --tensorboard,
+# the batch, the context, and what observes the run (--logging_freq, --tensorboard, --tracker,
 # --validation_freq, --profile_steps, --memory_snapshot_step).
 # Flags that name this launch rather than the run: never compared, never reported.
 _LAUNCH_FIELDS = frozenset(

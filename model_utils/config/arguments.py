@@ -231,6 +231,14 @@ def _run_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:
         "<output_dir>/hang/ and exits (docs/hangs.md); default 20x the measured step time, at "
         "least 300 s; 0 = off",
     )
+    flag(
+        "tracker",
+        default="",
+        metavar="NAME[,NAME]",
+        help="experiment trackers fed from rank 0 at report steps: wandb, mlflow, tensorboard "
+        "(tensorboard = --tensorboard); a resume continues the same tracker runs; see "
+        "docs/trackers.md (default: none)",
+    )
 
 
 def _parallel_flags(flag: Callable[..., None], switch: Callable[..., None]) -> None:

@@ -5,6 +5,7 @@ which recipe an implementation's backend runs. Each broken rule is a UsageError,
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import re
 
@@ -53,6 +54,48 @@ def check_consistency(args: argparse.Namespace) -> None:
     _check_shape(args)
     _check_combinations(args)
     _check_observation(args)
+    _check_trackers(args)
+
+
+#: --tracker's names -> the package each needs (None: in requirements.txt already).
+TRACKER_PACKAGES: dict[str, str | None] = {
+    "tensorboard": None,
+    "wandb": "wandb",
+    "mlflow": "mlflow",
+}
+
+
+def tracker_names(spec: str) -> list[str]:
+    """``"wandb, MLflow"`` -> ``["wandb", "mlflow"]`` (order kept, repeats dropped); a
+    UsageError names an unknown tracker."""
+    names: list[str] = []
+    for part in spec.split(","):
+        name = part.strip().lower()
+        if not name or name in names:
+            continue
+        if name not in TRACKER_PACKAGES:
+            raise UsageError(
+                f"--tracker: unknown tracker {name!r}; choose from {', '.join(TRACKER_PACKAGES)}"
+            )
+        names.append(name)
+    return names
+
+
+def check_tracker_packages(names: list[str]) -> None:
+    """A UsageError for a tracker whose package is not importable, with the install line."""
+    for name in names:
+        package = TRACKER_PACKAGES[name]
+        if package and importlib.util.find_spec(package) is None:
+            raise UsageError(
+                f"--tracker {name} needs the {package} package: pip install -e '.[trackers]'"
+            )
+
+
+def _check_trackers(args: argparse.Namespace) -> None:
+    """Known tracker names whose packages are importable (before any process starts)."""
+    names = tracker_names(getattr(args, "tracker", "") or "")
+    check_tracker_packages(names)
+    args.tracker = ",".join(names)
 
 
 def profile_window(spec: str) -> tuple[int, int]:

@@ -184,6 +184,7 @@ class RunConfig:
     memory_snapshot_step: int | None = None  # 0: at an out-of-memory error only
     slow_rank_threshold: float = 1.5  # slowest/median busy time per step; 0: off
     hang_timeout: float | None = None  # None: from the measured step time; 0: off
+    tracker: str = ""  # comma list of wandb, mlflow, tensorboard (run/trackers.py)
 
 
 #: Section name -> its type, in the pipeline's order (docs/flags.md's groups follow it).

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from model_utils.errors import first_line, os_error_words
 from model_utils.model import modeling
-from model_utils.run import metrics, slow_rank, tensorboard_log
+from model_utils.run import metrics, slow_rank, tensorboard_log, trackers
 
 log = logging.getLogger("train")
 
@@ -91,14 +91,9 @@ class RunLog:
         other = self._own_records(run, start_step) if self.is_main else None
         self.writer = metrics.JsonlWriter(self.jsonl_path, enabled=self.is_main)
         self.records_lost_from: str | None = None  # where metrics.jsonl stopped, if it did
-        self.board = tensorboard_log.TensorBoardLog(
-            f"{config.run.output_dir}/tensorboard",
-            enabled=self.is_main and config.run.tensorboard,
-            resumed_from=0 if other else start_step,  # another run's events: its own chart
-        )
         log.info(metrics.run_line(run), stacklevel=2)  # flags and batch, for compare_runs.py
         self._record(run)
-        self.board.flags(run)
+        self._open_trackers(run, 0 if other else start_step)  # another run's: its own
         log.info(
             "model: %s, %.1fM parameters, impl=%s; %s",
             config.model_source,
@@ -129,6 +124,20 @@ class RunLog:
                 why = f"another run's records ({other})" if other else "an earlier run's"
                 log.info("metrics.jsonl here held %s: kept as %s", why, aside, stacklevel=3)
         return other
+
+    def _open_trackers(self, run: dict, start_step: int) -> None:
+        """TensorBoard (``--tensorboard`` or ``--tracker tensorboard``), W&B and MLflow: a
+        resume continues their runs, a fresh start (or another run's folder) starts new ones."""
+        names, out = self.config.run.tracker.split(","), self.config.run.output_dir
+        self.board = tensorboard_log.TensorBoardLog(
+            f"{out}/tensorboard",
+            enabled=self.is_main and (self.config.run.tensorboard or "tensorboard" in names),
+            resumed_from=start_step,
+        )
+        self.board.flags(run)
+        self.trackers = trackers.Trackers(
+            names, run, out, enabled=self.is_main, fresh=start_step == 0
+        )
 
     def is_report_step(self, step: int) -> bool:
         return step % self.config.run.logging_freq == 0 or step == self.config.run.max_steps
@@ -174,6 +183,7 @@ class RunLog:
             self.watchdog.measured(record["step_seconds"] / record["window_steps"])
         self._record(record)
         self.board.write(record)
+        self.trackers.write(record)
 
     def validation(self, step: int, model, batches, backend) -> None:
         with self.paused():
@@ -193,6 +203,7 @@ class RunLog:
         )
         self._record(record)
         self.board.write(record)
+        self.trackers.write(record)
 
     def _record(self, record: dict) -> None:
         """metrics.jsonl gets the record; if its file system refuses (full, quota), the run goes
@@ -217,6 +228,7 @@ class RunLog:
     def finish(self) -> None:
         self.writer.close()
         self.board.close()
+        self.trackers.close()
         if self.is_main:
             try:  # the file, not memory: a resumed run's summary covers every segment
                 records = metrics.read_jsonl(self.jsonl_path)

@@ -1,0 +1,152 @@
+"""--tracker from real train.py runs and their resumes: a real MLflow tracking server (SQLite
+backend) gets every metric of a 2-rank run and its resume in one run; W&B offline writes a run
+that wandb's own protobuf reads back, and the resume continues that run id."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers.procs import free_port
+from helpers.runs import FAST, ROOT, records, train_cmd, train_env
+from helpers.wandb_offline import read_run
+
+from model_utils.run import trackers
+
+pytest.importorskip("mlflow", reason="pip install -e '.[trackers]'")
+pytest.importorskip("wandb", reason="pip install -e '.[trackers]'")
+
+COMMON = [*FAST, "--max_context_width=64", "--warmup=1", "--validation_batches=1"]
+COMMON += ["--validation_freq=2", "--checkpoint_freq=2"]
+
+
+def _train(out: Path, max_steps: int, env: dict[str, str | None], nproc: int, *extra: str) -> str:
+    """train.py with `env` over the test's environment (a None value: unset)."""
+    merged = {k: v for k, v in {**train_env(nproc), **env}.items() if v is not None}
+    argv = [*COMMON, f"--max_steps={max_steps}", f"--output_dir={out}", *extra]
+    argv.append("--resume_from_checkpoint=auto")
+    done = subprocess.run(
+        train_cmd(*argv, nproc=nproc),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=merged,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``mlflow server`` on a free port with a SQLite backend, until the module's tests end."""
+    home = tmp_path_factory.mktemp("mlflow")
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [
+            str(Path(sys.executable).with_name("mlflow")),
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{home / 'mlflow.db'}",
+            "--default-artifact-root",
+            str(home / "artifacts"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=(home / "server.log").open("w"),
+        cwd=home,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"{uri}/health", timeout=2):
+                break
+        except OSError:
+            assert server.poll() is None, (home / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "mlflow server did not answer in 120 s"
+            time.sleep(0.5)
+    yield uri
+    os.killpg(server.pid, 15)
+    server.wait(timeout=30)
+
+
+def test_mlflow_gets_every_metric_of_a_2_rank_run_and_its_resume_in_one_run(
+    tmp_path: Path, mlflow_server: str
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    out = tmp_path / "run"
+    env: dict[str, str | None] = {
+        "MLFLOW_TRACKING_URI": mlflow_server,
+        "MLFLOW_EXPERIMENT_NAME": "ab-test",
+    }
+    first = _train(out, 4, env, 2, "--tracker=mlflow")
+    run_id = trackers.read_ids(out)["mlflow"]
+    assert f"mlflow: run {run_id}" in first
+    resumed = _train(out, 6, env, 2, "--tracker=mlflow")
+    assert f"mlflow: continuing run {run_id}" in resumed
+    assert trackers.read_ids(out) == {"mlflow": run_id}
+
+    client = MlflowClient(tracking_uri=mlflow_server)
+    experiment = client.get_experiment_by_name("ab-test")
+    found = client.search_runs([experiment.experiment_id])
+    assert [r.info.run_id for r in found] == [run_id]  # the resume made no second run
+    run = found[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["precision"] == "fp32" and run.data.tags["output_dir"] == str(out)
+    assert run.data.params["max_steps"] == "4" and run.data.params["world_size"] == "2"
+    train, val = records(out), records(out, "val")
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    for kind, rows in (("train", train), ("val", val)):
+        for key, _ in trackers.numbers(rows[0]).items():
+            history = client.get_metric_history(run_id, key)
+            got = {m.step: m.value for m in history}
+            want = {r["step"]: trackers.numbers(r)[key] for r in rows}
+            assert got == pytest.approx(want, rel=1e-6), (kind, key)
+    assert "train/loss" in run.data.metrics and "val/val_loss" in run.data.metrics
+
+
+def test_wandb_offline_writes_a_run_wandb_reads_back_and_a_resume_continues_it(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    env: dict[str, str | None] = {
+        "WANDB_PROJECT": "ab-test",
+        "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
+        "WANDB_CACHE_DIR": str(tmp_path / "wandb-cache"),
+        "WANDB_DATA_DIR": str(tmp_path / "wandb-data"),
+        "WANDB_MODE": None,  # no key, no mode: offline, as on a compute node without internet
+        "WANDB_API_KEY": None,
+    }
+    first = _train(out, 2, env, 1, "--tracker=wandb,tensorboard")
+    run_id = trackers.read_ids(out)["wandb"]
+    assert f"wandb: run {run_id}" in first
+    assert (out / "tensorboard").is_dir()
+    _train(out, 4, env, 1, "--tracker=wandb")
+    assert trackers.read_ids(out) == {"wandb": run_id}
+
+    files = sorted((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 2 and all(f.name == f"run-{run_id}.wandb" for f in files)
+    segments = [read_run(f) for f in files]
+    assert all(s["id"] == run_id and s["project"] == "ab-test" for s in segments)
+    assert all(s["tags"] == ["fp32"] for s in segments)
+    assert segments[0]["config"]["max_steps"] == 2 and segments[0]["config"]["bf16"] is False
+    history = {**segments[0]["history"], **segments[1]["history"]}
+    assert sorted(segments[0]["history"]) == [1, 2] and sorted(segments[1]["history"]) == [3, 4]
+    train, val = records(out), records(out, "val")
+    for row in [*train, *val]:
+        for key, value in trackers.numbers(row).items():
+            assert history[row["step"]][key] == pytest.approx(value, rel=1e-6), key

@@ -1,0 +1,137 @@
+"""--tracker's rules (names, packages) and the tracker-run ids a resume reads back; a tracker that
+fails mid-run is dropped with one warning while the others go on."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from model_utils.config import flag_rules
+from model_utils.config.arguments import UsageError, parse_args
+from model_utils.run import trackers
+
+
+def test_names_are_parsed_checked_and_deduplicated() -> None:
+    assert flag_rules.tracker_names(" wandb, MLflow,wandb,,") == ["wandb", "mlflow"]
+    assert flag_rules.tracker_names("") == []
+    with pytest.raises(UsageError, match="unknown tracker 'neptune'"):
+        flag_rules.tracker_names("wandb,neptune")
+
+
+def test_the_flag_is_normalised_and_tensorboard_is_one_of_its_names() -> None:
+    args = parse_args(["--preset", "tiny", "--tracker", "TensorBoard, tensorboard"])
+    assert args.run.tracker == "tensorboard"
+    with pytest.raises(UsageError, match="--tracker: unknown tracker 'tb'"):
+        parse_args(["--preset", "tiny", "--tracker", "tb"])
+
+
+def test_a_missing_package_is_a_usage_error_with_the_install_line(monkeypatch) -> None:
+    monkeypatch.setitem(flag_rules.TRACKER_PACKAGES, "wandb", "no_such_package_for_this_test")
+    with pytest.raises(UsageError, match=r"needs the no_such_package_for_this_test package"):
+        flag_rules.check_tracker_packages(["tensorboard", "wandb"])
+
+
+def test_ids_round_trip_and_a_damaged_file_reads_as_none(tmp_path: Path) -> None:
+    assert trackers.read_ids(tmp_path) == {}
+    trackers.write_ids(tmp_path, {"wandb": "abc", "mlflow": "0f"})
+    assert trackers.read_ids(tmp_path) == {"wandb": "abc", "mlflow": "0f"}
+    (tmp_path / trackers.IDS_FILE).write_text("{not json")
+    assert trackers.read_ids(tmp_path) == {}
+
+
+class _Fails:
+    name = "broken"
+
+    def write(self, record: dict) -> None:
+        raise ConnectionError("server went away\ntraceback detail")
+
+    def close(self) -> None:
+        raise AssertionError("a dropped tracker is not closed")
+
+
+class _Keeps:
+    name = "kept"
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.closed = False
+
+    def write(self, record: dict) -> None:
+        self.steps.append(record["step"])
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_failing_tracker_is_one_warning_and_the_others_go_on(caplog) -> None:
+    group = trackers.Trackers([], {}, "unused", enabled=False)
+    kept = _Keeps()
+    group.active = [_Fails(), kept]
+    with caplog.at_level(logging.WARNING, logger="train"):
+        for step in (1, 2):
+            group.write({"kind": "train", "step": step, "loss": 1.0})
+        group.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "broken failed (ConnectionError: server went away): no more broken this run; training "
+        "goes on (metrics.jsonl and this log carry the same numbers)"
+    ]
+    assert kept.steps == [1, 2] and kept.closed
+
+
+def test_a_server_that_does_not_answer_is_one_warning_before_training(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    pytest.importorskip("mlflow", reason="pip install -e '.[trackers]'")
+    from helpers.procs import free_port
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")  # nobody there
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    run = {"flags": {"fp8": False, "bf16": True}, "world_size": 1}
+    with caplog.at_level(logging.WARNING, logger="train"):
+        group = trackers.Trackers(["tensorboard", "mlflow"], run, str(tmp_path), enabled=True)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith("mlflow cannot start (")
+    assert warnings[0].endswith("): training goes on without it"), warnings
+    assert group.active == [] and not (tmp_path / trackers.IDS_FILE).exists()
+
+
+def test_ab_twins_are_two_runs_of_one_experiment_in_the_local_store(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """No MLFLOW_TRACKING_URI: runs/mlflow.db beside the run folders, shared by both halves,
+    each run tagged with its precision; reopening a folder's id continues its run."""
+    pytest.importorskip("mlflow", reason="pip install -e '.[trackers]'")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "twins")
+    ids = {}
+    for label, fp8 in (("fp8", True), ("bf16", False)):
+        out = tmp_path / f"tiny-{label}"
+        out.mkdir()
+        run = {"flags": {"fp8": fp8, "bf16": True, "max_steps": 2}, "world_size": 1}
+        group = trackers.Trackers(["mlflow"], run, str(out), enabled=True)
+        group.write({"kind": "train", "step": 1, "time": 1.0, "loss": 3.0, "mfu": None})
+        group.close()
+        again = trackers.Trackers(["mlflow"], run, str(out), enabled=True)
+        again.write({"kind": "val", "step": 2, "time": 2.0, "val_loss": 2.5})
+        again.close()
+        ids[label] = trackers.read_ids(out)["mlflow"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    found = client.search_runs([client.get_experiment_by_name("twins").experiment_id])
+    assert sorted((r.data.tags["precision"], r.info.run_id) for r in found) == sorted(
+        (label, run_id) for label, run_id in ids.items()
+    )
+    for r in found:
+        assert r.data.metrics == {"train/loss": 3.0, "val/val_loss": 2.5}
+        assert r.info.run_name == f"tiny-{r.data.tags['precision']}"
+    # A fresh start in a folder (step 0, or another run's) never continues the run it holds.
+    out = tmp_path / "tiny-fp8"
+    restart = trackers.Trackers(
+        ["mlflow"], {"flags": {"fp8": True}}, str(out), enabled=True, fresh=True
+    )
+    restart.close()
+    assert trackers.read_ids(out)["mlflow"] not in ids.values()
