@@ -178,7 +178,7 @@ def train(
                         stop_on_bad_read(reads, world, ckpt, state, guard, model, start_step)
                 state.step += 1
                 guard.observe(state.step, done.loss, done.grad_norm)  # on the device, no sync
-                run_log.step(state.step, done.loss, done.lr, done.data_wait)
+                run_log.step(state.step, done.loss, done.lr, done.data_wait, done.grad_norm)
                 profiler.step(state.step)
                 if config.run.validation_freq and state.step % config.run.validation_freq == 0:
                     run_log.validation(state.step, model, val_batches, backend)

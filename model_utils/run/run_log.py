@@ -150,9 +150,17 @@ class RunLog:
         with watchdog, self.meter.paused(), self.ranks.paused():
             yield
 
-    def step(self, step: int, loss: torch.Tensor, lr: float, data_wait: float) -> None:
-        """Count every step; at report steps log the window since the previous report, and
-        name the slowest rank if it is over --slow_rank_threshold."""
+    def step(
+        self,
+        step: int,
+        loss: torch.Tensor,
+        lr: float,
+        data_wait: float,
+        grad_norm: torch.Tensor | None = None,
+    ) -> None:
+        """Count every step; at report steps log the window since the previous report (with
+        the report step's gradient norm before clipping: read where the loss is, no other
+        sync), and name the slowest rank if it is over --slow_rank_threshold."""
         if self.watchdog:
             self.watchdog.step_done()
         self.meter.add_step(
@@ -171,6 +179,7 @@ class RunLog:
             lr=lr,
             peak_memory_bytes=metrics.peak_memory_bytes(self.device),
         )
+        record["grad_norm"] = None if grad_norm is None else float(grad_norm)
         log.info(metrics.seed_line(step, loss_value, record["samples_per_sec"], lr), stacklevel=2)
         log.info(metrics.detail_line(record), stacklevel=2)
         slow = self.ranks.gather()  # every rank: one all-gather of two numbers

@@ -117,6 +117,7 @@ def test_mlflow_gets_every_metric_of_a_2_rank_run_and_its_resume_in_one_run(
             want = {r["step"]: trackers.numbers(r)[key] for r in rows}
             assert got == pytest.approx(want, rel=1e-6), (kind, key)
     assert "train/loss" in run.data.metrics and "val/val_loss" in run.data.metrics
+    assert all(r["grad_norm"] > 0 for r in train) and "train/grad_norm" in run.data.metrics
 
 
 def test_wandb_offline_writes_a_run_wandb_reads_back_and_a_resume_continues_it(
