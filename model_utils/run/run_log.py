@@ -173,16 +173,19 @@ class RunLog:
             return
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         loss_value = loss.item()
+        # every rank: one all-gather of two numbers, inside the timed step like the loss's
+        # all-reduce (a wait for a slow rank belongs to the step it happened in)
+        slow = self.ranks.gather()
+        grad_value = None if grad_norm is None else float(grad_norm)  # ready with the loss
         record = self.meter.report(
             step=step,
             loss=loss_value,
             lr=lr,
             peak_memory_bytes=metrics.peak_memory_bytes(self.device),
         )
-        record["grad_norm"] = None if grad_norm is None else float(grad_norm)
+        record["grad_norm"] = grad_value
         log.info(metrics.seed_line(step, loss_value, record["samples_per_sec"], lr), stacklevel=2)
         log.info(metrics.detail_line(record), stacklevel=2)
-        slow = self.ranks.gather()  # every rank: one all-gather of two numbers
         if slow is not None:
             record.update(slow_rank.record_fields(slow))
             if slow.named and self.is_main:

@@ -39,7 +39,10 @@ def _train(out: Path, max_steps: int, env: dict[str, str | None], nproc: int, *e
         env=merged,
         cwd=ROOT,
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    first_rank = [line for line in done.stderr.splitlines() if line.startswith("[rank0]")]
+    assert done.returncode == 0, "\n".join(
+        [done.stdout[-3000:], *first_rank[:40], done.stderr[-2000:]]
+    )
     return done.stdout + done.stderr
 
 
