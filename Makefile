@@ -2,10 +2,11 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# pytest-xdist workers for `make test`: most tests wait on subprocesses (imports, torchrun, Slurm),
-# so two workers keep both cores busy. Each test module stays on one worker (--dist loadscope),
-# its module fixtures run once, and tests/conftest.py starts the longest modules first.
-TEST_WORKERS ?= 2
+# pytest-xdist workers for `make test`: most tests wait on subprocesses (imports, torchrun, Slurm
+# jobs polled every half second), so on two cores a third worker fills the gaps two leave. Each
+# test module stays on one worker (--dist loadscope), its module fixtures run once, and
+# tests/conftest.py starts the longest modules first.
+TEST_WORKERS ?= 3
 
 .PHONY: demo test lint format clean
 
@@ -34,6 +35,9 @@ test: $(BIN)/.installed
 	bash scripts/install_test_deps.sh $(VENV)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	# The recipe byte-compiled once: the suite starts hundreds of Python processes, and where
+	# PYTHONDONTWRITEBYTECODE is set (CI images) each would compile model_utils again.
+	$(BIN)/python -m compileall -q model_utils scripts benchmarks tests train.py te_llama.py
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder tests
 
 lint: $(BIN)/.installed

@@ -6,10 +6,11 @@ because a GPU or Transformer Engine is present), so unless the run selects the `
 CUDA devices are hidden from this process and the subprocesses it starts, before torch
 initialises CUDA. GPU-tier tests skip themselves without a GPU.
 
-``make test`` runs the CPU tier on two pytest-xdist workers, one test module at a time per worker
-(``--dist loadscope --no-loadscope-reorder``), in the order this file collects them: the modules
-that take minutes first, so that the two workers finish together instead of one waiting alone on
-the Slurm end-to-end tests at the end.
+``make test`` runs the CPU tier on three pytest-xdist workers (two cores: the third fills the time
+the others wait on subprocesses), one test module at a time per worker (``--dist loadscope
+--no-loadscope-reorder``), in the order this file collects them: the modules that take minutes
+first, so that the workers finish together instead of one waiting alone on the Slurm
+end-to-end tests at the end.
 
 Shared fixtures live here; plain helpers (ports, launching ranks, runs, checkpoints, ...) in the
 ``tests/helpers`` package (``from helpers.procs import ...``).
@@ -25,18 +26,20 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 
-#: The modules that take minutes on 2 CPU cores, longest first (their tests' summed times in a
-#: two-worker run, 2026-11-24: the Slurm end-to-end 360 s, failure handling 259, train.py's runs
-#: 258, low-bit optimizers 240, torch.distributed 136). Every other module keeps its place after
+#: The modules that take minutes on 2 CPU cores, longest first (their slowest tests' summed times
+#: in a fresh-clone `make test`, benchmarks/results/2026-11-26-make-test.md: the container path
+#: 455 s, the Slurm end-to-end 581, train.py's runs 531, low-bit optimizers 236, failure handling
+#: 233, torch.distributed 197, cross-implementation 145). Every other module keeps its place after
 #: them. Only the schedule depends on this list, never a result.
 LONGEST_FIRST = (
-    # the container path (image build, enroot import, two Pyxis jobs): ~5 min, 2026-11-25
-    "integration/test_container_e2e.py",
+    "integration/test_container_e2e.py",  # image build, enroot import, two Pyxis jobs
     "integration/test_slurm_e2e.py",
-    "integration/test_failures_processes.py",
     "integration/test_train.py",
     "integration/test_low_bit_optim_processes.py",
+    "integration/test_failures_processes.py",
     "integration/test_distributed.py",
+    "integration/test_cross_impl_processes.py",
+    "integration/test_sbatch_without_a_cluster.py",
 )
 
 

@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 
 def free_port(low: int = 0, high: int = 0) -> int:
@@ -149,3 +150,16 @@ def script_refusal(main, name: str, argv: list[str], capsys, status: int = 2) ->
     assert out == "" and err.count("\n") == 1, err
     assert err.startswith(f"{name}: error: ")
     return err
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """The command lines of every live process whose arguments contain `text` (orphans)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in args:
+            found.append(args)
+    return found

@@ -1,6 +1,6 @@
 """scripts/launch_plan.py: train.py's arguments as the sbatch builds them, the folders in
 effect, a requeue's rewriting, and --help/--validate_only, without Slurm or torch. Through the
-script itself (recording stand-ins): tests/integration/test_slurm_e2e.py."""
+script itself (recording stand-ins): tests/integration/test_sbatch_without_a_cluster.py."""
 
 from __future__ import annotations
 
