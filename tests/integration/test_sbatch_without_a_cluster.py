@@ -30,7 +30,9 @@ REPO = Path(__file__).resolve().parents[2]
 def test_bash_without_slurm_trains_here(tmp_path: Path) -> None:
     env = clean_env(RUNS_DIR=str(tmp_path), RUN_NAME="laptop", NPROC_PER_NODE="2")
     # No --warmup: the default follows --max_steps (a fixed 10 would refuse a 2-step run).
-    args = ["--preset", "tiny", "--max_steps", "2", "--fp8=0", "--train_batch_size", "2"]
+    # fp32 (--bf16=0): bf16 matmuls are 10-25x slower on a CPU without bf16 units.
+    args = ["--preset", "tiny", "--max_steps", "2", "--fp8=0", "--bf16=0"]
+    args += ["--train_batch_size", "2"]
     result = run_script(env, *args, cwd=tmp_path, timeout=600)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log
@@ -80,8 +82,9 @@ def test_help_and_validate_only_through_the_launcher_start_no_training(
 def test_usr1_to_the_local_launcher_checkpoints_and_leaves_no_worker(tmp_path: Path) -> None:
     """`kill -USR1` of `bash 1.train_llama.sbatch` used to kill torchrun and orphan the
     workers; now the launcher forwards it, the workers save and exit, and it exits 0. The
-    same command then resumes (no RUN_NAME: the run folder is runs/local-bf16, not a new
-    one)."""
+    same command then resumes (no RUN_NAME: the run folder is runs/local-fp32, named by the
+    precision, not a new one). fp32: bf16 matmuls are 10-25x slower on a CPU without bf16
+    units."""
     env = clean_env(RUNS_DIR=str(tmp_path / "runs"), NPROC_PER_NODE="2")
     args = [
         "--preset",
@@ -89,6 +92,7 @@ def test_usr1_to_the_local_launcher_checkpoints_and_leaves_no_worker(tmp_path: P
         "--max_steps",
         "1000",
         "--fp8=0",
+        "--bf16=0",
         "--train_batch_size",
         "2",
         "--max_context_width",
@@ -99,7 +103,7 @@ def test_usr1_to_the_local_launcher_checkpoints_and_leaves_no_worker(tmp_path: P
     assert "USR1 received" in log
     saved = PREEMPTED.search(log)
     assert saved and 2 <= int(saved.group(1)) < 1000, log
-    run = tmp_path / "runs" / "local-bf16"
+    run = tmp_path / "runs" / "local-fp32"
     ckpt = run / "checkpoints" / f"step_{int(saved.group(1)):08d}"
     assert (ckpt / "checkpoint.json").is_file()
     assert processes_mentioning(str(run)) == []  # no orphan
