@@ -127,7 +127,7 @@ def check_memory_snapshot(args: argparse.Namespace, cuda: bool) -> None:
 def _check_declared(args: argparse.Namespace) -> None:
     """What each flag's field declares: a path or text that is not empty (typically an unset
     shell variable: `--output_dir "$RUN_DIR"` meant the current directory, or for --output_dir
-    the file system's root), a name within NAME_MAX (a longer one died in the first file
+    the file system's root), a name within NAME_MAX (a longer one dies in the first file
     check), a number in its range (NaN passes every comparison: `--lr nan` would train on NaN
     from step 1)."""
     values = vars(args)
