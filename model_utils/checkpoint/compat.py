@@ -14,65 +14,24 @@ from typing import Any
 
 from model_utils.checkpoint.errors import ResumeRefused
 from model_utils.checkpoint.manifest import complete_checkpoints, read_marker, step_of
-from model_utils.config.presets import SHAPE_FIELDS
+from model_utils.config.flag_spec import Resume
+from model_utils.config.sections import refusal_words, resume_fields, saved_defaults
 
-# A checkpoint resumes only a run with the same model shape and the same data stream: a model
-# with other shapes may still load when the tensors happen to fit (fewer layers, other head
-# counts), and a data position means nothing in another dataset, tokenizer or shuffle.
-MODEL_FIELDS = (
-    *SHAPE_FIELDS,
-    "rope_theta",
-    "rms_norm_eps",
-    "rope_scaling",
-    "tie_word_embeddings",
-)
-DATA_FIELDS = (
-    "dataset",
-    "dataset_config_name",
-    "text_column",
-    "tokenizer",
-    "tokenizer_sha256",
-    "seed",
-)
+# What a resume may do with each field is declared on the field (config/flag_spec.Resume says
+# why each class is treated as it is); every field in none of the sets below is one a resume
+# may change (logged as a change).
+#: The model's shape, the data stream and the optimizer's stored format: refused on change.
+REFUSED_FIELDS = resume_fields(Resume.KEPT)
+#: What an fp8/bf16 A/B compares: refused within the same run.
+PRECISION_FIELDS = resume_fields(Resume.PRECISION)
+#: The FP8 knobs that change numerics: refused within the same run while FP8 is on in both.
+FP8_NUMERICS_FIELDS = resume_fields(Resume.FP8_KNOB)
+#: Names this launch rather than the run (or has its own rule): never compared, never reported.
+_LAUNCH_FIELDS = resume_fields(Resume.LAUNCH)
 #: Recorded fields that are no flag, by the words a refusal uses for them.
-_NOT_FLAGS = {"tokenizer_sha256": "the tokenizer's contents (sha256)"}
-# The optimizer's state is stored in its own format (fp32 moments, or torchao's 8-bit / FP8
-# blocks; with --master_weights optimizer also the fp32 master copies beside bf16 parameters): a
-# resume keeps the saved --optimizer and --master_weights. Checkpoints from before a flag hold
-# its old behaviour.
-OPTIMIZER_FIELDS = ("optimizer", "master_weights")
-# What an fp8/bf16 A/B compares is part of a run's identity: a resume that flipped --fp8 would
-# re-label the FP8 run's curve as bf16 (and the next save would record the lie). The FP8 knobs
-# only count while FP8 is on: with --fp8=0 their values train nothing. --fp8_weights (where the
-# weights are kept, FP8 or bf16 beside fp32 masters) and --fp8_all_gather (what FSDP moves) may
-# change: a checkpoint stores plain values either way.
-PRECISION_FIELDS = ("fp8", "bf16", "model_impl", "fp8_recipe")
-FP8_NUMERICS_FIELDS = (
-    "fp8_format",
-    "amax_history_len",
-    "amax_compute_algo",
-    "fp8_margin",
-    "fp8_attention",
-)
-_SAVED_DEFAULTS = {"optimizer": "adamw", "master_weights": "params", "tie_word_embeddings": False}
-# Every flag in none of the lists above or below is one a resume may change (logged as a change):
-# the batch, the context, and what observes the run (--logging_freq, --tensorboard, --tracker,
-# --validation_freq, --profile_steps, --memory_snapshot_step).
-# Flags that name this launch rather than the run: never compared, never reported.
-_LAUNCH_FIELDS = frozenset(
-    {
-        "resume_from_checkpoint",
-        "output_dir",
-        "checkpoint_dir",
-        "validate_only",
-        "overwrite_output_dir",
-        "export_hf",
-        "init_from_hf",
-        "allow_data_change",
-        # the data files' fingerprint has its own rule and words (resume.check_same_data)
-        "data_fingerprint",
-    }
-)
+_NOT_FLAGS = refusal_words()
+#: The value a checkpoint older than a field held.
+_SAVED_DEFAULTS = saved_defaults()
 
 
 #: The way out of every refusal an existing run folder causes: a new run in a folder of its own,
@@ -107,7 +66,7 @@ def config_changes(
     if saved:
         saved = {**_SAVED_DEFAULTS, **saved}
     refused, allowed = [], []
-    kept = set(MODEL_FIELDS + DATA_FIELDS + OPTIMIZER_FIELDS)
+    kept = set(REFUSED_FIELDS)
     if same_run:
         kept.update(PRECISION_FIELDS)
     if same_run and saved.get("fp8") and current.get("fp8"):

@@ -1,22 +1,21 @@
-"""The rules between flags that argparse cannot express: ranges, shapes, combinations, and
-which recipe an implementation's backend runs. Each broken rule is a UsageError, one line.
+"""The rules between flags that argparse cannot express: shapes, combinations, and which
+recipe an implementation's backend runs; and the checks each flag's own declaration asks for
+(its range, a path's name: config/sections.py). Each broken rule is a UsageError, one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import re
 
 from model_utils.config.options import (
     FP8_ATTENTION_RECIPES,
-    PATH_FLAGS,
     TE_IMPLS,
     TE_RECIPES,
     TORCHAO_RECIPES,
 )
-from model_utils.config.presets import SHAPE_FIELDS
+from model_utils.config.sections import flag_specs
 from model_utils.errors import UsageError
 
 #: TE recipe options -> the ``--fp8_recipe`` values whose TE recipe reads them
@@ -27,30 +26,14 @@ TE_RECIPE_OPTIONS: dict[str, tuple[str, ...]] = {
     "amax_compute_algo": ("delayed",),
     "fp8_margin": ("delayed", "mxfp8"),
 }
-MAX_SEED = 2**63
-#: 30 days: a longer collective timeout overflows c10d's timer, and no step waits that long.
-MAX_DIST_TIMEOUT_S = 30 * 24 * 3600
 #: The longest file or folder name Linux file systems take (NAME_MAX): a longer one raised
 #: ENAMETOOLONG from the first `exists()` that looked at it, as a traceback.
 MAX_NAME_BYTES = 255
 
 
-def _positive(args: argparse.Namespace, *names: str, allow_zero: bool = False) -> None:
-    """A number that must be finite and > 0 (>= 0): NaN passes every comparison, and `--lr inf`
-    or `--rope_theta nan` would otherwise train on NaN from step 1."""
-    for name in names:
-        value = getattr(args, name)
-        bound = ">= 0" if allow_zero else "> 0"
-        if not math.isfinite(value):
-            raise UsageError(f"--{name} must be a finite number {bound}, got {value}")
-        if value < 0 or (value == 0 and not allow_zero):
-            raise UsageError(f"--{name} must be {bound}, got {value}")
-
-
 def check_consistency(args: argparse.Namespace) -> None:
     """Cross-flag rules that argparse cannot express."""
-    _check_paths(args)
-    _check_numbers(args)
+    _check_declared(args)
     _check_shape(args)
     _check_combinations(args)
     _check_observation(args)
@@ -141,14 +124,24 @@ def check_memory_snapshot(args: argparse.Namespace, cuda: bool) -> None:
         )
 
 
-def _check_paths(args: argparse.Namespace) -> None:
-    """An empty path (typically an unset shell variable: `--output_dir "$RUN_DIR"`) meant the
-    current directory, or for --output_dir the file system's root; a name past NAME_MAX died
-    in the first file check."""
-    for name in (*PATH_FLAGS, "text_column"):
-        problem = value_problem(f"--{name}", getattr(args, name), path=name != "text_column")
-        if problem:
-            raise UsageError(problem)
+def _check_declared(args: argparse.Namespace) -> None:
+    """What each flag's field declares: a path or text that is not empty (typically an unset
+    shell variable: `--output_dir "$RUN_DIR"` meant the current directory, or for --output_dir
+    the file system's root), a name within NAME_MAX (a longer one dies in the first file
+    check), a number in its range (NaN passes every comparison: `--lr nan` would train on NaN
+    from step 1)."""
+    values = vars(args)
+    # --output_dir first: --checkpoint_dir's default is a folder inside it, and the line must
+    # name the flag the user gave.
+    for name, spec in sorted(flag_specs().items(), key=lambda item: item[0] != "output_dir"):
+        if spec.path or spec.nonempty:
+            problem = value_problem(f"--{name}", values[name], path=spec.path)
+            if problem:
+                raise UsageError(problem)
+        for allowed in spec.ranges:
+            problem = allowed.problem(f"--{name}", values[name], values)
+            if problem:
+                raise UsageError(problem)
 
 
 def value_problem(
@@ -168,60 +161,6 @@ def value_problem(
                 f"systems take at most {MAX_NAME_BYTES}"
             )
     return None
-
-
-def _check_numbers(args: argparse.Namespace) -> None:
-    _positive(
-        args,
-        *SHAPE_FIELDS,
-        "max_context_width",
-        "train_batch_size",
-        "val_batch_size",
-        "grad_accum_steps",
-        "max_steps",
-        "logging_freq",
-        "lr",
-        "rope_theta",
-        "dist_timeout",
-        "amax_history_len",
-        "validation_batches",  # every run validates at its end (--validation_freq 0: only there)
-    )
-    _positive(
-        args,
-        "warmup",
-        "min_lr",
-        "weight_decay",
-        "grad_clip",
-        "validation_freq",
-        "keep_last",
-        allow_zero=True,
-    )
-    if args.max_context_width < 2:  # a window predicts each token from those before it
-        raise UsageError(
-            f"--max_context_width must be >= 2 (one token has no next token to predict), got "
-            f"{args.max_context_width}"
-        )
-    ratio = args.slow_rank_threshold
-    if not (ratio == 0 or (math.isfinite(ratio) and ratio > 1)):
-        raise UsageError(
-            f"--slow_rank_threshold is a ratio to the median step time: > 1, or 0 for off; got "
-            f"{ratio:g}"
-        )
-    hang = args.hang_timeout
-    if hang is not None and not (math.isfinite(hang) and hang >= 0):
-        raise UsageError(f"--hang_timeout must be >= 0 seconds (0: off), got {hang:g}")
-    if args.checkpoint_freq < -1:
-        raise UsageError(f"--checkpoint_freq must be >= -1, got {args.checkpoint_freq}")
-    if not (0 <= args.beta1 < 1 and 0 <= args.beta2 < 1):
-        raise UsageError(f"--beta1/--beta2 must be in [0, 1), got {args.beta1}/{args.beta2}")
-    if args.ac_every < 1:
-        raise UsageError(f"--ac_every must be >= 1, got {args.ac_every}")
-    if args.dist_timeout > MAX_DIST_TIMEOUT_S:
-        raise UsageError(
-            f"--dist_timeout must be <= {MAX_DIST_TIMEOUT_S} s (30 days), got {args.dist_timeout}"
-        )
-    if not 0 <= args.seed < MAX_SEED:  # torch.manual_seed overflows beyond; data needs >= 0
-        raise UsageError(f"--seed must be in [0, 2**63), got {args.seed}")
 
 
 def _check_shape(args: argparse.Namespace) -> None:

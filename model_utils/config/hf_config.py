@@ -14,8 +14,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from model_utils.config.presets import PRESETS, SHAPE_FIELDS
-from model_utils.config.sections import HF_KEYS
+from model_utils.config.presets import PRESETS
+from model_utils.config.sections import HF_KEYS, SHAPE_FIELDS
 
 #: The fields a config.json must agree with where a flag or --preset states them (their keys:
 #: sections.HF_KEYS); max_position_embeddings is taken as it is, never contradicted.

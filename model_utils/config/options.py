@@ -26,15 +26,3 @@ OPTIMIZERS = ("adamw", "adamw8bit", "adamw_fp8")
 #: Where the fp32 master weights live (``--master_weights``): in the parameters themselves (FSDP2
 #: casts them to bf16 for compute), or in the optimizer beside bf16 parameters.
 MASTER_WEIGHTS = ("params", "optimizer")
-
-# Flags naming files or folders: `~` is expanded even when the shell did not (quoted, or after
-# `--flag=`), instead of becoming a folder literally named `~`.
-PATH_FLAGS = (
-    "output_dir",
-    "checkpoint_dir",
-    "export_hf",
-    "init_from_hf",
-    "resume_from_checkpoint",
-    "dataset",
-    "tokenizer",
-)

@@ -6,10 +6,10 @@ an explicit flag always wins. Kept apart from the flags so the shapes read as a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
-from model_utils.config.sections import SHAPE_FIELDS, ModelShape
+from model_utils.config.sections import DERIVED, ModelShape
 
 # The bundled data's one source. It lives with the presets (not in model_utils/data) so parsing
 # flags never imports the data stack. The paths are absolute so the recipe runs from any working
@@ -93,16 +93,8 @@ PRESETS: dict[str, Preset] = {
     "llama3.2-3b": Preset(3072, 28, 24, 8, 8192, **_LLAMA32),
 }
 
-# Fields a preset provides; their flags default to None so we can tell "not given" from "given".
-PRESET_FIELDS = (
-    *SHAPE_FIELDS,
-    "max_context_width",
-    "rope_theta",
-    "tie_word_embeddings",
-    "tokenizer",
-    "dataset",
-    "dataset_config_name",
-    "train_batch_size",
-)
+#: Flags a preset provides (a Preset's fields that a flag sets); their flags default to None so
+#: we can tell "not given" from "given".
+PRESET_FIELDS = tuple(f.name for f in fields(Preset) if f.name not in DERIVED)
 
 # The first recipe of each backend is its default --fp8_recipe.

@@ -15,7 +15,10 @@ version of the recipe compare and resume alike.
     checkpoint   CheckpointConfig  checkpoint/ (save, resume, HF import/export)
     run          RunConfig         train.py and run/ (steps, seed, logs, validation, run folder)
 
-The checks between flags live in one place, config/flag_rules.py, before the sections are built.
+Each field is declared once, with flag() or derived() (config/flag_spec.py): its help,
+default, choices, range, whether it names a path, and what a resume may do with it. The parser,
+docs/flags.md, the range checks and the resume rules (checkpoint/compat.py) are derived from the
+fields; the checks between flags live in one place, config/flag_rules.py.
 """
 
 from __future__ import annotations
@@ -26,6 +29,25 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from model_utils.config.argv import precision_name
+from model_utils.config.flag_spec import (
+    NOT_NEGATIVE,
+    POSITIVE,
+    Range,
+    Resume,
+    Spec,
+    derived,
+    flag,
+    spec_of,
+)
+from model_utils.config.options import (
+    AC_SCOPES,
+    MASTER_WEIGHTS,
+    MODEL_IMPLS,
+    OPTIMIZERS,
+    RESHARD_POLICIES,
+    TE_RECIPES,
+    TORCHAO_RECIPES,
+)
 
 #: The model's size: what FLOPs, a checkpoint's tensors and a like-for-like comparison hang on
 #: (ModelShape's first fields).
@@ -55,6 +77,18 @@ HF_KEYS: dict[str, str] = {
 }
 
 
+#: The longest collective timeout: a longer one overflows c10d's timer, and no step waits that
+#: long (30 days).
+MAX_DIST_TIMEOUT_S = 30 * 24 * 3600
+#: One past the largest seed: torch.manual_seed overflows beyond, and the data order needs >= 0.
+MAX_SEED = 2**63
+_SHAPE = "model shape (default: from --preset)"
+KEPT, FP8_KNOB = Resume.KEPT, Resume.FP8_KNOB
+_BETA = Range(
+    low=0, high=1, high_open=True, words="--beta1/--beta2 must be in [0, 1), got {beta1}/{beta2}"
+)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The Llama's shape and positions: what FLOPs, a checkpoint's tensors and a like-for-like
@@ -64,18 +98,36 @@ class ModelShape:
     (Llama 3.2 1B/3B), trained as one parameter; a tied and an untied model are different
     models, with different checkpoints."""
 
-    hidden_width: int
-    num_layers: int
-    num_heads: int
-    num_key_value_heads: int
-    intermediate_size: int
-    vocab_size: int
-    max_context_width: int
-    rope_theta: float
-    tie_word_embeddings: bool = False
-    rms_norm_eps: float = 1e-5
-    rope_scaling: dict[str, Any] | None = None
-    max_position_embeddings: int | None = None
+    hidden_width: int = flag(_SHAPE, resume=KEPT, range=POSITIVE)
+    num_layers: int = flag(_SHAPE, resume=KEPT, range=POSITIVE)
+    num_heads: int = flag(_SHAPE, resume=KEPT, range=POSITIVE)
+    num_key_value_heads: int = flag(_SHAPE + "; < num_heads gives GQA", resume=KEPT, range=POSITIVE)
+    intermediate_size: int = flag(_SHAPE, resume=KEPT, range=POSITIVE)
+    vocab_size: int = flag(
+        _SHAPE + "; must be >= the tokenizer's size", resume=KEPT, range=POSITIVE
+    )
+    max_context_width: int = flag(
+        "sequence length of every packed window (default: from --preset)",
+        resume=Resume.FREE,
+        range=(
+            POSITIVE,
+            Range(
+                low=2,
+                words="{flag} must be >= 2 (one token has no next token to predict), got {value}",
+            ),
+        ),
+    )
+    rope_theta: float = flag("RoPE base (default: from --preset)", resume=KEPT, range=POSITIVE)
+    tie_word_embeddings: bool = flag(
+        "one matrix for the input embedding and lm_head, trained as one parameter "
+        "(Llama 3.2 1B/3B; default: from --preset or --init_from_hf's config.json)",
+        resume=KEPT,
+        before=(False,),
+        field_default=False,
+    )
+    rms_norm_eps: float = derived(KEPT, field_default=1e-5)
+    rope_scaling: dict[str, Any] | None = derived(KEPT, field_default=None)
+    max_position_embeddings: int | None = derived(Resume.FREE, field_default=None)
 
     @property
     def head_dim(self) -> int:
@@ -85,19 +137,57 @@ class ModelShape:
 @dataclass(frozen=True)
 class PrecisionConfig:
     """BF16 or FP8, the implementation that computes it, and the FP8 recipe's knobs: the
-    fields a resume of the same run may not change (checkpoint/compat.py)."""
+    fields a resume of the same run may not change (checkpoint/compat.py). --fp8_weights
+    (where the weights are kept) and --fp8_all_gather (what FSDP moves) may change: a
+    checkpoint stores plain values either way."""
 
-    model_impl: str
-    fp8: bool
-    bf16: bool
-    fp8_recipe: str | None
-    fp8_format: str
-    amax_history_len: int
-    amax_compute_algo: str
-    fp8_margin: int
-    fp8_weights: bool
-    fp8_attention: bool
-    fp8_all_gather: bool
+    model_impl: str = flag(
+        "te: TE TransformerLayer; te_linear: HF with te.Linear; hf: stock HF; "
+        "auto: te when TE and an FP8-capable GPU are present, else hf",
+        resume=Resume.PRECISION,
+        default="auto",
+        choices=MODEL_IMPLS,
+    )
+    fp8: bool = flag("train the linear layers in FP8", resume=Resume.PRECISION, default=False)
+    bf16: bool = flag(
+        "compute in bf16 (fp32 master weights); 0 = fp32 compute",
+        resume=Resume.PRECISION,
+        default=True,
+    )
+    fp8_recipe: str | None = flag(
+        f"torchao: {'|'.join(TORCHAO_RECIPES)} (default tensorwise); "
+        f"TE: {'|'.join(TE_RECIPES)} (default delayed)",
+        resume=Resume.PRECISION,
+    )
+    fp8_format: str = flag(
+        "TE FP8 format", resume=FP8_KNOB, default="hybrid", choices=("hybrid", "e4m3")
+    )
+    amax_history_len: int = flag(
+        "TE delayed scaling history (rows: one per forward, plus one per recomputed layer "
+        "under whole-layer AC)",
+        resume=FP8_KNOB,
+        default=1024,
+        range=POSITIVE,
+    )
+    amax_compute_algo: str = flag(
+        "TE delayed", resume=FP8_KNOB, default="max", choices=("max", "most_recent")
+    )
+    fp8_margin: int = flag("TE scaling margin (powers of 2)", resume=FP8_KNOB, default=0)
+    fp8_weights: bool = flag(
+        "TE: keep weights in FP8 only (fp8_model_init); trains with --master_weights optimizer",
+        resume=Resume.FREE,
+        default=False,
+    )
+    fp8_attention: bool = flag(
+        "TE (--model_impl te): attention in FP8 too (cuDNN; recipe fp8_dpa); delayed on Hopper",
+        resume=FP8_KNOB,
+        default=False,
+    )
+    fp8_all_gather: bool = flag(
+        "torchao tensorwise: FSDP2 all-gathers weights in float8",
+        resume=Resume.FREE,
+        default=False,
+    )
 
     @property
     def name(self) -> str:
@@ -109,82 +199,265 @@ class DataConfig:
     """What is read and in what batches; the two fingerprints are filled in by train.validate
     (what the tokenizer does, each local file's size and ends) so a resume sees a change."""
 
-    tokenizer: str
-    dataset: str
-    dataset_config_name: str | None
-    text_column: str
-    train_batch_size: int
-    val_batch_size: int
-    tokenizer_sha256: str | None = None
-    data_fingerprint: dict[str, Any] | None = None
+    tokenizer: str = flag(
+        "HF tokenizer: hub name or local path (default: from --preset)", resume=KEPT, path=True
+    )
+    dataset: str = flag(
+        "HF dataset hub name (streamed) or local file/folder", resume=KEPT, path=True
+    )
+    dataset_config_name: str | None = flag(
+        "HF dataset config, e.g. 'en' for allenai/c4", resume=KEPT
+    )
+    text_column: str = flag(
+        "column holding the document text", resume=KEPT, default="text", nonempty=True
+    )
+    train_batch_size: int = flag(
+        "micro-batch per device (sequences)", resume=Resume.FREE, range=POSITIVE
+    )
+    val_batch_size: int = flag("default: --train_batch_size", resume=Resume.FREE, range=POSITIVE)
+    tokenizer_sha256: str | None = derived(
+        KEPT, words="the tokenizer's contents (sha256)", field_default=None
+    )
+    # The data files' fingerprint has its own rule and words (checkpoint/resume.py).
+    data_fingerprint: dict[str, Any] | None = derived(Resume.LAUNCH, field_default=None)
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """AdamW, its master weights and the LR schedule, per optimizer step."""
+    """AdamW, its master weights and the LR schedule, per optimizer step. The optimizer's state
+    is stored in its own format (fp32 moments, or torchao's 8-bit / FP8 blocks; with
+    --master_weights optimizer also the fp32 master copies beside bf16 parameters): a resume
+    keeps the saved --optimizer and --master_weights."""
 
-    grad_accum_steps: int
-    lr: float
-    min_lr: float
-    warmup: int
-    lr_decay_style: str
-    optimizer: str
-    master_weights: str
-    weight_decay: float
-    beta1: float
-    beta2: float
-    grad_clip: float
+    grad_accum_steps: int = flag(
+        "micro-batches per optimizer step", resume=Resume.FREE, default=1, range=POSITIVE
+    )
+    lr: float = flag("peak learning rate", resume=Resume.FREE, default=1e-3, range=POSITIVE)
+    min_lr: float = flag(
+        "learning rate at max_steps", resume=Resume.FREE, default=1e-4, range=NOT_NEGATIVE
+    )
+    warmup: int = flag(
+        "linear warm-up steps (default: max_steps // 10, at most 10)",
+        resume=Resume.FREE,
+        range=NOT_NEGATIVE,
+    )
+    lr_decay_style: str = flag(
+        "decay from --lr to --min_lr after warm-up",
+        resume=Resume.FREE,
+        default="cosine",
+        choices=("cosine", "linear", "constant"),
+    )
+    optimizer: str = flag(
+        "adamw: fp32 moments (8 bytes/param); adamw8bit, adamw_fp8: torchao's AdamW with "
+        "8-bit / FP8 moments (~2 bytes/param)",
+        resume=KEPT,
+        default="adamw",
+        choices=OPTIMIZERS,
+        before=("adamw",),
+    )
+    master_weights: str = flag(
+        "params: fp32 parameters, cast to bf16 for compute; optimizer: bf16 parameters, "
+        "fp32 master copies in AdamW (TE's FusedAdam on CUDA with TE)",
+        resume=KEPT,
+        default="params",
+        choices=MASTER_WEIGHTS,
+        before=("params",),
+    )
+    weight_decay: float = flag(
+        "AdamW decay (not on norms/biases)", resume=Resume.FREE, default=0.1, range=NOT_NEGATIVE
+    )
+    beta1: float = flag("AdamW first-moment decay", resume=Resume.FREE, default=0.9, range=_BETA)
+    beta2: float = flag("AdamW second-moment decay", resume=Resume.FREE, default=0.95, range=_BETA)
+    grad_clip: float = flag(
+        "max global grad norm; 0 disables", resume=Resume.FREE, default=1.0, range=NOT_NEGATIVE
+    )
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the model is spread over ranks and what is traded for memory."""
 
-    sharding_strategy: str
-    reshard_after_forward: str
-    activation_checkpointing: bool
-    ac_every: int
-    ac_scope: str
-    compile: bool
-    chunked_loss: bool
-    dist_timeout: int
+    sharding_strategy: str = flag(
+        "full: FSDP2 over all ranks; hybrid: shard in a node, replicate across",
+        resume=Resume.FREE,
+        default="full",
+        choices=("full", "hybrid"),
+    )
+    reshard_after_forward: str = flag(
+        "FSDP2: default = all but the last layer and [norm, lm_head] (torchtitan); never = "
+        "keep gathered for backward (no second gather and cast, more memory); always",
+        resume=Resume.FREE,
+        default="default",
+        choices=RESHARD_POLICIES,
+    )
+    activation_checkpointing: bool = flag(
+        "recompute decoder layers in backward", resume=Resume.FREE, default=False
+    )
+    ac_every: int = flag(
+        "with AC: recompute every Nth layer (2 = half)",
+        resume=Resume.FREE,
+        default=1,
+        range=Range(low=1),
+    )
+    ac_scope: str = flag(
+        "with AC: `layer` recomputes whole layers; `mlp` only their MLPs (on --model_impl te "
+        "TE's LayerNormMLP recompute, TE >= 2.11, which skips fc2)",
+        resume=Resume.FREE,
+        default="layer",
+        choices=AC_SCOPES,
+    )
+    compile: bool = flag("torch.compile each decoder layer", resume=Resume.FREE, default=False)
+    chunked_loss: bool = flag(
+        "lm_head + cross-entropy by chunks, no full logits; 0 = HF's",
+        resume=Resume.FREE,
+        default=True,
+    )
+    dist_timeout: int = flag(
+        "seconds before a stuck collective fails",
+        resume=Resume.FREE,
+        default=600,
+        range=(
+            POSITIVE,
+            Range(
+                high=MAX_DIST_TIMEOUT_S,
+                words=f"{{flag}} must be <= {MAX_DIST_TIMEOUT_S} s (30 days), got {{value}}",
+            ),
+        ),
+    )
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Where checkpoints go, when, how many stay; what a start resumes or imports; the export."""
+    """Where checkpoints go, when, how many stay; what a start resumes or imports; the export.
+    Where and how this launch starts is no part of the run a checkpoint belongs to."""
 
-    checkpoint_dir: str
-    checkpoint_freq: int
-    keep_last: int
-    async_checkpoint: bool
-    resume_from_checkpoint: str | None
-    overwrite_output_dir: bool
-    allow_data_change: bool
-    init_from_hf: str | None
-    export_hf: str | None
+    checkpoint_dir: str = flag("default <output_dir>/checkpoints", resume=Resume.LAUNCH, path=True)
+    checkpoint_freq: int = flag(
+        "steps between checkpoints; 0 = at the end only; -1 = none (a preemption "
+        "signal still saves)",
+        resume=Resume.FREE,
+        default=0,
+        range=Range(low=-1),
+    )
+    keep_last: int = flag(
+        "checkpoints kept; 0 keeps all", resume=Resume.FREE, default=2, range=NOT_NEGATIVE
+    )
+    async_checkpoint: bool = flag(
+        "write checkpoints in the background", resume=Resume.FREE, default=False
+    )
+    resume_from_checkpoint: str | None = flag(
+        "PATH or 'auto' (newest in checkpoint_dir)", resume=Resume.LAUNCH, path=True
+    )
+    overwrite_output_dir: bool = flag(
+        "start afresh where an earlier run left checkpoints: they are deleted at start-up "
+        "(without it such a run is refused)",
+        resume=Resume.LAUNCH,
+        default=False,
+    )
+    allow_data_change: bool = flag(
+        "resume although a local --dataset file changed since the checkpoint was saved (its "
+        "saved position then points into other text; without it such a resume is refused)",
+        resume=Resume.LAUNCH,
+        default=False,
+    )
+    init_from_hf: str | None = flag(
+        "start from a Hugging Face Llama checkpoint dir", resume=Resume.LAUNCH, path=True
+    )
+    export_hf: str | None = flag(
+        "write the final model as HF safetensors to this dir", resume=Resume.LAUNCH, path=True
+    )
 
 
 @dataclass(frozen=True)
 class RunConfig:
     """The run itself: its length, seed, reports, validation and folder, and what observes it
-    (profiler traces, memory snapshots)."""
+    (profiler traces, memory snapshots). The observation flags read back as off from records
+    that lack them, and a resume may change them."""
 
-    max_steps: int
-    seed: int
-    logging_freq: int
-    validation_freq: int
-    validation_batches: int
-    output_dir: str
-    tensorboard: bool
-    validate_only: bool
-    # Observation only (a resume may change them); None: off. Records older than the flags
-    # read back with them off.
-    profile_steps: str | None = None  # "START:END", steps START..END inclusive
-    memory_snapshot_step: int | None = None  # 0: at an out-of-memory error only
-    slow_rank_threshold: float = 1.5  # slowest/median busy time per step; 0: off
-    hang_timeout: float | None = None  # None: from the measured step time; 0: off
-    tracker: str = ""  # comma list of wandb, mlflow, tensorboard (run/trackers.py)
+    max_steps: int = flag("optimizer steps", resume=Resume.FREE, default=100, range=POSITIVE)
+    seed: int = flag(
+        "model init, data order and RNG streams",
+        resume=KEPT,
+        default=42,
+        range=Range(
+            low=0, high=MAX_SEED, high_open=True, words="{flag} must be in [0, 2**63), got {value}"
+        ),
+    )
+    logging_freq: int = flag(
+        "steps between log lines", resume=Resume.FREE, default=1, range=POSITIVE
+    )
+    validation_freq: int = flag(
+        "steps between validations; 0 = end only",
+        resume=Resume.FREE,
+        default=0,
+        range=NOT_NEGATIVE,
+    )
+    # Every run validates at its end (--validation_freq 0: only there), so at least one batch.
+    validation_batches: int = flag(
+        "held-out batches per validation", resume=Resume.FREE, default=4, range=POSITIVE
+    )
+    output_dir: str = flag(
+        "run directory (default runs/<preset>-<precision>)", resume=Resume.LAUNCH, path=True
+    )
+    tensorboard: bool = flag(
+        "TensorBoard scalars in <output_dir>/tensorboard (rank 0)",
+        resume=Resume.FREE,
+        default=False,
+    )
+    validate_only: bool = flag(
+        "check flags, data, tokenizer and checkpoint, then exit: 0 ready, 2 bad input "
+        "(the launcher runs this once before torchrun)",
+        resume=Resume.LAUNCH,
+        default=False,
+    )
+    profile_steps: str | None = flag(
+        "torch.profiler traces of steps START..END (inclusive; one warm-up step before), "
+        "on every rank: <output_dir>/profile/step_START/rank_R.pt.trace.json.gz; read them "
+        "with `python -m scripts.step_breakdown RUN...` (default: off)",
+        resume=Resume.FREE,
+        metavar="START:END",
+        field_default=None,
+    )
+    memory_snapshot_step: int | None = flag(
+        "CUDA only: record the caching allocator's history and dump a snapshot after step "
+        "N and at an out-of-memory error (0: at an OOM only) to <output_dir>/memory/; open it "
+        "at https://pytorch.org/memory_viz (default: off)",
+        resume=Resume.FREE,
+        metavar="N",
+        field_default=None,
+    )
+    slow_rank_threshold: float = flag(
+        "at report steps, a W line names the rank (and node) whose busy time per step is "
+        "more than RATIO x the ranks' median (docs/hangs.md); 0 = off",
+        resume=Resume.FREE,
+        default=1.5,
+        range=Range(
+            low=1,
+            low_open=True,
+            off=0,
+            words="{flag} is a ratio to the median step time: > 1, or 0 for off; got {value:g}",
+        ),
+        metavar="RATIO",
+        field_default=1.5,
+    )
+    hang_timeout: float | None = flag(
+        "no step done for SECONDS: every rank writes its Python stacks to "
+        "<output_dir>/hang/ and exits (docs/hangs.md); default 20x the measured step time, at "
+        "least 300 s; 0 = off",
+        resume=Resume.FREE,
+        range=Range(low=0, words="{flag} must be >= 0 seconds (0: off), got {value:g}"),
+        metavar="SECONDS",
+        field_default=None,
+    )
+    tracker: str = flag(
+        "experiment trackers fed from rank 0 at report steps: wandb, mlflow, tensorboard "
+        "(tensorboard = --tensorboard); a resume continues the same tracker runs; see "
+        "docs/trackers.md (default: none)",
+        resume=Resume.FREE,
+        default="",
+        metavar="NAME[,NAME]",
+        field_default="",
+    )
 
 
 #: Section name -> its type, in the pipeline's order (docs/flags.md's groups follow it).
@@ -197,18 +470,24 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "run": RunConfig,
 }
-#: The fields of the run itself, beside the sections: what it was built from.
-TOP_FIELDS = ("recipe", "preset")
+
+
+def _spec(field: dataclasses.Field) -> Spec:
+    """The field's declaration; a field declared without flag() or derived() is an error at
+    once: what a resume may do with it must be said, not assumed."""
+    spec = spec_of(field)
+    if spec is None:
+        raise TypeError(
+            f"config field {field.name} is declared without flag(...) or derived(...) "
+            "(config/flag_spec.py): give it its help and its resume class"
+        )
+    return spec
+
+
 #: Section fields no flag sets: a preset or --init_from_hf's config.json fills in the model's,
 #: train.validate the data's fingerprints.
 DERIVED = frozenset(
-    {
-        "rms_norm_eps",
-        "rope_scaling",
-        "max_position_embeddings",
-        "tokenizer_sha256",
-        "data_fingerprint",
-    }
+    f.name for kind in SECTIONS.values() for f in fields(kind) if not _spec(f).is_flag
 )
 
 
@@ -229,8 +508,14 @@ class Config:
     decided) and frozen: every stage reads the same values, and the records say what the run
     really used. A change (a resume's lr) is a new object from :meth:`replace`."""
 
-    recipe: str | None
-    preset: str
+    recipe: str | None = flag(
+        "a named A/B recipe (e.g. llama3-8b-fp8 and its twin llama3-8b-bf16): its flags "
+        "take this place on the command line; later flags override them",
+        resume=Resume.FREE,
+    )
+    # Its choices are presets.PRESETS' names, given by the parser (arguments.py): the preset
+    # table is built on ModelShape, so this module cannot import it.
+    preset: str = flag("model shape and data defaults", resume=Resume.FREE, default="tiny")
     model: ModelShape
     precision: PrecisionConfig
     data: DataConfig
@@ -285,3 +570,37 @@ class Config:
         if unknown:
             raise AttributeError(f"no such config field: {', '.join(unknown)}")
         return Config.from_flat({**self.as_dict(), **changes})
+
+
+#: The fields of the run itself, beside the sections: what it was built from.
+TOP_FIELDS = tuple(f.name for f in fields(Config) if f.name not in SECTIONS)
+
+
+def flag_specs() -> dict[str, Spec]:
+    """Every field of the run -> its declaration, in the parser's order: the run's own fields
+    (--recipe, --preset), then each section's (those no flag sets included)."""
+    specs = {f.name: _spec(f) for f in fields(Config) if f.name not in SECTIONS}
+    for kind in SECTIONS.values():
+        specs.update((f.name, _spec(f)) for f in fields(kind))
+    return specs
+
+
+def resume_fields(resume: Resume) -> frozenset[str]:
+    """The fields a resume treats as `resume` says (checkpoint/compat.py's rules)."""
+    return frozenset(name for name, spec in flag_specs().items() if spec.resume is resume)
+
+
+def saved_defaults() -> dict[str, Any]:
+    """Field -> the value a checkpoint older than the field held (compared on resume as such)."""
+    return {name: spec.before[0] for name, spec in flag_specs().items() if spec.before}
+
+
+def refusal_words() -> dict[str, str]:
+    """Fields that are no flag -> how a resume's refusal names them."""
+    return {name: spec.words for name, spec in flag_specs().items() if spec.words}
+
+
+def path_flags() -> tuple[str, ...]:
+    """The flags naming files or folders: `~` is expanded even when the shell did not (quoted,
+    or after `--flag=`), instead of becoming a folder literally named `~`."""
+    return tuple(name for name, spec in flag_specs().items() if spec.path)

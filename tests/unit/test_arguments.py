@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from model_utils.config import arguments, machine
+from model_utils.config import arguments, machine, sections
 from model_utils.config.arguments import UsageError, parse_args
+from model_utils.config.flag_spec import Resume
 from model_utils.config.presets import PRESETS
 from model_utils.config.sections import SECTIONS, TOP_FIELDS, Config, flag_fields
 from model_utils.model import modeling
@@ -106,6 +108,46 @@ def test_each_flag_group_is_a_config_section():
         assert list(flag_fields(kind)) == groups[section], section
 
 
+def test_every_config_field_says_what_a_resume_may_do_with_it(monkeypatch):
+    """Each field is declared with flag() or derived() and a resume class (the resume rules
+    read it there); a field declared without one stops every parse, rather than becoming "a
+    resume may change it" by omission."""
+    specs = sections.flag_specs()
+    assert set(specs) == set(sections.SECTION_OF) | set(TOP_FIELDS)
+    assert all(isinstance(spec.resume, Resume) for spec in specs.values())
+
+    @dataclass(frozen=True)
+    class Undeclared:
+        new_flag: int
+
+    monkeypatch.setitem(sections.SECTIONS, "new", Undeclared)
+    with pytest.raises(TypeError, match="new_flag is declared without flag"):
+        sections.flag_specs()
+
+
+def test_the_parser_is_derived_from_the_fields():
+    """A field's annotation is its flag's type (a bool a 0|1 switch), its declaration the
+    default, choices and help; the path flags are the fields declared as paths."""
+    actions = {a.dest: a for a in arguments.build_parser()._actions}
+    assert actions["lr"].type is float and actions["lr"].default == 1e-3
+    assert actions["num_layers"].type is int and actions["num_layers"].default is None
+    assert actions["fp8"].metavar == "0|1" and actions["fp8"].const is True
+    assert actions["optimizer"].choices == ("adamw", "adamw8bit", "adamw_fp8")
+    assert actions["preset"].choices == sorted(PRESETS)
+    assert actions["profile_steps"].metavar == "START:END"
+    assert set(sections.path_flags()) == {
+        "tokenizer",
+        "dataset",
+        "checkpoint_dir",
+        "resume_from_checkpoint",
+        "init_from_hf",
+        "export_hf",
+        "output_dir",
+    }
+    home = parse_args(["--output_dir=~/run-x", "--validate_only"]).run.output_dir
+    assert home == str(Path.home() / "run-x")
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -147,6 +189,11 @@ def test_each_flag_group_is_a_config_section():
         (["--resume_from_checkpoint="], "--resume_from_checkpoint is empty"),
         ([f"--tokenizer=/tmp/{'t' * 256}/x"], "is 256 bytes long; file systems take at most 255"),
         (["--max_context_width=1"], "--max_context_width must be >= 2 (one token has no next"),
+        (["--max_context_width=0"], "--max_context_width must be > 0, got 0"),
+        (["--beta2=1"], "--beta1/--beta2 must be in [0, 1), got 0.9/1.0"),
+        (["--hang_timeout=-1"], "--hang_timeout must be >= 0 seconds (0: off), got -1"),
+        (["--checkpoint_freq=-2"], "--checkpoint_freq must be >= -1, got -2"),
+        (["--keep_last=-1"], "--keep_last must be >= 0, got -1"),
         (
             ["--hidden_width=260", "--num_heads=4"],
             "gives heads of 65 dimensions; RoPE needs an even number",
