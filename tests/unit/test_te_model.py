@@ -236,7 +236,7 @@ def test_build_refuses_unsupported_configs(te_double) -> None:
 
 def train_losses(model, backend, config, steps: int) -> list[float]:
     """train.py's step (no clip, constant lr) on one batch; every parameter must get a gradient."""
-    from model_utils.run.step import train_step
+    from model_utils.run.step import StepParts, train_step
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
@@ -248,15 +248,8 @@ def train_losses(model, backend, config, steps: int) -> list[float]:
     step_args = backend_args(False, grad_accum_steps=1, grad_clip=0.0, sharding_strategy="full")
     losses = []
     for _ in range(steps):
-        done = train_step(
-            model,
-            optimizer,
-            scheduler,
-            backend,
-            lambda: ({"input_ids": ids, "labels": ids}, 1.0),
-            step_args,
-            ids.device,
-        )
+        parts = StepParts(model, optimizer, scheduler, backend, step_args, ids.device)
+        done = train_step(parts, lambda: ({"input_ids": ids, "labels": ids}, 1.0))
         assert no_grad == []
         losses.append(done.loss.item())
     return losses
