@@ -9,6 +9,7 @@ TE activation checkpointing, FP8 state in ``_extra_state``, and the capability m
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from transformers import LlamaForCausalLM
 
 import te_llama
 from model_utils.config import te_loader
+from model_utils.config.sections import ModelShape
 from model_utils.model import te_support
 from model_utils.model.modeling import materialize
 from model_utils.precision import te as te_precision
@@ -104,28 +106,26 @@ def test_mlp_recompute_on_the_fused_layer_needs_te_2_11() -> None:
 
 
 def test_fp8_shape_problem() -> None:
-    shapes = dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32)
-    assert (
-        te_requirements.fp8_shape_problem(
-            micro_batch_size=1, seq_len=4096, num_key_value_heads=32, **shapes
-        )
-        is None
+    llama2 = ModelShape(
+        hidden_width=4096,
+        num_layers=32,
+        num_heads=32,
+        num_key_value_heads=32,
+        intermediate_size=11008,
+        vocab_size=32000,
+        max_context_width=4096,
+        rope_theta=10000.0,
     )
-    problem = te_requirements.fp8_shape_problem(
-        micro_batch_size=1, seq_len=1000, num_key_value_heads=32, **shapes
-    )
+    assert te_requirements.fp8_shape_problem(llama2, 1) is None
+    problem = te_requirements.fp8_shape_problem(replace(llama2, max_context_width=1000), 1)
     assert problem and "tokens per micro-batch" in problem and "1000" in problem
     assert "hidden_width" not in problem
     odd_ffn = te_requirements.fp8_shape_problem(
-        micro_batch_size=2,
-        seq_len=512,
-        num_key_value_heads=8,
-        **{**shapes, "intermediate_size": 11000},
+        replace(llama2, max_context_width=512, num_key_value_heads=8, intermediate_size=11000), 2
     )
     assert odd_ffn and "intermediate_size = 11000" in odd_ffn
-    mx = te_requirements.fp8_shape_problem(
-        micro_batch_size=1, seq_len=48, num_key_value_heads=32, recipe="mxfp8", **shapes
-    )
+    short = replace(llama2, max_context_width=48)
+    mx = te_requirements.fp8_shape_problem(short, 1, recipe="mxfp8")
     assert mx and "multiples of 32" in mx
 
 
