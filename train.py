@@ -25,16 +25,27 @@ import te_llama
 from model_utils import checkpoint, data, optim
 from model_utils.config import arguments
 from model_utils.config.sections import Config
+from model_utils.errors import Refusal, exit_refused
 from model_utils.model import modeling
 from model_utils.parallel import distributed
 from model_utils.precision import backends as precision
 from model_utils.precision import master_weights
 from model_utils.run import guards, outputs, run_lock, watchdog
-from model_utils.run.profiling import RunProfiler, StepOutOfMemory
+from model_utils.run.profiling import RunProfiler
 from model_utils.run.run_log import RunLog
 from model_utils.run.step import StepParts, train_step
 
 log = logging.getLogger("train")
+
+#: For the lead: model_utils/checkpoint's refusals and how they end a run, until they subclass
+#: errors.Refusal with these attributes (then this table and its use in main go). A checkpoint
+#: write that failed (the disk filled up, went read-only) is exit 1; an untrusted checkpoint,
+#: normally refused by validate() already, is said by every rank.
+CHECKPOINT_REFUSALS: dict[type[Exception], dict] = {
+    checkpoint.ResumeRefused: {"exit_code": 2, "every_rank": False},
+    checkpoint.UntrustedCheckpointError: {"exit_code": 2, "every_rank": True},
+    checkpoint.CheckpointWriteError: {"exit_code": 1, "every_rank": False},
+}
 
 
 def validate(argv: list[str] | None, *, training: bool = True) -> tuple[Config, object]:
@@ -57,12 +68,14 @@ def validate(argv: list[str] | None, *, training: bool = True) -> tuple[Config, 
             checkpoint.check_hf_dir(ckpt.init_from_hf, config.model)  # the shape and RoPE too
         if ckpt.export_hf:
             checkpoint.check_export_dir(ckpt.export_hf)  # an export never replaces a model
-    except ValueError as exc:
+    except Refusal:
+        raise  # already one line with its exit code
+    except ValueError as exc:  # a library's or the checkpoint package's plain ValueError
         raise arguments.UsageError(str(exc)) from exc
     if config.precision.model_impl in arguments.TE_IMPLS:
         from model_utils.precision.te import check_requirements, te_version
 
-        check_requirements(config, training)
+        check_requirements(config, training=training)
         checkpoint.check_fp8_state_loadable(ckpt, te_version())  # a resume this TE refuses
     if training:
         try:  # a live run in this directory: refused before anything starts (reads only)
@@ -71,7 +84,9 @@ def validate(argv: list[str] | None, *, training: bool = True) -> tuple[Config, 
             places = {**outputs.output_locations(config), **data.cache_location()}
             outputs.check_locations(places)
             checkpoint.check_before_start(config)  # the resume policy: checkpoint/resume.py
-        except (run_lock.RunLocked, outputs.WriteProblem, ValueError) as exc:
+        except Refusal:
+            raise  # a live run (RunLocked), an output the run cannot write (WriteProblem)
+        except ValueError as exc:  # the checkpoint package's refusals are plain ValueErrors
             raise arguments.UsageError(str(exc)) from exc
     return config, tokenizer
 
@@ -330,8 +345,8 @@ def main(argv: list[str] | None = None) -> None:
     preemption = Preemption()  # first: a signal during start-up must not kill the rank
     try:
         config, tokenizer = validate(argv)
-    except arguments.UsageError as exc:
-        arguments.exit_on_usage_error(exc)
+    except Refusal as exc:  # before the ranks exist: every process says it
+        exit_refused(exc)
     if config.run.validate_only:
         print(ready_line(config), flush=True)
         return
@@ -346,24 +361,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         locks = run_lock.hold_run_dirs(config, world, device)
         train(config, tokenizer, world, device, preemption, arguments.explicit_flags(argv))
-    except checkpoint.UntrustedCheckpointError as exc:  # normally refused by validate() already
-        arguments.exit_on_usage_error(arguments.UsageError(str(exc)))
-    except (
-        run_lock.RunLocked,
-        outputs.WriteProblem,
-        checkpoint.ResumeRefused,
-        data.DataError,
-    ) as exc:
-        if world.is_main:
-            arguments.exit_on_usage_error(arguments.UsageError(str(exc)))
-        raise SystemExit(2) from None
-    except checkpoint.CheckpointWriteError as exc:  # the disk filled up, went read-only, ...
-        if world.is_main:
-            print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
-    except StepOutOfMemory as exc:  # every rank that ran out says so: it may be one alone
-        print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+    except (Refusal, *CHECKPOINT_REFUSALS) as exc:  # one line (rank 0's), its exit code
+        exit_refused(exc, is_main=world.is_main, **CHECKPOINT_REFUSALS.get(type(exc), {}))
     finally:
         for lock in locks:
             lock.release()
