@@ -107,7 +107,8 @@ class _Cursor:
 
 class TrainStream:
     """Endless iterator over this rank's training micro-batches: {input_ids, labels}, each a
-    LongTensor [micro_batch, seq_len].
+    LongTensor [micro_batch, seq_len], read as the run's data section says (``source``: the
+    dataset, its config name and text column; ``train_batch_size`` is the micro-batch).
 
     labels == input_ids: Hugging Face causal LMs shift them internally. When the training part is
     exhausted a new epoch starts, reshuffled deterministically from (seed, epoch).
