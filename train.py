@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -24,19 +25,30 @@ import te_llama
 from model_utils import checkpoint, data, optim
 from model_utils.config import arguments
 from model_utils.config.sections import Config
+from model_utils.errors import Refusal, exit_refused
 from model_utils.model import modeling
 from model_utils.parallel import distributed
 from model_utils.precision import backends as precision
 from model_utils.precision import master_weights
 from model_utils.run import guards, outputs, run_lock, watchdog
-from model_utils.run.profiling import RunProfiler, StepOutOfMemory
+from model_utils.run.profiling import RunProfiler
 from model_utils.run.run_log import RunLog
-from model_utils.run.step import train_step
+from model_utils.run.step import StepParts, train_step
 
 log = logging.getLogger("train")
 
+#: For the lead: model_utils/checkpoint's refusals and how they end a run, until they subclass
+#: errors.Refusal with these attributes (then this table and its use in main go). A checkpoint
+#: write that failed (the disk filled up, went read-only) is exit 1; an untrusted checkpoint,
+#: normally refused by validate() already, is said by every rank.
+CHECKPOINT_REFUSALS: dict[type[Exception], dict] = {
+    checkpoint.ResumeRefused: {"exit_code": 2, "every_rank": False},
+    checkpoint.UntrustedCheckpointError: {"exit_code": 2, "every_rank": True},
+    checkpoint.CheckpointWriteError: {"exit_code": 1, "every_rank": False},
+}
 
-def validate(argv: list[str] | None, training: bool = True) -> tuple[Config, object]:
+
+def validate(argv: list[str] | None, *, training: bool = True) -> tuple[Config, object]:
     """Every check that can fail on bad input, before any process group or file exists
     (``training=False``: the checks of a forward-only use, e.g. the GPU benchmark's rows)."""
     config = arguments.parse_args(argv)
@@ -56,12 +68,14 @@ def validate(argv: list[str] | None, training: bool = True) -> tuple[Config, obj
             checkpoint.check_hf_dir(ckpt.init_from_hf, config.model)  # the shape and RoPE too
         if ckpt.export_hf:
             checkpoint.check_export_dir(ckpt.export_hf)  # an export never replaces a model
-    except ValueError as exc:
+    except Refusal:
+        raise  # already one line with its exit code
+    except ValueError as exc:  # a library's or the checkpoint package's plain ValueError
         raise arguments.UsageError(str(exc)) from exc
     if config.precision.model_impl in arguments.TE_IMPLS:
         from model_utils.precision.te import check_requirements, te_version
 
-        check_requirements(config, training)
+        check_requirements(config, training=training)
         checkpoint.check_fp8_state_loadable(ckpt, te_version())  # a resume this TE refuses
     if training:
         try:  # a live run in this directory: refused before anything starts (reads only)
@@ -70,7 +84,9 @@ def validate(argv: list[str] | None, training: bool = True) -> tuple[Config, obj
             places = {**outputs.output_locations(config), **data.cache_location()}
             outputs.check_locations(places)
             checkpoint.check_before_start(config)  # the resume policy: checkpoint/resume.py
-        except (run_lock.RunLocked, outputs.WriteProblem, ValueError) as exc:
+        except Refusal:
+            raise  # a live run (RunLocked), an output the run cannot write (WriteProblem)
+        except ValueError as exc:  # the checkpoint package's refusals are plain ValueErrors
             raise arguments.UsageError(str(exc)) from exc
     return config, tokenizer
 
@@ -135,6 +151,19 @@ def build_optimizer(model, config: Config, device, backend) -> tuple:
     return optimizer, scheduler
 
 
+@dataclass
+class Run(StepParts):
+    """The live run: one step's parts (model, optimizer, schedule, backend, flags, device) and
+    what checks, saves and reports the steps: the loop, its stops and the run's end hand this
+    one record to each other."""
+
+    ckpt: checkpoint.Checkpointer
+    state: checkpoint.TrainState
+    guard: guards.StepGuard
+    run_log: RunLog
+    val_batches: list[dict[str, torch.Tensor]]
+
+
 def train(
     config: Config,
     tokenizer,
@@ -156,77 +185,79 @@ def train(
     outputs.check_outputs(config, world, modeling.count_parameters(model), log)  # before training
     optimizer, scheduler = build_optimizer(model, config, device, backend)
     log.info("optimizer: %s", optim.describe(optimizer))
-    ckpt, state, config = restore(config, model, optimizer, scheduler, stream, backend, explicit)
-    hang = watchdog.for_run(config.run, world.rank, device)  # --hang_timeout
-    run_log = RunLog(config, model, backend, world, device, start_step=state.step, watchdog=hang)
+    parts = StepParts(model, optimizer, scheduler, backend, config, device)
+    run = start_run(parts, stream, val_batches, world, explicit)
+    config, state, hang = run.config, run.state, run.run_log.watchdog  # config: as resumed
 
-    guard = guards.StepGuard(device)
     reads = data.ReadGuard(stream, config.data.text_column, world.world_size)
     model.train()
-    run_log.meter.start()
+    run.run_log.meter.start()
     start_step = state.step
     profiler = RunProfiler(config.run, world.rank, world.world_size, device, state.step)
     hang.start()
     try:
         with profiler:  # --profile_steps, --memory_snapshot_step; an OOM: one line
             while state.step < config.run.max_steps:
-                done = train_step(
-                    model, optimizer, scheduler, backend, reads.next, config, device, reads.all_read
-                )
+                done = train_step(run, reads.next, data_ok=reads.all_read)
                 if not done.stepped:  # a bad read: the step is dropped, the last full one saved
-                    with run_log.paused():
-                        stop_on_bad_read(reads, world, ckpt, state, guard, model, start_step)
+                    with run.run_log.paused():
+                        stop_on_bad_read(run, reads, world, start_step)
                 state.step += 1
-                guard.observe(state.step, done.loss, done.grad_norm)  # on the device, no sync
-                run_log.step(state.step, done.loss, done.lr, done.data_wait, done.grad_norm)
+                run.guard.observe(state.step, done.loss, done.grad_norm)  # on the device, no sync
+                run.run_log.step(state.step, done.loss, done.lr, done.data_wait, done.grad_norm)
                 profiler.step(state.step)
                 if config.run.validation_freq and state.step % config.run.validation_freq == 0:
-                    run_log.validation(state.step, model, val_batches, backend)
-                if step_boundary(config, state, ckpt, guard, model, run_log, preemption.requested):
-                    with run_log.paused():
-                        ckpt.save(state.step, state, block=True)
+                    run.run_log.validation(state.step, model, val_batches, backend)
+                if step_boundary(run, stop_requested=preemption.requested):
+                    with run.run_log.paused():
+                        run.ckpt.save(state.step, state, block=True)
                     log.info("Preemption signal received: checkpoint saved at step %d", state.step)
                     return
         hang.close()  # the last validation, save and export are not training steps
-        finish(config, model, backend, ckpt, state, guard, run_log, val_batches, tokenizer)
+        finish(run, tokenizer)
     except guards.Diverged as exc:  # here: the lr in the line is the one in use after a resume
         guards.exit_diverged(exc, config.optim.lr, world.is_main)
     finally:
         hang.close()
 
 
-def stop_on_bad_read(reads, world, ckpt, state, guard, model, start_step: int) -> None:
+def stop_on_bad_read(run: Run, reads: data.ReadGuard, world, start_step: int) -> None:
     """A rank's read failed during the step just dropped: every rank saves the last full step
     (after the non-finite check every save gets; none if this launch trained no step, whose
     state is already saved or is the initial one), then raises the read's DataError."""
-    path = ckpt.latest()
-    if state.step > start_step:
-        guards.check_step(guard, ckpt, state.step, model, True, saving=True)
-        path = ckpt.save(state.step, state, block=True)
-    data.raise_read_failure(reads.failure, world, state.step, path)
+    step = run.state.step
+    path = run.ckpt.latest()
+    if step > start_step:
+        guards.check_step(run.guard, run.ckpt, step, run.model, stop_requested=True, saving=True)
+        path = run.ckpt.save(step, run.state, block=True)
+    data.raise_read_failure(reads.failure, world, step, path)
 
 
-def step_boundary(config, state, ckpt, guard, model, run_log, stop_requested: bool) -> bool:
+def step_boundary(run: Run, *, stop_requested: bool) -> bool:
     """At report and save steps only (an all-reduce + .item() every step would make the host
     wait for the device each step): whether every rank stops here, after the periodic save. A
     signal is acted on within --logging_freq steps; a non-finite step stops the run (guards.
     Diverged) before any checkpoint holds it."""
-    every = config.checkpoint.checkpoint_freq
-    save_now = every > 0 and state.step % every == 0
-    if not (save_now or run_log.is_report_step(state.step)):
+    step, every = run.state.step, run.config.checkpoint.checkpoint_freq
+    save_now = every > 0 and step % every == 0
+    if not (save_now or run.run_log.is_report_step(step)):
         return False
-    stop = guards.check_step(guard, ckpt, state.step, model, stop_requested, save_now)
+    stop = guards.check_step(
+        run.guard, run.ckpt, step, run.model, stop_requested=stop_requested, saving=save_now
+    )
     if save_now:
-        with run_log.paused():
-            ckpt.save(state.step, state)
+        with run.run_log.paused():
+            run.ckpt.save(step, run.state)
     return stop
 
 
-def restore(
-    config: Config, model, optimizer, scheduler, stream, backend, explicit: frozenset
-) -> tuple[checkpoint.Checkpointer, checkpoint.TrainState, Config]:
-    """The checkpointer and the state it saves, resumed if asked; the flags come back with the
-    lr values a resume put in use, and the state saves them."""
+def start_run(
+    parts: StepParts, stream: data.TrainStream, val_batches: list, world, explicit: frozenset
+) -> Run:
+    """The checkpointer and the state it saves, resumed if asked (the flags come back with the
+    lr values a resume put in use, and the state saves them); then the run's report, started
+    at the resumed step, with its --hang_timeout watchdog, and the non-finite guard."""
+    config, model = parts.config, parts.model
     ckpt = checkpoint.Checkpointer(
         config.checkpoint.checkpoint_dir,
         config.checkpoint.keep_last,
@@ -235,23 +266,36 @@ def restore(
     )
     state = checkpoint.TrainState(
         model,
-        optimizer,
-        scheduler,
+        parts.optimizer,
+        parts.scheduler,
         stream,
         config=config.as_dict(),
         on_data_reshard=lambda step, saved: stream.restart_after_reshard(saved),
-        fp8_recipe=backend.te_recipe,
+        fp8_recipe=parts.backend.te_recipe,
     )
-    config = checkpoint.resume_or_start(ckpt, state, scheduler, config, explicit)
-    return ckpt, state, config
+    config = checkpoint.resume_or_start(ckpt, state, parts.scheduler, config, explicit)
+    hang = watchdog.for_run(config.run, world.rank, parts.device)  # --hang_timeout
+    run_log = RunLog(
+        config, model, parts.backend, world, parts.device, start_step=state.step, watchdog=hang
+    )
+    return Run(
+        **{**vars(parts), "config": config},
+        ckpt=ckpt,
+        state=state,
+        guard=guards.StepGuard(parts.device),
+        run_log=run_log,
+        val_batches=val_batches,
+    )
 
 
-def finish(config: Config, model, backend, ckpt, state, guard, run_log, val_batches, tokenizer):
+def finish(run: Run, tokenizer) -> None:
     """The end of a run that reached --max_steps: last validation, last (finite) checkpoint,
     the HF export (with the run's tokenizer: a folder clients load whole), the summary."""
+    config, ckpt, state, model = run.config, run.ckpt, run.state, run.model
     if not config.run.validation_freq or state.step % config.run.validation_freq:
-        run_log.validation(state.step, model, val_batches, backend)
-    guards.check_step(guard, ckpt, state.step, model, False, saving=True)  # no non-finite save
+        run.run_log.validation(state.step, model, run.val_batches, run.backend)
+    # no non-finite save
+    guards.check_step(run.guard, ckpt, state.step, model, stop_requested=False, saving=True)
     if config.checkpoint.checkpoint_freq >= 0:
         ckpt.save(state.step, state)  # a step saved just before is not written twice
     ckpt.close()
@@ -266,7 +310,7 @@ def finish(config: Config, model, backend, ckpt, state, guard, run_log, val_batc
             masters=masters,
         )
         log.info("Exported Hugging Face weights to %s", config.checkpoint.export_hf)
-    run_log.finish()
+    run.run_log.finish()
 
 
 def ready_line(config: Config) -> str:
@@ -301,8 +345,8 @@ def main(argv: list[str] | None = None) -> None:
     preemption = Preemption()  # first: a signal during start-up must not kill the rank
     try:
         config, tokenizer = validate(argv)
-    except arguments.UsageError as exc:
-        arguments.exit_on_usage_error(exc)
+    except Refusal as exc:  # before the ranks exist: every process says it
+        exit_refused(exc)
     if config.run.validate_only:
         print(ready_line(config), flush=True)
         return
@@ -317,24 +361,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         locks = run_lock.hold_run_dirs(config, world, device)
         train(config, tokenizer, world, device, preemption, arguments.explicit_flags(argv))
-    except checkpoint.UntrustedCheckpointError as exc:  # normally refused by validate() already
-        arguments.exit_on_usage_error(arguments.UsageError(str(exc)))
-    except (
-        run_lock.RunLocked,
-        outputs.WriteProblem,
-        checkpoint.ResumeRefused,
-        data.DataError,
-    ) as exc:
-        if world.is_main:
-            arguments.exit_on_usage_error(arguments.UsageError(str(exc)))
-        raise SystemExit(2) from None
-    except checkpoint.CheckpointWriteError as exc:  # the disk filled up, went read-only, ...
-        if world.is_main:
-            print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
-    except StepOutOfMemory as exc:  # every rank that ran out says so: it may be one alone
-        print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+    except (Refusal, *CHECKPOINT_REFUSALS) as exc:  # one line (rank 0's), its exit code
+        exit_refused(exc, is_main=world.is_main, **CHECKPOINT_REFUSALS.get(type(exc), {}))
     finally:
         for lock in locks:
             lock.release()

@@ -37,6 +37,8 @@ from torch.utils.data import IterableDataset as TorchIterable
 
 from model_utils import data
 from model_utils.config.presets import BUNDLED_DATASET, BUNDLED_TOKENIZER
+from model_utils.config.sections import DataConfig
+from model_utils.data.tokens import encode_documents
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -94,9 +96,14 @@ def map_group(seq_len: int, micro_batch: int) -> Batches:
         yield {"input_ids": batch["input_ids"], "labels": batch["input_ids"].clone()}
 
 
+def _source(micro_batch: int) -> DataConfig:
+    """The data section of the bundled corpus, as train.py hands it to the stream."""
+    return DataConfig(BUNDLED_TOKENIZER, BUNDLED_DATASET, None, "text", micro_batch, micro_batch)
+
+
 def ours(seq_len: int, micro_batch: int) -> Batches:
     tokenizer = data.load_tokenizer(BUNDLED_TOKENIZER)
-    yield from data.TrainStream(BUNDLED_DATASET, tokenizer, seq_len, micro_batch, seed=42)
+    yield from data.TrainStream(_source(micro_batch), tokenizer, seq_len, seed=42)
 
 
 PIPELINES: dict[str, Callable[[int, int], Batches]] = {
@@ -127,12 +134,12 @@ def measure(
 def resume_cost(seq_len: int, micro_batch: int, skip: int) -> tuple[float, float]:
     """Seconds to the batch after `skip` batches: restoring our state vs replaying upstream."""
     tokenizer = data.load_tokenizer(BUNDLED_TOKENIZER)
-    stream = data.TrainStream(BUNDLED_DATASET, tokenizer, seq_len, micro_batch, seed=42)
+    stream = data.TrainStream(_source(micro_batch), tokenizer, seq_len, seed=42)
     for _ in range(skip):
         next(stream)
     state = stream.state_dict()
     start = time.perf_counter()
-    resumed = data.TrainStream(BUNDLED_DATASET, tokenizer, seq_len, micro_batch, seed=42)
+    resumed = data.TrainStream(_source(micro_batch), tokenizer, seq_len, seed=42)
     resumed.load_state_dict(state)
     next(resumed)
     restore = time.perf_counter() - start
@@ -148,7 +155,7 @@ def _warm_up_imports() -> None:
     import datasets  # noqa: F401
 
     tokenizer = data.load_tokenizer(BUNDLED_TOKENIZER)
-    data.encode_documents(tokenizer, ["warm up"])
+    encode_documents(tokenizer, ["warm up"])
     next(iter(_hf_stream(seed=0)))
 
 

@@ -389,7 +389,7 @@ def _timed_forwards(args, name: str, train_args) -> Row:
             if i >= 3:
                 times.append(time.perf_counter() - start)
     tokens_per_s = batch.numel() / statistics.median(times)
-    flops = metrics.model_flops_per_token(model.config, train_args.model.max_context_width)
+    flops = metrics.flops_per_token(train_args.model, train_args.model.max_context_width)
     peak = torch.cuda.max_memory_allocated() / 2**30
     del model
     torch.cuda.empty_cache()

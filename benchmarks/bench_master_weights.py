@@ -36,7 +36,7 @@ def measure(setting: str, steps: int, extra: list[str]) -> dict[str, float]:
     from model_utils.config.arguments import parse_args
     from model_utils.parallel import distributed
     from model_utils.precision import backends as precision
-    from model_utils.run.step import train_step
+    from model_utils.run.step import StepParts, train_step
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -69,9 +69,8 @@ def measure(setting: str, steps: int, extra: list[str]) -> dict[str, float]:
     for step in range(steps):
         batch = {"input_ids": batches[step % len(batches)], "labels": batches[step % len(batches)]}
         start = time.perf_counter()
-        done = train_step(
-            model, optimizer, scheduler, backend, lambda b=batch: (b, 1.0), args, device
-        )
+        parts = StepParts(model, optimizer, scheduler, backend, args, device)
+        done = train_step(parts, lambda b=batch: (b, 1.0))
         loss = done.loss.item()
         times.append(time.perf_counter() - start)
     num = sum(p.numel() for p in model.parameters())

@@ -28,7 +28,7 @@ from model_utils import optim
 from model_utils.config import arguments
 from model_utils.parallel import distributed
 from model_utils.precision import backends as precision
-from model_utils.run.step import clip_grad_norm, train_step
+from model_utils.run.step import StepParts, clip_grad_norm, train_step
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, device: torch.device, before=None):
@@ -60,9 +60,10 @@ def measure(args: arguments.Config, repeats: int, device: torch.device) -> dict[
         0, args.model.vocab_size, (args.data.train_batch_size, args.model.max_context_width)
     )
     fixed = {"input_ids": ids, "labels": ids}
+    parts = StepParts(model, optimizer, scheduler, backend, args, device)
 
     def step() -> None:
-        train_step(model, optimizer, scheduler, backend, lambda: (fixed, 1.0), args, device)
+        train_step(parts, lambda: (fixed, 1.0))
 
     row = {"step": median_seconds(step, repeats, device)}
     with backend.autocast(first_micro_batch=True):

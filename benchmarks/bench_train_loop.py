@@ -47,7 +47,7 @@ from model_utils.config import arguments
 from model_utils.parallel import distributed
 from model_utils.precision import backends as precision
 from model_utils.run import metrics
-from model_utils.run.step import train_step
+from model_utils.run.step import StepParts, train_step
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -104,10 +104,11 @@ def run_bare_loop(train_argv: list[str], warmup: int) -> Run:
         tokens_per_step = args.optim.grad_accum_steps * shape[0] * shape[1]
         input_ids = torch.randint(0, args.model.vocab_size, shape, device=device)
         fixed = {"input_ids": input_ids, "labels": input_ids}
+        parts = StepParts(model, optimizer, scheduler, backend, args, device)
         model.train()
         stamps: list[float] = []
         for step in range(1, args.run.max_steps + 1):
-            train_step(model, optimizer, scheduler, backend, lambda: (fixed, 1.0), args, device)
+            train_step(parts, lambda: (fixed, 1.0))
             _sync(device)
             if step >= warmup:
                 stamps.append(time.perf_counter())

@@ -1,15 +1,48 @@
-"""The shared words of a refusal: the error a user can fix (UsageError: one line, exit 2), how
-any exception becomes a clause of that line, and the line for a location the system refused to
-write. A leaf: every stage may raise them without importing the flag parser."""
+"""The shared words of a refusal: the one base every refusal has (Refusal: one line, its exit
+code), the error a user can fix (UsageError: exit 2), how any exception becomes a clause of
+that line, and the line for a location the system refused to write. A leaf: every stage may
+raise them without importing the flag parser."""
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
+from typing import NoReturn
 
 
-class UsageError(ValueError):
+class Refusal(Exception):
+    """A run stopped with one line a user can act on, ``train.py: error: ...``, never a
+    traceback; train.py's main has one handler for every refusal (:func:`exit_refused`).
+
+    ``exit_code`` 2: bad input or a state the run will not touch (usage, resume, data, lock,
+    write problems); 1: the run itself failed (a checkpoint write, a step out of memory).
+    ``every_rank``: each rank that raised it says it (an out-of-memory step may be one rank's
+    alone); otherwise rank 0 speaks for all."""
+
+    exit_code: int = 2
+    every_rank: bool = False
+
+
+class UsageError(Refusal, ValueError):
     """Bad user input: printed as one line, exit code 2."""
+
+
+def exit_refused(
+    exc: BaseException,
+    *,
+    is_main: bool = True,
+    exit_code: int | None = None,
+    every_rank: bool | None = None,
+) -> NoReturn:
+    """The one way a refusal ends a process: its line on stderr (rank 0's, or every rank's),
+    then its exit code. ``exit_code``/``every_rank`` are for an error that is no Refusal yet
+    (the checkpoint package's); a Refusal carries its own."""
+    code = getattr(exc, "exit_code", 2) if exit_code is None else exit_code
+    everyone = getattr(exc, "every_rank", False) if every_rank is None else every_rank
+    if is_main or everyone:
+        print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
+    raise SystemExit(code) from None
 
 
 def first_line(exc: BaseException) -> str:

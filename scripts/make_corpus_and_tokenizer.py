@@ -30,7 +30,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from model_utils.data import is_held_out
+from model_utils.data.sources import is_held_out
 
 REPO = Path(__file__).resolve().parent.parent
 

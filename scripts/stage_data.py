@@ -49,6 +49,8 @@ except ModuleNotFoundError as missing:
 from model_utils import data
 from model_utils.config.arguments import UsageError, apply_preset, build_parser, os_error_words
 from model_utils.config.flag_rules import value_problem
+from model_utils.data.reads import read_error_message
+from model_utils.data.sources import document_texts, open_source
 from model_utils.run import outputs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,7 +152,7 @@ def check_out(out: Path, target: Path) -> None:
 def open_documents(args: argparse.Namespace) -> tuple[Iterator[str], Iterator[str] | None]:
     """The training and validation documents. The first is read now: hub data is not scanned
     at start-up, and a wrong --text_column shows at its first record."""
-    source = data.open_source(args.dataset, args.dataset_config_name, args.text_column)
+    source = open_source(args.dataset, args.dataset_config_name, args.text_column)
     train = read_checked(source.train, args, source)
     first = next(train, None)
     if first is None:
@@ -183,14 +185,14 @@ def read_checked(examples: Iterable[dict], args: argparse.Namespace, source: Any
     """The documents of `examples`; a read that fails (a wrong column, a bad byte past the
     start-up scan, a file gone) is a DataError with train.py's one line for it, so a reading
     problem is never reported as one of writing."""
-    texts = data.document_texts(iter(examples), args.text_column, source)
+    texts = document_texts(iter(examples), args.text_column, source)
     while True:
         try:
             text = next(texts)
         except StopIteration:
             return
         except (ValueError, OSError) as exc:
-            line = data.read_error_message(exc, args.dataset, args.text_column, 0, "when staged")
+            line = read_error_message(exc, args.dataset, args.text_column, 0, "when staged")
             raise data.DataError(line) from exc
         yield text
 

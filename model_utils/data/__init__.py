@@ -29,59 +29,28 @@ The modules, one job each: `sources` (naming and opening a dataset, this rank's 
 `checks` (the start-up scan of the user's files, and the one hub look-up of a dataset or
 tokenizer name), `tokens` (tokenizer, encoding), `stream` (the training stream and its
 position), `validation` (the fixed validation batches), `reads` (a read failing on one rank
-while all ranks stop together; where the Hugging Face cache is). Callers use the names
-re-exported here: `from model_utils import data; data.TrainStream(...)`.
+while all ranks stop together; where the Hugging Face cache is), `build` (a run's stream and
+validation batches from the data section). The names re-exported here are what a run and its
+start-up checks use (`from model_utils import data; data.build_data(...)`); tests, scripts and
+benchmarks that need a module's internals import that module.
 """
 
+from model_utils.data.build import build_data
 from model_utils.data.checks import (
-    FINGERPRINT_BYTES,
-    HUB_TIMEOUT_S,
-    SCAN_BYTES_PER_FILE,
-    SCAN_BYTES_TOTAL,
     check_hub_dataset,
     check_local_data,
     data_change,
     data_fingerprint,
-    find_bad_file,
 )
-from model_utils.data.reads import (
-    ReadGuard,
-    build_data,
-    cache_location,
-    raise_read_failure,
-    read_error_message,
-)
-from model_utils.data.sources import (
-    HELD_OUT_FRACTION,
-    DataError,
-    Source,
-    check_dataset,
-    document_texts,
-    is_held_out,
-    open_source,
-)
-from model_utils.data.stream import BLOCK_DOCS, Batch, TrainStream, epoch_documents
-from model_utils.data.tokens import (
-    TOKENIZE_BATCH,
-    check_vocab,
-    encode_documents,
-    load_tokenizer,
-    tokenizer_fingerprint,
-)
+from model_utils.data.reads import ReadGuard, cache_location, raise_read_failure
+from model_utils.data.sources import DataError, check_dataset
+from model_utils.data.stream import TrainStream
+from model_utils.data.tokens import check_vocab, load_tokenizer, tokenizer_fingerprint
 from model_utils.data.validation import validation_batches
 
 __all__ = [
-    "BLOCK_DOCS",
-    "FINGERPRINT_BYTES",
-    "HELD_OUT_FRACTION",
-    "HUB_TIMEOUT_S",
-    "SCAN_BYTES_PER_FILE",
-    "SCAN_BYTES_TOTAL",
-    "TOKENIZE_BATCH",
-    "Batch",
     "DataError",
     "ReadGuard",
-    "Source",
     "TrainStream",
     "build_data",
     "cache_location",
@@ -91,15 +60,8 @@ __all__ = [
     "check_vocab",
     "data_change",
     "data_fingerprint",
-    "document_texts",
-    "encode_documents",
-    "epoch_documents",
-    "find_bad_file",
-    "is_held_out",
     "load_tokenizer",
-    "tokenizer_fingerprint",
-    "open_source",
     "raise_read_failure",
-    "read_error_message",
+    "tokenizer_fingerprint",
     "validation_batches",
 ]

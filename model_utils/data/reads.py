@@ -1,6 +1,6 @@
 """A rank's reads going wrong, with every rank stopping together: a data problem may show on
 one rank only (each reads its own shard), yet all ranks are inside the same collectives.
-At start-up (`build_data`) every rank learns the first problem and raises it; mid-run
+At start-up (`build.build_data`) every rank learns the first problem and raises it; mid-run
 (`ReadGuard`) the failed rank finishes the step's micro-batches with weight-0 stand-ins, the
 ranks agree before the optimizer step that this step read bad data (`ReadGuard.all_read`), the
 step is not taken or recorded, and `raise_read_failure` turns the line into the run's exit
@@ -19,16 +19,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from model_utils.config.sections import Config
 from model_utils.data.checks import find_bad_file
 from model_utils.data.sources import DataError
 from model_utils.data.stream import Batch, TrainStream
-from model_utils.data.validation import validation_batches
 from model_utils.errors import first_line, unwritable
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
     from model_utils.parallel.distributed import World
 
 
@@ -116,48 +112,6 @@ def _cache_problem(exc: BaseException) -> str | None:
     ((var, cache),) = cache_location().items()
     inside = Path(filename).expanduser().absolute().is_relative_to(cache.absolute())
     return unwritable(var, cache, exc) if inside else None
-
-
-def build_data(
-    config: Config, tokenizer: PreTrainedTokenizerBase, world: World
-) -> tuple[TrainStream, list[Batch]]:
-    """This rank's training stream and validation batches. Each rank reads its own shard, so a
-    data problem may show on one rank only: every rank learns it (all_gather) and all raise
-    DataError with its one line."""
-    from model_utils.parallel.distributed import first_problem
-
-    stream = val_batches = problem = None
-    try:
-        stream = TrainStream(
-            config.data.dataset,
-            tokenizer,
-            config.model.max_context_width,
-            config.data.train_batch_size,
-            config_name=config.data.dataset_config_name,
-            text_column=config.data.text_column,
-            rank=world.rank,
-            world_size=world.world_size,
-            seed=config.run.seed,
-        )
-        val_batches = validation_batches(
-            config.data.dataset,
-            tokenizer,
-            config.model.max_context_width,
-            config.data.val_batch_size,
-            config.run.validation_batches,
-            config_name=config.data.dataset_config_name,
-            text_column=config.data.text_column,
-            rank=world.rank,
-            world_size=world.world_size,
-        )
-    except (ValueError, OSError) as exc:  # DataError, a bad byte (UnicodeDecodeError), ...
-        problem = read_error_message(
-            exc, config.data.dataset, config.data.text_column, world.rank, "at start-up"
-        )
-    first = first_problem(problem, world.world_size)
-    if first:
-        raise DataError(first)
-    return stream, val_batches
 
 
 def raise_read_failure(failure: str | None, world: World, step: int, path: Path | None) -> None:

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from model_utils.errors import Refusal
+
 if TYPE_CHECKING:  # imported lazily at run time: datasets is slow to import
     from datasets import IterableDataset
 
@@ -29,7 +31,7 @@ TEST_NAME = re.compile(r"(^|[^a-z0-9])test([^a-z0-9]|$)")
 HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
-class DataError(ValueError):
+class DataError(Refusal, ValueError):
     """The data cannot be used: one line naming the file (and line or row) and what to do."""
 
 

@@ -29,6 +29,8 @@ if TYPE_CHECKING:  # imported lazily at run time: transformers/datasets are slow
     from datasets import IterableDataset
     from transformers import PreTrainedTokenizerBase
 
+    from model_utils.config.sections import DataConfig
+
 BLOCK_DOCS = 1024  # documents read and permuted together (the shuffle window)
 
 Batch = dict[str, torch.Tensor]
@@ -105,7 +107,8 @@ class _Cursor:
 
 class TrainStream:
     """Endless iterator over this rank's training micro-batches: {input_ids, labels}, each a
-    LongTensor [micro_batch, seq_len].
+    LongTensor [micro_batch, seq_len], read as the run's data section says (``source``: the
+    dataset, its config name and text column; ``train_batch_size`` is the micro-batch).
 
     labels == input_ids: Hugging Face causal LMs shift them internally. When the training part is
     exhausted a new epoch starts, reshuffled deterministically from (seed, epoch).
@@ -119,37 +122,35 @@ class TrainStream:
 
     def __init__(
         self,
-        dataset: str,
+        source: DataConfig,
         tokenizer: PreTrainedTokenizerBase,
         seq_len: int,
-        micro_batch: int,
         *,
-        config_name: str | None = None,
-        text_column: str = "text",
         rank: int = 0,
         world_size: int = 1,
         seed: int = 0,
         block_docs: int = BLOCK_DOCS,
         tokenize_batch: int = TOKENIZE_BATCH,
     ) -> None:
+        micro_batch = source.train_batch_size
         require_positive(seq_len=seq_len, micro_batch=micro_batch, world_size=world_size)
         require_positive(block_docs=block_docs, tokenize_batch=tokenize_batch)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if seed < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
-        self.dataset = dataset
+        self.dataset = source.dataset
         self.tokenizer = tokenizer
         self.seq_len = seq_len
         self.micro_batch = micro_batch
-        self.text_column = text_column
+        self.text_column = text_column = source.text_column
         self.rank = rank
         self.world_size = world_size
         self.seed = seed
         self.block_docs = block_docs
         self.tokenize_batch = tokenize_batch
-        source = open_source(dataset, config_name, text_column)
-        self._reader = _BlockReader(source, text_column, rank, world_size, seed, block_docs)
+        opened = open_source(source.dataset, source.dataset_config_name, text_column)
+        self._reader = _BlockReader(opened, text_column, rank, world_size, seed, block_docs)
         self._cursor = _Cursor()
         self._block: list[str] = []  # texts of the current block, shuffled
         self._tokens: np.ndarray | None = None  # tokens of the current tokenizer batch
@@ -323,10 +324,8 @@ def _dataset_id(dataset: str) -> str:
 
 
 def epoch_documents(
-    dataset: str,
+    source: DataConfig,
     *,
-    config_name: str | None = None,
-    text_column: str = "text",
     rank: int = 0,
     world_size: int = 1,
     seed: int = 0,
@@ -337,8 +336,8 @@ def epoch_documents(
 
     For tests and debugging ("what does rank 3 read?"); training itself does not use it.
     """
-    source = open_source(dataset, config_name, text_column)
-    reader = _BlockReader(source, text_column, rank, world_size, seed, block_docs)
+    opened = open_source(source.dataset, source.dataset_config_name, source.text_column)
+    reader = _BlockReader(opened, source.text_column, rank, world_size, seed, block_docs)
     reader.open(epoch)
     block = 0
     while texts := reader.read_block(block):

@@ -23,32 +23,33 @@ from model_utils.data.tokens import TOKENIZE_BATCH, encode_documents
 if TYPE_CHECKING:  # imported lazily at run time: transformers is slow to import
     from transformers import PreTrainedTokenizerBase
 
+    from model_utils.config.sections import DataConfig
+
 
 def validation_batches(
-    dataset: str,
+    source: DataConfig,
     tokenizer: PreTrainedTokenizerBase,
     seq_len: int,
-    batch_size: int,
     num_batches: int,
     *,
-    config_name: str | None = None,
-    text_column: str = "text",
     rank: int = 0,
     world_size: int = 1,
 ) -> list[Batch]:
     """This rank's fixed validation batches: the same every call, disjoint from training.
 
     Documents come in file order from this rank's shard of the validation split (or of the
-    held-out documents), packed like training. Reading stops once enough tokens are collected.
+    held-out documents), packed like training, ``source.val_batch_size`` windows a batch.
+    Reading stops once enough tokens are collected.
     """
+    dataset, text_column, batch_size = source.dataset, source.text_column, source.val_batch_size
     require_positive(
         seq_len=seq_len, batch_size=batch_size, num_batches=num_batches, world_size=world_size
     )
-    source = open_source(dataset, config_name, text_column)
-    base = source.validation if source.validation is not None else source.train
+    opened = open_source(dataset, source.dataset_config_name, text_column)
+    base = opened.validation if opened.validation is not None else opened.train
     view = rank_view(base, rank, world_size, shard_order=0)
-    texts = document_texts(iter(view), text_column, source)
-    if source.validation is None:
+    texts = document_texts(iter(view), text_column, opened)
+    if opened.validation is None:
         texts = (t for t in texts if is_held_out(t))
     needed = seq_len * batch_size * num_batches
     chunks, collected = [], 0

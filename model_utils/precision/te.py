@@ -390,7 +390,7 @@ def _describe_cudnn() -> str:
     return f"; TE's cuDNN {'.'.join(map(str, version))}" + (f" from {home}" if home else "")
 
 
-def check_requirements(config: Config, training: bool = True) -> None:
+def check_requirements(config: Config, *, training: bool = True) -> None:
     """Everything about TE that can be refused before a process group or file exists.
 
     Raises ``model_utils.errors.UsageError`` (one line, exit 2) for a missing TE, an
@@ -413,13 +413,7 @@ def check_requirements(config: Config, training: bool = True) -> None:
         return
     for flag in ("train_batch_size", "val_batch_size"):
         problem = fp8_shape_problem(
-            micro_batch_size=config.get(flag),
-            seq_len=config.model.max_context_width,
-            hidden_size=config.model.hidden_width,
-            intermediate_size=config.model.intermediate_size,
-            num_attention_heads=config.model.num_heads,
-            num_key_value_heads=config.model.num_key_value_heads,
-            recipe=config.precision.fp8_recipe,
+            config.model, config.get(flag), recipe=config.precision.fp8_recipe
         )
         if problem:
             raise UsageError(f"{problem} (--{flag} {config.get(flag)})")

@@ -9,6 +9,10 @@ in one line before a process group exists instead of failing inside TE after the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from model_utils.config.sections import ModelShape
 
 
 @dataclass(frozen=True)
@@ -112,15 +116,7 @@ def capability_problem(
 
 
 def fp8_shape_problem(
-    *,
-    micro_batch_size: int,
-    seq_len: int,
-    hidden_size: int,
-    intermediate_size: int,
-    num_attention_heads: int,
-    num_key_value_heads: int,
-    head_dim: int | None = None,
-    recipe: str = "delayed",
+    shape: ModelShape, micro_batch_size: int, *, recipe: str = "delayed"
 ) -> str | None:
     """Why these shapes cannot run FP8 GEMMs, or ``None``.
 
@@ -129,13 +125,15 @@ def fp8_shape_problem(
     activations, so tokens per micro-batch become an inner dimension and must obey the rule too.
     """
     multiple = 32 if recipe == "mxfp8" else 16
-    head_dim = head_dim or hidden_size // num_attention_heads
+    tokens = micro_batch_size * shape.max_context_width
     dims = {
-        "tokens per micro-batch (train_batch_size x max_context_width)": micro_batch_size * seq_len,
-        "hidden_width": hidden_size,
-        "intermediate_size": intermediate_size,
-        "query width (num_heads x head_dim)": num_attention_heads * head_dim,
-        "key/value width (num_key_value_heads x head_dim)": num_key_value_heads * head_dim,
+        "tokens per micro-batch (train_batch_size x max_context_width)": tokens,
+        "hidden_width": shape.hidden_width,
+        "intermediate_size": shape.intermediate_size,
+        "query width (num_heads x head_dim)": shape.num_heads * shape.head_dim,
+        "key/value width (num_key_value_heads x head_dim)": (
+            shape.num_key_value_heads * shape.head_dim
+        ),
     }
     bad = [f"{name} = {value}" for name, value in dims.items() if value % multiple]
     if not bad:

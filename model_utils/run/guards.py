@@ -128,6 +128,7 @@ def check_step(
     ckpt: Checkpointer,
     step: int,
     model: torch.nn.Module,
+    *,
     stop_requested: bool,
     saving: bool,
 ) -> bool:

@@ -13,11 +13,11 @@ import socket
 from pathlib import Path
 
 from model_utils.config.sections import Config
-from model_utils.errors import unwritable
+from model_utils.errors import Refusal, unwritable
 from model_utils.parallel import distributed
 
 
-class WriteProblem(RuntimeError):
+class WriteProblem(Refusal, RuntimeError):
     """An output location cannot be written, or cannot hold one checkpoint: one line, exit 2."""
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from model_utils.config.flag_rules import profile_window
-from model_utils.errors import os_error_words
+from model_utils.errors import Refusal, os_error_words
 from model_utils.run.trace_rules import TRACE_METADATA_KEY
 
 log = logging.getLogger("train")
@@ -48,8 +48,12 @@ MEMORY_LEVERS = (
 )
 
 
-class StepOutOfMemory(RuntimeError):
-    """A step ran out of GPU memory; the message is train.py's one line."""
+class StepOutOfMemory(Refusal, RuntimeError):
+    """A step ran out of GPU memory; the message is train.py's one line, said by every rank
+    that ran out (it may be one alone), exit 1."""
+
+    exit_code = 1
+    every_rank = True
 
 
 @dataclass(frozen=True)

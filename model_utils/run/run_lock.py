@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from model_utils.config.sections import Config
+from model_utils.errors import Refusal
 from model_utils.parallel import distributed
 from model_utils.run import outputs
 
@@ -32,7 +33,7 @@ SCAN_FOLDERS = 2000
 _NOT_RUNS = ("step_", ".tmp-", "damaged-", "unverified-")
 
 
-class RunLocked(RuntimeError):
+class RunLocked(Refusal, RuntimeError):
     """Another live process holds the run directory: one line, exit 2."""
 
 

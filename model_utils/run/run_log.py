@@ -43,7 +43,7 @@ def step_meter(config, model, world_size: int, device, warmup: int) -> metrics.S
     """The run's step meter: model FLOPs, the device's bf16 peak, its sync."""
     peak, peak_label = metrics.peak_bf16_tflops(device)
     return metrics.StepMeter(
-        metrics.model_flops_per_token(model.config, config.model.max_context_width),
+        metrics.flops_per_token(config.model, config.model.max_context_width),
         world_size,
         peak,
         peak_label,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,6 +20,20 @@ from model_utils.parallel import distributed
 
 #: Returns (micro-batch of CPU tensors, loss weight): data.ReadGuard.next, or a fixed batch.
 MicroBatchSource = Callable[[], tuple[dict[str, torch.Tensor], float]]
+
+
+@dataclass
+class StepParts:
+    """What one optimizer step moves, handed over as one record: the sharded model, its
+    optimizer and LR schedule, the precision backend (autocast, bookkeeping after the step),
+    the flags the step reads (``config.optim``, ``config.parallel``) and the device."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    backend: Any
+    config: Any
+    device: torch.device
 
 
 @dataclass(frozen=True)
@@ -35,16 +50,12 @@ class StepResult:
 
 
 def train_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    backend,
+    parts: StepParts,
     next_micro_batch: MicroBatchSource,
-    config,
-    device: torch.device,
+    *,
     data_ok: Callable[[], bool] | None = None,
 ) -> StepResult:
-    """One optimizer step over ``config.optim.grad_accum_steps`` micro-batches.
+    """One optimizer step of ``parts`` over ``config.optim.grad_accum_steps`` micro-batches.
 
     Each micro-batch's loss is scaled by 1/grad_accum_steps so the gradients sum to the mean,
     and by its weight (0 for data.ReadGuard's stand-in after a bad read: no gradient, yet this
@@ -56,6 +67,7 @@ def train_step(
     schedule step): an update from a stand-in batch, or from part of the data, is no step a
     checkpoint should hold, and ``stepped=False`` tells the loop to record nothing.
     """
+    model, backend, config, device = parts.model, parts.backend, parts.config, parts.device
     accum = config.optim.grad_accum_steps
     data_wait, loss_sum = 0.0, torch.zeros((), device=device)
     for micro in range(accum):
@@ -70,17 +82,17 @@ def train_step(
         with annotate(BACKWARD):
             (loss / accum).backward()
         loss_sum += loss.detach()
-    lr = float(scheduler.get_last_lr()[0])  # torchao keeps it as a 0-d CPU tensor
+    lr = float(parts.scheduler.get_last_lr()[0])  # torchao keeps it as a 0-d CPU tensor
     if data_ok is not None and not data_ok():
-        optimizer.zero_grad(set_to_none=True)
+        parts.optimizer.zero_grad(set_to_none=True)
         return StepResult(loss_sum / accum, None, lr, data_wait, stepped=False)
     grad_norm = None
     with annotate(OPTIMIZER):
         if config.optim.grad_clip > 0:
             grad_norm = clip_grad_norm(model, config.optim.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        parts.optimizer.step()
+        parts.scheduler.step()
+        parts.optimizer.zero_grad(set_to_none=True)
         backend.after_optimizer_step(model)
     return StepResult(loss_sum / accum, grad_norm, lr, data_wait)
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from model_utils import optim
-from model_utils.run.step import clip_grad_norm, train_step
+from model_utils.run.step import StepParts, clip_grad_norm, train_step
 
 GLOBAL_BATCH = 4  # sequences per optimizer step, split evenly over the ranks
 STEPS = 5
@@ -276,7 +276,7 @@ def run_mode(
         batch = global_batch(step, args.model.vocab_size, args.model.max_context_width)
         recorder.enabled = evidence.enabled = step == 0
         source = micro_batch_source(micro_batches(batch, world.rank, world.world_size, accum))
-        done = train_step(model, optimizer, scheduler, backend, source, args, device)
+        done = train_step(StepParts(model, optimizer, scheduler, backend, args, device), source)
         if args.precision.fp8_all_gather:
             result["scale_mismatches"].append(scale_mismatches(model))
         total = done.loss.double().reshape(1)

@@ -95,18 +95,13 @@ class Run:
 
     def step(self, seed: int) -> float:
         """train.py's step on one fixed micro-batch; returns its loss."""
-        from model_utils.run.step import train_step
+        from model_utils.run.step import StepParts, train_step
 
         ids = batch(seed)
-        done = train_step(
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            self.backend,
-            lambda: ({"input_ids": ids, "labels": ids}, 1.0),
-            self.args,
-            torch.device("cpu"),
+        parts = StepParts(
+            self.model, self.optimizer, self.scheduler, self.backend, self.args, torch.device("cpu")
         )
+        done = train_step(parts, lambda: ({"input_ids": ids, "labels": ids}, 1.0))
         self.state.step += 1
         return done.loss.item()
 

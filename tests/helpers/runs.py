@@ -1,5 +1,6 @@
-"""train.py's arguments the tests share (the tiny preset cut to milliseconds per step), and
-train.py in a subprocess: its command, its environment, what its metrics.jsonl recorded."""
+"""train.py's arguments the tests share (the tiny preset cut to milliseconds per step), the
+data section a data stage is handed, and train.py in a subprocess: its command, its
+environment, what its metrics.jsonl recorded."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import sys
 from pathlib import Path
 
 from helpers.procs import launch_report, torchrun_cmd
+from model_utils.config.presets import BUNDLED_TOKENIZER
+from model_utils.config.sections import DataConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,6 +29,20 @@ SMALL_LLAMA = (
 # fp32 compute: a CPU without bf16 units (AVX2 only, like CI's) runs bf16 matmuls 10-25x slower
 # than fp32 ones; the tests whose point is bf16 or FP8 say --bf16=1 after FAST.
 FAST = ["--preset", "tiny", "--train_batch_size", "4", "--max_context_width", "128", "--bf16=0"]
+
+
+def data_section(dataset: str, **fields) -> DataConfig:
+    """The data section a stage is handed (TrainStream, validation_batches, epoch_documents):
+    this dataset, its text column "text", batches of one unless a field says otherwise."""
+    defaults = {
+        "tokenizer": BUNDLED_TOKENIZER,
+        "dataset": dataset,
+        "dataset_config_name": None,
+        "text_column": "text",
+        "train_batch_size": 1,
+        "val_batch_size": 1,
+    }
+    return DataConfig(**{**defaults, **fields})
 
 
 def train_cmd(*argv: str, nproc: int = 1) -> list[str]:

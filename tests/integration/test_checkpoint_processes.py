@@ -112,10 +112,12 @@ class Run:
         """train.py's optimizer step; returns the loss averaged over ranks."""
         import torch.distributed as dist
 
-        from model_utils.run.step import train_step
+        from model_utils.run.step import StepParts, train_step
 
-        parts = (self.model, self.optimizer, self.scheduler, self.backend)
-        done = train_step(*parts, lambda: (next(self.stream), 1.0), self.args, self.device)
+        parts = StepParts(
+            self.model, self.optimizer, self.scheduler, self.backend, self.args, self.device
+        )
+        done = train_step(parts, lambda: (next(self.stream), 1.0))
         self.state.step += 1
         total = done.loss.float().reshape(1)
         dist.all_reduce(total)

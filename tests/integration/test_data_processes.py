@@ -13,9 +13,11 @@ from model_utils import data
 
 def test_unreachable_hub_dataset_is_a_clear_error():
     code = (
-        "from model_utils import data\n"
+        "from model_utils.config.sections import DataConfig\n"
+        "from model_utils.data.stream import epoch_documents\n"
+        "source = DataConfig('tokenizer', 'allenai/c4', 'en', 'text', 1, 1)\n"
         "try:\n"
-        "    next(data.epoch_documents('allenai/c4', config_name='en'))\n"
+        "    next(epoch_documents(source))\n"
         "except ValueError as error:\n"
         "    print(error)\n"
     )

@@ -586,13 +586,13 @@ def test_a_bad_byte_met_mid_run_is_named_and_its_step_not_taken(tmp_path: Path) 
     file whole, so in step 1): the step is not taken, nothing is recorded or saved as if it had
     trained (a step-1 checkpoint and a loss of 0.0 used to be), exit 2 naming file and line.
     A failure later in a run: tests/integration/test_run_integrity_processes.py."""
-    from model_utils import data
+    from model_utils.data import checks
 
     folder = tmp_path / "late"
     folder.mkdir()
     paragraph = ("in the beginning was the word " * 40 + "\n\n").encode()
     with open(folder / "train.txt", "wb") as fh:
-        for _ in range(data.SCAN_BYTES_PER_FILE // len(paragraph) + 200):
+        for _ in range(checks.SCAN_BYTES_PER_FILE // len(paragraph) + 200):
             fh.write(paragraph)
         fh.write(b"a bad \xff byte\n\n" + paragraph * 10)
     lines_before = (folder / "train.txt").read_bytes().split(b"\xff")[0].count(b"\n") + 1

@@ -193,6 +193,7 @@ def project_log_likelihood(checkpoint: Path) -> float:
     from model_utils import data
     from model_utils.checkpoint.saved import iter_dcp_model_layers
     from model_utils.config import arguments
+    from model_utils.data.tokens import encode_documents
     from model_utils.model import modeling
 
     args = arguments.parse_args(TRAINING)
@@ -201,7 +202,7 @@ def project_log_likelihood(checkpoint: Path) -> float:
     weights = {name: t for layer in iter_dcp_model_layers(checkpoint) for name, t in layer.items()}
     model.load_state_dict(weights, strict=True)
     tokenizer = data.load_tokenizer(args.data.tokenizer)
-    tokens = data.encode_documents(tokenizer, [TEXT]).tolist()  # the text, then its eos
+    tokens = encode_documents(tokenizer, [TEXT]).tolist()  # the text, then its eos
     ids = torch.tensor([[tokenizer.eos_token_id, *tokens[:-1]]])
     assert ids.shape[1] <= args.model.max_context_width
     with torch.no_grad():

@@ -15,9 +15,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from helpers.runs import data_section
 
 from model_utils import data
 from model_utils.config.presets import BUNDLED_DATASET, BUNDLED_TOKENIZER
+from model_utils.data import stream as data_stream
+from model_utils.data.sources import is_held_out
+from model_utils.data.tokens import encode_documents
 
 SEQ_LEN = 32
 MICRO_BATCH = 2
@@ -51,12 +55,23 @@ def _write_jsonl(path: Path, texts: list[str], column: str = "text") -> None:
 
 
 def _training_docs(documents: list[str]) -> list[str]:
-    return [d for d in documents if d and not data.is_held_out(d)]
+    return [d for d in documents if d and not is_held_out(d)]
 
 
-def _stream(corpus: str, tokenizer, **overrides) -> data.TrainStream:
+def _stream(corpus: str, tokenizer, text_column: str = "text", **overrides) -> data.TrainStream:
     options = {"rank": 0, "world_size": 1, "seed": 0, **SMALL, **overrides}
-    return data.TrainStream(corpus, tokenizer, SEQ_LEN, MICRO_BATCH, **options)
+    source = data_section(corpus, text_column=text_column, train_batch_size=MICRO_BATCH)
+    return data.TrainStream(source, tokenizer, SEQ_LEN, **options)
+
+
+def _documents(dataset: str, text_column: str = "text", **options):
+    """data.stream.epoch_documents of this dataset."""
+    return data_stream.epoch_documents(data_section(dataset, text_column=text_column), **options)
+
+
+def _validation(dataset: str, tokenizer, batch_size: int, num_batches: int) -> list:
+    source = data_section(dataset, val_batch_size=batch_size)
+    return data.validation_batches(source, tokenizer, SEQ_LEN, num_batches)
 
 
 def _block(options: dict) -> dict:
@@ -96,7 +111,7 @@ def test_packing_keeps_every_token_in_exact_windows(corpus, documents, tokenizer
         assert torch.equal(batch["labels"], batch["input_ids"])
 
     # The windows, concatenated, are exactly the epoch's documents + EOS in the reader's order...
-    order = list(data.epoch_documents(corpus, seed=0, **_block(SMALL)))
+    order = list(_documents(corpus, seed=0, **_block(SMALL)))
     assert sorted(order) == sorted(train)  # each training document exactly once
     expected = [
         t for ids in _reference_ids(tokenizer, order) for t in (*ids, tokenizer.eos_token_id)
@@ -104,17 +119,17 @@ def test_packing_keeps_every_token_in_exact_windows(corpus, documents, tokenizer
     emitted = _flat(batches)
     assert emitted[:epoch_tokens].tolist() == expected
     # ...and the second epoch starts right after, in the same windows (the tail is not dropped).
-    next_epoch = list(data.epoch_documents(corpus, seed=0, epoch=1, **_block(SMALL)))
+    next_epoch = list(_documents(corpus, seed=0, epoch=1, **_block(SMALL)))
     first = _reference_ids(tokenizer, next_epoch[:1])[0]
     assert emitted[epoch_tokens : epoch_tokens + len(first)].tolist() == first
     assert next_epoch != order and sorted(next_epoch) == sorted(order)  # reshuffled
 
 
 def test_validation_is_fixed_and_never_trained_on(corpus, documents, tokenizer):
-    held_out = [d for d in documents if d and data.is_held_out(d)]
+    held_out = [d for d in documents if d and is_held_out(d)]
     assert 0 < len(held_out) < len(documents) // 5
-    first = data.validation_batches(corpus, tokenizer, SEQ_LEN, 2, 3)
-    again = data.validation_batches(corpus, tokenizer, SEQ_LEN, 2, 3)
+    first = _validation(corpus, tokenizer, 2, 3)
+    again = _validation(corpus, tokenizer, 2, 3)
     assert len(first) == 3 and all(b["input_ids"].shape == (2, SEQ_LEN) for b in first)
     assert all(
         torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(first, again, strict=True)
@@ -123,7 +138,7 @@ def test_validation_is_fixed_and_never_trained_on(corpus, documents, tokenizer):
     held_ids = {tuple(ids) for ids in _reference_ids(tokenizer, held_out)}
     val_segments = _segments(_flat(first), tokenizer.eos_token_id)
     assert len(val_segments) >= 2 and set(val_segments[1:]) <= held_ids  # [0] may be cut
-    training = set(data.epoch_documents(corpus, seed=3, **_block(SMALL)))
+    training = set(_documents(corpus, seed=3, **_block(SMALL)))
     assert training.isdisjoint(held_out) and training == set(_training_docs(documents))
 
 
@@ -135,8 +150,8 @@ def test_validation_split_files_are_used_when_present(tmp_path, documents, token
     _write_jsonl(folder / "validation.jsonl", docs[150:])
     _write_jsonl(folder / "test.jsonl", ["never read"] * 10)
     # All training-file documents are trained on (no hash hold-out when a split exists).
-    assert sorted(data.epoch_documents(str(folder))) == sorted(docs[:150])
-    batches = data.validation_batches(str(folder), tokenizer, SEQ_LEN, 1, 2)
+    assert sorted(_documents(str(folder))) == sorted(docs[:150])
+    batches = _validation(str(folder), tokenizer, 1, 2)
     start = [
         t
         for ids in _reference_ids(tokenizer, docs[150:152])
@@ -159,7 +174,7 @@ def test_folders_are_read_through_symbolic_links_and_broken_links_refused(tmp_pa
     (folder / "part2" / "loop").symlink_to(folder)  # a cycle is read once, not forever
     (folder / ".cache").mkdir()
     _write_jsonl(folder / ".cache" / "old.jsonl", ["hidden"])  # hidden folders stay ignored
-    assert sorted(data.epoch_documents(str(folder))) == sorted(_training_docs(docs))
+    assert sorted(_documents(str(folder))) == sorted(_training_docs(docs))
     (folder / "c.jsonl").symlink_to(tmp_path / "gone.jsonl")
     with pytest.raises(ValueError) as error:
         data.check_dataset(str(folder), None)
@@ -176,8 +191,7 @@ def test_rank_shards_are_disjoint_and_complete(tmp_path, documents, tokenizer, f
         _write_jsonl(tmp_path / f"part-{i}.jsonl", docs[i::files])
     source = str(tmp_path)
     per_rank = [
-        list(data.epoch_documents(source, rank=r, world_size=2, seed=5, **_block(SMALL)))
-        for r in range(2)
+        list(_documents(source, rank=r, world_size=2, seed=5, **_block(SMALL))) for r in range(2)
     ]
     assert set(per_rank[0]).isdisjoint(per_rank[1])
     assert sorted(per_rank[0] + per_rank[1]) == sorted(_training_docs(docs))
@@ -203,13 +217,13 @@ def test_resume_yields_the_uninterrupted_batches_without_retokenising(
         batches.append(next(reference))
 
     tokenized: list[int] = []
-    real_encode = data.encode_documents
+    real_encode = encode_documents
 
     def counting_encode(tok, texts):
         tokenized.append(len(texts))
         return real_encode(tok, texts)
 
-    monkeypatch.setattr(data.stream, "encode_documents", counting_encode)
+    monkeypatch.setattr(data_stream, "encode_documents", counting_encode)
     epoch_start = next(i for i, s in enumerate(states) if s["rank0"]["epoch"] == 1)
     block_start = next(i for i, s in enumerate(states) if s["rank0"]["block"] == 2)
     for k in (0, 1, 57, block_start, block_start + 1, epoch_start, epoch_start + 3, total - 40):
@@ -267,7 +281,7 @@ def test_state_from_another_world_size_is_refused_or_restarts_next_epoch(corpus,
         _stream(corpus, tokenizer, rank=1, world_size=2, seed=4).load_state_dict(saved[1])
     single.restart_after_reshard(saved)  # what the checkpoint's reshard hook calls
     assert single.epoch == 1 and single.batches == 6
-    epoch_one = list(data.epoch_documents(corpus, epoch=1, **_block(SMALL)))
+    epoch_one = list(_documents(corpus, epoch=1, **_block(SMALL)))
     first = _reference_ids(tokenizer, epoch_one[:1])[0]
     assert next(single)["input_ids"].reshape(-1).tolist()[: len(first)] == first[: SEQ_LEN * 2]
 
@@ -294,7 +308,7 @@ def test_documents_are_never_truncated_even_if_the_tokenizer_file_says_so(tmp_pa
     text = "In the beginning God created the heaven and the earth. " * 4
     expected = _reference_ids(tokenizer, [text])[0] + [tokenizer.eos_token_id]
     assert len(expected) > 40
-    assert data.encode_documents(truncating, [text]).tolist() == expected
+    assert encode_documents(truncating, [text]).tolist() == expected
 
 
 def test_vocab_mismatch_is_one_clear_line(tokenizer):
@@ -328,7 +342,7 @@ def test_bad_dataset_and_tokenizer_arguments(tmp_path, corpus, tokenizer):
     with pytest.raises(ValueError, match="has no column 'body'"):
         next(_stream(corpus, tokenizer, text_column="body"))
     with pytest.raises(ValueError, match="only .* windows"):
-        data.validation_batches(corpus, tokenizer, SEQ_LEN, 8, 1000)
+        _validation(corpus, tokenizer, 8, 1000)
 
 
 def test_text_parquet_and_compressed_sources(tmp_path, documents):
@@ -340,9 +354,9 @@ def test_text_parquet_and_compressed_sources(tmp_path, documents):
     with gzip.open(tmp_path / "docs.jsonl.gz", "wt") as f:
         f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
     expected = sorted(_training_docs(docs))
-    assert sorted(data.epoch_documents(str(tmp_path / "txt"))) == expected  # one per paragraph
-    assert sorted(data.epoch_documents(str(tmp_path / "pq"), text_column="body")) == expected
-    assert sorted(data.epoch_documents(str(tmp_path / "docs.jsonl.gz"))) == expected
+    assert sorted(_documents(str(tmp_path / "txt"))) == expected  # one per paragraph
+    assert sorted(_documents(str(tmp_path / "pq"), text_column="body")) == expected
+    assert sorted(_documents(str(tmp_path / "docs.jsonl.gz"))) == expected
 
 
 def test_bundled_corpus_and_tokenizer_work_offline():
@@ -353,7 +367,7 @@ def test_bundled_corpus_and_tokenizer_work_offline():
     with gzip.open(BUNDLED_DATASET, "rt") as f:
         chapters = [json.loads(line)["text"] for line in f]
     assert len(chapters) == 1189 and chapters[0].startswith("Genesis 1\nIn the beginning")
-    held_out = sum(data.is_held_out(c) for c in chapters)
+    held_out = sum(is_held_out(c) for c in chapters)
     assert 0.03 < held_out / len(chapters) < 0.08  # ~5%: enough for the tiny preset's validation
     text = "In the beginning God created the heaven and the earth."
     assert tokenizer.decode(tokenizer(text)["input_ids"]) == text

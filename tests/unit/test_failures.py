@@ -461,6 +461,7 @@ def test_bad_local_data_is_one_line_naming_the_file(tmp_path: Path, kind: str) -
 
 def test_parquet_column_and_a_json_document_file(tmp_path: Path) -> None:
     from model_utils import data
+    from model_utils.data.sources import document_texts, open_source
 
     _write_parquet(tmp_path / "p.parquet", {"body": ["a", "b"]})
     with pytest.raises(data.DataError, match=r"p.parquet has no column 'text' \(columns: body\)"):
@@ -472,9 +473,9 @@ def test_parquet_column_and_a_json_document_file(tmp_path: Path) -> None:
     data.check_local_data(str(tmp_path / "doc.json"), "text")  # a JSON array: datasets reads it
     (tmp_path / "nums.json").write_text('[{"text": 1.5}, {"text": 2.5}]')
     # Not scanned by lines: found when read.
-    source = data.open_source(str(tmp_path / "nums.json"), None, "text")
+    source = open_source(str(tmp_path / "nums.json"), None, "text")
     with pytest.raises(data.DataError, match="nums.json: column 'text' holds a number \\('1.5'\\)"):
-        list(data.document_texts(iter(source.train), "text", source))
+        list(document_texts(iter(source.train), "text", source))
     data.check_local_data(BUNDLED_DATASET, "text")  # the bundled corpus passes
 
 
@@ -490,6 +491,7 @@ def test_json_columns_that_change_between_files_do_not_stop_the_run(tmp_path: Pa
 
     from model_utils import data
     from model_utils.data.reads import read_error_message
+    from model_utils.data.sources import document_texts, open_source
 
     folder = tmp_path / "shards"
     folder.mkdir()
@@ -506,14 +508,14 @@ def test_json_columns_that_change_between_files_do_not_stop_the_run(tmp_path: Pa
     with pytest.raises(ValueError):  # what a run met when it reached b.jsonl
         list(library)
     data.check_local_data(str(folder), "text")
-    source = data.open_source(str(folder), None, "text")
-    assert list(data.document_texts(iter(source.train), "text", source)) == [
+    source = open_source(str(folder), None, "text")
+    assert list(document_texts(iter(source.train), "text", source)) == [
         "one",
         "two",
         "three",
         "four",
     ]
-    assert list(data.document_texts(iter(source.validation), "text", source)) == ["five"]
+    assert list(document_texts(iter(source.validation), "text", source)) == ["five"]
     # Hub data still goes through the library: its CastError line now says which columns.
     files = {"train": [str(folder / "a.jsonl"), str(folder / "validation.jsonl")]}
     with pytest.raises(ValueError) as cast:
@@ -528,6 +530,7 @@ def test_parquet_columns_that_change_between_files_do_not_stop_the_run(tmp_path:
     from datasets import load_dataset
 
     from model_utils import data
+    from model_utils.data.sources import document_texts, open_source
 
     _write_parquet(tmp_path / "a.parquet", {"text": ["one", "two"], "id": [1, 2]})
     _write_parquet(tmp_path / "b.parquet", {"text": ["three"], "id": ["x"], "score": [0.5]})
@@ -535,8 +538,8 @@ def test_parquet_columns_that_change_between_files_do_not_stop_the_run(tmp_path:
     with pytest.raises(ValueError):  # the library alone: CastError at b.parquet
         list(load_dataset("parquet", data_files=files, streaming=True)["train"])
     data.check_local_data(str(tmp_path), "text")
-    source = data.open_source(str(tmp_path), None, "text")
-    assert list(data.document_texts(iter(source.train), "text", source)) == ["one", "two", "three"]
+    source = open_source(str(tmp_path), None, "text")
+    assert list(document_texts(iter(source.train), "text", source)) == ["one", "two", "three"]
 
 
 def test_the_json_reader_keeps_every_row_and_its_position(tmp_path: Path) -> None:
@@ -545,19 +548,19 @@ def test_the_json_reader_keeps_every_row_and_its_position(tmp_path: Path) -> Non
     from datasets import load_dataset
     from datasets.packaged_modules.json.json import Json
 
-    from model_utils import data
+    from model_utils.data.sources import open_source
 
     assert "_cast_table" in vars(Json)  # the private method local_json.py overrides
     records = [{"text": f"doc {i}" if i % 3 else None, "n": i} for i in range(50)]
     _jsonl(tmp_path / "a.jsonl", records)
-    ours = data.open_source(str(tmp_path / "a.jsonl"), None, "text").train
+    ours = open_source(str(tmp_path / "a.jsonl"), None, "text").train
     theirs = load_dataset("json", data_files=str(tmp_path / "a.jsonl"), streaming=True)["train"]
     assert [r["text"] for r in ours] == [r["text"] for r in records] == [r["text"] for r in theirs]
     theirs = load_dataset("json", data_files=str(tmp_path / "a.jsonl"), streaming=True)["train"]
     position = iter(theirs)
     for _ in range(20):
         next(position)
-    resumed = data.open_source(str(tmp_path / "a.jsonl"), None, "text").train
+    resumed = open_source(str(tmp_path / "a.jsonl"), None, "text").train
     resumed.load_state_dict(theirs.state_dict())  # a position the library's reader saved
     assert [r["text"] for r in resumed] == [r["text"] for r in records[20:]]
 
@@ -581,11 +584,14 @@ def test_a_name_that_is_no_local_path_fails_fast_offline_or_unknown(monkeypatch)
 
 
 def test_tiny_data_warns_that_each_batch_repeats_it(tmp_path: Path, caplog) -> None:
+    from helpers.runs import data_section
+
     from model_utils import data
 
     (tmp_path / "train.jsonl").write_text('{"text": "a short text"}\n' * 3)
     tokenizer = data.load_tokenizer(BUNDLED_TOKENIZER)
-    stream = data.TrainStream(str(tmp_path / "train.jsonl"), tokenizer, 64, 2)
+    source = data_section(str(tmp_path / "train.jsonl"), train_batch_size=2)
+    stream = data.TrainStream(source, tokenizer, 64)
     with caplog.at_level("WARNING"):
         next(stream)
     [warning] = [r.getMessage() for r in caplog.records if "repeats it" in r.getMessage()]
@@ -641,6 +647,7 @@ def test_an_unwritable_hugging_face_cache_is_named_not_blamed_on_the_data(
     """HF_HOME on a read-only or virtual file system failed the first read, reported as
     '--dataset ...: rank 0 could not read its data at start-up (PermissionError ...)'."""
     from model_utils import data
+    from model_utils.data.reads import read_error_message
     from model_utils.run import outputs
 
     in_the_way = tmp_path / "a-file"
@@ -651,11 +658,11 @@ def test_an_unwritable_hugging_face_cache_is_named_not_blamed_on_the_data(
         outputs.check_locations(data.cache_location())
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
     refused = PermissionError(1, "Operation not permitted", str(tmp_path / "cache" / "x" / "y"))
-    line = data.read_error_message(refused, BUNDLED_DATASET, "text", 0, "at start-up")
+    line = read_error_message(refused, BUNDLED_DATASET, "text", 0, "at start-up")
     assert line == (
         f"HF_DATASETS_CACHE {tmp_path / 'cache'} cannot be written (Operation not permitted): "
         "choose another HF_DATASETS_CACHE"
     )
     elsewhere = PermissionError(13, "Permission denied", str(tmp_path / "data.jsonl"))
-    line = data.read_error_message(elsewhere, BUNDLED_DATASET, "text", 0, "at start-up")
+    line = read_error_message(elsewhere, BUNDLED_DATASET, "text", 0, "at start-up")
     assert line.startswith(f"--dataset {BUNDLED_DATASET}: rank 0 could not read its data")

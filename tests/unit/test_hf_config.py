@@ -111,12 +111,11 @@ def our_model(folder: Path, impl: str, *flags: str):
 
 
 def one_step(model, optimizer, scheduler, backend, args, ids: torch.Tensor) -> float:
-    from model_utils.run.step import train_step
+    from model_utils.run.step import StepParts, train_step
 
     batch = ({"input_ids": ids, "labels": ids}, 1.0)
-    done = train_step(
-        model, optimizer, scheduler, backend, lambda: batch, args, torch.device("cpu")
-    )
+    parts = StepParts(model, optimizer, scheduler, backend, args, torch.device("cpu"))
+    done = train_step(parts, lambda: batch)
     return done.loss.item()
 
 

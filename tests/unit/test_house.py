@@ -30,8 +30,7 @@ MAX_SIBLING_NAMES = 20  # names one module imports from the modules beside it
 #: checkpoint package and the data stage's API wait for their rework (issue 37, part 1).
 OVER_THE_LIMIT = {
     "model_utils/checkpoint": 25,
-    "model_utils/data": 31,
-    "model_utils/run/metrics": 28,
+    "model_utils/run/metrics": 27,
     "model_utils/checkpoint/checkpointer.py": 49,
 }
 MAX_FUNCTION_LINES = 60

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -11,6 +12,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from model_utils.config.sections import ModelShape
 from model_utils.run.metrics import (
     GIB,
     JsonlWriter,
@@ -38,21 +40,23 @@ from model_utils.run.metrics import (
 )
 
 # The `tiny` preset's shape (model_utils/config/arguments.py), GQA included.
-TINY = {
-    "hidden": 256,
-    "num_layers": 4,
-    "num_heads": 4,
-    "num_kv_heads": 2,
-    "intermediate": 688,
-    "vocab": 8192,
-}
+TINY = ModelShape(
+    hidden_width=256,
+    num_layers=4,
+    num_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=688,
+    vocab_size=8192,
+    max_context_width=256,
+    rope_theta=10000.0,
+)
 
 
 # ------------------------------------------------------------------------------ FLOPs
 
 
 def counted_train_flops(
-    shape: dict, seq_len: int, batch: int, tie: bool, device: str = "cpu"
+    shape: ModelShape, seq_len: int, batch: int, tie: bool, device: str = "cpu"
 ) -> float:
     """FLOPs torch's FlopCounterMode sees in a real HF Llama forward + backward, per token.
 
@@ -64,12 +68,12 @@ def counted_train_flops(
     counts from shapes), which is much faster; the CPU run proves the two agree.
     """
     config = LlamaConfig(
-        hidden_size=shape["hidden"],
-        num_hidden_layers=shape["num_layers"],
-        num_attention_heads=shape["num_heads"],
-        num_key_value_heads=shape["num_kv_heads"],
-        intermediate_size=shape["intermediate"],
-        vocab_size=shape["vocab"],
+        hidden_size=shape.hidden_width,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        intermediate_size=shape.intermediate_size,
+        vocab_size=shape.vocab_size,
         max_position_embeddings=seq_len,
         tie_word_embeddings=tie,
         attn_implementation="eager",
@@ -77,7 +81,7 @@ def counted_train_flops(
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(config)
-        input_ids = torch.randint(0, shape["vocab"], (batch, seq_len))
+        input_ids = torch.randint(0, shape.vocab_size, (batch, seq_len))
     with FlopCounterMode(display=False) as counter:
         model(input_ids=input_ids, labels=input_ids).loss.backward()
     return counter.get_total_flops() / (batch * seq_len)
@@ -86,54 +90,56 @@ def counted_train_flops(
 @pytest.mark.parametrize(("tie", "device"), [(False, "cpu"), (True, "meta")])
 def test_flops_formula_matches_flop_counter_on_tiny_llama(tie: bool, device: str) -> None:
     seq_len = 256
-    formula = flops_per_token(**TINY, seq_len=seq_len)  # tying shares storage, not compute
+    formula = flops_per_token(TINY, seq_len)  # tying shares storage, not compute
     counted = counted_train_flops(TINY, seq_len=seq_len, batch=1, tie=tie, device=device)
     # Everything the counter sees is a matmul the formula also counts, so they agree to well
     # under 1%. Dropping any term is far outside that: attention is ~10% of the total here,
     # lm_head ~40%, and counting K/V with n_heads instead of n_kv_heads adds ~5%.
     assert counted == pytest.approx(formula, rel=0.005)
-    attention = 12 * TINY["num_layers"] * TINY["hidden"] * seq_len
+    attention = 12 * TINY.num_layers * TINY.hidden_width * seq_len
     assert attention / formula > 0.05  # the tolerance really can see the attention term
 
 
 def test_flops_formula_matches_flop_counter_on_llama3_8b_shape() -> None:
     """The real Llama-3-8B shape (GQA 32/8, vocab 128256) counted on the meta device."""
-    shape = {
-        "hidden": 4096,
-        "num_layers": 32,
-        "num_heads": 32,
-        "num_kv_heads": 8,
-        "intermediate": 14336,
-        "vocab": 128256,
-    }
+    shape = dataclasses.replace(
+        TINY,
+        hidden_width=4096,
+        num_layers=32,
+        num_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+    )
     seq_len = 2048
     counted = counted_train_flops(shape, seq_len=seq_len, batch=1, tie=False, device="meta")
-    assert counted == pytest.approx(flops_per_token(**shape, seq_len=seq_len), rel=0.005)
+    assert counted == pytest.approx(flops_per_token(shape, seq_len), rel=0.005)
 
 
 def test_flops_terms() -> None:
-    shape = {**TINY, "seq_len": 256}
-    base = flops_per_token(**shape)
+    base = flops_per_token(TINY, 256)
     # attention grows linearly in seq_len: 12 * L * n_heads * head_dim per extra token of context
-    longer = flops_per_token(**{**shape, "seq_len": 512})
+    longer = flops_per_token(TINY, 512)
     assert longer - base == 12 * 4 * 256 * 256
     with pytest.raises(
         ValueError, match=r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"
     ):
-        flops_per_token(**{**shape, "num_kv_heads": 3})
+        flops_per_token(dataclasses.replace(TINY, num_key_value_heads=3), 256)
 
 
 def test_matmul_params_reproduce_llama2_7b_parameter_count() -> None:
     """Matmul weights + input embedding + norm gains = Llama-2-7B's published 6,738,415,616."""
     hidden, layers, vocab = 4096, 32, 32000
-    n = matmul_params(
-        hidden=hidden,
+    llama2_7b = dataclasses.replace(
+        TINY,
+        hidden_width=hidden,
         num_layers=layers,
         num_heads=32,
-        num_kv_heads=32,
-        intermediate=11008,
-        vocab=vocab,
+        num_key_value_heads=32,
+        intermediate_size=11008,
+        vocab_size=vocab,
     )
+    n = matmul_params(llama2_7b)
     norms = (2 * layers + 1) * hidden
     assert n + vocab * hidden + norms == 6_738_415_616
 
@@ -339,7 +345,7 @@ def test_upstream_validation_line_is_byte_exact() -> None:
 def test_detail_line_labels() -> None:
     clock = Clock()
     meter = StepMeter(
-        flops_per_token=flops_per_token(**TINY, seq_len=256),
+        flops_per_token=flops_per_token(TINY, 256),
         world_size=1,
         peak_tflops=None,
         peak_label="n/a on cpu",

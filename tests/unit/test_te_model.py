@@ -9,6 +9,7 @@ TE activation checkpointing, FP8 state in ``_extra_state``, and the capability m
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from transformers import LlamaForCausalLM
 
 import te_llama
 from model_utils.config import te_loader
+from model_utils.config.sections import ModelShape
 from model_utils.model import te_support
 from model_utils.model.modeling import materialize
 from model_utils.precision import te as te_precision
@@ -104,28 +106,26 @@ def test_mlp_recompute_on_the_fused_layer_needs_te_2_11() -> None:
 
 
 def test_fp8_shape_problem() -> None:
-    shapes = dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32)
-    assert (
-        te_requirements.fp8_shape_problem(
-            micro_batch_size=1, seq_len=4096, num_key_value_heads=32, **shapes
-        )
-        is None
+    llama2 = ModelShape(
+        hidden_width=4096,
+        num_layers=32,
+        num_heads=32,
+        num_key_value_heads=32,
+        intermediate_size=11008,
+        vocab_size=32000,
+        max_context_width=4096,
+        rope_theta=10000.0,
     )
-    problem = te_requirements.fp8_shape_problem(
-        micro_batch_size=1, seq_len=1000, num_key_value_heads=32, **shapes
-    )
+    assert te_requirements.fp8_shape_problem(llama2, 1) is None
+    problem = te_requirements.fp8_shape_problem(replace(llama2, max_context_width=1000), 1)
     assert problem and "tokens per micro-batch" in problem and "1000" in problem
     assert "hidden_width" not in problem
     odd_ffn = te_requirements.fp8_shape_problem(
-        micro_batch_size=2,
-        seq_len=512,
-        num_key_value_heads=8,
-        **{**shapes, "intermediate_size": 11000},
+        replace(llama2, max_context_width=512, num_key_value_heads=8, intermediate_size=11000), 2
     )
     assert odd_ffn and "intermediate_size = 11000" in odd_ffn
-    mx = te_requirements.fp8_shape_problem(
-        micro_batch_size=1, seq_len=48, num_key_value_heads=32, recipe="mxfp8", **shapes
-    )
+    short = replace(llama2, max_context_width=48)
+    mx = te_requirements.fp8_shape_problem(short, 1, recipe="mxfp8")
     assert mx and "multiples of 32" in mx
 
 
@@ -236,7 +236,7 @@ def test_build_refuses_unsupported_configs(te_double) -> None:
 
 def train_losses(model, backend, config, steps: int) -> list[float]:
     """train.py's step (no clip, constant lr) on one batch; every parameter must get a gradient."""
-    from model_utils.run.step import train_step
+    from model_utils.run.step import StepParts, train_step
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
@@ -248,15 +248,8 @@ def train_losses(model, backend, config, steps: int) -> list[float]:
     step_args = backend_args(False, grad_accum_steps=1, grad_clip=0.0, sharding_strategy="full")
     losses = []
     for _ in range(steps):
-        done = train_step(
-            model,
-            optimizer,
-            scheduler,
-            backend,
-            lambda: ({"input_ids": ids, "labels": ids}, 1.0),
-            step_args,
-            ids.device,
-        )
+        parts = StepParts(model, optimizer, scheduler, backend, step_args, ids.device)
+        done = train_step(parts, lambda: ({"input_ids": ids, "labels": ids}, 1.0))
         assert no_grad == []
         losses.append(done.loss.item())
     return losses

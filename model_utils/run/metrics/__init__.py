@@ -28,7 +28,7 @@ from model_utils.run.metrics.device import (
     peak_memory_bytes,
     peak_memory_label,
 )
-from model_utils.run.metrics.flops import flops_per_token, matmul_params, model_flops_per_token
+from model_utils.run.metrics.flops import flops_per_token, matmul_params
 from model_utils.run.metrics.meter import StepMeter, remaining_seconds, step_metrics
 from model_utils.run.metrics.records import (
     JsonlWriter,
@@ -65,7 +65,6 @@ __all__ = [
     "format_summary",
     "format_table",
     "matmul_params",
-    "model_flops_per_token",
     "peak_bf16_tflops",
     "peak_bf16_tflops_for_name",
     "peak_memory_bytes",

@@ -3,18 +3,13 @@ FLOPs: see the package docstring)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from model_utils.config.sections import ModelShape
 
 
-def matmul_params(
-    *,
-    hidden: int,
-    num_layers: int,
-    num_heads: int,
-    num_kv_heads: int,
-    intermediate: int,
-    vocab: int,
-) -> int:
+def matmul_params(shape: ModelShape) -> int:
     """Weights that take part in a matrix multiply for every token (Llama, no biases).
 
     Per decoder layer: q ``h*(n_heads*d)``, k and v ``h*(n_kv*d)`` each, o ``(n_heads*d)*h``,
@@ -22,6 +17,7 @@ def matmul_params(
     table lookup, not a matmul, so it is excluded; norms (vectors) are excluded. ``lm_head`` is
     counted whether or not it is tied to the embedding: the matmul runs either way.
     """
+    hidden, num_heads, num_kv_heads = shape.hidden_width, shape.num_heads, shape.num_key_value_heads
     if num_heads <= 0 or hidden % num_heads:
         raise ValueError(
             f"hidden ({hidden}) must be a positive multiple of num_heads ({num_heads})"
@@ -32,20 +28,11 @@ def matmul_params(
         )
     head_dim = hidden // num_heads
     attention = hidden * num_heads * head_dim * 2 + hidden * num_kv_heads * head_dim * 2
-    mlp = 3 * hidden * intermediate
-    return num_layers * (attention + mlp) + hidden * vocab
+    mlp = 3 * hidden * shape.intermediate_size
+    return shape.num_layers * (attention + mlp) + hidden * shape.vocab_size
 
 
-def flops_per_token(
-    *,
-    hidden: int,
-    num_layers: int,
-    num_heads: int,
-    num_kv_heads: int,
-    intermediate: int,
-    vocab: int,
-    seq_len: int,
-) -> float:
+def flops_per_token(shape: ModelShape, seq_len: int) -> float:
     """Training FLOPs per token = ``6 * N + 12 * L * n_heads * head_dim * seq_len``.
 
     - ``6 * N``: a matmul with N weights costs ``2N`` FLOPs per token forward and ``4N`` backward
@@ -62,26 +49,6 @@ def flops_per_token(
     """
     if seq_len <= 0:
         raise ValueError(f"seq_len must be > 0, got {seq_len}")
-    n = matmul_params(
-        hidden=hidden,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        intermediate=intermediate,
-        vocab=vocab,
-    )
-    head_dim = hidden // num_heads
-    return float(6 * n + 12 * num_layers * num_heads * head_dim * seq_len)
-
-
-def model_flops_per_token(config: Any, seq_len: int) -> float:
-    """:func:`flops_per_token` for a transformers ``LlamaConfig`` (what train.py builds)."""
-    return flops_per_token(
-        hidden=config.hidden_size,
-        num_layers=config.num_hidden_layers,
-        num_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads,
-        intermediate=config.intermediate_size,
-        vocab=config.vocab_size,
-        seq_len=seq_len,
-    )
+    n = matmul_params(shape)
+    head_dim = shape.hidden_width // shape.num_heads
+    return float(6 * n + 12 * shape.num_layers * shape.num_heads * head_dim * seq_len)

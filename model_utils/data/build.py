@@ -1,0 +1,55 @@
+"""This rank's data for a run, built from the data section: the training stream and the fixed
+validation batches, with a start-up problem on any rank raised on every rank (each reads its
+own shard, so a problem may show on one rank only while all of them wait in the same
+collectives)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from model_utils.data.reads import read_error_message
+from model_utils.data.sources import DataError
+from model_utils.data.stream import Batch, TrainStream
+from model_utils.data.validation import validation_batches
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from model_utils.config.sections import Config
+    from model_utils.parallel.distributed import World
+
+
+def build_data(
+    config: Config, tokenizer: PreTrainedTokenizerBase, world: World
+) -> tuple[TrainStream, list[Batch]]:
+    """This rank's training stream and validation batches. Every rank learns a data problem
+    (all_gather) and all raise DataError with its one line."""
+    from model_utils.parallel.distributed import first_problem
+
+    source, seq_len = config.data, config.model.max_context_width
+    stream = val_batches = problem = None
+    try:
+        stream = TrainStream(
+            source,
+            tokenizer,
+            seq_len,
+            rank=world.rank,
+            world_size=world.world_size,
+            seed=config.run.seed,
+        )
+        val_batches = validation_batches(
+            source,
+            tokenizer,
+            seq_len,
+            config.run.validation_batches,
+            rank=world.rank,
+            world_size=world.world_size,
+        )
+    except (ValueError, OSError) as exc:  # DataError, a bad byte (UnicodeDecodeError), ...
+        problem = read_error_message(
+            exc, source.dataset, source.text_column, world.rank, "at start-up"
+        )
+    first = first_problem(problem, world.world_size)
+    if first:
+        raise DataError(first)
+    return stream, val_batches
