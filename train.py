@@ -51,7 +51,7 @@ def validate(argv: list[str] | None, training: bool = True) -> tuple[Config, obj
             tokenizer_sha256=data.tokenizer_fingerprint(tokenizer),
             data_fingerprint=data.data_fingerprint(source.dataset),
         )
-        checkpoint.check_resume_arg(ckpt.resume_from_checkpoint, ckpt.checkpoint_dir)
+        checkpoint.check_resume_arg(ckpt.resume_from_checkpoint)
         if ckpt.init_from_hf:
             checkpoint.check_hf_dir(ckpt.init_from_hf, config.model)  # the shape and RoPE too
         if ckpt.export_hf:
@@ -59,10 +59,9 @@ def validate(argv: list[str] | None, training: bool = True) -> tuple[Config, obj
     except ValueError as exc:
         raise arguments.UsageError(str(exc)) from exc
     if config.precision.model_impl in arguments.TE_IMPLS:
-        from model_utils.precision.te import check_requirements, te_version
+        from model_utils.precision.te import check_requirements
 
         check_requirements(config, training)
-        checkpoint.check_fp8_state_loadable(ckpt, te_version())  # a resume this TE refuses
     if training:
         try:  # a live run in this directory: refused before anything starts (reads only)
             locks = run_lock.lock_dirs(config.run.output_dir, ckpt.checkpoint_dir)
@@ -317,8 +316,6 @@ def main(argv: list[str] | None = None) -> None:
     try:
         locks = run_lock.hold_run_dirs(config, world, device)
         train(config, tokenizer, world, device, preemption, arguments.explicit_flags(argv))
-    except checkpoint.UntrustedCheckpointError as exc:  # normally refused by validate() already
-        arguments.exit_on_usage_error(arguments.UsageError(str(exc)))
     except (
         run_lock.RunLocked,
         outputs.WriteProblem,

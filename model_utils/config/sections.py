@@ -39,7 +39,7 @@ SHAPE_FIELDS = (
 )
 #: Our shape names -> the keys of a Hugging Face Llama config.json: the one mapping table, read
 #: by model/modeling.llama_config (our shape -> LlamaConfig) and config/hf_config (config.json ->
-#: our shape) and checkpoint/hf_import (a file that does not fit, in flag words).
+#: our shape) and checkpoint/hf.py (a file that does not fit, in flag words).
 HF_KEYS: dict[str, str] = {
     "hidden_width": "hidden_size",
     "num_layers": "num_hidden_layers",
@@ -85,7 +85,7 @@ class ModelShape:
 @dataclass(frozen=True)
 class PrecisionConfig:
     """BF16 or FP8, the implementation that computes it, and the FP8 recipe's knobs: the
-    fields a resume of the same run may not change (checkpoint/compat.py)."""
+    fields a resume of the same run may not change (checkpoint/resume.py)."""
 
     model_impl: str
     fp8: bool
@@ -273,7 +273,7 @@ class Config:
         return f"--preset {self.preset}"
 
     def get(self, name: str) -> Any:
-        """One field by its flat flag name (code that walks a list of flags, e.g. compat)."""
+        """One field by its flat flag name (code that walks a list of flags, e.g. resume.py)."""
         if name in TOP_FIELDS:
             return getattr(self, name)
         return getattr(getattr(self, SECTION_OF[name]), name)
