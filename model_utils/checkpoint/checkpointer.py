@@ -393,9 +393,9 @@ class Checkpointer:
                 )
         barrier()
 
-    # -- discovery
     def latest(self) -> Path | None:
-        """Newest complete checkpoint in checkpoint_dir, None if there is none."""
+        """Newest complete checkpoint in checkpoint_dir, None if there is none: the one messages
+        name as kept. The one a resume takes is manifest.checkpoint_to_resume's."""
         return latest_checkpoint(self.checkpoint_dir)
 
     # -- save
