@@ -230,7 +230,7 @@ def te_to_hf_state_dict(
 class StateDictAdapter:
     """The one HF <-> ``te`` converter for a config, used by --init_from_hf, --export_hf,
     checkpoints of the other layout and scripts/convert_checkpoint.py. Layouts are named as
-    ``checkpoint.convert.param_layout`` names them: ``hf`` (--model_impl hf, te_linear), ``te``.
+    ``checkpoint.layout.param_layout`` names them: ``hf`` (--model_impl hf, te_linear), ``te``.
 
     ``from_hf`` / ``to_hf`` take any part of a state dict: callers pass one decoder layer (or
     the non-layer tensors) at a time so no rank ever holds the whole model. A ``te`` model built

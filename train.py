@@ -37,16 +37,6 @@ from model_utils.run.step import StepParts, train_step
 
 log = logging.getLogger("train")
 
-#: For the lead: model_utils/checkpoint's refusals and how they end a run, until they subclass
-#: errors.Refusal with these attributes (then this table and its use in main go). A checkpoint
-#: write that failed (the disk filled up, went read-only) is exit 1; an untrusted checkpoint,
-#: normally refused by validate() already, is said by every rank.
-CHECKPOINT_REFUSALS: dict[type[Exception], dict] = {
-    checkpoint.ResumeRefused: {"exit_code": 2, "every_rank": False},
-    checkpoint.UntrustedCheckpointError: {"exit_code": 2, "every_rank": True},
-    checkpoint.CheckpointWriteError: {"exit_code": 1, "every_rank": False},
-}
-
 
 def validate(argv: list[str] | None, *, training: bool = True) -> tuple[Config, object]:
     """Every check that can fail on bad input, before any process group or file exists
@@ -63,7 +53,7 @@ def validate(argv: list[str] | None, *, training: bool = True) -> tuple[Config, 
             tokenizer_sha256=data.tokenizer_fingerprint(tokenizer),
             data_fingerprint=data.data_fingerprint(source.dataset),
         )
-        checkpoint.check_resume_arg(ckpt.resume_from_checkpoint, ckpt.checkpoint_dir)
+        checkpoint.check_resume_arg(ckpt.resume_from_checkpoint)
         if ckpt.init_from_hf:
             checkpoint.check_hf_dir(ckpt.init_from_hf, config.model)  # the shape and RoPE too
         if ckpt.export_hf:
@@ -73,10 +63,9 @@ def validate(argv: list[str] | None, *, training: bool = True) -> tuple[Config, 
     except ValueError as exc:  # a library's or the checkpoint package's plain ValueError
         raise arguments.UsageError(str(exc)) from exc
     if config.precision.model_impl in arguments.TE_IMPLS:
-        from model_utils.precision.te import check_requirements, te_version
+        from model_utils.precision.te import check_requirements
 
         check_requirements(config, training=training)
-        checkpoint.check_fp8_state_loadable(ckpt, te_version())  # a resume this TE refuses
     if training:
         try:  # a live run in this directory: refused before anything starts (reads only)
             locks = run_lock.lock_dirs(config.run.output_dir, ckpt.checkpoint_dir)
@@ -361,8 +350,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         locks = run_lock.hold_run_dirs(config, world, device)
         train(config, tokenizer, world, device, preemption, arguments.explicit_flags(argv))
-    except (Refusal, *CHECKPOINT_REFUSALS) as exc:  # one line (rank 0's), its exit code
-        exit_refused(exc, is_main=world.is_main, **CHECKPOINT_REFUSALS.get(type(exc), {}))
+    except Refusal as exc:  # one line (rank 0's, or each rank's that ran out of memory)
+        exit_refused(exc, is_main=world.is_main)
     finally:
         for lock in locks:
             lock.release()

@@ -52,8 +52,8 @@ def make_checkpoint(root: Path, shape: str) -> Path:
 
 
 def write_ours(checkpoint: Path, out: Path, shard_bytes: int) -> None:
-    from model_utils.checkpoint.hf_export import SafetensorsShardWriter
-    from model_utils.checkpoint.saved import iter_dcp_model_layers
+    from model_utils.checkpoint.hf import SafetensorsShardWriter
+    from model_utils.checkpoint.layout import iter_dcp_model_layers
 
     writer = SafetensorsShardWriter(out, shard_bytes)
     for layer in iter_dcp_model_layers(checkpoint):
@@ -66,7 +66,7 @@ def write_dcp(checkpoint: Path, out: Path, shard_bytes: int) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-    from model_utils.checkpoint.saved import MODEL_PREFIX, read_full_tensors, saved_tensors
+    from model_utils.checkpoint.layout import MODEL_PREFIX, read_full_tensors, saved_tensors
 
     metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata()
     full = read_full_tensors(checkpoint, saved_tensors(metadata, MODEL_PREFIX))

@@ -28,21 +28,12 @@ class UsageError(Refusal, ValueError):
     """Bad user input: printed as one line, exit code 2."""
 
 
-def exit_refused(
-    exc: BaseException,
-    *,
-    is_main: bool = True,
-    exit_code: int | None = None,
-    every_rank: bool | None = None,
-) -> NoReturn:
+def exit_refused(exc: Refusal, *, is_main: bool = True) -> NoReturn:
     """The one way a refusal ends a process: its line on stderr (rank 0's, or every rank's),
-    then its exit code. ``exit_code``/``every_rank`` are for an error that is no Refusal yet
-    (the checkpoint package's); a Refusal carries its own."""
-    code = getattr(exc, "exit_code", 2) if exit_code is None else exit_code
-    everyone = getattr(exc, "every_rank", False) if every_rank is None else every_rank
-    if is_main or everyone:
+    then its exit code."""
+    if is_main or exc.every_rank:
         print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
-    raise SystemExit(code) from None
+    raise SystemExit(exc.exit_code) from None
 
 
 def first_line(exc: BaseException) -> str:

@@ -71,60 +71,41 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def damage(path: Path) -> str | None:
-    """Why checkpoint `path` cannot be trusted (one line naming the file), or None: the checks
-    train.py's resume makes (Checkpointer.verify in a world of one), so a checkpoint train.py
-    refuses is never exported as a model either (a malformed marker included)."""
-    from model_utils.checkpoint import (
-        checkpoint_damage,
-        content_damage,
-        read_marker,
-        recorded_sums,
-    )
-
-    problem = checkpoint_damage(path)
-    if problem is None:
-        problem = content_damage(path, recorded_sums(read_marker(path)))
-    return problem
-
-
 def pick_checkpoint(path: str) -> tuple[Path, list[str]]:
     """(the checkpoint to convert, warning lines). A checkpoint given by path must be intact
     (one without checksums is converted with a warning: it was named); given a folder of
     checkpoints, the newest intact and verified one is taken, as train.py's
     `--resume_from_checkpoint auto` takes it, naming those it skipped. Refused (one line) if
-    there is none."""
-    from model_utils.checkpoint import checkpoint_problem, complete_checkpoints, unverified_reason
-    from model_utils.checkpoint.manifest import step_dirs
+    there is none. The verdict is train.py's (every file's checksum, in a world of one), so a
+    checkpoint train.py refuses is never exported as a model either."""
+    from model_utils.checkpoint import complete_checkpoints, inspect_checkpoint
+    from model_utils.checkpoint.manifest import INCOMPLETE, UNVERIFIED, step_dirs
 
-    problem = checkpoint_problem(path)
-    if problem is None:
-        why = damage(Path(path))
-        if why:
-            raise Refused(
-                f"checkpoint {path} is damaged: {why}; restore it from a copy, or convert "
-                "another checkpoint"
-            )
-        unverified = unverified_reason(Path(path))
-        if unverified:
-            return Path(path), [f"converting {path} unverified, as named: {unverified}"]
-        return Path(path), []
+    problem = inspect_checkpoint(path, checksums=True)
+    if problem is None or problem.kind != INCOMPLETE:  # one checkpoint, named
+        if problem is None:
+            return Path(path), []
+        if problem.kind == UNVERIFIED:
+            return Path(path), [f"converting {path} unverified, as named: {problem}"]
+        raise Refused(
+            f"checkpoint {path} is damaged: {problem}; restore it from a copy, or convert "
+            "another checkpoint"
+        )
     found = step_dirs(path)  # incomplete ones too: a damaged newest step is named, not hidden
     if not complete_checkpoints(path):
         if found:
             raise Refused(
                 f"every checkpoint in {path} is damaged (newest {found[-1].name}: "
-                f"{damage(found[-1])}): restore one from a copy"
+                f"{inspect_checkpoint(found[-1], checksums=True)}): restore one from a copy"
             )
         raise Refused(f"{problem} (and it holds no complete step_N checkpoint)")
     skipped = []
     for candidate in reversed(found):
-        why = damage(candidate)
-        unverified = None if why else unverified_reason(candidate)
-        if why is None and unverified is None:
+        why = inspect_checkpoint(candidate, checksums=True)
+        if why is None:
             return candidate, skipped
-        kind = "damaged" if why else "unverified"
-        skipped.append(f"skipped the {kind} checkpoint {candidate.name}: {why or unverified}")
+        kind = "unverified" if why.kind == UNVERIFIED else "damaged"
+        skipped.append(f"skipped the {kind} checkpoint {candidate.name}: {why}")
     newest = skipped[0].removeprefix("skipped the ")
     if all(line.startswith("skipped the damaged") for line in skipped):
         newest = newest.removeprefix("damaged checkpoint ")
@@ -142,7 +123,7 @@ def check_out_dir(out_dir: Path) -> None:
     (minutes for a large checkpoint): a file in the way or a read-only folder by looking, and
     what looking cannot tell (a root-owned pseudo file system, quotas) by creating the folder
     and a probe file in it, then removing both as train.py's --export_hf check does."""
-    from model_utils.checkpoint import export_dir_problem
+    from model_utils.checkpoint.hf import export_dir_problem
     from model_utils.run import outputs
 
     problem = (
@@ -271,7 +252,7 @@ def export(
     before the exception goes on."""
     import torch
 
-    from model_utils.checkpoint.hf_export import dcp_to_hf, export_snapshot, undo_export
+    from model_utils.checkpoint.hf import dcp_to_hf, export_snapshot, undo_export
 
     snapshot = export_snapshot(out_dir)
     try:
@@ -301,7 +282,7 @@ def convert(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     except OSError as exc:  # a name over 255 bytes, a folder it may not list
         return _fail(os_problem(exc))
-    from model_utils.checkpoint import read_marker, write_error_reason
+    from model_utils.checkpoint.manifest import read_marker, write_error_reason
 
     marker = read_marker(path)
     if not marker.get("model_config"):

@@ -68,7 +68,7 @@ def te_double(monkeypatch):
     ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE`` does not leak in (tests that need it set it)."""
     from te_double import install, uninstall
 
-    from model_utils.checkpoint.errors import TE_UNSAFE_PICKLE_ENV
+    from model_utils.precision.te_requirements import TE_UNSAFE_PICKLE_ENV
 
     monkeypatch.delenv(TE_UNSAFE_PICKLE_ENV, raising=False)
     install()

@@ -1,93 +1,331 @@
-"""The Checkpointer: save (sync or async), atomic publish, keep-last-k, verified resume, load.
+"""The Checkpointer and what it saves: save (sync or async), atomic publish, keep-last-k, load;
+`TrainState` and the Stateful items DCP saves and loads.
 
 Every rank writes into `.tmp-step_N`; when the save has finished everywhere and each rank has
 summed its files, rank 0 writes the marker and renames the directory to `step_N` (one atomic
-rename), then prunes. A load restores everything on the same world size; on another one DCP
-reshards model and optimizer and the per-rank items are reseeded or handed to a hook; a
-checkpoint of the other parameter layout is converted (convert.py).
+rename), then prunes (manifest.publish). A load restores everything on the same world size; on
+another one DCP reshards model and optimizer and the per-rank items are reseeded or handed to a
+hook; a checkpoint of the other parameter layout is converted (layout.load_converted).
+
+Each item has ``state_dict()`` / ``load_state_dict()`` so DCP can save and load the whole state
+as one dict. Per-rank values (data position, RNG) are packed into bytes under per-rank keys,
+because DCP keeps only one copy of a non-tensor value that several ranks write under the same
+key (torch/distributed/checkpoint/_dedup_save_plans.py).
 """
 
 from __future__ import annotations
 
+import io
+import json
 import logging
+import random
 import shutil
-import sys
 import threading
 import time
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
-from model_utils.checkpoint.convert import load_converted, param_layout
-from model_utils.checkpoint.errors import (
-    CheckpointWriteError,
-    ResumeRefused,
-    UntrustedCheckpointError,
-    untrusted_checkpoint_message,
-    write_error_reason,
+from model_utils.checkpoint.layout import (
+    load_converted,
+    other_layout,
+    plain_tensor,
+    refuse_low_bit_reshard,
 )
 from model_utils.checkpoint.manifest import (
-    DAMAGED_PREFIX,
-    MARKER,
-    TMP_PREFIX,
-    checkpoint_damage,
-    checkpoint_name,
-    checkpoint_problem,
-    complete_checkpoints,
-    content_damage,
-    dir_bytes,
-    file_sums,
-    fsync_dir,
-    is_complete,
-    latest_checkpoint,
-    no_sound_checkpoint,
-    own_files,
-    prune_plan,
-    read_marker,
-    recorded_sums,
-    resolve_checkpoint,
-    set_aside_all,
-    stale_temporaries,
-    step_dirs,
-    unverified_reason,
-    verdict,
-    verified_checkpoints,
-    write_json,
-)
-from model_utils.checkpoint.optimizer_state import refuse_low_bit_reshard
-from model_utils.checkpoint.ranks import (
+    CHECKPOINT_FORMAT,
+    CheckpointWriteError,
     all_gather_object,
     any_rank,
     barrier,
+    complete_checkpoints,
     current_rank,
+    is_complete,
+    latest_checkpoint,
+    loadable_marker,
+    own_file_sums,
+    publish,
+    remove_stale_temporaries,
+    save_paths,
     world_size,
-)
-from model_utils.checkpoint.saved import MODEL_PREFIX
-from model_utils.checkpoint.stateful import (
-    FP8_PREFIX,
-    Fp8ScalingItem,
-    LoadResult,
-    ModelItem,
-    PerRankLoad,
-    TrainState,
-    derived_seed,
-    reseed_rng,
-    restore_fp8_scaling,
+    write_error_reason,
 )
 from model_utils.model.te_support import is_te_extra_state_key
 from model_utils.precision import master_weights
+from model_utils.precision.te_state import (
+    decode_recipe_identity,
+    fp8_scaling_state,
+    load_fp8_scaling_state,
+    recipe_identity,
+)
 
 log = logging.getLogger(__name__)
 
-# 2: TE's FP8 scaling state as plain tensors (item fp8_scaling), no pickled _extra_state.
-CHECKPOINT_FORMAT = 2
+
+def pack(obj: Any) -> bytes:
+    """Serialise to bytes so DCP stores `obj` as one opaque object (not traversed for tensors)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def unpack(blob: bytes) -> Any:
+    return torch.load(io.BytesIO(blob), weights_only=False)
+
+
+def capture_rng() -> dict[str, Any]:
+    """Every generator a training step may draw from on this rank."""
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng(state: Mapping[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def derived_seed(seed: int, step: int, rank: int) -> int:
+    """Deterministic per-(run, step, rank) seed for a resharded resume."""
+    return (seed * 1_000_003 + step * 10_007 + rank) % (2**32)
+
+
+def reseed_rng(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+class ModelItem:
+    """The model's sharded parameters under clean FQNs (no FSDP/compile/AC wrapper prefixes).
+
+    TE modules' ``_extra_state`` (their FP8 metadata, which TE pickles) is left out: the FP8
+    scaling state travels as plain tensors in :class:`Fp8ScalingItem`, and a model's
+    extra-state keys are the only ones a load may leave missing.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = {k: plain_tensor(v) for k, v in get_model_state_dict(self.model).items()}
+        return {k: v for k, v in sd.items() if not is_te_extra_state_key(k)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        options = StateDictOptions(strict=False)
+        result = set_model_state_dict(self.model, state_dict, options=options)
+        allowed = {k for k in result.missing_keys if is_te_extra_state_key(k)}
+        wrong = sorted(set(result.missing_keys) - allowed) + list(result.unexpected_keys)
+        if wrong:
+            raise RuntimeError(f"model state dict mismatch on load: {wrong[:5]}")
+
+
+#: DCP key prefix of the FP8 scaling item.
+FP8_PREFIX = "fp8_scaling."
+
+
+class Fp8ScalingItem:
+    """TE's delayed-scaling FP8 state as plain tensors (te_state.fp8_scaling_state): per module
+    and direction the scales and amax history, and the recipe's identity as JSON bytes. Saving
+    and loading it unpickles nothing, so no TE release refuses it.
+
+    For a load, ``saved`` gives each entry's shape and dtype from the checkpoint's metadata (a
+    fresh model has no FP8 state to load into before its first FP8 forward); the loaded tensors
+    wait in ``loaded`` until the Checkpointer hands them to the TE modules with the run's recipe.
+    """
+
+    def __init__(self, model: nn.Module, saved: Mapping[str, Any] | None = None) -> None:
+        self.model = model
+        self.saved = saved
+        self.loaded: dict[str, torch.Tensor] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.saved is None:
+            return fp8_scaling_state(self.model)
+        return {
+            k: torch.empty(meta.size, dtype=meta.properties.dtype) for k, meta in self.saved.items()
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loaded = dict(state_dict)
+
+
+class OptimizerItem:
+    """Optimizer state keyed by parameter FQN, so it reshards like the model."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+
+
+class PerRankSave:
+    """This rank's value of a per-rank item, packed, under key `rank{r}` (only this rank's key:
+    the other ranks write theirs)."""
+
+    def __init__(self, get: Callable[[], Any], rank: int) -> None:
+        self.get, self.rank = get, rank
+
+    def state_dict(self) -> dict[str, Any]:
+        return {f"rank{self.rank}": pack(self.get())}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise RuntimeError("PerRankSave is for saving only")
+
+
+class PerRankLoad:
+    """Reads the values saved by ranks `ranks` into `self.values` (rank -> unpacked value).
+
+    Ranks may ask for different keys: DCP's default load planner plans every rank locally and
+    runs the same collectives whatever the keys (default_planner.create_default_global_load_plan
+    is the identity), so a same-world-size load reads only this rank's entry.
+    """
+
+    def __init__(self, ranks: Iterable[int]) -> None:
+        self.ranks = list(ranks)
+        self.values: dict[int, Any] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {f"rank{r}": b"" for r in self.ranks}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.values = {r: unpack(state_dict[f"rank{r}"]) for r in self.ranks}
+
+
+class ProgressItem:
+    def __init__(self, train_state: TrainState) -> None:
+        self.train_state = train_state
+
+    def state_dict(self) -> dict[str, Any]:
+        config = json.dumps(self.train_state.config, sort_keys=True, default=str)
+        return {"step": self.train_state.step, "config": config}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.train_state.step = int(state_dict["step"])
+        self.train_state.saved_config = json.loads(state_dict["config"])
+
+
+@dataclass
+class TrainState:
+    """Everything a resumed run needs. `step` is the number of optimizer steps done.
+
+    data: any object with state_dict()/load_state_dict() holding THIS rank's stream position.
+    config: the run's flags (json-able; non-json values are stored as str).
+    on_data_reshard(step, saved_states): called instead of restoring the data position when the
+    checkpoint was written by a different number of ranks; saved_states[r] is what rank r saved.
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Any | None = None
+    data: Any | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    step: int = 0
+    on_data_reshard: Callable[[int, list[Any]], None] | None = None
+    saved_config: dict[str, Any] | None = None
+    # The TE recipe the model runs (None: no TE FP8); saved FP8 scaling state is restored into
+    # the TE modules only when it is a delayed-scaling recipe, the one kind that keeps state.
+    fp8_recipe: Any = None
+
+    @property
+    def seed(self) -> int:
+        return int(self.config.get("seed", 0) or 0)
+
+    def model_config(self) -> dict[str, Any] | None:
+        config = getattr(self.model, "config", None)
+        return config.to_dict() if hasattr(config, "to_dict") else None
+
+    def per_rank_getters(self) -> dict[str, tuple[Callable[[], Any], Callable[[Any], None]]]:
+        items = {"rng": (capture_rng, restore_rng)}
+        if self.data is not None:
+            items["data"] = (self.data.state_dict, self.data.load_state_dict)
+        return items
+
+    def items(self, per_rank: Mapping[str, PerRankLoad] | None = None) -> dict[str, Any]:
+        """The DCP state dict: for a save (`per_rank=None`) this rank's per-rank values; for a
+        load, the given per-rank load targets."""
+        out: dict[str, Any] = {"model": ModelItem(self.model), "progress": ProgressItem(self)}
+        fp8 = Fp8ScalingItem(self.model)
+        if per_rank is None and fp8.state_dict():
+            out["fp8_scaling"] = fp8
+        if self.optimizer is not None:
+            out["optimizer"] = OptimizerItem(self.model, self.optimizer)
+        if self.scheduler is not None:
+            out["scheduler"] = self.scheduler
+        if per_rank is None:
+            rank = current_rank()
+            for name, (get, _put) in self.per_rank_getters().items():
+                out[name] = PerRankSave(get, rank)
+        else:
+            out.update(per_rank)
+        return out
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    path: Path
+    step: int
+    saved_world_size: int
+    resharded: bool
+    saved_config: dict[str, Any]
+    # The saved parameter layout when it differed from the model's and was converted, else None.
+    converted_from: str | None = None
+
+
+def restore_fp8_scaling(path: Path, state: TrainState, tensors: dict[str, torch.Tensor]) -> None:
+    """Hand saved delayed-scaling state to the TE modules, or say why it is not used."""
+    recipe = state.fp8_recipe
+    saved = next(
+        (decode_recipe_identity(v) for k, v in tensors.items() if k.endswith("recipe")),
+        {},
+    )
+    if recipe is None or not recipe.delayed():
+        log.info(
+            "Checkpoint %s holds FP8 delayed-scaling state (%s); this run uses %s, so it is not "
+            "used",
+            path,
+            saved.get("class"),
+            type(recipe).__name__ if recipe else "no TE FP8",
+        )
+        return
+    restored = load_fp8_scaling_state(state.model, tensors, recipe)
+    now = recipe_identity(recipe)
+    changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+    log.info(
+        "FP8 scaling state of %d TE modules restored from %s%s",
+        len(restored),
+        path,
+        f" (recipe changed since the save: {changed})" if changed else "",
+    )
 
 
 @dataclass
@@ -137,9 +375,7 @@ class Checkpointer:
             # A second group so the background thread's collectives never interleave with the
             # training loop's on the default group (and async save needs a CPU backend).
             self._async_group = dist.new_group(backend="gloo")
-        if current_rank() == 0:
-            for stale in stale_temporaries(self.checkpoint_dir):
-                shutil.rmtree(stale, ignore_errors=True)
+        remove_stale_temporaries(self.checkpoint_dir)
 
     def remove_all(self) -> None:
         """--overwrite_output_dir: delete an earlier run's published checkpoints before this run
@@ -157,67 +393,22 @@ class Checkpointer:
                 )
         barrier()
 
-    # -- discovery
     def latest(self) -> Path | None:
-        """Newest complete checkpoint in checkpoint_dir, None if there is none."""
+        """Newest complete checkpoint in checkpoint_dir, None if there is none: the one messages
+        name as kept. The one a resume takes is manifest.checkpoint_to_resume's."""
         return latest_checkpoint(self.checkpoint_dir)
-
-    def verify(self, path: str | Path) -> str | None:
-        """Why checkpoint `path` is damaged, or None if intact (all ranks call): the cheap checks,
-        then every file's checksum, the files split over the ranks so each is read once."""
-        problem = checkpoint_damage(path)
-        if problem is None:
-            files = sorted(recorded_sums(read_marker(path)).items())
-            problem = content_damage(path, dict(files[current_rank() :: world_size()]))
-        return next((p for p in all_gather_object(problem) if p), None)
-
-    def resolve_intact(self, resume_from_checkpoint: str | None) -> Path | None:
-        """--resume_from_checkpoint, verified (all ranks call): None/'' -> None; PATH -> PATH if
-        intact (one without checksums with a warning: it was named), else ResumeRefused naming
-        the damaged file; 'auto' -> the newest intact, verified checkpoint, each newer one set
-        aside with a warning (damaged: `damaged-`, no checksums: `unverified-`); ResumeRefused
-        if there are checkpoints but none of those (None: a fresh start)."""
-        if not resume_from_checkpoint:
-            return None
-        if resume_from_checkpoint != "auto":
-            path = resolve_checkpoint(resume_from_checkpoint, self.checkpoint_dir)
-            problem = self.verify(path)
-            if problem:
-                raise ResumeRefused(f"--resume_from_checkpoint {path} is damaged: {problem}")
-            if unverified_reason(path) and current_rank() == 0:
-                log.warning("Loading %s unverified, as named: %s", path, unverified_reason(path))
-            return path
-        found = all_gather_object(step_dirs(self.checkpoint_dir))[0]  # rank 0's
-        passed = []
-        for path in reversed(found):
-            passed_by = verdict(path, self.verify(path))
-            if passed_by is None:
-                set_aside_all(passed, f"resuming from {path}, the newest verified checkpoint")
-                return path
-            passed.append((path, *passed_by))
-        if passed:
-            set_aside_all([p for p in passed if p[1] == DAMAGED_PREFIX], "")
-            raise ResumeRefused(no_sound_checkpoint(self.checkpoint_dir, passed))
-        return None
-
-    def resolve(self, resume_from_checkpoint: str | None) -> Path | None:
-        """None/'' -> None; 'auto' -> latest() (None: fresh start); PATH -> PATH if complete,
-        else ValueError saying why."""
-        return resolve_checkpoint(resume_from_checkpoint, self.checkpoint_dir)
 
     # -- save
     def save(self, step: int, state: TrainState, block: bool = False) -> Path:
         """Write `state` as checkpoint `step` (all ranks call). Returns the published path (for an
         async save, the path it will have). block=True waits for an async save to publish."""
         self.wait()
-        final = self.checkpoint_dir / checkpoint_name(step)
+        tmp, final = save_paths(self.checkpoint_dir, step)
         if self._last_saved_step == step and is_complete(final):
             return final  # e.g. a preemption save right after the periodic one
         self._last_saved_step = step
-        tmp = self.checkpoint_dir / (TMP_PREFIX + final.name)
+        remove_stale_temporaries(self.checkpoint_dir)
         if current_rank() == 0:
-            for stale in stale_temporaries(self.checkpoint_dir):
-                shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir(parents=True, exist_ok=True)
         barrier()
         state.step = step
@@ -266,7 +457,7 @@ class Checkpointer:
         try:
             if failure is not None:
                 raise failure
-            report: dict[str, Any] = {"files": file_sums(own_files(pending.tmp))}
+            report: dict[str, Any] = {"files": own_file_sums(pending.tmp)}
         except (Exception, CheckpointException) as exc:
             report = {"error": write_error_reason(exc, self.checkpoint_dir)}
         try:
@@ -290,36 +481,7 @@ class Checkpointer:
                 return
             pending.published = True
             pending.marker["files"] = dict(sorted(sums.items()))
-            self._publish_locked(pending)
-
-    def _publish_locked(self, pending: _Pending) -> None:
-        marker = {**pending.marker, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        write_json(pending.tmp / MARKER, marker)
-        replaced = None
-        if pending.final.exists() and not is_complete(pending.final):  # damage: kept, named
-            set_aside_all([(pending.final, DAMAGED_PREFIX, checkpoint_problem(pending.final))], "")
-        if pending.final.exists():  # the same step saved again (e.g. a rerun from older state)
-            replaced = pending.final.with_name(f"{TMP_PREFIX}{pending.final.name}.replaced")
-            pending.final.rename(replaced)
-        pending.tmp.rename(pending.final)
-        fsync_dir(pending.final.parent)
-        if replaced is not None:
-            shutil.rmtree(replaced, ignore_errors=True)
-        seconds = time.perf_counter() - pending.started
-        log.info(
-            "Checkpoint step %d saved to %s (%.1f MB, %.2f s)",
-            pending.step,
-            pending.final,
-            dir_bytes(pending.final) / 2**20,
-            seconds,
-        )
-        # The checkpoint just published is intact (its files were just summed), so pruning the
-        # others never removes the last intact one.
-        for old in prune_plan(
-            verified_checkpoints(self.checkpoint_dir), self.keep_last, pending.final
-        ):
-            shutil.rmtree(old, ignore_errors=True)
-            log.info("Removed old checkpoint %s (keep_last=%d)", old, self.keep_last)
+            publish(pending.tmp, pending.final, pending.marker, self.keep_last, pending.started)
 
     def wait(self) -> None:
         """Finish the pending save (all ranks call): wait until it is sealed (published on rank
@@ -360,18 +522,11 @@ class Checkpointer:
         usual, and TE's FP8 metadata starts fresh. TE extra state that a same-layout checkpoint
         lacks (hf -> te_linear) starts fresh too.
         """
-        problem = checkpoint_problem(path)
-        if problem:
-            raise ValueError(problem)
+        marker = loadable_marker(path)
         path = Path(path)
-        marker = read_marker(path)
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
-        saved_keys = metadata.state_dict_metadata
-        model_keys = list(get_model_state_dict(state.model))
-        saved_layout = param_layout(
-            k[len(MODEL_PREFIX) :] for k in saved_keys if k.startswith(MODEL_PREFIX)
-        )
-        convert = saved_layout != param_layout(model_keys)
+        saved_layout = other_layout(metadata, state.model)
+        convert = saved_layout is not None
         saved_world_size = int(marker["world_size"])
         resharded = saved_world_size != world_size()
         targets = self._per_rank_targets(path, state, marker, resharded, saved_world_size)
@@ -382,13 +537,14 @@ class Checkpointer:
             del items["model"]
             items.pop("optimizer", None)
         else:
-            items["model"] = self._model_item(path, state, saved_keys, model_keys)
             saved_fp8 = {
-                k[len(FP8_PREFIX) :]: v for k, v in saved_keys.items() if k.startswith(FP8_PREFIX)
+                k[len(FP8_PREFIX) :]: v
+                for k, v in metadata.state_dict_metadata.items()
+                if k.startswith(FP8_PREFIX)
             }
             if saved_fp8:
                 items["fp8_scaling"] = Fp8ScalingItem(state.model, saved_fp8)
-        _dcp_load(items, path)
+        dcp.load(items, checkpoint_id=str(path))
         if convert:
             saved_impl = (marker.get("run_config") or {}).get("model_impl", "?")
             load_converted(path, metadata, state, saved_layout, self.state_dict_adapter, saved_impl)
@@ -397,15 +553,12 @@ class Checkpointer:
         if state.optimizer is not None:  # FP8 parameters: the bytes the last step wrote
             master_weights.requantize_from_masters(state.optimizer)
         self._restore_per_rank(state, targets, resharded, saved_world_size)
-        converted_from = saved_layout if convert else None
         saved_config = state.saved_config or {}
         if path.resolve().parent == Path(self.checkpoint_dir).resolve() and not resharded:
             # This run's own checkpoint, loaded as saved: a run with nothing left to train (a
             # finished run resumed to --export_hf) does not write it again.
             self._last_saved_step = state.step if not convert else None
-        return LoadResult(
-            path, state.step, saved_world_size, resharded, saved_config, converted_from
-        )
+        return LoadResult(path, state.step, saved_world_size, resharded, saved_config, saved_layout)
 
     @staticmethod
     def _per_rank_targets(
@@ -439,23 +592,6 @@ class Checkpointer:
             getters[name][1](target.values[current_rank()])
 
     @staticmethod
-    def _model_item(path: Path, state: TrainState, saved_keys, model_keys) -> ModelItem:
-        """The model's load target: format 2, or format 1 with TE's pickled extra state."""
-        if not any(k.startswith(MODEL_PREFIX) and is_te_extra_state_key(k) for k in saved_keys):
-            return ModelItem(state.model)
-        absent = [
-            k for k in model_keys if is_te_extra_state_key(k) and MODEL_PREFIX + k not in saved_keys
-        ]
-        if absent:
-            log.info(
-                "Checkpoint %s has no Transformer Engine extra state for %d modules (saved "
-                "without TE modules): their FP8 metadata starts fresh",
-                path,
-                len(absent),
-            )
-        return ModelItem(state.model, legacy=True, absent_extra_state=absent)
-
-    @staticmethod
     def _after_reshard(state: TrainState, saved_world_size: int, data: PerRankLoad | None) -> None:
         reseed_rng(derived_seed(state.seed, state.step, current_rank()))
         if state.data is None or data is None:
@@ -475,16 +611,6 @@ class Checkpointer:
             state.step,
             action,
         )
-
-
-def _dcp_load(items: dict[str, Any], path: Path) -> None:
-    """dcp.load, turning TE's refusal of a pickled format-1 FP8 state into one clear line."""
-    try:
-        dcp.load(items, checkpoint_id=str(path))
-    except UntrustedCheckpointError as exc:
-        te = sys.modules.get("transformer_engine")
-        version = getattr(te, "__version__", "this release")
-        raise UntrustedCheckpointError(untrusted_checkpoint_message(path, version)) from exc
 
 
 def _ranks_to_read(name: str, resharded: bool, saved_world_size: int) -> list[int]:

@@ -1,24 +1,31 @@
-"""A checkpoint directory on disk: names, the marker, completeness, integrity, housekeeping.
+"""A checkpoint directory on disk: names, the marker, checksums, the one verdict on a checkpoint,
+the one rule for which checkpoint a resume takes, publishing and pruning; and why a checkpoint
+cannot be used or written, in one line.
 
-Pure filesystem (safe before any process group exists): which directories are published
-checkpoints, whether one is complete and intact (every file's size and sha256 recorded in the
-marker), which one a resume would start from, and the file operations that publish and prune.
+Safe before any process group exists: the collectives below are a world of one without one.
+The rule for a complete checkpoint is published.py's, shared with the launcher.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import re
-from collections.abc import Iterable, Mapping
+import shutil
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
-from model_utils.checkpoint.errors import ResumeRefused, all_damaged_message
 from model_utils.checkpoint.published import (  # noqa: F401 (re-exported: the package's names)
     DCP_METADATA,
     MARKER,
@@ -31,9 +38,11 @@ from model_utils.checkpoint.published import (  # noqa: F401 (re-exported: the p
     step_dirs,
     step_of,
 )
-from model_utils.checkpoint.ranks import current_rank
-from model_utils.errors import first_line
+from model_utils.errors import Refusal, first_line
 
+#: 2: TE's FP8 scaling state as plain tensors (item fp8_scaling), no pickled ``_extra_state``.
+#: A checkpoint of an older format is refused (resume.check_format).
+CHECKPOINT_FORMAT = 2
 DAMAGED_PREFIX = "damaged-"  # a checkpoint that failed its checks, renamed by an `auto` resume
 # A checkpoint without checksums for every file (saved before they were recorded, or the table
 # removed), newer than the one an `auto` resume starts from: kept, out of resume and pruning.
@@ -42,28 +51,144 @@ _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 log = logging.getLogger(__name__)
 
 
-def resolve_checkpoint(
-    resume_from_checkpoint: str | None, checkpoint_dir: str | Path
-) -> Path | None:
-    """`--resume_from_checkpoint`: None -> None; 'auto' -> newest complete checkpoint in
-    checkpoint_dir or None (a fresh start); a PATH -> that path, which must be complete."""
-    if not resume_from_checkpoint:
-        return None
-    if resume_from_checkpoint == "auto":
-        return latest_checkpoint(checkpoint_dir)
-    problem = checkpoint_problem(resume_from_checkpoint)
-    if problem:
-        raise ValueError(f"--resume_from_checkpoint: {problem}")
-    return Path(resume_from_checkpoint)
+# --------------------------------------------------------------------------------------------
+# Why a checkpoint cannot be used or written
 
 
-def check_resume_arg(resume_from_checkpoint: str | None, checkpoint_dir: str | Path) -> None:
-    """Raise ValueError (one line) for a resume flag that cannot work; touches no file."""
-    resolve_checkpoint(resume_from_checkpoint, checkpoint_dir)
+class ResumeRefused(Refusal, ValueError):
+    """The checkpoint belongs to another run, is damaged, or would be overwritten: one line."""
+
+
+class CheckpointWriteError(Refusal, RuntimeError):
+    """A save failed (disk full, read-only, permissions, ...): one line saying why and what was
+    kept, exit 1 (the run failed, not its input). The temporary directory is removed; published
+    checkpoints are never touched."""
+
+    exit_code = 1
+
+
+_WRITE_ERRNOS = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EFBIG: "a file would exceed the size limit (ulimit -f)",
+}
+_NEARLY_FULL_BYTES = 16 * 2**20
+
+
+def _exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """`exc`, its causes and contexts, and the per-rank exceptions inside DCP's
+    CheckpointException (which wraps each as (exception, traceback))."""
+    todo, seen = [exc], set()
+    while todo:
+        err = todo.pop(0)
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        yield err
+        todo += [err.__cause__, err.__context__]
+        if isinstance(err, CheckpointException):
+            todo += [pair[0] for pair in err.failures.values()]
+
+
+def write_error_reason(exc: BaseException, directory: Path) -> str:
+    """Why a save failed, in words: the errno of an OSError anywhere in the chain, else a full
+    disk if the directory has next to no free space (torch's zip writer reports ENOSPC as
+    "unexpected pos ..."), else the first line of the error."""
+    chain = list(_exception_chain(exc))
+    for err in chain:
+        if isinstance(err, OSError) and err.errno is not None:
+            words = _WRITE_ERRNOS.get(err.errno, os.strerror(err.errno))
+            return f"{words} ({err.filename or directory})"
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        free = None
+    if free is not None and free < _NEARLY_FULL_BYTES:
+        return f"no space left on the device ({free / 2**20:.1f} MiB free in {directory})"
+    return first_line(chain[-1] if chain else exc)
+
+
+# --------------------------------------------------------------------------------------------
+# This process's place among the ranks, and the few collectives a checkpoint needs: each works
+# without a process group too (a world of one), so the checks that read no tensors run before
+# torch.distributed is initialised.
+
+
+def current_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's `obj` (a world of one without a process group: [obj])."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if `flag` is true on any (a collective on the default group)."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([int(flag)], device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _collective_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def read_marker(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / MARKER).read_text())
+
+
+def format_problem(path: str | Path, marker: Mapping[str, Any]) -> str | None:
+    """Why checkpoint `path` (its marker: `marker`) is of a format this recipe does not load, or
+    None. Format 1 held TE's FP8 state as a pickle; its weights still convert to HF."""
+    saved = marker.get("format", CHECKPOINT_FORMAT)
+    if not isinstance(saved, int) or saved >= CHECKPOINT_FORMAT:
+        return None
+    return (
+        f"checkpoint {path} is in checkpoint format {saved}, which this recipe no longer loads "
+        f"(it loads format {CHECKPOINT_FORMAT}): convert its weights with "
+        f"scripts/convert_checkpoint.py {path} DIR and start a new run from them with "
+        "--init_from_hf DIR"
+    )
+
+
+def loadable_marker(path: str | Path) -> dict[str, Any]:
+    """The marker of checkpoint `path`, for a load: ValueError (one line) unless the checkpoint
+    is complete, ResumeRefused if it is of an older format."""
+    problem = checkpoint_problem(path)
+    if problem:
+        raise ValueError(problem)
+    marker = read_marker(path)
+    problem = format_problem(path, marker)
+    if problem:
+        raise ResumeRefused(problem)
+    return marker
+
+
+def save_paths(checkpoint_dir: Path, step: int) -> tuple[Path, Path]:
+    """(the temporary folder a save of `step` writes into, the name it is published under)."""
+    final = checkpoint_dir / checkpoint_name(step)
+    return checkpoint_dir / (TMP_PREFIX + final.name), final
 
 
 # --------------------------------------------------------------------------------------------
@@ -72,11 +197,11 @@ def read_marker(path: str | Path) -> dict[str, Any]:
 SUM_ALGORITHM = "sha256"  # ~1.5 GB/s per core with SHA extensions; each rank sums its own files
 
 
-def own_files(directory: Path) -> list[Path]:
-    """The files this rank wrote into a DCP save: its shards, which DCP's FileSystemWriter names
-    `__<rank>_<n>.distcp`, and on rank 0 the `.metadata`."""
+def own_file_sums(directory: Path) -> dict[str, dict[str, Any]]:
+    """The sums of the files this rank wrote into a DCP save: its shards, which DCP's
+    FileSystemWriter names `__<rank>_<n>.distcp`, and on rank 0 the `.metadata`."""
     files = sorted(Path(directory).glob(f"__{current_rank()}_*.distcp"))
-    return files + [Path(directory) / DCP_METADATA] if current_rank() == 0 else files
+    return file_sums(files + [Path(directory) / DCP_METADATA] if current_rank() == 0 else files)
 
 
 def file_sums(files: Iterable[Path]) -> dict[str, dict[str, Any]]:
@@ -92,8 +217,8 @@ def file_sums(files: Iterable[Path]) -> dict[str, dict[str, Any]]:
 def recorded_sums(marker: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """The marker's file table, only its well-formed entries (name -> {"bytes": int, "sha256":
     64 hex digits}): what the size and checksum checks can rely on. Anything else in it (a list,
-    an entry without its checksum, a size that is not a number) proves nothing, and
-    unverified_reason names it."""
+    an entry without its checksum, a size that is not a number) proves nothing: such a
+    checkpoint is unverified."""
     files = marker.get("files")
     if not isinstance(files, dict):
         return {}
@@ -124,15 +249,11 @@ def needed_files(path: Path) -> list[str]:
     return [DCP_METADATA, *sorted(names)]
 
 
-def checkpoint_damage(path: str | Path) -> str | None:
-    """Why a published checkpoint cannot be loaded, found without reading its tensors (one
-    line naming the file), or None: marker and .metadata readable, every file a load reads
-    present, and every file with a well-formed entry in the marker at its saved size. Whether
-    the table proves the bytes is unverified_reason's question, not damage."""
-    problem = checkpoint_problem(path)
-    if problem:
-        return problem
-    path = Path(path)
+def _damage(path: Path) -> str | None:
+    """Why a complete checkpoint cannot be loaded, found without reading its tensors (one line
+    naming the file), or None: marker and .metadata readable, every file a load reads present,
+    and every file with a well-formed entry in the marker at its saved size. Whether the table
+    proves the bytes is _unverified_reason's question, not damage."""
     try:
         marker = read_marker(path)
         int(marker["step"])
@@ -163,7 +284,7 @@ def content_damage(path: str | Path, files: Mapping[str, Mapping[str, Any]]) -> 
     or that cannot be read (gone since the cheap checks, an I/O error): a line, not an
     exception, because the ranks split the files and one rank raising would leave the others
     waiting in the gather of everyone's verdict. Entries without a well-formed checksum are
-    not checked here (they prove nothing: unverified_reason names them)."""
+    not checked here (they prove nothing: such a checkpoint is unverified)."""
     for name, saved in files.items():
         if _entry_problem(saved) is not None:
             continue
@@ -178,14 +299,13 @@ def content_damage(path: str | Path, files: Mapping[str, Mapping[str, Any]]) -> 
     return None
 
 
-def unverified_reason(path: str | Path) -> str | None:
+def _unverified_reason(path: Path) -> str | None:
     """Why the bytes of a checkpoint are not proven (one line), or None: verified means every
-    file a load reads has a well-formed recorded size and sha256 (which verify then matches).
-    No table, an empty or malformed one, a file without its entry, an entry without its
+    file a load reads has a well-formed recorded size and sha256 (which the checksums then
+    match). No table, an empty or malformed one, a file without its entry, an entry without its
     checksum: all the same, unverified. Such a checkpoint could be corrupted without a sign,
     so it is never trusted unnamed (an `auto` resume and the converter pass it by) and never
     takes a verified one's place in keep-last."""
-    path = Path(path)
     try:
         files = read_marker(path).get("files") or {}
     except (OSError, ValueError):
@@ -201,30 +321,126 @@ def unverified_reason(path: str | Path) -> str | None:
     return None
 
 
-def verified_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
-    """The complete checkpoints that are sound by the checks that read no tensors and whose
-    every file has a recorded checksum, oldest first: keep-last counts and prunes these only."""
-    return [
-        p
-        for p in complete_checkpoints(checkpoint_dir)
-        if checkpoint_damage(p) is None and unverified_reason(p) is None
-    ]
+# --------------------------------------------------------------------------------------------
+# The one verdict and the one resolver
+
+INCOMPLETE, DAMAGED, UNVERIFIED = "incomplete", "damaged", "unverified"
 
 
-def verdict(path: Path, damage: str | None) -> tuple[str, str] | None:
-    """(prefix it is set aside under, why) for a checkpoint an `auto` resume must pass by, or
-    None for a sound, verified one. `damage`: checkpoint_damage's (or verify's) line."""
-    if damage is not None:
-        return DAMAGED_PREFIX, damage
-    unverified = unverified_reason(path)
-    return None if unverified is None else (UNVERIFIED_PREFIX, unverified)
+@dataclass(frozen=True)
+class Problem:
+    """What is wrong with a checkpoint: `kind` says how bad (incomplete: no finished save;
+    damaged: a file missing, cut short, changed or unreadable; unverified: loadable, but no
+    checksum proves its bytes) and `why` says it in one line naming the file."""
+
+    kind: str
+    why: str
+
+    def __str__(self) -> str:
+        return self.why
+
+    @property
+    def prefix(self) -> str:
+        """The name an `auto` resume sets such a checkpoint aside under."""
+        return UNVERIFIED_PREFIX if self.kind == UNVERIFIED else DAMAGED_PREFIX
 
 
-def no_sound_checkpoint(checkpoint_dir: str | Path, passed: list[tuple[Path, str, str]]) -> str:
+def inspect_checkpoint(path: str | Path, checksums: bool = False) -> Problem | None:
+    """What is wrong with checkpoint `path`, or None for a complete, sound and verified one.
+
+    Without `checksums` it reads the marker and the metadata, not the tensors (safe before any
+    process group). With `checksums` (all ranks call) every file's sha256 is compared too, the
+    files split over the ranks so each is read once, and every rank gets the same verdict."""
+    problem = _soundness(Path(path), checksums)
+    if checksums:
+        problem = next((p for p in all_gather_object(problem) if p), None)
+    if problem is not None:
+        return problem
+    unverified = _unverified_reason(Path(path))
+    return None if unverified is None else Problem(UNVERIFIED, unverified)
+
+
+def _soundness(path: Path, checksums: bool) -> Problem | None:
+    """This rank's part of the verdict: complete, not damaged, and its share of the checksums."""
+    incomplete = checkpoint_problem(path)
+    if incomplete:
+        return Problem(INCOMPLETE, incomplete)
+    damage = _damage(path)
+    if damage is None and checksums:
+        files = sorted(recorded_sums(read_marker(path)).items())
+        damage = content_damage(path, dict(files[current_rank() :: world_size()]))
+    return None if damage is None else Problem(DAMAGED, damage)
+
+
+def checkpoint_to_resume(
+    resume_from_checkpoint: str | None, checkpoint_dir: str | Path, verify: bool = True
+) -> Path | None:
+    """The checkpoint `--resume_from_checkpoint` resumes: the one rule for it.
+
+    None/'' -> None. PATH -> PATH: one that is not complete is a ValueError, a damaged one a
+    ResumeRefused (one line naming the file); an unverified one loads, as named. 'auto' -> the
+    newest sound, verified checkpoint in `checkpoint_dir`, passing newer damaged or unverified
+    ones by; ResumeRefused if there are checkpoints but none such; None (a fresh start) if there
+    are none at all.
+
+    verify=False is the check before any process group: no tensor bytes read, nothing renamed.
+    verify=True is the resume (all ranks call): every file's checksum too, rank 0's listing for
+    every rank, a warning for an unverified PATH, and each checkpoint an `auto` resume passes
+    by set aside with a warning (`damaged-`, `unverified-`)."""
+    if not resume_from_checkpoint:
+        return None
+    if resume_from_checkpoint != "auto":
+        return _named(Path(resume_from_checkpoint), verify)
+    found = step_dirs(checkpoint_dir)
+    if verify:
+        found = all_gather_object(found)[0]  # rank 0's
+    passed: list[tuple[Path, Problem]] = []
+    for path in reversed(found):
+        problem = inspect_checkpoint(path, checksums=verify)
+        if problem is None:
+            if verify:
+                set_aside_all(passed, f"resuming from {path}, the newest verified checkpoint")
+            return path
+        passed.append((path, problem))
+    if not passed:
+        return None
+    if verify:
+        set_aside_all([(p, problem) for p, problem in passed if problem.kind != UNVERIFIED], "")
+    raise ResumeRefused(no_sound_checkpoint(checkpoint_dir, passed))
+
+
+def _named(path: Path, verify: bool) -> Path:
+    """A checkpoint given by path: refused unless complete and sound; unverified is allowed."""
+    problem = inspect_checkpoint(path, checksums=verify)
+    if problem is None:
+        return path
+    if problem.kind == INCOMPLETE:
+        raise ValueError(f"--resume_from_checkpoint: {problem}")
+    if problem.kind == DAMAGED:
+        raise ResumeRefused(f"--resume_from_checkpoint {path} is damaged: {problem}")
+    if verify and current_rank() == 0:
+        log.warning("Loading %s unverified, as named: %s", path, problem)
+    return path
+
+
+def check_resume_arg(resume_from_checkpoint: str | None) -> None:
+    """ValueError (one line) for a checkpoint named by path that is not complete: the flag's
+    own check, reading no file's contents."""
+    if resume_from_checkpoint and resume_from_checkpoint != "auto":
+        problem = checkpoint_problem(resume_from_checkpoint)
+        if problem:
+            raise ValueError(f"--resume_from_checkpoint: {problem}")
+
+
+def no_sound_checkpoint(checkpoint_dir: str | Path, passed: list[tuple[Path, Problem]]) -> str:
     """The refusal when an `auto` resume found checkpoints but none sound and verified."""
-    unverified = [(path, why) for path, prefix, why in passed if prefix == UNVERIFIED_PREFIX]
+    unverified = [(path, p.why) for path, p in passed if p.kind == UNVERIFIED]
     if not unverified:
-        return all_damaged_message(checkpoint_dir, passed[0][2])
+        return (
+            f"every checkpoint in {checkpoint_dir} is damaged (newest: {passed[0][1]}): restore "
+            "one from a copy, or pass --overwrite_output_dir without --resume_from_checkpoint "
+            "to start afresh"
+        )
     path, why = unverified[0]
     return (
         f"no checkpoint in {checkpoint_dir} is verified (newest unverified: {why}): to load "
@@ -246,39 +462,15 @@ def set_aside(path: Path, prefix: str) -> Path:
     return aside
 
 
-def set_aside_all(passed: list[tuple[Path, str, str]], then: str) -> None:
+def set_aside_all(passed: list[tuple[Path, Problem]], then: str) -> None:
     """Rename each checkpoint an `auto` resume passed by (or a save found damaged) out of the
     way with its prefix, one warning line each naming it and why; then `then`, if any."""
-    for path, prefix, why in passed:
-        aside = set_aside(path, prefix)
+    for path, problem in passed:
+        aside = set_aside(path, problem.prefix)
         if current_rank() == 0:
-            log.warning("Checkpoint %s set aside as %s: %s", path, aside.name, why)
+            log.warning("Checkpoint %s set aside as %s: %s", path, aside.name, problem)
     if passed and then and current_rank() == 0:
         log.warning("%s%s", then[0].upper(), then[1:])
-
-
-def resume_candidate(resume_from_checkpoint: str | None, checkpoint_dir: str | Path) -> Path | None:
-    """The checkpoint a resume would start from, by the checks that read no tensors (before any
-    process group; the checksums are verified by Checkpointer.resolve_intact): a PATH must pass
-    them (else ResumeRefused naming the file); 'auto' passes damaged and unverified ones by
-    (None: a fresh start, where there are none at all)."""
-    if not resume_from_checkpoint:
-        return None
-    if resume_from_checkpoint != "auto":
-        path = resolve_checkpoint(resume_from_checkpoint, checkpoint_dir)
-        damage = checkpoint_damage(path)
-        if damage:
-            raise ResumeRefused(f"--resume_from_checkpoint {path} is damaged: {damage}")
-        return path
-    passed = []
-    for path in reversed(step_dirs(checkpoint_dir)):
-        found = verdict(path, checkpoint_damage(path))
-        if found is None:
-            return path
-        passed.append((path, *found))
-    if passed:
-        raise ResumeRefused(no_sound_checkpoint(checkpoint_dir, passed))
-    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -312,10 +504,19 @@ def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def stale_temporaries(checkpoint_dir: Path, keep: Path | None = None) -> list[Path]:
-    if not checkpoint_dir.is_dir():
-        return []
-    return [p for p in checkpoint_dir.iterdir() if p.name.startswith(TMP_PREFIX) and p != keep]
+def remove_stale_temporaries(checkpoint_dir: Path) -> None:
+    """Rank 0: delete the `.tmp-*` folders a crashed or failed save left (never resumed from)."""
+    if current_rank() != 0 or not checkpoint_dir.is_dir():
+        return
+    for stale in checkpoint_dir.iterdir():
+        if stale.name.startswith(TMP_PREFIX):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def verified_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
+    """The complete checkpoints that are sound by the checks that read no tensors and whose
+    every file has a recorded checksum, oldest first: keep-last counts and prunes these only."""
+    return [p for p in complete_checkpoints(checkpoint_dir) if inspect_checkpoint(p) is None]
 
 
 def prune_plan(checkpoints: list[Path], keep_last: int | None, newest: Path) -> list[Path]:
@@ -327,3 +528,34 @@ def prune_plan(checkpoints: list[Path], keep_last: int | None, newest: Path) -> 
     others = [p for p in checkpoints if p != newest]
     surplus = len(others) + 1 - keep_last
     return others[:surplus] if surplus > 0 else []
+
+
+def publish(
+    tmp: Path, final: Path, marker: dict[str, Any], keep_last: int | None, started: float
+) -> None:
+    """Rank 0, once every rank's files are on disk and summed (their sums in `marker`): write
+    the marker, rename `tmp` to `final` in one atomic rename, then prune to `keep_last`."""
+    write_json(tmp / MARKER, {**marker, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    replaced = None
+    if final.exists() and not is_complete(final):  # damage: kept, named
+        set_aside_all([(final, Problem(INCOMPLETE, checkpoint_problem(final) or ""))], "")
+    if final.exists():  # the same step saved again (e.g. a rerun from older state)
+        replaced = final.with_name(f"{TMP_PREFIX}{final.name}.replaced")
+        final.rename(replaced)
+    tmp.rename(final)
+    fsync_dir(final.parent)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+    seconds = time.perf_counter() - started
+    log.info(
+        "Checkpoint step %d saved to %s (%.1f MB, %.2f s)",
+        marker["step"],
+        final,
+        dir_bytes(final) / 2**20,
+        seconds,
+    )
+    # The checkpoint just published is intact (its files were just summed), so pruning the
+    # others never removes the last intact one.
+    for old in prune_plan(verified_checkpoints(final.parent), keep_last, final):
+        shutil.rmtree(old, ignore_errors=True)
+        log.info("Removed old checkpoint %s (keep_last=%d)", old, keep_last)

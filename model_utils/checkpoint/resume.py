@@ -1,40 +1,198 @@
-"""The resume policy in two calls: what a run may start on (before anything exists), and what
+"""The resume policy and its refusals: which run a checkpoint belongs to (the flags a resume
+must keep, and those it may change), what a run may start on (before anything exists), and what
 its resume does (after the model and optimizer are built).
 
-`check_before_start(config)` reads only: a fresh start must not write over an earlier run's
-checkpoints; a resume takes only a checkpoint of the same run (model, data, optimizer format,
-precision: compat.py), never one whose saves would replace finished work, never one past
---max_steps, and never on data changed since the save. For the TE implementations,
-`check_fp8_state_loadable(config, te_version)` also refuses before the start a checkpoint whose
-pickled FP8 state this TE would refuse to load. `resume_or_start(...)` then deletes what
+`check_before_start(config)` reads only the markers, before any process group, so a refused
+resume costs no GPU time: a fresh start must not write over an earlier run's checkpoints; a
+resume takes only a checkpoint of this recipe's format and of the same run (model, data,
+optimizer format, precision), never one whose saves would replace finished work, never one past
+--max_steps, and never on data changed since the save. `resume_or_start(...)` then deletes what
 --overwrite_output_dir asked to, picks the checkpoint whose checksums hold, checks it again (an
 older one may have been chosen), loads it and puts the schedule's lr in use.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from model_utils import data, optim
-from model_utils.checkpoint.compat import (
-    check_fresh_start,
-    check_resumable,
-    check_resume_target,
-    check_steps_left,
-    describe_changes,
+from model_utils.checkpoint.manifest import (
+    ResumeRefused,
+    checkpoint_to_resume,
+    complete_checkpoints,
+    format_problem,
+    read_marker,
+    step_of,
 )
-from model_utils.checkpoint.errors import ResumeRefused, pickled_fp8_state_problem
-from model_utils.checkpoint.manifest import read_marker, resolve_checkpoint, resume_candidate
-from model_utils.config.sections import CheckpointConfig, Config
-from model_utils.errors import UsageError
+from model_utils.config.flag_spec import Resume
+from model_utils.config.sections import Config, refusal_words, resume_fields, saved_defaults
 
 log = logging.getLogger(__name__)
 
 #: Flags whose resumed value replaces the saved one when given (optim.resume_schedule).
 LR_FLAGS = ("lr", "min_lr")
+
+# What a resume may do with each field is declared on the field (config/flag_spec.Resume says
+# why each class is treated as it is); every field in none of the sets below is one a resume
+# may change (logged as a change).
+#: The model's shape, the data stream and the optimizer's stored format: refused on change.
+REFUSED_FIELDS = resume_fields(Resume.KEPT)
+#: What an fp8/bf16 A/B compares: refused within the same run.
+PRECISION_FIELDS = resume_fields(Resume.PRECISION)
+#: The FP8 knobs that change numerics: refused within the same run while FP8 is on in both.
+FP8_NUMERICS_FIELDS = resume_fields(Resume.FP8_KNOB)
+#: Names this launch rather than the run (or has its own rule): never compared, never reported.
+_LAUNCH_FIELDS = resume_fields(Resume.LAUNCH)
+#: Recorded fields that are no flag, by the words a refusal uses for them.
+_NOT_FLAGS = refusal_words()
+#: The value a checkpoint older than a field held.
+_SAVED_DEFAULTS = saved_defaults()
+
+
+#: The way out of every refusal an existing run folder causes: a new run in a folder of its own,
+#: named as the user launches (the launcher's RUN_NAME, train.py's --output_dir).
+NEW_RUN = (
+    "start a new run in another folder (RUN_NAME=NAME with 1.train_llama.sbatch, --output_dir "
+    "DIR with train.py)"
+)
+
+
+def _same(saved: Any, current: Any, name: str) -> bool:
+    """Equal as the checkpoint stored them (JSON), paths by where they point."""
+    current = json.loads(json.dumps(current, default=str))
+    if saved == current:
+        return True
+    if name in ("dataset", "tokenizer") and isinstance(saved, str) and isinstance(current, str):
+        return os.path.exists(saved) and os.path.realpath(saved) == os.path.realpath(current)
+    return False
+
+
+def config_changes(
+    saved: Mapping[str, Any], current: Mapping[str, Any], same_run: bool = True
+) -> tuple[list, list]:
+    """Flags that differ between a checkpoint's run and this one, as ("--name", saved, now):
+    (refused: model shape, data stream, optimizer format and precision; allowed: everything
+    else, e.g. batch size, sequence length, logging). Fields an older checkpoint did not record
+    are not compared, except those with a known value before they existed (--optimizer adamw,
+    --master_weights params, untied embeddings). The precision is refused only within
+    `same_run` (a resume from the run's own checkpoint_dir): a checkpoint of another run loaded
+    into a new folder starts a new run from its weights, in another implementation or precision
+    if asked (logged)."""
+    if saved:
+        saved = {**_SAVED_DEFAULTS, **saved}
+    refused, allowed = [], []
+    kept = set(REFUSED_FIELDS)
+    if same_run:
+        kept.update(PRECISION_FIELDS)
+    if same_run and saved.get("fp8") and current.get("fp8"):
+        kept.update(FP8_NUMERICS_FIELDS)
+    for name in sorted(set(saved) & set(current) - _LAUNCH_FIELDS):
+        if name in _NOT_FLAGS and None in (saved[name], current[name]):
+            continue  # not measured on one side (a config built without train.validate)
+        if not _same(saved[name], current[name], name):
+            change = (_NOT_FLAGS.get(name, f"--{name}"), saved[name], current[name])
+            moved = _moved(name, saved, current)
+            (refused if name in kept and not moved else allowed).append(change)
+    return refused, allowed
+
+
+def _moved(name: str, saved: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
+    """The same data or tokenizer at another path (a moved checkout, another mount point): a
+    tokenizer whose recorded contents (sha256) are equal, or a local dataset whose saved path
+    is gone and whose file or folder name is unchanged, as the saved stream position names it.
+    Logged as a change, not refused."""
+    before, now = saved[name], current[name]
+    if not (isinstance(before, str) and isinstance(now, str)):
+        return False
+    if name == "tokenizer":
+        sums = saved.get("tokenizer_sha256"), current.get("tokenizer_sha256")
+        return None not in sums and sums[0] == sums[1]
+    if name == "dataset":
+        gone = os.path.isabs(before) and not os.path.exists(before)
+        return gone and os.path.exists(now) and Path(before).name == Path(now).resolve().name
+    return False
+
+
+def describe_changes(changes: Iterable[tuple[str, Any, Any]]) -> str:
+    return ", ".join(f"{flag} {saved} -> {now}" for flag, saved, now in changes)
+
+
+def check_resumable(path: str | Path, current: Mapping[str, Any]) -> list:
+    """ResumeRefused (one line listing each difference and what to do) unless the checkpoint at
+    `path` is of this recipe's format and was saved by a run of the same model shape and data;
+    returns the allowed changes."""
+    marker = read_marker(path)
+    problem = format_problem(path, marker)
+    if problem:
+        raise ResumeRefused(problem)
+    saved = marker.get("run_config") or {}
+    here = current.get("checkpoint_dir")
+    same_run = here is None or Path(path).resolve().parent == Path(here).resolve()
+    refused, allowed = config_changes(saved, current, same_run)
+    if refused:
+        raise ResumeRefused(
+            f"checkpoint {path} belongs to another run: {describe_changes(refused)} (saved -> "
+            f"this run); resume with the saved values, or {NEW_RUN}"
+        )
+    return allowed
+
+
+def check_fresh_start(checkpoint_dir: str | Path, overwrite: bool) -> None:
+    """A run without --resume_from_checkpoint must not write over an earlier run's checkpoints
+    (its saves would replace them step by step and its pruning delete the rest)."""
+    found = complete_checkpoints(checkpoint_dir)
+    if found and not overwrite:
+        raise ResumeRefused(
+            f"{checkpoint_dir} holds {len(found)} checkpoint(s) of an earlier run (newest: step "
+            f"{step_of(found[-1])}): continue it with --resume_from_checkpoint auto, {NEW_RUN}, "
+            "or pass --overwrite_output_dir to delete them and start afresh"
+        )
+
+
+def check_resume_target(path: str | Path, checkpoint_dir: str | Path, explicit: bool) -> None:
+    """A resume saves into `checkpoint_dir` from the resumed step on, replacing checkpoints of
+    the same step and pruning the oldest: refused (ResumeRefused) where that would destroy
+    finished work, i.e. another run's checkpoints, or this run's later ones when an explicit
+    PATH goes back in time. (`auto` resumes the newest sound one; what lies past it is damaged
+    and set aside by the resume.)"""
+    found = complete_checkpoints(checkpoint_dir)
+    if not found:
+        return
+    path, newest = Path(path), found[-1]
+    if path.resolve().parent != Path(checkpoint_dir).resolve():
+        raise ResumeRefused(
+            f"{checkpoint_dir} holds {len(found)} checkpoint(s) of its own run (newest: step "
+            f"{step_of(newest)}), which a resume from {path} would overwrite and prune: "
+            f"{NEW_RUN} to resume from it there, or continue that run with "
+            "--resume_from_checkpoint auto"
+        )
+    step = int(read_marker(path)["step"])
+    later = [p for p in found if (step_of(p) or 0) > step]
+    if explicit and later:
+        raise ResumeRefused(
+            f"--resume_from_checkpoint {path} (step {step}) is older than {len(later)} "
+            f"checkpoint(s) in {checkpoint_dir} (newest: step {step_of(newest)}), which this run "
+            f"would overwrite and prune from step {step + 1} on: continue from the newest with "
+            f"--resume_from_checkpoint auto, or move the later ones out of {checkpoint_dir} to "
+            f"go back to step {step}"
+        )
+
+
+def check_steps_left(path: str | Path, max_steps: int) -> None:
+    """A checkpoint past --max_steps has nothing left to train: resumed, it would be validated
+    and saved again, and the run would end as if it had trained. (At exactly --max_steps a
+    requeued or resubmitted finished run ends at once, which is what a requeue wants.)"""
+    step = int(read_marker(path)["step"])
+    if step > max_steps:
+        raise ResumeRefused(
+            f"checkpoint {path} is at step {step}, past --max_steps {max_steps}: raise "
+            f"--max_steps to train on, export it with scripts/convert_checkpoint.py, or {NEW_RUN}"
+        )
 
 
 def check_before_start(config: Config) -> None:
@@ -43,8 +201,8 @@ def check_before_start(config: Config) -> None:
     if not config.checkpoint.resume_from_checkpoint:
         check_fresh_start(config.checkpoint.checkpoint_dir, config.checkpoint.overwrite_output_dir)
         return
-    path = resume_candidate(
-        config.checkpoint.resume_from_checkpoint, config.checkpoint.checkpoint_dir
+    path = checkpoint_to_resume(
+        config.checkpoint.resume_from_checkpoint, config.checkpoint.checkpoint_dir, verify=False
     )
     if path is not None:
         check_resumable(path, config.as_dict())
@@ -52,18 +210,6 @@ def check_before_start(config: Config) -> None:
         explicit = config.checkpoint.resume_from_checkpoint != "auto"
         check_resume_target(path, config.checkpoint.checkpoint_dir, explicit)
         check_steps_left(path, config.run.max_steps)
-
-
-def check_fp8_state_loadable(checkpoint: CheckpointConfig, te_version: str | None) -> None:
-    """Refuse, before anything starts, a resume this TE (release ``te_version``) would refuse
-    after the model is built: a format-1 checkpoint's pickled FP8 state (UsageError, one line)."""
-    resume = checkpoint.resume_from_checkpoint
-    path = resolve_checkpoint(resume, checkpoint.checkpoint_dir) if resume else None
-    if path is None:
-        return
-    problem = pickled_fp8_state_problem(path, read_marker(path), te_version, os.environ)
-    if problem:
-        raise UsageError(problem)
 
 
 def check_same_data(path: str | Path, config: Config, warn: bool = True) -> None:
@@ -97,11 +243,12 @@ def resume_or_start(
     in use, which the state then saves."""
     if config.checkpoint.overwrite_output_dir:
         ckpt.remove_all()
-    path = ckpt.resolve_intact(config.checkpoint.resume_from_checkpoint)  # checksums verified
+    resume = config.checkpoint.resume_from_checkpoint
+    path = checkpoint_to_resume(resume, config.checkpoint.checkpoint_dir)  # checksums verified
     if path is None:
         return config
     changed = [c for c in check_resumable(path, config.as_dict()) if c[0][2:] not in LR_FLAGS]
-    check_same_data(path, config)  # the checkpoint resolve_intact chose, maybe an older one
+    check_same_data(path, config)  # the checkpoint chosen now, maybe an older one
     ckpt.load(path, state)
     given = {name: config.get(name) for name in LR_FLAGS if name in explicit}
     try:

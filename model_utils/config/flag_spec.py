@@ -3,7 +3,7 @@
 The field's metadata carries the flag's help, default, choices, range, whether it names a path,
 and what a resume may do with it; its type annotation is the flag's type. The parser
 (arguments.py), docs/flags.md, the range checks (flag_rules.py) and the resume rules
-(checkpoint/compat.py) are read from there, so a new flag is one field, and a field that says
+(checkpoint/resume.py) are read from there, so a new flag is one field, and a field that says
 nothing about resume fails at once instead of becoming "a resume may change it" by omission.
 """
 
@@ -20,7 +20,7 @@ _KEY = "flag"
 
 
 class Resume(enum.Enum):
-    """What a resume may do with a field's value (checkpoint/compat.py applies it)."""
+    """What a resume may do with a field's value (checkpoint/resume.py applies it)."""
 
     #: The model's shape, the data stream and the optimizer's stored format: a checkpoint
     #: resumes only the same model (other shapes may still load when the tensors happen to fit),

@@ -17,7 +17,7 @@ version of the recipe compare and resume alike.
 
 Each field is declared once, with flag() or derived() (config/flag_spec.py): its help,
 default, choices, range, whether it names a path, and what a resume may do with it. The parser,
-docs/flags.md, the range checks and the resume rules (checkpoint/compat.py) are derived from the
+docs/flags.md, the range checks and the resume rules (checkpoint/resume.py) are derived from the
 fields; the checks between flags live in one place, config/flag_rules.py.
 """
 
@@ -61,7 +61,7 @@ SHAPE_FIELDS = (
 )
 #: Our shape names -> the keys of a Hugging Face Llama config.json: the one mapping table, read
 #: by model/modeling.llama_config (our shape -> LlamaConfig) and config/hf_config (config.json ->
-#: our shape) and checkpoint/hf_import (a file that does not fit, in flag words).
+#: our shape) and checkpoint/hf.py (a file that does not fit, in flag words).
 HF_KEYS: dict[str, str] = {
     "hidden_width": "hidden_size",
     "num_layers": "num_hidden_layers",
@@ -137,7 +137,7 @@ class ModelShape:
 @dataclass(frozen=True)
 class PrecisionConfig:
     """BF16 or FP8, the implementation that computes it, and the FP8 recipe's knobs: the
-    fields a resume of the same run may not change (checkpoint/compat.py). --fp8_weights
+    fields a resume of the same run may not change (checkpoint/resume.py). --fp8_weights
     (where the weights are kept) and --fp8_all_gather (what FSDP moves) may change: a
     checkpoint stores plain values either way."""
 
@@ -558,7 +558,7 @@ class Config:
         return f"--preset {self.preset}"
 
     def get(self, name: str) -> Any:
-        """One field by its flat flag name (code that walks a list of flags, e.g. compat)."""
+        """One field by its flat flag name (code that walks a list of flags, e.g. resume.py)."""
         if name in TOP_FIELDS:
             return getattr(self, name)
         return getattr(getattr(self, SECTION_OF[name]), name)
@@ -586,7 +586,7 @@ def flag_specs() -> dict[str, Spec]:
 
 
 def resume_fields(resume: Resume) -> frozenset[str]:
-    """The fields a resume treats as `resume` says (checkpoint/compat.py's rules)."""
+    """The fields a resume treats as `resume` says (checkpoint/resume.py's rules)."""
     return frozenset(name for name, spec in flag_specs().items() if spec.resume is resume)
 
 

@@ -139,16 +139,6 @@ def _te_version(te_module: Any) -> str | None:
     return getattr(root, "__version__", None)
 
 
-def te_version() -> str | None:
-    """The installed Transformer Engine's release (``transformer_engine.__version__``), or None
-    without TE: what a resume's check of a checkpoint's FP8 state needs
-    (``checkpoint.check_fp8_state_loadable``)."""
-    try:
-        return _te_version(import_te())
-    except TEUnavailableError:
-        return None
-
-
 def _has_te_modules(model: nn.Module) -> bool:
     return any(type(m).__module__.startswith("transformer_engine") for m in model.modules())
 
@@ -395,9 +385,7 @@ def check_requirements(config: Config, *, training: bool = True) -> None:
 
     Raises ``model_utils.errors.UsageError`` (one line, exit 2) for a missing TE, an
     unsupported GPU/CUDA/TE release for the recipe, or shapes FP8 GEMMs cannot take (training
-    and validation micro-batches: validation runs under the same precision). A resume's
-    checkpoint is the checkpoint stage's to inspect (``checkpoint.check_fp8_state_loadable``
-    with :func:`te_version`); train.py runs it right after this.
+    and validation micro-batches: validation runs under the same precision).
     """
 
     if training and config.precision.fp8_weights and config.optim.master_weights != "optimizer":

@@ -48,9 +48,10 @@ FP8_WEIGHTS_MIN_TE = (2, 16)
 #: recompute of the fused MLP (TE PR #2311, first released in 2.11).
 MLP_RECOMPUTE_MIN_TE = (2, 11)
 #: From this release TE refuses to unpickle delayed-scaling ``_extra_state`` unless
-#: ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1`` (``transformer_engine/pytorch/_extra_state.py``;
-#: which checkpoints hold such state: ``checkpoint.pickled_fp8_state_problem``).
+#: ``TE_UNSAFE_PICKLE_ENV=1`` (``transformer_engine/pytorch/_extra_state.py``). This recipe's
+#: checkpoints hold no pickle (checkpoint format 2) and it never sets the variable.
 TE_REFUSES_PICKLED_EXTRA_STATE = (2, 18)
+TE_UNSAFE_PICKLE_ENV = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
 
 
 class TECapabilityError(RuntimeError):

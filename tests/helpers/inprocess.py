@@ -13,9 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import te_llama
 from helpers.runs import FAST, SMALL_LLAMA
 from model_utils import checkpoint as ck
-from model_utils.checkpoint import hf_export
-from model_utils.checkpoint.convert import param_layout
-from model_utils.checkpoint.tensors import weight_tensors
+from model_utils.checkpoint import hf
+from model_utils.checkpoint.layout import param_layout, weight_tensors
 from model_utils.model import te_support
 
 
@@ -108,14 +107,14 @@ class Run:
     def hf_weights(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights under HF names, whatever the layout."""
         full = {
-            k: hf_export.full_cpu(v, torch.float32)
+            k: hf.full_cpu(v, torch.float32)
             for k, v in weight_tensors(get_model_state_dict(self.model)).items()
         }
         return to_hf(full, self.model.config)
 
     def hf_moments(self, field: str) -> dict[str, torch.Tensor]:
         osd = get_optimizer_state_dict(self.model, self.optimizer)
-        full = {k: hf_export.full_cpu(v[field], torch.float32) for k, v in osd["state"].items()}
+        full = {k: hf.full_cpu(v[field], torch.float32) for k, v in osd["state"].items()}
         return to_hf(full, self.model.config)
 
     def adam_steps(self) -> set[float]:

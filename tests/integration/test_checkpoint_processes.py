@@ -26,11 +26,11 @@ from helpers.checkpoints import TINY, differences, logits
 from helpers.procs import free_port, rank_env
 
 from model_utils import checkpoint as ck
-from model_utils.checkpoint import tensors
-from model_utils.checkpoint.hf_import import HF_INDEX, hf_weight_files
+from model_utils.checkpoint import layout
+from model_utils.checkpoint.checkpointer import capture_rng, derived_seed, reseed_rng
+from model_utils.checkpoint.hf import HF_INDEX, hf_weight_files
+from model_utils.checkpoint.layout import weight_tensors
 from model_utils.checkpoint.manifest import checkpoint_name, latest_checkpoint
-from model_utils.checkpoint.stateful import capture_rng, derived_seed, reseed_rng
-from model_utils.checkpoint.tensors import weight_tensors
 from model_utils.data import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,7 +128,7 @@ def full_model(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return {k: tensors.unwrapped(v).detach().clone() for k, v in weight_tensors(sd).items()}
+    return {k: layout.unwrapped(v).detach().clone() for k, v in weight_tensors(sd).items()}
 
 
 def full_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -140,7 +140,7 @@ def full_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
 
 def _detach(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
-        return tensors.unwrapped(obj).detach().clone()
+        return layout.unwrapped(obj).detach().clone()
     if isinstance(obj, dict):
         return {k: _detach(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -201,7 +201,7 @@ def scenario_train(workdir: Path, rank: int) -> dict[str, Any]:
 
     # A fresh process-like resume: new objects, auto-resolved checkpoint.
     fresh = Run(workdir)
-    result = ck.Checkpointer(workdir / "ckpt", keep_last=2).load(ckpt.resolve("auto"), fresh.state)
+    result = ck.Checkpointer(workdir / "ckpt", keep_last=2).load(ckpt.latest(), fresh.state)
     out["resume"] = {
         "step": fresh.state.step,
         "resharded": result.resharded,

@@ -15,7 +15,7 @@ from helpers.inprocess import SMALL
 from helpers.procs import launch_report, torchrun_cmd
 from te_double import subprocess_env
 
-from model_utils.checkpoint.convert import param_layout
+from model_utils.checkpoint.layout import param_layout
 from model_utils.checkpoint.manifest import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]

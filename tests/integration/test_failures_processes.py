@@ -25,9 +25,9 @@ from helpers.procs import signal_after, spawn_ranks
 from helpers.runs import FAST
 
 from model_utils import checkpoint as ck
-from model_utils.checkpoint.hf_export import existing_model
+from model_utils.checkpoint.hf import existing_model
+from model_utils.checkpoint.layout import iter_dcp_model_layers
 from model_utils.checkpoint.manifest import checkpoint_name, step_of
-from model_utils.checkpoint.saved import iter_dcp_model_layers
 from model_utils.run import guards, metrics, run_lock
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -570,7 +570,7 @@ def test_a_full_disk_is_refused_before_training_or_named_at_save(tmp_path: Path,
     assert "no space left on the device" in line and f"the newest checkpoint, {first}" in line
     assert "Traceback" not in full.stderr
     assert [p.name for p in disk.iterdir() if p.is_dir()] == [first.name]  # no temporary left
-    assert ck.Checkpointer(disk).verify(first) is None  # intact
+    assert ck.inspect_checkpoint(first, checksums=True) is None  # intact
 
 
 def test_too_little_data_for_validation_is_one_line_before_the_model(tmp_path: Path) -> None:

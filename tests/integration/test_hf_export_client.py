@@ -191,7 +191,7 @@ def project_log_likelihood(checkpoint: Path) -> float:
     pipeline makes (encode_documents: the text, then eos), each predicted after the eos that
     precedes every document in training, times the number of tokens predicted."""
     from model_utils import data
-    from model_utils.checkpoint.saved import iter_dcp_model_layers
+    from model_utils.checkpoint.layout import iter_dcp_model_layers
     from model_utils.config import arguments
     from model_utils.data.tokens import encode_documents
     from model_utils.model import modeling

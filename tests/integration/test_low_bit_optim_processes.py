@@ -18,8 +18,8 @@ from helpers.runs import FAST, losses, records, run_train
 
 from model_utils import checkpoint as ck
 from model_utils import optim
-from model_utils.checkpoint import optimizer_state
-from model_utils.checkpoint.saved import read_full_tensors
+from model_utils.checkpoint import layout
+from model_utils.checkpoint.layout import read_full_tensors
 from model_utils.config.arguments import parse_args
 
 # ============================================================================================
@@ -114,7 +114,7 @@ def test_two_rank_checkpoint_loads_on_one_rank_with_the_same_moments(
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     metadata = FileSystemReader(str(path)).read_metadata()
-    fields = optimizer_state.optimizer_fields(metadata)
+    fields = layout.optimizer_fields(metadata)
     states = get_optimizer_state_dict(model, optimizer)["state"]
     quantized = 0
     for field in ("exp_avg", "exp_avg_sq"):

@@ -32,9 +32,9 @@ import pytest
 import torch
 from helpers.te_usages import Usage, collect_usages, our_usages
 
-from model_utils.checkpoint.errors import TE_UNSAFE_PICKLE_ENV
 from model_utils.precision import te as te_precision
 from model_utils.precision import te_requirements
+from model_utils.precision.te_requirements import TE_UNSAFE_PICKLE_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -209,7 +209,7 @@ def test_the_largest_seed_starts_a_run_the_same_way_twice():
     """--seed 2**63 - 1: torch's generator and the data order accept it."""
     import torch
 
-    from model_utils.checkpoint.stateful import reseed_rng
+    from model_utils.checkpoint.checkpointer import reseed_rng
 
     seed = parse_args([f"--seed={2**63 - 1}"]).run.seed
     torch.manual_seed(seed)

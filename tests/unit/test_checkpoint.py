@@ -14,22 +14,22 @@ import torch
 from helpers.checkpoints import TINY, differences, logits
 
 from model_utils import checkpoint as ck
-from model_utils.checkpoint.compat import (
+from model_utils.checkpoint.hf import HF_INDEX, HF_SINGLE, SafetensorsShardWriter, existing_model
+from model_utils.checkpoint.layout import layer_groups
+from model_utils.checkpoint.manifest import (
+    DCP_METADATA,
+    MARKER,
+    UNVERIFIED,
+    checkpoint_name,
+    latest_checkpoint,
+    prune_plan,
+    step_of,
+)
+from model_utils.checkpoint.resume import (
     check_fresh_start,
     check_resume_target,
     check_steps_left,
 )
-from model_utils.checkpoint.hf_export import SafetensorsShardWriter, existing_model
-from model_utils.checkpoint.hf_import import HF_INDEX, HF_SINGLE
-from model_utils.checkpoint.manifest import (
-    DCP_METADATA,
-    MARKER,
-    checkpoint_name,
-    prune_plan,
-    resolve_checkpoint,
-    step_of,
-)
-from model_utils.checkpoint.tensors import layer_groups
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,12 +54,12 @@ def test_auto_resume_picks_newest_complete(tmp_path: Path) -> None:
     _fake_checkpoint(tmp_path, "step_00000100", marker=False)  # crashed before publish
     _fake_checkpoint(tmp_path, ".tmp-step_00000200")
     (tmp_path / "notes.txt").write_text("not a checkpoint")
-    assert resolve_checkpoint("auto", tmp_path) == newest
-    assert ck.Checkpointer(tmp_path).resolve("auto") == newest
-    assert resolve_checkpoint(None, tmp_path) is None
-    assert resolve_checkpoint("auto", tmp_path / "missing") is None  # fresh start
+    assert latest_checkpoint(tmp_path) == newest
+    assert ck.Checkpointer(tmp_path).latest() == newest
+    assert ck.checkpoint_to_resume(None, tmp_path) is None
+    assert ck.checkpoint_to_resume("auto", tmp_path / "missing") is None  # fresh start
     with pytest.raises(ValueError, match=f"is a folder of checkpoints, not one: .*{newest}"):
-        ck.check_resume_arg(str(tmp_path), tmp_path)  # was "has no .metadata: not a DCP ..."
+        ck.check_resume_arg(str(tmp_path))  # was "has no .metadata: not a DCP ..."
     assert not (tmp_path / ".tmp-step_00000200").exists()  # cleaned by the Checkpointer
 
 
@@ -70,10 +70,10 @@ def test_a_malformed_file_list_is_unverified_not_a_traceback(tmp_path: Path, fil
 
     path = _fake_checkpoint(tmp_path, "step_00000001", metadata=False)
     dcp.save({"x": torch.zeros(2)}, checkpoint_id=path)
-    assert ck.checkpoint_damage(path) is None
+    assert ck.inspect_checkpoint(path).kind == UNVERIFIED  # sound, without checksums
     (path / MARKER).write_text(json.dumps({"step": 1, "files": files}))
-    assert ck.checkpoint_damage(path) is None  # loadable: nothing is missing or cut short
-    assert ck.unverified_reason(path).startswith(f"{path / MARKER} records ")
+    problem = ck.inspect_checkpoint(path)  # loadable: nothing is missing or cut short
+    assert problem.kind == UNVERIFIED and problem.why.startswith(f"{path / MARKER} records ")
 
 
 def test_a_resume_never_writes_over_checkpoints_it_did_not_start_from(tmp_path: Path) -> None:
@@ -140,9 +140,9 @@ def test_explicit_resume_path_must_be_complete(
     if marker is not None:
         _fake_checkpoint(tmp_path, name, marker=marker, metadata=metadata)
     with pytest.raises(ValueError, match=message):
-        ck.check_resume_arg(str(tmp_path / name), tmp_path)
+        ck.check_resume_arg(str(tmp_path / name))
     with pytest.raises(ValueError, match="--resume_from_checkpoint"):
-        resolve_checkpoint(str(tmp_path / name), tmp_path)
+        ck.checkpoint_to_resume(str(tmp_path / name), tmp_path, verify=False)
 
 
 def test_prune_plan_keeps_newest_and_the_one_just_published() -> None:

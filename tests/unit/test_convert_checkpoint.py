@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers.checkpoints import convert_refused, save_llama_checkpoints
 
-from model_utils.checkpoint.hf_import import HF_SINGLE
+from model_utils.checkpoint.hf import HF_SINGLE
 from model_utils.checkpoint.manifest import MARKER
 from scripts import convert_checkpoint
 
@@ -112,11 +112,11 @@ def test_an_export_that_fails_part_way_leaves_nothing(
     """The whole folder is written and published (weights, config, generation config, the
     tokenizer's files), then the export fails: all of it goes; a folder the user had keeps its
     own files."""
-    from model_utils.checkpoint import hf_export
+    from model_utils.checkpoint import hf
 
-    publish = hf_export.SafetensorsShardWriter.finish
+    publish = hf.SafetensorsShardWriter.finish
 
-    def fail(writer: hf_export.SafetensorsShardWriter) -> None:
+    def fail(writer: hf.SafetensorsShardWriter) -> None:
         publish(writer)
         assert (writer.out_dir / "tokenizer.json").is_file()
         raise failure
@@ -126,7 +126,7 @@ def test_an_export_that_fails_part_way_leaves_nothing(
     if out_exists:
         out.mkdir(parents=True)
         (out / "notes.txt").write_text("mine")
-    monkeypatch.setattr(hf_export.SafetensorsShardWriter, "finish", fail)
+    monkeypatch.setattr(hf.SafetensorsShardWriter, "finish", fail)
     err = convert_refused([str(path), str(out)], capsys, status)
     assert words in err
     if out_exists:

@@ -19,8 +19,7 @@ import torch
 from helpers.inprocess import Run, batch
 
 import te_llama
-from model_utils.checkpoint.convert import param_layout
-from model_utils.checkpoint.optimizer_state import moment_conversion_problem
+from model_utils.checkpoint.layout import moment_conversion_problem, param_layout
 
 # Parameter layout of each --model_impl: te_linear keeps HF's names.
 LAYOUT = {"hf": "hf", "te_linear": "hf", "te": "te"}

@@ -20,14 +20,15 @@ from helpers.checkpoints import save_plain_checkpoints
 from helpers.runs import FAST
 
 from model_utils import checkpoint as ck
-from model_utils.checkpoint.compat import config_changes
 from model_utils.checkpoint.manifest import (
     DAMAGED_PREFIX,
     DCP_METADATA,
     MARKER,
     checkpoint_name,
-    resume_candidate,
+    checkpoint_to_resume,
+    content_damage,
 )
+from model_utils.checkpoint.resume import config_changes
 from model_utils.config.arguments import UsageError, parse_args
 from model_utils.config.presets import BUNDLED_DATASET, BUNDLED_TOKENIZER
 from model_utils.run import guards, outputs, run_lock
@@ -319,14 +320,14 @@ def test_a_damaged_checkpoint_is_named_and_auto_resume_falls_back(tmp_path: Path
     newest = tmp_path / checkpoint_name(3)
     damage(newest)
     with pytest.raises(ck.ResumeRefused) as refused:  # an explicit path: one line, the file
-        ckpt.resolve_intact(str(newest))
+        checkpoint_to_resume(str(newest), ckpt.checkpoint_dir)
     assert str(newest) in str(refused.value) and message in str(refused.value)
     assert "\n" not in str(refused.value)
     # auto: the newest intact one, the damaged one set aside (out of resume and pruning)
-    assert ckpt.resolve_intact("auto") == tmp_path / checkpoint_name(2)
+    assert checkpoint_to_resume("auto", ckpt.checkpoint_dir) == tmp_path / checkpoint_name(2)
     assert (tmp_path / f"{DAMAGED_PREFIX}{checkpoint_name(3)}").is_dir()
     state = ck.TrainState(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)))
-    assert ckpt.load(ckpt.resolve_intact("auto"), state).step == 2
+    assert ckpt.load(checkpoint_to_resume("auto", ckpt.checkpoint_dir), state).step == 2
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -336,9 +337,9 @@ def test_a_shard_gone_before_its_checksum_is_a_verdict_not_an_exception(tmp_path
     save_plain_checkpoints(tmp_path, [1])
     path = tmp_path / checkpoint_name(1)
     files = ck.read_marker(path)["files"]
-    assert ck.content_damage(path, files) is None
+    assert content_damage(path, files) is None
     (path / "__0_0.distcp").unlink()  # after the cheap checks passed, before the checksum
-    problem = ck.content_damage(path, files)
+    problem = content_damage(path, files)
     assert problem.startswith(f"{path / '__0_0.distcp'} cannot be read (") and "\n" not in problem
 
 
@@ -348,22 +349,22 @@ def test_every_checkpoint_damaged_is_refused_not_a_silent_fresh_start(tmp_path: 
     for step in (1, 2):
         _zero_a_megabyte(tmp_path / checkpoint_name(step))
     with pytest.raises(ck.ResumeRefused, match="every checkpoint in .* is damaged"):
-        ckpt.resolve_intact("auto")
+        checkpoint_to_resume("auto", ckpt.checkpoint_dir)
     ckpt = save_plain_checkpoints(tmp_path / "cheap", [1])
     (tmp_path / "cheap" / checkpoint_name(1) / MARKER).write_text("[]")
     with pytest.raises(ck.ResumeRefused, match="every checkpoint"):  # before a process group
-        resume_candidate("auto", tmp_path / "cheap")
+        checkpoint_to_resume("auto", tmp_path / "cheap", verify=False)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_a_damaged_checkpoint_takes_no_keep_last_slot_from_an_intact_one(tmp_path: Path):
     ckpt = save_plain_checkpoints(tmp_path, [1, 2, 3], keep_last=2)
     _zero_a_megabyte(tmp_path / checkpoint_name(3))
-    assert ckpt.resolve_intact("auto") == tmp_path / checkpoint_name(2)
+    assert checkpoint_to_resume("auto", ckpt.checkpoint_dir) == tmp_path / checkpoint_name(2)
     save_plain_checkpoints(tmp_path, [4], keep_last=2)  # the resumed run saves on
     names = [p.name for p in ck.complete_checkpoints(tmp_path)]
     assert names == [checkpoint_name(2), checkpoint_name(4)]  # both intact ones kept
-    assert all(ckpt.verify(tmp_path / name) is None for name in names)
+    assert all(ck.inspect_checkpoint(tmp_path / name, checksums=True) is None for name in names)
 
 
 # ============================================================================================

@@ -18,9 +18,8 @@ import torch.distributed.checkpoint as dcp
 from helpers.inprocess import Run, batch
 
 from model_utils import checkpoint as ck
-from model_utils.checkpoint import checkpointer, stateful
-from model_utils.checkpoint.errors import TE_UNSAFE_PICKLE_ENV, pickled_fp8_state_problem
-from model_utils.checkpoint.manifest import DCP_METADATA, MARKER, checkpoint_name
+from model_utils.checkpoint import manifest
+from model_utils.checkpoint.manifest import MARKER, checkpoint_name
 from model_utils.precision import te_state
 
 RECIPES = ["delayed", "current", "block", "mxfp8"]
@@ -49,7 +48,7 @@ def test_resume_is_bit_for_bit_for_every_recipe(recipe, tmp_path, te_double, mon
 
     keys = _saved_keys(path)
     assert not [k for k in keys if k.endswith("_extra_state")]
-    assert ck.read_marker(path)["format"] == checkpointer.CHECKPOINT_FORMAT == 2
+    assert ck.read_marker(path)["format"] == manifest.CHECKPOINT_FORMAT == 2
     assert bool([k for k in keys if k.startswith("fp8_scaling.")]) == (recipe == "delayed")
 
     resumed = Run("te", True, seed=2, checkpoint_dir=tmp_path, recipe=recipe)
@@ -132,96 +131,45 @@ def test_validation_leaves_the_delayed_scaling_state_and_the_losses_alone(
     assert not kept and validated[:2] == plain[:2] and validated[2:] != plain[2:]
 
 
-def _save_format_1(run: Run, step: int, monkeypatch) -> Path:
-    """A checkpoint as this recipe wrote it before format 2: TE's pickles as bytes."""
-    with monkeypatch.context() as patch:
-        patch.setattr(checkpointer, "CHECKPOINT_FORMAT", 1)
-        patch.setattr(stateful.ModelItem, "__init__", _legacy_init)
-        patch.setattr(stateful.Fp8ScalingItem, "state_dict", lambda self: {})
-        return run.checkpointer.save(step, run.state)
-
-
-_modern_init = stateful.ModelItem.__init__
-
-
-def _legacy_init(self, model, legacy=False, absent_extra_state=()):
-    _modern_init(self, model, legacy=True, absent_extra_state=absent_extra_state)
-
-
-def test_format_1_checkpoint_is_refused_in_one_line_by_te_2_20(
-    tmp_path, te_double, monkeypatch
-) -> None:
-    first = Run("te", True, seed=1, checkpoint_dir=tmp_path)
-    for i in range(2):
-        first.step(seed=i)
-    path = _save_format_1(first, 2, monkeypatch)
-    assert [k for k in _saved_keys(path) if k.endswith("_extra_state")]
-    want = [first.step(seed=i) for i in (2, 3)]
-
-    refused = Run("te", True, seed=2, checkpoint_dir=tmp_path)
-    with pytest.raises(ck.UntrustedCheckpointError, match=TE_UNSAFE_PICKLE_ENV) as err:
-        refused.checkpointer.load(path, refused.state)
-    assert "\n" not in str(err.value)
-
-    monkeypatch.setenv(TE_UNSAFE_PICKLE_ENV, "1")  # the user's trust decision, not ours
-    trusted = Run("te", True, seed=2, checkpoint_dir=tmp_path)
-    trusted.checkpointer.load(path, trusted.state)
-    assert [trusted.step(seed=i) for i in (2, 3)] == want
-    resaved = trusted.checkpointer.save(4, trusted.state)
-    assert not [k for k in _saved_keys(resaved) if k.endswith("_extra_state")]
-
-
-def test_format_1_checkpoint_loads_where_te_accepts_it(tmp_path, te_double, monkeypatch) -> None:
-    monkeypatch.setenv("TE_DOUBLE_VERSION", "2.16.0")  # the image's TE: no refusal yet
-    first = Run("te", True, seed=1, checkpoint_dir=tmp_path)
-    first.step(seed=0)
-    path = _save_format_1(first, 1, monkeypatch)
-    want = first.step(seed=1)
-    resumed = Run("te", True, seed=2, checkpoint_dir=tmp_path)
-    resumed.checkpointer.load(path, resumed.state)
-    assert resumed.step(seed=1) == want
-
-
-def test_preflight_names_the_variable_before_anything_starts(tmp_path) -> None:
-    marker = {
-        "format": 1,
-        "run_config": {"model_impl": "te", "fp8": True, "fp8_recipe": "delayed"},
-    }
-    problem = pickled_fp8_state_problem(tmp_path, marker, "2.20.2", env={})
-    assert problem is not None and TE_UNSAFE_PICKLE_ENV in problem and str(tmp_path) in problem
-    assert "trust" in problem and "\n" not in problem
-    ok = pickled_fp8_state_problem
-    assert ok(tmp_path, marker, "2.16.0", env={}) is None  # TE 2.16 unpickles it
-    assert ok(tmp_path, marker, "2.20.2", env={TE_UNSAFE_PICKLE_ENV: "1"}) is None
-    assert ok(tmp_path, {**marker, "format": 2}, "2.20.2", env={}) is None
-    current = {**marker, "run_config": {**marker["run_config"], "fp8_recipe": "current"}}
-    assert ok(tmp_path, current, "2.20.2", env={}) is None  # stateless: TE ignores its payload
-    assert ok(tmp_path, {**marker, "run_config": {"model_impl": "hf"}}, "2.20.2", env={}) is None
-
-
-def test_preflight_reads_the_checkpoint_a_resume_would_take(tmp_path) -> None:
-    """checkpoint.check_fp8_state_loadable, which train.py's validate() runs for the TE
-    implementations: the newest complete checkpoint (``auto``) or the one named, refused in one
-    line (UsageError: exit 2) when this TE would refuse its pickled FP8 state."""
+def _as_format_1(path: Path) -> Path:
+    """Checkpoint `path` with the marker of checkpoint format 1 (TE's pickled FP8 state)."""
     import json
 
+    marker = ck.read_marker(path)
+    (path / MARKER).write_text(json.dumps({**marker, "format": 1}))
+    return path
+
+
+def _refusal(path: Path) -> str:
+    return (
+        f"checkpoint {path} is in checkpoint format 1, which this recipe no longer loads (it "
+        f"loads format 2): convert its weights with scripts/convert_checkpoint.py {path} DIR "
+        "and start a new run from them with --init_from_hf DIR"
+    )
+
+
+def test_a_format_1_checkpoint_is_refused_in_one_line(tmp_path, te_double) -> None:
+    first = Run("te", True, seed=1, checkpoint_dir=tmp_path)
+    first.step(seed=0)
+    path = _as_format_1(first.checkpointer.save(1, first.state))
+    resumed = Run("te", True, seed=2, checkpoint_dir=tmp_path)
+    with pytest.raises(ck.ResumeRefused) as err:
+        resumed.checkpointer.load(path, resumed.state)
+    assert str(err.value) == _refusal(path)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_a_format_1_checkpoint_is_refused_before_anything_starts(tmp_path) -> None:
+    """The resume policy's look before any process group (train.py's validate: exit 2), for
+    `auto` and for the checkpoint named by path."""
+    from helpers.checkpoints import save_plain_checkpoints
+
     from model_utils.config.arguments import parse_args
-    from model_utils.errors import UsageError
 
-    def resuming(resume: str | None):
-        flags = ["--checkpoint_dir", str(tmp_path)]
-        return parse_args([*flags, *(["--resume_from_checkpoint", resume] if resume else [])])
-
-    saved = tmp_path / checkpoint_name(2)
-    saved.mkdir()
-    (saved / DCP_METADATA).write_bytes(b"")
-    run_config = {"model_impl": "te", "fp8": True, "fp8_recipe": "delayed"}
-    (saved / MARKER).write_text(json.dumps({"format": 1, "run_config": run_config}))
-    for resume in ("auto", str(saved)):
-        args = resuming(resume).checkpoint
-        with pytest.raises(UsageError, match=TE_UNSAFE_PICKLE_ENV) as err:
-            ck.check_fp8_state_loadable(args, "2.20.2")
-        assert str(saved) in str(err.value) and "\n" not in str(err.value)
-        ck.check_fp8_state_loadable(args, "2.16.0")  # TE 2.16 unpickles it
-    fresh = resuming(None).checkpoint
-    ck.check_fp8_state_loadable(fresh, "2.20.2")  # no resume: nothing to read
+    save_plain_checkpoints(tmp_path, [1])
+    path = _as_format_1(tmp_path / checkpoint_name(1))
+    for resume in ("auto", str(path)):
+        config = parse_args(["--checkpoint_dir", str(tmp_path), "--resume_from_checkpoint", resume])
+        with pytest.raises(ck.ResumeRefused) as err:
+            ck.check_before_start(config)
+        assert str(err.value) == _refusal(path)

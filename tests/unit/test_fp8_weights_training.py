@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from model_utils import checkpoint as ck
-from model_utils.checkpoint.stateful import ModelItem
+from model_utils.checkpoint.checkpointer import ModelItem
 from model_utils.config.arguments import UsageError, parse_args
 from model_utils.model import modeling
 from model_utils.precision.master_weights import (

@@ -1,4 +1,4 @@
-"""The HF folder an export writes beside its weights (hf_folder), in this process: the config is
+"""The HF folder an export writes beside its weights (checkpoint.hf), in this process: the config is
 the model's own (shape, RoPE scaling, max_position_embeddings) with the tokenizer's ids, the
 architecture and the KV cache on; generation_config.json; the tokenizer itself; and the folder's
 other files are published before its weights, never after them. The clients (transformers,
@@ -14,7 +14,7 @@ import torch
 from helpers.runs import SMALL_LLAMA
 
 from model_utils import checkpoint as ck
-from model_utils.checkpoint.hf_export import existing_model
+from model_utils.checkpoint.hf import existing_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -69,36 +69,36 @@ def test_the_export_is_the_models_config_with_the_tokenizers_ids(tmp_path: Path)
 
 
 def test_a_tokenizer_with_its_own_pad_token_keeps_it() -> None:
-    from model_utils.checkpoint import hf_folder
+    from model_utils.checkpoint import hf
 
     tokenizer = run_tokenizer()
-    assert hf_folder.token_ids(tokenizer) == {
+    assert hf.token_ids(tokenizer) == {
         "bos_token_id": 0,
         "eos_token_id": 0,
         "pad_token_id": 0,
     }
     tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
-    assert hf_folder.token_ids(tokenizer)["pad_token_id"] == len(tokenizer) - 1
+    assert hf.token_ids(tokenizer)["pad_token_id"] == len(tokenizer) - 1
 
 
 def test_the_other_files_are_staged_and_published_before_the_weights(tmp_path: Path) -> None:
     """Until finish(), the folder shows hidden entries only (a reader sees no config without
     weights, nor weights without their config or tokenizer); an export cut short leaves them
     hidden, and the next export removes them."""
-    from model_utils.checkpoint import hf_export, hf_folder
+    from model_utils.checkpoint import hf
 
     out = tmp_path / "hf"
     model = scaled_model()
-    cut_short = hf_export.SafetensorsShardWriter(out)
-    hf_folder.write_model_files(cut_short.staging, model.config, run_tokenizer(), torch.float32)
+    cut_short = hf.SafetensorsShardWriter(out)
+    hf.write_model_files(cut_short.staging, model.config, run_tokenizer(), torch.float32)
     cut_short.add("x", torch.ones(4))
     cut_short._flush()
-    assert all(p.name.startswith(hf_export.PART_PREFIX) for p in out.iterdir())
+    assert all(p.name.startswith(hf.PART_PREFIX) for p in out.iterdir())
     assert existing_model(out) == []
 
-    writer = hf_export.SafetensorsShardWriter(out)
+    writer = hf.SafetensorsShardWriter(out)
     assert list(out.iterdir()) == []  # the stale parts and staged files are gone
-    hf_folder.write_model_files(writer.staging, model.config, run_tokenizer(), torch.float32)
+    hf.write_model_files(writer.staging, model.config, run_tokenizer(), torch.float32)
     writer.add("x", torch.ones(4))
     writer.finish()
     names = sorted(p.name for p in out.iterdir())

@@ -15,8 +15,8 @@ from helpers.inprocess import Run, tiny_llama, to_hf
 from helpers.optimizers import LOW_BIT, STATE_CLASS, dequantized, group_names, local_tensor
 
 from model_utils import optim
-from model_utils.checkpoint.compat import config_changes
-from model_utils.checkpoint.optimizer_state import low_bit_reshard_problem
+from model_utils.checkpoint.layout import low_bit_reshard_problem
+from model_utils.checkpoint.resume import config_changes
 from model_utils.config.arguments import UsageError, parse_args
 
 # ============================================================================================

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from model_utils.checkpoint.compat import config_changes
+from model_utils.checkpoint.resume import config_changes
 from model_utils.config.arguments import UsageError, parse_args
 from model_utils.model import modeling
 from model_utils.optim import ADAM_EPS, build_optimizer, param_groups

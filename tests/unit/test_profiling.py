@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from model_utils.checkpoint.compat import config_changes
+from model_utils.checkpoint.resume import config_changes
 from model_utils.model import loss as model_loss
 from model_utils.model.annotate import BACKWARD, DATA_WAIT, FORWARD, OPTIMIZER, annotate
 from model_utils.run import profiling

@@ -193,14 +193,14 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 def test_auto_resume_passes_an_unverified_checkpoint_by_and_keeps_it(
     tmp_path: Path, empty: bool, caplog
 ) -> None:
-    from model_utils.checkpoint.manifest import checkpoint_name, resume_candidate
+    from model_utils.checkpoint.manifest import checkpoint_name, checkpoint_to_resume
 
     ckpt = _save(tmp_path, [1, 2, 3])
     newest = tmp_path / checkpoint_name(3)
     _strip_checksums(newest, empty)
-    assert resume_candidate("auto", tmp_path) == tmp_path / checkpoint_name(2)
+    assert checkpoint_to_resume("auto", tmp_path, verify=False) == tmp_path / checkpoint_name(2)
     with caplog.at_level("WARNING"):
-        assert ckpt.resolve_intact("auto") == tmp_path / checkpoint_name(2)
+        assert checkpoint_to_resume("auto", ckpt.checkpoint_dir) == tmp_path / checkpoint_name(2)
     aside = tmp_path / f"unverified-{checkpoint_name(3)}"
     assert aside.is_dir() and (aside / "__0_0.distcp").is_file()  # kept, out of the way
     [set_aside, resuming] = _warnings(caplog)
@@ -213,20 +213,20 @@ def test_auto_resume_passes_an_unverified_checkpoint_by_and_keeps_it(
 
 def test_an_unverified_checkpoint_loads_only_when_named_with_a_warning(tmp_path: Path, caplog):
     from model_utils import checkpoint as ck
-    from model_utils.checkpoint.manifest import MARKER, checkpoint_name, resume_candidate
+    from model_utils.checkpoint.manifest import MARKER, checkpoint_name, checkpoint_to_resume
 
     ckpt = _save(tmp_path, [1])
     only = tmp_path / checkpoint_name(1)
     _strip_checksums(only)
     with pytest.raises(ck.ResumeRefused) as refused:  # auto: nothing verified to fall back to
-        ckpt.resolve_intact("auto")
+        checkpoint_to_resume("auto", ckpt.checkpoint_dir)
     line = str(refused.value)
     assert f"no checkpoint in {tmp_path} is verified" in line and "\n" not in line
     assert f"--resume_from_checkpoint {only}" in line and only.is_dir()  # not renamed
     with pytest.raises(ck.ResumeRefused, match="is verified"):  # before any process group too
-        resume_candidate("auto", tmp_path)
+        checkpoint_to_resume("auto", tmp_path, verify=False)
     with caplog.at_level("WARNING"):
-        assert ckpt.resolve_intact(str(only)) == only
+        assert checkpoint_to_resume(str(only), ckpt.checkpoint_dir) == only
     assert _warnings(caplog) == [
         f"Loading {only} unverified, as named: {only / MARKER} records no checksums"
     ]
@@ -283,23 +283,23 @@ def test_a_malformed_checksum_table_is_unverified_everywhere(
     an unverified checkpoint's consequences: `auto` and the converter pass it by, by path it
     loads with a warning, keep-last gives it no slot."""
     from model_utils import checkpoint as ck
-    from model_utils.checkpoint.manifest import checkpoint_name, resume_candidate
+    from model_utils.checkpoint.manifest import UNVERIFIED, checkpoint_name, checkpoint_to_resume
     from scripts import convert_checkpoint
 
     ckpt = _save(tmp_path, [1, 2], keep_last=2)
     newest = tmp_path / checkpoint_name(2)
     _malform(newest, form)
-    assert ck.unverified_reason(newest) is not None
-    assert resume_candidate("auto", tmp_path) == tmp_path / checkpoint_name(1)
+    assert ck.inspect_checkpoint(newest).kind == UNVERIFIED
+    assert checkpoint_to_resume("auto", tmp_path, verify=False) == tmp_path / checkpoint_name(1)
     assert convert_checkpoint.pick_checkpoint(str(tmp_path))[0] == tmp_path / checkpoint_name(1)
     _save(tmp_path, [3], keep_last=2)  # keep-last: 1 and 3 verified, 2 takes no slot
     assert [p.name for p in ck.complete_checkpoints(tmp_path)] == [
         checkpoint_name(s) for s in (1, 2, 3)
     ]
     with caplog.at_level("WARNING"):
-        assert ckpt.resolve_intact(str(newest)) == newest
+        assert checkpoint_to_resume(str(newest), ckpt.checkpoint_dir) == newest
     assert _warnings(caplog) == [
-        f"Loading {newest} unverified, as named: {ck.unverified_reason(newest)}"
+        f"Loading {newest} unverified, as named: {ck.inspect_checkpoint(newest)}"
     ]
 
 
@@ -307,13 +307,13 @@ def test_a_malformed_checksum_table_is_unverified_everywhere(
 def test_a_newest_checkpoint_missing_a_file_is_set_aside_and_named(
     tmp_path: Path, lost: str, caplog
 ) -> None:
-    from model_utils.checkpoint.manifest import checkpoint_name, is_complete
+    from model_utils.checkpoint.manifest import checkpoint_name, checkpoint_to_resume, is_complete
 
     ckpt = _save(tmp_path, [1, 2, 3])
     newest = tmp_path / checkpoint_name(3)
     (newest / lost).unlink()
     with caplog.at_level("WARNING"):
-        assert ckpt.resolve_intact("auto") == tmp_path / checkpoint_name(2)
+        assert checkpoint_to_resume("auto", ckpt.checkpoint_dir) == tmp_path / checkpoint_name(2)
     aside = tmp_path / f"damaged-{checkpoint_name(3)}"
     assert aside.is_dir() and not newest.exists()
     assert (
@@ -339,14 +339,14 @@ def test_a_save_onto_a_damaged_step_folder_sets_it_aside(tmp_path: Path, caplog)
 
 def test_only_damaged_step_folders_are_refused_not_a_silent_fresh_start(tmp_path: Path) -> None:
     from model_utils import checkpoint as ck
-    from model_utils.checkpoint.manifest import DCP_METADATA, checkpoint_name, resume_candidate
+    from model_utils.checkpoint.manifest import DCP_METADATA, checkpoint_name, checkpoint_to_resume
 
     ckpt = _save(tmp_path, [1])
     (tmp_path / checkpoint_name(1) / DCP_METADATA).unlink()
     with pytest.raises(ck.ResumeRefused, match="every checkpoint in .* is damaged"):
-        resume_candidate("auto", tmp_path)  # before any process group
+        checkpoint_to_resume("auto", tmp_path, verify=False)  # before any process group
     with pytest.raises(ck.ResumeRefused, match="every checkpoint in .* is damaged"):
-        ckpt.resolve_intact("auto")
+        checkpoint_to_resume("auto", ckpt.checkpoint_dir)
     assert (tmp_path / f"damaged-{checkpoint_name(1)}").is_dir()
 
 

@@ -32,7 +32,7 @@ def run_record(
 
 # What makes a run's records one run's: the precision an fp8/bf16 A/B compares and where its
 # checkpoints go (another --checkpoint_dir is another run, even in one run folder). A resume
-# keeps these (checkpoint/compat.py refuses a precision change).
+# keeps these (checkpoint/resume.py refuses a precision change).
 IDENTITY_FLAGS = ("fp8", "bf16", "model_impl", "fp8_recipe", "checkpoint_dir")
 
 
