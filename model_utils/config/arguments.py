@@ -15,6 +15,7 @@ import re
 import sys
 import typing
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from model_utils.config import argv
@@ -150,8 +151,9 @@ def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
     if args.warmup is None:
         args.warmup = default_warmup(args.max_steps)
     precision = precision_name(args.fp8, args.bf16)
-    if args.output_dir is None:
-        args.output_dir = f"runs/{args.preset}-{precision}"
+    if args.output_dir is None:  # named after the model: --init_from_hf's folder, or the preset
+        model = Path(args.init_from_hf).name if args.init_from_hf else ""
+        args.output_dir = f"runs/{model or args.preset}-{precision}"
     if args.checkpoint_dir is None:
         args.checkpoint_dir = f"{args.output_dir}/checkpoints"
     return args
@@ -254,9 +256,3 @@ def explicit_flags(argv: list[str] | None = None) -> frozenset[str]:
     for action in parser._actions:
         action.default = argparse.SUPPRESS
     return frozenset(vars(parser.parse_args(argv)))
-
-
-def exit_on_usage_error(exc: UsageError) -> None:
-    """The single place that turns bad input into one line and exit code 2."""
-    print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
-    raise SystemExit(2)

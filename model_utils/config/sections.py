@@ -397,7 +397,10 @@ class RunConfig:
         "held-out batches per validation", resume=Resume.FREE, default=4, range=POSITIVE
     )
     output_dir: str = flag(
-        "run directory (default runs/<preset>-<precision>)", resume=Resume.LAUNCH, path=True
+        "run directory (default runs/<preset>-<precision>, or runs/<--init_from_hf folder name>-"
+        "<precision>)",
+        resume=Resume.LAUNCH,
+        path=True,
     )
     tensorboard: bool = flag(
         "TensorBoard scalars in <output_dir>/tensorboard (rank 0)",

@@ -297,11 +297,21 @@ def test_bad_input_exits_2_with_one_line_before_touching_files(
     assert not out.exists() and list(tmp_path.iterdir()) == []  # nothing written
 
 
-def test_usage_error_is_one_line(capsys):
+def test_a_refusal_is_one_line_and_its_exit_code(capsys):
+    from model_utils.checkpoint import CheckpointWriteError
+    from model_utils.errors import exit_refused
+    from model_utils.run.profiling import StepOutOfMemory
+
     with pytest.raises(SystemExit) as exc:
-        arguments.exit_on_usage_error(UsageError("--x is wrong; use --y"))
+        exit_refused(UsageError("--x is wrong; use --y"))
     assert exc.value.code == 2
     assert capsys.readouterr().err == "train.py: error: --x is wrong; use --y\n"
+    with pytest.raises(SystemExit) as exc:  # the run failed, not its input; rank 0 says it
+        exit_refused(CheckpointWriteError("no space left"), is_main=False)
+    assert exc.value.code == 1 and capsys.readouterr().err == ""
+    with pytest.raises(SystemExit) as exc:  # out of memory: every rank that ran out says it
+        exit_refused(StepOutOfMemory("step 3 ran out"), is_main=False)
+    assert exc.value.code == 1 and capsys.readouterr().err == "train.py: error: step 3 ran out\n"
 
 
 def test_bool_flags_accept_upstream_style():

@@ -254,6 +254,16 @@ def test_rope_scaling_is_visible_at_this_size(tmp_path) -> None:
     assert (scaled - plain).abs().max() > 1e-3
 
 
+def test_the_runs_default_folder_is_named_after_the_model_it_starts_from(tmp_path) -> None:
+    folder = save_config_only(tmp_path / "Llama-3.2-1B", **SMALL, **FAMILIES["llama3.2"])
+    assert parse_args([f"--init_from_hf={folder}/", "--fp8=0"]).run.output_dir == (
+        "runs/Llama-3.2-1B-bf16"
+    )
+    given = parse_args([f"--init_from_hf={folder}", "--output_dir=runs/mine"]).run.output_dir
+    assert given == "runs/mine"
+    assert parse_args(["--preset=tiny", "--fp8=0"]).run.output_dir == "runs/tiny-bf16"
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_the_run_takes_every_model_field_from_config_json(family: str, tmp_path) -> None:
     folder = save_config_only(tmp_path, **SMALL, **FAMILIES[family])
