@@ -2,11 +2,11 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# pytest-xdist workers for `make test`: most tests wait on subprocesses (imports, torchrun, Slurm
-# jobs polled every half second), so on two cores a third worker fills the gaps two leave. Each
-# test module stays on one worker (--dist loadscope), its module fixtures run once, and
-# tests/conftest.py starts the longest modules first.
-TEST_WORKERS ?= 3
+# pytest-xdist workers for `make test`: most tests wait on subprocesses (imports, torchrun, Slurm),
+# so two workers keep both cores busy (a third made the suite slower, and its timing tests flaky:
+# benchmarks/results/2026-11-26-make-test.md). Each test module stays on one worker (--dist
+# loadscope), its module fixtures run once, and tests/conftest.py starts the longest modules first.
+TEST_WORKERS ?= 2
 
 .PHONY: demo test lint format clean
 

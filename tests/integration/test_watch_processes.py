@@ -33,7 +33,7 @@ STEPS = 30
 # off the hogged core). An unslowed pair stays within ~1.1x.
 THRESHOLD = "1.35"
 SLOW_NICE = 10
-HANG_S = 12  # a first step on a loaded 2-core machine (3 pytest workers) can take 4-8 s
+HANG_S = 12  # a first step on a loaded 2-core machine can take 4-8 s
 ARGV = [
     *SMALL_LLAMA,
     "--train_batch_size",
