@@ -6,10 +6,10 @@ because a GPU or Transformer Engine is present), so unless the run selects the `
 CUDA devices are hidden from this process and the subprocesses it starts, before torch
 initialises CUDA. GPU-tier tests skip themselves without a GPU.
 
-``make test`` runs the CPU tier on two pytest-xdist workers, one test module at a time per worker (``--dist loadscope
---no-loadscope-reorder``), in the order this file collects them: the modules that take minutes
-first, so that the workers finish together instead of one waiting alone on the Slurm
-end-to-end tests at the end.
+``make test`` runs the CPU tier on two pytest-xdist workers, one test module at a time per
+worker (``--dist loadscope --no-loadscope-reorder``), in the order this file collects them: the
+modules that take minutes first, so that the workers finish together instead of one waiting
+alone on the Slurm end-to-end tests at the end.
 
 Shared fixtures live here; plain helpers (ports, launching ranks, runs, checkpoints, ...) in the
 ``tests/helpers`` package (``from helpers.procs import ...``).
