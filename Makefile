@@ -28,7 +28,7 @@ $(BIN)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 
 demo: $(BIN)/.installed
 	@echo "make demo: trains the tiny preset twice on CPU (--fp8=0, then --fp8=1, emulated) and"
-	@echo "           compares them: about 2 minutes on 2 cores"
+	@echo "           compares them; each run's log says how long it has left"
 	$(BIN)/python -m scripts.demo
 
 test: $(BIN)/.installed

@@ -1,7 +1,13 @@
-"""`make demo`: train the tiny preset on the bundled corpus in BF16, then in FP8, and compare.
+"""`make demo`: train the tiny preset on the bundled corpus without FP8, then with FP8 (emulated
+by torchao), and compare.
 
 Each run is the real train.py in its own process, exactly as a user would start it; the table and
 the picture at the end are scripts/compare_runs.py's, read back from the two runs' directories.
+
+The two runs compute in bf16 where the CPU has bf16 units (AVX512-BF16 or AMX on x86, BF16 on
+Arm), and in fp32 elsewhere: an AVX2-only CPU runs bf16 matmuls 10-25x slower than fp32 ones
+(benchmarks/results/, the make-test rounds), which would turn a few minutes into an hour. FP8 is
+emulated either way, so the demo shows FP8's numerics against the same model without it.
 """
 
 from __future__ import annotations
@@ -10,35 +16,101 @@ import argparse
 import shutil
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from scripts import compare_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 
+#: /proc/cpuinfo flags of CPUs that compute bf16 natively: x86's AVX512-BF16 and AMX-BF16
+#: ("flags"), Arm's BF16 extension ("Features").
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+#: The demo's runs: the tiny preset at 128-token windows, a size at which both runs end in
+#: minutes on two cores (measured: benchmarks/results/, "make demo").
+RUN_FLAGS = ("--preset", "tiny", "--max_context_width=128", "--logging_freq=10")
 
 NOTE = """\
-FP8 on this machine is emulated: torchao casts to float8 and back around bf16 matmuls, so the
-losses show FP8's numerics but the speed is lower than bf16 (extra casts, no FP8 tensor cores).
-On H100s the same --fp8=1 flag runs real FP8 GEMMs; README.md shows our H100 figures
+FP8 on this machine is emulated: torchao casts to float8 and back around {compute} matmuls, so the
+losses show FP8's numerics but the speed is lower than {compute} (extra casts, no FP8 tensor
+cores). On H100s the same --fp8=1 flag runs real FP8 GEMMs; README.md shows our H100 figures
 (benchmarks/results/ all of them), and benchmarks/bench_gpu_matrix.py produces your own."""
-TITLE = (
-    "CPU demo (make demo): tiny Llama, 2 cores; FP8 emulated by torchao: its losses, not its speed"
-)
 
 
-def run(precision: str, steps: int, out: Path, extra: list[str]) -> Path:
-    run_dir = out / precision
+def native_bf16(cpuinfo: str) -> bool:
+    """Whether a /proc/cpuinfo text names a bf16 unit on any of its flag lines."""
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features") and BF16_CPU_FLAGS & set(value.split()):
+            return True
+    return False
+
+
+def probe_native_bf16(size: int = 256, repeats: int = 20) -> bool:
+    """Where there is no /proc/cpuinfo: bf16 matmuls at most 2x the time of fp32 ones (a CPU
+    without bf16 units is 10x slower or more, so the probe's noise does not decide it)."""
+    import torch
+
+    def seconds(dtype: torch.dtype) -> float:
+        a = torch.randn(size, size).to(dtype)
+        a @ a  # warm-up
+        start = time.perf_counter()
+        for _ in range(repeats):
+            a @ a
+        return time.perf_counter() - start
+
+    return seconds(torch.bfloat16) <= 2 * seconds(torch.float32)
+
+
+def cpu_computes_bf16() -> bool:
+    try:
+        return native_bf16(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return probe_native_bf16()
+
+
+@dataclass(frozen=True)
+class Demo:
+    """What the demo runs on this CPU: the compute dtype, the flags it adds, the labels."""
+
+    compute: str  # "bf16" or "fp32"
+
+    @property
+    def flags(self) -> list[str]:
+        return [] if self.compute == "bf16" else ["--bf16=0"]
+
+    @property
+    def labels(self) -> str:
+        return f"{self.compute},fp8 (emulated in {self.compute})"
+
+    @property
+    def title(self) -> str:
+        return (
+            f"CPU demo (make demo): tiny Llama, {self.compute} compute; FP8 emulated by torchao: "
+            "its losses, not its speed"
+        )
+
+    def line(self) -> str:
+        if self.compute == "bf16":
+            return "make demo: this CPU has bf16 units: both runs compute in bf16"
+        return (
+            "make demo: this CPU has no bf16 units (no avx512_bf16/amx_bf16 in /proc/cpuinfo): "
+            "both runs compute in fp32 (--bf16=0), FP8 still emulated; bf16 would be 10-25x slower"
+        )
+
+
+def run(name: str, fp8: bool, steps: int, out: Path, extra: list[str]) -> Path:
+    run_dir = out / name
     shutil.rmtree(run_dir, ignore_errors=True)  # a demo always starts fresh
     cmd = [
         sys.executable,
         str(ROOT / "train.py"),
-        "--preset",
-        "tiny",
+        *RUN_FLAGS,
         f"--max_steps={steps}",
-        f"--fp8={int(precision == 'fp8')}",
-        "--logging_freq=10",
-        "--validation_freq=50",
+        f"--fp8={int(fp8)}",
+        f"--validation_freq={steps}",
         f"--output_dir={run_dir}",
         *extra,
     ]
@@ -47,26 +119,33 @@ def run(precision: str, steps: int, out: Path, extra: list[str]) -> Path:
     return run_dir
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "demo")
-    known, extra = parser.parse_known_args()
-    bf16 = run("bf16", known.steps, known.out, extra)
-    fp8 = run("fp8", known.steps, known.out, extra)
-    print("\n=== tiny Llama, bundled corpus: --fp8=0 vs --fp8=1 ===")
+    parser.add_argument(
+        "--compute",
+        choices=("auto", "bf16", "fp32"),
+        default="auto",
+        help="auto: bf16 where the CPU has bf16 units, else fp32",
+    )
+    known, extra = parser.parse_known_args(argv)
+    demo = Demo(
+        known.compute if known.compute != "auto" else "bf16" if cpu_computes_bf16() else "fp32"
+    )
+    print(demo.line(), flush=True)
+    print("make demo: each run's log says how long it has left, measured as it trains", flush=True)
+    started = time.monotonic()
+    plain = run(demo.compute, False, known.steps, known.out, [*demo.flags, *extra])
+    fp8 = run("fp8", True, known.steps, known.out, [*demo.flags, *extra])
+    print(f"\n=== tiny Llama, bundled corpus: --fp8=0 vs --fp8=1, {demo.compute} compute ===")
     png = known.out / "compare.png"
-    argv = [
-        str(bf16),
-        str(fp8),
-        f"--output={png}",
-        "--labels=bf16,fp8 (emulated)",
-        f"--title={TITLE}",
-    ]
-    if compare_runs.main(argv):
+    argv = [str(plain), str(fp8), f"--output={png}", f"--labels={demo.labels}"]
+    if compare_runs.main([*argv, f"--title={demo.title}"]):
         sys.exit(2)
-    print("\n" + NOTE)
+    print("\n" + NOTE.format(compute=demo.compute))
     print(f"\nPicture of the two runs: {png}")
+    print(f"make demo: both runs took {time.monotonic() - started:.0f} s on this machine")
 
 
 if __name__ == "__main__":

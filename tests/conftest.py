@@ -45,6 +45,54 @@ LONGEST_FIRST = (
 def pytest_configure(config) -> None:
     if "gpu" not in (config.option.markexpr or ""):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if _runs_tests(config) and os.environ.get("LLAMA_TEST_WARM", "1") != "0":
+        _start_zygote(config)
+
+
+def pytest_unconfigure(config) -> None:
+    zygote = getattr(config, "_warm_zygote", None)
+    if zygote is not None:
+        zygote.stdin.close()  # the zygote's signal to stop
+        try:
+            zygote.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            zygote.kill()
+
+
+def _runs_tests(config) -> bool:
+    """This process runs tests: an xdist worker, or a run without workers (-n 0)."""
+    return hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)
+
+
+def _start_zygote(config) -> None:
+    """This process's warm-start zygote (tests/helpers/warm_start.py): Python processes the
+    tests start through ``helpers.procs.PYTHON`` fork from it with torch, transformers and the
+    recipe imported. It imports in the background; a process started before it is ready
+    waits for it. ``LLAMA_TEST_WARM=0`` starts every process cold."""
+    import sys
+    import tempfile
+
+    from helpers import warm_start
+
+    folder = Path(tempfile.mkdtemp(prefix="llama-warm-"))
+    stand_in = warm_start.write_stand_in(str(folder), sys.executable)
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
+    for name in (warm_start.SOCKET_ENV, warm_start.PID_ENV):
+        env.pop(name, None)
+    log = open(folder / "zygote.log", "wb")  # noqa: SIM115 - the zygote's, for its lifetime
+    zygote = subprocess.Popen(
+        [sys.executable, warm_start.__file__, "--zygote", str(folder / "zygote.sock")],
+        stdin=subprocess.PIPE,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=TESTS.parent,
+    )
+    config._warm_zygote = zygote
+    os.environ[warm_start.SOCKET_ENV] = str(folder / "zygote.sock")
+    os.environ[warm_start.PID_ENV] = str(zygote.pid)
+    os.environ[warm_start.REAL_PYTHON_ENV] = sys.executable
+    os.environ[warm_start.STAND_IN_ENV] = stand_in
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -208,6 +208,7 @@ def resolve(args: argparse.Namespace, argv: list[str]) -> None:
     flag_rules.check_consistency(args)
     flag_rules.check_memory_snapshot(args, has_cuda())
     args.model_impl = resolve_model_impl(args.model_impl)
+    flag_rules.check_fp8_compute(args, has_cuda())
     rope_type = (args.rope_scaling or {}).get("rope_type", "default")
     if args.model_impl in TE_IMPLS and rope_type not in hf_config.TE_ROPE_TYPES:
         raise UsageError(

@@ -116,8 +116,10 @@ class TorchaoFloat8:
     def __init__(self, config: Config, device: torch.device) -> None:
         self.recipe_name = config.precision.fp8_recipe
         self.all_gather = config.precision.fp8_all_gather
-        # Real FP8 GEMMs need FP8 tensor cores; elsewhere torchao emulates the numerics in bf16.
+        # Real FP8 GEMMs need FP8 tensor cores; elsewhere torchao emulates the numerics around
+        # the model's compute dtype (bf16, or fp32 with --bf16=0 on a CPU without bf16 units).
         self.emulate = device.type != "cuda" or not fp8_capable_gpu()
+        self.compute = "bf16" if config.precision.bf16 else "fp32"
         self.converted: list[str] = []
         self.skipped: list[str] = []
 
@@ -154,12 +156,16 @@ class TorchaoFloat8:
         return None
 
     def describe(self) -> str:
-        mode = "emulated (numerics only, slower than bf16)" if self.emulate else "FP8 tensor cores"
+        mode = (
+            f"emulated in {self.compute} (numerics only, slower than {self.compute})"
+            if self.emulate
+            else "FP8 tensor cores"
+        )
         gather = ", float8 all-gather" if self.all_gather else ""
         kept = ", ".join(self.skipped) if self.skipped else "none"
         return (
             f"precision: torchao float8 {self.recipe_name}{gather}, {mode}; "
-            f"{len(self.converted)} linears in FP8, kept in bf16: {kept}"
+            f"{len(self.converted)} linears in FP8, kept in {self.compute}: {kept}"
         )
 
 

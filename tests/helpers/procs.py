@@ -19,6 +19,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+#: The interpreter tests start Python processes with where the start-up is not what they test:
+#: the warm-start stand-in of tests/helpers/warm_start.py (a fork of a process that has
+#: imported torch, transformers and the recipe) when the session runs a zygote (conftest.py),
+#: else this interpreter. Tests of an entry point's own start use ``sys.executable``.
+PYTHON = os.environ.get("LLAMA_TEST_WARM_PYTHON", sys.executable)
+
+
+def warm_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) with torchrun's workers started through PYTHON."""
+    return {**(os.environ if env is None else env), "PYTHON_EXEC": PYTHON}
+
 
 def free_port(low: int = 0, high: int = 0) -> int:
     """A TCP port nobody listens on: the first free one in [low, high), or by default one from
@@ -51,15 +62,19 @@ def worker_ports() -> range:
     return range(low, low + 2000)
 
 
-def torchrun_cmd(*argv: str, nproc: int, launcher: tuple[str, ...] | None = None) -> list[str]:
+def torchrun_cmd(
+    *argv: str, nproc: int, launcher: tuple[str, ...] | None = None, python: str = PYTHON
+) -> list[str]:
     """``torchrun --nproc_per_node=NPROC`` of ``argv`` (a script and its flags) on this host.
 
     ``launcher`` replaces the single-node rendezvous (127.0.0.1 and a free port), e.g. with
-    ``--nnodes=2`` and a c10d endpoint for two agents."""
+    ``--nnodes=2`` and a c10d endpoint for two agents. The agent starts warm (``python``);
+    its workers do where the environment says so (``PYTHON_EXEC``: :func:`warm_env`). A test
+    that finds the workers as the agent's child processes passes ``python=sys.executable``."""
     if launcher is None:
         launcher = ("--master_addr=127.0.0.1", f"--master_port={free_port()}")
     return [
-        sys.executable,
+        python,
         "-m",
         "torch.distributed.run",
         f"--nproc_per_node={nproc}",
@@ -84,10 +99,24 @@ def spawn_ranks(worker, world_size: int, *args) -> None:
     """Run ``worker(rank, world_size, port, *args)`` in ``world_size`` processes and wait.
 
     ``worker`` is a module-level function (it is pickled by name); ``port`` is free for the
-    gloo rendezvous. A rank that raises fails the call."""
+    gloo rendezvous. A rank that raises fails the call. The ranks are forked from
+    multiprocessing's fork server, which has imported torch and torch.distributed once per
+    pytest process (fresh interpreters, mp.spawn's way, spend seconds of CPU each on it)."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank_main, args=(worker, world_size, free_port(), *args), nprocs=world_size)
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)  # read when the server starts
+    mp.start_processes(
+        _rank_main,
+        args=(worker, world_size, free_port(), *args),
+        nprocs=world_size,
+        start_method="forkserver",
+    )
+
+
+#: What spawn_ranks' fork server imports before it forks a rank.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "helpers.procs"]
 
 
 def _rank_main(rank: int, worker, world_size: int, port: int, *args) -> None:

@@ -5,12 +5,10 @@ environment, what its metrics.jsonl recorded."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
-from helpers.procs import launch_report, torchrun_cmd
+from helpers.procs import PYTHON, launch_report, torchrun_cmd, warm_env
 from model_utils.config.presets import BUNDLED_TOKENIZER
 from model_utils.config.sections import DataConfig
 
@@ -47,14 +45,15 @@ def data_section(dataset: str, **fields) -> DataConfig:
 
 def train_cmd(*argv: str, nproc: int = 1) -> list[str]:
     if nproc == 1:
-        return [sys.executable, str(ROOT / "train.py"), *argv]
+        return [PYTHON, str(ROOT / "train.py"), *argv]
     return torchrun_cmd(str(ROOT / "train.py"), *argv, nproc=nproc)
 
 
 def train_env(nproc: int = 1) -> dict[str, str]:
     """Thread count is part of the numerics (reduction order): runs that are compared bit for
     bit must use the same one, whatever the caller's environment says."""
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1" if nproc > 1 else "2"}
+    threads = "1" if nproc > 1 else "2"
+    return {**warm_env(), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": threads}
 
 
 def run_train(*argv: str, nproc: int = 1, timeout: int = 900) -> subprocess.CompletedProcess:

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 from helpers.checkpoints import TINY, differences, logits
-from helpers.procs import free_port, rank_env
+from helpers.procs import PYTHON, free_port, rank_env
 
 from model_utils import checkpoint as ck
 from model_utils.checkpoint import layout
@@ -379,7 +379,7 @@ def _launch(scenario: str, workdir: Path, world_size: int) -> list[subprocess.Po
         log = open(workdir / f"{scenario}_rank{rank}.log", "w")
         procs.append(
             subprocess.Popen(
-                [sys.executable, __file__, scenario, str(workdir)],
+                [PYTHON, __file__, scenario, str(workdir)],
                 env=env,
                 cwd=REPO,
                 stdout=log,
@@ -534,7 +534,7 @@ def test_convert_script_writes_loadable_hf(workdir: Path, train_run: list[dict])
     from transformers import LlamaForCausalLM
 
     out = workdir / "converted"
-    cmd = [sys.executable, str(REPO / "scripts" / "convert_checkpoint.py")]
+    cmd = [PYTHON, str(REPO / "scripts" / "convert_checkpoint.py")]
     done = subprocess.run([*cmd, str(workdir / "ckpt"), str(out)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "step 3" in done.stdout

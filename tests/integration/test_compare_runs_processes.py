@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.procs import PYTHON
 
 from scripts import compare_runs as cr
 
@@ -23,7 +23,7 @@ def test_a_real_run_reads_the_same_from_its_log_and_its_directory(tmp_path: Path
     records, to the log's printed precision, the same flags, and the same table."""
     out = tmp_path / "run"
     cmd = [
-        sys.executable,
+        PYTHON,
         str(ROOT / "train.py"),
         "--preset",
         "tiny",
@@ -66,7 +66,7 @@ def test_a_real_run_reads_the_same_from_its_log_and_its_directory(tmp_path: Path
 
     done = subprocess.run(
         [
-            sys.executable,
+            PYTHON,
             str(ROOT / "scripts" / "compare_runs.py"),
             str(log),
             str(out),

@@ -5,14 +5,13 @@ te's, every loss matches the uninterrupted hf run, and each run saved its own la
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
 from helpers.inprocess import SMALL
-from helpers.procs import launch_report, torchrun_cmd
+from helpers.procs import launch_report, torchrun_cmd, warm_env
 from te_double import subprocess_env
 
 from model_utils.checkpoint.layout import param_layout
@@ -26,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_train(*argv: str, nproc: int = 2) -> str:
-    env = subprocess_env({**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    env = subprocess_env({**warm_env(), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     cmd = torchrun_cmd(str(ROOT / "train.py"), *SMALL, *argv, nproc=nproc)
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert result.returncode == 0, launch_report(result)

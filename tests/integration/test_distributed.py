@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.procs import free_port, rank_env, torchrun_cmd
+from helpers.procs import PYTHON, free_port, rank_env, torchrun_cmd, warm_env
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "tests" / "dist_scripts"
@@ -84,13 +84,14 @@ def tail(path: Path, chars: int = 4000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.exists() else "(no log)"
 
 
-def run_torchrun(args: list[str], log: Path, nproc: int) -> None:
-    """torchrun on one node with a free port; fails the test with the log tail on error."""
-    cmd = torchrun_cmd(*args, nproc=nproc)
+def run_torchrun(args: list[str], log: Path, nproc: int, warm: bool = True) -> None:
+    """torchrun on one node with a free port; fails the test with the log tail on error.
+    ``warm=False``: every process a fresh interpreter (what a memory figure is compared to)."""
+    cmd = torchrun_cmd(*args, nproc=nproc, python=PYTHON if warm else sys.executable)
     with log.open("w") as out:
         proc = subprocess.run(
             cmd,
-            env=clean_env(),
+            env=warm_env(clean_env()) if warm else clean_env(),
             cwd=REPO,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -211,7 +212,7 @@ def hybrid(workdir: Path) -> dict[str, Any]:
         logs.append(workdir / f"hybrid_node{node}.log")
         rendezvous = ("--nnodes=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}")
         cmd = torchrun_cmd(*script, nproc=1, launcher=(*rendezvous, "--rdzv_id=hsdp-test"))
-        procs.append(popen_logged(cmd, clean_env(), logs[-1]))
+        procs.append(popen_logged(cmd, warm_env(clean_env()), logs[-1]))
     try:
         codes = [wait_exit(p, LAUNCH_TIMEOUT_S)[0] for p in procs]
     finally:
@@ -225,7 +226,9 @@ def memory(workdir: Path) -> dict[int, list[dict[str, Any]]]:
     """RSS of 2 torchrun ranks and, for contrast, of one plain process (a world of one)."""
     out = workdir / "memory"
     out.mkdir()
-    run_torchrun([str(SCRIPTS / "memory.py"), str(out)], workdir / "memory_w2.log", nproc=2)
+    run_torchrun(
+        [str(SCRIPTS / "memory.py"), str(out)], workdir / "memory_w2.log", nproc=2, warm=False
+    )
     with (workdir / "memory_w1.log").open("w") as log:
         proc = subprocess.run(
             [sys.executable, str(SCRIPTS / "memory.py"), str(out)],
@@ -464,8 +467,14 @@ def test_meta_device_init_keeps_each_rank_at_its_shard(memory: dict) -> None:
 @pytest.mark.slow
 def test_torchrun_job_exits_nonzero_when_a_worker_is_killed(tmp_path: Path) -> None:
     log = tmp_path / "torchrun.log"
-    cmd = torchrun_cmd(
-        *TRAIN_ARGV, "--dist_timeout", "30", "--output_dir", str(tmp_path / "run"), nproc=2
+    cmd = torchrun_cmd(  # cold: the workers are found as the agent's children
+        *TRAIN_ARGV,
+        "--dist_timeout",
+        "30",
+        "--output_dir",
+        str(tmp_path / "run"),
+        nproc=2,
+        python=sys.executable,
     )
     agent = popen_logged(cmd, clean_env(), log)
     try:

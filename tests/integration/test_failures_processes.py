@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers.procs import signal_after, spawn_ranks
+from helpers.procs import PYTHON, signal_after, spawn_ranks
 from helpers.runs import FAST
 
 from model_utils import checkpoint as ck
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def train(*argv: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
     return subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *argv],
+        [PYTHON, str(ROOT / "train.py"), *argv],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -221,7 +221,7 @@ def test_ctrl_c_checkpoints_at_the_step_boundary_and_exits_0(tmp_path: Path) -> 
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
     argv = [*FAST, "--max_steps", "1000", "--checkpoint_freq", "-1", f"--output_dir={out}"]
-    cmd = [sys.executable, str(ROOT / "train.py"), *argv]
+    cmd = [PYTHON, str(ROOT / "train.py"), *argv]
     status, log = signal_after(cmd, signal.SIGINT, env=env, cwd=ROOT)
     assert status == 0 and "Traceback" not in log and "KeyboardInterrupt" not in log, log
     step = int(log.split("checkpoint saved at step ")[1].split()[0])
@@ -286,7 +286,7 @@ def test_the_lock_covers_a_checkpoint_dir_outside_the_run_dir(tmp_path: Path) ->
     try:
         probe = subprocess.run(
             [
-                sys.executable,
+                PYTHON,
                 "-c",
                 "import sys; from model_utils.run import run_lock; "
                 "print(run_lock.lock_holder(sys.argv[1]))",
@@ -413,12 +413,12 @@ def test_a_model_that_appears_in_the_export_dir_mid_run_is_kept_and_so_is_the_ru
     """2 ranks: a model lands in --export_hf during the run. Rank 0 leaves it alone; both
     ranks still gather every layer (no hang), then stop with one line naming the final
     checkpoint, exit 1; the convert script writes the export from it elsewhere."""
-    from helpers.procs import torchrun_cmd
+    from helpers.procs import torchrun_cmd, warm_env
 
     hf, ckpt = tmp_path / "hf", tmp_path / "run" / "checkpoints"
     argv = [*FAST, "--max_steps=8", "--warmup=1", "--validation_batches=1"]
     argv += [f"--output_dir={tmp_path / 'run'}", f"--export_hf={hf}"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**warm_env(), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         torchrun_cmd(str(ROOT / "train.py"), *argv, nproc=2),
         stdout=subprocess.PIPE,
@@ -447,7 +447,7 @@ def test_a_model_that_appears_in_the_export_dir_mid_run_is_kept_and_so_is_the_ru
     assert (hf / "model.safetensors").read_bytes() == b"someone else's model"
     convert = subprocess.run(
         [
-            sys.executable,
+            PYTHON,
             str(ROOT / "scripts" / "convert_checkpoint.py"),
             str(final),
             str(tmp_path / "hf2"),

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.procs import launch_report
+from helpers.procs import PYTHON, launch_report
 from helpers.runs import run_train
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,7 +138,7 @@ def test_the_converter_writes_the_same_complete_folder(run: Path) -> None:
     """From the run's checkpoint, with the tokenizer its marker records: every file --export_hf
     wrote, the same bytes (the weights are the same: the last checkpoint is the final model)."""
     out = run / "converted"
-    cmd = [sys.executable, str(ROOT / "scripts" / "convert_checkpoint.py")]
+    cmd = [PYTHON, str(ROOT / "scripts" / "convert_checkpoint.py")]
     done = subprocess.run(
         [*cmd, str(run / "run" / "checkpoints"), str(out)], capture_output=True, text=True
     )

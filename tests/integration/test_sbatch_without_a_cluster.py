@@ -255,7 +255,7 @@ def run_finished(checkpoint_dir: Path) -> int:
     """Exit status of the check the script makes before a requeue (0: at max_steps)."""
     return subprocess.run(
         ["python3", str(REPO / "scripts" / "launcher.py"), "finished", str(checkpoint_dir)],
-        timeout=30,
+        timeout=120,
     ).returncode
 
 

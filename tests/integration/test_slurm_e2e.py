@@ -137,33 +137,23 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 @pytest.mark.slow
-def test_two_node_job_trains_exactly_like_two_workers_on_one_node(
+def test_a_preempted_two_node_job_trains_like_one_node_and_resumes_exactly(
     two_nodes: Cluster, reference_job: Job, tmp_path: Path
 ) -> None:
-    job = submit_two_nodes(two_nodes, tmp_path, "two-nodes", TINY_CPU_ARGS)
-    wait_until(
-        "the two-node job to finish", state_is(two_nodes, job, *FINAL_STATES), job, two_nodes
-    )
-    info, log = two_nodes.job(job.job_id), job.log()
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
-    assert info["NumNodes"] == "2" and info["NodeList"] == "node[1-2]", info
-    check_both_nodes_ran(log)
-    for _, mesh, groups in rank_lines(log).values():
-        assert mesh == "shard=2" and groups == {"shard": [0, 1]}, log
-    # Gloo across the two network namespaces gives the one-node run's losses, bit for bit.
-    assert seed_losses(log) == seed_losses(reference_job.log()), log
-    assert FINAL_LOSS.search(log).group(1) == FINAL_LOSS.search(reference_job.log()).group(1)
-
-
-@pytest.mark.slow
-def test_preempted_two_node_job_checkpoints_requeues_and_resumes_exactly(
-    two_nodes: Cluster, reference_job: Job, tmp_path: Path
-) -> None:
-    """With proctrack/pgid Slurm signals only each node's launcher (the task's process group);
-    the workers, each in a session of its own, checkpoint because the launcher passes USR1 on."""
+    """Two nodes, one worker each, gloo across the two network namespaces: every step before
+    the preemption and after the resume has the one-node reference's loss, bit for bit. With
+    proctrack/pgid Slurm signals only each node's launcher (the task's process group); the
+    workers, each in a session of its own, checkpoint because the launcher passes USR1 on."""
     job = submit_two_nodes(two_nodes, tmp_path, "two-nodes-preempted", TINY_CPU_ARGS)
     log = preempt_and_check_exact_resume(two_nodes, job, reference_job)
+    info = two_nodes.job(job.job_id)
+    assert info["NumNodes"] == "2" and info["NodeList"] == "node[1-2]", info
     check_two_node_preemption(log, check_both_nodes_ran)
+    for part in log.split("restart 1:", 1):  # the first launch and the requeued one
+        ranks = rank_lines(part)
+        assert sorted(ranks) == [0, 1], part
+        for _, mesh, groups in ranks.values():
+            assert mesh == "shard=2" and groups == {"shard": [0, 1]}, part
     assert processes_mentioning(str(job.run_dir)) == []
 
 
@@ -196,19 +186,28 @@ def killed_job(two_nodes: Cluster, tmp_path_factory: pytest.TempPathFactory) -> 
     [worker] = worker_pids(job, "node2")
     os.kill(worker, signal.SIGKILL)
     killed_at = time.monotonic()
-    wait_until("the job to end", state_is(two_nodes, job, *FINAL_STATES), job, two_nodes, 120)
+    # An upper bound for a hung test, below the collective timeout that would end it anyway.
+    bound = DIST_TIMEOUT_S - 60
+    wait_until("the job to end", state_is(two_nodes, job, *FINAL_STATES), job, two_nodes, bound)
     return job, time.monotonic() - killed_at
 
 
+#: train.py's --dist_timeout default: a survivor left waiting in a collective ends after it.
+DIST_TIMEOUT_S = 600
+
+
 @pytest.mark.slow
-def test_a_dead_worker_on_one_node_ends_the_whole_job_within_60_s(
+def test_a_dead_worker_on_one_node_ends_the_whole_job_not_a_timeout(
     two_nodes: Cluster, killed_job: tuple[Job, float]
 ) -> None:
+    """The survivor's collective fails on the lost connection (torchrun and the launchers end
+    the job), not after --dist_timeout: the job ended before the timeout could have ended it,
+    and no rank reports a timeout."""
     job, seconds = killed_job
     info, log = two_nodes.job(job.job_id), job.log()
     assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0", info
     assert info["Restarts"] == "0" and "requeueing" not in log, "a crash is not a preemption"
-    assert seconds < 60, f"the job ended {seconds:.0f} s after the kill"
+    assert seconds < DIST_TIMEOUT_S and "Timed out" not in log, (seconds, log[-3000:])
     assert processes_mentioning(str(job.run_dir)) == []  # no worker left on either node
 
 

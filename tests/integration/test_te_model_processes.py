@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.procs import spawn_ranks
+from helpers.procs import PYTHON, spawn_ranks
 from helpers.te_models import backend_args, batch, built, tiny_config
 from te_double import install, subprocess_env
 
@@ -27,7 +26,7 @@ def test_double_injects_into_subprocess(tmp_path) -> None:
         "print(transformer_engine.__version__, te.TransformerLayer.__module__)"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code],
+        [PYTHON, "-c", code],
         env=subprocess_env(),
         capture_output=True,
         text=True,

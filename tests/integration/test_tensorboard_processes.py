@@ -4,13 +4,12 @@ TensorBoard's own reader; the ETA in the second log line."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
-from helpers.procs import torchrun_cmd
+from helpers.procs import torchrun_cmd, warm_env
 from helpers.tensorboard_events import flags_text, read_events, series
 
 from model_utils.run import metrics
@@ -40,7 +39,7 @@ def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
         f"--output_dir={out}",
         nproc=2,
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**warm_env(), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out, done.stdout

@@ -9,13 +9,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.inprocess import SMALL
-from helpers.procs import launch_report, torchrun_cmd
+from helpers.procs import PYTHON, launch_report, torchrun_cmd, warm_env
 from te_double import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +36,7 @@ COMMON += ["--activation_checkpointing=1", "--keep_last=0"]
 
 
 def run_train(*argv: str) -> str:
-    env = subprocess_env({**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    env = subprocess_env({**warm_env(), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     cmd = torchrun_cmd(str(ROOT / "train.py"), *argv, nproc=2)
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert result.returncode == 0, launch_report(result)
@@ -108,7 +107,7 @@ def test_the_export_and_the_converter_write_a_tied_llama_again(runs, tmp_path) -
     converted = tmp_path / "converted"
     step_4 = runs["te"] / "checkpoints" / "step_00000004"
     subprocess.run(
-        [sys.executable, "-m", "scripts.convert_checkpoint", str(step_4), str(converted)],
+        [PYTHON, "-m", "scripts.convert_checkpoint", str(step_4), str(converted)],
         check=True,
         capture_output=True,
         cwd=ROOT,

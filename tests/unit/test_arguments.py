@@ -250,6 +250,18 @@ def test_fp8_recipe_is_checked_against_the_backend():
     assert parse_args(["--fp8=1", "--model_impl", "te"]).precision.fp8_recipe == "delayed"
 
 
+def test_fp8_computes_around_fp32_only_where_it_is_emulated(monkeypatch):
+    """torchao on a CPU emulates FP8 in the model's compute dtype, fp32 included (the demo on
+    CPUs without bf16 units); a GPU or TE runs FP8 layers inside a bf16 model."""
+    config = parse_args(["--fp8=1", "--bf16=0"])
+    assert config.precision.fp8 and not config.precision.bf16
+    with pytest.raises(UsageError, match="--fp8=1 needs --bf16=1 on a GPU or with Transformer"):
+        parse_args(["--fp8=1", "--bf16=0", "--model_impl", "te"])
+    monkeypatch.setattr(machine, "has_cuda", lambda: True)
+    with pytest.raises(UsageError, match="--fp8=1 needs --bf16=1 on a GPU"):
+        parse_args(["--fp8=1", "--bf16=0"])
+
+
 def test_the_config_is_resolved_once_and_frozen():
     args = parse_args(["--fp8=1"])
     assert args.precision.model_impl == "hf"  # auto, resolved (no TE or FP8 GPU here)
