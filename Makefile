@@ -2,11 +2,11 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# pytest-xdist workers for `make test`: most tests wait on subprocesses (imports, torchrun, Slurm),
-# so two workers keep both cores busy (a third made the suite slower, and its timing tests flaky:
-# benchmarks/results/2026-11-26-make-test.md). Each test module stays on one worker (--dist
+# pytest-xdist workers for `make test`: one per core, at least 2 and at most 8. On 2 cores two
+# workers keep both busy (a third made the suite slower: benchmarks/results/2026-11-26-make-test.md);
+# a larger machine is not held to the CI box's pace. Each test module stays on one worker (--dist
 # loadscope), its module fixtures run once, and tests/conftest.py starts the longest modules first.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 2 ? 2 : n > 8 ? 8 : n )))
 
 .PHONY: demo test lint format clean
 

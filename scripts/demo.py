@@ -20,13 +20,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from model_utils.config.cpu import cpu_computes_bf16, slow_bf16_line
 from scripts import compare_runs
 
 ROOT = Path(__file__).resolve().parent.parent
-
-#: /proc/cpuinfo flags of CPUs that compute bf16 natively: x86's AVX512-BF16 and AMX-BF16
-#: ("flags"), Arm's BF16 extension ("Features").
-BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
 #: The demo's runs: the tiny preset at 128-token windows, a size at which both runs end in
 #: minutes on two cores (measured: benchmarks/results/, "make demo").
@@ -37,15 +34,6 @@ FP8 on this machine is emulated: torchao casts to float8 and back around {comput
 losses show FP8's numerics but the speed is lower than {compute} (extra casts, no FP8 tensor
 cores). On H100s the same --fp8=1 flag runs real FP8 GEMMs; README.md shows our H100 figures
 (benchmarks/results/ all of them), and benchmarks/bench_gpu_matrix.py produces your own."""
-
-
-def native_bf16(cpuinfo: str) -> bool:
-    """Whether a /proc/cpuinfo text names a bf16 unit on any of its flag lines."""
-    for line in cpuinfo.splitlines():
-        name, _, value = line.partition(":")
-        if name.strip() in ("flags", "Features") and BF16_CPU_FLAGS & set(value.split()):
-            return True
-    return False
 
 
 def probe_native_bf16(size: int = 256, repeats: int = 20) -> bool:
@@ -64,11 +52,10 @@ def probe_native_bf16(size: int = 256, repeats: int = 20) -> bool:
     return seconds(torch.bfloat16) <= 2 * seconds(torch.float32)
 
 
-def cpu_computes_bf16() -> bool:
-    try:
-        return native_bf16(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        return probe_native_bf16()
+def computes_bf16() -> bool:
+    """The CPU's flags where Linux lists them, else the probe."""
+    native = cpu_computes_bf16()
+    return probe_native_bf16() if native is None else native
 
 
 @dataclass(frozen=True)
@@ -95,10 +82,7 @@ class Demo:
     def line(self) -> str:
         if self.compute == "bf16":
             return "make demo: this CPU has bf16 units: both runs compute in bf16"
-        return (
-            "make demo: this CPU has no bf16 units (no avx512_bf16/amx_bf16 in /proc/cpuinfo): "
-            "both runs compute in fp32 (--bf16=0), FP8 still emulated; bf16 would be 10-25x slower"
-        )
+        return f"make demo: {slow_bf16_line()}: both runs compute in fp32, FP8 still emulated"
 
 
 def run(name: str, fp8: bool, steps: int, out: Path, extra: list[str]) -> Path:
@@ -130,9 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         help="auto: bf16 where the CPU has bf16 units, else fp32",
     )
     known, extra = parser.parse_known_args(argv)
-    demo = Demo(
-        known.compute if known.compute != "auto" else "bf16" if cpu_computes_bf16() else "fp32"
-    )
+    demo = Demo(known.compute if known.compute != "auto" else "bf16" if computes_bf16() else "fp32")
     print(demo.line(), flush=True)
     print("make demo: each run's log says how long it has left, measured as it trains", flush=True)
     started = time.monotonic()

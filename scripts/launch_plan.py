@@ -39,6 +39,16 @@ def _load(relative: str) -> ModuleType:
 argv = _load("model_utils/config/argv.py")  # train.py's grammar: one definition for both
 published = _load("model_utils/checkpoint/published.py")  # what a complete checkpoint is
 flag_value, switch_value, without_flag = argv.flag_value, argv.switch_value, argv.without_flag
+cpu = _load("model_utils/config/cpu.py")  # whether a CPU-only node computes bf16 natively
+
+
+def slow_bf16_hint(train_args: Sequence[str], gpus: int, native_bf16: bool | None) -> str:
+    """On a node without GPUs whose CPU has no bf16 units, a bf16 run (the default) is 10-25x
+    slower than --bf16=0: one line saying so ('' elsewhere). Said, not decided: a run's flags
+    and its folder's name never depend on the CPU model."""
+    if gpus or native_bf16 is not False or not switch_value(train_args, "bf16", default=True):
+        return ""
+    return f"{cpu.slow_bf16_line()}; --bf16=0 computes in fp32 (FP8 still emulated)"
 
 
 class UsageError(Exception):

@@ -31,7 +31,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from launch_plan import UsageError, launch_records, published
+from launch_plan import UsageError, cpu, launch_records, published, slow_bf16_hint
 
 # The signals that ask train.py for a checkpoint at its next logging step, then an exit.
 FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
@@ -236,6 +236,9 @@ def run_node(train_args: Sequence[str], env: Mapping[str, str] = os.environ) -> 
     if env.get("LLAMA_CONTAINER_IMAGE"):  # the node's image, before its first step
         print(container_report(env), flush=True)
     print(line, flush=True)
+    hint = slow_bf16_hint(train_args, gpus, cpu.cpu_computes_bf16())
+    if hint:
+        print(f"{line[: line.index(']') + 1]} {hint}", flush=True)
     if gpus:  # NCCL's network; a CPU run's gloo has nothing to choose
         network, network_line = network_settings(env, efa_devices(), find_ofi_plugin(env))
         extra.update(network)

@@ -182,3 +182,27 @@ def test_container_mounts_only_the_folders_in_effect(tmp_path: Path) -> None:
     )
     (tmp_path / "runs").mkdir()
     assert f"{tmp_path}/runs:{tmp_path}/runs" in launch_plan.container_mounts(env, ["/mine"])
+
+
+AVX2_ONLY = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n"
+ZEN4 = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n"
+ARM_BF16 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
+
+
+def test_a_cpu_without_bf16_units_is_read_from_its_flags(tmp_path: Path) -> None:
+    assert not launch_plan.cpu.native_bf16(AVX2_ONLY)
+    assert launch_plan.cpu.native_bf16(ZEN4) and launch_plan.cpu.native_bf16(ARM_BF16)
+    (tmp_path / "cpuinfo").write_text(AVX2_ONLY)
+    assert launch_plan.cpu.cpu_computes_bf16(tmp_path / "cpuinfo") is False
+    assert launch_plan.cpu.cpu_computes_bf16(tmp_path / "none") is None  # e.g. macOS
+
+
+def test_a_bf16_run_on_a_cpu_without_bf16_units_is_told_in_one_line() -> None:
+    hint = launch_plan.slow_bf16_hint(["--preset", "tiny"], gpus=0, native_bf16=False)
+    assert "no bf16 units" in hint and "--bf16=0 computes in fp32" in hint
+    assert "\n" not in hint
+    # said only where it applies: fp32 already, bf16 units, a GPU node, an unknown CPU
+    assert launch_plan.slow_bf16_hint(["--bf16=0"], gpus=0, native_bf16=False) == ""
+    assert launch_plan.slow_bf16_hint([], gpus=0, native_bf16=True) == ""
+    assert launch_plan.slow_bf16_hint([], gpus=8, native_bf16=False) == ""
+    assert launch_plan.slow_bf16_hint([], gpus=0, native_bf16=None) == ""
