@@ -61,6 +61,8 @@ _NUM = r"([-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|nan|inf))"
 _GROUPED = r"(\d{1,3}(?:,\d{3})*(?:\.\d+)?)"  # 1,234,567 (the detail line's tokens/s)
 SEED = re.compile(rf"Batch (\d+) Loss: {_NUM}, Speed: {_NUM} samples/sec, lr: {_NUM}")
 VALIDATION = re.compile(rf"Validation at step (\d+): loss {_NUM}")
+# The upstream recipe's validation line (this recipe prints it too, after its own).
+UPSTREAM_VALIDATION = re.compile(rf"Batch (\d+) Validation loss: {_NUM}")
 RUN = re.compile(r"\brun: (\{.*\})\s*$")
 # The second line of this recipe (metrics.detail_line): JSONL key -> its field.
 DETAIL = {
@@ -114,11 +116,12 @@ def _number(text: str) -> float:
 
 
 def parse_log(text: str, name: str = "log") -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """Records from a training log: seed lines (+ this recipe's detail line), validation lines,
-    and the last ``run: {...}`` line. Anything else (timestamps, srun's ``0:`` prefix, other
+    """Records from a training log: seed lines (+ this recipe's detail line), validation lines
+    (this recipe's or upstream's ``Batch N Validation loss: X``), and the last ``run: {...}``
+    line. Anything else (timestamps, srun's ``0:`` prefix, other
     ranks' warnings) is ignored."""
     records: list[dict[str, Any]] = []
-    info, last_train = None, None
+    info, last_train, val_steps = None, None, set()
     for number, line in enumerate(complete_lines(text), start=1):
         if m := SEED.search(line):
             last_train = {
@@ -134,7 +137,10 @@ def parse_log(text: str, name: str = "log") -> tuple[list[dict[str, Any]], dict[
                 if (m := pattern.search(line)) and key not in last_train:
                     last_train[key] = _number(m.group(1))
             last_train = None  # one detail line per seed line
-        elif m := VALIDATION.search(line):
+        elif (m := VALIDATION.search(line) or UPSTREAM_VALIDATION.search(line)) and int(
+            m.group(1)
+        ) not in val_steps:  # one record per validation, from whichever line came first
+            val_steps.add(int(m.group(1)))
             records.append(
                 {"kind": "val", "step": int(m.group(1)), "val_loss": _number(m.group(2))}
             )

@@ -160,15 +160,23 @@ def read_marker(path: str | Path) -> dict[str, Any]:
 
 def format_problem(path: str | Path, marker: Mapping[str, Any]) -> str | None:
     """Why checkpoint `path` (its marker: `marker`) is of a format this recipe does not load, or
-    None. Format 1 held TE's FP8 state as a pickle; its weights still convert to HF."""
+    None. Format 1 held TE's FP8 state as a pickle; its weights still convert to HF. Anything
+    else that is not this recipe's format (a newer one, null, 1.5, text) is refused too: loading
+    it would read a layout nobody checked."""
     saved = marker.get("format", CHECKPOINT_FORMAT)
-    if not isinstance(saved, int) or saved >= CHECKPOINT_FORMAT:
+    if type(saved) is int and saved == CHECKPOINT_FORMAT:
         return None
+    if type(saved) is int and 0 < saved < CHECKPOINT_FORMAT:
+        return (
+            f"checkpoint {path} is in checkpoint format {saved}, which this recipe no longer "
+            f"loads (it loads format {CHECKPOINT_FORMAT}): convert its weights with "
+            f"scripts/convert_checkpoint.py {path} DIR and start a new run from them with "
+            "--init_from_hf DIR"
+        )
     return (
-        f"checkpoint {path} is in checkpoint format {saved}, which this recipe no longer loads "
-        f"(it loads format {CHECKPOINT_FORMAT}): convert its weights with "
-        f"scripts/convert_checkpoint.py {path} DIR and start a new run from them with "
-        "--init_from_hf DIR"
+        f"checkpoint {path} says checkpoint format {json.dumps(saved)} in its {MARKER}, which "
+        f"this recipe does not load (it loads format {CHECKPOINT_FORMAT}): resume it with the "
+        "recipe version that saved it, or start a new run"
     )
 
 

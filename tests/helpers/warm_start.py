@@ -22,10 +22,12 @@ How a process starts warm:
   import time (PYTHON*, HF_*, TORCH*, ...), a Python option other than -u/-B/-W/-X
   faulthandler, no zygote running (``LLAMA_TEST_WARM_SOCKET`` unset or gone).
 
-What stays cold on purpose: every test that starts an entry point as a user does (train.py's
-exit through the interpreter, ``bash 1.train_llama.sbatch``, Slurm, the container) runs the
-real interpreter; tests/integration/test_warm_start.py holds warm and cold runs to the same
-output.
+What stays cold on purpose: every test that starts an entry point as a user does
+(``bash 1.train_llama.sbatch``, Slurm, the container, the demo), a process a test stops with
+SIGSTOP or finds as another's child, and memory measurements run the real interpreter;
+tests/integration/test_warm_start.py holds a cold and a warm train.py run to the same output.
+``LLAMA_TEST_WARM=0`` starts no zygote (everything cold); ``LLAMA_TEST_WARM_LOG=FILE`` writes a
+line per cold fallback with the variables that caused it.
 
 This module imports only the standard library at its top: the stand-in runs it with ``-S``.
 """
@@ -46,8 +48,9 @@ LOG_ENV = "LLAMA_TEST_WARM_LOG"
 PID_ENV = "LLAMA_TEST_WARM_PID"
 STAND_IN_ENV = "LLAMA_TEST_WARM_PYTHON"
 
-#: What the zygote imports before it forks: everything a train.py run, a torchrun agent and the
-#: tests' rank scripts import (measured with ``sys.modules`` at the end of such runs).
+#: What the zygote imports before it forks: the heavy imports of a train.py run (the recipe's
+#: stages, torch's distributed packages, transformers' Llama, datasets, torchao's float8 and
+#: low-bit optimizers) and of a torchrun agent.
 PRELOAD = (
     "torch",
     "torch.distributed",

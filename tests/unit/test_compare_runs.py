@@ -147,6 +147,30 @@ def test_upstream_log_has_seed_lines_only(tmp_path: Path) -> None:
     assert cr.throughput_key([run]) == "samples_per_sec"
 
 
+def test_upstream_validation_lines_are_read_with_or_without_sruns_prefix(tmp_path) -> None:
+    """Upstream's ``Batch N Validation loss: X`` (srun --label adds ``0: ``) gives the run its
+    validation points; this recipe prints it after its own line, which stays the one record."""
+    upstream = tmp_path / "slurm-203.out"
+    upstream.write_text(
+        f"0: {metrics.seed_line(10, 6.5, 2.0, 3e-4)}\n0: Batch 10 Validation loss: 6.25000\n"
+        f"{metrics.seed_line(20, 5.5, 2.0, 3e-4)}\nBatch 20 Validation loss: 5.12500\n"
+    )
+    run = cr.load_run(upstream)
+    assert [(r["step"], r["val_loss"]) for r in run.records if r["kind"] == "val"] == [
+        (10, 6.25),
+        (20, 5.125),
+    ]
+    ours = tmp_path / "slurm-204.out"
+    ours.write_text(
+        f"{metrics.seed_line(10, 6.5, 2.0, 3e-4)}\n"
+        "Validation at step 10: loss 6.25000\nBatch 10 Validation loss: 6.25000\n"
+    )
+    assert [(r["kind"], r["step"]) for r in cr.load_run(ours).records] == [
+        ("train", 10),
+        ("val", 10),
+    ]
+
+
 def test_metrics_jsonl_with_a_partial_last_line(tmp_path: Path) -> None:
     run_dir = write_run_dir(tmp_path / "tiny-fp8", FP8[:2], [], info(fp8=True))
     with open(run_dir / "metrics.jsonl", "a") as f:

@@ -158,6 +158,30 @@ def test_a_format_1_checkpoint_is_refused_in_one_line(tmp_path, te_double) -> No
     assert str(err.value) == _refusal(path)
 
 
+@pytest.mark.parametrize("saved", [3, None, 1.5, "2", True, 0])
+def test_a_format_this_recipe_does_not_know_is_refused_naming_it(tmp_path, saved) -> None:
+    """Not only older formats: a newer one, null, a fraction, text, a boolean are named and
+    refused before anything starts, with the format this version reads."""
+    import json
+
+    from helpers.checkpoints import save_plain_checkpoints
+
+    from model_utils.config.arguments import parse_args
+
+    save_plain_checkpoints(tmp_path, [1])
+    path = tmp_path / checkpoint_name(1)
+    marker = ck.read_marker(path)
+    (path / MARKER).write_text(json.dumps({**marker, "format": saved}))
+    config = parse_args(["--checkpoint_dir", str(tmp_path), "--resume_from_checkpoint", str(path)])
+    with pytest.raises(ck.ResumeRefused) as err:
+        ck.check_before_start(config)
+    assert str(err.value) == (
+        f"checkpoint {path} says checkpoint format {json.dumps(saved)} in its {MARKER}, which "
+        "this recipe does not load (it loads format 2): resume it with the recipe version that "
+        "saved it, or start a new run"
+    )
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_a_format_1_checkpoint_is_refused_before_anything_starts(tmp_path) -> None:
     """The resume policy's look before any process group (train.py's validate: exit 2), for
