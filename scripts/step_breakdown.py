@@ -16,7 +16,10 @@ prints each category's speed-up and Amdahl's ceiling of the whole step: if the m
 run take a share ``f`` of the bf16 step and run ``Y`` times faster, the step cannot get faster
 than ``1 / ((1 - f) + f / Y)`` even if nothing else changed; the ideal ceiling uses ``Y = 2``
 (H100's FP8 peak over BF16). The measured ratio falls short of the ceiling by what FP8 added
-(its casts) and whatever else moved, which the table shows.
+(its casts) and whatever else moved, which the table shows. Runs of different shapes, batches
+or worlds are refused; a pair whose categories FP8 does not touch (lm_head, attention, the
+optimizer, ...) moved by more than 25% was measured under different conditions and gets that
+line instead of a ceiling; on CPU traces the FP8 figures are torchao's emulation, and it says so.
 
 On GPU traces Holistic Trace Analysis (``pip install -e '.[hta]'``), when installed, adds its
 temporal breakdown and communication/computation overlap per rank as a cross-check; nothing
@@ -46,6 +49,8 @@ except ModuleNotFoundError as missing:
     )
     sys.exit(2)
 
+from model_utils.config.argv import precision_name
+from model_utils.config.sections import ModelShape, flag_fields
 from model_utils.run.breakdown import RankBreakdown, read_rank
 from model_utils.run.trace_rules import CATEGORIES
 
@@ -53,6 +58,15 @@ NAME = "step_breakdown.py"
 #: H100 SXM dense peaks: 1979 TFLOP/s FP8 over 989 BF16.
 IDEAL_FP8_SPEEDUP = 2.0
 _RANK = re.compile(r"^rank_(\d+)\.pt\.trace\.json(\.gz)?$")
+#: What a pair must share to be compared: the model's shape, the batch and the world.
+LIKE_FLAGS = (*flag_fields(ModelShape), "train_batch_size", "grad_accum_steps")
+#: The categories FP8 does not change. Where one worth UNTOUCHED_MIN_SHARE of the bf16 step
+#: differs between the runs by more than UNTOUCHED_TOLERANCE, the two were measured under
+#: different conditions (another job, clocks, load) and a ceiling from them would mislead. On the
+#: recorded H100 pair (tests/traces) they agree within 5%.
+UNTOUCHED = ("bf16_matmul", "attention", "loss", "optimizer", "data_wait", "other")
+UNTOUCHED_TOLERANCE = 1.25
+UNTOUCHED_MIN_SHARE = 0.05
 
 
 class Refused(ValueError):
@@ -66,6 +80,7 @@ class Run:
     fp8: bool | None
     label: str
     ranks: list[RankBreakdown]
+    flags: dict
 
     @property
     def slowest(self) -> RankBreakdown:
@@ -116,8 +131,33 @@ def read_run(run: Path, window: int | None) -> Run:
             raise Refused(f"{path} cannot be read as a profiler trace: {exc}") from exc
     flags = run_flags(run)
     fp8 = flags.get("fp8")
-    label = {True: "fp8", False: "bf16"}.get(fp8, "?")
-    return Run(run, folder, fp8, label, ranks)
+    label = precision_name(fp8, flags.get("bf16", True)) if fp8 is not None else "?"
+    return Run(run, folder, fp8, label, ranks, flags)
+
+
+def unlike(first: Run, other: Run) -> list[str]:
+    """What differs between two runs in model shape, batch or world ('' when alike); flags
+    only where both runs recorded them."""
+    found = []
+    if first.flags and other.flags:
+        for key in LIKE_FLAGS:
+            if first.flags.get(key) != other.flags.get(key):
+                found.append(f"{key} {other.flags.get(key)} vs {first.flags.get(key)}")
+    if len(first.ranks) != len(other.ranks):
+        found.append(f"world {len(other.ranks)} vs {len(first.ranks)} ranks")
+    return found
+
+
+def check_alike(runs: Sequence[Run]) -> None:
+    """Refused: runs of different models, batches or worlds (their steps are not FP8's to
+    compare)."""
+    for other in runs[1:]:
+        found = unlike(runs[0], other)
+        if found:
+            raise Refused(
+                f"{other.path} is not like {runs[0].path}: {', '.join(found)}; a breakdown "
+                "compares runs of one model, batch and world (only --fp8 differs)"
+            )
 
 
 def _cell(ms: float, total: float) -> str:
@@ -182,12 +222,28 @@ class Ceiling:
         )
 
 
+def moved_untouched(bf16: Run, fp8: Run) -> list[str]:
+    """The categories FP8 does not change that moved between the runs beyond the tolerance,
+    each with its bf16/fp8 ratio (slowest rank of each)."""
+    a, b = bf16.slowest, fp8.slowest
+    moved = []
+    for key in UNTOUCHED:
+        if key == "attention" and fp8.flags.get("fp8_attention"):
+            continue  # FP8 attention is FP8's to change
+        x, y = a.ms.get(key, 0.0), b.ms.get(key, 0.0)
+        if x < UNTOUCHED_MIN_SHARE * a.total_ms or not y:
+            continue
+        if max(x / y, y / x) > UNTOUCHED_TOLERANCE:
+            moved.append(f"{CATEGORIES[key]} {x / y:.2f}x")
+    return moved
+
+
 def ceiling(bf16: Run, fp8: Run) -> Ceiling | None:
     """The pair's ceiling from the slowest rank of each; None if either run has no matmul FP8
-    can run (nothing to scale)."""
+    can run (nothing to scale), or the runs were measured under different conditions."""
     a, b = bf16.slowest, fp8.slowest
     fast, slow = a.ms.get("fp8_matmul", 0.0), b.ms.get("fp8_matmul", 0.0)
-    if not (fast and slow and a.total_ms and b.total_ms):
+    if not (fast and slow and a.total_ms and b.total_ms) or moved_untouched(bf16, fp8):
         return None
     share, speedup = fast / a.total_ms, fast / slow
     return Ceiling(share, speedup, amdahl(share, speedup), a.total_ms / b.total_ms)
@@ -197,8 +253,8 @@ def format_pair(bf16: Run, fp8: Run) -> str:
     """Each category's speed-up (slowest rank of each run) and the ceiling sentence."""
     a, b = bf16.slowest, fp8.slowest
     lines = [
-        f"fp8 {fp8.path} against bf16 {bf16.path} (slowest rank of each):",
-        f"  {'':34s}{'bf16':>12s}{'fp8':>12s}{'speed-up':>10s}{'fp8 - bf16':>14s}",
+        f"fp8 {fp8.path} against {bf16.label} {bf16.path} (slowest rank of each):",
+        f"  {'':34s}{bf16.label:>12s}{'fp8':>12s}{'speed-up':>10s}{'fp8 - ' + bf16.label:>14s}",
     ]
     for key, words in CATEGORIES.items():
         x, y = a.ms.get(key, 0.0), b.ms.get(key, 0.0)
@@ -210,8 +266,14 @@ def format_pair(bf16: Run, fp8: Run) -> str:
         f"  {'step':34s}{a.total_ms:9.1f} ms{b.total_ms:9.1f} ms{measured:9.2f}x"
         f"{b.total_ms - a.total_ms:+11.1f} ms"
     )
-    found = ceiling(bf16, fp8)
-    if found is not None:
+    found, moved = ceiling(bf16, fp8), moved_untouched(bf16, fp8)
+    if moved:
+        lines.append(
+            f"Not comparable: what FP8 does not touch moved ({', '.join(moved)}), so the two "
+            "runs were measured under different conditions (another job, clocks, load): no "
+            "ceiling; profile both again on a quiet machine."
+        )
+    elif found is not None:
         lines.append(found.sentence())
         lines.append(
             f"Had they run {IDEAL_FP8_SPEEDUP:.0f}x faster (H100's FP8 peak over BF16), the "
@@ -220,6 +282,11 @@ def format_pair(bf16: Run, fp8: Run) -> str:
         )
     else:
         lines.append("No matmul FP8 can run was found in one of the runs: no ceiling.")
+    if not any(r.gpu for r in (*bf16.ranks, *fp8.ranks)):
+        lines.append(
+            "CPU traces: FP8 here is torchao's emulation (casts around the matmuls, no FP8 "
+            "tensor cores), so its figures are emulation's, not FP8's on a GPU."
+        )
     return "\n".join(lines)
 
 
@@ -274,6 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         runs = [read_run(path, args.window) for path in args.runs]
+        check_alike(runs)
     except Refused as exc:
         print(f"{NAME}: error: {exc}", file=sys.stderr)
         return 2

@@ -140,3 +140,51 @@ def test_the_rules_attribute_all_but_a_small_share_of_a_whole_models_step(precis
     got = read_rank(TRACES / f"te_llama32_1b_{precision}.pt.trace.json.gz", 0)
     assert got.ms["other"] < 0.2 * got.total_ms, got.ms
     assert sum(got.ms.values()) == pytest.approx(got.total_ms, rel=1e-9)
+
+
+def _profiled(run: Path, precision: str, trace: str, **flags) -> str:
+    (run / "profile" / "step_1").mkdir(parents=True)
+    shutil.copy(TRACES / trace, run / "profile" / "step_1" / "rank_0.pt.trace.json.gz")
+    record = {"kind": "run", "flags": {"fp8": precision == "fp8", "hidden_width": 2048, **flags}}
+    (run / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    return str(run)
+
+
+def test_step_breakdown_refuses_a_pair_of_different_models_in_one_line(tmp_path, capsys) -> None:
+    from helpers.procs import script_refusal
+
+    bf16 = _profiled(tmp_path / "a", "bf16", "te_llama32_1b_bf16.pt.trace.json.gz")
+    fp8 = _profiled(tmp_path / "b", "fp8", "te_llama32_1b_fp8.pt.trace.json.gz", hidden_width=128)
+    err = script_refusal(step_breakdown.main, "step_breakdown.py", [bf16, fp8, "--no_hta"], capsys)
+    assert f"{fp8} is not like {bf16}: hidden_width 128 vs 2048" in err
+    assert "only --fp8 differs" in err
+
+
+def test_a_pair_whose_untouched_categories_moved_gets_no_ceiling(tmp_path) -> None:
+    """The recorded 1B pair: within 5% where FP8 does not act, so a ceiling; the same pair with
+    the fp8 run's "other" (host-side Python) twice as slow, what another job on the machine
+    does, is named as measured under different conditions, and no ceiling is printed."""
+    import dataclasses
+
+    runs = [
+        step_breakdown.read_run(
+            Path(_profiled(tmp_path / p, p, f"te_llama32_1b_{p}.pt.trace.json.gz")), None
+        )
+        for p in ("bf16", "fp8")
+    ]
+    assert runs[1].label == "fp8" and runs[0].label == "bf16"
+    assert step_breakdown.moved_untouched(*runs) == []
+    assert "; ceiling " in step_breakdown.format_pair(*runs)
+    slow = runs[1].ranks[0]
+    slowed = {**slow.ms, "other": 2 * slow.ms["other"]}
+    runs[1].ranks[0] = dataclasses.replace(slow, ms=slowed)
+    assert step_breakdown.moved_untouched(*runs) == ["other 0.48x"]
+    text = step_breakdown.format_pair(*runs)
+    assert "Not comparable: what FP8 does not touch moved (other 0.48x)" in text
+    assert "; ceiling " not in text and step_breakdown.ceiling(*runs) is None
+    assert "CPU traces" not in text  # GPU traces: real FP8
+
+
+def test_a_runs_own_precision_names_it(tmp_path) -> None:
+    run = _profiled(tmp_path / "a", "bf16", "te_llama32_1b_bf16.pt.trace.json.gz", bf16=False)
+    assert step_breakdown.read_run(Path(run), None).label == "fp32"
