@@ -43,12 +43,27 @@ def precision_label(flags: Mapping[str, Any]) -> str:
 
 
 def read_ids(output_dir: str | os.PathLike[str]) -> dict[str, str]:
-    """The tracker run ids an earlier segment of this run kept ({} when none or unreadable)."""
+    """The tracker run ids an earlier segment of this run kept ({} when none). A file that is
+    there but cannot be read, or is not a table of ids, is one W line: the resume starts new
+    tracker runs, and the user should know why."""
+    path = Path(output_dir) / IDS_FILE
     try:
-        ids = json.loads((Path(output_dir) / IDS_FILE).read_text())
-    except (OSError, ValueError):
+        ids = json.loads(path.read_text())
+    except FileNotFoundError:
         return {}
-    return {k: v for k, v in ids.items() if isinstance(v, str)} if isinstance(ids, dict) else {}
+    except (OSError, ValueError) as exc:
+        ids, problem = None, first_line(exc)
+    else:
+        problem = "not a table of tracker names and run ids"
+    if isinstance(ids, dict):
+        return {k: v for k, v in ids.items() if isinstance(v, str)}
+    log.warning(
+        "%s cannot be read (%s): the trackers start new runs instead of continuing this "
+        "run's (its earlier runs stay in the trackers under their ids)",
+        path,
+        problem,
+    )
+    return {}
 
 
 def write_ids(output_dir: str | os.PathLike[str], ids: Mapping[str, str]) -> None:

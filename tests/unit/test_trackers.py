@@ -33,12 +33,18 @@ def test_a_missing_package_is_a_usage_error_with_the_install_line(monkeypatch) -
         flag_rules.check_tracker_packages(["tensorboard", "wandb"])
 
 
-def test_ids_round_trip_and_a_damaged_file_reads_as_none(tmp_path: Path) -> None:
-    assert trackers.read_ids(tmp_path) == {}
+def test_ids_round_trip_and_a_damaged_file_reads_as_none_in_one_line(tmp_path, caplog) -> None:
+    assert trackers.read_ids(tmp_path) == {} and not caplog.records  # none yet: nothing to say
     trackers.write_ids(tmp_path, {"wandb": "abc", "mlflow": "0f"})
     assert trackers.read_ids(tmp_path) == {"wandb": "abc", "mlflow": "0f"}
-    (tmp_path / trackers.IDS_FILE).write_text("{not json")
-    assert trackers.read_ids(tmp_path) == {}
+    for damaged in ("{not json", "[1, 2]"):
+        caplog.clear()
+        (tmp_path / trackers.IDS_FILE).write_text(damaged)
+        assert trackers.read_ids(tmp_path) == {}
+        [warning] = [r for r in caplog.records if r.levelname == "WARNING"]
+        message = warning.getMessage()
+        assert message.startswith(f"{tmp_path / trackers.IDS_FILE} cannot be read (")
+        assert "the trackers start new runs" in message and "\n" not in message
 
 
 class _Fails:
