@@ -2,7 +2,8 @@
 
 - a rank whose busy time runs ten times the other's is named in a W line, in metrics.jsonl and
   in the summary; with equal busy times, no line;
-- a rank stopped with SIGSTOP mid-run: the other rank's watchdog writes its stacks to the run
+- a rank that stops (SIGSTOP, sent by itself as step 21 begins, so never inside a checkpoint's
+  collectives) mid-run: the other rank's watchdog writes its stacks to the run
   folder, names the file in the log and ends the rank (exit 4); the stopped rank, continued,
   ends too (no orphan); the newest checkpoint resumes and trains exactly like a run that was
   never stopped.
@@ -61,17 +62,28 @@ ARGV = [
 ]
 LAUNCH_TIMEOUT_S = 300
 
-#: train.py with the slow-rank clock driven: each call of busy_seconds adds FACTOR x 10 ms.
-DRIVEN_CLOCK = """import sys
+#: train.py with the slow-rank clock driven (each call of busy_seconds adds FACTOR x 10 ms) and,
+#: where STOP_AT is a step, a SIGSTOP the rank sends itself as that step begins: a stop in
+#: training, never inside a checkpoint's collectives (those are --dist_timeout's, not the
+#: watchdog's: docs/hangs.md), whatever the machine's load.
+DRIVEN = """\
+import os, signal, sys
 from model_utils.run import slow_rank
 import train
-factor, calls = float(sys.argv[1]), [0]
+factor, stop_at, calls, steps = float(sys.argv[1]), int(sys.argv[2]), [0], [0]
 def driven():
     calls[0] += 1
     return calls[0] * 0.01 * factor
+def step(*args, **kwargs):
+    steps[0] += 1
+    if steps[0] == stop_at:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return real_step(*args, **kwargs)
 slow_rank.busy_seconds = driven
-train.main(sys.argv[2:])
+real_step, train.train_step = train.train_step, step
+train.main(sys.argv[3:])
 """
+STOP_AT = 21  # after the checkpoint of step 20, with 10 steps to spare before the end
 
 pytestmark = pytest.mark.slow
 
@@ -85,15 +97,21 @@ def env_for(rank: int, port: int) -> dict[str, str]:
 
 
 def start_ranks(
-    out: Path, factors: tuple[float, float], *extra: str, python: str = PYTHON
+    out: Path,
+    factors: tuple[float, float],
+    *extra: str,
+    stops: tuple[int, int] = (0, 0),
+    python: str = PYTHON,
 ) -> tuple[list[subprocess.Popen], list[Path]]:
-    """Two ranks of train.py with driven busy clocks; ``python=sys.executable`` where the test
-    signals the process itself (SIGSTOP cannot be passed on by a warm start's stand-in)."""
+    """Two ranks of train.py with driven busy clocks, each stopping itself at the step in
+    ``stops`` (0: never); ``python=sys.executable`` where the test signals the process itself
+    (a warm start's stand-in cannot pass SIGCONT to a stopped child it does not know)."""
     port = free_port()
     logs = [out.parent / f"{out.name}.rank{r}.log" for r in range(2)]
     procs = []
-    for rank, factor in enumerate(factors):
-        argv = [python, "-c", DRIVEN_CLOCK, str(factor), *ARGV, "--output_dir", str(out), *extra]
+    for rank, (factor, stop) in enumerate(zip(factors, stops, strict=True)):
+        argv = [python, "-c", DRIVEN, str(factor), str(stop), *ARGV, "--output_dir", str(out)]
+        argv += extra
         with logs[rank].open("w") as log:
             procs.append(
                 subprocess.Popen(
@@ -136,19 +154,17 @@ def steady(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 @pytest.fixture(scope="module")
 def hung(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Rank 1's busy clock at ten times rank 0's; rank 1 stopped (SIGSTOP) right after the
-    checkpoint of step 20; rank 0's watchdog ends the job; rank 1 is then continued."""
+    """Rank 1's busy clock at ten times rank 0's; rank 1 stops itself (SIGSTOP) as step
+    STOP_AT begins; rank 0's watchdog ends the job; rank 1 is then continued."""
     out = tmp_path_factory.mktemp("watch") / "hung"
-    procs, logs = start_ranks(out, SLOWED, "--hang_timeout", str(HANG_S), python=sys.executable)
+    procs, logs = start_ranks(
+        out, SLOWED, "--hang_timeout", str(HANG_S), stops=(0, STOP_AT), python=sys.executable
+    )
     try:
-        # Stopped between saves (a save is not timed: a hang there is --dist_timeout's), with
-        # 10 steps to spare before the end
-        saved = "Checkpoint step 20 saved"
-        wait_for(lambda: saved in logs[0].read_text(), procs, "checkpoint at step 20", logs[0])
-        os.kill(procs[1].pid, signal.SIGSTOP)
-        procs[0].wait(timeout=HANG_S + 120)
+        wait_for(lambda: state(procs[1].pid) == "T", procs, "rank 1 stopped", logs[1])
+        procs[0].wait(timeout=HANG_S + 120)  # ends a hung test; not a speed
         os.kill(procs[1].pid, signal.SIGCONT)
-        procs[1].wait(timeout=120)  # its peer is gone: it fails at its next collective
+        procs[1].wait(timeout=180)  # its peer is gone: it fails at its next collective
     finally:
         stop_all(procs)
     return {
@@ -156,6 +172,15 @@ def hung(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "codes": [p.returncode for p in procs],
         "logs": [log.read_text() for log in logs],
     }
+
+
+def state(pid: int) -> str:
+    """A process's state letter (T: stopped), from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except OSError:
+        return "gone"
 
 
 def test_no_slow_rank_is_named_when_no_rank_is_slowed(steady: tuple[Path, str]) -> None:
