@@ -157,8 +157,10 @@ def test_a_preempted_two_node_job_trains_like_one_node_and_resumes_exactly(
     assert processes_mentioning(str(job.run_dir)) == []
 
 
-def worker_pids(job: Job, node: str) -> list[int]:
-    """The training processes (torchrun's workers: they have LOCAL_RANK) of `job` on `node`."""
+def worker_pids(cluster: Cluster, job: Job, node: str) -> list[int]:
+    """The training processes (torchrun's workers: they have LOCAL_RANK) of `job` on `node` of
+    `cluster`: job ids and node names repeat across the clusters a test session runs at once
+    (the container path's two nodes are node1 and node2 too), the configuration file does not."""
     found = []
     for environ in Path("/proc").glob("[0-9]*/environ"):
         try:
@@ -167,7 +169,8 @@ def worker_pids(job: Job, node: str) -> list[int]:
             )
         except OSError:
             continue
-        if (env.get("SLURM_JOB_ID"), env.get("SLURMD_NODENAME")) == (job.job_id, node):
+        where = (env.get("SLURM_CONF"), env.get("SLURM_JOB_ID"), env.get("SLURMD_NODENAME"))
+        if where == (cluster.env["SLURM_CONF"], job.job_id, node):
             if "LOCAL_RANK" in env:
                 found.append(int(environ.parent.name))
     return found
@@ -183,7 +186,7 @@ def killed_job(two_nodes: Cluster, tmp_path_factory: pytest.TempPathFactory) -> 
     the step-4 checkpoint; returns the job and the seconds from the kill to the job's end."""
     job = submit_two_nodes(two_nodes, tmp_path_factory.mktemp("killed"), "killed", HYBRID_ARGS)
     wait_until("step 5", lambda: "Batch 5 Loss" in job.log(), job, two_nodes)
-    [worker] = worker_pids(job, "node2")
+    [worker] = worker_pids(two_nodes, job, "node2")
     os.kill(worker, signal.SIGKILL)
     killed_at = time.monotonic()
     # An upper bound for a hung test, below the collective timeout that would end it anyway.
