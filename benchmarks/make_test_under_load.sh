@@ -15,8 +15,11 @@ shared=$(cd "$repo/.." && pwd)/shared
 mkdir -p "$out"
 
 hog_pid=
-stop_hog() {
-    [[ -n $hog_pid ]] && kill "$hog_pid" 2>/dev/null && wait "$hog_pid" 2>/dev/null
+stop_hog() {  # never fails: under `set -e` a failed kill or wait would end the loop
+    if [[ -n $hog_pid ]]; then
+        kill "$hog_pid" 2>/dev/null || true
+        wait "$hog_pid" 2>/dev/null || true
+    fi
     hog_pid=
 }
 trap stop_hog EXIT
