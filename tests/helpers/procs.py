@@ -192,3 +192,13 @@ def processes_mentioning(text: str) -> list[str]:
         if text in args:
             found.append(args)
     return found
+
+
+def process_state(pid: int) -> str:
+    """A process's state letter from /proc (T: stopped, Z: dead and not yet reaped), or
+    "gone"."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except OSError:
+        return "gone"

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.procs import PYTHON
+from helpers.procs import PYTHON, process_state
 from helpers.runs import SMALL_LLAMA, losses, train_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,20 +90,12 @@ def test_signals_reach_the_program_and_a_killed_stand_in_ends_it() -> None:
         proc.kill()
         assert proc.wait(timeout=60) == -signal.SIGKILL
         deadline = time.monotonic() + 60  # an upper bound for a hung test, not a speed
-        while _state(child) not in ("gone", "Z") and time.monotonic() < deadline:
+        while process_state(child) not in ("gone", "Z") and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _state(child) in ("gone", "Z")  # dead (a zombie until the zygote reaps it)
+        assert process_state(child) in ("gone", "Z")  # dead (a zombie until the zygote reaps it)
     finally:
         if proc.poll() is None:
             proc.kill()
-
-
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0]
-    except OSError:
-        return "gone"
 
 
 def test_torchrun_workers_start_warm_through_python_exec(tmp_path: Path) -> None:

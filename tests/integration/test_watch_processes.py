@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.procs import PYTHON, free_port, launch_report, rank_env
+from helpers.procs import PYTHON, free_port, launch_report, process_state, rank_env
 from helpers.runs import SMALL_LLAMA, losses, records, run_train
 
 REPO = Path(__file__).resolve().parents[2]
@@ -161,7 +161,7 @@ def hung(tmp_path_factory: pytest.TempPathFactory) -> dict:
         out, SLOWED, "--hang_timeout", str(HANG_S), stops=(0, STOP_AT), python=sys.executable
     )
     try:
-        wait_for(lambda: state(procs[1].pid) == "T", procs, "rank 1 stopped", logs[1])
+        wait_for(lambda: process_state(procs[1].pid) == "T", procs, "rank 1 stopped", logs[1])
         procs[0].wait(timeout=HANG_S + 120)  # ends a hung test; not a speed
         os.kill(procs[1].pid, signal.SIGCONT)
         procs[1].wait(timeout=180)  # its peer is gone: it fails at its next collective
@@ -172,15 +172,6 @@ def hung(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "codes": [p.returncode for p in procs],
         "logs": [log.read_text() for log in logs],
     }
-
-
-def state(pid: int) -> str:
-    """A process's state letter (T: stopped), from /proc."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0]
-    except OSError:
-        return "gone"
 
 
 def test_no_slow_rank_is_named_when_no_rank_is_slowed(steady: tuple[Path, str]) -> None:
