@@ -57,6 +57,9 @@ def pytest_unconfigure(config) -> None:
             zygote.wait(timeout=30)
         except subprocess.TimeoutExpired:
             zygote.kill()
+        import shutil
+
+        shutil.rmtree(config._warm_folder, ignore_errors=True)  # the stand-in, socket, log
 
 
 def _runs_tests(config) -> bool:
@@ -79,16 +82,16 @@ def _start_zygote(config) -> None:
     env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
     for name in (warm_start.SOCKET_ENV, warm_start.PID_ENV):
         env.pop(name, None)
-    log = open(folder / "zygote.log", "wb")  # noqa: SIM115 - the zygote's, for its lifetime
-    zygote = subprocess.Popen(
-        [sys.executable, warm_start.__file__, "--zygote", str(folder / "zygote.sock")],
-        stdin=subprocess.PIPE,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        cwd=TESTS.parent,
-    )
-    config._warm_zygote = zygote
+    with open(folder / "zygote.log", "wb") as log:  # the zygote keeps its own descriptor
+        zygote = subprocess.Popen(
+            [sys.executable, warm_start.__file__, "--zygote", str(folder / "zygote.sock")],
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=TESTS.parent,
+        )
+    config._warm_zygote, config._warm_folder = zygote, folder
     os.environ[warm_start.SOCKET_ENV] = str(folder / "zygote.sock")
     os.environ[warm_start.PID_ENV] = str(zygote.pid)
     os.environ[warm_start.REAL_PYTHON_ENV] = sys.executable
