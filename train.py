@@ -208,6 +208,7 @@ def train(
         guards.exit_diverged(exc, config.optim.lr, world.is_main)
     finally:
         hang.close()
+        run.run_log.close()  # a preempted or stopped run's trackers get what is queued
 
 
 def stop_on_bad_read(run: Run, reads: data.ReadGuard, world, start_step: int) -> None:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from model_utils.errors import first_line, os_error_words
 from model_utils.model import modeling
-from model_utils.run import metrics, slow_rank, tensorboard_log, trackers
+from model_utils.run import metrics, slow_rank, trackers
 
 log = logging.getLogger("train")
 
@@ -128,15 +128,11 @@ class RunLog:
     def _open_trackers(self, run: dict, start_step: int) -> None:
         """TensorBoard (``--tensorboard`` or ``--tracker tensorboard``), W&B and MLflow: a
         resume continues their runs, a fresh start (or another run's folder) starts new ones."""
-        names, out = self.config.run.tracker.split(","), self.config.run.output_dir
-        self.board = tensorboard_log.TensorBoardLog(
-            f"{out}/tensorboard",
-            enabled=self.is_main and (self.config.run.tensorboard or "tensorboard" in names),
-            resumed_from=start_step,
-        )
-        self.board.flags(run)
+        names = self.config.run.tracker.split(",")
+        if self.config.run.tensorboard and "tensorboard" not in names:
+            names.append("tensorboard")
         self.trackers = trackers.Trackers(
-            names, run, out, enabled=self.is_main, fresh=start_step == 0
+            names, run, self.config.run.output_dir, enabled=self.is_main, start_step=start_step
         )
 
     def is_report_step(self, step: int) -> bool:
@@ -194,7 +190,6 @@ class RunLog:
         if self.watchdog:
             self.watchdog.measured(record["step_seconds"] / record["window_steps"])
         self._record(record)
-        self.board.write(record)
         self.trackers.write(record)
 
     def validation(self, step: int, model, batches, backend) -> None:
@@ -214,7 +209,6 @@ class RunLog:
             step=step, val_loss=val_loss, batches=len(batches), seconds=seconds
         )
         self._record(record)
-        self.board.write(record)
         self.trackers.write(record)
 
     def _record(self, record: dict) -> None:
@@ -237,10 +231,14 @@ class RunLog:
                 stacklevel=3,
             )
 
-    def finish(self) -> None:
+    def close(self) -> None:
+        """The records' files and trackers closed (what is queued sent first): at the end of
+        every launch, a preempted or failed one too."""
         self.writer.close()
-        self.board.close()
         self.trackers.close()
+
+    def finish(self) -> None:
+        self.close()
         if self.is_main:
             try:  # the file, not memory: a resumed run's summary covers every segment
                 records = metrics.read_jsonl(self.jsonl_path)

@@ -68,7 +68,7 @@ def _quiet_writer_thread_errors() -> None:
 
 
 class TensorBoardLog:
-    """``torch.utils.tensorboard.SummaryWriter`` on rank 0, a no-op elsewhere or when disabled.
+    """``torch.utils.tensorboard.SummaryWriter`` on rank 0, one of the run's sinks (trackers.py).
 
     ``resumed_from``: a resumed run passes its checkpoint's step, and TensorBoard drops the
     events after it that the interrupted run wrote (``purge_step``), so the charts show one line,
@@ -79,36 +79,32 @@ class TensorBoardLog:
     warning; training goes on (metrics.jsonl and the log carry the same numbers).
     """
 
-    def __init__(
-        self, log_dir: str | os.PathLike[str], *, enabled: bool, resumed_from: int = 0
-    ) -> None:
-        self._writer = None
-        if enabled:
-            # Imported here: only runs that ask for TensorBoard need it importable.
-            from torch.utils.tensorboard import SummaryWriter
+    name = "tensorboard"
+    id = None  # nothing for a resume to continue: the events folder is the run's
 
-            from model_utils.run.metrics import set_aside
+    def __init__(self, log_dir: str | os.PathLike[str], *, resumed_from: int = 0) -> None:
+        # Imported here: only runs that ask for TensorBoard need it importable.
+        from torch.utils.tensorboard import SummaryWriter
 
-            _quiet_writer_thread_errors()
-            aside = None if resumed_from else set_aside(log_dir)
-            if aside is not None:  # a fresh run: its own chart, the earlier one beside it
-                log.info(
-                    "An earlier run's TensorBoard events here are kept in %s", aside, stacklevel=3
-                )
-            self.log_dir = str(log_dir)
-            log.info(
-                "TensorBoard events go to %s; to watch them: %s -m tensorboard.main --logdir %s "
-                "(then open http://localhost:6006)",
-                self.log_dir,
-                sys.executable,  # the Python this run has, with tensorboard installed
-                Path(self.log_dir).parent,
-                stacklevel=3,
-            )
-            self._writer = SummaryWriter(
-                log_dir=self.log_dir,
-                purge_step=resumed_from + 1 if resumed_from else None,
-                flush_secs=30,
-            )
+        from model_utils.run.metrics import set_aside
+
+        _quiet_writer_thread_errors()
+        aside = None if resumed_from else set_aside(log_dir)
+        if aside is not None:  # a fresh run: its own chart, the earlier one beside it
+            log.info("An earlier run's TensorBoard events here are kept in %s", aside)
+        self.log_dir = str(log_dir)
+        log.info(
+            "TensorBoard events go to %s; to watch them: %s -m tensorboard.main --logdir %s "
+            "(then open http://localhost:6006)",
+            self.log_dir,
+            sys.executable,  # the Python this run has, with tensorboard installed
+            Path(self.log_dir).parent,
+        )
+        self._writer: Any = SummaryWriter(
+            log_dir=self.log_dir,
+            purge_step=resumed_from + 1 if resumed_from else None,
+            flush_secs=30,
+        )
 
     def flags(self, run: Mapping[str, Any]) -> None:
         self._guarded(lambda w: w.add_text("flags", flags_markdown(run), global_step=0))
@@ -142,5 +138,4 @@ class TensorBoardLog:
                 "goes on (metrics.jsonl and this log carry the same numbers)",
                 self.log_dir,
                 words,
-                stacklevel=4,  # the train.py line that reported
             )

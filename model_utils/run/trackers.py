@@ -6,24 +6,28 @@ a Slurm requeue) continues the same W&B run and the same MLflow run, never a sec
 is tagged with its precision label, so the fp8 and bf16 twins of an A/B are two runs of one
 W&B project / MLflow experiment, side by side in the tracker's own compare view.
 
-A tracker that fails mid-run costs one warning and is dropped; training goes on. One that
-cannot start (a server that does not answer) is one warning before training.
+The trackers start, write and close on a thread of their own, so no server can stall a step.
+A tracker that cannot start, or fails mid-run, costs one warning and is dropped; training goes
+on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import queue
+import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 from model_utils.config.sections import precision_name
 from model_utils.errors import first_line
-from model_utils.run.tensorboard_log import scalars
+from model_utils.run.tensorboard_log import TensorBoardLog, scalars
 
 log = logging.getLogger("train")
 
@@ -73,8 +77,11 @@ def write_ids(output_dir: str | os.PathLike[str], ids: Mapping[str, str]) -> Non
     tmp.replace(path)
 
 
-class Tracker(Protocol):
+class Sink(Protocol):
+    """Where a run's records go besides metrics.jsonl: write a record, close at the end."""
+
     name: str
+    id: str | None  # the run id a resume continues (trackers.json), None for none
 
     def write(self, record: Mapping[str, Any]) -> None: ...
 
@@ -88,7 +95,9 @@ class WandbTracker:
 
     name = "wandb"
 
-    def __init__(self, run: Mapping[str, Any], output_dir: str, run_id: str | None) -> None:
+    def __init__(
+        self, run: Mapping[str, Any], output_dir: str, run_id: str | None, start_step: int = 0
+    ) -> None:
         import wandb
 
         flags = run.get("flags", {})
@@ -103,7 +112,11 @@ class WandbTracker:
             dir=output_dir,
             mode=mode,
             tags=[precision_label(flags)],
-            config={**flags, "world_size": run.get("world_size"), "output_dir": output_dir},
+            config={
+                **flags,
+                "world_size": run.get("world_size"),
+                "output_dir": str(Path(output_dir).resolve()),
+            },
             settings=wandb.Settings(console="off", x_disable_stats=True),
         )
         self.id = self.run.id
@@ -124,7 +137,9 @@ class MlflowTracker:
 
     name = "mlflow"
 
-    def __init__(self, run: Mapping[str, Any], output_dir: str, run_id: str | None) -> None:
+    def __init__(
+        self, run: Mapping[str, Any], output_dir: str, run_id: str | None, start_step: int = 0
+    ) -> None:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # an answer in seconds
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
         from mlflow.tracking import MlflowClient
@@ -168,12 +183,58 @@ class MlflowTracker:
         self.client.set_terminated(self.id)
 
 
-_TRACKERS: dict[str, type] = {"wandb": WandbTracker, "mlflow": MlflowTracker}
+def open_tensorboard(
+    run: Mapping[str, Any], output_dir: str, run_id: str | None, start_step: int
+) -> TensorBoardLog:
+    """TensorBoard as a sink like the others (``--tracker tensorboard`` or ``--tensorboard``):
+    events in ``<output_dir>/tensorboard``, a resume's re-run steps purged."""
+    board = TensorBoardLog(f"{output_dir}/tensorboard", resumed_from=start_step)
+    board.flags(run)
+    return board
+
+
+#: Each --tracker name -> how its sink opens: ``(run record, output_dir, kept run id, the step a
+#: resume starts at (0: a fresh start)) -> Sink``. The names --tracker takes are
+#: config.flag_rules.TRACKER_PACKAGES; a test holds the two tables to the same names.
+SINKS: dict[str, Callable[[Mapping[str, Any], str, str | None, int], Sink]] = {
+    "tensorboard": open_tensorboard,
+    "wandb": WandbTracker,
+    "mlflow": MlflowTracker,
+}
+
+#: The reporting thread's name (the library noise it causes is filtered by it).
+THREAD_NAME = "trackers"
+#: How long the end of a run waits for the trackers to send what is queued and close.
+CLOSE_TIMEOUT_S = 30.0
+#: Records held for trackers that are behind (a slow server); later ones reach metrics.jsonl only.
+QUEUE_RECORDS = 10_000
+_CLOSE = object()
+
+
+class _ThreadNoise(logging.Filter):
+    """urllib3's retry lines from the reporting thread: a server that does not answer is the
+    one warning the thread prints, not two retry lines before it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.threadName != THREAD_NAME
+
+
+def _quiet_http_retries() -> None:
+    for name in ("urllib3.connectionpool", "urllib3.util.retry"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _ThreadNoise) for f in logger.filters):
+            logger.addFilter(_ThreadNoise())
 
 
 class Trackers:
-    """The W&B and MLflow runs of a run, on rank 0 (TensorBoard keeps its own writer,
-    tensorboard_log.py); nothing elsewhere or when none is asked for."""
+    """The run's sinks beside metrics.jsonl (TensorBoard, W&B, MLflow), on rank 0; nothing
+    elsewhere or when none is asked for.
+
+    They start, write and close on a thread of their own: the training loop only queues a
+    record, so a server that is slow, never answers or goes away mid-run never stalls a step
+    (nor trips --hang_timeout's watchdog). A sink that cannot start or fails is one warning and
+    is dropped; the end of the run waits at most ``close_timeout_s`` for them.
+    """
 
     def __init__(
         self,
@@ -182,31 +243,93 @@ class Trackers:
         output_dir: str,
         *,
         enabled: bool,
-        fresh: bool = False,
+        start_step: int = 0,
+        close_timeout_s: float = CLOSE_TIMEOUT_S,
     ) -> None:
-        """``fresh``: a run starting at step 0 (or another run in this folder) never continues
-        the tracker runs whose ids the folder holds."""
-        self.active: list[Tracker] = []
-        if not enabled:
+        """``start_step`` 0 (a fresh start, or another run in this folder) never continues the
+        tracker runs whose ids the folder holds."""
+        self.names = [name for name in names if name in SINKS] if enabled else []
+        self.close_timeout_s = close_timeout_s
+        self.active: list[Sink] = []
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=QUEUE_RECORDS)
+        self._behind = False
+        self._thread: threading.Thread | None = None
+        if self.names:
+            _quiet_http_retries()
+            self._thread = threading.Thread(
+                target=self._serve,
+                args=(dict(run), output_dir, start_step),
+                name=THREAD_NAME,
+                daemon=True,  # a server that never answers must not keep the process alive
+            )
+            self._thread.start()
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        """Queue a record for the sinks; never waits."""
+        if self._thread is None:
             return
-        ids = {} if fresh else read_ids(output_dir)
-        for name in names:
-            if name not in _TRACKERS:
-                continue
+        try:
+            self._queue.put_nowait(dict(record))
+        except queue.Full:
+            if not self._behind:
+                self._behind = True
+                log.warning(
+                    "%s are %d records behind (a slow server): records from step %s on reach "
+                    "only metrics.jsonl and this log until they catch up",
+                    ", ".join(self.names),
+                    QUEUE_RECORDS,
+                    record.get("step"),
+                )
+
+    def close(self) -> None:
+        """Send what is queued and close the sinks, waiting at most ``close_timeout_s``."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        while True:
             try:
-                tracker = _TRACKERS[name](run, output_dir, ids.get(name))
+                self._queue.put_nowait(_CLOSE)
+                break
+            except queue.Full:  # behind: make room for the end
+                with contextlib.suppress(queue.Empty):
+                    self._queue.get_nowait()
+        thread.join(self.close_timeout_s)
+        if thread.is_alive():
+            log.warning(
+                "%s did not finish within %.0f s (%d records not sent; a server that does not "
+                "answer): metrics.jsonl and this log carry every figure",
+                ", ".join(sink.name for sink in self.active) or ", ".join(self.names),
+                self.close_timeout_s,
+                max(self._queue.qsize() - 1, 0),
+            )
+
+    def _serve(self, run: dict[str, Any], output_dir: str, start_step: int) -> None:
+        self._start(run, output_dir, start_step)
+        while (record := self._queue.get()) is not _CLOSE:
+            for sink in list(self.active):
+                self._guarded(sink, lambda s: s.write(record))
+            self._behind = self._behind and not self._queue.empty()
+        for sink in list(self.active):
+            self._guarded(sink, lambda s: s.close())
+        self.active = []
+
+    def _start(self, run: dict[str, Any], output_dir: str, start_step: int) -> None:
+        ids = read_ids(output_dir) if start_step else {}
+        for name in self.names:
+            try:
+                sink = SINKS[name](run, output_dir, ids.get(name), start_step)
             except Exception as exc:  # the library's own errors: no common base class
                 log.warning(
                     "%s cannot start (%s): training goes on without it", name, first_line(exc)
                 )
                 continue
-            if ids.get(name) == tracker.id:
-                log.info("%s: continuing run %s", name, tracker.id, stacklevel=3)
-            else:
-                log.info("%s: run %s", name, tracker.id, stacklevel=3)
-            ids[name] = tracker.id
-            self.active.append(tracker)
-        if self.active:
+            self.active.append(sink)
+            if sink.id is None:  # nothing a resume continues (TensorBoard)
+                continue
+            continuing = "continuing run" if ids.get(name) == sink.id else "run"
+            log.info("%s: %s %s", name, continuing, sink.id)
+            ids[name] = sink.id
+        if any(sink.id for sink in self.active):
             try:
                 write_ids(output_dir, ids)
             except OSError as exc:
@@ -216,24 +339,15 @@ class Trackers:
                     first_line(exc),
                 )
 
-    def write(self, record: Mapping[str, Any]) -> None:
-        for tracker in list(self.active):
-            self._guarded(tracker, lambda t: t.write(record))
-
-    def close(self) -> None:
-        for tracker in list(self.active):
-            self._guarded(tracker, lambda t: t.close())
-        self.active = []
-
-    def _guarded(self, tracker: Tracker, action: Any) -> None:
+    def _guarded(self, sink: Sink, action: Callable[[Sink], None]) -> None:
         try:
-            action(tracker)
+            action(sink)
         except Exception as exc:  # a tracker's failure must never end training
-            self.active.remove(tracker)
+            self.active.remove(sink)
             log.warning(
                 "%s failed (%s): no more %s this run; training goes on (metrics.jsonl and "
                 "this log carry the same numbers)",
-                tracker.name,
+                sink.name,
                 first_line(exc),
-                tracker.name,
+                sink.name,
             )

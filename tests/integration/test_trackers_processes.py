@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers.endpoints import silent_hub
 from helpers.procs import free_port
 from helpers.runs import FAST, ROOT, records, train_cmd, train_env
 from helpers.wandb_offline import read_run
@@ -154,3 +155,43 @@ def test_wandb_offline_writes_a_run_wandb_reads_back_and_a_resume_continues_it(
     for row in [*train, *val]:
         for key, value in trackers.numbers(row).items():
             assert history[row["step"]][key] == pytest.approx(value, rel=1e-6), key
+
+
+def test_a_tracker_server_that_never_answers_never_stalls_training(tmp_path: Path) -> None:
+    """A tracking server that takes the connection and never answers: the run trains its steps
+    and saves while the tracker's start is stuck (the last step is logged before the server
+    lets go), --hang_timeout does not count it, and the tracker costs one W line."""
+    out = tmp_path / "run"
+    env = {
+        **train_env(1),
+        "MLFLOW_TRACKING_URI": "set below",
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+    }
+    argv = [*COMMON, "--max_steps=4", f"--output_dir={out}", "--tracker=mlflow"]
+    argv.append("--hang_timeout=30")
+    lines: list[str] = []
+    held = None
+    with silent_hub(hold=True) as server:
+        env["MLFLOW_TRACKING_URI"] = server.url
+        with subprocess.Popen(
+            train_cmd(*argv, nproc=1),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        ) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.append(line)
+                if "Batch 4 Loss:" in line:
+                    held = server.connections
+                    server.release()
+            code = proc.wait(timeout=300)
+    log = "".join(lines)
+    assert code == 0, log[-3000:]
+    assert held == 1, log[-3000:]  # the tracker was waiting on the server when step 4 was done
+    warnings = [line for line in lines if " W [" in line]
+    assert len(warnings) == 1 and "mlflow cannot start (" in warnings[0], warnings
+    assert [r["step"] for r in records(out)] == [1, 2, 3, 4]
+    assert not (out / "hang").exists()  # the watchdog never counted the tracker's wait

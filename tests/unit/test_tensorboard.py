@@ -9,7 +9,7 @@ from pathlib import Path
 from helpers.tensorboard_events import flags_text, read_events, series
 
 from model_utils.config.arguments import parse_args
-from model_utils.run import metrics
+from model_utils.run import metrics, trackers
 from model_utils.run.tensorboard_log import TensorBoardLog, flags_markdown, scalars
 
 
@@ -53,7 +53,7 @@ def test_writer_round_trip_and_resume_purges_the_rerun_steps(tmp_path: Path, cap
         return {"kind": "train", "step": step, "loss": loss, "time": 1000.0 + step}
 
     with caplog.at_level("INFO"):
-        board = TensorBoardLog(tmp_path, enabled=True)
+        board = TensorBoardLog(tmp_path)
     assert (  # where the events go, and a command that opens the run's (and earlier ones')
         f"TensorBoard events go to {tmp_path}; to watch them: {sys.executable} -m "
         f"tensorboard.main --logdir {tmp_path.parent} (then open http://localhost:6006)"
@@ -66,7 +66,7 @@ def test_writer_round_trip_and_resume_purges_the_rerun_steps(tmp_path: Path, cap
     assert series(read_events(tmp_path), "train/loss") == {s: 10.0 - s for s in range(1, 6)}
     board.close()
     # Resumed from the step-3 checkpoint: steps 4 and 5 are trained again, with new losses.
-    resumed = TensorBoardLog(tmp_path, enabled=True, resumed_from=3)
+    resumed = TensorBoardLog(tmp_path, resumed_from=3)
     for step in (4, 5):
         resumed.write(record(step, 100.0 + step))
     resumed.close()
@@ -75,11 +75,10 @@ def test_writer_round_trip_and_resume_purges_the_rerun_steps(tmp_path: Path, cap
     assert [e.wall_time for e in events.Scalars("train/loss")][:3] == [1001.0, 1002.0, 1003.0]
     assert "| fp8 | True |" in flags_text(events)
 
-    off = TensorBoardLog(tmp_path / "off", enabled=False)
-    off.flags({"flags": {}})
+    off = trackers.Trackers(["tensorboard"], {"flags": {}}, str(tmp_path / "off"), enabled=False)
     off.write(record(1, 1.0))
     off.close()
-    assert not (tmp_path / "off").exists()
+    assert not (tmp_path / "off").exists()  # not rank 0: no sink
     assert parse_args([]).run.tensorboard is False  # off by default
     assert parse_args(["--tensorboard"]).run.tensorboard is True
 

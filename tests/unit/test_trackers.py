@@ -4,6 +4,7 @@ fails mid-run is dropped with one warning while the others go on."""
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import pytest
@@ -48,7 +49,10 @@ def test_ids_round_trip_and_a_damaged_file_reads_as_none_in_one_line(tmp_path, c
 
 
 class _Fails:
-    name = "broken"
+    name, id = "broken", None
+
+    def __init__(self, *opened: object) -> None:
+        pass
 
     def write(self, record: dict) -> None:
         raise ConnectionError("server went away\ntraceback detail")
@@ -58,11 +62,14 @@ class _Fails:
 
 
 class _Keeps:
-    name = "kept"
+    name, id = "kept", "k1"
+    opened: list[_Keeps] = []
 
-    def __init__(self) -> None:
+    def __init__(self, run: dict, output_dir: str, run_id: str | None, start_step: int) -> None:
+        self.run_id, self.start_step = run_id, start_step
         self.steps: list[int] = []
         self.closed = False
+        _Keeps.opened.append(self)
 
     def write(self, record: dict) -> None:
         self.steps.append(record["step"])
@@ -71,37 +78,100 @@ class _Keeps:
         self.closed = True
 
 
-def test_a_failing_tracker_is_one_warning_and_the_others_go_on(caplog) -> None:
-    group = trackers.Trackers([], {}, "unused", enabled=False)
-    kept = _Keeps()
-    group.active = [_Fails(), kept]
-    with caplog.at_level(logging.WARNING, logger="train"):
-        for step in (1, 2):
+class _Stalls:
+    """A server that stops answering: every call waits until the test lets it go."""
+
+    name, id = "stalled", None
+    release = threading.Event()
+    writing = threading.Event()
+
+    def __init__(self, *opened: object) -> None:
+        pass
+
+    def write(self, record: dict) -> None:
+        self.writing.set()
+        self.release.wait(60)
+
+    def close(self) -> None:
+        self.release.wait(60)
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_the_tracker_names_are_the_sinks_names() -> None:
+    """--tracker's table (config stage, with each package) and the sinks (run stage)."""
+    assert list(flag_rules.TRACKER_PACKAGES) == list(trackers.SINKS)
+
+
+def test_a_failing_tracker_is_one_warning_and_the_others_go_on(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    monkeypatch.setitem(trackers.SINKS, "broken", _Fails)
+    monkeypatch.setitem(trackers.SINKS, "kept", _Keeps)
+    trackers.write_ids(tmp_path, {"kept": "k1"})
+    with caplog.at_level(logging.INFO, logger="train"):
+        group = trackers.Trackers(
+            ["broken", "kept", "unknown"], {}, str(tmp_path), enabled=True, start_step=4
+        )
+        for step in (5, 6):
             group.write({"kind": "train", "step": step, "loss": 1.0})
         group.close()
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warnings == [
+    assert _warnings(caplog) == [
         "broken failed (ConnectionError: server went away): no more broken this run; training "
         "goes on (metrics.jsonl and this log carry the same numbers)"
     ]
-    assert kept.steps == [1, 2] and kept.closed
+    [kept] = _Keeps.opened[-1:]
+    assert (kept.run_id, kept.start_step, kept.steps, kept.closed) == ("k1", 4, [5, 6], True)
+    assert "kept: continuing run k1" in caplog.messages
 
 
-def test_a_server_that_does_not_answer_is_one_warning_before_training(
+def test_a_server_that_stops_answering_never_stalls_a_step(
     tmp_path: Path, monkeypatch, caplog
 ) -> None:
+    """Writes return while the tracker is stuck; the end waits its bound and says so once."""
+    monkeypatch.setitem(trackers.SINKS, "stalled", _Stalls)
+    _Stalls.release.clear()
+    group = trackers.Trackers(["stalled"], {}, str(tmp_path), enabled=True, close_timeout_s=0.2)
+    try:
+        for step in range(1, 4):  # a synchronous write would wait here for the release
+            group.write({"kind": "train", "step": step, "loss": 1.0})
+        assert _Stalls.writing.wait(60) and not _Stalls.release.is_set()
+        with caplog.at_level(logging.WARNING, logger="train"):
+            group.close()
+    finally:
+        _Stalls.release.set()
+    [warning] = _warnings(caplog)
+    assert warning.startswith("stalled did not finish within 0 s (2 records not sent;")
+    assert warning.endswith("metrics.jsonl and this log carry every figure")
+
+
+def test_a_server_that_does_not_answer_is_one_warning_and_no_wait(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """Nothing on the port, and a port that takes connections and drops them: the start is
+    on the trackers' thread (the run does not wait for it), and the only line is the one
+    warning, no HTTP retry lines before it."""
     pytest.importorskip("mlflow", reason="pip install -e '.[trackers]'")
+    from helpers.endpoints import silent_hub
     from helpers.procs import free_port
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")  # nobody there
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
     run = {"flags": {"fp8": False, "bf16": True}, "world_size": 1}
-    with caplog.at_level(logging.WARNING, logger="train"):
-        group = trackers.Trackers(["tensorboard", "mlflow"], run, str(tmp_path), enabled=True)
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and warnings[0].startswith("mlflow cannot start (")
-    assert warnings[0].endswith("): training goes on without it"), warnings
-    assert group.active == [] and not (tmp_path / trackers.IDS_FILE).exists()
+    with silent_hub() as hub:
+        for uri in (f"http://127.0.0.1:{free_port()}", hub.url):
+            caplog.clear()
+            monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+            with caplog.at_level(logging.WARNING):  # every logger, urllib3's too
+                group = trackers.Trackers(["mlflow"], run, str(tmp_path), enabled=True)
+                group.close()
+            [warning] = _warnings(caplog)
+            assert warning.startswith("mlflow cannot start (")
+            assert warning.endswith("): training goes on without it"), warning
+            assert group.active == [] and not (tmp_path / trackers.IDS_FILE).exists()
+        assert hub.connections >= 1
 
 
 def test_ab_twins_are_two_runs_of_one_experiment_in_the_local_store(
@@ -122,7 +192,7 @@ def test_ab_twins_are_two_runs_of_one_experiment_in_the_local_store(
         group = trackers.Trackers(["mlflow"], run, str(out), enabled=True)
         group.write({"kind": "train", "step": 1, "time": 1.0, "loss": 3.0, "mfu": None})
         group.close()
-        again = trackers.Trackers(["mlflow"], run, str(out), enabled=True)
+        again = trackers.Trackers(["mlflow"], run, str(out), enabled=True, start_step=1)
         again.write({"kind": "val", "step": 2, "time": 2.0, "val_loss": 2.5})
         again.close()
         ids[label] = trackers.read_ids(out)["mlflow"]
@@ -136,8 +206,6 @@ def test_ab_twins_are_two_runs_of_one_experiment_in_the_local_store(
         assert r.info.run_name == f"tiny-{r.data.tags['precision']}"
     # A fresh start in a folder (step 0, or another run's) never continues the run it holds.
     out = tmp_path / "tiny-fp8"
-    restart = trackers.Trackers(
-        ["mlflow"], {"flags": {"fp8": True}}, str(out), enabled=True, fresh=True
-    )
+    restart = trackers.Trackers(["mlflow"], {"flags": {"fp8": True}}, str(out), enabled=True)
     restart.close()
     assert trackers.read_ids(out)["mlflow"] not in ids.values()
