@@ -15,7 +15,9 @@ import sys
 from pathlib import Path
 
 from model_utils.config.arguments import build_parser, section_flags
+from model_utils.config.flag_spec import Resume
 from model_utils.config.presets import PRESET_FIELDS
+from model_utils.config.sections import flag_specs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,12 +37,37 @@ Booleans accept `--flag`, `--flag=1`, `--flag=0`. The config field is where the 
 lives (`model_utils/config/sections.py`: one typed section per pipeline stage), e.g. `--lr` is
 `config.optim.lr`; checkpoint.json and metrics.jsonl record the flat flag names.
 
+"On resume" is what a resume of the run's own checkpoints (`--resume_from_checkpoint`, a
+requeue) may do with the flag's value (`model_utils/config/flag_spec.py` declares it, one rule
+per flag):
+- **kept**: the model's shape, the data stream, the optimizer's stored format. Another value is
+  refused in one line (exit 2) naming the way out: a new run in another folder (`RUN_NAME=` with
+  the sbatch, `--output_dir` with train.py).
+- **same run**: what makes the run the experiment it is (its precision, `--recipe`, the
+  warm-up and decay style). Refused within the run as *kept* is; a checkpoint of another run
+  given to a new folder may start with another value. A default warm-up that follows a changed
+  `--max_steps` is not a change (the resumed schedule keeps its warm-up).
+- **same run, FP8 on**: as *same run*, while FP8 is on in the checkpoint and in this run.
+- **free**: may change, logged as `Flags changed since the checkpoint: ...` (e.g. `--max_steps`
+  to train on, the batch, what observes the run). `--lr` and `--min_lr` given on the resuming
+  command line replace the saved ones from the resumed step on; not given, the saved ones stay.
+- **this launch**: names the launch, not the run; never compared.
+
 """
+
+ON_RESUME = {
+    Resume.KEPT: "kept",
+    Resume.EXPERIMENT: "same run",
+    Resume.FP8_KNOB: "same run, FP8 on",
+    Resume.FREE: "free",
+    Resume.LAUNCH: "this launch",
+}
 
 
 def rows() -> list[str]:
     section_of = {flag: section for section, flags in section_flags().items() for flag in flags}
-    out = ["| flag | config field | default | meaning |", "|---|---|---|---|"]
+    specs = flag_specs()
+    out = ["| flag | config field | default | on resume | meaning |", "|---|---|---|---|---|"]
     for action in build_parser()._actions:
         if action.dest == "help":
             continue
@@ -56,7 +83,10 @@ def rows() -> list[str]:
             default = default[default.index("data/") :]
         help_text = (action.help or "").replace("|", "\\|")
         field = ".".join(filter(None, (section_of[action.dest], action.dest)))
-        out.append(f"| `--{action.dest}` | `{field}` | {default} | {help_text}{choices} |")
+        resume = ON_RESUME[specs[action.dest].resume]
+        out.append(
+            f"| `--{action.dest}` | `{field}` | {default} | {resume} | {help_text}{choices} |"
+        )
     return out
 
 

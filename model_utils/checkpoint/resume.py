@@ -29,6 +29,7 @@ from model_utils.checkpoint.manifest import (
     read_marker,
     step_of,
 )
+from model_utils.config.arguments import default_warmup
 from model_utils.config.flag_spec import Resume
 from model_utils.config.sections import Config, refusal_words, resume_fields, saved_defaults
 
@@ -42,8 +43,8 @@ LR_FLAGS = ("lr", "min_lr")
 # may change (logged as a change).
 #: The model's shape, the data stream and the optimizer's stored format: refused on change.
 REFUSED_FIELDS = resume_fields(Resume.KEPT)
-#: What an fp8/bf16 A/B compares: refused within the same run.
-PRECISION_FIELDS = resume_fields(Resume.PRECISION)
+#: The precision, the recipe, the schedule's shape: refused within the same run.
+EXPERIMENT_FIELDS = resume_fields(Resume.EXPERIMENT)
 #: The FP8 knobs that change numerics: refused within the same run while FP8 is on in both.
 FP8_NUMERICS_FIELDS = resume_fields(Resume.FP8_KNOB)
 #: Names this launch rather than the run (or has its own rule): never compared, never reported.
@@ -88,7 +89,7 @@ def config_changes(
     refused, allowed = [], []
     kept = set(REFUSED_FIELDS)
     if same_run:
-        kept.update(PRECISION_FIELDS)
+        kept.update(EXPERIMENT_FIELDS)
     if same_run and saved.get("fp8") and current.get("fp8"):
         kept.update(FP8_NUMERICS_FIELDS)
     for name in sorted(set(saved) & set(current) - _LAUNCH_FIELDS):
@@ -96,7 +97,7 @@ def config_changes(
             continue  # not measured on one side (a config built without train.validate)
         if not _same(saved[name], current[name], name):
             change = (_NOT_FLAGS.get(name, f"--{name}"), saved[name], current[name])
-            moved = _moved(name, saved, current)
+            moved = _moved(name, saved, current) or _follows_max_steps(name, saved, current)
             (refused if name in kept and not moved else allowed).append(change)
     return refused, allowed
 
@@ -116,6 +117,15 @@ def _moved(name: str, saved: Mapping[str, Any], current: Mapping[str, Any]) -> b
         gone = os.path.isabs(before) and not os.path.exists(before)
         return gone and os.path.exists(now) and Path(before).name == Path(now).resolve().name
     return False
+
+
+def _follows_max_steps(name: str, saved: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
+    """A warm-up that is each side's default for its --max_steps: the change is --max_steps's,
+    which a resume may make (the resumed schedule keeps its saved warm-up). Logged."""
+    return name == "warmup" and all(
+        run.get("warmup") == default_warmup(int(run.get("max_steps") or 0))
+        for run in (saved, current)
+    )
 
 
 def describe_changes(changes: Iterable[tuple[str, Any, Any]]) -> str:

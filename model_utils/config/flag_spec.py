@@ -27,11 +27,13 @@ class Resume(enum.Enum):
     #: on the same data (a saved position means nothing in another dataset, tokenizer or
     #: shuffle), with its optimizer state in the format it was written in. Refused on change.
     KEPT = "kept"
-    #: What an fp8/bf16 A/B compares: a resume of the run's own checkpoints that flipped it
-    #: would re-label the run's curve. Refused within the same run; another run's checkpoint
-    #: loaded into a new folder starts a new run from its weights (logged).
-    PRECISION = "precision"
-    #: An FP8 recipe knob that changes the GEMMs' numerics: as PRECISION, but only while FP8 is
+    #: What makes the run the experiment it is: its precision (what an fp8/bf16 A/B compares),
+    #: the --recipe it was launched as, the schedule's shape (warm-up, decay style). A resume of
+    #: the run's own checkpoints that changed it would continue one experiment under another's
+    #: name. Refused within the same run; another run's checkpoint loaded into a new folder
+    #: starts a new run from its weights (logged).
+    EXPERIMENT = "experiment"
+    #: An FP8 recipe knob that changes the GEMMs' numerics: as EXPERIMENT, but only while FP8 is
     #: on in the checkpoint and in this run (with --fp8=0 its value trains nothing).
     FP8_KNOB = "fp8_knob"
     #: Names this launch rather than the run (or has a rule of its own): never compared.

@@ -144,20 +144,20 @@ class PrecisionConfig:
     model_impl: str = flag(
         "te: TE TransformerLayer; te_linear: HF with te.Linear; hf: stock HF; "
         "auto: te when TE and an FP8-capable GPU are present, else hf",
-        resume=Resume.PRECISION,
+        resume=Resume.EXPERIMENT,
         default="auto",
         choices=MODEL_IMPLS,
     )
-    fp8: bool = flag("train the linear layers in FP8", resume=Resume.PRECISION, default=False)
+    fp8: bool = flag("train the linear layers in FP8", resume=Resume.EXPERIMENT, default=False)
     bf16: bool = flag(
         "compute in bf16 (fp32 master weights); 0 = fp32 compute",
-        resume=Resume.PRECISION,
+        resume=Resume.EXPERIMENT,
         default=True,
     )
     fp8_recipe: str | None = flag(
         f"torchao: {'|'.join(TORCHAO_RECIPES)} (default tensorwise); "
         f"TE: {'|'.join(TE_RECIPES)} (default delayed)",
-        resume=Resume.PRECISION,
+        resume=Resume.EXPERIMENT,
     )
     fp8_format: str = flag(
         "TE FP8 format", resume=FP8_KNOB, default="hybrid", choices=("hybrid", "e4m3")
@@ -238,12 +238,12 @@ class OptimConfig:
     )
     warmup: int = flag(
         "linear warm-up steps (default: max_steps // 10, at most 10)",
-        resume=Resume.FREE,
+        resume=Resume.EXPERIMENT,
         range=NOT_NEGATIVE,
     )
     lr_decay_style: str = flag(
         "decay from --lr to --min_lr after warm-up",
-        resume=Resume.FREE,
+        resume=Resume.EXPERIMENT,
         default="cosine",
         choices=("cosine", "linear", "constant"),
     )
@@ -514,7 +514,7 @@ class Config:
     recipe: str | None = flag(
         "a named A/B recipe (e.g. llama3-8b-fp8 and its twin llama3-8b-bf16): its flags "
         "take this place on the command line; later flags override them",
-        resume=Resume.FREE,
+        resume=Resume.EXPERIMENT,
     )
     # Its choices are presets.PRESETS' names, given by the parser (arguments.py): the preset
     # table is built on ModelShape, so this module cannot import it.

@@ -181,6 +181,31 @@ def test_what_the_fp8_bf16_comparison_compares_is_part_of_the_run() -> None:
     assert refused == [] and allowed == [("--model_impl", "hf", "te")]
 
 
+def test_a_recipe_or_schedule_shape_change_is_another_experiment_max_steps_stays_free() -> None:
+    """The README's tiny run resumed as docs/recipes.md's tiny-fp8 twin (the recipe, its
+    warm-up and validation), or with another warm-up or decay style, is refused within the run;
+    extending --max_steps is not, even where the default warm-up follows it (10 -> 20 steps:
+    warm-up 1 -> 2, the saved schedule's kept). Another run's checkpoint in a new folder may
+    start any recipe."""
+    readme = json_round_trip(parse_args(["--preset", "tiny"]).as_dict())
+    recipe = parse_args(["--recipe", "tiny-fp8"]).as_dict()
+    refused, _ = config_changes(readme, recipe)
+    assert {"--recipe", "--fp8"} <= {flag for flag, _, _ in refused}, refused
+    for change in ({"warmup": readme["warmup"] + 1}, {"lr_decay_style": "linear"}):
+        refused, _ = config_changes(readme, dict(readme, **change))
+        assert [flag for flag, _, _ in refused] == [f"--{name}" for name in change], change
+        assert config_changes(readme, dict(readme, **change), same_run=False)[0] == []
+    short = json_round_trip(parse_args([*FAST, "--max_steps", "10"]).as_dict())
+    longer = parse_args([*FAST, "--max_steps", "20"]).as_dict()
+    assert (short["warmup"], longer["warmup"]) == (1, 2)
+    assert config_changes(short, longer) == (
+        [],
+        [("--max_steps", 10, 20), ("--warmup", 1, 2)],
+    )
+    typed = parse_args([*FAST, "--max_steps", "20", "--warmup", "5"]).as_dict()
+    assert config_changes(short, typed)[0] == [("--warmup", 1, 5)]
+
+
 def test_a_tokenizer_changed_in_place_is_refused_by_its_contents(tmp_path) -> None:
     """Same path, other contents (retrained in place, or a hub tokenizer updated upstream):
     the fingerprint differs and the resume is refused; a checkpoint or a config that never
