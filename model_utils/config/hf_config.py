@@ -41,6 +41,11 @@ def read_config(path: str | Path) -> Any | None:
     folder = path if path.is_dir() else path.parent
     if not path.exists():
         return None
+    if path.is_file() and path.suffix != ".safetensors":  # name what was typed, not its folder
+        raise ConfigError(
+            f"--init_from_hf: {path} is a file, not a Hugging Face model: give its folder "
+            "(config.json and *.safetensors, as save_pretrained writes) or a .safetensors file"
+        )
     if not (folder / "config.json").is_file():
         raise ConfigError(
             f"--init_from_hf: {folder} has no config.json: the model's architecture is read "

@@ -373,6 +373,16 @@ def test_a_folder_without_config_json_is_refused(tmp_path) -> None:
         parse_args([f"--init_from_hf={tmp_path}"])
 
 
+def test_a_file_that_is_no_model_is_named_as_typed(tmp_path) -> None:
+    """A text file given as the model: the refusal names that file, not its folder."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a model")
+    (tmp_path / "config.json").write_text("{}")  # a folder that would pass, to name the file
+    with pytest.raises(UsageError) as refused:
+        parse_args([f"--init_from_hf={notes}"])
+    assert str(refused.value).startswith(f"--init_from_hf: {notes} is a file, not a Hugging")
+
+
 def test_a_config_json_missing_shape_fields_is_refused_naming_them(tmp_path) -> None:
     """transformers fills a missing hidden_size with its own 4096: the refusal then spoke of a
     value the file never held. Now it names the missing fields."""
