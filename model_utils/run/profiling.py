@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,11 +228,12 @@ class RunProfiler:
         short += f"{window.end})" if short else ""
         log.info(
             "Profiler trace of step(s) %s%s: %s (one per rank: rank_*%s); read it with "
-            "`python -m scripts.step_breakdown %s`",
+            "`%s -m scripts.step_breakdown %s`",
             steps,
             short,
             path,
             TRACE_SUFFIX,
+            sys.executable,  # the Python this run has: a fresh shell's `python` may not be it
             self.output_dir,
         )
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -123,7 +124,7 @@ def test_the_window_is_one_whole_trace_with_the_steps_and_their_ranges(tmp_path,
     assert {DATA_WAIT, FORWARD, BACKWARD, OPTIMIZER, "lm_head"} <= names
     assert [r.message for r in caplog.records if "Profiler trace" in r.message] == [
         f"Profiler trace of step(s) 3-4: {path} (one per rank: rank_*.pt.trace.json.gz); read it "
-        f"with `python -m scripts.step_breakdown {tmp_path}`"
+        f"with `{sys.executable} -m scripts.step_breakdown {tmp_path}`"
     ]
 
 
