@@ -266,7 +266,14 @@ def start_run(
     config = checkpoint.resume_or_start(ckpt, state, parts.scheduler, config, explicit)
     hang = watchdog.for_run(config.run, world.rank, parts.device)  # --hang_timeout
     run_log = RunLog(
-        config, model, parts.backend, world, parts.device, start_step=state.step, watchdog=hang
+        config,
+        model,
+        parts.backend,
+        world,
+        parts.device,
+        start_step=state.step,
+        watchdog=hang,
+        seen=state.seen,  # counted on from the checkpoint's
     )
     return Run(
         **{**vars(parts), "config": config},

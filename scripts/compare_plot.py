@@ -40,9 +40,20 @@ def throughput_key(runs: Sequence[Any]) -> str:
 # ---------------------------------------------------------------------------- the picture
 
 
-def _series(run: Any, kind: str, key: str) -> tuple[list[int], list[float]]:
+#: compare_runs --x: what the loss and throughput panels are drawn against, and its words.
+X_AXES = {"step": "step", "tokens": "tokens seen"}
+_X_KEYS = {"step": "step", "tokens": "tokens_seen"}
+
+
+def _series(run: Any, kind: str, key: str, x: str = "step") -> tuple[list[int], list[float]]:
     rows = [r for r in run.records if r["kind"] == kind and key in r]
-    return [r["step"] for r in rows], [math.nan if r[key] is None else r[key] for r in rows]
+    xs = [r.get(_X_KEYS[x]) for r in rows]
+    return xs, [math.nan if r[key] is None else r[key] for r in rows]
+
+
+def missing_x(run: Any, x: str) -> bool:
+    """Whether a run's train records lack the x axis (tokens: logs and runs from before)."""
+    return any(r.get(_X_KEYS[x]) is None for r in run.records if r["kind"] == "train")
 
 
 def make_figure(
@@ -53,6 +64,7 @@ def make_figure(
     log_steps: bool = False,
     title: str | None = None,
     breakdown: Breakdown | None = None,
+    x: str = "step",
 ):
     """Loss vs step, throughput vs step, median throughput bars with ratios to the first run.
 
@@ -74,14 +86,14 @@ def make_figure(
     for i, (run, label) in enumerate(zip(runs, labels, strict=True)):
         color = f"C{i}"
         loss_ax.plot(
-            *_series(run, "train", "loss"), color=color, label=f"{label} train", **_style(i)
+            *_series(run, "train", "loss", x), color=color, label=f"{label} train", **_style(i)
         )
-        steps, val = _series(run, "val", "val_loss")
-        if steps:
-            loss_ax.plot(steps, val, "o--", color=color, label=f"{label} validation")
-        speed_ax.plot(*_series(run, "train", key), color=color, label=label)
+        where, val = _series(run, "val", "val_loss", x)
+        if where:
+            loss_ax.plot(where, val, "o--", color=color, label=f"{label} validation")
+        speed_ax.plot(*_series(run, "train", key, x), color=color, label=label)
     for ax, ylabel in ((loss_ax, "loss"), (speed_ax, unit)):
-        ax.set_xlabel("step" + (" (log scale)" if log_steps else ""))
+        ax.set_xlabel(X_AXES[x] + (" (log scale)" if log_steps else ""))
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")

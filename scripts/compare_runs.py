@@ -51,7 +51,15 @@ from model_utils.config.sections import ModelShape, flag_fields, precision_name
 from model_utils.run import metrics
 from model_utils.run.metrics.records import record_problem, run_problem
 from model_utils.run.trace_rules import CATEGORIES
-from scripts.compare_plot import DPI, FIGSIZE, Breakdown, make_figure, throughput_key  # noqa: F401
+from scripts.compare_plot import (  # noqa: F401
+    DPI,
+    FIGSIZE,
+    X_AXES,
+    Breakdown,
+    make_figure,
+    missing_x,
+    throughput_key,
+)
 
 # model_utils/run/run_log.py's SPEED_WARMUP_STEPS (tests/unit/test_compare_runs.py keeps the two
 # equal); like the run's own summary, a run shorter than 2x this uses half its steps.
@@ -365,6 +373,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--labels", help="comma-separated, one per run (default: from the flags)")
     p.add_argument("--log_steps", action="store_true", help="log-scaled step axes")
     p.add_argument(
+        "--x",
+        choices=tuple(X_AXES),
+        default="step",
+        help="what loss and throughput are drawn against: step, or tokens seen (runs of "
+        "another batch size side by side; the loss gap stays step for step)",
+    )
+    p.add_argument(
         "--warmup_steps",
         type=int,
         help="steps left out of the medians "
@@ -432,11 +447,23 @@ def compare(args: argparse.Namespace) -> str:
         raise CompareError(
             "runs are not like for like: " + "; ".join(problems) + " (--allow_mismatch to go on)"
         )
+    lacking = [path for path, run in zip(args.runs, runs, strict=True) if missing_x(run, args.x)]
+    if lacking:
+        raise CompareError(
+            f"--x {args.x}: {', '.join(lacking)} record no {X_AXES[args.x]} (a log, or a run of "
+            "an earlier version): compare them by step"
+        )
     warmup = default_warmup(runs) if args.warmup_steps is None else args.warmup_steps
     summaries = [metrics.summarize(run.records, warmup) for run in runs]
     breakdown = step_breakdowns(args.runs) if args.breakdown else None
     figure = make_figure(
-        runs, labels, summaries, log_steps=args.log_steps, title=args.title, breakdown=breakdown
+        runs,
+        labels,
+        summaries,
+        log_steps=args.log_steps,
+        title=args.title,
+        breakdown=breakdown,
+        x=args.x,
     )
     try:
         figure.savefig(args.output, format="png", dpi=DPI)

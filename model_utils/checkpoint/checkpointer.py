@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -235,6 +235,30 @@ class ProgressItem:
 
 
 @dataclass
+class Seen:
+    """What the run has trained on so far, over every launch: samples, tokens and the wall-clock
+    seconds of its launches (from their first step). Kept in checkpoint.json, so it carries on
+    across resumes, batch and world-size changes: the axis runs of other batch sizes compare
+    on."""
+
+    samples: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    @classmethod
+    def from_marker(cls, marker: Mapping[str, Any]) -> Seen:
+        """The marker's counts; for a checkpoint saved before they were kept, its step times
+        the global batch it recorded (exact unless the batch changed on an earlier resume)."""
+        if isinstance(marker.get("seen"), dict):
+            seen = marker["seen"]
+            return cls(int(seen["samples"]), int(seen["tokens"]), float(seen["seconds"]))
+        flags, step = marker.get("run_config") or {}, int(marker["step"])
+        per_step = int(flags.get("train_batch_size") or 0) * int(flags.get("grad_accum_steps") or 1)
+        samples = step * per_step * int(marker.get("world_size") or 1)
+        return cls(samples, samples * int(flags.get("max_context_width") or 0), 0.0)
+
+
+@dataclass
 class TrainState:
     """Everything a resumed run needs. `step` is the number of optimizer steps done.
 
@@ -255,6 +279,7 @@ class TrainState:
     # The TE recipe the model runs (None: no TE FP8); saved FP8 scaling state is restored into
     # the TE modules only when it is a delayed-scaling recipe, the one kind that keeps state.
     fp8_recipe: Any = None
+    seen: Seen = field(default_factory=Seen)
 
     @property
     def seed(self) -> int:
@@ -421,6 +446,7 @@ class Checkpointer:
                 + [k for k in ("optimizer", "scheduler") if getattr(state, k) is not None]
             ),
             "run_config": state.config,
+            "seen": asdict(state.seen),
             "model_config": state.model_config(),
             "torch": torch.__version__,
         }
@@ -553,6 +579,7 @@ class Checkpointer:
         if state.optimizer is not None:  # FP8 parameters: the bytes the last step wrote
             master_weights.requantize_from_masters(state.optimizer)
         self._restore_per_rank(state, targets, resharded, saved_world_size)
+        state.seen = Seen.from_marker(marker)
         saved_config = state.saved_config or {}
         if path.resolve().parent == Path(self.checkpoint_dir).resolve() and not resharded:
             # This run's own checkpoint, loaded as saved: a run with nothing left to train (a

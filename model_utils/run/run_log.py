@@ -39,7 +39,9 @@ def evaluate(model, batches, backend, device) -> float:
     return (total[0] / total[1]).item()
 
 
-def step_meter(config, model, world_size: int, device, warmup: int) -> metrics.StepMeter:
+def step_meter(
+    config, model, world_size: int, device, warmup: int, elapsed_before: float = 0.0
+) -> metrics.StepMeter:
     """The run's step meter: model FLOPs, the device's bf16 peak, its sync."""
     peak, peak_label = metrics.peak_bf16_tflops(device)
     return metrics.StepMeter(
@@ -51,6 +53,7 @@ def step_meter(config, model, world_size: int, device, warmup: int) -> metrics.S
         sync=metrics.device_sync(device),
         max_steps=config.run.max_steps,
         warmup_steps=warmup,
+        elapsed_before=elapsed_before,
     )
 
 
@@ -70,6 +73,8 @@ class RunLog:
         backend,
         world,
         device,
+        *,
+        seen,
         start_step: int = 0,
         meter=None,
         watchdog=None,
@@ -78,9 +83,14 @@ class RunLog:
             config.data.train_batch_size * config.optim.grad_accum_steps * world.world_size
         )
         self.config, self.device, self.samples = config, device, samples_per_step
+        self.tokens = samples_per_step * config.model.max_context_width
+        # the TrainState's checkpoint.Seen, which its checkpoints save: counted on here
+        self.seen = seen
         self.is_main = world.is_main
         self.warmup = min(SPEED_WARMUP_STEPS, config.run.max_steps // 2)
-        self.meter = meter or step_meter(config, model, world.world_size, device, self.warmup)
+        self.meter = meter or step_meter(
+            config, model, world.world_size, device, self.warmup, elapsed_before=seen.seconds
+        )
         self.watchdog = watchdog  # watchdog.Watchdog: told of every step, paused with the meter
         threshold = config.run.slow_rank_threshold
         self.ranks = slow_rank.RankTimes(world.world_size if threshold else 1, device, threshold)
@@ -159,11 +169,8 @@ class RunLog:
         sync), and name the slowest rank if it is over --slow_rank_threshold."""
         if self.watchdog:
             self.watchdog.step_done()
-        self.meter.add_step(
-            data_wait_seconds=data_wait,
-            samples=self.samples,
-            tokens=self.samples * self.config.model.max_context_width,
-        )
+        self.meter.add_step(data_wait_seconds=data_wait, samples=self.samples, tokens=self.tokens)
+        self._count_step()
         self.ranks.add_step(data_wait)
         if not self.is_report_step(step):
             return
@@ -180,6 +187,7 @@ class RunLog:
             peak_memory_bytes=metrics.peak_memory_bytes(self.device),
         )
         record["grad_norm"] = grad_value
+        record.update(self._seen_fields())
         log.info(metrics.seed_line(step, loss_value, record["samples_per_sec"], lr), stacklevel=2)
         log.info(metrics.detail_line(record), stacklevel=2)
         if slow is not None:
@@ -208,8 +216,19 @@ class RunLog:
         record = metrics.validation_record(
             step=step, val_loss=val_loss, batches=len(batches), seconds=seconds
         )
+        record.update(self._seen_fields())
         self._record(record)
         self.trackers.write(record)
+
+    def _count_step(self) -> None:
+        """Samples, tokens and the run's wall-clock seconds over all its launches (what a
+        checkpoint saves, so a resume carries on from them)."""
+        self.seen.samples += self.samples
+        self.seen.tokens += self.tokens
+        self.seen.seconds = self.meter.elapsed()
+
+    def _seen_fields(self) -> dict[str, int]:
+        return {"samples_seen": self.seen.samples, "tokens_seen": self.seen.tokens}
 
     def _record(self, record: dict) -> None:
         """metrics.jsonl gets the record; if its file system refuses (full, quota), the run goes

@@ -85,6 +85,14 @@ def test_two_rank_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, 
     assert [got[s] for s in got] == [want[s] for s in got]  # exact, not approximate
     assert records(resumed, "val")[-1]["val_loss"] == records(full, "val")[-1]["val_loss"]
     assert saved_dtypes(checkpoint) == SAVED_DTYPES[masters]
+    # What the run has seen carries on from the checkpoint: 2 sequences x 2 ranks x 64 tokens
+    # a step, and the elapsed time of the launch before it.
+    seen = {r["step"]: (r["samples_seen"], r["tokens_seen"]) for r in records(resumed)}
+    assert seen == {s: (4 * s, 256 * s) for s in (5, 6, 7, 8)}
+    assert [r["tokens_seen"] for r in records(full)] == [256 * s for s in range(1, 9)]
+    before = json.loads((checkpoint / "checkpoint.json").read_text())["seen"]["seconds"]
+    assert records(resumed)[0]["elapsed_seconds"] > before > 0
+    assert ", seen: 2.05k tokens, elapsed: " in result.stdout  # step 8's line
 
 
 #: The start-up line's optimizer, by --master_weights (on CPU: torch's AdamW, or ours).

@@ -247,6 +247,24 @@ def test_checkpoint_without_a_process_group_and_a_repeated_step(tmp_path: Path) 
     assert torch.equal(fresh[0].weight, saved[0].weight)
 
 
+def test_what_a_run_has_seen_carries_on_through_its_checkpoints(tmp_path: Path) -> None:
+    """Samples, tokens and seconds go into checkpoint.json and come back on load; a checkpoint
+    saved before they were kept gives its step times the global batch it recorded."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    state = ck.TrainState(model, config={"train_batch_size": 4, "max_context_width": 64})
+    state.seen.samples, state.seen.tokens, state.seen.seconds = 40, 2560, 12.5
+    path = ck.Checkpointer(tmp_path).save(5, state)
+    marker = json.loads((path / MARKER).read_text())
+    assert marker["seen"] == {"samples": 40, "tokens": 2560, "seconds": 12.5}
+    loaded = ck.TrainState(torch.nn.Sequential(torch.nn.Linear(8, 8)))
+    ck.Checkpointer(tmp_path).load(path, loaded)
+    assert (loaded.seen.samples, loaded.seen.tokens, loaded.seen.seconds) == (40, 2560, 12.5)
+    del marker["seen"]
+    marker.update(world_size=2, run_config=dict(marker["run_config"], grad_accum_steps=3))
+    older = type(loaded.seen).from_marker(marker)
+    assert (older.samples, older.tokens, older.seconds) == (120, 120 * 64, 0.0)  # 5 x 4 x 3 x 2
+
+
 def test_shard_writer_splits_and_indexes(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 

@@ -49,19 +49,21 @@ def info(**overrides) -> dict:
     return metrics.run_record(flags, world_size=2, samples_per_step=2 * flags["train_batch_size"])
 
 
-def write_run_dir(path: Path, rows, val, run: dict | None) -> Path:
+def write_run_dir(path: Path, rows, val, run: dict | None, tokens_per_step: int = 0) -> Path:
+    """A run folder's metrics.jsonl; with ``tokens_per_step``, its records count tokens seen."""
+    seen = {"tokens_seen": 0} if tokens_per_step else {}
     with metrics.JsonlWriter(path / "metrics.jsonl") as writer:
         if run is not None:
             writer.write(run)
         for step, speed, loss in rows:
-            writer.write(train_record(step, speed, loss))
+            seen = {"tokens_seen": step * tokens_per_step} if tokens_per_step else {}
+            writer.write({**train_record(step, speed, loss), **seen})
             for vstep, vloss in val:
                 if step - 10 < vstep <= step:
-                    writer.write(
-                        metrics.validation_record(
-                            step=vstep, val_loss=vloss, batches=4, seconds=0.1
-                        )
+                    record = metrics.validation_record(
+                        step=vstep, val_loss=vloss, batches=4, seconds=0.1
                     )
+                    writer.write({**record, **seen})
     return path
 
 
@@ -309,6 +311,27 @@ def test_png_has_the_expected_size_and_the_plotted_data_is_the_input(two_runs, t
     assert [p.get_height() for p in bar_ax.patches] == pytest.approx([11.5 * 128, 19.5 * 128])
     assert [t.get_text() for t in bar_ax.texts] == ["1.00x", f"{19.5 / 11.5:.2f}x"]
     assert [t.get_text() for t in bar_ax.get_xticklabels()] == labels
+
+
+def test_loss_against_tokens_seen_and_a_run_without_them_refused(two_runs, tmp_path, capsys):
+    """--x tokens: loss and throughput against each run's tokens seen (here one run takes twice
+    the tokens a step); runs that record none (logs, earlier versions) are refused by name."""
+    folders = []
+    for name, rows, per_step in (("bf16", BF16, 1024), ("fp8", FP8, 2048)):
+        (tmp_path / name).mkdir()
+        folders.append(str(write_run_dir(tmp_path / name, rows, VAL[name], info(), per_step)))
+    args = cr.parse_args([*folders, "--x", "tokens", "--output", str(tmp_path / "t.png")])
+    cr.compare(args)
+    runs = [cr.load_run(p) for p in folders]
+    fig = cr.make_figure(runs, ["a", "b"], [{}, {}], x="tokens")
+    loss_ax, _, speed_ax, _ = fig.axes
+    lines = {ln.get_label(): list(ln.get_xdata()) for ln in loss_ax.get_lines()}
+    assert lines["a train"] == [s * 1024 for s, _, _ in BF16]
+    assert lines["b train"] == [s * 2048 for s, _, _ in FP8]
+    assert lines["b validation"] == [2048 * 30, 2048 * 50]  # written after steps 30 and 50
+    assert loss_ax.get_xlabel() == speed_ax.get_xlabel() == "tokens seen"
+    err = refused([folders[0], two_runs[1], "--x", "tokens"], capsys)
+    assert f"--x tokens: {two_runs[1]} record no tokens seen" in err
 
 
 def profiled_pair(tmp_path: Path) -> list[str]:

@@ -628,6 +628,7 @@ def test_another_run_never_appends_to_a_run_folders_metrics(tmp_path) -> None:
     flags. Now the earlier file is kept aside and the new run starts its own."""
     from helpers.runs import SMALL_LLAMA
 
+    from model_utils.checkpoint import TrainState
     from model_utils.config.arguments import parse_args
     from model_utils.model import modeling
     from model_utils.parallel import distributed
@@ -638,7 +639,15 @@ def test_another_run_never_appends_to_a_run_folders_metrics(tmp_path) -> None:
         config = parse_args([*SMALL_LLAMA, f"--output_dir={tmp_path}", "--bf16=0", *flags])
         model = LlamaForCausalLM(modeling.llama_config(config.model))
         world = distributed.world_from_env({})
-        RunLog(config, model, BF16(config), world, torch.device("cpu"), start_step=start_step)
+        RunLog(
+            config,
+            model,
+            BF16(config),
+            world,
+            torch.device("cpu"),
+            start_step=start_step,
+            seen=TrainState(model).seen,
+        )
 
     def runs(name: str = "metrics.jsonl") -> list[dict]:
         lines = (tmp_path / name).read_text().splitlines()

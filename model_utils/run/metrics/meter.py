@@ -73,7 +73,8 @@ class StepMeter:
     ``add_step`` only counts (no clock, no sync), so steps between log lines never wait for the
     device. ``sync`` and ``clock`` are injectable so tests can simulate an asynchronous device.
 
-    Each report also carries the time since :meth:`start` and, given ``max_steps``, an estimate
+    Each report also carries the run's time (``elapsed_before`` plus the time since
+    :meth:`start`) and, given ``max_steps``, an estimate
     of the time left (:func:`remaining_seconds`): the median time per step of the windows that
     end after this process's first ``warmup_steps`` steps (a resumed run warms up again).
     """
@@ -87,6 +88,7 @@ class StepMeter:
     clock: Callable[[], float] = field(default=time.perf_counter, repr=False)
     max_steps: int | None = None
     warmup_steps: int = 0
+    elapsed_before: float = 0.0  # the run's earlier launches (a resume's checkpoint says)
     _started: float | None = field(default=None, init=False)
     _counted: int = field(default=0, init=False)
     _step_times: list[float] = field(default_factory=list, init=False, repr=False)
@@ -101,6 +103,12 @@ class StepMeter:
         """Open the first window (call once, right before the first step)."""
         self.sync()
         self._window_start = self._started = self.clock()
+
+    def elapsed(self, now: float | None = None) -> float:
+        """The run's wall-clock seconds: its earlier launches' and this one's since start()."""
+        if self._started is None:
+            return self.elapsed_before
+        return self.elapsed_before + (self.clock() if now is None else now) - self._started
 
     def add_step(self, *, data_wait_seconds: float, samples: int, tokens: int) -> None:
         if self._window_start is None:
@@ -154,7 +162,7 @@ class StepMeter:
         self._counted += self._steps
         if self._counted > self.warmup_steps:
             self._step_times.append(seconds / self._steps)
-        metrics["elapsed_seconds"] = now - self._started  # validation and saves included
+        metrics["elapsed_seconds"] = self.elapsed(now)  # validation and saves included
         metrics["remaining_seconds"] = (
             None
             if self.max_steps is None

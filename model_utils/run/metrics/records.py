@@ -223,8 +223,19 @@ def detail_line(metrics: Mapping[str, Any]) -> str:
         f"{_mfu_text(metrics)}, "
         f"peak mem: {metrics['peak_mem_gib']:.2f} GiB ({memory_kind}), "
         f"data wait: {metrics['data_wait_pct']:.1f}%"
-        f"{_eta_text(metrics)}"
+        f"{_seen_text(metrics)}{_eta_text(metrics)}"
     )
+
+
+def _seen_text(metrics: Mapping[str, Any]) -> str:
+    """``, seen: 1.23M tokens``: the run's tokens over all its launches (none in older records)."""
+    tokens = metrics.get("tokens_seen")
+    if tokens is None:
+        return ""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if tokens >= size:
+            return f", seen: {tokens / size:.2f}{unit} tokens"
+    return f", seen: {tokens} tokens"
 
 
 def _eta_text(metrics: Mapping[str, Any]) -> str:
