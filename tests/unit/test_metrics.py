@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -635,8 +636,8 @@ def test_another_run_never_appends_to_a_run_folders_metrics(tmp_path) -> None:
     from model_utils.precision.backends import BF16
     from model_utils.run.run_log import RunLog
 
-    def launch(*flags: str, start_step: int) -> None:
-        config = parse_args([*SMALL_LLAMA, f"--output_dir={tmp_path}", "--bf16=0", *flags])
+    def launch(*flags: str, start_step: int, out: Path = tmp_path) -> None:
+        config = parse_args([*SMALL_LLAMA, f"--output_dir={out}", "--bf16=0", *flags])
         model = LlamaForCausalLM(modeling.llama_config(config.model))
         world = distributed.world_from_env({})
         RunLog(
@@ -649,8 +650,8 @@ def test_another_run_never_appends_to_a_run_folders_metrics(tmp_path) -> None:
             seen=TrainState(model).seen,
         )
 
-    def runs(name: str = "metrics.jsonl") -> list[dict]:
-        lines = (tmp_path / name).read_text().splitlines()
+    def runs(name: str = "metrics.jsonl", out: Path = tmp_path) -> list[dict]:
+        lines = (out / name).read_text().splitlines()
         return [r["flags"] for r in map(json.loads, lines) if r["kind"] == "run"]
 
     launch(start_step=0)
@@ -662,3 +663,9 @@ def test_another_run_never_appends_to_a_run_folders_metrics(tmp_path) -> None:
     launch(f"--checkpoint_dir={tmp_path / 'elsewhere'}", "--bf16=1", start_step=7)
     assert [r["bf16"] for r in runs("metrics.2.jsonl")] == [False]
     assert [r["bf16"] for r in runs()] == [True]
+    # A run folder moved (or renamed) and resumed is the same run: its records go on.
+    launch(start_step=0, out=tmp_path / "first")
+    (tmp_path / "first").rename(tmp_path / "moved")
+    launch(start_step=5, out=tmp_path / "moved")
+    assert len(runs(out=tmp_path / "moved")) == 2
+    assert not (tmp_path / "moved" / "metrics.1.jsonl").exists()

@@ -44,12 +44,24 @@ def identity_change(before: Mapping[str, Any] | None, now: Mapping[str, Any]) ->
     for name in IDENTITY_FLAGS:
         old, new = before["flags"].get(name), now["flags"].get(name)
         if name == "checkpoint_dir" and old is not None and new is not None:
-            same = Path(str(old)).resolve() == Path(str(new)).resolve()
+            same = _checkpoint_place(before["flags"]) == _checkpoint_place(now["flags"])
         else:
             same = old == new
         if not same:
             return f"{name} {old}, now {new}"
     return None
+
+
+def _checkpoint_place(flags: Mapping[str, Any]) -> tuple[str, Path]:
+    """Where a run's checkpoints go, as its identity: inside its run folder by the path from
+    there (a run folder moved or renamed, then resumed, is the same run), else by where the
+    path leads."""
+    checkpoints = Path(str(flags["checkpoint_dir"])).resolve()
+    if flags.get("output_dir") is not None:
+        with contextlib.suppress(ValueError):
+            inside = checkpoints.relative_to(Path(str(flags["output_dir"])).resolve())
+            return ("in the run folder", inside)
+    return ("at", checkpoints)
 
 
 def first_run_record(path: str | os.PathLike[str]) -> dict[str, Any] | None:
