@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -36,6 +37,16 @@ from launch_plan import UsageError, cpu, launch_records, published, slow_bf16_hi
 # The signals that ask train.py for a checkpoint at its next logging step, then an exit.
 FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 RESEND_EVERY_S = 5.0
+#: After a worker failed, how long torchrun's stop of the others may take before they are
+#: killed: a worker whose peer is gone can finish no collective (nor a save), and a stopped one
+#: never acts on torchrun's SIGTERM, which would cost torchrun's 30 s grace.
+TEARDOWN_S = 5.0
+#: train.py's exit codes that its own line explains (a refusal, a hang's stacks): the launch
+#: exits with it, without torchrun's traceback and box.
+OWN_LINE_CODES = (2, 4)
+#: What the launcher's death sends torchrun (one of PET_SIGNALS_TO_HANDLE): torchrun then ends
+#: its workers, so no rank trains on headless, holding the run folder.
+PARENT_DEATH_SIGNAL = signal.SIGHUP
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,9 +233,31 @@ class Forwarder:
                     pass
 
 
-def _ignore_forwarded() -> None:
-    for sig in FORWARDED:
-        signal.signal(sig, signal.SIG_IGN)
+def _torchrun_child_setup(launcher_pid: int) -> Callable[[], None]:
+    """In torchrun's process before it starts: ignore the forwarded signals (the launcher
+    passes them on) and die with the launcher (Linux's parent-death signal)."""
+
+    def setup() -> None:
+        for sig in FORWARDED:
+            signal.signal(sig, signal.SIG_IGN)
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            pr_set_pdeathsig = 1
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(pr_set_pdeathsig, int(PARENT_DEATH_SIGNAL), 0, 0, 0)
+            if os.getppid() != launcher_pid:  # the launcher died before the signal was set
+                os._exit(128 + int(PARENT_DEATH_SIGNAL))
+
+    return setup
+
+
+def kill_workers(torchrun_pid: int) -> None:
+    for pid in children(torchrun_pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def run_node(train_args: Sequence[str], env: Mapping[str, str] = os.environ) -> int:
@@ -249,7 +282,7 @@ def run_node(train_args: Sequence[str], env: Mapping[str, str] = os.environ) -> 
     torchrun = subprocess.Popen(
         argv,
         env={**env, **extra},
-        preexec_fn=_ignore_forwarded,
+        preexec_fn=_torchrun_child_setup(os.getpid()),
         stderr=subprocess.PIPE,
         text=True,
         errors="replace",
@@ -260,11 +293,13 @@ def run_node(train_args: Sequence[str], env: Mapping[str, str] = os.environ) -> 
     reader.start()
     while True:
         try:
-            status = torchrun.wait(timeout=RESEND_EVERY_S)
+            status = torchrun.wait(timeout=min(RESEND_EVERY_S, TEARDOWN_S))
             break
         except subprocess.TimeoutExpired:
             if forwarder.pending:
                 forwarder.send()
+            if errors.stopping_for() > TEARDOWN_S:  # a worker failed; the rest did not end
+                kill_workers(torchrun.pid)
     reader.join()
     return errors.finish(status if status >= 0 else 128 - status)
 
@@ -272,18 +307,29 @@ def run_node(train_args: Sequence[str], env: Mapping[str, str] = os.environ) -> 
 class TorchrunErrors:
     """Passes torchrun's stderr (its workers' too) on, holding back torchrun's own report of a
     failed worker ("failed (exitcode: N)", traceback, box): a worker that exited 2 refused its
-    input in one line already (a run folder another launch just took), so the launch exits 2
-    with that line alone; any other failure gets torchrun's report as written."""
+    input in one line already (a run folder another launch just took), one that exited 4 named
+    its hang and its stacks, so the launch exits with that code and that line alone; any other
+    failure gets torchrun's report as written. It also notes when torchrun starts stopping the
+    other workers, which the launcher bounds (TEARDOWN_S)."""
 
     FAILED = re.compile(r"elastic/multiprocessing/api\.py.*failed \(exitcode: (-?\d+)\)")
+    #: torchrun stopping the other workers after one failed (its 30 s grace starts here)
+    STOPPING = re.compile(r"Sending process \d+ closing signal")
 
     def __init__(self, out) -> None:
         self.out = out
         self.held: list[str] = []
         self.code: int | None = None
+        self.stopping_since: float | None = None
+
+    def stopping_for(self) -> float:
+        """Seconds since torchrun began stopping the workers (0 if it has not)."""
+        return 0.0 if self.stopping_since is None else time.monotonic() - self.stopping_since
 
     def pump(self, stream) -> None:
         for line in stream:
+            if self.stopping_since is None and self.STOPPING.search(line):
+                self.stopping_since = time.monotonic()
             found = self.FAILED.search(line) if self.code is None else None
             if found:
                 self.code = int(found.group(1))
@@ -293,9 +339,10 @@ class TorchrunErrors:
             self.held += [line] if self.code is not None else []
 
     def finish(self, status: int) -> int:
-        """The launch's exit status: 2 for a refusal, else torchrun's (its report written)."""
-        if self.code == 2:
-            return 2
+        """The launch's exit status: the failed worker's where its own line explains it (2: a
+        refusal, 4: a hang), else torchrun's (its report written)."""
+        if self.code in OWN_LINE_CODES:
+            return self.code
         self.out.writelines(self.held)
         self.out.flush()
         return status
