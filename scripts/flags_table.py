@@ -37,6 +37,14 @@ Booleans accept `--flag`, `--flag=1`, `--flag=0`. The config field is where the 
 lives (`model_utils/config/sections.py`: one typed section per pipeline stage), e.g. `--lr` is
 `config.optim.lr`; checkpoint.json and metrics.jsonl record the flat flag names.
 
+Each run writes its resolved flags, one per line, to `<output_dir>/run.args`: `@FILE` on the
+command line stands for the flags in FILE, so `.venv/bin/python train.py @runs/tiny-fp8/run.args
+--output_dir runs/tiny-fp8-again` (or `bash 1.train_llama.sbatch @runs/tiny-fp8/run.args`) trains
+the same run again. Everything before the file gives way to it; flags after it win. Left out of
+the file: where the run writes and how it starts (`--output_dir`, `--checkpoint_dir`,
+`--resume_from_checkpoint`, `--overwrite_output_dir`, `--validate_only`). Any file of flags in
+that form works the same way (`#` lines are comments).
+
 "On resume" is what a resume of the run's own checkpoints (`--resume_from_checkpoint`, a
 requeue) may do with the flag's value (`model_utils/config/flag_spec.py` declares it, one rule
 per flag):

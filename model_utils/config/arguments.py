@@ -182,7 +182,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     (``auto`` probes TE and the GPU) and the FP8 recipe for its backend."""
     from model_utils.config import recipes
 
-    given = sys.argv[1:] if argv is None else argv
+    given = with_files(sys.argv[1:] if argv is None else argv)
     argv = with_recipes(given)
     args = build_parser().parse_args(argv)
     args.recipe = recipes.named(given)  # recorded: the run says which recipe it started from
@@ -239,6 +239,16 @@ def _is_recipe_arg(argv: list[str], i: int) -> bool:
     return arg == "--recipe" or arg.startswith("--recipe=") or (i > 0 and argv[i - 1] == "--recipe")
 
 
+def with_files(argv: list[str]) -> list[str]:
+    """The command line with each `@FILE` (a run folder's run.args) replaced by its arguments."""
+    from model_utils.config import recipes
+
+    try:
+        return recipes.expand_files(argv)
+    except recipes.RecipeError as exc:
+        raise UsageError(str(exc)) from exc
+
+
 def with_recipes(argv: list[str] | None) -> list[str]:
     """The command line with each --recipe replaced by its flags (model_utils/config/recipes.py)."""
     from model_utils.config import recipes
@@ -247,6 +257,35 @@ def with_recipes(argv: list[str] | None) -> list[str]:
         return recipes.expand(sys.argv[1:] if argv is None else argv)
     except recipes.RecipeError as exc:
         raise UsageError(str(exc)) from exc
+
+
+#: What a run's saved arguments (run.args) leave out: where a launch writes and how it starts,
+#: which the command that runs the file again says (`--output_dir` after it, a resume).
+NOT_SAVED = ("output_dir", "checkpoint_dir", "resume_from_checkpoint", "overwrite_output_dir")
+NOT_SAVED += ("validate_only",)
+
+
+def saved_args(config: Config) -> list[str]:
+    """The resolved run as train.py arguments, in the parser's order: every flag's value (the
+    preset's, the defaults', the resolved implementation and FP8 recipe), so `train.py @FILE`
+    trains the same run again whatever comes before the file (the sbatch's defaults); flags
+    after it win. Left out at their defaults: the options whose being typed is itself checked
+    (a TE recipe knob under torchao, a --preset beside --init_from_hf's config.json)."""
+    from model_utils.config.flag_rules import TE_RECIPE_OPTIONS
+
+    typed_matters = set(TE_RECIPE_OPTIONS) | (
+        {"preset"} if config.checkpoint.init_from_hf else set()
+    )
+    lines = []
+    for action in build_parser()._actions:
+        name = action.dest
+        if name == "help" or name in NOT_SAVED:
+            continue
+        value = config.get(name)
+        if value is None or (name in typed_matters and value == action.default):
+            continue
+        lines.append(f"--{name}={int(value) if isinstance(value, bool) else value}")
+    return lines
 
 
 def explicit_flags(argv: list[str] | None = None) -> frozenset[str]:

@@ -11,6 +11,7 @@ precision), on whatever Python the batch host has.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 # One node of 8xH100, full depth. The settings are the fastest measured per layer on one H100
@@ -92,10 +93,31 @@ def named(argv: Sequence[str]) -> str | None:
     return found
 
 
-def expand(argv: Sequence[str]) -> list[str]:
-    """`argv` with each `--recipe NAME` (or `--recipe=NAME`) replaced in place by its flags."""
+def args_file(path: str) -> list[str]:
+    """The arguments of an `@FILE`: one per line, blank and `#` lines skipped."""
+    try:
+        with open(os.path.expanduser(path), encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        words = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise RecipeError(f"@{path}: cannot read the arguments file ({words})") from None
+    return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+def expand_files(argv: Sequence[str]) -> list[str]:
+    """`argv` with each `@FILE` replaced in place by the arguments in FILE."""
     out: list[str] = []
-    args = list(argv)
+    for arg in argv:
+        out += expand_files(args_file(arg[1:])) if arg.startswith("@") and len(arg) > 1 else [arg]
+    return out
+
+
+def expand(argv: Sequence[str]) -> list[str]:
+    """`argv` with each `--recipe NAME` (or `--recipe=NAME`) replaced in place by its flags,
+    and each `@FILE` by the arguments in FILE (a run folder's run.args): one per line, `#`
+    lines skipped, as argparse reads such a file; later arguments override it."""
+    out: list[str] = []
+    args = expand_files(argv)
     i = 0
     while i < len(args):
         arg = args[i]

@@ -11,15 +11,20 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from model_utils.config import arguments
 from model_utils.errors import first_line, os_error_words
 from model_utils.model import modeling
 from model_utils.run import metrics, slow_rank, trackers
 
 log = logging.getLogger("train")
+
+#: The run's resolved flags in its folder, for `train.py @<output_dir>/run.args`.
+RUN_ARGS = "run.args"
 
 # Steps excluded from throughput medians (allocator growth, lazy init, compilation).
 SPEED_WARMUP_STEPS = 10
@@ -103,6 +108,8 @@ class RunLog:
         self.records_lost_from: str | None = None  # where metrics.jsonl stopped, if it did
         log.info(metrics.run_line(run), stacklevel=2)  # flags and batch, for compare_runs.py
         self._record(run)
+        if self.is_main:
+            self._save_args()
         self._open_trackers(run, 0 if other else start_step)  # another run's: its own
         log.info(
             "model: %s, %.1fM parameters, impl=%s; %s",
@@ -219,6 +226,18 @@ class RunLog:
         record.update(self._seen_fields())
         self._record(record)
         self.trackers.write(record)
+
+    def _save_args(self) -> None:
+        """<output_dir>/run.args: this run's resolved flags, which `train.py @FILE` runs again
+        (written at each launch: a resume's free changes are the run's now)."""
+        path = Path(self.config.run.output_dir) / RUN_ARGS
+        header = [f"# train.py @{path} [flags that override these]: this run, resolved"]
+        try:
+            tmp = path.with_name(f".{RUN_ARGS}.tmp")
+            tmp.write_text("\n".join(header + arguments.saved_args(self.config)) + "\n")
+            tmp.replace(path)
+        except OSError as exc:
+            log.warning("%s cannot be written (%s)", path, os_error_words(exc), stacklevel=4)
 
     def _count_step(self) -> None:
         """Samples, tokens and the run's wall-clock seconds over all its launches (what a

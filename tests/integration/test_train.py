@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from helpers.runs import FAST, losses, records, run_train, train_cmd, train_env
 
+from model_utils.config.arguments import parse_args
+
 SEED_LINE = re.compile(
     r"Batch (\d+) Loss: (\d+\.\d{5}), Speed: (\d+\.\d{2}) samples/sec, lr: (\d+\.\d{6})$"
 )
@@ -36,6 +38,10 @@ def test_loss_goes_down_and_log_lines_have_the_seed_format(tmp_path):
     # upstream's validation line too, so its log parsers find the validation
     assert f"Batch 30 Validation loss: {val[-1]['val_loss']:.5f}" in result.stdout
     assert "Summary (medians over" in result.stdout
+    # The run's resolved flags, which `train.py @FILE` runs again, are in its folder.
+    again = parse_args([f"@{out / 'run.args'}", f"--output_dir={out}"]).as_dict()
+    ran = {k: v for k, v in records(out, "run")[0]["flags"].items() if k in again}
+    assert {k for k in again if again[k] != ran[k]} <= {"tokenizer_sha256", "data_fingerprint"}
 
 
 def test_fp8_emulated_stays_within_2_percent_of_the_same_run_without_it(tmp_path):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,11 +11,15 @@ from pathlib import Path
 import pytest
 
 from model_utils.config import recipes
-from model_utils.config.arguments import UsageError, parse_args
+from model_utils.config.arguments import NOT_SAVED, UsageError, parse_args, saved_args
 
 ROOT = Path(__file__).resolve().parents[2]
 PRECISION_FLAGS = {"fp8", "fp8_recipe"}
 RUN_FOLDERS = {"output_dir", "checkpoint_dir"}  # runs/<preset>-fp8 and -bf16: two runs
+#: What 1.train_llama.sbatch puts before the user's arguments.
+SBATCH_DEFAULTS = re.search(
+    r"^DEFAULT_TRAIN_ARGS=\((.*)\)$", (ROOT / "1.train_llama.sbatch").read_text(), re.M
+)[1].split()
 
 
 @pytest.mark.parametrize("model", sorted({name.rsplit("-", 1)[0] for name in recipes.names()}))
@@ -25,6 +30,39 @@ def test_a_recipes_twins_differ_in_precision_alone(model: str) -> None:
     assert differ == {"recipe", *RUN_FOLDERS, *(PRECISION_FLAGS & differ)} and "fp8" in differ
     assert fp8["output_dir"].endswith("-fp8") and bf16["output_dir"].endswith("-bf16")
     assert fp8["fp8"] is True and bf16["fp8"] is False
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--recipe", "tiny-fp8"],
+        ["--preset", "tiny"],
+        ["--preset", "tiny", "--fp8=1", "--lr", "3e-4", "--tracker", "tensorboard"],
+        ["--preset", "llama3.2-1b", "--bf16=0", "--dataset_config_name", "x", "--max_steps", "7"],
+    ],
+)
+def test_a_saved_run_args_file_runs_the_same_run_and_later_flags_win(argv, tmp_path) -> None:
+    """run.args (what a run writes in its folder): `train.py @FILE` resolves to the same run
+    but where it writes; a flag after the file overrides it; `#` lines are comments."""
+    run = parse_args(argv)
+    saved = tmp_path / "run.args"
+    saved.write_text("# a comment line\n" + "\n".join(saved_args(run)) + "\n")
+    again = parse_args([f"@{saved}"])
+    first, second = run.as_dict(), again.as_dict()
+    assert {k for k in first if first[k] != second[k]} <= set(NOT_SAVED)
+    assert parse_args([f"@{saved}", "--lr", "0.5"]).optim.lr == 0.5
+    # What comes before it (the sbatch's defaults) gives way to every value of the run.
+    after_defaults = parse_args([*SBATCH_DEFAULTS, "--lr", "0.5", f"@{saved}"]).as_dict()
+    assert {k for k in first if first[k] != after_defaults[k]} <= set(NOT_SAVED)
+
+
+def test_an_args_file_that_cannot_be_read_is_one_line(tmp_path) -> None:
+    for path, words in ((tmp_path / "none", "No such file"), (tmp_path, "Is a directory")):
+        with pytest.raises(UsageError) as refused:
+            parse_args([f"@{path}"])
+        assert str(refused.value) == f"@{path}: cannot read the arguments file ({words}" + (
+            " or directory)" if words == "No such file" else ")"
+        )
 
 
 def test_a_recipe_stands_where_it_is_written() -> None:
