@@ -19,6 +19,7 @@ Why these shapes:
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import logging
@@ -26,6 +27,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,6 +86,32 @@ def plan_window(spec: str | None, done: int) -> Window | None:
     if active_first > end:
         return None
     return Window(max(active_first - WARMUP_STEPS, done + 1), active_first, end)
+
+
+#: Kineto's progress lines, which its C++ writes to stderr (fd 2) as the profiler starts and
+#: stops whatever KINETO_LOG_LEVEL says short of also silencing its errors.
+KINETO_PROGRESS = (b"USDT:", b"STAGE:")
+
+
+@contextlib.contextmanager
+def kineto_lines_dropped() -> Iterator[None]:
+    """Around a profiler start, step or stop: what is written to fd 2 is held, then passed on
+    without Kineto's progress lines (everything else, errors included, unchanged and in
+    order). Not in a run's log: noise at every profiled window."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [ln for ln in held.read().splitlines(True) if not ln.startswith(KINETO_PROGRESS)]
+            if kept:
+                os.write(2, b"".join(kept))
 
 
 def trace_path(output_dir: str | Path, first_step: int, rank: int) -> Path:
@@ -154,7 +182,8 @@ class RunProfiler:
         """Step ``done`` has finished: move the profiler's schedule on, dump a snapshot due."""
         self.done = done
         if self._prof is not None:
-            self._prof.step()  # after the window's last step: its trace is written here
+            with kineto_lines_dropped():
+                self._prof.step()  # after the window's last step: its trace is written here
             if done >= self.window.end:
                 self._close(write=True)
         else:
@@ -193,7 +222,8 @@ class RunProfiler:
         meta = {"first_step": window.first, "active_first": window.active_first}
         meta |= {"end": window.end, "rank": self.rank, "world_size": self.world_size}
         self._prof.preset_metadata_json(TRACE_METADATA_KEY, json.dumps(meta))
-        self._prof.start()
+        with kineto_lines_dropped():
+            self._prof.start()
 
     def _close(self, write: bool) -> None:
         if self._prof is None:
@@ -201,7 +231,8 @@ class RunProfiler:
         self._dropping = not write
         prof, self._prof = self._prof, None
         try:
-            prof.stop()
+            with kineto_lines_dropped():
+                prof.stop()
         except Exception as exc:  # a profiler that cannot stop must not end the run
             log.warning("The profiler did not stop cleanly (%s): no trace from it", exc)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -126,6 +127,19 @@ def test_the_window_is_one_whole_trace_with_the_steps_and_their_ranges(tmp_path,
         f"Profiler trace of step(s) 3-4: {path} (one per rank: rank_*.pt.trace.json.gz); read it "
         f"with `{sys.executable} -m scripts.step_breakdown {tmp_path}`"
     ]
+
+
+def test_kineto_progress_lines_are_dropped_and_the_rest_of_stderr_kept(tmp_path, capfd) -> None:
+    """A profiled window leaves no `USDT: ... profiler_start` line on stderr (fd 2, where
+    Kineto's C++ writes); whatever else is written there meanwhile passes, in order."""
+    train(tmp_path, "2:3", steps=4)
+    assert "USDT:" not in capfd.readouterr().err
+    with profiling.kineto_lines_dropped():
+        os.write(2, b"USDT:2026 x.cpp:1] profiler_start\nan error line\n")
+        print("a Python line", file=sys.stderr)
+        os.write(2, b"STAGE:2026 x.cpp:2] Completed Stage\n")
+    # (in order on a real fd 2; here pytest's sys.stderr writes beside it)
+    assert sorted(capfd.readouterr().err.splitlines()) == ["a Python line", "an error line"]
 
 
 def test_lm_heads_backward_gemm_follows_its_forward_into_the_bf16_share(tmp_path) -> None:

@@ -200,3 +200,33 @@ def test_the_recipes_expected_output_agrees_with_itself_within_its_tolerance() -
     [tabled] = re.findall(r"\| step-1 loss \| ([\d.]+) fp8 /", page)
     assert logged == tabled
     assert "Expect the step-1\nloss within ±0.001 of the table" in page
+
+
+def test_library_import_noise_is_left_out_and_the_libraries_other_lines_kept(caplog) -> None:
+    """torchao's line per C++ kernel library it cannot load and torch's pytree deprecation
+    (both printed as torchao is imported) say nothing about a run; any other line of those
+    loggers still shows."""
+    import logging
+
+    import model_utils  # noqa: F401 (its import installs the filters)
+
+    lines = {
+        "torchao": [
+            "Failed to load /v/site-packages/torchao/_C_mxfp8.cpython-310.so: Could not load",
+            "Failed to load /v/site-packages/torchao/_C_cutlass_90a.abi3.so: Could not load",
+            "Skipping import of cpp extensions due to incompatible torch version",
+        ],
+        "torch.utils._pytree": [
+            "<enum 'KernelPreference'> is an Enum subclass and is now natively supported by "
+            "torch.compile as an opaque value type.",
+            "register_pytree_node is deprecated",
+        ],
+    }
+    with caplog.at_level(logging.WARNING):
+        for name, messages in lines.items():
+            for message in messages:
+                logging.getLogger(name).warning(message)
+    assert [r.getMessage() for r in caplog.records] == [
+        "Skipping import of cpp extensions due to incompatible torch version",
+        "register_pytree_node is deprecated",
+    ]
