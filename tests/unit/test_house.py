@@ -310,28 +310,7 @@ def test_the_link_check_sees_a_broken_file_and_a_broken_anchor(tmp_path, monkeyp
     ]
 
 
-# One way to run the repository's Python, everywhere a user reads a command (issue 40): the
-# environment `make` creates, by path, so that a fresh shell after the set-up command runs every
-# command as written. Inside a container (`docker run ...`, srun's --container-image) its own
-# Python is meant, and docs/flags.md's rows are train.py's --help, said to whatever runs it.
-BARE_PYTHON = re.compile(r"(?<![\w/.\-])python3? (?=-m |[\w/.-]+\.py\b)")
-
-
-def bare_python_commands(page: Path) -> list[str]:
-    """`python -m ...` / `python X.py` in `page` not spelled `.venv/bin/python`."""
-    found = []
-    for number, line in enumerate(page.read_text().splitlines(), start=1):
-        if "docker run" in line or line.startswith("| `--"):
-            continue
-        if BARE_PYTHON.search(line):
-            found.append(f"{page.relative_to(ROOT)}:{number}: {line.strip()[:80]}")
-    return found
-
-
-def test_every_documented_command_runs_the_venvs_python():
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-    bare = [hit for page in pages for hit in bare_python_commands(page)]
-    assert not bare, f"say .venv/bin/python (the environment make creates): {bare}"
+# Every documented command runs as written: tests/unit/test_doc_commands.py.
 
 
 @pytest.mark.parametrize(
@@ -352,21 +331,6 @@ def test_a_script_run_by_path_without_the_environment_says_so_in_one_line(script
         f"{script}.py: error: {sys.executable} has no module 'torch': run .venv/bin/python -m "
         f"scripts.{script} (the environment make creates)\n"
     )
-
-
-def test_the_python_check_sees_a_bare_command(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
-    page = tmp_path / "page.md"
-    page.write_text(
-        "python -m scripts.compare_runs a b\n`python train.py --x`\n"
-        ".venv/bin/python -m scripts.x\nany python3 (3.8+) will do\n"
-    )
-    assert [hit.split(": ")[0] for hit in bare_python_commands(page)] == ["page.md:1", "page.md:2"]
-
-
-# ============================================================================================
-# Imports: no circle between the package's modules, counting imports inside functions too
-# (a function-level import hides a circle from Python at start-up, not from a reader).
 
 
 def package_modules() -> dict[str, Path]:
