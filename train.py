@@ -30,9 +30,9 @@ from model_utils.model import modeling
 from model_utils.parallel import distributed
 from model_utils.precision import backends as precision
 from model_utils.precision import master_weights
+from model_utils.report.run_log import RunLog
 from model_utils.run import guards, outputs, run_lock, watchdog
 from model_utils.run.profiling import RunProfiler
-from model_utils.run.run_log import RunLog
 from model_utils.run.step import StepParts, train_step
 
 log = logging.getLogger("train")

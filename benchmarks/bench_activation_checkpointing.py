@@ -35,7 +35,7 @@ from benchmarks.bench_optim_kernels import median_seconds
 from model_utils.config import arguments
 from model_utils.parallel import distributed
 from model_utils.precision import backends as precision
-from model_utils.run.metrics.device import kept_activation_bytes
+from model_utils.report.metrics.device import kept_activation_bytes
 
 #: Llama3-8B / 8 in width, same head_dim, GQA ratio and MLP ratio; 4 layers, seq 1024.
 LLAMA3_SHAPED = [

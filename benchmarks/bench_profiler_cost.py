@@ -31,7 +31,7 @@ from pathlib import Path
 
 import train
 from model_utils.model.annotate import annotate
-from model_utils.run import metrics
+from model_utils.report import metrics
 
 #: The tiny preset cut to a fraction of a second per step on 2 busy cores (tests/helpers/runs.py's
 #: SMALL_LLAMA): the loop's own overheads weigh most in a short step.

@@ -42,7 +42,7 @@ def percentiles(seconds: list[float]) -> tuple[float, float]:
 
 
 def rank_main(rank: int, world_size: int, port: int, calls: int) -> None:
-    from model_utils.run.slow_rank import RankTimes, busy_seconds
+    from model_utils.report.slow_rank import RankTimes, busy_seconds
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size

@@ -46,7 +46,7 @@ from model_utils import optim
 from model_utils.config import arguments
 from model_utils.parallel import distributed
 from model_utils.precision import backends as precision
-from model_utils.run import metrics
+from model_utils.report import metrics
 from model_utils.run.step import StepParts, train_step
 
 REPO = Path(__file__).resolve().parent.parent

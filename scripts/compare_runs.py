@@ -48,9 +48,9 @@ except ModuleNotFoundError as missing:
     sys.exit(2)
 from model_utils.config.arguments import os_error_words
 from model_utils.config.sections import ModelShape, flag_fields, precision_name
-from model_utils.run import metrics
-from model_utils.run.metrics.records import record_problem, run_problem
-from model_utils.run.trace_rules import CATEGORIES
+from model_utils.report import metrics
+from model_utils.report.metrics.records import record_problem, run_problem
+from model_utils.traces.rules import CATEGORIES
 from scripts.compare_plot import (  # noqa: F401
     DPI,
     FIGSIZE,
@@ -61,7 +61,7 @@ from scripts.compare_plot import (  # noqa: F401
     throughput_key,
 )
 
-# model_utils/run/run_log.py's SPEED_WARMUP_STEPS (tests/unit/test_compare_runs.py keeps the two
+# model_utils/report/run_log.py's SPEED_WARMUP_STEPS (tests/unit/test_compare_runs.py keeps the two
 # equal); like the run's own summary, a run shorter than 2x this uses half its steps.
 WARMUP_STEPS = 10
 

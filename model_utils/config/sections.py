@@ -7,7 +7,7 @@ metrics.jsonl's run record) keep the flat names (:meth:`Config.as_dict`), so the
 version of the recipe compare and resume alike.
 
     section      type              read by
-    model        ModelShape        model/ (the Llama), run/metrics (FLOPs), checkpoint/ (HF in/out)
+    model        ModelShape        model/ (the Llama), report/metrics (FLOPs), checkpoint/ (HF)
     precision    PrecisionConfig   precision/ (the backend), model/ (which implementation)
     data         DataConfig        data/ (tokenizer, corpus, micro-batches)
     optim        OptimConfig       optim.py (AdamW, LR schedule), run/step (accumulation, clip)

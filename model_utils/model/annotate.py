@@ -3,7 +3,7 @@
 A profiler trace of a step is a flat soup of operators and kernels; these ranges say which part
 of the recipe launched each one: waiting for data, the forward, ``lm_head`` and its loss (the
 GEMMs FP8 never runs), the backward, the optimizer. ``scripts/step_breakdown.py`` reads them
-(with the kernel and operator rules of ``model_utils/run/trace_rules.py``) to split the step into
+(with the kernel and operator rules of ``model_utils/traces/rules.py``) to split the step into
 what FP8 speeds up and what it cannot.
 
 Outside a profiler's window :func:`annotate` is a ``nullcontext``: a RecordFunction costs a few
@@ -25,7 +25,7 @@ LM_HEAD = "lm_head"
 #: gradient clip, optimizer, LR schedule, the backend's bookkeeping (torchao's scale precompute).
 OPTIMIZER = "optimizer"
 #: validation and checkpoint saves: the run's step meter leaves them out of the step time
-#: (run/metrics/meter.py), and so does the breakdown.
+#: (report/metrics/meter.py), and so does the breakdown.
 OUTSIDE_STEP = "outside_step"
 
 

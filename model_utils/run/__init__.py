@@ -1,1 +1,2 @@
-"""The run stage: the step, its guards, the run's log, lock, outputs and metrics."""
+"""The run stage: what a training step needs around it: the step, its guards, the hang
+watchdog, the run lock, the outputs checked before training, the profiler."""

@@ -35,7 +35,7 @@ import torch
 
 from model_utils.config.flag_rules import profile_window
 from model_utils.errors import Refusal, os_error_words
-from model_utils.run.trace_rules import TRACE_METADATA_KEY
+from model_utils.traces.rules import TRACE_METADATA_KEY
 
 log = logging.getLogger("train")
 

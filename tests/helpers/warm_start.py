@@ -71,7 +71,7 @@ PRELOAD = (
     "model_utils.config.arguments",
     "model_utils.model.modeling",
     "model_utils.precision.backends",
-    "model_utils.run.run_log",
+    "model_utils.report.run_log",
 )
 
 #: Environment variables read only at run time (rank variables, launchers', the project's): a

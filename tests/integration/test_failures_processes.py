@@ -28,7 +28,8 @@ from model_utils import checkpoint as ck
 from model_utils.checkpoint.hf import existing_model
 from model_utils.checkpoint.layout import iter_dcp_model_layers
 from model_utils.checkpoint.manifest import checkpoint_name, step_of
-from model_utils.run import guards, metrics, run_lock
+from model_utils.report import metrics
+from model_utils.run import guards, run_lock
 
 ROOT = Path(__file__).resolve().parents[2]
 

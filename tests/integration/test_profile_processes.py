@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from helpers.runs import SMALL_LLAMA, records, run_train
 
-from model_utils.run.breakdown import read_rank
-from model_utils.run.trace_rules import CATEGORIES
+from model_utils.traces.breakdown import read_rank
+from model_utils.traces.rules import CATEGORIES
 from scripts import step_breakdown
 
 #: The window: steps 3 and 4 of 4 (step 2 warms the profiler up).

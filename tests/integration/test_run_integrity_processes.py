@@ -19,7 +19,7 @@ from helpers.runs import FAST
 from model_utils import checkpoint as ck
 from model_utils import data
 from model_utils.checkpoint.manifest import checkpoint_name, latest_checkpoint, step_of
-from model_utils.run import metrics
+from model_utils.report import metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,7 @@ import pytest
 from helpers.procs import torchrun_cmd, warm_env
 from helpers.tensorboard_events import flags_text, read_events, series
 
-from model_utils.run import metrics
+from model_utils.report import metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 

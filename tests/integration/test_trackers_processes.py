@@ -18,7 +18,7 @@ from helpers.procs import free_port
 from helpers.runs import FAST, ROOT, records, train_cmd, train_env
 from helpers.wandb_offline import read_run
 
-from model_utils.run import trackers
+from model_utils.report import trackers
 
 pytest.importorskip("mlflow", reason="pip install -e '.[trackers]'")
 pytest.importorskip("wandb", reason="pip install -e '.[trackers]'")

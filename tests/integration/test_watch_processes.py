@@ -68,7 +68,7 @@ LAUNCH_TIMEOUT_S = 300
 #: watchdog's: docs/hangs.md), whatever the machine's load.
 DRIVEN = """\
 import os, signal, sys
-from model_utils.run import slow_rank
+from model_utils.report import slow_rank
 import train
 factor, stop_at, calls, steps = float(sys.argv[1]), int(sys.argv[2]), [0], [0]
 def driven():

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from model_utils.config.arguments import parse_args
-from model_utils.run import metrics
+from model_utils.report import metrics
 from scripts import compare_runs as cr
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -525,7 +525,7 @@ def test_labels_and_argument_refusals(two_runs, tmp_path, capsys) -> None:
 
 
 def test_warmup_rule_is_train_py_s() -> None:
-    from model_utils.run import run_log
+    from model_utils.report import run_log
 
     assert run_log.SPEED_WARMUP_STEPS == cr.WARMUP_STEPS
     source = (ROOT / "model_utils" / "run" / "run_log.py").read_text()

@@ -105,7 +105,7 @@ def test_validation_leaves_the_delayed_scaling_state_and_the_losses_alone(
     the exit of an autocast with grad disabled; train.py's validation (run_log.evaluate) puts
     the state back, so a validation between two steps changes neither the scaling state nor the
     losses that follow (which a checkpoint taken right after it would otherwise carry)."""
-    from model_utils.run.run_log import evaluate
+    from model_utils.report.run_log import evaluate
 
     held_out = [{"input_ids": ids, "labels": ids} for ids in (3 * batch(7) % 8192, batch(8))]
 

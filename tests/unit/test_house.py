@@ -29,7 +29,7 @@ MAX_SIBLING_NAMES = 20  # names one module imports from the modules beside it
 #: Rooms over a cohesion limit today, pinned at their count so they can only shrink: the
 #: metrics package waits for its rework.
 OVER_THE_LIMIT = {
-    "model_utils/run/metrics": 27,
+    "model_utils/report/metrics": 27,
 }
 MAX_FUNCTION_LINES = 60
 
@@ -427,7 +427,9 @@ STAGES = (
     "model",
     "optim",
     "checkpoint",
+    "traces",
     "run",
+    "report",
 )
 
 

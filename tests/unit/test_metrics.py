@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from model_utils.config.sections import ModelShape
-from model_utils.run.metrics import (
+from model_utils.report.metrics import (
     GIB,
     JsonlWriter,
     StepMeter,
@@ -502,7 +502,7 @@ def test_summarize_counts_each_step_once_as_last_logged() -> None:
 
 
 def test_set_aside_keeps_an_earlier_runs_file_and_folder_beside_the_new_one(tmp_path) -> None:
-    from model_utils.run.metrics import set_aside
+    from model_utils.report.metrics import set_aside
 
     path = tmp_path / "metrics.jsonl"
     assert set_aside(path) is None  # nothing there
@@ -634,7 +634,7 @@ def test_another_run_never_appends_to_a_run_folders_metrics(tmp_path) -> None:
     from model_utils.model import modeling
     from model_utils.parallel import distributed
     from model_utils.precision.backends import BF16
-    from model_utils.run.run_log import RunLog
+    from model_utils.report.run_log import RunLog
 
     def launch(*flags: str, start_step: int, out: Path = tmp_path) -> None:
         config = parse_args([*SMALL_LLAMA, f"--output_dir={out}", "--bf16=0", *flags])

@@ -9,8 +9,8 @@ from pathlib import Path
 from helpers.tensorboard_events import flags_text, read_events, series
 
 from model_utils.config.arguments import parse_args
-from model_utils.run import metrics, trackers
-from model_utils.run.tensorboard_log import TensorBoardLog, flags_markdown, scalars
+from model_utils.report import metrics, trackers
+from model_utils.report.tensorboard_log import TensorBoardLog, flags_markdown, scalars
 
 
 def test_scalars_are_every_number_of_a_record_by_kind() -> None:
@@ -90,7 +90,7 @@ def test_only_tensorboard_writer_threads_disk_errors_go_unprinted(monkeypatch) -
 
     from tensorboard.summary.writer import event_file_writer
 
-    from model_utils.run import tensorboard_log
+    from model_utils.report import tensorboard_log
 
     printed: list[str] = []
     monkeypatch.setattr(threading, "excepthook", lambda args: printed.append(args.thread.name))

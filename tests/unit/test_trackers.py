@@ -11,7 +11,7 @@ import pytest
 
 from model_utils.config import flag_rules
 from model_utils.config.arguments import UsageError, parse_args
-from model_utils.run import trackers
+from model_utils.report import trackers
 
 
 def test_names_are_parsed_checked_and_deduplicated() -> None:

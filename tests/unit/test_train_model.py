@@ -15,7 +15,7 @@ def _layer_activation_bytes_and_grads(
     """Bytes autograd keeps for backward while inside the decoder layers (or the ``part`` of
     each layer given: metrics.kept_activation_bytes, the AC benchmark's measure too), plus loss and
     grads."""
-    from model_utils.run.metrics.device import kept_activation_bytes
+    from model_utils.report.metrics.device import kept_activation_bytes
 
     torch.manual_seed(0)
     batch = torch.randint(0, 8192, (4, 128))

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from model_utils.run import slow_rank, watchdog
+from model_utils.report import slow_rank
+from model_utils.run import watchdog
 
 REPO = Path(__file__).resolve().parents[2]
 

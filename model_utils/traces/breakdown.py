@@ -1,9 +1,9 @@
 """Where a step's time goes, per rank, from the ``torch.profiler`` traces ``--profile_steps``
-writes: the milliseconds of each category (``trace_rules.CATEGORIES``) of a mean profiled step,
+writes: the milliseconds of each category (``rules.CATEGORIES``) of a mean profiled step,
 which add up to the step.
 
 A profiled step is a ``ProfilerStep#k`` range holding a ``forward`` range. CPU traces are cut on
-the host (``trace_host.py``), GPU traces on the device timeline (``trace_device.py``): kernels,
+the host (``host.py``), GPU traces on the device timeline (``device.py``): kernels,
 idle time, and collectives exposed or overlapped with compute. ``scripts/step_breakdown.py``
 prints it, and FP8's ceiling from an fp8/bf16 pair.
 """
@@ -14,9 +14,9 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from model_utils.run.trace_device import device_steps
-from model_utils.run.trace_host import DEVICE_CATS, Host, StepTime, host_step, load
-from model_utils.run.trace_rules import CATEGORIES, TRACE_METADATA_KEY
+from model_utils.traces.device import device_steps
+from model_utils.traces.host import DEVICE_CATS, Host, StepTime, host_step, load
+from model_utils.traces.rules import CATEGORIES, TRACE_METADATA_KEY
 
 
 def rank_steps(trace: dict) -> list[StepTime]:

@@ -1,12 +1,12 @@
 """One rank's trace, host side: its operators and ranges nested per thread, each with the kinds
-(``trace_rules``) it and its ancestors matched, and a CPU trace's step cut into categories.
+(``rules``) it and its ancestors matched, and a CPU trace's step cut into categories.
 
 On a CPU trace the host *is* the device: the main thread's time is cut into each operator's or
 range's own (exclusive) time, and each piece takes the category of the event and its ancestors
-(``trace_rules.PRECEDENCE``); the gaps between operators (Python) are "other". A backward
+(``rules.PRECEDENCE``); the gaps between operators (Python) are "other". A backward
 operator inherits ``lm_head`` and attention from the forward operator the profiler links it to
 (its ``fwdbwd`` flow), so ``lm_head``'s weight-gradient GEMM under ``--chunked_loss=0`` is
-counted where it belongs. The GPU side is ``trace_device.py``; ``breakdown.py`` joins them.
+counted where it belongs. The GPU side is ``device.py``; ``breakdown.py`` joins them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from model_utils.run.trace_rules import HOST, PRECEDENCE, fp8_named, kinds_of
+from model_utils.traces.rules import HOST, PRECEDENCE, fp8_named, kinds_of
 
 _KIND_CATEGORY = {
     "collective": "comm_exposed",

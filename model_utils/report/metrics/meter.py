@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from model_utils.model.annotate import OUTSIDE_STEP, annotate
-from model_utils.run.metrics.device import GIB
+from model_utils.report.metrics.device import GIB
 
 
 def step_metrics(

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from model_utils.config.sections import precision_name
 from model_utils.errors import first_line
-from model_utils.run.tensorboard_log import TensorBoardLog, scalars
+from model_utils.report.tensorboard_log import TensorBoardLog, scalars
 
 log = logging.getLogger("train")
 

@@ -6,7 +6,7 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from model_utils.run.metrics.records import tflops_text
+from model_utils.report.metrics.records import tflops_text
 
 # (key in summary, label, format) in display order.
 _SUMMARY_ROWS: tuple[tuple[str, str, str], ...] = (

@@ -16,11 +16,11 @@ What the numbers mean (kept in one place so docs/metrics.md and the logs agree):
 The modules, one job each: `flops` (model FLOPs per token), `device` (bf16 peaks, peak
 memory, device sync), `meter` (the step meter and time left), `records` (JSONL records, the
 log lines and what a reader checks of them), `summary` (end-of-run medians and comparison
-tables). Callers use the names re-exported here: `from model_utils.run import metrics;
+tables). Callers use the names re-exported here: `from model_utils.report import metrics;
 metrics.StepMeter(...)`.
 """
 
-from model_utils.run.metrics.device import (
+from model_utils.report.metrics.device import (
     GIB,
     device_sync,
     peak_bf16_tflops,
@@ -28,9 +28,9 @@ from model_utils.run.metrics.device import (
     peak_memory_bytes,
     peak_memory_label,
 )
-from model_utils.run.metrics.flops import flops_per_token, matmul_params
-from model_utils.run.metrics.meter import StepMeter, remaining_seconds, step_metrics
-from model_utils.run.metrics.records import (
+from model_utils.report.metrics.flops import flops_per_token, matmul_params
+from model_utils.report.metrics.meter import StepMeter, remaining_seconds, step_metrics
+from model_utils.report.metrics.records import (
     JsonlWriter,
     detail_line,
     first_run_record,
@@ -44,7 +44,7 @@ from model_utils.run.metrics.records import (
     upstream_validation_line,
     validation_record,
 )
-from model_utils.run.metrics.summary import (
+from model_utils.report.metrics.summary import (
     format_comparison,
     format_summary,
     format_table,

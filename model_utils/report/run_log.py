@@ -19,7 +19,7 @@ import torch.distributed as dist
 from model_utils.config import arguments
 from model_utils.errors import first_line, os_error_words
 from model_utils.model import modeling
-from model_utils.run import metrics, slow_rank, trackers
+from model_utils.report import metrics, slow_rank, trackers
 
 log = logging.getLogger("train")
 
