@@ -20,6 +20,9 @@ from model_utils.config import arguments
 from model_utils.errors import first_line, os_error_words
 from model_utils.model import modeling
 from model_utils.report import metrics, slow_rank, trackers
+from model_utils.report.metrics.device import device_sync, peak_memory_bytes, peak_memory_label
+from model_utils.report.metrics.records import first_run_record, set_aside, upstream_validation_line
+from model_utils.report.metrics.summary import format_summary
 
 log = logging.getLogger("train")
 
@@ -54,8 +57,8 @@ def step_meter(
         world_size,
         peak,
         peak_label,
-        metrics.peak_memory_label(device),
-        sync=metrics.device_sync(device),
+        peak_memory_label(device),
+        sync=device_sync(device),
         max_steps=config.run.max_steps,
         warmup_steps=warmup,
         elapsed_before=elapsed_before,
@@ -134,9 +137,9 @@ class RunLog:
         """metrics.jsonl holds one run: a fresh start, or a launch of another run (another
         identity, metrics.identity_change), moves the file there aside. Returns how the run
         whose records were there is another run, None if it is this one."""
-        other = metrics.identity_change(metrics.first_run_record(self.jsonl_path), run)
+        other = metrics.identity_change(first_run_record(self.jsonl_path), run)
         if start_step == 0 or other:
-            aside = metrics.set_aside(self.jsonl_path)
+            aside = set_aside(self.jsonl_path)
             if aside is not None:
                 why = f"another run's records ({other})" if other else "an earlier run's"
                 log.info("metrics.jsonl here held %s: kept as %s", why, aside, stacklevel=3)
@@ -191,7 +194,7 @@ class RunLog:
             step=step,
             loss=loss_value,
             lr=lr,
-            peak_memory_bytes=metrics.peak_memory_bytes(self.device),
+            peak_memory_bytes=peak_memory_bytes(self.device),
         )
         record["grad_norm"] = grad_value
         record.update(self._seen_fields())
@@ -219,7 +222,7 @@ class RunLog:
             len(batches),
             stacklevel=2,
         )
-        log.info(metrics.upstream_validation_line(step, val_loss), stacklevel=2)
+        log.info(upstream_validation_line(step, val_loss), stacklevel=2)
         record = metrics.validation_record(
             step=step, val_loss=val_loss, batches=len(batches), seconds=seconds
         )
@@ -293,6 +296,6 @@ class RunLog:
             if self.records_lost_from:
                 lost = self.records_lost_from
                 title = f"Summary of what metrics.jsonl kept (it lost the records from {lost} on)"
-            text = metrics.format_summary(summary, title)
+            text = format_summary(summary, title)
             slow = slow_rank.summary_line(records)
             log.info("\n" + text + (f"\n{slow}" if slow else ""), stacklevel=2)

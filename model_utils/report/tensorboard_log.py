@@ -86,7 +86,7 @@ class TensorBoardLog:
         # Imported here: only runs that ask for TensorBoard need it importable.
         from torch.utils.tensorboard import SummaryWriter
 
-        from model_utils.report.metrics import set_aside
+        from model_utils.report.metrics.records import set_aside
 
         _quiet_writer_thread_errors()
         aside = None if resumed_from else set_aside(log_dir)

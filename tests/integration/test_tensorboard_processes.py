@@ -13,6 +13,7 @@ from helpers.procs import torchrun_cmd, warm_env
 from helpers.tensorboard_events import flags_text, read_events, series
 
 from model_utils.report import metrics
+from model_utils.report.metrics.meter import remaining_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -88,7 +89,7 @@ def test_second_log_line_has_elapsed_and_remaining_time(two_rank_run: tuple[Path
     assert all(m.group(2).startswith("~") for m in found[3:]) and found[-1].group(2) == "~0s"
     train = [r for r in metrics.read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
     step_times = [r["step_seconds"] / r["window_steps"] for r in train[3:]]
-    want = metrics.remaining_seconds(step_times[:1], 12 - 8)
+    want = remaining_seconds(step_times[:1], 12 - 8)
     assert train[3]["remaining_seconds"] == pytest.approx(want)
     assert found[3].group(2) == f"~{metrics.format_duration(want)}"
     assert [m.group(1) for m in found] == [

@@ -528,7 +528,7 @@ def test_warmup_rule_is_train_py_s() -> None:
     from model_utils.report import run_log
 
     assert run_log.SPEED_WARMUP_STEPS == cr.WARMUP_STEPS
-    source = (ROOT / "model_utils" / "run" / "run_log.py").read_text()
+    source = (ROOT / "model_utils" / "report" / "run_log.py").read_text()
     assert "min(SPEED_WARMUP_STEPS, config.run.max_steps // 2)" in source
 
 

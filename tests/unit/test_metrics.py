@@ -15,30 +15,26 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from model_utils.config.sections import ModelShape
 from model_utils.report.metrics import (
-    GIB,
     JsonlWriter,
     StepMeter,
     detail_line,
     flops_per_token,
-    format_comparison,
     format_duration,
-    format_summary,
     format_table,
-    matmul_params,
     peak_bf16_tflops,
     peak_bf16_tflops_for_name,
-    peak_memory_bytes,
-    peak_memory_label,
     read_jsonl,
-    remaining_seconds,
     run_line,
     run_record,
     seed_line,
-    step_metrics,
     summarize,
-    upstream_validation_line,
     validation_record,
 )
+from model_utils.report.metrics.device import GIB, peak_memory_bytes, peak_memory_label
+from model_utils.report.metrics.flops import matmul_params
+from model_utils.report.metrics.meter import remaining_seconds, step_metrics
+from model_utils.report.metrics.records import upstream_validation_line
+from model_utils.report.metrics.summary import format_comparison, format_summary
 
 # The `tiny` preset's shape (model_utils/config/arguments.py), GQA included.
 TINY = ModelShape(
@@ -502,7 +498,7 @@ def test_summarize_counts_each_step_once_as_last_logged() -> None:
 
 
 def test_set_aside_keeps_an_earlier_runs_file_and_folder_beside_the_new_one(tmp_path) -> None:
-    from model_utils.report.metrics import set_aside
+    from model_utils.report.metrics.records import set_aside
 
     path = tmp_path / "metrics.jsonl"
     assert set_aside(path) is None  # nothing there

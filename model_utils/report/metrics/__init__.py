@@ -16,67 +16,40 @@ What the numbers mean (kept in one place so docs/metrics.md and the logs agree):
 The modules, one job each: `flops` (model FLOPs per token), `device` (bf16 peaks, peak
 memory, device sync), `meter` (the step meter and time left), `records` (JSONL records, the
 log lines and what a reader checks of them), `summary` (end-of-run medians and comparison
-tables). Callers use the names re-exported here: `from model_utils.report import metrics;
-metrics.StepMeter(...)`.
+tables). What a run's reporting and the scripts read is re-exported here (`from
+model_utils.report import metrics; metrics.StepMeter(...)`); the rest is imported from its module.
 """
 
-from model_utils.report.metrics.device import (
-    GIB,
-    device_sync,
-    peak_bf16_tflops,
-    peak_bf16_tflops_for_name,
-    peak_memory_bytes,
-    peak_memory_label,
-)
-from model_utils.report.metrics.flops import flops_per_token, matmul_params
-from model_utils.report.metrics.meter import StepMeter, remaining_seconds, step_metrics
+from model_utils.report.metrics.device import peak_bf16_tflops, peak_bf16_tflops_for_name
+from model_utils.report.metrics.flops import flops_per_token
+from model_utils.report.metrics.meter import StepMeter
 from model_utils.report.metrics.records import (
     JsonlWriter,
     detail_line,
-    first_run_record,
     format_duration,
     identity_change,
     read_jsonl,
     run_line,
     run_record,
     seed_line,
-    set_aside,
-    upstream_validation_line,
     validation_record,
 )
-from model_utils.report.metrics.summary import (
-    format_comparison,
-    format_summary,
-    format_table,
-    summarize,
-)
+from model_utils.report.metrics.summary import format_table, summarize
 
 __all__ = [
-    "GIB",
     "JsonlWriter",
     "StepMeter",
     "detail_line",
-    "first_run_record",
-    "identity_change",
-    "device_sync",
     "flops_per_token",
-    "format_comparison",
     "format_duration",
-    "format_summary",
     "format_table",
-    "matmul_params",
+    "identity_change",
     "peak_bf16_tflops",
     "peak_bf16_tflops_for_name",
-    "peak_memory_bytes",
-    "peak_memory_label",
     "read_jsonl",
-    "remaining_seconds",
     "run_line",
     "run_record",
     "seed_line",
-    "upstream_validation_line",
-    "set_aside",
-    "step_metrics",
     "summarize",
     "validation_record",
 ]
