@@ -51,11 +51,7 @@ from model_utils.checkpoint.layout import (
 from model_utils.checkpoint.manifest import (
     CHECKPOINT_FORMAT,
     CheckpointWriteError,
-    all_gather_object,
-    any_rank,
-    barrier,
     complete_checkpoints,
-    current_rank,
     is_complete,
     latest_checkpoint,
     loadable_marker,
@@ -63,10 +59,16 @@ from model_utils.checkpoint.manifest import (
     publish,
     remove_stale_temporaries,
     save_paths,
-    world_size,
     write_error_reason,
 )
 from model_utils.model.te_support import is_te_extra_state_key
+from model_utils.parallel.distributed import (
+    all_gather_object,
+    any_rank,
+    barrier,
+    current_rank,
+    world_size,
+)
 from model_utils.precision import master_weights
 from model_utils.precision.te_state import (
     decode_recipe_identity,

@@ -48,15 +48,18 @@ from model_utils.checkpoint.layout import (
 )
 from model_utils.checkpoint.manifest import (
     CheckpointWriteError,
-    any_rank,
     checkpoint_problem,
-    current_rank,
     read_marker,
     write_error_reason,
 )
 from model_utils.config.sections import HF_KEYS, SHAPE_FIELDS, ModelShape
 from model_utils.model.modeling import HF_RECOMPUTED, llama_config  # RoPE buffers of old HF files
-from model_utils.parallel.distributed import canonical_param_name, has_tied_embeddings
+from model_utils.parallel.distributed import (
+    any_rank,
+    canonical_param_name,
+    current_rank,
+    has_tied_embeddings,
+)
 from model_utils.precision import master_weights
 
 log = logging.getLogger(__name__)

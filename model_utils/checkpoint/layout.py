@@ -33,8 +33,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from model_utils.checkpoint.manifest import ResumeRefused, all_gather_object, world_size
+from model_utils.checkpoint.manifest import ResumeRefused
 from model_utils.model.te_support import TE_LAYER_ATTR, is_te_extra_state_key
+from model_utils.parallel.distributed import first_problem, world_size
 from model_utils.precision import master_weights
 
 log = logging.getLogger(__name__)
@@ -356,7 +357,7 @@ def refuse_low_bit_reshard(path: Path, metadata: Any, state: Any, saved_world_si
     """ResumeRefused on every rank if any rank's torchao optimizer state would be cut inside a
     quantization block by this world size."""
     problem = low_bit_reshard_problem(metadata, state.model, state.optimizer)
-    problem = next((p for p in all_gather_object(problem) if p), None)
+    problem = first_problem(problem)
     if problem:
         raise ResumeRefused(
             f"checkpoint {path} was saved by {saved_world_size} ranks and cannot load "

@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -39,6 +37,12 @@ from model_utils.checkpoint.published import (  # noqa: F401 (re-exported: the p
     step_of,
 )
 from model_utils.errors import Refusal, first_line
+from model_utils.parallel.distributed import (
+    all_gather_object,
+    current_rank,
+    first_problem,
+    world_size,
+)
 
 #: 2: TE's FP8 scaling state as plain tensors (item fp8_scaling), no pickled ``_extra_state``.
 #: A checkpoint of an older format is refused (resume.check_format).
@@ -109,49 +113,6 @@ def write_error_reason(exc: BaseException, directory: Path) -> str:
     if free is not None and free < _NEARLY_FULL_BYTES:
         return f"no space left on the device ({free / 2**20:.1f} MiB free in {directory})"
     return first_line(chain[-1] if chain else exc)
-
-
-# --------------------------------------------------------------------------------------------
-# This process's place among the ranks, and the few collectives a checkpoint needs: each works
-# without a process group too (a world of one), so the checks that read no tensors run before
-# torch.distributed is initialised.
-
-
-def current_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
-    """Every rank's `obj` (a world of one without a process group: [obj])."""
-    if not dist.is_initialized():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def any_rank(flag: bool) -> bool:
-    """True on every rank if `flag` is true on any (a collective on the default group)."""
-    if not dist.is_initialized():
-        return flag
-    t = torch.tensor([int(flag)], device=_collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
-def _collective_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def read_marker(path: str | Path) -> dict[str, Any]:
@@ -361,7 +322,7 @@ def inspect_checkpoint(path: str | Path, checksums: bool = False) -> Problem | N
     files split over the ranks so each is read once, and every rank gets the same verdict."""
     problem = _soundness(Path(path), checksums)
     if checksums:
-        problem = next((p for p in all_gather_object(problem) if p), None)
+        problem = first_problem(problem)
     if problem is not None:
         return problem
     unverified = _unverified_reason(Path(path))

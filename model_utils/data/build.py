@@ -49,7 +49,7 @@ def build_data(
         problem = read_error_message(
             exc, source.dataset, source.text_column, world.rank, "at start-up"
         )
-    first = first_problem(problem, world.world_size)
+    first = first_problem(problem)
     if first:
         raise DataError(first)
     return stream, val_batches

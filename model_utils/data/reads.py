@@ -119,7 +119,7 @@ def raise_read_failure(failure: str | None, world: World, step: int, path: Path 
     rank's line) saying which step was dropped and what is kept; the caller exits 2."""
     from model_utils.parallel.distributed import first_problem
 
-    first = first_problem(failure, world.world_size)
+    first = first_problem(failure)
     if not first:
         return
     kept = (

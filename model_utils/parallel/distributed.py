@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -293,20 +294,49 @@ def sync_gradients(model: nn.Module, strategy: str, last_micro: bool) -> None:
         model.set_requires_all_reduce(last_micro)
 
 
-def all_ranks_agree(flag: bool, device: torch.device) -> bool:
-    """True if any rank raised `flag` (e.g. a preemption signal reached only some ranks)."""
-    t = torch.tensor([1 if flag else 0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+# This process's place among the ranks and the few collectives the stages need, each safe in a
+# world of one (no process group yet), so the checks that read no tensors run before
+# torch.distributed is initialised.
 
 
-def first_problem(problem: str | None, world_size: int) -> str | None:
+def current_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's `obj` (a world of one without a process group: [obj])."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if `flag` is true on any (e.g. a signal that reached some ranks)."""
+    if not dist.is_initialized():
+        return flag
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    found = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return bool(found.item())
+
+
+def first_problem(problem: str | None) -> str | None:
     """The lowest rank's problem line, or None, on every rank: a check that each rank makes
     on its own (its data shard, its checkpoint mount) must stop all ranks with the same line,
     or the healthy ones would wait in the next collective forever."""
-    found: list[str | None] = [None] * world_size
-    dist.all_gather_object(found, problem)
-    return next((p for p in found if p), None)
+    return next((p for p in all_gather_object(problem) if p), None)
 
 
 # How long cleanup() hands the GIL to gloo's worker threads before the interpreter shuts down.

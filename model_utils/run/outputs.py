@@ -190,7 +190,7 @@ def check_outputs(
             check_space(config, num_params, log)
         except WriteProblem as exc:
             problem = str(exc)
-    first = distributed.first_problem(problem, world.world_size)
+    first = distributed.first_problem(problem)
     remove_folders(sorted(created, key=lambda p: len(p.parts), reverse=True))
     if first:
         raise WriteProblem(first)

@@ -217,6 +217,6 @@ def hold_run_dirs(config: Config, world: distributed.World, device: torch.device
             refused = exc
             for lock in locks:
                 lock.release()
-    if distributed.all_ranks_agree(refused is not None, device):
+    if distributed.any_rank(refused is not None):
         raise refused or RunLocked("refused by rank 0")
     return locks
