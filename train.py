@@ -24,6 +24,7 @@ import torch.distributed as dist
 import te_llama
 from model_utils import checkpoint, data, optim
 from model_utils.config import arguments
+from model_utils.config.options import TE_IMPLS
 from model_utils.config.sections import Config
 from model_utils.errors import Refusal, exit_refused
 from model_utils.model import modeling
@@ -62,7 +63,7 @@ def validate(argv: list[str] | None, *, training: bool = True) -> tuple[Config, 
         raise  # already one line with its exit code
     except ValueError as exc:  # a library's or the checkpoint package's plain ValueError
         raise arguments.UsageError(str(exc)) from exc
-    if config.precision.model_impl in arguments.TE_IMPLS:
+    if config.precision.model_impl in TE_IMPLS:
         from model_utils.precision.te import check_requirements
 
         check_requirements(config, training=training)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from model_utils.config.arguments import TE_RECIPES
+from model_utils.config.options import TE_RECIPES
 from model_utils.report import metrics
 
 ROOT = Path(__file__).resolve().parent.parent

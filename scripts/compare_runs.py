@@ -46,8 +46,8 @@ except ModuleNotFoundError as missing:
         file=sys.stderr,
     )
     sys.exit(2)
-from model_utils.config.arguments import os_error_words
 from model_utils.config.sections import ModelShape, flag_fields, precision_name
+from model_utils.errors import os_error_words
 from model_utils.report import metrics
 from model_utils.report.metrics.records import record_problem, run_problem
 from model_utils.traces.rules import CATEGORIES

@@ -174,8 +174,8 @@ def check_space(path: Path, out_dir: Path, dtype: str) -> None:
 def os_problem(exc: OSError) -> str:
     """One line for a path the system refused to look at: the path (shortened) and the reason,
     with the limit for a name over 255 bytes (ENAMETOOLONG), which Path.exists() raises."""
-    from model_utils.config.arguments import os_error_words
     from model_utils.config.flag_rules import MAX_NAME_BYTES
+    from model_utils.errors import os_error_words
 
     shown = str(exc.filename or "")
     if len(shown) > 100:

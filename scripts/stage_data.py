@@ -47,10 +47,11 @@ except ModuleNotFoundError as missing:
     )
     sys.exit(2)
 from model_utils import data
-from model_utils.config.arguments import UsageError, apply_preset, build_parser, os_error_words
+from model_utils.config.arguments import UsageError, apply_preset, build_parser
 from model_utils.config.flag_rules import value_problem
 from model_utils.data.reads import read_error_message
 from model_utils.data.sources import document_texts, open_source
+from model_utils.errors import os_error_words
 from model_utils.run import outputs
 
 ROOT = Path(__file__).resolve().parent.parent

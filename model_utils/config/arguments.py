@@ -21,20 +21,10 @@ from typing import Any
 from model_utils.config import argv
 from model_utils.config.argv import precision_name
 from model_utils.config.flag_spec import Spec
-from model_utils.config.options import (  # noqa: F401 (re-exported: the flags' choices)
-    AC_SCOPES,
-    FP8_ATTENTION_RECIPES,
-    MASTER_WEIGHTS,
-    MODEL_IMPLS,
-    OPTIMIZERS,
-    RESHARD_POLICIES,
-    TE_IMPLS,
-    TE_RECIPES,
-    TORCHAO_RECIPES,
-)
+from model_utils.config.options import TE_IMPLS, TE_RECIPE_OPTIONS
 from model_utils.config.presets import PRESET_FIELDS, PRESETS
 from model_utils.config.sections import SECTIONS, Config, flag_specs, path_flags
-from model_utils.errors import UsageError, first_line, os_error_words  # noqa: F401 (re-exported)
+from model_utils.errors import UsageError
 
 
 def str2bool(value: str) -> bool:
@@ -271,8 +261,6 @@ def saved_args(config: Config) -> list[str]:
     trains the same run again whatever comes before the file (the sbatch's defaults); flags
     after it win. Left out at their defaults: the options whose being typed is itself checked
     (a TE recipe knob under torchao, a --preset beside --init_from_hf's config.json)."""
-    from model_utils.config.flag_rules import TE_RECIPE_OPTIONS
-
     typed_matters = set(TE_RECIPE_OPTIONS) | (
         {"preset"} if config.checkpoint.init_from_hf else set()
     )

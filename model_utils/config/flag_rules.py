@@ -12,20 +12,13 @@ import re
 from model_utils.config.options import (
     FP8_ATTENTION_RECIPES,
     TE_IMPLS,
+    TE_RECIPE_OPTIONS,
     TE_RECIPES,
     TORCHAO_RECIPES,
 )
 from model_utils.config.sections import flag_specs
 from model_utils.errors import UsageError
 
-#: TE recipe options -> the ``--fp8_recipe`` values whose TE recipe reads them
-#: (``te_precision.build_recipe``). Given for any other recipe or backend they would do nothing.
-TE_RECIPE_OPTIONS: dict[str, tuple[str, ...]] = {
-    "fp8_format": tuple(TE_RECIPES),
-    "amax_history_len": ("delayed",),
-    "amax_compute_algo": ("delayed",),
-    "fp8_margin": ("delayed", "mxfp8"),
-}
 #: The longest file or folder name Linux file systems take (NAME_MAX): a longer one raised
 #: ENAMETOOLONG from the first `exists()` that looked at it, as a traceback.
 MAX_NAME_BYTES = 255
@@ -246,7 +239,7 @@ def resolve_fp8_recipe(args: argparse.Namespace) -> str:
     """--fp8_recipe for the backend that the (resolved) --model_impl runs on: TE's recipes for the
     TE implementations, torchao's for hf; defaulted to that backend's first recipe."""
     uses_te = args.model_impl in TE_IMPLS
-    valid = tuple(TE_RECIPES) if uses_te else TORCHAO_RECIPES
+    valid = TE_RECIPES if uses_te else TORCHAO_RECIPES
     recipe = valid[0] if args.fp8_recipe is None else args.fp8_recipe
     if recipe not in valid:
         backend = "Transformer Engine" if uses_te else "torchao"

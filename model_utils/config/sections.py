@@ -155,8 +155,8 @@ class PrecisionConfig:
         default=True,
     )
     fp8_recipe: str | None = flag(
-        f"torchao: {'|'.join(TORCHAO_RECIPES)} (default tensorwise); "
-        f"TE: {'|'.join(TE_RECIPES)} (default delayed)",
+        f"torchao: {'|'.join(TORCHAO_RECIPES)} (default {TORCHAO_RECIPES[0]}); "
+        f"TE: {'|'.join(TE_RECIPES)} (default {TE_RECIPES[0]})",
         resume=Resume.EXPERIMENT,
     )
     fp8_format: str = flag(

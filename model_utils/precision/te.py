@@ -22,13 +22,12 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from model_utils.config import te_loader
-from model_utils.config.options import FP8_ATTENTION_RECIPES, TE_RECIPES
+from model_utils.config.options import FP8_RECIPE, TE_RECIPE_KEYWORDS, TE_RECIPES
 from model_utils.config.sections import Config
 from model_utils.config.te_loader import TEUnavailableError, import_te
 from model_utils.errors import UsageError
 from model_utils.precision.te_requirements import (
     REQUIREMENTS,
-    TE_AVAILABILITY_CHECKS,
     TECapabilityError,
     capability_problem,
     fp8_attention_problem,
@@ -81,33 +80,30 @@ def build_recipe(
 ) -> Any:
     """The TE recipe object for ``--fp8_recipe name`` and its options.
 
-    ``amax_history_len``/``amax_compute_algo`` only exist for delayed scaling (the others
-    compute scales from the current tensor or block); ``margin`` exists for delayed and MXFP8;
-    ``fp8_attention`` is the recipe's ``fp8_dpa`` (delayed and current scaling).
+    Each recipe's class gets the options its row of config/options.FP8_RECIPES says it reads
+    (``amax_history_len`` only exists for delayed scaling: the others compute scales from the
+    current tensor or block), ``fp8_attention`` as ``fp8_dpa`` where it has that path.
     """
-    if name not in TE_RECIPES:
+    recipe = FP8_RECIPE.get(name)
+    if recipe is None or recipe.backend != "te":
         raise ValueError(f"unknown TE fp8 recipe {name!r}; choose from {', '.join(TE_RECIPES)}")
     if fp8_format not in TE_FORMATS:
         raise ValueError(f"unknown fp8 format {fp8_format!r}; choose from {', '.join(TE_FORMATS)}")
     if amax_compute_algo not in AMAX_COMPUTE_ALGOS:
         raise ValueError(f"amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS}")
-    te_recipe = import_recipe_module()
-    if fp8_attention and name not in FP8_ATTENTION_RECIPES:
+    if fp8_attention and not recipe.attention:
         raise ValueError(f"--fp8_attention has no FP8 attention path with --fp8_recipe {name}")
-    fmt = getattr(te_recipe.Format, TE_FORMATS[fp8_format])
-    if name == "delayed":
-        return te_recipe.DelayedScaling(
-            fp8_format=fmt,
-            amax_history_len=amax_history_len,
-            amax_compute_algo=amax_compute_algo,
-            margin=fp8_margin,
-            fp8_dpa=fp8_attention,
-        )
-    if name == "current":
-        return te_recipe.Float8CurrentScaling(fp8_format=fmt, fp8_dpa=fp8_attention)
-    if name == "block":
-        return te_recipe.Float8BlockScaling(fp8_format=fmt)
-    return te_recipe.MXFP8BlockScaling(fp8_format=fmt, margin=fp8_margin)
+    te_recipe = import_recipe_module()
+    flags = {
+        "fp8_format": getattr(te_recipe.Format, TE_FORMATS[fp8_format]),
+        "amax_history_len": amax_history_len,
+        "amax_compute_algo": amax_compute_algo,
+        "fp8_margin": fp8_margin,
+    }
+    keywords = {TE_RECIPE_KEYWORDS[knob]: flags[knob] for knob in recipe.knobs}
+    if recipe.attention:
+        keywords[TE_RECIPE_KEYWORDS["fp8_attention"]] = fp8_attention
+    return getattr(te_recipe, recipe.te_class)(**keywords)
 
 
 def attention_is_deterministic() -> bool:
@@ -242,7 +238,7 @@ class TEBackend:
             raise TECapabilityError(problem)
         if not self.fp8:
             return
-        check = getattr(te, TE_AVAILABILITY_CHECKS[self.recipe_name])
+        check = getattr(te, FP8_RECIPE[self.recipe_name].te_check)
         available, reason = check(return_reason=True)
         if not available:
             raise TECapabilityError(
@@ -365,7 +361,7 @@ class TEBackend:
         weights = "FP8 (fp8_model_init)" if self.fp8_weights else "high precision"
         return (
             f"model_impl={self.model_impl} precision=TE FP8 recipe={self.recipe_name} "
-            f"({TE_RECIPES[self.recipe_name]}: {options}); {activations}; "
+            f"({FP8_RECIPE[self.recipe_name].te_class}: {options}); {activations}; "
             f"weights {weights}; amax reduction over the {group}{cudnn}"
         )
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from model_utils.config.options import FP8_RECIPE, FP8_RECIPES
+
 if TYPE_CHECKING:
     from model_utils.config.sections import ModelShape
 
@@ -25,21 +27,14 @@ class Requirement:
     hardware: str
 
 
-#: Per recipe (and for BF16 on TE). SM 8.9 = Ada (L4/L40), 9.0 = Hopper (H100/H200),
-#: 10.0 = Blackwell (B200). TE minimums are the releases that introduced each recipe.
+#: Per FP8 recipe (its row of config/options.FP8_RECIPES), and for BF16 on TE.
 REQUIREMENTS: dict[str, Requirement] = {
     "bf16": Requirement((8, 0), None, (2, 1), "an NVIDIA GPU with BF16 (SM 8.0+, A100 or newer)"),
-    "delayed": Requirement((8, 9), None, (2, 1), "SM 8.9+ (Ada, Hopper or newer)"),
-    "current": Requirement((8, 9), None, (2, 2), "SM 8.9+ (Ada, Hopper or newer)"),
-    "block": Requirement((9, 0), (12, 9), (2, 3), "SM 9.0+ (Hopper) and CUDA >= 12.9"),
-    "mxfp8": Requirement((10, 0), None, (2, 1), "SM 10.0+ (Blackwell)"),
-}
-#: TE's own availability check per recipe (``fn(return_reason=True) -> (ok, reason)``).
-TE_AVAILABILITY_CHECKS: dict[str, str] = {
-    "delayed": "is_fp8_available",
-    "current": "is_fp8_available",
-    "block": "is_fp8_block_scaling_available",
-    "mxfp8": "is_mxfp8_available",
+    **{
+        r.name: Requirement(r.min_sm, r.min_cuda, r.min_te, r.hardware)
+        for r in FP8_RECIPES
+        if r.backend == "te"
+    },
 }
 #: FP8-only weights under FSDP2 (``--fp8_weights``): TE 2.16 is the first release without the
 #: FSDP2 FP8 weight-workspace leak (TE PR #2805) and with block-scaled weights built on CUDA.
@@ -125,7 +120,7 @@ def fp8_shape_problem(
     forward GEMMs see ``[tokens, features]``; the weight-gradient GEMM consumes the transposed
     activations, so tokens per micro-batch become an inner dimension and must obey the rule too.
     """
-    multiple = 32 if recipe == "mxfp8" else 16
+    multiple = FP8_RECIPE[recipe].gemm_multiple
     tokens = micro_batch_size * shape.max_context_width
     dims = {
         "tokens per micro-batch (train_batch_size x max_context_width)": tokens,

@@ -32,6 +32,7 @@ import pytest
 import torch
 from helpers.te_usages import Usage, collect_usages, our_usages
 
+from model_utils.config.options import FP8_RECIPES, TE_RECIPE_KEYWORDS
 from model_utils.precision import te as te_precision
 from model_utils.precision import te_requirements
 from model_utils.precision.te_requirements import TE_UNSAFE_PICKLE_ENV
@@ -287,15 +288,33 @@ def test_every_te_name_and_keyword_we_use_exists(te_source: TESource) -> None:
 
 
 def test_names_kept_as_data_exist(te_source: TESource) -> None:
-    """Recipe classes, Format members and availability checks chosen through tables."""
+    """Each TE row of config/options.FP8_RECIPES against TE's source: its recipe class, a
+    keyword of that class for each flag it reads (and ``fp8_dpa`` where it has FP8 attention),
+    its availability check; and the Format members the flags choose."""
     recipe_module = "transformer_engine.common.recipe"
-    for cls in te_precision.TE_RECIPES.values():
-        assert te_source.resolve(recipe_module, cls), cls
+    for row in (r for r in FP8_RECIPES if r.backend == "te"):
+        cls = te_source.resolve(recipe_module, row.te_class)
+        assert cls, row.te_class
+        keywords = recipe_keywords(te_source, cls)
+        flags = (*row.knobs, *(("fp8_attention",) if row.attention else ()))
+        missing = [TE_RECIPE_KEYWORDS[f] for f in flags if TE_RECIPE_KEYWORDS[f] not in keywords]
+        assert not missing, (row.name, row.te_class, missing)
+        check = te_source.resolve("transformer_engine.pytorch", row.te_check)
+        assert check and "return_reason" in callable_params(check).names, row.te_check
     for member in te_precision.TE_FORMATS.values():
         assert te_source.resolve_chain(recipe_module, ["Format", member]), member
-    for check in te_requirements.TE_AVAILABILITY_CHECKS.values():
-        resolved = te_source.resolve("transformer_engine.pytorch", check)
-        assert resolved and "return_reason" in callable_params(resolved).names, check
+
+
+def recipe_keywords(te_source: TESource, resolved: tuple[str, Any]) -> set[str]:
+    """A recipe dataclass's fields, its base classes' included."""
+    module, node = resolved
+    params = callable_params(resolved)  # None for a base that is no dataclass
+    names = set(params.names) if params else set()
+    for base in node.bases:
+        found = te_source.resolve(module, ast.unparse(base))
+        if found and isinstance(found[1], ast.ClassDef):
+            names |= recipe_keywords(te_source, found)
+    return names
 
 
 SYNTHETIC = """
@@ -416,6 +435,16 @@ def test_double_signatures_match_the_real_ones(pinned_te_source: TESource, te_do
                     problems.append(
                         f"{target.label}({name}=): double {defaults.get(name)!r} != {default!r}"
                     )
+    recipe_module = "transformer_engine.common.recipe"
+    for row in (r for r in FP8_RECIPES if r.backend == "te"):  # built from the table, by name
+        real = callable_params(te_source.resolve(recipe_module, row.te_class))
+        names, defaults = _double_params(_double_object(recipe_module, [row.te_class]), None)
+        checked.add(f"{recipe_module}.{row.te_class}")
+        if names != real.names:
+            problems.append(f"{row.te_class}: double {names} != real {real.names}")
+        for name, default in real.defaults.items():
+            if not _same_default(default, defaults.get(name, _NO_LITERAL)):
+                problems.append(f"{row.te_class}({name}=): double {defaults.get(name)!r}")
     assert len(checked) >= 12
     assert not problems, "\n".join(problems)
 

@@ -7,6 +7,7 @@ against each release's source is tests/integration/test_te_contract.py.
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 from helpers.te_usages import ALIASES, OUR_SOURCES, our_usages
@@ -64,9 +65,33 @@ def test_collector_sees_the_important_calls() -> None:
         "transformer_engine.pytorch.fp8_autocast",
         "transformer_engine.pytorch.quantized_model_init",
         "transformer_engine.pytorch.fp8_model_init",
-        "transformer_engine.common.recipe.DelayedScaling",
-        "transformer_engine.common.recipe.Float8CurrentScaling",
-        "transformer_engine.common.recipe.Float8BlockScaling",
-        "transformer_engine.common.recipe.MXFP8BlockScaling",
     }
     assert expected <= labels, expected - labels
+    # The recipe classes are built by name from config/options.FP8_RECIPES' rows, which
+    # test_te_contract walks against TE's source and the double (classes and keywords).
+
+
+def test_each_fp8_recipe_is_one_row_the_rest_derives_from() -> None:
+    """config/options.FP8_RECIPES: the flags' choices, each backend's default (its first row),
+    the options each recipe reads, its FP8 attention path and its requirements come from the
+    rows; a TE row names its class and TE's availability check, and reads only TE recipe flags
+    of the precision section."""
+    from model_utils.config import options
+    from model_utils.config.sections import PrecisionConfig
+    from model_utils.precision import te_requirements
+
+    rows = options.FP8_RECIPES
+    assert options.TORCHAO_RECIPES[0] == "tensorwise" and options.TE_RECIPES[0] == "delayed"
+    assert set(options.TORCHAO_RECIPES) | set(options.TE_RECIPES) == {r.name for r in rows}
+    flags = {f.name for f in dataclasses.fields(PrecisionConfig)}
+    for row in rows:
+        if row.backend == "torchao":
+            assert (row.te_class, row.knobs, row.attention, row.te_check) == (None, (), False, None)
+            continue
+        assert row.te_class and row.te_check and set(row.knobs) <= set(options.TE_RECIPE_KEYWORDS)
+        assert set(row.knobs) <= flags and "fp8_format" in row.knobs
+        need = te_requirements.REQUIREMENTS[row.name]
+        assert (need.min_sm, need.min_cuda, need.min_te) == (row.min_sm, row.min_cuda, row.min_te)
+        for knob in row.knobs:
+            assert row.name in options.TE_RECIPE_OPTIONS[knob]
+    assert options.FP8_ATTENTION_RECIPES == ("delayed", "current")
