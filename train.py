@@ -100,7 +100,7 @@ class Preemption:
         """Ignore these signals from here to the exit: the run has saved what it will save. At
         interpreter shutdown CPython puts a Python handler back to the default action (death by
         the signal) but keeps an ignore, and the launcher resends a pending request every few
-        seconds until torchrun exits: one landing then turned a clean exit into status -10."""
+        seconds until torchrun exits: one landing then would turn a clean exit into status -10."""
         for sig in self.SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
 

@@ -50,6 +50,7 @@ from model_utils.config.sections import ModelShape, flag_fields, precision_name
 from model_utils.errors import os_error_words
 from model_utils.report import metrics
 from model_utils.report.metrics.records import record_problem, run_problem
+from model_utils.report.metrics.summary import SPEED_WARMUP_STEPS
 from model_utils.traces.rules import CATEGORIES
 from scripts.compare_plot import (  # noqa: F401
     DPI,
@@ -60,10 +61,6 @@ from scripts.compare_plot import (  # noqa: F401
     missing_x,
     throughput_key,
 )
-
-# model_utils/report/run_log.py's SPEED_WARMUP_STEPS (tests/unit/test_compare_runs.py keeps the two
-# equal); like the run's own summary, a run shorter than 2x this uses half its steps.
-WARMUP_STEPS = 10
 
 _NUM = r"([-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|nan|inf))"
 _GROUPED = r"(\d{1,3}(?:,\d{3})*(?:\.\d+)?)"  # 1,234,567 (the detail line's tokens/s)
@@ -185,7 +182,7 @@ def parse_jsonl(text: str, name: str) -> tuple[list[dict[str, Any]], dict[str, A
             raise CompareError(f"{name}: line {number} {problem}: fix or delete that line")
         if record.get("kind") == "run":
             # The first record says what the run trained: a resume writes another, and a
-            # resume that changed what it compares once re-labelled an FP8 run as bf16.
+            # resume that changed what it compares would re-label an FP8 run as bf16.
             change = metrics.identity_change(info, record)
             if change:  # a file from before train.py kept one run per file
                 raise CompareError(
@@ -293,14 +290,14 @@ def mismatches(runs: Sequence[Run], labels: Sequence[str]) -> list[str]:
 
 
 def default_warmup(runs: Sequence[Run]) -> int:
-    """train.py's rule, min(WARMUP_STEPS, max_steps // 2), over the shortest run, so the table
+    """train.py's rule, min(SPEED_WARMUP_STEPS, max_steps // 2), over the shortest run, so the table
     shows the medians of each run's own end-of-run summary."""
     steps = []
     for run in runs:
         flags = (run.info or {}).get("flags", {})
         last = max(r["step"] for r in run.records if r["kind"] == "train")
         steps.append(int(flags.get("max_steps") or last))
-    return min(WARMUP_STEPS, min(steps) // 2)
+    return min(SPEED_WARMUP_STEPS, min(steps) // 2)
 
 
 # ------------------------------------------------------------------------------ the table
@@ -383,7 +380,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--warmup_steps",
         type=int,
         help="steps left out of the medians "
-        f"(default: train.py's, min({WARMUP_STEPS}, max_steps // 2))",
+        f"(default: train.py's, min({SPEED_WARMUP_STEPS}, max_steps // 2))",
     )
     p.add_argument(
         "--allow_mismatch",

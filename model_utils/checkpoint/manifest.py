@@ -45,7 +45,7 @@ from model_utils.parallel.distributed import (
 )
 
 #: 2: TE's FP8 scaling state as plain tensors (item fp8_scaling), no pickled ``_extra_state``.
-#: A checkpoint of an older format is refused (resume.check_format).
+#: A checkpoint of any other format is refused (format_problem).
 CHECKPOINT_FORMAT = 2
 DAMAGED_PREFIX = "damaged-"  # a checkpoint that failed its checks, renamed by an `auto` resume
 # A checkpoint without checksums for every file (saved before they were recorded, or the table

@@ -349,11 +349,11 @@ def cleanup() -> None:
     A gloo worker thread drops a finished collective's tensors just after the collective
     returns, and that takes the GIL. If the interpreter is already shutting down, CPython 3.11
     ends the thread by unwinding it through a C++ destructor: std::terminate, SIGABRT, and a
-    run that finished and saved is reported to Slurm as failed (seen in CI, in the rank
-    processes of our tests). destroy_process_group does not stop those threads here: once any
-    DTensor op has run (fully_shard runs one to make each parameter), torch 2.13 holds the gloo
-    group from C++ (measured: both worker threads still run after destroy_process_group, with
-    no Python reference left and DTensor's Python caches cleared). Sleeping hands the GIL
+    run that finished and saved is reported to Slurm as failed. destroy_process_group does not
+    stop those threads here: once any DTensor op has run (fully_shard runs one to make each
+    parameter), torch 2.13 holds the gloo group from C++ (both worker threads run on after
+    destroy_process_group, with no Python reference left and DTensor's Python caches cleared).
+    Sleeping hands the GIL
     over so a pending drop finishes first. This narrows the window (the thread must be
     scheduled within the grace) rather than closing it; the tests' spawned ranks close it by
     skipping interpreter shutdown (tests/helpers/procs.py).

@@ -58,7 +58,7 @@ AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 FP8_WEIGHTS_TRAINING_REFUSAL = (
     "--fp8_weights keeps weights only in FP8, and training them needs fp32 master weights in the "
     "optimizer: add --master_weights optimizer (without it AdamW would re-quantise every update "
-    "to FP8: 3% worse loss measured on an H100)"
+    "to FP8, and small updates vanish: docs/checkpoints.md)"
 )
 
 

@@ -1,7 +1,7 @@
 """What a Transformer Engine configuration needs, as pure rules: GPU architecture, CUDA, TE
 release, FP8 shapes and FP8 attention backends, each answered with the message a user sees.
 
-Read from TE's source (the releases in ``te_precision.TE_CONTRACT_VERSIONS``); every rule takes
+Read from TE's source (the releases in ``precision/te.py``'s TE_CONTRACT_VERSIONS); every rule takes
 the GPU's SM and versions as arguments, so each message is tested on a CPU, and train.py refuses
 in one line before a process group exists instead of failing inside TE after the launch.
 """

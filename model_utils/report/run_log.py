@@ -22,15 +22,12 @@ from model_utils.model import modeling
 from model_utils.report import metrics, slow_rank, trackers
 from model_utils.report.metrics.device import device_sync, peak_memory_bytes, peak_memory_label
 from model_utils.report.metrics.records import first_run_record, set_aside, upstream_validation_line
-from model_utils.report.metrics.summary import format_summary
+from model_utils.report.metrics.summary import SPEED_WARMUP_STEPS, format_summary
 
 log = logging.getLogger("train")
 
 #: The run's resolved flags in its folder, for `train.py @<output_dir>/run.args`.
 RUN_ARGS = "run.args"
-
-# Steps excluded from throughput medians (allocator growth, lazy init, compilation).
-SPEED_WARMUP_STEPS = 10
 
 
 def evaluate(model, batches, backend, device) -> float:

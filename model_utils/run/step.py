@@ -9,14 +9,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from model_utils.config.sections import Config
 from model_utils.model.annotate import BACKWARD, DATA_WAIT, FORWARD, OPTIMIZER, annotate
 from model_utils.parallel import distributed
+from model_utils.precision.backends import PrecisionBackend
 
 #: Returns (micro-batch of CPU tensors, loss weight): data.ReadGuard.next, or a fixed batch.
 MicroBatchSource = Callable[[], tuple[dict[str, torch.Tensor], float]]
@@ -31,8 +32,8 @@ class StepParts:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    backend: Any
-    config: Any
+    backend: PrecisionBackend
+    config: Config
     device: torch.device
 
 

@@ -27,6 +27,10 @@ _MEDIAN_KEYS = (
     "data_wait_pct",
 )
 
+#: Steps left out of throughput medians (allocator growth, lazy init, compilation): train.py's
+#: summary and compare_runs use min(this, max_steps // 2).
+SPEED_WARMUP_STEPS = 10
+
 
 def _median(values: Iterable[float | None]) -> float | None:
     present = [v for v in values if v is not None]
