@@ -353,10 +353,9 @@ def cleanup() -> None:
     stop those threads here: once any DTensor op has run (fully_shard runs one to make each
     parameter), torch 2.13 holds the gloo group from C++ (both worker threads run on after
     destroy_process_group, with no Python reference left and DTensor's Python caches cleared).
-    Sleeping hands the GIL
-    over so a pending drop finishes first. This narrows the window (the thread must be
-    scheduled within the grace) rather than closing it; the tests' spawned ranks close it by
-    skipping interpreter shutdown (tests/helpers/procs.py).
+    Sleeping hands the GIL over so a pending drop finishes first. This narrows the window (the
+    thread must be scheduled within the grace) rather than closing it; the tests' spawned ranks
+    close it by skipping interpreter shutdown (tests/helpers/procs.py).
     """
     if dist.is_initialized():
         dist.destroy_process_group()
