@@ -52,7 +52,7 @@ def validate(argv: list[str] | None, *, training: bool = True) -> tuple[Config, 
         data.check_vocab(tokenizer, config.model.vocab_size)
         config = config.replace(
             tokenizer_sha256=data.tokenizer_fingerprint(tokenizer),
-            data_fingerprint=data.data_fingerprint(source.dataset),
+            data_fingerprint=data.data_fingerprint(source.dataset, source.verify_data == "full"),
         )
         checkpoint.check_resume_arg(ckpt.resume_from_checkpoint)
         if ckpt.init_from_hf:

@@ -98,7 +98,9 @@ def map_group(seq_len: int, micro_batch: int) -> Batches:
 
 def _source(micro_batch: int) -> DataConfig:
     """The data section of the bundled corpus, as train.py hands it to the stream."""
-    return DataConfig(BUNDLED_TOKENIZER, BUNDLED_DATASET, None, "text", micro_batch, micro_batch)
+    return DataConfig(
+        BUNDLED_TOKENIZER, BUNDLED_DATASET, None, "text", micro_batch, micro_batch, "sampled"
+    )
 
 
 def ours(seq_len: int, micro_batch: int) -> Batches:

@@ -32,6 +32,7 @@ from model_utils.checkpoint.manifest import (
 from model_utils.config.arguments import default_warmup
 from model_utils.config.flag_spec import Resume
 from model_utils.config.sections import Config, refusal_words, resume_fields, saved_defaults
+from model_utils.data.checks import data_check
 
 log = logging.getLogger(__name__)
 
@@ -222,14 +223,16 @@ def check_before_start(config: Config) -> None:
         check_steps_left(path, config.run.max_steps)
 
 
-def check_same_data(path: str | Path, config: Config, warn: bool = True) -> None:
+def check_same_data(path: str | Path, config: Config, warn: bool = True) -> str:
     """A checkpoint's data position means something only in the data it was saved with: a
     local file changed since is refused (one line naming it), or with --allow_data_change a
-    warning. Checkpoints from before fingerprints, and hub datasets, have none to compare."""
+    warning. Checkpoints from before fingerprints, and hub datasets, have none to compare.
+    Returns which check ran, in words (the resume line says it)."""
     saved = (read_marker(path).get("run_config") or {}).get("data_fingerprint")
     change = data.data_change(saved, config.data.data_fingerprint)
+    checked = data_check(saved, config.data.data_fingerprint)
     if change is None:
-        return
+        return checked
     if config.checkpoint.allow_data_change:
         if warn:
             log.warning(
@@ -237,7 +240,7 @@ def check_same_data(path: str | Path, config: Config, warn: bool = True) -> None
                 change,
                 config.data.dataset,
             )
-        return
+        return checked
     raise ResumeRefused(
         f"checkpoint {path} was saved with other data: {change} in --dataset {config.data.dataset} "
         "since the save, so its saved position points into other text; resume on the data it "
@@ -258,14 +261,14 @@ def resume_or_start(
     if path is None:
         return config
     changed = [c for c in check_resumable(path, config.as_dict()) if c[0][2:] not in LR_FLAGS]
-    check_same_data(path, config)  # the checkpoint chosen now, maybe an older one
+    checked = check_same_data(path, config)  # the checkpoint chosen now, maybe an older one
     ckpt.load(path, state)
     given = {name: config.get(name) for name in LR_FLAGS if name in explicit}
     try:
         used = optim.resume_schedule(scheduler, given)
     except ValueError as exc:
         raise ResumeRefused(f"resuming from {path}: {exc}") from exc
-    log.info("Resumed from %s at step %d", path, state.step)
+    log.info("Resumed from %s at step %d (data checked: %s)", path, state.step, checked)
     if changed:
         log.info("Flags changed since the checkpoint: %s", describe_changes(changed))
     for name, value in used.items():

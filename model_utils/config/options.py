@@ -18,6 +18,9 @@ OPTIMIZERS = ("adamw", "adamw8bit", "adamw_fp8")
 #: Where the fp32 master weights live (``--master_weights``): in the parameters themselves (FSDP2
 #: casts them to bf16 for compute), or in the optimizer beside bf16 parameters.
 MASTER_WEIGHTS = ("params", "optimizer")
+#: How the local data files are checked against a checkpoint's (``--verify_data``): size, ends
+#: and sampled blocks (about 1 MiB read per file), or every byte.
+DATA_CHECKS = ("sampled", "full")
 
 
 @dataclass(frozen=True)

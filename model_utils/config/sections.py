@@ -41,6 +41,7 @@ from model_utils.config.flag_spec import (
 )
 from model_utils.config.options import (
     AC_SCOPES,
+    DATA_CHECKS,
     MASTER_WEIGHTS,
     MODEL_IMPLS,
     OPTIMIZERS,
@@ -215,6 +216,14 @@ class DataConfig:
         "micro-batch per device (sequences)", resume=Resume.FREE, range=POSITIVE
     )
     val_batch_size: int = flag("default: --train_batch_size", resume=Resume.FREE, range=POSITIVE)
+    verify_data: str = flag(
+        "how a resume checks the local data files against the checkpoint's: sampled (size, "
+        "ends and 16 blocks, ~1 MiB per file) or full (every byte: the whole dataset is read "
+        "at each start; the checkpoints then record it; docs/data.md)",
+        resume=Resume.FREE,
+        default="sampled",
+        choices=DATA_CHECKS,
+    )
     tokenizer_sha256: str | None = derived(
         KEPT, words="the tokenizer's contents (sha256)", field_default=None
     )

@@ -291,24 +291,25 @@ FINGERPRINT_BYTES = 64 * 2**10  # read from each end of each file, and per sampl
 FINGERPRINT_SAMPLES = 16  # blocks evenly spaced between the ends (docs/data.md: cost, reach)
 
 
-def data_fingerprint(dataset: str) -> dict[str, str] | None:
-    """{file, relative to --dataset's folder: "<bytes>:<ends>:<samples>"} for every local file
-    the run reads (training and validation); None for a hub dataset. <ends>: sha256 of the
-    first and last 64 KiB; <samples>: of FINGERPRINT_SAMPLES blocks of 64 KiB spread evenly
-    between them, so a same-size edit in the middle shows where it touches one."""
+def data_fingerprint(dataset: str, whole: bool = False) -> dict[str, str] | None:
+    """{file, relative to --dataset's folder: "<bytes>:<ends>:<samples>[:<all>]"} for every
+    local file the run reads (training and validation); None for a hub dataset. <ends>: sha256
+    of the first and last 64 KiB; <samples>: of FINGERPRINT_SAMPLES blocks of 64 KiB spread
+    evenly between them, so a same-size edit in the middle shows where it touches one; <all>
+    (``whole``, --verify_data full): of every byte, so any edit shows."""
     path = Path(dataset).expanduser()
     if not path.exists():
         return None
     _, train, validation = local_files(path)
     base = path if path.is_dir() else path.parent
     return {
-        str(Path(f).relative_to(base)): file_fingerprint(Path(f))
+        str(Path(f).relative_to(base)): file_fingerprint(Path(f), whole=whole)
         for f in sorted(train + validation)
     }
 
 
-def file_fingerprint(file: Path, samples: int = FINGERPRINT_SAMPLES) -> str:
-    """One file's "<bytes>:<ends>:<samples>" (data_fingerprint)."""
+def file_fingerprint(file: Path, samples: int = FINGERPRINT_SAMPLES, whole: bool = False) -> str:
+    """One file's "<bytes>:<ends>:<samples>[:<all>]" (data_fingerprint)."""
     size = file.stat().st_size
     ends, middle = hashlib.sha256(), hashlib.sha256()
     with open(file, "rb") as fh:
@@ -318,7 +319,32 @@ def file_fingerprint(file: Path, samples: int = FINGERPRINT_SAMPLES) -> str:
         for i in range(1, samples + 1):
             fh.seek(max(0, size - FINGERPRINT_BYTES) * i // (samples + 1))
             middle.update(fh.read(FINGERPRINT_BYTES))
-    return f"{size}:{ends.hexdigest()[:16]}:{middle.hexdigest()[:16]}"
+        fh.seek(0)
+        every = hashlib.file_digest(fh, "sha256").hexdigest()[:16] if whole else None
+    found = f"{size}:{ends.hexdigest()[:16]}:{middle.hexdigest()[:16]}"
+    return f"{found}:{every}" if every else found
+
+
+#: What a comparison of two fingerprints covered, by how many of their parts both have.
+CHECK_WORDS = {
+    2: "size and ends",
+    3: f"size, ends and {FINGERPRINT_SAMPLES} sampled blocks",
+    4: "every byte",
+}
+
+
+def data_check(saved: dict[str, str] | None, now: dict[str, str] | None) -> str:
+    """Which check a resume's data comparison ran, in words for its log line."""
+    if not isinstance(now, dict):
+        return "none (a hub dataset is not fingerprinted)"
+    if not isinstance(saved, dict) or not saved:
+        return "none (the checkpoint recorded no fingerprint)"
+    both = [(str(saved[f]), str(now[f])) for f in set(saved) & set(now)]
+    parts = min((min(a.count(":"), b.count(":")) + 1 for a, b in both), default=3)
+    words = f"{CHECK_WORDS[parts]} of {len(now)} file(s)"
+    if parts < 4 and all(len(str(v).split(":")) == 4 for v in now.values()):
+        words += " (--verify_data full: this checkpoint recorded no whole-file sums; later ones do)"
+    return words
 
 
 def _same_file(saved: str, now: str) -> bool:

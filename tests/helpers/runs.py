@@ -39,6 +39,7 @@ def data_section(dataset: str, **fields) -> DataConfig:
         "text_column": "text",
         "train_batch_size": 1,
         "val_batch_size": 1,
+        "verify_data": "sampled",
     }
     return DataConfig(**{**defaults, **fields})
 

@@ -15,7 +15,7 @@ def test_unreachable_hub_dataset_is_a_clear_error():
     code = (
         "from model_utils.config.sections import DataConfig\n"
         "from model_utils.data.stream import epoch_documents\n"
-        "source = DataConfig('tokenizer', 'allenai/c4', 'en', 'text', 1, 1)\n"
+        "source = DataConfig('tokenizer', 'allenai/c4', 'en', 'text', 1, 1, 'sampled')\n"
         "try:\n"
         "    next(epoch_documents(source))\n"
         "except ValueError as error:\n"

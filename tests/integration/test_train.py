@@ -85,6 +85,9 @@ def test_two_rank_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, 
         *common, f"--output_dir={resumed}", f"--resume_from_checkpoint={checkpoint}", nproc=2
     )
     assert "Resumed from" in result.stdout and "at step 4" in result.stdout
+    assert (
+        "at step 4 (data checked: size, ends and 16 sampled blocks of 1 file(s))" in result.stdout
+    )
     assert f"optimizer: {OPTIMIZER_LINE[masters]}\n" in result.stdout
     want, got = losses(full), losses(resumed)
     assert sorted(got) == [5, 6, 7, 8]

@@ -397,3 +397,28 @@ def test_the_data_fingerprint_sees_a_same_size_edit_in_a_sampled_block(tmp_path)
     assert checks.data_change(saved, now) == "corpus.jsonl changed (same size, other contents)"
     before_samples = {name: ":".join(v.split(":")[:2]) for name, v in now.items()}
     assert checks.data_change(before_samples, now) is None
+
+
+def test_verify_data_full_sees_the_edit_no_sampled_block_touches(tmp_path) -> None:
+    """--verify_data full: every byte is summed, so the same-size edit between the sampled
+    blocks that the default check misses is refused; the resume line says which check ran."""
+    from model_utils.data import checks
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(
+        "".join(f'{{"text": "document {i:07d} {"x" * 90}"}}\n' for i in range(40_000))
+    )
+    sampled, full = checks.data_fingerprint(str(corpus)), checks.data_fingerprint(str(corpus), True)
+    size, block = corpus.stat().st_size, checks.FINGERPRINT_BYTES
+    between = (size - block) * 8 // (checks.FINGERPRINT_SAMPLES + 1) + 2 * block
+    with open(corpus, "r+b") as fh:
+        fh.seek(between)
+        fh.write(b"y")
+    assert checks.data_change(sampled, checks.data_fingerprint(str(corpus))) is None
+    now = checks.data_fingerprint(str(corpus), whole=True)
+    assert checks.data_change(full, now) == "corpus.jsonl changed (same size, other contents)"
+    assert checks.data_check(full, now) == "every byte of 1 file(s)"
+    assert checks.data_check(sampled, sampled) == "size, ends and 16 sampled blocks of 1 file(s)"
+    assert checks.data_check(sampled, now).endswith("recorded no whole-file sums; later ones do)")
+    assert checks.data_check(None, now) == "none (the checkpoint recorded no fingerprint)"
+    assert checks.data_check(sampled, None) == "none (a hub dataset is not fingerprinted)"
