@@ -7,6 +7,7 @@ step)."""
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,8 @@ def throughput_key(runs: Sequence[Any]) -> str:
 # ---------------------------------------------------------------------------- the picture
 
 
+#: Characters per line of the ceiling sentence under the breakdown panel.
+NOTE_WIDTH = 60
 #: compare_runs --x: what the loss and throughput panels are drawn against, and its words.
 X_AXES = {"step": "step", "tokens": "tokens seen"}
 _X_KEYS = {"step": "step", "tokens": "tokens_seen"}
@@ -173,7 +176,8 @@ def plot_loss_gap(ax, runs: Sequence[Any], labels: Sequence[str]) -> None:
 
 def plot_breakdown(ax, labels: Sequence[str], breakdown: Breakdown) -> None:
     """One horizontal bar per run, its step split into the categories in one colour each, the
-    first run on top; the ceiling sentence under the axis."""
+    first run on top; the legend beside the axis, the ceiling sentence under it, wrapped to the
+    panel's width."""
     rows = range(len(labels))
     left = [0.0] * len(labels)
     for i, (key, words) in enumerate(breakdown.words.items()):
@@ -184,5 +188,7 @@ def plot_breakdown(ax, labels: Sequence[str], breakdown: Breakdown) -> None:
     ax.set_yticks(list(rows), labels, fontsize="small")
     ax.invert_yaxis()
     ax.set_title("where a profiled step goes (slowest rank)")
-    ax.set_xlabel("ms per step" + (f"\n{breakdown.note}" if breakdown.note else ""))
-    ax.legend(fontsize="x-small", loc="lower right")
+    note = f"\n{textwrap.fill(breakdown.note, NOTE_WIDTH)}" if breakdown.note else ""
+    ax.set_xlabel(f"ms per step{note}", fontsize="small")
+    # Beside the bars, not on them (the figure's constrained layout makes room for it).
+    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1.0))

@@ -370,7 +370,18 @@ def test_the_breakdown_panel_stacks_each_runs_step_and_states_the_ceiling(tmp_pa
         widths = [p.get_width() for p in step_ax.patches if round(p.get_y() + 0.4) == row]
         assert sum(widths) == pytest.approx(run.slowest.total_ms, rel=1e-6)
     sentence = step_breakdown.ceiling(read[0], read[1]).sentence()
-    assert sentence in step_ax.get_xlabel() and "; ceiling " in sentence
+    assert " ".join(step_ax.get_xlabel().split()) == f"ms per step {sentence}"
+    assert "; ceiling " in sentence
+    # Drawn: the sentence inside the picture, the legend on no bar.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig).draw()
+    label, legend = step_ax.xaxis.label, step_ax.get_legend()
+    inside = fig.bbox.padded(1)
+    assert all(inside.contains(x, y) for x, y in label.get_window_extent().corners())
+    legend_box = legend.get_window_extent()
+    assert not any(bar.get_window_extent().overlaps(legend_box) for bar in step_ax.patches)
+    assert all(inside.contains(x, y) for x, y in legend_box.corners())
     assert step_breakdown.main([*runs_given, "--no_hta"]) == 0
     assert sentence in capsys.readouterr().out
 
