@@ -44,40 +44,29 @@ def validate(argv: list[str] | None, *, training: bool = True) -> tuple[Config, 
     (``training=False``: the checks of a forward-only use, e.g. the GPU benchmark's rows)."""
     config = arguments.parse_args(argv)
     source, ckpt = config.data, config.checkpoint
-    try:
-        data.check_dataset(source.dataset, source.dataset_config_name)
-        data.check_local_data(source.dataset, source.text_column)  # empty, corrupt, not UTF-8
-        data.check_hub_dataset(source.dataset)  # a name that is no local path: one quick look-up
-        tokenizer = data.load_tokenizer(source.tokenizer)
-        data.check_vocab(tokenizer, config.model.vocab_size)
-        config = config.replace(
-            tokenizer_sha256=data.tokenizer_fingerprint(tokenizer),
-            data_fingerprint=data.data_fingerprint(source.dataset, source.verify_data == "full"),
-        )
-        checkpoint.check_resume_arg(ckpt.resume_from_checkpoint)
-        if ckpt.init_from_hf:
-            checkpoint.check_hf_dir(ckpt.init_from_hf, config.model)  # the shape and RoPE too
-        if ckpt.export_hf:
-            checkpoint.check_export_dir(ckpt.export_hf)  # an export never replaces a model
-    except Refusal:
-        raise  # already one line with its exit code
-    except ValueError as exc:  # a library's or the checkpoint package's plain ValueError
-        raise arguments.UsageError(str(exc)) from exc
+    data.check_dataset(source.dataset, source.dataset_config_name)
+    data.check_local_data(source.dataset, source.text_column)  # empty, corrupt, not UTF-8
+    data.check_hub_dataset(source.dataset)  # a name that is no local path: one quick look-up
+    tokenizer = data.load_tokenizer(source.tokenizer)
+    data.check_vocab(tokenizer, config.model.vocab_size)
+    config = config.replace(
+        tokenizer_sha256=data.tokenizer_fingerprint(tokenizer),
+        data_fingerprint=data.data_fingerprint(source.dataset, source.verify_data == "full"),
+    )
+    checkpoint.check_resume_arg(ckpt.resume_from_checkpoint)
+    if ckpt.init_from_hf:
+        checkpoint.check_hf_dir(ckpt.init_from_hf, config.model)  # the shape and RoPE too
+    if ckpt.export_hf:
+        checkpoint.check_export_dir(ckpt.export_hf)  # an export never replaces a model
     if config.precision.model_impl in TE_IMPLS:
         from model_utils.precision.te import check_requirements
 
         check_requirements(config, training=training)
-    if training:
-        try:  # a live run in this directory: refused before anything starts (reads only)
-            locks = run_lock.lock_dirs(config.run.output_dir, ckpt.checkpoint_dir)
-            run_lock.check_not_locked(locks.values())
-            places = {**outputs.output_locations(config), **data.cache_location()}
-            outputs.check_locations(places)
-            checkpoint.check_before_start(config)  # the resume policy: checkpoint/resume.py
-        except Refusal:
-            raise  # a live run (RunLocked), an output the run cannot write (WriteProblem)
-        except ValueError as exc:  # the checkpoint package's refusals are plain ValueErrors
-            raise arguments.UsageError(str(exc)) from exc
+    if training:  # a live run here, an output it cannot write, the resume policy (reads only)
+        locks = run_lock.lock_dirs(config.run.output_dir, ckpt.checkpoint_dir)
+        run_lock.check_not_locked(locks.values())
+        outputs.check_locations({**outputs.output_locations(config), **data.cache_location()})
+        checkpoint.check_before_start(config)  # checkpoint/resume.py
     return config, tokenizer
 
 

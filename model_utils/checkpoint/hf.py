@@ -53,6 +53,7 @@ from model_utils.checkpoint.manifest import (
     write_error_reason,
 )
 from model_utils.config.sections import HF_KEYS, SHAPE_FIELDS, ModelShape
+from model_utils.errors import UsageError
 from model_utils.model.modeling import HF_RECOMPUTED, llama_config  # RoPE buffers of old HF files
 from model_utils.parallel.distributed import (
     any_rank,
@@ -89,20 +90,20 @@ def hf_weight_files(path: str | Path) -> dict[str, Path]:
     elif (path / HF_INDEX).is_file():
         weight_map = json.loads((path / HF_INDEX).read_text()).get("weight_map", {})
         if not weight_map:
-            raise ValueError(f"{path / HF_INDEX} has no weight_map")
+            raise UsageError(f"{path / HF_INDEX} has no weight_map")
         names_by_file: dict[Path, list[str]] = {}
         for name, fname in weight_map.items():
             names_by_file.setdefault(path / fname, []).append(name)
         missing = [str(f) for f in names_by_file if not f.is_file()]
         if missing:
-            raise ValueError(f"{path / HF_INDEX} lists missing shard(s): {', '.join(missing)}")
+            raise UsageError(f"{path / HF_INDEX} lists missing shard(s): {', '.join(missing)}")
         return {name: f for f, names in names_by_file.items() for name in names}
     elif (path / HF_SINGLE).is_file():
         files = {path / HF_SINGLE: None}
     elif not path.exists():
-        raise ValueError(f"--init_from_hf: {path} does not exist")
+        raise UsageError(f"--init_from_hf: {path} does not exist")
     else:
-        raise ValueError(
+        raise UsageError(
             f"--init_from_hf: {path} has neither {HF_SINGLE} nor {HF_INDEX} "
             "(only safetensors checkpoints are supported)"
         )
@@ -114,19 +115,19 @@ def hf_weight_files(path: str | Path) -> dict[str, Path]:
 
 
 def check_hf_dir(path: str | Path, shape: ModelShape | None = None) -> None:
-    """Raise ValueError (one line) unless `path` is a loadable HF safetensors checkpoint and,
+    """Raise UsageError (one line) unless `path` is a loadable HF safetensors checkpoint and,
     given the run's model `shape`, holds exactly the tensors of that shape with its RoPE
     base: read from the safetensors headers and config.json, before any process group (the
     load itself would meet a mismatch as a traceback, after the model was built)."""
     try:
         files = hf_weight_files(path)
         problem = None if shape is None else _shape_problem(path, files, shape)
-    except ValueError:
+    except UsageError:
         raise
-    except Exception as exc:  # a corrupt header, unreadable file, ...
-        raise ValueError(f"--init_from_hf: cannot read {path}: {exc}") from exc
+    except Exception as exc:  # a corrupt header or index, an unreadable file, ...
+        raise UsageError(f"--init_from_hf: cannot read {path}: {exc}") from exc
     if problem:
-        raise ValueError(f"--init_from_hf: {problem}")
+        raise UsageError(f"--init_from_hf: {problem}")
 
 
 def _shape_problem(path: str | Path, files: dict[str, Path], shape: ModelShape) -> str | None:
@@ -362,10 +363,10 @@ def export_dir_problem(flag: str, out_dir: str | Path) -> str | None:
 
 
 def check_export_dir(out_dir: str | Path, flag: str = "--export_hf") -> None:
-    """ValueError (one line) if `out_dir` already holds a model: before any training."""
+    """UsageError (one line) if `out_dir` already holds a model: before any training."""
     problem = export_dir_problem(flag, out_dir)
     if problem:
-        raise ValueError(problem)
+        raise UsageError(problem)
 
 
 def _publish_mode() -> int:

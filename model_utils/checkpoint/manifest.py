@@ -36,7 +36,7 @@ from model_utils.checkpoint.published import (  # noqa: F401 (re-exported: the p
     step_dirs,
     step_of,
 )
-from model_utils.errors import Refusal, first_line
+from model_utils.errors import Refusal, UsageError, first_line
 from model_utils.parallel.distributed import (
     all_gather_object,
     current_rank,
@@ -384,7 +384,7 @@ def _named(path: Path, verify: bool) -> Path:
     if problem is None:
         return path
     if problem.kind == INCOMPLETE:
-        raise ValueError(f"--resume_from_checkpoint: {problem}")
+        raise UsageError(f"--resume_from_checkpoint: {problem}")
     if problem.kind == DAMAGED:
         raise ResumeRefused(f"--resume_from_checkpoint {path} is damaged: {problem}")
     if verify and current_rank() == 0:
@@ -393,12 +393,12 @@ def _named(path: Path, verify: bool) -> Path:
 
 
 def check_resume_arg(resume_from_checkpoint: str | None) -> None:
-    """ValueError (one line) for a checkpoint named by path that is not complete: the flag's
+    """UsageError (one line) for a checkpoint named by path that is not complete: the flag's
     own check, reading no file's contents."""
     if resume_from_checkpoint and resume_from_checkpoint != "auto":
         problem = checkpoint_problem(resume_from_checkpoint)
         if problem:
-            raise ValueError(f"--resume_from_checkpoint: {problem}")
+            raise UsageError(f"--resume_from_checkpoint: {problem}")
 
 
 def no_sound_checkpoint(checkpoint_dir: str | Path, passed: list[tuple[Path, Problem]]) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 
 from model_utils.config.presets import PRESETS
 from model_utils.config.sections import HF_KEYS, SHAPE_FIELDS
+from model_utils.errors import UsageError
 
 #: The fields a config.json must agree with where a flag or --preset states them (their keys:
 #: sections.HF_KEYS); max_position_embeddings is taken as it is, never contradicted.
@@ -30,7 +31,7 @@ TE_ROPE_TYPES = ("default", "llama3")
 _BUILT = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """A config.json this recipe cannot train as written, or one that a flag contradicts."""
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from model_utils.errors import Refusal
+from model_utils.errors import Refusal, UsageError
 
 if TYPE_CHECKING:  # imported lazily at run time: datasets is slow to import
     from datasets import IterableDataset
@@ -71,17 +71,17 @@ def local_files(path: Path) -> tuple[str, list[str], list[str]]:
     if path.is_file():
         builder = builder_for(path)
         if builder is None:
-            raise ValueError(
+            raise UsageError(
                 f"--dataset {path}: unsupported file type (use {', '.join(BUILDERS)}, "
                 f"optionally compressed with {', '.join(COMPRESSIONS)})"
             )
         return builder, [str(path)], []
     files = sorted(p for p in folder_files(path) if builder_for(p) is not None)
     if not files:
-        raise ValueError(f"--dataset {path}: no {'/'.join(BUILDERS)} files in this folder")
+        raise UsageError(f"--dataset {path}: no {'/'.join(BUILDERS)} files in this folder")
     builders = {builder_for(p) for p in files}
     if len(builders) > 1:
-        raise ValueError(f"--dataset {path}: mixes file formats ({', '.join(sorted(builders))})")
+        raise UsageError(f"--dataset {path}: mixes file formats ({', '.join(sorted(builders))})")
     train, validation = [], []
     for file in files:
         relative = str(file.relative_to(path)).lower()
@@ -90,7 +90,7 @@ def local_files(path: Path) -> tuple[str, list[str], list[str]]:
         elif not TEST_NAME.search(relative):
             train.append(str(file))
     if not train:
-        raise ValueError(f"--dataset {path}: no training files (only validation/test ones)")
+        raise UsageError(f"--dataset {path}: no training files (only validation/test ones)")
     return builders.pop(), train, validation
 
 
@@ -109,7 +109,7 @@ def folder_files(folder: Path) -> list[Path]:
         for name in sorted(n for n in names if not n.startswith(".")):
             file = Path(root) / name
             if file.is_symlink() and not file.exists():
-                raise ValueError(
+                raise UsageError(
                     f"--dataset {folder}: {file} is a broken symbolic link (to "
                     f"{os.readlink(file)}): restore its target or remove the link"
                 )
@@ -121,17 +121,17 @@ def folder_files(folder: Path) -> list[Path]:
 def check_dataset(dataset: str, config_name: str | None) -> None:
     """Cheap argument check (no network): a local path must exist and hold supported files."""
     if not dataset:
-        raise ValueError("--dataset is empty: give a hub dataset name or a local file/folder")
+        raise UsageError("--dataset is empty: give a hub dataset name or a local file/folder")
     path = Path(dataset).expanduser()
     if path.exists():
         if config_name:
-            raise ValueError(
+            raise UsageError(
                 f"--dataset_config_name {config_name} applies to hub datasets only, "
                 f"but --dataset {dataset} is a local path"
             )
         local_files(path)
     elif looks_like_path(dataset) or not HUB_NAME.match(dataset):
-        raise ValueError(f"--dataset {dataset}: no such file or directory")
+        raise UsageError(f"--dataset {dataset}: no such file or directory")
 
 
 def open_source(dataset: str, config_name: str | None, text_column: str) -> Source:
@@ -162,9 +162,9 @@ def open_source(dataset: str, config_name: str | None, text_column: str) -> Sour
             splits = load_dataset(dataset, config_name, streaming=True)
         except (FileNotFoundError, ConnectionError) as error:  # unknown name, no network
             reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-            raise ValueError(f"--dataset {dataset}: cannot be opened ({reason})") from error
+            raise UsageError(f"--dataset {dataset}: cannot be opened ({reason})") from error
         if "train" not in splits:
-            raise ValueError(f"--dataset {dataset} has no 'train' split (it has {list(splits)})")
+            raise UsageError(f"--dataset {dataset} has no 'train' split (it has {list(splits)})")
         builder = None
     return Source(dataset, splits["train"], splits.get("validation"), strip=builder == "text")
 

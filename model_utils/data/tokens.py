@@ -12,6 +12,7 @@ import numpy as np
 
 from model_utils.data.checks import HUB_TIMEOUT_S, check_hub_repo
 from model_utils.data.sources import looks_like_path
+from model_utils.errors import UsageError
 
 if TYPE_CHECKING:  # imported lazily at run time: transformers is slow to import
     from transformers import PreTrainedTokenizerBase
@@ -30,14 +31,14 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
 
     path = Path(name_or_path).expanduser()
     if not path.exists() and looks_like_path(name_or_path):
-        raise ValueError(f"--tokenizer {name_or_path}: no such directory")
+        raise UsageError(f"--tokenizer {name_or_path}: no such directory")
     if path.is_file():  # transformers took a file for a malformed hub name
-        raise ValueError(
+        raise UsageError(
             f"--tokenizer {name_or_path} is a file: give the folder that holds it "
             f"({path.parent}), with tokenizer.json or tokenizer_config.json"
         )
     if path.is_dir() and not any((path / n).is_file() for n in TOKENIZER_FILES):
-        raise ValueError(
+        raise UsageError(
             f"--tokenizer {name_or_path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})"
             ": give the folder a tokenizer was saved to (save_pretrained), or a hub name"
         )
@@ -49,9 +50,9 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
             tokenizer = AutoTokenizer.from_pretrained(str(path) if path.exists() else name_or_path)
     except (OSError, ValueError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(f"--tokenizer {name_or_path}: cannot be loaded ({reason})") from error
+        raise UsageError(f"--tokenizer {name_or_path}: cannot be loaded ({reason})") from error
     if tokenizer.eos_token_id is None:
-        raise ValueError(
+        raise UsageError(
             f"--tokenizer {name_or_path} has no EOS token, which is needed between documents: "
             "set eos_token in its tokenizer_config.json (or special_tokens_map.json)"
         )
@@ -99,7 +100,7 @@ def check_vocab(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
     """Fail early, in one line, when token ids would overflow the model's embedding table."""
     needed = len(tokenizer)
     if needed > vocab_size:
-        raise ValueError(
+        raise UsageError(
             f"tokenizer {tokenizer.name_or_path} has {needed} tokens but the model's vocab_size is "
             f"{vocab_size}: pass --vocab_size {needed} (or more), or use a tokenizer with at most "
             f"{vocab_size} tokens"
