@@ -412,7 +412,8 @@ class RunConfig:
         path=True,
     )
     tensorboard: bool = flag(
-        "TensorBoard scalars in <output_dir>/tensorboard (rank 0)",
+        "the same as --tracker tensorboard: TensorBoard scalars in <output_dir>/tensorboard "
+        "(rank 0), one of the run's trackers",
         resume=Resume.FREE,
         default=False,
     )
