@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from model_utils.data.sources import DataError, local_files, not_text_message
-from model_utils.errors import first_line
+from model_utils.errors import UsageError, first_line
 
 # What the start-up check reads of local data: enough to find a bad file at once, not a whole
 # corpus (a bad byte further in is met mid-run and named then).
@@ -62,7 +62,7 @@ def check_hub_repo(
     subject: str,
     hint: str,
     *,
-    error: type[Exception] = ValueError,
+    error: type[Exception] = UsageError,
     timeout: float = HUB_TIMEOUT_S,
 ) -> None:
     """One look-up of hub repository `name` of `kind`, within `timeout` seconds, where the

@@ -72,7 +72,7 @@ def _cached(name: str) -> PreTrainedTokenizerBase | None:
 
 def check_hub_tokenizer(name: str, timeout: float = HUB_TIMEOUT_S) -> None:
     """A tokenizer named by hub name and not in the local cache: one look-up of the name
-    (ValueError in one line if hub look-ups are off, the name is unknown, or the hub does not
+    (UsageError in one line if hub look-ups are off, the name is unknown, or the hub does not
     answer within `timeout`), where the loader would retry each file for about a minute and
     print some 45 lines before its own error. The same look-up as --dataset's name gets."""
     check_hub_repo(
