@@ -31,18 +31,10 @@ import shutil
 import sys
 from pathlib import Path
 
-try:  # run by path with a Python that lacks the environment: one line, not a traceback
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
-
-    import model_utils  # noqa: F401
-except ModuleNotFoundError as missing:
-    print(
-        f"convert_checkpoint.py: error: {sys.executable} has no module {missing.name!r}: run "
-        f".venv/bin/python -m scripts.convert_checkpoint (the environment make creates)",
-        file=sys.stderr,
-    )
-    sys.exit(2)
+try:  # a Python without the environment: one line, exit 2 (scripts/environment_check.py)
+    import scripts.environment_check  # noqa: F401
+except ModuleNotFoundError:  # run by path: scripts/ is first on the import path
+    import environment_check  # noqa: F401
 
 DTYPES = ("float32", "bfloat16", "float16")
 EXPORT_EXTRA_BYTES = 16 * 2**20  # config.json, generation_config.json, the tokenizer's files

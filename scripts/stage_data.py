@@ -34,18 +34,10 @@ from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
-try:  # run by path with a Python that lacks the environment: one line, not a traceback
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
-
-    import model_utils  # noqa: F401
-except ModuleNotFoundError as missing:
-    print(
-        f"stage_data.py: error: {sys.executable} has no module {missing.name!r}: run "
-        f".venv/bin/python -m scripts.stage_data (the environment make creates)",
-        file=sys.stderr,
-    )
-    sys.exit(2)
+try:  # a Python without the environment: one line, exit 2 (scripts/environment_check.py)
+    import scripts.environment_check  # noqa: F401
+except ModuleNotFoundError:  # run by path: scripts/ is first on the import path
+    import environment_check  # noqa: F401
 from model_utils import data
 from model_utils.config.arguments import UsageError, apply_preset, build_parser
 from model_utils.config.flag_rules import value_problem

@@ -36,18 +36,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-try:  # run by path with a Python that lacks the environment: one line, not a traceback
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
-
-    import model_utils  # noqa: F401
-except ModuleNotFoundError as missing:
-    print(
-        f"step_breakdown.py: error: {sys.executable} has no module {missing.name!r}: run "
-        f".venv/bin/python -m scripts.step_breakdown (the environment make creates)",
-        file=sys.stderr,
-    )
-    sys.exit(2)
+try:  # a Python without the environment: one line, exit 2 (scripts/environment_check.py)
+    import scripts.environment_check  # noqa: F401
+except ModuleNotFoundError:  # run by path: scripts/ is first on the import path
+    import environment_check  # noqa: F401
 
 from model_utils.config.argv import precision_name
 from model_utils.config.sections import ModelShape, flag_fields
