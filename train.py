@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     distributed.init(world, device, config.parallel.dist_timeout)
     locks: list[run_lock.RunLock] = []
     try:
-        locks = run_lock.hold_run_dirs(config, world, device)
+        locks = run_lock.hold_run_dirs(config, world)
         train(config, tokenizer, world, device, preemption, arguments.explicit_flags(argv))
     except Refusal as exc:  # one line (rank 0's, or each rank's that ran out of memory)
         exit_refused(exc, is_main=world.is_main)

@@ -17,8 +17,6 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-import torch
-
 from model_utils.config.sections import Config
 from model_utils.errors import Refusal
 from model_utils.parallel import distributed
@@ -197,7 +195,7 @@ def _only_the_lock(directory: Path) -> bool:
         return False
 
 
-def hold_run_dirs(config: Config, world: distributed.World, device: torch.device) -> list[RunLock]:
+def hold_run_dirs(config: Config, world: distributed.World) -> list[RunLock]:
     """Rank 0 locks the run's directories for the life of the run; if another live run holds
     one (RunLocked), or the system refuses to create it where access() saw no problem (a full
     file system, root squash, a virtual file system: outputs.WriteProblem), every rank learns

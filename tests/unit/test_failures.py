@@ -93,11 +93,11 @@ def test_a_run_that_took_the_directory_after_the_check_still_stops_this_one(
     if created:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        world, cpu = distributed.world_from_env({}), torch.device("cpu")
-        locks = run_lock.hold_run_dirs(args, world, cpu)
+        world = distributed.world_from_env({})
+        locks = run_lock.hold_run_dirs(args, world)
         assert run_lock.lock_holder(tmp_path / "run").startswith(f"pid {os.getpid()} ")
         with pytest.raises(run_lock.RunLocked, match="in use by another run"):
-            run_lock.hold_run_dirs(args, world, cpu)
+            run_lock.hold_run_dirs(args, world)
         for lock in locks:
             lock.release()
         assert run_lock.lock_holder(tmp_path / "run") is None

@@ -94,7 +94,6 @@ def test_a_link_or_another_spelling_of_a_live_runs_folder_is_that_folder(tmp_pat
 def test_the_lock_taken_after_start_up_also_covers_overlaps(tmp_path: Path) -> None:
     """validate() only looks; a run that took a folder around this one's in between is still
     refused when rank 0 takes its locks, and leaves no folder of its own behind."""
-    import torch
     import torch.distributed as dist
 
     from model_utils.config.arguments import parse_args
@@ -109,7 +108,7 @@ def test_the_lock_taken_after_start_up_also_covers_overlaps(tmp_path: Path) -> N
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with pytest.raises(run_lock.RunLocked, match=f"{live}/c is inside {live}, which is in"):
-            run_lock.hold_run_dirs(args, distributed.world_from_env({}), torch.device("cpu"))
+            run_lock.hold_run_dirs(args, distributed.world_from_env({}))
     finally:
         if created:
             dist.destroy_process_group()
