@@ -1,5 +1,5 @@
-"""compare_runs.py's picture: loss vs step, each run's loss minus the first's inside the band a
-healthy FP8 run stays in, throughput vs step, and a bar of each run's median throughput with its
+"""compare_runs.py's picture: loss vs step, each run's smoothed loss gap to the first inside the
+parity band, throughput vs step, and a bar of each run's median throughput with its
 ratio to the first; with ``--breakdown``, each run's profiled step as a stacked bar of where it
 goes. A run is compare_runs.Run (its ``records``: metrics.jsonl's train and val records, one per
 step)."""
@@ -12,12 +12,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from scripts.parity import BAND, SMOOTHING_STEPS, smoothed_gap
+
 FIGSIZE, DPI = (20.0, 4.5), 100  # 2000 x 450 pixels
-# The loss-difference panel's band: an FP8 run whose train loss stays within 1% of the BF16
-# run's, step for step, trains the same model (NVIDIA's and torchao's published FP8 runs stay
-# well inside it; this recipe's tiny CPU runs differ by ~0.1%). A curve drifting out of it, or
-# growing with the steps, is what to investigate.
-HEALTHY_REL_GAP = 0.01
 
 
 @dataclass
@@ -68,6 +65,7 @@ def make_figure(
     title: str | None = None,
     breakdown: Breakdown | None = None,
     x: str = "step",
+    judged_from: int,
 ):
     """Loss vs step, throughput vs step, median throughput bars with ratios to the first run.
 
@@ -83,7 +81,7 @@ def make_figure(
     loss_ax, gap_ax, speed_ax, bar_ax, *step_ax = fig.subplots(1, panels)
     if breakdown is not None:
         plot_breakdown(step_ax[0], labels, breakdown)
-    plot_loss_gap(gap_ax, runs, labels)
+    plot_loss_gap(gap_ax, runs, labels, judged_from)
     if log_steps:
         gap_ax.set_xscale("log")
     for i, (run, label) in enumerate(zip(runs, labels, strict=True)):
@@ -131,18 +129,6 @@ def plot_medians(bar_ax, labels: Sequence[str], medians: Sequence[float | None],
     bar_ax.margins(y=0.15)
 
 
-def loss_gap(run: Any, base: Any) -> tuple[list[int], list[float], list[float]]:
-    """(steps both runs logged, this run's train loss minus the first's, the first's loss)."""
-    theirs = dict(zip(*_series(base, "train", "loss"), strict=True))
-    steps, gaps, bases = [], [], []
-    for step, loss in zip(*_series(run, "train", "loss"), strict=True):
-        if step in theirs:
-            steps.append(step)
-            gaps.append(loss - theirs[step])
-            bases.append(theirs[step])
-    return steps, gaps, bases
-
-
 def _style(i: int) -> dict:
     """Run i's train-loss line: the first wide and solid underneath, the others thinner and
     dashed on top, so a run that tracks the first (a healthy FP8 run) leaves it visible."""
@@ -151,25 +137,19 @@ def _style(i: int) -> dict:
     return {"linewidth": 1.5, "linestyle": ("--", ":", "-.")[(i - 1) % 3], "zorder": 2 + i}
 
 
-def plot_loss_gap(ax, runs: Sequence[Any], labels: Sequence[str]) -> None:
-    """Each run's train loss minus the first run's, step for step, inside the band a healthy
-    FP8 run stays in (±HEALTHY_REL_GAP of the first run's loss)."""
-    steps, _, bases = loss_gap(runs[0], runs[0])
-    band = [HEALTHY_REL_GAP * abs(b) for b in bases]
-    ax.fill_between(
-        steps,
-        [-b for b in band],
-        band,
-        color="0.85",
-        label=f"±{HEALTHY_REL_GAP:.0%} of {labels[0]}",
-    )
+def plot_loss_gap(ax, runs: Sequence[Any], labels: Sequence[str], judged_from: int) -> None:
+    """Each run's smoothed train-loss gap to the first run, relative, in %, inside the parity
+    band (scripts/parity.py), with the step the verdict judges from."""
+    ax.axhspan(-100 * BAND, 100 * BAND, color="0.85", label=f"±{BAND:.0%} band")
     ax.axhline(0.0, color="C0", linewidth=1)
+    ax.axvline(judged_from, color="0.4", linestyle=":", label=f"judged from step {judged_from}")
     for i, (run, label) in enumerate(zip(runs, labels, strict=True)):
         if i:
-            ax.plot(*loss_gap(run, runs[0])[:2], color=f"C{i}", label=f"{label} - {labels[0]}")
-    ax.set_title(f"train loss minus {labels[0]}")
+            steps, gaps = smoothed_gap(run.records, runs[0].records)
+            ax.plot(steps, [100 * g for g in gaps], color=f"C{i}", label=f"{label} vs {labels[0]}")
+    ax.set_title(f"train loss gap to {labels[0]} ({SMOOTHING_STEPS}-step mean)")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss difference")
+    ax.set_ylabel("relative gap %")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
 

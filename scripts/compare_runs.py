@@ -13,8 +13,12 @@ later one. This recipe's logs and run directories also carry the run's flags (th
 line/record): they label the runs and let the tool refuse runs of different model shapes or
 batch sizes; upstream logs have no flags, so those runs are labelled by file name, unchecked.
 
-The picture: loss vs step (train lines, validation points), each run's loss minus the first's
-inside the band a healthy FP8 run stays in, throughput vs step, and a bar of
+After the table, each run after the first gets a parity verdict against the first
+(scripts/parity.py): the gaps of its smoothed train loss and its validation loss after the
+warm-up, their trend, and "matches" or "drifts" (put the BF16 run first).
+
+The picture: loss vs step (train lines, validation points), each run's smoothed loss gap to the
+first inside the parity band, throughput vs step, and a bar of
 each run's median throughput after warm-up with its ratio to the first run written on it.
 Throughput is tokens/s per device where every run logs it, else samples/s (upstream logs).
 Bad input (no parsable line, a metrics.jsonl line that is not JSON or a record whose fields are
@@ -44,6 +48,7 @@ from model_utils.report import metrics
 from model_utils.report.metrics.records import record_problem, run_problem
 from model_utils.report.metrics.summary import SPEED_WARMUP_STEPS
 from model_utils.traces.rules import CATEGORIES
+from scripts import parity
 from scripts.compare_plot import (  # noqa: F401
     DPI,
     FIGSIZE,
@@ -444,6 +449,11 @@ def compare(args: argparse.Namespace) -> str:
         )
     warmup = default_warmup(runs) if args.warmup_steps is None else args.warmup_steps
     summaries = [metrics.summarize(run.records, warmup) for run in runs]
+    judged_from = parity_start(runs)
+    verdicts = [
+        parity.judge(run.records, runs[0].records, judged_from, label, labels[0])
+        for run, label in zip(runs[1:], labels[1:], strict=True)
+    ]
     breakdown = step_breakdowns(args.runs) if args.breakdown else None
     figure = make_figure(
         runs,
@@ -453,12 +463,21 @@ def compare(args: argparse.Namespace) -> str:
         title=args.title,
         breakdown=breakdown,
         x=args.x,
+        judged_from=judged_from,
     )
     try:
         figure.savefig(args.output, format="png", dpi=DPI)
     except OSError as exc:
         raise CompareError(f"--output {args.output}: {exc.strerror or exc}") from exc
-    return format_report(runs, labels, summaries, warmup, problems)
+    report = format_report(runs, labels, summaries, warmup, problems)
+    return "\n".join([report, *(line for v in verdicts for line in v.lines())])
+
+
+def parity_start(runs: Sequence[Run]) -> int:
+    """The first step the parity verdict judges: after each run's LR warm-up (its flags) and
+    the first tenth of the shortest run."""
+    last = min(max(r["step"] for r in run.records if r["kind"] == "train") for run in runs)
+    return parity.judged_from([(run.info or {}).get("flags") for run in runs], last)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,99 @@
+"""scripts/parity.py: the verdict on curves whose gap is known by construction. A real tiny
+pair ("matches") and a pair with FP8 damaged ("drifts"): tests/integration/test_parity_run.py."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from scripts import parity
+
+
+def curve(steps: int, gap=lambda step: 0.0, noise: float = 0.0, seed: int = 0) -> list[dict]:
+    """Train records of a falling loss, times (1 + gap(step)), with relative noise per step."""
+    rng = random.Random(seed)
+    records = []
+    for step in range(1, steps + 1):
+        loss = (3.0 + 6.0 * math.exp(-step / 60)) * (1 + gap(step)) * (1 + rng.gauss(0, noise))
+        records.append({"kind": "train", "step": step, "loss": loss})
+    return records
+
+
+def val(records: list[dict], every: int, gap: float = 0.0) -> list[dict]:
+    return [
+        {"kind": "val", "step": r["step"], "val_loss": r["loss"] * (1 + gap)}
+        for r in records
+        if r["step"] % every == 0
+    ]
+
+
+def test_slope_and_its_error_by_hand() -> None:
+    assert parity.slope_per_1000([0, 1000, 2000], [0.0, 0.01, 0.02]) == pytest.approx((0.01, 0.0))
+    slope, error = parity.slope_per_1000([0, 1, 2, 3], [0.0, 1.0, 0.0, 1.0])
+    # y = 0.2 + 0.2x leaves residuals -0.2, 0.6, -0.6, 0.2: sqrt(0.8 / 2 / 5) per step
+    assert (slope, error) == pytest.approx((200.0, 1000 * math.sqrt(0.08)))
+
+
+def test_smoothing_is_the_mean_of_the_last_20_steps() -> None:
+    losses = {step: float(step) for step in range(1, 41)}
+    assert parity.smoothed(losses, [1, 20, 40]) == [1.0, 10.5, 30.5]
+    assert parity.smoothed({10: 4.0, 20: 2.0, 30: 1.0}, [30]) == [1.5]  # logged every 10
+
+
+def test_a_small_steady_gap_with_noise_matches() -> None:
+    bf16 = curve(400, noise=0.003, seed=1)
+    fp8 = curve(400, gap=lambda s: 0.002, noise=0.003, seed=2)
+    found = parity.judge(fp8 + val(fp8, 50), bf16 + val(bf16, 50), 40, "fp8", "bf16")
+    assert found.matches and not found.grows and found.left_band_step is None
+    assert found.train_mean == pytest.approx(0.002, abs=0.001)
+    assert found.val_mean == pytest.approx(0.002, abs=0.003)
+    assert (found.first, found.last, found.points) == (40, 400, 361)
+    assert found.lines()[-1] == "  verdict: fp8 matches bf16 over steps 40-400"
+
+
+def test_a_gap_growing_inside_the_band_drifts() -> None:
+    bf16 = curve(400, noise=0.002, seed=1)
+    fp8 = curve(400, gap=lambda s: 0.015 * s / 1000, noise=0.002, seed=2)  # 0.6% at the end
+    found = parity.judge(fp8, bf16, 40, "fp8", "bf16")
+    assert found.left_band_step is None and found.grows and not found.matches
+    assert found.slope == pytest.approx(0.015, abs=0.002)
+    assert found.slope > parity.TREND_SIGMAS * found.slope_error
+    assert found.verdict().startswith("fp8 drifts from bf16 over steps 40-400: the train loss gap")
+    assert f"grows by {found.slope:+.2%} per 1,000 steps" in found.verdict()
+
+
+def test_a_gap_that_leaves_the_band_is_named_where_it_left() -> None:
+    bf16 = curve(400)
+    fp8 = curve(400, gap=lambda s: 0.03 if s > 200 else 0.0)
+    found = parity.judge(fp8, bf16, 40, "fp8", "bf16")
+    # the 20-step mean crosses 1% once 7 of its 20 steps carry the 3%: step 207
+    assert found.left_band_step == 207 and found.train_largest == pytest.approx(0.03)
+    assert "left the ±1% band at step 207" in found.verdict()
+
+
+def test_a_validation_gap_outside_the_band_drifts_though_train_matches() -> None:
+    bf16, fp8 = curve(200), curve(200, gap=lambda s: 0.001)
+    found = parity.judge(fp8 + val(fp8, 50, gap=0.02), bf16 + val(bf16, 50), 20, "a", "b")
+    assert found.left_band_step is None and found.val_left_band_step == 50
+    assert "validation loss gap left the ±1% band at step 50" in found.verdict()
+
+
+def test_noise_alone_is_not_a_trend() -> None:
+    for seed in range(5):
+        found = parity.judge(curve(300, noise=0.004, seed=seed), curve(300), 30, "a", "b")
+        assert not found.grows, (seed, found.slope, found.slope_error)
+
+
+def test_too_few_shared_steps_are_not_judged() -> None:
+    found = parity.judge(curve(10), curve(10), 8, "fp8", "bf16")
+    assert not found.judged and not found.matches
+    [line] = found.lines()
+    assert "not judged: 3 train step(s)" in line and "--logging_freq" in line
+
+
+def test_judged_from_the_warm_up_or_the_first_tenth() -> None:
+    assert parity.judged_from([{"warmup": 200}, {"warmup": 100}], 1000) == 200
+    assert parity.judged_from([{"warmup": 2}, None], 50) == 5
+    assert parity.judged_from([None, None], 7) == 1
