@@ -107,7 +107,7 @@ def write_jsonl_gz(documents: list[dict], path: Path) -> None:
     path.write_bytes(buffer.getvalue())
 
 
-def train_tokenizer(texts: list[str], out_dir: Path) -> None:
+def train_tokenizer(texts: list[str], out_dir: Path, vocab_size: int = VOCAB_SIZE) -> None:
     """Byte-level BPE like GPT-2's, saved in the Hugging Face format AutoTokenizer loads offline."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -116,7 +116,7 @@ def train_tokenizer(texts: list[str], out_dir: Path) -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         min_frequency=2,
         special_tokens=[EOS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
