@@ -318,11 +318,21 @@ class TELlamaDecoderLayer(nn.Module):
     ``seq x head_dim`` per layer) so they keep full precision under bf16 compute.
     """
 
-    def __init__(self, config: Any, layer_idx: int, *, device: str | torch.device | None = None):
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        *,
+        device: str | torch.device | None = None,
+        fp8: bool = True,
+    ):
         super().__init__()
         _check_llama_config(config)
         te = import_te()
         self.layer_idx = layer_idx
+        #: False: this layer computes in high precision inside the model's FP8 autocast
+        #: (--bf16_layers), its own forward and the backward TE records for it.
+        self.fp8 = fp8
         self.hidden_size = config.hidden_size
         head_dim = head_dim_of(config)
         std = float(config.initializer_range)
@@ -384,13 +394,23 @@ class TELlamaDecoderLayer(nn.Module):
         is_first_microbatch = kwargs.pop("is_first_microbatch", self.te_is_first_microbatch)
         rotary_pos_emb = self._rotary_pos_emb(hidden_states, position_ids)
         mask_type, te_mask = hf_mask_to_te(attention_mask)
-        return self.transformer_layer(
-            hidden_states,
-            attention_mask=te_mask,
-            self_attn_mask_type=mask_type,
-            rotary_pos_emb=rotary_pos_emb,
-            is_first_microbatch=is_first_microbatch,
-        )
+        with nullcontext() if self.fp8 else fp8_disabled():
+            return self.transformer_layer(
+                hidden_states,
+                attention_mask=te_mask,
+                self_attn_mask_type=mask_type,
+                rotary_pos_emb=rotary_pos_emb,
+                is_first_microbatch=is_first_microbatch,
+            )
+
+
+def fp8_disabled() -> AbstractContextManager:
+    """A region computed in high precision inside an FP8 autocast: TE's nested autocast with
+    ``enabled=False`` (its exit reduces no amaxes; the outer exit still does)."""
+    te = import_te()
+    if hasattr(te, "autocast"):
+        return te.autocast(enabled=False)
+    return te.fp8_autocast(enabled=False)  # TE < 2.9
 
 
 # ---- Building the models.
@@ -431,6 +451,7 @@ def build_te_llama(
     impl: ModelImpl,
     fp8_weights: bool = False,
     fp8_recipe: Any = None,
+    bf16_layers: tuple[int, ...] = (),
 ) -> nn.Module:
     """Build ``LlamaForCausalLM`` whose decoder runs on TE (``impl="te"`` or ``"te_linear"``).
 
@@ -438,7 +459,9 @@ def build_te_llama(
     then ``model_utils.model.modeling.materialize``. ``fp8_weights=True`` constructs the TE
     modules under ``quantized_model_init(recipe=fp8_recipe)``: weights are held only in FP8
     (FSDP2 all-gathers FP8 bytes; inference memory halves); training with them needs an
-    optimizer with fp32 master weights (TE's FusedAdam(master_weights=True)).
+    optimizer with fp32 master weights (TE's FusedAdam(master_weights=True)). The decoder
+    layers in ``bf16_layers`` compute in high precision while FP8 is on: TE layers disable FP8
+    around their forward, and ``te_linear`` leaves their linears HF's ``nn.Linear``.
     """
     if impl not in ("te", "te_linear"):
         raise ValueError(f"impl must be 'te' or 'te_linear', got {impl!r}")
@@ -448,11 +471,12 @@ def build_te_llama(
         if impl == "te":
             model = _skeleton(config, num_layers=0)
             model.model.layers = nn.ModuleList(
-                TELlamaDecoderLayer(model.config, i) for i in range(model.config.num_hidden_layers)
+                TELlamaDecoderLayer(model.config, i, fp8=i not in bf16_layers)
+                for i in range(model.config.num_hidden_layers)
             )
         else:
             model = _skeleton(config)
-            model.te_linear_skipped = swap_linears_for_te(model)
+            model.te_linear_skipped = swap_linears_for_te(model, bf16_layers)
     model.te_impl = impl
     if impl == "te":
         model.state_dict_adapter = StateDictAdapter(model.config)
@@ -464,12 +488,13 @@ def _first_microbatch_hook(module: nn.Module, args: tuple, kwargs: dict) -> tupl
     return args, kwargs
 
 
-def swap_linears_for_te(model: nn.Module) -> list[str]:
+def swap_linears_for_te(model: nn.Module, bf16_layers: tuple[int, ...] = ()) -> list[str]:
     """Replace the decoder layers' ``nn.Linear`` by ``te.pytorch.Linear``; return skipped names.
 
     Parameter names are unchanged (``...q_proj.weight``), so HF checkpoints load directly.
     ``lm_head`` is never swapped (FP8 logits hurt loss; the vocab GEMM stays high precision);
-    linears with a dimension not divisible by 16 cannot run FP8 GEMMs and are skipped.
+    linears with a dimension not divisible by 16 cannot run FP8 GEMMs and are skipped, and so
+    are the layers in ``bf16_layers`` (kept in high precision, not listed).
     ``is_first_microbatch`` reaches the TE linears through a forward pre-hook because HF's
     attention/MLP call them with the input only.
     """
@@ -478,6 +503,8 @@ def swap_linears_for_te(model: nn.Module) -> list[str]:
     std = float(model.config.initializer_range)
     skipped: list[str] = []
     for layer_idx, layer in enumerate(model.model.layers):
+        if layer_idx in bf16_layers:
+            continue
         for owner_name, owner in list(layer.named_modules()):
             for child_name, child in list(owner.named_children()):
                 if type(child) is not nn.Linear:

@@ -230,7 +230,8 @@ def load_run(path: str | os.PathLike[str]) -> Run:
 
 def label_from_flags(info: Mapping[str, Any] | None) -> str | None:
     """``fp8 tensorwise hf``, ``bf16 te adamw8bit``, ``fp8 delayed te fp8-attention``:
-    precision, FP8 recipe (FP8 runs), implementation, FP8 attention when on, the optimizer
+    precision, FP8 recipe (FP8 runs), implementation, FP8 attention and --bf16_layers when on,
+    the optimizer
     where it is not the default adamw, and ``bf16-params`` with --master_weights optimizer."""
     if not info or "flags" not in info:
         return None
@@ -243,6 +244,8 @@ def label_from_flags(info: Mapping[str, Any] | None) -> str | None:
         parts.append(str(flags["model_impl"]))
     if flags.get("fp8") and flags.get("fp8_attention"):
         parts.append("fp8-attention")
+    if flags.get("fp8") and flags.get("bf16_layers"):
+        parts.append(f"bf16-layers {flags['bf16_layers']}")
     if flags.get("optimizer", "adamw") != "adamw":
         parts.append(str(flags["optimizer"]))
     if flags.get("master_weights", "params") != "params":

@@ -205,6 +205,8 @@ def _check_combinations(args: argparse.Namespace) -> None:
         raise UsageError("--fp8_weights needs --fp8=1")
     if args.fp8_attention and not args.fp8:
         raise UsageError("--fp8_attention needs --fp8=1")
+    if args.bf16_layers:
+        _check_bf16_layers(args)
     if args.master_weights == "optimizer":
         _check_optimizer_master_weights(args)
     if args.async_checkpoint and args.optimizer != "adamw":
@@ -218,6 +220,28 @@ def _check_combinations(args: argparse.Namespace) -> None:
             "--overwrite_output_dir deletes the checkpoints --resume_from_checkpoint would resume "
             "from: give one of them"
         )
+
+
+def _check_bf16_layers(args: argparse.Namespace) -> None:
+    """Indices of existing layers, with FP8 on and weights that have a high-precision copy."""
+    if not args.fp8:
+        raise UsageError("--bf16_layers keeps layers out of FP8: it needs --fp8=1")
+    if args.fp8_weights:
+        raise UsageError(
+            "--bf16_layers with --fp8_weights: a layer kept in BF16 needs high-precision "
+            "weights, and --fp8_weights keeps every layer's only in FP8; drop one of them"
+        )
+    for item in args.bf16_layers.split(","):
+        try:
+            index = int(item)
+        except ValueError:
+            index = None
+        if index is None or not -args.num_layers <= index < args.num_layers:
+            raise UsageError(
+                f"--bf16_layers {args.bf16_layers}: {item!r} is not a layer of this "
+                f"{args.num_layers}-layer model (give indices from {-args.num_layers} to "
+                f"{args.num_layers - 1}, comma-separated, e.g. 0,-1)"
+            )
 
 
 def _check_optimizer_master_weights(args: argparse.Namespace) -> None:

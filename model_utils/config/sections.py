@@ -184,6 +184,12 @@ class PrecisionConfig:
         resume=FP8_KNOB,
         default=False,
     )
+    bf16_layers: str = flag(
+        "decoder layers kept in BF16 while FP8 is on: comma-separated indices, negative ones "
+        "from the end (0,-1: the first and the last; a lone one as --bf16_layers=-1)",
+        resume=FP8_KNOB,
+        default="",
+    )
     fp8_all_gather: bool = flag(
         "torchao tensorwise: FSDP2 all-gathers weights in float8",
         resume=Resume.FREE,
@@ -193,6 +199,18 @@ class PrecisionConfig:
     @property
     def name(self) -> str:
         return precision_name(self.fp8, self.bf16)
+
+    def kept_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The decoder layers --bf16_layers keeps out of FP8, from 0, sorted (none without
+        FP8); the indices were checked against --num_layers (config/flag_rules.py)."""
+        if not self.fp8:
+            return ()
+        return tuple(sorted({int(i) % num_layers for i in self.bf16_layers.split(",") if i}))
+
+
+def kept_layers_words(layers: tuple[int, ...]) -> str:
+    """``decoder layers 0, 15`` for the start-up line (--bf16_layers)."""
+    return "decoder layer" + "s" * (len(layers) > 1) + " " + ", ".join(map(str, layers))
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,11 @@ def build(
             if build_te is None:
                 raise ValueError(f"--model_impl {impl} needs build_te (te_llama.build_te_llama)")
             model = build_te(
-                config, impl=impl, fp8_weights=args.precision.fp8_weights, fp8_recipe=fp8_recipe
+                config,
+                impl=impl,
+                fp8_weights=args.precision.fp8_weights,
+                fp8_recipe=fp8_recipe,
+                bf16_layers=args.precision.kept_layers(args.model.num_layers),
             )
         else:
             model = LlamaForCausalLM._from_config(

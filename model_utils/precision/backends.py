@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -32,7 +33,7 @@ from torch import nn
 
 from model_utils.config.machine import fp8_capable_gpu
 from model_utils.config.options import TE_IMPLS
-from model_utils.config.sections import Config
+from model_utils.config.sections import Config, kept_layers_words
 
 # FP8 GEMMs need both matrix dims divisible by 16 (the backward multiplies by the transpose).
 FP8_DIM_MULTIPLE = 16
@@ -98,6 +99,9 @@ MASTERS_WHERE = {
 }
 
 
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
 def _fp8_eligible(module: nn.Module, fqn: str) -> bool:
     if fqn.split(".")[-1] == "lm_head":
         return False  # the output projection stays in high precision (loss is sensitive to it)
@@ -120,8 +124,10 @@ class TorchaoFloat8:
         # the model's compute dtype (bf16, or fp32 with --bf16=0 on a CPU without bf16 units).
         self.emulate = device.type != "cuda" or not fp8_capable_gpu()
         self.compute = "bf16" if config.precision.bf16 else "fp32"
+        self.bf16_layers = config.precision.kept_layers(config.model.num_layers)
         self.converted: list[str] = []
-        self.skipped: list[str] = []
+        self.skipped: list[str] = []  # not FP8-eligible (lm_head, odd shapes)
+        self.in_kept_layers: list[str] = []  # --bf16_layers
 
     def config(self):
         from torchao.float8 import Float8LinearConfig
@@ -136,6 +142,10 @@ class TorchaoFloat8:
 
         def keep(module: nn.Module, fqn: str) -> bool:
             if not isinstance(module, nn.Linear):
+                return False
+            layer = _LAYER.search(fqn)
+            if layer and int(layer.group(1)) in self.bf16_layers:
+                self.in_kept_layers.append(fqn)
                 return False
             (self.converted if _fp8_eligible(module, fqn) else self.skipped).append(fqn)
             return _fp8_eligible(module, fqn)
@@ -163,6 +173,8 @@ class TorchaoFloat8:
         )
         gather = ", float8 all-gather" if self.all_gather else ""
         kept = ", ".join(self.skipped) if self.skipped else "none"
+        if self.bf16_layers:
+            kept += f"; {kept_layers_words(self.bf16_layers)} ({len(self.in_kept_layers)} linears)"
         return (
             f"precision: torchao float8 {self.recipe_name}{gather}, {mode}; "
             f"{len(self.converted)} linears in FP8, kept in {self.compute}: {kept}"

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from model_utils.config import te_loader
 from model_utils.config.options import FP8_RECIPE, TE_RECIPE_KEYWORDS, TE_RECIPES
-from model_utils.config.sections import Config
+from model_utils.config.sections import Config, kept_layers_words
 from model_utils.config.te_loader import TEUnavailableError, import_te
 from model_utils.errors import UsageError
 from model_utils.precision.te_requirements import (
@@ -176,6 +176,7 @@ class TEBackend:
         )
         self.torch_autocast_dtype = torch_autocast_dtype
         self.dp_group = dp_group
+        self.bf16_layers = config.precision.kept_layers(config.model.num_layers)
         self._recipe_kwargs = {
             "fp8_format": config.precision.fp8_format,
             "amax_history_len": int(config.precision.amax_history_len),
@@ -359,10 +360,11 @@ class TEBackend:
         options = ", ".join(f"{k}={v}" for k, v in self._recipe_kwargs.items())
         group = "default group" if self.dp_group is None else "data-parallel group"
         weights = "FP8 (fp8_model_init)" if self.fp8_weights else "high precision"
+        kept = f"; {kept_layers_words(self.bf16_layers)} in BF16" if self.bf16_layers else ""
         return (
             f"model_impl={self.model_impl} precision=TE FP8 recipe={self.recipe_name} "
             f"({FP8_RECIPE[self.recipe_name].te_class}: {options}); {activations}; "
-            f"weights {weights}; amax reduction over the {group}{cudnn}"
+            f"weights {weights}{kept}; amax reduction over the {group}{cudnn}"
         )
 
 

@@ -288,9 +288,7 @@ def test_png_has_the_expected_size_and_the_plotted_data_is_the_input(two_runs, t
     runs = [cr.load_run(p) for p in two_runs]
     labels = cr.default_labels(runs)
     summaries = [metrics.summarize(r.records, 10) for r in runs]
-    fig = cr.make_figure(
-        runs, labels, summaries, log_steps=True, title="CPU demo", judged_from=7
-    )
+    fig = cr.make_figure(runs, labels, summaries, log_steps=True, title="CPU demo", judged_from=7)
     loss_ax, gap_ax, speed_ax, bar_ax = fig.axes
     assert fig.get_suptitle() == "CPU demo" and labels == ["bf16 hf", "fp8 tensorwise hf"]
     lines = {ln.get_label(): ln for ln in loss_ax.get_lines()}

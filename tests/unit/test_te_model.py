@@ -616,3 +616,48 @@ def test_te_runs_offer_tes_fused_adam_with_fp32_masters_on_cuda(te_double) -> No
     assert fused.keywords == {"master_weights": True, "master_weight_dtype": torch.float32}
     with pytest.raises((RuntimeError, AssertionError), match="CUDA|cuda"):
         fused([torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))], lr=1e-3)
+
+
+# ------------------------------------------------------------------------------------------
+# --bf16_layers: chosen decoder layers in high precision while FP8 is on.
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["te", "te_linear"])
+def test_bf16_layers_compute_without_fp8_and_the_others_with_it(impl: str, te_double) -> None:
+    """Layer 0 kept in BF16 (te: TE's nested autocast(enabled=False) around the layer;
+    te_linear: its linears stay nn.Linear): it records no FP8 state and its output equals
+    the same weights without FP8, while layer 1 still runs FP8 and trains."""
+    import transformer_engine.pytorch as te
+
+    config = tiny_config()
+    args = backend_args(fp8=True, recipe="current", impl=impl, bf16_layers="0", num_layers=2)
+    backend = TEBackend(args)
+    model = backend.prepare(built(config, impl, bf16_layers=(0,)))
+    plain = built(config, impl)  # same seed, same weights, every layer FP8
+    ids = batch(config)
+
+    def layer_out(m, fp8: bool) -> torch.Tensor:
+        out = []  # a copy: the next layer adds to the residual stream in place
+        hook = m.model.layers[0].register_forward_hook(lambda mod, a, o: out.append(o.clone()))
+        with torch.no_grad(), te.autocast(enabled=fp8, recipe=backend.recipe):
+            m(ids)
+        hook.remove()
+        return out[0]
+
+    torch.testing.assert_close(layer_out(model, True), layer_out(plain, False))
+    assert not torch.equal(layer_out(plain, True), layer_out(plain, False))
+    with backend.autocast():
+        loss = model(ids, labels=ids).loss
+    loss.backward()
+    kept, fp8 = model.model.layers[0], model.model.layers[1]
+
+    def ran_fp8(layer) -> list[bool]:  # TE initialises a module's FP8 metadata in its FP8 forward
+        return [m.fp8_initialized for m in layer.modules() if hasattr(m, "fp8_initialized")]
+
+    assert ran_fp8(fp8) and all(ran_fp8(fp8))
+    assert not any(ran_fp8(kept))
+    if impl == "te_linear":
+        assert type(kept.self_attn.q_proj) is torch.nn.Linear
+        assert isinstance(fp8.self_attn.q_proj, te.Linear)
+    assert "decoder layer 0 in BF16" in backend.describe()
