@@ -29,6 +29,7 @@ naming the file (and line), exit 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -44,6 +45,7 @@ except ModuleNotFoundError:  # run by path: scripts/ is first on the import path
     import environment_check  # noqa: F401
 from model_utils.config.sections import ModelShape, flag_fields, precision_name
 from model_utils.errors import os_error_words
+from model_utils.precision import numerics
 from model_utils.report import metrics
 from model_utils.report.metrics.records import record_problem, run_problem
 from model_utils.report.metrics.summary import SPEED_WARMUP_STEPS
@@ -92,6 +94,7 @@ class Run:
     source: Path
     records: list[dict[str, Any]]  # train and val records, metrics.jsonl schema, one per step
     info: dict[str, Any] | None  # the run record (flags, world_size, samples_per_step), if any
+    numerics: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # --fp8_numerics
 
     @property
     def fallback_label(self) -> str:
@@ -165,8 +168,9 @@ def parse_log(text: str, name: str = "log") -> tuple[list[dict[str, Any]], dict[
 
 def parse_jsonl(text: str, name: str) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Records of a metrics.jsonl; a bad line is refused unless it is the unfinished last one:
-    one that is not JSON, or a record of a kind this tool reads whose fields it cannot use."""
-    records, info = [], None
+    one that is not JSON, or a record of a kind this tool reads whose fields it cannot use.
+    The train and val records, with the numerics records (--fp8_numerics) after them."""
+    records, info, figures = [], None, []
     for number, line in enumerate(complete_lines(text), start=1):
         if not line.strip():
             continue
@@ -189,7 +193,9 @@ def parse_jsonl(text: str, name: str) -> tuple[list[dict[str, Any]], dict[str, A
             info = info or record
         elif record.get("kind") in ("train", "val"):
             records.append(record)
-    return records, info
+        elif record.get("kind") == "numerics" and isinstance(record.get("layers"), dict):
+            figures.append(record)
+    return records + figures, info
 
 
 def one_per_step(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -216,13 +222,14 @@ def load_run(path: str | os.PathLike[str]) -> Run:
         records, info = parse_jsonl(text, str(file))
     else:
         records, info = parse_log(text, str(file))
-    records = one_per_step(records)
+    figures = [r for r in records if r["kind"] == "numerics"]
+    records = one_per_step([r for r in records if r["kind"] != "numerics"])
     if not any(r["kind"] == "train" for r in records):
         raise CompareError(
             f"{file}: no parsable line (expected metrics.jsonl records or "
             "'Batch N Loss: L, Speed: S samples/sec, lr: R' lines)"
         )
-    return Run(source, records, info)
+    return Run(source, records, info, figures)
 
 
 # ------------------------------------------------------------------------- labels and checks
@@ -473,7 +480,22 @@ def compare(args: argparse.Namespace) -> str:
     except OSError as exc:
         raise CompareError(f"--output {args.output}: {exc.strerror or exc}") from exc
     report = format_report(runs, labels, summaries, warmup, problems)
-    return "\n".join([report, *(line for v in verdicts for line in v.lines())])
+    numbers = [numerics_lines(run, label) for run, label in zip(runs, labels, strict=True)]
+    return "\n".join([report, *(line for v in verdicts for line in v.lines()), *sum(numbers, [])])
+
+
+def numerics_lines(run: Run, label: str, count: int = 3) -> list[str]:
+    """The layers whose FP8 casts lose the most at the run's last --fp8_numerics step: the
+    largest underflow and saturation, layer and tensor named."""
+    if not run.numerics:
+        return []
+    last = max(run.numerics, key=lambda r: r["step"])
+    lines = [f"FP8 numerics of {label} at step {last['step']} ({len(last['layers'])} linears):"]
+    for key, words in (("underflow_pct", "underflow"), ("saturation_pct", "saturation")):
+        top = [t for t in numerics.worst(last["layers"], key, count) if t[2] > 0]
+        cells = ", ".join(f"{layer} {role} {value:.3f}%" for layer, role, value in top)
+        lines.append(f"  worst {words}: {cells or 'none'}")
+    return lines
 
 
 def parity_start(runs: Sequence[Run]) -> int:

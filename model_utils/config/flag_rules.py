@@ -207,6 +207,8 @@ def _check_combinations(args: argparse.Namespace) -> None:
         raise UsageError("--fp8_attention needs --fp8=1")
     if args.bf16_layers:
         _check_bf16_layers(args)
+    if args.fp8_numerics and not args.fp8:
+        raise UsageError("--fp8_numerics measures FP8 casts: it needs --fp8=1")
     if args.master_weights == "optimizer":
         _check_optimizer_master_weights(args)
     if args.async_checkpoint and args.optimizer != "adamw":
@@ -280,7 +282,24 @@ def resolve_fp8_recipe(args: argparse.Namespace) -> str:
         raise UsageError("--fp8_weights is a Transformer Engine option: add --model_impl te")
     if args.fp8_attention:
         _check_fp8_attention(args.model_impl, recipe)
+    if args.fp8_numerics:
+        _check_fp8_numerics(args.model_impl, recipe)
     return recipe
+
+
+def _check_fp8_numerics(model_impl: str, recipe: str) -> None:
+    """The probe reads the GEMM inputs of FP8 linears, scaled per tensor or per row."""
+    if model_impl == "te":
+        raise UsageError(
+            "--fp8_numerics reads each FP8 linear's GEMM inputs, which TE's fused layers "
+            "(--model_impl te) keep inside; use --model_impl te_linear (the same recipes on "
+            "te.Linear) or hf (torchao)"
+        )
+    if model_impl == "te_linear" and recipe not in ("delayed", "current"):
+        raise UsageError(
+            f"--fp8_numerics covers per-tensor TE scaling (delayed, current), not --fp8_recipe "
+            f"{recipe}'s blocks"
+        )
 
 
 def _check_fp8_attention(model_impl: str, recipe: str) -> None:

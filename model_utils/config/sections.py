@@ -435,6 +435,13 @@ class RunConfig:
         resume=Resume.FREE,
         default=False,
     )
+    fp8_numerics: bool = flag(
+        "at report steps, per FP8 linear: amax, scale, % underflow and % saturation of its "
+        "input, weight and gradient, to metrics.jsonl and the trackers (rank 0; torchao "
+        "recipes, or TE delayed/current on --model_impl te_linear)",
+        resume=Resume.FREE,
+        default=False,
+    )
     validate_only: bool = flag(
         "check flags, data, tokenizer and checkpoint, then exit: 0 ready, 2 bad input "
         "(the launcher runs this once before torchrun)",

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from model_utils.config import arguments
 from model_utils.errors import first_line, os_error_words
 from model_utils.model import modeling
+from model_utils.precision import numerics
 from model_utils.report import metrics, slow_rank, trackers
 from model_utils.report.metrics.device import device_sync, peak_memory_bytes, peak_memory_label
 from model_utils.report.metrics.records import first_run_record, set_aside, upstream_validation_line
@@ -111,6 +112,7 @@ class RunLog:
         if self.is_main:
             self._save_args()
         self._open_trackers(run, 0 if other else start_step)  # another run's: its own
+        self.numerics = self._numerics_probe(model, backend, start_step)
         log.info(
             "model: %s, %.1fM parameters, impl=%s; %s",
             config.model_source,
@@ -180,6 +182,7 @@ class RunLog:
         self._count_step()
         self.ranks.add_step(data_wait)
         if not self.is_report_step(step):
+            self._arm_numerics(step + 1)
             return
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         loss_value = loss.item()
@@ -206,12 +209,43 @@ class RunLog:
             self.watchdog.measured(record["step_seconds"] / record["window_steps"])
         self._record(record)
         self.trackers.write(record)
+        self._report_numerics(step)
+        self._arm_numerics(step + 1)
+
+    def _numerics_probe(self, model, backend, start_step: int) -> numerics.Probe | None:
+        """--fp8_numerics: rank 0 measures, armed for the first step if it reports."""
+        if not (self.config.run.fp8_numerics and self.is_main):
+            return None
+        probe = numerics.Probe(model, backend.te_recipe)
+        probe.armed = self.is_report_step(start_step + 1)
+        return probe
+
+    def _arm_numerics(self, step: int) -> None:
+        """Measure during ``step`` if it is a report step (its forward and backward)."""
+        if self.numerics:
+            self.numerics.armed = self.is_report_step(step)
+
+    def _report_numerics(self, step: int) -> None:
+        """The report step's FP8 figures: a log line, a ``numerics`` record with every layer,
+        and the per-role worst values for the trackers."""
+        figures = self.numerics.take() if self.numerics else None
+        if not figures:
+            return
+        log.info(numerics.numerics_line(step, figures), stacklevel=3)
+        summary = {"kind": "numerics", "step": step, **numerics.summary_fields(figures)}
+        self._record({**summary, "layers": figures})
+        self.trackers.write(summary)
 
     def validation(self, step: int, model, batches, backend) -> None:
+        armed = self.numerics.armed if self.numerics else False
         with self.paused():
+            if self.numerics:  # held-out batches are not the training step's casts
+                self.numerics.armed = False
             start = time.perf_counter()
             val_loss = evaluate(model, batches, backend, self.device)
             seconds = time.perf_counter() - start
+            if self.numerics:
+                self.numerics.armed = armed
         log.info(
             "Validation at step %d: loss %.5f over %d batches",
             step,

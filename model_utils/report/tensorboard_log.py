@@ -25,11 +25,12 @@ _NOT_SCALARS = frozenset({"kind", "step", "time"})
 
 
 def scalars(record: Mapping[str, Any]) -> list[tuple[str, float]]:
-    """``(tag, value)`` for every number of a train or validation record, tagged by its kind
-    (``train/loss``, ``val/val_loss``): one chart per metric, nothing picked by hand, so a
-    metric added to the JSONL shows up in TensorBoard too. None (e.g. MFU on CPU) is skipped."""
+    """``(tag, value)`` for every number of a train, validation or FP8 numerics record,
+    tagged by its kind (``train/loss``, ``val/val_loss``, ``numerics/grad_underflow_pct_max``):
+    one chart per metric, nothing picked by hand, so a metric added to the JSONL shows up in
+    TensorBoard too. None (e.g. MFU on CPU) is skipped."""
     kind = record.get("kind")
-    if kind not in ("train", "val"):
+    if kind not in ("train", "val", "numerics"):
         return []
     return [
         (f"{kind}/{key}", float(value))

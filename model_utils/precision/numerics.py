@@ -1,0 +1,185 @@
+"""FP8 numerics you can see (--fp8_numerics): at report steps, for every FP8 linear, its input,
+weight and incoming gradient as the recipe casts them: the amax, the scale, and the share of
+values that underflow to zero and that saturate at the format's largest value.
+
+The figures are those of the real cast: each tensor is multiplied by the scale the recipe uses
+(torchao: its own ``amax_to_scale`` with the layer's cast config, per tensor or per row; TE
+delayed scaling: the scale in the module's ``fp8_meta``, which the amax history set; TE current
+scaling: the format's largest value over the tensor's amax), clamped and cast to the format, and
+the zeros that were not zeros before are counted. Row-wise scales are reported as their
+smallest (the row with the largest amax), the cast's underflow as the share over all rows.
+
+Rank 0 measures its own micro-batches (the last one of a report step) and no other rank does
+any work; a step that is not a report step costs one boolean test per linear.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+ROLES = ("input", "weight", "grad")
+#: A scale rule: the tensor -> the scale it is cast with (a scalar or one per row).
+ScaleRule = Callable[[torch.Tensor], torch.Tensor]
+#: The value at the amax lands on the format's largest value, give or take fp32's rounding of the
+#: product: only what lies beyond that is saturation.
+_ROUNDING = 1 + 2**-20
+_WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
+
+
+def cast_figures(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> dict[str, float]:
+    """What casting ``x`` to ``dtype`` with ``scale`` does: amax, scale (the smallest, if one
+    per row), and the % of values that become zero and that are clamped at the largest value."""
+    values = x.detach().float()
+    scale = scale.detach().float().to(values.device)
+    largest = torch.finfo(dtype).max
+    scaled = values * scale
+    cast = scaled.clamp(-largest, largest).to(dtype).float()
+    count = max(values.numel(), 1)
+    return {
+        "amax": values.abs().max().item() if values.numel() else 0.0,
+        "scale": scale.min().item(),
+        "underflow_pct": 100.0 * ((cast == 0) & (values != 0)).sum().item() / count,
+        "saturation_pct": 100.0 * (scaled.abs() > largest * _ROUNDING).sum().item() / count,
+    }
+
+
+def amax_scale(dtype: torch.dtype, per_row: bool = False, power_of_2: bool = False) -> ScaleRule:
+    """Dynamic scaling: the format's largest value over the amax (of each row, if per row),
+    through torchao's own function where torchao is present (its rounding and epsilon)."""
+
+    def rule(x: torch.Tensor) -> torch.Tensor:
+        values = x.detach().float()
+        amax = values.abs().amax(dim=-1, keepdim=True) if per_row else values.abs().max()
+        try:
+            from torchao.float8.float8_utils import amax_to_scale
+        except ImportError:  # TE's current scaling: no epsilon beyond a zero amax
+            return torch.finfo(dtype).max / amax.clamp(min=torch.finfo(torch.float32).tiny)
+        return amax_to_scale(amax, dtype, power_of_2)
+
+    return rule
+
+
+def torchao_rules(module: nn.Module) -> dict[str, tuple[torch.dtype, ScaleRule]] | None:
+    """A torchao Float8Linear's cast per role, from its config; None for any other module."""
+    if type(module).__name__ != "Float8Linear":
+        return None
+    config = module.config
+    casts = {
+        "input": config.cast_config_input,
+        "weight": config.cast_config_weight,
+        "grad": config.cast_config_grad_output,
+    }
+    return {
+        role: (
+            cast.target_dtype,
+            amax_scale(
+                cast.target_dtype,
+                per_row=cast.scaling_granularity.value == "axiswise",
+                power_of_2=config.round_scales_to_power_of_2,
+            ),
+        )
+        for role, cast in casts.items()
+    }
+
+
+def te_rules(module: nn.Module, recipe: Any) -> dict[str, tuple[torch.dtype, ScaleRule]] | None:
+    """A te.Linear's cast per role under the run's TE recipe (delayed: the scales in its
+    fp8_meta, FP8FwdTensors.GEMM1_INPUT/WEIGHT and FP8BwdTensors.GRAD_OUTPUT1, slots 0, 1, 0;
+    current: amax-based); None for any other module."""
+    if not hasattr(module, "fp8_meta") or not hasattr(module, "in_features"):
+        return None
+    forward = torch.float8_e4m3fn
+    backward = torch.float8_e5m2 if recipe.fp8_format.name == "HYBRID" else torch.float8_e4m3fn
+
+    def delayed(direction: str, slot: int) -> ScaleRule:
+        return lambda x: module.fp8_meta[f"scaling_{direction}"].scale[slot]
+
+    if recipe.delayed():
+        return {
+            "input": (forward, delayed("fwd", 0)),
+            "weight": (forward, delayed("fwd", 1)),
+            "grad": (backward, delayed("bwd", 0)),
+        }
+    return {
+        "input": (forward, amax_scale(forward)),
+        "weight": (forward, amax_scale(forward)),
+        "grad": (backward, amax_scale(backward)),
+    }
+
+
+class Probe:
+    """Hooks on the model's FP8 linears that measure while ``armed`` (the report steps):
+    ``take()`` returns ``{layer: {role: figures}}`` measured since the last take."""
+
+    def __init__(self, model: nn.Module, te_recipe: Any = None) -> None:
+        self.armed = False
+        self.figures: dict[str, dict[str, dict[str, float]]] = {}
+        self.linears: list[str] = []
+        for name, module in model.named_modules():
+            rules = torchao_rules(module) if te_recipe is None else te_rules(module, te_recipe)
+            if rules is not None:
+                self.linears.append(_WRAPPERS.sub("", name))
+                module.register_forward_hook(self._forward_hook(self.linears[-1], rules))
+
+    def _forward_hook(self, name: str, rules: dict[str, tuple[torch.dtype, ScaleRule]]):
+        def measure(role: str, tensor: torch.Tensor) -> None:
+            dtype, rule = rules[role]
+            flat = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() > 1 else tensor
+            self.figures.setdefault(name, {})[role] = cast_figures(flat, dtype, rule(flat))
+
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            if not self.armed:
+                return
+            with torch.no_grad():
+                measure("input", args[0])
+                measure("weight", module.weight)
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(lambda grad: measure("grad", grad) if self.armed else None)
+
+        return hook
+
+    def take(self) -> dict[str, dict[str, dict[str, float]]]:
+        figures, self.figures = self.figures, {}
+        return figures
+
+
+def worst(
+    figures: dict[str, dict[str, dict[str, float]]], key: str, count: int = 3
+) -> list[tuple[str, str, float]]:
+    """The ``count`` (layer, role, value) with the largest ``key`` (underflow_pct or
+    saturation_pct), largest first."""
+    found = [
+        (layer, role, values[key])
+        for layer, roles in figures.items()
+        for role, values in roles.items()
+    ]
+    return sorted(found, key=lambda item: -item[2])[:count]
+
+
+def summary_fields(figures: dict[str, dict[str, dict[str, float]]]) -> dict[str, float]:
+    """Per role, the largest underflow and saturation over the layers: the tracker charts."""
+    fields: dict[str, float] = {}
+    for role in ROLES:
+        rows = [roles[role] for roles in figures.values() if role in roles]
+        for key in ("underflow_pct", "saturation_pct"):
+            if rows:
+                fields[f"{role}_{key}_max"] = max(row[key] for row in rows)
+    return fields
+
+
+def numerics_line(step: int, figures: dict[str, dict[str, dict[str, float]]]) -> str:
+    """The log's line at a report step: the worst layer for underflow and for saturation."""
+    parts = []
+    for key, words in (("underflow_pct", "underflow"), ("saturation_pct", "saturation")):
+        top = [t for t in worst(figures, key, 1) if t[2] > 0]
+        if top:
+            layer, role, value = top[0]
+            parts.append(f"worst {words} {value:.3f}% ({layer} {role})")
+        else:
+            parts.append(f"no {words}")
+    return f"FP8 numerics at step {step} ({len(figures)} linears): " + ", ".join(parts)
