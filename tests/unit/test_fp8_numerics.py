@@ -13,8 +13,8 @@ from model_utils.precision import numerics
 
 
 def test_cast_figures_by_hand() -> None:
-    """e4m3 (largest 448, smallest subnormal 2^-9) at scale 1: 1e-4 and -2e-3 become zero
-    (below half of 2^-9 = 0.00098 ... 2e-3 is above it: kept), 500 and -1000 saturate."""
+    """e4m3 (largest 448, smallest subnormal 2^-9) at scale 1: 1e-4 and -4e-4 are below half
+    of 2^-9 and become zero (2e-3 is kept), 500 and -1000 saturate: 2 of 8 values each."""
     x = torch.tensor([0.0, 1e-4, -4e-4, 2e-3, 1.0, 500.0, -1000.0, 3.0])
     got = numerics.cast_figures(x, torch.float8_e4m3fn, torch.tensor(1.0))
     assert got == {"amax": 1000.0, "scale": 1.0, "underflow_pct": 25.0, "saturation_pct": 25.0}

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Does FP8 train as well as BF16? The whole-model loss A/B, as a user runs it, in one call.
+#
+#   bash benchmarks/gpu_parity.sh OUT_DIR             # one H100/H200 with TE set up, ~9 min
+#   bash benchmarks/gpu_parity.sh OUT_DIR --dry_run   # the same path on a CPU, ~30 s
+#
+# GPU: the shipped Llama 3.2 1B recipes (te-bf16, then te-fp8 delayed; micro-batch 4, seq 8192,
+# --compile) through the launcher (bash 1.train_llama.sbatch --recipe ...), on the real text of
+# scripts/make_code_corpus.py (DATA, default .gpu/text: one transfer), STEPS steps (default 250:
+# 8.2M tokens, none read twice) with WARMUP warm-up steps and cosine decay, the held-out text
+# validated every VAL_FREQ steps, steps 100-101 profiled. Then a 30-step te_linear FP8 run with
+# --fp8_numerics (TE's fused layers keep their GEMM inputs inside), compare_runs' table, parity
+# verdict, numerics and picture, and step_breakdown's ceiling. Set-up first:
+# ../shared/gpu/README.md (TE from six transfers), and .gpu/text travels as one more carry.
+#
+# --dry_run: the tiny preset on the bundled corpus, one CPU worker, 20 steps of 64 tokens, with
+# --fp8_numerics on the FP8 twin itself (torchao); make test runs it
+# (tests/integration/test_parity_run.py). Everything lands in OUT_DIR: the run folders bf16/,
+# fp8/ (and fp8-numerics/), parity.log (every line printed), compare.png, verdict.txt,
+# breakdown.txt.
+set -euo pipefail
+
+usage="usage: bash benchmarks/gpu_parity.sh OUT_DIR [--dry_run]"
+out=${1:?$usage}
+dry=${2:-}
+[ -z "$dry" ] || [ "$dry" = --dry_run ] || { echo "$usage" >&2; exit 2; }
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+root=$(cd "$(dirname "$0")/.." && pwd)
+python=${PYTHON:-python3}
+
+if [ -n "$dry" ]; then
+    recipe=tiny
+    steps=${STEPS:-20} warmup=${WARMUP:-2} val_freq=${VAL_FREQ:-10}
+    export NPROC_PER_NODE=${NPROC_PER_NODE:-1}  # one worker, as on the one-GPU machine
+    data=(--max_context_width 64 --train_batch_size 2)
+    fp8_extra=(--fp8_numerics)
+else
+    recipe=llama3.2-1b
+    steps=${STEPS:-250} warmup=${WARMUP:-25} val_freq=${VAL_FREQ:-25}
+    text=${DATA:-$root/.gpu/text}
+    [ -f "$text/code.jsonl.gz" ] || {
+        echo "gpu_parity.sh: no $text/code.jsonl.gz: run scripts/make_code_corpus.py --out $text and carry it" >&2
+        exit 2
+    }
+    data=(--dataset "$text/code.jsonl.gz" --tokenizer "$text/tokenizer" --profile_steps 100:101)
+    fp8_extra=()
+fi
+schedule=(--max_steps "$steps" --warmup "$warmup" --validation_freq "$val_freq"
+    --validation_batches 4 --logging_freq 1 --checkpoint_freq 0)
+
+launch() {  # launch RUN_NAME RECIPE FLAGS...: a fresh run folder under OUT_DIR
+    local name=$1 which=$2
+    shift 2
+    rm -rf "${out:?}/$name"
+    RUNS_DIR=$out RUN_NAME=$name bash "$root/1.train_llama.sbatch" --recipe "$which" "$@"
+}
+
+{
+    echo "# gpu_parity.sh ${dry:-(GPU)} on $(hostname) at $(date -u +%FT%TZ), git $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')"
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || true
+    launch bf16 "$recipe-bf16" "${data[@]}" "${schedule[@]}"
+    launch fp8 "$recipe-fp8" "${data[@]}" "${schedule[@]}" "${fp8_extra[@]}"
+    runs=("$out/bf16" "$out/fp8")
+    if [ -z "$dry" ]; then
+        launch fp8-numerics "$recipe-fp8" "${data[@]:0:4}" --model_impl te_linear --fp8_numerics \
+            --max_steps 30 --warmup 3 --logging_freq 10 --validation_freq 0 --checkpoint_freq 0
+        runs+=("$out/fp8-numerics")
+    fi
+    breakdown=()
+    [ -n "$dry" ] || breakdown=(--breakdown)
+    (cd "$root" && "$python" -m scripts.compare_runs "${runs[@]:0:2}" --output "$out/compare.png" \
+        "${breakdown[@]}") | tee "$out/verdict.txt"
+    if [ -z "$dry" ]; then
+        (cd "$root" && "$python" -m scripts.compare_runs "${runs[@]}" \
+            --output "$out/compare-numerics.png") | sed -n '/^FP8 numerics/,$p' | tee -a "$out/verdict.txt"
+        (cd "$root" && "$python" -m scripts.step_breakdown "$out/bf16" "$out/fp8") | tee "$out/breakdown.txt"
+    fi
+} 2>&1 | tee "$out/parity.log"
