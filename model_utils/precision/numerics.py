@@ -31,21 +31,33 @@ _ROUNDING = 1 + 2**-20
 _WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
 
 
-def cast_figures(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> dict[str, float]:
-    """What casting ``x`` to ``dtype`` with ``scale`` does: amax, scale (the smallest, if one
-    per row), and the % of values that become zero and that are clamped at the largest value."""
+FIGURES = ("amax", "scale", "underflow_pct", "saturation_pct")
+
+
+def cast_stats(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
+    """What casting ``x`` to ``dtype`` with ``scale`` does, as the four FIGURES in one tensor on
+    ``x``'s device (no sync: a report step reads them all at once): amax, scale (the smallest,
+    if one per row), and the % of values that become zero and that lie beyond the largest."""
     values = x.detach().float()
     scale = scale.detach().float().to(values.device)
     largest = torch.finfo(dtype).max
     scaled = values * scale
     cast = scaled.clamp(-largest, largest).to(dtype).float()
     count = max(values.numel(), 1)
-    return {
-        "amax": values.abs().max().item() if values.numel() else 0.0,
-        "scale": scale.min().item(),
-        "underflow_pct": 100.0 * ((cast == 0) & (values != 0)).sum().item() / count,
-        "saturation_pct": 100.0 * (scaled.abs() > largest * _ROUNDING).sum().item() / count,
-    }
+    amax = values.abs().max() if values.numel() else values.new_zeros(())
+    return torch.stack(
+        [
+            amax,
+            scale.min(),
+            100.0 * ((cast == 0) & (values != 0)).sum() / count,
+            100.0 * (scaled.abs() > largest * _ROUNDING).sum() / count,
+        ]
+    )
+
+
+def cast_figures(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> dict[str, float]:
+    """:func:`cast_stats` by name."""
+    return dict(zip(FIGURES, cast_stats(x, dtype, scale).tolist(), strict=True))
 
 
 def amax_scale(dtype: torch.dtype, per_row: bool = False, power_of_2: bool = False) -> ScaleRule:
@@ -118,7 +130,7 @@ class Probe:
 
     def __init__(self, model: nn.Module, te_recipe: Any = None) -> None:
         self.armed = False
-        self.figures: dict[str, dict[str, dict[str, float]]] = {}
+        self.figures: dict[str, dict[str, torch.Tensor]] = {}
         self.linears: list[str] = []
         for name, module in model.named_modules():
             rules = torchao_rules(module) if te_recipe is None else te_rules(module, te_recipe)
@@ -130,7 +142,7 @@ class Probe:
         def measure(role: str, tensor: torch.Tensor) -> None:
             dtype, rule = rules[role]
             flat = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() > 1 else tensor
-            self.figures.setdefault(name, {})[role] = cast_figures(flat, dtype, rule(flat))
+            self.figures.setdefault(name, {})[role] = cast_stats(flat, dtype, rule(flat))
 
         def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
             if not self.armed:
@@ -144,8 +156,16 @@ class Probe:
         return hook
 
     def take(self) -> dict[str, dict[str, dict[str, float]]]:
+        """The figures measured since the last take, read from the device in one copy."""
         figures, self.figures = self.figures, {}
-        return figures
+        keys = [(layer, role) for layer, roles in figures.items() for role in roles]
+        if not keys:
+            return {}
+        rows = torch.stack([figures[layer][role] for layer, role in keys]).cpu().tolist()
+        taken: dict[str, dict[str, dict[str, float]]] = {}
+        for (layer, role), row in zip(keys, rows, strict=True):
+            taken.setdefault(layer, {})[role] = dict(zip(FIGURES, row, strict=True))
+        return taken
 
 
 def worst(
