@@ -16,7 +16,9 @@ prints each category's speed-up and Amdahl's ceiling of the whole step: if the m
 run take a share ``f`` of the bf16 step and run ``Y`` times faster, the step cannot get faster
 than ``1 / ((1 - f) + f / Y)`` even if nothing else changed; the ideal ceiling uses ``Y = 2``
 (H100's FP8 peak over BF16). The measured ratio falls short of the ceiling by what FP8 added
-(its casts) and whatever else moved, which the table shows. Runs of different shapes, batches
+(its casts) and whatever else moved, which the table shows. Then what-ifs from the same shares:
+the ceilings had lm_head's matmuls or attention run in FP8 too, and the step had the GPU never
+waited for the host (the levers beyond the linears). Runs of different shapes, batches
 or worlds are refused; a pair whose categories FP8 does not touch (lm_head, attention, the
 optimizer, ...) moved by more than 25% was measured under different conditions and gets that
 line instead of a ceiling; on CPU traces the FP8 figures are torchao's emulation, and it says so.
@@ -241,6 +243,40 @@ def ceiling(bf16: Run, fp8: Run) -> Ceiling | None:
     return Ceiling(share, speedup, amdahl(share, speedup), a.total_ms / b.total_ms)
 
 
+def what_ifs(bf16: Run, fp8: Run, found: Ceiling) -> list[tuple[str, float]]:
+    """Beside today's ceiling, the step's speed-up had more of it gone FP8's way, each from the
+    measured shares (slowest rank of each run): lm_head's matmuls at the FP8 matmuls' measured
+    speed-up; attention at that speed-up too (a bound: its softmax would not speed up), or at
+    its measured one when the fp8 run had --fp8_attention; all of these; and the measured step
+    with the fp8 run's GPU never waiting for the host."""
+    a, b = bf16.slowest, fp8.slowest
+    total, y = a.total_ms, found.speedup
+
+    def ceiling_with(*keys: str) -> float:
+        sped = sum(a.ms.get(k, 0.0) / (speedup(k) or y) for k in ("fp8_matmul", *keys))
+        kept = total - sum(a.ms.get(k, 0.0) for k in ("fp8_matmul", *keys))
+        return total / (kept + sped)
+
+    def speedup(key: str) -> float | None:
+        if key == "attention" and fp8.flags.get("fp8_attention") and b.ms.get(key):
+            return a.ms[key] / b.ms[key]
+        return None
+
+    attention = "attention in FP8" + (
+        " (measured)" if speedup("attention") else f" (at {y:.2f}x: a bound)"
+    )
+    return [
+        ("today's ceiling: the matmuls FP8 runs now", found.ceiling),
+        (f"+ lm_head's matmuls in FP8 (at {y:.2f}x)", ceiling_with("bf16_matmul")),
+        (f"+ {attention}", ceiling_with("attention")),
+        ("+ both", ceiling_with("bf16_matmul", "attention")),
+        (
+            f"measured, had the fp8 GPU never waited for the host ({b.ms.get('idle', 0.0):.1f} ms)",
+            total / (b.total_ms - b.ms.get("idle", 0.0)),
+        ),
+    ]
+
+
 def format_pair(bf16: Run, fp8: Run) -> str:
     """Each category's speed-up (slowest rank of each run) and the ceiling sentence."""
     a, b = bf16.slowest, fp8.slowest
@@ -272,6 +308,8 @@ def format_pair(bf16: Run, fp8: Run) -> str:
             f"ceiling would be {amdahl(found.share, IDEAL_FP8_SPEEDUP):.2f}x; the matmuls FP8 "
             f"cannot run were {100 * a.ms['bf16_matmul'] / a.total_ms:.1f}% of the bf16 step."
         )
+        lines.append("What if (from the measured shares of the bf16 step):")
+        lines += [f"  {words:64s}{value:6.2f}x" for words, value in what_ifs(bf16, fp8, found)]
     else:
         lines.append("No matmul FP8 can run was found in one of the runs: no ceiling.")
     if not any(r.gpu for r in (*bf16.ranks, *fp8.ranks)):

@@ -188,3 +188,32 @@ def test_a_pair_whose_untouched_categories_moved_gets_no_ceiling(tmp_path) -> No
 def test_a_runs_own_precision_names_it(tmp_path) -> None:
     run = _profiled(tmp_path / "a", "bf16", "te_llama32_1b_bf16.pt.trace.json.gz", bf16=False)
     assert step_breakdown.read_run(Path(run), None).label == "fp32"
+
+
+def test_what_ifs_follow_the_measured_shares(tmp_path) -> None:
+    """The recorded 1B pair's what-ifs, by hand from its categories: lm_head's GEMMs and then
+    attention moved to the FP8 matmuls' measured speed-up, and the fp8 step without its idle."""
+    runs = [
+        step_breakdown.read_run(
+            Path(_profiled(tmp_path / p, p, f"te_llama32_1b_{p}.pt.trace.json.gz")), None
+        )
+        for p in ("bf16", "fp8")
+    ]
+    a, b = runs[0].slowest.ms, runs[1].slowest
+    found = step_breakdown.ceiling(*runs)
+    got = dict(step_breakdown.what_ifs(*runs, found))
+    total, y = runs[0].slowest.total_ms, a["fp8_matmul"] / b.ms["fp8_matmul"]
+
+    def by_hand(*keys: str) -> float:
+        moved = a["fp8_matmul"] + sum(a[k] for k in keys)
+        return total / (total - moved + moved / y)
+
+    values = list(got.values())
+    assert values[0] == pytest.approx(found.ceiling) == pytest.approx(by_hand())
+    assert values[1:4] == pytest.approx(
+        [by_hand("bf16_matmul"), by_hand("attention"), by_hand("bf16_matmul", "attention")]
+    )
+    assert values[4] == pytest.approx(total / (b.total_ms - b.ms["idle"]))
+    assert values[0] < values[1] < values[3] and values[2] < values[3]
+    text = step_breakdown.format_pair(*runs)
+    assert "+ attention in FP8 (at 1.85x: a bound)" in text and "What if" in text
