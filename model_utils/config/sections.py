@@ -436,7 +436,7 @@ class RunConfig:
         default=False,
     )
     fp8_numerics: bool = flag(
-        "at report steps, per FP8 linear: amax, scale, % underflow and % saturation of its "
+        "at report steps, per FP8 linear: amax, scale, underflow and saturation shares of its "
         "input, weight and gradient, to metrics.jsonl and the trackers (rank 0; torchao "
         "recipes, or TE delayed/current on --model_impl te_linear)",
         resume=Resume.FREE,
