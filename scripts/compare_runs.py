@@ -49,7 +49,6 @@ from model_utils.precision import numerics
 from model_utils.report import metrics
 from model_utils.report.metrics.records import record_problem, run_problem
 from model_utils.report.metrics.summary import SPEED_WARMUP_STEPS
-from model_utils.traces.rules import CATEGORIES
 from scripts import parity
 from scripts.compare_plot import (  # noqa: F401
     DPI,
@@ -60,6 +59,7 @@ from scripts.compare_plot import (  # noqa: F401
     missing_x,
     throughput_key,
 )
+from scripts.traces.rules import CATEGORIES
 
 _NUM = r"([-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|nan|inf))"
 _GROUPED = r"(\d{1,3}(?:,\d{3})*(?:\.\d+)?)"  # 1,234,567 (the detail line's tokens/s)

@@ -45,8 +45,8 @@ except ModuleNotFoundError:  # run by path: scripts/ is first on the import path
 
 from model_utils.config.argv import precision_name
 from model_utils.config.sections import ModelShape, flag_fields
-from model_utils.traces.breakdown import RankBreakdown, read_rank
-from model_utils.traces.rules import CATEGORIES
+from scripts.traces.breakdown import RankBreakdown, read_rank
+from scripts.traces.rules import CATEGORIES
 
 NAME = "step_breakdown.py"
 #: H100 SXM dense peaks: 1979 TFLOP/s FP8 over 989 BF16.

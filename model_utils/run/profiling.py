@@ -35,7 +35,6 @@ import torch
 
 from model_utils.config.flag_rules import profile_window
 from model_utils.errors import Refusal, os_error_words
-from model_utils.traces.rules import TRACE_METADATA_KEY
 
 log = logging.getLogger("train")
 
@@ -45,6 +44,9 @@ WARMUP_STEPS = 1
 #: of a large model, a few hundred MB of host memory at most.
 SNAPSHOT_MAX_ENTRIES = 100_000
 TRACE_SUFFIX = ".pt.trace.json.gz"
+#: The key of this module's metadata in a trace (which training step ProfilerStep#0 is), for the
+#: analysis that reads the traces back (scripts/traces/).
+TRACE_METADATA_KEY = "llama_recipe_profile"
 MEMORY_LEVERS = (
     "lower --train_batch_size (--grad_accum_steps keeps the global batch), add "
     "--activation_checkpointing (or --ac_scope mlp for less recompute), keep --chunked_loss=1"

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from helpers.runs import SMALL_LLAMA, records, run_train
 
-from model_utils.traces.breakdown import read_rank
-from model_utils.traces.rules import CATEGORIES
 from scripts import step_breakdown
+from scripts.traces.breakdown import read_rank
+from scripts.traces.rules import CATEGORIES
 
 #: The window: steps 3 and 4 of 4 (step 2 warms the profiler up).
 FLAGS = [

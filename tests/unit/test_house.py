@@ -424,7 +424,6 @@ STAGES = (
     "model",
     "optim",
     "checkpoint",
-    "traces",
     "run",
     "report",
 )

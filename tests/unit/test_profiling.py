@@ -22,8 +22,8 @@ from model_utils.model import loss as model_loss
 from model_utils.model.annotate import BACKWARD, DATA_WAIT, FORWARD, OPTIMIZER, annotate
 from model_utils.run import profiling
 from model_utils.run.profiling import RunProfiler, StepOutOfMemory, Window, plan_window
-from model_utils.traces.breakdown import rank_steps
-from model_utils.traces.host import Host
+from scripts.traces.breakdown import rank_steps
+from scripts.traces.host import Host
 
 
 @pytest.mark.parametrize(

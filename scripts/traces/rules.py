@@ -1,7 +1,7 @@
 """The one table that names what a profiler event is: GEMM, attention, collective, FP8 cast, or
 one of the recipe's own ranges (``model_utils/model/annotate.py``).
 
-Data, not code paths: ``model_utils/traces/breakdown.py`` applies every rule to every event's name
+Data, not code paths: ``scripts/traces/breakdown.py`` applies every rule to every event's name
 and resolves what matched with :data:`PRECEDENCE`; ``tests/unit/test_trace_rules.py`` holds one
 test per rule (names it must catch, names it must not). A new kernel family is a new row.
 
@@ -20,8 +20,6 @@ from dataclasses import dataclass
 #: Where a rule looks: "host" (CPU operators and ``record_function`` ranges), "device" (GPU
 #: kernels, copies and sets), or both.
 HOST, DEVICE, ANY = "host", "device", "any"
-#: The key of run/profiling.py's metadata in a trace: which training step ProfilerStep#0 is.
-TRACE_METADATA_KEY = "llama_recipe_profile"
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,10 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from model_utils.traces.device import device_steps
-from model_utils.traces.host import DEVICE_CATS, Host, StepTime, host_step, load
-from model_utils.traces.rules import CATEGORIES, TRACE_METADATA_KEY
+from model_utils.run.profiling import TRACE_METADATA_KEY
+from scripts.traces.device import device_steps
+from scripts.traces.host import DEVICE_CATS, Host, StepTime, host_step, load
+from scripts.traces.rules import CATEGORIES
 
 
 def rank_steps(trace: dict) -> list[StepTime]:
