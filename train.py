@@ -149,7 +149,6 @@ def train(
     world: distributed.World,
     device,
     preemption,
-    explicit: frozenset = frozenset(),
 ) -> None:
     """Build (data first: its problems show before the model's cost), then step until
     --max_steps or a stop request (a signal or a bad read: checkpoint, then exit)."""
@@ -165,7 +164,7 @@ def train(
     optimizer, scheduler = build_optimizer(model, config, device, backend)
     log.info("optimizer: %s", optim.describe(optimizer))
     parts = StepParts(model, optimizer, scheduler, backend, config, device)
-    run = start_run(parts, stream, val_batches, world, explicit)
+    run = start_run(parts, stream, val_batches, world)
     config, state, hang = run.config, run.state, run.run_log.watchdog  # config: as resumed
 
     reads = data.ReadGuard(stream, config.data.text_column, world.world_size)
@@ -231,9 +230,7 @@ def step_boundary(run: Run, *, stop_requested: bool) -> bool:
     return stop
 
 
-def start_run(
-    parts: StepParts, stream: data.TrainStream, val_batches: list, world, explicit: frozenset
-) -> Run:
+def start_run(parts: StepParts, stream: data.TrainStream, val_batches: list, world) -> Run:
     """The checkpointer and the state it saves, resumed if asked (the flags come back with the
     lr values a resume put in use, and the state saves them); then the run's report, started
     at the resumed step, with its --hang_timeout watchdog, and the non-finite guard."""
@@ -253,7 +250,7 @@ def start_run(
         on_data_reshard=lambda step, saved: stream.restart_after_reshard(saved),
         fp8_recipe=parts.backend.te_recipe,
     )
-    config = checkpoint.resume_or_start(ckpt, state, parts.scheduler, config, explicit)
+    config = checkpoint.resume_or_start(ckpt, state, parts.scheduler, config)
     hang = watchdog.for_run(config.run, world.rank, parts.device)  # --hang_timeout
     run_log = RunLog(
         config,
@@ -347,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
     locks: list[run_lock.RunLock] = []
     try:
         locks = run_lock.hold_run_dirs(config, world)
-        train(config, tokenizer, world, device, preemption, arguments.explicit_flags(argv))
+        train(config, tokenizer, world, device, preemption)
     except Refusal as exc:  # one line (rank 0's, or each rank's that ran out of memory)
         exit_refused(exc, is_main=world.is_main)
     finally:

@@ -248,9 +248,7 @@ def check_same_data(path: str | Path, config: Config, warn: bool = True) -> str:
     )
 
 
-def resume_or_start(
-    ckpt: Any, state: Any, scheduler: Any, config: Config, explicit: frozenset
-) -> Any:
+def resume_or_start(ckpt: Any, state: Any, scheduler: Any, config: Config) -> Any:
     """Start afresh (deleting the old checkpoints with --overwrite_output_dir) or load the
     newest intact checkpoint under the rules above. Returns the run's flags with the lr values
     in use, which the state then saves."""
@@ -263,7 +261,7 @@ def resume_or_start(
     changed = [c for c in check_resumable(path, config.as_dict()) if c[0][2:] not in LR_FLAGS]
     checked = check_same_data(path, config)  # the checkpoint chosen now, maybe an older one
     ckpt.load(path, state)
-    given = {name: config.get(name) for name in LR_FLAGS if name in explicit}
+    given = {name: config.get(name) for name in LR_FLAGS if name in config.typed}
     try:
         used = optim.resume_schedule(scheduler, given)
     except ValueError as exc:

@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
         group = parser.add_argument_group(_GROUP_TITLES[section])
         hints = typing.get_type_hints(kind)
         for f in fields(kind):
-            if f.name in SECTIONS or not specs[f.name].is_flag:
+            if f.name not in specs or not specs[f.name].is_flag:
                 continue
             flag_type = _flag_type(hints[f.name])
             group.add_argument(f"--{f.name}", **_argument(f.name, specs[f.name], flag_type))
@@ -173,17 +173,31 @@ def parse_args(argv: list[str] | None = None) -> Config:
     from model_utils.config import recipes
 
     given = with_files(sys.argv[1:] if argv is None else argv)
-    argv = with_recipes(given)
-    args = build_parser().parse_args(argv)
+    args, typed = parse_typed(with_recipes(given))
     args.recipe = recipes.named(given)  # recorded: the run says which recipe it started from
     try:
-        resolve(args, argv)
+        resolve(args, typed)
     except UsageError as exc:
         raise UsageError(recipe_origin(str(exc), given, args.recipe)) from exc
-    return Config.from_flat(vars(args))
+    return Config.from_flat(vars(args), typed)
 
 
-def resolve(args: argparse.Namespace, argv: list[str]) -> None:
+def parse_typed(argv: list[str]) -> tuple[argparse.Namespace, frozenset[str]]:
+    """One parse: the flags and which of them were typed (argparse leaves a suppressed default
+    out of the namespace, so what it holds was typed; the defaults are filled in after)."""
+    parser = build_parser()
+    defaults = {action.dest: action.default for action in parser._actions}
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    args = parser.parse_args(argv)
+    typed = frozenset(vars(args)) - {"help"}
+    for name, default in defaults.items():
+        if name != "help" and not hasattr(args, name):
+            setattr(args, name, default)
+    return args, typed
+
+
+def resolve(args: argparse.Namespace, typed: frozenset[str]) -> None:
     """Preset, --init_from_hf's config.json, the cross-flag rules, the implementation and the
     FP8 recipe, into `args` (UsageError for a combination that cannot run)."""
     from model_utils.config import flag_rules, hf_config
@@ -192,7 +206,7 @@ def resolve(args: argparse.Namespace, argv: list[str]) -> None:
     apply_preset(args)
     if args.init_from_hf:
         try:
-            hf_config.apply(args, explicit_flags(argv))
+            hf_config.apply(args, typed)
         except hf_config.ConfigError as exc:
             raise UsageError(str(exc)) from exc
     flag_rules.check_consistency(args)
@@ -207,7 +221,7 @@ def resolve(args: argparse.Namespace, argv: list[str]) -> None:
             "use --model_impl hf"
         )
     args.fp8_recipe = flag_rules.resolve_fp8_recipe(args)
-    flag_rules.check_recipe_options(args, explicit_flags(argv))
+    flag_rules.check_recipe_options(args, typed)
 
 
 def recipe_origin(message: str, given: list[str], recipe: str | None) -> str:
@@ -277,10 +291,6 @@ def saved_args(config: Config) -> list[str]:
 
 
 def explicit_flags(argv: list[str] | None = None) -> frozenset[str]:
-    """The flags given on the command line (a recipe's included), not filled in by a default
-    or a preset: on resume an explicit --lr means "use this lr", a default does not."""
-    argv = with_recipes(argv)
-    parser = build_parser()
-    for action in parser._actions:
-        action.default = argparse.SUPPRESS
-    return frozenset(vars(parser.parse_args(argv)))
+    """The flags given on a command line (a recipe's included), not filled in by a default or
+    a preset (a run's own: Config.typed)."""
+    return parse_typed(with_recipes(argv))[1]

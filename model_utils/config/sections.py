@@ -561,9 +561,13 @@ class Config:
     parallel: ParallelConfig
     checkpoint: CheckpointConfig
     run: RunConfig
+    #: The flags typed on the command line (a recipe's and a @FILE's included), not filled in
+    #: by a default or a preset: on resume a typed --lr means "use this lr", a default does not.
+    #: A fact about this launch, not about the run: never saved, no resume class.
+    typed: frozenset[str] = dataclasses.field(default=frozenset(), compare=False, repr=False)
 
     @classmethod
-    def from_flat(cls, values: Mapping[str, Any]) -> Config:
+    def from_flat(cls, values: Mapping[str, Any], typed: frozenset[str] = frozenset()) -> Config:
         """The sections from flat flag names (a parsed command line, a saved record); a name
         that belongs nowhere is an error: a flag must not be read by no one."""
         unknown = sorted(set(values) - set(SECTION_OF) - set(TOP_FIELDS))
@@ -573,7 +577,7 @@ class Config:
         for section, kind in SECTIONS.items():
             given = {f.name: values[f.name] for f in fields(kind) if f.name in values}
             parts[section] = kind(**given)
-        return cls(**parts)
+        return cls(**parts, typed=frozenset(typed))
 
     def as_dict(self) -> dict[str, Any]:
         """Every field under its flat flag name, as a new dict (checkpoint.json, metrics.jsonl)."""
@@ -607,17 +611,17 @@ class Config:
         unknown = sorted(set(changes) - set(SECTION_OF) - set(TOP_FIELDS))
         if unknown:
             raise AttributeError(f"no such config field: {', '.join(unknown)}")
-        return Config.from_flat({**self.as_dict(), **changes})
+        return Config.from_flat({**self.as_dict(), **changes}, self.typed)
 
 
 #: The fields of the run itself, beside the sections: what it was built from.
-TOP_FIELDS = tuple(f.name for f in fields(Config) if f.name not in SECTIONS)
+TOP_FIELDS = tuple(f.name for f in fields(Config) if f.name not in (*SECTIONS, "typed"))
 
 
 def flag_specs() -> dict[str, Spec]:
     """Every field of the run -> its declaration, in the parser's order: the run's own fields
     (--recipe, --preset), then each section's (those no flag sets included)."""
-    specs = {f.name: _spec(f) for f in fields(Config) if f.name not in SECTIONS}
+    specs = {name: _spec(next(f for f in fields(Config) if f.name == name)) for name in TOP_FIELDS}
     for kind in SECTIONS.values():
         specs.update((f.name, _spec(f)) for f in fields(kind))
     return specs
