@@ -39,6 +39,12 @@
 #           19-20 profiled; then scripts/step_breakdown.py's breakdown and FP8 ceiling of the
 #           pair and compare_runs' table of both (and of full-torchao's run if it is in OUT_DIR)
 #                                                                                       ~5 min
+#   attention-3b  past the linears-only ceiling on the 3B recipe (micro-batch 2, head_dim 128):
+#           te-bf16, te-fp8, and te-fp8 with --fp8_attention (cuDNN's FP8 attention), 30 steps
+#           each through the launcher, steps 20-21 profiled; step_breakdown of each FP8 run
+#           against the bf16 one (its what-ifs: attention's share measured)        ~9 min
+#   scaling-1b  delayed against current scaling under --compile on the 1B recipe, 30 steps
+#           each through the launcher, steps 20-21 profiled; compare_runs of the two  ~5 min
 #
 # TE searches the CUDA toolkit and the system for cuDNN before pip's: on the H100 of 2026-11-24
 # it loaded Debian's 9.14 beside torch's 9.19, and deterministic FP8 attention was refused.
@@ -54,7 +60,7 @@
 # (benchmarks/results/2026-11-24-h100.md).
 set -euo pipefail
 
-usage="usage: bash benchmarks/gpu_levers.sh loss|levers|masters|compile|reshard|ac|best|tier|attention|torchao|depth|full-torchao|full OUT_DIR"
+usage="usage: bash benchmarks/gpu_levers.sh loss|levers|masters|compile|reshard|ac|best|tier|attention|torchao|depth|full-torchao|full|attention-3b|scaling-1b OUT_DIR"
 phase=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -80,6 +86,15 @@ BEST_BF16="te-bf16 mb4 +compile +masters +no-reshard +expandable"
 BEST_FP8="te-fp8 mb4 +compile +masters +no-reshard +expandable"
 TORCHAO="torchao-fp8 mb4 +ag +compile +expandable"
 folder() { echo "$out/full/${1// /_}"; }
+# recipe RUN_NAME RECIPE FLAGS...: a user's launch of a shipped recipe, 30 steps, profiled
+recipe() {
+    local name=$1 which=$2
+    shift 2
+    rm -rf "${out:?}/$name"
+    RUNS_DIR=$out RUN_NAME=$name bash 1.train_llama.sbatch --recipe "$which" --max_steps 30 \
+        --warmup 5 --validation_freq 0 --checkpoint_freq 0 --profile_steps 20:21 \
+        --dataset data/kjv.jsonl.gz --tokenizer data/tokenizer "$@"
+}
 
 {
     echo "# $phase on $(hostname) at $(date -u +%FT%TZ), git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
@@ -134,8 +149,23 @@ folder() { echo "$out/full/${1// /_}"; }
         [ -f "$(folder "$TORCHAO")/metrics.jsonl" ] && runs+=("$(folder "$TORCHAO")")
         "$python" -m scripts.compare_runs "${runs[@]}" --output "$out/full-compare.png" || true
         ;;
+    attention-3b)
+        recipe 3b-bf16 llama3.2-3b-bf16
+        recipe 3b-fp8 llama3.2-3b-fp8
+        recipe 3b-fp8-attention llama3.2-3b-fp8 --fp8_attention
+        "$python" -m scripts.step_breakdown "$out/3b-bf16" "$out/3b-fp8" --no_hta
+        "$python" -m scripts.step_breakdown "$out/3b-bf16" "$out/3b-fp8-attention" --no_hta
+        "$python" -m scripts.compare_runs "$out/3b-bf16" "$out/3b-fp8" "$out/3b-fp8-attention" \
+            --output "$out/attention-3b.png" || true
+        ;;
+    scaling-1b)
+        recipe 1b-delayed llama3.2-1b-fp8
+        recipe 1b-current llama3.2-1b-fp8 --fp8_recipe current
+        "$python" -m scripts.compare_runs "$out/1b-delayed" "$out/1b-current" \
+            --output "$out/scaling-1b.png" || true
+        ;;
     *)
-        echo "unknown phase $phase: loss, levers, masters, compile, reshard, ac, best, tier, attention, torchao, depth, full-torchao or full" >&2
+        echo "unknown phase $phase: loss, levers, masters, compile, reshard, ac, best, tier, attention, torchao, depth, full-torchao, full, attention-3b or scaling-1b" >&2
         exit 2
         ;;
     esac

@@ -251,6 +251,8 @@ def label_from_flags(info: Mapping[str, Any] | None) -> str | None:
         parts.append(str(flags["model_impl"]))
     if flags.get("fp8") and flags.get("fp8_attention"):
         parts.append("fp8-attention")
+    if flags.get("fp8") and flags.get("fp8_lm_head"):
+        parts.append("fp8-lm_head")
     if flags.get("fp8") and flags.get("bf16_layers"):
         parts.append(f"bf16-layers {flags['bf16_layers']}")
     if flags.get("optimizer", "adamw") != "adamw":

@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from model_utils.config.cpu import cpu_computes_bf16, slow_bf16_line
 from scripts import compare_runs
+from scripts.cpu import cpu_computes_bf16, slow_bf16_line
 
 ROOT = Path(__file__).resolve().parent.parent
 

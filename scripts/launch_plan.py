@@ -39,7 +39,7 @@ def _load(relative: str) -> ModuleType:
 argv = _load("model_utils/config/argv.py")  # train.py's grammar: one definition for both
 published = _load("model_utils/checkpoint/published.py")  # what a complete checkpoint is
 flag_value, switch_value, without_flag = argv.flag_value, argv.switch_value, argv.without_flag
-cpu = _load("model_utils/config/cpu.py")  # whether a CPU-only node computes bf16 natively
+cpu = _load("scripts/cpu.py")  # whether a CPU-only node computes bf16 natively
 
 
 def slow_bf16_hint(train_args: Sequence[str], gpus: int, native_bf16: bool | None) -> str:

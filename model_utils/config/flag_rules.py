@@ -207,6 +207,11 @@ def _check_combinations(args: argparse.Namespace) -> None:
         raise UsageError("--fp8_attention needs --fp8=1")
     if args.bf16_layers:
         _check_bf16_layers(args)
+    if args.fp8_lm_head and not (args.fp8 and args.chunked_loss):
+        raise UsageError(
+            "--fp8_lm_head runs the output layer's GEMMs in FP8 inside the chunked loss: it "
+            "needs --fp8=1 and --chunked_loss=1"
+        )
     if args.fp8_numerics and not args.fp8:
         raise UsageError("--fp8_numerics measures FP8 casts: it needs --fp8=1")
     if args.master_weights == "optimizer":

@@ -184,6 +184,13 @@ class PrecisionConfig:
         resume=FP8_KNOB,
         default=False,
     )
+    fp8_lm_head: bool = flag(
+        "the output layer's GEMMs in FP8 too (in the chunked loss, per-tensor current scaling; "
+        "a tied embedding still reads the high-precision weight); opt-in, judge it by "
+        "compare_runs' parity verdict",
+        resume=FP8_KNOB,
+        default=False,
+    )
     bf16_layers: str = flag(
         "decoder layers kept in BF16 while FP8 is on: comma-separated indices, negative ones "
         "from the end (0,-1: the first and the last; a lone one as --bf16_layers=-1)",

@@ -29,8 +29,11 @@ from torch import nn
 from model_utils.model.annotate import LM_HEAD, annotate
 
 IGNORE_INDEX = -100
-#: ``(h, weight, targets) -> (per-token losses, unscaled d loss / d logits)`` for one chunk.
-ChunkFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+#: ``(logits, targets) -> (per-token losses, unscaled d loss / d logits)`` for one chunk.
+ChunkFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+#: ``(a, b, grad) -> a @ b``: the loss's three GEMMs (``grad``: ``a`` is d loss / d logits), in
+#: the compute dtype (:func:`plain_mm`) or in FP8 (:func:`fp8_mm`).
+Matmul = Callable[..., torch.Tensor]
 #: Logit elements per chunk (256 MiB in fp32) on a small model: 1,024 tokens at a 64k vocabulary.
 CHUNK_LOGITS = 2**26
 #: ... but never fewer tokens than this many times the hidden width: every chunk pays one pass
@@ -54,15 +57,13 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
-def _chunk_log_probs(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 log-probabilities of one chunk, computed as HF's loss does (bf16 logits, upcast,
-    log-softmax) with at most two fp32 chunks alive: the bf16 logits are freed at the upcast.
-
-    One fused log-softmax replaces ``logsumexp`` + subtract: torch's ``logsumexp`` is composite
-    (max, a full-size ``x - max`` temporary, exp, sum), four passes and one more chunk of memory.
-    """
-    logits = (h @ weight.t()).float()
-    return torch.log_softmax(logits, dim=-1)
+def _chunk_log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """fp32 log-probabilities of one chunk's logits, as HF's loss computes them (upcast, then
+    log-softmax), with at most two fp32 chunks alive: the logits are freed at the upcast by
+    the caller. One fused log-softmax replaces ``logsumexp`` + subtract: torch's ``logsumexp``
+    is composite (max, a full-size ``x - max`` temporary, exp, sum), four passes and one more
+    chunk of memory."""
+    return torch.log_softmax(logits.float(), dim=-1)
 
 
 def _chunk_losses(log_probs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -73,17 +74,19 @@ def _chunk_losses(log_probs: torch.Tensor, targets: torch.Tensor) -> tuple[torch
 
 
 def softmax_minus_target(
-    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+    logits: torch.Tensor, targets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk's per-token losses (fp32, 0 where ignored) and ``d loss / d logits`` unscaled:
-    ``softmax - one_hot(target)`` rounded to ``h``'s dtype once, as autograd's cast would.
+    ``softmax - one_hot(target)`` rounded to the logits' dtype once, as autograd's cast would.
 
     Eager, the ``[tokens, vocab]`` work is three passes: the upcast, the log-softmax, and one
     ``exp`` that writes the softmax straight into bf16 (the target entries are fixed after).
     """
-    log_probs = _chunk_log_probs(h, weight)
+    dtype = logits.dtype
+    log_probs = _chunk_log_probs(logits)
+    del logits
     losses, picked, valid = _chunk_losses(log_probs, targets)
-    d = torch.exp(log_probs, out=torch.empty_like(log_probs, dtype=h.dtype))
+    d = torch.exp(log_probs, out=torch.empty_like(log_probs, dtype=dtype))
     del log_probs
     rows = torch.arange(d.shape[0], device=d.device)
     d[rows, torch.where(valid, targets, 0)] = picked.exp().sub_(1.0).to(d.dtype)
@@ -91,19 +94,19 @@ def softmax_minus_target(
 
 
 def _softmax_minus_target_fusable(
-    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+    logits: torch.Tensor, targets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`softmax_minus_target` written for ``torch.compile``: no in-place writes or
     ``out=``, the one-hot as a comparison, so inductor fuses everything after the GEMM into
     one reduction and one pointwise kernel over the bf16 logits (no fp32 chunk is stored)."""
-    x = (h @ weight.t()).float()
+    x = logits.float()
     valid = targets != IGNORE_INDEX
     safe = torch.where(valid, targets, 0)[:, None]
     log_z = torch.logsumexp(x, dim=-1, keepdim=True)
     losses = (log_z - x.gather(1, safe)).squeeze(1) * valid
     probs = torch.exp(x - log_z)
     hit = torch.arange(x.shape[1], device=x.device)[None, :] == safe
-    return losses, torch.where(hit, probs - 1.0, probs).to(h.dtype)
+    return losses, torch.where(hit, probs - 1.0, probs).to(logits.dtype)
 
 
 @functools.cache
@@ -111,6 +114,36 @@ def compiled_softmax_minus_target() -> ChunkFn:
     """The fused chunk (``--compile``), compiled once per process on first use. Static shapes:
     the chunks of a run share one shape, a ragged last chunk adds one more graph."""
     return torch.compile(_softmax_minus_target_fusable, dynamic=False, fullgraph=True)
+
+
+def _to_fp8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` cast to ``dtype`` with its own scale (current scaling: the format's largest value
+    over the amax), and the inverse scale that undoes it."""
+    amax = x.detach().abs().max().float().clamp(min=torch.finfo(torch.float32).tiny)
+    scale = torch.finfo(dtype).max / amax
+    largest = torch.finfo(dtype).max
+    return (x.float() * scale).clamp(-largest, largest).to(dtype), scale.reciprocal()
+
+
+def plain_mm(a: torch.Tensor, b: torch.Tensor, grad: bool = False, out=None) -> torch.Tensor:
+    return torch.mm(a, b, out=out)
+
+
+def fp8_mm(a: torch.Tensor, b: torch.Tensor, grad: bool = False, out=None) -> torch.Tensor:
+    """``a @ b`` with both operands cast to FP8 per tensor (--fp8_lm_head): e4m3 for the hidden
+    states and the weight, e5m2 for the gradient ``a`` of the backward GEMMs (``grad``), as
+    TE's hybrid format. On CUDA with 16-aligned shapes FP8 tensor cores run it
+    (``torch._scaled_mm``: ``a`` row-major, ``b`` column-major, the inverse scales beside);
+    elsewhere it is emulated: the casts' rounding, the product in fp32."""
+    qa, inv_a = _to_fp8(a, torch.float8_e5m2 if grad else torch.float8_e4m3fn)
+    qb_t, inv_b = _to_fp8(b.t().contiguous(), torch.float8_e4m3fn)
+    if a.is_cuda and not (a.shape[0] % 16 or a.shape[1] % 16 or b.shape[1] % 16):
+        product = torch._scaled_mm(
+            qa.contiguous(), qb_t.t(), scale_a=inv_a, scale_b=inv_b, out_dtype=a.dtype
+        )
+    else:
+        product = ((qa.float() * inv_a) @ (qb_t.float() * inv_b).t()).to(a.dtype)
+    return product if out is None else out.copy_(product)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -124,19 +157,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk: int, chunk_fn: ChunkFn):
+    def forward(ctx, hidden, weight, targets, chunk: int, chunk_fn: ChunkFn, mm: Matmul):
         counted = (targets != IGNORE_INDEX).sum().clamp_min(1)
         total = torch.zeros((), device=hidden.device, dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = None
         for start in range(0, hidden.shape[0], chunk):
             h, y = hidden[start : start + chunk], targets[start : start + chunk]
-            losses, d = chunk_fn(h, weight, y)
+            losses, d = chunk_fn(mm(h, weight.t()), y)
             total += losses.sum()
             valid = y != IGNORE_INDEX
-            g = torch.mm(d, weight, out=grad_hidden[start : start + chunk])
+            g = mm(d, weight, grad=True, out=grad_hidden[start : start + chunk])
             g.mul_((valid / counted)[:, None])  # an fp32 factor: one rounding, to bf16
-            part = d.t() @ (h * valid[:, None])  # ignored rows contribute nothing
+            part = mm(d.t(), h * valid[:, None], grad=True)  # ignored rows contribute nothing
             grad_weight = part.float() if grad_weight is None else grad_weight.add_(part)
         ctx.save_for_backward(grad_hidden, grad_weight, counted)
         ctx.weight_dtype = weight.dtype
@@ -155,15 +188,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
-def _loss_only(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int):
+def _loss_only(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, mm):
     """The same loss without gradients (evaluation under ``torch.no_grad``): no GEMMs for them."""
     counted = (targets != IGNORE_INDEX).sum().clamp_min(1)
     total = torch.zeros((), device=hidden.device, dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk):
-        log_probs = _chunk_log_probs(hidden[start : start + chunk], weight)
+        log_probs = _chunk_log_probs(mm(hidden[start : start + chunk], weight.t()))
         total += _chunk_losses(log_probs, targets[start : start + chunk])[0].sum()
     return total / counted
 
@@ -174,17 +208,21 @@ def linear_cross_entropy(
     labels: torch.Tensor,
     chunk: int | None = None,
     compiled: bool = False,
+    fp8: bool = False,
 ) -> torch.Tensor:
     """Causal-LM loss of ``hidden`` ``[batch, seq, h]`` through ``lm_head`` weight ``[V, h]``
     against unshifted ``labels`` ``[batch, seq]`` (what HF models take); ``compiled`` runs each
-    training chunk through :func:`compiled_softmax_minus_target`."""
+    training chunk through :func:`compiled_softmax_minus_target`, ``fp8`` its GEMMs through
+    :func:`fp8_mm` (the weight itself stays as it is: a tied embedding reads it unchanged)."""
     chunk = chunk or chunk_tokens(weight.shape[0], weight.shape[1])
     targets = shift_labels(labels).reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])
+    mm = fp8_mm if fp8 else plain_mm
     if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
-        return _loss_only(flat, weight, targets, chunk)
+        with torch.no_grad():
+            return _loss_only(flat, weight, targets, chunk, mm)
     chunk_fn = compiled_softmax_minus_target() if compiled else softmax_minus_target
-    return _LinearCrossEntropy.apply(flat, weight, targets, chunk, chunk_fn)
+    return _LinearCrossEntropy.apply(flat, weight, targets, chunk, chunk_fn, mm)
 
 
 def _forward_with_chunked_loss(
@@ -210,18 +248,22 @@ def _lm_head_forward(self: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor
     with annotate(LM_HEAD):
         if labels is None:
             return F.linear(hidden, self.weight, self.bias)
-        return linear_cross_entropy(hidden, self.weight, labels, compiled=self.compiled_loss)
+        return linear_cross_entropy(
+            hidden, self.weight, labels, compiled=self.compiled_loss, fp8=self.fp8_loss
+        )
 
 
-def use_chunked_loss(model: nn.Module, compiled: bool = False) -> nn.Module:
+def use_chunked_loss(model: nn.Module, compiled: bool = False, fp8: bool = False) -> nn.Module:
     """Make ``model(input_ids, labels=...)`` compute the loss chunk by chunk (no full logits);
-    ``compiled`` (``--compile``) fuses each chunk's softmax gradient with torch.compile.
+    ``compiled`` (``--compile``) fuses each chunk's softmax gradient with torch.compile; ``fp8``
+    (``--fp8_lm_head``) runs the loss's GEMMs in FP8.
 
     Set on the instances, so parameter names, checkpoints and HF export stay exactly as they are.
     """
     if model.lm_head.bias is not None:
         raise ValueError("the chunked loss expects lm_head without a bias (Llama has none)")
     model.lm_head.compiled_loss = compiled
+    model.lm_head.fp8_loss = fp8
     model.lm_head.forward = types.MethodType(_lm_head_forward, model.lm_head)
     model.forward = types.MethodType(_forward_with_chunked_loss, model)
     return model

@@ -91,7 +91,7 @@ def build(
     if args.optim.master_weights == "optimizer":  # fp32 copies live in the optimizer instead
         master_weights.store_parameters_in(model, torch.bfloat16)
     return (
-        loss.use_chunked_loss(model, compiled=args.parallel.compile)
+        loss.use_chunked_loss(model, compiled=args.parallel.compile, fp8=args.precision.fp8_lm_head)
         if args.parallel.chunked_loss
         else loss.annotate_lm_head(model)
     )

@@ -125,6 +125,7 @@ class TorchaoFloat8:
         self.emulate = device.type != "cuda" or not fp8_capable_gpu()
         self.compute = "bf16" if config.precision.bf16 else "fp32"
         self.bf16_layers = config.precision.kept_layers(config.model.num_layers)
+        self.fp8_lm_head = config.precision.fp8_lm_head
         self.converted: list[str] = []
         self.skipped: list[str] = []  # not FP8-eligible (lm_head, odd shapes)
         self.in_kept_layers: list[str] = []  # --bf16_layers
@@ -172,12 +173,14 @@ class TorchaoFloat8:
             else "FP8 tensor cores"
         )
         gather = ", float8 all-gather" if self.all_gather else ""
-        kept = ", ".join(self.skipped) if self.skipped else "none"
+        skipped = [n for n in self.skipped if not (self.fp8_lm_head and n.endswith("lm_head"))]
+        kept = ", ".join(skipped) if skipped else "none"
         if self.bf16_layers:
             kept += f"; {kept_layers_words(self.bf16_layers)} ({len(self.in_kept_layers)} linears)"
+        head = "; lm_head's GEMMs in FP8 (chunked loss)" if self.fp8_lm_head else ""
         return (
             f"precision: torchao float8 {self.recipe_name}{gather}, {mode}; "
-            f"{len(self.converted)} linears in FP8, kept in {self.compute}: {kept}"
+            f"{len(self.converted)} linears in FP8, kept in {self.compute}: {kept}{head}"
         )
 
 

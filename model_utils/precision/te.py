@@ -177,6 +177,7 @@ class TEBackend:
         self.torch_autocast_dtype = torch_autocast_dtype
         self.dp_group = dp_group
         self.bf16_layers = config.precision.kept_layers(config.model.num_layers)
+        self.fp8_lm_head = config.precision.fp8 and config.precision.fp8_lm_head
         self._recipe_kwargs = {
             "fp8_format": config.precision.fp8_format,
             "amax_history_len": int(config.precision.amax_history_len),
@@ -361,6 +362,7 @@ class TEBackend:
         group = "default group" if self.dp_group is None else "data-parallel group"
         weights = "FP8 (fp8_model_init)" if self.fp8_weights else "high precision"
         kept = f"; {kept_layers_words(self.bf16_layers)} in BF16" if self.bf16_layers else ""
+        kept += "; lm_head's GEMMs in FP8 (chunked loss)" if self.fp8_lm_head else ""
         return (
             f"model_impl={self.model_impl} precision=TE FP8 recipe={self.recipe_name} "
             f"({FP8_RECIPE[self.recipe_name].te_class}: {options}); {activations}; "

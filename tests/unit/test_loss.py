@@ -157,3 +157,54 @@ def test_compile_flag_reaches_the_loss() -> None:
     for flag, want in (("--compile=0", False), ("--compile=1", True)):
         args = parse_args(["--model_impl=hf", flag, "--num_layers=1"])
         assert modeling.build(args, "hf", torch.device("cpu")).lm_head.compiled_loss is want
+
+
+# ----------------------------------------------------------------------- --fp8_lm_head
+
+
+def test_fp8_mm_rounds_through_the_format_and_undoes_the_scale() -> None:
+    """Emulated (CPU): each operand cast to FP8 with its own scale, the product in fp32. Values
+    the format holds exactly come back exactly; others within e4m3's (or e5m2's) rounding."""
+    exact = torch.tensor([[1.0, -2.0], [0.5, 4.0]])  # powers of 2 under a power-of-2 scale
+    eye = torch.eye(2)
+    torch.testing.assert_close(loss.fp8_mm(exact * 112, eye), exact * 112)  # amax 448
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 32, generator=generator), torch.randn(32, 48, generator=generator)
+    for grad, step in ((False, 2**-3), (True, 2**-2)):  # e4m3: 3 mantissa bits, e5m2: 2
+        got, want = loss.fp8_mm(a, b, grad=grad), a @ b
+        relative = (got - want).norm() / want.norm()
+        assert 0 < relative < step, (grad, relative)
+    out = torch.empty(64, 48)
+    assert loss.fp8_mm(a, b, out=out) is out
+
+
+def test_the_loss_with_fp8_gemms_stays_close_and_the_tied_weight_is_untouched() -> None:
+    """--fp8_lm_head on a tied model: the loss and both gradients move by FP8's rounding only
+    (not zero, under 2%), and the embedding still reads the very same high-precision weight."""
+    config = LlamaConfig(**CONFIG, tie_word_embeddings=True)
+    results = {}
+    for fp8 in (False, True):
+        torch.manual_seed(0)
+        model = loss.use_chunked_loss(LlamaForCausalLM(config), fp8=fp8)
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert model.lm_head.weight.dtype == torch.float32
+        ids, labels = batch()
+        value = model(input_ids=ids, labels=labels).loss
+        value.backward()
+        results[fp8] = (value.item(), model.lm_head.weight.grad.clone())
+    (plain, plain_grad), (fp8_loss, fp8_grad) = results[False], results[True]
+    assert plain != fp8_loss and abs(fp8_loss - plain) / plain < 0.02
+    cosine = torch.nn.functional.cosine_similarity(plain_grad.flatten(), fp8_grad.flatten(), 0)
+    assert cosine > 0.98
+
+
+def test_the_fp8_lm_head_flag_reaches_the_loss_and_is_refused_where_it_cannot_run() -> None:
+    from model_utils.config.arguments import parse_args
+    from model_utils.errors import UsageError
+    from model_utils.model import modeling
+
+    args = parse_args(["--model_impl=hf", "--fp8=1", "--fp8_lm_head", "--num_layers=1"])
+    assert modeling.build(args, "hf", torch.device("cpu")).lm_head.fp8_loss is True
+    for flags in (["--fp8=0"], ["--fp8=1", "--chunked_loss=0"]):
+        with pytest.raises(UsageError, match="--fp8_lm_head .* needs --fp8=1 and --chunked_loss=1"):
+            parse_args(["--model_impl=hf", "--fp8_lm_head", *flags])

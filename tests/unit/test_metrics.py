@@ -34,7 +34,7 @@ from model_utils.report.metrics.device import GIB, peak_memory_bytes, peak_memor
 from model_utils.report.metrics.flops import matmul_params
 from model_utils.report.metrics.meter import remaining_seconds, step_metrics
 from model_utils.report.metrics.records import upstream_validation_line
-from model_utils.report.metrics.summary import format_comparison, format_summary
+from model_utils.report.metrics.summary import format_summary
 
 # The `tiny` preset's shape (model_utils/config/arguments.py), GQA included.
 TINY = ModelShape(
@@ -516,10 +516,10 @@ def test_set_aside_keeps_an_earlier_runs_file_and_folder_beside_the_new_one(tmp_
     assert (tmp_path / "tensorboard.1" / "events").read_text() == "x"
 
 
-def test_format_comparison_ratios() -> None:
+def test_a_two_run_table_has_the_ratios() -> None:
     bf16 = summarize([_train(20, 10.0, 6.0), _train(30, 10.0, 5.0)], warmup_steps=10)
     fp8 = summarize([_train(20, 5.0, 6.1), _train(30, 5.0, 5.05)], warmup_steps=10)
-    table = format_comparison(bf16, fp8, names=("bf16", "fp8"))
+    table = format_table([bf16, fp8], ["bf16", "fp8"])
     lines = table.splitlines()
     assert "fp8/bf16" in lines[0]
     speed = next(line for line in lines if "samples/s" in line).split()
@@ -613,7 +613,6 @@ def test_format_table_three_runs_ratios_to_the_first() -> None:
     assert [head.index(c) for c in columns] == sorted(head.index(c) for c in columns)
     speed = next(r for r in rows if r.lstrip().startswith("samples/s")).split()
     assert speed[-5:] == ["10.00", "15.00", "1.500", "5.00", "0.500"]
-    assert format_comparison(runs[0], runs[1], ("a", "b")) == format_table(runs[:2], ["a", "b"])
     with pytest.raises(ValueError, match="3 summaries for 1 names"):
         format_table(runs, ["one"])
 

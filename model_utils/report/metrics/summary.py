@@ -93,15 +93,6 @@ def format_summary(summary: Mapping[str, Any], title: str = "Summary") -> str:
     return "\n".join(lines)
 
 
-def format_comparison(
-    baseline: Mapping[str, Any],
-    candidate: Mapping[str, Any],
-    names: tuple[str, str] = ("bf16", "fp8"),
-) -> str:
-    """Side-by-side table of two summaries with the candidate/baseline ratio of each metric."""
-    return format_table([baseline, candidate], names)
-
-
 def format_table(summaries: Sequence[Mapping[str, Any]], names: Sequence[str]) -> str:
     """Summaries side by side, each after the first followed by its ratio to the first
     (``name/first``): the question is always "what did this change buy over the baseline"."""
