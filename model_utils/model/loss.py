@@ -129,6 +129,14 @@ def plain_mm(a: torch.Tensor, b: torch.Tensor, grad: bool = False, out=None) -> 
     return torch.mm(a, b, out=out)
 
 
+def scaled_mm(qa, qb_t, inv_a, inv_b, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 ``qa @ qb_t.T`` times both inverse scales, by torch's FP8 GEMM (``qa`` row-major,
+    the second operand column-major: ``qb_t`` row-major, transposed)."""
+    return torch._scaled_mm(
+        qa.contiguous(), qb_t.t(), scale_a=inv_a, scale_b=inv_b, out_dtype=dtype
+    )
+
+
 def fp8_mm(a: torch.Tensor, b: torch.Tensor, grad: bool = False, out=None) -> torch.Tensor:
     """``a @ b`` with both operands cast to FP8 per tensor (--fp8_lm_head): e4m3 for the hidden
     states and the weight, e5m2 for the gradient ``a`` of the backward GEMMs (``grad``), as
@@ -138,9 +146,7 @@ def fp8_mm(a: torch.Tensor, b: torch.Tensor, grad: bool = False, out=None) -> to
     qa, inv_a = _to_fp8(a, torch.float8_e5m2 if grad else torch.float8_e4m3fn)
     qb_t, inv_b = _to_fp8(b.t().contiguous(), torch.float8_e4m3fn)
     if a.is_cuda and not (a.shape[0] % 16 or a.shape[1] % 16 or b.shape[1] % 16):
-        product = torch._scaled_mm(
-            qa.contiguous(), qb_t.t(), scale_a=inv_a, scale_b=inv_b, out_dtype=a.dtype
-        )
+        product = scaled_mm(qa, qb_t, inv_a, inv_b, a.dtype)
     else:
         product = ((qa.float() * inv_a) @ (qb_t.float() * inv_b).t()).to(a.dtype)
     return product if out is None else out.copy_(product)

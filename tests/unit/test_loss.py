@@ -178,6 +178,18 @@ def test_fp8_mm_rounds_through_the_format_and_undoes_the_scale() -> None:
     assert loss.fp8_mm(a, b, out=out) is out
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["e4m3", "e5m2-gradient"])
+def test_the_cuda_call_computes_what_the_emulation_does(grad: bool) -> None:
+    """The FP8 GEMM call of the CUDA path (torch._scaled_mm, its layouts and inverse scales),
+    run by torch's CPU kernel, equals the CPU emulation (fp32 out: up to summation order)."""
+    generator = torch.Generator().manual_seed(1)
+    a, b = torch.randn(32, 64, generator=generator), torch.randn(64, 48, generator=generator)
+    qa, inv_a = loss._to_fp8(a, torch.float8_e5m2 if grad else torch.float8_e4m3fn)
+    qb_t, inv_b = loss._to_fp8(b.t().contiguous(), torch.float8_e4m3fn)
+    fused = loss.scaled_mm(qa, qb_t, inv_a, inv_b, torch.float32)
+    torch.testing.assert_close(fused, loss.fp8_mm(a, b, grad=grad), rtol=1e-5, atol=1e-5)
+
+
 def test_the_loss_with_fp8_gemms_stays_close_and_the_tied_weight_is_untouched() -> None:
     """--fp8_lm_head on a tied model: the loss and both gradients move by FP8's rounding only
     (not zero, under 2%), and the embedding still reads the very same high-precision weight."""
