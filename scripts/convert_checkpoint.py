@@ -244,7 +244,7 @@ def export(
     before the exception goes on."""
     import torch
 
-    from model_utils.checkpoint.hf import dcp_to_hf, export_snapshot, undo_export
+    from model_utils.checkpoint.hf import export_snapshot, undo_export
 
     snapshot = export_snapshot(out_dir)
     try:
@@ -314,6 +314,59 @@ def main(argv: list[str] | None = None) -> int:
 def _fail(message: str, status: int = 2) -> int:
     print(f"{PROG}: error: {message}", file=sys.stderr)
     return status
+
+
+# The converter: a checkpoint's model, one decoder layer at a time, into the folder --export_hf
+# writes (its writer, files and key map are the export's own, model_utils/checkpoint/hf.py).
+
+
+def dcp_to_hf(
+    path: str | Path,
+    out_dir: str | Path,
+    tokenizer: object,
+    key_map: object | None = None,
+    dtype: object = None,
+    max_shard_bytes: int | None = None,
+) -> list[Path]:
+    """Convert a saved checkpoint to a HF directory without a process group or a model object:
+    the same folder --export_hf writes (`tokenizer` is the run's).
+
+    Needs the model config recorded in the checkpoint's marker. Memory: one layer at a time.
+    """
+    import torch
+
+    from model_utils.checkpoint import hf
+    from model_utils.checkpoint.layout import iter_dcp_model_layers
+    from model_utils.checkpoint.manifest import checkpoint_problem
+
+    problem = checkpoint_problem(path)
+    if problem:
+        raise ValueError(problem)
+    config = marker_model_config(path)
+    dtype = dtype or torch.float32
+    writer = hf.SafetensorsShardWriter(out_dir, max_shard_bytes or hf.DEFAULT_MAX_SHARD_BYTES)
+    hf.write_model_files(writer.staging, config, tokenizer, dtype)
+    for layer in iter_dcp_model_layers(path):
+        layer = {n: t.to(dtype) for n, t in layer.items()}
+        for name, tensor in (key_map(layer) if key_map else layer).items():
+            if config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            writer.add(name, tensor)
+    return writer.finish()
+
+
+def marker_model_config(path: str | Path) -> object:
+    """The model config the run built, as its checkpoint's marker records it (the model's
+    `config.to_dict()`, TrainState.model_config): the same object --export_hf writes."""
+    from transformers import AutoConfig
+
+    from model_utils.checkpoint.manifest import read_marker
+
+    model_config = read_marker(path).get("model_config")
+    if not model_config:
+        raise ValueError(f"checkpoint {path} records no model config: cannot write config.json")
+    model_config = dict(model_config)
+    return AutoConfig.for_model(model_config.pop("model_type", "llama"), **model_config)
 
 
 if __name__ == "__main__":

@@ -33,11 +33,9 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from model_utils.checkpoint.layout import (
-    KeyMap,
     alias_groups,
     check_shape,
     copy_full_into,
-    iter_dcp_model_layers,
     layer_groups,
     local_index,
     local_shard,
@@ -48,8 +46,6 @@ from model_utils.checkpoint.layout import (
 )
 from model_utils.checkpoint.manifest import (
     CheckpointWriteError,
-    checkpoint_problem,
-    read_marker,
     write_error_reason,
 )
 from model_utils.config.sections import HF_KEYS, SHAPE_FIELDS, ModelShape
@@ -570,43 +566,3 @@ def _export_failure(out_dir: Path, failure: BaseException | None, kept: Path | N
         else "no checkpoint holds these weights (--checkpoint_freq -1)"
     )
     return f"the Hugging Face export to {out_dir} failed: {reason}; {then}"
-
-
-def dcp_to_hf(
-    path: str | Path,
-    out_dir: str | Path,
-    tokenizer: Any,
-    key_map: KeyMap | None = None,
-    dtype: torch.dtype = torch.float32,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-) -> list[Path]:
-    """Convert a saved checkpoint to a HF directory without a process group or a model object:
-    the same folder --export_hf writes (`tokenizer` is the run's, see convert_checkpoint.py).
-
-    Needs the model config recorded in the checkpoint's marker. Memory: one layer at a time.
-    """
-    problem = checkpoint_problem(path)
-    if problem:
-        raise ValueError(problem)
-    config = marker_model_config(path)
-    writer = SafetensorsShardWriter(out_dir, max_shard_bytes)
-    write_model_files(writer.staging, config, tokenizer, dtype)
-    for layer in iter_dcp_model_layers(path):
-        layer = {n: t.to(dtype) for n, t in layer.items()}
-        for name, tensor in (key_map(layer) if key_map else layer).items():
-            if config.tie_word_embeddings and name == "lm_head.weight":
-                continue
-            writer.add(name, tensor)
-    return writer.finish()
-
-
-def marker_model_config(path: str | Path) -> Any:
-    """The model config the run built, as its checkpoint's marker records it (the model's
-    `config.to_dict()`, TrainState.model_config): the same object --export_hf writes."""
-    from transformers import AutoConfig
-
-    model_config = read_marker(path).get("model_config")
-    if not model_config:
-        raise ValueError(f"checkpoint {path} records no model config: cannot write config.json")
-    model_config = dict(model_config)
-    return AutoConfig.for_model(model_config.pop("model_type", "llama"), **model_config)
