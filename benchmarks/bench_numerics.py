@@ -13,20 +13,14 @@ Not a test: timings depend on the machine.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 
-from benchmarks.bench_profiler_cost import SMALL, step_seconds
+from benchmarks.bench_profiler_cost import SMALL, alternating_args, step_seconds
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--speed_warmup", type=int, default=5)
-    parser.add_argument("extra", nargs="*", help="more train.py flags (after --)")
-    args = parser.parse_args(argv)
+    args = alternating_args(argv, __doc__.splitlines()[0])
     base = [*SMALL, "--fp8=1", *args.extra, "--max_steps", str(args.steps)]
     off, on = [], []
     for _ in range(args.rounds):

@@ -57,13 +57,19 @@ def tokens_per_sec(seconds: list[float], tokens: int) -> tuple[float, float]:
     return statistics.median(rates), statistics.quantiles(rates, n=10, method="inclusive")[-1]
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def alternating_args(argv: list[str] | None, description: str) -> argparse.Namespace:
+    """The options of a benchmark that alternates two train.py runs round by round (this one,
+    bench_numerics): steps per run, rounds, steps left out, and more train.py flags."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--speed_warmup", type=int, default=5)
     parser.add_argument("extra", nargs="*", help="more train.py flags (after --)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = alternating_args(argv, __doc__.splitlines()[0])
     base = [*SMALL, *args.extra, "--max_steps", str(args.steps)]
     flagged = [*base, "--profile_steps", f"{args.steps}:{args.steps}"]
     last = args.steps - 2  # the profiler's warm-up step and the window are left out
