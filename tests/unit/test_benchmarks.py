@@ -18,6 +18,24 @@ def test_gpu_matrix_refuses_without_gpu(capsys, monkeypatch) -> None:
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_gpu_scripts_launch_only_recipes_that_exist() -> None:
+    """The phases that launch shipped recipes (gpu_levers.sh's `recipe NAME RECIPE`, and
+    gpu_parity.sh's pair) name recipes the launcher knows: a misspelt one costs a GPU call."""
+    import re
+
+    from benchmarks import bench_gpu_matrix as bench
+    from model_utils.config import recipes
+
+    levers = (bench.ROOT / "benchmarks" / "gpu_levers.sh").read_text()
+    launched = re.findall(r"^\s+recipe \S+ (\S+)", levers, flags=re.M)
+    assert len(launched) == 5
+    parity = (bench.ROOT / "benchmarks" / "gpu_parity.sh").read_text()
+    models = re.findall(r"^\s+recipe=(\S+)$", parity, flags=re.M)
+    assert models == ["tiny", "llama3.2-1b"]
+    for name in [*launched, *(f"{m}-{p}" for m in models for p in ("fp8", "bf16"))]:
+        assert recipes.flags(name), name
+
+
 def test_gpu_levers_script_names_only_rows_the_matrix_has(capsys) -> None:
     """A misspelt row in gpu_levers.sh would run nothing and spend a lent GPU's call: every
     row it names exists, and the matrix refuses an unknown row or mode in one line, exit 2."""
