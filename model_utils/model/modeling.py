@@ -30,7 +30,11 @@ HF_RECOMPUTED = ("rotary_emb.inv_freq",)
 
 #: The shape fields LlamaConfig takes as they are (config/sections.HF_KEYS names them); RoPE
 #: and the position count are composed below.
-_AS_IS = (*SHAPE_FIELDS, "rms_norm_eps", "tie_word_embeddings")
+_AS_IS = (
+    *SHAPE_FIELDS,
+    "rms_norm_eps",
+    "tie_word_embeddings",
+)
 
 
 def llama_config(shape: ModelShape) -> LlamaConfig:

@@ -370,7 +370,14 @@ def _run_child(request: dict, fds: list[int], zygote_env: dict[str, str]) -> int
     if threads.isdigit() and int(threads) > 0:
         import torch
 
-        torch.set_num_threads(int(threads))
+        # The pool's threads inherit this mask: with every signal blocked there, a signal sent
+        # to the process reaches the main thread, as in a cold program that has no pool yet
+        # (one taken by a pool thread leaves a sleeping main thread asleep, its handler unrun).
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        try:
+            torch.set_num_threads(int(threads))
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     base = [p for p in sys.path[1:] if p not in _entries(zygote_env.get("PYTHONPATH"))]
     sys.path[:] = ["", *_entries(env.get("PYTHONPATH")), *base]  # [0] set by _run_main
     return _run_main(kind, target, rest)

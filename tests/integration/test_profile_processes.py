@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -79,7 +80,9 @@ def test_the_categories_add_up_to_the_steps_the_run_timed(pair) -> None:
         timed = {r["step"]: r["step_seconds"] for r in records(run)}
         for rank in (0, 1):
             got = read_rank(run / "profile" / "step_3" / f"rank_{rank}.pt.trace.json.gz", rank)
-            assert [s.step for s in got.steps] == [3, 4]
+            # both steps, one of them possibly left out as an outlier (over 1.5x the median:
+            # 3x the other, which this shared CPU's load can make a step)
+            assert got.steps and sorted([s.step for s in got.steps] + got.left_out) == [3, 4]
             for step in got.steps:
                 assert timed[step.step] > 0 and step.total_ms > 0
                 assert sum(step.ms.values()) == pytest.approx(step.total_ms, rel=1e-9)
@@ -102,8 +105,8 @@ def test_lm_head_stays_bf16_and_only_the_fp8_run_casts(pair) -> None:
 def test_step_breakdown_prints_both_runs_and_the_ceiling(pair, capsys) -> None:
     assert step_breakdown.main([str(pair["bf16"]), str(pair["fp8"])]) == 0
     out = capsys.readouterr().out
-    assert f"{pair['bf16']} (bf16): step_3, steps 3, 4, 2 rank(s)" in out
-    assert f"{pair['fp8']} (fp8): step_3, steps 3, 4, 2 rank(s)" in out
+    for precision in ("bf16", "fp8"):  # step 4 may be left out as an outlier (a loaded CPU)
+        assert re.search(rf"{pair[precision]} \({precision}\): step_3, steps 3(, 4)?, 2 rank", out)
     assert "slowest: rank" in out
     assert f"fp8 {pair['fp8']} against bf16 {pair['bf16']} (slowest rank of each):" in out
     # a ceiling, or (what FP8 does not touch moved: this CPU's load) no ceiling and why; both

@@ -5,6 +5,7 @@ ends its program, and whatever a warm start cannot reproduce starts cold."""
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -82,11 +83,16 @@ def test_signals_reach_the_program_and_a_killed_stand_in_ends_it() -> None:
     proc = subprocess.Popen(
         [PYTHON, "-u", "-c", code], stdout=subprocess.PIPE, text=True, env=train_env(), cwd=ROOT
     )
+
+    def line() -> str:  # at most 60 s: a lost signal fails the test instead of hanging it
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        return proc.stdout.readline() if ready else "(nothing within 60 s)"
+
     try:
-        child = int(proc.stdout.readline())
+        child = int(line())
         assert child != proc.pid  # the program is the zygote's child, not the stand-in
         proc.send_signal(signal.SIGUSR1)
-        assert proc.stdout.readline() == "USR1\n"
+        assert line() == "USR1\n"
         proc.kill()
         assert proc.wait(timeout=60) == -signal.SIGKILL
         deadline = time.monotonic() + 60  # an upper bound for a hung test, not a speed
