@@ -176,10 +176,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
     args, typed = parse_typed(with_recipes(given))
     args.recipe = recipes.named(given)  # recorded: the run says which recipe it started from
     try:
-        resolve(args, typed)
+        return resolve(args, typed)
     except UsageError as exc:
         raise UsageError(recipe_origin(str(exc), given, args.recipe)) from exc
-    return Config.from_flat(vars(args), typed)
 
 
 def parse_typed(argv: list[str]) -> tuple[argparse.Namespace, frozenset[str]]:
@@ -197,9 +196,10 @@ def parse_typed(argv: list[str]) -> tuple[argparse.Namespace, frozenset[str]]:
     return args, typed
 
 
-def resolve(args: argparse.Namespace, typed: frozenset[str]) -> None:
-    """Preset, --init_from_hf's config.json, the cross-flag rules, the implementation and the
-    FP8 recipe, into `args` (UsageError for a combination that cannot run)."""
+def resolve(args: argparse.Namespace, typed: frozenset[str]) -> Config:
+    """The values first (the preset's, --init_from_hf's config.json's, into the parsed flags),
+    then the Config, whose typed sections the cross-flag rules read; then the implementation
+    and the FP8 recipe for its backend (UsageError for a combination that cannot run)."""
     from model_utils.config import flag_rules, hf_config
     from model_utils.config.machine import has_cuda, resolve_model_impl  # imports torch
 
@@ -209,19 +209,20 @@ def resolve(args: argparse.Namespace, typed: frozenset[str]) -> None:
             hf_config.apply(args, typed)
         except hf_config.ConfigError as exc:
             raise UsageError(str(exc)) from exc
-    flag_rules.check_consistency(args)
-    flag_rules.check_memory_snapshot(args, has_cuda())
-    args.model_impl = resolve_model_impl(args.model_impl)
-    flag_rules.check_fp8_compute(args, has_cuda())
-    rope_type = (args.rope_scaling or {}).get("rope_type", "default")
-    if args.model_impl in TE_IMPLS and rope_type not in hf_config.TE_ROPE_TYPES:
+    config = flag_rules.check_consistency(Config.from_flat(vars(args), typed))
+    flag_rules.check_memory_snapshot(config, has_cuda())
+    config = config.replace(model_impl=resolve_model_impl(config.precision.model_impl))
+    flag_rules.check_fp8_compute(config, has_cuda())
+    impl = config.precision.model_impl
+    rope_type = (config.model.rope_scaling or {}).get("rope_type", "default")
+    if impl in TE_IMPLS and rope_type not in hf_config.TE_ROPE_TYPES:
         raise UsageError(
-            f"--model_impl {args.model_impl} computes RoPE of types "
-            f"{', '.join(hf_config.TE_ROPE_TYPES)}, not {rope_type!r} (from --init_from_hf): "
-            "use --model_impl hf"
+            f"--model_impl {impl} computes RoPE of types {', '.join(hf_config.TE_ROPE_TYPES)}, "
+            f"not {rope_type!r} (from --init_from_hf): use --model_impl hf"
         )
-    args.fp8_recipe = flag_rules.resolve_fp8_recipe(args)
-    flag_rules.check_recipe_options(args, typed)
+    config = config.replace(fp8_recipe=flag_rules.resolve_fp8_recipe(config))
+    flag_rules.check_recipe_options(config)
+    return config
 
 
 def recipe_origin(message: str, given: list[str], recipe: str | None) -> str:

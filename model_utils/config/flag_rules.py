@@ -5,7 +5,6 @@ recipe an implementation's backend runs; and the checks each flag's own declarat
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import re
 
@@ -16,7 +15,7 @@ from model_utils.config.options import (
     TE_RECIPES,
     TORCHAO_RECIPES,
 )
-from model_utils.config.sections import flag_specs
+from model_utils.config.sections import Config, flag_specs
 from model_utils.errors import UsageError
 
 #: The longest file or folder name Linux file systems take (NAME_MAX): a longer one raised
@@ -24,13 +23,14 @@ from model_utils.errors import UsageError
 MAX_NAME_BYTES = 255
 
 
-def check_consistency(args: argparse.Namespace) -> None:
-    """Cross-flag rules that argparse cannot express."""
-    _check_declared(args)
-    _check_shape(args)
-    _check_combinations(args)
-    _check_observation(args)
-    _check_trackers(args)
+def check_consistency(config: Config) -> Config:
+    """Cross-flag rules that argparse cannot express; the config with its trackers' names
+    normalised."""
+    _check_declared(config)
+    _check_shape(config)
+    _check_combinations(config)
+    _check_observation(config)
+    return _checked_trackers(config)
 
 
 #: --tracker's names -> the package each needs (None: in requirements.txt already).
@@ -67,11 +67,12 @@ def check_tracker_packages(names: list[str]) -> None:
             )
 
 
-def _check_trackers(args: argparse.Namespace) -> None:
-    """Known tracker names whose packages are importable (before any process starts)."""
-    names = tracker_names(getattr(args, "tracker", "") or "")
+def _checked_trackers(config: Config) -> Config:
+    """Known tracker names whose packages are importable (before any process starts), written
+    the one way (lower case, no repeats)."""
+    names = tracker_names(config.run.tracker or "")
     check_tracker_packages(names)
-    args.tracker = ",".join(names)
+    return config.replace(tracker=",".join(names))
 
 
 def profile_window(spec: str) -> tuple[int, int]:
@@ -91,50 +92,55 @@ def profile_window(spec: str) -> tuple[int, int]:
     return start, end
 
 
-def _check_observation(args: argparse.Namespace) -> None:
+def _check_observation(config: Config) -> None:
     """The profiler's window and the memory snapshot's step lie inside the run."""
-    if args.profile_steps is not None:
-        _, end = profile_window(args.profile_steps)
-        if end > args.max_steps:
+    if config.run.profile_steps is not None:
+        _, end = profile_window(config.run.profile_steps)
+        if end > config.run.max_steps:
             raise UsageError(
-                f"--profile_steps {args.profile_steps} ends after --max_steps {args.max_steps}: "
+                f"--profile_steps {config.run.profile_steps} ends after --max_steps "
+                f"{config.run.max_steps}: "
                 "trace steps the run takes"
             )
-    step = args.memory_snapshot_step
-    if step is not None and not 0 <= step <= args.max_steps:
+    step = config.run.memory_snapshot_step
+    if step is not None and not 0 <= step <= config.run.max_steps:
         raise UsageError(
-            f"--memory_snapshot_step must be in [0, --max_steps {args.max_steps}] (0: at an "
+            f"--memory_snapshot_step must be in [0, --max_steps {config.run.max_steps}] (0: at an "
             f"out-of-memory error only), got {step}"
         )
 
 
-def check_fp8_compute(args: argparse.Namespace, cuda: bool) -> None:
+def check_fp8_compute(config: Config, cuda: bool) -> None:
     """FP8 layers run inside a bf16 model on a GPU. Where FP8 is emulated (torchao on a CPU),
     --bf16=0 computes around the FP8 casts in fp32: a CPU without bf16 units runs bf16 matmuls
     10-25x slower than fp32 ones (measured in benchmarks/results/)."""
-    if args.fp8 and not args.bf16 and (cuda or args.model_impl in TE_IMPLS):
+    if (
+        config.precision.fp8
+        and not config.precision.bf16
+        and (cuda or config.precision.model_impl in TE_IMPLS)
+    ):
         raise UsageError(
             "--fp8=1 needs --bf16=1 on a GPU or with Transformer Engine (FP8 layers run inside "
             "a bf16 model); only torchao's CPU emulation computes around FP8 in fp32"
         )
 
 
-def check_memory_snapshot(args: argparse.Namespace, cuda: bool) -> None:
+def check_memory_snapshot(config: Config, cuda: bool) -> None:
     """A snapshot is of CUDA's caching allocator: without a GPU there is none to record."""
-    if args.memory_snapshot_step is not None and not cuda:
+    if config.run.memory_snapshot_step is not None and not cuda:
         raise UsageError(
             "--memory_snapshot_step records CUDA's caching allocator, and this machine has no "
             "CUDA GPU: drop the flag (on CPU, `--profile_steps` still traces the steps)"
         )
 
 
-def _check_declared(args: argparse.Namespace) -> None:
+def _check_declared(config: Config) -> None:
     """What each flag's field declares: a path or text that is not empty (typically an unset
     shell variable: `--output_dir "$RUN_DIR"` meant the current directory, or for --output_dir
     the file system's root), a name within NAME_MAX (a longer one dies in the first file
     check), a number in its range (NaN passes every comparison: `--lr nan` would train on NaN
     from step 1)."""
-    values = vars(args)
+    values = config.as_dict()
     # --output_dir first: --checkpoint_dir's default is a folder inside it, and the line must
     # name the flag the user gave.
     for name, spec in sorted(flag_specs().items(), key=lambda item: item[0] != "output_dir"):
@@ -167,128 +173,134 @@ def value_problem(
     return None
 
 
-def _check_shape(args: argparse.Namespace) -> None:
+def _check_shape(config: Config) -> None:
     """Attention heads split the width evenly (and evenly again for RoPE), GQA groups are equal."""
-    if args.hidden_width % args.num_heads:
+    if config.model.hidden_width % config.model.num_heads:
         raise UsageError(
-            f"--hidden_width {args.hidden_width} is not divisible by --num_heads {args.num_heads}"
+            f"--hidden_width {config.model.hidden_width} is not divisible by --num_heads "
+            f"{config.model.num_heads}"
         )
-    if args.num_heads % args.num_key_value_heads:
+    if config.model.num_heads % config.model.num_key_value_heads:
         raise UsageError(
-            f"--num_heads {args.num_heads} is not divisible by "
-            f"--num_key_value_heads {args.num_key_value_heads} (GQA groups must be equal)"
+            f"--num_heads {config.model.num_heads} is not divisible by "
+            f"--num_key_value_heads {config.model.num_key_value_heads} (GQA groups must be equal)"
         )
-    head_dim = args.hidden_width // args.num_heads
+    head_dim = config.model.hidden_width // config.model.num_heads
     if head_dim % 2:  # RoPE rotates each head's dimensions in pairs
         raise UsageError(
-            f"--hidden_width {args.hidden_width} / --num_heads {args.num_heads} gives heads of "
+            f"--hidden_width {config.model.hidden_width} / --num_heads {config.model.num_heads} "
+            "gives heads of "
             f"{head_dim} dimensions; RoPE needs an even number: change either flag"
         )
 
 
-def _check_combinations(args: argparse.Namespace) -> None:
+def _check_combinations(config: Config) -> None:
     """Flags that only make sense together, or never together."""
-    if args.min_lr > args.lr:
-        raise UsageError(f"--min_lr {args.min_lr} is larger than --lr {args.lr}")
-    if args.warmup >= args.max_steps and args.lr_decay_style != "constant":
+    if config.optim.min_lr > config.optim.lr:
+        raise UsageError(f"--min_lr {config.optim.min_lr} is larger than --lr {config.optim.lr}")
+    if config.optim.warmup >= config.run.max_steps and config.optim.lr_decay_style != "constant":
         raise UsageError(
-            f"--warmup {args.warmup} leaves no decay phase before --max_steps {args.max_steps}; "
+            f"--warmup {config.optim.warmup} leaves no decay phase before --max_steps "
+            f"{config.run.max_steps}; "
             "lower --warmup or use --lr_decay_style constant"
         )
-    if args.ac_every > 1 and not args.activation_checkpointing:
+    if config.parallel.ac_every > 1 and not config.parallel.activation_checkpointing:
         raise UsageError("--ac_every needs --activation_checkpointing")
-    if args.ac_scope != "layer" and not args.activation_checkpointing:
-        raise UsageError(f"--ac_scope {args.ac_scope} needs --activation_checkpointing")
-    if args.fp8_all_gather and not args.fp8:
+    if config.parallel.ac_scope != "layer" and not config.parallel.activation_checkpointing:
+        raise UsageError(f"--ac_scope {config.parallel.ac_scope} needs --activation_checkpointing")
+    if config.precision.fp8_all_gather and not config.precision.fp8:
         raise UsageError("--fp8_all_gather needs --fp8=1")
-    if args.fp8_weights and not args.fp8:
+    if config.precision.fp8_weights and not config.precision.fp8:
         raise UsageError("--fp8_weights needs --fp8=1")
-    if args.fp8_attention and not args.fp8:
+    if config.precision.fp8_attention and not config.precision.fp8:
         raise UsageError("--fp8_attention needs --fp8=1")
-    if args.bf16_layers:
-        _check_bf16_layers(args)
-    if args.fp8_lm_head and not (args.fp8 and args.chunked_loss):
+    if config.precision.bf16_layers:
+        _check_bf16_layers(config)
+    if config.precision.fp8_lm_head and not (config.precision.fp8 and config.parallel.chunked_loss):
         raise UsageError(
             "--fp8_lm_head runs the output layer's GEMMs in FP8 inside the chunked loss: it "
             "needs --fp8=1 and --chunked_loss=1"
         )
-    if args.fp8_numerics and not args.fp8:
+    if config.run.fp8_numerics and not config.precision.fp8:
         raise UsageError("--fp8_numerics measures FP8 casts: it needs --fp8=1")
-    if args.master_weights == "optimizer":
-        _check_optimizer_master_weights(args)
-    if args.async_checkpoint and args.optimizer != "adamw":
+    if config.optim.master_weights == "optimizer":
+        _check_optimizer_master_weights(config)
+    if config.checkpoint.async_checkpoint and config.optim.optimizer != "adamw":
         raise UsageError(
-            f"--async_checkpoint cannot save --optimizer {args.optimizer}'s states: DCP's async "
+            f"--async_checkpoint cannot save --optimizer {config.optim.optimizer}'s states: DCP's "
+            "async "
             "stager copies them with aten.new_empty, which torchao's OptimState8bit/Fp8 do not "
             "implement (torchao/optim/subclass_8bit.py); drop --async_checkpoint"
         )
-    if args.overwrite_output_dir and args.resume_from_checkpoint:
+    if config.checkpoint.overwrite_output_dir and config.checkpoint.resume_from_checkpoint:
         raise UsageError(
             "--overwrite_output_dir deletes the checkpoints --resume_from_checkpoint would resume "
             "from: give one of them"
         )
 
 
-def _check_bf16_layers(args: argparse.Namespace) -> None:
+def _check_bf16_layers(config: Config) -> None:
     """Indices of existing layers, with FP8 on and weights that have a high-precision copy."""
-    if not args.fp8:
+    if not config.precision.fp8:
         raise UsageError("--bf16_layers keeps layers out of FP8: it needs --fp8=1")
-    if args.fp8_weights:
+    if config.precision.fp8_weights:
         raise UsageError(
             "--bf16_layers with --fp8_weights: a layer kept in BF16 needs high-precision "
             "weights, and --fp8_weights keeps every layer's only in FP8; drop one of them"
         )
-    for item in args.bf16_layers.split(","):
+    for item in config.precision.bf16_layers.split(","):
         try:
             index = int(item)
         except ValueError:
             index = None
-        if index is None or not -args.num_layers <= index < args.num_layers:
+        if index is None or not -config.model.num_layers <= index < config.model.num_layers:
             raise UsageError(
-                f"--bf16_layers {args.bf16_layers}: {item!r} is not a layer of this "
-                f"{args.num_layers}-layer model (give indices from {-args.num_layers} to "
-                f"{args.num_layers - 1}, comma-separated, e.g. 0,-1)"
+                f"--bf16_layers {config.precision.bf16_layers}: {item!r} is not a layer of this "
+                f"{config.model.num_layers}-layer model (give indices from "
+                f"{-config.model.num_layers} to "
+                f"{config.model.num_layers - 1}, comma-separated, e.g. 0,-1)"
             )
 
 
-def _check_optimizer_master_weights(args: argparse.Namespace) -> None:
+def _check_optimizer_master_weights(config: Config) -> None:
     """bf16 parameters with fp32 copies in AdamW: only fp32 AdamW keeps such copies."""
-    if not args.bf16:
+    if not config.precision.bf16:
         raise UsageError(
             "--master_weights optimizer stores the parameters in bf16, and --bf16=0 computes in "
             "fp32: drop --master_weights optimizer (fp32 parameters are their own master weights)"
         )
-    if args.optimizer != "adamw":
+    if config.optim.optimizer != "adamw":
         raise UsageError(
-            f"--master_weights optimizer needs --optimizer adamw: torchao's {args.optimizer} "
+            "--master_weights optimizer needs --optimizer adamw: torchao's "
+            f"{config.optim.optimizer} "
             "keeps no fp32 copy of bf16 parameters (torchao/optim/adam.py rounds each update "
             "into them)"
         )
 
 
-def resolve_fp8_recipe(args: argparse.Namespace) -> str:
+def resolve_fp8_recipe(config: Config) -> str:
     """--fp8_recipe for the backend that the (resolved) --model_impl runs on: TE's recipes for the
     TE implementations, torchao's for hf; defaulted to that backend's first recipe."""
-    uses_te = args.model_impl in TE_IMPLS
+    uses_te = config.precision.model_impl in TE_IMPLS
     valid = TE_RECIPES if uses_te else TORCHAO_RECIPES
-    recipe = valid[0] if args.fp8_recipe is None else args.fp8_recipe
+    recipe = valid[0] if config.precision.fp8_recipe is None else config.precision.fp8_recipe
     if recipe not in valid:
         backend = "Transformer Engine" if uses_te else "torchao"
         raise UsageError(
             f"--fp8_recipe {recipe} is not a {backend} recipe for --model_impl "
-            f"{args.model_impl}; choose one of {', '.join(valid)}"
+            f"{config.precision.model_impl}; choose one of {', '.join(valid)}"
         )
-    if args.fp8_all_gather and (uses_te or recipe != "tensorwise"):
+    if config.precision.fp8_all_gather and (uses_te or recipe != "tensorwise"):
         raise UsageError(
             "--fp8_all_gather needs torchao's tensorwise recipe (--model_impl hf "
             "--fp8_recipe tensorwise); with TE use --fp8_weights"
         )
-    if args.fp8_weights and not uses_te:
+    if config.precision.fp8_weights and not uses_te:
         raise UsageError("--fp8_weights is a Transformer Engine option: add --model_impl te")
-    if args.fp8_attention:
-        _check_fp8_attention(args.model_impl, recipe)
-    if args.fp8_numerics:
-        _check_fp8_numerics(args.model_impl, recipe)
+    if config.precision.fp8_attention:
+        _check_fp8_attention(config.precision.model_impl, recipe)
+    if config.run.fp8_numerics:
+        _check_fp8_numerics(config.precision.model_impl, recipe)
     return recipe
 
 
@@ -323,19 +335,20 @@ def _check_fp8_attention(model_impl: str, recipe: str) -> None:
         )
 
 
-def check_recipe_options(args: argparse.Namespace, given: frozenset[str]) -> None:
-    """A TE recipe option given where no TE recipe reads it is refused: the user thinks it tunes
+def check_recipe_options(config: Config) -> None:
+    """A TE recipe option typed where no TE recipe reads it is refused: the user thinks it tunes
     the run. With --fp8=0 on TE it is let through, so one command line can toggle FP8."""
     for name, recipes in TE_RECIPE_OPTIONS.items():
-        if name not in given:
+        if name not in config.typed:
             continue
-        if args.model_impl not in TE_IMPLS:
+        if config.precision.model_impl not in TE_IMPLS:
             raise UsageError(
                 f"--{name} is a Transformer Engine recipe option and does nothing with "
-                f"--model_impl {args.model_impl} (torchao): drop it, or use --model_impl te"
+                f"--model_impl {config.precision.model_impl} (torchao): drop it, or use "
+                "--model_impl te"
             )
-        if args.fp8 and args.fp8_recipe not in recipes:
+        if config.precision.fp8 and config.precision.fp8_recipe not in recipes:
             raise UsageError(
-                f"--{name} does nothing with --fp8_recipe {args.fp8_recipe}: only "
+                f"--{name} does nothing with --fp8_recipe {config.precision.fp8_recipe}: only "
                 f"{' and '.join(recipes)} scaling read it; drop it or change --fp8_recipe"
             )
