@@ -23,6 +23,7 @@ the run is noise about parity, not drift.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -148,12 +149,18 @@ def _losses(records: Sequence[Mapping[str, Any]], kind: str, key: str) -> dict[i
 
 
 def smoothed(losses: Mapping[int, float], steps: Sequence[int]) -> list[float]:
-    """At each step, the mean of the losses logged in the ``SMOOTHING_STEPS`` steps up to it."""
-    return [
-        sum(v for s, v in losses.items() if step - SMOOTHING_STEPS < s <= step)
-        / sum(1 for s in losses if step - SMOOTHING_STEPS < s <= step)
-        for step in steps
-    ]
+    """At each step, the mean of the losses logged in the ``SMOOTHING_STEPS`` steps up to it
+    (prefix sums over the logged steps: linear in the run's length)."""
+    logged = sorted(losses)
+    sums = [0.0]
+    for step in logged:
+        sums.append(sums[-1] + losses[step])
+    means = []
+    for step in steps:
+        low = bisect.bisect_right(logged, step - SMOOTHING_STEPS)
+        high = bisect.bisect_right(logged, step)
+        means.append((sums[high] - sums[low]) / (high - low))
+    return means
 
 
 def slope_per_1000(steps: Sequence[int], gaps: Sequence[float]) -> tuple[float, float]:

@@ -55,11 +55,6 @@ def cast_stats(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torc
     )
 
 
-def cast_figures(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> dict[str, float]:
-    """:func:`cast_stats` by name."""
-    return dict(zip(FIGURES, cast_stats(x, dtype, scale).tolist(), strict=True))
-
-
 def amax_scale(dtype: torch.dtype, per_row: bool = False, power_of_2: bool = False) -> ScaleRule:
     """Dynamic scaling: the format's largest value over the amax (of each row, if per row),
     through torchao's own function where torchao is present (its rounding and epsilon)."""
