@@ -174,11 +174,12 @@ def check_outputs(
     checkpoint (and the export) fits in the free space. WriteProblem on every rank if any
     rank found a problem.
 
-    The folders the probes create are removed only once every rank has probed (the agreement
-    below is a collective): the ranks of a node probe the same new folders at the same moment,
-    and one rank removing them while another is about to write its probe there refused a good
-    run ("No such file or directory", seen with 2 ranks in a fresh-clone make test; 8 per node
-    race harder)."""
+    The ranks of a node probe the same new folders at the same moment, so the folders the
+    probes create are removed only once every rank has probed (the agreement below is a
+    collective: a rank removing them while another is about to write there would refuse a good
+    run), and every rank waits for the others' removals before it goes on (a rank that found
+    the folders made by its neighbour removes nothing, and would open the checkpoint folder
+    as the neighbour's rmdir takes it away)."""
     problem = None
     created: list[Path] = []
     for flag, path in output_locations(config).items():
@@ -192,5 +193,6 @@ def check_outputs(
             problem = str(exc)
     first = distributed.first_problem(problem)
     remove_folders(sorted(created, key=lambda p: len(p.parts), reverse=True))
+    distributed.barrier()  # no rank goes on while another still removes
     if first:
         raise WriteProblem(first)

@@ -190,7 +190,9 @@ def _probe_race_worker(rank: int, world_size: int, port: int, out_dir: str, resu
         dist.barrier()
         try:
             outputs.check_outputs(args, world, 1000, logging.getLogger("probe-race"))
-            results[rank] = "ok"
+            # when it returns, every rank's removal is done: nothing left to vanish later
+            leftover = (Path(out_dir) / "checkpoints").exists()
+            results[rank] = "ok" if not leftover else "a probe folder was still there"
         except outputs.WriteProblem as exc:
             results[rank] = str(exc)
     finally:
@@ -201,10 +203,9 @@ def test_ranks_of_a_node_probing_one_new_checkpoint_folder_do_not_refuse_the_run
     tmp_path: Path,
 ) -> None:
     """Every rank probes --checkpoint_dir before training; the folders the probes create go
-    only after all ranks have probed, so no rank pulls the folder from under another's probe
-    (which refused a good 2-rank run in a fresh-clone make test with "No such file or
-    directory"), and nothing is
-    left behind."""
+    only after all ranks have probed, so no rank pulls the folder from under another's probe,
+    and no rank returns before every removal is done (a folder vanishing after its return
+    crashed a rank's checkpoint start-up); nothing is left behind."""
     out = tmp_path / "run"
     out.mkdir()  # rank 0's run lock has made the run folder by then
     results = mp.Manager().dict()
