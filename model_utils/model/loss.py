@@ -31,9 +31,6 @@ from model_utils.model.annotate import LM_HEAD, annotate
 IGNORE_INDEX = -100
 #: ``(logits, targets) -> (per-token losses, unscaled d loss / d logits)`` for one chunk.
 ChunkFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-#: ``(a, b, grad) -> a @ b``: the loss's three GEMMs (``grad``: ``a`` is d loss / d logits), in
-#: the compute dtype (:func:`plain_mm`) or in FP8 (:func:`fp8_mm`).
-Matmul = Callable[..., torch.Tensor]
 #: Logit elements per chunk (256 MiB in fp32) on a small model: 1,024 tokens at a 64k vocabulary.
 CHUNK_LOGITS = 2**26
 #: ... but never fewer tokens than this many times the hidden width: every chunk pays one pass
@@ -116,6 +113,9 @@ def compiled_softmax_minus_target() -> ChunkFn:
     return torch.compile(_softmax_minus_target_fusable, dynamic=False, fullgraph=True)
 
 
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
 def _to_fp8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` cast to ``dtype`` with its own scale (current scaling: the format's largest value
     over the amax), and the inverse scale that undoes it."""
@@ -123,10 +123,6 @@ def _to_fp8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Te
     scale = torch.finfo(dtype).max / amax
     largest = torch.finfo(dtype).max
     return (x.float() * scale).clamp(-largest, largest).to(dtype), scale.reciprocal()
-
-
-def plain_mm(a: torch.Tensor, b: torch.Tensor, grad: bool = False, out=None) -> torch.Tensor:
-    return torch.mm(a, b, out=out)
 
 
 def scaled_mm(qa, qb_t, inv_a, inv_b, dtype: torch.dtype) -> torch.Tensor:
@@ -137,45 +133,91 @@ def scaled_mm(qa, qb_t, inv_a, inv_b, dtype: torch.dtype) -> torch.Tensor:
     )
 
 
-def fp8_mm(a: torch.Tensor, b: torch.Tensor, grad: bool = False, out=None) -> torch.Tensor:
-    """``a @ b`` with both operands cast to FP8 per tensor (--fp8_lm_head): e4m3 for the hidden
-    states and the weight, e5m2 for the gradient ``a`` of the backward GEMMs (``grad``), as
-    TE's hybrid format. On CUDA with 16-aligned shapes FP8 tensor cores run it
-    (``torch._scaled_mm``: ``a`` row-major, ``b`` column-major, the inverse scales beside);
-    elsewhere it is emulated: the casts' rounding, the product in fp32."""
-    qa, inv_a = _to_fp8(a, torch.float8_e5m2 if grad else torch.float8_e4m3fn)
-    qb_t, inv_b = _to_fp8(b.t().contiguous(), torch.float8_e4m3fn)
-    if a.is_cuda and not (a.shape[0] % 16 or a.shape[1] % 16 or b.shape[1] % 16):
-        product = scaled_mm(qa, qb_t, inv_a, inv_b, a.dtype)
-    else:
-        product = ((qa.float() * inv_a) @ (qb_t.float() * inv_b).t()).to(a.dtype)
-    return product if out is None else out.copy_(product)
+def fp8_product(qa, inv_a, qb_t, inv_b, dtype: torch.dtype) -> torch.Tensor:
+    """``qa @ qb_t.T`` undone by both inverse scales, in ``dtype``. On CUDA with 16-aligned
+    shapes FP8 tensor cores run it (:func:`scaled_mm`); elsewhere it is emulated: the casts'
+    rounding already happened, the product runs in fp32."""
+    if qa.is_cuda and not (qa.shape[0] % 16 or qa.shape[1] % 16 or qb_t.shape[0] % 16):
+        return scaled_mm(qa, qb_t, inv_a, inv_b, dtype)
+    return ((qa.float() * inv_a) @ (qb_t.float() * inv_b).t()).to(dtype)
+
+
+def fp8_mm(a: torch.Tensor, b: torch.Tensor, grad: bool = False) -> torch.Tensor:
+    """``a @ b`` with both operands cast to FP8 per tensor: e4m3, or e5m2 for a gradient ``a``
+    (``grad``), as TE's hybrid format."""
+    qa, inv_a = _to_fp8(a, E5M2 if grad else E4M3)
+    qb_t, inv_b = _to_fp8(b.t().contiguous(), E4M3)
+    return fp8_product(qa, inv_a, qb_t, inv_b, a.dtype)
+
+
+class Gemms:
+    """The loss's three GEMMs with ``lm_head``'s weight ``[V, h]``, in the compute dtype."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.weight.t()
+
+    def grad_hidden(self, d: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return torch.mm(d, self.weight, out=out)
+
+    def grad_weight(self, d: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return d.t() @ hidden
+
+
+class Fp8Gemms(Gemms):
+    """The same GEMMs in FP8 (--fp8_lm_head): per-tensor current scaling, e4m3 for the hidden
+    states and the weight, e5m2 for the gradient ``d``. The weight is cast once per loss call,
+    not once per chunk and GEMM: one amax pass and one scale for the whole vocabulary (the
+    result is the same, the weight does not change within a step), kept in the two layouts
+    the GEMMs read. The weight itself is not touched: a tied embedding reads it unchanged."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__(weight)
+        self.q_weight, self.inv_weight = _to_fp8(weight, E4M3)  # [V, h]: the logits' operand
+        self._q_weight_t: torch.Tensor | None = None  # [h, V]: the hidden gradient's
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        q, inv = _to_fp8(hidden, E4M3)
+        return fp8_product(q, inv, self.q_weight, self.inv_weight, hidden.dtype)
+
+    def grad_hidden(self, d: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self._q_weight_t is None:
+            self._q_weight_t = self.q_weight.t().contiguous()
+        q, inv = _to_fp8(d, E5M2)
+        return out.copy_(fp8_product(q, inv, self._q_weight_t, self.inv_weight, d.dtype))
+
+    def grad_weight(self, d: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return fp8_mm(d.t(), hidden, grad=True)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """``mean CE(hidden @ weight.T, targets)`` with gradients computed chunk by chunk.
 
-    Per chunk: ``chunk_fn`` (the logits GEMM and the softmax gradient:
-    :func:`softmax_minus_target` or its compiled twin) and the two GEMMs that read its bf16
-    gradient. The ``1 / counted`` scale and the ignored rows are applied to the small side
-    (``hidden`` rows, the chunk's ``grad_hidden``, the weight gradient once at the end), never
-    to the logits: at Llama 3's vocabulary each full-size pass is GiBs of memory traffic.
+    Per chunk: the logits GEMM, ``chunk_fn`` (the softmax gradient: :func:`softmax_minus_target`
+    or its compiled twin) and the two GEMMs that read its bf16 gradient (``gemms_of``:
+    :class:`Gemms` or :class:`Fp8Gemms`). The ``1 / counted`` scale and the ignored rows are
+    applied to the small side (``hidden`` rows, the chunk's ``grad_hidden``, the weight gradient
+    once at the end), never to the logits: at Llama 3's vocabulary each full-size pass is GiBs
+    of memory traffic.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk: int, chunk_fn: ChunkFn, mm: Matmul):
+    def forward(ctx, hidden, weight, targets, chunk: int, chunk_fn: ChunkFn, gemms_of: type):
         counted = (targets != IGNORE_INDEX).sum().clamp_min(1)
         total = torch.zeros((), device=hidden.device, dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = None
+        gemms = gemms_of(weight)
         for start in range(0, hidden.shape[0], chunk):
             h, y = hidden[start : start + chunk], targets[start : start + chunk]
-            losses, d = chunk_fn(mm(h, weight.t()), y)
+            losses, d = chunk_fn(gemms.logits(h), y)
             total += losses.sum()
             valid = y != IGNORE_INDEX
-            g = mm(d, weight, grad=True, out=grad_hidden[start : start + chunk])
+            g = gemms.grad_hidden(d, out=grad_hidden[start : start + chunk])
             g.mul_((valid / counted)[:, None])  # an fp32 factor: one rounding, to bf16
-            part = mm(d.t(), h * valid[:, None], grad=True)  # ignored rows contribute nothing
+            part = gemms.grad_weight(d, h * valid[:, None])  # ignored rows contribute nothing
             grad_weight = part.float() if grad_weight is None else grad_weight.add_(part)
         ctx.save_for_backward(grad_hidden, grad_weight, counted)
         ctx.weight_dtype = weight.dtype
@@ -198,12 +240,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         )
 
 
-def _loss_only(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, mm):
+def _loss_only(hidden: torch.Tensor, targets: torch.Tensor, chunk: int, gemms: Gemms):
     """The same loss without gradients (evaluation under ``torch.no_grad``): no GEMMs for them."""
     counted = (targets != IGNORE_INDEX).sum().clamp_min(1)
     total = torch.zeros((), device=hidden.device, dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk):
-        log_probs = _chunk_log_probs(mm(hidden[start : start + chunk], weight.t()))
+        log_probs = _chunk_log_probs(gemms.logits(hidden[start : start + chunk]))
         total += _chunk_losses(log_probs, targets[start : start + chunk])[0].sum()
     return total / counted
 
@@ -219,16 +261,16 @@ def linear_cross_entropy(
     """Causal-LM loss of ``hidden`` ``[batch, seq, h]`` through ``lm_head`` weight ``[V, h]``
     against unshifted ``labels`` ``[batch, seq]`` (what HF models take); ``compiled`` runs each
     training chunk through :func:`compiled_softmax_minus_target`, ``fp8`` its GEMMs through
-    :func:`fp8_mm` (the weight itself stays as it is: a tied embedding reads it unchanged)."""
+    :class:`Fp8Gemms`."""
     chunk = chunk or chunk_tokens(weight.shape[0], weight.shape[1])
     targets = shift_labels(labels).reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])
-    mm = fp8_mm if fp8 else plain_mm
+    gemms_of = Fp8Gemms if fp8 else Gemms
     if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
         with torch.no_grad():
-            return _loss_only(flat, weight, targets, chunk, mm)
+            return _loss_only(flat, targets, chunk, gemms_of(weight))
     chunk_fn = compiled_softmax_minus_target() if compiled else softmax_minus_target
-    return _LinearCrossEntropy.apply(flat, weight, targets, chunk, chunk_fn, mm)
+    return _LinearCrossEntropy.apply(flat, weight, targets, chunk, chunk_fn, gemms_of)
 
 
 def _forward_with_chunked_loss(

@@ -174,8 +174,36 @@ def test_fp8_mm_rounds_through_the_format_and_undoes_the_scale() -> None:
         got, want = loss.fp8_mm(a, b, grad=grad), a @ b
         relative = (got - want).norm() / want.norm()
         assert 0 < relative < step, (grad, relative)
-    out = torch.empty(64, 48)
-    assert loss.fp8_mm(a, b, out=out) is out
+
+
+def test_the_weight_is_cast_to_fp8_once_per_loss_call_and_the_gemms_are_unchanged(
+    monkeypatch,
+) -> None:
+    """Fp8Gemms casts lm_head's weight once for every chunk and GEMM of a call (one amax, one
+    scale: the same as a cast per GEMM, since the weight does not change within a step), and
+    each of its GEMMs equals fp8_mm on the same operands."""
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(48, 32, generator=generator)
+    hidden, d = torch.randn(64, 32, generator=generator), torch.randn(64, 48, generator=generator)
+    gemms = loss.Fp8Gemms(weight)
+    torch.testing.assert_close(gemms.logits(hidden), loss.fp8_mm(hidden, weight.t()))
+    got = gemms.grad_hidden(d, out=torch.empty(64, 32))
+    torch.testing.assert_close(got, loss.fp8_mm(d, weight, grad=True))
+    torch.testing.assert_close(gemms.grad_weight(d, hidden), loss.fp8_mm(d.t(), hidden, grad=True))
+
+    casts = []
+    real_cast = loss._to_fp8
+    monkeypatch.setattr(
+        loss, "_to_fp8", lambda x, dtype: casts.append(x.shape) or real_cast(x, dtype)
+    )
+    model = loss.use_chunked_loss(LlamaForCausalLM(LlamaConfig(**CONFIG)), fp8=True)
+    ids, labels = batch()
+    chunk_count = -(-labels.numel() // 16)
+    monkeypatch.setattr(loss, "chunk_tokens", lambda vocab, hidden: 16)
+    model(input_ids=ids, labels=labels).loss.backward()
+    weight_shape = model.lm_head.weight.shape
+    assert chunk_count > 1 and casts.count(weight_shape) == 1, casts
+    assert len(casts) == 1 + 4 * chunk_count  # per chunk: hidden, d, d.T and hidden.T
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["e4m3", "e5m2-gradient"])
