@@ -10,9 +10,10 @@
 # 6.6M tokens, none read twice; by the measured 0.52 s (fp8) and 0.61 s (bf16) a step, with two
 # compiles and the numerics run it fits one 10-minute call) with WARMUP warm-up steps and cosine
 # decay, the held-out text validated every VAL_FREQ steps, steps 100-101 profiled. Then a 30-step
-# te_linear FP8 run without --compile and with --fp8_numerics (TE's fused layers keep their GEMM
-# inputs inside), compare_runs' table, parity
-# verdict, numerics and picture, and step_breakdown's ceiling. Set-up first:
+# run of the same FP8 recipe with --fp8_numerics (TE's debug tools on the fused layers; its own
+# run, so their cost at report steps stays out of the A/B's speed and profile; without --compile,
+# which 30 steps would not pay back), compare_runs' table, parity verdict, numerics and picture,
+# and step_breakdown's ceiling. Set-up first:
 # ../shared/gpu/README.md (TE from six transfers), and .gpu/text travels as one more carry.
 #
 # --dry_run: the tiny preset on the bundled corpus, one CPU worker, 20 steps of 64 tokens, with
@@ -65,7 +66,7 @@ launch() {  # launch RUN_NAME RECIPE FLAGS...: a fresh run folder under OUT_DIR
     launch fp8 "$recipe-fp8" "${data[@]}" "${schedule[@]}" "${fp8_extra[@]}"
     runs=("$out/bf16" "$out/fp8")
     if [ -z "$dry" ]; then
-        launch fp8-numerics "$recipe-fp8" "${data[@]:0:4}" --model_impl te_linear --fp8_numerics \
+        launch fp8-numerics "$recipe-fp8" "${data[@]:0:4}" --fp8_numerics \
             --compile 0 --max_steps 30 --warmup 3 --logging_freq 10 --validation_freq 0 \
             --checkpoint_freq 0
         runs+=("$out/fp8-numerics")

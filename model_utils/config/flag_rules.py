@@ -300,22 +300,23 @@ def resolve_fp8_recipe(config: Config) -> str:
     if config.precision.fp8_attention:
         _check_fp8_attention(config.precision.model_impl, recipe)
     if config.run.fp8_numerics:
-        _check_fp8_numerics(config.precision.model_impl, recipe)
+        _check_fp8_numerics(config, recipe)
     return recipe
 
 
-def _check_fp8_numerics(model_impl: str, recipe: str) -> None:
-    """The probe reads the GEMM inputs of FP8 linears, scaled per tensor or per row."""
-    if model_impl == "te":
-        raise UsageError(
-            "--fp8_numerics reads each FP8 linear's GEMM inputs, which TE's fused layers "
-            "(--model_impl te) keep inside; use --model_impl te_linear (the same recipes on "
-            "te.Linear) or hf (torchao)"
-        )
-    if model_impl == "te_linear" and recipe not in ("delayed", "current"):
+def _check_fp8_numerics(config: Config, recipe: str) -> None:
+    """The figures are per tensor or per row; TE's fused layers measure with TE's debug tools,
+    which need the high-precision weight."""
+    model_impl = config.precision.model_impl
+    if model_impl in TE_IMPLS and recipe not in ("delayed", "current"):
         raise UsageError(
             f"--fp8_numerics covers per-tensor TE scaling (delayed, current), not --fp8_recipe "
             f"{recipe}'s blocks"
+        )
+    if model_impl == "te" and config.precision.fp8_weights:
+        raise UsageError(
+            "--fp8_numerics on --model_impl te measures each cast against the high-precision "
+            "tensor, and --fp8_weights keeps no high-precision weight: drop one of them"
         )
 
 

@@ -444,8 +444,8 @@ class RunConfig:
     )
     fp8_numerics: bool = flag(
         "at report steps, per FP8 linear: amax, scale, underflow and saturation shares of its "
-        "input, weight and gradient, to metrics.jsonl and the trackers (rank 0; torchao "
-        "recipes, or TE delayed/current on --model_impl te_linear)",
+        "input, weight and gradient, to metrics.jsonl and the trackers (torchao recipes, or TE "
+        "delayed/current; on --model_impl te through TE's debug tools, nvdlfw-inspect)",
         resume=Resume.FREE,
         default=False,
     )

@@ -110,20 +110,19 @@ def _fp8_eligible(module: nn.Module, fqn: str) -> bool:
     )
 
 
-class TorchaoFloat8:
-    """torchao.float8: nn.Linear -> Float8Linear with dynamic scaling; emulated on CPU."""
+class TorchaoFloat8(BF16):
+    """torchao.float8: nn.Linear -> Float8Linear with dynamic scaling; emulated on CPU. The
+    rest is BF16's: no TE recipe, torch's checkpointing, no autocast, no AdamW of its own."""
 
     name = "torchao-fp8"
-    checkpoint_fn = None
-    te_recipe = None
 
     def __init__(self, config: Config, device: torch.device) -> None:
+        super().__init__(config)
         self.recipe_name = config.precision.fp8_recipe
         self.all_gather = config.precision.fp8_all_gather
         # Real FP8 GEMMs need FP8 tensor cores; elsewhere torchao emulates the numerics around
         # the model's compute dtype (bf16, or fp32 with --bf16=0 on a CPU without bf16 units).
         self.emulate = device.type != "cuda" or not fp8_capable_gpu()
-        self.compute = "bf16" if config.precision.bf16 else "fp32"
         self.bf16_layers = config.precision.kept_layers(config.model.num_layers)
         self.fp8_lm_head = config.precision.fp8_lm_head
         self.converted: list[str] = []
@@ -153,18 +152,11 @@ class TorchaoFloat8:
 
         return convert_to_float8_training(model, config=self.config(), module_filter_fn=keep)
 
-    def autocast(self, first_micro_batch: bool | None = None) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
     def after_optimizer_step(self, model: nn.Module) -> None:
         if self.all_gather:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
             precompute_float8_dynamic_scale_for_fsdp(model)
-
-    def master_weight_adam(self, device: torch.device) -> None:
-        """No fused master-weight AdamW of its own: optim's MasterWeightAdamW runs."""
-        return None
 
     def describe(self) -> str:
         mode = (
@@ -192,7 +184,8 @@ def build_backend(
     if config.precision.model_impl in TE_IMPLS:
         from model_utils.precision.te import TEBackend
 
-        return TEBackend(config, dp_group=dp_group)
+        numerics = config.run.fp8_numerics and config.precision.model_impl == "te"
+        return TEBackend(config, dp_group=dp_group, numerics=numerics)
     if config.precision.fp8:
         return TorchaoFloat8(config, device)
     return BF16(config)

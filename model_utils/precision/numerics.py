@@ -10,13 +10,16 @@ the zeros that were not zeros before are counted. Row-wise scales are reported a
 smallest (the row with the largest amax), the cast's underflow as the share over all rows.
 
 Rank 0 measures its own micro-batches (the last one of a report step) and no other rank does
-any work; a step that is not a report step costs one boolean test per linear.
+any work; a step that is not a report step costs one boolean test per linear. TE's fused layers
+(--model_impl te) keep their GEMM inputs inside: there TE's own debug tools measure (TeDebug).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -150,6 +153,12 @@ class Probe:
 
         return hook
 
+    def step_done(self) -> None:
+        """Nothing to do between steps (TeDebug's tools reduce here)."""
+
+    def close(self) -> None:
+        """The hooks go with the model."""
+
     def take(self) -> dict[str, dict[str, dict[str, float]]]:
         """The figures measured since the last take, read from the device in one copy."""
         figures, self.figures = self.figures, {}
@@ -198,3 +207,126 @@ def numerics_line(step: int, figures: dict[str, dict[str, dict[str, float]]]) ->
         else:
             parts.append(f"no {words}")
     return f"FP8 numerics at step {step} ({len(figures)} linears): " + ", ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# TE's fused layers (--model_impl te): their GEMM inputs never leave TE's modules, so the figures
+# come from TE's own precision-debug tools (nvdlfw-inspect with TE's LogTensorStats and
+# LogFp8TensorStats), which measure inside the modules and reduce over the ranks.
+
+#: The debug tools' tensor names -> the roles above.
+TE_TENSORS = {"activation": "input", "weight": "weight", "gradient": "grad"}
+#: How TE names a statistic for its logger: ``<layer>_<tensor>_<stat>``.
+_TE_STAT = re.compile(r"^(?P<layer>.+)_(?P<tensor>activation|weight|gradient)_(?P<stat>.+)$")
+
+
+def te_debug_config(freq: int, delayed: bool, kept: tuple[int, ...]) -> dict[str, Any]:
+    """The debug tools' config: every ``freq`` steps, for each FP8 GEMM's three tensors, the
+    amax (LogTensorStats ``cur_amax``), the cast's underflow share and its largest inverse scale
+    (LogFp8TensorStats), and under delayed scaling its saturation (``overflows%``: TE offers it
+    for that recipe only). Decoder layers kept in BF16 run no FP8 cast and are left out."""
+    skip = "|".join(map(str, kept))
+
+    def feature(*stats: str) -> dict[str, Any]:
+        return {"enabled": True, "tensors": list(TE_TENSORS), "stats": list(stats), "freq": freq}
+
+    fp8_stats = ("underflows%", "scale_inv_max", *(("overflows%",) if delayed else ()))
+    layers = rf"^(?!(.*\.)?layers\.({skip})\.)" if kept else "."
+    return {
+        "fp8_numerics": {
+            "enabled": True,
+            "layers": {"layer_name_regex_pattern": layers},
+            "transformer_engine": {
+                "LogTensorStats": feature("cur_amax"),
+                "LogFp8TensorStats": feature(*fp8_stats),
+            },
+        }
+    }
+
+
+def te_figures(stats: dict[str, float]) -> dict[str, dict[str, dict[str, float]]]:
+    """TE's named statistics as ``{layer: {role: FIGURES}}``: the scale is the smallest (one over
+    the largest inverse scale); current scaling maps each tensor's amax onto the format's largest
+    value, so nothing saturates where TE measures no ``overflows%``."""
+    by_tensor: dict[tuple[str, str], dict[str, float]] = {}
+    for name, value in stats.items():
+        found = _TE_STAT.match(name)
+        if found:
+            key = (found["layer"], TE_TENSORS[found["tensor"]])
+            by_tensor.setdefault(key, {})[found["stat"]] = value
+    figures: dict[str, dict[str, dict[str, float]]] = {}
+    for (layer, role), got in sorted(by_tensor.items()):
+        if "underflows%" not in got or "scale_inv_max" not in got:
+            continue  # only the high-precision amax: a GEMM that ran no FP8 cast
+        figures.setdefault(layer, {})[role] = {
+            "amax": got.get("cur_amax", float("nan")),
+            "scale": 1.0 / got["scale_inv_max"] if got["scale_inv_max"] else float("inf"),
+            "underflow_pct": got["underflows%"],
+            "saturation_pct": got.get("overflows%", 0.0),
+        }
+    return figures
+
+
+class TeDebug:
+    """--fp8_numerics on ``--model_impl te``: TE's debug tools, started before the first TE
+    module is built (TE refuses a module built earlier), on every rank (their statistics are
+    reduced over the ranks at each ``step_done``). Rank 0 keeps what they log for its reports.
+
+    The figures are those of the report steps (every --logging_freq steps); a validation that
+    follows a report step counts toward the next step's activation figures when that one
+    reports too (TE's tools see every forward)."""
+
+    def __init__(self, log_dir: str | Path, freq: int, delayed: bool, kept: tuple[int, ...]):
+        import nvdlfw_inspect.api as debug_api
+        import transformer_engine
+        from nvdlfw_inspect.logging import BaseLogger
+
+        class Collector(BaseLogger):
+            def log_scalar(logger, name: str, value: Any, iteration: int, **kwargs: Any) -> None:
+                if self.keep:
+                    self.stats[name] = torch.as_tensor(value, dtype=torch.float32)
+
+        self.armed, self.keep = False, False
+        self.stats: dict[str, torch.Tensor] = {}
+        self.api = debug_api
+        log_dir = Path(log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        config = log_dir / "config.yaml"  # JSON is YAML: read by the tools' yaml.safe_load
+        config.write_text(json.dumps(te_debug_config(freq, delayed, kept), indent=1) + "\n")
+        features = Path(transformer_engine.__file__).parent / "debug" / "features"
+        debug_api.initialize(
+            config_file=str(config),
+            feature_dirs=[str(features)],
+            statistics_logger=Collector(),
+            log_dir=str(log_dir),
+        )
+
+    @staticmethod
+    def name_layers(model: nn.Module) -> None:
+        """Each TE module by its place in the model (``model.layers.0.transformer_layer.
+        self_attention.proj``; TE adds ``.fc1``/``.fc2`` for the fused MLP's GEMMs), before
+        any wrapper: the names the config's layer pattern and the reports read."""
+        for name, module in model.named_modules():
+            if hasattr(module, "fp8_meta"):
+                module.name = name
+
+    def begin(self, start_step: int, keep: bool) -> None:
+        """The tools count steps as the run does (the next step is ``start_step + 1``); ``keep``:
+        this rank reports."""
+        self.keep = keep
+        self.api.initialize_training_step(start_step + 1)
+
+    def step_done(self) -> None:
+        """Every rank, every step: the tools reduce and log what the step measured."""
+        self.api.step()
+
+    def take(self) -> dict[str, dict[str, dict[str, float]]]:
+        stats, self.stats = self.stats, {}
+        if not stats:
+            return {}
+        device = next(iter(stats.values())).device
+        values = torch.stack([value.to(device) for value in stats.values()]).cpu().tolist()
+        return te_figures(dict(zip(stats, values, strict=True)))
+
+    def close(self) -> None:
+        self.api.end_debug()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -161,7 +162,10 @@ class TEBackend:
         dp_group: Any = None,
         *,
         torch_autocast_dtype: torch.dtype | None = None,
+        numerics: bool = False,
     ) -> None:
+        """``numerics`` (a training run's --fp8_numerics on the fused layers) starts TE's debug
+        tools here, before the model's first TE module exists, as TE requires."""
         self.fp8 = bool(config.precision.fp8)
         self.recipe_name = config.precision.fp8_recipe
         self.fp8_format = config.precision.fp8_format
@@ -193,6 +197,16 @@ class TEBackend:
         )
         self._recipe: Any = None
         self._model: nn.Module | None = None
+        self.debug = None
+        if numerics:
+            from model_utils.precision.numerics import TeDebug
+
+            self.debug = TeDebug(
+                f"{config.run.output_dir}/fp8_numerics",
+                config.run.logging_freq,
+                delayed=self.recipe.delayed(),
+                kept=self.bf16_layers,
+            )
 
     @property
     def recipe(self) -> Any:
@@ -269,6 +283,8 @@ class TEBackend:
                 "use the torchao backend for --model_impl hf"
             )
         self._model = model
+        if self.debug:
+            self.debug.name_layers(model)
         return model
 
     @property
@@ -390,6 +406,12 @@ def check_requirements(config: Config, *, training: bool = True) -> None:
 
     if training and config.precision.fp8_weights and config.optim.master_weights != "optimizer":
         raise UsageError(FP8_WEIGHTS_TRAINING_REFUSAL)
+    te_numerics = config.run.fp8_numerics and config.precision.model_impl == "te"
+    if training and te_numerics and importlib.util.find_spec("nvdlfw_inspect") is None:
+        raise UsageError(
+            "--fp8_numerics on --model_impl te reads TE's debug statistics, which need "
+            "nvdlfw-inspect (a dependency of TE's pip package): pip install nvdlfw-inspect"
+        )
     try:
         backend = TEBackend(config)
         backend.capability_check()

@@ -181,6 +181,8 @@ class RunLog:
         self.meter.add_step(data_wait_seconds=data_wait, samples=self.samples, tokens=self.tokens)
         self._count_step()
         self.ranks.add_step(data_wait)
+        if self.numerics:
+            self.numerics.step_done()
         if not self.is_report_step(step):
             self._arm_numerics(step + 1)
             return
@@ -212,9 +214,16 @@ class RunLog:
         self._report_numerics(step)
         self._arm_numerics(step + 1)
 
-    def _numerics_probe(self, model, backend, start_step: int) -> numerics.Probe | None:
-        """--fp8_numerics: rank 0 measures, armed for the first step if it reports."""
-        if not (self.config.run.fp8_numerics and self.is_main):
+    def _numerics_probe(self, model, backend, start_step: int):
+        """--fp8_numerics: rank 0 measures, armed for the first step if it reports; on TE's fused
+        layers TE's debug tools measure, on every rank (the backend started them)."""
+        if not self.config.run.fp8_numerics:
+            return None
+        debug = getattr(backend, "debug", None)
+        if debug is not None:
+            debug.begin(start_step, keep=self.is_main)
+            return debug
+        if not self.is_main:
             return None
         probe = numerics.Probe(model, backend.te_recipe)
         probe.armed = self.is_report_step(start_step + 1)
@@ -308,6 +317,8 @@ class RunLog:
         every launch, a preempted or failed one too."""
         self.writer.close()
         self.trackers.close()
+        if self.numerics:
+            self.numerics.close()
 
     def finish(self) -> None:
         self.close()

@@ -100,3 +100,28 @@ def test_train_py_fp8_weights_with_fp32_masters_on_two_ranks_resume_exactly(tmp_
     out = run_train(*common, step4, f"--output_dir={plain}")
     assert "fp8_weights" in out  # the changed flag is named, the resume goes on
     assert records(plain)[("train", 8)] == pytest.approx(want[("train", 8)], rel=0.02)
+
+
+@pytest.mark.slow
+def test_train_py_fp8_numerics_on_the_fused_layers_two_ranks(tmp_path) -> None:
+    """--fp8_numerics on --model_impl te: TE's debug tools start before the model, every rank
+    steps them (their statistics are reduced over the ranks: a rank that did not would hang
+    the other), and rank 0's metrics.jsonl holds the fused GEMMs' figures at the report steps,
+    the layer kept in BF16 left out."""
+    out = tmp_path / "te-numerics"
+    flags = "--model_impl te --fp8=1 --fp8_numerics --bf16_layers 0 --max_steps 4"
+    stdout = run_train(*flags.split(), "--logging_freq", "2", "--output_dir", str(out))
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    found = [r for r in map(json.loads, lines) if r["kind"] == "numerics"]
+    assert [r["step"] for r in found] == [2, 4]
+    layers = found[-1]["layers"]
+    names = {name.split("transformer_layer.")[-1] for name in layers}
+    assert names == {
+        "self_attention.layernorm_qkv",
+        "self_attention.proj",
+        "layernorm_mlp.fc1",
+        "layernorm_mlp.fc2",
+    }
+    assert all(name.startswith("model.layers.1.") for name in layers)
+    assert found[-1]["grad_underflow_pct_max"] >= 0
+    assert "FP8 numerics at step 4 (4 linears): worst underflow" in stdout

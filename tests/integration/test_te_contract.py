@@ -790,3 +790,119 @@ def test_te_opens_the_cudnn_torch_has_open(
         other = [str(other_lib / name) for name in family]
         expected = (91400, sorted([str(torch_lib / "libcudnn.so.9"), *other]))
     assert result.stdout.strip() == f"True {expected[0]} {expected[1]}"
+
+
+# ------------------------------------------------------------------------------------------
+# --fp8_numerics on the fused layers: TE's debug tools (transformer_engine/debug).
+# ------------------------------------------------------------------------------------------
+
+
+def module_calls(te_source: TESource, module: str) -> list[ast.Call]:
+    return [n for n in ast.walk(te_source.modules[module]) if isinstance(n, ast.Call)]
+
+
+def te_debug_stats(te_source: TESource) -> tuple[set[str], set[str]]:
+    """What TE's LogTensorStats and LogFp8TensorStats offer: the first, nvdlfw-inspect's base
+    stats (its ``_get_supported_stats_list``) and the set TE's adds; the second, the
+    ``supported_stats`` of its check plus ``overflows%``, which it allows for delayed scaling."""
+    import importlib.util
+
+    def function(module: str, cls: str, name: str) -> ast.FunctionDef:
+        found = te_source.resolve(f"transformer_engine.debug.features.{module}", cls)
+        return class_member(found[1], name, found[0])[1]
+
+    def strings(node: ast.AST) -> set[str]:
+        return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant)} - {None}
+
+    inspect_dir = Path(importlib.util.find_spec("nvdlfw_inspect").origin).parent
+    base = ast.parse((inspect_dir / "debug_features" / "log_tensor_stats.py").read_text())
+    own = function("log_tensor_stats", "LogTensorStats", "_get_supported_stats_list")
+    tensor = {
+        e.value
+        for tree in (base, own)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.FunctionDef) and n.name == "_get_supported_stats_list"
+        for s in ast.walk(n)
+        if isinstance(s, ast.Set)
+        for e in s.elts
+    }
+    check = function("log_fp8_tensor_stats", "LogFp8TensorStats", "check_if_stat_is_supported")
+    fp8 = next(
+        strings(n.value)
+        for n in ast.walk(check)
+        if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "supported_stats"
+    )
+    if "== 'overflows%'" in ast.unparse(check):
+        fp8.add("overflows%")
+    return tensor, fp8
+
+
+def test_the_fp8_numerics_config_asks_te_debug_tools_for_what_they_offer(
+    te_source: TESource,
+) -> None:
+    """The features and stats of numerics.te_debug_config exist in TE's debug features, each
+    registered in the transformer_engine namespace the config names."""
+    from model_utils.precision import numerics
+
+    config = numerics.te_debug_config(freq=10, delayed=True, kept=(0,))["fp8_numerics"]
+    tensor_stats, fp8_stats = te_debug_stats(te_source)
+    offered = {"LogTensorStats": tensor_stats, "LogFp8TensorStats": fp8_stats}
+    for feature, settings in config["transformer_engine"].items():
+        module = f"transformer_engine.debug.features.{feature_module(feature)}"
+        cls = te_source.resolve(module, feature)
+        assert cls, feature
+        decorators = [ast.unparse(d) for d in cls[1].decorator_list]
+        assert "Registry.register_feature(namespace='transformer_engine')" in decorators
+        assert set(settings["stats"]) <= offered[feature], (feature, settings["stats"])
+        assert set(settings["tensors"]) == set(numerics.TE_TENSORS)
+
+
+def feature_module(feature: str) -> str:
+    """LogFp8TensorStats -> log_fp8_tensor_stats."""
+    return "log" + "".join(f"_{c.lower()}" if c.isupper() else c for c in feature[3:])
+
+
+def test_te_names_its_statistics_and_gemms_as_the_figures_read_them(te_source: TESource) -> None:
+    """numerics.te_figures parses ``<layer>_<tensor>_<stat>`` (TE's stats_buffer logs that),
+    over TE's tensor labels, with the fused MLP's GEMMs named ``<name>.fc1``/``<name>.fc2``."""
+    from model_utils.precision import numerics
+
+    logged = [
+        ast.unparse(call.args[0])
+        for call in module_calls(te_source, "transformer_engine.debug.features.utils.stats_buffer")
+        if ast.unparse(call.func) == "MetricLogger.log_scalar"
+    ]
+    assert logged and all(
+        name.startswith("f'{self.layer_name}_{self.tensor_name}_{") for name in logged
+    ), logged
+    mlp = te_source.resolve("transformer_engine.pytorch", "LayerNormMLP")
+    debug = class_member(mlp[1], "_get_debug_quantizers", mlp[0])
+    source = ast.unparse(debug[1])
+    assert "f'{self.name}.{prefix}'" in source
+    assert "make_debug('fc1', 0) + make_debug('fc2', 6)" in source
+    labels = next(n for n in ast.walk(debug[1]) if isinstance(n, ast.List))
+    assert set(numerics.TE_TENSORS) <= {e.value for e in labels.elts}
+
+
+def test_the_double_debug_tools_offer_what_te_offers(pinned_te_source: TESource, te_double):
+    """The double's features name TE's stats (it computes the ones the recipe reads), and its
+    refusal of a TE module built before the tools started is TE's."""
+    import inspect as inspect_module
+
+    from transformer_engine.debug.pytorch import debug_state
+
+    double_features = Path(debug_state.__file__).parents[1] / "features" / "log_stats.py"
+    double = ast.parse(double_features.read_text())
+    values = {
+        t.id: ast.literal_eval(n.value)
+        for n in double.body
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    }
+    tensor_stats, fp8_stats = te_debug_stats(pinned_te_source)
+    assert values["TE_TENSOR_STATS"] == tensor_stats
+    assert values["TE_FP8_STATS"] == fp8_stats
+    refusal = "nv_dlfw_inspect module should be initialized before"
+    te_state = ast.unparse(pinned_te_source.modules["transformer_engine.debug.pytorch.debug_state"])
+    assert refusal in te_state and refusal in inspect_module.getsource(debug_state)

@@ -1,4 +1,5 @@
 """--fp8_numerics: the cast figures by hand, the probe on torchao's and TE's (double) linears,
+TE's fused layers through TE's debug tools (the real nvdlfw-inspect, the double's TE features),
 the refusals. Through train.py and compare_runs: tests/integration/test_parity_run.py."""
 
 from __future__ import annotations
@@ -106,10 +107,14 @@ def test_te_linear_delayed_scaling_reports_the_scale_in_fp8_meta(te_double) -> N
     ("flags", "message"),
     [
         (("--fp8=0",), "--fp8_numerics measures FP8 casts: it needs --fp8=1"),
-        (("--fp8=1", "--model_impl", "te"), "use --model_impl te_linear"),
         (("--fp8=1", "--model_impl", "te_linear", "--fp8_recipe", "block"), "not --fp8_recipe"),
+        (("--fp8=1", "--model_impl", "te", "--fp8_recipe", "mxfp8"), "not --fp8_recipe mxfp8"),
+        (
+            ("--fp8=1", "--model_impl", "te", "--fp8_weights", "--master_weights", "optimizer"),
+            "--fp8_weights keeps no high-precision weight",
+        ),
     ],
-    ids=["no-fp8", "fused-te", "te-blocks"],
+    ids=["no-fp8", "te-linear-blocks", "fused-te-blocks", "fused-te-fp8-weights"],
 )
 def test_what_the_probe_cannot_read_is_refused(flags, message, te_double) -> None:
     with pytest.raises(UsageError, match=message):
@@ -133,3 +138,113 @@ def test_worst_layers_and_the_tracker_summary() -> None:
         "FP8 numerics at step 7 (2 linears): worst underflow 5.000% (b grad), "
         "worst saturation 2.000% (b grad)"
     )
+
+
+# ------------------------------------------------------------------ TE's fused layers (te)
+
+
+def test_te_statistic_names_become_the_figures() -> None:
+    """TE logs ``<layer>_<tensor>_<stat>``; the scale is one over the largest inverse scale, and
+    a GEMM TE measured only in high precision (no underflows%) is no FP8 linear."""
+    layer = "model.layers.1.transformer_layer.layernorm_mlp.fc2"
+    stats = {
+        f"{layer}_activation_cur_amax": 3.0,
+        f"{layer}_activation_underflows%": 0.5,
+        f"{layer}_activation_scale_inv_max": 0.25,
+        f"{layer}_gradient_underflows%": 2.0,
+        f"{layer}_gradient_scale_inv_max": 0.5,
+        f"{layer}_gradient_overflows%": 1.0,
+        "model.layers.0.transformer_layer.self_attention.proj_weight_cur_amax": 1.0,
+    }
+    assert numerics.te_figures(stats) == {
+        layer: {
+            "grad": {
+                "amax": pytest.approx(float("nan"), nan_ok=True),
+                "scale": 2.0,
+                "underflow_pct": 2.0,
+                "saturation_pct": 1.0,
+            },
+            "input": {"amax": 3.0, "scale": 4.0, "underflow_pct": 0.5, "saturation_pct": 0.0},
+        }
+    }
+
+
+def te_run(tmp_path, recipe: str, kept: tuple[int, ...] = (), steps: int = 2):
+    """A 2-layer TE Llama built after TE's debug tools started (as TEBackend does for a run),
+    trained ``steps`` steps with figures every 2: what each step's take() returned, and the
+    delayed-scaling scale the first layer's QKV input was cast with at each step."""
+    from helpers.te_models import backend_args, batch, built, tiny_config
+
+    from model_utils.precision.te import TEBackend
+
+    flags = dict(fp8_numerics=True, logging_freq=2, output_dir=str(tmp_path))
+    if kept:
+        flags["bf16_layers"] = ",".join(map(str, kept))
+    backend = TEBackend(backend_args(True, recipe, **flags), numerics=True)
+    config = tiny_config()
+    model = backend.prepare(built(config))
+    backend.debug.begin(0, keep=True)
+    taken, scales = [], []
+    qkv = model.model.layers[0].transformer_layer.self_attention.layernorm_qkv
+    try:
+        for step in range(1, steps + 1):
+            state = qkv.fp8_meta.get("scaling_fwd")
+            scales.append(state.scale[0].item() if hasattr(state, "scale") else None)
+            ids = batch(config, seed=step)
+            with backend.autocast(first_micro_batch=True):
+                loss = model(ids, labels=ids).loss
+            loss.backward()
+            backend.debug.step_done()
+            taken.append(backend.debug.take())
+    finally:
+        backend.debug.close()
+    return taken, scales
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_te_fused_layers_report_through_te_debug_tools(tmp_path, te_double, recipe) -> None:
+    """Every FP8 GEMM of the fused layers (QKV, projection, the MLP's fc1 and fc2) at the
+    report step only, with its input's scale the one the recipe cast with: under delayed
+    scaling the scale in fp8_meta, under current scaling 448 over the input's own amax."""
+    (first, second), (_, scale_used) = te_run(tmp_path, recipe)
+    assert first == {}  # step 1 is no report step
+    prefix = "model.layers.{}.transformer_layer."
+    gemms = ["self_attention.layernorm_qkv", "self_attention.proj", "layernorm_mlp.fc1"]
+    gemms.append("layernorm_mlp.fc2")
+    assert sorted(second) == sorted(prefix.format(i) + g for i in range(2) for g in gemms)
+    for roles in second.values():
+        assert set(roles) == set(numerics.ROLES)
+        assert all(0 <= f["underflow_pct"] < 100 and f["scale"] > 0 for f in roles.values())
+    qkv = second[prefix.format(0) + gemms[0]]["input"]
+    if recipe == "delayed":  # the scale step 1's amax set
+        assert qkv["scale"] == pytest.approx(scale_used, rel=1e-6) and scale_used != 1.0
+    else:
+        assert qkv["scale"] == pytest.approx(448 / qkv["amax"], rel=1e-6)
+        assert qkv["saturation_pct"] == 0.0
+    assert (tmp_path / "fp8_numerics" / "config.yaml").is_file()
+
+
+def test_layers_kept_in_bf16_are_left_out_and_the_tools_stop_at_close(tmp_path, te_double):
+    (_, taken), _ = te_run(tmp_path, "delayed", kept=(0,))
+    assert taken and all(name.startswith("model.layers.1.") for name in taken)
+    import nvdlfw_inspect.api as debug_api
+
+    assert debug_api.DEBUG_MANAGER is None  # closed: the next run (test) starts them afresh
+
+
+def test_the_fused_layers_numerics_without_nvdlfw_inspect_are_refused(monkeypatch, te_double):
+    """Before any process group: one line naming the package TE's debug tools are."""
+    import importlib.util
+
+    from model_utils.precision import te
+
+    config = parse_args([*SMALL, "--fp8_numerics", "--fp8=1", "--model_impl", "te"])
+    te.check_requirements(config)  # installed here: no refusal
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "nvdlfw_inspect" else real(name, *a),
+    )
+    with pytest.raises(UsageError, match="need nvdlfw-inspect .*: pip install nvdlfw-inspect"):
+        te.check_requirements(config)

@@ -44,7 +44,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,7 @@ from te_double import reference
 from torch import nn
 
 from transformer_engine.common import recipe as _recipe
+from transformer_engine.debug.pytorch.debug_state import TEDebugState, inspect_gemm_operand
 from transformer_engine.pytorch import _extra_state, distributed, optimizers
 from transformer_engine.pytorch.distributed import checkpoint
 
@@ -261,6 +262,18 @@ def fp8_model_init(
 # ---------------------------------------------------------------------------------------------
 
 
+#: The recipes whose casts the double's debug tools inspect, by TE's recipe names.
+_DEBUG_RECIPES = {"delayed": "fp8_delayed_scaling", "tensor": "fp8_current_scaling"}
+
+
+class _DebugCast(NamedTuple):
+    """What the debug features read of a cast (TE hands them its Float8Tensor)."""
+
+    values: torch.Tensor
+    scale_inv: torch.Tensor
+    dtype: torch.dtype
+
+
 def _formats(fp8_recipe: Any) -> tuple[str, str]:
     fmt = fp8_recipe.fp8_format.name
     return ("E4M3", "E5M2") if fmt == "HYBRID" else (fmt, fmt)
@@ -374,6 +387,10 @@ class _TEModule(nn.Module):
         self.fp8_meta_tensors_initialized = False
         self.fp8_initialized = False
         self._weight_cache: dict[int, torch.Tensor] = {}
+        #: TE's debug name (``name=`` or set later, e.g. by nvdlfw-inspect's
+        #: ``infer_and_assign_layer_names``); TE checks the debug tools at construction.
+        self.name: str | None = None
+        TEDebugState.initialize()
 
     def _register(self, name: str, tensor: torch.Tensor, init_fn: Callable) -> None:
         self.register_parameter(name, nn.Parameter(tensor))
@@ -441,10 +458,30 @@ class _TEModule(nn.Module):
             _add_to_global_buffer(self)
 
     def _quantize(self, x: torch.Tensor, index: int, role: str) -> torch.Tensor:
-        """GEMM ``index``'s operand: its input or weight (forward) or incoming gradient."""
-        if role == "grad":
-            return self._quantize_slot(x, "bwd", 2 * index)
-        return self._quantize_slot(x, "fwd", 3 * index + (role == "weight"))
+        """GEMM ``index``'s operand: its input or weight (forward) or incoming gradient; with
+        TE's debug tools on, what they inspect of it (per-tensor scaling)."""
+        direction, slot = ("bwd", 2 * index) if role == "grad" else ("fwd", 3 * index)
+        slot += role == "weight"
+        x_q = self._quantize_slot(x, direction, slot)
+        if TEDebugState.debug_enabled and self.fp8_meta["recipe"].scaling in _DEBUG_RECIPES:
+            self._inspect(x, x_q, index, role, direction, slot)
+        return x_q
+
+    def _inspect(self, x, x_q, index: int, role: str, direction: str, slot: int) -> None:
+        """The operand and its cast to the features: TE names the fused MLP's two GEMMs
+        ``<name>.fc1`` and ``<name>.fc2``, and the tensors activation, weight and gradient."""
+        if self.name is None:
+            self.name = f"Layer_{TEDebugState.get_layer_count()}"
+        fp8_recipe = self.fp8_meta["recipe"]
+        fmt = _formats(fp8_recipe)[direction == "bwd"]
+        if fp8_recipe.scaling == "delayed":
+            scale = self.fp8_meta[f"scaling_{direction}"].scale[slot]
+        else:
+            scale = _current_scale(x.detach().abs().amax().float(), fmt, power_of_two=False)
+        layer = self.name + (f".fc{index + 1}" if isinstance(self, _LayerNormMLP) else "")
+        tensor = {"input": "activation", "weight": "weight", "grad": "gradient"}[role]
+        cast = _DebugCast(x_q, 1 / scale, _FP8_DTYPES[fmt])
+        inspect_gemm_operand(layer, tensor, x, cast, _DEBUG_RECIPES[fp8_recipe.scaling])
 
     def _quantize_slot(self, x: torch.Tensor, direction: str, slot: int) -> torch.Tensor:
         """Round ``x`` through FP8 with the scaling of ``fp8_meta["scaling_<direction>"]``'s
@@ -648,6 +685,7 @@ class Linear(_TEModule):
             | {"get_rng_state_tracker", "rng_tracker_name", "ub_name"},
         )
         super().__init__(num_gemms=1)
+        self.name = name
         dtype = params_dtype or torch.get_default_dtype()
         dev = _resolve_device(device)
         init = init_method or (lambda t: nn.init.normal_(t, 0.0, 0.023))

@@ -1,0 +1,1 @@
+"""TEST DOUBLE of ``transformer_engine.debug.pytorch``."""
