@@ -168,7 +168,6 @@ class TEBackend:
         tools here, before the model's first TE module exists, as TE requires."""
         self.fp8 = bool(config.precision.fp8)
         self.recipe_name = config.precision.fp8_recipe
-        self.fp8_format = config.precision.fp8_format
         self.fp8_weights = bool(config.precision.fp8_weights)
         self.masters_in_optimizer = config.optim.master_weights == "optimizer"
         self.model_impl = config.precision.model_impl
@@ -215,10 +214,7 @@ class TEBackend:
             self._recipe = build_recipe(self.recipe_name, **self._recipe_kwargs)
         return self._recipe if self.fp8 else None
 
-    @property
-    def te_recipe(self) -> Any:
-        """PrecisionBackend's name for :attr:`recipe`: the same on every backend."""
-        return self.recipe
+    te_recipe = recipe  # PrecisionBackend's name for it: the same on every backend
 
     def _te(self) -> Any:
         try:

@@ -1,5 +1,6 @@
 """Experiment trackers (``--tracker wandb,mlflow,tensorboard``): what metrics.jsonl holds, sent
-from rank 0 at report steps, beside the JSONL file (which stays the record of truth).
+from rank 0 at report steps, beside the JSONL file (which stays the record of truth): each is a
+sink of the same records (write one, close at the end), one class and one row of SINKS.
 
 A run keeps its tracker run ids in ``<output_dir>/trackers.json``: a resume (Ctrl-C, preemption,
 a Slurm requeue) continues the same W&B run and the same MLflow run, never a second one. Each run
@@ -18,6 +19,7 @@ import json
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -27,7 +29,6 @@ from typing import Any, Protocol
 
 from model_utils.config.sections import precision_name
 from model_utils.errors import first_line
-from model_utils.report.tensorboard_log import TensorBoardLog, scalars
 
 log = logging.getLogger("train")
 
@@ -36,8 +37,29 @@ DEFAULT_PROJECT = "fp8-llama"
 IDS_FILE = "trackers.json"
 
 
+#: Not scalars worth a chart: the x axis, the wall-clock stamp (each tracker's own time axis).
+_NOT_SCALARS = frozenset({"kind", "step", "time"})
+
+
+def scalars(record: Mapping[str, Any]) -> list[tuple[str, float]]:
+    """``(tag, value)`` for every number of a train, validation or FP8 numerics record,
+    tagged by its kind (``train/loss``, ``val/val_loss``, ``numerics/grad_underflow_pct_max``):
+    one chart per metric, nothing picked by hand, so a metric added to the JSONL shows up in
+    every tracker too. None (e.g. MFU on CPU) is skipped."""
+    kind = record.get("kind")
+    if kind not in ("train", "val", "numerics"):
+        return []
+    return [
+        (f"{kind}/{key}", float(value))
+        for key, value in record.items()
+        if key not in _NOT_SCALARS
+        and isinstance(value, (int, float))
+        and not isinstance(value, bool)
+    ]
+
+
 def numbers(record: Mapping[str, Any]) -> dict[str, float]:
-    """A train or validation record's numbers, keyed as TensorBoard tags them (``train/loss``)."""
+    """A record's numbers by tag (``train/loss``)."""
     return dict(scalars(record))
 
 
@@ -183,21 +205,86 @@ class MlflowTracker:
         self.client.set_terminated(self.id)
 
 
-def open_tensorboard(
-    run: Mapping[str, Any], output_dir: str, run_id: str | None, start_step: int
-) -> TensorBoardLog:
-    """TensorBoard as a sink like the others (``--tracker tensorboard`` or ``--tensorboard``):
-    events in ``<output_dir>/tensorboard``, a resume's re-run steps purged."""
-    board = TensorBoardLog(f"{output_dir}/tensorboard", resumed_from=start_step)
-    board.flags(run)
-    return board
+def flags_markdown(run: Mapping[str, Any]) -> str:
+    """The run record as a two-column Markdown table (TensorBoard's text tab renders Markdown),
+    so a chart can be traced back to the exact flags that produced it."""
+    rows = ["| flag | value |", "|---|---|"]
+    extra = {"world_size": run.get("world_size"), "samples_per_step": run.get("samples_per_step")}
+    for key, value in {**run.get("flags", {}), **extra}.items():
+        rows.append(f"| {key} | {str(value).replace('|', '/')} |")
+    return "\n".join(rows)
+
+
+def _quiet_writer_thread_errors() -> None:
+    """TensorBoard's writer thread dies of a full disk with a traceback on stderr, and the next
+    write gets the same OSError, which the trackers turn into one warning: leave the thread's
+    copy unprinted (every other thread's error is printed)."""
+    hook = threading.excepthook
+    if getattr(hook, "quiets_tensorboard", False):
+        return
+
+    def excepthook(args: threading.ExceptHookArgs) -> None:
+        writer_thread = type(args.thread).__module__.startswith("tensorboard.")
+        if not (writer_thread and issubclass(args.exc_type, OSError)):
+            hook(args)
+
+    excepthook.quiets_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = excepthook
+
+
+class TensorBoardTracker:
+    """``torch.utils.tensorboard.SummaryWriter``: events in ``<output_dir>/tensorboard``, so
+    ``tensorboard --logdir runs`` shows every run, as torchtitan and NeMo users watch them.
+
+    A resume (``start_step``: its checkpoint's step) drops the events after it that the
+    interrupted run wrote (``purge_step``): the charts show one line, not twice the steps between
+    the last checkpoint and the interruption. A fresh run moves an earlier run's events to
+    ``tensorboard.N`` (a run of its own in ``tensorboard --logdir``)."""
+
+    name = "tensorboard"
+    id = None  # nothing for a resume to continue: the events folder is the run's
+
+    def __init__(
+        self, run: Mapping[str, Any], output_dir: str, run_id: str | None, start_step: int = 0
+    ) -> None:
+        # Imported here: only runs that ask for TensorBoard need it importable.
+        from torch.utils.tensorboard import SummaryWriter
+
+        from model_utils.report.metrics.records import set_aside
+
+        _quiet_writer_thread_errors()
+        self.log_dir = f"{output_dir}/tensorboard"
+        aside = None if start_step else set_aside(self.log_dir)
+        if aside is not None:  # a fresh run: its own chart, the earlier one beside it
+            log.info("An earlier run's TensorBoard events here are kept in %s", aside)
+        log.info(
+            "TensorBoard events go to %s; to watch them: %s -m tensorboard.main --logdir %s "
+            "(then open http://localhost:6006)",
+            self.log_dir,
+            sys.executable,  # the Python this run has, with tensorboard installed
+            Path(self.log_dir).parent,
+        )
+        self.writer: Any = SummaryWriter(
+            log_dir=self.log_dir,
+            purge_step=start_step + 1 if start_step else None,
+            flush_secs=30,
+        )
+        self.writer.add_text("flags", flags_markdown(run), global_step=0)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        for tag, value in scalars(record):  # a NaN loss is kept: TensorBoard shows it
+            self.writer.add_scalar(tag, value, record["step"], walltime=record.get("time"))
+        self.writer.flush()  # at every report, like the JSONL: a preempted run loses no events
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 #: Each --tracker name -> how its sink opens: ``(run record, output_dir, kept run id, the step a
 #: resume starts at (0: a fresh start)) -> Sink``. The names --tracker takes are
 #: config.flag_rules.TRACKER_PACKAGES; a test holds the two tables to the same names.
 SINKS: dict[str, Callable[[Mapping[str, Any], str, str | None, int], Sink]] = {
-    "tensorboard": open_tensorboard,
+    "tensorboard": TensorBoardTracker,
     "wandb": WandbTracker,
     "mlflow": MlflowTracker,
 }

@@ -10,7 +10,7 @@ from helpers.tensorboard_events import flags_text, read_events, series
 
 from model_utils.config.arguments import parse_args
 from model_utils.report import metrics, trackers
-from model_utils.report.tensorboard_log import TensorBoardLog, flags_markdown, scalars
+from model_utils.report.trackers import TensorBoardTracker, flags_markdown, scalars
 
 
 def test_scalars_are_every_number_of_a_record_by_kind() -> None:
@@ -52,28 +52,30 @@ def test_writer_round_trip_and_resume_purges_the_rerun_steps(tmp_path: Path, cap
     def record(step: int, loss: float) -> dict:
         return {"kind": "train", "step": step, "loss": loss, "time": 1000.0 + step}
 
+    run = metrics.run_record({"fp8": True}, world_size=2, samples_per_step=16)
     with caplog.at_level("INFO"):
-        board = TensorBoardLog(tmp_path)
+        board = TensorBoardTracker(run, str(tmp_path), None)
+    events_dir = tmp_path / "tensorboard"
     assert (  # where the events go, and a command that opens the run's (and earlier ones')
-        f"TensorBoard events go to {tmp_path}; to watch them: {sys.executable} -m "
-        f"tensorboard.main --logdir {tmp_path.parent} (then open http://localhost:6006)"
+        f"TensorBoard events go to {events_dir}; to watch them: {sys.executable} -m "
+        f"tensorboard.main --logdir {tmp_path} (then open http://localhost:6006)"
     ) in caplog.messages
-    board.flags(metrics.run_record({"fp8": True}, world_size=2, samples_per_step=16))
     for step in range(1, 6):
         board.write(record(step, 10.0 - step))
     board.write(metrics.validation_record(step=5, val_loss=4.5, batches=2, seconds=0.1))
     # Written at each report (flushed), visible before close: a preempted run loses nothing.
-    assert series(read_events(tmp_path), "train/loss") == {s: 10.0 - s for s in range(1, 6)}
+    assert series(read_events(events_dir), "train/loss") == {s: 10.0 - s for s in range(1, 6)}
     board.close()
+    assert "| fp8 | True |" in flags_text(read_events(events_dir))
     # Resumed from the step-3 checkpoint: steps 4 and 5 are trained again, with new losses.
-    resumed = TensorBoardLog(tmp_path, resumed_from=3)
+    resumed = TensorBoardTracker(run, str(tmp_path), None, start_step=3)
     for step in (4, 5):
         resumed.write(record(step, 100.0 + step))
     resumed.close()
-    events = read_events(tmp_path)
+    events = read_events(events_dir)
     assert series(events, "train/loss") == {1: 9.0, 2: 8.0, 3: 7.0, 4: 104.0, 5: 105.0}
     assert [e.wall_time for e in events.Scalars("train/loss")][:3] == [1001.0, 1002.0, 1003.0]
-    assert "| fp8 | True |" in flags_text(events)
+    assert len(events.Tensors("flags/text_summary")) == 2  # each launch's flags (a resume's too)
 
     off = trackers.Trackers(["tensorboard"], {"flags": {}}, str(tmp_path / "off"), enabled=False)
     off.write(record(1, 1.0))
@@ -90,12 +92,10 @@ def test_only_tensorboard_writer_threads_disk_errors_go_unprinted(monkeypatch) -
 
     from tensorboard.summary.writer import event_file_writer
 
-    from model_utils.report import tensorboard_log
-
     printed: list[str] = []
     monkeypatch.setattr(threading, "excepthook", lambda args: printed.append(args.thread.name))
-    tensorboard_log._quiet_writer_thread_errors()
-    tensorboard_log._quiet_writer_thread_errors()  # installed once, not wrapped twice
+    trackers._quiet_writer_thread_errors()
+    trackers._quiet_writer_thread_errors()  # installed once, not wrapped twice
 
     def fail(exc: Exception) -> None:
         raise exc
