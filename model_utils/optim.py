@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,7 +23,6 @@ from model_utils.precision.master_weights import MasterWeightAdamW
 # torch's and torchao's AdamW default, named so both optimizers are built with the same value.
 ADAM_EPS = 1e-8
 
-LrDecayStyle = Literal["cosine", "linear", "constant"]
 LR_DECAY_STYLES: tuple[str, ...] = ("cosine", "linear", "constant")
 
 # Leaf parameter names that are never decayed even if they are not 1-D. Transformer Engine
@@ -271,19 +270,9 @@ class LrMultiplier:
 
     def __call__(self, steps_done: int) -> float:
         # LambdaLR calls this with last_epoch = number of scheduler.step() calls so far; the
-        # optimizer step about to run is number steps_done + 1 (1-based).
-        step = steps_done + 1
-        return (
-            lr_at(
-                step,
-                lr=self.lr,
-                min_lr=self.min_lr,
-                warmup=self.warmup,
-                max_steps=self.max_steps,
-                style=self.style,
-            )
-            / self.lr
-        )
+        # optimizer step about to run is number steps_done + 1 (1-based). The instance holds
+        # exactly lr_at's five settings (its __dict__ is the saved state).
+        return lr_at(steps_done + 1, **vars(self)) / self.lr
 
 
 def build_scheduler(

@@ -439,21 +439,17 @@ class Checkpointer:
             tmp.mkdir(parents=True, exist_ok=True)
         barrier()
         state.step = step
+        items = state.items()
         marker = {
             "format": CHECKPOINT_FORMAT,
             "step": step,
             "world_size": world_size(),
-            "items": sorted(
-                ["model", "progress", *state.per_rank_getters()]
-                + [k for k in ("optimizer", "scheduler") if getattr(state, k) is not None]
-            ),
+            "items": sorted(items),
             "run_config": state.config,
             "seen": asdict(state.seen),
             "model_config": state.model_config(),
             "torch": torch.__version__,
         }
-        items = state.items()
-        marker["items"] = sorted(set(marker["items"]) | ({"fp8_scaling"} & set(items)))
         pending = _Pending(step, tmp, final, marker, None, time.perf_counter())
         self._pending = pending
         if self.async_save:

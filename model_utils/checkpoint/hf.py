@@ -34,11 +34,8 @@ from torch.distributed.tensor import DTensor
 
 from model_utils.checkpoint.layout import (
     alias_groups,
-    check_shape,
-    copy_full_into,
+    copy_blocks,
     layer_groups,
-    local_index,
-    local_shard,
     plain_tensor,
     require_complete,
     unwrapped,
@@ -224,59 +221,17 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
     unexpected: list[str] = []
     names = [n for n in handle.files if not n.endswith(HF_RECOMPUTED)]
     for group in layer_groups(names):
-        if key_map is None:
-            copied = _copy_own_rows(group, handle, targets, loaded, unexpected)
-        else:
-            mapped = key_map({name: handle.tensor(name) for name in group})
-            copied = _copy_full_tensors(mapped, targets, loaded, unexpected)
+        if key_map is None:  # the model's names: read only this rank's block of each tensor
+            sources = {name: handle.slice(name) for name in group}
+        else:  # another layout: whole tensors, mapped a decoder layer at a time
+            sources = key_map({name: handle.tensor(name) for name in group})
+        copied = copy_blocks(sources, targets, loaded, unexpected, "HF tensor", _SHAPE_HINT)
         for name, value in copied.items():
             if name in seeded:
                 master_weights.remember_full_precision(seeded[name], value)
     aliases = alias_groups(targets)
     require_complete(f"HF checkpoint {path}", targets, loaded, aliases, unexpected)
     log.info("Loaded %d tensors from Hugging Face checkpoint %s", len(loaded), path)
-
-
-def _copy_own_rows(
-    group: list[str],
-    handle: _SafetensorsFiles,
-    targets: dict[str, torch.Tensor],
-    loaded: set[str],
-    unexpected: list[str],
-) -> dict[str, torch.Tensor]:
-    """Same names in file and model: read only this rank's block of each tensor. Returns the
-    blocks read, by name."""
-    copied = {}
-    for name in group:
-        if name not in targets:
-            unexpected.append(name)
-            continue
-        target = targets[name]
-        lazy = handle.slice(name)
-        check_shape("HF tensor", name, lazy.get_shape(), target, _SHAPE_HINT)
-        copied[name] = lazy[local_index(target)]
-        local_shard(target).copy_(copied[name])
-        loaded.add(name)
-    return copied
-
-
-def _copy_full_tensors(
-    mapped: dict[str, torch.Tensor],
-    targets: dict[str, torch.Tensor],
-    loaded: set[str],
-    unexpected: list[str],
-) -> dict[str, torch.Tensor]:
-    """Whole tensors already in the model's names: copy this rank's block of each. Returns the
-    blocks copied, by name."""
-    copied = {}
-    for name, full in mapped.items():
-        if name not in targets:
-            unexpected.append(name)
-            continue
-        check_shape("HF tensor", name, full.shape, targets[name], _SHAPE_HINT)
-        copied[name] = copy_full_into(targets[name], full)
-        loaded.add(name)
-    return copied
 
 
 # --------------------------------------------------------------------------------------------
@@ -286,7 +241,6 @@ def _copy_full_tensors(
 # tokenizer has none). Shape, RoPE and max_position_embeddings are the model config's own.
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM"}
-GENERATION_CONFIG = "generation_config.json"
 
 
 def token_ids(tokenizer: Any) -> dict[str, int | None]:

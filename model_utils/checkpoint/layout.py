@@ -30,12 +30,18 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from model_utils.checkpoint.manifest import ResumeRefused
 from model_utils.model.te_support import TE_LAYER_ATTR, is_te_extra_state_key
-from model_utils.parallel.distributed import first_problem, world_size
+from model_utils.parallel.distributed import (  # the local-shard helpers: re-exported here
+    first_problem,
+    local_index,
+    local_shard,
+    unwrapped,
+    world_size,
+)
 from model_utils.precision import master_weights
 
 log = logging.getLogger(__name__)
@@ -67,19 +73,6 @@ def weight_tensors(state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     }
 
 
-def unwrapped(tensor: torch.Tensor) -> torch.Tensor:
-    """Unwrap tensor subclasses (e.g. torchao's WeightWithDynamicFloat8CastTensor) to a plain
-    tensor holding the high-precision values."""
-    while is_traceable_wrapper_subclass(tensor):
-        inner, _ = tensor.__tensor_flatten__()
-        tensor = getattr(tensor, inner[0])
-    return tensor
-
-
-def local_shard(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def alias_groups(targets: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """name -> first name sharing its storage (tied lm_head/embed_tokens)."""
     first: dict[tuple[int, int], str] = {}
@@ -89,18 +82,6 @@ def alias_groups(targets: Mapping[str, torch.Tensor]) -> dict[str, str]:
         key = (local.untyped_storage().data_ptr(), local.storage_offset())
         out[name] = first.setdefault(key, name) if local.numel() else name
     return out
-
-
-def local_index(target: torch.Tensor) -> tuple[slice, ...]:
-    """This rank's block of the global tensor, as slices (all of it for a plain tensor)."""
-    if not isinstance(target, DTensor):
-        return tuple(slice(0, n) for n in target.shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(
-        target.shape, target.device_mesh, target.placements
-    )
-    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
 def check_shape(
@@ -137,17 +118,31 @@ def _some(names: list[str]) -> str:
 
 
 @torch.no_grad()
-def copy_full_into(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """Copy this rank's shard of `full` into `target` (a DTensor shard or a plain tensor); every
-    rank holds the same `full`, so no communication is needed (src_data_rank=None). Returns
-    the shard as copied (before any rounding to the target's dtype)."""
-    if isinstance(target, DTensor):
-        full = full.to(device=target.device)
-        full = distribute_tensor(
-            full, target.device_mesh, target.placements, src_data_rank=None
-        ).to_local()
-    local_shard(target).copy_(full)
-    return full
+def copy_blocks(
+    sources: Mapping[str, Any],
+    targets: Mapping[str, torch.Tensor],
+    loaded: set[str],
+    unexpected: list[str],
+    source: str,
+    hint: str,
+) -> dict[str, torch.Tensor]:
+    """Copy this rank's block of each source (a whole tensor, or a safetensors lazy slice, which
+    reads only that block) into its target (a DTensor shard or a plain tensor), with no
+    communication. Names without a target go to `unexpected`, copied ones to `loaded`; a shape
+    mismatch is check_shape's ValueError (`source`, `hint`). Returns the blocks as read (before
+    any rounding to the target's dtype), by name."""
+    copied = {}
+    for name, tensor in sources.items():
+        target = targets.get(name)
+        if target is None:
+            unexpected.append(name)
+            continue
+        shape = tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape
+        check_shape(source, name, shape, target, hint)
+        copied[name] = tensor[local_index(target)]
+        local_shard(target).copy_(copied[name])
+        loaded.add(name)
+    return copied
 
 
 def plain_tensor(value: Any) -> Any:
@@ -400,18 +395,11 @@ def copy_converted(
     aliases = alias_groups(targets)
     loaded: set[str] = set()
     unexpected: list[str] = []
+    source, hint = f"checkpoint {path}: converted {what}", "does the model shape match?"
     for group in layer_groups(saved):
         full = read_full_tensors(path, {n: saved[n] for n in group})
-        for name, tensor in key_map(full).items():
-            target = targets.get(name)
-            if target is None:
-                unexpected.append(name)
-                continue
-            source = f"checkpoint {path}: converted {what}"
-            check_shape(source, name, tensor.shape, target, "does the model shape match?")
-            local_shard(target).copy_(tensor[local_index(target)])
-            loaded.add(name)
-    require_complete(f"checkpoint {path}: converted {what}", targets, loaded, aliases, unexpected)
+        copy_blocks(key_map(full), targets, loaded, unexpected, source, hint)
+    require_complete(source, targets, loaded, aliases, unexpected)
     return len(loaded)
 
 

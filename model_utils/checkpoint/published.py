@@ -56,11 +56,7 @@ def is_complete(path: str | Path) -> bool:
 
 def complete_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
     """Published complete checkpoints in `checkpoint_dir`, oldest step first."""
-    root = Path(checkpoint_dir)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if step_of(p) is not None and is_complete(p)]
-    return sorted(found, key=lambda p: step_of(p) or 0)
+    return [p for p in step_dirs(checkpoint_dir) if is_complete(p)]
 
 
 def step_dirs(checkpoint_dir: str | Path) -> list[Path]:

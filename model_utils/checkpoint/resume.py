@@ -25,7 +25,7 @@ from model_utils.checkpoint.manifest import (
     ResumeRefused,
     checkpoint_to_resume,
     complete_checkpoints,
-    format_problem,
+    loadable_marker,
     read_marker,
     step_of,
 )
@@ -137,11 +137,7 @@ def check_resumable(path: str | Path, current: Mapping[str, Any]) -> list:
     """ResumeRefused (one line listing each difference and what to do) unless the checkpoint at
     `path` is of this recipe's format and was saved by a run of the same model shape and data;
     returns the allowed changes."""
-    marker = read_marker(path)
-    problem = format_problem(path, marker)
-    if problem:
-        raise ResumeRefused(problem)
-    saved = marker.get("run_config") or {}
+    saved = loadable_marker(path).get("run_config") or {}
     here = current.get("checkpoint_dir")
     same_run = here is None or Path(path).resolve().parent == Path(here).resolve()
     refused, allowed = config_changes(saved, current, same_run)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from model_utils.config import argv
-from model_utils.config.argv import precision_name
+from model_utils.config.argv import flag_value, precision_name, without_flag
 from model_utils.config.flag_spec import Spec
 from model_utils.config.options import TE_IMPLS, TE_RECIPE_OPTIONS
 from model_utils.config.presets import PRESET_FIELDS, PRESETS
@@ -170,11 +170,9 @@ def section_flags() -> dict[str | None, list[str]]:
 def parse_args(argv: list[str] | None = None) -> Config:
     """The one way to a run config: flags, preset, cross-flag rules, then the implementation
     (``auto`` probes TE and the GPU) and the FP8 recipe for its backend."""
-    from model_utils.config import recipes
-
     given = with_files(sys.argv[1:] if argv is None else argv)
     args, typed = parse_typed(with_recipes(given))
-    args.recipe = recipes.named(given)  # recorded: the run says which recipe it started from
+    args.recipe = flag_value(given, "recipe")  # the run's record says which recipe it started from
     try:
         return resolve(args, typed)
     except UsageError as exc:
@@ -232,16 +230,9 @@ def recipe_origin(message: str, given: list[str], recipe: str | None) -> str:
 
     if not recipe:
         return message
-    typed = [a for i, a in enumerate(given) if not _is_recipe_arg(given, i)]
-    supplied = explicit_flags(recipes.flags(recipe)) - explicit_flags(typed)
+    supplied = explicit_flags(recipes.flags(recipe)) - explicit_flags(without_flag(given, "recipe"))
     named = [f"--{n}" for n in sorted(supplied) if re.search(rf"--{n}\b(?!_)", message)]
     return f"{message} ({', '.join(named)} from --recipe {recipe})" if named else message
-
-
-def _is_recipe_arg(argv: list[str], i: int) -> bool:
-    """Whether argv[i] is `--recipe`, `--recipe=NAME`, or the NAME after `--recipe`."""
-    arg = argv[i]
-    return arg == "--recipe" or arg.startswith("--recipe=") or (i > 0 and argv[i - 1] == "--recipe")
 
 
 def with_files(argv: list[str]) -> list[str]:

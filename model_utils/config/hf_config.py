@@ -95,13 +95,13 @@ def architecture(config: Any) -> dict[str, Any]:
                 f"Llama has {key} {built!r}"
             )
     heads, width = config.num_attention_heads, config.hidden_size
-    head_dim = getattr(config, "head_dim", None) or width // heads
+    head_dim = head_dim_of(config)
     if head_dim * heads != width:
         raise ConfigError(
             f"--init_from_hf: config.json has head_dim {head_dim} with {heads} heads of hidden "
             f"size {width}; this recipe's Llama has head_dim = hidden_size / heads"
         )
-    rope = _rope(config)
+    rope = rope_parameters(config)
     return {
         "hidden_width": width,
         "num_layers": config.num_hidden_layers,
@@ -117,8 +117,14 @@ def architecture(config: Any) -> dict[str, Any]:
     }
 
 
-def _rope(config: Any) -> dict[str, Any]:
-    """transformers 5 keeps RoPE in ``rope_parameters``; a 4.x config's ``rope_theta`` and
+def head_dim_of(config: Any) -> int:
+    """Per-head width: ``config.head_dim`` when set, else ``hidden_size // num_attention_heads``."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The RoPE settings of a Llama config as a plain dict with ``rope_type`` and ``rope_theta``:
+    transformers 5 keeps them in ``rope_parameters``; a 4.x config's ``rope_theta`` and
     ``rope_scaling`` (with ``type`` for ``rope_type``) are read the same way."""
     rope = dict(getattr(config, "rope_parameters", None) or {})
     for key, value in dict(getattr(config, "rope_scaling", None) or {}).items():
@@ -126,6 +132,7 @@ def _rope(config: Any) -> dict[str, Any]:
     rope.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     if "type" in rope:
         rope.setdefault("rope_type", rope.pop("type"))
+    rope.setdefault("rope_type", "default")
     return rope
 
 

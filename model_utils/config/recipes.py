@@ -82,17 +82,6 @@ def flags(name: str) -> list[str]:
     return [*shared, *extra]
 
 
-def named(argv: Sequence[str]) -> str | None:
-    """The last recipe `argv` names (the run's record says which recipe it started from)."""
-    found = None
-    for i, arg in enumerate(argv):
-        if arg == "--recipe" and i + 1 < len(argv):
-            found = argv[i + 1]
-        elif arg.startswith("--recipe="):
-            found = arg.split("=", 1)[1]
-    return found
-
-
 def args_file(path: str) -> list[str]:
     """The arguments of an `@FILE`: one per line, blank and `#` lines skipped."""
     try:

@@ -174,17 +174,19 @@ class TrainStream:
 
     # -- position ----------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, dict[str, Any]]:
-        """This rank's position: small, plain, and the same keys before and after iterating."""
-        state = {
+    def _identity(self) -> dict[str, Any]:
+        """What a saved position is valid for: the same dataset, seed, world size, blocks."""
+        return {
             "dataset": _dataset_id(self.dataset),
             "seed": self.seed,
             "world_size": self.world_size,
             "block_docs": self.block_docs,
             "tokenize_batch": self.tokenize_batch,
-            "batches": self.batches,
-            **asdict(self._cursor),
         }
+
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        """This rank's position: small, plain, and the same keys before and after iterating."""
+        state = {**self._identity(), "batches": self.batches, **asdict(self._cursor)}
         return {f"rank{self.rank}": state}
 
     def load_state_dict(self, state: dict[str, dict[str, Any]]) -> None:
@@ -194,14 +196,7 @@ class TrainStream:
         block sizes fits; anything else is a ValueError (see `restart_after_reshard`).
         """
         saved = self._own_entry(state)
-        expected = {
-            "dataset": _dataset_id(self.dataset),
-            "seed": self.seed,
-            "world_size": self.world_size,
-            "block_docs": self.block_docs,
-            "tokenize_batch": self.tokenize_batch,
-        }
-        for name, value in expected.items():
+        for name, value in self._identity().items():
             if saved[name] != value:
                 raise ValueError(
                     f"data stream state was saved with {name}={saved[name]!r}, "

@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from model_utils.config.sections import HF_KEYS, SHAPE_FIELDS, Config, ModelShape
 from model_utils.model import loss, te_support
-from model_utils.parallel.distributed import canonical_param_name
+from model_utils.parallel.distributed import canonical_param_name, local_shard
 from model_utils.precision import master_weights
 
 # Initialiser std of Llama and of transformers' LlamaConfig default.
@@ -123,10 +123,6 @@ def initial_value(
     return out.normal_(0.0, std, generator=_generator_for(name, seed, device))
 
 
-def _local_view(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if hasattr(param, "to_local") else param
-
-
 @torch.no_grad()
 def init_weights(
     model: nn.Module, seed: int, std: float = INIT_STD, keep_master_seeds: bool = False
@@ -144,7 +140,7 @@ def init_weights(
 
     parts = _init_parts(model)
     for name, param in _named_parameters(model):
-        local = _local_view(param)
+        local = local_shard(param)
         full = torch.cat(
             [
                 initial_value(part, shape, seed, local.device, std)

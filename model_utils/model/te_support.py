@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from model_utils.config.hf_config import head_dim_of, rope_parameters  # te_llama: head_dim_of
+
 #: Attribute of te_llama's decoder layer holding the TE ``TransformerLayer``: a parameter name
 #: containing it belongs to the fused ``te`` layout (QKV in one weight, gate/up in ``fc1``).
 TE_LAYER_ATTR = "transformer_layer"
@@ -52,31 +54,9 @@ def reset_te_parameters(model: nn.Module) -> None:
             module.reset_parameters(defer_init=False)
 
 
-def head_dim_of(config: Any) -> int:
-    """Per-head width: ``config.head_dim`` when set, else ``hidden_size // num_attention_heads``."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 # --------------------------------------------------------------------------------------------
 # HF's RoPE settings and attention mask in the form TE's TransformerLayer takes.
 # --------------------------------------------------------------------------------------------
-
-
-def rope_parameters(config: Any) -> dict[str, Any]:
-    """The RoPE settings of a Llama config as a plain dict with ``rope_type`` and ``rope_theta``.
-
-    transformers 5.x keeps them in ``config.rope_parameters``; older configs used ``rope_theta``
-    and ``rope_scaling`` attributes. Both are read so a config from either era works.
-    """
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    legacy = getattr(config, "rope_scaling", None) or {}
-    for key, value in dict(legacy).items():
-        params.setdefault(key, value)
-    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    if "type" in params and "rope_type" not in params:
-        params["rope_type"] = params["type"]
-    params.setdefault("rope_type", "default")
-    return params
 
 
 def llama_rope_inv_freq(config: Any) -> torch.Tensor:

@@ -21,6 +21,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from model_utils.config.sections import ParallelConfig
 
@@ -280,6 +282,32 @@ def fsdp_units(
 def has_tied_embeddings(model: nn.Module) -> bool:
     """One parameter is both the input embedding and lm_head (Llama 3.2's tie_word_embeddings)."""
     return model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def unwrapped(tensor: torch.Tensor) -> torch.Tensor:
+    """Unwrap tensor subclasses (e.g. torchao's WeightWithDynamicFloat8CastTensor) to a plain
+    tensor holding the high-precision values."""
+    while is_traceable_wrapper_subclass(tensor):
+        inner, _ = tensor.__tensor_flatten__()
+        tensor = getattr(tensor, inner[0])
+    return tensor
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; any other tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def local_index(target: torch.Tensor) -> tuple[slice, ...]:
+    """This rank's block of the global tensor, as slices (all of it for a plain tensor)."""
+    if not isinstance(target, DTensor):
+        return tuple(slice(0, n) for n in target.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(
+        target.shape, target.device_mesh, target.placements
+    )
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
 def sync_gradients(model: nn.Module, strategy: str, last_micro: bool) -> None:

@@ -214,7 +214,10 @@ class TEBackend:
             self._recipe = build_recipe(self.recipe_name, **self._recipe_kwargs)
         return self._recipe if self.fp8 else None
 
-    te_recipe = recipe  # PrecisionBackend's name for it: the same on every backend
+    @property
+    def te_recipe(self) -> Any:
+        """PrecisionBackend's name for :attr:`recipe` (the same on every backend)."""
+        return self.recipe
 
     def _te(self) -> Any:
         try:

@@ -8,33 +8,21 @@ in one line before a process group exists instead of failing inside TE after the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from model_utils.config.options import FP8_RECIPE, FP8_RECIPES
+from model_utils.config.options import FP8_RECIPE, FP8_RECIPES, Fp8Recipe
 
 if TYPE_CHECKING:
     from model_utils.config.sections import ModelShape
 
 
-@dataclass(frozen=True)
-class Requirement:
-    """What a recipe needs: GPU architecture, CUDA toolkit, TE release."""
-
-    min_sm: tuple[int, int]
-    min_cuda: tuple[int, int] | None
-    min_te: tuple[int, int]
-    hardware: str
-
-
-#: Per FP8 recipe (its row of config/options.FP8_RECIPES), and for BF16 on TE.
-REQUIREMENTS: dict[str, Requirement] = {
-    "bf16": Requirement((8, 0), None, (2, 1), "an NVIDIA GPU with BF16 (SM 8.0+, A100 or newer)"),
-    **{
-        r.name: Requirement(r.min_sm, r.min_cuda, r.min_te, r.hardware)
-        for r in FP8_RECIPES
-        if r.backend == "te"
-    },
+#: What each TE recipe needs (min_sm, min_cuda, min_te, hardware): its row of
+#: config/options.FP8_RECIPES, and a row of the same shape for BF16 on TE.
+REQUIREMENTS: dict[str, Fp8Recipe] = {
+    "bf16": Fp8Recipe(
+        "bf16", "te", min_sm=(8, 0), hardware="an NVIDIA GPU with BF16 (SM 8.0+, A100 or newer)"
+    ),
+    **{r.name: r for r in FP8_RECIPES if r.backend == "te"},
 }
 #: FP8-only weights under FSDP2 (``--fp8_weights``): TE 2.16 is the first release without the
 #: FSDP2 FP8 weight-workspace leak (TE PR #2805) and with block-scaled weights built on CUDA.

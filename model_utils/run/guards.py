@@ -10,7 +10,6 @@ agree on them with one small all-reduce at the steps where the loop already wait
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,6 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from model_utils.errors import Refusal, exit_refused
+from model_utils.parallel.distributed import local_shard, unwrapped
 from model_utils.precision import master_weights
 
 if TYPE_CHECKING:
@@ -56,10 +57,9 @@ def diverged_message(step: int, latest: Path | None, lr: float) -> str:
 
 def exit_diverged(exc: Diverged, lr: float, is_main: bool) -> None:
     """Rank 0 prints the one line; every rank exits with EXIT_DIVERGED."""
-    if is_main:
-        print(f"train.py: error: {diverged_message(exc.step, exc.latest, lr)}", file=sys.stderr)
-        sys.stderr.flush()
-    raise SystemExit(EXIT_DIVERGED)
+    refusal = Refusal(diverged_message(exc.step, exc.latest, lr))
+    refusal.exit_code = EXIT_DIVERGED
+    exit_refused(refusal, is_main=is_main)
 
 
 class StepGuard:
@@ -86,7 +86,7 @@ class StepGuard:
     def observe_weights(self, step: int, params: Iterable[torch.Tensor]) -> None:
         """Before a save: the weights themselves (a finite loss can still leave NaN weights when
         an inf gradient is not clipped). Local shards only: no communication."""
-        self.observe(step, *(_local(p) for p in params))
+        self.observe(step, *(unwrapped(local_shard(p.detach())) for p in params))
 
     def agree(self, stop_requested: bool) -> tuple[bool, int | None]:
         """(any rank asked to stop, first non-finite step on any rank or None); all ranks call."""
@@ -106,20 +106,6 @@ def _checkable(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.dequantize()
     if tensor.is_floating_point() and tensor.element_size() == 1:
         return tensor.to(torch.float16)
-    return tensor
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard as a plain tensor (DTensor and float8 wrapper subclasses unwrapped)."""
-    from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    tensor = tensor.detach()
-    if isinstance(tensor, DTensor):
-        tensor = tensor.to_local()
-    while is_traceable_wrapper_subclass(tensor):
-        inner, _ = tensor.__tensor_flatten__()
-        tensor = getattr(tensor, inner[0])
     return tensor
 
 
