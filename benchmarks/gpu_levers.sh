@@ -44,7 +44,9 @@
 #           each through the launcher, steps 20-21 profiled; step_breakdown of each FP8 run
 #           against the bf16 one (its what-ifs: attention's share measured)        ~9 min
 #   scaling-1b  delayed against current scaling under --compile on the 1B recipe, 30 steps
-#           each through the launcher, steps 20-21 profiled; compare_runs of the two  ~5 min
+#           each through the launcher, steps 20-21 profiled, with torch's graph-break and
+#           recompile logs (TORCH_LOGS): what compile compiles around TE, counted per run;
+#           compare_runs of the two                                                 ~5 min
 #
 # TE searches the CUDA toolkit and the system for cuDNN before pip's: on the H100 of 2026-11-24
 # it loaded Debian's 9.14 beside torch's 9.19, and deterministic FP8 attention was refused.
@@ -159,8 +161,11 @@ recipe() {
             --output "$out/attention-3b.png" || true
         ;;
     scaling-1b)
-        recipe 1b-delayed llama3.2-1b-fp8
-        recipe 1b-current llama3.2-1b-fp8 --fp8_recipe current
+        for scaling in delayed current; do  # what --compile compiles around TE: torch's own logs
+            TORCH_LOGS=graph_breaks,recompiles recipe "1b-$scaling" llama3.2-1b-fp8 \
+                --fp8_recipe "$scaling" 2>&1 | tee "$out/1b-$scaling.compile.log"
+            echo "1b-$scaling under --compile: $(grep -c 'Graph break in user code' "$out/1b-$scaling.compile.log" || true) distinct graph breaks, $(grep -c 'Graph break' "$out/1b-$scaling.compile.log" || true) in all, $(grep -c 'Recompiling function' "$out/1b-$scaling.compile.log" || true) recompiles"
+        done
         "$python" -m scripts.compare_runs "$out/1b-delayed" "$out/1b-current" \
             --output "$out/scaling-1b.png" || true
         ;;
