@@ -115,9 +115,6 @@ def check_local_data(dataset: str, text_column: str) -> None:
         file = Path(name)
         if file.stat().st_size == 0:
             raise DataError(f"--dataset: {file} is empty: remove it or fill it")
-        if builder == "parquet":
-            _check_parquet(file, text_column)
-            continue
         budget -= _scan_file(file, builder, text_column, min(SCAN_BYTES_PER_FILE, budget))
         if budget <= 0:
             break
@@ -133,10 +130,7 @@ def find_bad_file(dataset: str, text_column: str) -> str | None:
     builder, train, validation = local_files(path)
     for name in train + validation:
         try:
-            if builder == "parquet":
-                _check_parquet(Path(name), text_column)
-            else:
-                _scan_file(Path(name), builder, text_column, limit=None)
+            _scan_file(Path(name), builder, text_column, limit=None)
         except DataError as exc:
             return str(exc)
     return None
@@ -200,7 +194,11 @@ def _open_binary(file: Path) -> Any:
 def _scan_file(file: Path, builder: str, column: str, limit: int | None) -> int:
     """Read `file` line by line (up to about `limit` decompressed bytes; None: all of it): each
     line must be UTF-8 and, in JSON lines, a JSON object; the first record must hold `column`.
-    DataError names the file and line. Returns the bytes read."""
+    DataError names the file and line. Returns the bytes read (0 for parquet: its metadata is
+    checked, `_check_parquet`)."""
+    if builder == "parquet":
+        _check_parquet(file, column)
+        return 0
     handle = _open_binary(file)
     read, has_text, json_lines, seen_column, cut = 0, False, None, False, False
     column_text = False  # some record's column holds a non-empty document

@@ -60,16 +60,14 @@ class ReadGuard:
                 self._last = next(self.stream)
                 return self._last, 1.0
             except Exception as exc:  # DataError, UnicodeDecodeError, ArrowInvalid, OSError, ...
-                self.failure = self._describe(exc)
+                self.failure = read_error_message(
+                    exc, self.stream.dataset, self.text_column, self.stream.rank, "mid-run"
+                )
                 logging.getLogger(__name__).error("%s", self.failure)
         if self._last is None:
             ids = torch.zeros(self.stream.micro_batch, self.stream.seq_len, dtype=torch.long)
             self._last = {"input_ids": ids, "labels": ids.clone()}
         return self._last, 0.0
-
-    def _describe(self, exc: BaseException) -> str:
-        stream = self.stream
-        return read_error_message(exc, stream.dataset, self.text_column, stream.rank, "mid-run")
 
 
 def read_error_message(

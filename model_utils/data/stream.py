@@ -7,6 +7,7 @@ import json
 import logging
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +16,6 @@ import torch
 
 from model_utils.data.sources import (
     DataError,
-    Source,
     document_texts,
     epoch_shard_order,
     is_held_out,
@@ -40,22 +40,16 @@ class _BlockReader:
     """This rank's training documents of one epoch, read block by block in shuffled order."""
 
     def __init__(
-        self,
-        source: Source,
-        text_column: str,
-        rank: int,
-        world_size: int,
-        seed: int,
-        block_docs: int,
+        self, source: DataConfig, rank: int, world_size: int, seed: int, block_docs: int
     ) -> None:
-        self.source = source
-        self.text_column = text_column
+        self.text_column = text_column = source.text_column
+        self.source = open_source(source.dataset, source.dataset_config_name, text_column)
         self.rank = rank
         self.world_size = world_size
         self.seed = seed
         self.block_docs = block_docs
         # Held-out documents are filtered out only when validation comes from the training part.
-        self.skip_held_out = source.validation is None
+        self.skip_held_out = self.source.validation is None
         self.epoch = 0
         self._view: IterableDataset | None = None
         self._documents: Iterator[str] = iter(())
@@ -78,11 +72,7 @@ class _BlockReader:
 
     def read_block(self, block: int) -> list[str]:
         """The next `block_docs` documents (fewer at the end), permuted by (seed, epoch, block)."""
-        texts: list[str] = []
-        for text in self._documents:
-            texts.append(text)
-            if len(texts) == self.block_docs:
-                break
+        texts = list(islice(self._documents, self.block_docs))
         order = np.random.default_rng([self.seed, self.epoch, block]).permutation(len(texts))
         return [texts[i] for i in order]
 
@@ -143,14 +133,13 @@ class TrainStream:
         self.tokenizer = tokenizer
         self.seq_len = seq_len
         self.micro_batch = micro_batch
-        self.text_column = text_column = source.text_column
+        self.text_column = source.text_column
         self.rank = rank
         self.world_size = world_size
         self.seed = seed
         self.block_docs = block_docs
         self.tokenize_batch = tokenize_batch
-        opened = open_source(source.dataset, source.dataset_config_name, text_column)
-        self._reader = _BlockReader(opened, text_column, rank, world_size, seed, block_docs)
+        self._reader = _BlockReader(source, rank, world_size, seed, block_docs)
         self._cursor = _Cursor()
         self._block: list[str] = []  # texts of the current block, shuffled
         self._tokens: np.ndarray | None = None  # tokens of the current tokenizer batch
@@ -331,8 +320,7 @@ def epoch_documents(
 
     For tests and debugging ("what does rank 3 read?"); training itself does not use it.
     """
-    opened = open_source(source.dataset, source.dataset_config_name, source.text_column)
-    reader = _BlockReader(opened, source.text_column, rank, world_size, seed, block_docs)
+    reader = _BlockReader(source, rank, world_size, seed, block_docs)
     reader.open(epoch)
     block = 0
     while texts := reader.read_block(block):

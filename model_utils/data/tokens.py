@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from model_utils.data.checks import HUB_TIMEOUT_S, check_hub_repo
+from model_utils.data.checks import check_hub_repo
 from model_utils.data.sources import looks_like_path
 from model_utils.errors import UsageError
 
@@ -44,7 +44,15 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
         )
     tokenizer = None if path.exists() else _cached(name_or_path)
     if tokenizer is None and not path.exists():
-        check_hub_tokenizer(name_or_path)  # one quick look-up, not a minute of retries
+        # One quick look-up of the name, the same as --dataset's name gets, where the loader
+        # would retry each file for about a minute and print some 45 lines before its error.
+        check_hub_repo(
+            name_or_path,
+            "model",
+            f"--tokenizer {name_or_path}: no local folder of that name, not in the Hugging Face "
+            "cache",
+            "give the local folder a tokenizer was saved to (save_pretrained)",
+        )
     try:
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(str(path) if path.exists() else name_or_path)
@@ -68,20 +76,6 @@ def _cached(name: str) -> PreTrainedTokenizerBase | None:
         return AutoTokenizer.from_pretrained(name, local_files_only=True)
     except (OSError, ValueError):
         return None
-
-
-def check_hub_tokenizer(name: str, timeout: float = HUB_TIMEOUT_S) -> None:
-    """A tokenizer named by hub name and not in the local cache: one look-up of the name
-    (UsageError in one line if hub look-ups are off, the name is unknown, or the hub does not
-    answer within `timeout`), where the loader would retry each file for about a minute and
-    print some 45 lines before its own error. The same look-up as --dataset's name gets."""
-    check_hub_repo(
-        name,
-        "model",
-        f"--tokenizer {name}: no local folder of that name, not in the Hugging Face cache",
-        "give the local folder a tokenizer was saved to (save_pretrained)",
-        timeout=timeout,
-    )
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:

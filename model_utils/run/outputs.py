@@ -149,14 +149,8 @@ def check_space(config: Config, num_params: int, log: logging.Logger) -> None:
     size = checkpoint_bytes(num_params, config.optim.optimizer, config.optim.master_weights)
     needs = [("checkpoint", size, keep, Path(config.checkpoint.checkpoint_dir))]
     if config.checkpoint.export_hf:
-        needs.append(
-            (
-                "Hugging Face export",
-                EXPORT_BYTES_PER_PARAM * num_params,
-                1,
-                Path(config.checkpoint.export_hf),
-            )
-        )
+        export = EXPORT_BYTES_PER_PARAM * num_params
+        needs.append(("Hugging Face export", export, 1, Path(config.checkpoint.export_hf)))
     for what, need, keep, where in needs:
         free = shutil.disk_usage(_nearest_existing(where)).free
         verdict, line = space_verdict(free, need, keep, what, where)

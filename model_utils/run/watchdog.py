@@ -74,8 +74,7 @@ def flight_recorder_env(
     names this torch ``release`` reads (values the user set, under either name, are kept)."""
     size = env.get("TORCH_FR_BUFFER_SIZE") or env.get("TORCH_NCCL_TRACE_BUFFER_SIZE")
     size = size or str(FLIGHT_RECORDER_ENTRIES)
-    prefix = env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
-    prefix = prefix or str(flight_recorder_prefix(output_dir))
+    prefix = flight_recorder_file(env) or str(flight_recorder_prefix(output_dir))
     new = (release or torch_release()) >= FR_NAMES_SINCE
     size_name = "TORCH_FR_BUFFER_SIZE" if new else "TORCH_NCCL_TRACE_BUFFER_SIZE"
     file_name = "TORCH_FR_DUMP_TEMP_FILE" if new else "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
