@@ -9,7 +9,9 @@ chunks' softmax gradient fused by torch.compile, the first call compiling in the
 forward only under ``torch.no_grad`` (``evaluation``) on random bf16 hidden states and weights,
 median of ``--repeat`` runs after one warm-up; on CUDA it also reports the peak memory the step
 allocated beyond its inputs. The paths compute the same loss (tests/unit/test_loss.py); each
-ratio is what the chunked loss costs or saves, measured in this one run.
+ratio is what the chunked loss costs or saves, measured in this one run. The last row is the
+chunked loss's training step with its GEMMs in FP8 (``--fp8_lm_head``) against bf16: on CUDA the
+output layer's FP8 speed-up (gpu_levers.sh ``loss``), on a CPU the emulation's cost.
 """
 
 from __future__ import annotations
@@ -44,6 +46,13 @@ def compiled_chunked_loss(
 ) -> torch.Tensor:
     """What ``--compile`` trains with: each chunk's softmax gradient fused by torch.compile."""
     return loss.linear_cross_entropy(hidden, weight, labels, compiled=True)
+
+
+def fp8_chunked_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """``--fp8_lm_head``: the chunked loss's three GEMMs in FP8 (the weight cast once a call)."""
+    return loss.linear_cross_entropy(hidden, weight, labels, fp8=True)
 
 
 def _sync(device: torch.device) -> None:
@@ -129,6 +138,12 @@ def main(argv: list[str] | None = None) -> None:
             f"  {label:21s} HF {hf_s * 1e3:8.1f} ms   chunked {ch_s * 1e3:8.1f} ms   "
             f"speed chunked/HF {hf_s / ch_s:.2f}x{memory}"
         )
+    bf16_s, _ = measure(chunked_loss, inputs, True, args.repeat)
+    fp8_s, _ = measure(fp8_chunked_loss, inputs, True, args.repeat)
+    print(  # on a CPU the FP8 GEMMs are emulated: the ratio is the emulation's cost, not FP8's
+        f"  {'training, FP8 head':21s} chunked {bf16_s * 1e3:8.1f} ms   FP8 GEMMs "
+        f"{fp8_s * 1e3:8.1f} ms   speed FP8/bf16 {bf16_s / fp8_s:.2f}x"
+    )
 
 
 if __name__ == "__main__":
