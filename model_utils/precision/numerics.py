@@ -17,7 +17,9 @@ any work; a step that is not a report step costs one boolean test per linear. TE
 from __future__ import annotations
 
 import json
+import os
 import re
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -291,8 +293,12 @@ class TeDebug:
         self.api = debug_api
         log_dir = Path(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
-        config = log_dir / "config.yaml"  # JSON is YAML: read by the tools' yaml.safe_load
-        config.write_text(json.dumps(te_debug_config(freq, delayed, kept), indent=1) + "\n")
+        # JSON is YAML (the tools read it with yaml.safe_load). Every rank writes the same file:
+        # each its own, then renamed in place, so no rank reads another's half-written one.
+        config = log_dir / "config.yaml"
+        with tempfile.NamedTemporaryFile("w", dir=log_dir, suffix=".part", delete=False) as fh:
+            fh.write(json.dumps(te_debug_config(freq, delayed, kept), indent=1) + "\n")
+        os.replace(fh.name, config)
         features = Path(transformer_engine.__file__).parent / "debug" / "features"
         debug_api.initialize(
             config_file=str(config),

@@ -125,3 +125,7 @@ def test_train_py_fp8_numerics_on_the_fused_layers_two_ranks(tmp_path) -> None:
     assert all(name.startswith("model.layers.1.") for name in layers)
     assert found[-1]["grad_underflow_pct_max"] >= 0
     assert "FP8 numerics at step 4 (4 linears): worst underflow" in stdout
+    tools = out / "fp8_numerics"  # the config both ranks wrote, whole; each rank's own log
+    assert [p.name for p in tools.iterdir() if p.is_file()] == ["config.yaml"]
+    logs = sorted(p.name for p in (tools / "nvdlfw_inspect_logs").iterdir())
+    assert logs == ["nvdlfw_inspect_globalrank-0.log", "nvdlfw_inspect_globalrank-1.log"]
