@@ -36,10 +36,16 @@ def exit_refused(exc: Refusal, *, is_main: bool = True) -> NoReturn:
     raise SystemExit(exc.exit_code) from None
 
 
+def first_words(exc: BaseException) -> str:
+    """An exception's first line alone, or its type's name when its message is empty."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
 def first_line(exc: BaseException) -> str:
     """An exception as a clause for a one-line message: its type and its first line."""
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
+    words = first_words(exc)
+    return f"{type(exc).__name__}: {words[:200]}" if str(exc).strip() else words
 
 
 def os_error_words(exc: OSError) -> str:
@@ -49,5 +55,4 @@ def os_error_words(exc: OSError) -> str:
 
 def unwritable(flag: str, path: Path, exc: OSError) -> str:
     """The one line for a location the system refused when the run tried it."""
-    words = os_error_words(exc)
-    return f"{flag} {path} cannot be written ({words}): choose another {flag}"
+    return f"{flag} {path} cannot be written ({os_error_words(exc)}): choose another {flag}"

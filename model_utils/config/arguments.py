@@ -93,11 +93,6 @@ def _flag_type(hint: Any) -> type:
     return args[0] if args else hint
 
 
-def _group_fields() -> list[tuple[str | None, type]]:
-    """(section, the dataclass whose fields are its flags): the run's own, then the sections."""
-    return [(None, Config)] + list(SECTIONS.items())
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The flags, one argparse group per concern (their order is docs/flags.md's table), each
     derived from its config field (config/sections.py)."""
@@ -107,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,  # `--output /x` must not quietly mean --output_dir
     )
     specs = flag_specs()
-    for section, kind in _group_fields():
+    # (section, the dataclass whose fields are its flags): the run's own, then the sections
+    for section, kind in [(None, Config), *SECTIONS.items()]:
         group = parser.add_argument_group(_GROUP_TITLES[section])
         hints = typing.get_type_hints(kind)
         for f in fields(kind):

@@ -75,6 +75,4 @@ def without_flag(args: Sequence[str], name: str, optional_value: bool = False) -
 def precision_of(args: Sequence[str]) -> str:
     """The precision name of a (recipe-expanded) argument list, as train.py resolves it:
     --fp8 on is fp8; otherwise --bf16 (on by default) decides between bf16 and fp32."""
-    if switch_value(args, "fp8"):
-        return "fp8"
-    return precision_name(False, switch_value(args, "bf16", default=True))
+    return precision_name(switch_value(args, "fp8"), switch_value(args, "bf16", default=True))

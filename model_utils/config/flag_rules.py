@@ -99,8 +99,7 @@ def _check_observation(config: Config) -> None:
         if end > config.run.max_steps:
             raise UsageError(
                 f"--profile_steps {config.run.profile_steps} ends after --max_steps "
-                f"{config.run.max_steps}: "
-                "trace steps the run takes"
+                f"{config.run.max_steps}: trace steps the run takes"
             )
     step = config.run.memory_snapshot_step
     if step is not None and not 0 <= step <= config.run.max_steps:
@@ -189,8 +188,7 @@ def _check_shape(config: Config) -> None:
     if head_dim % 2:  # RoPE rotates each head's dimensions in pairs
         raise UsageError(
             f"--hidden_width {config.model.hidden_width} / --num_heads {config.model.num_heads} "
-            "gives heads of "
-            f"{head_dim} dimensions; RoPE needs an even number: change either flag"
+            f"gives heads of {head_dim} dimensions; RoPE needs an even number: change either flag"
         )
 
 
@@ -201,19 +199,15 @@ def _check_combinations(config: Config) -> None:
     if config.optim.warmup >= config.run.max_steps and config.optim.lr_decay_style != "constant":
         raise UsageError(
             f"--warmup {config.optim.warmup} leaves no decay phase before --max_steps "
-            f"{config.run.max_steps}; "
-            "lower --warmup or use --lr_decay_style constant"
+            f"{config.run.max_steps}; lower --warmup or use --lr_decay_style constant"
         )
     if config.parallel.ac_every > 1 and not config.parallel.activation_checkpointing:
         raise UsageError("--ac_every needs --activation_checkpointing")
     if config.parallel.ac_scope != "layer" and not config.parallel.activation_checkpointing:
         raise UsageError(f"--ac_scope {config.parallel.ac_scope} needs --activation_checkpointing")
-    if config.precision.fp8_all_gather and not config.precision.fp8:
-        raise UsageError("--fp8_all_gather needs --fp8=1")
-    if config.precision.fp8_weights and not config.precision.fp8:
-        raise UsageError("--fp8_weights needs --fp8=1")
-    if config.precision.fp8_attention and not config.precision.fp8:
-        raise UsageError("--fp8_attention needs --fp8=1")
+    for name in ("fp8_all_gather", "fp8_weights", "fp8_attention"):
+        if getattr(config.precision, name) and not config.precision.fp8:
+            raise UsageError(f"--{name} needs --fp8=1")
     if config.precision.bf16_layers:
         _check_bf16_layers(config)
     if config.precision.fp8_lm_head and not (config.precision.fp8 and config.parallel.chunked_loss):
@@ -228,9 +222,8 @@ def _check_combinations(config: Config) -> None:
     if config.checkpoint.async_checkpoint and config.optim.optimizer != "adamw":
         raise UsageError(
             f"--async_checkpoint cannot save --optimizer {config.optim.optimizer}'s states: DCP's "
-            "async "
-            "stager copies them with aten.new_empty, which torchao's OptimState8bit/Fp8 do not "
-            "implement (torchao/optim/subclass_8bit.py); drop --async_checkpoint"
+            "async stager copies them with aten.new_empty, which torchao's OptimState8bit/Fp8 do "
+            "not implement (torchao/optim/subclass_8bit.py); drop --async_checkpoint"
         )
     if config.checkpoint.overwrite_output_dir and config.checkpoint.resume_from_checkpoint:
         raise UsageError(
@@ -272,9 +265,8 @@ def _check_optimizer_master_weights(config: Config) -> None:
     if config.optim.optimizer != "adamw":
         raise UsageError(
             "--master_weights optimizer needs --optimizer adamw: torchao's "
-            f"{config.optim.optimizer} "
-            "keeps no fp32 copy of bf16 parameters (torchao/optim/adam.py rounds each update "
-            "into them)"
+            f"{config.optim.optimizer} keeps no fp32 copy of bf16 parameters "
+            "(torchao/optim/adam.py rounds each update into them)"
         )
 
 

@@ -127,17 +127,7 @@ def flag(
     string is refused. `before`: (value,) a checkpoint older than the flag held, compared as
     such on resume. `field_default`: what a record without the field reads back as."""
     ranges = range if isinstance(range, tuple) else (range,)
-    spec = Spec(
-        resume=resume,
-        help=help,
-        default=default,
-        choices=choices,
-        ranges=ranges,
-        path=path,
-        nonempty=nonempty,
-        metavar=metavar,
-        before=before,
-    )
+    spec = Spec(resume, help, default, choices, ranges, path, nonempty, metavar, before)
     return dataclasses.field(default=field_default, metadata={_KEY: spec})
 
 
@@ -146,8 +136,7 @@ def derived(
 ) -> Any:
     """A section field that no flag sets. `words`: how a resume's refusal names it; a field
     with words is measured, and not compared where one side did not measure it (None)."""
-    spec = Spec(resume, words=words)
-    return dataclasses.field(default=field_default, metadata={_KEY: spec})
+    return dataclasses.field(default=field_default, metadata={_KEY: Spec(resume, words=words)})
 
 
 def spec_of(field: dataclasses.Field) -> Spec | None:

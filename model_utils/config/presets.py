@@ -52,10 +52,10 @@ _LLAMA31_SCALING = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
+_LLAMA31 = {**_LLAMA3, "rope_scaling": _LLAMA31_SCALING, "max_position_embeddings": 131072}
 _LLAMA32 = {
-    **_LLAMA3,
+    **_LLAMA31,
     "rope_scaling": {**_LLAMA31_SCALING, "factor": 32.0},
-    "max_position_embeddings": 131072,
     "tie_word_embeddings": True,
 }
 
@@ -77,16 +77,7 @@ PRESETS: dict[str, Preset] = {
     "llama2-70b": Preset(8192, 80, 64, 8, 28672, **_LLAMA2),
     "llama3-8b": Preset(4096, 32, 32, 8, 14336, **_LLAMA3),
     "llama3-70b": Preset(8192, 80, 64, 8, 28672, **_LLAMA3),
-    "llama3.1-8b": Preset(
-        4096,
-        32,
-        32,
-        8,
-        14336,
-        **_LLAMA3,
-        rope_scaling=_LLAMA31_SCALING,
-        max_position_embeddings=131072,
-    ),
+    "llama3.1-8b": Preset(4096, 32, 32, 8, 14336, **_LLAMA31),
     # Llama 3.2: 128K context from 8K by RoPE scaling (factor 32), input and output embeddings
     # tied (one 128256 x hidden matrix).
     "llama3.2-1b": Preset(2048, 16, 32, 8, 8192, **_LLAMA32),
@@ -96,5 +87,3 @@ PRESETS: dict[str, Preset] = {
 #: Flags a preset provides (a Preset's fields that a flag sets); their flags default to None so
 #: we can tell "not given" from "given".
 PRESET_FIELDS = tuple(f.name for f in fields(Preset) if f.name not in DERIVED)
-
-# The first recipe of each backend is its default --fp8_recipe.

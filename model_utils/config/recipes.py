@@ -106,19 +106,15 @@ def expand(argv: Sequence[str]) -> list[str]:
     and each `@FILE` by the arguments in FILE (a run folder's run.args): one per line, `#`
     lines skipped, as argparse reads such a file; later arguments override it."""
     out: list[str] = []
-    args = expand_files(argv)
-    i = 0
-    while i < len(args):
-        arg = args[i]
+    args = iter(expand_files(argv))
+    for arg in args:
         if arg == "--recipe":
-            if i + 1 >= len(args) or args[i + 1].startswith("-"):
+            name = next(args, "-")  # none, or the next flag: no name
+            if name.startswith("-"):
                 raise RecipeError(f"--recipe needs a name: one of {', '.join(names())}")
-            out += flags(args[i + 1])
-            i += 2
-            continue
-        if arg.startswith("--recipe="):
+            out += flags(name)
+        elif arg.startswith("--recipe="):
             out += flags(arg.split("=", 1)[1])
         else:
             out.append(arg)
-        i += 1
     return out

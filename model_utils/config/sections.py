@@ -628,7 +628,7 @@ TOP_FIELDS = tuple(f.name for f in fields(Config) if f.name not in (*SECTIONS, "
 def flag_specs() -> dict[str, Spec]:
     """Every field of the run -> its declaration, in the parser's order: the run's own fields
     (--recipe, --preset), then each section's (those no flag sets included)."""
-    specs = {name: _spec(next(f for f in fields(Config) if f.name == name)) for name in TOP_FIELDS}
+    specs = {f.name: _spec(f) for f in fields(Config) if f.name in TOP_FIELDS}
     for kind in SECTIONS.values():
         specs.update((f.name, _spec(f)) for f in fields(kind))
     return specs

@@ -12,7 +12,7 @@ import numpy as np
 
 from model_utils.data.checks import check_hub_repo
 from model_utils.data.sources import looks_like_path
-from model_utils.errors import UsageError
+from model_utils.errors import UsageError, first_words
 
 if TYPE_CHECKING:  # imported lazily at run time: transformers is slow to import
     from transformers import PreTrainedTokenizerBase
@@ -57,7 +57,7 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(str(path) if path.exists() else name_or_path)
     except (OSError, ValueError) as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        reason = first_words(error)
         raise UsageError(f"--tokenizer {name_or_path}: cannot be loaded ({reason})") from error
     if tokenizer.eos_token_id is None:
         raise UsageError(

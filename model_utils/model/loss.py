@@ -317,13 +317,9 @@ def use_chunked_loss(model: nn.Module, compiled: bool = False, fp8: bool = False
     return model
 
 
-def _annotated_linear(self: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
-    with annotate(LM_HEAD):
-        return F.linear(hidden, self.weight, self.bias)
-
-
 def annotate_lm_head(model: nn.Module) -> nn.Module:
     """``--chunked_loss=0``: ``lm_head``'s GEMM (not HF's loss after it) inside the ``lm_head``
-    range, so a profile counts it among the matmuls FP8 does not run (set on the instance)."""
-    model.lm_head.forward = types.MethodType(_annotated_linear, model.lm_head)
+    range, so a profile counts it among the matmuls FP8 does not run (set on the instance; HF's
+    forward gives it no labels)."""
+    model.lm_head.forward = types.MethodType(_lm_head_forward, model.lm_head)
     return model

@@ -39,9 +39,7 @@ _AS_IS = (
 
 def llama_config(shape: ModelShape) -> LlamaConfig:
     """The HF config of `shape` (transformers 5 takes RoPE's base and scaling as one dict)."""
-    rope = {"rope_type": "default", "rope_theta": shape.rope_theta}
-    if shape.rope_scaling:
-        rope = {**shape.rope_scaling, "rope_theta": shape.rope_theta}
+    rope = {**(shape.rope_scaling or {"rope_type": "default"}), "rope_theta": shape.rope_theta}
     positions = max(shape.max_position_embeddings or 0, shape.max_context_width)
     return LlamaConfig(
         **{HF_KEYS[name]: getattr(shape, name) for name in _AS_IS},
@@ -114,11 +112,7 @@ def initial_value(
     """The full initial tensor of one parameter: norms start at one, biases at zero, matrices
     (linears, fused TE QKV/FC1, embeddings) at N(0, std) as in transformers' Llama."""
     if len(shape) == 1:
-        return (
-            torch.zeros(shape, device=device)
-            if name.endswith("bias")
-            else torch.ones(shape, device=device)
-        )
+        return (torch.zeros if name.endswith("bias") else torch.ones)(shape, device=device)
     out = torch.empty(shape, device=device)
     return out.normal_(0.0, std, generator=_generator_for(name, seed, device))
 

@@ -203,21 +203,17 @@ class TEBackend:
             self.debug = TeDebug(
                 f"{config.run.output_dir}/fp8_numerics",
                 config.run.logging_freq,
-                delayed=self.recipe.delayed(),
+                delayed=self.te_recipe.delayed(),
                 kept=self.bf16_layers,
             )
 
     @property
-    def recipe(self) -> Any:
-        """The TE recipe (built on first use; ``None`` with FP8 off)."""
+    def te_recipe(self) -> Any:
+        """The TE recipe (built on first use; ``None`` with FP8 off): PrecisionBackend's name,
+        the same on every backend."""
         if self.fp8 and self._recipe is None:
             self._recipe = build_recipe(self.recipe_name, **self._recipe_kwargs)
         return self._recipe if self.fp8 else None
-
-    @property
-    def te_recipe(self) -> Any:
-        """PrecisionBackend's name for :attr:`recipe` (the same on every backend)."""
-        return self.recipe
 
     def _te(self) -> Any:
         try:
@@ -330,14 +326,14 @@ class TEBackend:
                     stack.enter_context(
                         te.autocast(
                             enabled=True,
-                            recipe=self.recipe,
+                            recipe=self.te_recipe,
                             amax_reduction_group=self.dp_group,
                         )
                     )
                 else:  # TE < 2.9
                     stack.enter_context(
                         te.fp8_autocast(
-                            enabled=True, fp8_recipe=self.recipe, fp8_group=self.dp_group
+                            enabled=True, fp8_recipe=self.te_recipe, fp8_group=self.dp_group
                         )
                     )
             yield
@@ -415,7 +411,7 @@ def check_requirements(config: Config, *, training: bool = True) -> None:
         backend = TEBackend(config)
         backend.capability_check()
         if backend.fp8:
-            backend.recipe  # noqa: B018  (builds the recipe: bad options fail here)
+            backend.te_recipe  # noqa: B018  (builds the recipe: bad options fail here)
     except (TECapabilityError, ValueError) as err:
         raise UsageError(str(err)) from err
     if not config.precision.fp8:

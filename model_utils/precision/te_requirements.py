@@ -156,10 +156,10 @@ def fp8_attention_problem(
     if tuple(sm) < (9, 0):
         return f"--fp8_attention needs cuDNN's FP8 fused attention on SM 9.0+ (Hopper); {where}"
     if deterministic and cudnn is not None and cudnn < FP8_ATTENTION_DETERMINISTIC_MIN_CUDNN:
-        need = ".".join(map(str, FP8_ATTENTION_DETERMINISTIC_MIN_CUDNN))
+        need = _fmt(FP8_ATTENTION_DETERMINISTIC_MIN_CUDNN)
         return (
             f"--fp8_attention in deterministic mode (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 or torch's "
-            f"deterministic algorithms) needs cuDNN >= {need}, found {'.'.join(map(str, cudnn))}: "
+            f"deterministic algorithms) needs cuDNN >= {need}, found {_fmt(cudnn)}: "
             "allow non-deterministic algorithms, point TE at a newer cuDNN (CUDNN_HOME), or "
             "drop --fp8_attention"
         )

@@ -46,7 +46,7 @@ def evaluate(model, batches, backend, device) -> float:
 
 
 def step_meter(
-    config, model, world_size: int, device, warmup: int, elapsed_before: float = 0.0
+    config, world_size: int, device, warmup: int, elapsed_before: float = 0.0
 ) -> metrics.StepMeter:
     """The run's step meter: model FLOPs, the device's bf16 peak, its sync."""
     peak, peak_label = metrics.peak_bf16_tflops(device)
@@ -95,7 +95,7 @@ class RunLog:
         self.is_main = world.is_main
         self.warmup = min(SPEED_WARMUP_STEPS, config.run.max_steps // 2)
         self.meter = meter or step_meter(
-            config, model, world.world_size, device, self.warmup, elapsed_before=seen.seconds
+            config, world.world_size, device, self.warmup, elapsed_before=seen.seconds
         )
         self.watchdog = watchdog  # watchdog.Watchdog: told of every step, paused with the meter
         threshold = config.run.slow_rank_threshold
@@ -300,14 +300,13 @@ class RunLog:
             self.writer.write(record)
         except OSError as exc:
             self.writer.close()
-            words = os_error_words(exc)
             self.records_lost_from = f"step {record['step']}" if "step" in record else "the start"
             log.warning(
                 "%s cannot be written (%s): training goes on without it from %s on (the file "
                 "keeps only whole records; this log carries every figure); free space in "
                 "--output_dir",
                 self.jsonl_path,
-                words,
+                os_error_words(exc),
                 self.records_lost_from,
                 stacklevel=3,
             )

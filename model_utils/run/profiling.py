@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from model_utils.config.flag_rules import profile_window
-from model_utils.errors import Refusal, os_error_words
+from model_utils.errors import Refusal, first_words, os_error_words
 
 log = logging.getLogger("train")
 
@@ -290,7 +290,7 @@ class RunProfiler:
 
     def oom_line(self, exc: BaseException, snapshot: Path | None) -> str:
         """One line: where, what torch said first, what to change, where the snapshot is."""
-        said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        said = first_words(exc)
         where = f"rank {self.rank}: " if self.world_size > 1 else ""
         if snapshot is not None:
             seen = f"memory snapshot: {snapshot} (open it at https://pytorch.org/memory_viz)"

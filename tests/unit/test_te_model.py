@@ -302,7 +302,7 @@ def test_delayed_scaling_updates_where_te_updates(te_double) -> None:
     scales = mlp.fp8_meta["scaling_fwd"].scale.clone()
     loss.backward()
     assert (filled_rows("fwd"), filled_rows("bwd")) == ([3], [3])
-    with torch.no_grad(), te.autocast(recipe=backend.recipe):
+    with torch.no_grad(), te.autocast(recipe=backend.te_recipe):
         model(ids, labels=ids)
     assert filled_rows("fwd") == [0, 3] and torch.equal(mlp.fp8_meta["scaling_fwd"].scale, scales)
     kept = history("fwd")
@@ -498,7 +498,7 @@ def test_te_linear_activation_checkpointing_keeps_state_dict_names(scope: str, t
 def test_fp8_weights_build(te_double) -> None:
     backend = TEBackend(backend_args(fp8=True, recipe="delayed", fp8_weights=True))
     config = tiny_config()
-    model = built(config, fp8_weights=True, fp8_recipe=backend.recipe)
+    model = built(config, fp8_weights=True, fp8_recipe=backend.te_recipe)
     backend.prepare(model)
     assert "weights FP8" in backend.describe()
     losses = train_losses(model, backend, config, steps=3)
@@ -640,7 +640,7 @@ def test_bf16_layers_compute_without_fp8_and_the_others_with_it(impl: str, te_do
     def layer_out(m, fp8: bool) -> torch.Tensor:
         out = []  # a copy: the next layer adds to the residual stream in place
         hook = m.model.layers[0].register_forward_hook(lambda mod, a, o: out.append(o.clone()))
-        with torch.no_grad(), te.autocast(enabled=fp8, recipe=backend.recipe):
+        with torch.no_grad(), te.autocast(enabled=fp8, recipe=backend.te_recipe):
             m(ids)
         hook.remove()
         return out[0]

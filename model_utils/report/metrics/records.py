@@ -67,15 +67,12 @@ def _checkpoint_place(flags: Mapping[str, Any]) -> tuple[str, Path]:
 def first_run_record(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The first ``run`` record of a metrics file (what its run trained with), None if it has
     none or cannot be read as JSON lines."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                with contextlib.suppress(ValueError):
-                    record = json.loads(line)
-                    if isinstance(record, dict) and record.get("kind") == "run":
-                        return record
-    except OSError:
-        return None
+    with contextlib.suppress(OSError), open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if isinstance(record, dict) and record.get("kind") == "run":
+                    return record
     return None
 
 

@@ -19,13 +19,8 @@ _SUMMARY_ROWS: tuple[tuple[str, str, str], ...] = (
     ("final_train_loss", "final train loss", "{:.5f}"),
     ("final_val_loss", "final validation loss", "{:.5f}"),
 )
-_MEDIAN_KEYS = (
-    "samples_per_sec",
-    "tokens_per_sec_per_device",
-    "tflops_per_device",
-    "mfu",
-    "data_wait_pct",
-)
+_MEDIAN_KEYS = tuple(key for key, label, _ in _SUMMARY_ROWS if label.endswith("(median)"))
+_LABEL_WIDTH = max(len(label) for _, label, _ in _SUMMARY_ROWS)
 
 #: Steps left out of throughput medians (allocator growth, lazy init, compilation): train.py's
 #: summary and compare_runs use min(this, max_steps // 2).
@@ -86,10 +81,9 @@ def format_summary(summary: Mapping[str, Any], title: str = "Summary") -> str:
         f"{title} (medians over {summary['measured_records']} logged steps after "
         f"step {summary['warmup_steps']}, last step {summary['last_step']})"
     )
-    width = max(len(label) for _, label, _ in _SUMMARY_ROWS)
     lines = [head]
     for key, label, fmt in _SUMMARY_ROWS:
-        lines.append(f"  {label:<{width}}  {_fmt(summary.get(key), fmt)}")
+        lines.append(f"  {label:<{_LABEL_WIDTH}}  {_fmt(summary.get(key), fmt)}")
     return "\n".join(lines)
 
 
@@ -98,7 +92,6 @@ def format_table(summaries: Sequence[Mapping[str, Any]], names: Sequence[str]) -
     (``name/first``): the question is always "what did this change buy over the baseline"."""
     if len(summaries) != len(names) or not summaries:
         raise ValueError(f"{len(summaries)} summaries for {len(names)} names")
-    width = max(len(label) for _, label, _ in _SUMMARY_ROWS)
     base, first = summaries[0], names[0]
     cols: list[tuple[str, int]] = []  # (header, width)
     for i, name in enumerate(names):
@@ -106,7 +99,7 @@ def format_table(summaries: Sequence[Mapping[str, Any]], names: Sequence[str]) -
         if i:
             ratio = f"{name}/{first}"
             cols.append((ratio, max(10, len(ratio))))
-    lines = ["  " + f"{'':<{width}}" + "".join(f"  {h:>{w}}" for h, w in cols)]
+    lines = ["  " + f"{'':<{_LABEL_WIDTH}}" + "".join(f"  {h:>{w}}" for h, w in cols)]
     for key, label, fmt in _SUMMARY_ROWS:
         cells = []
         for i, summary in enumerate(summaries):
@@ -121,5 +114,5 @@ def format_table(summaries: Sequence[Mapping[str, Any]], names: Sequence[str]) -
                 else:  # from the unrounded medians, not from the cells
                     cells.append(f"{b / a:.3f}")
         row = "".join(f"  {c:>{w}}" for c, (_, w) in zip(cells, cols, strict=True))
-        lines.append(f"  {label:<{width}}{row}")
+        lines.append(f"  {label:<{_LABEL_WIDTH}}{row}")
     return "\n".join(lines)
