@@ -363,7 +363,6 @@ class _Pending:
     marker: dict[str, Any]
     future: Future | None
     started: float
-    published: bool = False
     error: BaseException | None = None
     sealed: threading.Event = field(default_factory=threading.Event)
 
@@ -396,7 +395,6 @@ class Checkpointer:
         self.state_dict_adapter = state_dict_adapter
         self._pending: _Pending | None = None
         self._last_saved_step: int | None = None
-        self._publish_lock = threading.Lock()  # rank 0: done-callback thread vs wait()
         self._async_group = None
         if async_save and dist.is_initialized():
             # A second group so the background thread's collectives never interleave with the
@@ -491,21 +489,12 @@ class Checkpointer:
                 pending.error = CheckpointWriteError(errors[0])
             elif current_rank() == 0:
                 sums = {name: sum_ for r in reports for name, sum_ in r["files"].items()}
-                self._publish(pending, sums)
+                pending.marker["files"] = dict(sorted(sums.items()))
+                publish(pending.tmp, pending.final, pending.marker, self.keep_last, pending.started)
         except Exception as exc:  # e.g. the marker or the rename failed on rank 0
             pending.error = CheckpointWriteError(write_error_reason(exc, self.checkpoint_dir))
         finally:
             pending.sealed.set()
-
-    def _publish(self, pending: _Pending, sums: dict[str, dict[str, Any]]) -> None:
-        """Rank 0: marker (with every file's size and checksum), atomic rename, prune. Only
-        called once every rank's files are on disk and summed."""
-        with self._publish_lock:
-            if pending.published:
-                return
-            pending.published = True
-            pending.marker["files"] = dict(sorted(sums.items()))
-            publish(pending.tmp, pending.final, pending.marker, self.keep_last, pending.started)
 
     def wait(self) -> None:
         """Finish the pending save (all ranks call): wait until it is sealed (published on rank
@@ -540,11 +529,9 @@ class Checkpointer:
         the data stream gets `state.on_data_reshard(step, saved_states)` with every saved rank's
         data state (index = saved rank), or keeps its fresh position if no hook is set.
 
-        Another parameter layout (saved by --model_impl hf or te_linear, loaded by te, or the
-        reverse): weights and AdamW moments are converted through `state_dict_adapter` one
-        decoder layer at a time (`load_converted`); step, LR schedule, data and RNG load as
-        usual, and TE's FP8 metadata starts fresh. TE extra state that a same-layout checkpoint
-        lacks (hf -> te_linear) starts fresh too.
+        Another parameter layout (--model_impl hf or te_linear <-> te): weights and AdamW moments
+        are converted through `state_dict_adapter` (`load_converted`); step, LR schedule, data and
+        RNG load as usual. TE's FP8 metadata, converted or missing (hf -> te_linear), starts fresh.
         """
         marker = loadable_marker(path)
         path = Path(path)
@@ -553,7 +540,7 @@ class Checkpointer:
         convert = saved_layout is not None
         saved_world_size = int(marker["world_size"])
         resharded = saved_world_size != world_size()
-        targets = self._per_rank_targets(path, state, marker, resharded, saved_world_size)
+        targets = self._per_rank_targets(path, state, marker, resharded)
         items = state.items(targets)
         if resharded and not convert and "optimizer" in items:
             refuse_low_bit_reshard(path, metadata, state, saved_world_size)
@@ -576,7 +563,7 @@ class Checkpointer:
             restore_fp8_scaling(path, state, items["fp8_scaling"].loaded)
         if state.optimizer is not None:  # FP8 parameters: the bytes the last step wrote
             master_weights.requantize_from_masters(state.optimizer)
-        self._restore_per_rank(state, targets, resharded, saved_world_size)
+        self._restore_per_rank(state, targets, saved_world_size)
         state.seen = Seen.from_marker(marker)
         saved_config = state.saved_config or {}
         if path.resolve().parent == Path(self.checkpoint_dir).resolve() and not resharded:
@@ -587,38 +574,34 @@ class Checkpointer:
 
     @staticmethod
     def _per_rank_targets(
-        path: Path,
-        state: TrainState,
-        marker: dict[str, Any],
-        resharded: bool,
-        saved_world_size: int,
+        path: Path, state: TrainState, marker: Mapping[str, Any], resharded: bool
     ) -> dict[str, PerRankLoad]:
-        """Load targets for the per-rank items the checkpoint holds (warns about missing ones)."""
+        """Load targets for the per-rank items the checkpoint holds (warns about missing ones):
+        this rank's own entry on a same-size load; on a resharded one every saved data entry
+        (handed to the reshard hook) and no RNG entry (reseeded instead)."""
         getters = state.per_rank_getters()
         available = set(marker.get("items", getters))
         if set(getters) - available:
             log.warning("Checkpoint %s has no %s state", path, sorted(set(getters) - available))
-        reads = {n: _ranks_to_read(n, resharded, saved_world_size) for n in getters}
-        return {n: PerRankLoad(r) for n, r in reads.items() if n in available and r}
-
-    def _restore_per_rank(
-        self,
-        state: TrainState,
-        targets: dict[str, PerRankLoad],
-        resharded: bool,
-        saved_world_size: int,
-    ) -> None:
-        """Hand each rank its own saved data position and RNG, or after a reshard reseed."""
         if resharded:
-            self._after_reshard(state, saved_world_size, targets.get("data"))
-            return
-        getters = state.per_rank_getters()
-        for name, target in targets.items():
-            getters[name][1](target.values[current_rank()])
+            reads = {"data": list(range(int(marker["world_size"])))}
+        else:
+            reads = {name: [current_rank()] for name in getters}
+        return {n: PerRankLoad(r) for n, r in reads.items() if n in getters and n in available}
 
     @staticmethod
-    def _after_reshard(state: TrainState, saved_world_size: int, data: PerRankLoad | None) -> None:
+    def _restore_per_rank(
+        state: TrainState, targets: dict[str, PerRankLoad], saved_world_size: int
+    ) -> None:
+        """Hand each rank its own saved data position and RNG. After a reshard they do not map
+        onto the new ranks: the RNGs are reseeded and the data stream goes to the hook."""
+        if saved_world_size == world_size():
+            getters = state.per_rank_getters()
+            for name, target in targets.items():
+                getters[name][1](target.values[current_rank()])
+            return
         reseed_rng(derived_seed(state.seed, state.step, current_rank()))
+        data = targets.get("data")
         if state.data is None or data is None:
             action = "data stream is left as is (nothing saved or nothing to restore)"
         elif state.on_data_reshard is not None:
@@ -636,11 +619,3 @@ class Checkpointer:
             state.step,
             action,
         )
-
-
-def _ranks_to_read(name: str, resharded: bool, saved_world_size: int) -> list[int]:
-    """Own entry on a same-size load; on a resharded load every saved data entry (handed to the
-    reshard hook) and no RNG entry (reseeded instead)."""
-    if not resharded:
-        return [current_rank()]
-    return list(range(saved_world_size)) if name == "data" else []

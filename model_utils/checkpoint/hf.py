@@ -79,7 +79,7 @@ def hf_weight_files(path: str | Path) -> dict[str, Path]:
     model.safetensors.index.json). ValueError with one line if `path` is neither."""
     path = Path(path)
     if path.is_file() and path.suffix == ".safetensors":
-        files = {path: None}
+        single = path
     elif (path / HF_INDEX).is_file():
         weight_map = json.loads((path / HF_INDEX).read_text()).get("weight_map", {})
         if not weight_map:
@@ -92,7 +92,7 @@ def hf_weight_files(path: str | Path) -> dict[str, Path]:
             raise UsageError(f"{path / HF_INDEX} lists missing shard(s): {', '.join(missing)}")
         return {name: f for f, names in names_by_file.items() for name in names}
     elif (path / HF_SINGLE).is_file():
-        files = {path / HF_SINGLE: None}
+        single = path / HF_SINGLE
     elif not path.exists():
         raise UsageError(f"--init_from_hf: {path} does not exist")
     else:
@@ -100,11 +100,8 @@ def hf_weight_files(path: str | Path) -> dict[str, Path]:
             f"--init_from_hf: {path} has neither {HF_SINGLE} nor {HF_INDEX} "
             "(only safetensors checkpoints are supported)"
         )
-    out: dict[str, Path] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            out.update({name: f for name in handle.keys()})
-    return out
+    with safe_open(str(single), framework="pt") as handle:
+        return {name: single for name in handle.keys()}
 
 
 def check_hf_dir(path: str | Path, shape: ModelShape | None = None) -> None:
@@ -240,8 +237,6 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
 # tokens in most tokenizers), and generation_config.json with the same ids (pad = eos when the
 # tokenizer has none). Shape, RoPE and max_position_embeddings are the model config's own.
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM"}
-
 
 def token_ids(tokenizer: Any) -> dict[str, int | None]:
     """bos/eos/pad ids as the tokenizer defines them; pad falls back to eos (a tokenizer trained
@@ -257,26 +252,21 @@ def client_config(config: Any, tokenizer: Any, dtype: torch.dtype) -> Any:
     config = copy.deepcopy(config)
     config.dtype = dtype
     config.use_cache = True
-    architecture = ARCHITECTURES.get(getattr(config, "model_type", "llama"), "LlamaForCausalLM")
-    config.architectures = [architecture]
+    config.architectures = ["LlamaForCausalLM"]
     for name, value in token_ids(tokenizer).items():
         setattr(config, name, value)
     return config
 
 
-def generation_config(tokenizer: Any) -> Any:
-    """generate()'s defaults: the tokenizer's ids, nothing else (greedy, the model's length)."""
-    from transformers import GenerationConfig
-
-    return GenerationConfig(**token_ids(tokenizer))
-
-
 def write_model_files(out_dir: Path, config: Any, tokenizer: Any, dtype: torch.dtype) -> None:
     """config.json, generation_config.json and the tokenizer's files into `out_dir` (the export's
-    staging folder: they are published with the weights, see SafetensorsShardWriter)."""
+    staging folder: they are published with the weights, see SafetensorsShardWriter). generate()'s
+    defaults are the tokenizer's ids and nothing else (greedy, the model's length)."""
+    from transformers import GenerationConfig
+
     out_dir.mkdir(parents=True, exist_ok=True)
     client_config(config, tokenizer, dtype).save_pretrained(str(out_dir))
-    generation_config(tokenizer).save_pretrained(str(out_dir))
+    GenerationConfig(**token_ids(tokenizer)).save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
 
 
@@ -284,8 +274,6 @@ def write_model_files(out_dir: Path, config: Any, tokenizer: Any, dtype: torch.d
 # Hugging Face folders out
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
-
-
 PART_PREFIX = ".part-"  # shards being written; renamed to their HF names when all are done
 STAGED_FILES = f"{PART_PREFIX}files"  # the folder's other files, staged the same way
 
@@ -312,9 +300,9 @@ def export_dir_problem(flag: str, out_dir: str | Path) -> str | None:
     )
 
 
-def check_export_dir(out_dir: str | Path, flag: str = "--export_hf") -> None:
+def check_export_dir(out_dir: str | Path) -> None:
     """UsageError (one line) if `out_dir` already holds a model: before any training."""
-    problem = export_dir_problem(flag, out_dir)
+    problem = export_dir_problem("--export_hf", out_dir)
     if problem:
         raise UsageError(problem)
 
@@ -477,13 +465,9 @@ def export_hf(
     writer, failure = None, None
     if current_rank() == 0:
         snapshot = export_snapshot(out_dir)
-        try:
-            writer = SafetensorsShardWriter(out_dir, max_shard_bytes)
-        except OSError as exc:
-            failure = exc
         try:  # any error: rank 0 alone must not leave the gathers below (the others would hang)
-            if writer is not None:
-                write_model_files(writer.staging, config, tokenizer, dtype)
+            writer = SafetensorsShardWriter(out_dir, max_shard_bytes)
+            write_model_files(writer.staging, config, tokenizer, dtype)
         except Exception as exc:
             failure = exc
     for group in layer_groups(names):

@@ -84,18 +84,6 @@ def alias_groups(targets: Mapping[str, torch.Tensor]) -> dict[str, str]:
     return out
 
 
-def check_shape(
-    source: str, name: str, got: Iterable[int], target: torch.Tensor, hint: str
-) -> None:
-    """ValueError unless tensor `name` read from `source` has the model tensor's shape; `hint`
-    says what to check (a shape mismatch means the model and the checkpoint disagree)."""
-    got = tuple(got)
-    if got != tuple(target.shape):
-        raise ValueError(
-            f"{source} {name} has shape {got} but the model expects {tuple(target.shape)}: {hint}"
-        )
-
-
 def require_complete(
     source: str,
     targets: Mapping[str, Any],
@@ -129,16 +117,20 @@ def copy_blocks(
     """Copy this rank's block of each source (a whole tensor, or a safetensors lazy slice, which
     reads only that block) into its target (a DTensor shard or a plain tensor), with no
     communication. Names without a target go to `unexpected`, copied ones to `loaded`; a shape
-    mismatch is check_shape's ValueError (`source`, `hint`). Returns the blocks as read (before
-    any rounding to the target's dtype), by name."""
+    mismatch (the model and the checkpoint disagree) is a ValueError naming `source` and `hint`,
+    what to check. Returns the blocks as read (before any rounding to the target's dtype)."""
     copied = {}
     for name, tensor in sources.items():
         target = targets.get(name)
         if target is None:
             unexpected.append(name)
             continue
-        shape = tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape
-        check_shape(source, name, shape, target, hint)
+        shape = tuple(tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape)
+        if shape != tuple(target.shape):
+            raise ValueError(
+                f"{source} {name} has shape {shape} but the model expects {tuple(target.shape)}: "
+                f"{hint}"
+            )
         copied[name] = tensor[local_index(target)]
         local_shard(target).copy_(copied[name])
         loaded.add(name)
@@ -351,8 +343,7 @@ def load_param_group_hyperparameters(path: Path, metadata: Any, optimizer: Any) 
 def refuse_low_bit_reshard(path: Path, metadata: Any, state: Any, saved_world_size: int) -> None:
     """ResumeRefused on every rank if any rank's torchao optimizer state would be cut inside a
     quantization block by this world size."""
-    problem = low_bit_reshard_problem(metadata, state.model, state.optimizer)
-    problem = first_problem(problem)
+    problem = first_problem(low_bit_reshard_problem(metadata, state.model, state.optimizer))
     if problem:
         raise ResumeRefused(
             f"checkpoint {path} was saved by {saved_world_size} ranks and cannot load "
@@ -448,15 +439,12 @@ def load_converted(
     state: Any,
     saved_layout: str,
     adapter: Any,
-    saved_impl: str = "?",
+    saved_impl: str,
 ) -> None:
-    """Load model weights and optimizer state saved in another parameter layout (all ranks).
-
-    No rank ever holds more than one decoder layer in full: each layer's saved tensors are read
-    whole (DCP assembles them from the saved shards, whatever the saved world size), converted
-    by `adapter` (a te_llama.StateDictAdapter for the model's config), and each rank copies its
-    own block into its DTensor shards. TE's `_extra_state` (FP8 scaling history) is tied to TE's
-    module structure and is not converted: FP8 metadata starts fresh, as after --init_from_hf."""
+    """Load model weights and optimizer state saved in another parameter layout (all ranks),
+    mapped by `adapter` (a te_llama.StateDictAdapter for the model's config) one decoder layer
+    at a time, whatever the saved world size; FP8 metadata starts fresh, as after
+    --init_from_hf (see the module's docstring)."""
     targets = weight_tensors(get_model_state_dict(state.model))
     layout = param_layout(targets)
     if adapter is None:

@@ -8,6 +8,7 @@ The rule for a complete checkpoint is published.py's, shared with the launcher.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -106,12 +107,10 @@ def write_error_reason(exc: BaseException, directory: Path) -> str:
         if isinstance(err, OSError) and err.errno is not None:
             words = _WRITE_ERRNOS.get(err.errno, os.strerror(err.errno))
             return f"{words} ({err.filename or directory})"
-    try:
+    with contextlib.suppress(OSError):
         free = shutil.disk_usage(directory).free
-    except OSError:
-        free = None
-    if free is not None and free < _NEARLY_FULL_BYTES:
-        return f"no space left on the device ({free / 2**20:.1f} MiB free in {directory})"
+        if free < _NEARLY_FULL_BYTES:
+            return f"no space left on the device ({free / 2**20:.1f} MiB free in {directory})"
     return first_line(chain[-1] if chain else exc)
 
 
@@ -186,8 +185,7 @@ def file_sums(files: Iterable[Path]) -> dict[str, dict[str, Any]]:
 def recorded_sums(marker: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """The marker's file table, only its well-formed entries (name -> {"bytes": int, "sha256":
     64 hex digits}): what the size and checksum checks can rely on. Anything else in it (a list,
-    an entry without its checksum, a size that is not a number) proves nothing: such a
-    checkpoint is unverified."""
+    an entry without its checksum, a size that is not a number) proves nothing."""
     files = marker.get("files")
     if not isinstance(files, dict):
         return {}
@@ -206,57 +204,20 @@ def _entry_problem(sums: Any) -> str | None:
     return None
 
 
-def needed_files(path: Path) -> list[str]:
-    """Every file a load of checkpoint `path` reads: the .metadata, the shards it names, and
-    any other shard in the folder. Metadata that cannot be read names none beyond itself."""
+def needed_files(path: Path, metadata: Any) -> list[str]:
+    """Every file a load of checkpoint `path` reads: the .metadata, the shards its `metadata`
+    names, and any other shard in the folder."""
     names = {p.name for p in path.glob("*.distcp")}
-    try:
-        storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data or {}
-        names |= {str(info.relative_path) for info in storage.values()}
-    except Exception:
-        pass
+    names |= {str(info.relative_path) for info in (metadata.storage_data or {}).values()}
     return [DCP_METADATA, *sorted(names)]
 
 
-def _damage(path: Path) -> str | None:
-    """Why a complete checkpoint cannot be loaded, found without reading its tensors (one line
-    naming the file), or None: marker and .metadata readable, every file a load reads present,
-    and every file with a well-formed entry in the marker at its saved size. Whether the table
-    proves the bytes is _unverified_reason's question, not damage."""
-    try:
-        marker = read_marker(path)
-        int(marker["step"])
-    except Exception as exc:
-        return f"{path / MARKER} is not a valid checkpoint marker ({first_line(exc)})"
-    try:
-        dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as exc:
-        return f"{path / DCP_METADATA} cannot be read ({first_line(exc)})"
-    files = recorded_sums(marker)
-    for name in needed_files(path):
-        if name not in files and not (path / name).is_file():
-            return f"{path / name} is missing"
-    for name, saved in files.items():
-        file = path / name
-        if not file.is_file():
-            return f"{file} is missing"
-        if file.stat().st_size != saved["bytes"]:
-            return (
-                f"{file} has {file.stat().st_size} bytes, {saved['bytes']} were saved "
-                "(truncated or overwritten)"
-            )
-    return None
-
-
 def content_damage(path: str | Path, files: Mapping[str, Mapping[str, Any]]) -> str | None:
-    """The first of `files` (name -> saved sums) whose content no longer matches its checksum,
-    or that cannot be read (gone since the cheap checks, an I/O error): a line, not an
-    exception, because the ranks split the files and one rank raising would leave the others
-    waiting in the gather of everyone's verdict. Entries without a well-formed checksum are
-    not checked here (they prove nothing: such a checkpoint is unverified)."""
+    """The first of `files` (well-formed entries: recorded_sums) whose content no longer matches
+    its checksum, or that cannot be read (gone since the cheap checks, an I/O error): a line,
+    not an exception, because the ranks split the files and one rank raising would leave the
+    others waiting in the gather of everyone's verdict."""
     for name, saved in files.items():
-        if _entry_problem(saved) is not None:
-            continue
         try:
             now = file_sums([Path(path) / name])[name]
         except OSError as exc:
@@ -265,28 +226,6 @@ def content_damage(path: str | Path, files: Mapping[str, Mapping[str, Any]]) -> 
             return (
                 f"{Path(path) / name} does not match its {SUM_ALGORITHM} (changed since the save)"
             )
-    return None
-
-
-def _unverified_reason(path: Path) -> str | None:
-    """Why the bytes of a checkpoint are not proven (one line), or None: verified means every
-    file a load reads has a well-formed recorded size and sha256 (which the checksums then
-    match). No table, an empty or malformed one, a file without its entry, an entry without its
-    checksum: all the same, unverified. Such a checkpoint could be corrupted without a sign,
-    so it is never trusted unnamed (an `auto` resume and the converter pass it by) and never
-    takes a verified one's place in keep-last."""
-    try:
-        files = read_marker(path).get("files") or {}
-    except (OSError, ValueError):
-        return f"{path / MARKER} cannot be read"
-    if not isinstance(files, dict) or not files:
-        return f"{path / MARKER} records no checksums"
-    for name in needed_files(path):
-        if name not in files:
-            return f"{path / MARKER} records no checksum for {name}"
-        problem = _entry_problem(files[name])
-        if problem:
-            return f"{path / MARKER} records {problem} for {name}"
     return None
 
 
@@ -319,26 +258,57 @@ def inspect_checkpoint(path: str | Path, checksums: bool = False) -> Problem | N
 
     Without `checksums` it reads the marker and the metadata, not the tensors (safe before any
     process group). With `checksums` (all ranks call) every file's sha256 is compared too, the
-    files split over the ranks so each is read once, and every rank gets the same verdict."""
-    problem = _soundness(Path(path), checksums)
-    if checksums:
-        problem = first_problem(problem)
-    if problem is not None:
+    files split over the ranks so each is read once, and every rank gets the same verdict:
+    damage on any rank outweighs an unverified table."""
+    path = Path(path)
+    problem = _cheap_verdict(path)
+    if not checksums:
         return problem
-    unverified = _unverified_reason(Path(path))
-    return None if unverified is None else Problem(UNVERIFIED, unverified)
+    if problem is None or problem.kind == UNVERIFIED:
+        files = sorted(recorded_sums(read_marker(path)).items())
+        damage = content_damage(path, dict(files[current_rank() :: world_size()]))
+        problem = Problem(DAMAGED, damage) if damage else problem
+    damaged = None if problem is None or problem.kind == UNVERIFIED else problem
+    return first_problem(damaged) or problem  # any rank's damage, else this table's verdict
 
 
-def _soundness(path: Path, checksums: bool) -> Problem | None:
-    """This rank's part of the verdict: complete, not damaged, and its share of the checksums."""
+def _cheap_verdict(path: Path) -> Problem | None:
+    """The verdict of the checks that read no tensors, in one walk over the files a load reads
+    and the marker's table. Damaged: marker or .metadata unreadable, a file missing, a recorded
+    one at another size. Else unverified: a file a load reads has no well-formed size and
+    sha256 recorded, so it could be corrupted without a sign; such a checkpoint is never
+    trusted unnamed (an `auto` resume and the converter pass it by) and never takes a verified
+    one's place in keep-last."""
     incomplete = checkpoint_problem(path)
     if incomplete:
         return Problem(INCOMPLETE, incomplete)
-    damage = _damage(path)
-    if damage is None and checksums:
-        files = sorted(recorded_sums(read_marker(path)).items())
-        damage = content_damage(path, dict(files[current_rank() :: world_size()]))
-    return None if damage is None else Problem(DAMAGED, damage)
+    try:
+        marker = read_marker(path)
+        int(marker["step"])
+    except Exception as exc:
+        return Problem(
+            DAMAGED, f"{path / MARKER} is not a valid checkpoint marker ({first_line(exc)})"
+        )
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:
+        return Problem(DAMAGED, f"{path / DCP_METADATA} cannot be read ({first_line(exc)})")
+    table, sums, needed = marker.get("files"), recorded_sums(marker), needed_files(path, metadata)
+    unverified = None if table and isinstance(table, dict) else "no checksums"
+    for name in [*needed, *(n for n in sums if n not in needed)]:
+        file, saved = path / name, sums.get(name)
+        if not file.is_file():
+            return Problem(DAMAGED, f"{file} is missing")
+        size = file.stat().st_size
+        if saved is not None and size != saved["bytes"]:
+            why = f"{file} has {size} bytes, {saved['bytes']} were saved (truncated or overwritten)"
+            return Problem(DAMAGED, why)
+        if saved is None and unverified is None:
+            problem = _entry_problem(table[name]) if name in table else "no checksum"
+            unverified = f"{problem} for {name}"
+    if unverified is None:
+        return None
+    return Problem(UNVERIFIED, f"{path / MARKER} records {unverified}")
 
 
 def checkpoint_to_resume(
@@ -367,14 +337,16 @@ def checkpoint_to_resume(
     for path in reversed(found):
         problem = inspect_checkpoint(path, checksums=verify)
         if problem is None:
-            if verify:
-                set_aside_all(passed, f"resuming from {path}, the newest verified checkpoint")
+            if verify and passed:
+                set_aside_all(passed)
+                if current_rank() == 0:
+                    log.warning("Resuming from %s, the newest verified checkpoint", path)
             return path
         passed.append((path, problem))
     if not passed:
         return None
     if verify:
-        set_aside_all([(p, problem) for p, problem in passed if problem.kind != UNVERIFIED], "")
+        set_aside_all([(p, problem) for p, problem in passed if problem.kind != UNVERIFIED])
     raise ResumeRefused(no_sound_checkpoint(checkpoint_dir, passed))
 
 
@@ -431,15 +403,13 @@ def set_aside(path: Path, prefix: str) -> Path:
     return aside
 
 
-def set_aside_all(passed: list[tuple[Path, Problem]], then: str) -> None:
+def set_aside_all(passed: list[tuple[Path, Problem]]) -> None:
     """Rename each checkpoint an `auto` resume passed by (or a save found damaged) out of the
-    way with its prefix, one warning line each naming it and why; then `then`, if any."""
+    way with its prefix, one warning line each naming it and why."""
     for path, problem in passed:
         aside = set_aside(path, problem.prefix)
         if current_rank() == 0:
             log.warning("Checkpoint %s set aside as %s: %s", path, aside.name, problem)
-    if passed and then and current_rank() == 0:
-        log.warning("%s%s", then[0].upper(), then[1:])
 
 
 # --------------------------------------------------------------------------------------------
@@ -447,16 +417,13 @@ def set_aside_all(passed: list[tuple[Path, Problem]], then: str) -> None:
 
 
 def fsync_dir(path: Path) -> None:
-    try:
+    """Make a rename in `path` durable where the file system allows it (best effort)."""
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
@@ -506,8 +473,9 @@ def publish(
     the marker, rename `tmp` to `final` in one atomic rename, then prune to `keep_last`."""
     write_json(tmp / MARKER, {**marker, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
     replaced = None
-    if final.exists() and not is_complete(final):  # damage: kept, named
-        set_aside_all([(final, Problem(INCOMPLETE, checkpoint_problem(final) or ""))], "")
+    incomplete = checkpoint_problem(final) if final.exists() else None
+    if incomplete:  # damage: kept, named
+        set_aside_all([(final, Problem(INCOMPLETE, incomplete))])
     if final.exists():  # the same step saved again (e.g. a rerun from older state)
         replaced = final.with_name(f"{TMP_PREFIX}{final.name}.replaced")
         final.rename(replaced)
@@ -515,14 +483,8 @@ def publish(
     fsync_dir(final.parent)
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
-    seconds = time.perf_counter() - started
-    log.info(
-        "Checkpoint step %d saved to %s (%.1f MB, %.2f s)",
-        marker["step"],
-        final,
-        dir_bytes(final) / 2**20,
-        seconds,
-    )
+    mb, seconds = dir_bytes(final) / 2**20, time.perf_counter() - started
+    log.info("Checkpoint step %d saved to %s (%.1f MB, %.2f s)", marker["step"], final, mb, seconds)
     # The checkpoint just published is intact (its files were just summed), so pruning the
     # others never removes the last intact one.
     for old in prune_plan(verified_checkpoints(final.parent), keep_last, final):

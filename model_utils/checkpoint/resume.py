@@ -227,21 +227,17 @@ def check_same_data(path: str | Path, config: Config, warn: bool = True) -> str:
     saved = (read_marker(path).get("run_config") or {}).get("data_fingerprint")
     change = data.data_change(saved, config.data.data_fingerprint)
     checked = data_check(saved, config.data.data_fingerprint)
-    if change is None:
-        return checked
-    if config.checkpoint.allow_data_change:
-        if warn:
-            log.warning(
-                "Resuming on changed data (--allow_data_change): %s in %s",
-                change,
-                config.data.dataset,
-            )
-        return checked
-    raise ResumeRefused(
-        f"checkpoint {path} was saved with other data: {change} in --dataset {config.data.dataset} "
-        "since the save, so its saved position points into other text; resume on the data it "
-        "was saved with, or pass --allow_data_change to resume on this data anyway"
-    )
+    if change is not None and not config.checkpoint.allow_data_change:
+        raise ResumeRefused(
+            f"checkpoint {path} was saved with other data: {change} in --dataset "
+            f"{config.data.dataset} since the save, so its saved position points into other "
+            "text; resume on the data it was saved with, or pass --allow_data_change to resume "
+            "on this data anyway"
+        )
+    if change is not None and warn:
+        dataset = config.data.dataset
+        log.warning("Resuming on changed data (--allow_data_change): %s in %s", change, dataset)
+    return checked
 
 
 def resume_or_start(ckpt: Any, state: Any, scheduler: Any, config: Config) -> Any:

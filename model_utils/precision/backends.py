@@ -147,8 +147,9 @@ class TorchaoFloat8(BF16):
             if layer and int(layer.group(1)) in self.bf16_layers:
                 self.in_kept_layers.append(fqn)
                 return False
-            (self.converted if _fp8_eligible(module, fqn) else self.skipped).append(fqn)
-            return _fp8_eligible(module, fqn)
+            eligible = _fp8_eligible(module, fqn)
+            (self.converted if eligible else self.skipped).append(fqn)
+            return eligible
 
         return convert_to_float8_training(model, config=self.config(), module_filter_fn=keep)
 

@@ -52,22 +52,18 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
 
-    def _init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Zero moments and the master copy, in fp32 and sharded like the parameter (a DTensor
-        for a DTensor), so DCP saves and reshards them as it does the parameter."""
+    # TE FusedAdam's API for setting up state (its first step and seed_masters call it).
+
+    def initialize_state(self, param: torch.Tensor, store_param_remainders: bool = False) -> None:
+        """The state a first step creates: zero moments and the master from the parameter, in
+        fp32 and sharded like the parameter (a DTensor for a DTensor), so DCP saves and
+        reshards them as it does the parameter."""
+        if store_param_remainders:
+            raise ValueError("MasterWeightAdamW keeps whole fp32 masters, not bf16 remainders")
         state = self.state[param]
         state["exp_avg"] = torch.zeros_like(param, dtype=MASTER_DTYPE)
         state["exp_avg_sq"] = torch.zeros_like(param, dtype=MASTER_DTYPE)
         state["master_param"] = param.detach().to(MASTER_DTYPE, copy=True)
-        return state
-
-    # TE FusedAdam's API for setting up state before the first step (seed_masters calls it).
-
-    def initialize_state(self, param: torch.Tensor, store_param_remainders: bool = False) -> None:
-        """The state the first step would create: zero moments, the master from the parameter."""
-        if store_param_remainders:
-            raise ValueError("MasterWeightAdamW keeps whole fp32 masters, not bf16 remainders")
-        self._init_state(param)
 
     @torch.no_grad()
     def set_scaled_state(
@@ -98,10 +94,10 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             # One count per group, advanced even for a group without gradients, as TE's
             # FusedAdam does: its checkpoints and ours hold the same ``step``.
             group["step"] = group.get("step", 0) + 1
-            states = [self.state[p] or self._init_state(p) for p in group["params"]]
-            live = [
-                (p, s) for p, s in zip(group["params"], states, strict=True) if p.grad is not None
-            ]
+            for param in group["params"]:
+                if not self.state[param]:
+                    self.initialize_state(param)
+            live = [(p, self.state[p]) for p in group["params"] if p.grad is not None]
             if live:
                 _adamw_update(group, live)
         return loss

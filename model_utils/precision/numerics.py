@@ -86,17 +86,12 @@ def torchao_rules(module: nn.Module) -> dict[str, tuple[torch.dtype, ScaleRule]]
         "weight": config.cast_config_weight,
         "grad": config.cast_config_grad_output,
     }
-    return {
-        role: (
-            cast.target_dtype,
-            amax_scale(
-                cast.target_dtype,
-                per_row=cast.scaling_granularity.value == "axiswise",
-                power_of_2=config.round_scales_to_power_of_2,
-            ),
-        )
-        for role, cast in casts.items()
-    }
+
+    def rule(cast: Any) -> ScaleRule:
+        per_row = cast.scaling_granularity.value == "axiswise"
+        return amax_scale(cast.target_dtype, per_row, config.round_scales_to_power_of_2)
+
+    return {role: (cast.target_dtype, rule(cast)) for role, cast in casts.items()}
 
 
 def te_rules(module: nn.Module, recipe: Any) -> dict[str, tuple[torch.dtype, ScaleRule]] | None:
@@ -105,23 +100,19 @@ def te_rules(module: nn.Module, recipe: Any) -> dict[str, tuple[torch.dtype, Sca
     current: amax-based); None for any other module."""
     if not hasattr(module, "fp8_meta") or not hasattr(module, "in_features"):
         return None
-    forward = torch.float8_e4m3fn
     backward = torch.float8_e5m2 if recipe.fp8_format.name == "HYBRID" else torch.float8_e4m3fn
-
-    def delayed(direction: str, slot: int) -> ScaleRule:
-        return lambda x: module.fp8_meta[f"scaling_{direction}"].scale[slot]
-
-    if recipe.delayed():
-        return {
-            "input": (forward, delayed("fwd", 0)),
-            "weight": (forward, delayed("fwd", 1)),
-            "grad": (backward, delayed("bwd", 0)),
-        }
-    return {
-        "input": (forward, amax_scale(forward)),
-        "weight": (forward, amax_scale(forward)),
-        "grad": (backward, amax_scale(backward)),
+    casts = {  # role -> (format, fp8_meta key, slot)
+        "input": (torch.float8_e4m3fn, "scaling_fwd", 0),
+        "weight": (torch.float8_e4m3fn, "scaling_fwd", 1),
+        "grad": (backward, "scaling_bwd", 0),
     }
+
+    def rule(dtype: torch.dtype, key: str, slot: int) -> ScaleRule:
+        if not recipe.delayed():
+            return amax_scale(dtype)
+        return lambda x: module.fp8_meta[key].scale[slot]
+
+    return {role: (dtype, rule(dtype, key, slot)) for role, (dtype, key, slot) in casts.items()}
 
 
 class Probe:
@@ -130,7 +121,7 @@ class Probe:
 
     def __init__(self, model: nn.Module, te_recipe: Any = None) -> None:
         self.armed = False
-        self.figures: dict[str, dict[str, torch.Tensor]] = {}
+        self.figures: dict[tuple[str, str], torch.Tensor] = {}  # (layer, role) -> cast_stats
         self.linears: list[str] = []
         for name, module in model.named_modules():
             rules = torchao_rules(module) if te_recipe is None else te_rules(module, te_recipe)
@@ -142,7 +133,7 @@ class Probe:
         def measure(role: str, tensor: torch.Tensor) -> None:
             dtype, rule = rules[role]
             flat = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() > 1 else tensor
-            self.figures.setdefault(name, {})[role] = cast_stats(flat, dtype, rule(flat))
+            self.figures[name, role] = cast_stats(flat, dtype, rule(flat))
 
         def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
             if not self.armed:
@@ -164,12 +155,11 @@ class Probe:
     def take(self) -> dict[str, dict[str, dict[str, float]]]:
         """The figures measured since the last take, read from the device in one copy."""
         figures, self.figures = self.figures, {}
-        keys = [(layer, role) for layer, roles in figures.items() for role in roles]
-        if not keys:
+        if not figures:
             return {}
-        rows = torch.stack([figures[layer][role] for layer, role in keys]).cpu().tolist()
+        rows = torch.stack(list(figures.values())).cpu().tolist()
         taken: dict[str, dict[str, dict[str, float]]] = {}
-        for (layer, role), row in zip(keys, rows, strict=True):
+        for (layer, role), row in zip(figures, rows, strict=True):
             taken.setdefault(layer, {})[role] = dict(zip(FIGURES, row, strict=True))
         return taken
 

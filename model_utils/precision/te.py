@@ -136,15 +136,9 @@ def _te_version(te_module: Any) -> str | None:
     return getattr(root, "__version__", None)
 
 
-def _has_te_modules(model: nn.Module) -> bool:
-    return any(type(m).__module__.startswith("transformer_engine") for m in model.modules())
-
-
 class TEBackend:
     """Precision backend for ``--model_impl te|te_linear``.
 
-    Reads the run's ``config.precision`` (``fp8``, the recipe and its knobs, ``fp8_weights``,
-    ``model_impl``), ``config.optim.master_weights``, the AC scope and the head width.
     ``dp_group`` is the whole data-parallel (FSDP) group: FP8 amaxes are all-reduced over it so
     every rank uses the same scales (``None`` = default group, or no reduction in a single
     process).
@@ -188,12 +182,7 @@ class TEBackend:
             "fp8_margin": int(config.precision.fp8_margin),
             "fp8_attention": bool(config.precision.fp8_attention),
         }
-        #: Per-head width, for the FP8 attention backend rules (only read with --fp8_attention).
-        self.head_dim = (
-            config.model.hidden_width // config.model.num_heads
-            if self._recipe_kwargs["fp8_attention"]
-            else None
-        )
+        self.head_dim = config.model.head_dim  # for the FP8 attention backend rules
         self._recipe: Any = None
         self._model: nn.Module | None = None
         self.debug = None
@@ -232,14 +221,12 @@ class TEBackend:
         recipe is consulted as well, so a TE build lacking a kernel is caught before training.
         """
         te = self._te()
-        key = self.recipe_name if self.fp8 else "bf16"
         sm = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-        version = _te_version(te)
         problem = capability_problem(
-            key,
+            self.recipe_name if self.fp8 else "bf16",
             sm=sm,
             cuda_version=torch.version.cuda,
-            te_version=version,
+            te_version=_te_version(te),
             fp8_weights=self.fp8_weights,
             mlp_recompute=self.mlp_recompute,
         )
@@ -272,7 +259,7 @@ class TEBackend:
 
         The TE model is built by ``te_llama.build_te_llama``; nothing is swapped here.
         """
-        if not _has_te_modules(model):
+        if not any(type(m).__module__.startswith("transformer_engine") for m in model.modules()):
             raise ValueError(
                 "the TE precision backend needs a TE model (--model_impl te or te_linear); "
                 "use the torchao backend for --model_impl hf"
@@ -322,20 +309,12 @@ class TEBackend:
                     torch.autocast(device_type=device_type, dtype=self.torch_autocast_dtype)
                 )
             if self.fp8:
+                recipe, group = self.te_recipe, self.dp_group
                 if hasattr(te, "autocast"):
-                    stack.enter_context(
-                        te.autocast(
-                            enabled=True,
-                            recipe=self.te_recipe,
-                            amax_reduction_group=self.dp_group,
-                        )
-                    )
+                    fp8 = te.autocast(enabled=True, recipe=recipe, amax_reduction_group=group)
                 else:  # TE < 2.9
-                    stack.enter_context(
-                        te.fp8_autocast(
-                            enabled=True, fp8_recipe=self.te_recipe, fp8_group=self.dp_group
-                        )
-                    )
+                    fp8 = te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=group)
+                stack.enter_context(fp8)
             yield
 
     def after_optimizer_step(self, model: nn.Module) -> None:

@@ -154,19 +154,19 @@ def fp8_scaling_kept(model: nn.Module) -> Iterator[None]:
     rank's unreduced row, so a multi-GPU resume would not repeat the run. Restored here: the
     histories and scales are small (5 floats per GEMM per history row).
     """
-    before = {k: v.clone() for k, v in fp8_scaling_state(model).items() if not _is_recipe(k)}
+    before = {k: v.clone() for k, v in _scaling_tensors(model).items()}
     try:
         yield
     finally:
         with torch.no_grad():
-            for key, live in fp8_scaling_state(model).items():
-                if _is_recipe(key):
-                    continue
+            for key, live in _scaling_tensors(model).items():
                 if key in before:
                     live.copy_(before[key])
                 else:  # a module whose first FP8 forward was this one: back to TE's fresh state
                     live.fill_(1.0 if key.rsplit(".", 1)[-1].startswith("scale") else 0.0)
 
 
-def _is_recipe(key: str) -> bool:
-    return key.rsplit(".", 1)[-1] == RECIPE_KEY
+def _scaling_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """:func:`fp8_scaling_state` without the recipes: the scales and histories TE updates."""
+    state = fp8_scaling_state(model)
+    return {k: v for k, v in state.items() if k.rsplit(".", 1)[-1] != RECIPE_KEY}

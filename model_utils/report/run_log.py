@@ -46,7 +46,7 @@ def evaluate(model, batches, backend, device) -> float:
 
 
 def step_meter(
-    config, world_size: int, device, warmup: int, elapsed_before: float = 0.0
+    config, world_size: int, device, warmup: int, elapsed_before: float
 ) -> metrics.StepMeter:
     """The run's step meter: model FLOPs, the device's bf16 peak, its sync."""
     peak, peak_label = metrics.peak_bf16_tflops(device)
@@ -82,7 +82,6 @@ class RunLog:
         *,
         seen,
         start_step: int = 0,
-        meter=None,
         watchdog=None,
     ) -> None:
         samples_per_step = (
@@ -94,7 +93,7 @@ class RunLog:
         self.seen = seen
         self.is_main = world.is_main
         self.warmup = min(SPEED_WARMUP_STEPS, config.run.max_steps // 2)
-        self.meter = meter or step_meter(
+        self.meter = step_meter(
             config, world.world_size, device, self.warmup, elapsed_before=seen.seconds
         )
         self.watchdog = watchdog  # watchdog.Watchdog: told of every step, paused with the meter
@@ -184,7 +183,7 @@ class RunLog:
         if self.numerics:
             self.numerics.step_done()
         if not self.is_report_step(step):
-            self._arm_numerics(step + 1)
+            self._arm_numerics(self.is_report_step(step + 1))
             return
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         loss_value = loss.item()
@@ -192,14 +191,9 @@ class RunLog:
         # all-reduce (a wait for a slow rank belongs to the step it happened in)
         slow = self.ranks.gather()
         grad_value = None if grad_norm is None else float(grad_norm)  # ready with the loss
-        record = self.meter.report(
-            step=step,
-            loss=loss_value,
-            lr=lr,
-            peak_memory_bytes=peak_memory_bytes(self.device),
-        )
-        record["grad_norm"] = grad_value
-        record.update(self._seen_fields())
+        memory = peak_memory_bytes(self.device)
+        record = self.meter.report(step=step, loss=loss_value, lr=lr, peak_memory_bytes=memory)
+        record.update(grad_norm=grad_value, **self._seen_fields())
         log.info(metrics.seed_line(step, loss_value, record["samples_per_sec"], lr), stacklevel=2)
         log.info(metrics.detail_line(record), stacklevel=2)
         if slow is not None:
@@ -212,7 +206,7 @@ class RunLog:
         self._record(record)
         self.trackers.write(record)
         self._report_numerics(step)
-        self._arm_numerics(step + 1)
+        self._arm_numerics(self.is_report_step(step + 1))
 
     def _numerics_probe(self, model, backend, start_step: int):
         """--fp8_numerics: rank 0 measures, armed for the first step if it reports; on TE's fused
@@ -229,10 +223,10 @@ class RunLog:
         probe.armed = self.is_report_step(start_step + 1)
         return probe
 
-    def _arm_numerics(self, step: int) -> None:
-        """Measure during ``step`` if it is a report step (its forward and backward)."""
+    def _arm_numerics(self, armed: bool) -> None:
+        """Measure during the next step's forward and backward, or not (the report steps do)."""
         if self.numerics:
-            self.numerics.armed = self.is_report_step(step)
+            self.numerics.armed = armed
 
     def _report_numerics(self, step: int) -> None:
         """The report step's FP8 figures: a log line, a ``numerics`` record with every layer,
@@ -248,13 +242,11 @@ class RunLog:
     def validation(self, step: int, model, batches, backend) -> None:
         armed = self.numerics.armed if self.numerics else False
         with self.paused():
-            if self.numerics:  # held-out batches are not the training step's casts
-                self.numerics.armed = False
+            self._arm_numerics(False)  # held-out batches are not the training step's casts
             start = time.perf_counter()
             val_loss = evaluate(model, batches, backend, self.device)
             seconds = time.perf_counter() - start
-            if self.numerics:
-                self.numerics.armed = armed
+            self._arm_numerics(armed)
         log.info(
             "Validation at step %d: loss %.5f over %d batches",
             step,
@@ -332,11 +324,9 @@ class RunLog:
                     stacklevel=2,
                 )
                 return
-            summary = metrics.summarize(records, self.warmup)
             title = "Summary"
-            if self.records_lost_from:
-                lost = self.records_lost_from
+            if lost := self.records_lost_from:
                 title = f"Summary of what metrics.jsonl kept (it lost the records from {lost} on)"
-            text = format_summary(summary, title)
+            text = format_summary(metrics.summarize(records, self.warmup), title)
             slow = slow_rank.summary_line(records)
             log.info("\n" + text + (f"\n{slow}" if slow else ""), stacklevel=2)

@@ -6,10 +6,6 @@ A run keeps its tracker run ids in ``<output_dir>/trackers.json``: a resume (Ctr
 a Slurm requeue) continues the same W&B run and the same MLflow run, never a second one. Each run
 is tagged with its precision label, so the fp8 and bf16 twins of an A/B are two runs of one
 W&B project / MLflow experiment, side by side in the tracker's own compare view.
-
-The trackers start, write and close on a thread of their own, so no server can stall a step.
-A tracker that cannot start, or fails mid-run, costs one warning and is dropped; training goes
-on.
 """
 
 from __future__ import annotations
@@ -29,6 +25,7 @@ from typing import Any, Protocol
 
 from model_utils.config.sections import precision_name
 from model_utils.errors import first_line
+from model_utils.report.metrics.records import is_number, set_aside
 
 log = logging.getLogger("train")
 
@@ -52,9 +49,7 @@ def scalars(record: Mapping[str, Any]) -> list[tuple[str, float]]:
     return [
         (f"{kind}/{key}", float(value))
         for key, value in record.items()
-        if key not in _NOT_SCALARS
-        and isinstance(value, (int, float))
-        and not isinstance(value, bool)
+        if key not in _NOT_SCALARS and is_number(value)
     ]
 
 
@@ -63,9 +58,15 @@ def numbers(record: Mapping[str, Any]) -> dict[str, float]:
     return dict(scalars(record))
 
 
-def precision_label(flags: Mapping[str, Any]) -> str:
+def precision_label(run: Mapping[str, Any]) -> str:
     """fp8, bf16 or fp32: the tag that splits an A/B's twins."""
+    flags = run.get("flags", {})
     return precision_name(bool(flags.get("fp8")), bool(flags.get("bf16")))
+
+
+def run_params(run: Mapping[str, Any]) -> dict[str, Any]:
+    """What a tracker files a run under: its flags and world size."""
+    return {**run.get("flags", {}), "world_size": run.get("world_size")}
 
 
 def read_ids(output_dir: str | os.PathLike[str]) -> dict[str, str]:
@@ -73,14 +74,13 @@ def read_ids(output_dir: str | os.PathLike[str]) -> dict[str, str]:
     there but cannot be read, or is not a table of ids, is one W line: the resume starts new
     tracker runs, and the user should know why."""
     path = Path(output_dir) / IDS_FILE
+    problem = "not a table of tracker names and run ids"
     try:
         ids = json.loads(path.read_text())
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:
         ids, problem = None, first_line(exc)
-    else:
-        problem = "not a table of tracker names and run ids"
     if isinstance(ids, dict):
         return {k: v for k, v in ids.items() if isinstance(v, str)}
     log.warning(
@@ -122,7 +122,6 @@ class WandbTracker:
     ) -> None:
         import wandb
 
-        flags = run.get("flags", {})
         mode = os.environ.get("WANDB_MODE") or (
             "online" if os.environ.get("WANDB_API_KEY") else "offline"
         )
@@ -133,12 +132,8 @@ class WandbTracker:
             name=Path(output_dir).name,
             dir=output_dir,
             mode=mode,
-            tags=[precision_label(flags)],
-            config={
-                **flags,
-                "world_size": run.get("world_size"),
-                "output_dir": str(Path(output_dir).resolve()),
-            },
+            tags=[precision_label(run)],
+            config={**run_params(run), "output_dir": str(Path(output_dir).resolve())},
             settings=wandb.Settings(console="off", x_disable_stats=True),
         )
         self.id = self.run.id
@@ -164,13 +159,13 @@ class MlflowTracker:
     ) -> None:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # an answer in seconds
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+        from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
         uri = os.environ.get("MLFLOW_TRACKING_URI") or (
             f"sqlite:///{Path(output_dir).resolve().parent / 'mlflow.db'}"
         )
         self.client = MlflowClient(tracking_uri=uri)
-        flags = run.get("flags", {})
         if run_id:
             self.id = self.client.get_run(run_id).info.run_id
             self.client.update_run(self.id, status="RUNNING")
@@ -178,28 +173,22 @@ class MlflowTracker:
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME", DEFAULT_PROJECT)
         found = self.client.get_experiment_by_name(name)
         experiment = found.experiment_id if found else self.client.create_experiment(name)
-        tags = {"precision": precision_label(flags), "output_dir": str(Path(output_dir).resolve())}
+        tags = {"precision": precision_label(run), "output_dir": str(Path(output_dir).resolve())}
         self.id = self.client.create_run(
             experiment, run_name=Path(output_dir).name, tags=tags
         ).info.run_id
-        from mlflow.entities import Param
-
-        params = {**flags, "world_size": run.get("world_size")}
-        batch = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        batch = [Param(k, str(v)[:6000]) for k, v in run_params(run).items()]
         for start in range(0, len(batch), 100):  # the server's limit per request
             self.client.log_batch(self.id, params=batch[start : start + 100])
 
     def write(self, record: Mapping[str, Any]) -> None:
         from mlflow.entities import Metric
 
-        values = numbers(record)
-        if not values:
-            return
         stamp = int(record.get("time", time.time()) * 1000)
-        step = int(record["step"])
         # MLflow keys take no ':' etc.; the tags are letters, digits, '_' and '/'.
-        metrics = [Metric(key, value, stamp, step) for key, value in values.items()]
-        self.client.log_batch(self.id, metrics=metrics)
+        metrics = [Metric(key, value, stamp, int(record["step"])) for key, value in scalars(record)]
+        if metrics:
+            self.client.log_batch(self.id, metrics=metrics)
 
     def close(self) -> None:
         self.client.set_terminated(self.id)
@@ -208,11 +197,9 @@ class MlflowTracker:
 def flags_markdown(run: Mapping[str, Any]) -> str:
     """The run record as a two-column Markdown table (TensorBoard's text tab renders Markdown),
     so a chart can be traced back to the exact flags that produced it."""
-    rows = ["| flag | value |", "|---|---|"]
-    extra = {"world_size": run.get("world_size"), "samples_per_step": run.get("samples_per_step")}
-    for key, value in {**run.get("flags", {}), **extra}.items():
-        rows.append(f"| {key} | {str(value).replace('|', '/')} |")
-    return "\n".join(rows)
+    shown = {**run_params(run), "samples_per_step": run.get("samples_per_step")}
+    rows = [f"| {key} | {str(value).replace('|', '/')} |" for key, value in shown.items()]
+    return "\n".join(["| flag | value |", "|---|---|", *rows])
 
 
 def _quiet_writer_thread_errors() -> None:
@@ -249,8 +236,6 @@ class TensorBoardTracker:
     ) -> None:
         # Imported here: only runs that ask for TensorBoard need it importable.
         from torch.utils.tensorboard import SummaryWriter
-
-        from model_utils.report.metrics.records import set_aside
 
         _quiet_writer_thread_errors()
         self.log_dir = f"{output_dir}/tensorboard"

@@ -69,14 +69,6 @@ class Window:
     active_first: int
     end: int
 
-    @property
-    def warmup(self) -> int:
-        return self.active_first - self.first
-
-    @property
-    def active(self) -> int:
-        return self.end - self.active_first + 1
-
 
 def plan_window(spec: str | None, done: int) -> Window | None:
     """The part of ``--profile_steps`` still ahead of a run that has finished ``done`` steps
@@ -213,11 +205,11 @@ class RunProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
+        warmup = window.active_first - window.first  # recorded, not written
+        active = window.end - window.active_first + 1
         self._prof = torch.profiler.profile(
             activities=activities,
-            schedule=torch.profiler.schedule(
-                wait=0, warmup=window.warmup, active=window.active, repeat=1
-            ),
+            schedule=torch.profiler.schedule(wait=0, warmup=warmup, active=active, repeat=1),
             on_trace_ready=self._on_trace_ready,
             record_shapes=True,
         )
@@ -257,8 +249,8 @@ class RunProfiler:
             )
             return
         self.written.append(path)
-        short = "" if last == window.end else f" (the run stopped inside {window.active_first}-"
-        short += f"{window.end})" if short else ""
+        span = f"{window.active_first}-{window.end}"
+        short = "" if last == window.end else f" (the run stopped inside {span})"
         log.info(
             "Profiler trace of step(s) %s%s: %s (one per rank: rank_*%s); read it with "
             "`%s -m scripts.step_breakdown %s`",

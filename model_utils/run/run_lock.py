@@ -48,10 +48,15 @@ def lock_dirs(output_dir: str, checkpoint_dir: str) -> dict[str, Path]:
     return owned
 
 
-def _holder_text(fd: int) -> str:
-    os.lseek(fd, 0, os.SEEK_SET)
-    text = os.read(fd, 4096).decode(errors="replace").strip()
-    return text or "another process"
+def _lock_or_holder(fd: int) -> str | None:
+    """Take the flock on `fd`: None once it is ours, else who holds it (the lock file's text)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.lseek(fd, 0, os.SEEK_SET)
+        text = os.read(fd, 4096).decode(errors="replace").strip()
+        return text or "another process"
+    return None
 
 
 def _locked_message(directory: Path, holder: str) -> str:
@@ -71,12 +76,9 @@ def lock_holder(directory: str | Path) -> str | None:
     except OSError:
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return _holder_text(fd)
+        return _lock_or_holder(fd)
     finally:
         os.close(fd)  # closing releases a probe lock we may have taken
-    return None
 
 
 def locks_below(directory: Path) -> Iterator[Path]:
@@ -148,20 +150,17 @@ class RunLock:
         self.directory.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = _holder_text(fd)
+            holder = _lock_or_holder(fd)
+            if holder is not None:
                 os.close(fd)
-                raise RunLocked(_locked_message(self.directory, holder)) from None
+                raise RunLocked(_locked_message(self.directory, holder))
             if _still_named(fd, self.directory / LOCK_NAME):
                 break
             os.close(fd)  # a run that ended removed the file we locked: lock the new one
         started = time.strftime("%Y-%m-%d %H:%M:%S")
+        text = f"pid {os.getpid()} on host {socket.gethostname()} since {started}\n"
         os.ftruncate(fd, 0)
-        os.pwrite(
-            fd, f"pid {os.getpid()} on host {socket.gethostname()} since {started}\n".encode(), 0
-        )
+        os.pwrite(fd, text.encode(), 0)
         self.fd = fd
         return self
 

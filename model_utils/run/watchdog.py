@@ -44,15 +44,6 @@ def auto_limit(step_seconds: float | None) -> float:
     return max(HANG_FLOOR_S, HANG_STEP_FACTOR * step_seconds)
 
 
-def stacks_path(output_dir: str | os.PathLike[str], rank: int) -> Path:
-    return Path(output_dir) / "hang" / f"stacks.rank{rank}.txt"
-
-
-def flight_recorder_prefix(output_dir: str | os.PathLike[str]) -> Path:
-    """``<run>/flight_recorder/rank_``: PyTorch appends the rank; torchfrtrace reads the folder."""
-    return Path(output_dir).absolute() / "flight_recorder" / "rank_"
-
-
 #: The first torch that reads TORCH_FR_* (and warns, on every rank's stderr, about the older
 #: TORCH_NCCL_TRACE_BUFFER_SIZE / TORCH_NCCL_DEBUG_INFO_TEMP_FILE names it still honours).
 FR_NAMES_SINCE = (2, 7)
@@ -74,7 +65,9 @@ def flight_recorder_env(
     names this torch ``release`` reads (values the user set, under either name, are kept)."""
     size = env.get("TORCH_FR_BUFFER_SIZE") or env.get("TORCH_NCCL_TRACE_BUFFER_SIZE")
     size = size or str(FLIGHT_RECORDER_ENTRIES)
-    prefix = flight_recorder_file(env) or str(flight_recorder_prefix(output_dir))
+    # <run>/flight_recorder/rank_: PyTorch appends the rank; torchfrtrace reads the folder
+    default = Path(output_dir).absolute() / "flight_recorder" / "rank_"
+    prefix = flight_recorder_file(env) or str(default)
     new = (release or torch_release()) >= FR_NAMES_SINCE
     size_name = "TORCH_FR_BUFFER_SIZE" if new else "TORCH_NCCL_TRACE_BUFFER_SIZE"
     file_name = "TORCH_FR_DUMP_TEMP_FILE" if new else "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
@@ -127,7 +120,8 @@ class Watchdog:
         self.auto = limit is None
         self.limit = auto_limit(None) if limit is None else limit
         self.enabled = self.limit > 0
-        self.path, self.rank = stacks_path(output_dir, rank), rank
+        self.path = Path(output_dir) / "hang" / f"stacks.rank{rank}.txt"
+        self.rank = rank
         self.flight_recorder = flight_recorder
         self._last = time.monotonic()
         self._paused = 0

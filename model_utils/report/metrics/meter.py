@@ -74,9 +74,9 @@ class StepMeter:
     device. ``sync`` and ``clock`` are injectable so tests can simulate an asynchronous device.
 
     Each report also carries the run's time (``elapsed_before`` plus the time since
-    :meth:`start`) and, given ``max_steps``, an estimate
-    of the time left (:func:`remaining_seconds`): the median time per step of the windows that
-    end after this process's first ``warmup_steps`` steps (a resumed run warms up again).
+    :meth:`start`) and, given ``max_steps``, an estimate of the time left
+    (:func:`remaining_seconds`) from the windows that end after this process's first
+    ``warmup_steps`` steps (a resumed run warms up again).
     """
 
     flops_per_token: float

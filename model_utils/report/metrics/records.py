@@ -267,12 +267,10 @@ def format_duration(seconds: float) -> str:
     days, rest = divmod(whole, 86400)
     hours, rest = divmod(rest, 3600)
     minutes, secs = divmod(rest, 60)
-    if days:
-        return f"{days}d{hours:02d}h"
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    if minutes:
-        return f"{minutes}m{secs:02d}s"
+    pairs = ((days, "d", hours, "h"), (hours, "h", minutes, "m"), (minutes, "m", secs, "s"))
+    for big, big_unit, small, small_unit in pairs:
+        if big:
+            return f"{big}{big_unit}{small:02d}{small_unit}"
     return f"{secs}s"
 
 
@@ -300,7 +298,8 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
+    """An int or float, not a bool (an int to Python, but no figure: JSON true)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -331,6 +330,6 @@ def record_problem(record: Any, number_fields: tuple[str, ...]) -> str | None:
     if REQUIRED_FIELD[kind] not in record:
         return f"has no {REQUIRED_FIELD[kind]!r}"
     for key in number_fields:
-        if record.get(key) is not None and not _is_number(record[key]):
+        if record.get(key) is not None and not is_number(record[key]):
             return f"has {key} {record[key]!r}, not a number"
     return None
