@@ -14,6 +14,7 @@ from model_utils.config.options import (
     TE_RECIPE_OPTIONS,
     TE_RECIPES,
     TORCHAO_RECIPES,
+    TRACKERS,
 )
 from model_utils.config.sections import Config, flag_specs
 from model_utils.errors import UsageError
@@ -34,11 +35,7 @@ def check_consistency(config: Config) -> Config:
 
 
 #: --tracker's names -> the package each needs (None: in requirements.txt already).
-TRACKER_PACKAGES: dict[str, str | None] = {
-    "tensorboard": None,
-    "wandb": "wandb",
-    "mlflow": "mlflow",
-}
+TRACKER_PACKAGES: dict[str, str | None] = {row.name: row.package for row in TRACKERS}
 
 
 def tracker_names(spec: str) -> list[str]:

@@ -24,6 +24,24 @@ DATA_CHECKS = ("sampled", "full")
 
 
 @dataclass(frozen=True)
+class Tracker:
+    """One ``--tracker`` name: the package it needs before any process starts (None: in
+    requirements.txt already) and its sink, the class of that name in report/trackers.py. A new
+    tracker is that class and one row of TRACKERS; a test holds each row to its class."""
+
+    name: str
+    package: str | None
+    sink: str
+
+
+TRACKERS = (
+    Tracker("tensorboard", None, "TensorBoardTracker"),
+    Tracker("wandb", "wandb", "WandbTracker"),
+    Tracker("mlflow", "mlflow", "MlflowTracker"),
+)
+
+
+@dataclass(frozen=True)
 class Fp8Recipe:
     """One ``--fp8_recipe``, all that the flags, the rules, the TE backend and its requirements
     know of it. A new recipe is one row of FP8_RECIPES (and, for TE, its class in the TE double:

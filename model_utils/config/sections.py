@@ -48,6 +48,7 @@ from model_utils.config.options import (
     RESHARD_POLICIES,
     TE_RECIPES,
     TORCHAO_RECIPES,
+    TRACKERS,
 )
 
 #: The model's size: what FLOPs, a checkpoint's tensors and a like-for-like comparison hang on
@@ -495,9 +496,9 @@ class RunConfig:
         field_default=None,
     )
     tracker: str = flag(
-        "experiment trackers fed from rank 0 at report steps: wandb, mlflow, tensorboard "
-        "(tensorboard = --tensorboard); a resume continues the same tracker runs; see "
-        "docs/trackers.md (default: none)",
+        "experiment trackers fed from rank 0 at report steps: "
+        f"{', '.join(row.name for row in TRACKERS)} (tensorboard = --tensorboard); a resume "
+        "continues the same tracker runs; see docs/trackers.md (default: none)",
         resume=Resume.FREE,
         default="",
         metavar="NAME[,NAME]",

@@ -1,6 +1,7 @@
 """Experiment trackers (``--tracker wandb,mlflow,tensorboard``): what metrics.jsonl holds, sent
 from rank 0 at report steps, beside the JSONL file (which stays the record of truth): each is a
-sink of the same records (write one, close at the end), one class and one row of SINKS.
+sink of the same records (write one, close at the end): a class here, named by its row of
+config.options.TRACKERS.
 
 A run keeps its tracker run ids in ``<output_dir>/trackers.json``: a resume (Ctrl-C, preemption,
 a Slurm requeue) continues the same W&B run and the same MLflow run, never a second one. Each run
@@ -23,6 +24,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from model_utils.config.options import TRACKERS
 from model_utils.config.sections import precision_name
 from model_utils.errors import first_line
 from model_utils.report.metrics.records import is_number, set_aside
@@ -266,12 +268,9 @@ class TensorBoardTracker:
 
 
 #: Each --tracker name -> how its sink opens: ``(run record, output_dir, kept run id, the step a
-#: resume starts at (0: a fresh start)) -> Sink``. The names --tracker takes are
-#: config.flag_rules.TRACKER_PACKAGES; a test holds the two tables to the same names.
+#: resume starts at (0: a fresh start)) -> Sink``; the class its config.options.TRACKERS row names.
 SINKS: dict[str, Callable[[Mapping[str, Any], str, str | None, int], Sink]] = {
-    "tensorboard": TensorBoardTracker,
-    "wandb": WandbTracker,
-    "mlflow": MlflowTracker,
+    row.name: globals()[row.sink] for row in TRACKERS
 }
 
 #: The reporting thread's name (the library noise it causes is filtered by it).

@@ -11,6 +11,7 @@ import pytest
 
 from model_utils.config import flag_rules
 from model_utils.config.arguments import UsageError, parse_args
+from model_utils.config.options import TRACKERS
 from model_utils.report import trackers
 
 
@@ -100,9 +101,16 @@ def _warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 
-def test_the_tracker_names_are_the_sinks_names() -> None:
-    """--tracker's table (config stage, with each package) and the sinks (run stage)."""
-    assert list(flag_rules.TRACKER_PACKAGES) == list(trackers.SINKS)
+def test_each_tracker_row_opens_the_sink_of_its_name() -> None:
+    """A tracker is one row of config.options.TRACKERS (its name, package and sink class) and its
+    class: --tracker, the package check, the help and the sinks all read that row."""
+    assert (
+        [row.name for row in TRACKERS] == list(flag_rules.TRACKER_PACKAGES) == list(trackers.SINKS)
+    )
+    for row in TRACKERS:
+        sink = trackers.SINKS[row.name]
+        assert sink.__name__ == row.sink and sink.name == row.name
+        assert callable(sink.write) and callable(sink.close)
 
 
 def test_a_failing_tracker_is_one_warning_and_the_others_go_on(
