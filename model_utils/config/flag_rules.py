@@ -6,6 +6,7 @@ recipe an implementation's backend runs; and the checks each flag's own declarat
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 
 from model_utils.config.options import (
@@ -216,6 +217,8 @@ def _check_combinations(config: Config) -> None:
         raise UsageError("--fp8_numerics measures FP8 casts: it needs --fp8=1")
     if config.optim.master_weights == "optimizer":
         _check_optimizer_master_weights(config)
+    if config.parallel.sharding_strategy == "none":
+        _check_unsharded(config, int(os.environ.get("WORLD_SIZE", "1")))
     if config.checkpoint.async_checkpoint and config.optim.optimizer != "adamw":
         raise UsageError(
             f"--async_checkpoint cannot save --optimizer {config.optim.optimizer}'s states: DCP's "
@@ -250,6 +253,26 @@ def _check_bf16_layers(config: Config) -> None:
                 f"{-config.model.num_layers} to "
                 f"{config.model.num_layers - 1}, comma-separated, e.g. 0,-1)"
             )
+
+
+def _check_unsharded(config: Config, world_size: int) -> None:
+    """--sharding_strategy none is one process holding the whole model: no ranks to shard over,
+    so FSDP2's own knobs would be dead flags."""
+    if world_size > 1:
+        raise UsageError(
+            f"--sharding_strategy none runs one process without FSDP2, but this launch has "
+            f"{world_size} ranks: use --sharding_strategy full (or launch one process)"
+        )
+    if config.parallel.reshard_after_forward != "default":
+        raise UsageError(
+            f"--reshard_after_forward {config.parallel.reshard_after_forward} is an FSDP2 "
+            "choice; --sharding_strategy none keeps the whole model in place: drop one of them"
+        )
+    if config.precision.fp8_all_gather:
+        raise UsageError(
+            "--fp8_all_gather gathers FSDP2's weight shards in float8; --sharding_strategy none "
+            "gathers nothing: drop one of them"
+        )
 
 
 def _check_optimizer_master_weights(config: Config) -> None:

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 MODEL_IMPLS = ("auto", "hf", "te", "te_linear")
 #: ``--reshard_after_forward``: which FSDP2 units free their gathered parameters after forward.
 RESHARD_POLICIES = ("default", "never", "always")
+#: --sharding_strategy: FSDP2 over all ranks, HSDP (shard in a node), or no FSDP2 (a world of one)
+SHARDING_STRATEGIES = ("full", "hybrid", "none")
 #: What each checkpointed layer recomputes (``--ac_scope``): the whole decoder layer, or only
 #: its MLP (for ``--model_impl te`` TE's own LayerNormMLP recompute, which skips fc2).
 AC_SCOPES = ("layer", "mlp")

@@ -46,6 +46,7 @@ from model_utils.config.options import (
     MODEL_IMPLS,
     OPTIMIZERS,
     RESHARD_POLICIES,
+    SHARDING_STRATEGIES,
     TE_RECIPES,
     TORCHAO_RECIPES,
     TRACKERS,
@@ -313,10 +314,12 @@ class ParallelConfig:
     """How the model is spread over ranks and what is traded for memory."""
 
     sharding_strategy: str = flag(
-        "full: FSDP2 over all ranks; hybrid: shard in a node, replicate across",
+        "full: FSDP2 over all ranks; hybrid: shard in a node, replicate across; none: one "
+        "process without FSDP2 (the whole model in place, bf16 by torch.autocast as torchtitan "
+        "on one device: no per-step parameter copies)",
         resume=Resume.FREE,
         default="full",
-        choices=("full", "hybrid"),
+        choices=SHARDING_STRATEGIES,
     )
     reshard_after_forward: str = flag(
         "FSDP2: default = all but the last layer and [norm, lm_head] (torchtitan); never = "

@@ -261,7 +261,15 @@ def linear_cross_entropy(
     """Causal-LM loss of ``hidden`` ``[batch, seq, h]`` through ``lm_head`` weight ``[V, h]``
     against unshifted ``labels`` ``[batch, seq]`` (what HF models take); ``compiled`` runs each
     training chunk through :func:`compiled_softmax_minus_target`, ``fp8`` its GEMMs through
-    :class:`Fp8Gemms`."""
+    :class:`Fp8Gemms`. Under torch.autocast (no FSDP2 to cast ``weight``) the GEMMs read both
+    operands in autocast's dtype, outside autocast: the loss's own casts are exact."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):  # no FSDP2: run the GEMMs as autocast would
+        dtype = torch.get_autocast_dtype(device_type)
+        with torch.autocast(device_type, enabled=False):
+            return linear_cross_entropy(
+                hidden.to(dtype), weight.to(dtype), labels, chunk, compiled, fp8
+            )
     chunk = chunk or chunk_tokens(weight.shape[0], weight.shape[1])
     targets = shift_labels(labels).reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])

@@ -242,7 +242,14 @@ def shard(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig, bf16: bo
     root. bf16 parameters for compute and fp32 gradient reduction; master weights stay fp32:
     the parameters themselves, or with --master_weights optimizer (bf16 parameters, which the
     policy then leaves uncast) the optimizer's copies.
+
+    ``--sharding_strategy none`` (a world of one) leaves the model as it is: no shards to
+    gather, so none of FSDP2's per-step copies, events and DTensor swaps; the precision
+    backend's torch.autocast computes in bf16 instead (backends.autocast_dtype).
     """
+    if parallel.sharding_strategy == "none":
+        model.model.embed_tokens.register_forward_hook(_rows_in_autocast_dtype)
+        return model
     compute = torch.bfloat16 if bf16 else torch.float32
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
     units = fsdp_units(model, parallel.reshard_after_forward)
@@ -250,6 +257,15 @@ def shard(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig, bf16: bo
         fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+def _rows_in_autocast_dtype(module: nn.Module, args: Any, rows: torch.Tensor) -> torch.Tensor:
+    """The embedding's rows in autocast's dtype (autocast leaves a lookup in fp32): the residual
+    stream then runs in bf16, as it does from FSDP2's bf16 parameters."""
+    device_type = rows.device.type
+    if torch.is_autocast_enabled(device_type):
+        return rows.to(torch.get_autocast_dtype(device_type))
+    return rows
 
 
 def fsdp_units(

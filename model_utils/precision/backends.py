@@ -14,8 +14,10 @@ never by name) has these duties, each called at one point of the step (docs/arch
   checkpoint_fn               the activation-checkpoint function its layers need, or None (torch's)
 Compute dtype itself comes from FSDP2's MixedPrecisionPolicy (bf16 params for compute, fp32
 master weights and gradient reduction), the way torchtitan does it, so --fp8=0 and --fp8=1 run the
-same bf16 model and the comparison isolates FP8. With --master_weights optimizer the parameters
-are bf16 already (no cast) and the fp32 masters live in the optimizer (model_utils/master_weights).
+same bf16 model and the comparison isolates FP8. Without FSDP2 (--sharding_strategy none) every
+backend's autocast adds torch.autocast in bf16 instead, torchtitan's single-device choice. With
+--master_weights optimizer the parameters are bf16 already (no cast) and the fp32 masters live in
+the optimizer (model_utils/master_weights).
 Transformer Engine lives in precision/te.py and is imported only when the TE implementation is
 selected.
 """
@@ -64,22 +66,34 @@ class PrecisionBackend(Protocol):
     def describe(self) -> str: ...
 
 
+def autocast_dtype(config: Config) -> torch.dtype | None:
+    """What torch.autocast computes in where no FSDP2 casts the parameters (--sharding_strategy
+    none with bf16); None where FSDP2's MixedPrecisionPolicy does (or fp32 throughout)."""
+    unsharded = config.parallel.sharding_strategy == "none"
+    return torch.bfloat16 if unsharded and config.precision.bf16 else None
+
+
 class BF16:
-    """No module swaps: FSDP2 computes in bf16 (or fp32 with --bf16=0)."""
+    """No module swaps: FSDP2 computes in bf16 (or fp32 with --bf16=0), or torch.autocast does
+    without FSDP2."""
 
     name = "bf16"
     checkpoint_fn = None
     te_recipe = None
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, device: torch.device | None = None) -> None:
         self.compute = "bf16" if config.precision.bf16 else "fp32"
         self.masters = MASTERS_WHERE[config.optim.master_weights]
+        self.torch_autocast_dtype = autocast_dtype(config)
+        self.device_type = device.type if device is not None else "cpu"
 
     def prepare(self, model: nn.Module) -> nn.Module:
         return model
 
     def autocast(self, first_micro_batch: bool | None = None) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+        if self.torch_autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.torch_autocast_dtype)
 
     def after_optimizer_step(self, model: nn.Module) -> None:
         return None
@@ -89,6 +103,8 @@ class BF16:
         return None
 
     def describe(self) -> str:
+        if self.torch_autocast_dtype is not None:
+            return f"precision: bf16 compute by torch.autocast, {self.masters}, no FSDP2"
         return f"precision: {self.compute} compute, {self.masters}, fp32 gradient reduce"
 
 
@@ -112,12 +128,12 @@ def _fp8_eligible(module: nn.Module, fqn: str) -> bool:
 
 class TorchaoFloat8(BF16):
     """torchao.float8: nn.Linear -> Float8Linear with dynamic scaling; emulated on CPU. The
-    rest is BF16's: no TE recipe, torch's checkpointing, no autocast, no AdamW of its own."""
+    rest is BF16's: no TE recipe, torch's checkpointing, its autocast, no AdamW of its own."""
 
     name = "torchao-fp8"
 
     def __init__(self, config: Config, device: torch.device) -> None:
-        super().__init__(config)
+        super().__init__(config, device)
         self.recipe_name = config.precision.fp8_recipe
         self.all_gather = config.precision.fp8_all_gather
         # Real FP8 GEMMs need FP8 tensor cores; elsewhere torchao emulates the numerics around
@@ -171,6 +187,8 @@ class TorchaoFloat8(BF16):
         if self.bf16_layers:
             kept += f"; {kept_layers_words(self.bf16_layers)} ({len(self.in_kept_layers)} linears)"
         head = "; lm_head's GEMMs in FP8 (chunked loss)" if self.fp8_lm_head else ""
+        if self.torch_autocast_dtype is not None:
+            head += "; bf16 compute by torch.autocast, no FSDP2"
         return (
             f"precision: torchao float8 {self.recipe_name}{gather}, {mode}; "
             f"{len(self.converted)} linears in FP8, kept in {self.compute}: {kept}{head}"
@@ -186,7 +204,12 @@ def build_backend(
         from model_utils.precision.te import TEBackend
 
         numerics = config.run.fp8_numerics and config.precision.model_impl == "te"
-        return TEBackend(config, dp_group=dp_group, numerics=numerics)
+        return TEBackend(
+            config,
+            dp_group=dp_group,
+            torch_autocast_dtype=autocast_dtype(config),
+            numerics=numerics,
+        )
     if config.precision.fp8:
         return TorchaoFloat8(config, device)
-    return BF16(config)
+    return BF16(config, device)

@@ -198,11 +198,28 @@ def test_the_parser_is_derived_from_the_fields():
             ["--hidden_width=260", "--num_heads=4"],
             "gives heads of 65 dimensions; RoPE needs an even number",
         ),
+        (
+            ["--sharding_strategy=none", "--reshard_after_forward=never"],
+            "--reshard_after_forward never is an FSDP2 choice; --sharding_strategy none keeps",
+        ),
+        (
+            ["--sharding_strategy=none", "--fp8=1", "--fp8_all_gather"],
+            "--fp8_all_gather gathers FSDP2's weight shards in float8; --sharding_strategy none",
+        ),
     ],
 )
 def test_bad_flags_raise_usage_error(argv, message):
     with pytest.raises(UsageError, match=re.escape(message)):
         parse_args(argv)
+
+
+def test_no_fsdp2_needs_a_world_of_one(monkeypatch):
+    """--sharding_strategy none in a launch of several ranks: refused before any process group."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert parse_args(["--sharding_strategy=none"]).parallel.sharding_strategy == "none"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UsageError, match="this launch has 2 ranks: use --sharding_strategy full"):
+        parse_args(["--sharding_strategy=none"])
 
 
 def test_the_largest_seed_starts_a_run_the_same_way_twice():

@@ -85,6 +85,26 @@ def test_all_ignored_labels_give_zero_not_nan() -> None:
     assert all(torch.isfinite(p.grad).all() for p in chunked.parameters() if p.grad is not None)
 
 
+def test_under_autocast_the_loss_runs_its_gemms_in_autocasts_dtype() -> None:
+    """Without FSDP2 (--sharding_strategy none) fp32 hidden states and weight arrive under
+    torch.autocast: the loss and its gradients are those of bf16 operands, and the weight's
+    gradient comes back in the weight's fp32."""
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 16, 32, requires_grad=True)
+    weight = torch.randn(64, 32, requires_grad=True)
+    labels = torch.randint(0, 64, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = loss.linear_cross_entropy(hidden, weight, labels, chunk=8)
+    got.backward()
+    bf16 = [t.detach().bfloat16().requires_grad_() for t in (hidden, weight)]
+    want = loss.linear_cross_entropy(*bf16, labels, chunk=8)
+    want.backward()
+    assert torch.equal(got, want)
+    assert weight.grad.dtype == torch.float32
+    assert torch.equal(weight.grad, bf16[1].grad.float())
+    assert torch.equal(hidden.grad, bf16[0].grad.float())
+
+
 def test_train_py_trains_the_same_with_and_without_the_chunked_loss(tmp_path) -> None:
     """The flag through train.py's own model build (FSDP2, world of one): same losses."""
     from helpers.inprocess import SMALL, world_of_one

@@ -1,0 +1,80 @@
+"""--sharding_strategy none: a world of one without FSDP2. The model stays as built (no DTensor,
+no FSDP2 hooks), torch.autocast computes in bf16 with the residual stream in bf16 as FSDP2's
+bf16 parameters give it, it trains like the FSDP2 run on every backend, and its checkpoints
+move to FSDP2 and back exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.inprocess import Run
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from model_utils.parallel.distributed import decoder_layers
+
+NONE = ("--bf16=1", "--sharding_strategy", "none")
+FULL = ("--bf16=1",)
+
+BACKENDS = [
+    pytest.param("hf", False, id="hf-bf16"),
+    pytest.param("hf", True, id="hf-torchao_fp8"),
+    pytest.param("te", True, id="te-fp8"),
+    pytest.param("te_linear", True, id="te_linear-fp8"),
+]
+
+
+def layer_output_dtypes(run: Run) -> set[torch.dtype]:
+    """The dtype of each decoder layer's output in one training forward (the residual stream)."""
+    seen: set[torch.dtype] = set()
+
+    def record(module, args, output) -> None:
+        seen.add((output[0] if isinstance(output, tuple) else output).dtype)
+
+    hooks = [layer.register_forward_hook(record) for layer in decoder_layers(run.model)]
+    run.step(seed=0)
+    for hook in hooks:
+        hook.remove()
+    return seen
+
+
+@pytest.mark.parametrize(("impl", "fp8"), BACKENDS)
+def test_without_fsdp2_a_world_of_one_trains_like_fsdp2(impl, fp8, tmp_path, te_double) -> None:
+    fsdp2 = Run(impl, fp8, seed=1, checkpoint_dir=tmp_path / "full", flags=FULL)
+    plain = Run(impl, fp8, seed=1, checkpoint_dir=tmp_path / "none", flags=NONE)
+    assert isinstance(fsdp2.model, FSDPModule) and not isinstance(plain.model, FSDPModule)
+    assert not any(isinstance(p, DTensor) for p in plain.model.parameters())
+    assert {p.dtype for p in plain.model.parameters()} == {torch.float32}  # the master weights
+    assert "torch.autocast" in plain.backend.describe()
+
+    assert layer_output_dtypes(plain) == layer_output_dtypes(fsdp2) == {torch.bfloat16}
+    losses = {
+        name: [run.step(seed=s) for s in (1, 2, 1)]
+        for name, run in (("full", fsdp2), ("none", plain))
+    }
+    assert losses["none"] == pytest.approx(losses["full"], rel=1e-3)
+    assert losses["none"][2] < losses["none"][0]  # the same batch again: learned
+
+
+@pytest.mark.parametrize("direction", ["none->full", "full->none"])
+def test_a_checkpoint_moves_between_fsdp2_and_a_plain_model_exactly(direction, tmp_path) -> None:
+    """DCP saves plain tensors and DTensor shards alike: weights, AdamW moments and the schedule
+    arrive exactly, and the next step computes what the saving run's next step computes."""
+    saved_flags, loaded_flags = (NONE, FULL) if direction == "none->full" else (FULL, NONE)
+    saved = Run("hf", True, seed=1, checkpoint_dir=tmp_path / "a", flags=saved_flags)
+    for s in range(2):
+        saved.step(seed=s)
+    path = saved.checkpointer.save(2, saved.state)
+
+    loaded = Run("hf", True, seed=2, checkpoint_dir=tmp_path / "b", flags=loaded_flags)
+    loaded.checkpointer.load(path, loaded.state)
+    assert loaded.state.step == 2
+    for got, want in (
+        (loaded.hf_weights(), saved.hf_weights()),
+        (loaded.hf_moments("exp_avg"), saved.hf_moments("exp_avg")),
+        (loaded.hf_moments("exp_avg_sq"), saved.hf_moments("exp_avg_sq")),
+    ):
+        assert set(got) == set(want)
+        assert all(torch.equal(got[name], want[name]) for name in want)
+    assert loaded.scheduler.get_last_lr() == saved.scheduler.get_last_lr()
+    assert loaded.step(seed=5) == pytest.approx(saved.step(seed=5), rel=1e-3)
