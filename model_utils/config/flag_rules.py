@@ -261,7 +261,8 @@ def _check_unsharded(config: Config, world_size: int) -> None:
     if world_size > 1:
         raise UsageError(
             f"--sharding_strategy none runs one process without FSDP2, but this launch has "
-            f"{world_size} ranks: use --sharding_strategy full (or launch one process)"
+            f"{world_size} ranks: use --sharding_strategy full, or launch one process "
+            "(NPROC_PER_NODE=1 with 1.train_llama.sbatch)"
         )
     if config.parallel.reshard_after_forward != "default":
         raise UsageError(

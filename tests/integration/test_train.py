@@ -21,8 +21,14 @@ SEED_LINE = re.compile(
 
 
 def test_loss_goes_down_and_log_lines_have_the_seed_format(tmp_path):
+    """The whole of train.py in a world of one, here without FSDP2 (--sharding_strategy none,
+    bf16 by torch.autocast); the other runs of this file are FSDP2's."""
     out = tmp_path / "run"
-    result = run_train(*FAST, "--max_steps=30", "--warmup=5", f"--output_dir={out}")
+    no_fsdp2 = ["--sharding_strategy=none", "--bf16=1"]
+    result = run_train(*FAST, *no_fsdp2, "--max_steps=30", "--warmup=5", f"--output_dir={out}")
+    assert (
+        "precision: bf16 compute by torch.autocast, fp32 master weights, no FSDP2" in result.stdout
+    )
     seed_lines = [m for ln in result.stdout.splitlines() if (m := SEED_LINE.search(ln))]
     assert [int(m.group(1)) for m in seed_lines] == list(range(1, 31))
     # The printed numbers are the JSONL numbers, formatted exactly as upstream.
