@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import re
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -364,6 +365,8 @@ class TELlamaDecoderLayer(nn.Module):
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
         #: Set per micro-batch by ``te_state.set_is_first_microbatch`` (TE caches FP8 weights).
         self.te_is_first_microbatch: bool | None = None
+        #: ``transformer_layer`` replays CUDA graphs in training (capture_cuda_graphs).
+        self.graphed = False
 
     def reset_rope_buffers(self) -> None:
         """Nothing to reset: frequencies live in a plain CPU attribute, not a meta buffer."""
@@ -394,6 +397,11 @@ class TELlamaDecoderLayer(nn.Module):
         is_first_microbatch = kwargs.pop("is_first_microbatch", self.te_is_first_microbatch)
         rotary_pos_emb = self._rotary_pos_emb(hidden_states, position_ids)
         mask_type, te_mask = hf_mask_to_te(attention_mask)
+        if self.graphed and te_mask is not None and self.training:
+            raise ValueError(
+                "this layer's CUDA graph (--cuda_graphs) was captured causal, without a mask: a "
+                "padding mask cannot reach it; train on packed sequences or drop --cuda_graphs"
+            )
         with nullcontext() if self.fp8 else fp8_disabled():
             return self.transformer_layer(
                 hidden_states,
@@ -402,6 +410,52 @@ class TELlamaDecoderLayer(nn.Module):
                 rotary_pos_emb=rotary_pos_emb,
                 is_first_microbatch=is_first_microbatch,
             )
+
+
+def capture_cuda_graphs(model: nn.Module, backend: Any, micro_batch: int, seq_len: int) -> None:
+    """--cuda_graphs: each decoder layer's ``te.TransformerLayer`` captured, forward and backward,
+    by TE's ``make_graphed_callables`` (all layers in one call: one memory pool), so a training
+    step launches one graph per layer where it launched every kernel from the host.
+
+    Captured in training mode at the training shape ``[micro_batch, seq_len, hidden]`` in the
+    compute dtype, under the same torch.autocast as the steps (without its weight cache, which
+    TE refuses) and with the backend's FP8 recipe and amax group; a layer kept in BF16 is
+    captured without FP8. The graph's only keyword input is the RoPE angles: TE replays with the
+    keywords it was captured with and drops the others (mask type and FP8 weight caching stay as
+    captured). Validation runs in eval mode, which TE sends to the eager forward. Call it after
+    a resume has loaded the parameters: the graphs read them where they are, and the optimizer
+    updates them in place.
+    """
+    te = import_te()
+    layers = list(model.model.layers)
+    device = next(model.parameters()).device
+    dtype = backend.torch_autocast_dtype or torch.float32
+    sample_args, sample_kwargs = [], []
+    for layer in layers:
+        hidden = torch.randn(
+            micro_batch, seq_len, layer.hidden_size, device=device, dtype=dtype, requires_grad=True
+        )
+        sample_args.append((hidden,))
+        sample_kwargs.append({"rotary_pos_emb": layer._rotary_pos_emb(hidden, None)})
+    autocast = torch.autocast(device.type, dtype=dtype, cache_enabled=False)
+    with autocast if dtype != torch.float32 else nullcontext():
+        te.make_graphed_callables(
+            tuple(layer.transformer_layer for layer in layers),
+            tuple(sample_args),
+            sample_kwargs=tuple(sample_kwargs),
+            enabled=tuple(backend.fp8 and layer.fp8 for layer in layers),
+            recipe=backend.te_recipe if backend.fp8 else None,
+            amax_reduction_group=backend.dp_group,
+        )
+    for layer in layers:
+        layer.graphed = True
+    logging.getLogger("train").info(
+        "cuda graphs: %d decoder layers captured at %d x %d tokens (TE make_graphed_callables); "
+        "validation runs them eagerly",
+        len(layers),
+        micro_batch,
+        seq_len,
+    )
 
 
 def fp8_disabled() -> AbstractContextManager:

@@ -169,6 +169,10 @@ def train(
 
     reads = data.ReadGuard(stream, config.data.text_column, world.world_size)
     model.train()
+    if config.parallel.cuda_graphs:  # after a resume: the graphs read the parameters in place
+        te_llama.capture_cuda_graphs(
+            model, backend, config.data.train_batch_size, config.model.max_context_width
+        )
     run.run_log.meter.start()
     start_step = state.step
     profiler = RunProfiler(config.run, world.rank, world.world_size, device, state.step)

@@ -49,9 +49,10 @@
 #           compare_runs of the two                                                 ~5 min
 #   host-1b  the host gap on the 1B recipe: te-fp8 under FSDP2 (the shipped recipe) against
 #           te-fp8 and te-bf16 with --sharding_strategy none (no FSDP2 in a world of one: no
-#           per-step parameter copies), 30 steps each through the launcher, steps 20-21
-#           profiled; step_breakdown of each FP8 run against the bf16 one (the GPU's wait for
-#           the host, measured), compare_runs of the three                        ~6 min
+#           per-step parameter copies), and te-fp8 without FSDP2 with its layers as CUDA graphs
+#           (--cuda_graphs, eager around them: not with --compile), 30 steps each through the
+#           launcher, steps 20-21 profiled; step_breakdown of each FP8 run against the bf16 one
+#           (the GPU's wait for the host, measured), compare_runs of the four     ~7 min
 #
 # TE searches the CUDA toolkit and the system for cuDNN before pip's: on the H100 of 2026-11-24
 # it loaded Debian's 9.14 beside torch's 9.19, and deterministic FP8 attention was refused.
@@ -178,10 +179,12 @@ recipe() {
         recipe 1b-fp8 llama3.2-1b-fp8
         recipe 1b-fp8-none llama3.2-1b-fp8 --sharding_strategy none
         recipe 1b-bf16-none llama3.2-1b-bf16 --sharding_strategy none
-        "$python" -m scripts.step_breakdown "$out/1b-bf16-none" "$out/1b-fp8" --no_hta
-        "$python" -m scripts.step_breakdown "$out/1b-bf16-none" "$out/1b-fp8-none" --no_hta
-        "$python" -m scripts.compare_runs "$out/1b-fp8" "$out/1b-fp8-none" "$out/1b-bf16-none" \
-            --output "$out/host-1b.png" || true
+        recipe 1b-fp8-graphs llama3.2-1b-fp8 --sharding_strategy none --compile=0 --cuda_graphs
+        for run in 1b-fp8 1b-fp8-none 1b-fp8-graphs; do
+            "$python" -m scripts.step_breakdown "$out/1b-bf16-none" "$out/$run" --no_hta || true
+        done
+        "$python" -m scripts.compare_runs "$out/1b-fp8" "$out/1b-fp8-none" "$out/1b-fp8-graphs" \
+            "$out/1b-bf16-none" --output "$out/host-1b.png" || true
         ;;
     *)
         echo "unknown phase $phase: loss, levers, masters, compile, reshard, ac, best, tier, attention, torchao, depth, full-torchao, full, attention-3b, scaling-1b or host-1b" >&2

@@ -122,6 +122,29 @@ def check_fp8_compute(config: Config, cuda: bool) -> None:
         )
 
 
+def check_cuda_graphs(config: Config, cuda: bool) -> None:
+    """TE graphs whole modules that have no hooks (FSDP2's would be captured: refused by TE),
+    replayed at fixed shapes on a GPU, each layer's forward and backward kept in a graph, which
+    neither a compiled layer nor a recomputed one is."""
+    parallel = config.parallel
+    if not parallel.cuda_graphs:
+        return
+    needs = [
+        ("--model_impl te", config.precision.model_impl == "te"),
+        ("--sharding_strategy none", parallel.sharding_strategy == "none"),
+        ("a CUDA GPU", cuda),
+        ("no --compile", not parallel.compile),
+        ("no --activation_checkpointing", not parallel.activation_checkpointing),
+        ("no --fp8_numerics", not config.run.fp8_numerics),
+    ]
+    missing = [words for words, ok in needs if not ok]
+    if missing:
+        raise UsageError(
+            f"--cuda_graphs captures TE's decoder layers as CUDA graphs: it needs "
+            f"{', '.join(missing)}"
+        )
+
+
 def check_memory_snapshot(config: Config, cuda: bool) -> None:
     """A snapshot is of CUDA's caching allocator: without a GPU there is none to record."""
     if config.run.memory_snapshot_step is not None and not cuda:

@@ -345,6 +345,13 @@ class ParallelConfig:
         choices=AC_SCOPES,
     )
     compile: bool = flag("torch.compile each decoder layer", resume=Resume.FREE, default=False)
+    cuda_graphs: bool = flag(
+        "--model_impl te without FSDP2 (--sharding_strategy none) on a GPU: capture each decoder "
+        "layer's forward and backward as CUDA graphs (TE's make_graphed_callables), one launch "
+        "per layer instead of its kernels; not with --compile or --activation_checkpointing",
+        resume=Resume.FREE,
+        default=False,
+    )
     chunked_loss: bool = flag(
         "lm_head + cross-entropy by chunks, no full logits; 0 = HF's",
         resume=Resume.FREE,

@@ -305,9 +305,12 @@ class TEBackend:
             if self.fp8 and self._model is not None and not torch.is_grad_enabled():
                 stack.enter_context(fp8_scaling_kept(self._model))  # exits after TE's autocast
             if self.torch_autocast_dtype is not None:
-                stack.enter_context(
-                    torch.autocast(device_type=device_type, dtype=self.torch_autocast_dtype)
+                # without its weight cache: TE casts its own weights, and --cuda_graphs'
+                # capture refuses the cache
+                autocast = torch.autocast(
+                    device_type=device_type, dtype=self.torch_autocast_dtype, cache_enabled=False
                 )
+                stack.enter_context(autocast)
             if self.fp8:
                 recipe, group = self.te_recipe, self.dp_group
                 if hasattr(te, "autocast"):

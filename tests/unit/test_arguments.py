@@ -199,6 +199,11 @@ def test_the_parser_is_derived_from_the_fields():
             "gives heads of 65 dimensions; RoPE needs an even number",
         ),
         (
+            ["--cuda_graphs", "--compile"],
+            "--cuda_graphs captures TE's decoder layers as CUDA graphs: it needs --model_impl te, "
+            "--sharding_strategy none, a CUDA GPU, no --compile",
+        ),
+        (
             ["--sharding_strategy=none", "--reshard_after_forward=never"],
             "--reshard_after_forward never is an FSDP2 choice; --sharding_strategy none keeps",
         ),

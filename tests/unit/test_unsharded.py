@@ -1,17 +1,20 @@
 """--sharding_strategy none: a world of one without FSDP2. The model stays as built (no DTensor,
 no FSDP2 hooks), torch.autocast computes in bf16 with the residual stream in bf16 as FSDP2's
 bf16 parameters give it, it trains like the FSDP2 run on every backend, and its checkpoints
-move to FSDP2 and back exactly."""
+move to FSDP2 and back exactly. On it, --cuda_graphs' capture of TE's layers (the TE double
+holds the capture and replay contract of TE's make_graphed_callables; CUDA graphs need a GPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers.inprocess import Run
+from helpers.inprocess import Run, batch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+import te_llama
 from model_utils.parallel.distributed import decoder_layers
+from model_utils.report.run_log import evaluate
 
 NONE = ("--bf16=1", "--sharding_strategy", "none")
 FULL = ("--bf16=1",)
@@ -78,3 +81,29 @@ def test_a_checkpoint_moves_between_fsdp2_and_a_plain_model_exactly(direction, t
         assert all(torch.equal(got[name], want[name]) for name in want)
     assert loaded.scheduler.get_last_lr() == saved.scheduler.get_last_lr()
     assert loaded.step(seed=5) == pytest.approx(saved.step(seed=5), rel=1e-3)
+
+
+def test_cuda_graphs_capture_each_te_layer_at_the_training_shape(tmp_path, te_double) -> None:
+    """Captured after the build (training mode, the step's shape and dtype, no autocast weight
+    cache, no hooks, a BF16-kept layer without FP8), every training call replays what was
+    captured and trains exactly as the uncaptured twin; validation (eval mode) runs eagerly."""
+    flags = (*NONE, "--bf16_layers=0")
+    eager = Run("te", True, seed=1, checkpoint_dir=tmp_path / "eager", flags=flags)
+    graphed = Run("te", True, seed=1, checkpoint_dir=tmp_path / "graphed", flags=flags)
+    micro_batch, seq_len = batch(0).shape
+    te_llama.capture_cuda_graphs(graphed.model, graphed.backend, micro_batch, seq_len)
+    layers = decoder_layers(graphed.model)
+    assert all(layer.graphed for layer in layers)
+    assert all("forward" in vars(layer.transformer_layer) for layer in layers)  # replaced
+    held_out = [{"input_ids": batch(7)[:1], "labels": batch(7)[:1]}]  # another shape: eager
+
+    def train_then_validate(run: Run) -> tuple[list[float], float]:
+        # one run after the other: TE's delayed scaling keeps every model's modules in one
+        # process-wide amax buffer, and each step's update rolls the other model's history too
+        losses = [run.step(seed=s) for s in (1, 2, 1)]
+        return losses, evaluate(run.model, held_out, run.backend, torch.device("cpu"))
+
+    eager_losses, eager_val = train_then_validate(eager)
+    graphed_losses, graphed_val = train_then_validate(graphed)
+    assert graphed_losses == eager_losses and graphed_losses[2] < graphed_losses[0]
+    assert graphed_val == eager_val

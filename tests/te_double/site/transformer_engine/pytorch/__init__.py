@@ -69,6 +69,7 @@ __all__ = [
     "is_fp8_available",
     "is_fp8_block_scaling_available",
     "is_mxfp8_available",
+    "make_graphed_callables",
     "optimizers",
     "quantized_model_init",
 ]
@@ -208,6 +209,87 @@ class autocast:
                 _reduce_and_update(forward=True)
         finally:
             self._saved = None
+
+
+def make_graphed_callables(
+    modules: Any,
+    sample_args: Any,
+    num_warmup_iters: int = 3,
+    allow_unused_input: bool = False,
+    sample_kwargs: Any = None,
+    fp8_enabled: Any = None,
+    fp8_calibrating: bool | None = None,
+    fp8_recipe: _recipe.Recipe | None = None,
+    fp8_group: Any = None,
+    fp8_weight_caching: bool | None = None,
+    enabled: Any = None,
+    calibrating: bool | None = None,
+    recipe: _recipe.Recipe | None = None,
+    amax_reduction_group: Any = None,
+    cache_quantized_params: bool | None = None,
+    _order: Any = None,
+    _num_layers_per_chunk: Any = None,
+    pool: Any = None,
+    retain_graph_in_backward: bool = False,
+    _reuse_graph_input_output_buffers: bool = False,
+    clone_param_grads_on_return: bool = True,
+    pre_warmup_hook: Callable | None = None,
+    post_warmup_hook: Callable | None = None,
+    capture_time_hooks: Any = None,
+) -> Any:
+    """TE's CUDA-graph capture, its contract without the graphs (a CPU has none): TE's refusals
+    (autocast's weight cache, hooks on a module, non-tensor sample args), then each module's
+    ``forward`` replaced as TE replaces it. In the capture's training mode a call must bring
+    every captured keyword (TE's TypeError), inputs of the captured shapes (TE copies them into
+    its static buffers) and the FP8 state it was captured with (TE replays the captured
+    kernels whatever the state; the double refuses a mismatch so a test sees it); the other
+    keywords are dropped, as TE drops them. The forward then runs eagerly. No warm-up runs:
+    TE restores what its warm-up touches (gradients, RNG, FP8 scaling state)."""
+    single = not isinstance(modules, tuple)
+    modules = (modules,) if single else modules
+    sample_args = (sample_args,) if single else sample_args
+    sample_kwargs = sample_kwargs or tuple({} for _ in modules)
+    sample_kwargs = (sample_kwargs,) if isinstance(sample_kwargs, dict) else sample_kwargs
+    flags = enabled if isinstance(enabled, tuple) else (bool(enabled),) * len(modules)
+    device = sample_args[0][0].device.type
+    if torch.is_autocast_enabled(device) and torch.is_autocast_cache_enabled():
+        raise RuntimeError(
+            "make_graphed_callables does not support the autocast caching. Please set "
+            "`cache_enabled=False`."
+        )
+    for module, args, kwargs, fp8 in zip(modules, sample_args, sample_kwargs, flags, strict=True):
+        hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks)
+        if any(hooks) or module._backward_pre_hooks:
+            raise RuntimeError(
+                "Modules must not have hooks registered at the time they are passed."
+            )
+        if not all(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values())):
+            raise TypeError("sample_args for each callable must contain only Tensors.")
+        module.forward = _graphed_forward(module, args, kwargs, fp8, module.training)
+    return modules[0] if single else modules
+
+
+def _graphed_forward(module: nn.Module, args: tuple, kwargs: dict, fp8: bool, training: bool):
+    original = module.forward
+    shapes = [tuple(a.shape) for a in (*args, *kwargs.values())]
+
+    def replay(*user_args: Any, **user_kwargs: Any) -> Any:
+        if module.training != training:
+            return original(*user_args, **user_kwargs)  # TE: the eager forward
+        for key in kwargs:
+            if key not in user_kwargs:
+                raise TypeError(
+                    f"Graphed callable was initialized with kwarg {key} ,but it was not provided "
+                    "in graph replay"
+                )
+        given = (*user_args, *(user_kwargs[key] for key in kwargs))
+        if [tuple(a.shape) for a in given] != shapes:
+            raise RuntimeError(f"graph replay with shapes {[a.shape for a in given]}, not {shapes}")
+        if _STATE.enabled != fp8:
+            raise RuntimeError(f"captured with FP8 {fp8}, replayed with FP8 {_STATE.enabled}")
+        return original(*user_args, **{key: user_kwargs[key] for key in kwargs})
+
+    return replay
 
 
 def fp8_autocast(
