@@ -25,7 +25,7 @@
 #           --reshard_after_forward never) at mb4, on te-fp8 and on te-bf16: FP8's speed-up
 #           with the same levers on both sides                                         ~3 min
 #   tier    the GPU test tier's cuDNN, FP8-attention, MLP-recompute, master-weights,
-#           FP8-weights and validation tests and the one-seed test                       ~9 min
+#           FP8-weights, validation and CUDA-graph tests and the one-seed test          ~10 min
 #   attention  te-fp8 mb4 with and without --fp8_attention, TE now on torch's cuDNN (9.19 on
 #           the lent H100s): 0.94x there, as on the image's Debian 9.14                 ~2 min
 #   torchao torchao's float8 (tensorwise + float8 all-gather) against TE's delayed scaling,
@@ -135,7 +135,7 @@ recipe() {
         matrix "te-fp8 mb4 +expandable,te-fp8 mb4 +AC/2 +expandable,te-fp8 mb4 +AC-mlp +expandable,te-fp8 mb6 +AC-mlp +expandable"
         ;;
     tier)
-        "$python" -m pytest -m gpu tests/integration/test_gpu.py -k "cudnn or fp8_attention or mlp_recompute or one_seed or master_weights or fp8_weights or validation" -v --durations=0
+        "$python" -m pytest -m gpu tests/integration/test_gpu.py -k "cudnn or fp8_attention or mlp_recompute or one_seed or master_weights or fp8_weights or validation or cuda_graphs" -v --durations=0
         ;;
     attention)
         matrix "te-fp8 mb4 +expandable,te-fp8 mb4 +fp8-attention +expandable" 4 "te-fp8 mb4 +expandable"

@@ -336,6 +336,30 @@ def test_master_weights_in_fused_adam_train_like_fp32_parameters_and_resume(runs
     assert losses(resumed) == {s: v for s, v in got.items() if s > 5}
 
 
+def test_no_fsdp2_and_cuda_graphs_train_like_fsdp2_and_resume(runs) -> None:
+    """--sharding_strategy none (torch.autocast instead of FSDP2's bf16 parameters) trains within
+    1% of FSDP2 per step; --cuda_graphs on it replays the same kernels from graphs (TE's
+    make_graphed_callables) and gives its losses, and a graphed run resumed at step 5 (captured
+    after the load) repeats the uninterrupted one."""
+    needs_te()
+    fsdp2 = runs / "te-delayed-fsdp2"
+    ok(train(fsdp2, *TE_DELAYED))
+    plain = runs / "te-delayed-no-fsdp2"
+    ok(train(plain, *TE_DELAYED, "--sharding_strategy=none"))
+    graphed = runs / "te-delayed-cuda-graphs"
+    flags = (*TE_DELAYED, "--sharding_strategy=none", "--cuda_graphs", "--checkpoint_freq=5")
+    result = train(graphed, *flags)
+    ok(result)
+    assert "cuda graphs: 2 decoder layers captured at 4 x 256 tokens" in result.stdout
+    want, got = trains(fsdp2), trains(plain)
+    assert all(abs(got[s] - want[s]) / want[s] < 0.01 for s in want), (got, want)
+    assert trains(graphed) == pytest.approx(got, rel=1e-3)
+    resumed = runs / "te-delayed-cuda-graphs-resumed"
+    checkpoint = graphed / "checkpoints" / "step_00000005"
+    ok(train(resumed, *flags, f"--resume_from_checkpoint={checkpoint}"))
+    assert losses(resumed) == {s: v for s, v in losses(graphed).items() if s > 5}
+
+
 #: head_dim 128 (256 / 2 heads): what cuDNN's FP8 attention takes on Hopper.
 HEAD_128 = ("--num_heads=2", "--num_key_value_heads=2")
 TE_DELAYED = ("--model_impl=te", "--fp8=1", "--fp8_recipe=delayed")
