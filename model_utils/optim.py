@@ -47,9 +47,7 @@ def is_no_decay(name: str, param: torch.Tensor) -> bool:
     embedding is a learned matrix like any linear and decaying it keeps its norm in check.
     """
     leaf = name.rsplit(".", 1)[-1]
-    if param.ndim < 2:
-        return True
-    return leaf.endswith(_NO_DECAY_LEAF_SUFFIXES)
+    return param.ndim < 2 or leaf.endswith(_NO_DECAY_LEAF_SUFFIXES)
 
 
 def _is_flat_parameter(param: torch.Tensor) -> bool:
@@ -67,10 +65,10 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """
     if weight_decay < 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-    decay: list[nn.Parameter] = []
-    decay_names: list[str] = []
-    no_decay: list[nn.Parameter] = []
-    no_decay_names: list[str] = []
+    groups: list[dict[str, Any]] = [  # indexed by is_no_decay: decayed, then not decayed
+        {"params": [], "weight_decay": weight_decay, "param_names": []},
+        {"params": [], "weight_decay": 0.0, "param_names": []},
+    ]
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
@@ -79,16 +77,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
                 f"parameter {name!r} is an FSDP1 FlatParameter: build the parameter groups "
                 "before wrapping, or use FSDP2 (fully_shard), which keeps per-parameter DTensors"
             )
-        if is_no_decay(name, param):
-            no_decay.append(param)
-            no_decay_names.append(name)
-        else:
-            decay.append(param)
-            decay_names.append(name)
-    groups = [
-        {"params": decay, "weight_decay": weight_decay, "param_names": decay_names},
-        {"params": no_decay, "weight_decay": 0.0, "param_names": no_decay_names},
-    ]
+        group = groups[is_no_decay(name, param)]
+        group["params"].append(param)
+        group["param_names"].append(name)
     return [g for g in groups if g["params"]]
 
 
@@ -185,8 +176,7 @@ def describe(optimizer: torch.optim.Optimizer) -> str:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes this rank holds in optimizer state, counted from the tensors themselves
-    (:func:`local_bytes`)."""
+    """Bytes this rank holds in optimizer state, counted from the tensors (:func:`local_bytes`)."""
     return sum(
         local_bytes(value)
         for state in optimizer.state.values()
@@ -262,11 +252,8 @@ class LrMultiplier:
 
     def __init__(self, *, lr: float, min_lr: float, warmup: int, max_steps: int, style: str):
         _check_schedule(lr, min_lr, warmup, max_steps, style)
-        self.lr = lr
-        self.min_lr = min_lr
-        self.warmup = warmup
-        self.max_steps = max_steps
-        self.style = style
+        self.lr, self.min_lr, self.warmup = lr, min_lr, warmup
+        self.max_steps, self.style = max_steps, style
 
     def __call__(self, steps_done: int) -> float:
         # LambdaLR calls this with last_epoch = number of scheduler.step() calls so far; the
@@ -329,9 +316,7 @@ def _typed_lr(lr: float, like: float | torch.Tensor) -> float | torch.Tensor:
     """`lr` as the optimizer holds it: a float, or (torchao) a 0-d tensor of that dtype, built
     the way torchao builds it from the float, so the schedule computes the same bits as in the
     uninterrupted run."""
-    if isinstance(like, torch.Tensor):
-        return torch.tensor(lr, dtype=like.dtype)
-    return lr
+    return torch.tensor(lr, dtype=like.dtype) if isinstance(like, torch.Tensor) else lr
 
 
 def _copy_lr(value: float | torch.Tensor) -> float | torch.Tensor:

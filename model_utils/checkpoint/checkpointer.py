@@ -240,8 +240,7 @@ class ProgressItem:
 class Seen:
     """What the run has trained on so far, over every launch: samples, tokens and the wall-clock
     seconds of its launches (from their first step). Kept in checkpoint.json, so it carries on
-    across resumes, batch and world-size changes: the axis runs of other batch sizes compare
-    on."""
+    across resumes, batch and world-size changes: runs of other batch sizes compare on it."""
 
     samples: int = 0
     tokens: int = 0
@@ -332,8 +331,7 @@ def restore_fp8_scaling(path: Path, state: TrainState, tensors: dict[str, torch.
     """Hand saved delayed-scaling state to the TE modules, or say why it is not used."""
     recipe = state.fp8_recipe
     saved = next(
-        (decode_recipe_identity(v) for k, v in tensors.items() if k.endswith("recipe")),
-        {},
+        (decode_recipe_identity(v) for k, v in tensors.items() if k.endswith("recipe")), {}
     )
     if recipe is None or not recipe.delayed():
         log.info(
@@ -473,9 +471,8 @@ class Checkpointer:
 
     def _seal(self, pending: _Pending, failure: BaseException | None, group: Any) -> None:
         """Every rank, once its part of the save is written: checksum the files it wrote, gather
-        every rank's sums (a collective on `group`), and rank 0 publishes with them in the
-        marker. Never raises: the outcome goes to `pending.error`, raised by wait() on every
-        rank."""
+        every rank's sums (a collective on `group`), and rank 0 publishes them in the marker.
+        Never raises: the outcome goes to `pending.error`, raised by wait() on every rank."""
         try:
             if failure is not None:
                 raise failure

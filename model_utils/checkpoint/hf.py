@@ -41,10 +41,7 @@ from model_utils.checkpoint.layout import (
     unwrapped,
     weight_tensors,
 )
-from model_utils.checkpoint.manifest import (
-    CheckpointWriteError,
-    write_error_reason,
-)
+from model_utils.checkpoint.manifest import CheckpointWriteError, write_error_reason
 from model_utils.config.sections import HF_KEYS, SHAPE_FIELDS, ModelShape
 from model_utils.errors import UsageError
 from model_utils.model.modeling import HF_RECOMPUTED, llama_config  # RoPE buffers of old HF files
@@ -205,8 +202,7 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
     A parameter keeping a full-precision seed for its master copy (--master_weights optimizer)
     takes the loaded values as its seed, so the masters start from the checkpoint, not the init.
     """
-    adapter = getattr(model, "state_dict_adapter", None)
-    key_map = adapter.from_hf if adapter is not None else None
+    key_map = getattr(getattr(model, "state_dict_adapter", None), "from_hf", None)
     handle = _SafetensorsFiles(hf_weight_files(path), has_tied_embeddings(model))
     targets = weight_tensors(get_model_state_dict(model))
     seeded = {
@@ -226,8 +222,7 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
         for name, value in copied.items():
             if name in seeded:
                 master_weights.remember_full_precision(seeded[name], value)
-    aliases = alias_groups(targets)
-    require_complete(f"HF checkpoint {path}", targets, loaded, aliases, unexpected)
+    require_complete(f"HF checkpoint {path}", targets, loaded, unexpected)
     log.info("Loaded %d tensors from Hugging Face checkpoint %s", len(loaded), path)
 
 

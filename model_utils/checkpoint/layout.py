@@ -85,13 +85,10 @@ def alias_groups(targets: Mapping[str, torch.Tensor]) -> dict[str, str]:
 
 
 def require_complete(
-    source: str,
-    targets: Mapping[str, Any],
-    loaded: set[str],
-    aliases: Mapping[str, str],
-    unexpected: list[str],
+    source: str, targets: Mapping[str, Any], loaded: set[str], unexpected: list[str]
 ) -> None:
     """Every model tensor was filled (a tied alias counts as its root) and nothing was left over."""
+    aliases = alias_groups(targets)
     roots = {aliases[n] for n in loaded}
     missing = sorted(n for n in targets if n not in loaded and aliases[n] not in roots)
     if missing or unexpected:
@@ -181,8 +178,7 @@ def read_full_tensors(path: Path, entries: Mapping[str, tuple[str, Any]]) -> dic
     reads on its own, without collectives, so ranks need not request the same keys."""
     out = {n: torch.empty(md.size, dtype=md.properties.dtype) for n, (_, md) in entries.items()}
     if out:
-        request = {key: out[n] for n, (key, _) in entries.items()}
-        load_local(request, path)
+        load_local({key: out[n] for n, (key, _) in entries.items()}, path)
     return out
 
 
@@ -365,8 +361,7 @@ def param_layout(names: Iterable[str]) -> str:
 
 
 def other_layout(metadata: Any, model: nn.Module) -> str | None:
-    """The saved parameter layout when it differs from `model`'s (a load converts it), else
-    None."""
+    """The saved parameter layout when it differs from `model`'s (a load converts it), or None."""
     saved = param_layout(saved_tensors(metadata, MODEL_PREFIX))
     return saved if saved != param_layout(get_model_state_dict(model)) else None
 
@@ -383,14 +378,13 @@ def copy_converted(
     `key_map`, and copy this rank's block of each converted tensor into `targets` (DTensor
     shards or plain tensors). Memory: one layer of full tensors. Returns the tensors copied;
     ValueError if the converted names or shapes do not match the targets."""
-    aliases = alias_groups(targets)
     loaded: set[str] = set()
     unexpected: list[str] = []
     source, hint = f"checkpoint {path}: converted {what}", "does the model shape match?"
     for group in layer_groups(saved):
         full = read_full_tensors(path, {n: saved[n] for n in group})
         copy_blocks(key_map(full), targets, loaded, unexpected, source, hint)
-    require_complete(source, targets, loaded, aliases, unexpected)
+    require_complete(source, targets, loaded, unexpected)
     return len(loaded)
 
 
@@ -434,12 +428,7 @@ def load_converted_optimizer(
 
 @torch.no_grad()
 def load_converted(
-    path: Path,
-    metadata: Any,
-    state: Any,
-    saved_layout: str,
-    adapter: Any,
-    saved_impl: str,
+    path: Path, metadata: Any, state: Any, saved_layout: str, adapter: Any, saved_impl: str
 ) -> None:
     """Load model weights and optimizer state saved in another parameter layout (all ranks),
     mapped by `adapter` (a te_llama.StateDictAdapter for the model's config) one decoder layer

@@ -55,7 +55,6 @@ _NOT_FLAGS = refusal_words()
 #: The value a checkpoint older than a field held.
 _SAVED_DEFAULTS = saved_defaults()
 
-
 #: The way out of every refusal an existing run folder causes: a new run in a folder of its own,
 #: named as the user launches (the launcher's RUN_NAME, train.py's --output_dir).
 NEW_RUN = (

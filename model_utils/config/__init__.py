@@ -1,2 +1,1 @@
-"""The config stage: flags, presets, recipes, the rules between flags and the resolved run
-config."""
+"""The config stage: flags, presets, recipes, the rules between flags, the resolved run config."""

@@ -18,7 +18,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from model_utils.config import argv
+from model_utils.config import argv, recipes
 from model_utils.config.argv import flag_value, precision_name, without_flag
 from model_utils.config.flag_spec import Spec
 from model_utils.config.options import TE_IMPLS, TE_RECIPE_OPTIONS
@@ -223,8 +223,6 @@ def resolve(args: argparse.Namespace, typed: frozenset[str]) -> Config:
 def recipe_origin(message: str, given: list[str], recipe: str | None) -> str:
     """`message`, with the flags it names that the user did not type but `--recipe` set
     said to come from the recipe: the user typed the recipe's name, not its flags."""
-    from model_utils.config import recipes
-
     if not recipe:
         return message
     supplied = explicit_flags(recipes.flags(recipe)) - explicit_flags(without_flag(given, "recipe"))
@@ -234,8 +232,6 @@ def recipe_origin(message: str, given: list[str], recipe: str | None) -> str:
 
 def with_files(argv: list[str]) -> list[str]:
     """The command line with each `@FILE` (a run folder's run.args) replaced by its arguments."""
-    from model_utils.config import recipes
-
     try:
         return recipes.expand_files(argv)
     except recipes.RecipeError as exc:
@@ -244,8 +240,6 @@ def with_files(argv: list[str]) -> list[str]:
 
 def with_recipes(argv: list[str] | None) -> list[str]:
     """The command line with each --recipe replaced by its flags (model_utils/config/recipes.py)."""
-    from model_utils.config import recipes
-
     try:
         return recipes.expand(sys.argv[1:] if argv is None else argv)
     except recipes.RecipeError as exc:

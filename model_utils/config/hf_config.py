@@ -162,8 +162,7 @@ def contradiction(
 
 def apply(args: argparse.Namespace, explicit: frozenset[str]) -> None:
     """Take the model's architecture from --init_from_hf's config.json (ConfigError where a
-    given flag or preset says otherwise), and its tokenizer where it has one and none was
-    given."""
+    given flag or preset says otherwise), and its tokenizer where it has one and none was given."""
     config = read_config(args.init_from_hf)
     if config is None:
         return

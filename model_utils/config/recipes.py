@@ -55,10 +55,7 @@ _SHARED: dict[str, tuple[str, ...]] = {
     "tiny": ("--preset=tiny", "--max_steps=50", "--validation_freq=25"),
 }
 #: What each side of an A/B adds to the shared flags; nothing else differs.
-PRECISIONS: dict[str, tuple[str, ...]] = {
-    "fp8": ("--fp8=1",),
-    "bf16": ("--fp8=0",),
-}
+PRECISIONS: dict[str, tuple[str, ...]] = {"fp8": ("--fp8=1",), "bf16": ("--fp8=0",)}
 _DELAYED_ON_TE = ("--fp8_recipe=delayed",)
 
 

@@ -1,7 +1,6 @@
 """This rank's data for a run, built from the data section: the training stream and the fixed
 validation batches, with a start-up problem on any rank raised on every rank (each reads its
-own shard, so a problem may show on one rank only while all of them wait in the same
-collectives)."""
+own shard, so a problem may show on one rank only while all wait in the same collectives)."""
 
 from __future__ import annotations
 
@@ -28,22 +27,11 @@ def build_data(
 
     source, seq_len = config.data, config.model.max_context_width
     stream = val_batches = problem = None
+    place = {"rank": world.rank, "world_size": world.world_size}
     try:
-        stream = TrainStream(
-            source,
-            tokenizer,
-            seq_len,
-            rank=world.rank,
-            world_size=world.world_size,
-            seed=config.run.seed,
-        )
+        stream = TrainStream(source, tokenizer, seq_len, **place, seed=config.run.seed)
         val_batches = validation_batches(
-            source,
-            tokenizer,
-            seq_len,
-            config.run.validation_batches,
-            rank=world.rank,
-            world_size=world.world_size,
+            source, tokenizer, seq_len, config.run.validation_batches, **place
         )
     except (ValueError, OSError) as exc:  # DataError, a bad byte (UnicodeDecodeError), ...
         problem = read_error_message(

@@ -102,8 +102,7 @@ def cache_location(env: dict[str, str] | None = None) -> dict[str, Path]:
 
 def _cache_problem(exc: BaseException) -> str | None:
     """The line for a Hugging Face cache the system refused (HF_HOME on a read-only or virtual
-    file system: what the start-up access() check cannot see), naming the variable, not the
-    data."""
+    file system: what the start-up access() check cannot see), naming the variable, not the data."""
     filename = getattr(exc, "filename", None)
     if not isinstance(exc, OSError) or not filename:
         return None

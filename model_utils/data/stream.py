@@ -44,10 +44,7 @@ class _BlockReader:
     ) -> None:
         self.text_column = text_column = source.text_column
         self.source = open_source(source.dataset, source.dataset_config_name, text_column)
-        self.rank = rank
-        self.world_size = world_size
-        self.seed = seed
-        self.block_docs = block_docs
+        self.rank, self.world_size, self.seed, self.block_docs = rank, world_size, seed, block_docs
         # Held-out documents are filtered out only when validation comes from the training part.
         self.skip_held_out = self.source.validation is None
         self.epoch = 0
@@ -129,16 +126,10 @@ class TrainStream:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if seed < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
-        self.dataset = source.dataset
-        self.tokenizer = tokenizer
-        self.seq_len = seq_len
-        self.micro_batch = micro_batch
-        self.text_column = source.text_column
-        self.rank = rank
-        self.world_size = world_size
-        self.seed = seed
-        self.block_docs = block_docs
-        self.tokenize_batch = tokenize_batch
+        self.dataset, self.text_column = source.dataset, source.text_column
+        self.tokenizer, self.seq_len, self.micro_batch = tokenizer, seq_len, micro_batch
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.block_docs, self.tokenize_batch = block_docs, tokenize_batch
         self._reader = _BlockReader(source, rank, world_size, seed, block_docs)
         self._cursor = _Cursor()
         self._block: list[str] = []  # texts of the current block, shuffled

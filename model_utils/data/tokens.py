@@ -19,7 +19,6 @@ if TYPE_CHECKING:  # imported lazily at run time: transformers is slow to import
 
 TOKENIZE_BATCH = 64  # documents per tokenizer call (also the re-tokenisation cost of a resume)
 
-
 #: Files one of which a saved Hugging Face tokenizer folder holds (fast, config, or slow
 #: SentencePiece / BPE vocabularies).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -68,8 +67,7 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
 
 
 def _cached(name: str) -> PreTrainedTokenizerBase | None:
-    """The hub tokenizer `name` from the local Hugging Face cache, touching no network; None if
-    it is not there."""
+    """The hub tokenizer `name` from the local Hugging Face cache (no network), or None."""
     from transformers import AutoTokenizer
 
     try:
@@ -114,14 +112,12 @@ def encode_documents(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> np
         encodings = _backend(tokenizer).encode_batch_fast(texts, add_special_tokens=False)
         documents = [encoding.ids for encoding in encodings]
     else:  # slow (Python) tokenizers still work, just slower
-        documents = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)[
-            "input_ids"
-        ]
+        encoded = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)
+        documents = encoded["input_ids"]
     separator = np.array([eos], dtype=np.int64)
     pieces = []
     for ids in documents:  # one C-level list->array copy per document, then one concatenation
-        pieces.append(np.array(ids, dtype=np.int64))
-        pieces.append(separator)
+        pieces += [np.array(ids, dtype=np.int64), separator]
     return np.concatenate(pieces)
 
 

@@ -10,7 +10,7 @@ would hold at that position, whatever the world size.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -26,7 +26,6 @@ INIT_STD = 0.02
 
 # Buffers some HF checkpoints carry that the model recomputes from its config: never loaded.
 HF_RECOMPUTED = ("rotary_emb.inv_freq",)
-
 
 #: The shape fields LlamaConfig takes as they are (config/sections.HF_KEYS names them); RoPE
 #: and the position count are composed below.
@@ -133,7 +132,8 @@ def init_weights(
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     parts = _init_parts(model)
-    for name, param in _named_parameters(model):
+    for wrapped_name, param in model.named_parameters():
+        name = canonical_param_name(wrapped_name)  # init must not depend on AC/compile wrapping
         local = local_shard(param)
         full = torch.cat(
             [
@@ -159,12 +159,6 @@ def _init_parts(model: nn.Module):
     if adapter is None:
         return lambda name, param: [(name, param.shape)]
     return lambda name, param: adapter.hf_parts(name, tuple(param.shape))
-
-
-def _named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    """Parameter names without wrapper prefixes, so init does not depend on AC/compile wrapping."""
-    for name, param in model.named_parameters():
-        yield canonical_param_name(name), param
 
 
 @torch.no_grad()

@@ -37,8 +37,7 @@ def is_te_extra_state_key(key: str) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
-# Initialisation hook.
-# --------------------------------------------------------------------------------------------
+# Initialisation hook
 
 
 def reset_te_parameters(model: nn.Module) -> None:
@@ -55,8 +54,7 @@ def reset_te_parameters(model: nn.Module) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# HF's RoPE settings and attention mask in the form TE's TransformerLayer takes.
-# --------------------------------------------------------------------------------------------
+# HF's RoPE settings and attention mask in the form TE's TransformerLayer takes
 
 
 def llama_rope_inv_freq(config: Any) -> torch.Tensor:

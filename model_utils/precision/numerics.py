@@ -27,14 +27,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from model_utils.parallel.distributed import canonical_param_name
+
 ROLES = ("input", "weight", "grad")
 #: A scale rule: the tensor -> the scale it is cast with (a scalar or one per row).
 ScaleRule = Callable[[torch.Tensor], torch.Tensor]
 #: The value at the amax lands on the format's largest value, give or take fp32's rounding of the
 #: product: only what lies beyond that is saturation.
 _ROUNDING = 1 + 2**-20
-_WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
-
 
 FIGURES = ("amax", "scale", "underflow_pct", "saturation_pct")
 
@@ -126,7 +126,7 @@ class Probe:
         for name, module in model.named_modules():
             rules = torchao_rules(module) if te_recipe is None else te_rules(module, te_recipe)
             if rules is not None:
-                self.linears.append(_WRAPPERS.sub("", name))
+                self.linears.append(canonical_param_name(name))
                 module.register_forward_hook(self._forward_hook(self.linears[-1], rules))
 
     def _forward_hook(self, name: str, rules: dict[str, tuple[torch.dtype, ScaleRule]]):

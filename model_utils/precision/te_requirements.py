@@ -129,7 +129,6 @@ def fp8_shape_problem(
 #: head_dim 128 for Q, K and V. TE finds no other FP8 attention backend in training.
 FP8_ATTENTION_HOPPER_HEAD_DIM = 128
 
-
 #: Deterministic FP8 attention in training (TE 2.20, "Disabling FusedAttention for determinism
 #: reasons with FP8 on arch < sm90 or cuDNN < 9.19.0").
 FP8_ATTENTION_DETERMINISTIC_MIN_CUDNN = (9, 19, 0)

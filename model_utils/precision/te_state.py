@@ -41,8 +41,7 @@ def set_is_first_microbatch(model: nn.Module, value: bool | None) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# FP8 scaling state as plain tensors (what TE pickles into ``_extra_state``).
-# --------------------------------------------------------------------------------------------
+# FP8 scaling state as plain tensors (what TE pickles into ``_extra_state``)
 
 #: Per TE module and direction, the delayed-scaling tensors TE keeps in
 #: ``fp8_meta["scaling_fwd" | "scaling_bwd"]`` (``.scale`` [n], ``.amax_history`` [len, n]; n is 3
@@ -54,9 +53,8 @@ RECIPE_KEY = "recipe"
 def _fp8_stateful_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """TE modules (anything with TE's ``fp8_meta`` and ``init_fp8_meta_tensors``), by clean name."""
     for name, module in model.named_modules():
-        if isinstance(getattr(module, "fp8_meta", None), dict) and hasattr(
-            module, "init_fp8_meta_tensors"
-        ):
+        meta = getattr(module, "fp8_meta", None)
+        if isinstance(meta, dict) and hasattr(module, "init_fp8_meta_tensors"):
             yield canonical_param_name(name), module
 
 

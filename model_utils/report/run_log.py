@@ -45,24 +45,6 @@ def evaluate(model, batches, backend, device) -> float:
     return (total[0] / total[1]).item()
 
 
-def step_meter(
-    config, world_size: int, device, warmup: int, elapsed_before: float
-) -> metrics.StepMeter:
-    """The run's step meter: model FLOPs, the device's bf16 peak, its sync."""
-    peak, peak_label = metrics.peak_bf16_tflops(device)
-    return metrics.StepMeter(
-        metrics.flops_per_token(config.model, config.model.max_context_width),
-        world_size,
-        peak,
-        peak_label,
-        peak_memory_label(device),
-        sync=device_sync(device),
-        max_steps=config.run.max_steps,
-        warmup_steps=warmup,
-        elapsed_before=elapsed_before,
-    )
-
-
 class RunLog:
     """Rank 0's view of the run: the start-up lines, the seed log line, the detail line, JSONL
     and the summary.
@@ -73,16 +55,7 @@ class RunLog:
     """
 
     def __init__(
-        self,
-        config,
-        model,
-        backend,
-        world,
-        device,
-        *,
-        seen,
-        start_step: int = 0,
-        watchdog=None,
+        self, config, model, backend, world, device, *, seen, start_step: int = 0, watchdog=None
     ) -> None:
         samples_per_step = (
             config.data.train_batch_size * config.optim.grad_accum_steps * world.world_size
@@ -93,8 +66,17 @@ class RunLog:
         self.seen = seen
         self.is_main = world.is_main
         self.warmup = min(SPEED_WARMUP_STEPS, config.run.max_steps // 2)
-        self.meter = step_meter(
-            config, world.world_size, device, self.warmup, elapsed_before=seen.seconds
+        peak, peak_label = metrics.peak_bf16_tflops(device)  # the MFU basis
+        self.meter = metrics.StepMeter(
+            metrics.flops_per_token(config.model, config.model.max_context_width),
+            world.world_size,
+            peak,
+            peak_label,
+            peak_memory_label(device),
+            sync=device_sync(device),
+            max_steps=config.run.max_steps,
+            warmup_steps=self.warmup,
+            elapsed_before=seen.seconds,
         )
         self.watchdog = watchdog  # watchdog.Watchdog: told of every step, paused with the meter
         threshold = config.run.slow_rank_threshold
@@ -178,7 +160,10 @@ class RunLog:
         if self.watchdog:
             self.watchdog.step_done()
         self.meter.add_step(data_wait_seconds=data_wait, samples=self.samples, tokens=self.tokens)
-        self._count_step()
+        # over all the run's launches: what a checkpoint saves, so a resume carries on from them
+        self.seen.samples += self.samples
+        self.seen.tokens += self.tokens
+        self.seen.seconds = self.meter.elapsed()
         self.ranks.add_step(data_wait)
         if self.numerics:
             self.numerics.step_done()
@@ -273,13 +258,6 @@ class RunLog:
             tmp.replace(path)
         except OSError as exc:
             log.warning("%s cannot be written (%s)", path, os_error_words(exc), stacklevel=4)
-
-    def _count_step(self) -> None:
-        """Samples, tokens and the run's wall-clock seconds over all its launches (what a
-        checkpoint saves, so a resume carries on from them)."""
-        self.seen.samples += self.samples
-        self.seen.tokens += self.tokens
-        self.seen.seconds = self.meter.elapsed()
 
     def _seen_fields(self) -> dict[str, int]:
         return {"samples_seen": self.seen.samples, "tokens_seen": self.seen.tokens}

@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 # Encodes "first non-finite step" so that a MAX all-reduce yields the earliest one over ranks.
 _NO_STEP = 2**62
 
-
 # train.py's exit status when training diverged (2 is bad input, 1 an unexpected error).
 EXIT_DIVERGED = 3
 

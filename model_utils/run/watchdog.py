@@ -121,8 +121,7 @@ class Watchdog:
         self.limit = auto_limit(None) if limit is None else limit
         self.enabled = self.limit > 0
         self.path = Path(output_dir) / "hang" / f"stacks.rank{rank}.txt"
-        self.rank = rank
-        self.flight_recorder = flight_recorder
+        self.rank, self.flight_recorder = rank, flight_recorder
         self._last = time.monotonic()
         self._paused = 0
         self._stop = threading.Event()
@@ -203,6 +202,5 @@ class Watchdog:
 
 
 def for_run(run, rank: int, device) -> Watchdog:
-    """The watchdog of a run's RunConfig (the Flight Recorder is dumped on CUDA, where NCCL
-    records it)."""
+    """The watchdog of a run's RunConfig, dumping the Flight Recorder on CUDA (NCCL records it)."""
     return Watchdog(run.hang_timeout, run.output_dir, rank, flight_recorder=device.type == "cuda")

@@ -180,6 +180,4 @@ def remaining_seconds(step_times: Sequence[float], steps_left: int) -> float | N
     the estimate of a multi-day job. Validation and checkpoint time are not in ``step_times``
     (the meter pauses for them), so the estimate is of training time alone.
     """
-    if not step_times:
-        return None
-    return statistics.median(step_times) * max(steps_left, 0)
+    return statistics.median(step_times) * max(steps_left, 0) if step_times else None

@@ -54,8 +54,7 @@ def identity_change(before: Mapping[str, Any] | None, now: Mapping[str, Any]) ->
 
 def _checkpoint_place(flags: Mapping[str, Any]) -> tuple[str, Path]:
     """Where a run's checkpoints go, as its identity: inside its run folder by the path from
-    there (a run folder moved or renamed, then resumed, is the same run), else by where the
-    path leads."""
+    there (a run folder moved or renamed, then resumed, is the same run), else by where it leads."""
     checkpoints = Path(str(flags["checkpoint_dir"])).resolve()
     if flags.get("output_dir") is not None:
         with contextlib.suppress(ValueError):
