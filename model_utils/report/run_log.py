@@ -27,6 +27,8 @@ from model_utils.report.metrics.summary import SPEED_WARMUP_STEPS, format_summar
 
 log = logging.getLogger("train")
 
+#: How the world line names each --sharding_strategy.
+SHARDING_WORDS = {"full": "full sharding", "hybrid": "hybrid sharding", "none": "no FSDP2"}
 #: The run's resolved flags in its folder, for `train.py @<output_dir>/run.args`.
 RUN_ARGS = "run.args"
 
@@ -103,11 +105,11 @@ class RunLog:
             stacklevel=2,
         )
         log.info(
-            "world: %d ranks (%d nodes), %s, %s sharding; global batch %d sequences x %d tokens",
+            "world: %d ranks (%d nodes), %s, %s; global batch %d sequences x %d tokens",
             world.world_size,
             world.num_nodes,
             device,
-            config.parallel.sharding_strategy,
+            SHARDING_WORDS[config.parallel.sharding_strategy],
             samples_per_step,
             config.model.max_context_width,
             stacklevel=2,

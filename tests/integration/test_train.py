@@ -29,6 +29,7 @@ def test_loss_goes_down_and_log_lines_have_the_seed_format(tmp_path):
     assert (
         "precision: bf16 compute by torch.autocast, fp32 master weights, no FSDP2" in result.stdout
     )
+    assert "world: 1 ranks (1 nodes), cpu, no FSDP2; global batch 4 sequences" in result.stdout
     seed_lines = [m for ln in result.stdout.splitlines() if (m := SEED_LINE.search(ln))]
     assert [int(m.group(1)) for m in seed_lines] == list(range(1, 31))
     # The printed numbers are the JSONL numbers, formatted exactly as upstream.
