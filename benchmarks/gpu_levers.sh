@@ -49,10 +49,13 @@
 #           compare_runs of the two                                                 ~5 min
 #   host-1b  the host gap on the 1B recipe: te-fp8 under FSDP2 (the shipped recipe) against
 #           te-fp8 and te-bf16 with --sharding_strategy none (no FSDP2 in a world of one: no
-#           per-step parameter copies), and te-fp8 without FSDP2 with its layers as CUDA graphs
-#           (--cuda_graphs, eager around them: not with --compile), 30 steps each through the
-#           launcher, steps 20-21 profiled; step_breakdown of each FP8 run against the bf16 one
-#           (the GPU's wait for the host, measured), compare_runs of the four     ~7 min
+#           per-step parameter copies), 30 steps each through the launcher, steps 20-21
+#           profiled; step_breakdown of each FP8 run against the bf16 one (the GPU's wait for
+#           the host, measured), compare_runs of the three                        ~6 min
+#   graphs-1b  the same without FSDP2 and with each layer a CUDA graph (--cuda_graphs; eager
+#           around the graphs: not with --compile), te-bf16 and te-fp8: FP8's speed-up with
+#           graphs on both sides, step_breakdown of the pair, compare_runs with host-1b's
+#           runs where they are in OUT_DIR                                        ~4 min
 #
 # TE searches the CUDA toolkit and the system for cuDNN before pip's: on the H100 of 2026-11-24
 # it loaded Debian's 9.14 beside torch's 9.19, and deterministic FP8 attention was refused.
@@ -68,7 +71,7 @@
 # (benchmarks/results/2026-11-24-h100.md).
 set -euo pipefail
 
-usage="usage: bash benchmarks/gpu_levers.sh loss|levers|masters|compile|reshard|ac|best|tier|attention|torchao|depth|full-torchao|full|attention-3b|scaling-1b|host-1b OUT_DIR"
+usage="usage: bash benchmarks/gpu_levers.sh loss|levers|masters|compile|reshard|ac|best|tier|attention|torchao|depth|full-torchao|full|attention-3b|scaling-1b|host-1b|graphs-1b OUT_DIR"
 phase=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -179,15 +182,25 @@ recipe() {
         recipe 1b-fp8 llama3.2-1b-fp8
         recipe 1b-fp8-none llama3.2-1b-fp8 --sharding_strategy none
         recipe 1b-bf16-none llama3.2-1b-bf16 --sharding_strategy none
-        recipe 1b-fp8-graphs llama3.2-1b-fp8 --sharding_strategy none --compile=0 --cuda_graphs
-        for run in 1b-fp8 1b-fp8-none 1b-fp8-graphs; do
+        for run in 1b-fp8 1b-fp8-none; do
             "$python" -m scripts.step_breakdown "$out/1b-bf16-none" "$out/$run" --no_hta || true
         done
-        "$python" -m scripts.compare_runs "$out/1b-fp8" "$out/1b-fp8-none" "$out/1b-fp8-graphs" \
-            "$out/1b-bf16-none" --output "$out/host-1b.png" || true
+        "$python" -m scripts.compare_runs "$out/1b-fp8" "$out/1b-fp8-none" "$out/1b-bf16-none" \
+            --output "$out/host-1b.png" || true
+        ;;
+    graphs-1b)
+        graphs=(--sharding_strategy none --compile=0 --cuda_graphs)
+        recipe 1b-bf16-graphs llama3.2-1b-bf16 "${graphs[@]}"
+        recipe 1b-fp8-graphs llama3.2-1b-fp8 "${graphs[@]}"
+        "$python" -m scripts.step_breakdown "$out/1b-bf16-graphs" "$out/1b-fp8-graphs" --no_hta
+        runs=("$out/1b-bf16-graphs" "$out/1b-fp8-graphs")
+        for run in 1b-fp8-none 1b-bf16-none; do
+            [ -f "$out/$run/metrics.jsonl" ] && runs+=("$out/$run")
+        done
+        "$python" -m scripts.compare_runs "${runs[@]}" --output "$out/graphs-1b.png" || true
         ;;
     *)
-        echo "unknown phase $phase: loss, levers, masters, compile, reshard, ac, best, tier, attention, torchao, depth, full-torchao, full, attention-3b, scaling-1b or host-1b" >&2
+        echo "unknown phase $phase: loss, levers, masters, compile, reshard, ac, best, tier, attention, torchao, depth, full-torchao, full, attention-3b, scaling-1b, host-1b or graphs-1b" >&2
         exit 2
         ;;
     esac

@@ -28,7 +28,7 @@ def test_gpu_scripts_launch_only_recipes_that_exist() -> None:
 
     levers = (bench.ROOT / "benchmarks" / "gpu_levers.sh").read_text()
     launched = re.findall(r"^\s+(?:[A-Z_]+=\S+ )*recipe \S+ (\S+)", levers, flags=re.M)
-    assert len(launched) == 8  # attention-3b's three, scaling-1b's loop, host-1b's four
+    assert len(launched) == 9  # attention-3b 3, scaling-1b's loop, host-1b 3, graphs-1b 2
     parity = (bench.ROOT / "benchmarks" / "gpu_parity.sh").read_text()
     models = re.findall(r"^\s+recipe=(\S+)$", parity, flags=re.M)
     assert models == ["tiny", "llama3.2-1b"]
