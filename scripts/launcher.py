@@ -75,11 +75,24 @@ def _nvidia_smi() -> str | None:
     return result.stdout if result.returncode == 0 else None
 
 
+def workers_per_node(env: Mapping[str, str], gpus: int) -> int:
+    """NPROC_PER_NODE, else one worker per GPU, else two on a CPU node."""
+    return int(env["NPROC_PER_NODE"]) if env.get("NPROC_PER_NODE") else (gpus or 2)
+
+
+def planned_world(env: Mapping[str, str], records: Sequence[tuple[str, str]]) -> int:
+    """The ranks the launch will start, from the plan's node count and this node's GPUs (every
+    node runs as many workers): what the one argument check is told as WORLD_SIZE, so a flag
+    that needs a world of one is refused before any node starts."""
+    nodes = next((v.split("=", 1)[1] for k, v in records if v.startswith("LLAMA_NNODES=")), "1")
+    return int(nodes) * workers_per_node(env, detect_gpus(env))
+
+
 def torchrun_command(
     env: Mapping[str, str], train_args: Sequence[str], gpus: int, cores: int
 ) -> tuple[list[str], dict[str, str], str]:
     """(torchrun's argv, the variables to add to its environment, one line describing it)."""
-    nproc = int(env["NPROC_PER_NODE"]) if env.get("NPROC_PER_NODE") else (gpus or 2)
+    nproc = workers_per_node(env, gpus)
     extra = {}
     if not gpus and "OMP_NUM_THREADS" not in env:
         # torchrun would pin every CPU worker to 1 thread; share the node's cores instead.
@@ -375,6 +388,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         if command == "plan":
             records = launch_records(env, args)
+            records.append(("env", f"LLAMA_WORLD_SIZE={planned_world(env, records)}"))
             sys.stdout.write("".join(f"{key}={value}\0" for key, value in records))
         elif command == "finished":
             return 0 if published.finished(args[0]) else 1

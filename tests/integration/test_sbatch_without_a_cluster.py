@@ -42,14 +42,26 @@ def test_bash_without_slurm_trains_here(tmp_path: Path) -> None:
     assert (tmp_path / "laptop" / "checkpoints").is_dir()
 
 
-def test_bad_arguments_through_the_launcher_give_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+        (  # told the world the launch will start (2 workers), not each worker once
+            ["--sharding_strategy", "none"],
+            "--sharding_strategy none runs one process without FSDP2, but this launch has 2 "
+            "ranks: use --sharding_strategy full, or launch one process (NPROC_PER_NODE=1 with "
+            "1.train_llama.sbatch)",
+        ),
+    ],
+)
+def test_bad_arguments_through_the_launcher_give_one_line(
+    tmp_path: Path, args: list[str], line: str
+) -> None:
     """train.py's own check, once, before torchrun: no traceback, no empty run folder."""
     env = clean_env(RUNS_DIR=str(tmp_path / "runs"), RUN_NAME="bad", NPROC_PER_NODE="2")
-    result = run_script(env, "--preset", "tiny", "--lr", "inf", cwd=tmp_path, timeout=120)
+    result = run_script(env, "--preset", "tiny", *args, cwd=tmp_path, timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr
-    assert result.stderr.strip().splitlines() == [
-        "train.py: error: --lr must be a finite number > 0, got inf"
-    ]
+    assert result.stderr.strip().splitlines() == [f"train.py: error: {line}"]
     assert "torchrun" not in result.stdout and not (tmp_path / "runs").exists()
 
 
@@ -70,7 +82,7 @@ def test_help_and_validate_only_through_the_launcher_start_no_training(
             f"--output_dir {run} --resume_from_checkpoint auto --preset tiny --help"
         ) in result.stdout
     else:  # one line with the run as resolved
-        assert "train.py: ready: --preset tiny, fp8 tensorwise on --model_impl hf, world set " in (
+        assert "train.py: ready: --preset tiny, fp8 tensorwise on --model_impl hf, world 2, " in (
             result.stdout
         )
         assert f"run folder {run}, resume auto" in result.stdout
