@@ -25,7 +25,7 @@
 #           --reshard_after_forward never) at mb4, on te-fp8 and on te-bf16: FP8's speed-up
 #           with the same levers on both sides                                         ~3 min
 #   tier    the GPU test tier's cuDNN, FP8-attention, MLP-recompute, master-weights,
-#           FP8-weights, validation and CUDA-graph tests and the one-seed test          ~10 min
+#           FP8-weights and validation tests and the one-seed test                       ~9 min
 #   attention  te-fp8 mb4 with and without --fp8_attention, TE now on torch's cuDNN (9.19 on
 #           the lent H100s): 0.94x there, as on the image's Debian 9.14                 ~2 min
 #   torchao torchao's float8 (tensorwise + float8 all-gather) against TE's delayed scaling,
@@ -52,10 +52,11 @@
 #           per-step parameter copies), 30 steps each through the launcher, steps 20-21
 #           profiled; step_breakdown of each FP8 run against the bf16 one (the GPU's wait for
 #           the host, measured), compare_runs of the three                        ~6 min
-#   graphs-1b  the same without FSDP2 and with each layer a CUDA graph (--cuda_graphs; eager
-#           around the graphs: not with --compile), te-bf16 and te-fp8: FP8's speed-up with
-#           graphs on both sides, step_breakdown of the pair, compare_runs with host-1b's
-#           runs where they are in OUT_DIR                                        ~4 min
+#   graphs-1b  first the GPU tier's test of no FSDP2 and CUDA graphs (losses against FSDP2 and
+#           eager, a graphed resume); then the 1B without FSDP2 and with each layer a CUDA
+#           graph (--cuda_graphs; eager around the graphs: not with --compile), te-bf16 and
+#           te-fp8: FP8's speed-up with graphs on both sides, step_breakdown of the pair,
+#           compare_runs with host-1b's runs where they are in OUT_DIR            ~6 min
 #
 # TE searches the CUDA toolkit and the system for cuDNN before pip's: on the H100 of 2026-11-24
 # it loaded Debian's 9.14 beside torch's 9.19, and deterministic FP8 attention was refused.
@@ -138,7 +139,7 @@ recipe() {
         matrix "te-fp8 mb4 +expandable,te-fp8 mb4 +AC/2 +expandable,te-fp8 mb4 +AC-mlp +expandable,te-fp8 mb6 +AC-mlp +expandable"
         ;;
     tier)
-        "$python" -m pytest -m gpu tests/integration/test_gpu.py -k "cudnn or fp8_attention or mlp_recompute or one_seed or master_weights or fp8_weights or validation or cuda_graphs" -v --durations=0
+        "$python" -m pytest -m gpu tests/integration/test_gpu.py -k "cudnn or fp8_attention or mlp_recompute or one_seed or master_weights or fp8_weights or validation" -v --durations=0
         ;;
     attention)
         matrix "te-fp8 mb4 +expandable,te-fp8 mb4 +fp8-attention +expandable" 4 "te-fp8 mb4 +expandable"
@@ -189,6 +190,7 @@ recipe() {
             --output "$out/host-1b.png" || true
         ;;
     graphs-1b)
+        "$python" -m pytest -m gpu tests/integration/test_gpu.py -k cuda_graphs -v
         graphs=(--sharding_strategy none --compile=0 --cuda_graphs)
         recipe 1b-bf16-graphs llama3.2-1b-bf16 "${graphs[@]}"
         recipe 1b-fp8-graphs llama3.2-1b-fp8 "${graphs[@]}"
