@@ -42,26 +42,14 @@ def test_bash_without_slurm_trains_here(tmp_path: Path) -> None:
     assert (tmp_path / "laptop" / "checkpoints").is_dir()
 
 
-@pytest.mark.parametrize(
-    ("args", "line"),
-    [
-        (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
-        (  # told the world the launch will start (2 workers), not each worker once
-            ["--sharding_strategy", "none"],
-            "--sharding_strategy none runs one process without FSDP2, but this launch has 2 "
-            "ranks: use --sharding_strategy full, or launch one process (NPROC_PER_NODE=1 with "
-            "1.train_llama.sbatch)",
-        ),
-    ],
-)
-def test_bad_arguments_through_the_launcher_give_one_line(
-    tmp_path: Path, args: list[str], line: str
-) -> None:
+def test_bad_arguments_through_the_launcher_give_one_line(tmp_path: Path) -> None:
     """train.py's own check, once, before torchrun: no traceback, no empty run folder."""
     env = clean_env(RUNS_DIR=str(tmp_path / "runs"), RUN_NAME="bad", NPROC_PER_NODE="2")
-    result = run_script(env, "--preset", "tiny", *args, cwd=tmp_path, timeout=120)
+    result = run_script(env, "--preset", "tiny", "--lr", "inf", cwd=tmp_path, timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr
-    assert result.stderr.strip().splitlines() == [f"train.py: error: {line}"]
+    assert result.stderr.strip().splitlines() == [
+        "train.py: error: --lr must be a finite number > 0, got inf"
+    ]
     assert "torchrun" not in result.stdout and not (tmp_path / "runs").exists()
 
 
@@ -81,7 +69,7 @@ def test_help_and_validate_only_through_the_launcher_start_no_training(
             "--preset llama2-7b --fp8=1 --checkpoint_freq 500 "
             f"--output_dir {run} --resume_from_checkpoint auto --preset tiny --help"
         ) in result.stdout
-    else:  # one line with the run as resolved
+    else:  # one line with the run as resolved, told the world the launch would start
         assert "train.py: ready: --preset tiny, fp8 tensorwise on --model_impl hf, world 2, " in (
             result.stdout
         )

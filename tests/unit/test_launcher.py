@@ -108,6 +108,17 @@ def test_without_slurm_torchrun_is_standalone_and_cpu_threads_are_shared() -> No
     assert set(launcher.torchrun_command(user_set, [], 0, 8)[1]) == {"PET_SIGNALS_TO_HANDLE"}
 
 
+def test_the_argument_check_is_told_the_world_the_launch_starts() -> None:
+    """Nodes from the plan x workers per node (NPROC_PER_NODE, else one per GPU, else 2 on a
+    CPU): what 1.train_llama.sbatch passes as WORLD_SIZE to train.py --validate_only, so
+    --sharding_strategy none is refused there, once (test_arguments holds the refusal)."""
+    cpu = {"CUDA_VISIBLE_DEVICES": "NoDevFiles"}
+    nodes = [("env", "PATH=/bin"), ("env", "LLAMA_NNODES=2")]
+    assert launcher.planned_world({**cpu, "NPROC_PER_NODE": "3"}, nodes) == 6
+    assert launcher.planned_world({"SLURM_GPUS_ON_NODE": "8"}, nodes) == 16
+    assert launcher.planned_world({"CUDA_VISIBLE_DEVICES": "0"}, [("arg", "--fp8=1")]) == 1
+
+
 def test_folders_flags_and_the_cleanup_of_a_refused_start(tmp_path: Path) -> None:
     args = ["--output_dir", "a", "--checkpoint_dir=b", "--output_dir=c"]
     assert launch_plan.flag_value(args, "output_dir") == "c"  # the last one wins, as in argparse

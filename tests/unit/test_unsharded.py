@@ -22,23 +22,25 @@ FULL = ("--bf16=1",)
 BACKENDS = [
     pytest.param("hf", False, id="hf-bf16"),
     pytest.param("hf", True, id="hf-torchao_fp8"),
+    pytest.param("te", False, id="te-bf16"),
     pytest.param("te", True, id="te-fp8"),
     pytest.param("te_linear", True, id="te_linear-fp8"),
 ]
 
 
-def layer_output_dtypes(run: Run) -> set[torch.dtype]:
-    """The dtype of each decoder layer's output in one training forward (the residual stream)."""
+def first_step(run: Run) -> tuple[float, set[torch.dtype]]:
+    """The first step's loss, and the dtype of each decoder layer's output in its forward (the
+    residual stream)."""
     seen: set[torch.dtype] = set()
 
     def record(module, args, output) -> None:
         seen.add((output[0] if isinstance(output, tuple) else output).dtype)
 
     hooks = [layer.register_forward_hook(record) for layer in decoder_layers(run.model)]
-    run.step(seed=0)
+    loss = run.step(seed=0)
     for hook in hooks:
         hook.remove()
-    return seen
+    return loss, seen
 
 
 @pytest.mark.parametrize(("impl", "fp8"), BACKENDS)
@@ -50,7 +52,10 @@ def test_without_fsdp2_a_world_of_one_trains_like_fsdp2(impl, fp8, tmp_path, te_
     assert {p.dtype for p in plain.model.parameters()} == {torch.float32}  # the master weights
     assert "torch.autocast" in plain.backend.describe()
 
-    assert layer_output_dtypes(plain) == layer_output_dtypes(fsdp2) == {torch.bfloat16}
+    (plain_loss, plain_dtypes), (fsdp2_loss, fsdp2_dtypes) = first_step(plain), first_step(fsdp2)
+    assert plain_dtypes == fsdp2_dtypes == {torch.bfloat16}
+    if not fp8:  # one model computed the same (FP8 casts read the fp32 weights, not bf16 ones)
+        assert plain_loss == fsdp2_loss
     losses = {
         name: [run.step(seed=s) for s in (1, 2, 1)]
         for name, run in (("full", fsdp2), ("none", plain))

@@ -4,12 +4,15 @@ What it models, so tests exercise real behaviour rather than a stub:
 
 * ``TransformerLayer`` / ``Linear`` with TE's parameter names, ``_extra_state`` entries,
   ``reset_parameters(defer_init)``, meta-device construction, TE's dtype rule (inputs must
-  match parameter dtype outside ``torch.autocast``) and TE's FP8 GEMM shape assertion.
+  match parameter dtype outside ``torch.autocast``; inside it a module computes in autocast's
+  dtype, which torch's autocast does not reach into) and TE's FP8 GEMM shape assertion.
   The math is ``tests/te_double/reference.py``.
 * FP8 emulation inside ``autocast``: GEMM operands are rounded through torch's float8 dtypes
   (E4M3 forward; E5M2 gradients with ``Format.HYBRID``) with per-tensor current scaling,
   1x128 blocks (``Float8BlockScaling``), 32-element power-of-two blocks (``MXFP8BlockScaling``)
-  or delayed scaling from an amax history, saved in ``_extra_state``. Like TE's
+  or delayed scaling from an amax history, saved in ``_extra_state``. The weight is rounded
+  from its activation-dtype copy: under ``torch.autocast`` with fp32 parameters TE quantizes
+  the fp32 parameter itself, one rounding where the double makes two. Like TE's
   ``FP8GlobalStateManager``, every module that ran delayed scaling is registered once in a
   process-wide buffer per (recipe, group); forward amaxes are all-reduced (MAX) over the
   ``amax_reduction_group`` and the scales updated when the outermost ``autocast`` exits with
@@ -716,8 +719,36 @@ def _amax_and_scale_update(state: _DelayedScalingState, fp8_recipe: Any, fmt: st
     scale.copy_(new)
 
 
+#: The ``torch.autocast`` dtype the outermost TE module of a forward was entered with, while
+#: its forward runs (:func:`_te_kernels`); None outside.
+_ENTERED_AUTOCAST: list[torch.dtype | None] = [None]
+
+
+def _te_kernels(forward: Callable) -> Callable:
+    """TE's kernels are its own ops, which ``torch.autocast`` does not dispatch: a TE module
+    reads autocast's dtype on entry (its activation dtype) and computes everything in it, its
+    FP8 GEMMs accumulating in fp32. The double computes with torch ops, so once that dtype is
+    read it turns autocast off inside the module (nested TE modules read the entered dtype)."""
+
+    @functools.wraps(forward)
+    def run(self: nn.Module, inp: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        device = inp.device.type
+        if not torch.is_autocast_enabled(device):
+            return forward(self, inp, *args, **kwargs)
+        outer, _ENTERED_AUTOCAST[0] = _ENTERED_AUTOCAST[0], torch.get_autocast_dtype(device)
+        try:
+            with torch.autocast(device, enabled=False):
+                return forward(self, inp, *args, **kwargs)
+        finally:
+            _ENTERED_AUTOCAST[0] = outer
+
+    return run
+
+
 def _activation_dtype(x: torch.Tensor, params: list[torch.Tensor]) -> torch.dtype:
     """TE's rule: cast to the ``torch.autocast`` dtype, else all dtypes must already agree."""
+    if _ENTERED_AUTOCAST[0] is not None:
+        return _ENTERED_AUTOCAST[0]
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     for param in params:
@@ -783,6 +814,7 @@ class Linear(_TEModule):
             self.bias = None
         self.reset_parameters(defer_init=dev.type == "meta")
 
+    @_te_kernels
     def forward(
         self,
         inp: torch.Tensor,
@@ -892,6 +924,7 @@ class _LayerNormMLP(_TEModule):
         self.checkpoint = False
         self.reset_parameters(defer_init=device.type == "meta")
 
+    @_te_kernels
     def forward(
         self, hidden_states: torch.Tensor, is_first_microbatch: bool | None = None
     ) -> torch.Tensor:
@@ -1030,6 +1063,7 @@ class TransformerLayer(nn.Module):
             hidden_size, ffn_hidden_size, layernorm_epsilon, dtype, dev, init, out_init
         )
 
+    @_te_kernels
     def forward(
         self,
         hidden_states: torch.Tensor,
