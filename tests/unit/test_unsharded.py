@@ -112,3 +112,17 @@ def test_cuda_graphs_capture_each_te_layer_at_the_training_shape(tmp_path, te_do
     graphed_losses, graphed_val = train_then_validate(graphed)
     assert graphed_losses == eager_losses and graphed_losses[2] < graphed_losses[0]
     assert graphed_val == eager_val
+
+
+@pytest.mark.parametrize("flags", [FULL, NONE], ids=["fsdp2", "none"])
+def test_without_fsdp2_te_keeps_a_steps_fp8_weights_across_its_micro_batches(
+    flags, tmp_path, te_double
+) -> None:
+    """FSDP2 gathers the weights anew for every forward, so TE's FP8 weight cache stays off
+    there (is_first_microbatch None); without FSDP2 the step's first micro-batch casts them and
+    the others reuse the cast (TE's cache, filled)."""
+    run = Run("te", True, seed=1, checkpoint_dir=tmp_path, flags=(*flags, "--grad_accum_steps=2"))
+    losses = [run.step(seed=s) for s in (1, 1)]
+    cached = [m for m in run.model.modules() if getattr(m, "_weight_cache", None)]
+    assert bool(cached) == (flags == NONE)
+    assert losses[1] < losses[0]
