@@ -104,7 +104,7 @@ recipe() {
     shift 2
     rm -rf "${out:?}/$name"
     RUNS_DIR=$out RUN_NAME=$name bash 1.train_llama.sbatch --recipe "$which" --max_steps 30 \
-        --warmup 5 --validation_freq 0 --checkpoint_freq 0 --profile_steps 20:21 \
+        --warmup 5 --validation_freq 0 --checkpoint_freq -1 --profile_steps 20:21 \
         --dataset data/kjv.jsonl.gz --tokenizer data/tokenizer "$@"
 }
 

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Does FP8 train as well as BF16? The whole-model loss A/B, as a user runs it, in one call.
 #
-#   bash benchmarks/gpu_parity.sh OUT_DIR             # one H100/H200 with TE set up, ~8 min
+#   bash benchmarks/gpu_parity.sh OUT_DIR             # one H100/H200 with TE set up, ~9 min
 #   bash benchmarks/gpu_parity.sh OUT_DIR --dry_run   # the same path on a CPU, ~30 s
 #
 # GPU: the shipped Llama 3.2 1B recipes (te-bf16, then te-fp8 delayed; micro-batch 4, seq 8192,
 # --compile) through the launcher (bash 1.train_llama.sbatch --recipe ...), on the real text of
 # scripts/make_code_corpus.py (DATA, default .gpu/text: one transfer), STEPS steps (default 200:
-# 6.6M tokens, none read twice; by the measured 0.52 s (fp8) and 0.61 s (bf16) a step, with two
-# compiles and the numerics run it fits one 10-minute call) with WARMUP warm-up steps and cosine
-# decay, the held-out text validated every VAL_FREQ steps, steps 100-101 profiled. Then a 30-step
-# run of the same FP8 recipe with --fp8_numerics (TE's debug tools on the fused layers; its own
+# 6.6M tokens, none read twice; 526 s in all on an H200, benchmarks/results/) with WARMUP
+# warm-up steps and cosine decay, the held-out text validated every VAL_FREQ steps, steps
+# 110-111 profiled (off the validation steps, which the trace would count as data wait). No
+# checkpoints (a 1B's is 15 GB). Then a 30-step run of the same FP8 recipe with --fp8_numerics (TE's debug tools on the fused layers; its own
 # run, so their cost at report steps stays out of the A/B's speed and profile; without --compile,
 # which 30 steps would not pay back), compare_runs' table, parity verdict, numerics and picture,
 # and step_breakdown's ceiling. Set-up first:
@@ -46,11 +46,11 @@ else
         echo "gpu_parity.sh: no $text/code.jsonl.gz: run scripts/make_code_corpus.py --out $text and carry it" >&2
         exit 2
     }
-    data=(--dataset "$text/code.jsonl.gz" --tokenizer "$text/tokenizer" --profile_steps 100:101)
+    data=(--dataset "$text/code.jsonl.gz" --tokenizer "$text/tokenizer" --profile_steps 110:111)
     fp8_extra=()
 fi
 schedule=(--max_steps "$steps" --warmup "$warmup" --validation_freq "$val_freq"
-    --validation_batches 4 --logging_freq 1 --checkpoint_freq 0)
+    --validation_batches 4 --logging_freq 1 --checkpoint_freq -1)  # no 15 GB 1B saves
 
 launch() {  # launch RUN_NAME RECIPE FLAGS...: a fresh run folder under OUT_DIR
     local name=$1 which=$2
@@ -68,7 +68,7 @@ launch() {  # launch RUN_NAME RECIPE FLAGS...: a fresh run folder under OUT_DIR
     if [ -z "$dry" ]; then
         launch fp8-numerics "$recipe-fp8" "${data[@]:0:4}" --fp8_numerics \
             --compile 0 --max_steps 30 --warmup 3 --logging_freq 10 --validation_freq 0 \
-            --checkpoint_freq 0
+            --checkpoint_freq -1
         runs+=("$out/fp8-numerics")
     fi
     breakdown=()

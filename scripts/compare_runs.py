@@ -463,8 +463,10 @@ def compare(args: argparse.Namespace) -> str:
     summaries = [metrics.summarize(run.records, warmup) for run in runs]
     judged_from = parity_start(runs)
     verdicts = [
-        parity.judge(run.records, runs[0].records, judged_from, label, labels[0])
-        for run, label in zip(runs[1:], labels[1:], strict=True)
+        parity.judge(
+            run.records, runs[0].records, judged_from, label, labels[0], speed_ratio(summaries, i)
+        )
+        for i, (run, label) in enumerate(zip(runs[1:], labels[1:], strict=True), start=1)
     ]
     breakdown = step_breakdowns(args.runs) if args.breakdown else None
     figure = make_figure(
@@ -484,6 +486,12 @@ def compare(args: argparse.Namespace) -> str:
     report = format_report(runs, labels, summaries, warmup, problems)
     numbers = [numerics_lines(run, label) for run, label in zip(runs, labels, strict=True)]
     return "\n".join([report, *(line for v in verdicts for line in v.lines()), *sum(numbers, [])])
+
+
+def speed_ratio(summaries: Sequence[Mapping[str, Any]], index: int) -> float | None:
+    """Run ``index``'s median tokens/s over the first run's, as the table prints it."""
+    mine, theirs = (summaries[i].get("tokens_per_sec_per_device") for i in (index, 0))
+    return mine / theirs if mine and theirs else None
 
 
 def numerics_lines(run: Run, label: str, count: int = 3) -> list[str]:

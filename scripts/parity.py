@@ -3,13 +3,17 @@
 compare_runs prints one per run after the first, judged against the first, after the warm-up:
 
 - the **smoothed train-loss gap**: each run's train loss averaged over the last ``SMOOTHING_STEPS``
-  steps, minus the reference's averaged the same way, relative to the reference's; its mean and
-  its largest value;
+  judged steps (fewer in a short run), minus the reference's averaged the same way, relative to
+  the reference's; its mean and its largest value, over the steps whose window is whole: a mean
+  reaching back into the warm-up would judge the warm-up's steep fall, not the model;
 - the **validation-loss gap** at the steps both runs validated (no smoothing: a validation loss
   is already a mean over many sequences);
 - the **trend**: the least-squares slope of the per-step relative train-loss gap (unsmoothed, so
   its points are independent enough for the slope's standard error to mean something), per
   1,000 steps, with that standard error;
+- the **same loss**: the step at which the reference reached the run's last validation loss
+  (linear between the reference's validations), as a share of the run's steps, and times the
+  run's speed-up: what FP8 buys to a given loss, not per token;
 - one **verdict**: "matches" when both gaps stay inside ``BAND`` and the gap does not grow;
   "drifts" naming where it left the band, or how fast it grows.
 
@@ -46,6 +50,34 @@ MIN_POINTS = 4
 
 
 @dataclass(frozen=True)
+class SameLoss:
+    """The run's last validation loss, and where the reference reached it."""
+
+    step: int
+    loss: float
+    reference_step: float | None  # None: the reference never validated that low
+    reference_last: int  # the reference's last validation step
+    speed_ratio: float | None = None  # the run's tokens/s over the reference's
+
+    def line(self, label: str, reference: str) -> str:
+        head = f"  same loss: {label}'s validation loss at step {self.step} ({self.loss:.4f})"
+        if self.reference_step is None:
+            return (
+                f"{head} is below {reference}'s at every validation up to step "
+                f"{self.reference_last} (at least {self.reference_last / self.step:.2f}x the "
+                "steps)"
+            )
+        share = self.reference_step / self.step
+        line = f"{head} is {reference}'s at step {self.reference_step:.0f} ({share:.2f}x the steps)"
+        if self.speed_ratio is not None:
+            line += (
+                f"; at {self.speed_ratio:.3f}x its tokens/s, {label} reaches that loss "
+                f"{share * self.speed_ratio:.2f}x as fast"
+            )
+        return line
+
+
+@dataclass(frozen=True)
 class Parity:
     """One run against the reference over steps ``first``..``last``; gaps are relative."""
 
@@ -63,6 +95,8 @@ class Parity:
     val_left_band_step: int | None = None
     slope: float | None = None  # per 1,000 steps
     slope_error: float | None = None
+    window: int = SMOOTHING_STEPS
+    same_loss: SameLoss | None = None
 
     @property
     def judged(self) -> bool:
@@ -96,7 +130,7 @@ class Parity:
                 "(--logging_freq)"
             ]
         lines = [
-            f"{head} ({self.points} logged steps, train loss averaged over {SMOOTHING_STEPS} "
+            f"{head} ({self.points} logged steps, train loss averaged over {self.window} "
             f"steps, band ±{BAND:.0%}):",
             f"  train loss gap: mean {_pct(self.train_mean)}, largest {_pct(self.train_largest)} "
             f"at step {self.train_largest_step}; trend {_pct(self.slope)} "
@@ -109,6 +143,8 @@ class Parity:
             )
         else:
             lines.append("  validation loss gap: no validation step shared by both runs")
+        if self.same_loss is not None:
+            lines.append(self.same_loss.line(self.label, self.reference))
         lines.append(f"  verdict: {self.verdict()}")
         return lines
 
@@ -148,16 +184,18 @@ def _losses(records: Sequence[Mapping[str, Any]], kind: str, key: str) -> dict[i
     }
 
 
-def smoothed(losses: Mapping[int, float], steps: Sequence[int]) -> list[float]:
-    """At each step, the mean of the losses logged in the ``SMOOTHING_STEPS`` steps up to it
-    (prefix sums over the logged steps: linear in the run's length)."""
+def smoothed(
+    losses: Mapping[int, float], steps: Sequence[int], window: int = SMOOTHING_STEPS
+) -> list[float]:
+    """At each step, the mean of the losses logged in the ``window`` steps up to it (prefix
+    sums over the logged steps: linear in the run's length)."""
     logged = sorted(losses)
     sums = [0.0]
     for step in logged:
         sums.append(sums[-1] + losses[step])
     means = []
     for step in steps:
-        low = bisect.bisect_right(logged, step - SMOOTHING_STEPS)
+        low = bisect.bisect_right(logged, step - window)
         high = bisect.bisect_right(logged, step)
         means.append((sums[high] - sums[low]) / (high - low))
     return means
@@ -176,6 +214,36 @@ def slope_per_1000(steps: Sequence[int], gaps: Sequence[float]) -> tuple[float, 
     return slope * 1000, error * 1000
 
 
+def smoothing_window(first: int, last: int) -> int:
+    """``SMOOTHING_STEPS``, or half the judged steps where fewer than twice that are judged, so
+    that a short run still has whole windows to judge."""
+    return max(1, min(SMOOTHING_STEPS, (last - first + 1) // 2))
+
+
+def step_at_loss(validations: Mapping[int, float], loss: float) -> float | None:
+    """The first step at which ``validations`` (step -> loss), linear between its steps, falls
+    to ``loss``; None where it never does (or ``loss`` is above its first validation)."""
+    points = sorted(validations.items())
+    for (s0, l0), (s1, l1) in zip(points, points[1:], strict=False):
+        if l0 >= loss >= l1:
+            return s0 + (s1 - s0) * (l0 - loss) / (l0 - l1) if l0 > l1 else float(s0)
+    return None
+
+
+def same_loss(
+    mine: Mapping[int, float], theirs: Mapping[int, float], speed_ratio: float | None
+) -> SameLoss | None:
+    """Where the reference reached the run's last validation loss (None: nothing to say: too
+    few validations, or a loss above the reference's first one)."""
+    if not mine or len(theirs) < 2:
+        return None
+    step = max(mine)
+    reference_step = step_at_loss(theirs, mine[step])
+    if reference_step is None and mine[step] >= min(theirs.values()):
+        return None
+    return SameLoss(step, mine[step], reference_step, max(theirs), speed_ratio)
+
+
 def _first_outside(steps: Sequence[int], gaps: Sequence[float]) -> int | None:
     return next((s for s, g in zip(steps, gaps, strict=True) if abs(g) > BAND), None)
 
@@ -186,15 +254,22 @@ def judge(
     first: int,
     label: str,
     reference_label: str,
+    speed_ratio: float | None = None,
 ) -> Parity:
-    """``run``'s records against ``reference``'s, from step ``first`` on."""
+    """``run``'s records against ``reference``'s, from step ``first`` on; ``speed_ratio`` (the
+    run's tokens/s over the reference's) turns the same-loss share into a speed."""
     mine, theirs = _losses(run, "train", "loss"), _losses(reference, "train", "loss")
     steps = sorted(s for s in mine.keys() & theirs.keys() if s >= first)
     last = max(steps, default=first)
     if len(steps) < MIN_POINTS:
         return Parity(label, reference_label, first, last, len(steps))
-    mine_smooth, theirs_smooth = smoothed(mine, steps), smoothed(theirs, steps)
-    gaps = [(m - t) / t for m, t in zip(mine_smooth, theirs_smooth, strict=True)]
+    window = smoothing_window(steps[0], last)
+    whole = [s for s in steps if s >= steps[0] + window - 1]  # windows inside the judged steps
+    judged_mine, judged_theirs = {s: mine[s] for s in steps}, {s: theirs[s] for s in steps}
+    pairs = zip(
+        smoothed(judged_mine, whole, window), smoothed(judged_theirs, whole, window), strict=True
+    )
+    gaps = [(m - t) / t for m, t in pairs]
     largest = max(range(len(gaps)), key=lambda i: abs(gaps[i]))
     slope, error = slope_per_1000(steps, [(mine[s] - theirs[s]) / theirs[s] for s in steps])
     val_mine, val_theirs = _losses(run, "val", "val_loss"), _losses(reference, "val", "val_loss")
@@ -208,13 +283,15 @@ def judge(
         len(steps),
         train_mean=sum(gaps) / len(gaps),
         train_largest=gaps[largest],
-        train_largest_step=steps[largest],
-        left_band_step=_first_outside(steps, gaps),
+        train_largest_step=whole[largest],
+        left_band_step=_first_outside(whole, gaps),
         val_mean=sum(val_gaps) / len(val_gaps) if val_gaps else None,
         val_largest=max(val_gaps, key=abs) if val_gaps else None,
         val_left_band_step=_first_outside(val_steps, val_gaps),
         slope=slope,
         slope_error=error,
+        window=window,
+        same_loss=same_loss(val_mine, val_theirs, speed_ratio),
     )
 
 

@@ -97,3 +97,49 @@ def test_judged_from_the_warm_up_or_the_first_tenth() -> None:
     assert parity.judged_from([{"warmup": 200}, {"warmup": 100}], 1000) == 200
     assert parity.judged_from([{"warmup": 2}, None], 50) == 5
     assert parity.judged_from([None, None], 7) == 1
+
+
+def test_the_warm_up_s_fall_is_not_averaged_into_the_judged_gap() -> None:
+    """A 5% gap before the judged start (the steep first fall) leaves no trace: each mean is
+    over judged steps only, from the first whole window on. Averaged into the first windows,
+    it put the GPU pair outside the band at its first judged step."""
+    bf16 = curve(300)
+    fp8 = curve(300, gap=lambda s: 0.05 if s < 40 else 0.002)
+    found = parity.judge(fp8, bf16, 40, "fp8", "bf16")
+    assert found.window == 20 and found.left_band_step is None and found.matches
+    assert found.train_largest == pytest.approx(0.002) and found.train_largest_step >= 59
+
+
+def test_a_short_run_smooths_over_half_its_judged_steps() -> None:
+    assert parity.smoothing_window(2, 20) == 9
+    assert parity.smoothing_window(40, 400) == parity.SMOOTHING_STEPS
+    assert parity.smoothing_window(5, 5) == 1
+
+
+def test_the_step_at_a_loss_is_read_between_validations() -> None:
+    validations = {25: 6.5, 50: 5.2, 75: 5.0}
+    assert parity.step_at_loss(validations, 5.25) == pytest.approx(25 + 25 * 1.25 / 1.3)
+    assert parity.step_at_loss(validations, 5.0) == pytest.approx(75)
+    assert parity.step_at_loss(validations, 6.6) is None  # above the first validation
+    assert parity.step_at_loss(validations, 4.9) is None  # never reached
+
+
+def test_same_loss_says_how_much_faster_fp8_reaches_the_reference_s_loss() -> None:
+    """FP8 at 1.2x the tokens/s needs 200 steps for the loss BF16 had at 175: 1.05x to it."""
+    bf16 = curve(200)
+    fp8 = curve(200, gap=lambda s: 0.01)
+    ref_val = val(bf16, 25)
+    later = {r["step"]: r["val_loss"] for r in ref_val}
+    mine = [{"kind": "val", "step": 200, "val_loss": later[175]}]  # bf16's loss at step 175
+    found = parity.judge(fp8 + mine, bf16 + ref_val, 20, "fp8", "bf16", speed_ratio=1.2)
+    assert found.same_loss.reference_step == pytest.approx(175)
+    assert found.lines()[-2] == (
+        f"  same loss: fp8's validation loss at step 200 ({later[175]:.4f}) is bf16's at step "
+        "175 (0.88x the steps); at 1.200x its tokens/s, fp8 reaches that loss 1.05x as fast"
+    )
+    better = [{"kind": "val", "step": 200, "val_loss": later[200] * 0.99}]
+    found = parity.judge(fp8 + better, bf16 + ref_val, 20, "fp8", "bf16")
+    assert "is below bf16's at every validation up to step 200 (at least 1.00x" in str(
+        found.lines()
+    )
+    assert parity.judge(fp8, bf16 + ref_val, 20, "fp8", "bf16").same_loss is None  # no val
