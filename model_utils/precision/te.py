@@ -351,14 +351,16 @@ class TEBackend:
                 f"model_impl={self.model_impl} precision=TE, fp8 off (same TE modules); "
                 f"{activations}{cudnn}"
             )
-        options = ", ".join(f"{k}={v}" for k, v in self._recipe_kwargs.items())
+        recipe = FP8_RECIPE[self.recipe_name]  # the knobs it reads: current has no history
+        read = (*recipe.knobs, *(("fp8_attention",) if recipe.attention else ()))
+        options = ", ".join(f"{k}={self._recipe_kwargs[k]}" for k in read)
         group = "default group" if self.dp_group is None else "data-parallel group"
         weights = "FP8 (fp8_model_init)" if self.fp8_weights else "high precision"
         kept = f"; {kept_layers_words(self.bf16_layers)} in BF16" if self.bf16_layers else ""
         kept += "; lm_head's GEMMs in FP8 (chunked loss)" if self.fp8_lm_head else ""
         return (
             f"model_impl={self.model_impl} precision=TE FP8 recipe={self.recipe_name} "
-            f"({FP8_RECIPE[self.recipe_name].te_class}: {options}); {activations}; "
+            f"({recipe.te_class}: {options}); {activations}; "
             f"weights {weights}{kept}; amax reduction over the {group}{cudnn}"
         )
 

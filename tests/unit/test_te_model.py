@@ -20,6 +20,7 @@ from transformers import LlamaForCausalLM
 
 import te_llama
 from model_utils.config import te_loader
+from model_utils.config.options import FP8_RECIPE
 from model_utils.config.sections import ModelShape
 from model_utils.model import te_support
 from model_utils.model.modeling import materialize
@@ -275,6 +276,9 @@ def test_forward_backward_every_precision(
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0]
     assert impl in backend.describe() and ("FP8" in backend.describe()) == (precision != "bf16")
+    if precision != "bf16":  # the line names the knobs the recipe reads, no others
+        read = FP8_RECIPE[precision].knobs
+        assert ("amax_history_len=" in backend.describe()) == ("amax_history_len" in read)
 
 
 def test_delayed_scaling_updates_where_te_updates(te_double) -> None:
