@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from model_utils.config.sections import HF_KEYS, SHAPE_FIELDS, Config, ModelShape
 from model_utils.model import loss, te_support
 from model_utils.parallel.distributed import canonical_param_name, local_shard
 from model_utils.precision import master_weights
+
+if TYPE_CHECKING:  # transformers' Llama modelling takes seconds to import: only a build needs it
+    from transformers import LlamaConfig
 
 # Initialiser std of Llama and of transformers' LlamaConfig default.
 INIT_STD = 0.02
@@ -38,6 +41,8 @@ _AS_IS = (
 
 def llama_config(shape: ModelShape) -> LlamaConfig:
     """The HF config of `shape` (transformers 5 takes RoPE's base and scaling as one dict)."""
+    from transformers import LlamaConfig
+
     rope = {**(shape.rope_scaling or {"rope_type": "default"}), "rope_theta": shape.rope_theta}
     positions = max(shape.max_position_embeddings or 0, shape.max_context_width)
     return LlamaConfig(
@@ -86,6 +91,8 @@ def build(
                 bf16_layers=args.precision.kept_layers(args.model.num_layers),
             )
         else:
+            from transformers import LlamaForCausalLM
+
             model = LlamaForCausalLM._from_config(
                 config, attn_implementation=attention_backend(device), dtype=torch.float32
             )
