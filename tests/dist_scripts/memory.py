@@ -19,6 +19,10 @@ from pathlib import Path
 import common
 import torch.distributed as dist
 
+# The modelling code itself, loaded before the baseline (a build imports it on first use): the
+# growth measured is the model's memory, not the library's.
+import transformers.models.llama.modeling_llama  # noqa: F401
+
 # ~335M parameters, 1.34 GB in fp32: large enough that a full copy per rank cannot hide.
 LARGE_SHAPE = [
     "--hidden_width",
