@@ -16,17 +16,26 @@
 # and step_breakdown's ceiling. Set-up first:
 # ../shared/gpu/README.md (TE from six transfers), and .gpu/text travels as one more carry.
 #
-# --dry_run: the tiny preset on the bundled corpus, one CPU worker, 20 steps of 64 tokens, with
-# --fp8_numerics on the FP8 twin itself (torchao); make test runs it
-# (tests/integration/test_parity_run.py). Everything lands in OUT_DIR: the run folders bf16/,
+# FP8_FLAGS after `--` go to the FP8 run and its numerics run: the verdict of a lever
+# (`-- --fp8_lm_head`, `-- --fp8_recipe current`, `-- --bf16_layers 0,15`) against the same BF16 run.
+#
+# --dry_run: the tiny preset on the bundled corpus, one CPU worker, 20 steps of 64 tokens; make
+# test runs it with `-- --fp8_numerics` (on the FP8 twin itself, torchao:
+# tests/integration/test_parity_run.py). Everything lands in OUT_DIR: the run folders bf16/,
 # fp8/ (and fp8-numerics/), parity.log (every line printed), compare.png, verdict.txt,
 # breakdown.txt.
 set -euo pipefail
 
-usage="usage: bash benchmarks/gpu_parity.sh OUT_DIR [--dry_run]"
+usage="usage: bash benchmarks/gpu_parity.sh OUT_DIR [--dry_run] [-- FP8_FLAGS...]"
 out=${1:?$usage}
-dry=${2:-}
-[ -z "$dry" ] || [ "$dry" = --dry_run ] || { echo "$usage" >&2; exit 2; }
+shift
+dry=
+[ "${1:-}" != --dry_run ] || { dry=--dry_run; shift; }
+if [ $# -gt 0 ]; then  # what else the FP8 run (and its numerics run) is judged with
+    [ "$1" = -- ] || { echo "$usage" >&2; exit 2; }
+    shift
+fi
+fp8_flags=("$@")
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -37,7 +46,6 @@ if [ -n "$dry" ]; then
     steps=${STEPS:-20} warmup=${WARMUP:-2} val_freq=${VAL_FREQ:-10}
     export NPROC_PER_NODE=${NPROC_PER_NODE:-1}  # one worker, as on the one-GPU machine
     data=(--max_context_width 64 --train_batch_size 2)
-    fp8_extra=(--fp8_numerics)
 else
     recipe=llama3.2-1b
     steps=${STEPS:-200} warmup=${WARMUP:-20} val_freq=${VAL_FREQ:-25}
@@ -47,7 +55,6 @@ else
         exit 2
     }
     data=(--dataset "$text/code.jsonl.gz" --tokenizer "$text/tokenizer" --profile_steps 110:111)
-    fp8_extra=()
 fi
 schedule=(--max_steps "$steps" --warmup "$warmup" --validation_freq "$val_freq"
     --validation_batches 4 --logging_freq 1 --checkpoint_freq -1)  # no 15 GB 1B saves
@@ -63,10 +70,10 @@ launch() {  # launch RUN_NAME RECIPE FLAGS...: a fresh run folder under OUT_DIR
     echo "# gpu_parity.sh ${dry:-(GPU)} on $(hostname) at $(date -u +%FT%TZ), git $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')"
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || true
     launch bf16 "$recipe-bf16" "${data[@]}" "${schedule[@]}"
-    launch fp8 "$recipe-fp8" "${data[@]}" "${schedule[@]}" "${fp8_extra[@]}"
+    launch fp8 "$recipe-fp8" "${data[@]}" "${schedule[@]}" "${fp8_flags[@]}"
     runs=("$out/bf16" "$out/fp8")
     if [ -z "$dry" ]; then
-        launch fp8-numerics "$recipe-fp8" "${data[@]:0:4}" --fp8_numerics \
+        launch fp8-numerics "$recipe-fp8" "${data[@]:0:4}" "${fp8_flags[@]}" --fp8_numerics \
             --compile 0 --max_steps 30 --warmup 3 --logging_freq 10 --validation_freq 0 \
             --checkpoint_freq -1
         runs+=("$out/fp8-numerics")

@@ -25,7 +25,7 @@ def dry_run(tmp_path_factory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("parity")
     env = {**warm_env(), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        ["bash", "benchmarks/gpu_parity.sh", str(out), "--dry_run"],
+        ["bash", "benchmarks/gpu_parity.sh", str(out), "--dry_run", "--", "--fp8_numerics"],
         capture_output=True,
         text=True,
         env=env,
