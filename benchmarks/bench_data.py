@@ -16,6 +16,12 @@ and best are reported, because other processes may share the cores; tokens per C
 false, own process) separates batching gains from the Rust thread pool's parallelism.
 Also measured: the cost of resuming at 80% of an epoch (ours: restore the saved position;
 upstream: re-read and re-tokenise every skipped batch, as the recipe did).
+
+    .venv/bin/python -m benchmarks.bench_data --step_ms 150 --seq_len 8192 --micro_batch 4
+
+measures instead what a training step waits for its batch when the step itself takes
+--step_ms (the host idle, as while a GPU step runs): ours with the next tokenizer batch encoded
+ahead on a thread, and without (``prefetch=False``), interleaved.
 """
 
 from __future__ import annotations
@@ -152,6 +158,38 @@ def resume_cost(seq_len: int, micro_batch: int, skip: int) -> tuple[float, float
     return restore, time.perf_counter() - start
 
 
+def stalls(seq_len: int, micro_batch: int, step_ms: float, steps: int, prefetch: bool):
+    """Each of `steps` batches' wait, in ms, when every step spends `step_ms` after its batch."""
+    tokenizer = data.load_tokenizer(BUNDLED_TOKENIZER)
+    stream = data.TrainStream(_source(micro_batch), tokenizer, seq_len, seed=42, prefetch=prefetch)
+    next(stream)  # the first read and batch are the same either way
+    waits = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        next(stream)
+        waits.append((time.perf_counter() - start) * 1e3)
+        time.sleep(step_ms / 1e3)
+    return waits
+
+
+def stall_report(args: argparse.Namespace) -> None:
+    runs: dict[bool, list[list[float]]] = {False: [], True: []}
+    for _ in range(args.repeats):
+        for prefetch in runs:
+            runs[prefetch].append(
+                stalls(args.seq_len, args.micro_batch, args.step_ms, args.steps, prefetch)
+            )
+    for prefetch, waits in runs.items():
+        totals = [sum(w) for w in waits]
+        print(
+            f"prefetch {str(prefetch):5s}: waited {statistics.median(totals):7.1f} ms in "
+            f"{args.steps} steps (median of runs), longest wait "
+            f"{statistics.median(max(w) for w in waits):6.1f} ms"
+        )
+    no, yes = (statistics.median(sum(w) for w in runs[p]) for p in (False, True))
+    print(f"waiting without / with prefetch: {no / yes:.1f}x")
+
+
 def _warm_up_imports() -> None:
     """Import and touch the libraries once so that no pipeline's timing pays for it."""
     import datasets  # noqa: F401
@@ -218,6 +256,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", choices=sorted(PIPELINES), help="time one pipeline (no ratios)")
     parser.add_argument("--label", help=argparse.SUPPRESS)  # row name for --only
+    parser.add_argument("--step_ms", type=float, help="measure the step's wait instead")
+    parser.add_argument("--steps", type=int, default=60, help="steps per --step_ms run")
     args = parser.parse_args()
     names = [args.only] if args.only else list(PIPELINES)
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
@@ -227,6 +267,10 @@ def main() -> None:
         f"{args.seq_len}, {args.tokens:,} tokens per run, {args.repeats} interleaved runs; "
         f"{os.cpu_count()} CPUs, load average {load}"
     )
+    if args.step_ms is not None:
+        _warm_up_imports()
+        stall_report(args)
+        return
     results = run_all(names, args)
     print(HEADER)
     for name in names:

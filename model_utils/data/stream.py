@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from itertools import islice
 from pathlib import Path
@@ -118,6 +119,7 @@ class TrainStream:
         seed: int = 0,
         block_docs: int = BLOCK_DOCS,
         tokenize_batch: int = TOKENIZE_BATCH,
+        prefetch: bool = True,
     ) -> None:
         micro_batch = source.train_batch_size
         require_positive(seq_len=seq_len, micro_batch=micro_batch, world_size=world_size)
@@ -134,6 +136,9 @@ class TrainStream:
         self._cursor = _Cursor()
         self._block: list[str] = []  # texts of the current block, shuffled
         self._tokens: np.ndarray | None = None  # tokens of the current tokenizer batch
+        # (block, first document, tokens to come) of the block's next tokenizer batch
+        self._prefetch = ThreadPoolExecutor(1, "tokenize") if prefetch else None
+        self._ahead: tuple[list[str], int, Future[np.ndarray]] | None = None
         self.batches = 0  # micro-batches yielded so far (restored by load_state_dict)
         self._epoch_tokens = 0  # tokens encoded since the epoch started (for the tiny-data warning)
         self._warned_tiny = False
@@ -266,9 +271,21 @@ class TrainStream:
         self._tokens = self._encode(0)
 
     def _encode(self, first_doc: int) -> np.ndarray:
-        tokens = encode_documents(
-            self.tokenizer, self._block[first_doc : first_doc + self.tokenize_batch]
-        )
+        """The block's tokenizer batch at `first_doc`; the next one is encoded on a thread while
+        the steps run (the Rust tokenizer lets go of the GIL), so a step waits for it only at a
+        block's start, where the reader's position moves (on this thread alone)."""
+        ahead, self._ahead, size = self._ahead, None, self.tokenize_batch
+        if ahead is not None and ahead[0] is self._block and ahead[1] == first_doc:
+            tokens = ahead[2].result()
+        else:
+            if ahead is not None:
+                ahead[2].exception()  # a stale one (a resume moved the cursor): let it finish
+            tokens = encode_documents(self.tokenizer, self._block[first_doc : first_doc + size])
+        following = first_doc + size
+        if self._prefetch is not None and following < len(self._block):
+            texts = self._block[following : following + size]
+            job = self._prefetch.submit(encode_documents, self.tokenizer, texts)
+            self._ahead = (self._block, following, job)
         self._epoch_tokens += len(tokens)
         return tokens
 
