@@ -9,8 +9,7 @@
 # scripts/make_code_corpus.py (DATA, default .gpu/text: one transfer), STEPS steps (default 200:
 # 6.6M tokens, none read twice; 526 s in all on an H200, benchmarks/results/) with WARMUP
 # warm-up steps and cosine decay, the held-out text validated every VAL_FREQ steps, steps
-# 110-111 profiled (off the validation steps, which the trace would count as data wait). No
-# checkpoints (a 1B's is 15 GB). Then a 30-step run of the same FP8 recipe with --fp8_numerics (TE's debug tools on the fused layers; its own
+# 110-111 profiled. No checkpoints (a 1B's is 15 GB). Then a 30-step run of the same FP8 recipe with --fp8_numerics (TE's debug tools on the fused layers; its own
 # run, so their cost at report steps stays out of the A/B's speed and profile; without --compile,
 # which 30 steps would not pay back), compare_runs' table, parity verdict, numerics and picture,
 # and step_breakdown's ceiling. Set-up first:
