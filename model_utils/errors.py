@@ -36,6 +36,12 @@ def exit_refused(exc: Refusal, *, is_main: bool = True) -> NoReturn:
     raise SystemExit(exc.exit_code) from None
 
 
+def refuse(problem: str | None, error: type[Exception] = UsageError) -> None:
+    """A check's one-line problem raised as `error`; None (the check passed) raises nothing."""
+    if problem:
+        raise error(problem)
+
+
 def first_words(exc: BaseException) -> str:
     """An exception's first line alone, or its type's name when its message is empty."""
     lines = str(exc).strip().splitlines()

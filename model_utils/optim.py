@@ -117,17 +117,17 @@ def build_optimizer(
     groups = param_groups(model, weight_decay)
     if not groups:
         raise ValueError("the model has no trainable parameters")
+    adam = {"lr": lr, "betas": (beta1, beta2), "eps": ADAM_EPS}  # the same whichever the choice
     if optimizer != "adamw":
-        return low_bit_adamw(optimizer)(groups, lr=lr, betas=(beta1, beta2), eps=ADAM_EPS)
+        return low_bit_adamw(optimizer)(groups, **adam)
     if master_weights == "optimizer":
-        build = master_adam or MasterWeightAdamW
-        return build(groups, lr=lr, betas=(beta1, beta2), eps=ADAM_EPS)
+        return (master_adam or MasterWeightAdamW)(groups, **adam)
     if master_weights != "params":
         raise ValueError(f"master_weights must be one of {MASTER_WEIGHTS}, got {master_weights!r}")
     try:
-        return torch.optim.AdamW(groups, lr=lr, betas=(beta1, beta2), eps=ADAM_EPS, fused=True)
+        return torch.optim.AdamW(groups, **adam, fused=True)
     except RuntimeError:
-        return torch.optim.AdamW(groups, lr=lr, betas=(beta1, beta2), eps=ADAM_EPS, foreach=None)
+        return torch.optim.AdamW(groups, **adam, foreach=None)
 
 
 @functools.cache

@@ -47,6 +47,7 @@ from model_utils.checkpoint.layout import (
     other_layout,
     plain_tensor,
     refuse_low_bit_reshard,
+    saved_tensors,
 )
 from model_utils.checkpoint.manifest import (
     CHECKPOINT_FORMAT,
@@ -545,11 +546,7 @@ class Checkpointer:
             del items["model"]
             items.pop("optimizer", None)
         else:
-            saved_fp8 = {
-                k[len(FP8_PREFIX) :]: v
-                for k, v in metadata.state_dict_metadata.items()
-                if k.startswith(FP8_PREFIX)
-            }
+            saved_fp8 = {k: md for k, (_, md) in saved_tensors(metadata, FP8_PREFIX).items()}
             if saved_fp8:
                 items["fp8_scaling"] = Fp8ScalingItem(state.model, saved_fp8)
         dcp.load(items, checkpoint_id=str(path))

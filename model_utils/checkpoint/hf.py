@@ -33,17 +33,16 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from model_utils.checkpoint.layout import (
+    BlockCopy,
     alias_groups,
-    copy_blocks,
     layer_groups,
     plain_tensor,
-    require_complete,
     unwrapped,
     weight_tensors,
 )
 from model_utils.checkpoint.manifest import CheckpointWriteError, write_error_reason
 from model_utils.config.sections import HF_KEYS, SHAPE_FIELDS, ModelShape
-from model_utils.errors import UsageError
+from model_utils.errors import UsageError, refuse
 from model_utils.model.modeling import HF_RECOMPUTED, llama_config  # RoPE buffers of old HF files
 from model_utils.parallel.distributed import (
     any_rank,
@@ -210,20 +209,18 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
         for n, p in model.named_parameters()
         if master_weights.has_seed(p)
     }
-    loaded: set[str] = set()
-    unexpected: list[str] = []
+    blocks = BlockCopy(targets, "HF tensor", _SHAPE_HINT)
     names = [n for n in handle.files if not n.endswith(HF_RECOMPUTED)]
     for group in layer_groups(names):
         if key_map is None:  # the model's names: read only this rank's block of each tensor
             sources = {name: handle.slice(name) for name in group}
         else:  # another layout: whole tensors, mapped a decoder layer at a time
             sources = key_map({name: handle.tensor(name) for name in group})
-        copied = copy_blocks(sources, targets, loaded, unexpected, "HF tensor", _SHAPE_HINT)
-        for name, value in copied.items():
+        for name, value in blocks.copy(sources).items():
             if name in seeded:
                 master_weights.remember_full_precision(seeded[name], value)
-    require_complete(f"HF checkpoint {path}", targets, loaded, unexpected)
-    log.info("Loaded %d tensors from Hugging Face checkpoint %s", len(loaded), path)
+    count = blocks.require_complete(f"HF checkpoint {path}")
+    log.info("Loaded %d tensors from Hugging Face checkpoint %s", count, path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -297,9 +294,7 @@ def export_dir_problem(flag: str, out_dir: str | Path) -> str | None:
 
 def check_export_dir(out_dir: str | Path) -> None:
     """UsageError (one line) if `out_dir` already holds a model: before any training."""
-    problem = export_dir_problem("--export_hf", out_dir)
-    if problem:
-        raise UsageError(problem)
+    refuse(export_dir_problem("--export_hf", out_dir))
 
 
 def _publish_mode() -> int:
@@ -321,9 +316,7 @@ class SafetensorsShardWriter:
     def __init__(self, out_dir: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
         self.out_dir = Path(out_dir)
         self.max_shard_bytes = max_shard_bytes
-        problem = export_dir_problem("export", self.out_dir)
-        if problem:
-            raise FileExistsError(problem)
+        refuse(export_dir_problem("export", self.out_dir), FileExistsError)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         for stale in self.out_dir.glob(f"{PART_PREFIX}*"):  # an export cut short
             remove_path(stale)

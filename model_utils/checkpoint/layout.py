@@ -84,54 +84,55 @@ def alias_groups(targets: Mapping[str, torch.Tensor]) -> dict[str, str]:
     return out
 
 
-def require_complete(
-    source: str, targets: Mapping[str, Any], loaded: set[str], unexpected: list[str]
-) -> None:
-    """Every model tensor was filled (a tied alias counts as its root) and nothing was left over."""
-    aliases = alias_groups(targets)
-    roots = {aliases[n] for n in loaded}
-    missing = sorted(n for n in targets if n not in loaded and aliases[n] not in roots)
-    if missing or unexpected:
-        raise ValueError(
-            f"{source} does not match the model: missing {_some(missing)}, "
-            f"unexpected {_some(unexpected)}"
-        )
+class BlockCopy:
+    """Copies this rank's block of each source (a whole tensor, or a safetensors lazy slice, which
+    reads only that block) into its target (a DTensor shard or a plain tensor), with no
+    communication, group after group, then checks that every target was filled. A shape
+    mismatch (the model and the checkpoint disagree) is a ValueError naming `source` and `hint`,
+    what to check."""
+
+    def __init__(self, targets: Mapping[str, torch.Tensor], source: str, hint: str) -> None:
+        self.targets, self.source, self.hint = targets, source, hint
+        self.loaded: set[str] = set()
+        self.unexpected: list[str] = []  # sources without a target
+
+    @torch.no_grad()
+    def copy(self, sources: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """Copy one group of sources; returns the blocks as read (before any rounding to the
+        target's dtype)."""
+        copied = {}
+        for name, tensor in sources.items():
+            target = self.targets.get(name)
+            if target is None:
+                self.unexpected.append(name)
+                continue
+            shape = tuple(tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape)
+            if shape != tuple(target.shape):
+                raise ValueError(
+                    f"{self.source} {name} has shape {shape} but the model expects "
+                    f"{tuple(target.shape)}: {self.hint}"
+                )
+            copied[name] = tensor[local_index(target)]
+            local_shard(target).copy_(copied[name])
+            self.loaded.add(name)
+        return copied
+
+    def require_complete(self, source: str | None = None) -> int:
+        """Every model tensor was filled (a tied alias counts as its root) and nothing was left
+        over, else a ValueError naming `source` (default: the copies' source); the count copied."""
+        aliases = alias_groups(self.targets)
+        roots = {aliases[n] for n in self.loaded}
+        missing = sorted(n for n in self.targets if aliases[n] not in roots)
+        if missing or self.unexpected:
+            raise ValueError(
+                f"{source or self.source} does not match the model: missing {_some(missing)}, "
+                f"unexpected {_some(self.unexpected)}"
+            )
+        return len(self.loaded)
 
 
 def _some(names: list[str]) -> str:
     return f"{names[:5]}{'...' if len(names) > 5 else ''}"
-
-
-@torch.no_grad()
-def copy_blocks(
-    sources: Mapping[str, Any],
-    targets: Mapping[str, torch.Tensor],
-    loaded: set[str],
-    unexpected: list[str],
-    source: str,
-    hint: str,
-) -> dict[str, torch.Tensor]:
-    """Copy this rank's block of each source (a whole tensor, or a safetensors lazy slice, which
-    reads only that block) into its target (a DTensor shard or a plain tensor), with no
-    communication. Names without a target go to `unexpected`, copied ones to `loaded`; a shape
-    mismatch (the model and the checkpoint disagree) is a ValueError naming `source` and `hint`,
-    what to check. Returns the blocks as read (before any rounding to the target's dtype)."""
-    copied = {}
-    for name, tensor in sources.items():
-        target = targets.get(name)
-        if target is None:
-            unexpected.append(name)
-            continue
-        shape = tuple(tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape)
-        if shape != tuple(target.shape):
-            raise ValueError(
-                f"{source} {name} has shape {shape} but the model expects {tuple(target.shape)}: "
-                f"{hint}"
-            )
-        copied[name] = tensor[local_index(target)]
-        local_shard(target).copy_(copied[name])
-        loaded.add(name)
-    return copied
 
 
 def plain_tensor(value: Any) -> Any:
@@ -378,14 +379,12 @@ def copy_converted(
     `key_map`, and copy this rank's block of each converted tensor into `targets` (DTensor
     shards or plain tensors). Memory: one layer of full tensors. Returns the tensors copied;
     ValueError if the converted names or shapes do not match the targets."""
-    loaded: set[str] = set()
-    unexpected: list[str] = []
-    source, hint = f"checkpoint {path}: converted {what}", "does the model shape match?"
+    blocks = BlockCopy(
+        targets, f"checkpoint {path}: converted {what}", "does the model shape match?"
+    )
     for group in layer_groups(saved):
-        full = read_full_tensors(path, {n: saved[n] for n in group})
-        copy_blocks(key_map(full), targets, loaded, unexpected, source, hint)
-    require_complete(source, targets, loaded, unexpected)
-    return len(loaded)
+        blocks.copy(key_map(read_full_tensors(path, {n: saved[n] for n in group})))
+    return blocks.require_complete()
 
 
 @torch.no_grad()

@@ -37,7 +37,7 @@ from model_utils.checkpoint.published import (  # noqa: F401 (re-exported: the p
     step_dirs,
     step_of,
 )
-from model_utils.errors import Refusal, UsageError, first_line
+from model_utils.errors import Refusal, UsageError, first_line, refuse
 from model_utils.parallel.distributed import (
     all_gather_object,
     current_rank,
@@ -143,13 +143,9 @@ def format_problem(path: str | Path, marker: Mapping[str, Any]) -> str | None:
 def loadable_marker(path: str | Path) -> dict[str, Any]:
     """The marker of checkpoint `path`, for a load: ValueError (one line) unless the checkpoint
     is complete, ResumeRefused if it is of an older format."""
-    problem = checkpoint_problem(path)
-    if problem:
-        raise ValueError(problem)
+    refuse(checkpoint_problem(path), ValueError)
     marker = read_marker(path)
-    problem = format_problem(path, marker)
-    if problem:
-        raise ResumeRefused(problem)
+    refuse(format_problem(path, marker), ResumeRefused)
     return marker
 
 
@@ -218,14 +214,13 @@ def content_damage(path: str | Path, files: Mapping[str, Mapping[str, Any]]) -> 
     not an exception, because the ranks split the files and one rank raising would leave the
     others waiting in the gather of everyone's verdict."""
     for name, saved in files.items():
+        file = Path(path) / name
         try:
-            now = file_sums([Path(path) / name])[name]
+            now = file_sums([file])[name]
         except OSError as exc:
-            return f"{Path(path) / name} cannot be read ({first_line(exc)})"
+            return f"{file} cannot be read ({first_line(exc)})"
         if now[SUM_ALGORITHM] != saved[SUM_ALGORITHM]:
-            return (
-                f"{Path(path) / name} does not match its {SUM_ALGORITHM} (changed since the save)"
-            )
+            return f"{file} does not match its {SUM_ALGORITHM} (changed since the save)"
     return None
 
 

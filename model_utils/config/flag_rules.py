@@ -18,7 +18,7 @@ from model_utils.config.options import (
     TRACKERS,
 )
 from model_utils.config.sections import Config, flag_specs
-from model_utils.errors import UsageError
+from model_utils.errors import UsageError, refuse
 
 #: The longest file or folder name Linux file systems take (NAME_MAX): a longer one raised
 #: ENAMETOOLONG from the first `exists()` that looked at it, as a traceback.
@@ -165,13 +165,9 @@ def _check_declared(config: Config) -> None:
     # name the flag the user gave.
     for name, spec in sorted(flag_specs().items(), key=lambda item: item[0] != "output_dir"):
         if spec.path or spec.nonempty:
-            problem = value_problem(f"--{name}", values[name], path=spec.path)
-            if problem:
-                raise UsageError(problem)
+            refuse(value_problem(f"--{name}", values[name], path=spec.path))
         for allowed in spec.ranges:
-            problem = allowed.problem(f"--{name}", values[name], values)
-            if problem:
-                raise UsageError(problem)
+            refuse(allowed.problem(f"--{name}", values[name], values))
 
 
 def value_problem(

@@ -10,6 +10,7 @@ from model_utils.data.reads import read_error_message
 from model_utils.data.sources import DataError
 from model_utils.data.stream import Batch, TrainStream
 from model_utils.data.validation import validation_batches
+from model_utils.errors import refuse
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -37,7 +38,5 @@ def build_data(
         problem = read_error_message(
             exc, source.dataset, source.text_column, world.rank, "at start-up"
         )
-    first = first_problem(problem)
-    if first:
-        raise DataError(first)
+    refuse(first_problem(problem), DataError)
     return stream, val_batches

@@ -13,7 +13,7 @@ import socket
 from pathlib import Path
 
 from model_utils.config.sections import Config
-from model_utils.errors import Refusal, unwritable
+from model_utils.errors import Refusal, refuse, unwritable
 from model_utils.parallel import distributed
 
 
@@ -63,9 +63,7 @@ def location_problem(flag: str, path: Path) -> str | None:
 def check_locations(locations: dict[str, Path]) -> None:
     """WriteProblem (one line) for the first location that cannot be written. Reads only."""
     for flag, path in locations.items():
-        problem = location_problem(flag, path)
-        if problem:
-            raise WriteProblem(problem)
+        refuse(location_problem(flag, path), WriteProblem)
 
 
 def probe_write(flag: str, path: Path) -> str | None:
@@ -188,5 +186,4 @@ def check_outputs(
     first = distributed.first_problem(problem)
     remove_folders(sorted(created, key=lambda p: len(p.parts), reverse=True))
     distributed.barrier()  # no rank goes on while another still removes
-    if first:
-        raise WriteProblem(first)
+    refuse(first, WriteProblem)

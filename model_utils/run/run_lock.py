@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from model_utils.config.sections import Config
-from model_utils.errors import Refusal
+from model_utils.errors import Refusal, refuse
 from model_utils.parallel import distributed
 from model_utils.run import outputs
 
@@ -127,9 +127,7 @@ def check_not_locked(directories: Iterable[Path], own: Iterable[Path] = ()) -> N
     """Refuse (RunLocked, one line) if a live run holds a directory, a folder it is inside or
     one inside it; `own`: the folders this run has locked. Reads only."""
     for directory in directories:
-        problem = overlap_problem(directory, own)
-        if problem is not None:
-            raise RunLocked(problem)
+        refuse(overlap_problem(directory, own), RunLocked)
 
 
 class RunLock:

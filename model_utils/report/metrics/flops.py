@@ -50,5 +50,4 @@ def flops_per_token(shape: ModelShape, seq_len: int) -> float:
     if seq_len <= 0:
         raise ValueError(f"seq_len must be > 0, got {seq_len}")
     n = matmul_params(shape)
-    head_dim = shape.hidden_width // shape.num_heads
-    return float(6 * n + 12 * shape.num_layers * shape.num_heads * head_dim * seq_len)
+    return float(6 * n + 12 * shape.num_layers * shape.num_heads * shape.head_dim * seq_len)
