@@ -18,7 +18,8 @@
 # FP8_FLAGS after `--` go to the FP8 run and its numerics run: the verdict of a lever
 # (`-- --fp8_lm_head`, `-- --fp8_recipe current`, `-- --bf16_layers 0,15`) against the same BF16 run.
 #
-# --dry_run: the tiny preset on the bundled corpus, one CPU worker, 20 steps of 64 tokens; make
+# --dry_run: the tiny preset on the bundled corpus, one CPU worker, 20 steps of 64 tokens in
+# fp32 (the FP8 twin emulated, the other --bf16=0); make
 # test runs it with `-- --fp8_numerics` (on the FP8 twin itself, torchao:
 # tests/integration/test_parity_run.py). Everything lands in OUT_DIR: the run folders bf16/,
 # fp8/ (and fp8-numerics/), parity.log (every line printed), compare.png, verdict.txt,
@@ -44,7 +45,9 @@ if [ -n "$dry" ]; then
     recipe=tiny
     steps=${STEPS:-20} warmup=${WARMUP:-2} val_freq=${VAL_FREQ:-10}
     export NPROC_PER_NODE=${NPROC_PER_NODE:-1}  # one worker, as on the one-GPU machine
-    data=(--max_context_width 64 --train_batch_size 2)
+    # fp32 twins (FP8 emulated in fp32 either way): a CPU without bf16 units runs bf16 matmuls
+    # tens of times slower, and the dry run is the script's path, not bf16's numerics
+    data=(--max_context_width 64 --train_batch_size 2 --bf16=0)
 else
     recipe=llama3.2-1b
     steps=${STEPS:-200} warmup=${WARMUP:-20} val_freq=${VAL_FREQ:-25}

@@ -42,9 +42,23 @@ LONGEST_FIRST = (
 )
 
 
+#: Intra-op threads of every process the CPU tier runs: tests in this process and every process
+#: they start. Two pytest workers already fill two cores, and a process's second thread only
+#: waits for a core: OpenMP's barriers under oversubscription made a 14-s train.py run take
+#: 67 s beside the other worker (benchmarks/results/2026-12-01-make-test.md). One count for
+#: all also keeps runs that are compared bit for bit on the same reduction order. The Slurm
+#: and sbatch paths drop it (helpers.slurm.clean_env): there the launcher sets its own.
+TEST_THREADS = {"OMP_NUM_THREADS": "1", "RAYON_NUM_THREADS": "1"}
+
+
 def pytest_configure(config) -> None:
     if "gpu" not in (config.option.markexpr or ""):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        os.environ.update(TEST_THREADS)
+        if _runs_tests(config):
+            import torch
+
+            torch.set_num_threads(1)
     if _runs_tests(config) and os.environ.get("LLAMA_TEST_WARM", "1") != "0":
         _start_zygote(config)
 

@@ -85,6 +85,7 @@ class BF16:
         self.compute = "bf16" if config.precision.bf16 else "fp32"
         self.masters = MASTERS_WHERE[config.optim.master_weights]
         self.torch_autocast_dtype = autocast_dtype(config)
+        self.unsharded = config.parallel.sharding_strategy == "none"
         self.device_type = device.type if device is not None else "cpu"
 
     def prepare(self, model: nn.Module) -> nn.Module:
@@ -105,7 +106,8 @@ class BF16:
     def describe(self) -> str:
         if self.torch_autocast_dtype is not None:
             return f"precision: bf16 compute by torch.autocast, {self.masters}, no FSDP2"
-        return f"precision: {self.compute} compute, {self.masters}, fp32 gradient reduce"
+        reduce = "no FSDP2" if self.unsharded else "fp32 gradient reduce"
+        return f"precision: {self.compute} compute, {self.masters}, {reduce}"
 
 
 #: How the start-up line names each --master_weights.

@@ -50,11 +50,11 @@ def train_cmd(*argv: str, nproc: int = 1) -> list[str]:
     return torchrun_cmd(str(ROOT / "train.py"), *argv, nproc=nproc)
 
 
-def train_env(nproc: int = 1) -> dict[str, str]:
+def train_env() -> dict[str, str]:
     """Thread count is part of the numerics (reduction order): runs that are compared bit for
-    bit must use the same one, whatever the caller's environment says."""
-    threads = "1" if nproc > 1 else "2"
-    return {**warm_env(), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": threads}
+    bit must use the same one, whatever the caller's environment says (one: the suite's count,
+    tests/conftest.py TEST_THREADS)."""
+    return {**warm_env(), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
 def run_train(*argv: str, nproc: int = 1, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -63,7 +63,7 @@ def run_train(*argv: str, nproc: int = 1, timeout: int = 900) -> subprocess.Comp
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=train_env(nproc),
+        env=train_env(),
         cwd=ROOT,
     )
     assert result.returncode == 0, launch_report(result)

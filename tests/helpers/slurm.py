@@ -41,10 +41,17 @@ def skip_or_fail(reason: str) -> None:
     pytest.skip(reason)
 
 
+#: The suite's thread counts (tests/conftest.py TEST_THREADS): a job's launcher sets its own.
+SUITE_THREADS = ("OMP_NUM_THREADS", "RAYON_NUM_THREADS")
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without any SLURM_* variable (pytest may itself run inside a
-    Slurm job), plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    Slurm job) or the suite's thread counts (the launcher divides the cores among a node's
+    workers, as for a user), plus `extra`."""
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in SUITE_THREADS
+    }
     env.update(extra)
     return env
 

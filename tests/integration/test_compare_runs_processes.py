@@ -39,7 +39,7 @@ def test_a_real_run_reads_the_same_from_its_log_and_its_directory(tmp_path: Path
         "--validation_batches=1",
         f"--output_dir={out}",
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     log = tmp_path / "slurm-7.out"

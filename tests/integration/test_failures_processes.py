@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def train(*argv: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
         [PYTHON, str(ROOT / "train.py"), *argv],
         capture_output=True,
@@ -221,7 +221,7 @@ def test_ranks_of_a_node_probing_one_new_checkpoint_folder_do_not_refuse_the_run
 def test_ctrl_c_checkpoints_at_the_step_boundary_and_exits_0(tmp_path: Path) -> None:
     """SIGINT (Ctrl-C) is a stop request like SIGTERM/SIGUSR1, not a traceback and lost work."""
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     argv = [*FAST, "--max_steps", "1000", "--checkpoint_freq", "-1", f"--output_dir={out}"]
     cmd = [PYTHON, str(ROOT / "train.py"), *argv]
     status, log = signal_after(cmd, signal.SIGINT, env=env, cwd=ROOT)

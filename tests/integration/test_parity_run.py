@@ -15,8 +15,9 @@ import pytest
 from helpers.procs import warm_env
 
 ROOT = Path(__file__).resolve().parents[2]
-#: What the dry run gives its FP8 twin, for the damaged run to repeat.
-TINY = "--max_context_width 64 --train_batch_size 2 --max_steps 20 --warmup 2 --validation_freq 10"
+#: What the dry run gives its FP8 twin, for the damaged run to repeat (fp32 twins: --bf16=0).
+TINY = "--max_context_width 64 --train_batch_size 2 --bf16=0 --max_steps 20 --warmup 2"
+TINY += " --validation_freq 10"
 SCHEDULE = [*TINY.split(), "--validation_batches", "4", "--logging_freq", "1"]
 
 
@@ -39,7 +40,7 @@ def dry_run(tmp_path_factory) -> tuple[Path, str]:
 def test_the_dry_run_pair_matches_and_records_its_numerics(dry_run) -> None:
     out, stdout = dry_run
     verdict = (out / "verdict.txt").read_text()
-    assert "verdict: fp8 tensorwise hf matches bf16 hf over steps 2-20" in verdict
+    assert "verdict: fp8 tensorwise hf matches fp32 hf over steps 2-20" in verdict
     gaps = re.search(r"train loss gap: mean ([-+.\d]+)%, largest ([-+.\d]+)%", verdict)
     assert gaps and abs(float(gaps[2])) < 1.0
     assert "FP8 numerics of fp8 tensorwise hf at step 20 (28 linears):" in verdict
@@ -80,7 +81,7 @@ def test_a_damaged_fp8_run_drifts_and_its_numerics_say_why(dry_run, tmp_path) ->
     )
     assert done.returncode == 0, done.stderr
     assert re.search(
-        r"verdict: fp8 tensorwise hf drifts from bf16 hf over steps 2-20: the train loss gap "
+        r"verdict: fp8 tensorwise hf drifts from fp32 hf over steps 2-20: the train loss gap "
         r"left the ±1% band at step \d+",
         done.stdout,
     ), done.stdout

@@ -46,7 +46,7 @@ train.main(sys.argv[2:])
 
 
 def _train_failing_at(read: int, *argv: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
         [PYTHON, "-c", _FAILING_READ, str(read), *argv],
         capture_output=True,
@@ -86,7 +86,7 @@ def test_a_read_failing_mid_run_drops_its_step_and_saves_the_last_full_one(tmp_p
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"},
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
         cwd=ROOT,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -137,7 +137,7 @@ def test_every_rank_learns_of_a_bad_read_before_the_optimizer_step() -> None:
 
 
 def _train(*argv: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
         [PYTHON, str(ROOT / "train.py"), *argv],
         capture_output=True,
@@ -187,7 +187,7 @@ def test_a_resume_refuses_a_data_file_replaced_since_the_save(
 def _hub_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     """An empty Hugging Face cache, and a hub endpoint that refuses every connection (what a
     node without network sees), unless `extra` says otherwise."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "HF_TOKEN"):
         env.pop(var, None)
     return {**env, "HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9", **extra}

@@ -29,7 +29,7 @@ COMMON += ["--validation_freq=2", "--checkpoint_freq=2"]
 
 def _train(out: Path, max_steps: int, env: dict[str, str | None], nproc: int, *extra: str) -> str:
     """train.py with `env` over the test's environment (a None value: unset)."""
-    merged = {k: v for k, v in {**train_env(nproc), **env}.items() if v is not None}
+    merged = {k: v for k, v in {**train_env(), **env}.items() if v is not None}
     argv = [*COMMON, f"--max_steps={max_steps}", f"--output_dir={out}", *extra]
     argv.append("--resume_from_checkpoint=auto")
     done = subprocess.run(
@@ -163,7 +163,7 @@ def test_a_tracker_server_that_never_answers_never_stalls_training(tmp_path: Pat
     lets go), --hang_timeout does not count it, and the tracker costs one W line."""
     out = tmp_path / "run"
     env = {
-        **train_env(1),
+        **train_env(),
         "MLFLOW_TRACKING_URI": "set below",
         "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
     }

@@ -80,8 +80,10 @@ def test_signals_reach_the_program_and_a_killed_stand_in_ends_it() -> None:
         "print(os.getpid(), flush=True)\n"
         "time.sleep(600)\n"
     )
+    # Two threads (it only sleeps): the child's thread pool must not take the process's signals.
+    env = {**train_env(), "OMP_NUM_THREADS": "2"}
     proc = subprocess.Popen(
-        [PYTHON, "-u", "-c", code], stdout=subprocess.PIPE, text=True, env=train_env(), cwd=ROOT
+        [PYTHON, "-u", "-c", code], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT
     )
 
     def line() -> str:  # at most 60 s: a lost signal fails the test instead of hanging it
@@ -117,7 +119,7 @@ def test_torchrun_workers_start_warm_through_python_exec(tmp_path: Path) -> None
         capture_output=True,
         text=True,
         timeout=300,
-        env={**train_env(2), "PYTHONUNBUFFERED": "1"},
+        env={**train_env(), "PYTHONUNBUFFERED": "1"},
         cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -587,6 +587,10 @@ def test_remaining_and_durations() -> None:
         peak_tflops=None,
     )
     assert detail_line(plain).endswith("data wait: 0.0%")
+    # The tokens seen over all launches: plain below a thousand, then k, M, B.
+    seen = {512: "512 tokens", 2048: "2.05k tokens", 1_234_567: "1.23M tokens", 3e9: "3.00B tokens"}
+    for tokens, words in seen.items():
+        assert f", seen: {words}" in detail_line({**plain, "tokens_seen": tokens}), tokens
 
 
 def test_run_record_and_line_round_trip() -> None:
