@@ -180,10 +180,12 @@ def state_is(cluster: Cluster, job: Job, *states: str) -> Callable[[], bool]:
 FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 
-def preempt_and_check_exact_resume(cluster: Cluster, job: Job, reference_job: Job) -> str:
+def preempt_and_check_exact_resume(cluster: Cluster, job: Job, reference_log: str) -> str:
     """USR1 at step 3 as Slurm sends it before the time limit; the job must checkpoint,
-    requeue itself, resume and end with the reference's losses step for step. Its log."""
-    reference = seed_losses(reference_job.log())
+    requeue itself, resume and end with the losses of the uninterrupted run that printed
+    `reference_log`, step for step. Its log."""
+    reference = seed_losses(reference_log)
+    assert sorted(reference) == list(range(1, STEPS + 1)), reference_log
     wait_until("step 3", lambda: "Batch 3 Loss" in job.log(), job, cluster)
     # What Slurm does `--signal=B:USR1@300` before the time limit: USR1 to the batch shell.
     cluster.run("scancel", "--batch", "--signal=USR1", job.job_id)
@@ -210,7 +212,7 @@ def preempt_and_check_exact_resume(cluster: Cluster, job: Job, reference_job: Jo
     before = seed_losses(log[: preempted.start()])
     assert before == {step: reference[step] for step in before}
     final = FINAL_LOSS.findall(log)
-    assert final and final[-1] == FINAL_LOSS.search(reference_job.log()).group(1)
+    assert final and final[-1] == FINAL_LOSS.search(reference_log).group(1)
     return log
 
 

@@ -1,6 +1,7 @@
 """The container path, executed: 0.transformer-engine.dockerfile -> Docker image -> `enroot
 import` squash file -> Pyxis `srun --container-image` on a real two-node Slurm cluster ->
-`sbatch --nodes=2 1.train_llama.sbatch --preset tiny --fp8=1` -> preemption -> exact resume.
+`sbatch --nodes=2 1.train_llama.sbatch --preset tiny --fp8=1` -> preemption -> a resume with
+the losses, bit for bit, of the same run on the host's venv without the container.
 
 scripts/container_e2e.sh does the work: enroot 4.1.2 and Pyxis 0.24.0 built from their release
 tarballs (../shared/container, or CONTAINER_SOURCES), a Docker daemon of its own, the recipe's
@@ -15,7 +16,7 @@ without them it skips and says why, except in CI (CI=true), where that is a fail
 
 Budget (2 CPU cores): the build ~2 min (the Debian root file system, the torch wheel and the
 stand-in base are cached in ~/.cache/llama-fp8-container; the first build adds ~1.5 min), the
-two jobs ~2.5 min.
+host's run ~15 s, the preempted job and its requeue ~1.5 min.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers.procs import processes_mentioning
+from helpers.runs import run_train
 from helpers.slurm import (
     FINAL_LOSS,
-    FINAL_STATES,
     IN_CI,
     STEPS,
     Cluster,
@@ -41,11 +43,10 @@ from helpers.slurm import (
     check_two_node_preemption,
     clean_env,
     preempt_and_check_exact_resume,
+    rank_lines,
     seed_losses,
     skip_or_fail,
-    state_is,
     submit_two_nodes,
-    wait_until,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -183,11 +184,22 @@ def cluster(built: tuple[Path, str]) -> Cluster:
 
 
 @pytest.fixture(scope="module")
-def reference_job(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Job:
-    """One uninterrupted two-node FP8 run in the container: the losses a requeue must match."""
-    job = submit_two_nodes(cluster, tmp_path_factory.mktemp("ctr-reference"), "ctr-ref", FP8_ARGS)
-    wait_until("the reference job to finish", state_is(cluster, job, *FINAL_STATES), job, cluster)
-    return job
+def host_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The same FP8 run uninterrupted on this host's venv (torchrun, two workers of one thread,
+    as the two nodes' one worker each): the losses the container job must have, bit for bit,
+    before its preemption and after its resume. Its log."""
+    out = tmp_path_factory.mktemp("host-reference") / "run"
+    return run_train(*FP8_ARGS, f"--output_dir={out}", nproc=2).stdout
+
+
+@pytest.fixture(scope="module")
+def preempted_job(
+    cluster: Cluster, host_reference: str, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Job, str]:
+    """A two-node FP8 job in the container, preempted at step 3 (USR1 as Slurm sends it),
+    requeued and resumed to the end with the host run's losses. The job and its log."""
+    job = submit_two_nodes(cluster, tmp_path_factory.mktemp("ctr-job"), "ctr-preempted", FP8_ARGS)
+    return job, preempt_and_check_exact_resume(cluster, job, host_reference)
 
 
 def container_lines(log: str) -> dict[str, tuple[str, ...]]:
@@ -227,15 +239,15 @@ def test_the_image_is_built_from_the_dockerfile_and_imported(built: tuple[Path, 
 
 @pytest.mark.slow
 def test_fp8_job_trains_on_two_nodes_inside_the_container(
-    cluster: Cluster, reference_job: Job
+    cluster: Cluster, preempted_job: tuple[Job, str]
 ) -> None:
-    info, log = cluster.job(reference_job.job_id), reference_job.log()
+    job, log = preempted_job
+    info = cluster.job(job.job_id)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
-    assert info["NumNodes"] == "2", info
+    assert info["NumNodes"] == "2" and info["NodeList"] == "node[1-2]", info
     assert f"container: {cluster.env['IMAGE']} (Pyxis)" in log
-    check_ran_in_the_image(log)
     assert "precision: torchao float8" in log, log  # FP8 (emulated on CPU)
-    losses = seed_losses(log)
+    losses = seed_losses(log)  # the first launch's steps and the resumed ones
     assert sorted(losses) == list(range(1, STEPS + 1)), log
     assert all(math.isfinite(float(loss)) for loss in losses.values()), losses
     assert float(losses[STEPS]) < float(losses[1]), losses
@@ -246,9 +258,19 @@ def test_fp8_job_trains_on_two_nodes_inside_the_container(
 
 
 @pytest.mark.slow
-def test_preempted_container_job_checkpoints_requeues_and_resumes_exactly(
-    cluster: Cluster, reference_job: Job, tmp_path: Path
+def test_preempted_container_job_resumes_exactly_and_computes_what_the_host_does(
+    preempted_job: tuple[Job, str],
 ) -> None:
-    job = submit_two_nodes(cluster, tmp_path, "ctr-preempted", FP8_ARGS)
-    log = preempt_and_check_exact_resume(cluster, job, reference_job)
+    """Checkpointed at the step boundary on both nodes (each node's launcher passed the USR1 on
+    to its worker: proctrack/pgid), requeued, resumed: every step of both launches has the loss
+    of the host venv's uninterrupted run on one node (checked in the fixture), so the image
+    computes exactly what the host does, and two nodes what one does. Each launch ran in the
+    image on both nodes, with a mesh over the two, and no worker is left behind."""
+    job, log = preempted_job
     check_two_node_preemption(log, check_ran_in_the_image)
+    for part in log.split("restart 1:", 1):  # the first launch and the requeued one
+        ranks = rank_lines(part)
+        assert sorted(ranks) == [0, 1], part
+        for _, mesh, groups in ranks.values():
+            assert mesh == "shard=2" and groups == {"shard": [0, 1]}, part
+    assert processes_mentioning(str(job.run_dir)) == []

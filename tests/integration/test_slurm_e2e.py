@@ -10,7 +10,7 @@ launcher passes it on. Those tests need root (slurmd launches job steps; namespa
 root, or without Slurm and apt-get to install it, they skip and say why. In CI (CI=true) they
 never skip: a missing prerequisite is a failure.
 
-Budget (2 CPU cores): the one-node Slurm job ~0.5 min, the two-node jobs ~2.5 min.
+Budget (2 CPU cores): the one-node Slurm job ~0.5 min, the two-node jobs ~1.5 min.
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ from helpers.slurm import (
     Cluster,
     Job,
     check_both_nodes_ran,
-    check_two_node_preemption,
-    preempt_and_check_exact_resume,
     rank_lines,
     seed_losses,
     start_cluster,
@@ -75,7 +73,7 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 @pytest.fixture(scope="module")
 def reference_job(slurm: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Job:
-    """One uninterrupted run: the e2e check, and the losses a requeued run must reproduce."""
+    """One uninterrupted run on one node, two workers: the job a user submits first."""
     job = submit(slurm, tmp_path_factory.mktemp("reference"), "reference", TINY_CPU_ARGS)
     wait_until("the reference job to finish", state_is(slurm, job, *FINAL_STATES), job, slurm)
     return job
@@ -115,7 +113,11 @@ def test_sbatch_directives_are_accepted_by_slurm(slurm: Cluster) -> None:
 
 
 # --------------------------------------------------------------------------------------
-# Two nodes: `sbatch --nodes=2`, one CPU worker per node, gloo across the nodes
+# Two nodes: `sbatch --nodes=2`, one CPU worker per node, gloo across the nodes. A preempted
+# two-node job (USR1 to the batch shell, each node's launcher passing it on under
+# proctrack/pgid, `scontrol requeue`, a resume with the losses of one node's uninterrupted
+# run) is test_container_e2e's, inside the image: the same sbatch, launcher and train.py with
+# Pyxis between them.
 
 
 @pytest.fixture(scope="module")
@@ -126,31 +128,6 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         SLURM_CLUSTER_NODES="2",
         SLURM_CLUSTER_PROCTRACK="pgid",
     )
-
-
-@pytest.mark.slow
-def test_a_preempted_two_node_job_trains_like_one_node_and_resumes_exactly(
-    two_nodes: Cluster, reference_job: Job, tmp_path: Path
-) -> None:
-    """Two nodes, one worker each, gloo across the two network namespaces: every step before
-    the preemption and after the resume has the one-node reference's loss, bit for bit. With
-    proctrack/pgid Slurm signals only each node's launcher (the task's process group); the
-    workers, each in a session of its own, checkpoint because the launcher passes USR1 on.
-
-    The one preemption on Slurm without the container: a one-node job takes the same path
-    (USR1 to the batch shell, the launcher passing it on, `scontrol requeue`, the resume), and
-    the launcher passing it to two workers of one node is test_sbatch_without_a_cluster's."""
-    job = submit_two_nodes(two_nodes, tmp_path, "two-nodes-preempted", TINY_CPU_ARGS)
-    log = preempt_and_check_exact_resume(two_nodes, job, reference_job)
-    info = two_nodes.job(job.job_id)
-    assert info["NumNodes"] == "2" and info["NodeList"] == "node[1-2]", info
-    check_two_node_preemption(log, check_both_nodes_ran)
-    for part in log.split("restart 1:", 1):  # the first launch and the requeued one
-        ranks = rank_lines(part)
-        assert sorted(ranks) == [0, 1], part
-        for _, mesh, groups in ranks.values():
-            assert mesh == "shard=2" and groups == {"shard": [0, 1]}, part
-    assert processes_mentioning(str(job.run_dir)) == []
 
 
 def worker_pids(cluster: Cluster, job: Job, node: str) -> list[int]:
