@@ -3,8 +3,9 @@ library only: the launcher (scripts/launch_plan.py loads it from its file) and `
 it before torch is imported.
 
 Why it matters: where the CPU has no bf16 units (AVX2-only x86, many laptops and cloud VMs),
-PyTorch's bf16 matmuls are 10-25x slower than fp32 ones, so a CPU run in bf16 (the recipe's
-default) takes an hour where fp32 takes minutes; FP8 emulation works around either dtype.
+PyTorch's bf16 matmuls are 20-60x slower than fp32 ones (a whole run 20-30x), so a CPU run in
+bf16 (the recipe's default) takes an hour where fp32 takes minutes; FP8 emulation works around
+either dtype.
 """
 
 from __future__ import annotations
@@ -38,5 +39,5 @@ def slow_bf16_line() -> str:
     """What a CPU run without bf16 units is told (the demo and the local launcher)."""
     return (
         "this CPU has no bf16 units (no avx512_bf16/amx_bf16 in /proc/cpuinfo): bf16 runs "
-        "10-25x slower than fp32 here"
+        "20-30x slower than fp32 here"
     )

@@ -5,7 +5,7 @@ Each run is the real train.py in its own process, exactly as a user would start 
 the picture at the end are scripts/compare_runs.py's, read back from the two runs' directories.
 
 The two runs compute in bf16 where the CPU has bf16 units (AVX512-BF16 or AMX on x86, BF16 on
-Arm), and in fp32 elsewhere: an AVX2-only CPU runs bf16 matmuls 10-25x slower than fp32 ones
+Arm), and in fp32 elsewhere: an AVX2-only CPU runs bf16 matmuls 20-60x slower than fp32 ones
 (benchmarks/results/, the make-test rounds), which would turn a few minutes into an hour. FP8 is
 emulated either way, so the demo shows FP8's numerics against the same model without it.
 """

@@ -43,7 +43,7 @@ cpu = _load("scripts/cpu.py")  # whether a CPU-only node computes bf16 natively
 
 
 def slow_bf16_hint(train_args: Sequence[str], gpus: int, native_bf16: bool | None) -> str:
-    """On a node without GPUs whose CPU has no bf16 units, a bf16 run (the default) is 10-25x
+    """On a node without GPUs whose CPU has no bf16 units, a bf16 run (the default) is 20-30x
     slower than --bf16=0: one line saying so ('' elsewhere). Said, not decided: a run's flags
     and its folder's name never depend on the CPU model."""
     if gpus or native_bf16 is not False or not switch_value(train_args, "bf16", default=True):

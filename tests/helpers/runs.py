@@ -24,7 +24,7 @@ SMALL_LLAMA = (
 
 
 # Small windows keep each step well under a second on two cores; the shape is the tiny preset's.
-# fp32 compute: a CPU without bf16 units (AVX2 only, like CI's) runs bf16 matmuls 10-25x slower
+# fp32 compute: a CPU without bf16 units (AVX2 only, like CI's) runs bf16 matmuls 20-60x slower
 # than fp32 ones; the tests whose point is bf16 or FP8 say --bf16=1 after FAST.
 FAST = ["--preset", "tiny", "--train_batch_size", "4", "--max_context_width", "128", "--bf16=0"]
 

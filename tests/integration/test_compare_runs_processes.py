@@ -32,7 +32,7 @@ def test_a_real_run_reads_the_same_from_its_log_and_its_directory(tmp_path: Path
         "--max_context_width",
         "64",
         "--max_steps=8",
-        "--bf16=0",  # fp32 compute: bf16 matmuls are 10-25x slower on a CPU without bf16 units
+        "--bf16=0",  # fp32 compute: bf16 matmuls are 20-60x slower on a CPU without bf16 units
         "--warmup=2",
         "--logging_freq=2",
         "--validation_freq=4",

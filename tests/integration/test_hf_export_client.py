@@ -37,7 +37,7 @@ TEXT = "And the earth was without form, and void; and darkness was upon the face
 SHAPE = (
     "--preset tiny --hidden_width 64 --num_layers 2 --num_heads 4 --num_key_value_heads 2 "
     "--intermediate_size 128 --max_context_width 64 --train_batch_size 4"
-    # fp32 compute: bf16 matmuls are 10-25x slower on a CPU without bf16 units (AVX2 only)
+    # fp32 compute: bf16 matmuls are 20-60x slower on a CPU without bf16 units (AVX2 only)
     " --bf16=0"
 ).split()
 TRAINING = [

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_bash_without_slurm_trains_here(tmp_path: Path) -> None:
     env = clean_env(RUNS_DIR=str(tmp_path), RUN_NAME="laptop", NPROC_PER_NODE="2")
     # No --warmup: the default follows --max_steps (a fixed 10 would refuse a 2-step run).
-    # fp32 (--bf16=0): bf16 matmuls are 10-25x slower on a CPU without bf16 units.
+    # fp32 (--bf16=0): bf16 matmuls are 20-60x slower on a CPU without bf16 units.
     args = ["--preset", "tiny", "--max_steps", "2", "--fp8=0", "--bf16=0"]
     args += ["--train_batch_size", "2"]
     result = run_script(env, *args, cwd=tmp_path, timeout=600)
@@ -83,7 +83,7 @@ def test_usr1_to_the_local_launcher_checkpoints_and_leaves_no_worker(tmp_path: P
     """`kill -USR1` of `bash 1.train_llama.sbatch` used to kill torchrun and orphan the
     workers; now the launcher forwards it, the workers save and exit, and it exits 0. The
     same command then resumes (no RUN_NAME: the run folder is runs/local-fp32, named by the
-    precision, not a new one). fp32: bf16 matmuls are 10-25x slower on a CPU without bf16
+    precision, not a new one). fp32: bf16 matmuls are 20-60x slower on a CPU without bf16
     units."""
     env = clean_env(RUNS_DIR=str(tmp_path / "runs"), NPROC_PER_NODE="2")
     args = [

@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 # fp32 compute (--bf16=0): these jobs test Slurm's path, not a precision, and bf16 matmuls run
-# 10-25x slower than fp32 on a CPU without bf16 units (tests/helpers/runs.py's FAST).
+# 20-60x slower than fp32 on a CPU without bf16 units (tests/helpers/runs.py's FAST).
 TINY_CPU_ARGS = [
     "--preset",
     "tiny",

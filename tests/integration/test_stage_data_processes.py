@@ -80,7 +80,7 @@ def test_staged_data_trains_offline(tmp_path: Path) -> None:
             "1",
             "--checkpoint_freq",
             "-1",
-            "--bf16=0",  # fp32 compute: bf16 matmuls are 10-25x slower on this CPU
+            "--bf16=0",  # fp32 compute: bf16 matmuls are 20-60x slower on this CPU
             f"--tokenizer={tokenizer}",
             f"--dataset={staged}",
             f"--output_dir={run}",

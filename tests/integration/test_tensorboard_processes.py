@@ -31,7 +31,7 @@ def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
         "--max_context_width",
         "64",
         "--max_steps=12",
-        "--bf16=0",  # fp32 compute: bf16 matmuls are 10-25x slower on a CPU without bf16 units
+        "--bf16=0",  # fp32 compute: bf16 matmuls are 20-60x slower on a CPU without bf16 units
         "--warmup=2",
         "--logging_freq=2",
         "--validation_freq=6",

@@ -207,7 +207,7 @@ def test_a_fresh_run_sets_an_earlier_runs_metrics_aside(tmp_path):
 
 # ~66M parameters and tiny activations: gradients dominate what a rank holds. fp32 compute
 # (--bf16=0): what accumulation keeps alive is the fp32 gradient either way (FSDP2 accumulates
-# the unsharded gradient in fp32, the reduce dtype, under bf16 too), and bf16 matmuls run 10-25x
+# the unsharded gradient in fp32, the reduce dtype, under bf16 too), and bf16 matmuls run 20-60x
 # slower than fp32 ones on a CPU without bf16 units (this test took 268 s of a 2-worker run).
 GRADIENT_HEAVY = [
     "--bf16=0",
