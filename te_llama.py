@@ -1,11 +1,12 @@
-"""Llama on Transformer Engine (TE): decoder layers, the HF<->TE weight mapping, init.
+"""Llama-shaped decoders (the families of config/families.py) on Transformer Engine (TE).
 
-Two TE implementations of the same Hugging Face Llama:
+Two TE implementations of the same Hugging Face model:
 
-* ``te``: every ``LlamaDecoderLayer`` is replaced by :class:`TELlamaDecoderLayer`, a thin adapter
-  around ``te.pytorch.TransformerLayer`` (RMSNorm, SwiGLU, GQA, no bias, causal, ``bshd``) that
-  honours the decoder-layer call contract of transformers 5.x: it accepts the keyword arguments
-  ``LlamaModel.forward`` passes and returns a tensor. The embeddings, final norm, ``lm_head`` and
+* ``te``: every HF decoder layer (``LlamaDecoderLayer``, ``MistralDecoderLayer``) is replaced by
+  :class:`TELlamaDecoderLayer`, a thin adapter around ``te.pytorch.TransformerLayer`` (RMSNorm,
+  SwiGLU, GQA, no bias, causal, ``bshd``) that honours the decoder-layer call contract of
+  transformers 5.x: it accepts the keyword arguments ``LlamaModel.forward`` (and
+  ``MistralModel.forward``) passes and returns a tensor. The embeddings, final norm, ``lm_head`` and
   the causal-mask logic stay Hugging Face's, so generation helpers, losses and exports keep working.
 * ``te_linear``: the stock HF model whose decoder linears are swapped for ``te.pytorch.Linear``
   (same parameter names as HF; ``lm_head`` and any linear with a dimension not divisible by 16
@@ -15,7 +16,7 @@ Nothing here monkey-patches transformers, and importing this module never needs 
 TE model without it raises ``TEUnavailableError``). The TE glue of model_utils: TE's import in
 config/te_loader.py, FP8 state in precision/te_state.py, RoPE and masks in model/te_support.py.
 
-Weights are always described by :data:`LAYER_PARAM_MAP` (HF name(s) -> TE name), the single
+Weights are always described by the family's ``layer_map`` (HF name(s) -> TE name), the single
 source of truth behind :class:`StateDictAdapter`, which converts for ``--init_from_hf`` /
 ``--export_hf``, for checkpoints of the other layout and for scripts/convert_checkpoint.py.
 """
@@ -28,16 +29,15 @@ import logging
 import re
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from model_utils.config.families import TE_LAYER_ATTR, family_of  # noqa: F401 (re-exported)
 from model_utils.config.te_loader import import_te
 from model_utils.model.modeling import HF_RECOMPUTED
 from model_utils.model.te_support import (
-    TE_LAYER_ATTR,
     batch_positions,
     head_dim_of,
     hf_mask_to_te,
@@ -45,78 +45,17 @@ from model_utils.model.te_support import (
     llama_rope_inv_freq,
     rope_angles,
 )
-from model_utils.parallel.distributed import canonical_param_name
+from model_utils.parallel.distributed import canonical_param_name, decoder_layers
 from model_utils.precision.backends import FP8_DIM_MULTIPLE  # FP8 GEMMs need multiples of 16
+from model_utils.precision.te import TEBackend, te_autocast
 from model_utils.precision.te_state import FIRST_MICROBATCH_ATTR
 
 ModelImpl = Literal["te", "te_linear"]
 
-#: Prefix of the decoder layers inside ``LlamaForCausalLM.state_dict()``.
+#: Prefix of the decoder layers inside a family's ``*ForCausalLM.state_dict()``.
 LAYER_PREFIX = "model.layers."
 
-# ---- The HF <-> TE weight mapping, as data.
-
-
-#: Row counts of the parts of a fused TE weight, by name, from the config.
-ROW_COUNTS: dict[str, Callable[[Any], int]] = {
-    "q": lambda c: c.num_attention_heads * head_dim_of(c),
-    "kv": lambda c: c.num_key_value_heads * head_dim_of(c),
-    "ffn": lambda c: c.intermediate_size,
-}
-
-
-@dataclass(frozen=True)
-class ParamMapping:
-    """One TE parameter of a decoder layer and the HF parameter(s) it is made of.
-
-    Several HF tensors are concatenated along dim 0 in the listed order, with the row counts
-    named in ``rows`` (:data:`ROW_COUNTS`). TE's SwiGLU gates the *first* half of ``fc1``, so
-    ``gate_proj`` comes first; the fused QKV weight (``qkv_weight_interleaved=False``) is
-    ``[q; k; v]`` with heads in HF order, and TE's GQA maps query head ``h`` to KV head
-    ``h // (heads / kv_heads)`` exactly like HF's ``repeat_kv``.
-    """
-
-    hf: tuple[str, ...]
-    te: str
-    rows: tuple[str, ...] = ()
-
-    def split_sizes(self, config: Any) -> list[int]:
-        """Row count of each HF part inside the TE tensor."""
-        return [ROW_COUNTS[r](config) for r in self.rows]
-
-
-def _te(name: str) -> str:
-    return f"{TE_LAYER_ATTR}.{name}"
-
-
-#: Every parameter of one Llama decoder layer, HF name(s) -> TE name (relative to the layer).
-#: QKV is one fused parameter (``fuse_qkv_params=True``): TE cannot split FP8 primary weights
-#: into several parameters, and one layout for FP8 and high-precision weights keeps every
-#: checkpoint loadable with ``--fp8_weights`` on or off.
-LAYER_PARAM_MAP: tuple[ParamMapping, ...] = (
-    ParamMapping(
-        ("input_layernorm.weight",), _te("self_attention.layernorm_qkv.layer_norm_weight")
-    ),
-    ParamMapping(
-        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-        _te("self_attention.layernorm_qkv.weight"),
-        rows=("q", "kv", "kv"),
-    ),
-    ParamMapping(("self_attn.o_proj.weight",), _te("self_attention.proj.weight")),
-    ParamMapping(("post_attention_layernorm.weight",), _te("layernorm_mlp.layer_norm_weight")),
-    ParamMapping(
-        ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-        _te("layernorm_mlp.fc1_weight"),
-        rows=("ffn", "ffn"),
-    ),
-    ParamMapping(("mlp.down_proj.weight",), _te("layernorm_mlp.fc2_weight")),
-)
-
-#: TE parameters that are RMSNorm gains (initialised to ones); all other TE layer weights are
-#: linear weights (initialised from normal(0, initializer_range)).
-TE_NORM_PARAMS: frozenset[str] = frozenset(
-    m.te for m in LAYER_PARAM_MAP if m.te.endswith("norm_weight")
-)
+# ---- The HF <-> TE weight mapping: the family's row holds it as data (config/families.py).
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -127,7 +66,7 @@ def _fuse_layer(
     """One decoder layer, HF -> ``te``: the TE tensors and the HF names they consumed."""
     out: dict[str, torch.Tensor] = {}
     used: list[str] = []
-    for mapping in LAYER_PARAM_MAP:
+    for mapping in family_of(config).layer_map:
         names = [prefix + hf for hf in mapping.hf]
         missing = [n for n in names if n not in state_dict]
         if missing:
@@ -144,7 +83,7 @@ def _split_layer(
     """One decoder layer, ``te`` -> HF: the HF tensors (views) and the TE names they consumed."""
     out: dict[str, torch.Tensor] = {}
     used: list[str] = []
-    for mapping in LAYER_PARAM_MAP:
+    for mapping in family_of(config).layer_map:
         key = prefix + mapping.te
         if key not in state_dict:
             raise KeyError(f"TE state dict has no {key!r}")
@@ -203,31 +142,6 @@ def _layers_in(names: Iterable[str]) -> list[int]:
     return sorted({int(m.group(1)) for m in map(_LAYER_KEY.match, names) if m})
 
 
-def hf_to_te_state_dict(
-    state_dict: Mapping[str, torch.Tensor], config: Any
-) -> dict[str, torch.Tensor]:
-    """Convert a whole ``LlamaForCausalLM`` state dict (HF names) to the ``te`` layout.
-
-    Every one of ``config.num_hidden_layers`` layers must be complete (``KeyError`` naming the
-    first missing or unexpected decoder-layer tensor). Tensors are not copied unless a
-    concatenation is needed.
-    """
-    layers = range(config.num_hidden_layers)
-    return _map_layers(state_dict, layers, _fuse_layer, config, "HF", HF_RECOMPUTED)
-
-
-def te_to_hf_state_dict(
-    state_dict: Mapping[str, torch.Tensor], config: Any
-) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`hf_to_te_state_dict`; drops TE's ``_extra_state`` entries.
-
-    Accepts names with wrapper segments (``_checkpoint_wrapped_module.``) and converts
-    low-precision or distributed tensors by the caller's choice beforehand (pass plain tensors).
-    """
-    clean = _weights_by_clean_name(state_dict)
-    return _map_layers(clean, range(config.num_hidden_layers), _split_layer, config, "TE")
-
-
 class StateDictAdapter:
     """The one HF <-> ``te`` converter for a config, used by --init_from_hf, --export_hf,
     checkpoints of the other layout and scripts/convert_checkpoint.py. Layouts are named as
@@ -242,12 +156,14 @@ class StateDictAdapter:
         self.config = config
 
     def from_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """HF names -> ``te`` for the decoder layers present in ``state_dict``."""
+        """HF names -> ``te`` for the decoder layers present in ``state_dict`` (KeyError naming
+        a missing or unexpected layer tensor); tensors are copied only to concatenate."""
         layers = _layers_in(state_dict)
         return _map_layers(state_dict, layers, _fuse_layer, self.config, "HF", HF_RECOMPUTED)
 
     def to_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``te`` names -> HF for the decoder layers present; TE's ``_extra_state`` is dropped."""
+        """``te`` names (wrapper segments allowed; plain tensors) -> HF for the decoder layers
+        present; TE's ``_extra_state`` is dropped."""
         clean = _weights_by_clean_name(state_dict)
         return _map_layers(clean, _layers_in(clean), _split_layer, self.config, "TE")
 
@@ -265,7 +181,8 @@ class StateDictAdapter:
         concatenation order; a name outside the table maps to itself. Init draws the TE layout
         from the values the HF layout would get, so a seed means one model in every impl."""
         match = _LAYER_KEY.match(name)
-        mapping = next((m for m in LAYER_PARAM_MAP if match and match.group(2) == m.te), None)
+        layer_map = family_of(self.config).layer_map
+        mapping = next((m for m in layer_map if match and match.group(2) == m.te), None)
         if mapping is None:
             return [(name, tuple(shape))]
         prefix = f"{LAYER_PREFIX}{match.group(1)}."
@@ -282,17 +199,15 @@ def _normal_init(std: float) -> Callable[[torch.Tensor], torch.Tensor]:
     return functools.partial(nn.init.normal_, mean=0.0, std=std)
 
 
-def _check_llama_config(config: Any) -> None:
-    """Refuse Llama variants the TE layer would compute differently, with the reason."""
-    problems = []
-    if getattr(config, "hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act={config.hidden_act!r} (TE layer uses SwiGLU = silu gate)")
-    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-        problems.append("attention_bias/mlp_bias (TE layer is built without biases)")
-    if getattr(config, "pretraining_tp", 1) not in (None, 1):
-        problems.append(f"pretraining_tp={config.pretraining_tp}")
+def _check_te_config(config: Any) -> None:
+    """Refuse what the TE layer (SwiGLU, no biases, causal, one TP rank) would compute
+    differently: a value other than the family row's ``built`` ones, with the reason."""
+    built = {**family_of(config).built, "pretraining_tp": 1}
+    problems = [
+        f"{k}={getattr(config, k)!r}" for k, v in built.items() if (getattr(config, k, v) or v) != v
+    ]
     if problems:
-        raise ValueError("config not supported by the TE Llama layer: " + "; ".join(problems))
+        raise ValueError("config not supported by the TE decoder layer: " + "; ".join(problems))
     llama_rope_inv_freq(config)  # raises for unsupported RoPE types
 
 
@@ -310,7 +225,7 @@ def _te_device() -> str | torch.device:
 
 
 class TELlamaDecoderLayer(nn.Module):
-    """A Llama decoder layer computed by ``te.pytorch.TransformerLayer``.
+    """A Llama-shaped decoder layer computed by ``te.pytorch.TransformerLayer``.
 
     Call contract (transformers 5.23 ``LlamaModel.forward``): ``layer(hidden_states,
     attention_mask=..., position_embeddings=(cos, sin), position_ids=..., past_key_values=...,
@@ -328,7 +243,7 @@ class TELlamaDecoderLayer(nn.Module):
         fp8: bool = True,
     ):
         super().__init__()
-        _check_llama_config(config)
+        _check_te_config(config)
         te = import_te()
         self.layer_idx = layer_idx
         #: False: this layer computes in high precision inside the model's FP8 autocast
@@ -367,9 +282,6 @@ class TELlamaDecoderLayer(nn.Module):
         self.te_is_first_microbatch: bool | None = None
         #: ``transformer_layer`` replays CUDA graphs in training (capture_cuda_graphs).
         self.graphed = False
-
-    def reset_rope_buffers(self) -> None:
-        """Nothing to reset: frequencies live in a plain CPU attribute, not a meta buffer."""
 
     def _rotary_pos_emb(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None):
         device = hidden_states.device
@@ -412,7 +324,9 @@ class TELlamaDecoderLayer(nn.Module):
             )
 
 
-def capture_cuda_graphs(model: nn.Module, backend: Any, micro_batch: int, seq_len: int) -> None:
+def capture_cuda_graphs(
+    model: nn.Module, backend: TEBackend, micro_batch: int, seq_len: int
+) -> None:
     """--cuda_graphs: each decoder layer's ``te.TransformerLayer`` captured, forward and backward,
     by TE's ``make_graphed_callables`` (all layers in one call: one memory pool), so a training
     step launches one graph per layer where it launched every kernel from the host.
@@ -427,7 +341,7 @@ def capture_cuda_graphs(model: nn.Module, backend: Any, micro_batch: int, seq_le
     updates them in place.
     """
     te = import_te()
-    layers = list(model.model.layers)
+    layers = list(decoder_layers(model))
     device = next(model.parameters()).device
     dtype = backend.torch_autocast_dtype or torch.float32
     sample_args, sample_kwargs = [], []
@@ -461,10 +375,7 @@ def capture_cuda_graphs(model: nn.Module, backend: Any, micro_batch: int, seq_le
 def fp8_disabled() -> AbstractContextManager:
     """A region computed in high precision inside an FP8 autocast: TE's nested autocast with
     ``enabled=False`` (its exit reduces no amaxes; the outer exit still does)."""
-    te = import_te()
-    if hasattr(te, "autocast"):
-        return te.autocast(enabled=False)
-    return te.fp8_autocast(enabled=False)  # TE < 2.9
+    return te_autocast(import_te(), enabled=False)
 
 
 # ---- Building the models.
@@ -485,16 +396,15 @@ def quantized_init_context(enabled: bool, recipe: Any = None) -> AbstractContext
 
 
 def _skeleton(config: Any, num_layers: int | None = None) -> nn.Module:
-    """``LlamaForCausalLM`` from a private copy of ``config`` (with ``use_cache=False``)."""
-    from transformers import LlamaForCausalLM
-
+    """The family's ``*ForCausalLM`` from a private copy of ``config`` (``use_cache=False``)."""
+    causal_lm = family_of(config).hf_class("causal_lm_class")
     cfg = copy.deepcopy(config)
     cfg.use_cache = False  # TE layers keep no KV cache; HF would otherwise allocate one
     if num_layers is None:
-        return LlamaForCausalLM(cfg)
+        return causal_lm(cfg)
     total = cfg.num_hidden_layers
     cfg.num_hidden_layers = num_layers
-    model = LlamaForCausalLM(cfg)
+    model = causal_lm(cfg)
     model.config.num_hidden_layers = total
     return model
 
@@ -507,7 +417,7 @@ def build_te_llama(
     fp8_recipe: Any = None,
     bf16_layers: tuple[int, ...] = (),
 ) -> nn.Module:
-    """Build ``LlamaForCausalLM`` whose decoder runs on TE (``impl="te"`` or ``"te_linear"``).
+    """The family's ``*ForCausalLM`` with its decoder on TE (``impl="te"`` or ``"te_linear"``).
 
     Follows the ambient ``torch.device`` context: build under ``torch.device("meta")``, shard,
     then ``model_utils.model.modeling.materialize``. ``fp8_weights=True`` constructs the TE
@@ -519,7 +429,7 @@ def build_te_llama(
     """
     if impl not in ("te", "te_linear"):
         raise ValueError(f"impl must be 'te' or 'te_linear', got {impl!r}")
-    _check_llama_config(config)
+    _check_te_config(config)
     import_te()
     with quantized_init_context(fp8_weights, fp8_recipe):
         if impl == "te":
@@ -556,7 +466,7 @@ def swap_linears_for_te(model: nn.Module, bf16_layers: tuple[int, ...] = ()) -> 
     device = _te_device()
     std = float(model.config.initializer_range)
     skipped: list[str] = []
-    for layer_idx, layer in enumerate(model.model.layers):
+    for layer_idx, layer in enumerate(decoder_layers(model)):
         if layer_idx in bf16_layers:
             continue
         for owner_name, owner in list(layer.named_modules()):

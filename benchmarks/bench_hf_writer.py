@@ -47,7 +47,7 @@ def make_checkpoint(root: Path, shape: str) -> Path:
     argv = ["--preset", "tiny", "--hidden_width", str(hidden), "--num_layers", str(layers)]
     argv += ["--intermediate_size", str(hidden * 8 // 3 // 64 * 64), "--num_heads", "8"]
     argv += ["--num_key_value_heads", "4"]
-    model = LlamaForCausalLM(modeling.llama_config(arguments.parse_args(argv).model))
+    model = LlamaForCausalLM(modeling.model_config(arguments.parse_args(argv).model))
     return ck.Checkpointer(root / "ckpt").save(1, ck.TrainState(model))
 
 

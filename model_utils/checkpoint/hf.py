@@ -3,7 +3,8 @@ model), `--export_hf` from a sharded model, and a saved checkpoint to a HF folde
 process group (scripts/convert_checkpoint.py).
 
 A model whose parameter layout is not HF's (te) carries ``state_dict_adapter``
-(te_llama.StateDictAdapter), which maps each decoder layer on the way in and out. Both exports
+(te_llama.StateDictAdapter), which maps each decoder layer on the way in and out by its family's
+row (config/families.py). Both exports
 write the same complete folder: weights, config.json with the tokenizer's token ids, the
 architecture and the KV cache on, generation_config.json, and the run's tokenizer, so
 `from_pretrained`, `generate` and lm-eval need nothing else. Memory stays one decoder layer plus
@@ -41,9 +42,10 @@ from model_utils.checkpoint.layout import (
     weight_tensors,
 )
 from model_utils.checkpoint.manifest import CheckpointWriteError, write_error_reason
+from model_utils.config.families import FAMILIES
 from model_utils.config.sections import HF_KEYS, SHAPE_FIELDS, ModelShape
 from model_utils.errors import UsageError, refuse
-from model_utils.model.modeling import HF_RECOMPUTED, llama_config  # RoPE buffers of old HF files
+from model_utils.model.modeling import HF_RECOMPUTED, model_config  # RoPE buffers of old HF files
 from model_utils.parallel.distributed import (
     any_rank,
     canonical_param_name,
@@ -118,11 +120,10 @@ def check_hf_dir(path: str | Path, shape: ModelShape | None = None) -> None:
 
 def _shape_problem(path: str | Path, files: dict[str, Path], shape: ModelShape) -> str | None:
     """What in `path` does not fit the model of `shape` (in this recipe's flags), or None."""
-    from transformers import LlamaForCausalLM
-
+    causal_lm = FAMILIES[shape.model_family].hf_class("causal_lm_class")
     with torch.device("meta"):
         expected = {
-            n: tuple(t.shape) for n, t in LlamaForCausalLM(llama_config(shape)).state_dict().items()
+            n: tuple(t.shape) for n, t in causal_lm(model_config(shape)).state_dict().items()
         }
     stored = {}
     for name, file in files.items():
@@ -192,7 +193,7 @@ class _SafetensorsFiles:
 
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, path: str | Path) -> None:
-    """Load a HF Llama safetensors checkpoint into a sharded (FSDP2) or plain model in place.
+    """Load a HF safetensors checkpoint into a sharded (FSDP2) or plain model in place.
 
     In the HF layout each rank reads only its own rows of each tensor (safetensors slices are
     lazy reads), so no rank ever holds the whole model, nor a whole tensor. In another layout
@@ -244,7 +245,7 @@ def client_config(config: Any, tokenizer: Any, dtype: torch.dtype) -> Any:
     config = copy.deepcopy(config)
     config.dtype = dtype
     config.use_cache = True
-    config.architectures = ["LlamaForCausalLM"]
+    config.architectures = [FAMILIES[config.model_type].causal_lm_class]
     for name, value in token_ids(tokenizer).items():
         setattr(config, name, value)
     return config

@@ -34,7 +34,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from model_utils.checkpoint.manifest import ResumeRefused
-from model_utils.model.te_support import TE_LAYER_ATTR, is_te_extra_state_key
+from model_utils.config.families import TE_LAYER_ATTR
+from model_utils.model.te_support import is_te_extra_state_key
 from model_utils.parallel.distributed import (  # the local-shard helpers: re-exported here
     first_problem,
     local_index,

@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The flags, one argparse group per concern (their order is docs/flags.md's table), each
     derived from its config field (config/sections.py)."""
     parser = _OneLineParser(
-        description="Train Llama with FSDP2 in BF16 or FP8 (torchao or Transformer Engine).",
+        description="Train Llama or Mistral with FSDP2 in BF16 or FP8 (torchao or TE).",
         formatter_class=_HelpFormatter,
         allow_abbrev=False,  # `--output /x` must not quietly mean --output_dir
     )
@@ -131,6 +131,7 @@ def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
     args.tokenizer_sha256 = None  # what the tokenizer does: train.validate fills it in
     args.data_fingerprint = None  # each local data file's size and ends: train.validate too
     args.rope_scaling = preset.rope_scaling
+    args.model_family = preset.model_family
     args.max_position_embeddings = preset.max_position_embeddings or args.max_context_width
     if args.val_batch_size is None:
         args.val_batch_size = args.train_batch_size

@@ -1,11 +1,11 @@
 """`--init_from_hf DIR`: the checkpoint's config.json is the truth about the model.
 
 The architecture (every shape field, RoPE base and scaling, RMSNorm epsilon) is read from
-DIR/config.json the way transformers reads it (its own LlamaConfig, with its defaults and both
-RoPE formats), and replaces the preset's. A preset or flag the user gave that says otherwise is
-refused in one line naming both values: a Llama 3.2 checkpoint trained under a Llama 3.1 preset's
-RoPE scaling would load and train a different model without a word, and its export would then
-write the wrong RoPE into config.json.
+DIR/config.json the way transformers reads it (its config class, with its defaults and both
+RoPE formats; model_type picks config/families.py's row), and replaces the preset's. A preset or
+flag the user gave that says otherwise is refused in one line naming both values: a Llama 3.2
+checkpoint trained under a Llama 3.1 preset's RoPE scaling would load and train a different
+model without a word, and its export would then write the wrong RoPE into config.json.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from model_utils.config.families import FAMILIES, head_dim_of
 from model_utils.config.presets import PRESETS
 from model_utils.config.sections import HF_KEYS, SHAPE_FIELDS
 from model_utils.errors import UsageError
@@ -27,8 +28,6 @@ _FLAGGED = (*SHAPE_FIELDS, "rope_theta", "tie_word_embeddings")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 #: The RoPE types te_llama computes itself (te_support.llama_rope_inv_freq); hf takes any.
 TE_ROPE_TYPES = ("default", "llama3")
-#: What this recipe's Llama builds; a checkpoint with another value is another model.
-_BUILT = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
 
 
 class ConfigError(UsageError):
@@ -36,7 +35,7 @@ class ConfigError(UsageError):
 
 
 def read_config(path: str | Path) -> Any | None:
-    """transformers' LlamaConfig of DIR (or of a .safetensors file's folder); None when the
+    """transformers' config of DIR (or of a .safetensors file's folder); None when the
     path does not exist (the weights check says so in its own words)."""
     path = Path(path)
     folder = path if path.is_dir() else path.parent
@@ -58,10 +57,10 @@ def read_config(path: str | Path) -> Any | None:
         config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     except Exception as exc:  # malformed JSON, an unknown model_type, ...
         raise ConfigError(f"--init_from_hf: cannot read {folder / 'config.json'}: {exc}") from exc
-    if config.model_type != "llama":
+    if config.model_type not in FAMILIES:
         raise ConfigError(
             f"--init_from_hf: {folder / 'config.json'} is a {config.model_type!r} model; this "
-            "recipe trains Llama (model_type 'llama')"
+            f"recipe trains the model_types {', '.join(map(repr, FAMILIES))}"
         )
     missing = missing_shape_keys(folder / "config.json")
     if missing:
@@ -74,7 +73,7 @@ def read_config(path: str | Path) -> Any | None:
 
 
 def missing_shape_keys(config_json: Path) -> list[str]:
-    """The shape keys (config.json words) a Llama config.json must state and this one does not.
+    """The shape keys (config.json words) a config.json must state and this one does not.
     num_key_value_heads may be left out: by the format, absent means one per attention head."""
     import json
 
@@ -87,19 +86,20 @@ def missing_shape_keys(config_json: Path) -> list[str]:
 
 
 def architecture(config: Any) -> dict[str, Any]:
-    """Our model fields from a LlamaConfig, after refusing what our Llama does not build."""
-    for key, built in _BUILT.items():
+    """Our model fields from a config, after refusing what its family's row does not build."""
+    family = FAMILIES[config.model_type]
+    for key, built in family.built.items():
         if getattr(config, key, built) != built:
             raise ConfigError(
                 f"--init_from_hf: config.json has {key} {getattr(config, key)!r}; this recipe's "
-                f"Llama has {key} {built!r}"
+                f"{family.name} has {key} {built!r}"
             )
     heads, width = config.num_attention_heads, config.hidden_size
     head_dim = head_dim_of(config)
     if head_dim * heads != width:
         raise ConfigError(
             f"--init_from_hf: config.json has head_dim {head_dim} with {heads} heads of hidden "
-            f"size {width}; this recipe's Llama has head_dim = hidden_size / heads"
+            f"size {width}; this recipe's {family.name} has head_dim = hidden_size / heads"
         )
     rope = rope_parameters(config)
     return {
@@ -114,16 +114,12 @@ def architecture(config: Any) -> dict[str, Any]:
         "rms_norm_eps": float(config.rms_norm_eps),
         "max_position_embeddings": config.max_position_embeddings,
         "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+        "model_family": family.name,
     }
 
 
-def head_dim_of(config: Any) -> int:
-    """Per-head width: ``config.head_dim`` when set, else ``hidden_size // num_attention_heads``."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 def rope_parameters(config: Any) -> dict[str, Any]:
-    """The RoPE settings of a Llama config as a plain dict with ``rope_type`` and ``rope_theta``:
+    """The RoPE settings of a config as a plain dict with ``rope_type`` and ``rope_theta``:
     transformers 5 keeps them in ``rope_parameters``; a 4.x config's ``rope_theta`` and
     ``rope_scaling`` (with ``type`` for ``rope_type``) are read the same way."""
     rope = dict(getattr(config, "rope_parameters", None) or {})

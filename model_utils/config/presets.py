@@ -1,4 +1,4 @@
-"""Model presets: the published Llama shapes, each with the data and context it trains on.
+"""Model presets: the published Llama shapes (and a tiny Mistral), each with its data and context.
 
 A preset fills every field in PRESET_FIELDS that the user did not set (arguments.apply_preset);
 an explicit flag always wins. Kept apart from the flags so the shapes read as a table.
@@ -30,6 +30,7 @@ class Preset(ModelShape):
     train_batch_size: int = 1
 
 
+_TINY = {"vocab_size": 8192, "max_context_width": 256, "rope_theta": 10000.0, "train_batch_size": 8}
 _C4 = {"dataset": "allenai/c4", "dataset_config_name": "en"}
 _LLAMA2 = {
     "vocab_size": 32000,
@@ -61,17 +62,8 @@ _LLAMA32 = {
 
 # Shapes are the published ones (Llama 2 paper / Meta model cards); `tiny` is ours, for CPUs.
 PRESETS: dict[str, Preset] = {
-    "tiny": Preset(
-        hidden_width=256,
-        num_layers=4,
-        num_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=688,
-        vocab_size=8192,
-        max_context_width=256,
-        rope_theta=10000.0,
-        train_batch_size=8,
-    ),
+    "tiny": Preset(256, 4, 4, 2, 688, **_TINY),
+    "tiny-mistral": Preset(256, 4, 4, 2, 688, **_TINY, model_family="mistral"),  # no window
     "llama2-7b": Preset(4096, 32, 32, 32, 11008, **_LLAMA2),
     "llama2-13b": Preset(5120, 40, 40, 40, 13824, **_LLAMA2),
     "llama2-70b": Preset(8192, 80, 64, 8, 28672, **_LLAMA2),

@@ -7,7 +7,7 @@ metrics.jsonl's run record) keep the flat names (:meth:`Config.as_dict`), so the
 version of the recipe compare and resume alike.
 
     section      type              read by
-    model        ModelShape        model/ (the Llama), report/metrics (FLOPs), checkpoint/ (HF)
+    model        ModelShape        model/ (the family), report/metrics (FLOPs), checkpoint/ (HF)
     precision    PrecisionConfig   precision/ (the backend), model/ (which implementation)
     data         DataConfig        data/ (tokenizer, corpus, micro-batches)
     optim        OptimConfig       optim.py (AdamW, LR schedule), run/step (accumulation, clip)
@@ -62,9 +62,9 @@ SHAPE_FIELDS = (
     "intermediate_size",
     "vocab_size",
 )
-#: Our shape names -> the keys of a Hugging Face Llama config.json: the one mapping table, read
-#: by model/modeling.llama_config (our shape -> LlamaConfig) and config/hf_config (config.json ->
-#: our shape) and checkpoint/hf.py (a file that does not fit, in flag words).
+#: Our shape names -> the keys of a Hugging Face config.json: the one mapping table, read by
+#: model/modeling.model_config (our shape -> the family's config), config/hf_config (config.json
+#: -> our shape) and checkpoint/hf.py (a file that does not fit, in flag words).
 HF_KEYS: dict[str, str] = {
     "hidden_width": "hidden_size",
     "num_layers": "num_hidden_layers",
@@ -77,6 +77,7 @@ HF_KEYS: dict[str, str] = {
     "rms_norm_eps": "rms_norm_eps",
     "max_position_embeddings": "max_position_embeddings",
     "tie_word_embeddings": "tie_word_embeddings",
+    "model_family": "model_type",
 }
 
 
@@ -94,8 +95,8 @@ _BETA = Range(
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The Llama's shape and positions: what FLOPs, a checkpoint's tensors and a like-for-like
-    comparison hang on. The last three come from the preset or the HF config.json, not flags.
+    """The model's shape and positions: what FLOPs, a checkpoint's tensors and a like-for-like
+    comparison hang on. The last four come from the preset or the HF config.json, not flags.
 
     ``tie_word_embeddings``: one matrix is both the input embedding and the output projection
     (Llama 3.2 1B/3B), trained as one parameter; a tied and an untied model are different
@@ -131,6 +132,8 @@ class ModelShape:
     rms_norm_eps: float = derived(KEPT, field_default=1e-5)
     rope_scaling: dict[str, Any] | None = derived(KEPT, field_default=None)
     max_position_embeddings: int | None = derived(Resume.FREE, field_default=None)
+    #: config/families.FAMILIES' key (config.json's model_type): from the preset or the HF config.
+    model_family: str = derived(KEPT, words="the model family", field_default="llama")
 
     @property
     def head_dim(self) -> int:
@@ -406,7 +409,9 @@ class CheckpointConfig:
         default=False,
     )
     init_from_hf: str | None = flag(
-        "start from a Hugging Face Llama checkpoint dir", resume=Resume.LAUNCH, path=True
+        "start from a Hugging Face checkpoint dir (a Llama or Mistral)",
+        resume=Resume.LAUNCH,
+        path=True,
     )
     export_hf: str | None = flag(
         "write the final model as HF safetensors to this dir", resume=Resume.LAUNCH, path=True

@@ -1,1 +1,1 @@
-"""The model stage: Llama on the meta device, the loss, and the glue te_llama.py uses."""
+"""The model stage: the model on the meta device, the loss, and the glue te_llama.py uses."""

@@ -1,4 +1,4 @@
-"""Build Llama on the meta device and initialise it shard by shard.
+"""Build the model (config/families.py's row) on the meta device and initialise it by shards.
 
 The model is never built in full on any rank: `build` returns parameters on the meta device,
 `distributed.shard` turns them into DTensor shards, and `materialize` allocates each rank's
@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from model_utils.config.families import FAMILIES
 from model_utils.config.sections import HF_KEYS, SHAPE_FIELDS, Config, ModelShape
 from model_utils.model import loss, te_support
 from model_utils.parallel.distributed import canonical_param_name, local_shard
 from model_utils.precision import master_weights
 
-if TYPE_CHECKING:  # transformers' Llama modelling takes seconds to import: only a build needs it
-    from transformers import LlamaConfig
+if TYPE_CHECKING:  # transformers' modelling takes seconds to import: only a build needs it
+    from transformers import PretrainedConfig
 
 # Initialiser std of Llama and of transformers' LlamaConfig default.
 INIT_STD = 0.02
@@ -30,7 +31,7 @@ INIT_STD = 0.02
 # Buffers some HF checkpoints carry that the model recomputes from its config: never loaded.
 HF_RECOMPUTED = ("rotary_emb.inv_freq",)
 
-#: The shape fields LlamaConfig takes as they are (config/sections.HF_KEYS names them); RoPE
+#: The shape fields a family's config takes as they are (config/sections.HF_KEYS names them); RoPE
 #: and the position count are composed below.
 _AS_IS = (
     *SHAPE_FIELDS,
@@ -39,14 +40,16 @@ _AS_IS = (
 )
 
 
-def llama_config(shape: ModelShape) -> LlamaConfig:
-    """The HF config of `shape` (transformers 5 takes RoPE's base and scaling as one dict)."""
-    from transformers import LlamaConfig
-
+def model_config(shape: ModelShape) -> PretrainedConfig:
+    """The HF config of `shape` in its family's class with the values its row builds (RoPE as
+    one dict, as transformers 5 takes it; head_dim stated: Mistral's default is a constant)."""
+    family = FAMILIES[shape.model_family]
     rope = {**(shape.rope_scaling or {"rope_type": "default"}), "rope_theta": shape.rope_theta}
     positions = max(shape.max_position_embeddings or 0, shape.max_context_width)
-    return LlamaConfig(
+    return family.hf_class("config_class")(
         **{HF_KEYS[name]: getattr(shape, name) for name in _AS_IS},
+        **family.built,
+        head_dim=shape.head_dim,
         max_position_embeddings=positions,
         rope_parameters=rope,
         initializer_range=INIT_STD,
@@ -73,12 +76,12 @@ def build(
     fp8_recipe: object = None,
     build_te: Callable[..., nn.Module] | None = None,
 ) -> nn.Module:
-    """Llama for `impl` (hf, te, te_linear) with every parameter on the meta device.
+    """The model for `impl` (hf, te, te_linear) with every parameter on the meta device.
 
     `fp8_recipe` is the TE recipe --fp8_weights quantizes the weights for (TE only). `build_te`
     is the TE model's builder (te_llama.build_te_llama), passed in because the model file lives
     above this package and only the TE path needs it."""
-    config = llama_config(args.model)
+    config = model_config(args.model)
     with torch.device("meta"):
         if impl in ("te", "te_linear"):
             if build_te is None:
@@ -91,9 +94,8 @@ def build(
                 bf16_layers=args.precision.kept_layers(args.model.num_layers),
             )
         else:
-            from transformers import LlamaForCausalLM
-
-            model = LlamaForCausalLM._from_config(
+            causal_lm = FAMILIES[args.model.model_family].hf_class("causal_lm_class")
+            model = causal_lm._from_config(
                 config, attn_implementation=attention_backend(device), dtype=torch.float32
             )
     if args.optim.master_weights == "optimizer":  # fp32 copies live in the optimizer instead
@@ -169,7 +171,7 @@ def _init_parts(model: nn.Module):
 
 
 @torch.no_grad()
-def reset_buffers(model: nn.Module, config: LlamaConfig) -> None:
+def reset_buffers(model: nn.Module, config: PretrainedConfig) -> None:
     """Recompute non-persistent buffers (RoPE inverse frequencies) that `to_empty` left unset."""
     for module in model.modules():
         if type(module).__name__.endswith("RotaryEmbedding") and hasattr(module, "inv_freq"):
@@ -178,8 +180,6 @@ def reset_buffers(model: nn.Module, config: LlamaConfig) -> None:
                 getattr(module, buf_name).copy_(buf)
             if hasattr(fresh, "attention_scaling"):
                 module.attention_scaling = fresh.attention_scaling
-        elif hasattr(module, "reset_rope_buffers"):
-            module.reset_rope_buffers()
 
 
 def materialize(

@@ -20,11 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from model_utils.config.hf_config import head_dim_of, rope_parameters  # te_llama: head_dim_of
-
-#: Attribute of te_llama's decoder layer holding the TE ``TransformerLayer``: a parameter name
-#: containing it belongs to the fused ``te`` layout (QKV in one weight, gate/up in ``fc1``).
-TE_LAYER_ATTR = "transformer_layer"
+from model_utils.config.families import head_dim_of
+from model_utils.config.hf_config import rope_parameters
 
 
 def is_te_extra_state_key(key: str) -> bool:

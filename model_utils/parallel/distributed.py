@@ -24,6 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from model_utils.config.families import family_of
 from model_utils.config.sections import ParallelConfig
 
 
@@ -141,7 +142,8 @@ def describe_rank(world: World, mesh: DeviceMesh) -> str:
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    return model.model.layers
+    """The decoder layers (FSDP, recompute and compile units), where the model's family says."""
+    return model.get_submodule(family_of(model.config).decoder_path)
 
 
 def checkpointed_layers(num_layers: int, every: int) -> list[int]:
@@ -179,7 +181,7 @@ def apply_activation_checkpointing(
 
 
 #: Where each layout's decoder layer keeps its MLP, and how that MLP recomputes: HF's
-#: ``LlamaDecoderLayer`` (``hf``, ``te_linear``) behind a checkpoint wrapper; te_llama's
+#: decoder layer (``hf``, ``te_linear``) behind a checkpoint wrapper; te_llama's
 #: ``TELlamaDecoderLayer`` through TE's own flag on the fused ``LayerNormMLP``.
 MLP_SITES: dict[str, str] = {"mlp": "wrapper", "transformer_layer.layernorm_mlp": "te_flag"}
 

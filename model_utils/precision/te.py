@@ -136,6 +136,13 @@ def _te_version(te_module: Any) -> str | None:
     return getattr(root, "__version__", None)
 
 
+def te_autocast(te: Any, *, enabled: bool, recipe: Any = None, group: Any = None) -> Any:
+    """TE's FP8 autocast by this release's name (TE < 2.9: fp8_autocast): the one version shim."""
+    if hasattr(te, "autocast"):
+        return te.autocast(enabled=enabled, recipe=recipe, amax_reduction_group=group)
+    return te.fp8_autocast(enabled=enabled, fp8_recipe=recipe, fp8_group=group)
+
+
 class TEBackend:
     """Precision backend for ``--model_impl te|te_linear``.
 
@@ -312,12 +319,9 @@ class TEBackend:
                 )
                 stack.enter_context(autocast)
             if self.fp8:
-                recipe, group = self.te_recipe, self.dp_group
-                if hasattr(te, "autocast"):
-                    fp8 = te.autocast(enabled=True, recipe=recipe, amax_reduction_group=group)
-                else:  # TE < 2.9
-                    fp8 = te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=group)
-                stack.enter_context(fp8)
+                stack.enter_context(
+                    te_autocast(te, enabled=True, recipe=self.te_recipe, group=self.dp_group)
+                )
             yield
 
     def after_optimizer_step(self, model: nn.Module) -> None:

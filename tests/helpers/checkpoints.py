@@ -83,7 +83,7 @@ def save_llama_checkpoints(
     tokenizer = tokenizer or args.data.tokenizer
     fingerprint = data.tokenizer_fingerprint(data.load_tokenizer(tokenizer))
     run_config = {"tokenizer": tokenizer, "tokenizer_sha256": fingerprint}
-    model = LlamaForCausalLM(modeling.llama_config(args.model))
+    model = LlamaForCausalLM(modeling.model_config(args.model))
     checkpointer = ck.Checkpointer(root)
     paths = []
     for step in steps:

@@ -128,7 +128,7 @@ class Run:
 
 def to_hf(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
     if param_layout(state) == "te":
-        return te_llama.te_to_hf_state_dict(state, config)
+        return te_llama.StateDictAdapter(config).to_hf(state)
     return state
 
 

@@ -412,7 +412,7 @@ def _write_hf_input(workdir: Path) -> None:
     from model_utils.config import arguments
     from model_utils.model import modeling
 
-    config = modeling.llama_config(arguments.parse_args(TINY).model)
+    config = modeling.model_config(arguments.parse_args(TINY).model)
     torch.manual_seed(123)
     LlamaForCausalLM(config).save_pretrained(workdir / "hf_in", max_shard_size="100KB")
 

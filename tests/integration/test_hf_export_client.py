@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.procs import PYTHON, launch_report
-from helpers.runs import run_train
+from helpers.runs import losses, run_train
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The document the run learns, and the prompt whose greedy continuation must end it with eos.
@@ -113,15 +113,15 @@ def client(folder: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def check_client(report: dict) -> None:
-    """Loads as a Llama, the ids are the tokenizer's, and generate ends the learnt document
+def check_client(report: dict, architecture: str = "LlamaForCausalLM") -> None:
+    """Loads as `architecture`, the ids are the tokenizer's, and generate ends the learnt document
     with the tokenizer's eos (before max_new_tokens) and stops there."""
     from model_utils import data
     from model_utils.config.presets import BUNDLED_TOKENIZER
 
     tokenizer = data.load_tokenizer(BUNDLED_TOKENIZER)
     eos = tokenizer.eos_token_id
-    assert report["architectures"] == ["LlamaForCausalLM"] and report["use_cache"] is True
+    assert report["architectures"] == [architecture] and report["use_cache"] is True
     assert report["tokenizer"] == [tokenizer.bos_token_id, eos, None]
     assert report["config"] == report["generation"] == [tokenizer.bos_token_id, eos, eos]
     generated = report["generated"]
@@ -132,6 +132,22 @@ def check_client(report: dict) -> None:
 
 def test_transformers_loads_the_export_and_generate_stops_at_the_tokenizers_eos(run: Path):
     check_client(client(run / "hf"))
+
+
+def test_a_tiny_mistral_trains_and_its_export_generates_as_a_mistral(tmp_path: Path) -> None:
+    """The second model family end to end: --preset tiny-mistral picks the row, train.py learns
+    the document (the loss goes down), and the export is a MistralForCausalLM that ends it."""
+    mistral = [*TRAINING, "--preset=tiny-mistral"]
+    data = write_documents(tmp_path / "data")
+    run_train(
+        *mistral,
+        f"--dataset={data}",
+        f"--output_dir={tmp_path / 'run'}",
+        f"--export_hf={tmp_path / 'hf'}",
+    )
+    steps = losses(tmp_path / "run")
+    assert steps[max(steps)] < steps[min(steps)] / 2, steps
+    check_client(client(tmp_path / "hf"), "MistralForCausalLM")
 
 
 def test_the_converter_writes_the_same_complete_folder(run: Path) -> None:

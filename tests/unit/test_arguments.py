@@ -69,7 +69,7 @@ def test_llama2_7b_parameter_count_matches_published_6_74b():
 
 def test_llama31_preset_carries_rope_scaling_into_the_hf_config():
     args = parse_args(["--preset", "llama3.1-8b", "--max_steps", "20"])
-    config = modeling.llama_config(args.model)
+    config = modeling.model_config(args.model)
     assert config.rope_parameters["rope_type"] == "llama3"
     assert config.rope_parameters["rope_theta"] == 500000.0
 
@@ -84,7 +84,7 @@ def test_every_flag_is_read_somewhere():
         ROOT / "te_llama.py",
     ]
     config_dir = ROOT / "model_utils" / "config"
-    tables = config_dir / "sections.py"  # SHAPE_FIELDS: the shape read by name (llama_config)
+    tables = config_dir / "sections.py"  # SHAPE_FIELDS: the shape read by name (model_config)
     code = "\n".join(p.read_text() for p in sources if config_dir not in p.parents or p == tables)
     parser = arguments.build_parser()
     dests = {a.dest for a in parser._actions if a.dest != "help"}

@@ -172,10 +172,10 @@ def test_layer_groups_and_the_adapter_layer_by_layer_match_whole_model_mapping()
     from model_utils.config import arguments
     from model_utils.model import modeling
 
-    config = modeling.llama_config(arguments.parse_args([*TINY, "--num_layers", "3"]).model)
+    config = modeling.model_config(arguments.parse_args([*TINY, "--num_layers", "3"]).model)
     hf = LlamaForCausalLM(config).state_dict()
-    whole = te_llama.hf_to_te_state_dict(hf, config)
     adapter = te_llama.StateDictAdapter(config)
+    whole = adapter.from_hf(hf)
     to_te, to_hf = adapter.from_hf, adapter.to_hf
     by_layer: dict[str, torch.Tensor] = {}
     for group in layer_groups(hf):
@@ -209,7 +209,7 @@ def test_hf_in_and_out_on_a_plain_tied_model(tmp_path: Path) -> None:
     from model_utils.config.presets import BUNDLED_TOKENIZER
     from model_utils.model import modeling
 
-    config = modeling.llama_config(arguments.parse_args(TINY).model)
+    config = modeling.model_config(arguments.parse_args(TINY).model)
     config.tie_word_embeddings = True
     torch.manual_seed(0)
     source = LlamaForCausalLM(config)
@@ -327,7 +327,7 @@ def test_init_from_hf_is_checked_against_the_run_shape_before_start(tmp_path: Pa
 
     args = arguments.parse_args(TINY)
     torch.manual_seed(0)
-    LlamaForCausalLM(modeling.llama_config(args.model)).save_pretrained(tmp_path / "same")
+    LlamaForCausalLM(modeling.model_config(args.model)).save_pretrained(tmp_path / "same")
     ck.check_hf_dir(tmp_path / "same", args.model)
     deeper = arguments.parse_args([*TINY, "--num_layers", "3", "--rope_theta", "500000"])
     with pytest.raises(ValueError) as exc:
@@ -344,12 +344,12 @@ def test_init_from_hf_is_checked_against_the_run_shape_before_start(tmp_path: Pa
             tmp_path / "same", arguments.parse_args([*TINY, "--rope_theta", "1e6"]).model
         )
 
-    tied_config = modeling.llama_config(args.model)
+    tied_config = modeling.model_config(args.model)
     tied_config.tie_word_embeddings = True
     tied = LlamaForCausalLM(tied_config)
     tied.save_pretrained(tmp_path / "tied")
     ck.check_hf_dir(tmp_path / "tied", args.model)
-    untied = LlamaForCausalLM(modeling.llama_config(args.model))
+    untied = LlamaForCausalLM(modeling.model_config(args.model))
     ck.load_hf_weights(untied, tmp_path / "tied")
     assert untied.lm_head.weight is not untied.model.embed_tokens.weight
     assert torch.equal(untied.lm_head.weight, tied.model.embed_tokens.weight)

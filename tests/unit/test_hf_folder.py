@@ -44,7 +44,7 @@ def scaled_model():
 
     args = arguments.parse_args(SMALL_LLAMA)
     args = args.replace(rope_scaling=LLAMA3_SCALING, max_position_embeddings=131072)
-    return LlamaForCausalLM(modeling.llama_config(args.model))
+    return LlamaForCausalLM(modeling.model_config(args.model))
 
 
 def test_the_export_is_the_models_config_with_the_tokenizers_ids(tmp_path: Path) -> None:

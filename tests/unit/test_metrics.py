@@ -637,7 +637,7 @@ def test_another_run_never_appends_to_a_run_folders_metrics(tmp_path) -> None:
 
     def launch(*flags: str, start_step: int, out: Path = tmp_path) -> None:
         config = parse_args([*SMALL_LLAMA, f"--output_dir={out}", "--bf16=0", *flags])
-        model = LlamaForCausalLM(modeling.llama_config(config.model))
+        model = LlamaForCausalLM(modeling.model_config(config.model))
         world = distributed.world_from_env({})
         RunLog(
             config,

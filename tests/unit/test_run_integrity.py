@@ -464,7 +464,7 @@ def test_train_export_cut_short_leaves_nothing_and_names_the_checkpoint(
     from model_utils.model import modeling
 
     args = arguments.parse_args(SMALL_LLAMA)
-    model = LlamaForCausalLM(modeling.llama_config(args.model))
+    model = LlamaForCausalLM(modeling.model_config(args.model))
     tokenizer = data.load_tokenizer(args.data.tokenizer)
     kept = tmp_path / "ckpt" / "step_00000009"
     mine = tmp_path / "mine"

@@ -2,7 +2,7 @@
 
 Two independent implementations meet here: transformers' ``LlamaForCausalLM`` (fp32, eager
 attention) and ``tests/te_double/reference.py`` (written from TE's documented semantics), fed
-through ``te_llama.hf_to_te_state_dict`` and ``te_llama``'s RoPE frequencies. A wrong row order
+through ``te_llama.StateDictAdapter`` and ``te_llama``'s RoPE frequencies. A wrong row order
 in the fused QKV or fc1 weight, a wrong GQA grouping or RoPE variant fails these tests.
 """
 
@@ -111,7 +111,7 @@ def test_reference_on_te_layout_gives_hf_logits(style: str) -> None:
     )
     with torch.no_grad():
         expected = model(input_ids).logits
-        te_sd = te_llama.hf_to_te_state_dict(model.state_dict(), config)
+        te_sd = te_llama.StateDictAdapter(config).from_hf(model.state_dict())
         got = reference_logits(te_sd, config, input_ids)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-5)
 
@@ -125,7 +125,7 @@ def test_reference_detects_a_wrong_layout() -> None:
     )
     with torch.no_grad():
         expected = model(input_ids).logits
-        te_sd = te_llama.hf_to_te_state_dict(model.state_dict(), config)
+        te_sd = te_llama.StateDictAdapter(config).from_hf(model.state_dict())
         key = f"model.layers.0.{te_llama.TE_LAYER_ATTR}.layernorm_mlp.fc1_weight"
         te_sd[key] = torch.cat(te_sd[key].chunk(2)[::-1])
         got = reference_logits(te_sd, config, input_ids)
@@ -136,13 +136,13 @@ def test_reference_detects_a_wrong_layout() -> None:
 def test_hf_te_hf_round_trip_is_exact(style: str) -> None:
     config = CONFIGS[style]()
     hf_sd = hf_model(config).state_dict()
-    te_sd = te_llama.hf_to_te_state_dict(hf_sd, config)
+    te_sd = te_llama.StateDictAdapter(config).from_hf(hf_sd)
     assert not any(k.startswith("model.layers.0.self_attn") for k in te_sd)
-    back = te_llama.te_to_hf_state_dict(te_sd, config)
+    back = te_llama.StateDictAdapter(config).to_hf(te_sd)
     assert back.keys() == hf_sd.keys()
     for key, tensor in hf_sd.items():
         assert torch.equal(back[key], tensor), key
-    again = te_llama.hf_to_te_state_dict(back, config)
+    again = te_llama.StateDictAdapter(config).from_hf(back)
     assert again.keys() == te_sd.keys()
     assert all(torch.equal(again[k], te_sd[k]) for k in te_sd)
 
@@ -151,16 +151,16 @@ def test_conversion_refuses_incomplete_checkpoints() -> None:
     config = llama2_style()
     hf_sd = dict(hf_model(config).state_dict())
     hf_sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)  # old files: ignored
-    assert "model.layers.0.self_attn.rotary_emb.inv_freq" not in te_llama.hf_to_te_state_dict(
-        hf_sd, config
-    )
+    assert "model.layers.0.self_attn.rotary_emb.inv_freq" not in te_llama.StateDictAdapter(
+        config
+    ).from_hf(hf_sd)
     del hf_sd["model.layers.1.mlp.up_proj.weight"]
     with pytest.raises(KeyError, match="up_proj"):
-        te_llama.hf_to_te_state_dict(hf_sd, config)
-    te_sd = te_llama.hf_to_te_state_dict(hf_model(config).state_dict(), config)
+        te_llama.StateDictAdapter(config).from_hf(hf_sd)
+    te_sd = te_llama.StateDictAdapter(config).from_hf(hf_model(config).state_dict())
     te_sd["model.layers.0.transformer_layer.bogus"] = torch.zeros(1)
     with pytest.raises(KeyError, match="bogus"):
-        te_llama.te_to_hf_state_dict(te_sd, config)
+        te_llama.StateDictAdapter(config).to_hf(te_sd)
 
 
 @pytest.mark.parametrize("style", CONFIGS)
@@ -171,7 +171,7 @@ def test_te_model_on_double_matches_hf_with_padding(style: str, te_double) -> No
     model = hf_model(config)
     te_model = te_llama.build_te_llama(config, impl="te").eval()
     missing, unexpected = te_model.load_state_dict(
-        te_llama.hf_to_te_state_dict(model.state_dict(), config), strict=False
+        te_llama.StateDictAdapter(config).from_hf(model.state_dict()), strict=False
     )
     assert not unexpected and missing and all(map(te_support.is_te_extra_state_key, missing))
     input_ids = torch.randint(

@@ -191,7 +191,7 @@ def test_te_model_carries_its_adapter_for_hf_export_and_import(tmp_path, te_doub
     checkpoint.export_hf(model, config, tmp_path / "hf", data.load_tokenizer(BUNDLED_TOKENIZER))
     hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
     assert set(hf) == set(LlamaForCausalLM(config).state_dict())
-    expected = te_llama.te_to_hf_state_dict(model.state_dict(), config)
+    expected = te_llama.StateDictAdapter(config).to_hf(model.state_dict())
     assert all(torch.equal(hf[k], expected[k]) for k in hf)
     other = built(config, "te", seed=4)
     checkpoint.load_hf_weights(other, tmp_path / "hf")

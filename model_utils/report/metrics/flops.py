@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from model_utils.config.families import FAMILIES
+
 if TYPE_CHECKING:
     from model_utils.config.sections import ModelShape
 
 
 def matmul_params(shape: ModelShape) -> int:
-    """Weights that take part in a matrix multiply for every token (Llama, no biases).
+    """Weights that take part in a matrix multiply for every token (a Llama-shaped decoder).
 
     Per decoder layer: q ``h*(n_heads*d)``, k and v ``h*(n_kv*d)`` each, o ``(n_heads*d)*h``,
     gate/up/down ``3*h*intermediate``; plus ``lm_head`` ``h*vocab``. The input embedding is a
@@ -32,8 +34,9 @@ def matmul_params(shape: ModelShape) -> int:
     return shape.num_layers * (attention + mlp) + hidden * shape.vocab_size
 
 
-def flops_per_token(shape: ModelShape, seq_len: int) -> float:
-    """Training FLOPs per token = ``6 * N + 12 * L * n_heads * head_dim * seq_len``.
+def dense_flops_per_token(shape: ModelShape, seq_len: int) -> float:
+    """Training FLOPs per token of a dense decoder (Llama; Mistral without a window)
+    = ``6 * N + 12 * L * n_heads * head_dim * seq_len``.
 
     - ``6 * N``: a matmul with N weights costs ``2N`` FLOPs per token forward and ``4N`` backward
       (grad of input and grad of weight). N is :func:`matmul_params`: every projection, the MLP
@@ -51,3 +54,11 @@ def flops_per_token(shape: ModelShape, seq_len: int) -> float:
         raise ValueError(f"seq_len must be > 0, got {seq_len}")
     n = matmul_params(shape)
     return float(6 * n + 12 * shape.num_layers * shape.num_heads * shape.head_dim * seq_len)
+
+
+#: The FLOPs formulas, by the key a family's row names (config/families.ModelFamily.flops).
+FORMULAS = {"dense": dense_flops_per_token}
+
+
+def flops_per_token(shape: ModelShape, seq_len: int) -> float:
+    return FORMULAS[FAMILIES[shape.model_family].flops](shape, seq_len)
