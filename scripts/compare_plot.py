@@ -66,6 +66,7 @@ def make_figure(
     breakdown: Breakdown | None = None,
     x: str = "step",
     judged_from: int,
+    noise: Any = None,
 ):
     """Loss vs step, throughput vs step, median throughput bars with ratios to the first run.
 
@@ -81,7 +82,7 @@ def make_figure(
     loss_ax, gap_ax, speed_ax, bar_ax, *step_ax = fig.subplots(1, panels)
     if breakdown is not None:
         plot_breakdown(step_ax[0], labels, breakdown)
-    plot_loss_gap(gap_ax, runs, labels, judged_from)
+    plot_loss_gap(gap_ax, runs, labels, judged_from, noise)
     if log_steps:
         gap_ax.set_xscale("log")
     for i, (run, label) in enumerate(zip(runs, labels, strict=True)):
@@ -137,10 +138,24 @@ def _style(i: int) -> dict:
     return {"linewidth": 1.5, "linestyle": ("--", ":", "-.")[(i - 1) % 3], "zorder": 2 + i}
 
 
-def plot_loss_gap(ax, runs: Sequence[Any], labels: Sequence[str], judged_from: int) -> None:
-    """Each run's smoothed train-loss gap to the first run, relative, in %, inside the parity
-    band (scripts/parity.py), with the step the verdict judges from."""
-    ax.axhspan(-100 * BAND, 100 * BAND, color="0.85", label=f"±{BAND:.0%} band")
+def plot_loss_gap(
+    ax, runs: Sequence[Any], labels: Sequence[str], judged_from: int, noise: Any = None
+) -> None:
+    """Each run's smoothed train-loss gap to the first run, relative, in %, inside the band the
+    verdict judges it against (scripts/parity.py: the replicas' seed noise, else ±1%), with the
+    step the verdict judges from."""
+    if noise is not None and noise.replicas and noise.train:
+        steps = sorted(noise.train)
+        width = [100 * noise.train[s] for s in steps]
+        ax.fill_between(
+            steps,
+            [-w for w in width],
+            width,
+            color="0.85",
+            label=f"seed noise ({noise.replicas} replica(s))",
+        )
+    else:
+        ax.axhspan(-100 * BAND, 100 * BAND, color="0.85", label=f"±{BAND:.0%} band")
     ax.axhline(0.0, color="C0", linewidth=1)
     ax.axvline(judged_from, color="0.4", linestyle=":", label=f"judged from step {judged_from}")
     for i, (run, label) in enumerate(zip(runs, labels, strict=True)):

@@ -4,6 +4,7 @@
     python -m scripts.compare_runs runs/tiny-bf16 runs/tiny-fp8 --output fp8.png
     python -m scripts.compare_runs a.out b.out c.out --labels bf16,fp8-te,fp8-ao --log_steps
     python -m scripts.compare_runs runs/a-bf16 runs/a-fp8 --breakdown          # profiled runs
+    python -m scripts.compare_runs runs/bf16 runs/bf16-seed43 runs/fp8 --replicas 2  # seed noise
 
 A run is a run directory (its metrics.jsonl), a metrics.jsonl file, or any log with the seed line
 ``Batch N Loss: L, Speed: S samples/sec, lr: R``: this recipe's slurm-<job>.out, the upstream
@@ -13,9 +14,11 @@ later one. This recipe's logs and run directories also carry the run's flags (th
 line/record): they label the runs and let the tool refuse runs of different model shapes or
 batch sizes; upstream logs have no flags, so those runs are labelled by file name, unchecked.
 
-After the table, each run after the first gets a parity verdict against the first
+After the table, each run after the reference (the first) gets a parity verdict against it
 (scripts/parity.py): the gaps of its smoothed train loss and its validation loss after the
-warm-up, their trend, and "matches" or "drifts" (put the BF16 run first).
+warm-up, its step lag, and "matches" (within the noise) or "is behind"/"is ahead of" (put the
+BF16 run first). With ``--replicas N`` the first N runs are the reference and its seed
+replicas, and the band is the noise they span instead of the fixed ±1%.
 
 The picture: loss vs step (train lines, validation points), each run's smoothed loss gap to the
 first inside the parity band, throughput vs step, and a bar of
@@ -298,6 +301,33 @@ def mismatches(runs: Sequence[Run], labels: Sequence[str]) -> list[str]:
     return problems
 
 
+def data_order(flags: Mapping[str, Any]) -> Any:
+    """The seed that orders a run's data: --data_seed, else --seed."""
+    return flags.get("seed") if flags.get("data_seed") is None else flags.get("data_seed")
+
+
+def replica_problems(runs: Sequence[Run], labels: Sequence[str]) -> list[str]:
+    """What keeps runs[1:] from being seed replicas of runs[0]: another precision or recipe
+    (their label), another data order, or the same --seed (runs without flags: unchecked)."""
+    if len(runs) < 2 or not runs[0].info:
+        return []
+    reference, problems = runs[0].info.get("flags", {}), []
+    for run, label in zip(runs[1:], labels[1:], strict=True):
+        if not run.info:
+            continue
+        flags = run.info.get("flags", {})
+        if label_from_flags(run.info) != label_from_flags(runs[0].info):
+            problems.append(f"{label}: a replica runs as {labels[0]} does (--replicas)")
+        if data_order(flags) != data_order(reference):
+            problems.append(
+                f"{label}: a replica reads the reference's data: --data_seed "
+                f"{data_order(reference)} (--replicas)"
+            )
+        if flags.get("seed") == reference.get("seed"):
+            problems.append(f"{label}: a replica has another --seed than {labels[0]} (--replicas)")
+    return problems
+
+
 def default_warmup(runs: Sequence[Run]) -> int:
     """train.py's rule, min(SPEED_WARMUP_STEPS, max_steps // 2), over the shortest run, so the table
     shows the medians of each run's own end-of-run summary."""
@@ -396,6 +426,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="compare unlike model shapes or batch sizes (marked)",
     )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the first N runs are the reference and its seed replicas (BF16 runs that differ "
+        "in --seed alone, same --data_seed): the runs after them are judged against the noise "
+        "band the replicas span (default 1: the first run alone, the fixed ±1%% band)",
+    )
     p.add_argument("--title", help="figure title (default: the labels)")
     p.add_argument(
         "--breakdown",
@@ -407,6 +446,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if len(args.runs) < 2:
         raise CompareError("give two or more runs to compare")
+    if not 1 <= args.replicas < len(args.runs):
+        raise CompareError(
+            f"--replicas {args.replicas}: the reference and its replicas are the first N of the "
+            f"{len(args.runs)} runs, with at least one run after them to judge"
+        )
     if args.warmup_steps is not None and args.warmup_steps < 0:
         raise CompareError(f"--warmup_steps must be >= 0, got {args.warmup_steps}")
     if args.output is None:
@@ -448,7 +492,9 @@ def compare(args: argparse.Namespace) -> str:
             raise CompareError(
                 f"--labels needs {len(runs)} distinct non-empty names, got {args.labels!r}"
             )
-    problems = mismatches(runs, labels)
+    problems = mismatches(runs, labels) + replica_problems(
+        runs[: args.replicas], labels[: args.replicas]
+    )
     if problems and not args.allow_mismatch:
         raise CompareError(
             "runs are not like for like: " + "; ".join(problems) + " (--allow_mismatch to go on)"
@@ -462,11 +508,19 @@ def compare(args: argparse.Namespace) -> str:
     warmup = default_warmup(runs) if args.warmup_steps is None else args.warmup_steps
     summaries = [metrics.summarize(run.records, warmup) for run in runs]
     judged_from = parity_start(runs)
+    replicas = [run.records for run in runs[1 : args.replicas]]
     verdicts = [
         parity.judge(
-            run.records, runs[0].records, judged_from, label, labels[0], speed_ratio(summaries, i)
+            run.records,
+            runs[0].records,
+            judged_from,
+            label,
+            labels[0],
+            speed_ratio(summaries, i),
+            replicas,
         )
-        for i, (run, label) in enumerate(zip(runs[1:], labels[1:], strict=True), start=1)
+        for i, (run, label) in enumerate(zip(runs, labels, strict=True))
+        if i >= args.replicas
     ]
     breakdown = step_breakdowns(args.runs) if args.breakdown else None
     figure = make_figure(
@@ -478,6 +532,7 @@ def compare(args: argparse.Namespace) -> str:
         breakdown=breakdown,
         x=args.x,
         judged_from=judged_from,
+        noise=verdicts[0].noise if verdicts else None,
     )
     try:
         figure.savefig(args.output, format="png", dpi=DPI)

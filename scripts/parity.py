@@ -1,6 +1,7 @@
 """The parity verdict: does a run (FP8) train as well as the reference run (its BF16 twin)?
 
-compare_runs prints one per run after the first, judged against the first, after the warm-up:
+compare_runs prints one per run after the reference and its replicas, judged against the
+reference (the first run), after the warm-up:
 
 - the **smoothed train-loss gap**: each run's train loss averaged over the last ``SMOOTHING_STEPS``
   judged steps (fewer in a short run), minus the reference's averaged the same way, relative to
@@ -8,21 +9,27 @@ compare_runs prints one per run after the first, judged against the first, after
   reaching back into the warm-up would judge the warm-up's steep fall, not the model;
 - the **validation-loss gap** at the steps both runs validated (no smoothing: a validation loss
   is already a mean over many sequences);
-- the **trend**: the least-squares slope of the per-step relative train-loss gap (unsmoothed, so
-  its points are independent enough for the slope's standard error to mean something), per
-  1,000 steps, with that standard error;
-- the **same loss**: the step at which the reference reached the run's last validation loss
-  (linear between the reference's validations), as a share of the run's steps, and times the
-  run's speed-up: what FP8 buys to a given loss, not per token;
-- one **verdict**: "matches" when both gaps stay inside ``BAND`` and the gap does not grow;
-  "drifts" naming where it left the band, or how fast it grows.
+- the **noise band** each gap is judged against: with **replicas** (BF16 runs like the
+  reference that differ only in their initialisation seed, same data order: ``--data_seed``),
+  ``NOISE_FACTOR`` times the widest replica gap at that window or validation, never narrower than
+  ``NOISE_FACTOR`` times the replicas' mean gap size (a window where two seeds happen to cross
+  does not pinch it); without replicas the fixed ``BAND``, and the verdict says it has no noise
+  estimate;
+- the **step lag**: at each reference validation, how many more steps (and what share) the run
+  needs to reach the reference's loss (negative: it got there first);
+- the **matched time**: the validation gap at equal wall-clock (the reference's loss read at the
+  step it reaches in the time the run takes, from the speed ratio), and the **same loss**: the
+  step at which the reference reached the run's last validation loss, times the speed-up;
+- the **trend**: the least-squares slope of the per-step relative train-loss gap, per 1,000
+  steps, with its standard error. It is reported, never a verdict: a slope fitted to a noisy
+  stretch is no evidence of drift while the gap stays inside the noise;
+- one **verdict**: "is within seed noise of" / "matches ... inside the ±1% band" when the gap at
+  the run's end stays inside the band; else "is behind ... by N steps (x%)" or "is ahead of".
+  The end decides: the last shared validation when there is one (a mean over many sequences),
+  else the mean smoothed train gap over the last ``TAIL_SHARE`` of the judged windows against
+  the band's mean there.
 
-Where the numbers come from (docs/metrics.md, "The parity verdict"): ``BAND`` is the ±1% band the
-loss-difference panel always drew; published FP8 runs (torchao float8 with FSDP2, NVIDIA's
-FP8-formats study) report final losses closer than that. A gap "grows" when its slope is
-non-zero by more than ``TREND_SIGMAS`` standard errors, points away from zero, and over the judged
-steps amounts to at least ``MATERIAL_SHARE`` of the band: a slope too small to ever matter within
-the run is noise about parity, not drift.
+Where the numbers come from: docs/metrics.md, "The parity verdict".
 """
 
 from __future__ import annotations
@@ -30,11 +37,19 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-#: The band of the relative loss gap inside which a run trains the same model as the reference.
+#: The band of the relative loss gap inside which a run trains the same model as the reference,
+#: where no replica measured this model's seed noise.
 BAND = 0.01
+#: The noise band is this many times the widest replica gap: a run that trains like BF16 is
+#: another seed, and its gap exceeds one replica's about half the time (the ratio of two such
+#: gaps is heavy-tailed), so the band must be wider than the replicas' own spread.
+NOISE_FACTOR = 2.0
+#: The verdict reads the train gap over the last third of the judged windows: where the run
+#: ends, which is what a user keeps.
+TAIL_SHARE = 1 / 3
 #: Train losses are averaged over this many steps before the band is applied: the band judges
 #: the model, not one batch (both runs read the same batches, so most of it cancels anyway).
 SMOOTHING_STEPS = 20
@@ -47,6 +62,8 @@ MATERIAL_SHARE = 0.5
 EARLY_SHARE = 0.1
 #: Fewer judged train points than this cannot give a slope with an error.
 MIN_POINTS = 4
+#: The step-lag line names at most this many validations (evenly spread over the run).
+MAX_LAGS = 8
 
 
 @dataclass(frozen=True)
@@ -78,6 +95,43 @@ class SameLoss:
 
 
 @dataclass(frozen=True)
+class Lag:
+    """At the reference's validation ``step``: the steps the run needs beyond it to reach the
+    reference's loss there (None: not reached by the run's last validation, ``reached_by``)."""
+
+    step: int
+    steps: float | None
+    reached_by: int
+
+    def words(self) -> str:
+        if self.steps is None:
+            return f"{self.step} >{self.reached_by - self.step} (not reached)"
+        steps = round(self.steps) or 0  # never "-0"
+        return f"{self.step} {steps:+d} ({steps / self.step:+.0%})"
+
+
+@dataclass(frozen=True)
+class Noise:
+    """The half-width of the band each gap is judged against, by step; ``replicas`` 0: the
+    fixed ``BAND`` everywhere (no noise estimate)."""
+
+    replicas: int = 0
+    train: Mapping[int, float] = field(default_factory=dict)
+    val: Mapping[int, float] = field(default_factory=dict)
+
+    def train_at(self, step: int) -> float:
+        return self.train.get(step, BAND) if self.replicas else BAND
+
+    def val_at(self, step: int) -> float:
+        return self.val.get(step, BAND) if self.replicas else BAND
+
+    def words(self) -> str:
+        if self.replicas:
+            return f"seed noise of {self.replicas} replica(s) x{NOISE_FACTOR:g}"
+        return f"fixed band ±{BAND:.0%}: no noise estimate"
+
+
+@dataclass(frozen=True)
 class Parity:
     """One run against the reference over steps ``first``..``last``; gaps are relative."""
 
@@ -90,12 +144,17 @@ class Parity:
     train_largest: float | None = None  # signed, the largest in size
     train_largest_step: int | None = None
     left_band_step: int | None = None  # first judged step whose smoothed gap is outside
+    tail: tuple[float, float] | None = None  # the last windows' mean gap and mean band
     val_mean: float | None = None
     val_largest: float | None = None
     val_left_band_step: int | None = None
+    val_last: tuple[int, float, float] | None = None  # step, gap, band at the last validation
     slope: float | None = None  # per 1,000 steps
     slope_error: float | None = None
     window: int = SMOOTHING_STEPS
+    noise: Noise = Noise()
+    lags: tuple[Lag, ...] = ()
+    matched_time: tuple[float, float] | None = None  # the reference's step, the val gap there
     same_loss: SameLoss | None = None
 
     @property
@@ -104,6 +163,7 @@ class Parity:
 
     @property
     def grows(self) -> bool:
+        """A significant, material trend away from zero: reported, never a verdict alone."""
         if self.slope is None or self.slope_error is None or self.train_mean is None:
             return False
         significant = abs(self.slope) > TREND_SIGMAS * self.slope_error
@@ -112,13 +172,20 @@ class Parity:
         return significant and outward and material
 
     @property
+    def standing(self) -> str:
+        """ "within", "behind" or "ahead": the last shared validation decides where there is
+        one, else the mean train gap of the last windows."""
+        if self.val_last is not None:
+            _, gap, band = self.val_last
+        elif self.tail is not None:
+            gap, band = self.tail
+        else:
+            return "within"
+        return "within" if abs(gap) <= band else "behind" if gap > 0 else "ahead"
+
+    @property
     def matches(self) -> bool:
-        return (
-            self.judged
-            and self.left_band_step is None
-            and self.val_left_band_step is None
-            and not self.grows
-        )
+        return self.judged and self.standing == "within"
 
     def lines(self) -> list[str]:
         """The figures, then the verdict line."""
@@ -129,12 +196,13 @@ class Parity:
                 f"step {self.first} (needs {MIN_POINTS}); train longer or log more often "
                 "(--logging_freq)"
             ]
+        trend = " (a trend)" if self.grows else ""
         lines = [
             f"{head} ({self.points} logged steps, train loss averaged over {self.window} "
-            f"steps, band ±{BAND:.0%}):",
+            f"steps, {self.noise.words()}):",
             f"  train loss gap: mean {_pct(self.train_mean)}, largest {_pct(self.train_largest)} "
             f"at step {self.train_largest_step}; trend {_pct(self.slope)} "
-            f"± {_pct(self.slope_error, sign=False)} per 1,000 steps",
+            f"± {_pct(self.slope_error, sign=False)} per 1,000 steps{trend}",
         ]
         if self.val_mean is not None:
             lines.append(
@@ -143,25 +211,64 @@ class Parity:
             )
         else:
             lines.append("  validation loss gap: no validation step shared by both runs")
+        if self.lags:
+            lines.append(f"  step lag at {self.reference}'s validations: " + self._lag_words())
+        if self.matched_time is not None:
+            step, gap = self.matched_time
+            lines.append(
+                f"  matched time: at its last validation, {self.label}'s loss is {_pct(gap)} from "
+                f"{self.reference}'s at step {step:.0f}, where it is in the same wall-clock time"
+            )
         if self.same_loss is not None:
             lines.append(self.same_loss.line(self.label, self.reference))
+        if not self.noise.replicas:
+            lines.append(f"  noise: {NO_NOISE}")
         lines.append(f"  verdict: {self.verdict()}")
         return lines
 
+    def _lag_words(self) -> str:
+        picked = self.lags[:: max(1, math.ceil(len(self.lags) / MAX_LAGS))]
+        if picked[-1] != self.lags[-1]:
+            picked = (*picked[:-1], self.lags[-1])
+        return ", ".join(lag.words() for lag in picked)
+
     def verdict(self) -> str:
         span = f"steps {self.first}-{self.last}"
-        if self.matches:
-            return f"{self.label} matches {self.reference} over {span}"
-        if self.left_band_step is not None:
-            why = f"the train loss gap left the ±{BAND:.0%} band at step {self.left_band_step}"
-        elif self.val_left_band_step is not None:
-            why = (
-                f"the validation loss gap left the ±{BAND:.0%} band at step "
-                f"{self.val_left_band_step}"
+        standing = self.standing
+        if standing == "within":
+            if self.noise.replicas:
+                return f"{self.label} is within seed noise of {self.reference} over {span}"
+            return (
+                f"{self.label} matches {self.reference} over {span} (inside the ±{BAND:.0%} band)"
             )
+        words = "is behind" if standing == "behind" else "is ahead of"
+        return f"{self.label} {words} {self.reference} over {span}: {self._outside_words()}"
+
+    def _outside_words(self) -> str:
+        """By how many steps at the end (where the lag is known), and which gap left which band."""
+        lag = next((g for g in reversed(self.lags) if g.steps is not None), None)
+        by = ""
+        if lag is not None:
+            steps = abs(lag.steps)
+            by = f"by {steps:.0f} steps ({steps / lag.step:.0%}) at step {lag.step}, "
+        if self.val_last is not None:
+            step, gap, band = self.val_last
+            what = f"the validation loss gap {_pct(gap)} at step {step}"
+            left = self.val_left_band_step
         else:
-            why = f"the train loss gap grows by {_pct(self.slope)} per 1,000 steps"
-        return f"{self.label} drifts from {self.reference} over {span}: {why}"
+            gap, band = self.tail
+            what = f"the train loss gap {_pct(gap)} over the last judged steps"
+            left = self.left_band_step
+        since = f" (first outside at step {left})" if left is not None else ""
+        return f"{by}{what} is outside ±{band:.2%}{since}"
+
+
+#: What a verdict without replicas says about its band, and how to get a noise estimate.
+NO_NOISE = (
+    f"no seed-noise estimate, the fixed ±{BAND:.0%} band; for one, train the reference again "
+    "with another --seed and the same --data_seed (e.g. --seed 43 --data_seed 42) and give it "
+    "second, with --replicas 2"
+)
 
 
 def _pct(value: float | None, sign: bool = True) -> str:
@@ -230,6 +337,16 @@ def step_at_loss(validations: Mapping[int, float], loss: float) -> float | None:
     return None
 
 
+def loss_at_step(validations: Mapping[int, float], step: float) -> float | None:
+    """``validations`` (step -> loss) read at ``step``, linear between its steps (None: outside
+    them)."""
+    points = sorted(validations.items())
+    for (s0, l0), (s1, l1) in zip(points, points[1:], strict=False):
+        if s0 <= step <= s1:
+            return l0 + (l1 - l0) * (step - s0) / (s1 - s0)
+    return points[0][1] if points and points[0][0] == step else None
+
+
 def same_loss(
     mine: Mapping[int, float], theirs: Mapping[int, float], speed_ratio: float | None
 ) -> SameLoss | None:
@@ -244,8 +361,116 @@ def same_loss(
     return SameLoss(step, mine[step], reference_step, max(theirs), speed_ratio)
 
 
-def _first_outside(steps: Sequence[int], gaps: Sequence[float]) -> int | None:
-    return next((s for s, g in zip(steps, gaps, strict=True) if abs(g) > BAND), None)
+def step_lags(mine: Mapping[int, float], theirs: Mapping[int, float], first: int) -> list[Lag]:
+    """At each reference validation from ``first`` on, the steps the run needs beyond it to
+    reach the reference's loss there. Left out: losses the run was already below at its first
+    validation (how much earlier it got there is not recorded)."""
+    if len(mine) < 2:
+        return []
+    start, last = min(mine), max(mine)
+    lags = []
+    for step in sorted(s for s in theirs if s >= first):
+        if mine[start] <= theirs[step]:
+            continue
+        reached = step_at_loss(mine, theirs[step])
+        lags.append(Lag(step, None if reached is None else reached - step, last))
+    return lags
+
+
+def matched_time(
+    mine: Mapping[int, float], theirs: Mapping[int, float], speed_ratio: float | None
+) -> tuple[float, float] | None:
+    """The run's last validation loss against the reference's at the step the reference
+    reaches in the same wall-clock time (None: no speed ratio, or that step not validated
+    around)."""
+    if not mine or not speed_ratio:
+        return None
+    step = max(mine)
+    reference_step = step / speed_ratio
+    reference = loss_at_step(theirs, reference_step)
+    if reference is None:
+        return None
+    return reference_step, (mine[step] - reference) / reference
+
+
+@dataclass(frozen=True)
+class Gaps:
+    """A run's relative gaps to the reference over the judged steps: train (smoothed, at the
+    steps whose window is whole) and validation (at the steps both validated)."""
+
+    steps: list[int]  # the judged steps both runs logged
+    window: int
+    whole: list[int]
+    train: list[float]
+    val_steps: list[int]
+    val: list[float]
+
+
+def gaps_of(
+    run: Sequence[Mapping[str, Any]],
+    reference: Sequence[Mapping[str, Any]],
+    first: int,
+    window: int | None = None,
+) -> Gaps:
+    """``run``'s gaps to ``reference`` from step ``first`` on; ``window`` None: the run's own
+    (``smoothing_window``). Each mean is over judged steps only."""
+    mine, theirs = _losses(run, "train", "loss"), _losses(reference, "train", "loss")
+    steps = sorted(s for s in mine.keys() & theirs.keys() if s >= first)
+    if window is None:
+        window = smoothing_window(steps[0], steps[-1]) if steps else 1
+    whole = [s for s in steps if s >= steps[0] + window - 1]
+    judged_mine, judged_theirs = {s: mine[s] for s in steps}, {s: theirs[s] for s in steps}
+    pairs = zip(
+        smoothed(judged_mine, whole, window), smoothed(judged_theirs, whole, window), strict=True
+    )
+    val_mine, val_theirs = _losses(run, "val", "val_loss"), _losses(reference, "val", "val_loss")
+    val_steps = sorted(s for s in val_mine.keys() & val_theirs.keys() if s >= first)
+    return Gaps(
+        steps,
+        window,
+        whole,
+        [(m - t) / t for m, t in pairs],
+        val_steps,
+        [(val_mine[s] - val_theirs[s]) / val_theirs[s] for s in val_steps],
+    )
+
+
+def _band(by_step: Sequence[Mapping[int, float]]) -> dict[int, float]:
+    """``NOISE_FACTOR`` x the widest replica gap at each step, floored at ``NOISE_FACTOR`` x the
+    replicas' mean gap size."""
+    sizes = [abs(g) for gaps in by_step for g in gaps.values()]
+    if not sizes:
+        return {}
+    floor = sum(sizes) / len(sizes)
+    steps = {s for gaps in by_step for s in gaps}
+    widest = {s: max(abs(gaps.get(s, 0.0)) for gaps in by_step) for s in steps}
+    return {s: NOISE_FACTOR * max(w, floor) for s, w in widest.items()}
+
+
+def noise_band(
+    replicas: Sequence[Sequence[Mapping[str, Any]]],
+    reference: Sequence[Mapping[str, Any]],
+    first: int,
+    window: int,
+) -> Noise:
+    """The band the replicas' own gaps to the reference span (``Noise()``: no replicas)."""
+    if not replicas:
+        return Noise()
+    found = [gaps_of(r, reference, first, window) for r in replicas]
+    train = _band([dict(zip(g.whole, g.train, strict=True)) for g in found])
+    val = _band([dict(zip(g.val_steps, g.val, strict=True)) for g in found])
+    return Noise(len(replicas), train, val)
+
+
+def _first_outside(steps: Sequence[int], gaps: Sequence[float], band) -> int | None:
+    return next((s for s, g in zip(steps, gaps, strict=True) if abs(g) > band(s)), None)
+
+
+def _tail(gaps: Gaps, noise: Noise) -> tuple[float, float]:
+    """The mean train gap and the mean band over the last ``TAIL_SHARE`` of the windows."""
+    count = max(1, math.ceil(TAIL_SHARE * len(gaps.whole)))
+    steps, values = gaps.whole[-count:], gaps.train[-count:]
+    return sum(values) / count, sum(noise.train_at(s) for s in steps) / count
 
 
 def judge(
@@ -255,42 +480,45 @@ def judge(
     label: str,
     reference_label: str,
     speed_ratio: float | None = None,
+    replicas: Sequence[Sequence[Mapping[str, Any]]] = (),
 ) -> Parity:
-    """``run``'s records against ``reference``'s, from step ``first`` on; ``speed_ratio`` (the
-    run's tokens/s over the reference's) turns the same-loss share into a speed."""
-    mine, theirs = _losses(run, "train", "loss"), _losses(reference, "train", "loss")
-    steps = sorted(s for s in mine.keys() & theirs.keys() if s >= first)
+    """``run``'s records against ``reference``'s, from step ``first`` on, inside the band the
+    ``replicas`` (the reference's seed twins) span; ``speed_ratio`` (the run's tokens/s over the
+    reference's) turns the same-loss share into a speed."""
+    gaps = gaps_of(run, reference, first)
+    steps = gaps.steps
     last = max(steps, default=first)
     if len(steps) < MIN_POINTS:
         return Parity(label, reference_label, first, last, len(steps))
-    window = smoothing_window(steps[0], last)
-    whole = [s for s in steps if s >= steps[0] + window - 1]  # windows inside the judged steps
-    judged_mine, judged_theirs = {s: mine[s] for s in steps}, {s: theirs[s] for s in steps}
-    pairs = zip(
-        smoothed(judged_mine, whole, window), smoothed(judged_theirs, whole, window), strict=True
-    )
-    gaps = [(m - t) / t for m, t in pairs]
-    largest = max(range(len(gaps)), key=lambda i: abs(gaps[i]))
+    noise = noise_band(replicas, reference, first, gaps.window)
+    mine, theirs = _losses(run, "train", "loss"), _losses(reference, "train", "loss")
     slope, error = slope_per_1000(steps, [(mine[s] - theirs[s]) / theirs[s] for s in steps])
+    largest = max(range(len(gaps.train)), key=lambda i: abs(gaps.train[i]))
     val_mine, val_theirs = _losses(run, "val", "val_loss"), _losses(reference, "val", "val_loss")
-    val_steps = sorted(s for s in val_mine.keys() & val_theirs.keys() if s >= first)
-    val_gaps = [(val_mine[s] - val_theirs[s]) / val_theirs[s] for s in val_steps]
+    val_last = None
+    if gaps.val_steps:
+        val_last = (gaps.val_steps[-1], gaps.val[-1], noise.val_at(gaps.val_steps[-1]))
     return Parity(
         label,
         reference_label,
         steps[0],
         last,
         len(steps),
-        train_mean=sum(gaps) / len(gaps),
-        train_largest=gaps[largest],
-        train_largest_step=whole[largest],
-        left_band_step=_first_outside(whole, gaps),
-        val_mean=sum(val_gaps) / len(val_gaps) if val_gaps else None,
-        val_largest=max(val_gaps, key=abs) if val_gaps else None,
-        val_left_band_step=_first_outside(val_steps, val_gaps),
+        train_mean=sum(gaps.train) / len(gaps.train),
+        train_largest=gaps.train[largest],
+        train_largest_step=gaps.whole[largest],
+        left_band_step=_first_outside(gaps.whole, gaps.train, noise.train_at),
+        tail=_tail(gaps, noise),
+        val_mean=sum(gaps.val) / len(gaps.val) if gaps.val else None,
+        val_largest=max(gaps.val, key=abs) if gaps.val else None,
+        val_left_band_step=_first_outside(gaps.val_steps, gaps.val, noise.val_at),
+        val_last=val_last,
         slope=slope,
         slope_error=error,
-        window=window,
+        window=gaps.window,
+        noise=noise,
+        lags=tuple(step_lags(val_mine, val_theirs, first)),
+        matched_time=matched_time(val_mine, val_theirs, speed_ratio),
         same_loss=same_loss(val_mine, val_theirs, speed_ratio),
     )
 

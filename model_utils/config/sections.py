@@ -418,6 +418,11 @@ class CheckpointConfig:
     )
 
 
+SEED_RANGE = Range(
+    low=0, high=MAX_SEED, high_open=True, words="{flag} must be in [0, 2**63), got {value}"
+)
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """The run itself: its length, seed, reports, validation and folder, and what observes it
@@ -426,12 +431,10 @@ class RunConfig:
 
     max_steps: int = flag("optimizer steps", resume=Resume.FREE, default=100, range=POSITIVE)
     seed: int = flag(
-        "model init, data order and RNG streams",
+        "model init and RNG streams; the data order too, unless --data_seed",
         resume=KEPT,
         default=42,
-        range=Range(
-            low=0, high=MAX_SEED, high_open=True, words="{flag} must be in [0, 2**63), got {value}"
-        ),
+        range=SEED_RANGE,
     )
     logging_freq: int = flag(
         "steps between log lines", resume=Resume.FREE, default=1, range=POSITIVE
@@ -477,6 +480,14 @@ class RunConfig:
         "with `.venv/bin/python -m scripts.step_breakdown RUN...` (default: off)",
         resume=Resume.FREE,
         metavar="START:END",
+        field_default=None,
+    )
+    data_seed: int | None = flag(
+        "the data order's seed (default: --seed): BF16 replicas for compare_runs' noise band "
+        "differ in --seed alone and keep this, so they read the same tokens",
+        resume=KEPT,
+        range=SEED_RANGE,
+        before=(None,),
         field_default=None,
     )
     memory_snapshot_step: int | None = flag(

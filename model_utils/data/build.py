@@ -30,7 +30,8 @@ def build_data(
     stream = val_batches = problem = None
     place = {"rank": world.rank, "world_size": world.world_size}
     try:
-        stream = TrainStream(source, tokenizer, seq_len, **place, seed=config.run.seed)
+        seed = config.run.seed if config.run.data_seed is None else config.run.data_seed
+        stream = TrainStream(source, tokenizer, seq_len, **place, seed=seed)
         val_batches = validation_batches(
             source, tokenizer, seq_len, config.run.validation_batches, **place
         )

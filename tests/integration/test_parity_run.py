@@ -1,7 +1,8 @@
-"""benchmarks/gpu_parity.sh --dry_run: the GPU loss A/B's own script on a CPU (the launcher, one
-torchrun worker a run as on the one-GPU machine, the tiny recipes): the emulated FP8 twin matches
+"""benchmarks/gpu_parity.sh and gpu_long_ab.sh --dry_run: the GPU loss A/Bs' own scripts on a
+CPU (the launcher, one torchrun worker a run as on the one-GPU machine, the tiny recipes): the
+emulated FP8 twin matches
 its BF16 twin, and the same FP8 run with a planted scale error (tests/helpers/damaged_fp8; train.py
-started directly, a world of one like the launcher's) drifts, its underflow named."""
+started directly, a world of one like the launcher's) is behind, its underflow named."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def test_the_dry_run_pair_matches_and_records_its_numerics(dry_run) -> None:
     assert stdout == (out / "parity.log").read_text()  # everything printed is kept
 
 
-def test_a_damaged_fp8_run_drifts_and_its_numerics_say_why(dry_run, tmp_path) -> None:
+def test_a_damaged_fp8_run_is_behind_and_its_numerics_say_why(dry_run, tmp_path) -> None:
     out, _ = dry_run
     env = {
         **os.environ,
@@ -81,9 +82,49 @@ def test_a_damaged_fp8_run_drifts_and_its_numerics_say_why(dry_run, tmp_path) ->
     )
     assert done.returncode == 0, done.stderr
     assert re.search(
-        r"verdict: fp8 tensorwise hf drifts from fp32 hf over steps 2-20: the train loss gap "
-        r"left the ±1% band at step \d+",
+        r"verdict: fp8 tensorwise hf is behind fp32 hf over steps 2-20: (by \d+ steps \(\d+%\) "
+        r"at step \d+, )?the validation loss gap \+[\d.]+% at step 20 is outside ±1\.00% "
+        r"\(first outside at step \d+\)",
         done.stdout,
     ), done.stdout
     underflow = re.search(r"worst underflow: \S+ (input|weight|grad) ([\d.]+)%", done.stdout)
     assert underflow and float(underflow[2]) > 50, done.stdout
+
+
+def long_ab(out: Path, *flags: str) -> subprocess.CompletedProcess:
+    env = {**warm_env(), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        ["bash", "benchmarks/gpu_long_ab.sh", str(out), "--dry_run", *flags],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=900,
+    )
+
+
+def test_the_long_ab_fills_one_folder_in_two_calls_and_judges_every_arm_in_seed_noise(
+    tmp_path,
+) -> None:
+    """benchmarks/gpu_long_ab.sh --dry_run, split as on the GPU: the BF16 reference, its seed
+    replica and the shipped FP8 recipe, then the other two FP8 arms into the same folder; each
+    call judges every arm present against bf16-a inside the band bf16-b spans."""
+    out = tmp_path / "long"
+    assert long_ab(out, "--arms", "bf16-a,nonsense").returncode == 2
+    assert not out.joinpath("bf16-a").exists()  # every name checked before any run
+    first = long_ab(out, "--arms", "bf16-a,bf16-b,fp8")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert (out / "verdict.txt").read_text().count("verdict:") == 1
+    second = long_ab(out, "--arms", "fp8-current,fp8-closer")
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    verdict = (out / "verdict.txt").read_text()
+    for arm in ("fp8", "fp8-current", "fp8-closer"):
+        assert f"Parity of {arm} with bf16-a, steps 2-12 " in verdict
+        assert f"verdict: {arm} is within seed noise of bf16-a over steps 2-12" in verdict
+    assert verdict.count("seed noise of 1 replica(s) x2") == 3
+    assert verdict.count("step lag at bf16-a's validations: 4 ") == 3
+    replica = (out / "bf16-b" / "run.args").read_text().splitlines()
+    assert "--seed=43" in replica and "--data_seed=42" in replica
+    assert "--bf16_layers=0,-1" in (out / "fp8-closer" / "run.args").read_text().splitlines()
+    again = long_ab(out, "--arms", "none")
+    assert again.returncode == 0 and (out / "verdict.txt").read_text() == verdict

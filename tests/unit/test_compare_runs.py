@@ -273,10 +273,17 @@ def test_table_holds_hand_computed_medians_and_ratios(two_runs, tmp_path, capsys
     # +1.43%
     assert "train loss gap: mean +1.57%, largest +1.74% at step 40" in out
     assert "validation loss gap: mean +1.25%, largest +1.54%" in out
+    # the last shared validation decides: 5.25 / 5.2 is +0.96%, inside the band, though the
+    # last train windows are outside it
     assert (
-        "verdict: fp8 tensorwise hf drifts from bf16 hf over steps 10-50: the train loss gap left "
-        "the ±1% band at step 30"
+        "verdict: fp8 tensorwise hf matches bf16 hf over steps 10-50 (inside the ±1% band)"
     ) in out
+    # bf16's 6.5 at step 25 is fp8's at 25 + 25 * 0.1 / 1.35 = 26.85; its 5.2 at 50 not reached
+    assert "step lag at bf16 hf's validations: 25 +2 (+7%), 50 >0 (not reached)" in out
+    # at 1.696x the tokens/s, fp8's step 50 takes bf16's time for step 29.5, where bf16's
+    # validation loss reads 6.5 - 1.3 * 4.5 / 25 = 6.27 between its validations
+    reference = 6.5 - 1.3 * (50 * 11.5 / 19.5 - 25) / 25
+    assert f"loss is {5.25 / reference - 1:+.2%} from bf16 hf's at step 29," in out
     # fp8's 5.25 at step 50 is bf16's between 6.5 (step 25) and 5.2 (step 50): 25 + 25 * 1.25/1.3
     # = step 49, 0.98x the steps; times the 19.5/11.5 tokens/s, 1.66x as fast to that loss
     assert (
@@ -576,3 +583,46 @@ def test_the_default_picture_lands_in_the_last_run_folder_not_the_repo(
     assert (tmp_path / "compare_runs.png").is_file()
     ignored = (ROOT / ".gitignore").read_text().splitlines()
     assert "/compare_runs.png" in ignored
+
+
+def test_replicas_set_the_band_and_must_be_seed_twins(two_runs, tmp_path, capsys) -> None:
+    """A BF16 run with another --seed and the reference's data order is a replica: the verdict
+    judges fp8 against the noise the two BF16 runs span, and the picture draws that band. A
+    replica of another data order is refused, naming the flag."""
+    replica_rows = [(s, v, loss * 1.02) for s, v, loss in BF16]
+    replica_val = [(s, loss * 1.02) for s, loss in VAL["bf16"]]
+    replica = write_run_dir(
+        tmp_path / "tiny-bf16-43", replica_rows, replica_val, info(seed=43, data_seed=42)
+    )
+    png = tmp_path / "noise.png"
+    runs = [two_runs[0], str(replica), two_runs[1]]
+    assert cr.main([*runs, "--replicas", "2", "--output", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "seed noise of 1 replica(s) x2" in out and "  noise: " not in out
+    verdict = (
+        "verdict: fp8 tensorwise hf is within seed noise of bf16 hf (tiny-bf16) over steps 10-50"
+    )
+    assert verdict in out
+    assert out.count("verdict:") == 1  # the replica is the band, not a judged run
+    args = cr.parse_args([*runs, "--replicas", "2", "--output", str(png)])
+    cr.compare(args)
+    other = write_run_dir(tmp_path / "tiny-bf16-7", replica_rows, replica_val, info(seed=7))
+    assert cr.main([two_runs[0], str(other), two_runs[1], "--replicas", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "a replica reads the reference's data: --data_seed 42 (--replicas)" in err
+    assert cr.main([*runs, "--replicas", "3"]) == 2
+    assert "at least one run after them to judge" in capsys.readouterr().err
+
+
+def test_the_picture_draws_the_replicas_noise_band(two_runs, tmp_path) -> None:
+    from scripts import parity
+
+    runs = [cr.load_run(p) for p in two_runs]
+    labels = cr.default_labels(runs)
+    summaries = [metrics.summarize(r.records, 10) for r in runs]
+    noise = parity.Noise(1, {30: 0.02, 40: 0.03}, {})
+    fig = cr.make_figure(runs, labels, summaries, judged_from=7, noise=noise)
+    gap_ax = fig.axes[1]
+    [band] = gap_ax.collections
+    assert band.get_label() == "seed noise (1 replica(s))"
+    assert band.get_paths()[0].vertices[:, 1].max() == pytest.approx(3.0)
