@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scripts.parity import BAND, SMOOTHING_STEPS, smoothed_gap
+from analysis.parity import BAND, SMOOTHING_STEPS, smoothed_gap
 
 FIGSIZE, DPI = (20.0, 4.5), 100  # 2000 x 450 pixels
 
@@ -139,7 +139,7 @@ def _style(i: int) -> dict:
 
 def plot_loss_gap(ax, runs: Sequence[Any], labels: Sequence[str], judged_from: int) -> None:
     """Each run's smoothed train-loss gap to the first run, relative, in %, inside the parity
-    band (scripts/parity.py), with the step the verdict judges from."""
+    band (analysis/parity.py), with the step the verdict judges from."""
     ax.axhspan(-100 * BAND, 100 * BAND, color="0.85", label=f"±{BAND:.0%} band")
     ax.axhline(0.0, color="C0", linewidth=1)
     ax.axvline(judged_from, color="0.4", linestyle=":", label=f"judged from step {judged_from}")
