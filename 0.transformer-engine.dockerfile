@@ -12,7 +12,7 @@
 # The TE releases our code is contract-tested against (this image's and the newest) are
 # stated once, in model_utils/precision/te.py (TE_CONTRACT_VERSIONS). The H100 figures were
 # measured with the pip wheels TE 2.20.2 and torch 2.11, not with this image (docs/cluster.md,
-# "The container path, executed"). scripts/container_e2e.sh builds this file, unchanged but
+# "The container path, executed"). tools/container_e2e.sh builds this file, unchanged but
 # for BASE_IMAGE, on a CPU stand-in for the NGC image, in `make test`.
 #
 # The project's pinned requirements are installed WITHOUT touching the image's torch,

@@ -32,12 +32,12 @@ demo: $(BIN)/.installed
 	$(BIN)/python -m scripts.demo
 
 test: $(BIN)/.installed
-	bash scripts/install_test_deps.sh $(VENV)
+	bash tools/install_test_deps.sh $(VENV)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	# The recipe byte-compiled once: the suite starts hundreds of Python processes, and where
 	# PYTHONDONTWRITEBYTECODE is set (CI images) each would compile model_utils again.
-	$(BIN)/python -m compileall -q model_utils scripts benchmarks tests train.py te_llama.py
+	$(BIN)/python -m compileall -q model_utils analysis scripts tools benchmarks tests train.py te_llama.py
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder tests
 
 lint: $(BIN)/.installed

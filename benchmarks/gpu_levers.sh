@@ -36,7 +36,7 @@
 #           under --compile; needs no TE, so it can run while TE's chunks travel        ~2 min
 #   full    the same model's A/B with the same levers on both sides (te-bf16 and te-fp8
 #           delayed, mb4, --compile, fp32 masters in the optimizer, no resharding), steps
-#           19-20 profiled; then scripts/step_breakdown.py's breakdown and FP8 ceiling of the
+#           19-20 profiled; then analysis/step_breakdown.py's breakdown and FP8 ceiling of the
 #           pair and compare_runs' table of both (and of full-torchao's run if it is in OUT_DIR)
 #                                                                                       ~5 min
 #   attention-3b  past the linears-only ceiling on the 3B recipe (micro-batch 2, head_dim 128):
@@ -156,18 +156,18 @@ recipe() {
         ;;
     full)
         full_depth "$BEST_BF16,$BEST_FP8" "$BEST_BF16" --profile_steps 19:20
-        "$python" -m scripts.step_breakdown "$(folder "$BEST_BF16")" "$(folder "$BEST_FP8")"
+        "$python" -m analysis.step_breakdown "$(folder "$BEST_BF16")" "$(folder "$BEST_FP8")"
         runs=("$(folder "$BEST_BF16")" "$(folder "$BEST_FP8")")
         [ -f "$(folder "$TORCHAO")/metrics.jsonl" ] && runs+=("$(folder "$TORCHAO")")
-        "$python" -m scripts.compare_runs "${runs[@]}" --output "$out/full-compare.png" || true
+        "$python" -m analysis.compare_runs "${runs[@]}" --output "$out/full-compare.png" || true
         ;;
     attention-3b)
         recipe 3b-bf16 llama3.2-3b-bf16
         recipe 3b-fp8 llama3.2-3b-fp8
         recipe 3b-fp8-attention llama3.2-3b-fp8 --fp8_attention
-        "$python" -m scripts.step_breakdown "$out/3b-bf16" "$out/3b-fp8" --no_hta
-        "$python" -m scripts.step_breakdown "$out/3b-bf16" "$out/3b-fp8-attention" --no_hta
-        "$python" -m scripts.compare_runs "$out/3b-bf16" "$out/3b-fp8" "$out/3b-fp8-attention" \
+        "$python" -m analysis.step_breakdown "$out/3b-bf16" "$out/3b-fp8" --no_hta
+        "$python" -m analysis.step_breakdown "$out/3b-bf16" "$out/3b-fp8-attention" --no_hta
+        "$python" -m analysis.compare_runs "$out/3b-bf16" "$out/3b-fp8" "$out/3b-fp8-attention" \
             --output "$out/attention-3b.png" || true
         ;;
     scaling-1b)
@@ -176,7 +176,7 @@ recipe() {
                 --fp8_recipe "$scaling" 2>&1 | tee "$out/1b-$scaling.compile.log"
             echo "1b-$scaling under --compile: $(grep -c 'Graph break in user code' "$out/1b-$scaling.compile.log" || true) distinct graph breaks, $(grep -c 'Graph break' "$out/1b-$scaling.compile.log" || true) in all, $(grep -c 'Recompiling function' "$out/1b-$scaling.compile.log" || true) recompiles"
         done
-        "$python" -m scripts.compare_runs "$out/1b-delayed" "$out/1b-current" \
+        "$python" -m analysis.compare_runs "$out/1b-delayed" "$out/1b-current" \
             --output "$out/scaling-1b.png" || true
         ;;
     host-1b)
@@ -184,9 +184,9 @@ recipe() {
         recipe 1b-fp8-none llama3.2-1b-fp8 --sharding_strategy none
         recipe 1b-bf16-none llama3.2-1b-bf16 --sharding_strategy none
         for run in 1b-fp8 1b-fp8-none; do
-            "$python" -m scripts.step_breakdown "$out/1b-bf16-none" "$out/$run" --no_hta || true
+            "$python" -m analysis.step_breakdown "$out/1b-bf16-none" "$out/$run" --no_hta || true
         done
-        "$python" -m scripts.compare_runs "$out/1b-fp8" "$out/1b-fp8-none" "$out/1b-bf16-none" \
+        "$python" -m analysis.compare_runs "$out/1b-fp8" "$out/1b-fp8-none" "$out/1b-bf16-none" \
             --output "$out/host-1b.png" || true
         ;;
     graphs-1b)
@@ -194,12 +194,12 @@ recipe() {
         graphs=(--sharding_strategy none --compile=0 --cuda_graphs)
         recipe 1b-bf16-graphs llama3.2-1b-bf16 "${graphs[@]}"
         recipe 1b-fp8-graphs llama3.2-1b-fp8 "${graphs[@]}"
-        "$python" -m scripts.step_breakdown "$out/1b-bf16-graphs" "$out/1b-fp8-graphs" --no_hta
+        "$python" -m analysis.step_breakdown "$out/1b-bf16-graphs" "$out/1b-fp8-graphs" --no_hta
         runs=("$out/1b-bf16-graphs" "$out/1b-fp8-graphs")
         for run in 1b-fp8-none 1b-bf16-none; do
             [ -f "$out/$run/metrics.jsonl" ] && runs+=("$out/$run")
         done
-        "$python" -m scripts.compare_runs "${runs[@]}" --output "$out/graphs-1b.png" || true
+        "$python" -m analysis.compare_runs "${runs[@]}" --output "$out/graphs-1b.png" || true
         ;;
     *)
         echo "unknown phase $phase: loss, levers, masters, compile, reshard, ac, best, tier, attention, torchao, depth, full-torchao, full, attention-3b, scaling-1b, host-1b or graphs-1b" >&2

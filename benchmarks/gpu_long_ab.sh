@@ -107,7 +107,7 @@ for name in "${wanted[@]}"; do arm_flags "$name" > /dev/null; done  # every name
     replicas=1
     [ ! -f "$out/bf16-b/metrics.jsonl" ] || replicas=2
     if [ "${#runs[@]}" -gt "$replicas" ] && [ "${runs[0]}" = "$out/bf16-a" ]; then
-        (cd "$root" && "$python" -m scripts.compare_runs "${runs[@]}" --replicas "$replicas" \
+        (cd "$root" && "$python" -m analysis.compare_runs "${runs[@]}" --replicas "$replicas" \
             --labels "$(IFS=,; echo "${labels[*]}")" --output "$out/compare.png") \
             | tee "$out/verdict.txt"
     else

@@ -6,7 +6,7 @@
 #
 # GPU: the shipped Llama 3.2 1B recipes (te-bf16, then te-fp8 delayed; micro-batch 4, seq 8192,
 # --compile) through the launcher (bash 1.train_llama.sbatch --recipe ...), on the real text of
-# scripts/make_code_corpus.py (DATA, default .gpu/text: one transfer), STEPS steps (default 200:
+# tools/make_code_corpus.py (DATA, default .gpu/text: one transfer), STEPS steps (default 200:
 # 6.6M tokens, none read twice; 526 s in all on an H200, benchmarks/results/) with WARMUP
 # warm-up steps and cosine decay, the held-out text validated every VAL_FREQ steps, steps
 # 110-111 profiled. No checkpoints (a 1B's is 15 GB). Then a 30-step run of the same FP8 recipe with --fp8_numerics (TE's debug tools on the fused layers; its own
@@ -53,7 +53,7 @@ else
     steps=${STEPS:-200} warmup=${WARMUP:-20} val_freq=${VAL_FREQ:-25}
     text=${DATA:-$root/.gpu/text}
     [ -f "$text/code.jsonl.gz" ] || {
-        echo "gpu_parity.sh: no $text/code.jsonl.gz: run scripts/make_code_corpus.py --out $text and carry it" >&2
+        echo "gpu_parity.sh: no $text/code.jsonl.gz: run tools/make_code_corpus.py --out $text and carry it" >&2
         exit 2
     }
     data=(--dataset "$text/code.jsonl.gz" --tokenizer "$text/tokenizer" --profile_steps 110:111)
@@ -82,11 +82,11 @@ launch() {  # launch RUN_NAME RECIPE FLAGS...: a fresh run folder under OUT_DIR
     fi
     breakdown=()
     [ -n "$dry" ] || breakdown=(--breakdown)
-    (cd "$root" && "$python" -m scripts.compare_runs "${runs[@]:0:2}" --output "$out/compare.png" \
+    (cd "$root" && "$python" -m analysis.compare_runs "${runs[@]:0:2}" --output "$out/compare.png" \
         "${breakdown[@]}") | tee "$out/verdict.txt"
     if [ -z "$dry" ]; then
-        (cd "$root" && "$python" -m scripts.compare_runs "${runs[@]}" \
+        (cd "$root" && "$python" -m analysis.compare_runs "${runs[@]}" \
             --output "$out/compare-numerics.png") | sed -n '/^FP8 numerics/,$p' | tee -a "$out/verdict.txt"
-        (cd "$root" && "$python" -m scripts.step_breakdown "$out/bf16" "$out/fp8") | tee "$out/breakdown.txt"
+        (cd "$root" && "$python" -m analysis.step_breakdown "$out/bf16" "$out/fp8") | tee "$out/breakdown.txt"
     fi
 } 2>&1 | tee "$out/parity.log"

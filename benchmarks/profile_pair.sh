@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Where FP8's step goes on one GPU with Transformer Engine: te-bf16 and te-fp8 on 4 Llama3-8B
 # layers (seq 8192, micro-batch 2, 8 steps; steps 6-8 traced after one warm-up step), then
-# scripts/step_breakdown.py on the pair: each category's ms and share, its speed-up, and FP8's
+# analysis/step_breakdown.py on the pair: each category's ms and share, its speed-up, and FP8's
 # Amdahl ceiling against the measured ratio.
 #
 #   bash benchmarks/profile_pair.sh OUT_DIR        (~2-3 min on one H100, TE installed)
@@ -31,7 +31,7 @@ common=(--preset llama3-8b --num_layers 4 --dataset data/kjv.jsonl.gz --tokenize
         "$python" train.py "${common[@]}" --fp8="$fp8" --output_dir "$out/$name" --overwrite_output_dir
         echo "# $name: ${SECONDS} s"
     done
-    "$python" -m scripts.step_breakdown "$out/te-bf16" "$out/te-fp8"
+    "$python" -m analysis.step_breakdown "$out/te-bf16" "$out/te-fp8"
     if [ "${GPU_TESTS:-0}" = 1 ]; then
         "$python" -m pytest -m gpu tests/integration/test_gpu.py -v --durations=0 \
             -k "profil or oversized or fp8_gemms_under_fp8"

@@ -27,14 +27,13 @@ from __future__ import annotations
 import argparse
 import errno
 import math
+import runpy
 import shutil
 import sys
 from pathlib import Path
 
-try:  # a Python without the environment: one line, exit 2 (scripts/environment_check.py)
-    import scripts.environment_check  # noqa: F401
-except ModuleNotFoundError:  # run by path: scripts/ is first on the import path
-    import environment_check  # noqa: F401
+if __name__ == "__main__":  # a Python without the environment: one line, exit 2
+    runpy.run_path(str(Path(__file__).with_name("environment_check.py")))
 
 DTYPES = ("float32", "bfloat16", "float16")
 EXPORT_EXTRA_BYTES = 16 * 2**20  # config.json, generation_config.json, the tokenizer's files

@@ -2,7 +2,7 @@
 by torchao), and compare.
 
 Each run is the real train.py in its own process, exactly as a user would start it; the table and
-the picture at the end are scripts/compare_runs.py's, read back from the two runs' directories.
+the picture at the end are analysis/compare_runs.py's, read back from the two runs' directories.
 
 The two runs compute in bf16 where the CPU has bf16 units (AVX512-BF16 or AMX on x86, BF16 on
 Arm), and in fp32 elsewhere: an AVX2-only CPU runs bf16 matmuls 20-60x slower than fp32 ones
@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from scripts import compare_runs
+from analysis import compare_runs
 from scripts.cpu import cpu_computes_bf16, slow_bf16_line
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,8 +122,8 @@ def main(argv: list[str] | None = None) -> None:
     fp8 = run("fp8", True, known.steps, known.out, [*demo.flags, *extra])
     print(f"\n=== tiny Llama, bundled corpus: --fp8=0 vs --fp8=1, {demo.compute} compute ===")
     png = known.out / "compare.png"
-    argv = [str(plain), str(fp8), f"--output={png}", f"--labels={demo.labels}"]
-    if compare_runs.main([*argv, f"--title={demo.title}"]):
+    pair = compare_runs.Options([plain, fp8], png, demo.labels, title=demo.title)
+    if compare_runs.main(options=pair):
         sys.exit(2)
     print("\n" + NOTE.format(compute=demo.compute))
     print(f"\nPicture of the two runs: {png}")

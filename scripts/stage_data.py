@@ -26,6 +26,7 @@ import gzip
 import json
 import os
 import re
+import runpy
 import shutil
 import sys
 from collections.abc import Iterable, Iterator
@@ -34,10 +35,8 @@ from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
-try:  # a Python without the environment: one line, exit 2 (scripts/environment_check.py)
-    import scripts.environment_check  # noqa: F401
-except ModuleNotFoundError:  # run by path: scripts/ is first on the import path
-    import environment_check  # noqa: F401
+if __name__ == "__main__":  # a Python without the environment: one line, exit 2
+    runpy.run_path(str(Path(__file__).with_name("environment_check.py")))
 from model_utils import data
 from model_utils.config.arguments import UsageError, apply_preset, build_parser
 from model_utils.config.flag_rules import value_problem

@@ -112,6 +112,20 @@ def _start_zygote(config) -> None:
     os.environ[warm_start.STAND_IN_ENV] = stand_in
 
 
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    """Each house rule's headroom (helpers.house) after a run that includes its test (``make
+    test``, or tests/unit/test_house.py alone): how close the fullest room is before it fails."""
+    house = TESTS / "unit" / "test_house.py"
+    given = [(config.invocation_params.dir / a.split("::")[0]).resolve() for a in config.args]
+    if not any(path == house or path in house.parents for path in given):
+        return
+    from helpers.house import headroom
+
+    terminalreporter.write_sep("-", "house rules: headroom")
+    for line in headroom():
+        terminalreporter.write_line(line)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Longest modules first (a stable sort: the rest keep their collected order)."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}

@@ -477,7 +477,7 @@ class RunConfig:
     profile_steps: str | None = flag(
         "torch.profiler traces of steps START..END (inclusive; one warm-up step before), "
         "on every rank: <output_dir>/profile/step_START/rank_R.pt.trace.json.gz; read them "
-        "with `.venv/bin/python -m scripts.step_breakdown RUN...` (default: off)",
+        "with `.venv/bin/python -m analysis.step_breakdown RUN...` (default: off)",
         resume=Resume.FREE,
         metavar="START:END",
         field_default=None,

@@ -11,7 +11,7 @@ Why these shapes:
   ``benchmarks/bench_profiler_cost.py``.
 - A trace is exported to a temporary file, checked whole, compressed to a temporary name on the
   run's disk and renamed into place: a kill or a full disk while it is written never leaves a
-  damaged file under the name ``scripts/step_breakdown.py`` reads. A full disk costs the trace
+  damaged file under the name ``analysis/step_breakdown.py`` reads. A full disk costs the trace
   (one warning), not the run.
 - An out-of-memory error in a step becomes one line naming the snapshot (if recorded) and the
   flags that lower memory, instead of a page of traceback; the newest checkpoint is untouched.
@@ -45,7 +45,7 @@ WARMUP_STEPS = 1
 SNAPSHOT_MAX_ENTRIES = 100_000
 TRACE_SUFFIX = ".pt.trace.json.gz"
 #: The key of this module's metadata in a trace (which training step ProfilerStep#0 is), for the
-#: analysis that reads the traces back (scripts/traces/).
+#: analysis that reads the traces back (analysis/traces/).
 TRACE_METADATA_KEY = "llama_recipe_profile"
 MEMORY_LEVERS = (
     "lower --train_batch_size (--grad_accum_steps keeps the global batch), add "
@@ -253,7 +253,7 @@ class RunProfiler:
         short = "" if last == window.end else f" (the run stopped inside {span})"
         log.info(
             "Profiler trace of step(s) %s%s: %s (one per rank: rank_*%s); read it with "
-            "`%s -m scripts.step_breakdown %s`",
+            "`%s -m analysis.step_breakdown %s`",
             steps,
             short,
             path,

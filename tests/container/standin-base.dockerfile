@@ -1,5 +1,5 @@
 # A stand-in for NVIDIA's NGC PyTorch image, for machines that cannot pull it (the tests'):
-# scripts/container_e2e.sh builds 0.transformer-engine.dockerfile on it, unchanged except its
+# tools/container_e2e.sh builds 0.transformer-engine.dockerfile on it, unchanged except its
 # BASE_IMAGE, so that the recipe's own RUN steps, pins and checks really run. What NGC images
 # have and the recipe relies on, this has too, in the same places:
 #   - one system Python (here Debian 12's 3.11) whose `python` and `pip` are on the image's PATH,
@@ -10,7 +10,7 @@
 #   - /etc/pip/constraint.txt pinning every package the image ships, named by PIP_CONSTRAINT.
 # What it lacks: CUDA, cuDNN, NCCL, flash-attn, a real Transformer Engine (docs/cluster.md).
 #
-# Build context (made by scripts/container_e2e.sh): ca-certificates.crt (the host's bundle:
+# Build context (made by tools/container_e2e.sh): ca-certificates.crt (the host's bundle:
 # PyPI may be reached through a TLS-intercepting proxy), wheels/ (the torch wheel), te_double/.
 ARG DEBIAN_IMAGE=llama-fp8-debian:bookworm
 FROM ${DEBIAN_IMAGE}

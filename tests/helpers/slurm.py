@@ -1,4 +1,4 @@
-"""Real Slurm clusters for the end-to-end tests (scripts/slurm_cluster.sh: one node, or two in
+"""Real Slurm clusters for the end-to-end tests (tools/slurm_cluster.sh: one node, or two in
 network namespaces of their own), jobs submitted as a user submits them, and the checks the
 one-node, two-node and container tests share: the seed-format losses, an exact resume after a
 preemption, both nodes' start-up lines."""
@@ -18,8 +18,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "1.train_llama.sbatch"
-CLUSTER = REPO / "scripts" / "slurm_cluster.sh"
-INSTALL_DEPS = REPO / "scripts" / "install_test_deps.sh"
+CLUSTER = REPO / "tools" / "slurm_cluster.sh"
+INSTALL_DEPS = REPO / "tools" / "install_test_deps.sh"
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 # The seed recipe's log line, e.g. "Batch 20 Loss: 8.42184, Speed: 47.06 samples/sec, lr: 0.000100"
@@ -89,7 +89,7 @@ class Cluster:
 
 
 def start_cluster(state: Path, tools: tuple[str, ...] = (), **settings: str) -> Iterator[Cluster]:
-    """scripts/slurm_cluster.sh start/stop around the tests, with SLURM_CLUSTER_* settings."""
+    """tools/slurm_cluster.sh start/stop around the tests, with SLURM_CLUSTER_* settings."""
     if os.geteuid() != 0:
         skip_or_fail("needs root: slurmd must run as root to start job steps")
     needed = ("slurmctld", "slurmd", "munged", "sbatch", *tools)

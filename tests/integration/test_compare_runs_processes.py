@@ -1,4 +1,4 @@
-"""scripts/compare_runs.py on a real train.py run: its log and its run directory read the same."""
+"""analysis/compare_runs.py on a real train.py run: its log and its run directory read the same."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from helpers.procs import PYTHON
 
-from scripts import compare_runs as cr
+from analysis import compare_runs as cr
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,7 +67,7 @@ def test_a_real_run_reads_the_same_from_its_log_and_its_directory(tmp_path: Path
     done = subprocess.run(
         [
             PYTHON,
-            str(ROOT / "scripts" / "compare_runs.py"),
+            str(ROOT / "analysis" / "compare_runs.py"),
             str(log),
             str(out),
             "--output",

@@ -3,15 +3,15 @@ import` squash file -> Pyxis `srun --container-image` on a real two-node Slurm c
 `sbatch --nodes=2 1.train_llama.sbatch --preset tiny --fp8=1` -> preemption -> a resume with
 the losses, bit for bit, of the same run on the host's venv without the container.
 
-scripts/container_e2e.sh does the work: enroot 4.1.2 and Pyxis 0.24.0 built from their release
+tools/container_e2e.sh does the work: enroot 4.1.2 and Pyxis 0.24.0 built from their release
 tarballs (../shared/container, or CONTAINER_SOURCES), a Docker daemon of its own, the recipe's
 Dockerfile built unchanged except its base (a stand-in for the NGC image: Debian's Python, the
 pinned CPU torch, the TE test double registered as the `transformer_engine` distribution, an
-NGC-like /etc/pip/constraint.txt), `enroot import dockerd://`, and scripts/slurm_cluster.sh's
+NGC-like /etc/pip/constraint.txt), `enroot import dockerd://`, and tools/slurm_cluster.sh's
 two-node cluster with Pyxis in its plugstack. What this proves and what it cannot (the NGC
 image's own contents, GPUs, NCCL, EFA): docs/cluster.md.
 
-Needs root, Debian's packages (scripts/install_test_deps.sh installs them) and the tarballs;
+Needs root, Debian's packages (tools/install_test_deps.sh installs them) and the tarballs;
 without them it skips and says why, except in CI (CI=true), where that is a failure.
 
 Budget (2 CPU cores): the build ~2 min (the Debian root file system, the torch wheel and the
@@ -50,8 +50,8 @@ from helpers.slurm import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "container_e2e.sh"
-INSTALL_DEPS = REPO / "scripts" / "install_test_deps.sh"
+SCRIPT = REPO / "tools" / "container_e2e.sh"
+INSTALL_DEPS = REPO / "tools" / "install_test_deps.sh"
 SOURCES = Path(os.environ.get("CONTAINER_SOURCES", REPO.parent / "shared" / "container"))
 TARBALLS = ("enroot-4.1.2.tar.gz", "pyxis-0.24.0.tar.gz")
 

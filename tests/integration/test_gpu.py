@@ -545,7 +545,7 @@ def test_fp8_weights_train_from_fp32_masters_and_resume_exactly(runs, recipe: st
 
 def profiled(out: Path, *flags: str) -> tuple[object, subprocess.CompletedProcess]:
     """A SMALL run with steps 6-8 traced: rank 0's breakdown and the run's output."""
-    from scripts.traces.breakdown import read_rank
+    from analysis.traces.breakdown import read_rank
 
     result = train(out, *flags, "--profile_steps=6:8")
     ok(result)
@@ -570,8 +570,8 @@ def test_a_te_trace_finds_fp8_gemms_under_fp8_only_and_lm_head_in_the_bf16_share
     --fp8=1, in the share FP8 can run, and not at all with --fp8=0; lm_head's GEMMs (launched
     inside the lm_head range, its backward linked to it) are bf16 kernels in the other share."""
     needs_te()
-    from scripts import step_breakdown
-    from scripts.traces.rules import fp8_named
+    from analysis import step_breakdown
+    from analysis.traces.rules import fp8_named
 
     got = {}
     for precision, flags in (("bf16", impl_flags("te", "bf16")), ("fp8", TE_DELAYED)):

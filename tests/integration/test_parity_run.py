@@ -73,7 +73,7 @@ def test_a_damaged_fp8_run_is_behind_and_its_numerics_say_why(dry_run, tmp_path)
     compare = [
         sys.executable,
         "-m",
-        "scripts.compare_runs",
+        "analysis.compare_runs",
         str(out / "bf16"),
         str(tmp_path / "damaged"),
     ]

@@ -1,4 +1,4 @@
-"""``--profile_steps`` in real runs of train.py and ``scripts/step_breakdown.py`` on their traces.
+"""``--profile_steps`` in real runs of train.py and ``analysis/step_breakdown.py`` on their traces.
 
 One fp8/bf16 pair of the small Llama on 2 gloo ranks with 2 micro-batches per step (each rank
 writes its own trace, the collectives and the accumulation are in them), and one 2-rank resume
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from helpers.runs import SMALL_LLAMA, records, run_train
 
-from scripts import step_breakdown
-from scripts.traces.breakdown import read_rank
-from scripts.traces.rules import CATEGORIES
+from analysis import step_breakdown
+from analysis.traces.breakdown import read_rank
+from analysis.traces.rules import CATEGORIES
 
 #: The window: steps 3 and 4 of 4 (step 2 warms the profiler up).
 FLAGS = [

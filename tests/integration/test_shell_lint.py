@@ -2,7 +2,7 @@
 
 The launcher and the image recipe run on clusters where a quoting bug costs a queue wait and
 a node-hour, so they are linted like the Python. The tools come from
-scripts/install_test_deps.sh (`make test` runs it); without them the tests skip and say so,
+tools/install_test_deps.sh (`make test` runs it); without them the tests skip and say so,
 except in CI (CI=true), where a missing linter is a failure.
 """
 
@@ -63,10 +63,10 @@ def require_tool(name: str) -> str:
     """The linter's path. As root with apt-get (CI) a missing one is installed first."""
     path = find_tool(name)
     if path is None and os.geteuid() == 0 and shutil.which("apt-get"):
-        subprocess.run([str(REPO / "scripts" / "install_test_deps.sh")], check=True, timeout=600)
+        subprocess.run([str(REPO / "tools" / "install_test_deps.sh")], check=True, timeout=600)
         path = find_tool(name)
     if path is None:
-        reason = f"{name} not installed: run scripts/install_test_deps.sh"
+        reason = f"{name} not installed: run tools/install_test_deps.sh"
         if IN_CI:
             pytest.fail(reason + " (CI must lint)")
         pytest.skip(reason)
@@ -80,7 +80,7 @@ DOCKERFILES = [p for p in repo_files() if is_dockerfile(p)]
 def test_the_lint_covers_the_launcher_scripts_and_the_image() -> None:
     """Guards against a glob that silently matches nothing and lints nothing."""
     names = {p.relative_to(REPO).as_posix() for p in SHELL_SCRIPTS}
-    assert {"1.train_llama.sbatch", "scripts/slurm_cluster.sh"} <= names
+    assert {"1.train_llama.sbatch", "tools/slurm_cluster.sh"} <= names
     assert REPO / "0.transformer-engine.dockerfile" in DOCKERFILES
 
 

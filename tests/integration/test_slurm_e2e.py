@@ -2,7 +2,7 @@
 (`bash 1.train_llama.sbatch`, and recording stand-ins for srun/scontrol/torchrun):
 test_sbatch_without_a_cluster.py.
 
-The real clusters are Debian's slurm-wlm + munge started by scripts/slurm_cluster.sh: one node
+The real clusters are Debian's slurm-wlm + munge started by tools/slurm_cluster.sh: one node
 (this machine), and two nodes, each a slurmd in network and UTS namespaces of its own (its own
 address on a bridge and its own hostname; node names resolve nowhere). The two-node cluster
 tracks processes by process group (proctrack/pgid), so a signal reaches a worker only if the

@@ -2,7 +2,7 @@
 
 The releases are ``te_precision.TE_CONTRACT_VERSIONS``: the newest (``PINNED_TE_VERSION``) and the
 one the GPU image ships (``IMAGE_TE_VERSION``); every contract test runs against each.
-``scripts/fetch_te_wheel.sh VERSION`` downloads that pure-Python ``transformer-engine`` wheel
+``tools/fetch_te_wheel.sh VERSION`` downloads that pure-Python ``transformer-engine`` wheel
 (``pip download --no-deps``); its source is parsed with ``ast``. Every TE name, attribute and
 keyword argument used by ``te_llama.py`` and the package's TE modules
 (``test_te_contract_rules.OUR_SOURCES``) is collected from
@@ -245,7 +245,7 @@ def check_usage(te: TESource, usage: Usage) -> list[str]:
 def load_te_source(version: str) -> TESource:
     """The parsed wheel of TE ``version`` (downloaded once, then cached on disk and here)."""
     result = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "fetch_te_wheel.sh"), version],
+        ["bash", str(ROOT / "tools" / "fetch_te_wheel.sh"), version],
         capture_output=True,
         text=True,
         timeout=300,

@@ -1,4 +1,4 @@
-"""scripts/make_code_corpus.py on a wheel made here (PyPI's wheels are what it downloads; the
+"""tools/make_code_corpus.py on a wheel made here (PyPI's wheels are what it downloads; the
 wheel format is a zip): which files become documents, the held-out split, the tokenizer, the
 counts, and a corpus train.py reads."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from model_utils.data.sources import is_held_out
-from scripts import make_code_corpus as corpus
+from tools import make_code_corpus as corpus
 
 
 def fake_wheel(folder: Path) -> Path:

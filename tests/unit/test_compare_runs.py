@@ -1,4 +1,4 @@
-"""scripts/compare_runs.py: both input kinds, the table against hand-computed medians, the PNG
+"""analysis/compare_runs.py: both input kinds, the table against hand-computed medians, the PNG
 and its plotted data, the refusals. A real train.py run read both ways:
 tests/integration/test_compare_runs_processes.py."""
 
@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from analysis import compare_plot
+from analysis import compare_runs as cr
 from model_utils.config.arguments import parse_args
 from model_utils.report import metrics
-from scripts import compare_runs as cr
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -146,7 +147,7 @@ def test_upstream_log_has_seed_lines_only(tmp_path: Path) -> None:
         (s, v, loss, 3e-4) for s, v, loss in BF16
     ]
     assert run.info is None and cr.default_labels([run]) == ["slurm-202"]
-    assert cr.throughput_key([run]) == "samples_per_sec"
+    assert compare_plot.throughput_key([run]) == "samples_per_sec"
 
 
 def test_upstream_validation_lines_are_read_with_or_without_sruns_prefix(tmp_path) -> None:
@@ -251,6 +252,19 @@ def row(table: str, label: str) -> list[str]:
     return next(ln for ln in table.splitlines() if ln.strip().startswith(label)).split()
 
 
+def test_a_caller_passes_options_and_gets_the_commands_output(two_runs, tmp_path, capsys) -> None:
+    """make demo's path: typed Options (paths, labels, title) instead of a command line, the
+    same table and picture as the command's."""
+    png = tmp_path / "pair.png"
+    pair = cr.Options([Path(two_runs[0]), Path(two_runs[1])], png, "bf16,fp8", title="Demo")
+    assert cr.main(options=pair) == 0
+    out = capsys.readouterr().out
+    assert "ratios are to bf16." in out and out.endswith(f"Wrote {png}\n")
+    assert png.stat().st_size > 10_000
+    assert cr.main(options=cr.Options([two_runs[0]] * 2, png, "a,a")) == 2
+    assert "--labels needs 2 distinct non-empty names" in capsys.readouterr().err
+
+
 def test_table_holds_hand_computed_medians_and_ratios(two_runs, tmp_path, capsys) -> None:
     png = tmp_path / "out.png"
     assert cr.main([*two_runs, "--output", str(png)]) == 0
@@ -304,7 +318,9 @@ def test_png_has_the_expected_size_and_the_plotted_data_is_the_input(two_runs, t
     runs = [cr.load_run(p) for p in two_runs]
     labels = cr.default_labels(runs)
     summaries = [metrics.summarize(r.records, 10) for r in runs]
-    fig = cr.make_figure(runs, labels, summaries, log_steps=True, title="CPU demo", judged_from=7)
+    fig = compare_plot.make_figure(
+        runs, labels, summaries, log_steps=True, title="CPU demo", judged_from=7
+    )
     loss_ax, gap_ax, speed_ax, bar_ax = fig.axes
     assert fig.get_suptitle() == "CPU demo" and labels == ["bf16 hf", "fp8 tensorwise hf"]
     lines = {ln.get_label(): ln for ln in loss_ax.get_lines()}
@@ -349,7 +365,7 @@ def test_loss_against_tokens_seen_and_a_run_without_them_refused(two_runs, tmp_p
     args = cr.parse_args([*folders, "--x", "tokens", "--output", str(tmp_path / "t.png")])
     cr.compare(args)
     runs = [cr.load_run(p) for p in folders]
-    fig = cr.make_figure(runs, ["a", "b"], [{}, {}], x="tokens", judged_from=5)
+    fig = compare_plot.make_figure(runs, ["a", "b"], [{}, {}], x="tokens", judged_from=5)
     loss_ax, _, speed_ax, _ = fig.axes
     lines = {ln.get_label(): list(ln.get_xdata()) for ln in loss_ax.get_lines()}
     assert lines["a train"] == [s * 1024 for s, _, _ in BF16]
@@ -378,7 +394,7 @@ def test_the_breakdown_panel_stacks_each_runs_step_and_states_the_ceiling(tmp_pa
     """--breakdown: a fifth panel with one bar per run whose segments are step_breakdown's
     categories (they add up to the slowest rank's step) and the pair's ceiling sentence, the
     one step_breakdown prints."""
-    from scripts import step_breakdown
+    from analysis import step_breakdown
 
     runs_given = profiled_pair(tmp_path)
     png = tmp_path / "compare.png"
@@ -389,7 +405,7 @@ def test_the_breakdown_panel_stacks_each_runs_step_and_states_the_ceiling(tmp_pa
     labels = cr.default_labels(runs)
     summaries = [metrics.summarize(r.records, 10) for r in runs]
     breakdown = cr.step_breakdowns(runs_given)
-    fig = cr.make_figure(runs, labels, summaries, breakdown=breakdown, judged_from=5)
+    fig = compare_plot.make_figure(runs, labels, summaries, breakdown=breakdown, judged_from=5)
     step_ax = fig.axes[4]
     read = [step_breakdown.read_run(Path(p), None) for p in runs_given]
     for row, run in enumerate(read):
@@ -615,13 +631,13 @@ def test_replicas_set_the_band_and_must_be_seed_twins(two_runs, tmp_path, capsys
 
 
 def test_the_picture_draws_the_replicas_noise_band(two_runs, tmp_path) -> None:
-    from scripts import parity
+    from analysis import parity
 
     runs = [cr.load_run(p) for p in two_runs]
     labels = cr.default_labels(runs)
     summaries = [metrics.summarize(r.records, 10) for r in runs]
     noise = parity.Noise(1, {30: 0.02, 40: 0.03}, {})
-    fig = cr.make_figure(runs, labels, summaries, judged_from=7, noise=noise)
+    fig = compare_plot.make_figure(runs, labels, summaries, judged_from=7, noise=noise)
     gap_ax = fig.axes[1]
     [band] = gap_ax.collections
     assert band.get_label() == "seed noise (1 replica(s))"

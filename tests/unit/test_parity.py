@@ -1,4 +1,4 @@
-"""scripts/parity.py: the verdict on curves whose gap is known by construction. A real tiny
+"""analysis/parity.py: the verdict on curves whose gap is known by construction. A real tiny
 pair ("matches") and a pair with FP8 damaged ("is behind"): tests/integration/test_parity_run.py."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from scripts import parity
+from analysis import parity
 
 
 def curve(steps: int, gap=lambda step: 0.0, noise: float = 0.0, seed: int = 0) -> list[dict]:

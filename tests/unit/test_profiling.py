@@ -17,13 +17,13 @@ import pytest
 import torch
 from torch import nn
 
+from analysis.traces.breakdown import rank_steps
+from analysis.traces.host import Host
 from model_utils.checkpoint.resume import config_changes
 from model_utils.model import loss as model_loss
 from model_utils.model.annotate import BACKWARD, DATA_WAIT, FORWARD, OPTIMIZER, annotate
 from model_utils.run import profiling
 from model_utils.run.profiling import RunProfiler, StepOutOfMemory, Window, plan_window
-from scripts.traces.breakdown import rank_steps
-from scripts.traces.host import Host
 
 
 @pytest.mark.parametrize(
@@ -125,7 +125,7 @@ def test_the_window_is_one_whole_trace_with_the_steps_and_their_ranges(tmp_path,
     assert {DATA_WAIT, FORWARD, BACKWARD, OPTIMIZER, "lm_head"} <= names
     assert [r.message for r in caplog.records if "Profiler trace" in r.message] == [
         f"Profiler trace of step(s) 3-4: {path} (one per rank: rank_*.pt.trace.json.gz); read it "
-        f"with `{sys.executable} -m scripts.step_breakdown {tmp_path}`"
+        f"with `{sys.executable} -m analysis.step_breakdown {tmp_path}`"
     ]
 
 

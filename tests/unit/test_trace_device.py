@@ -2,7 +2,7 @@
 tests/traces/make_h100_traces.py): cuBLAS's nvjet GEMMs split by the range that launched them
 (``lm_head``'s forward and, through the profiler's forward/backward link, its two backward GEMMs
 in the bf16 share), cuBLAS's FP8 GEMM found by name only in the fp8 trace, cuDNN's attention,
-and the categories adding up to the device's step; then scripts/step_breakdown.py on the pair."""
+and the categories adding up to the device's step; then analysis/step_breakdown.py on the pair."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts import step_breakdown
-from scripts.traces.breakdown import read_rank
+from analysis import step_breakdown
+from analysis.traces.breakdown import read_rank
 
 TRACES = Path(__file__).resolve().parents[1] / "traces"
 
@@ -106,7 +106,7 @@ def te_1b():
 def test_te_fp8_gemms_are_all_fp8_by_name_and_none_under_bf16(te_1b) -> None:
     """Every GEMM of the share FP8 can run is an FP8 kernel under --fp8=1 (nvjet's qq forward,
     qr for the e5m2 gradients of the hybrid format) and none is under --fp8=0."""
-    from scripts.traces.rules import fp8_named
+    from analysis.traces.rules import fp8_named
 
     fp8 = gemms(te_1b["fp8"], "fp8_matmul")
     assert {k.split("_1")[0][:16] for k in fp8} == {"nvjet_sm90_qqtst", "nvjet_sm90_qrtst"}
@@ -121,7 +121,7 @@ def test_te_fp8_gemms_are_all_fp8_by_name_and_none_under_bf16(te_1b) -> None:
 def test_te_lm_head_gemms_stay_bf16_and_cost_the_same_in_both(te_1b) -> None:
     """The tied 2048 x 128256 head: its three GEMMs are bf16 kernels in the other share, and
     FP8 does not change them (within 2%)."""
-    from scripts.traces.rules import fp8_named
+    from analysis.traces.rules import fp8_named
 
     for rank in te_1b.values():
         head = gemms(rank, "bf16_matmul")

@@ -1,4 +1,4 @@
-"""The rule table of scripts/traces/rules.py, one test per rule (real kernel and operator
+"""The rule table of analysis/traces/rules.py, one test per rule (real kernel and operator
 names, as torch.profiler and Kineto write them on CPU and on H100s), the precedence between
 rules, and the GPU timeline's sweep (every instant counted once)."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.traces.device import sweep
-from scripts.traces.host import category_of
-from scripts.traces.rules import CATEGORIES, DEVICE, HOST, RULES, fp8_named, kinds_of
+from analysis.traces.device import sweep
+from analysis.traces.host import category_of
+from analysis.traces.rules import CATEGORIES, DEVICE, HOST, RULES, fp8_named, kinds_of
 
 XMMA_FP8 = (
     "sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128_warpgroupsize1x1x1_"

@@ -203,7 +203,7 @@ def upstream_validation_line(step: int, val_loss: float) -> str:
 
 def run_line(run: Mapping[str, Any]) -> str:
     """``run: {json}``: the run record on one log line, so a Slurm log alone tells a comparison
-    the run's flags and global batch (scripts/compare_runs.py reads it back)."""
+    the run's flags and global batch (analysis/compare_runs.py reads it back)."""
     return "run: " + json.dumps(_json_safe(run), allow_nan=False)
 
 
@@ -274,7 +274,7 @@ def format_duration(seconds: float) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Reading records back (scripts/compare_runs.py): what a reader may rely on
+# Reading records back (analysis/compare_runs.py): what a reader may rely on
 
 #: The field each record kind a reader compares must hold.
 REQUIRED_FIELD = {"train": "loss", "val": "val_loss"}

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # The container path of the recipe, executed on this machine: 0.transformer-engine.dockerfile ->
 # Docker image -> `enroot import` squash file -> Pyxis `srun --container-image` on a two-node
-# Slurm cluster (scripts/slurm_cluster.sh) -> `sbatch 1.train_llama.sbatch`. For machines that
+# Slurm cluster (tools/slurm_cluster.sh) -> `sbatch 1.train_llama.sbatch`. For machines that
 # cannot pull NVIDIA's NGC image (CI, the tests): the Dockerfile is built unchanged except its
 # BASE_IMAGE, on a stand-in (tests/container/standin-base.dockerfile: Debian's Python, the pinned
 # CPU torch, the TE test double as the `transformer_engine` distribution, an NGC-like pip
 # constraint file), so its own RUN steps, pins and checks run for real.
 #
-#   scripts/container_e2e.sh build STATE_DIR         # enroot + Pyxis, images, STATE_DIR/*.sqsh
-#   eval "$(scripts/container_e2e.sh start STATE_DIR)"   # two nodes with Pyxis; prints exports
+#   tools/container_e2e.sh build STATE_DIR         # enroot + Pyxis, images, STATE_DIR/*.sqsh
+#   eval "$(tools/container_e2e.sh start STATE_DIR)"   # two nodes with Pyxis; prints exports
 #   IMAGE=STATE_DIR/transformer-engine.sqsh NPROC_PER_NODE=1 \
 #       sbatch --nodes=2 1.train_llama.sbatch --preset tiny --max_steps 20
-#   scripts/container_e2e.sh stop STATE_DIR [--purge]   # cluster, daemon, mounts; --purge: folder
+#   tools/container_e2e.sh stop STATE_DIR [--purge]   # cluster, daemon, mounts; --purge: folder
 #
-# Needs root and Debian's packages (scripts/install_test_deps.sh): docker.io, containerd,
+# Needs root and Debian's packages (tools/install_test_deps.sh): docker.io, containerd,
 # mmdebstrap, squashfs-tools, build-essential, libbsd-dev, libslurm-dev (the slurmd's own
 # version), makeself, jq, parallel, zstd, pigz, slurm-wlm, munge; and the enroot and Pyxis
 # source tarballs (enroot-4.1.2.tar.gz, pyxis-0.24.0.tar.gz) in CONTAINER_SOURCES (default
@@ -31,7 +31,7 @@
 #
 # Settings: CONTAINER_SOURCES, CONTAINER_CACHE, CONTAINER_TMPFS_SIZE (default 12g),
 # CONTAINER_SUITE (Debian suite of the stand-in, default bookworm), and the SLURM_CLUSTER_*
-# settings of scripts/slurm_cluster.sh (start: SLURM_CLUSTER_NODES defaults to 2).
+# settings of tools/slurm_cluster.sh (start: SLURM_CLUSTER_NODES defaults to 2).
 set -euo pipefail
 
 readonly ENROOT_TARBALL=enroot-4.1.2.tar.gz PYXIS_TARBALL=pyxis-0.24.0.tar.gz
@@ -94,10 +94,10 @@ check_prerequisites() {
     for tool in dockerd containerd mmdebstrap mksquashfs unsquashfs make gcc makeself jq \
         parallel zstd pigz slurmd munged flock python3; do
         command -v "$tool" >/dev/null ||
-            die_usage "$tool not found: run scripts/install_test_deps.sh"
+            die_usage "$tool not found: run tools/install_test_deps.sh"
     done
     [[ -f /usr/include/slurm/spank.h && -f /usr/include/bsd/string.h ]] ||
-        die_usage "libslurm-dev or libbsd-dev missing: run scripts/install_test_deps.sh"
+        die_usage "libslurm-dev or libbsd-dev missing: run tools/install_test_deps.sh"
 }
 
 # The state folder: created if need be, and marked as ours (so stop --purge never removes a
@@ -148,7 +148,7 @@ configure_enroot() {
     local state=$1 tmpfs=$1/enroot
     # shellcheck disable=SC2016  # $(hostname) is for enroot to expand
     cat >"$state/prefix/etc/enroot/enroot.conf.d/container_e2e.conf" <<EOF
-# Written by scripts/container_e2e.sh.
+# Written by tools/container_e2e.sh.
 ENROOT_RUNTIME_PATH $tmpfs/runtime/\$(hostname)
 ENROOT_DATA_PATH $tmpfs/data/\$(hostname)
 ENROOT_CACHE_PATH $tmpfs/cache
@@ -369,7 +369,7 @@ cmd_start() {
     # slurmd (so Pyxis) finds enroot on its PATH.
     PATH=$state/prefix/bin:$PATH SLURM_CLUSTER_PLUGSTACK=$plugstack \
         SLURM_CLUSTER_NODES=${SLURM_CLUSTER_NODES:-2} \
-        "$repo_dir/scripts/slurm_cluster.sh" start "$state/slurm"
+        "$repo_dir/tools/slurm_cluster.sh" start "$state/slurm"
     echo "export IMAGE=$state/transformer-engine.sqsh"
 }
 
@@ -407,7 +407,7 @@ cmd_stop() {
     local state
     state=$(cd "$dir" && pwd)
     if [[ -f $state/slurm/.slurm_cluster_state ]]; then
-        "$repo_dir/scripts/slurm_cluster.sh" stop "$state/slurm"
+        "$repo_dir/tools/slurm_cluster.sh" stop "$state/slurm"
     fi
     unlink_enroot "$state"
     stop_dockerd "$state"

@@ -2,7 +2,7 @@
 # Download (never install, never import) the pinned pure-Python `transformer-engine` wheel, so
 # tests/integration/test_te_contract.py can parse TE's real source with `ast` on a machine without a GPU.
 #
-# Usage: scripts/fetch_te_wheel.sh [VERSION]   -> prints the wheel's path on stdout.
+# Usage: tools/fetch_te_wheel.sh [VERSION]   -> prints the wheel's path on stdout.
 # VERSION defaults to PINNED_TE_VERSION in model_utils/precision/te.py. The wheel is cached in
 # $TE_WHEEL_CACHE (default ~/.cache/llama-fp8/te-wheels). Exit 3 = PyPI unreachable.
 set -euo pipefail

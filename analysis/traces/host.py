@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scripts.traces.rules import HOST, PRECEDENCE, fp8_named, kinds_of
+from analysis.traces.rules import HOST, PRECEDENCE, fp8_named, kinds_of
 
 _KIND_CATEGORY = {
     "collective": "comm_exposed",

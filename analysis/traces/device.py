@@ -9,8 +9,8 @@ end); each instant of it goes to exactly one category, so the categories add up 
 
 from __future__ import annotations
 
-from scripts.traces.host import Event, Host, StepTime, category_of, gemm_seen
-from scripts.traces.rules import DEVICE, fp8_named, kinds_of
+from analysis.traces.host import Event, Host, StepTime, category_of, gemm_seen
+from analysis.traces.rules import DEVICE, fp8_named, kinds_of
 
 _RUNTIME_CATS = ("cuda_runtime", "cuda_driver", "runtime")
 #: When compute kernels of several categories run at once (several streams), the instant goes to

@@ -106,8 +106,8 @@ class Lag:
     def words(self) -> str:
         if self.steps is None:
             return f"{self.step} >{self.reached_by - self.step} (not reached)"
-        steps = round(self.steps) or 0  # never "-0"
-        return f"{self.step} {steps:+d} ({steps / self.step:+.0%})"
+        share = round(self.steps / self.step, 2) or 0.0  # never "-0"
+        return f"{self.step} {round(self.steps) or 0:+d} ({share:+.0%})"
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """Compare training runs: a table of medians with each run's ratio to the first, and one PNG.
 
-    python -m scripts.compare_runs slurm-101.out slurm-102.out                # two Slurm logs
-    python -m scripts.compare_runs runs/tiny-bf16 runs/tiny-fp8 --output fp8.png
-    python -m scripts.compare_runs a.out b.out c.out --labels bf16,fp8-te,fp8-ao --log_steps
-    python -m scripts.compare_runs runs/a-bf16 runs/a-fp8 --breakdown          # profiled runs
-    python -m scripts.compare_runs runs/bf16 runs/bf16-seed43 runs/fp8 --replicas 2  # seed noise
+    python -m analysis.compare_runs slurm-101.out slurm-102.out                # two Slurm logs
+    python -m analysis.compare_runs runs/tiny-bf16 runs/tiny-fp8 --output fp8.png
+    python -m analysis.compare_runs a.out b.out c.out --labels bf16,fp8-te,fp8-ao --log_steps
+    python -m analysis.compare_runs runs/a-bf16 runs/a-fp8 --breakdown          # profiled runs
+    python -m analysis.compare_runs runs/bf16 runs/bf16-seed43 runs/fp8 --replicas 2  # seed noise
 
 A run is a run directory (its metrics.jsonl), a metrics.jsonl file, or any log with the seed line
 ``Batch N Loss: L, Speed: S samples/sec, lr: R``: this recipe's slurm-<job>.out, the upstream
@@ -15,7 +15,7 @@ line/record): they label the runs and let the tool refuse runs of different mode
 batch sizes; upstream logs have no flags, so those runs are labelled by file name, unchecked.
 
 After the table, each run after the reference (the first) gets a parity verdict against it
-(scripts/parity.py): the gaps of its smoothed train loss and its validation loss after the
+(analysis/parity.py): the gaps of its smoothed train loss and its validation loss after the
 warm-up, its step lag, and "matches" (within the noise) or "is behind"/"is ahead of" (put the
 BF16 run first). With ``--replicas N`` the first N runs are the reference and its seed
 replicas, and the band is the noise they span instead of the fixed ±1%.
@@ -36,33 +36,24 @@ import dataclasses
 import json
 import os
 import re
+import runpy
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-try:  # a Python without the environment: one line, exit 2 (scripts/environment_check.py)
-    import scripts.environment_check  # noqa: F401
-except ModuleNotFoundError:  # run by path: scripts/ is first on the import path
-    import environment_check  # noqa: F401
+if __name__ == "__main__":  # a Python without the environment: one line, exit 2
+    runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "environment_check.py"))
+from analysis import parity
+from analysis.compare_plot import DPI, X_AXES, Breakdown, make_figure, missing_x
+from analysis.traces.rules import CATEGORIES
 from model_utils.config.sections import ModelShape, flag_fields, precision_name
 from model_utils.errors import os_error_words
 from model_utils.precision import numerics
 from model_utils.report import metrics
 from model_utils.report.metrics.records import record_problem, run_problem
 from model_utils.report.metrics.summary import SPEED_WARMUP_STEPS
-from scripts import parity
-from scripts.compare_plot import (  # noqa: F401
-    DPI,
-    FIGSIZE,
-    X_AXES,
-    Breakdown,
-    make_figure,
-    missing_x,
-    throughput_key,
-)
-from scripts.traces.rules import CATEGORIES
 
 _NUM = r"([-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|nan|inf))"
 _GROUPED = r"(\d{1,3}(?:,\d{3})*(?:\.\d+)?)"  # 1,234,567 (the detail line's tokens/s)
@@ -90,6 +81,22 @@ NUMBER_FIELDS = ("loss", "val_loss", "lr", "samples_per_sec", *DETAIL)
 
 class CompareError(ValueError):
     """Input the tool refuses: printed as one line, exit code 2."""
+
+
+@dataclass
+class Options:
+    """What to compare and how: the command line's flags, or a caller's (make demo's pair)."""
+
+    runs: Sequence[str | os.PathLike[str]]
+    output: Path
+    labels: str | None = None  # comma-separated, one per run
+    log_steps: bool = False
+    x: str = "step"
+    warmup_steps: int | None = None
+    allow_mismatch: bool = False
+    title: str | None = None
+    breakdown: bool = False
+    replicas: int = 1  # the first N runs: the reference and its seed replicas
 
 
 @dataclass
@@ -241,8 +248,8 @@ def load_run(path: str | os.PathLike[str]) -> Run:
 def label_from_flags(info: Mapping[str, Any] | None) -> str | None:
     """``fp8 tensorwise hf``, ``bf16 te adamw8bit``, ``fp8 delayed te fp8-attention``:
     precision, FP8 recipe (FP8 runs), implementation, FP8 attention and --bf16_layers when on,
-    the optimizer
-    where it is not the default adamw, and ``bf16-params`` with --master_weights optimizer."""
+    the optimizer where it is not the default adamw, and ``bf16-params`` with --master_weights
+    optimizer."""
     if not info or "flags" not in info:
         return None
     flags = info["flags"]
@@ -397,7 +404,7 @@ class _OneLineParser(argparse.ArgumentParser):
         raise CompareError(message)
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None) -> Options:
     p = _OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", help="run directories, metrics.jsonl files or logs")
     p.add_argument(
@@ -441,7 +448,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="a fifth panel: each run's profiled step as a stacked bar, with FP8's ceiling for "
         "an fp8/bf16 pair (run folders trained with --profile_steps; the numbers: "
-        "python -m scripts.step_breakdown)",
+        "python -m analysis.step_breakdown)",
     )
     args = p.parse_args(argv)
     if len(args.runs) < 2:
@@ -455,12 +462,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         raise CompareError(f"--warmup_steps must be >= 0, got {args.warmup_steps}")
     if args.output is None:
         args.output = default_output(args.runs)
-    return args
+    return Options(**vars(args))
 
 
-def step_breakdowns(paths: Sequence[str]) -> Breakdown:
-    """The runs' profiled steps (scripts/step_breakdown.py reads the traces), for the picture."""
-    from scripts import step_breakdown
+def step_breakdowns(paths: Sequence[str | os.PathLike[str]]) -> Breakdown:
+    """The runs' profiled steps (analysis/step_breakdown.py reads the traces), for the picture."""
+    from analysis import step_breakdown
 
     try:
         found = [step_breakdown.read_run(Path(path), None) for path in paths]
@@ -473,7 +480,7 @@ def step_breakdowns(paths: Sequence[str]) -> Breakdown:
     return Breakdown(ms, dict(CATEGORIES), pair.sentence() if pair else None)
 
 
-def default_output(runs: Sequence[str]) -> Path:
+def default_output(runs: Sequence[str | os.PathLike[str]]) -> Path:
     """Where the picture goes unless --output says: beside the last run's records when it is a
     run folder (runs/ is the user's, git-ignored), so a comparison never adds an untracked
     file to the repository it was run from; else compare_runs.png here (git-ignored too)."""
@@ -481,7 +488,7 @@ def default_output(runs: Sequence[str]) -> Path:
     return last / "compare_runs.png" if last.is_dir() else Path("compare_runs.png")
 
 
-def compare(args: argparse.Namespace) -> str:
+def compare(args: Options) -> str:
     """Load, check, tabulate, plot; returns the report text. Raises CompareError."""
     check_output(args.output)
     runs = [load_run(path) for path in args.runs]
@@ -499,7 +506,7 @@ def compare(args: argparse.Namespace) -> str:
         raise CompareError(
             "runs are not like for like: " + "; ".join(problems) + " (--allow_mismatch to go on)"
         )
-    lacking = [path for path, run in zip(args.runs, runs, strict=True) if missing_x(run, args.x)]
+    lacking = [str(p) for p, run in zip(args.runs, runs, strict=True) if missing_x(run, args.x)]
     if lacking:
         raise CompareError(
             f"--x {args.x}: {', '.join(lacking)} record no {X_AXES[args.x]} (a log, or a run of "
@@ -570,15 +577,16 @@ def parity_start(runs: Sequence[Run]) -> int:
     return parity.judged_from([(run.info or {}).get("flags") for run in runs], last)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, options: Options | None = None) -> int:
+    """The command's output; a caller that knows what to compare (make demo) passes `options`."""
     try:
-        args = parse_args(argv)
-        report = compare(args)
+        options = options or parse_args(argv)
+        report = compare(options)
     except CompareError as exc:
         print(f"compare_runs.py: error: {exc}", file=sys.stderr)
         return 2
     print(report)
-    print(f"Wrote {args.output}")
+    print(f"Wrote {options.output}")
     return 0
 
 

@@ -2,7 +2,7 @@
 
     python train.py ... --fp8=0 --profile_steps 20:23 --output_dir runs/a-bf16
     python train.py ... --fp8=1 --profile_steps 20:23 --output_dir runs/a-fp8
-    python -m scripts.step_breakdown runs/a-bf16 runs/a-fp8
+    python -m analysis.step_breakdown runs/a-bf16 runs/a-fp8
 
 Reads each run folder's traces (``<run>/profile/step_<N>/rank_<R>.pt.trace.json.gz``, the newest
 window unless ``--window N``) and prints, per rank and for the slowest rank, the milliseconds
@@ -33,20 +33,19 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import runpy
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-try:  # a Python without the environment: one line, exit 2 (scripts/environment_check.py)
-    import scripts.environment_check  # noqa: F401
-except ModuleNotFoundError:  # run by path: scripts/ is first on the import path
-    import environment_check  # noqa: F401
+if __name__ == "__main__":  # a Python without the environment: one line, exit 2
+    runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "environment_check.py"))
 
+from analysis.traces.breakdown import RankBreakdown, read_rank
+from analysis.traces.rules import CATEGORIES
 from model_utils.config.argv import precision_name
 from model_utils.config.sections import ModelShape, flag_fields
-from scripts.traces.breakdown import RankBreakdown, read_rank
-from scripts.traces.rules import CATEGORIES
 
 NAME = "step_breakdown.py"
 #: H100 SXM dense peaks: 1979 TFLOP/s FP8 over 989 BF16.
@@ -357,7 +356,7 @@ def report(runs: list[Run], hta: bool = True) -> str:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m scripts.step_breakdown",
+        prog="python -m analysis.step_breakdown",
         description="Where a profiled step goes (--profile_steps), and FP8's ceiling from an "
         "fp8/bf16 pair.",
     )

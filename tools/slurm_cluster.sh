@@ -11,11 +11,11 @@
 # never touches /etc/slurm or a system munged, two clusters can run side by side, and
 # `stop` ends exactly the daemons it started (by PID) and removes what it created.
 #
-#   eval "$(scripts/slurm_cluster.sh start)"      # prints: export SLURM_CONF=...; ...
+#   eval "$(tools/slurm_cluster.sh start)"      # prints: export SLURM_CONF=...; ...
 #   sbatch --nodes=1 1.train_llama.sbatch --preset tiny
-#   scripts/slurm_cluster.sh stop "$SLURM_CLUSTER_DIR" [--purge]
+#   tools/slurm_cluster.sh stop "$SLURM_CLUSTER_DIR" [--purge]
 #
-# Needs Debian's slurm-wlm and munge (scripts/install_test_deps.sh) and root: slurmd must
+# Needs Debian's slurm-wlm and munge (tools/install_test_deps.sh) and root: slurmd must
 # be root to start job steps (several nodes also need `ip netns` and `unshare`). Settings:
 # SLURM_CLUSTER_NODES (default 1), SLURM_CLUSTER_CPUS (per node; default: all CPUs),
 # SLURM_CLUSTER_PROCTRACK (linuxproc, default, or pgid: signals reach only the task's process
@@ -60,10 +60,10 @@ write_config() {
         nodes+="$line CPUs=${cpus} RealMemory=${mem} State=UNKNOWN"$'\n'
     done
     # SPANK plugins: none from the system config; SLURM_CLUSTER_PLUGSTACK's lines if given
-    # (scripts/container_e2e.sh: Pyxis).
+    # (tools/container_e2e.sh: Pyxis).
     printf '%s\n' "${SLURM_CLUSTER_PLUGSTACK:-}" >"$dir/plugstack.conf"
     cat >"$dir/slurm.conf" <<EOF
-# Written by scripts/slurm_cluster.sh: a throwaway cluster.
+# Written by tools/slurm_cluster.sh: a throwaway cluster.
 ClusterName=local
 SlurmctldHost=$(hostname -s)(${ctld_addr})
 SlurmUser=root
@@ -183,7 +183,7 @@ cmd_start() {
     [[ $(id -u) -eq 0 ]] || die "must run as root (slurmd starts job steps as the submitting user)"
     local tool
     for tool in munged slurmctld slurmd sinfo python3; do
-        command -v "$tool" >/dev/null || die "$tool not found: run scripts/install_test_deps.sh"
+        command -v "$tool" >/dev/null || die "$tool not found: run tools/install_test_deps.sh"
     done
     local dir=${1:-}
     if [[ -z $dir ]]; then

@@ -7,8 +7,8 @@ transfers of at most 64 MiB. The bundled Bible is 1M tokens, which a 1B model at
 step reads in 30 steps; this corpus is 24M tokens of real, varied text (code and its
 docstrings) under permissive licences, never repeated within a few hundred steps.
 
-    .venv/bin/python -m scripts.make_code_corpus --out .gpu/text     # 32 s on 2 cores
-    .venv/bin/python -m scripts.make_code_corpus --out /tmp/t --packages sympy --vocab_size 4096
+    .venv/bin/python -m tools.make_code_corpus --out .gpu/text     # 32 s on 2 cores
+    .venv/bin/python -m tools.make_code_corpus --out /tmp/t --packages sympy --vocab_size 4096
 
 Writes ``code.jsonl.gz`` (one document per file: ``{"text", "package", "path"}``, the text
 starting with a ``# package/path`` line, in a fixed shuffled order) and ``tokenizer/``. The
@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from model_utils.data.sources import is_held_out
-from scripts.make_corpus_and_tokenizer import EOS, train_tokenizer, write_jsonl_gz
+from tools.make_corpus_and_tokenizer import EOS, train_tokenizer, write_jsonl_gz
 
 #: package -> (version, licence): the five largest pure-source trees of permissively licensed
 #: packages in this project's environment.

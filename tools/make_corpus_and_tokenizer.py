@@ -6,8 +6,8 @@ what this script makes (it is byte-for-byte reproducible; see data/README.md for
 
 Source: the King James Version as printed by the Debian package `bible-kjv` (4.38):
     apt-get install -y bible-kjv
-    .venv/bin/python -m scripts.make_corpus_and_tokenizer          # write data/...
-    .venv/bin/python -m scripts.make_corpus_and_tokenizer --check  # rebuild in a temp dir, compare
+    .venv/bin/python -m tools.make_corpus_and_tokenizer          # write data/...
+    .venv/bin/python -m tools.make_corpus_and_tokenizer --check  # rebuild in a temp dir, compare
 
 Documents are chapters (1,189 of them): a title line ("Genesis 1") then one verse per line,
 without verse numbers. The tokenizer is a byte-level BPE (vocab 8192, one special token

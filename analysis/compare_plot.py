@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scripts.parity import BAND, SMOOTHING_STEPS, smoothed_gap
+from analysis.parity import BAND, SMOOTHING_STEPS, smoothed_gap
 
 FIGSIZE, DPI = (20.0, 4.5), 100  # 2000 x 450 pixels
 
@@ -142,7 +142,7 @@ def plot_loss_gap(
     ax, runs: Sequence[Any], labels: Sequence[str], judged_from: int, noise: Any = None
 ) -> None:
     """Each run's smoothed train-loss gap to the first run, relative, in %, inside the band the
-    verdict judges it against (scripts/parity.py: the replicas' seed noise, else ±1%), with the
+    verdict judges it against (analysis/parity.py: the replicas' seed noise, else ±1%), with the
     step the verdict judges from."""
     if noise is not None and noise.replicas and noise.train:
         steps = sorted(noise.train)

@@ -1,7 +1,7 @@
 """The one table that names what a profiler event is: GEMM, attention, collective, FP8 cast, or
 one of the recipe's own ranges (``model_utils/model/annotate.py``).
 
-Data, not code paths: ``scripts/traces/breakdown.py`` applies every rule to every event's name
+Data, not code paths: ``analysis/traces/breakdown.py`` applies every rule to every event's name
 and resolves what matched with :data:`PRECEDENCE`; ``tests/unit/test_trace_rules.py`` holds one
 test per rule (names it must catch, names it must not). A new kernel family is a new row.
 

@@ -4,7 +4,7 @@ which add up to the step.
 
 A profiled step is a ``ProfilerStep#k`` range holding a ``forward`` range. CPU traces are cut on
 the host (``host.py``), GPU traces on the device timeline (``device.py``): kernels,
-idle time, and collectives exposed or overlapped with compute. ``scripts/step_breakdown.py``
+idle time, and collectives exposed or overlapped with compute. ``analysis/step_breakdown.py``
 prints it, and FP8's ceiling from an fp8/bf16 pair.
 """
 
@@ -14,10 +14,10 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from analysis.traces.device import device_steps
+from analysis.traces.host import DEVICE_CATS, Host, StepTime, host_step, load
+from analysis.traces.rules import CATEGORIES
 from model_utils.run.profiling import TRACE_METADATA_KEY
-from scripts.traces.device import device_steps
-from scripts.traces.host import DEVICE_CATS, Host, StepTime, host_step, load
-from scripts.traces.rules import CATEGORIES
 
 
 def rank_steps(trace: dict) -> list[StepTime]:

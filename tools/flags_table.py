@@ -1,8 +1,8 @@
 """Write train.py's flags as the Markdown table of docs/flags.md (a test keeps it current).
 
-    python -m scripts.flags_table           # print the page
-    python -m scripts.flags_table --write   # rewrite docs/flags.md after adding or changing a flag
-    python -m scripts.flags_table --check   # exit 1 if docs/flags.md differs from the parser
+    python -m tools.flags_table           # print the page
+    python -m tools.flags_table --write   # rewrite docs/flags.md after adding or changing a flag
+    python -m tools.flags_table --check   # exit 1 if docs/flags.md differs from the parser
 
 tests/unit/test_flags_table.py regenerates the page and compares it with docs/flags.md, so the
 table cannot go stale.
@@ -28,7 +28,7 @@ HEADER = """\
 # Flags of train.py
 
 Generated from train.py's parser (`model_utils/config/arguments.py`) by
-`.venv/bin/python -m scripts.flags_table --write`; do not edit by hand:
+`.venv/bin/python -m tools.flags_table --write`; do not edit by hand:
 `tests/unit/test_flags_table.py` regenerates this page and fails when it differs.
 `.venv/bin/python train.py --help` prints the same flags.
 
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.check:
         current = args.doc.read_text() if args.doc.is_file() else ""
         if current != text:
-            print(f"{args.doc} is stale: run python -m scripts.flags_table --write")
+            print(f"{args.doc} is stale: run python -m tools.flags_table --write")
             return 1
     else:
         print(text, end="")

@@ -1,0 +1,1 @@
+"""Runs read back beside the training (comparison, parity, step breakdown, profiler traces)."""

@@ -1,0 +1,148 @@
+"""The house rules' measures and limits: tests/unit/test_house.py checks them, and tests/conftest.py
+prints each rule's headroom at the end of a run that includes that test, so a developer sees how
+close a room is to a limit before a rule fails."""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_FILE_LINES = 800
+MAX_FUNCTION_LINES = 60
+MAX_PACKAGE_API = 15  # names a package's __init__ offers
+MAX_SIBLING_NAMES = 20  # names one module imports from the modules beside it
+#: The packages under the house rules: the recipe's library, and the analysis of its runs.
+PACKAGES = ("model_utils", "analysis")
+#: The code a user runs, checked for file and function size and for history in its prose.
+PRODUCT_FOLDERS = ("model_utils", "analysis", "scripts", "tools")
+#: The non-test code the line budget counts, as globs over the repository's files outside
+#: tests/: every Python file, the shell scripts, the sbatch, the Dockerfile and the Makefile.
+NON_TEST_CODE = ("*.py", "*.sh", "*.sbatch", "*.dockerfile", "Makefile")
+#: The line budget: the non-test count when the budget was set (21,496), rounded up to the next
+#: hundred. Lines moved between rooms do not count against it; a room at a limit is split at a
+#: seam, not trimmed to the number.
+MAX_NON_TEST_LINES = 21_500
+
+
+def product_files() -> list[Path]:
+    """The code a user runs: the recipe, the model, the packages, the commands and the tools."""
+    files = [ROOT / "train.py", ROOT / "te_llama.py"]
+    for folder in PRODUCT_FOLDERS:
+        files += sorted((ROOT / folder).rglob("*.py"))
+    return files
+
+
+def lines_of(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def function_lengths(path: Path) -> list[tuple[int, str]]:
+    """(lines, "file:line name") of every function in a Python file."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [
+        (node.end_lineno - node.lineno + 1, f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+    ]
+
+
+def package_api(init: Path) -> list[str]:
+    """The public names a package's ``__init__`` offers: what it imports and defines."""
+    tree = ast.parse(init.read_text())
+    names = [
+        a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names
+    ]
+    names += [n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)]
+    return sorted({n for n in names if not n.startswith("_") and n != "annotations"})
+
+
+def sibling_names(module: Path) -> int:
+    """How many names `module` imports from the other modules of its own package."""
+    package = ".".join(module.parent.relative_to(ROOT).parts)
+    tree = ast.parse(module.read_text())
+    return sum(
+        len(n.names)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and (n.module or "").startswith(package + ".")
+    )
+
+
+def api_counts(package: str) -> dict[str, int]:
+    """Each (sub-)package of `package` and how many names its ``__init__`` offers."""
+    return {
+        str(init.parent.relative_to(ROOT)): len(package_api(init))
+        for init in sorted((ROOT / package).rglob("__init__.py"))
+    }
+
+
+def sibling_counts(package: str) -> dict[str, int]:
+    """Each module of `package` (a package's API is the rule above) and its sibling names."""
+    return {
+        str(m.relative_to(ROOT)): sibling_names(m)
+        for m in sorted((ROOT / package).rglob("*.py"))
+        if m.name != "__init__.py"
+    }
+
+
+def non_test_files() -> list[Path]:
+    """The files NON_TEST_CODE matches among those git would commit (tracked or new, not
+    ignored: never the venv, runs or data a run staged)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\0")
+    return sorted(
+        ROOT / name
+        for name in set(listed)
+        if name
+        and not name.startswith("tests/")
+        and any(fnmatch.fnmatch(name, glob) for glob in NON_TEST_CODE)
+        and (ROOT / name).is_file()
+    )
+
+
+def room_of(path: Path) -> str:
+    """A package's sub-package or module, else a top-level folder, else the repository root."""
+    parts = path.relative_to(ROOT).parts
+    if parts[0] in PACKAGES and len(parts) > 1:
+        return "/".join(parts[:2]).removesuffix(".py")
+    return parts[0] if len(parts) > 1 else "(root files)"
+
+
+def room_lines(counts: dict[Path, int]) -> dict[str, int]:
+    rooms: dict[str, int] = {}
+    for path, n in counts.items():
+        rooms[room_of(path)] = rooms.get(room_of(path), 0) + n
+    return rooms
+
+
+def _left(used: int, limit: int, unit: str) -> str:
+    return f"{used:,} of {limit:,} {unit} ({limit - used:,} left)"
+
+
+def headroom() -> list[str]:
+    """One line per rule: how much of its limit the fullest file, function, package or module
+    uses, and the line budget with its biggest room's share."""
+    counts = {path: lines_of(path) for path in non_test_files()}
+    total = sum(counts.values())
+    room, room_size = max(room_lines(counts).items(), key=lambda item: item[1])
+    size, file = max((lines_of(p), str(p.relative_to(ROOT))) for p in product_files())
+    longest, function = max(f for p in product_files() for f in function_lengths(p))
+    apis = {k: v for package in PACKAGES for k, v in api_counts(package).items()}
+    siblings = {k: v for package in PACKAGES for k, v in sibling_counts(package).items()}
+    api_room, sibling_module = max(apis, key=apis.get), max(siblings, key=siblings.get)
+    return [
+        f"non-test code: {_left(total, MAX_NON_TEST_LINES, 'lines')}; biggest room {room}: "
+        f"{room_size:,} lines ({100 * room_size / total:.1f}%)",
+        f"largest file: {file}, {_left(size, MAX_FILE_LINES, 'lines')}",
+        f"longest function: {function}, {_left(longest, MAX_FUNCTION_LINES, 'lines')}",
+        f"largest package API: {api_room}, {_left(apis[api_room], MAX_PACKAGE_API, 'names')}",
+        f"most sibling names: {sibling_module}, "
+        + _left(siblings[sibling_module], MAX_SIBLING_NAMES, "names"),
+    ]

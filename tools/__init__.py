@@ -1,0 +1,1 @@
+"""Developer tools, apart from the commands a user runs (scripts/): `python -m tools.X`."""
