@@ -57,108 +57,67 @@ TRAIN_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("--model_impl=hf", "--fp8=1", "--fp8_recipe=rowwise", "--compile"),
     ),
 )
-#: Issue 12's speed and memory levers on the fastest TE recipe, one at a time. These rows fix
-#: their own micro-batch (their flags come after the user's), so one command reproduces the
-#: whole table; the ``hf-loss`` rows are the baseline (transformers' full fp32 logits).
+#: Issue 12's speed and memory levers on the fastest TE recipe, one at a time. A row's name is
+#: its flags: model and precision, micro-batch (``mbN``), then its levers (LEVER_WORDS), so one
+#: command reproduces the whole table (the rows' flags come after the user's); the ``hf-loss``
+#: rows are the baseline (transformers' full fp32 logits).
 EXPANDABLE = {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
 TE_FP8 = ("--model_impl=te", "--fp8=1", "--fp8_recipe=delayed")
-LEVER_ROWS: tuple[tuple[str, tuple[str, ...], dict[str, str]], ...] = (
-    (
-        "te-bf16 mb2 hf-loss",
-        ("--model_impl=te", "--fp8=0", "--train_batch_size=2", "--chunked_loss=0"),
-        {},
-    ),
-    ("te-bf16 mb2", ("--model_impl=te", "--fp8=0", "--train_batch_size=2"), {}),
-    ("te-fp8 mb2 hf-loss", (*TE_FP8, "--train_batch_size=2", "--chunked_loss=0"), {}),
-    ("te-fp8 mb2", (*TE_FP8, "--train_batch_size=2"), {}),
-    ("te-fp8 mb2 +compile", (*TE_FP8, "--train_batch_size=2", "--compile"), {}),
-    ("te-fp8 mb3", (*TE_FP8, "--train_batch_size=3"), {}),
-    ("te-fp8 mb3 +expandable", (*TE_FP8, "--train_batch_size=3"), EXPANDABLE),
-    ("te-bf16 mb4 +expandable", ("--model_impl=te", "--fp8=0", "--train_batch_size=4"), EXPANDABLE),
-    ("te-fp8 mb4 +expandable", (*TE_FP8, "--train_batch_size=4"), EXPANDABLE),
-    (
-        "te-bf16 mb4 +masters +expandable",
-        ("--model_impl=te", "--fp8=0", "--train_batch_size=4", "--master_weights=optimizer"),
-        EXPANDABLE,
-    ),
-    (
-        "te-fp8 mb4 +masters +expandable",
-        (*TE_FP8, "--train_batch_size=4", "--master_weights=optimizer"),
-        EXPANDABLE,
-    ),
-    (
-        "te-fp8 mb4 +fp8-weights +masters +expandable",
-        (*TE_FP8, "--train_batch_size=4", "--master_weights=optimizer", "--fp8_weights"),
-        EXPANDABLE,
-    ),
-    (
-        "te-fp8 mb4 +no-reshard +expandable",
-        (*TE_FP8, "--train_batch_size=4", "--reshard_after_forward=never"),
-        EXPANDABLE,
-    ),
-    (
-        "te-fp8 mb4 +compile +expandable",
-        (*TE_FP8, "--train_batch_size=4", "--compile"),
-        EXPANDABLE,
-    ),
+LEVER_WORDS: dict[str, tuple[str, ...]] = {
+    "te-bf16": ("--model_impl=te", "--fp8=0"),
+    "te-fp8": TE_FP8,
+    "torchao-fp8": ("--model_impl=hf", "--fp8=1"),
+    "hf-loss": ("--chunked_loss=0",),
+    "+compile": ("--compile",),
+    "+masters": ("--master_weights=optimizer",),
+    "+fp8-weights": ("--fp8_weights",),
+    "+no-reshard": ("--reshard_after_forward=never",),
+    "+ag": ("--fp8_all_gather",),
+    "+fp8-attention": ("--fp8_attention",),
+    "+AC": ("--activation_checkpointing",),
+    "+AC/2": ("--activation_checkpointing", "--ac_every=2"),
+    "+AC-mlp": ("--activation_checkpointing", "--ac_scope=mlp"),
+    "+expandable": (),  # the allocator's setting: EXPANDABLE
+}
+LEVERS = (
+    "te-bf16 mb2 hf-loss",
+    "te-bf16 mb2",
+    "te-fp8 mb2 hf-loss",
+    "te-fp8 mb2",
+    "te-fp8 mb2 +compile",
+    "te-fp8 mb3",
+    "te-fp8 mb3 +expandable",
+    "te-bf16 mb4 +expandable",
+    "te-fp8 mb4 +expandable",
+    "te-bf16 mb4 +masters +expandable",
+    "te-fp8 mb4 +masters +expandable",
+    "te-fp8 mb4 +fp8-weights +masters +expandable",
+    "te-fp8 mb4 +no-reshard +expandable",
+    "te-fp8 mb4 +compile +expandable",
     # torchao's float8 (tensorwise, float8 all-gather) under the same levers as the fastest TE
     # row: the two FP8 paths compared where each is at its best.
-    (
-        "torchao-fp8 mb4 +ag +compile +expandable",
-        ("--model_impl=hf", "--fp8=1", "--fp8_all_gather", "--train_batch_size=4", "--compile"),
-        EXPANDABLE,
-    ),
+    "torchao-fp8 mb4 +ag +compile +expandable",
     # The levers that changed no loss beyond run-to-run noise, together, on each precision:
     # FP8's speed-up measured with the same levers on both sides.
-    (
-        "te-bf16 mb4 +compile +masters +no-reshard +expandable",
-        (
-            "--model_impl=te",
-            "--fp8=0",
-            "--train_batch_size=4",
-            "--compile",
-            "--master_weights=optimizer",
-            "--reshard_after_forward=never",
-        ),
-        EXPANDABLE,
-    ),
-    (
-        "te-fp8 mb4 +compile +masters +no-reshard +expandable",
-        (
-            *TE_FP8,
-            "--train_batch_size=4",
-            "--compile",
-            "--master_weights=optimizer",
-            "--reshard_after_forward=never",
-        ),
-        EXPANDABLE,
-    ),
-    (
-        "te-fp8 mb4 +fp8-attention +expandable",
-        (*TE_FP8, "--train_batch_size=4", "--fp8_attention"),
-        EXPANDABLE,
-    ),
-    (
-        "te-fp8 mb4 +AC/2 +expandable",
-        (*TE_FP8, "--train_batch_size=4", "--activation_checkpointing", "--ac_every=2"),
-        EXPANDABLE,
-    ),
-    (
-        "te-fp8 mb4 +AC +expandable",
-        (*TE_FP8, "--train_batch_size=4", "--activation_checkpointing"),
-        EXPANDABLE,
-    ),
-    (
-        "te-fp8 mb4 +AC-mlp +expandable",
-        (*TE_FP8, "--train_batch_size=4", "--activation_checkpointing", "--ac_scope=mlp"),
-        EXPANDABLE,
-    ),
-    (
-        "te-fp8 mb6 +AC-mlp +expandable",
-        (*TE_FP8, "--train_batch_size=6", "--activation_checkpointing", "--ac_scope=mlp"),
-        EXPANDABLE,
-    ),
+    "te-bf16 mb4 +compile +masters +no-reshard +expandable",
+    "te-fp8 mb4 +compile +masters +no-reshard +expandable",
+    "te-fp8 mb4 +fp8-attention +expandable",
+    "te-fp8 mb4 +AC/2 +expandable",
+    "te-fp8 mb4 +AC +expandable",
+    "te-fp8 mb4 +AC-mlp +expandable",
+    "te-fp8 mb6 +AC-mlp +expandable",
 )
+
+
+def lever_row(name: str) -> tuple[str, tuple[str, ...], dict[str, str]]:
+    """(name, train.py flags, environment) of the lever row ``name``, read word by word."""
+    flags: list[str] = []
+    for word in name.split():
+        flags += [f"--train_batch_size={word[2:]}"] if word.startswith("mb") else LEVER_WORDS[word]
+    return name, tuple(flags), EXPANDABLE if "+expandable" in name.split() else {}
+
+
+LEVER_ROWS = tuple(lever_row(name) for name in LEVERS)
 INFER_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("hf-bf16", ("--model_impl=hf", "--fp8=0")),
     ("te-bf16", ("--model_impl=te", "--fp8=0")),
