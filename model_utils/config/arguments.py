@@ -207,7 +207,7 @@ def resolve(args: argparse.Namespace, typed: frozenset[str]) -> Config:
     flag_rules.check_memory_snapshot(config, has_cuda())
     config = config.replace(model_impl=resolve_model_impl(config.precision.model_impl))
     flag_rules.check_fp8_compute(config, has_cuda())
-    flag_rules.check_cuda_graphs(config, has_cuda())
+    flag_rules.check_pairings(config, has_cuda())
     impl = config.precision.model_impl
     rope_type = (config.model.rope_scaling or {}).get("rope_type", "default")
     if impl in TE_IMPLS and rope_type not in hf_config.TE_ROPE_TYPES:

@@ -1,6 +1,7 @@
 """The rules between flags that argparse cannot express: shapes, combinations, and which
 recipe an implementation's backend runs; and the checks each flag's own declaration asks for
-(its range, a path's name: config/sections.py). Each broken rule is a UsageError, one line.
+(its range, a path's name, what it needs and excludes: config/sections.py). Each broken rule is
+a UsageError, one line.
 """
 
 from __future__ import annotations
@@ -122,27 +123,12 @@ def check_fp8_compute(config: Config, cuda: bool) -> None:
         )
 
 
-def check_cuda_graphs(config: Config, cuda: bool) -> None:
-    """TE graphs whole modules that have no hooks (FSDP2's would be captured: refused by TE),
-    replayed at fixed shapes on a GPU, each layer's forward and backward kept in a graph, which
-    neither a compiled layer nor a recomputed one is."""
-    parallel = config.parallel
-    if not parallel.cuda_graphs:
-        return
-    needs = [
-        ("--model_impl te", config.precision.model_impl == "te"),
-        ("--sharding_strategy none", parallel.sharding_strategy == "none"),
-        ("a CUDA GPU", cuda),
-        ("no --compile", not parallel.compile),
-        ("no --activation_checkpointing", not parallel.activation_checkpointing),
-        ("no --fp8_numerics", not config.run.fp8_numerics),
-    ]
-    missing = [words for words, ok in needs if not ok]
-    if missing:
-        raise UsageError(
-            f"--cuda_graphs captures TE's decoder layers as CUDA graphs: it needs "
-            f"{', '.join(missing)}"
-        )
+def check_pairings(config: Config, cuda: bool) -> None:
+    """What each flag given declares it needs and excludes of the others (config/sections.py),
+    once --model_impl is resolved (--cuda_graphs needs te, and a CUDA GPU: `cuda`)."""
+    values = {**config.as_dict(), "cuda": cuda}
+    for name, spec in flag_specs().items():
+        refuse(spec.pairing_problem(name, values))
 
 
 def check_memory_snapshot(config: Config, cuda: bool) -> None:
@@ -218,48 +204,27 @@ def _check_combinations(config: Config) -> None:
             f"--warmup {config.optim.warmup} leaves no decay phase before --max_steps "
             f"{config.run.max_steps}; lower --warmup or use --lr_decay_style constant"
         )
-    if config.parallel.ac_every > 1 and not config.parallel.activation_checkpointing:
-        raise UsageError("--ac_every needs --activation_checkpointing")
-    if config.parallel.ac_scope != "layer" and not config.parallel.activation_checkpointing:
-        raise UsageError(f"--ac_scope {config.parallel.ac_scope} needs --activation_checkpointing")
-    for name in ("fp8_all_gather", "fp8_weights", "fp8_attention"):
-        if getattr(config.precision, name) and not config.precision.fp8:
-            raise UsageError(f"--{name} needs --fp8=1")
     if config.precision.bf16_layers:
         _check_bf16_layers(config)
-    if config.precision.fp8_lm_head and not (config.precision.fp8 and config.parallel.chunked_loss):
-        raise UsageError(
-            "--fp8_lm_head runs the output layer's GEMMs in FP8 inside the chunked loss: it "
-            "needs --fp8=1 and --chunked_loss=1"
-        )
-    if config.run.fp8_numerics and not config.precision.fp8:
-        raise UsageError("--fp8_numerics measures FP8 casts: it needs --fp8=1")
     if config.optim.master_weights == "optimizer":
         _check_optimizer_master_weights(config)
-    if config.parallel.sharding_strategy == "none":
-        _check_unsharded(config, int(os.environ.get("WORLD_SIZE", "1")))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if config.parallel.sharding_strategy == "none" and world_size > 1:
+        raise UsageError(
+            f"--sharding_strategy none runs one process without FSDP2, but this launch has "
+            f"{world_size} ranks: use --sharding_strategy full, or launch one process "
+            "(NPROC_PER_NODE=1 with 1.train_llama.sbatch)"
+        )
     if config.checkpoint.async_checkpoint and config.optim.optimizer != "adamw":
         raise UsageError(
             f"--async_checkpoint cannot save --optimizer {config.optim.optimizer}'s states: DCP's "
             "async stager copies them with aten.new_empty, which torchao's OptimState8bit/Fp8 do "
             "not implement (torchao/optim/subclass_8bit.py); drop --async_checkpoint"
         )
-    if config.checkpoint.overwrite_output_dir and config.checkpoint.resume_from_checkpoint:
-        raise UsageError(
-            "--overwrite_output_dir deletes the checkpoints --resume_from_checkpoint would resume "
-            "from: give one of them"
-        )
 
 
 def _check_bf16_layers(config: Config) -> None:
-    """Indices of existing layers, with FP8 on and weights that have a high-precision copy."""
-    if not config.precision.fp8:
-        raise UsageError("--bf16_layers keeps layers out of FP8: it needs --fp8=1")
-    if config.precision.fp8_weights:
-        raise UsageError(
-            "--bf16_layers with --fp8_weights: a layer kept in BF16 needs high-precision "
-            "weights, and --fp8_weights keeps every layer's only in FP8; drop one of them"
-        )
+    """Indices of existing layers."""
     for item in config.precision.bf16_layers.split(","):
         try:
             index = int(item)
@@ -272,27 +237,6 @@ def _check_bf16_layers(config: Config) -> None:
                 f"{-config.model.num_layers} to "
                 f"{config.model.num_layers - 1}, comma-separated, e.g. 0,-1)"
             )
-
-
-def _check_unsharded(config: Config, world_size: int) -> None:
-    """--sharding_strategy none is one process holding the whole model: no ranks to shard over,
-    so FSDP2's own knobs would be dead flags."""
-    if world_size > 1:
-        raise UsageError(
-            f"--sharding_strategy none runs one process without FSDP2, but this launch has "
-            f"{world_size} ranks: use --sharding_strategy full, or launch one process "
-            "(NPROC_PER_NODE=1 with 1.train_llama.sbatch)"
-        )
-    if config.parallel.reshard_after_forward != "default":
-        raise UsageError(
-            f"--reshard_after_forward {config.parallel.reshard_after_forward} is an FSDP2 "
-            "choice; --sharding_strategy none keeps the whole model in place: drop one of them"
-        )
-    if config.precision.fp8_all_gather:
-        raise UsageError(
-            "--fp8_all_gather gathers FSDP2's weight shards in float8; --sharding_strategy none "
-            "gathers nothing: drop one of them"
-        )
 
 
 def _check_optimizer_master_weights(config: Config) -> None:

@@ -201,11 +201,20 @@ def test_the_parser_is_derived_from_the_fields():
         (
             ["--cuda_graphs", "--compile"],
             "--cuda_graphs captures TE's decoder layers as CUDA graphs: it needs --model_impl te, "
-            "--sharding_strategy none, a CUDA GPU, no --compile",
+            "--sharding_strategy none, a CUDA GPU and no --compile",
         ),
         (
             ["--sharding_strategy=none", "--reshard_after_forward=never"],
             "--reshard_after_forward never is an FSDP2 choice; --sharding_strategy none keeps",
+        ),
+        (
+            ["--overwrite_output_dir", "--resume_from_checkpoint=auto"],
+            "--overwrite_output_dir deletes the checkpoints --resume_from_checkpoint would resume "
+            "from: drop one of them",
+        ),
+        (
+            ["--fp8=1", "--bf16_layers=0", "--model_impl=te", "--fp8_weights"],
+            "--bf16_layers with --fp8_weights: a layer kept in BF16 needs high-precision weights",
         ),
         (
             ["--sharding_strategy=none", "--fp8=1", "--fp8_all_gather"],
