@@ -1,7 +1,7 @@
-"""The rules between flags that argparse cannot express: shapes, combinations, and which
-recipe an implementation's backend runs; and the checks each flag's own declaration asks for
-(its range, a path's name, what it needs and excludes: config/sections.py). Each broken rule is
-a UsageError, one line.
+"""The rules between flags that argparse cannot express: shapes and combinations; and the
+checks each flag's own declaration asks for (its range, a path's name, what it needs and
+excludes: config/sections.py). The FP8 rules that read a recipe's row are config/fp8_plan.py's.
+Each broken rule is a UsageError, one line.
 """
 
 from __future__ import annotations
@@ -10,14 +10,7 @@ import importlib.util
 import os
 import re
 
-from model_utils.config.options import (
-    FP8_ATTENTION_RECIPES,
-    TE_IMPLS,
-    TE_RECIPE_OPTIONS,
-    TE_RECIPES,
-    TORCHAO_RECIPES,
-    TRACKERS,
-)
+from model_utils.config.options import TRACKERS
 from model_utils.config.sections import Config, flag_specs
 from model_utils.errors import UsageError, refuse
 
@@ -105,21 +98,6 @@ def _check_observation(config: Config) -> None:
         raise UsageError(
             f"--memory_snapshot_step must be in [0, --max_steps {config.run.max_steps}] (0: at an "
             f"out-of-memory error only), got {step}"
-        )
-
-
-def check_fp8_compute(config: Config, cuda: bool) -> None:
-    """FP8 layers run inside a bf16 model on a GPU. Where FP8 is emulated (torchao on a CPU),
-    --bf16=0 computes around the FP8 casts in fp32: a CPU without bf16 units runs bf16 matmuls
-    10-25x slower than fp32 ones (measured in benchmarks/results/)."""
-    if (
-        config.precision.fp8
-        and not config.precision.bf16
-        and (cuda or config.precision.model_impl in TE_IMPLS)
-    ):
-        raise UsageError(
-            "--fp8=1 needs --bf16=1 on a GPU or with Transformer Engine (FP8 layers run inside "
-            "a bf16 model); only torchao's CPU emulation computes around FP8 in fp32"
         )
 
 
@@ -252,80 +230,3 @@ def _check_optimizer_master_weights(config: Config) -> None:
             f"{config.optim.optimizer} keeps no fp32 copy of bf16 parameters "
             "(torchao/optim/adam.py rounds each update into them)"
         )
-
-
-def resolve_fp8_recipe(config: Config) -> str:
-    """--fp8_recipe for the backend that the (resolved) --model_impl runs on: TE's recipes for the
-    TE implementations, torchao's for hf; defaulted to that backend's first recipe."""
-    uses_te = config.precision.model_impl in TE_IMPLS
-    valid = TE_RECIPES if uses_te else TORCHAO_RECIPES
-    recipe = valid[0] if config.precision.fp8_recipe is None else config.precision.fp8_recipe
-    if recipe not in valid:
-        backend = "Transformer Engine" if uses_te else "torchao"
-        raise UsageError(
-            f"--fp8_recipe {recipe} is not a {backend} recipe for --model_impl "
-            f"{config.precision.model_impl}; choose one of {', '.join(valid)}"
-        )
-    if config.precision.fp8_all_gather and (uses_te or recipe != "tensorwise"):
-        raise UsageError(
-            "--fp8_all_gather needs torchao's tensorwise recipe (--model_impl hf "
-            "--fp8_recipe tensorwise); with TE use --fp8_weights"
-        )
-    if config.precision.fp8_weights and not uses_te:
-        raise UsageError("--fp8_weights is a Transformer Engine option: add --model_impl te")
-    if config.precision.fp8_attention:
-        _check_fp8_attention(config.precision.model_impl, recipe)
-    if config.run.fp8_numerics:
-        _check_fp8_numerics(config, recipe)
-    return recipe
-
-
-def _check_fp8_numerics(config: Config, recipe: str) -> None:
-    """The figures are per tensor or per row; TE's fused layers measure with TE's debug tools,
-    which need the high-precision weight."""
-    model_impl = config.precision.model_impl
-    if model_impl in TE_IMPLS and recipe not in ("delayed", "current"):
-        raise UsageError(
-            f"--fp8_numerics covers per-tensor TE scaling (delayed, current), not --fp8_recipe "
-            f"{recipe}'s blocks"
-        )
-    if model_impl == "te" and config.precision.fp8_weights:
-        raise UsageError(
-            "--fp8_numerics on --model_impl te measures each cast against the high-precision "
-            "tensor, and --fp8_weights keeps no high-precision weight: drop one of them"
-        )
-
-
-def _check_fp8_attention(model_impl: str, recipe: str) -> None:
-    """FP8 attention is TE's fused attention (only ``--model_impl te`` runs it) under a recipe
-    with an FP8 attention path (TE 2.20: Float8BlockScaling asserts ``not fp8_dpa``; MXFP8's
-    needs cuDNN >= 9.21 and is not wired here)."""
-    if model_impl != "te":
-        raise UsageError(
-            f"--fp8_attention runs TE's fused attention, which --model_impl {model_impl} does not "
-            "use (te_linear and hf keep HF's attention): add --model_impl te"
-        )
-    if recipe not in FP8_ATTENTION_RECIPES:
-        raise UsageError(
-            f"--fp8_attention has no FP8 attention path with --fp8_recipe {recipe}: use "
-            f"--fp8_recipe {' or '.join(FP8_ATTENTION_RECIPES)} (on Hopper: delayed)"
-        )
-
-
-def check_recipe_options(config: Config) -> None:
-    """A TE recipe option typed where no TE recipe reads it is refused: the user thinks it tunes
-    the run. With --fp8=0 on TE it is let through, so one command line can toggle FP8."""
-    for name, recipes in TE_RECIPE_OPTIONS.items():
-        if name not in config.typed:
-            continue
-        if config.precision.model_impl not in TE_IMPLS:
-            raise UsageError(
-                f"--{name} is a Transformer Engine recipe option and does nothing with "
-                f"--model_impl {config.precision.model_impl} (torchao): drop it, or use "
-                "--model_impl te"
-            )
-        if config.precision.fp8 and config.precision.fp8_recipe not in recipes:
-            raise UsageError(
-                f"--{name} does nothing with --fp8_recipe {config.precision.fp8_recipe}: only "
-                f"{' and '.join(recipes)} scaling read it; drop it or change --fp8_recipe"
-            )
