@@ -204,7 +204,6 @@ def resolve(args: argparse.Namespace, typed: frozenset[str]) -> Config:
         except hf_config.ConfigError as exc:
             raise UsageError(str(exc)) from exc
     config = flag_rules.check_consistency(Config.from_flat(vars(args), typed))
-    flag_rules.check_memory_snapshot(config, has_cuda())
     config = config.replace(model_impl=resolve_model_impl(config.precision.model_impl))
     flag_rules.check_pairings(config, has_cuda())
     impl = config.precision.model_impl

@@ -103,19 +103,10 @@ def _check_observation(config: Config) -> None:
 
 def check_pairings(config: Config, cuda: bool) -> None:
     """What each flag given declares it needs and excludes of the others (config/sections.py),
-    once --model_impl is resolved (--cuda_graphs needs te, and a CUDA GPU: `cuda`)."""
+    once --model_impl is resolved (--cuda_graphs needs te) and with `cuda`: a CUDA GPU here."""
     values = {**config.as_dict(), "cuda": cuda}
     for name, spec in flag_specs().items():
         refuse(spec.pairing_problem(name, values))
-
-
-def check_memory_snapshot(config: Config, cuda: bool) -> None:
-    """A snapshot is of CUDA's caching allocator: without a GPU there is none to record."""
-    if config.run.memory_snapshot_step is not None and not cuda:
-        raise UsageError(
-            "--memory_snapshot_step records CUDA's caching allocator, and this machine has no "
-            "CUDA GPU: drop the flag (on CPU, `--profile_steps` still traces the steps)"
-        )
 
 
 def _check_declared(config: Config) -> None:
@@ -184,20 +175,12 @@ def _check_combinations(config: Config) -> None:
         )
     if config.precision.bf16_layers:
         _check_bf16_layers(config)
-    if config.optim.master_weights == "optimizer":
-        _check_optimizer_master_weights(config)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if config.parallel.sharding_strategy == "none" and world_size > 1:
         raise UsageError(
             f"--sharding_strategy none runs one process without FSDP2, but this launch has "
             f"{world_size} ranks: use --sharding_strategy full, or launch one process "
             "(NPROC_PER_NODE=1 with 1.train_llama.sbatch)"
-        )
-    if config.checkpoint.async_checkpoint and config.optim.optimizer != "adamw":
-        raise UsageError(
-            f"--async_checkpoint cannot save --optimizer {config.optim.optimizer}'s states: DCP's "
-            "async stager copies them with aten.new_empty, which torchao's OptimState8bit/Fp8 do "
-            "not implement (torchao/optim/subclass_8bit.py); drop --async_checkpoint"
         )
 
 
@@ -215,18 +198,3 @@ def _check_bf16_layers(config: Config) -> None:
                 f"{-config.model.num_layers} to "
                 f"{config.model.num_layers - 1}, comma-separated, e.g. 0,-1)"
             )
-
-
-def _check_optimizer_master_weights(config: Config) -> None:
-    """bf16 parameters with fp32 copies in AdamW: only fp32 AdamW keeps such copies."""
-    if not config.precision.bf16:
-        raise UsageError(
-            "--master_weights optimizer stores the parameters in bf16, and --bf16=0 computes in "
-            "fp32: drop --master_weights optimizer (fp32 parameters are their own master weights)"
-        )
-    if config.optim.optimizer != "adamw":
-        raise UsageError(
-            "--master_weights optimizer needs --optimizer adamw: torchao's "
-            f"{config.optim.optimizer} keeps no fp32 copy of bf16 parameters "
-            "(torchao/optim/adam.py rounds each update into them)"
-        )

@@ -91,8 +91,8 @@ NOT_NEGATIVE = Range(low=0)
 class When:
     """A condition on another field of the run, in the words a user reads: `field` holds `value`
     (or passes `test`); `words` names it (default `--field`, `no --field` or `--field value`);
-    `why` is what the flag does that needs or excludes it, said in the refusal. `field` may
-    also be `cuda`: this machine has a CUDA GPU."""
+    `why` is what the flag does that needs or excludes it, said in the refusal (formatted with
+    the run's values by name). `field` may also be `cuda`: this machine has a CUDA GPU."""
 
     field: str
     value: Any = True
@@ -154,11 +154,12 @@ class Spec:
         given = f"--{name} {values[name]}" if self.choices else f"--{name}"
         missing = [need for need in self.needs if not need.holds(values)]
         if missing:
-            words, why = listed([need.named for need in missing]), missing[0].why
+            words, why = listed([need.named for need in missing]), missing[0].why.format(**values)
             return f"{given} {why}: it needs {words}" if why else f"{given} needs {words}"
         for other in self.excludes:
             if other.holds(values):
-                return f"{given} {other.why or 'excludes ' + other.named}: drop one of them"
+                why = other.why.format(**values) or f"excludes {other.named}"
+                return f"{given} {why}: drop one of them"
         return None
 
 

@@ -320,6 +320,16 @@ class OptimConfig:
         default="params",
         choices=MASTER_WEIGHTS,
         before=("params",),
+        needs=When.because(
+            "keeps bf16 parameters with fp32 copies in AdamW, and torchao's {optimizer} keeps "
+            "none (torchao/optim/adam.py rounds each update into them)",
+            When("optimizer", "adamw"),
+        ),
+        excludes=When.because(
+            "stores the parameters in bf16, and --bf16=0 computes in fp32 (fp32 parameters "
+            "are their own master weights)",
+            When("bf16", False, words="--bf16=0"),
+        ),
     )
     weight_decay: float = flag(
         "AdamW decay (not on norms/biases)", resume=Resume.FREE, default=0.1, range=NOT_NEGATIVE
@@ -425,7 +435,15 @@ class CheckpointConfig:
         "checkpoints kept; 0 keeps all", resume=Resume.FREE, default=2, range=NOT_NEGATIVE
     )
     async_checkpoint: bool = flag(
-        "write checkpoints in the background", resume=Resume.FREE, default=False
+        "write checkpoints in the background",
+        resume=Resume.FREE,
+        default=False,
+        needs=When.because(
+            "cannot save --optimizer {optimizer}'s states: DCP's async stager copies them with "
+            "aten.new_empty, which torchao's OptimState8bit/Fp8 do not implement "
+            "(torchao/optim/subclass_8bit.py)",
+            When("optimizer", "adamw"),
+        ),
     )
     resume_from_checkpoint: str | None = flag(
         "PATH or 'auto' (newest in checkpoint_dir)", resume=Resume.LAUNCH, path=True
@@ -522,6 +540,10 @@ class RunConfig:
         "at https://pytorch.org/memory_viz (default: off)",
         resume=Resume.FREE,
         metavar="N",
+        needs=When.because(
+            "records CUDA's caching allocator (on CPU, --profile_steps still traces the steps)",
+            When("cuda", words="a CUDA GPU"),
+        ),
         field_default=None,
     )
     slow_rank_threshold: float = flag(
