@@ -119,11 +119,6 @@ class When:
         return f"--{self.field} {self.value}"
 
 
-def listed(words: Sequence[str]) -> str:
-    """``a, b and c``."""
-    return " and ".join(filter(None, (", ".join(words[:-1]), words[-1])))
-
-
 @dataclass(frozen=True)
 class Spec:
     """One config field's declaration. `help` None: no flag sets the field (a preset,
@@ -154,7 +149,9 @@ class Spec:
         given = f"--{name} {values[name]}" if self.choices else f"--{name}"
         missing = [need for need in self.needs if not need.holds(values)]
         if missing:
-            words, why = listed([need.named for need in missing]), missing[0].why.format(**values)
+            *most, last = [need.named for need in missing]
+            words, why = f"{', '.join(most)} and {last}" if most else last, missing[0].why
+            why = why.format(**values)
             return f"{given} {why}: it needs {words}" if why else f"{given} needs {words}"
         for other in self.excludes:
             if other.holds(values):

@@ -18,7 +18,6 @@ from model_utils.config.options import (
     FP8_ATTENTION_RECIPES,
     FP8_RECIPE,
     TE_IMPLS,
-    TE_RECIPE_KEYWORDS,
     TE_RECIPE_OPTIONS,
     TE_RECIPES,
     TORCHAO_RECIPES,
@@ -35,7 +34,8 @@ class Fp8Plan:
     recipe: Fp8Recipe | None = None
     #: The TE recipe flags the recipe's class reads -> their values (empty for torchao).
     te_options: Mapping[str, Any] = field(default_factory=dict)
-    kept_layers: tuple[int, ...] = ()  # decoder layers kept in BF16 (--bf16_layers), from 0
+    #: Decoder layers kept in BF16 (--bf16_layers, checked against --num_layers), from 0, sorted.
+    kept_layers: tuple[int, ...] = ()
     lm_head: bool = False  # the output layer's GEMMs in FP8 (--fp8_lm_head)
     attention: bool = False  # TE's fused attention in FP8 (--fp8_attention)
     weights: bool = False  # weights kept only in FP8 (--fp8_weights)
@@ -46,6 +46,12 @@ class Fp8Plan:
     def on(self) -> bool:
         return self.recipe is not None
 
+    @property
+    def kept_words(self) -> str:
+        """``decoder layers 0, 15`` for the start-up line (--bf16_layers)."""
+        layers = self.kept_layers
+        return "decoder layer" + "s" * (len(layers) > 1) + " " + ", ".join(map(str, layers))
+
 
 def te_options(recipe: Fp8Recipe, values: Mapping[str, Any]) -> dict[str, Any]:
     """The TE recipe flags `recipe`'s class reads (its row's knobs, and --fp8_attention where it
@@ -54,22 +60,17 @@ def te_options(recipe: Fp8Recipe, values: Mapping[str, Any]) -> dict[str, Any]:
     return {knob: values[knob] for knob in read}
 
 
-def te_keywords(options: Mapping[str, Any]) -> dict[str, Any]:
-    """TE recipe flags -> the keywords of TE's recipe classes they set."""
-    return {TE_RECIPE_KEYWORDS[knob]: value for knob, value in options.items()}
-
-
 def plan_of(config: Config) -> Fp8Plan:
     """The FP8 plan of a resolved config (its recipe decided and checked by :func:`resolved`):
     a pure function of the frozen config, so every reader gets the same plan."""
-    precision = config.precision
+    precision, layers = config.precision, config.model.num_layers
     if not precision.fp8:
         return Fp8Plan()
     recipe = FP8_RECIPE[precision.fp8_recipe]
     return Fp8Plan(
         recipe,
         te_options(recipe, config.as_dict()),
-        precision.kept_layers(config.model.num_layers),
+        tuple(sorted({int(i) % layers for i in precision.bf16_layers.split(",") if i})),
         precision.fp8_lm_head,
         precision.fp8_attention,
         precision.fp8_weights,
@@ -84,7 +85,23 @@ def resolved(config: Config, cuda: bool) -> Config:
     not)."""
     _check_fp8_compute(config, cuda)
     config = config.replace(fp8_recipe=_recipe_for_backend(config))
-    _check_fp8_levers(config)
+    precision, recipe = config.precision, config.precision.fp8_recipe
+    uses_te = precision.model_impl in TE_IMPLS
+    if precision.fp8_all_gather and (uses_te or recipe != "tensorwise"):
+        raise UsageError(
+            "--fp8_all_gather needs torchao's tensorwise recipe (--model_impl hf "
+            "--fp8_recipe tensorwise); with TE use --fp8_weights"
+        )
+    if precision.fp8_weights and not uses_te:
+        raise UsageError("--fp8_weights is a Transformer Engine option: add --model_impl te")
+    if precision.fp8_attention and recipe not in FP8_ATTENTION_RECIPES:
+        # TE 2.20: Float8BlockScaling asserts ``not fp8_dpa``; MXFP8's needs cuDNN >= 9.21
+        raise UsageError(
+            f"--fp8_attention has no FP8 attention path with --fp8_recipe {recipe}: use "
+            f"--fp8_recipe {' or '.join(FP8_ATTENTION_RECIPES)} (on Hopper: delayed)"
+        )
+    if config.run.fp8_numerics:
+        _check_fp8_numerics(config, recipe)
     _check_recipe_options(config)
     return config
 
@@ -119,23 +136,6 @@ def _recipe_for_backend(config: Config) -> str:
     return recipe
 
 
-def _check_fp8_levers(config: Config) -> None:
-    """The levers that only some backends or recipes have."""
-    precision, recipe = config.precision, config.precision.fp8_recipe
-    uses_te = precision.model_impl in TE_IMPLS
-    if precision.fp8_all_gather and (uses_te or recipe != "tensorwise"):
-        raise UsageError(
-            "--fp8_all_gather needs torchao's tensorwise recipe (--model_impl hf "
-            "--fp8_recipe tensorwise); with TE use --fp8_weights"
-        )
-    if precision.fp8_weights and not uses_te:
-        raise UsageError("--fp8_weights is a Transformer Engine option: add --model_impl te")
-    if precision.fp8_attention:
-        _check_fp8_attention(precision.model_impl, recipe)
-    if config.run.fp8_numerics:
-        _check_fp8_numerics(config, recipe)
-
-
 def _check_fp8_numerics(config: Config, recipe: str) -> None:
     """The figures are per tensor or per row; TE's fused layers measure with TE's debug tools,
     which need the high-precision weight."""
@@ -149,22 +149,6 @@ def _check_fp8_numerics(config: Config, recipe: str) -> None:
         raise UsageError(
             "--fp8_numerics on --model_impl te measures each cast against the high-precision "
             "tensor, and --fp8_weights keeps no high-precision weight: drop one of them"
-        )
-
-
-def _check_fp8_attention(model_impl: str, recipe: str) -> None:
-    """FP8 attention is TE's fused attention (only ``--model_impl te`` runs it) under a recipe
-    with an FP8 attention path (TE 2.20: Float8BlockScaling asserts ``not fp8_dpa``; MXFP8's
-    needs cuDNN >= 9.21 and is not wired here)."""
-    if model_impl != "te":
-        raise UsageError(
-            f"--fp8_attention runs TE's fused attention, which --model_impl {model_impl} does not "
-            "use (te_linear and hf keep HF's attention): add --model_impl te"
-        )
-    if recipe not in FP8_ATTENTION_RECIPES:
-        raise UsageError(
-            f"--fp8_attention has no FP8 attention path with --fp8_recipe {recipe}: use "
-            f"--fp8_recipe {' or '.join(FP8_ATTENTION_RECIPES)} (on Hopper: delayed)"
         )
 
 
@@ -187,18 +171,15 @@ def _check_recipe_options(config: Config) -> None:
             )
 
 
-#: Why ``--fp8_weights`` trains only with ``--master_weights optimizer``. FP8-only weights need
-#: FP32 master weights in the optimizer (TE's FusedAdam(master_weights=True), as in TE's
-#: examples/pytorch/quantized_model_init/fully_shard.py); torch AdamW re-quantises every update
-#: to E4M3, so small updates vanish (the loss this cost on an H100: docs/checkpoints.md).
-FP8_WEIGHTS_TRAINING_REFUSAL = (
-    "--fp8_weights keeps weights only in FP8, and training them needs fp32 master weights in the "
-    "optimizer: add --master_weights optimizer (without it AdamW would re-quantise every update "
-    "to FP8, and small updates vanish: docs/checkpoints.md)"
-)
-
-
 def check_training(config: Config) -> None:
-    """What FP8 needs to train rather than only run forward (the GPU benchmark's rows)."""
+    """What FP8 needs to train rather than only run forward (the GPU benchmark's rows).
+    FP8-only weights need fp32 master weights in the optimizer (TE's
+    FusedAdam(master_weights=True), as in TE's examples/pytorch/quantized_model_init/
+    fully_shard.py); torch AdamW re-quantises every update to E4M3, so small updates vanish
+    (the loss this cost on an H100: docs/checkpoints.md)."""
     if config.precision.fp8_weights and config.optim.master_weights != "optimizer":
-        raise UsageError(FP8_WEIGHTS_TRAINING_REFUSAL)
+        raise UsageError(
+            "--fp8_weights keeps weights only in FP8, and training them needs fp32 master "
+            "weights in the optimizer: add --master_weights optimizer (without it AdamW would "
+            "re-quantise every update to FP8, and small updates vanish: docs/checkpoints.md)"
+        )

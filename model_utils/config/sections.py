@@ -190,7 +190,10 @@ class PrecisionConfig:
         "TE (--model_impl te): attention in FP8 too (cuDNN; recipe fp8_dpa); delayed on Hopper",
         resume=FP8_KNOB,
         default=False,
-        needs=(FP8,),
+        needs=(
+            FP8,
+            When("model_impl", "te", why="runs TE's fused attention (te_linear and hf keep HF's)"),
+        ),
     )
     fp8_lm_head: bool = flag(
         "the output layer's GEMMs in FP8 too (in the chunked loss, per-tensor current scaling; "
@@ -230,18 +233,6 @@ class PrecisionConfig:
     @property
     def name(self) -> str:
         return precision_name(self.fp8, self.bf16)
-
-    def kept_layers(self, num_layers: int) -> tuple[int, ...]:
-        """The decoder layers --bf16_layers keeps out of FP8, from 0, sorted (none without
-        FP8); the indices were checked against --num_layers (config/flag_rules.py)."""
-        if not self.fp8:
-            return ()
-        return tuple(sorted({int(i) % num_layers for i in self.bf16_layers.split(",") if i}))
-
-
-def kept_layers_words(layers: tuple[int, ...]) -> str:
-    """``decoder layers 0, 15`` for the start-up line (--bf16_layers)."""
-    return "decoder layer" + "s" * (len(layers) > 1) + " " + ", ".join(map(str, layers))
 
 
 @dataclass(frozen=True)

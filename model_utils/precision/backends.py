@@ -36,7 +36,7 @@ from torch import nn
 from model_utils.config.fp8_plan import plan_of
 from model_utils.config.machine import fp8_capable_gpu
 from model_utils.config.options import TE_IMPLS
-from model_utils.config.sections import Config, kept_layers_words
+from model_utils.config.sections import Config
 
 # FP8 GEMMs need both matrix dims divisible by 16 (the backward multiplies by the transpose).
 FP8_DIM_MULTIPLE = 16
@@ -186,7 +186,7 @@ class TorchaoFloat8(BF16):
         skipped = [n for n in self.skipped if not (plan.lm_head and n.endswith("lm_head"))]
         kept = ", ".join(skipped) if skipped else "none"
         if plan.kept_layers:
-            kept += f"; {kept_layers_words(plan.kept_layers)} ({len(self.in_kept_layers)} linears)"
+            kept += f"; {plan.kept_words} ({len(self.in_kept_layers)} linears)"
         head = "; lm_head's GEMMs in FP8 (chunked loss)" if plan.lm_head else ""
         if self.torch_autocast_dtype is not None:
             head += "; bf16 compute by torch.autocast, no FSDP2"

@@ -1,7 +1,5 @@
-"""The output layer's three GEMMs with ``lm_head``'s weight, as the chunked loss
-(model/loss.py) runs them: in the compute dtype, or in FP8 (--fp8_lm_head) with per-tensor
-current scaling, emulated where no FP8 tensor cores run it.
-"""
+"""The output layer's three GEMMs, as the chunked loss (model/loss.py) runs them: in the
+compute dtype, or in FP8 (--fp8_lm_head) by per-tensor current scaling, emulated on a CPU."""
 
 from __future__ import annotations
 

@@ -23,9 +23,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from model_utils.config import te_loader
-from model_utils.config.fp8_plan import check_training, plan_of, te_keywords, te_options
+from model_utils.config.fp8_plan import check_training, plan_of, te_options
 from model_utils.config.options import FP8_RECIPE, TE_RECIPE_KEYWORDS, TE_RECIPES
-from model_utils.config.sections import Config, flag_specs, kept_layers_words
+from model_utils.config.sections import Config, flag_specs
 from model_utils.config.te_loader import TEUnavailableError, import_te
 from model_utils.errors import UsageError
 from model_utils.precision.te_requirements import (
@@ -67,7 +67,8 @@ def build_recipe(name: str, **options: Any) -> Any:
     if recipe is None or recipe.backend != "te":
         raise ValueError(f"unknown TE fp8 recipe {name!r}; choose from {', '.join(TE_RECIPES)}")
     defaults = {knob: flag_specs()[knob].default for knob in TE_RECIPE_KEYWORDS}
-    keywords = te_keywords(te_options(recipe, {**defaults, **options}))
+    read = te_options(recipe, {**defaults, **options})
+    keywords = {TE_RECIPE_KEYWORDS[knob]: value for knob, value in read.items()}
     te_recipe = import_recipe_module()
     keywords["fp8_format"] = getattr(te_recipe.Format, TE_FORMATS[keywords["fp8_format"]])
     return getattr(te_recipe, recipe.te_class)(**keywords)
@@ -311,7 +312,7 @@ class TEBackend:
         options = ", ".join(f"{k}={v}" for k, v in plan.te_options.items())
         group = "default group" if self.dp_group is None else "data-parallel group"
         weights = "FP8 (fp8_model_init)" if plan.weights else "high precision"
-        kept = f"; {kept_layers_words(plan.kept_layers)} in BF16" if plan.kept_layers else ""
+        kept = f"; {plan.kept_words} in BF16" if plan.kept_layers else ""
         kept += "; lm_head's GEMMs in FP8 (chunked loss)" if plan.lm_head else ""
         return (
             f"model_impl={self.model_impl} precision=TE FP8 recipe={plan.recipe.name} "

@@ -29,8 +29,8 @@ TE_FP8 = ("--model_impl", "te", "--fp8=1")
     ("flags", "message"),
     [
         (("--model_impl", "te", "--fp8=0"), "--fp8_attention needs --fp8=1"),
-        (("--model_impl", "hf", "--fp8=1"), "does not use .*add --model_impl te"),
-        (("--model_impl", "te_linear", "--fp8=1"), "te_linear and hf keep HF's attention"),
+        (("--model_impl", "hf", "--fp8=1"), "TE's fused attention .*: it needs --model_impl te$"),
+        (("--model_impl", "te_linear", "--fp8=1"), "te_linear and hf keep HF's\\): it needs"),
         ((*TE_FP8, "--fp8_recipe", "block"), "no FP8 attention path with --fp8_recipe block"),
         ((*TE_FP8, "--fp8_recipe", "mxfp8"), "use --fp8_recipe delayed or current"),
     ],
