@@ -78,12 +78,8 @@ ON_RESUME = {
 
 def pairings(spec: Spec) -> str:
     """``needs --fp8=1; excludes --fp8_weights``: the flag's declared conditions."""
-    parts = [
-        f"{kind} {', '.join(condition.named for condition in conditions)}"
-        for kind, conditions in (("needs", spec.needs), ("excludes", spec.excludes))
-        if conditions
-    ]
-    return "; ".join(parts)
+    pairs = (("needs", spec.needs), ("excludes", spec.excludes))
+    return "; ".join(f"{kind} {', '.join(c.named for c in when)}" for kind, when in pairs if when)
 
 
 def rows() -> list[str]:

@@ -1,11 +1,10 @@
 """A run's FP8 plan, and the FP8 rules that need the recipe's row, in one place.
 
-Start-up (arguments.resolve) resolves --fp8_recipe for the implementation's backend and checks
-what FP8 can run with it here; from then on the precision backends, the model build and the
-run log read one frozen Fp8Plan (:func:`plan_of`) instead of the precision flags one by one. A
-new FP8 lever is one flag field (with what it needs and excludes: config/sections.py), one
-plan field, and the code that acts on it. What the machine must have for a recipe (GPU, CUDA,
-TE release, cuDNN) is precision/te_requirements'.
+Start-up (arguments.resolve) decides --fp8_recipe for the implementation's backend and checks
+what FP8 can run with it; the precision backends, the model build and the run log then read
+one frozen Fp8Plan (:func:`plan_of`), not the precision flags one by one. A new FP8 lever is
+one flag field (with its needs and excludes: sections.py), one plan field and the code that
+acts. What the machine must have (GPU, CUDA, TE, cuDNN) is precision/te_requirements'.
 """
 
 from __future__ import annotations
