@@ -24,6 +24,7 @@ import torch.distributed as dist
 import te_llama
 from model_utils import checkpoint, data, optim
 from model_utils.config import arguments
+from model_utils.config.fp8_plan import plan_of
 from model_utils.config.options import TE_IMPLS
 from model_utils.config.sections import Config
 from model_utils.errors import Refusal, exit_refused
@@ -304,9 +305,8 @@ def finish(run: Run, tokenizer) -> None:
 def ready_line(config: Config) -> str:
     """--validate_only's answer: the run as resolved (preset, precision and implementation,
     world, folder), so a launch can be checked before it costs a node."""
-    precision = config.precision.name
-    if config.precision.fp8:
-        precision += f" {config.precision.fp8_recipe}"
+    plan = plan_of(config)
+    precision = config.precision.name + (f" {plan.recipe.name}" if plan.on else "")
     world = os.environ.get("WORLD_SIZE", "set by torchrun")
     resume = config.checkpoint.resume_from_checkpoint or "none (a fresh start)"
     recipe = f"--recipe {config.recipe}, " if config.recipe else ""

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from model_utils.config.arguments import build_parser, section_flags
-from model_utils.config.flag_spec import Resume
+from model_utils.config.flag_spec import Resume, Spec
 from model_utils.config.presets import PRESET_FIELDS
 from model_utils.config.sections import flag_specs
 
@@ -61,6 +61,10 @@ per flag):
   command line replace the saved ones from the resumed step on; not given, the saved ones stay.
 - **this launch**: names the launch, not the run; never compared.
 
+"Needs, excludes" is what the flag, when given, declares of the other flags (`needs=` and
+`excludes=` in `model_utils/config/sections.py`): a run where a need does not hold, or an
+excluded condition does, is refused in one line (exit 2) naming both and the reason.
+
 """
 
 ON_RESUME = {
@@ -72,10 +76,19 @@ ON_RESUME = {
 }
 
 
+def pairings(spec: Spec) -> str:
+    """``needs --fp8=1; excludes --fp8_weights``: the flag's declared conditions."""
+    pairs = (("needs", spec.needs), ("excludes", spec.excludes))
+    return "; ".join(f"{kind} {', '.join(c.named for c in when)}" for kind, when in pairs if when)
+
+
 def rows() -> list[str]:
     section_of = {flag: section for section, flags in section_flags().items() for flag in flags}
     specs = flag_specs()
-    out = ["| flag | config field | default | on resume | meaning |", "|---|---|---|---|---|"]
+    out = [
+        "| flag | config field | default | on resume | needs, excludes | meaning |",
+        "|---|---|---|---|---|---|",
+    ]
     for action in build_parser()._actions:
         if action.dest == "help":
             continue
@@ -91,9 +104,10 @@ def rows() -> list[str]:
             default = default[default.index("data/") :]
         help_text = (action.help or "").replace("|", "\\|")
         field = ".".join(filter(None, (section_of[action.dest], action.dest)))
-        resume = ON_RESUME[specs[action.dest].resume]
+        spec = specs[action.dest]
         out.append(
-            f"| `--{action.dest}` | `{field}` | {default} | {resume} | {help_text}{choices} |"
+            f"| `--{action.dest}` | `{field}` | {default} | {ON_RESUME[spec.resume]} | "
+            f"{pairings(spec)} | {help_text}{choices} |"
         )
     return out
 

@@ -195,7 +195,7 @@ def resolve(args: argparse.Namespace, typed: frozenset[str]) -> Config:
     """The values first (the preset's, --init_from_hf's config.json's, into the parsed flags),
     then the Config, whose typed sections the cross-flag rules read; then the implementation
     and the FP8 recipe for its backend (UsageError for a combination that cannot run)."""
-    from model_utils.config import flag_rules, hf_config
+    from model_utils.config import flag_rules, fp8_plan, hf_config
     from model_utils.config.machine import has_cuda, resolve_model_impl  # imports torch
 
     apply_preset(args)
@@ -205,10 +205,8 @@ def resolve(args: argparse.Namespace, typed: frozenset[str]) -> Config:
         except hf_config.ConfigError as exc:
             raise UsageError(str(exc)) from exc
     config = flag_rules.check_consistency(Config.from_flat(vars(args), typed))
-    flag_rules.check_memory_snapshot(config, has_cuda())
     config = config.replace(model_impl=resolve_model_impl(config.precision.model_impl))
-    flag_rules.check_fp8_compute(config, has_cuda())
-    flag_rules.check_cuda_graphs(config, has_cuda())
+    flag_rules.check_pairings(config, has_cuda())
     impl = config.precision.model_impl
     rope_type = (config.model.rope_scaling or {}).get("rope_type", "default")
     if impl in TE_IMPLS and rope_type not in hf_config.TE_ROPE_TYPES:
@@ -216,9 +214,7 @@ def resolve(args: argparse.Namespace, typed: frozenset[str]) -> Config:
             f"--model_impl {impl} computes RoPE of types {', '.join(hf_config.TE_ROPE_TYPES)}, "
             f"not {rope_type!r} (from --init_from_hf): use --model_impl hf"
         )
-    config = config.replace(fp8_recipe=flag_rules.resolve_fp8_recipe(config))
-    flag_rules.check_recipe_options(config)
-    return config
+    return fp8_plan.resolved(config, has_cuda())
 
 
 def recipe_origin(message: str, given: list[str], recipe: str | None) -> str:

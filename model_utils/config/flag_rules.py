@@ -1,6 +1,7 @@
-"""The rules between flags that argparse cannot express: shapes, combinations, and which
-recipe an implementation's backend runs; and the checks each flag's own declaration asks for
-(its range, a path's name: config/sections.py). Each broken rule is a UsageError, one line.
+"""The rules between flags that argparse cannot express: shapes and combinations; and the
+checks each flag's own declaration asks for (its range, a path's name, what it needs and
+excludes: config/sections.py). The FP8 rules that read a recipe's row are config/fp8_plan.py's.
+Each broken rule is a UsageError, one line.
 """
 
 from __future__ import annotations
@@ -9,14 +10,7 @@ import importlib.util
 import os
 import re
 
-from model_utils.config.options import (
-    FP8_ATTENTION_RECIPES,
-    TE_IMPLS,
-    TE_RECIPE_OPTIONS,
-    TE_RECIPES,
-    TORCHAO_RECIPES,
-    TRACKERS,
-)
+from model_utils.config.options import TRACKERS
 from model_utils.config.sections import Config, flag_specs
 from model_utils.errors import UsageError, refuse
 
@@ -107,51 +101,12 @@ def _check_observation(config: Config) -> None:
         )
 
 
-def check_fp8_compute(config: Config, cuda: bool) -> None:
-    """FP8 layers run inside a bf16 model on a GPU. Where FP8 is emulated (torchao on a CPU),
-    --bf16=0 computes around the FP8 casts in fp32: a CPU without bf16 units runs bf16 matmuls
-    10-25x slower than fp32 ones (measured in benchmarks/results/)."""
-    if (
-        config.precision.fp8
-        and not config.precision.bf16
-        and (cuda or config.precision.model_impl in TE_IMPLS)
-    ):
-        raise UsageError(
-            "--fp8=1 needs --bf16=1 on a GPU or with Transformer Engine (FP8 layers run inside "
-            "a bf16 model); only torchao's CPU emulation computes around FP8 in fp32"
-        )
-
-
-def check_cuda_graphs(config: Config, cuda: bool) -> None:
-    """TE graphs whole modules that have no hooks (FSDP2's would be captured: refused by TE),
-    replayed at fixed shapes on a GPU, each layer's forward and backward kept in a graph, which
-    neither a compiled layer nor a recomputed one is."""
-    parallel = config.parallel
-    if not parallel.cuda_graphs:
-        return
-    needs = [
-        ("--model_impl te", config.precision.model_impl == "te"),
-        ("--sharding_strategy none", parallel.sharding_strategy == "none"),
-        ("a CUDA GPU", cuda),
-        ("no --compile", not parallel.compile),
-        ("no --activation_checkpointing", not parallel.activation_checkpointing),
-        ("no --fp8_numerics", not config.run.fp8_numerics),
-    ]
-    missing = [words for words, ok in needs if not ok]
-    if missing:
-        raise UsageError(
-            f"--cuda_graphs captures TE's decoder layers as CUDA graphs: it needs "
-            f"{', '.join(missing)}"
-        )
-
-
-def check_memory_snapshot(config: Config, cuda: bool) -> None:
-    """A snapshot is of CUDA's caching allocator: without a GPU there is none to record."""
-    if config.run.memory_snapshot_step is not None and not cuda:
-        raise UsageError(
-            "--memory_snapshot_step records CUDA's caching allocator, and this machine has no "
-            "CUDA GPU: drop the flag (on CPU, `--profile_steps` still traces the steps)"
-        )
+def check_pairings(config: Config, cuda: bool) -> None:
+    """What each flag given declares it needs and excludes of the others (config/sections.py),
+    once --model_impl is resolved (--cuda_graphs needs te) and with `cuda`: a CUDA GPU here."""
+    values = {**config.as_dict(), "cuda": cuda}
+    for name, spec in flag_specs().items():
+        refuse(spec.pairing_problem(name, values))
 
 
 def _check_declared(config: Config) -> None:
@@ -218,48 +173,19 @@ def _check_combinations(config: Config) -> None:
             f"--warmup {config.optim.warmup} leaves no decay phase before --max_steps "
             f"{config.run.max_steps}; lower --warmup or use --lr_decay_style constant"
         )
-    if config.parallel.ac_every > 1 and not config.parallel.activation_checkpointing:
-        raise UsageError("--ac_every needs --activation_checkpointing")
-    if config.parallel.ac_scope != "layer" and not config.parallel.activation_checkpointing:
-        raise UsageError(f"--ac_scope {config.parallel.ac_scope} needs --activation_checkpointing")
-    for name in ("fp8_all_gather", "fp8_weights", "fp8_attention"):
-        if getattr(config.precision, name) and not config.precision.fp8:
-            raise UsageError(f"--{name} needs --fp8=1")
     if config.precision.bf16_layers:
         _check_bf16_layers(config)
-    if config.precision.fp8_lm_head and not (config.precision.fp8 and config.parallel.chunked_loss):
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if config.parallel.sharding_strategy == "none" and world_size > 1:
         raise UsageError(
-            "--fp8_lm_head runs the output layer's GEMMs in FP8 inside the chunked loss: it "
-            "needs --fp8=1 and --chunked_loss=1"
-        )
-    if config.run.fp8_numerics and not config.precision.fp8:
-        raise UsageError("--fp8_numerics measures FP8 casts: it needs --fp8=1")
-    if config.optim.master_weights == "optimizer":
-        _check_optimizer_master_weights(config)
-    if config.parallel.sharding_strategy == "none":
-        _check_unsharded(config, int(os.environ.get("WORLD_SIZE", "1")))
-    if config.checkpoint.async_checkpoint and config.optim.optimizer != "adamw":
-        raise UsageError(
-            f"--async_checkpoint cannot save --optimizer {config.optim.optimizer}'s states: DCP's "
-            "async stager copies them with aten.new_empty, which torchao's OptimState8bit/Fp8 do "
-            "not implement (torchao/optim/subclass_8bit.py); drop --async_checkpoint"
-        )
-    if config.checkpoint.overwrite_output_dir and config.checkpoint.resume_from_checkpoint:
-        raise UsageError(
-            "--overwrite_output_dir deletes the checkpoints --resume_from_checkpoint would resume "
-            "from: give one of them"
+            f"--sharding_strategy none runs one process without FSDP2, but this launch has "
+            f"{world_size} ranks: use --sharding_strategy full, or launch one process "
+            "(NPROC_PER_NODE=1 with 1.train_llama.sbatch)"
         )
 
 
 def _check_bf16_layers(config: Config) -> None:
-    """Indices of existing layers, with FP8 on and weights that have a high-precision copy."""
-    if not config.precision.fp8:
-        raise UsageError("--bf16_layers keeps layers out of FP8: it needs --fp8=1")
-    if config.precision.fp8_weights:
-        raise UsageError(
-            "--bf16_layers with --fp8_weights: a layer kept in BF16 needs high-precision "
-            "weights, and --fp8_weights keeps every layer's only in FP8; drop one of them"
-        )
+    """Indices of existing layers."""
     for item in config.precision.bf16_layers.split(","):
         try:
             index = int(item)
@@ -271,117 +197,4 @@ def _check_bf16_layers(config: Config) -> None:
                 f"{config.model.num_layers}-layer model (give indices from "
                 f"{-config.model.num_layers} to "
                 f"{config.model.num_layers - 1}, comma-separated, e.g. 0,-1)"
-            )
-
-
-def _check_unsharded(config: Config, world_size: int) -> None:
-    """--sharding_strategy none is one process holding the whole model: no ranks to shard over,
-    so FSDP2's own knobs would be dead flags."""
-    if world_size > 1:
-        raise UsageError(
-            f"--sharding_strategy none runs one process without FSDP2, but this launch has "
-            f"{world_size} ranks: use --sharding_strategy full, or launch one process "
-            "(NPROC_PER_NODE=1 with 1.train_llama.sbatch)"
-        )
-    if config.parallel.reshard_after_forward != "default":
-        raise UsageError(
-            f"--reshard_after_forward {config.parallel.reshard_after_forward} is an FSDP2 "
-            "choice; --sharding_strategy none keeps the whole model in place: drop one of them"
-        )
-    if config.precision.fp8_all_gather:
-        raise UsageError(
-            "--fp8_all_gather gathers FSDP2's weight shards in float8; --sharding_strategy none "
-            "gathers nothing: drop one of them"
-        )
-
-
-def _check_optimizer_master_weights(config: Config) -> None:
-    """bf16 parameters with fp32 copies in AdamW: only fp32 AdamW keeps such copies."""
-    if not config.precision.bf16:
-        raise UsageError(
-            "--master_weights optimizer stores the parameters in bf16, and --bf16=0 computes in "
-            "fp32: drop --master_weights optimizer (fp32 parameters are their own master weights)"
-        )
-    if config.optim.optimizer != "adamw":
-        raise UsageError(
-            "--master_weights optimizer needs --optimizer adamw: torchao's "
-            f"{config.optim.optimizer} keeps no fp32 copy of bf16 parameters "
-            "(torchao/optim/adam.py rounds each update into them)"
-        )
-
-
-def resolve_fp8_recipe(config: Config) -> str:
-    """--fp8_recipe for the backend that the (resolved) --model_impl runs on: TE's recipes for the
-    TE implementations, torchao's for hf; defaulted to that backend's first recipe."""
-    uses_te = config.precision.model_impl in TE_IMPLS
-    valid = TE_RECIPES if uses_te else TORCHAO_RECIPES
-    recipe = valid[0] if config.precision.fp8_recipe is None else config.precision.fp8_recipe
-    if recipe not in valid:
-        backend = "Transformer Engine" if uses_te else "torchao"
-        raise UsageError(
-            f"--fp8_recipe {recipe} is not a {backend} recipe for --model_impl "
-            f"{config.precision.model_impl}; choose one of {', '.join(valid)}"
-        )
-    if config.precision.fp8_all_gather and (uses_te or recipe != "tensorwise"):
-        raise UsageError(
-            "--fp8_all_gather needs torchao's tensorwise recipe (--model_impl hf "
-            "--fp8_recipe tensorwise); with TE use --fp8_weights"
-        )
-    if config.precision.fp8_weights and not uses_te:
-        raise UsageError("--fp8_weights is a Transformer Engine option: add --model_impl te")
-    if config.precision.fp8_attention:
-        _check_fp8_attention(config.precision.model_impl, recipe)
-    if config.run.fp8_numerics:
-        _check_fp8_numerics(config, recipe)
-    return recipe
-
-
-def _check_fp8_numerics(config: Config, recipe: str) -> None:
-    """The figures are per tensor or per row; TE's fused layers measure with TE's debug tools,
-    which need the high-precision weight."""
-    model_impl = config.precision.model_impl
-    if model_impl in TE_IMPLS and recipe not in ("delayed", "current"):
-        raise UsageError(
-            f"--fp8_numerics covers per-tensor TE scaling (delayed, current), not --fp8_recipe "
-            f"{recipe}'s blocks"
-        )
-    if model_impl == "te" and config.precision.fp8_weights:
-        raise UsageError(
-            "--fp8_numerics on --model_impl te measures each cast against the high-precision "
-            "tensor, and --fp8_weights keeps no high-precision weight: drop one of them"
-        )
-
-
-def _check_fp8_attention(model_impl: str, recipe: str) -> None:
-    """FP8 attention is TE's fused attention (only ``--model_impl te`` runs it) under a recipe
-    with an FP8 attention path (TE 2.20: Float8BlockScaling asserts ``not fp8_dpa``; MXFP8's
-    needs cuDNN >= 9.21 and is not wired here)."""
-    if model_impl != "te":
-        raise UsageError(
-            f"--fp8_attention runs TE's fused attention, which --model_impl {model_impl} does not "
-            "use (te_linear and hf keep HF's attention): add --model_impl te"
-        )
-    if recipe not in FP8_ATTENTION_RECIPES:
-        raise UsageError(
-            f"--fp8_attention has no FP8 attention path with --fp8_recipe {recipe}: use "
-            f"--fp8_recipe {' or '.join(FP8_ATTENTION_RECIPES)} (on Hopper: delayed)"
-        )
-
-
-def check_recipe_options(config: Config) -> None:
-    """A TE recipe option typed where no TE recipe reads it is refused: the user thinks it tunes
-    the run. With --fp8=0 on TE it is let through, so one command line can toggle FP8."""
-    for name, recipes in TE_RECIPE_OPTIONS.items():
-        if name not in config.typed:
-            continue
-        if config.precision.model_impl not in TE_IMPLS:
-            raise UsageError(
-                f"--{name} is a Transformer Engine recipe option and does nothing with "
-                f"--model_impl {config.precision.model_impl} (torchao): drop it, or use "
-                "--model_impl te"
-            )
-        if config.precision.fp8 and config.precision.fp8_recipe not in recipes:
-            raise UsageError(
-                f"--{name} does nothing with --fp8_recipe {config.precision.fp8_recipe}: only "
-                f"{' and '.join(recipes)} scaling read it; drop it or change --fp8_recipe"
             )

@@ -1,10 +1,11 @@
 """A flag declared once, on the config field that holds it (config/sections.py).
 
 The field's metadata carries the flag's help, default, choices, range, whether it names a path,
-and what a resume may do with it; its type annotation is the flag's type. The parser
-(arguments.py), docs/flags.md, the range checks (flag_rules.py) and the resume rules
-(checkpoint/resume.py) are read from there, so a new flag is one field, and a field that says
-nothing about resume fails at once instead of becoming "a resume may change it" by omission.
+what it needs and excludes of the other flags, and what a resume may do with it; its type
+annotation is the flag's type. The parser (arguments.py), docs/flags.md, the range checks and
+the refusals between flags (flag_rules.py) and the resume rules (checkpoint/resume.py) are read
+from there, so a new flag is one field, and a field that says nothing about resume fails at
+once instead of becoming "a resume may change it" by omission.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +88,38 @@ NOT_NEGATIVE = Range(low=0)
 
 
 @dataclass(frozen=True)
+class When:
+    """A condition on another field of the run, in the words a user reads: `field` holds `value`
+    (or passes `test`); `words` names it (default `--field`, `no --field` or `--field value`);
+    `why` is what the flag does that needs or excludes it, said in the refusal (formatted with
+    the run's values by name). `field` may also be `cuda`: this machine has a CUDA GPU."""
+
+    field: str
+    value: Any = True
+    words: str | None = None
+    why: str = ""
+    test: Callable[[Any], bool] | None = None
+
+    @staticmethod
+    def because(why: str, *conditions: When) -> tuple[When, ...]:
+        """`conditions`, each with the words of why the flag declaring them needs (excludes)
+        it."""
+        return tuple(dataclasses.replace(condition, why=why) for condition in conditions)
+
+    def holds(self, values: Mapping[str, Any]) -> bool:
+        got = values[self.field]
+        return self.test(got) if self.test else got == self.value
+
+    @property
+    def named(self) -> str:
+        if self.words:
+            return self.words
+        if isinstance(self.value, bool):
+            return f"{'' if self.value else 'no '}--{self.field}"
+        return f"--{self.field} {self.value}"
+
+
+@dataclass(frozen=True)
 class Spec:
     """One config field's declaration. `help` None: no flag sets the field (a preset,
     --init_from_hf's config.json or train.validate fills it in)."""
@@ -101,10 +134,30 @@ class Spec:
     metavar: str | None = None
     before: tuple[Any, ...] = ()
     words: str | None = None
+    needs: tuple[When, ...] = ()
+    excludes: tuple[When, ...] = ()
 
     @property
     def is_flag(self) -> bool:
         return self.help is not None
+
+    def pairing_problem(self, name: str, values: Mapping[str, Any]) -> str | None:
+        """The one-line refusal of flag `name` given (off its default) where a condition it
+        needs does not hold, or one it excludes does (None: fine). Every missing need is named."""
+        if values[name] == self.default:
+            return None
+        given = f"--{name} {values[name]}" if self.choices else f"--{name}"
+        missing = [need for need in self.needs if not need.holds(values)]
+        if missing:
+            *most, last = [need.named for need in missing]
+            words, why = f"{', '.join(most)} and {last}" if most else last, missing[0].why
+            why = why.format(**values)
+            return f"{given} {why}: it needs {words}" if why else f"{given} needs {words}"
+        for other in self.excludes:
+            if other.holds(values):
+                why = other.why.format(**values) or f"excludes {other.named}"
+                return f"{given} {why}: drop one of them"
+        return None
 
 
 def flag(
@@ -118,6 +171,8 @@ def flag(
     nonempty: bool = False,
     metavar: str | None = None,
     before: tuple[Any, ...] = (),
+    needs: tuple[When, ...] = (),
+    excludes: tuple[When, ...] = (),
     field_default: Any = dataclasses.MISSING,
 ) -> Any:
     """A section field that is the flag of the same name.
@@ -125,9 +180,11 @@ def flag(
     `default`: the flag's (None: unset, filled in by a preset or another flag). `path`: names a
     file or folder (`~` expanded, empty or over-long names refused); `nonempty`: an empty
     string is refused. `before`: (value,) a checkpoint older than the flag held, compared as
-    such on resume. `field_default`: what a record without the field reads back as."""
+    such on resume. `needs` / `excludes`: what must (must not) hold of the other flags when
+    this one is given. `field_default`: what a record without the field reads back as."""
     ranges = range if isinstance(range, tuple) else (range,)
-    spec = Spec(resume, help, default, choices, ranges, path, nonempty, metavar, before)
+    pairs = {"needs": needs, "excludes": excludes}
+    spec = Spec(resume, help, default, choices, ranges, path, nonempty, metavar, before, **pairs)
     return dataclasses.field(default=field_default, metadata={_KEY: spec})
 
 
@@ -139,6 +196,12 @@ def derived(
     return dataclasses.field(default=field_default, metadata={_KEY: Spec(resume, words=words)})
 
 
-def spec_of(field: dataclasses.Field) -> Spec | None:
-    """The field's declaration (None: declared without flag() or derived())."""
-    return field.metadata.get(_KEY)
+def spec_of(field: dataclasses.Field) -> Spec:
+    """The field's declaration; a field declared without flag() or derived() is an error at
+    once: what a resume may do with it must be said, not assumed."""
+    if _KEY not in field.metadata:
+        raise TypeError(
+            f"config field {field.name} is declared without flag(...) or derived(...) "
+            "(config/flag_spec.py): give it its help and its resume class"
+        )
+    return field.metadata[_KEY]

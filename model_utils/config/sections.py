@@ -35,6 +35,7 @@ from model_utils.config.flag_spec import (
     Range,
     Resume,
     Spec,
+    When,
     derived,
     flag,
     spec_of,
@@ -91,6 +92,9 @@ KEPT, FP8_KNOB = Resume.KEPT, Resume.FP8_KNOB
 _BETA = Range(
     low=0, high=1, high_open=True, words="--beta1/--beta2 must be in [0, 1), got {beta1}/{beta2}"
 )
+#: The conditions flags declare (needs=, excludes=) on FP8, activation checkpointing, no FSDP2.
+FP8, AC = When("fp8", words="--fp8=1"), When("activation_checkpointing")
+UNSHARDED = When("sharding_strategy", "none")
 
 
 @dataclass(frozen=True)
@@ -183,11 +187,16 @@ class PrecisionConfig:
         "TE: keep weights in FP8 only (fp8_model_init); trains with --master_weights optimizer",
         resume=Resume.FREE,
         default=False,
+        needs=(FP8,),
     )
     fp8_attention: bool = flag(
         "TE (--model_impl te): attention in FP8 too (cuDNN; recipe fp8_dpa); delayed on Hopper",
         resume=FP8_KNOB,
         default=False,
+        needs=(
+            FP8,
+            When("model_impl", "te", why="runs TE's fused attention (te_linear and hf keep HF's)"),
+        ),
     )
     fp8_lm_head: bool = flag(
         "the output layer's GEMMs in FP8 too (in the chunked loss, per-tensor current scaling; "
@@ -195,34 +204,38 @@ class PrecisionConfig:
         "compare_runs' parity verdict",
         resume=FP8_KNOB,
         default=False,
+        needs=When.because(
+            "runs the output layer's GEMMs in FP8 inside the chunked loss",
+            FP8,
+            When("chunked_loss", words="--chunked_loss=1"),
+        ),
     )
     bf16_layers: str = flag(
         "decoder layers kept in BF16 while FP8 is on: comma-separated indices, negative ones "
         "from the end (0,-1: the first and the last; a lone one as --bf16_layers=-1)",
         resume=FP8_KNOB,
         default="",
+        needs=When.because("keeps layers out of FP8", FP8),
+        excludes=When.because(
+            "with --fp8_weights: a layer kept in BF16 needs high-precision weights, and "
+            "--fp8_weights keeps every layer's only in FP8",
+            When("fp8_weights"),
+        ),
     )
     fp8_all_gather: bool = flag(
         "torchao tensorwise: FSDP2 all-gathers weights in float8",
         resume=Resume.FREE,
         default=False,
+        needs=(FP8,),
+        excludes=When.because(
+            "gathers FSDP2's weight shards in float8; --sharding_strategy none gathers nothing",
+            UNSHARDED,
+        ),
     )
 
     @property
     def name(self) -> str:
         return precision_name(self.fp8, self.bf16)
-
-    def kept_layers(self, num_layers: int) -> tuple[int, ...]:
-        """The decoder layers --bf16_layers keeps out of FP8, from 0, sorted (none without
-        FP8); the indices were checked against --num_layers (config/flag_rules.py)."""
-        if not self.fp8:
-            return ()
-        return tuple(sorted({int(i) % num_layers for i in self.bf16_layers.split(",") if i}))
-
-
-def kept_layers_words(layers: tuple[int, ...]) -> str:
-    """``decoder layers 0, 15`` for the start-up line (--bf16_layers)."""
-    return "decoder layer" + "s" * (len(layers) > 1) + " " + ", ".join(map(str, layers))
 
 
 @dataclass(frozen=True)
@@ -301,6 +314,16 @@ class OptimConfig:
         default="params",
         choices=MASTER_WEIGHTS,
         before=("params",),
+        needs=When.because(
+            "keeps bf16 parameters with fp32 copies in AdamW, and torchao's {optimizer} keeps "
+            "none (torchao/optim/adam.py rounds each update into them)",
+            When("optimizer", "adamw"),
+        ),
+        excludes=When.because(
+            "stores the parameters in bf16, and --bf16=0 computes in fp32 (fp32 parameters "
+            "are their own master weights)",
+            When("bf16", False, words="--bf16=0"),
+        ),
     )
     weight_decay: float = flag(
         "AdamW decay (not on norms/biases)", resume=Resume.FREE, default=0.1, range=NOT_NEGATIVE
@@ -330,6 +353,10 @@ class ParallelConfig:
         resume=Resume.FREE,
         default="default",
         choices=RESHARD_POLICIES,
+        excludes=When.because(
+            "is an FSDP2 choice; --sharding_strategy none keeps the whole model in place",
+            UNSHARDED,
+        ),
     )
     activation_checkpointing: bool = flag(
         "recompute decoder layers in backward", resume=Resume.FREE, default=False
@@ -339,6 +366,7 @@ class ParallelConfig:
         resume=Resume.FREE,
         default=1,
         range=Range(low=1),
+        needs=(AC,),
     )
     ac_scope: str = flag(
         "with AC: `layer` recomputes whole layers; `mlp` only their MLPs (on --model_impl te "
@@ -346,6 +374,7 @@ class ParallelConfig:
         resume=Resume.FREE,
         default="layer",
         choices=AC_SCOPES,
+        needs=(AC,),
     )
     compile: bool = flag("torch.compile each decoder layer", resume=Resume.FREE, default=False)
     cuda_graphs: bool = flag(
@@ -354,6 +383,15 @@ class ParallelConfig:
         "per layer instead of its kernels; not with --compile or --activation_checkpointing",
         resume=Resume.FREE,
         default=False,
+        needs=When.because(
+            "captures TE's decoder layers as CUDA graphs",
+            When("model_impl", "te"),
+            UNSHARDED,
+            When("cuda", words="a CUDA GPU"),
+            When("compile", False),
+            When("activation_checkpointing", False),
+            When("fp8_numerics", False),
+        ),
     )
     chunked_loss: bool = flag(
         "lm_head + cross-entropy by chunks, no full logits; 0 = HF's",
@@ -391,7 +429,15 @@ class CheckpointConfig:
         "checkpoints kept; 0 keeps all", resume=Resume.FREE, default=2, range=NOT_NEGATIVE
     )
     async_checkpoint: bool = flag(
-        "write checkpoints in the background", resume=Resume.FREE, default=False
+        "write checkpoints in the background",
+        resume=Resume.FREE,
+        default=False,
+        needs=When.because(
+            "cannot save --optimizer {optimizer}'s states: DCP's async stager copies them with "
+            "aten.new_empty, which torchao's OptimState8bit/Fp8 do not implement "
+            "(torchao/optim/subclass_8bit.py)",
+            When("optimizer", "adamw"),
+        ),
     )
     resume_from_checkpoint: str | None = flag(
         "PATH or 'auto' (newest in checkpoint_dir)", resume=Resume.LAUNCH, path=True
@@ -401,6 +447,10 @@ class CheckpointConfig:
         "(without it such a run is refused)",
         resume=Resume.LAUNCH,
         default=False,
+        excludes=When.because(
+            "deletes the checkpoints --resume_from_checkpoint would resume from",
+            When("resume_from_checkpoint", test=lambda path: path is not None),
+        ),
     )
     allow_data_change: bool = flag(
         "resume although a local --dataset file changed since the checkpoint was saved (its "
@@ -467,6 +517,7 @@ class RunConfig:
         "delayed/current; on --model_impl te through TE's debug tools, nvdlfw-inspect)",
         resume=Resume.FREE,
         default=False,
+        needs=When.because("measures FP8 casts", FP8),
     )
     validate_only: bool = flag(
         "check flags, data, tokenizer and checkpoint, then exit: 0 ready, 2 bad input "
@@ -496,6 +547,10 @@ class RunConfig:
         "at https://pytorch.org/memory_viz (default: off)",
         resume=Resume.FREE,
         metavar="N",
+        needs=When.because(
+            "records CUDA's caching allocator (on CPU, --profile_steps still traces the steps)",
+            When("cuda", words="a CUDA GPU"),
+        ),
         field_default=None,
     )
     slow_rank_threshold: float = flag(
@@ -544,22 +599,10 @@ SECTIONS: dict[str, type] = {
 }
 
 
-def _spec(field: dataclasses.Field) -> Spec:
-    """The field's declaration; a field declared without flag() or derived() is an error at
-    once: what a resume may do with it must be said, not assumed."""
-    spec = spec_of(field)
-    if spec is None:
-        raise TypeError(
-            f"config field {field.name} is declared without flag(...) or derived(...) "
-            "(config/flag_spec.py): give it its help and its resume class"
-        )
-    return spec
-
-
 #: Section fields no flag sets: a preset or --init_from_hf's config.json fills in the model's,
 #: train.validate the data's fingerprints.
 DERIVED = frozenset(
-    f.name for kind in SECTIONS.values() for f in fields(kind) if not _spec(f).is_flag
+    f.name for kind in SECTIONS.values() for f in fields(kind) if not spec_of(f).is_flag
 )
 
 
@@ -655,9 +698,9 @@ TOP_FIELDS = tuple(f.name for f in fields(Config) if f.name not in (*SECTIONS, "
 def flag_specs() -> dict[str, Spec]:
     """Every field of the run -> its declaration, in the parser's order: the run's own fields
     (--recipe, --preset), then each section's (those no flag sets included)."""
-    specs = {f.name: _spec(f) for f in fields(Config) if f.name in TOP_FIELDS}
+    specs = {f.name: spec_of(f) for f in fields(Config) if f.name in TOP_FIELDS}
     for kind in SECTIONS.values():
-        specs.update((f.name, _spec(f)) for f in fields(kind))
+        specs.update((f.name, spec_of(f)) for f in fields(kind))
     return specs
 
 

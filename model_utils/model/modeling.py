@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from model_utils.config.families import FAMILIES
+from model_utils.config.fp8_plan import plan_of
 from model_utils.config.sections import HF_KEYS, SHAPE_FIELDS, Config, ModelShape
 from model_utils.model import loss, te_support
 from model_utils.parallel.distributed import canonical_param_name, local_shard
@@ -81,7 +82,7 @@ def build(
     `fp8_recipe` is the TE recipe --fp8_weights quantizes the weights for (TE only). `build_te`
     is the TE model's builder (te_llama.build_te_llama), passed in because the model file lives
     above this package and only the TE path needs it."""
-    config = model_config(args.model)
+    config, plan = model_config(args.model), plan_of(args)
     with torch.device("meta"):
         if impl in ("te", "te_linear"):
             if build_te is None:
@@ -89,9 +90,9 @@ def build(
             model = build_te(
                 config,
                 impl=impl,
-                fp8_weights=args.precision.fp8_weights,
+                fp8_weights=plan.weights,
                 fp8_recipe=fp8_recipe,
-                bf16_layers=args.precision.kept_layers(args.model.num_layers),
+                bf16_layers=plan.kept_layers,
             )
         else:
             causal_lm = FAMILIES[args.model.model_family].hf_class("causal_lm_class")
@@ -101,7 +102,7 @@ def build(
     if args.optim.master_weights == "optimizer":  # fp32 copies live in the optimizer instead
         master_weights.store_parameters_in(model, torch.bfloat16)
     return (
-        loss.use_chunked_loss(model, compiled=args.parallel.compile, fp8=args.precision.fp8_lm_head)
+        loss.use_chunked_loss(model, compiled=args.parallel.compile, fp8=plan.lm_head)
         if args.parallel.chunked_loss
         else loss.annotate_lm_head(model)
     )

@@ -33,9 +33,10 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from model_utils.config.fp8_plan import plan_of
 from model_utils.config.machine import fp8_capable_gpu
 from model_utils.config.options import TE_IMPLS
-from model_utils.config.sections import Config, kept_layers_words
+from model_utils.config.sections import Config
 
 # FP8 GEMMs need both matrix dims divisible by 16 (the backward multiplies by the transpose).
 FP8_DIM_MULTIPLE = 16
@@ -136,13 +137,10 @@ class TorchaoFloat8(BF16):
 
     def __init__(self, config: Config, device: torch.device) -> None:
         super().__init__(config, device)
-        self.recipe_name = config.precision.fp8_recipe
-        self.all_gather = config.precision.fp8_all_gather
+        self.plan = plan_of(config)
         # Real FP8 GEMMs need FP8 tensor cores; elsewhere torchao emulates the numerics around
         # the model's compute dtype (bf16, or fp32 with --bf16=0 on a CPU without bf16 units).
         self.emulate = device.type != "cuda" or not fp8_capable_gpu()
-        self.bf16_layers = config.precision.kept_layers(config.model.num_layers)
-        self.fp8_lm_head = config.precision.fp8_lm_head
         self.converted: list[str] = []
         self.skipped: list[str] = []  # not FP8-eligible (lm_head, odd shapes)
         self.in_kept_layers: list[str] = []  # --bf16_layers
@@ -150,9 +148,9 @@ class TorchaoFloat8(BF16):
     def config(self):
         from torchao.float8 import Float8LinearConfig
 
-        base = Float8LinearConfig.from_recipe_name(self.recipe_name)
+        base = Float8LinearConfig.from_recipe_name(self.plan.recipe.name)
         return dataclasses.replace(
-            base, emulate=self.emulate, enable_fsdp_float8_all_gather=self.all_gather
+            base, emulate=self.emulate, enable_fsdp_float8_all_gather=self.plan.all_gather
         )
 
     def prepare(self, model: nn.Module) -> nn.Module:
@@ -162,7 +160,7 @@ class TorchaoFloat8(BF16):
             if not isinstance(module, nn.Linear):
                 return False
             layer = _LAYER.search(fqn)
-            if layer and int(layer.group(1)) in self.bf16_layers:
+            if layer and int(layer.group(1)) in self.plan.kept_layers:
                 self.in_kept_layers.append(fqn)
                 return False
             eligible = _fp8_eligible(module, fqn)
@@ -172,7 +170,7 @@ class TorchaoFloat8(BF16):
         return convert_to_float8_training(model, config=self.config(), module_filter_fn=keep)
 
     def after_optimizer_step(self, model: nn.Module) -> None:
-        if self.all_gather:
+        if self.plan.all_gather:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
             precompute_float8_dynamic_scale_for_fsdp(model)
@@ -183,16 +181,17 @@ class TorchaoFloat8(BF16):
             if self.emulate
             else "FP8 tensor cores"
         )
-        gather = ", float8 all-gather" if self.all_gather else ""
-        skipped = [n for n in self.skipped if not (self.fp8_lm_head and n.endswith("lm_head"))]
+        plan = self.plan
+        gather = ", float8 all-gather" if plan.all_gather else ""
+        skipped = [n for n in self.skipped if not (plan.lm_head and n.endswith("lm_head"))]
         kept = ", ".join(skipped) if skipped else "none"
-        if self.bf16_layers:
-            kept += f"; {kept_layers_words(self.bf16_layers)} ({len(self.in_kept_layers)} linears)"
-        head = "; lm_head's GEMMs in FP8 (chunked loss)" if self.fp8_lm_head else ""
+        if plan.kept_layers:
+            kept += f"; {plan.kept_words} ({len(self.in_kept_layers)} linears)"
+        head = "; lm_head's GEMMs in FP8 (chunked loss)" if plan.lm_head else ""
         if self.torch_autocast_dtype is not None:
             head += "; bf16 compute by torch.autocast, no FSDP2"
         return (
-            f"precision: torchao float8 {self.recipe_name}{gather}, {mode}; "
+            f"precision: torchao float8 {plan.recipe.name}{gather}, {mode}; "
             f"{len(self.converted)} linears in FP8, kept in {self.compute}: {kept}{head}"
         )
 
@@ -202,16 +201,17 @@ def build_backend(
 ) -> PrecisionBackend:
     """The backend for (--model_impl, --fp8). TE implementations always use the TE backend so that
     --fp8=0 runs the very same TE model in bf16."""
+    plan = plan_of(config)
     if config.precision.model_impl in TE_IMPLS:
         from model_utils.precision.te import TEBackend
 
-        numerics = config.run.fp8_numerics and config.precision.model_impl == "te"
+        numerics = plan.numerics and config.precision.model_impl == "te"
         return TEBackend(
             config,
             dp_group=dp_group,
             torch_autocast_dtype=autocast_dtype(config),
             numerics=numerics,
         )
-    if config.precision.fp8:
+    if plan.on:
         return TorchaoFloat8(config, device)
     return BF16(config, device)

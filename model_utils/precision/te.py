@@ -23,8 +23,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from model_utils.config import te_loader
+from model_utils.config.fp8_plan import check_training, plan_of, te_options
 from model_utils.config.options import FP8_RECIPE, TE_RECIPE_KEYWORDS, TE_RECIPES
-from model_utils.config.sections import Config, kept_layers_words
+from model_utils.config.sections import Config, flag_specs
 from model_utils.config.te_loader import TEUnavailableError, import_te
 from model_utils.errors import UsageError
 from model_utils.precision.te_requirements import (
@@ -49,18 +50,6 @@ TE_CONTRACT_VERSIONS: tuple[str, ...] = (PINNED_TE_VERSION, IMAGE_TE_VERSION)
 
 #: ``--fp8_format`` -> ``recipe.Format`` member. HYBRID = E4M3 forward, E5M2 gradients.
 TE_FORMATS: dict[str, str] = {"hybrid": "HYBRID", "e4m3": "E4M3"}
-AMAX_COMPUTE_ALGOS = ("max", "most_recent")
-
-
-#: Why ``--fp8_weights`` trains only with ``--master_weights optimizer``. FP8-only weights need
-#: FP32 master weights in the optimizer (TE's FusedAdam(master_weights=True), as in TE's
-#: examples/pytorch/quantized_model_init/fully_shard.py); torch AdamW re-quantises every update
-#: to E4M3, so small updates vanish (the loss this cost on an H100: docs/checkpoints.md).
-FP8_WEIGHTS_TRAINING_REFUSAL = (
-    "--fp8_weights keeps weights only in FP8, and training them needs fp32 master weights in the "
-    "optimizer: add --master_weights optimizer (without it AdamW would re-quantise every update "
-    "to FP8, and small updates vanish: docs/checkpoints.md)"
-)
 
 
 def import_recipe_module() -> Any:
@@ -70,40 +59,18 @@ def import_recipe_module() -> Any:
     return importlib.import_module("transformer_engine.common.recipe")
 
 
-def build_recipe(
-    name: str,
-    *,
-    fp8_format: str = "hybrid",
-    amax_history_len: int = 1024,
-    amax_compute_algo: str = "max",
-    fp8_margin: int = 0,
-    fp8_attention: bool = False,
-) -> Any:
-    """The TE recipe object for ``--fp8_recipe name`` and its options.
-
-    Each recipe's class gets the options its row of config/options.FP8_RECIPES says it reads
-    (``amax_history_len`` only exists for delayed scaling: the others compute scales from the
-    current tensor or block), ``fp8_attention`` as ``fp8_dpa`` where it has that path.
-    """
+def build_recipe(name: str, **options: Any) -> Any:
+    """TE's recipe object for ``--fp8_recipe name``: its row's class (config/options.FP8_RECIPES)
+    given the TE recipe flags the row reads, by TE's keyword names; `options` are flag values
+    (a run's: its Fp8Plan's te_options), one not given taking its flag's default."""
     recipe = FP8_RECIPE.get(name)
     if recipe is None or recipe.backend != "te":
         raise ValueError(f"unknown TE fp8 recipe {name!r}; choose from {', '.join(TE_RECIPES)}")
-    if fp8_format not in TE_FORMATS:
-        raise ValueError(f"unknown fp8 format {fp8_format!r}; choose from {', '.join(TE_FORMATS)}")
-    if amax_compute_algo not in AMAX_COMPUTE_ALGOS:
-        raise ValueError(f"amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS}")
-    if fp8_attention and not recipe.attention:
-        raise ValueError(f"--fp8_attention has no FP8 attention path with --fp8_recipe {name}")
+    defaults = {knob: flag_specs()[knob].default for knob in TE_RECIPE_KEYWORDS}
+    read = te_options(recipe, {**defaults, **options})
+    keywords = {TE_RECIPE_KEYWORDS[knob]: value for knob, value in read.items()}
     te_recipe = import_recipe_module()
-    flags = {
-        "fp8_format": getattr(te_recipe.Format, TE_FORMATS[fp8_format]),
-        "amax_history_len": amax_history_len,
-        "amax_compute_algo": amax_compute_algo,
-        "fp8_margin": fp8_margin,
-    }
-    keywords = {TE_RECIPE_KEYWORDS[knob]: flags[knob] for knob in recipe.knobs}
-    if recipe.attention:
-        keywords[TE_RECIPE_KEYWORDS["fp8_attention"]] = fp8_attention
+    keywords["fp8_format"] = getattr(te_recipe.Format, TE_FORMATS[keywords["fp8_format"]])
     return getattr(te_recipe, recipe.te_class)(**keywords)
 
 
@@ -167,9 +134,8 @@ class TEBackend:
     ) -> None:
         """``numerics`` (a training run's --fp8_numerics on the fused layers) starts TE's debug
         tools here, before the model's first TE module exists, as TE requires."""
-        self.fp8 = bool(config.precision.fp8)
-        self.recipe_name = config.precision.fp8_recipe
-        self.fp8_weights = bool(config.precision.fp8_weights)
+        self.plan = plan_of(config)
+        self.fp8 = self.plan.on
         self.masters_in_optimizer = config.optim.master_weights == "optimizer"
         self.model_impl = config.precision.model_impl
         #: TE's own MLP recompute (``--ac_scope mlp`` on the fused layer) has a TE floor.
@@ -180,15 +146,6 @@ class TEBackend:
         )
         self.torch_autocast_dtype = torch_autocast_dtype
         self.dp_group = dp_group
-        self.bf16_layers = config.precision.kept_layers(config.model.num_layers)
-        self.fp8_lm_head = config.precision.fp8 and config.precision.fp8_lm_head
-        self._recipe_kwargs = {
-            "fp8_format": config.precision.fp8_format,
-            "amax_history_len": int(config.precision.amax_history_len),
-            "amax_compute_algo": config.precision.amax_compute_algo,
-            "fp8_margin": int(config.precision.fp8_margin),
-            "fp8_attention": bool(config.precision.fp8_attention),
-        }
         self.head_dim = config.model.head_dim  # for the FP8 attention backend rules
         self._recipe: Any = None
         self._model: nn.Module | None = None
@@ -200,7 +157,7 @@ class TEBackend:
                 f"{config.run.output_dir}/fp8_numerics",
                 config.run.logging_freq,
                 delayed=self.te_recipe.delayed(),
-                kept=self.bf16_layers,
+                kept=self.plan.kept_layers,
             )
 
     @property
@@ -208,7 +165,7 @@ class TEBackend:
         """The TE recipe (built on first use; ``None`` with FP8 off): PrecisionBackend's name,
         the same on every backend."""
         if self.fp8 and self._recipe is None:
-            self._recipe = build_recipe(self.recipe_name, **self._recipe_kwargs)
+            self._recipe = build_recipe(self.plan.recipe.name, **self.plan.te_options)
         return self._recipe if self.fp8 else None
 
     def _te(self) -> Any:
@@ -229,30 +186,30 @@ class TEBackend:
         """
         te = self._te()
         sm = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+        recipe = self.plan.recipe
         problem = capability_problem(
-            self.recipe_name if self.fp8 else "bf16",
+            recipe.name if recipe else "bf16",
             sm=sm,
             cuda_version=torch.version.cuda,
             te_version=_te_version(te),
-            fp8_weights=self.fp8_weights,
+            fp8_weights=self.plan.weights,
             mlp_recompute=self.mlp_recompute,
         )
         if problem and sm is None and "no CUDA GPU" in problem:
             problem = None  # TE itself decides below (it knows its device; CPU builds have none)
         if problem:
             raise TECapabilityError(problem)
-        if not self.fp8:
+        if recipe is None:
             return
-        check = getattr(te, FP8_RECIPE[self.recipe_name].te_check)
-        available, reason = check(return_reason=True)
+        available, reason = getattr(te, recipe.te_check)(return_reason=True)
         if not available:
             raise TECapabilityError(
-                f"--fp8_recipe {self.recipe_name} needs {REQUIREMENTS[self.recipe_name].hardware}: "
+                f"--fp8_recipe {recipe.name} needs {REQUIREMENTS[recipe.name].hardware}: "
                 f"Transformer Engine reports: {reason}"
             )
-        if self._recipe_kwargs["fp8_attention"]:
+        if self.plan.attention:
             problem = fp8_attention_problem(
-                self.recipe_name,
+                recipe.name,
                 sm=sm or te.get_device_compute_capability(),
                 head_dim=self.head_dim,
                 deterministic=attention_is_deterministic(),
@@ -355,16 +312,15 @@ class TEBackend:
                 f"model_impl={self.model_impl} precision=TE, fp8 off (same TE modules); "
                 f"{activations}{cudnn}"
             )
-        recipe = FP8_RECIPE[self.recipe_name]  # the knobs it reads: current has no history
-        read = (*recipe.knobs, *(("fp8_attention",) if recipe.attention else ()))
-        options = ", ".join(f"{k}={self._recipe_kwargs[k]}" for k in read)
+        plan = self.plan  # the options its recipe reads: current has no history
+        options = ", ".join(f"{k}={v}" for k, v in plan.te_options.items())
         group = "default group" if self.dp_group is None else "data-parallel group"
-        weights = "FP8 (fp8_model_init)" if self.fp8_weights else "high precision"
-        kept = f"; {kept_layers_words(self.bf16_layers)} in BF16" if self.bf16_layers else ""
-        kept += "; lm_head's GEMMs in FP8 (chunked loss)" if self.fp8_lm_head else ""
+        weights = "FP8 (fp8_model_init)" if plan.weights else "high precision"
+        kept = f"; {plan.kept_words} in BF16" if plan.kept_layers else ""
+        kept += "; lm_head's GEMMs in FP8 (chunked loss)" if plan.lm_head else ""
         return (
-            f"model_impl={self.model_impl} precision=TE FP8 recipe={self.recipe_name} "
-            f"({recipe.te_class}: {options}); {activations}; "
+            f"model_impl={self.model_impl} precision=TE FP8 recipe={plan.recipe.name} "
+            f"({plan.recipe.te_class}: {options}); {activations}; "
             f"weights {weights}{kept}; amax reduction over the {group}{cudnn}"
         )
 
@@ -386,9 +342,8 @@ def check_requirements(config: Config, *, training: bool = True) -> None:
     unsupported GPU/CUDA/TE release for the recipe, or shapes FP8 GEMMs cannot take (training
     and validation micro-batches: validation runs under the same precision).
     """
-
-    if training and config.precision.fp8_weights and config.optim.master_weights != "optimizer":
-        raise UsageError(FP8_WEIGHTS_TRAINING_REFUSAL)
+    if training:
+        check_training(config)
     te_numerics = config.run.fp8_numerics and config.precision.model_impl == "te"
     if training and te_numerics and importlib.util.find_spec("nvdlfw_inspect") is None:
         raise UsageError(
@@ -402,11 +357,9 @@ def check_requirements(config: Config, *, training: bool = True) -> None:
             backend.te_recipe  # noqa: B018  (builds the recipe: bad options fail here)
     except (TECapabilityError, ValueError) as err:
         raise UsageError(str(err)) from err
-    if not config.precision.fp8:
+    if not backend.fp8:
         return
     for flag in ("train_batch_size", "val_batch_size"):
-        problem = fp8_shape_problem(
-            config.model, config.get(flag), recipe=config.precision.fp8_recipe
-        )
+        problem = fp8_shape_problem(config.model, config.get(flag), recipe=backend.plan.recipe.name)
         if problem:
             raise UsageError(f"{problem} (--{flag} {config.get(flag)})")

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from model_utils.config import arguments
+from model_utils.config.fp8_plan import plan_of
 from model_utils.errors import first_line, os_error_words
 from model_utils.model import modeling
 from model_utils.precision import numerics
@@ -198,7 +199,7 @@ class RunLog:
     def _numerics_probe(self, model, backend, start_step: int):
         """--fp8_numerics: rank 0 measures, armed for the first step if it reports; on TE's fused
         layers TE's debug tools measure, on every rank (the backend started them)."""
-        if not self.config.run.fp8_numerics:
+        if not plan_of(self.config).numerics:
             return None
         debug = getattr(backend, "debug", None)
         if debug is not None:

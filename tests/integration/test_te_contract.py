@@ -32,6 +32,7 @@ import pytest
 import torch
 from helpers.te_usages import Usage, collect_usages, our_usages
 
+from model_utils.config.fp8_plan import te_options
 from model_utils.config.options import FP8_RECIPES, TE_RECIPE_KEYWORDS
 from model_utils.precision import te as te_precision
 from model_utils.precision import te_requirements
@@ -296,8 +297,9 @@ def test_names_kept_as_data_exist(te_source: TESource) -> None:
         cls = te_source.resolve(recipe_module, row.te_class)
         assert cls, row.te_class
         keywords = recipe_keywords(te_source, cls)
-        flags = (*row.knobs, *(("fp8_attention",) if row.attention else ()))
-        missing = [TE_RECIPE_KEYWORDS[f] for f in flags if TE_RECIPE_KEYWORDS[f] not in keywords]
+        # the flags the row reads -> their TE keywords: the one list build_recipe passes
+        read = te_options(row, TE_RECIPE_KEYWORDS)
+        missing = [keyword for keyword in read.values() if keyword not in keywords]
         assert not missing, (row.name, row.te_class, missing)
         check = te_source.resolve("transformer_engine.pytorch", row.te_check)
         assert check and "return_reason" in callable_params(check).names, row.te_check

@@ -74,26 +74,45 @@ def test_llama31_preset_carries_rope_scaling_into_the_hf_config():
     assert config.rope_parameters["rope_theta"] == 500000.0
 
 
-def test_every_flag_is_read_somewhere():
-    """No dead flags: each option is read as a config field (`.optim.lr`, `optim.lr` inside
-    the optim stage, or a table of fields read by name) outside the config package, which only
-    parses and checks them."""
+def _product_code(*config_modules: str) -> str:
+    """The product's code outside the config package, which only parses and checks the flags,
+    and these modules of it."""
     sources = [
         ROOT / "train.py",
         *sorted((ROOT / "model_utils").rglob("*.py")),  # packages too (data/, metrics/)
         ROOT / "te_llama.py",
     ]
     config_dir = ROOT / "model_utils" / "config"
-    tables = config_dir / "sections.py"  # SHAPE_FIELDS: the shape read by name (model_config)
-    code = "\n".join(p.read_text() for p in sources if config_dir not in p.parents or p == tables)
+    kept = {config_dir / name for name in config_modules}
+    return "\n".join(p.read_text() for p in sources if config_dir not in p.parents or p in kept)
+
+
+def test_every_flag_is_read_somewhere():
+    """No dead flags: each option is read as a config field (`.optim.lr`, `optim.lr` inside
+    the optim stage, or a table of fields read by name) outside the config package, or into
+    the FP8 plan, whose fields are read outside it (the next test)."""
+    # sections.py: SHAPE_FIELDS, the shape read by name (model_config); options.py:
+    # TE_RECIPE_KEYWORDS, the TE recipe flags read by name (precision/te.build_recipe)
+    code = _product_code("sections.py", "fp8_plan.py", "options.py")
     parser = arguments.build_parser()
     dests = {a.dest for a in parser._actions if a.dest != "help"}
 
     def read(d: str) -> bool:  # as a field, by name, or in a table of fields
-        ways = [rf"\w\.{d}\b", rf'get\("{d}"\)', rf'^    "{d}",$']
+        ways = [rf"\w\.{d}\b", rf'get\("{d}"\)', rf'^    "{d}",$', rf'^    "{d}": "\w+",$']
         return bool(re.search("|".join(ways), code, re.MULTILINE))
 
     unread = sorted(d for d in dests if not read(d))
+    assert unread == []
+
+
+def test_every_fp8_plan_field_is_read_outside_the_config():
+    """The FP8 plan is what the stages read of the FP8 flags: none of its fields is dead."""
+    from dataclasses import fields
+
+    from model_utils.config.fp8_plan import Fp8Plan
+
+    code = _product_code()
+    unread = [f.name for f in fields(Fp8Plan) if not re.search(rf"plan\.{f.name}\b", code)]
     assert unread == []
 
 
@@ -201,11 +220,20 @@ def test_the_parser_is_derived_from_the_fields():
         (
             ["--cuda_graphs", "--compile"],
             "--cuda_graphs captures TE's decoder layers as CUDA graphs: it needs --model_impl te, "
-            "--sharding_strategy none, a CUDA GPU, no --compile",
+            "--sharding_strategy none, a CUDA GPU and no --compile",
         ),
         (
             ["--sharding_strategy=none", "--reshard_after_forward=never"],
             "--reshard_after_forward never is an FSDP2 choice; --sharding_strategy none keeps",
+        ),
+        (
+            ["--overwrite_output_dir", "--resume_from_checkpoint=auto"],
+            "--overwrite_output_dir deletes the checkpoints --resume_from_checkpoint would resume "
+            "from: drop one of them",
+        ),
+        (
+            ["--fp8=1", "--bf16_layers=0", "--model_impl=te", "--fp8_weights"],
+            "--bf16_layers with --fp8_weights: a layer kept in BF16 needs high-precision weights",
         ),
         (
             ["--sharding_strategy=none", "--fp8=1", "--fp8_all_gather"],
@@ -246,7 +274,7 @@ def test_the_largest_seed_starts_a_run_the_same_way_twice():
 def test_te_recipe_options_pass_where_a_te_recipe_reads_them():
     """Every option its recipes read, and any of them with --fp8=0 on TE (one command line
     toggles FP8); a default is never refused (only what the user gave)."""
-    from model_utils.config.flag_rules import TE_RECIPE_OPTIONS
+    from model_utils.config.options import TE_RECIPE_OPTIONS
 
     values = {
         "fp8_format": "e4m3",

@@ -33,9 +33,11 @@ def test_what_cannot_be_kept_is_refused_in_one_line(flags, message, te_double) -
 
 
 def test_indices_count_from_either_end_once_each() -> None:
+    from model_utils.config.fp8_plan import plan_of
+
     args = parse_args([*SMALL, "--num_layers", "4", "--fp8=1", "--bf16_layers=-1,0,3"])
-    assert args.precision.kept_layers(4) == (0, 3)
-    assert parse_args([*SMALL, "--fp8=0"]).precision.kept_layers(4) == ()
+    assert plan_of(args).kept_layers == (0, 3)
+    assert plan_of(parse_args([*SMALL, "--num_layers", "4", "--fp8=0"])).kept_layers == ()
 
 
 def test_torchao_keeps_the_chosen_layers_linears_in_high_precision() -> None:

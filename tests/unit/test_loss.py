@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from model_utils.model import loss
+from model_utils.precision import output_gemms
 
 CONFIG = dict(
     vocab_size=512,
@@ -187,11 +188,11 @@ def test_fp8_mm_rounds_through_the_format_and_undoes_the_scale() -> None:
     the format holds exactly come back exactly; others within e4m3's (or e5m2's) rounding."""
     exact = torch.tensor([[1.0, -2.0], [0.5, 4.0]])  # powers of 2 under a power-of-2 scale
     eye = torch.eye(2)
-    torch.testing.assert_close(loss.fp8_mm(exact * 112, eye), exact * 112)  # amax 448
+    torch.testing.assert_close(output_gemms.fp8_mm(exact * 112, eye), exact * 112)  # amax 448
     generator = torch.Generator().manual_seed(0)
     a, b = torch.randn(64, 32, generator=generator), torch.randn(32, 48, generator=generator)
     for grad, step in ((False, 2**-3), (True, 2**-2)):  # e4m3: 3 mantissa bits, e5m2: 2
-        got, want = loss.fp8_mm(a, b, grad=grad), a @ b
+        got, want = output_gemms.fp8_mm(a, b, grad=grad), a @ b
         relative = (got - want).norm() / want.norm()
         assert 0 < relative < step, (grad, relative)
 
@@ -205,16 +206,18 @@ def test_the_weight_is_cast_to_fp8_once_per_loss_call_and_the_gemms_are_unchange
     generator = torch.Generator().manual_seed(2)
     weight = torch.randn(48, 32, generator=generator)
     hidden, d = torch.randn(64, 32, generator=generator), torch.randn(64, 48, generator=generator)
-    gemms = loss.Fp8Gemms(weight)
-    torch.testing.assert_close(gemms.logits(hidden), loss.fp8_mm(hidden, weight.t()))
+    gemms = output_gemms.Fp8Gemms(weight)
+    torch.testing.assert_close(gemms.logits(hidden), output_gemms.fp8_mm(hidden, weight.t()))
     got = gemms.grad_hidden(d, out=torch.empty(64, 32))
-    torch.testing.assert_close(got, loss.fp8_mm(d, weight, grad=True))
-    torch.testing.assert_close(gemms.grad_weight(d, hidden), loss.fp8_mm(d.t(), hidden, grad=True))
+    torch.testing.assert_close(got, output_gemms.fp8_mm(d, weight, grad=True))
+    torch.testing.assert_close(
+        gemms.grad_weight(d, hidden), output_gemms.fp8_mm(d.t(), hidden, grad=True)
+    )
 
     casts = []
-    real_cast = loss._to_fp8
+    real_cast = output_gemms._to_fp8
     monkeypatch.setattr(
-        loss, "_to_fp8", lambda x, dtype: casts.append(x.shape) or real_cast(x, dtype)
+        output_gemms, "_to_fp8", lambda x, dtype: casts.append(x.shape) or real_cast(x, dtype)
     )
     model = loss.use_chunked_loss(LlamaForCausalLM(LlamaConfig(**CONFIG)), fp8=True)
     ids, labels = batch()
@@ -232,10 +235,10 @@ def test_the_cuda_call_computes_what_the_emulation_does(grad: bool) -> None:
     run by torch's CPU kernel, equals the CPU emulation (fp32 out: up to summation order)."""
     generator = torch.Generator().manual_seed(1)
     a, b = torch.randn(32, 64, generator=generator), torch.randn(64, 48, generator=generator)
-    qa, inv_a = loss._to_fp8(a, torch.float8_e5m2 if grad else torch.float8_e4m3fn)
-    qb_t, inv_b = loss._to_fp8(b.t().contiguous(), torch.float8_e4m3fn)
-    fused = loss.scaled_mm(qa, qb_t, inv_a, inv_b, torch.float32)
-    torch.testing.assert_close(fused, loss.fp8_mm(a, b, grad=grad), rtol=1e-5, atol=1e-5)
+    qa, inv_a = output_gemms._to_fp8(a, torch.float8_e5m2 if grad else torch.float8_e4m3fn)
+    qb_t, inv_b = output_gemms._to_fp8(b.t().contiguous(), torch.float8_e4m3fn)
+    fused = output_gemms.scaled_mm(qa, qb_t, inv_a, inv_b, torch.float32)
+    torch.testing.assert_close(fused, output_gemms.fp8_mm(a, b, grad=grad), rtol=1e-5, atol=1e-5)
 
 
 def test_the_loss_with_fp8_gemms_stays_close_and_the_tied_weight_is_untouched() -> None:
@@ -265,6 +268,10 @@ def test_the_fp8_lm_head_flag_reaches_the_loss_and_is_refused_where_it_cannot_ru
 
     args = parse_args(["--model_impl=hf", "--fp8=1", "--fp8_lm_head", "--num_layers=1"])
     assert modeling.build(args, "hf", torch.device("cpu")).lm_head.fp8_loss is True
-    for flags in (["--fp8=0"], ["--fp8=1", "--chunked_loss=0"]):
-        with pytest.raises(UsageError, match="--fp8_lm_head .* needs --fp8=1 and --chunked_loss=1"):
+    for flags, needs in (
+        (["--fp8=0", "--chunked_loss=0"], "--fp8=1 and --chunked_loss=1"),
+        (["--fp8=0"], "--fp8=1"),
+        (["--fp8=1", "--chunked_loss=0"], "--chunked_loss=1"),
+    ):
+        with pytest.raises(UsageError, match=f"--fp8_lm_head .* it needs {needs}$"):
             parse_args(["--model_impl=hf", "--fp8_lm_head", *flags])

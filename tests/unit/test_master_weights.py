@@ -173,12 +173,13 @@ def test_the_flag_chooses_the_optimizer() -> None:
         (
             ["--master_weights", "optimizer", "--bf16=0"],
             "--master_weights optimizer stores the parameters in bf16, and --bf16=0 computes in "
-            "fp32: drop --master_weights optimizer",
+            "fp32 (fp32 parameters are their own master weights): drop one of them",
         ),
         (
             ["--master_weights", "optimizer", "--optimizer", "adamw8bit"],
-            "--master_weights optimizer needs --optimizer adamw: torchao's adamw8bit keeps no "
-            "fp32 copy",
+            "--master_weights optimizer keeps bf16 parameters with fp32 copies in AdamW, and "
+            "torchao's adamw8bit keeps none (torchao/optim/adam.py rounds each update into them): "
+            "it needs --optimizer adamw",
         ),
         (["--master_weights", "fp32"], "argument --master_weights: invalid choice: 'fp32'"),
     ],

@@ -35,7 +35,7 @@ from model_utils.run.profiling import RunProfiler, StepOutOfMemory, Window, plan
         (["--profile_steps", "4:3"], "END must not come before START"),
         (["--profile_steps", "5:12", "--max_steps", "10"], "ends after --max_steps 10"),
         (["--memory_snapshot_step", "-1"], "--memory_snapshot_step must be in [0,"),
-        (["--memory_snapshot_step", "2"], "this machine has no CUDA GPU"),
+        (["--memory_snapshot_step", "2"], "it needs a CUDA GPU"),
     ],
 )
 def test_bad_values_are_refused_in_one_line(refused_by_train, flags, words) -> None:
