@@ -19,7 +19,7 @@
 #   fp8          the shipped FP8 recipe (delayed scaling, amax history 1024 / max)
 #   fp8-current  current scaling
 #   fp8-closer   the gap-closer (CLOSER, default: current scaling with the first and last layers
-#                in BF16, NVIDIA's convergence default)
+#                in BF16, NVIDIA's convergence default; docs/recipes.md lists the others)
 # Arms already in OUT_DIR are kept, so the two calls fill one folder; after the arms, every arm
 # present is judged by compare_runs against bf16-a, inside the noise band bf16-b spans
 # (--replicas 2): verdict.txt (each arm's gaps, step lag at every validation, matched time, same

@@ -166,7 +166,8 @@ def _check_recipe_options(config: Config) -> None:
         if config.precision.fp8 and config.precision.fp8_recipe not in recipes:
             raise UsageError(
                 f"--{name} does nothing with --fp8_recipe {config.precision.fp8_recipe}: only "
-                f"{' and '.join(recipes)} scaling read it; drop it or change --fp8_recipe"
+                f"{', '.join(recipes[:-1])}{' and ' * (len(recipes) > 1)}{recipes[-1]} scaling "
+                "read it; drop it or change --fp8_recipe"
             )
 
 

@@ -183,6 +183,15 @@ class PrecisionConfig:
         "TE delayed", resume=FP8_KNOB, default="max", choices=("max", "most_recent")
     )
     fp8_margin: int = flag("TE scaling margin (powers of 2)", resume=FP8_KNOB, default=0)
+    fp8_backward: str = flag(
+        "TE >= 2.15, current/block/mxfp8 scaling (TE's backward_override): the backward's "
+        "GEMMs in fp8, or in high precision from the forward's high_precision operands or its "
+        "FP8 ones dequantized; a gap-closer to judge by compare_runs' parity verdict",
+        resume=FP8_KNOB,
+        default="fp8",
+        choices=("fp8", "high_precision", "dequantized"),
+        before=("fp8",),
+    )
     fp8_weights: bool = flag(
         "TE: keep weights in FP8 only (fp8_model_init); trains with --master_weights optimizer",
         resume=Resume.FREE,

@@ -71,6 +71,8 @@ def build_recipe(name: str, **options: Any) -> Any:
     keywords = {TE_RECIPE_KEYWORDS[knob]: value for knob, value in read.items()}
     te_recipe = import_recipe_module()
     keywords["fp8_format"] = getattr(te_recipe.Format, TE_FORMATS[keywords["fp8_format"]])
+    if keywords.get("backward_override") == "fp8":  # TE's own default, and TE < 2.15 has none
+        del keywords["backward_override"]
     return getattr(te_recipe, recipe.te_class)(**keywords)
 
 
@@ -193,6 +195,7 @@ class TEBackend:
             cuda_version=torch.version.cuda,
             te_version=_te_version(te),
             fp8_weights=self.plan.weights,
+            fp8_backward=self.plan.te_options.get("fp8_backward", "fp8") != "fp8",
             mlp_recompute=self.mlp_recompute,
         )
         if problem and sm is None and "no CUDA GPU" in problem:

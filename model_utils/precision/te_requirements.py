@@ -27,6 +27,9 @@ REQUIREMENTS: dict[str, Fp8Recipe] = {
 #: FP8-only weights under FSDP2 (``--fp8_weights``): TE 2.16 is the first release without the
 #: FSDP2 FP8 weight-workspace leak (TE PR #2805) and with block-scaled weights built on CUDA.
 FP8_WEIGHTS_MIN_TE = (2, 16)
+#: ``--fp8_backward`` sets the recipes' ``backward_override`` (TE PR #2644, first released in
+#: 2.15; delayed scaling accepts only None there, so its row does not read the flag).
+FP8_BACKWARD_MIN_TE = (2, 15)
 #: ``--ac_scope mlp`` on ``--model_impl te`` sets ``LayerNormMLP.checkpoint``, TE's selective
 #: recompute of the fused MLP (TE PR #2311, first released in 2.11).
 MLP_RECOMPUTE_MIN_TE = (2, 11)
@@ -64,6 +67,7 @@ def capability_problem(
     cuda_version: str | None,
     te_version: str | None,
     fp8_weights: bool = False,
+    fp8_backward: bool = False,
     mlp_recompute: bool = False,
 ) -> str | None:
     """The first reason ``recipe`` ("bf16" or a TE recipe) cannot run here, or ``None``.
@@ -82,6 +86,11 @@ def capability_problem(
         return (
             f"--fp8_weights needs Transformer Engine >= {_fmt(FP8_WEIGHTS_MIN_TE)}, "
             f"found {te_version}"
+        )
+    if fp8_backward and te_release < FP8_BACKWARD_MIN_TE:
+        return (
+            f"--fp8_backward needs Transformer Engine >= {_fmt(FP8_BACKWARD_MIN_TE)} (the "
+            f"recipes' backward_override), found {te_version}: drop it"
         )
     if mlp_recompute and te_release < MLP_RECOMPUTE_MIN_TE:
         return (

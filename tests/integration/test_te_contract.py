@@ -32,8 +32,10 @@ import pytest
 import torch
 from helpers.te_usages import Usage, collect_usages, our_usages
 
+from model_utils.config.flag_spec import spec_of
 from model_utils.config.fp8_plan import te_options
 from model_utils.config.options import FP8_RECIPES, TE_RECIPE_KEYWORDS
+from model_utils.config.sections import PrecisionConfig
 from model_utils.precision import te as te_precision
 from model_utils.precision import te_requirements
 from model_utils.precision.te_requirements import TE_UNSAFE_PICKLE_ENV
@@ -908,3 +910,21 @@ def test_the_double_debug_tools_offer_what_te_offers(pinned_te_source: TESource,
     refusal = "nv_dlfw_inspect module should be initialized before"
     te_state = ast.unparse(pinned_te_source.modules["transformer_engine.debug.pytorch.debug_state"])
     assert refusal in te_state and refusal in inspect_module.getsource(debug_state)
+
+
+def test_the_double_accepts_the_backward_overrides_te_accepts(
+    pinned_te_source: TESource, te_double
+):
+    """--fp8_backward's choices other than fp8 are TE's ``_BACKWARD_OVERRIDES`` (None is TE's
+    FP8 backward), and the double checks a recipe against the same tuple."""
+    from transformer_engine.common import recipe as double_recipe
+
+    tree = pinned_te_source.modules["transformer_engine.common.recipe"]
+    (real,) = [
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "_BACKWARD_OVERRIDES"
+    ]
+    assert double_recipe._BACKWARD_OVERRIDES == real
+    (backward,) = [f for f in dataclasses.fields(PrecisionConfig) if f.name == "fp8_backward"]
+    assert set(spec_of(backward).choices) - {"fp8"} == set(real) - {None}

@@ -199,6 +199,12 @@ def test_the_parser_is_derived_from_the_fields():
             ["--model_impl=te_linear", "--fp8=1", "--fp8_recipe=block", "--fp8_margin=1"],
             "only delayed and mxfp8 scaling read it",
         ),
+        (
+            ["--model_impl=te", "--fp8=1", "--fp8_recipe=delayed", "--fp8_backward=dequantized"],
+            "--fp8_backward does nothing with --fp8_recipe delayed: only current, block and mxfp8 "
+            "scaling read it; drop it or change --fp8_recipe",
+        ),
+        (["--model_impl=hf", "--fp8=1", "--fp8_backward=high_precision"], "Transformer Engine"),
         ([f"--seed={2**63}"], "--seed must be in [0, 2**63)"),
         (["--activation_checkpointing", "--ac_scope=attention"], "invalid choice: 'attention'"),
         (["--output_dir="], "--output_dir is empty (an unset shell variable?)"),
@@ -281,6 +287,7 @@ def test_te_recipe_options_pass_where_a_te_recipe_reads_them():
         "amax_history_len": "16",
         "amax_compute_algo": "most_recent",
         "fp8_margin": "1",
+        "fp8_backward": "high_precision",
     }
     for name, recipes in TE_RECIPE_OPTIONS.items():
         for recipe in recipes:

@@ -84,6 +84,19 @@ def test_fp8_weights_needs_te_2_16() -> None:
     assert problem == "--fp8_weights needs Transformer Engine >= 2.16, found 2.15.0"
 
 
+def test_fp8_backward_needs_te_2_15() -> None:
+    """TE 2.15 added the recipes' backward_override; an older TE would refuse the keyword."""
+    old = te_requirements.capability_problem(
+        "current", sm=(9, 0), cuda_version="12.4", te_version="2.14.0", fp8_backward=True
+    )
+    assert old == (
+        "--fp8_backward needs Transformer Engine >= 2.15 (the recipes' backward_override), "
+        "found 2.14.0: drop it"
+    )
+    new = dict(sm=(9, 0), cuda_version="12.4", te_version="2.15.0", fp8_backward=True)
+    assert te_requirements.capability_problem("current", **new) is None
+
+
 def test_mlp_recompute_on_the_fused_layer_needs_te_2_11() -> None:
     """--ac_scope mlp sets LayerNormMLP.checkpoint, which TE 2.10 does not have; te_linear
     wraps HF's MLP and needs nothing from TE."""
@@ -148,6 +161,41 @@ def test_build_recipe_maps_flags(te_double) -> None:
     assert isinstance(te_precision.build_recipe("mxfp8"), te_recipe.MXFP8BlockScaling)
     with pytest.raises(ValueError, match="tensorwise"):
         te_precision.build_recipe("tensorwise")
+    for recipe in ("current", "block", "mxfp8"):
+        built_recipe = te_precision.build_recipe(recipe, fp8_backward="high_precision")
+        assert built_recipe.backward_override == "high_precision"
+        assert te_precision.build_recipe(recipe, fp8_backward="fp8").backward_override is None
+
+
+@pytest.mark.parametrize("override", ["high_precision", "dequantized"])
+def test_fp8_backward_runs_the_backward_gemms_unquantized(override: str, te_double) -> None:
+    """TE's backward_override: the incoming gradient is not cast to FP8, and the GEMMs read the
+    forward's high-precision operands (high_precision) or its FP8 ones dequantized. The
+    default backward (FP8 gradient) gives other gradients."""
+    import transformer_engine.pytorch as te
+
+    torch.manual_seed(0)
+    layer = te.Linear(32, 32, bias=False, params_dtype=torch.float32)
+    x = torch.randn(16, 32, requires_grad=True)
+    grad_out = torch.randn(16, 32) * 1e-3
+
+    def grads(fp8_backward: str) -> tuple[torch.Tensor, torch.Tensor]:
+        layer.weight.grad = x.grad = None
+        recipe = te_precision.build_recipe("current", fp8_backward=fp8_backward)
+        with te.autocast(recipe=recipe):
+            out = layer(x)
+        out.backward(grad_out)
+        return x.grad.clone(), layer.weight.grad.clone()
+
+    grad_x, grad_w = grads(override)
+    weight = layer.weight.detach()
+    if override == "high_precision":
+        assert torch.allclose(grad_x, grad_out @ weight)
+        assert torch.allclose(grad_w, grad_out.t() @ x.detach())
+    else:
+        assert not torch.allclose(grad_x, grad_out @ weight, rtol=0, atol=1e-7)
+    fp8_grad_x, fp8_grad_w = grads("fp8")
+    assert not torch.equal(grad_x, fp8_grad_x) and not torch.equal(grad_w, fp8_grad_w)
 
 
 # ------------------------------------------------------------------------------------------

@@ -412,6 +412,9 @@ def _assert_dim_for_fp8_exec(*tensors: torch.Tensor) -> None:
 class _Fp8Gemm(torch.autograd.Function):
     """``y = q(x) @ q(w).T``; backward quantizes the incoming gradient (E5M2 under HYBRID).
 
+    Under a recipe's ``backward_override`` the backward GEMMs run in high precision: on the
+    forward's original operands (``high_precision``) or its FP8 ones dequantized
+    (``dequantized``), the gradient unquantized (TE's ``backward_override`` modes).
     ``reduce_bwd`` marks the autocast region's first FP8 GEMM: its backward, the region's last,
     ends by updating the backward scaling state, as TE's modules do when they hold
     ``reduce_and_update_bwd_fp8_tensors``.
@@ -420,7 +423,11 @@ class _Fp8Gemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, weight_q, module, index, reduce_bwd):
         x_q = module._quantize(x, index, role="input")
-        ctx.save_for_backward(x_q, weight_q)
+        ctx.override = getattr(module.fp8_meta["recipe"], "backward_override", None)
+        if ctx.override == "high_precision":
+            ctx.save_for_backward(x, weight.to(x.dtype))
+        else:
+            ctx.save_for_backward(x_q, weight_q)
         ctx.module, ctx.index, ctx.weight_dtype = module, index, weight.dtype
         ctx.reduce_bwd = reduce_bwd
         return x_q @ weight_q.t()
@@ -428,7 +435,9 @@ class _Fp8Gemm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x_q, weight_q = ctx.saved_tensors
-        g_q = ctx.module._quantize(grad_out, ctx.index, role="grad")
+        g_q = grad_out
+        if ctx.override is None:
+            g_q = ctx.module._quantize(grad_out, ctx.index, role="grad")
         grad_x = g_q @ weight_q
         grad_w = (g_q.t() @ x_q).to(ctx.weight_dtype)
         if ctx.reduce_bwd:

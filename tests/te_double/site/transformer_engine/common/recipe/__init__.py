@@ -2,7 +2,8 @@
 
 Field names, order and defaults mirror TE 2.20.2 (tests/integration/test_te_contract.py compares
 them), so code that builds a recipe here builds the same recipe on a GPU. Fields that only steer
-CUDA kernels are accepted and ignored by the double's FP8 emulation.
+CUDA kernels are accepted and ignored by the double's FP8 emulation; ``backward_override`` is
+emulated (pytorch/__init__.py, ``_Fp8Gemm``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal, NamedTuple
+
+#: TE's ``_BACKWARD_OVERRIDES``: what a recipe's ``backward_override`` may be.
+_BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
 
 
 class _FormatHelper(NamedTuple):
@@ -49,6 +53,9 @@ class Recipe:
 
     def _check_format(self) -> None:
         assert self.fp8_format != Format.E5M2, "Pure E5M2 training is not supported."
+        assert self.backward_override in _BACKWARD_OVERRIDES, (
+            "NVTE_BACKWARD_OVERRIDE must be unset or one of: 'high_precision', 'dequantized'."
+        )
 
     @classmethod
     def delayed(cls) -> bool:
@@ -83,6 +90,9 @@ class DelayedScaling(Recipe):
 
     def __post_init__(self) -> None:
         self._check_format()
+        assert self.backward_override is None, (
+            "Delayed scaling only supports backward_override=None."
+        )
 
     def __repr__(self) -> str:
         return (
