@@ -175,12 +175,13 @@ def train(
             model, backend, config.data.train_batch_size, config.model.max_context_width
         )
     run.run_log.meter.start()
-    start_step = state.step
+    start_step, cool_from = state.step, plan_of(config).cooldown_from
     profiler = RunProfiler(config.run, world.rank, world.world_size, device, state.step)
     hang.start()
     try:
         with profiler:  # --profile_steps, --memory_snapshot_step; an OOM: one line
             while state.step < config.run.max_steps:
+                cool_down_at(cool_from, run, first_step=start_step)
                 done = train_step(run, reads.next, data_ok=reads.all_read)
                 if not done.stepped:  # a bad read: the step is dropped, the last full one saved
                     with run.run_log.paused():
@@ -203,6 +204,16 @@ def train(
     finally:
         hang.close()
         run.run_log.close()  # a preempted or stopped run's trackers get what is queued
+
+
+def cool_down_at(cool_from: int | None, run: Run, first_step: int) -> None:
+    """At --bf16_cooldown's step (or a resume's first step past it): FP8 off to the end. A
+    function of the step alone, so a resumed run switches where the uninterrupted one did."""
+    if cool_from is None or run.state.step != max(cool_from, first_step):
+        return
+    run.backend.cool_down(run.model)
+    step, last = run.state.step + 1, run.config.run.max_steps
+    log.info("BF16 cool-down: steps %d-%d train with FP8 off (--bf16_cooldown)", step, last)
 
 
 def stop_on_bad_read(run: Run, reads: data.ReadGuard, world, start_step: int) -> None:

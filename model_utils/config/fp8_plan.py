@@ -40,6 +40,8 @@ class Fp8Plan:
     weights: bool = False  # weights kept only in FP8 (--fp8_weights)
     all_gather: bool = False  # FSDP2 gathers float8 weights (--fp8_all_gather)
     numerics: bool = False  # FP8 casts measured at report steps (--fp8_numerics)
+    #: The first step (counted from 0) trained in BF16 (--bf16_cooldown), or None: FP8 to the end.
+    cooldown_from: int | None = None
 
     @property
     def on(self) -> bool:
@@ -75,7 +77,16 @@ def plan_of(config: Config) -> Fp8Plan:
         precision.fp8_weights,
         precision.fp8_all_gather,
         config.run.fp8_numerics,
+        cooldown_from(config.run.max_steps, precision.bf16_cooldown),
     )
+
+
+def cooldown_from(max_steps: int, fraction: float) -> int | None:
+    """The step a BF16 cool-down of ``fraction`` of ``max_steps`` starts at: at least the last
+    step, never the first (a cool-down of a whole run is a BF16 run: --fp8=0)."""
+    if not fraction:
+        return None
+    return max(1, min(max_steps - 1, round(max_steps * (1 - fraction))))
 
 
 def resolved(config: Config, cuda: bool) -> Config:

@@ -231,6 +231,20 @@ class PrecisionConfig:
             When("fp8_weights"),
         ),
     )
+    bf16_cooldown: float = flag(
+        "the last fraction of --max_steps trains in BF16 (FP8 off from that step on, its "
+        "validations too): a gap-closer for the schedule's end; 0: off",
+        resume=FP8_KNOB,
+        default=0.0,
+        range=Range(low=0, high=1, high_open=True),
+        needs=When.because("turns FP8 off for the last steps", FP8),
+        excludes=(
+            When("fp8_weights", why="with --fp8_weights: BF16 steps need high-precision weights"),
+            When("fp8_all_gather", why="with --fp8_all_gather: BF16 steps gather no float8"),
+            When("cuda_graphs", why="with --cuda_graphs: the graphs are captured with FP8 on"),
+            When("fp8_numerics", why="with --fp8_numerics: BF16 steps cast nothing to FP8"),
+        ),
+    )
     fp8_all_gather: bool = flag(
         "torchao tensorwise: FSDP2 all-gathers weights in float8",
         resume=Resume.FREE,

@@ -6,6 +6,8 @@ never by name) has these duties, each called at one point of the step (docs/arch
   autocast(first_micro_batch) context for the forward pass only; in training, whether this is a
                               step's first micro-batch (TE re-casts FP8 weights there only)
   after_optimizer_step(model) per-step bookkeeping (e.g. torchao's FP8 scale precompute for FSDP)
+  cool_down(model)            FP8 off from here on (--bf16_cooldown): the step's GEMMs in the
+                              compute dtype, each layer's FP8 state kept for the checkpoint
   describe()                  the startup log line
   master_weight_adam(device)  the backend's own AdamW over fp32 masters (TE: FusedAdam on CUDA)
                               for --master_weights optimizer, or None
@@ -37,6 +39,7 @@ from model_utils.config.fp8_plan import plan_of
 from model_utils.config.machine import fp8_capable_gpu
 from model_utils.config.options import TE_IMPLS
 from model_utils.config.sections import Config
+from model_utils.precision.output_gemms import cool_lm_head
 
 # FP8 GEMMs need both matrix dims divisible by 16 (the backward multiplies by the transpose).
 FP8_DIM_MULTIPLE = 16
@@ -63,6 +66,8 @@ class PrecisionBackend(Protocol):
     def after_optimizer_step(self, model: nn.Module) -> None: ...
 
     def master_weight_adam(self, device: torch.device) -> Any | None: ...
+
+    def cool_down(self, model: nn.Module) -> None: ...
 
     def describe(self) -> str: ...
 
@@ -102,6 +107,10 @@ class BF16:
 
     def master_weight_adam(self, device: torch.device) -> None:
         """No fused master-weight AdamW of its own: optim's MasterWeightAdamW runs."""
+        return None
+
+    def cool_down(self, model: nn.Module) -> None:
+        """No FP8 to turn off."""
         return None
 
     def describe(self) -> str:
@@ -169,6 +178,22 @@ class TorchaoFloat8(BF16):
 
         return convert_to_float8_training(model, config=self.config(), module_filter_fn=keep)
 
+    def cool_down(self, model: nn.Module) -> None:
+        """torchao reads each Float8Linear's config at every forward: with every cast disabled
+        its GEMMs run on the high-precision operands (the weights are plain: --bf16_cooldown
+        excludes the float8 all-gather)."""
+        from torchao.float8 import CastConfig, Float8LinearConfig, ScalingType
+        from torchao.float8.float8_linear import Float8Linear
+
+        off = CastConfig(scaling_type=ScalingType.DISABLED)
+        config = Float8LinearConfig(
+            cast_config_input=off, cast_config_weight=off, cast_config_grad_output=off
+        )
+        for module in model.modules():
+            if isinstance(module, Float8Linear):
+                module.config = dataclasses.replace(config, emulate=module.config.emulate)
+        cool_lm_head(model)
+
     def after_optimizer_step(self, model: nn.Module) -> None:
         if self.plan.all_gather:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
@@ -188,6 +213,7 @@ class TorchaoFloat8(BF16):
         if plan.kept_layers:
             kept += f"; {plan.kept_words} ({len(self.in_kept_layers)} linears)"
         head = "; lm_head's GEMMs in FP8 (chunked loss)" if plan.lm_head else ""
+        head += f"; BF16 from step {plan.cooldown_from + 1}" if plan.cooldown_from else ""
         if self.torch_autocast_dtype is not None:
             head += "; bf16 compute by torch.autocast, no FSDP2"
         return (

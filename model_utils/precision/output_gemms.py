@@ -8,6 +8,13 @@ import torch
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
+def cool_lm_head(model: torch.nn.Module) -> None:
+    """The chunked loss's GEMMs (--fp8_lm_head) back in the compute dtype: --bf16_cooldown."""
+    head = getattr(model, "lm_head", None)
+    if getattr(head, "fp8_loss", False):
+        head.fp8_loss = False
+
+
 def _to_fp8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` cast to ``dtype`` with its own scale (current scaling: the format's largest value
     over the amax), and the inverse scale that undoes it."""

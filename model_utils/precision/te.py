@@ -28,6 +28,7 @@ from model_utils.config.options import FP8_RECIPE, TE_RECIPE_KEYWORDS, TE_RECIPE
 from model_utils.config.sections import Config, flag_specs
 from model_utils.config.te_loader import TEUnavailableError, import_te
 from model_utils.errors import UsageError
+from model_utils.precision.output_gemms import cool_lm_head
 from model_utils.precision.te_requirements import (
     REQUIREMENTS,
     TECapabilityError,
@@ -138,6 +139,7 @@ class TEBackend:
         tools here, before the model's first TE module exists, as TE requires."""
         self.plan = plan_of(config)
         self.fp8 = self.plan.on
+        self.cooled = False  # --bf16_cooldown reached: the autocast leaves TE's FP8 off
         self.masters_in_optimizer = config.optim.master_weights == "optimizer"
         self.model_impl = config.precision.model_impl
         #: TE's own MLP recompute (``--ac_scope mlp`` on the fused layer) has a TE floor.
@@ -278,11 +280,17 @@ class TEBackend:
                     device_type=device_type, dtype=self.torch_autocast_dtype, cache_enabled=False
                 )
                 stack.enter_context(autocast)
-            if self.fp8:
+            if self.fp8 and not self.cooled:
                 stack.enter_context(
                     te_autocast(te, enabled=True, recipe=self.te_recipe, group=self.dp_group)
                 )
             yield
+
+    def cool_down(self, model: nn.Module) -> None:
+        """Outside TE's autocast its layers compute in the compute dtype; their FP8 state
+        stays in the checkpoint as it was (``te_recipe`` too: the layers were built with it)."""
+        self.cooled = True
+        cool_lm_head(model)
 
     def after_optimizer_step(self, model: nn.Module) -> None:
         """Nothing to do: TE updates FP8 scales when the autocast region exits, and FP8 weights
@@ -321,6 +329,7 @@ class TEBackend:
         weights = "FP8 (fp8_model_init)" if plan.weights else "high precision"
         kept = f"; {plan.kept_words} in BF16" if plan.kept_layers else ""
         kept += "; lm_head's GEMMs in FP8 (chunked loss)" if plan.lm_head else ""
+        kept += f"; BF16 from step {plan.cooldown_from + 1}" if plan.cooldown_from else ""
         return (
             f"model_impl={self.model_impl} precision=TE FP8 recipe={plan.recipe.name} "
             f"({plan.recipe.te_class}: {options}); {activations}; "

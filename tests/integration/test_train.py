@@ -113,6 +113,40 @@ def test_two_rank_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, 
     assert ", seen: 512 tokens, elapsed: " in result.stdout  # step 8's line
 
 
+def test_a_bf16_cool_down_switches_once_and_resumes_exactly_across_the_switch(tmp_path):
+    """--bf16_cooldown 0.5 of 8 steps: FP8 (emulated) for steps 1-4, off for 5-8, said once in
+    the log. Resumes from step 2 (before the switch) and step 6 (after it: FP8 off from the
+    first step) end bit for bit where the uninterrupted run does; the run's flags record the
+    fraction, and a resume of the run's own checkpoint with another is refused."""
+    full = tmp_path / "full"
+    common = [*FAST, "--train_batch_size=2", "--max_context_width=64", "--fp8=1"]
+    common += ["--max_steps=8", "--warmup=2", "--validation_batches=1", "--bf16_cooldown=0.5"]
+    result = run_train(*common, "--checkpoint_freq=2", "--keep_last=0", f"--output_dir={full}")
+    switch = "BF16 cool-down: steps 5-8 train with FP8 off (--bf16_cooldown)"
+    assert result.stdout.count("BF16 cool-down") == 1 and switch in result.stdout
+    assert "BF16 from step 5" in result.stdout  # the start-up line
+    assert records(full, "run")[0]["flags"]["bf16_cooldown"] == 0.5
+    want = losses(full)
+    for step in (2, 6):
+        resumed = tmp_path / f"from_{step}"
+        checkpoint = full / "checkpoints" / f"step_{step:08d}"
+        result = run_train(
+            *common, f"--output_dir={resumed}", f"--resume_from_checkpoint={checkpoint}"
+        )
+        got = losses(resumed)
+        assert [got[s] for s in sorted(got)] == [want[s] for s in range(step + 1, 9)], step
+        assert f"steps {max(step + 1, 5)}-8 train with FP8 off" in result.stdout
+    other = [*common[:-1], "--bf16_cooldown=0.25", f"--output_dir={full}"]
+    refused = subprocess.run(
+        train_cmd(*other, "--resume_from_checkpoint=auto"),
+        capture_output=True,
+        text=True,
+        env=train_env(),
+        timeout=300,
+    )
+    assert refused.returncode == 2 and "--bf16_cooldown" in refused.stdout + refused.stderr
+
+
 #: The start-up line's optimizer, by --master_weights (on CPU: torch's AdamW, or ours).
 OPTIMIZER_LINE = {
     "params": "torch.optim.adamw.AdamW",
