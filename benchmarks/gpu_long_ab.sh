@@ -11,7 +11,7 @@
 # 2048, vocab 32768: the code corpus's tokenizer) through the launcher on the shipped 1B recipe's
 # settings (--recipe llama3.2-1b-*: TE, --compile, delayed scaling on the FP8 side), with the
 # shape, data and schedule overridden: micro-batch 7 x 1,024 tokens, STEPS steps (default 3,000:
-# 21.5M tokens of scripts/make_code_corpus.py's 23.0M training tokens, none read twice), lr 6e-4
+# 21.5M tokens of tools/make_code_corpus.py's 23.0M training tokens, none read twice), lr 6e-4
 # cosine to 6e-5 after 300 warm-up steps, the held-out text validated every VAL_FREQ steps
 # (default 250), no checkpoints. The arms, each a run folder in OUT_DIR:
 #   bf16-a       the BF16 reference (--seed 42)
@@ -62,7 +62,7 @@ else
     steps=${STEPS:-3000} warmup=${WARMUP:-300} val_freq=${VAL_FREQ:-250}
     text=${DATA:-$root/.gpu/text}
     [ -f "$text/code.jsonl.gz" ] || {
-        echo "gpu_long_ab.sh: no $text/code.jsonl.gz: run scripts/make_code_corpus.py --out $text and carry it" >&2
+        echo "gpu_long_ab.sh: no $text/code.jsonl.gz: run .venv/bin/python -m tools.make_code_corpus --out $text and carry it" >&2
         exit 2
     }
     shared=(--dataset "$text/code.jsonl.gz" --tokenizer "$text/tokenizer" --vocab_size 32768

@@ -2,8 +2,8 @@
 
 A profiler trace of a step is a flat soup of operators and kernels; these ranges say which part
 of the recipe launched each one: waiting for data, the forward, ``lm_head`` and its loss (the
-GEMMs FP8 never runs), the backward, the optimizer. ``scripts/step_breakdown.py`` reads them
-(with the kernel and operator rules of ``scripts/traces/rules.py``) to split the step into
+GEMMs FP8 never runs), the backward, the optimizer. ``analysis/step_breakdown.py`` reads them
+(with the kernel and operator rules of ``analysis/traces/rules.py``) to split the step into
 what FP8 speeds up and what it cannot.
 
 Outside a profiler's window :func:`annotate` is a ``nullcontext``: a RecordFunction costs a few

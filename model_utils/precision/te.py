@@ -40,7 +40,7 @@ from model_utils.precision.te_state import fp8_scaling_kept, set_is_first_microb
 
 #: The Transformer Engine releases this code is contract-tested against, the one place they are
 #: stated: tests/integration/test_te_contract.py downloads each one's pure-Python
-#: ``transformer-engine`` wheel (scripts/fetch_te_wheel.sh) and checks every TE name and keyword
+#: ``transformer-engine`` wheel (tools/fetch_te_wheel.sh) and checks every TE name and keyword
 #: we use against its source.
 #: PINNED: the newest release; the TE test double mirrors its signatures.
 PINNED_TE_VERSION = "2.20.2"
