@@ -41,9 +41,10 @@ Each run writes its resolved flags, one per line, to `<output_dir>/run.args`: `@
 command line stands for the flags in FILE, so `.venv/bin/python train.py @runs/tiny-fp8/run.args
 --output_dir runs/tiny-fp8-again` (or `bash 1.train_llama.sbatch @runs/tiny-fp8/run.args`) trains
 the same run again. Everything before the file gives way to it; flags after it win. Left out of
-the file: where the run writes and how it starts (`--output_dir`, `--checkpoint_dir`,
-`--resume_from_checkpoint`, `--overwrite_output_dir`, `--validate_only`). Any file of flags in
-that form works the same way (`#` lines are comments).
+the file: what names one launch rather than the run ("this launch" below: where it writes, how it
+starts, what it exports or allows once), except `--init_from_hf`, the weights it started from.
+Any file of flags works the same way: a line is `--flag=value` or `--flag value`, `#` lines are
+comments, and a file that names itself is refused.
 
 "On resume" is what a resume of the run's own checkpoints (`--resume_from_checkpoint`, a
 requeue) may do with the flag's value (`model_utils/config/flag_spec.py` declares it, one rule

@@ -20,7 +20,7 @@ from typing import Any
 
 from model_utils.config import argv, recipes
 from model_utils.config.argv import flag_value, precision_name, without_flag
-from model_utils.config.flag_spec import Spec
+from model_utils.config.flag_spec import Resume, Spec
 from model_utils.config.options import TE_IMPLS, TE_RECIPE_OPTIONS
 from model_utils.config.presets import PRESET_FIELDS, PRESETS
 from model_utils.config.sections import SECTIONS, Config, flag_specs, path_flags
@@ -243,10 +243,15 @@ def with_recipes(argv: list[str] | None) -> list[str]:
         raise UsageError(str(exc)) from exc
 
 
-#: What a run's saved arguments (run.args) leave out: where a launch writes and how it starts,
-#: which the command that runs the file again says (`--output_dir` after it, a resume).
-NOT_SAVED = ("output_dir", "checkpoint_dir", "resume_from_checkpoint", "overwrite_output_dir")
-NOT_SAVED += ("validate_only",)
+#: What a run's saved arguments (run.args) leave out: every flag that names this launch rather
+#: than the run (Resume.LAUNCH: where it writes, how it starts, what it exports or allows once),
+#: which the command that runs the file again says itself. --init_from_hf stays: the weights the
+#: run started from.
+NOT_SAVED = tuple(
+    name
+    for name, spec in flag_specs().items()
+    if spec.resume is Resume.LAUNCH and spec.is_flag and name != "init_from_hf"
+)
 
 
 def saved_args(config: Config) -> list[str]:

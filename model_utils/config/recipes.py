@@ -79,22 +79,39 @@ def flags(name: str) -> list[str]:
     return [*shared, *extra]
 
 
+def _words(line: str) -> list[str]:
+    """One line of an `@FILE`: `--flag=value` (a value may hold spaces) or `--flag value`."""
+    first, _, rest = line.partition(" ")
+    if first.startswith("-") and "=" not in first and rest.strip():
+        return [first, rest.strip()]
+    return [line]
+
+
 def args_file(path: str) -> list[str]:
-    """The arguments of an `@FILE`: one per line, blank and `#` lines skipped."""
+    """The arguments of an `@FILE`: one per line (`--flag=value` or `--flag value`), blank and
+    `#` lines skipped."""
     try:
         with open(os.path.expanduser(path), encoding="utf-8") as fh:
-            lines = fh.read().splitlines()
+            lines = [line.strip() for line in fh.read().splitlines()]
     except (OSError, UnicodeDecodeError) as exc:
         words = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise RecipeError(f"@{path}: cannot read the arguments file ({words})") from None
-    return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    return [word for line in lines if line and line[0] != "#" for word in _words(line)]
 
 
-def expand_files(argv: Sequence[str]) -> list[str]:
-    """`argv` with each `@FILE` replaced in place by the arguments in FILE."""
+def expand_files(argv: Sequence[str], within: tuple[str, ...] = ()) -> list[str]:
+    """`argv` with each `@FILE` replaced in place by the arguments in FILE (which may name
+    other files, never one it is read from: `within`)."""
     out: list[str] = []
     for arg in argv:
-        out += expand_files(args_file(arg[1:])) if arg.startswith("@") and len(arg) > 1 else [arg]
+        if not (arg.startswith("@") and len(arg) > 1):
+            out.append(arg)
+            continue
+        real = os.path.realpath(os.path.expanduser(arg[1:]))
+        if real in within:
+            chain = " -> ".join(f"@{path}" for path in (*within, real))
+            raise RecipeError(f"{arg}: an arguments file names itself ({chain}); remove the line")
+        out += expand_files(args_file(arg[1:]), (*within, real))
     return out
 
 

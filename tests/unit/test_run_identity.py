@@ -65,6 +65,41 @@ def test_an_args_file_that_cannot_be_read_is_one_line(tmp_path) -> None:
         )
 
 
+def test_an_args_file_takes_flag_and_value_on_one_line_and_never_reads_itself(tmp_path) -> None:
+    """`--max_steps 3` on a line is a flag and its value (a `--flag=value` keeps its spaces);
+    a file that names itself, directly or through another, is one line, not a RecursionError."""
+    args = tmp_path / "a.args"
+    args.write_text("--max_steps 3\n--dataset_config_name=two words\n")
+    run = parse_args([f"@{args}"])
+    assert (run.run.max_steps, run.data.dataset_config_name) == (3, "two words")
+    other = tmp_path / "b.args"
+    other.write_text(f"@{args}\n")
+    args.write_text(f"--max_steps 3\n@{other}\n")
+    with pytest.raises(UsageError) as refused:
+        parse_args([f"@{args}"])
+    assert str(refused.value) == (
+        f"@{args}: an arguments file names itself (@{args} -> @{other} -> @{args}); remove the line"
+    )
+
+
+def test_run_args_leave_out_what_names_one_launch(tmp_path) -> None:
+    """A rerun of an exported run must not write into the first run's export, nor allow a data
+    change it was never asked for; where its weights came from stays."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(
+        '{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, '
+        '"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, '
+        '"vocab_size": 8192, "max_position_embeddings": 256}'
+    )
+    run = parse_args(
+        [f"--init_from_hf={hf}", f"--export_hf={tmp_path / 'x'}", "--allow_data_change"]
+    )
+    saved = [line.split("=", 1)[0] for line in saved_args(run)]
+    assert "--init_from_hf" in saved
+    assert not {"--export_hf", "--allow_data_change", "--output_dir"} & set(saved)
+
+
 def test_a_recipe_stands_where_it_is_written() -> None:
     """Like argparse's @file: the sbatch's defaults before it give way, the user's flags after
     it win."""
