@@ -54,7 +54,9 @@ def read_config(path: str | Path) -> Any | None:
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        config = AutoConfig.from_pretrained(
+            str(folder), local_files_only=True, trust_remote_code=False
+        )
     except Exception as exc:  # malformed JSON, an unknown model_type, ...
         raise ConfigError(f"--init_from_hf: cannot read {folder / 'config.json'}: {exc}") from exc
     if config.model_type not in FAMILIES:

@@ -54,7 +54,9 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
         )
     try:
         if tokenizer is None:
-            tokenizer = AutoTokenizer.from_pretrained(str(path) if path.exists() else name_or_path)
+            tokenizer = AutoTokenizer.from_pretrained(
+                str(path) if path.exists() else name_or_path, trust_remote_code=False
+            )
     except (OSError, ValueError) as error:
         reason = first_words(error)
         raise UsageError(f"--tokenizer {name_or_path}: cannot be loaded ({reason})") from error
@@ -71,7 +73,7 @@ def _cached(name: str) -> PreTrainedTokenizerBase | None:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(name, local_files_only=True)
+        return AutoTokenizer.from_pretrained(name, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError):
         return None
 

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import queue
+import re
 import sys
 import threading
 import time
@@ -38,6 +39,15 @@ IDS_FILE = "trackers.json"
 
 #: Not scalars worth a chart: the x axis, the wall-clock stamp (each tracker's own time axis).
 _NOT_SCALARS = frozenset({"kind", "step", "time"})
+
+
+#: The user:password part of a URL (``http://user:pw@host``), which MLFLOW_TRACKING_URI may hold.
+_CREDENTIALS = re.compile(r"(\w+://)[^/\s@]+@")
+
+
+def redacted(text: str) -> str:
+    """`text` with every URL's user:password replaced by ***: a log must never show them."""
+    return _CREDENTIALS.sub(r"\1***@", text)
 
 
 def scalars(record: Mapping[str, Any]) -> list[tuple[str, float]]:
@@ -167,6 +177,8 @@ class MlflowTracker:
         uri = os.environ.get("MLFLOW_TRACKING_URI") or (
             f"sqlite:///{Path(output_dir).resolve().parent / 'mlflow.db'}"
         )
+        if _CREDENTIALS.search(uri):  # MLflow's "View run at: URL" banner would print them
+            os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
         self.client = MlflowClient(tracking_uri=uri)
         if run_id:
             self.id = self.client.get_run(run_id).info.run_id
@@ -391,7 +403,9 @@ class Trackers:
                 sink = SINKS[name](run, output_dir, ids.get(name), start_step)
             except Exception as exc:  # the library's own errors: no common base class
                 log.warning(
-                    "%s cannot start (%s): training goes on without it", name, first_line(exc)
+                    "%s cannot start (%s): training goes on without it",
+                    name,
+                    redacted(first_line(exc)),
                 )
                 continue
             self.active.append(sink)
@@ -419,6 +433,6 @@ class Trackers:
                 "%s failed (%s): no more %s this run; training goes on (metrics.jsonl and "
                 "this log carry the same numbers)",
                 sink.name,
-                first_line(exc),
+                redacted(first_line(exc)),
                 sink.name,
             )

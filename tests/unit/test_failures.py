@@ -694,3 +694,40 @@ def test_an_unwritable_hugging_face_cache_is_named_not_blamed_on_the_data(
     elsewhere = PermissionError(13, "Permission denied", str(tmp_path / "data.jsonl"))
     line = read_error_message(elsewhere, BUNDLED_DATASET, "text", 0, "at start-up")
     assert line.startswith(f"--dataset {BUNDLED_DATASET}: rank 0 could not read its data")
+
+
+def test_a_folder_asking_to_run_its_own_code_is_refused_without_a_question(
+    tmp_path, monkeypatch
+) -> None:
+    """A tokenizer or an --init_from_hf config.json whose auto_map names code of its own is
+    refused in one line, and transformers never asks "run the custom code? [y/N]" (at a
+    terminal it waited 15 s for an answer); the folder's code never runs."""
+    import builtins
+    import shutil
+
+    import transformers.dynamic_module_utils as remote
+
+    asked = []
+    monkeypatch.setattr(builtins, "input", lambda *a, **k: asked.append(a) or "n")
+    monkeypatch.setattr(remote, "TIME_OUT_REMOTE_CODE", 15)
+    tok = tmp_path / "tok"
+    shutil.copytree(BUNDLED_TOKENIZER, tok)
+    settings = json.loads((tok / "tokenizer_config.json").read_text())
+    settings |= {"tokenizer_class": "OwnTok", "auto_map": {"AutoTokenizer": ["own.OwnTok", None]}}
+    (tok / "tokenizer_config.json").write_text(json.dumps(settings))
+    (tok / "own.py").write_text("raise SystemExit('the folder ran its code')\n")
+    from model_utils import data
+
+    with pytest.raises(UsageError, match=f"--tokenizer {tok}: cannot be loaded .*custom code"):
+        data.load_tokenizer(str(tok))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(
+        json.dumps({"model_type": "own", "auto_map": {"AutoConfig": "own.OwnConfig"}})
+    )
+    (hf / "own.py").write_text("raise SystemExit('the folder ran its code')\n")
+    from model_utils.config.hf_config import ConfigError, read_config
+
+    with pytest.raises(ConfigError, match="cannot read .*custom code"):
+        read_config(str(hf))
+    assert asked == []

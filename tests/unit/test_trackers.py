@@ -4,6 +4,7 @@ fails mid-run is dropped with one warning while the others go on."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -167,9 +168,10 @@ def test_a_server_that_does_not_answer_is_one_warning_and_no_wait(
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
+    monkeypatch.delenv("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", raising=False)
     run = {"flags": {"fp8": False, "bf16": True}, "world_size": 1}
     with silent_hub() as hub:
-        for uri in (f"http://127.0.0.1:{free_port()}", hub.url):
+        for uri in (f"http://alice:s3cret@127.0.0.1:{free_port()}", hub.url):
             caplog.clear()
             monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
             with caplog.at_level(logging.WARNING):  # every logger, urllib3's too
@@ -178,8 +180,10 @@ def test_a_server_that_does_not_answer_is_one_warning_and_no_wait(
             [warning] = _warnings(caplog)
             assert warning.startswith("mlflow cannot start (")
             assert warning.endswith("): training goes on without it"), warning
+            assert "s3cret" not in caplog.text  # the tracking URI's password stays out of the log
             assert group.active == [] and not (tmp_path / trackers.IDS_FILE).exists()
         assert hub.connections >= 1
+    assert os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] == "true"  # no "View run at: URL"
 
 
 def test_ab_twins_are_two_runs_of_one_experiment_in_the_local_store(
