@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import random
 import subprocess
 import sys
@@ -44,6 +45,8 @@ PACKAGES = {
 #: One platform for every wheel, so the same pins give the same files anywhere.
 PLATFORM = ("--platform", "manylinux_2_28_x86_64", "--python-version", "3.11", "--abi", "cp311")
 VOCAB_SIZE = 32768
+#: A byte-level BPE holds the 256 bytes and EOS before any merge.
+MIN_VOCAB = 257
 #: Files above this are generated tables (unicode data, test vectors), not code.
 MAX_FILE_BYTES = 400_000
 SHUFFLE_SEED = 0
@@ -53,8 +56,21 @@ def download(packages: list[str], into: Path) -> list[Path]:
     """The pinned wheels, from PyPI (pip's cache when it has them)."""
     pins = [f"{name}=={PACKAGES[name][0]}" for name in packages]
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    subprocess.run([*cmd, *PLATFORM, "-d", str(into), *pins], check=True, capture_output=True)
+    done = subprocess.run([*cmd, *PLATFORM, "-d", str(into), *pins], capture_output=True, text=True)
+    if done.returncode:
+        said = [line for line in done.stderr.splitlines() if line.strip()] or ["no message"]
+        sys.exit(f"make_code_corpus: pip cannot download {' '.join(pins)}: {said[-1].strip()}")
     return sorted(into.glob("*.whl"))
+
+
+def out_problem(out: Path) -> str | None:
+    """Why --out cannot take the corpus (None: it can), said before anything is downloaded."""
+    if out.exists() and not out.is_dir():
+        return "is a file: give a folder (it is created if missing)"
+    existing = next(folder for folder in (out, *out.parents) if folder.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        return f"cannot be written ({existing} is read-only or not a folder): give another folder"
+    return None
 
 
 def documents(wheel: Path) -> Iterator[dict]:
@@ -115,6 +131,10 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(packages) - set(PACKAGES))
     if unknown or not packages:
         parser.error(f"--packages: unknown {', '.join(unknown) or '(none given)'}")
+    if args.vocab_size < MIN_VOCAB:
+        parser.error(f"--vocab_size must be at least {MIN_VOCAB} (the 256 bytes and EOS)")
+    if problem := out_problem(args.out):
+        parser.error(f"--out {args.out} {problem}")
     stats = build(args.out, packages, args.vocab_size)
     (args.out / "corpus.json").write_text(json.dumps(stats, indent=2) + "\n")
     print(json.dumps(stats, indent=2))

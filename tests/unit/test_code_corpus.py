@@ -55,3 +55,28 @@ def test_an_unknown_package_is_refused(capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         corpus.main(["--out", "/nonexistent", "--packages", "sympy,leftpad"])
     assert exit_info.value.code == 2 and "--packages: unknown leftpad" in capsys.readouterr().err
+
+
+def test_bad_input_is_one_line_before_any_download(tmp_path, capsys, monkeypatch) -> None:
+    """A file or a folder below a file as --out, a vocabulary smaller than the bytes: refused
+    (exit 2) before pip runs; pip that cannot reach an index: its own last line, no traceback."""
+    monkeypatch.setattr(corpus.subprocess, "run", lambda *a, **k: pytest.fail("pip ran"))
+    taken = tmp_path / "taken"
+    taken.write_text("x")
+    cases = [
+        (["--out", str(taken)], f"--out {taken} is a file: give a folder"),
+        (["--out", str(taken / "sub")], f"cannot be written ({taken} is read-only or not a"),
+        (["--out", str(tmp_path / "new"), "--vocab_size", "0"], "--vocab_size must be at least"),
+    ]
+    for argv, words in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            corpus.main(argv)
+        assert exit_info.value.code == 2 and words in capsys.readouterr().err
+    failed = corpus.subprocess.CompletedProcess([], 1, "", "Looking in indexes\nERROR: No index\n")
+    monkeypatch.setattr(corpus.subprocess, "run", lambda *a, **k: failed)
+    with pytest.raises(SystemExit) as exit_info:
+        corpus.download(["sympy"], tmp_path)
+    assert (
+        exit_info.value.code
+        == "make_code_corpus: pip cannot download sympy==1.14.0: ERROR: No index"
+    )
