@@ -7,7 +7,8 @@ class _ImportNoise(logging.Filter):
     """Lines other libraries print as they are imported that say nothing about a run, dropped
     by their exact words (every other line of the same logger passes): torchao's for each of
     its C++ kernel libraries that cannot load here (CUDA- and GPU-specific; the recipe's
-    torchao FP8 training and low-bit AdamW call none of them), and torch's deprecation of the
+    torchao FP8 training and low-bit AdamW call none of them), its "no triton" warning (for
+    its int8 matmul kernels, which the recipe never runs), and torch's deprecation of the
     pytree registration torchao's import makes."""
 
     def __init__(self, *words: str) -> None:
@@ -20,6 +21,7 @@ class _ImportNoise(logging.Filter):
 
 
 logging.getLogger("torchao").addFilter(_ImportNoise("Failed to load ", "/torchao/_C"))
+logging.getLogger("torchao.kernel.intmm").addFilter(_ImportNoise("Detected no triton"))
 logging.getLogger("torch.utils._pytree").addFilter(
     _ImportNoise("is an Enum subclass and is now natively supported")
 )

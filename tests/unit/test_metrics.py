@@ -591,6 +591,10 @@ def test_remaining_and_durations() -> None:
     seen = {512: "512 tokens", 2048: "2.05k tokens", 1_234_567: "1.23M tokens", 3e9: "3.00B tokens"}
     for tokens, words in seen.items():
         assert f", seen: {words}" in detail_line({**plain, "tokens_seen": tokens}), tokens
+    # The gradient norm before clipping, after the data wait; none where --grad_clip 0 skips it.
+    normed = detail_line({**plain, "grad_norm": 0.87361, "tokens_seen": 512})
+    assert normed.endswith("data wait: 0.0%, grad norm: 0.8736, seen: 512 tokens")
+    assert "grad norm" not in detail_line({**plain, "grad_norm": None})
 
 
 def test_run_record_and_line_round_trip() -> None:

@@ -223,7 +223,8 @@ def tflops_text(tflops: float) -> str:
 
 
 def detail_line(metrics: Mapping[str, Any]) -> str:
-    """Second log line: per-device throughput, model TFLOP/s, MFU, memory, data wait."""
+    """Second log line: per-device throughput, model TFLOP/s, MFU, memory, data wait, the
+    gradient norm, then the tokens seen and the time."""
     memory_kind = metrics.get("memory_kind") or "peak memory"
     return (
         f"  tokens/s/device: {metrics['tokens_per_sec_per_device']:,.0f}, "
@@ -231,8 +232,15 @@ def detail_line(metrics: Mapping[str, Any]) -> str:
         f"{_mfu_text(metrics)}, "
         f"peak mem: {metrics['peak_mem_gib']:.2f} GiB ({memory_kind}), "
         f"data wait: {metrics['data_wait_pct']:.1f}%"
-        f"{_seen_text(metrics)}{_eta_text(metrics)}"
+        f"{_grad_norm_text(metrics)}{_seen_text(metrics)}{_eta_text(metrics)}"
     )
+
+
+def _grad_norm_text(metrics: Mapping[str, Any]) -> str:
+    """``, grad norm: 0.873``: the report step's global norm before clipping, the first sign
+    of a loss spike to come (none with --grad_clip 0, which computes no norm)."""
+    norm = metrics.get("grad_norm")
+    return "" if norm is None else f", grad norm: {norm:.4g}"
 
 
 def _seen_text(metrics: Mapping[str, Any]) -> str:
