@@ -318,25 +318,15 @@ def infer_row(args, name: str, flags: tuple[str, ...], extra: list[str]) -> Row:
 def _timed_forwards(args, name: str, train_args) -> Row:
     import torch.distributed as dist
 
-    import train
+    from benchmarks._common import build_model, random_batch
     from model_utils.parallel import distributed
-    from model_utils.precision import backends as precision
 
     device = torch.device("cuda", 0)
-    world = distributed.world_from_env({})
     if not dist.is_initialized():
-        distributed.init(world, device, train_args.parallel.dist_timeout)
-    backend = precision.build_backend(train_args, device, dp_group=dist.group.WORLD)
-    model = train.build_model(
-        train_args, distributed.build_mesh(world, device, "full"), device, backend
-    )
+        distributed.init(distributed.world_from_env({}), device, train_args.parallel.dist_timeout)
+    model, backend = build_model(train_args, device)
     model.eval()
-    batch = torch.randint(
-        0,
-        train_args.model.vocab_size,
-        (train_args.data.train_batch_size, train_args.model.max_context_width),
-        device=device,
-    )
+    batch = random_batch(train_args, device)
     torch.cuda.reset_peak_memory_stats()
     times = []
     with torch.no_grad():
