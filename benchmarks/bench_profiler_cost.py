@@ -71,10 +71,8 @@ def main(argv: list[str] | None = None) -> None:
         off += step_seconds(base, args.speed_warmup, last)
         outside += step_seconds(flagged, args.speed_warmup, last)
     tokens = 4 * 32
-    (off_med, off_best), (out_med, out_best) = (
-        tokens_per_sec(off, tokens),
-        tokens_per_sec(outside, tokens),
-    )
+    off_med, off_best = tokens_per_sec(off, tokens)
+    out_med, out_best = tokens_per_sec(outside, tokens)
     per_call = min(timeit.repeat(lambda: annotate("x").__enter__(), number=100_000, repeat=5))
     per_call /= 100_000
     calls = 5  # data_wait, forward, lm_head, backward, optimizer at one micro-batch per step

@@ -34,7 +34,6 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -49,21 +48,9 @@ from model_utils.run.step import StepParts, train_step
 GOAL = 0.97
 
 
-@dataclass(frozen=True)
-class Run:
-    """Per-step tokens/s per device of the measured (post-warm-up) steps of one run."""
-
-    tokens_per_sec: list[float]
-
-    def median(self) -> float:
-        return statistics.median(self.tokens_per_sec)
-
-    def best_decile(self) -> float:
-        return best_decile(self.tokens_per_sec)
-
-
-def run_train_py(train_argv: list[str], warmup: int) -> tuple[Run, dict]:
-    """train.main() on the given flags; per-step wall time from the stamps in its JSONL."""
+def run_train_py(train_argv: list[str], warmup: int) -> tuple[list[float], dict]:
+    """train.main() on the given flags: tokens/s of each measured (post-warm-up) step, from the
+    wall-clock stamps in its JSONL, and the run's summary."""
     records = train_in_process(train_argv)
     steps = [r for r in records if r.get("kind") == "train" and r["step"] >= warmup]
     if not steps or steps[0]["step"] != warmup or any(r["window_steps"] != 1 for r in steps):
@@ -72,11 +59,12 @@ def run_train_py(train_argv: list[str], warmup: int) -> tuple[Run, dict]:
         cur["tokens"] / (cur["time"] - prev["time"])
         for prev, cur in zip(steps, steps[1:], strict=False)
     ]
-    return Run(rates), metrics.summarize(records, warmup)
+    return rates, metrics.summarize(records, warmup)
 
 
-def run_bare_loop(train_argv: list[str], warmup: int) -> Run:
-    """train.py's step alone, on the model, precision and batch shape ``train_argv`` selects."""
+def run_bare_loop(train_argv: list[str], warmup: int) -> list[float]:
+    """train.py's step alone, on the model, precision and batch shape ``train_argv`` selects:
+    tokens/s of each measured step."""
     args = arguments.parse_args(train_argv)
     world = distributed.world_from_env()
     device = distributed.device_for(world)
@@ -96,7 +84,7 @@ def run_bare_loop(train_argv: list[str], warmup: int) -> Run:
             sync()
             if step >= warmup:
                 stamps.append(time.perf_counter())
-        return Run([tokens_per_step / (b - a) for a, b in zip(stamps, stamps[1:], strict=False)])
+        return [tokens_per_step / (b - a) for a, b in zip(stamps, stamps[1:], strict=False)]
     finally:
         distributed.cleanup()
 
@@ -153,14 +141,13 @@ def main(argv: list[str] | None = None) -> None:
     summaries: list[dict] = []
     for round_index in range(opts.rounds):
         print(f"== round {round_index + 1}/{opts.rounds}: bare loop", flush=True)
-        bare += run_bare_loop(train_argv, opts.speed_warmup).tokens_per_sec
+        bare += run_bare_loop(train_argv, opts.speed_warmup)
         print(f"== round {round_index + 1}/{opts.rounds}: train.py {' '.join(train_argv)}")
         with contextlib.redirect_stderr(sys.stdout):
-            run, summary = run_train_py(train_argv, opts.speed_warmup)
-        real += run.tokens_per_sec
+            rates, summary = run_train_py(train_argv, opts.speed_warmup)
+        real += rates
         summaries.append(summary)
 
-    both = Run(bare), Run(real)
     print("\n== bench_train_loop: train.py vs its step alone in a bare loop")
     print(f"command: {command}")
     print(
@@ -171,8 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     wait = statistics.median(s["data_wait_pct"] for s in summaries)
     print(f"train.py data wait: {wait:.1f}% of step time (median)")
-    print(_ratio_line("median", both[0].median(), both[1].median()))
-    print(_ratio_line("best decile", both[0].best_decile(), both[1].best_decile()))
+    print(_ratio_line("median", statistics.median(bare), statistics.median(real)))
+    print(_ratio_line("best decile", best_decile(bare), best_decile(real)))
 
 
 if __name__ == "__main__":
