@@ -30,11 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import train
-from benchmarks.bench_optim_kernels import median_seconds
+from benchmarks._common import build_model, median_seconds, random_batch, world_of_one
 from model_utils.config import arguments
 from model_utils.parallel import distributed
-from model_utils.precision import backends as precision
 from model_utils.report.metrics.device import kept_activation_bytes
 
 #: Llama3-8B / 8 in width, same head_dim, GQA ratio and MLP ratio; 4 layers, seq 1024.
@@ -69,15 +67,8 @@ class Built:
 
 def build(flags: list[str], device: torch.device) -> Built:
     args = arguments.parse_args(flags)
-    mesh = distributed.build_mesh(
-        distributed.world_from_env(), device, args.parallel.sharding_strategy
-    )
-    backend = precision.build_backend(args, device, dp_group=dist.group.WORLD)
-    model = train.build_model(args, mesh, device, backend)
-    generator = torch.Generator().manual_seed(0)
-    shape = (args.data.train_batch_size, args.model.max_context_width)
-    batch = torch.randint(0, args.model.vocab_size, shape, generator=generator).to(device)
-    return Built(model, backend, batch)
+    model, backend = build_model(args, device)
+    return Built(model, backend, random_batch(args, device, torch.Generator().manual_seed(0)))
 
 
 def mlp_share(flags: list[str], device: torch.device) -> float:
@@ -122,9 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("extra", nargs="*", help="train.py flags after --, e.g. -- --num_layers 8")
     cli = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    world_of_one(device)
     rows = {
         name: measure([*LLAMA3_SHAPED, *flags, *cli.extra], cli.repeats, device)
         for name, flags in SETTINGS.items()

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 import train
+from benchmarks._common import random_batch
 from model_utils import checkpoint, data, optim
 from model_utils.checkpoint.manifest import dir_bytes
 from model_utils.config import arguments
@@ -74,13 +75,8 @@ class Bench:
         self.backend = precision.build_backend(args, device)
         self.model = train.build_model(args, mesh, device, self.backend)
         self.params = modeling.count_parameters(self.model)
-        self.optimizer = optim.build_optimizer(self.model, args.optim.lr, 0.1, 0.9, 0.95)
-        self.scheduler = optim.build_scheduler(
-            self.optimizer, lr=args.optim.lr, min_lr=0.0, warmup=1, max_steps=10, style="cosine"
-        )
-        ids = torch.randint(
-            0, args.model.vocab_size, (1, args.model.max_context_width), device=device
-        )
+        self.optimizer, self.scheduler = optim.from_config(self.model, args.optim, 10)
+        ids = random_batch(args, device)
         self.model(input_ids=ids, labels=ids).loss.backward()
         self.optimizer.step()
         self.scheduler.step()

@@ -318,25 +318,15 @@ def infer_row(args, name: str, flags: tuple[str, ...], extra: list[str]) -> Row:
 def _timed_forwards(args, name: str, train_args) -> Row:
     import torch.distributed as dist
 
-    import train
+    from benchmarks._common import build_model, random_batch
     from model_utils.parallel import distributed
-    from model_utils.precision import backends as precision
 
     device = torch.device("cuda", 0)
-    world = distributed.world_from_env({})
     if not dist.is_initialized():
-        distributed.init(world, device, train_args.parallel.dist_timeout)
-    backend = precision.build_backend(train_args, device, dp_group=dist.group.WORLD)
-    model = train.build_model(
-        train_args, distributed.build_mesh(world, device, "full"), device, backend
-    )
+        distributed.init(distributed.world_from_env({}), device, train_args.parallel.dist_timeout)
+    model, backend = build_model(train_args, device)
     model.eval()
-    batch = torch.randint(
-        0,
-        train_args.model.vocab_size,
-        (train_args.data.train_batch_size, train_args.model.max_context_width),
-        device=device,
-    )
+    batch = random_batch(train_args, device)
     torch.cuda.reset_peak_memory_stats()
     times = []
     with torch.no_grad():
@@ -437,22 +427,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name()} x {args.nproc}, preset {args.preset}", flush=True)
     rows = []
     ran: list[list[str]] = []  # each row's train.py flags, for the shape line
-    modes = set(args.modes.split(","))
-    for name, flags in TRAIN_ROWS if "train" in modes else ():
-        if not only or name in only:
-            rows.append(train_row(args, name, flags, extra))
-            ran.append([*flags, *extra])
-            print(f"  done train {name}", flush=True)
-    for name, fixed, env in LEVER_ROWS if "levers" in modes else ():
-        if not only or name in only:
-            rows.append(train_row(args, name, (), extra, fixed, env, mode="levers"))
-            ran.append([*extra, *fixed])
-            print(f"  done levers {name}", flush=True)
-    for name, flags in INFER_ROWS if "infer" in modes else ():
-        if not only or name in only:
+    planned = [
+        *(("train", name, flags, (), {}) for name, flags in TRAIN_ROWS),
+        *(("levers", name, (), fixed, env) for name, fixed, env in LEVER_ROWS),
+        *(("infer", name, flags, (), {}) for name, flags in INFER_ROWS),
+    ]
+    for mode, name, flags, fixed, env in planned:
+        if mode not in args.modes.split(",") or (only and name not in only):
+            continue
+        if mode == "infer":
             rows.append(infer_row(args, name, flags, extra))
-            ran.append([*flags, *extra])
-            print(f"  done infer {name}", flush=True)
+        else:
+            rows.append(train_row(args, name, flags, extra, fixed, env, mode))
+        ran.append([*flags, *extra, *fixed])  # a lever row's flags are all fixed
+        print(f"  done {mode} {name}", flush=True)
     levers_ran = any(row.mode == "levers" for row in rows)
     shape = shape_line(args, ran[0] if ran else extra, levers_ran)
     print(render(rows, shape, baselines_with(args.vs)))

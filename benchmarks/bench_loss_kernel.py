@@ -17,13 +17,12 @@ output layer's FP8 speed-up (gpu_levers.sh ``loss``), on a CPU the emulation's c
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks._common import median_seconds
 from model_utils.model import loss
 
 #: Per device: (tokens, hidden, vocab). CUDA: Llama 3 8B at seq 8192, micro-batch 2.
@@ -55,17 +54,12 @@ def fp8_chunked_loss(
     return loss.linear_cross_entropy(hidden, weight, labels, fp8=True)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def measure(
     fn: Callable, inputs: tuple[torch.Tensor, ...], training: bool, repeat: int
 ) -> tuple[float, float | None]:
     """Median seconds per call and (CUDA) peak GiB allocated beyond the inputs."""
     hidden, weight, labels = inputs
-    device = hidden.device
+    cuda, base = hidden.device.type == "cuda", [0]
 
     def once() -> None:
         if training:
@@ -76,21 +70,14 @@ def measure(
             with torch.no_grad():
                 fn(hidden, weight, labels)
 
-    once()  # warm-up (allocator, kernels)
-    peak = None
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    times = []
-    for _ in range(repeat):
-        _sync(device)
-        start = time.perf_counter()
-        once()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    if device.type == "cuda":
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    return statistics.median(times), peak
+    def reset_peak() -> None:  # before each call: the peak is one call's
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            base[0] = torch.cuda.memory_allocated()
+
+    seconds = median_seconds(once, repeat, hidden.device, reset_peak)  # one warm-up call first
+    peak = (torch.cuda.max_memory_allocated() - base[0]) / 2**30 if cuda else None
+    return seconds, peak
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,38 +12,18 @@ peaks and their ratio, measured in one run of this script.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks._common import train_subprocess
 
 
 def peak_gib(chunked: bool, args: argparse.Namespace, out: Path) -> float:
-    run_dir = out / ("chunked" if chunked else "full")
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "train.py"),
-            "--preset=tiny",
-            "--model_impl=hf",
-            f"--vocab_size={args.vocab_size}",
-            f"--max_context_width={args.seq}",
-            f"--train_batch_size={args.micro_batch}",
-            "--max_steps=3",
-            "--warmup=1",
-            "--checkpoint_freq=-1",
-            "--validation_batches=1",
-            f"--chunked_loss={int(chunked)}",
-            f"--output_dir={run_dir}",
-        ],
-        check=True,
-        capture_output=True,
-        cwd=ROOT,
-    )
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    flags = ["--preset=tiny", "--model_impl=hf", f"--vocab_size={args.vocab_size}"]
+    flags += [f"--max_context_width={args.seq}", f"--train_batch_size={args.micro_batch}"]
+    flags += ["--max_steps=3", "--warmup=1", "--validation_batches=1"]
+    flags.append(f"--chunked_loss={int(chunked)}")
+    records = train_subprocess(flags, out / ("chunked" if chunked else "full"))
     return max(r["peak_mem_gib"] for r in records if r.get("kind") == "train")
 
 

@@ -19,9 +19,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
 
 SETTINGS = ("params", "optimizer")
 TINY = ["--preset=tiny", "--train_batch_size=4", "--max_context_width=128", "--warmup=2"]
@@ -29,34 +26,21 @@ TINY = ["--preset=tiny", "--train_batch_size=4", "--max_context_width=128", "--w
 
 def measure(setting: str, steps: int, extra: list[str]) -> dict[str, float]:
     import torch
-    import torch.distributed as dist
 
     import train
+    from benchmarks._common import build_model, random_batch, world_of_one
     from model_utils import optim
     from model_utils.config.arguments import parse_args
-    from model_utils.parallel import distributed
-    from model_utils.precision import backends as precision
     from model_utils.run.step import StepParts, train_step
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    args = parse_args([*TINY, f"--max_steps={steps}", f"--master_weights={setting}", *extra])
     device = torch.device("cpu")
+    world_of_one(device)
+    args = parse_args([*TINY, f"--max_steps={steps}", f"--master_weights={setting}", *extra])
     torch.manual_seed(args.run.seed)
-    mesh = distributed.build_mesh(distributed.world_from_env({}), device, "full")
-    backend = precision.build_backend(args, device)
-    model = train.build_model(args, mesh, device, backend)
+    model, backend = build_model(args, device)
     optimizer, scheduler = train.build_optimizer(model, args, device, backend)
     gen = torch.Generator().manual_seed(0)
-    batches = [
-        torch.randint(
-            0,
-            args.model.vocab_size,
-            (args.data.train_batch_size, args.model.max_context_width),
-            generator=gen,
-        )
-        for _ in range(4)
-    ]
+    batches = [random_batch(args, device, gen) for _ in range(4)]
     held: dict[str, int] = {}
 
     def count_before_step(*_: object) -> None:

@@ -16,49 +16,20 @@ instead of quoting numbers.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
-import train
+from benchmarks._common import build_model, median_seconds, random_batch
 from model_utils import optim
 from model_utils.config import arguments
 from model_utils.parallel import distributed
-from model_utils.precision import backends as precision
 from model_utils.run.step import StepParts, clip_grad_norm, train_step
 
 
-def median_seconds(fn: Callable[[], object], repeats: int, device: torch.device, before=None):
-    """Median wall time of `fn` over `repeats` calls (after one untimed call); `before` runs
-    untimed ahead of each call (e.g. restoring the gradients a clip scaled)."""
-    times = []
-    for index in range(repeats + 1):
-        if before is not None:
-            before()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if index:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def measure(args: arguments.Config, repeats: int, device: torch.device) -> dict[str, float]:
-    mesh = distributed.build_mesh(
-        distributed.world_from_env(), device, args.parallel.sharding_strategy
-    )
-    backend = precision.build_backend(args, device, dp_group=dist.group.WORLD)
-    model = train.build_model(args, mesh, device, backend)
+    model, backend = build_model(args, device)
     optimizer, scheduler = optim.from_config(model, args.optim, args.run.max_steps)
-    ids = torch.randint(
-        0, args.model.vocab_size, (args.data.train_batch_size, args.model.max_context_width)
-    )
+    ids = random_batch(args, device)
     fixed = {"input_ids": ids, "labels": ids}
     parts = StepParts(model, optimizer, scheduler, backend, args, device)
 
@@ -67,7 +38,7 @@ def measure(args: arguments.Config, repeats: int, device: torch.device) -> dict[
 
     row = {"step": median_seconds(step, repeats, device)}
     with backend.autocast(first_micro_batch=True):
-        model(**{k: v.to(device) for k, v in fixed.items()}).loss.backward()
+        model(**fixed).loss.backward()
     params = [p for p in model.parameters() if p.grad is not None]
     saved = [p.grad.detach().clone() for p in params]
 

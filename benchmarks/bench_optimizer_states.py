@@ -18,14 +18,11 @@ Three measurements, each from the real objects:
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks._common import train_subprocess
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw_fp8")
 TINY = ["--preset=tiny", "--train_batch_size=4", "--max_context_width=128"]
@@ -34,20 +31,15 @@ TINY = ["--preset=tiny", "--train_batch_size=4", "--max_context_width=128"]
 def tiny_state_bytes(name: str) -> tuple[float, int]:
     """(bytes per parameter, parameters) of the tiny model's optimizer after one step."""
     import torch
-    import torch.distributed as dist
 
-    import train
+    from benchmarks._common import build_model, world_of_one
     from model_utils import optim
     from model_utils.config.arguments import parse_args
-    from model_utils.parallel import distributed
-    from model_utils.precision import backends as precision
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    args = parse_args([*TINY, f"--optimizer={name}", "--max_steps=10"])
     device = torch.device("cpu")
-    mesh = distributed.build_mesh(distributed.world_from_env({}), device, "full")
-    model = train.build_model(args, mesh, device, precision.build_backend(args, device))
+    world_of_one(device)
+    args = parse_args([*TINY, f"--optimizer={name}", "--max_steps=10"])
+    model, _ = build_model(args, device)
     optimizer, _ = optim.from_config(model, args.optim, args.run.max_steps)
     ids = torch.randint(
         0, args.model.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0)
@@ -96,24 +88,8 @@ def llama70b_shard_bytes(name: str, ranks: int) -> tuple[float, int]:
 
 
 def train_run(name: str, steps: int, out: Path) -> dict[str, float]:
-    run_dir = out / name
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "train.py"),
-            *TINY,
-            f"--optimizer={name}",
-            f"--max_steps={steps}",
-            "--checkpoint_freq=-1",
-            "--validation_batches=4",
-            f"--output_dir={run_dir}",
-        ],
-        check=True,
-        capture_output=True,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "2"},
-    )
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    flags = [*TINY, f"--optimizer={name}", f"--max_steps={steps}", "--validation_batches=4"]
+    records = train_subprocess(flags, out / name, {**os.environ, "OMP_NUM_THREADS": "2"})
     train = [r for r in records if r.get("kind") == "train"]
     warm = [r["step_seconds"] for r in train if r["step"] > min(10, steps // 2)]
     val = [r["val_loss"] for r in records if r.get("kind") == "val"]

@@ -25,13 +25,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import timeit
-from pathlib import Path
 
-import train
+from benchmarks._common import best_decile, train_in_process
 from model_utils.model.annotate import annotate
-from model_utils.report import metrics
 
 #: The tiny preset cut to a fraction of a second per step on 2 busy cores (tests/helpers/runs.py's
 #: SMALL_LLAMA): the loop's own overheads weigh most in a short step.
@@ -43,18 +40,14 @@ SMALL = (
 
 def step_seconds(argv: list[str], warmup: int, last: int) -> list[float]:
     """train.main() on ``argv``; seconds of steps warmup+1 .. last, from the JSONL stamps."""
-    with tempfile.TemporaryDirectory(prefix="bench_profiler_cost_") as out:
-        train.main([*argv, "--output_dir", out, "--logging_freq", "1", "--checkpoint_freq", "-1"])
-        records = [
-            r for r in metrics.read_jsonl(Path(out) / "metrics.jsonl") if r["kind"] == "train"
-        ]
-    stamps = {r["step"]: r["time"] for r in records}
+    records = train_in_process([*argv, "--logging_freq", "1", "--checkpoint_freq", "-1"])
+    stamps = {r["step"]: r["time"] for r in records if r["kind"] == "train"}
     return [stamps[s] - stamps[s - 1] for s in range(warmup + 1, last + 1)]
 
 
 def tokens_per_sec(seconds: list[float], tokens: int) -> tuple[float, float]:
     rates = [tokens / s for s in seconds]
-    return statistics.median(rates), statistics.quantiles(rates, n=10, method="inclusive")[-1]
+    return statistics.median(rates), best_decile(rates)
 
 
 def alternating_args(argv: list[str] | None, description: str) -> argparse.Namespace:
@@ -78,10 +71,8 @@ def main(argv: list[str] | None = None) -> None:
         off += step_seconds(base, args.speed_warmup, last)
         outside += step_seconds(flagged, args.speed_warmup, last)
     tokens = 4 * 32
-    (off_med, off_best), (out_med, out_best) = (
-        tokens_per_sec(off, tokens),
-        tokens_per_sec(outside, tokens),
-    )
+    off_med, off_best = tokens_per_sec(off, tokens)
+    out_med, out_best = tokens_per_sec(outside, tokens)
     per_call = min(timeit.repeat(lambda: annotate("x").__enter__(), number=100_000, repeat=5))
     per_call /= 100_000
     calls = 5  # data_wait, forward, lm_head, backward, optimizer at one micro-batch per step

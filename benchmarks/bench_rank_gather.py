@@ -15,7 +15,6 @@ timings depend on the machine; on NCCL the gather is a 16-byte all-gather per ra
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import sys
 import time
@@ -23,6 +22,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from benchmarks._common import free_port
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -72,12 +73,6 @@ def rank_main(rank: int, world_size: int, port: int, calls: int) -> None:
             flush=True,
         )
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,10 +29,8 @@ what else the machine runs (the load average is printed with the result).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,16 +39,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks._common import ROOT, free_port
+from model_utils.report import metrics
+
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 GOAL = 0.9
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_command(nproc: int, train_argv: list[str], out_dir: Path) -> list[str]:
@@ -59,7 +53,7 @@ def torchrun_command(nproc: int, train_argv: list[str], out_dir: Path) -> list[s
         f"--nproc_per_node={nproc}",
         "--master_addr=127.0.0.1",
         f"--master_port={free_port()}",
-        str(REPO / "train.py"),
+        str(ROOT / "train.py"),
         *train_argv,
         "--output_dir",
         str(out_dir),
@@ -98,7 +92,7 @@ def run(
             subprocess.Popen(
                 cmd,
                 env=env,
-                cwd=REPO,
+                cwd=ROOT,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
@@ -110,12 +104,7 @@ def run(
             if proc.returncode != 0:
                 sys.stderr.write(log[-3000:])
                 raise SystemExit(f"failed ({proc.returncode}): {shlex.join(cmd)}")
-        results = [
-            throughput(
-                [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()], warmup
-            )
-            for out in outs
-        ]
+        results = [throughput(metrics.read_jsonl(out / "metrics.jsonl"), warmup) for out in outs]
     return Throughput(
         wall=sum(r.wall for r in results), step_median=sum(r.step_median for r in results)
     )

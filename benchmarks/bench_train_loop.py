@@ -33,51 +33,25 @@ import os
 import shlex
 import statistics
 import sys
-import tempfile
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-import train
+from benchmarks._common import best_decile, build_model, random_batch, train_in_process
 from model_utils import optim
 from model_utils.config import arguments
 from model_utils.parallel import distributed
-from model_utils.precision import backends as precision
 from model_utils.report import metrics
+from model_utils.report.metrics.device import device_sync
 from model_utils.run.step import StepParts, train_step
-
-REPO = Path(__file__).resolve().parent.parent
-
 
 GOAL = 0.97
 
 
-@dataclass(frozen=True)
-class Run:
-    """Per-step tokens/s per device of the measured (post-warm-up) steps of one run."""
-
-    tokens_per_sec: list[float]
-
-    def median(self) -> float:
-        return statistics.median(self.tokens_per_sec)
-
-    def best_decile(self) -> float:
-        return statistics.quantiles(self.tokens_per_sec, n=10, method="inclusive")[-1]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def run_train_py(train_argv: list[str], warmup: int) -> tuple[Run, dict]:
-    """train.main() on the given flags; per-step wall time from the stamps in its JSONL."""
-    with tempfile.TemporaryDirectory(prefix="bench_train_loop_") as out:
-        train.main([*train_argv, "--output_dir", out])
-        records = metrics.read_jsonl(Path(out) / "metrics.jsonl")
+def run_train_py(train_argv: list[str], warmup: int) -> tuple[list[float], dict]:
+    """train.main() on the given flags: tokens/s of each measured (post-warm-up) step, from the
+    wall-clock stamps in its JSONL, and the run's summary."""
+    records = train_in_process(train_argv)
     steps = [r for r in records if r.get("kind") == "train" and r["step"] >= warmup]
     if not steps or steps[0]["step"] != warmup or any(r["window_steps"] != 1 for r in steps):
         raise SystemExit("train.py must log every step (--logging_freq 1) for this benchmark")
@@ -85,34 +59,32 @@ def run_train_py(train_argv: list[str], warmup: int) -> tuple[Run, dict]:
         cur["tokens"] / (cur["time"] - prev["time"])
         for prev, cur in zip(steps, steps[1:], strict=False)
     ]
-    return Run(rates), metrics.summarize(records, warmup)
+    return rates, metrics.summarize(records, warmup)
 
 
-def run_bare_loop(train_argv: list[str], warmup: int) -> Run:
-    """train.py's step alone, on the model, precision and batch shape ``train_argv`` selects."""
+def run_bare_loop(train_argv: list[str], warmup: int) -> list[float]:
+    """train.py's step alone, on the model, precision and batch shape ``train_argv`` selects:
+    tokens/s of each measured step."""
     args = arguments.parse_args(train_argv)
     world = distributed.world_from_env()
     device = distributed.device_for(world)
     distributed.init(world, device, args.parallel.dist_timeout)
     try:
         torch.manual_seed(args.run.seed)
-        mesh = distributed.build_mesh(world, device, args.parallel.sharding_strategy)
-        backend = precision.build_backend(args, device, dp_group=dist.group.WORLD)
-        model = train.build_model(args, mesh, device, backend)
+        model, backend = build_model(args, device)
         optimizer, scheduler = optim.from_config(model, args.optim, args.run.max_steps)
-        shape = (args.data.train_batch_size, args.model.max_context_width)
-        tokens_per_step = args.optim.grad_accum_steps * shape[0] * shape[1]
-        input_ids = torch.randint(0, args.model.vocab_size, shape, device=device)
+        input_ids = random_batch(args, device)
+        tokens_per_step = args.optim.grad_accum_steps * input_ids.numel()
         fixed = {"input_ids": input_ids, "labels": input_ids}
         parts = StepParts(model, optimizer, scheduler, backend, args, device)
         model.train()
-        stamps: list[float] = []
+        sync, stamps = device_sync(device), []
         for step in range(1, args.run.max_steps + 1):
             train_step(parts, lambda: (fixed, 1.0))
-            _sync(device)
+            sync()
             if step >= warmup:
                 stamps.append(time.perf_counter())
-        return Run([tokens_per_step / (b - a) for a, b in zip(stamps, stamps[1:], strict=False)])
+        return [tokens_per_step / (b - a) for a, b in zip(stamps, stamps[1:], strict=False)]
     finally:
         distributed.cleanup()
 
@@ -169,14 +141,13 @@ def main(argv: list[str] | None = None) -> None:
     summaries: list[dict] = []
     for round_index in range(opts.rounds):
         print(f"== round {round_index + 1}/{opts.rounds}: bare loop", flush=True)
-        bare += run_bare_loop(train_argv, opts.speed_warmup).tokens_per_sec
+        bare += run_bare_loop(train_argv, opts.speed_warmup)
         print(f"== round {round_index + 1}/{opts.rounds}: train.py {' '.join(train_argv)}")
         with contextlib.redirect_stderr(sys.stdout):
-            run, summary = run_train_py(train_argv, opts.speed_warmup)
-        real += run.tokens_per_sec
+            rates, summary = run_train_py(train_argv, opts.speed_warmup)
+        real += rates
         summaries.append(summary)
 
-    both = Run(bare), Run(real)
     print("\n== bench_train_loop: train.py vs its step alone in a bare loop")
     print(f"command: {command}")
     print(
@@ -187,8 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     wait = statistics.median(s["data_wait_pct"] for s in summaries)
     print(f"train.py data wait: {wait:.1f}% of step time (median)")
-    print(_ratio_line("median", both[0].median(), both[1].median()))
-    print(_ratio_line("best decile", both[0].best_decile(), both[1].best_decile()))
+    print(_ratio_line("median", statistics.median(bare), statistics.median(real)))
+    print(_ratio_line("best decile", best_decile(bare), best_decile(real)))
 
 
 if __name__ == "__main__":

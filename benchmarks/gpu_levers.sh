@@ -77,23 +77,20 @@ phase=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
 python=${PYTHON:-python3}
-# matrix ROWS [LAYERS [VS]]: the rows on a slice of LAYERS Llama3-8B layers (default 4), with
-# each row's speed over row VS's in column A of the table (default: the hf-loss baselines).
-matrix() {
-    local layers=${2:-4} vs=${3:-}
-    "$python" -m benchmarks.bench_gpu_matrix --preset llama3-8b --nproc 1 --max_steps 20 \
-        --modes levers --out "$out/$phase-$layers-layers" --only "$1" ${vs:+--vs "$vs"} \
-        -- --num_layers "$layers" --dataset data/kjv.jsonl.gz --tokenizer data/tokenizer
-}
-# full_depth ROWS [VS [TRAIN.PY FLAGS...]]: the rows on the whole Llama 3.2 1B, each row's speed
-# over row VS's in column A; the run folders go to OUT_DIR/full/.
-full_depth() {
-    local rows=$1 vs=${2:-}
-    shift 2 || shift $#
-    "$python" -m benchmarks.bench_gpu_matrix --preset llama3.2-1b --nproc 1 --max_steps 20 \
-        --modes levers --out "$out/full" --only "$rows" ${vs:+--vs "$vs"} \
+# levers PRESET FOLDER ROWS VS [TRAIN.PY FLAGS...]: the lever rows ROWS of bench_gpu_matrix, 20
+# steps each, with each row's speed over row VS's in column A of the table (VS empty: the
+# hf-loss baselines); the run folders go to OUT_DIR/FOLDER/.
+levers() {
+    local preset=$1 folder=$2 rows=$3 vs=$4
+    shift 4
+    "$python" -m benchmarks.bench_gpu_matrix --preset "$preset" --nproc 1 --max_steps 20 \
+        --modes levers --out "$out/$folder" --only "$rows" ${vs:+--vs "$vs"} \
         -- --dataset data/kjv.jsonl.gz --tokenizer data/tokenizer "$@"
 }
+# matrix ROWS [LAYERS [VS]]: the rows on a slice of LAYERS Llama3-8B layers (default 4).
+matrix() { levers llama3-8b "$phase-${2:-4}-layers" "$1" "${3:-}" --num_layers "${2:-4}"; }
+# full_depth ROWS [VS [TRAIN.PY FLAGS...]]: the rows on the whole Llama 3.2 1B.
+full_depth() { levers llama3.2-1b full "$1" "${2:-}" "${@:3}"; }
 BEST_BF16="te-bf16 mb4 +compile +masters +no-reshard +expandable"
 BEST_FP8="te-fp8 mb4 +compile +masters +no-reshard +expandable"
 TORCHAO="torchao-fp8 mb4 +ag +compile +expandable"
