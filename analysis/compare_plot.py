@@ -13,18 +13,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from analysis.parity import BAND, SMOOTHING_STEPS, smoothed_gap
+from analysis.traces.rules import CATEGORIES
 
 FIGSIZE, DPI = (20.0, 4.5), 100  # 2000 x 450 pixels
 
 
 @dataclass
 class Breakdown:
-    """Each run's profiled step (its slowest rank): milliseconds per category, in the order of
-    ``words`` (category -> what the legend says); ``note``: the ceiling sentence of an
-    fp8/bf16 pair, if the runs hold one."""
+    """Each run's profiled step (its slowest rank): milliseconds per category of
+    ``traces.rules.CATEGORIES``; ``note``: the ceiling sentence of an fp8/bf16 pair, if the
+    runs hold one."""
 
     ms: list[dict[str, float]]
-    words: dict[str, str]
     note: str | None = None
 
 
@@ -175,7 +175,7 @@ def plot_breakdown(ax, labels: Sequence[str], breakdown: Breakdown) -> None:
     panel's width."""
     rows = range(len(labels))
     left = [0.0] * len(labels)
-    for i, (key, words) in enumerate(breakdown.words.items()):
+    for i, (key, words) in enumerate(CATEGORIES.items()):
         widths = [ms.get(key, 0.0) for ms in breakdown.ms]
         if any(widths):
             ax.barh(rows, widths, left=left, color=f"C{i % 10}", label=words)

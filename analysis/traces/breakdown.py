@@ -31,12 +31,6 @@ def rank_steps(trace: dict) -> list[StepTime]:
     return device_steps(host, tid, steps, kernels, events)
 
 
-def first_step(trace: dict) -> int:
-    """The training step of ``ProfilerStep#0`` (run/profiling.py's metadata; 0 if absent)."""
-    meta = trace.get(TRACE_METADATA_KEY) or {}
-    return int(meta.get("first_step", 0))
-
-
 @dataclass
 class RankBreakdown:
     """One rank's mean step over the profiled steps, outliers left out (a checkpoint or a
@@ -81,7 +75,8 @@ def summarize(rank: int, steps: list[StepTime]) -> RankBreakdown:
 
 def read_rank(path: Path, rank: int) -> RankBreakdown:
     trace = load(path)
-    offset = first_step(trace)
+    # The training step of ProfilerStep#0: run/profiling.py's metadata, 0 if absent.
+    offset = int((trace.get(TRACE_METADATA_KEY) or {}).get("first_step", 0))
     steps = rank_steps(trace)
     for s in steps:
         s.step += offset
