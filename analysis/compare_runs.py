@@ -125,8 +125,7 @@ class Run:
 def complete_lines(text: str) -> list[str]:
     """The lines of ``text`` that are finished: a file still being written (a running job's log)
     may end in half a line, e.g. ``lr: 0.0001`` of ``lr: 0.000100``, which would parse wrongly."""
-    lines = text.split("\n")
-    return lines[:-1]  # after the last "\n": "" for a finished file, else the partial line
+    return text.split("\n")[:-1]  # after the last "\n": "" if finished, else the partial line
 
 
 def _number(text: str) -> float:
@@ -299,15 +298,15 @@ def mismatches(runs: Sequence[Run], labels: Sequence[str]) -> list[str]:
     """What differs from the first run with flags, in model shape or batch size: a 2x speed-up
     from halving the model or doubling the batch is not FP8's."""
     known = [(r, lab) for r, lab in zip(runs, labels, strict=True) if r.info]
-    if len(known) < 2:
+    if not known:
         return []
-    (first, first_label), problems = known[0], []
-    reference = _like_for_like(first.info)
-    for run, label in known[1:]:
-        for key, value in _like_for_like(run.info).items():
-            if value != reference[key]:
-                problems.append(f"{label}: {key} {value} vs {reference[key]} ({first_label})")
-    return problems
+    reference, first_label = _like_for_like(known[0][0].info), known[0][1]
+    return [
+        f"{label}: {key} {value} vs {reference[key]} ({first_label})"
+        for run, label in known[1:]
+        for key, value in _like_for_like(run.info).items()
+        if value != reference[key]
+    ]
 
 
 def data_order(flags: Mapping[str, Any]) -> Any:

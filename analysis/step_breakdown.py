@@ -81,20 +81,17 @@ class Run:
 
 
 def trace_window(run: Path, window: int | None) -> Path:
-    folders = sorted(
-        (int(p.name.split("_", 1)[1]), p)
-        for p in (run / "profile").glob("step_*")
-        if p.name.split("_", 1)[1].isdigit()
-    )
-    if window is not None:
-        folders = [(n, p) for n, p in folders if n == window]
-    if not folders:
+    """``profile/step_<window>``, or the newest ``profile/step_<N>``."""
+    folders = {int(p.name[5:]): p for p in (run / "profile").glob("step_*") if p.name[5:].isdigit()}
+    if window is None and folders:
+        window = max(folders)
+    if window not in folders:
         which = f"step_{window}" if window is not None else "any window"
         raise Refused(
             f"{run}: no profiler traces ({run / 'profile'} has {which}): train it with "
             "--profile_steps START:END"
         )
-    return folders[-1][1]
+    return folders[window]
 
 
 def run_flags(run: Path) -> dict:
