@@ -229,10 +229,7 @@ def load_run(path: str | os.PathLike[str]) -> Run:
         text = file.read_text(encoding="utf-8", errors="replace")
     except OSError as exc:  # a name over 255 bytes, no permission
         raise CompareError(f"{source}: cannot be read ({os_error_words(exc)})") from exc
-    if file.suffix == ".jsonl":
-        records, info = parse_jsonl(text, str(file))
-    else:
-        records, info = parse_log(text, str(file))
+    records, info = (parse_jsonl if file.suffix == ".jsonl" else parse_log)(text, str(file))
     figures = [r for r in records if r["kind"] == "numerics"]
     records = one_per_step([r for r in records if r["kind"] != "numerics"])
     if not any(r["kind"] == "train" for r in records):
