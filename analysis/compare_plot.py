@@ -13,18 +13,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from analysis.parity import BAND, SMOOTHING_STEPS, smoothed_gap
+from analysis.traces.rules import CATEGORIES
 
 FIGSIZE, DPI = (20.0, 4.5), 100  # 2000 x 450 pixels
 
 
 @dataclass
 class Breakdown:
-    """Each run's profiled step (its slowest rank): milliseconds per category, in the order of
-    ``words`` (category -> what the legend says); ``note``: the ceiling sentence of an
-    fp8/bf16 pair, if the runs hold one."""
+    """Each run's profiled step (its slowest rank): milliseconds per category of
+    ``traces.rules.CATEGORIES``; ``note``: the ceiling sentence of an fp8/bf16 pair, if the
+    runs hold one."""
 
     ms: list[dict[str, float]]
-    words: dict[str, str]
     note: str | None = None
 
 
@@ -85,6 +85,7 @@ def make_figure(
     plot_loss_gap(gap_ax, runs, labels, judged_from, noise)
     if log_steps:
         gap_ax.set_xscale("log")
+    xlabel = X_AXES[x] + (" (log scale)" if log_steps else "")
     for i, (run, label) in enumerate(zip(runs, labels, strict=True)):
         color = f"C{i}"
         loss_ax.plot(
@@ -94,16 +95,8 @@ def make_figure(
         if where:
             loss_ax.plot(where, val, "o--", color=color, label=f"{label} validation")
         speed_ax.plot(*_series(run, "train", key, x), color=color, label=label)
-    for ax, ylabel in ((loss_ax, "loss"), (speed_ax, unit)):
-        ax.set_xlabel(X_AXES[x] + (" (log scale)" if log_steps else ""))
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
-        if log_steps:
-            ax.set_xscale("log")
-    loss_ax.set_title("loss")
-    speed_ax.set_title(f"{unit} (each logged window)")
-
+    _dress(loss_ax, "loss", xlabel, "loss", log_steps)
+    _dress(speed_ax, f"{unit} (each logged window)", xlabel, unit, log_steps)
     plot_medians(bar_ax, labels, [s.get(key) for s in summaries], unit)
     fig.suptitle(title or " vs ".join(labels))
     return fig
@@ -162,9 +155,16 @@ def plot_loss_gap(
         if i:
             steps, gaps = smoothed_gap(run.records, runs[0].records)
             ax.plot(steps, [100 * g for g in gaps], color=f"C{i}", label=f"{label} vs {labels[0]}")
-    ax.set_title(f"train loss gap to {labels[0]} ({SMOOTHING_STEPS}-step mean)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("relative gap %")
+    _dress(
+        ax, f"train loss gap to {labels[0]} ({SMOOTHING_STEPS}-step mean)", "step", "relative gap %"
+    )
+
+
+def _dress(ax, title: str, xlabel: str, ylabel: str, log: bool = False) -> None:
+    """A line panel's title, axis labels (x log-scaled with ``log``), grid and legend."""
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    if log:
+        ax.set_xscale("log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
 
@@ -175,7 +175,7 @@ def plot_breakdown(ax, labels: Sequence[str], breakdown: Breakdown) -> None:
     panel's width."""
     rows = range(len(labels))
     left = [0.0] * len(labels)
-    for i, (key, words) in enumerate(breakdown.words.items()):
+    for i, (key, words) in enumerate(CATEGORIES.items()):
         widths = [ms.get(key, 0.0) for ms in breakdown.ms]
         if any(widths):
             ax.barh(rows, widths, left=left, color=f"C{i % 10}", label=words)

@@ -47,7 +47,6 @@ if __name__ == "__main__":  # a Python without the environment: one line, exit 2
     runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "environment_check.py"))
 from analysis import parity
 from analysis.compare_plot import DPI, X_AXES, Breakdown, make_figure, missing_x
-from analysis.traces.rules import CATEGORIES
 from model_utils.config.sections import ModelShape, flag_fields, precision_name
 from model_utils.errors import os_error_words
 from model_utils.precision import numerics
@@ -115,6 +114,10 @@ class Run:
             return self.source.resolve().parent.name
         return self.source.stem
 
+    @property
+    def last_step(self) -> int:
+        return max(r["step"] for r in self.records if r["kind"] == "train")
+
 
 # ------------------------------------------------------------------------------------ parsing
 
@@ -122,8 +125,7 @@ class Run:
 def complete_lines(text: str) -> list[str]:
     """The lines of ``text`` that are finished: a file still being written (a running job's log)
     may end in half a line, e.g. ``lr: 0.0001`` of ``lr: 0.000100``, which would parse wrongly."""
-    lines = text.split("\n")
-    return lines[:-1]  # after the last "\n": "" for a finished file, else the partial line
+    return text.split("\n")[:-1]  # after the last "\n": "" if finished, else the partial line
 
 
 def _number(text: str) -> float:
@@ -164,23 +166,29 @@ def parse_log(text: str, name: str = "log") -> tuple[list[dict[str, Any]], dict[
                 found = json.loads(m.group(1))
             except json.JSONDecodeError:
                 continue  # not our run line
-            if run_problem(found) is not None:
-                continue  # not ours: a log holds any text
-            change = metrics.identity_change(info, found)
-            if change:
-                raise CompareError(
-                    f"{name}: line {number} starts another run ({change}): the log holds two "
-                    f"runs; split it at line {number} and compare the parts"
-                )
-            info = info or found  # the first: what the run trained with (see parse_jsonl)
+            if run_problem(found) is None:  # else not ours: a log holds any text
+                info = first_run(info, found, name, number, "log")
     return records, info
+
+
+def first_run(info: dict | None, found: dict, name: str, number: int, what: str) -> dict:
+    """The first run record says what the run trained: a resume writes another, and a resume
+    that changed what it compares would re-label an FP8 run as bf16; one that changed what the
+    run is (a file or log from before train.py kept one run per file) is refused."""
+    change = metrics.identity_change(info, found)
+    if change:
+        raise CompareError(
+            f"{name}: line {number} starts another run ({change}): the {what} holds two runs; "
+            f"split it at line {number} and compare the parts"
+        )
+    return info or found
 
 
 def parse_jsonl(text: str, name: str) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Records of a metrics.jsonl; a bad line is refused unless it is the unfinished last one:
     one that is not JSON, or a record of a kind this tool reads whose fields it cannot use.
-    The train and val records, with the numerics records (--fp8_numerics) after them."""
-    records, info, figures = [], None, []
+    The train, val and numerics (--fp8_numerics) records."""
+    records, info = [], None
     for number, line in enumerate(complete_lines(text), start=1):
         if not line.strip():
             continue
@@ -191,21 +199,14 @@ def parse_jsonl(text: str, name: str) -> tuple[list[dict[str, Any]], dict[str, A
         problem = record_problem(record, NUMBER_FIELDS)
         if problem:
             raise CompareError(f"{name}: line {number} {problem}: fix or delete that line")
-        if record.get("kind") == "run":
-            # The first record says what the run trained: a resume writes another, and a
-            # resume that changed what it compares would re-label an FP8 run as bf16.
-            change = metrics.identity_change(info, record)
-            if change:  # a file from before train.py kept one run per file
-                raise CompareError(
-                    f"{name}: line {number} starts another run ({change}): the file holds two "
-                    f"runs; split it at line {number} and compare the parts"
-                )
-            info = info or record
-        elif record.get("kind") in ("train", "val"):
+        kind = record.get("kind")
+        if kind == "run":
+            info = first_run(info, record, name, number, "file")
+        elif kind in ("train", "val") or (
+            kind == "numerics" and isinstance(record.get("layers"), dict)
+        ):
             records.append(record)
-        elif record.get("kind") == "numerics" and isinstance(record.get("layers"), dict):
-            figures.append(record)
-    return records + figures, info
+    return records, info
 
 
 def one_per_step(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -228,10 +229,7 @@ def load_run(path: str | os.PathLike[str]) -> Run:
         text = file.read_text(encoding="utf-8", errors="replace")
     except OSError as exc:  # a name over 255 bytes, no permission
         raise CompareError(f"{source}: cannot be read ({os_error_words(exc)})") from exc
-    if file.suffix == ".jsonl":
-        records, info = parse_jsonl(text, str(file))
-    else:
-        records, info = parse_log(text, str(file))
+    records, info = (parse_jsonl if file.suffix == ".jsonl" else parse_log)(text, str(file))
     figures = [r for r in records if r["kind"] == "numerics"]
     records = one_per_step([r for r in records if r["kind"] != "numerics"])
     if not any(r["kind"] == "train" for r in records):
@@ -297,15 +295,15 @@ def mismatches(runs: Sequence[Run], labels: Sequence[str]) -> list[str]:
     """What differs from the first run with flags, in model shape or batch size: a 2x speed-up
     from halving the model or doubling the batch is not FP8's."""
     known = [(r, lab) for r, lab in zip(runs, labels, strict=True) if r.info]
-    if len(known) < 2:
+    if not known:
         return []
-    (first, first_label), problems = known[0], []
-    reference = _like_for_like(first.info)
-    for run, label in known[1:]:
-        for key, value in _like_for_like(run.info).items():
-            if value != reference[key]:
-                problems.append(f"{label}: {key} {value} vs {reference[key]} ({first_label})")
-    return problems
+    reference, first_label = _like_for_like(known[0][0].info), known[0][1]
+    return [
+        f"{label}: {key} {value} vs {reference[key]} ({first_label})"
+        for run, label in known[1:]
+        for key, value in _like_for_like(run.info).items()
+        if value != reference[key]
+    ]
 
 
 def data_order(flags: Mapping[str, Any]) -> Any:
@@ -341,8 +339,7 @@ def default_warmup(runs: Sequence[Run]) -> int:
     steps = []
     for run in runs:
         flags = (run.info or {}).get("flags", {})
-        last = max(r["step"] for r in run.records if r["kind"] == "train")
-        steps.append(int(flags.get("max_steps") or last))
+        steps.append(int(flags.get("max_steps") or run.last_step))
     return min(SPEED_WARMUP_STEPS, min(steps) // 2)
 
 
@@ -473,11 +470,10 @@ def step_breakdowns(paths: Sequence[str | os.PathLike[str]]) -> Breakdown:
         found = [step_breakdown.read_run(Path(path), None) for path in paths]
     except step_breakdown.Refused as exc:
         raise CompareError(f"--breakdown: {exc}") from exc
-    bf16 = next((r for r in found if r.fp8 is False), None)
-    fp8 = next((r for r in found if r.fp8 is True), None)
-    pair = step_breakdown.ceiling(bf16, fp8) if bf16 and fp8 else None
+    pair = step_breakdown.fp8_pair(found)
+    found_ceiling = step_breakdown.ceiling(*pair) if pair else None
     ms = [dict(run.slowest.ms) for run in found]
-    return Breakdown(ms, dict(CATEGORIES), pair.sentence() if pair else None)
+    return Breakdown(ms, found_ceiling.sentence() if found_ceiling else None)
 
 
 def default_output(runs: Sequence[str | os.PathLike[str]]) -> Path:
@@ -573,7 +569,7 @@ def numerics_lines(run: Run, label: str, count: int = 3) -> list[str]:
 def parity_start(runs: Sequence[Run]) -> int:
     """The first step the parity verdict judges: after each run's LR warm-up (its flags) and
     the first tenth of the shortest run."""
-    last = min(max(r["step"] for r in run.records if r["kind"] == "train") for run in runs)
+    last = min(run.last_step for run in runs)
     return parity.judged_from([(run.info or {}).get("flags") for run in runs], last)
 
 

@@ -35,6 +35,7 @@ Where the numbers come from: docs/metrics.md, "The parity verdict".
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -297,9 +298,7 @@ def smoothed(
     """At each step, the mean of the losses logged in the ``window`` steps up to it (prefix
     sums over the logged steps: linear in the run's length)."""
     logged = sorted(losses)
-    sums = [0.0]
-    for step in logged:
-        sums.append(sums[-1] + losses[step])
+    sums = [0.0, *itertools.accumulate(losses[step] for step in logged)]
     means = []
     for step in steps:
         low = bisect.bisect_right(logged, step - window)

@@ -81,20 +81,17 @@ class Run:
 
 
 def trace_window(run: Path, window: int | None) -> Path:
-    folders = sorted(
-        (int(p.name.split("_", 1)[1]), p)
-        for p in (run / "profile").glob("step_*")
-        if p.name.split("_", 1)[1].isdigit()
-    )
-    if window is not None:
-        folders = [(n, p) for n, p in folders if n == window]
-    if not folders:
+    """``profile/step_<window>``, or the newest ``profile/step_<N>``."""
+    folders = {int(p.name[5:]): p for p in (run / "profile").glob("step_*") if p.name[5:].isdigit()}
+    if window is None and folders:
+        window = max(folders)
+    if window not in folders:
         which = f"step_{window}" if window is not None else "any window"
         raise Refused(
             f"{run}: no profiler traces ({run / 'profile'} has {which}): train it with "
             "--profile_steps START:END"
         )
-    return folders[-1][1]
+    return folders[window]
 
 
 def run_flags(run: Path) -> dict:
@@ -107,17 +104,20 @@ def run_flags(run: Path) -> dict:
     return record.get("flags", {}) if record.get("kind") == "run" else {}
 
 
+def rank_files(folder: Path) -> dict[int, Path]:
+    """A window's trace files by rank."""
+    return {int(m[1]): p for p in folder.iterdir() if (m := _RANK.match(p.name)) is not None}
+
+
 def read_run(run: Path, window: int | None) -> Run:
     if not run.is_dir():
         raise Refused(f"{run} is no run folder (give the --output_dir of a profiled run)")
     folder = trace_window(run, window)
-    files = sorted(
-        (int(m[1]), p) for p in folder.iterdir() if (m := _RANK.match(p.name)) is not None
-    )
+    files = rank_files(folder)
     if not files:
         raise Refused(f"{folder} holds no rank_<R>.pt.trace.json.gz")
     ranks = []
-    for rank, path in files:
+    for rank, path in sorted(files.items()):
         try:
             ranks.append(read_rank(path, rank))
         except (OSError, ValueError, EOFError) as exc:
@@ -128,24 +128,18 @@ def read_run(run: Path, window: int | None) -> Run:
     return Run(run, folder, fp8, label, ranks, flags)
 
 
-def unlike(first: Run, other: Run) -> list[str]:
-    """What differs between two runs in model shape, batch or world ('' when alike); flags
-    only where both runs recorded them."""
-    found = []
-    if first.flags and other.flags:
-        for key in LIKE_FLAGS:
-            if first.flags.get(key) != other.flags.get(key):
-                found.append(f"{key} {other.flags.get(key)} vs {first.flags.get(key)}")
-    if len(first.ranks) != len(other.ranks):
-        found.append(f"world {len(other.ranks)} vs {len(first.ranks)} ranks")
-    return found
-
-
 def check_alike(runs: Sequence[Run]) -> None:
     """Refused: runs of different models, batches or worlds (their steps are not FP8's to
-    compare)."""
+    compare); flags compared only where both runs recorded them."""
+    first = runs[0]
     for other in runs[1:]:
-        found = unlike(runs[0], other)
+        found = [
+            f"{key} {other.flags.get(key)} vs {first.flags.get(key)}"
+            for key in LIKE_FLAGS
+            if first.flags and other.flags and first.flags.get(key) != other.flags.get(key)
+        ]
+        if len(first.ranks) != len(other.ranks):
+            found.append(f"world {len(other.ranks)} vs {len(first.ranks)} ranks")
         if found:
             raise Refused(
                 f"{other.path} is not like {runs[0].path}: {', '.join(found)}; a breakdown "
@@ -326,9 +320,7 @@ def hta_lines(run: Run) -> list[str]:
         from hta.trace_analysis import TraceAnalysis
     except ImportError:
         return [f"{run.path}: HTA not installed (pip install -e '.[hta]'): no cross-check"]
-    files = {
-        int(m[1]): str(p) for p in run.window.iterdir() if (m := _RANK.match(p.name)) is not None
-    }
+    files = {rank: str(path) for rank, path in rank_files(run.window).items()}
     try:
         analysis = TraceAnalysis(trace_files=files, trace_dir=str(run.window))
         temporal = analysis.get_temporal_breakdown(visualize=False)
@@ -343,12 +335,17 @@ def hta_lines(run: Run) -> list[str]:
     ]
 
 
-def report(runs: list[Run], hta: bool = True) -> str:
-    parts = [format_run(run) for run in runs]
+def fp8_pair(runs: Sequence[Run]) -> tuple[Run, Run] | None:
+    """The first bf16 run and the first fp8 run, where the runs hold both."""
     bf16 = next((r for r in runs if r.fp8 is False), None)
     fp8 = next((r for r in runs if r.fp8 is True), None)
-    if bf16 is not None and fp8 is not None:
-        parts.append(format_pair(bf16, fp8))
+    return (bf16, fp8) if bf16 and fp8 else None
+
+
+def report(runs: list[Run], hta: bool = True) -> str:
+    parts = [format_run(run) for run in runs]
+    if pair := fp8_pair(runs):
+        parts.append(format_pair(*pair))
     if hta:
         parts += ["\n".join(hta_lines(run)) for run in runs if any(r.gpu for r in run.ranks)]
     return "\n\n".join(parts)

@@ -10,9 +10,9 @@ prints it, and FP8's ceiling from an fp8/bf16 pair.
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import fmean, median
 
 from analysis.traces.device import device_steps
 from analysis.traces.host import DEVICE_CATS, Host, StepTime, host_step, load
@@ -29,12 +29,6 @@ def rank_steps(trace: dict) -> list[StepTime]:
     if not kernels:
         return [host_step(host, tid, ev, k) for k, ev in steps]
     return device_steps(host, tid, steps, kernels, events)
-
-
-def first_step(trace: dict) -> int:
-    """The training step of ``ProfilerStep#0`` (run/profiling.py's metadata; 0 if absent)."""
-    meta = trace.get(TRACE_METADATA_KEY) or {}
-    return int(meta.get("first_step", 0))
 
 
 @dataclass
@@ -59,29 +53,25 @@ def summarize(rank: int, steps: list[StepTime]) -> RankBreakdown:
             f"rank {rank}'s trace holds no profiled step (a ProfilerStep range "
             "with a forward in it)"
         )
-    median = statistics.median(s.total_ms for s in steps)
-    kept = [s for s in steps if s.total_ms <= 1.5 * median]
-    n = len(kept)
-
-    def mean(values) -> float:
-        return sum(values) / n
-
+    typical = median(s.total_ms for s in steps)
+    kept = [s for s in steps if s.total_ms <= 1.5 * typical]
     names = {name for s in kept for name in s.gemm_names}
     return RankBreakdown(
         rank,
         kept,
         [s.step for s in steps if s not in kept],
-        mean(s.total_ms for s in kept),
-        {c: mean(s.ms.get(c, 0.0) for s in kept) for c in CATEGORIES},
-        mean(s.overlapped_comm_ms for s in kept),
-        mean(s.fp8_gemm_ms for s in kept),
-        {name: mean(s.gemm_names.get(name, 0.0) for s in kept) for name in names},
+        fmean(s.total_ms for s in kept),
+        {c: fmean(s.ms.get(c, 0.0) for s in kept) for c in CATEGORIES},
+        fmean(s.overlapped_comm_ms for s in kept),
+        fmean(s.fp8_gemm_ms for s in kept),
+        {name: fmean(s.gemm_names.get(name, 0.0) for s in kept) for name in names},
     )
 
 
 def read_rank(path: Path, rank: int) -> RankBreakdown:
     trace = load(path)
-    offset = first_step(trace)
+    # The training step of ProfilerStep#0: run/profiling.py's metadata, 0 if absent.
+    offset = int((trace.get(TRACE_METADATA_KEY) or {}).get("first_step", 0))
     steps = rank_steps(trace)
     for s in steps:
         s.step += offset

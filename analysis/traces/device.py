@@ -9,7 +9,7 @@ end); each instant of it goes to exactly one category, so the categories add up 
 
 from __future__ import annotations
 
-from analysis.traces.host import Event, Host, StepTime, category_of, gemm_seen
+from analysis.traces.host import Event, Host, StepTime, category_of, gemm_seen, overlap
 from analysis.traces.rules import DEVICE, fp8_named, kinds_of
 
 _RUNTIME_CATS = ("cuda_runtime", "cuda_driver", "runtime")
@@ -92,10 +92,6 @@ def device_steps(
     return out
 
 
-def _overlap(a: float, b: float, spans: list[tuple[float, float]]) -> float:
-    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in spans)
-
-
 def sweep(
     items: list[Interval],
     lo: float,
@@ -128,8 +124,8 @@ def sweep(
         elif comm:
             ms["comm_exposed"] = ms.get("comm_exposed", 0.0) + (b - a) / 1000.0
         else:
-            away = _overlap(a, b, outside)
-            waited = min(_overlap(a, b, waits), b - a - away)
+            away = overlap(a, b, outside)
+            waited = min(overlap(a, b, waits), b - a - away)
             ms["data_wait"] = ms.get("data_wait", 0.0) + waited / 1000.0
             ms["idle"] = ms.get("idle", 0.0) + (b - a - away - waited) / 1000.0
 

@@ -115,9 +115,7 @@ class Host:
     def innermost(self, tid: object, ts: float) -> Event | None:
         """The innermost host event of thread ``tid`` running at ``ts``."""
         evs = self.by_tid.get(tid)
-        if not evs:
-            return None
-        if self.starts[tid][0] > ts:
+        if not evs or self.starts[tid][0] > ts:
             return None
         ev = evs[bisect.bisect_right(self.starts[tid], ts) - 1]
         while ev is not None and ev.end < ts:
@@ -185,7 +183,9 @@ def host_step(host: Host, tid: object, step: Event, number: int) -> StepTime:
         for ev in evs
         if "collective" in ev.kinds and ev.parent is None and step.ts <= ev.ts < step.end
     ]
-    result.overlapped_comm_ms = _minus(_union(others), _union(comm)) / 1000.0
+    busy = _union(comm)
+    hidden = sum(b - a - overlap(a, b, busy) for a, b in _union(others))
+    result.overlapped_comm_ms = hidden / 1000.0
     return result
 
 
@@ -207,10 +207,6 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in merged]
 
 
-def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Length of the union ``a`` outside the union ``b`` (both merged)."""
-    total = sum(y - x for x, y in a)
-    for x, y in a:
-        for u, v in b:
-            total -= max(0.0, min(y, v) - max(x, u))
-    return total
+def overlap(a: float, b: float, spans: list[tuple[float, float]]) -> float:
+    """How long [a, b) overlaps ``spans`` (counted once per span: merge them first)."""
+    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in spans)
