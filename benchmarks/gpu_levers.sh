@@ -74,9 +74,8 @@ set -euo pipefail
 
 usage="usage: bash benchmarks/gpu_levers.sh loss|levers|masters|compile|reshard|ac|best|tier|attention|torchao|depth|full-torchao|full|attention-3b|scaling-1b|host-1b|graphs-1b OUT_DIR"
 phase=${1:?$usage}
-out=${2:?$usage}
-mkdir -p "$out"
-python=${PYTHON:-python3}
+source "$(dirname "$0")/gpu_common.sh"
+out=$(out_dir gpu_levers.sh "$usage" "${2:-}")
 # levers PRESET FOLDER ROWS VS [TRAIN.PY FLAGS...]: the lever rows ROWS of bench_gpu_matrix, 20
 # steps each, with each row's speed over row VS's in column A of the table (VS empty: the
 # hf-loss baselines); the run folders go to OUT_DIR/FOLDER/.
@@ -99,7 +98,7 @@ folder() { echo "$out/full/${1// /_}"; }
 recipe() {
     local name=$1 which=$2
     shift 2
-    rm -rf "${out:?}/$name"
+    fresh gpu_levers.sh "$out" "$name"
     RUNS_DIR=$out RUN_NAME=$name bash 1.train_llama.sbatch --recipe "$which" --max_steps 30 \
         --warmup 5 --validation_freq 0 --checkpoint_freq -1 --profile_steps 20:21 \
         --dataset data/kjv.jsonl.gz --tokenizer data/tokenizer "$@"

@@ -20,8 +20,9 @@
 #   fp8-current  current scaling
 #   fp8-closer   the gap-closer (CLOSER, default: current scaling with the first and last layers
 #                in BF16, NVIDIA's convergence default; docs/recipes.md lists the others)
-# Arms already in OUT_DIR are kept, so the two calls fill one folder; after the arms, every arm
-# present is judged by compare_runs against bf16-a, inside the noise band bf16-b spans
+# Arms already in OUT_DIR are kept (asking for one again is refused), so two calls fill one
+# folder; after the arms, every arm present is judged by compare_runs against bf16-a, inside the
+# noise band bf16-b spans
 # (--replicas 2): verdict.txt (each arm's gaps, step lag at every validation, matched time, same
 # loss, verdict), compare.png, long_ab.log (every line printed). A 124M model's run tells how
 # FP8's gap moves with the steps and the LR schedule at a fixed recipe; it cannot tell a 1B-8B
@@ -34,7 +35,8 @@
 set -euo pipefail
 
 usage="usage: bash benchmarks/gpu_long_ab.sh OUT_DIR [--dry_run] [--arms NAME,...|none]"
-out=${1:?$usage}
+source "$(dirname "$0")/gpu_common.sh"
+out=$(out_dir gpu_long_ab.sh "$usage" "${1:-}")
 shift
 dry='' arms=bf16-a,bf16-b,fp8,fp8-current,fp8-closer
 while [ $# -gt 0 ]; do
@@ -45,10 +47,6 @@ while [ $# -gt 0 ]; do
     esac
     shift
 done
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
-root=$(cd "$(dirname "$0")/.." && pwd)
-python=${PYTHON:-python3}
 
 if [ -n "$dry" ]; then
     recipe=tiny
@@ -90,13 +88,13 @@ arm_flags() {  # arm_flags NAME: the recipe and flags of one arm
 [ "$arms" = none ] && arms=
 IFS=, read -r -a wanted <<< "$arms"
 for name in "${wanted[@]}"; do arm_flags "$name" > /dev/null; done  # every name, before any run
+fresh gpu_long_ab.sh "$out" "${wanted[@]}"
 
 {
     echo "# gpu_long_ab.sh ${dry:-(GPU)} on $(hostname) at $(date -u +%FT%TZ), git $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')"
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || true
     for name in "${wanted[@]}"; do
         read -r -a flags <<< "$(arm_flags "$name")"
-        rm -rf "${out:?}/$name"
         RUNS_DIR=$out RUN_NAME=$name bash "$root/1.train_llama.sbatch" --recipe "${flags[@]}" \
             "${shared[@]}"
     done

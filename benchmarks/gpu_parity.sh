@@ -27,7 +27,8 @@
 set -euo pipefail
 
 usage="usage: bash benchmarks/gpu_parity.sh OUT_DIR [--dry_run] [-- FP8_FLAGS...]"
-out=${1:?$usage}
+source "$(dirname "$0")/gpu_common.sh"
+out=$(out_dir gpu_parity.sh "$usage" "${1:-}")
 shift
 dry=
 [ "${1:-}" != --dry_run ] || { dry=--dry_run; shift; }
@@ -36,10 +37,9 @@ if [ $# -gt 0 ]; then  # what else the FP8 run (and its numerics run) is judged 
     shift
 fi
 fp8_flags=("$@")
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
-root=$(cd "$(dirname "$0")/.." && pwd)
-python=${PYTHON:-python3}
+names=(bf16 fp8)
+[ -n "$dry" ] || names+=(fp8-numerics)
+fresh gpu_parity.sh "$out" "${names[@]}"
 
 if [ -n "$dry" ]; then
     recipe=tiny
@@ -61,10 +61,9 @@ fi
 schedule=(--max_steps "$steps" --warmup "$warmup" --validation_freq "$val_freq"
     --validation_batches 4 --logging_freq 1 --checkpoint_freq -1)  # no 15 GB 1B saves
 
-launch() {  # launch RUN_NAME RECIPE FLAGS...: a fresh run folder under OUT_DIR
+launch() {  # launch RUN_NAME RECIPE FLAGS...: a new run folder under OUT_DIR
     local name=$1 which=$2
     shift 2
-    rm -rf "${out:?}/$name"
     RUNS_DIR=$out RUN_NAME=$name bash "$root/1.train_llama.sbatch" --recipe "$which" "$@"
 }
 

@@ -242,3 +242,52 @@ def test_the_ac_benchmark_times_each_setting_with_only_its_own_model_alive(monke
     for _ in range(3):
         bench.measure(flags, 1, torch.device("cpu"))
     assert alive_while_timing == [1, 1, 1]
+
+
+@pytest.mark.parametrize("script", ["gpu_parity.sh", "gpu_long_ab.sh", "gpu_levers.sh"])
+def test_the_gpu_scripts_refuse_before_running_and_delete_no_run(script, tmp_path) -> None:
+    """A forgotten OUT_DIR (a flag in its place) and an OUT_DIR that already holds a run the
+    call would launch are one line and exit 2 before anything runs; the run is kept as it was.
+    Without $PYTHON the scripts' Python is the checkout's .venv (the dry runs' verdict ran the
+    system python3, which has no torch on a CPU box)."""
+    import os
+    import subprocess
+
+    from benchmarks import bench_gpu_matrix as bench
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    lead = ["tier"] if script == "gpu_levers.sh" else []
+    forgot = subprocess.run(
+        ["bash", f"benchmarks/{script}", *lead, "--dry_run"],
+        cwd=bench.ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert forgot.returncode == 2 and "OUT_DIR comes first (got '--dry_run')" in forgot.stderr
+    if script != "gpu_levers.sh":  # its runs are named by the phase, checked as each starts
+        finished = tmp_path / ("fp8" if script == "gpu_parity.sh" else "bf16-a")
+        finished.mkdir()
+        (finished / "metrics.jsonl").write_text("{}\n")
+        again = subprocess.run(
+            ["bash", f"benchmarks/{script}", str(tmp_path), "--dry_run"],
+            cwd=bench.ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert again.returncode == 2, again.stdout + again.stderr
+        assert f"{finished} holds a run already: give a new OUT_DIR" in again.stderr
+        assert (finished / "metrics.jsonl").read_text() == "{}\n"
+    venv = bench.ROOT / ".venv" / "bin" / "python"
+    said = subprocess.run(
+        ["bash", "-c", "source benchmarks/gpu_common.sh; echo $python"],
+        cwd=bench.ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert said == (str(venv) if venv.exists() else "python3")

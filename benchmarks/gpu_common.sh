@@ -1,0 +1,31 @@
+# What the GPU scripts of benchmarks/ share (sourced, not run): their OUT_DIR, their Python, and
+# the rule that they never replace a run folder: each launch is a new folder in OUT_DIR.
+
+# out_dir SCRIPT USAGE ARG: ARG made and printed as an absolute path; none given, or a flag where
+# OUT_DIR belongs (a forgotten OUT_DIR), is the usage line and exit status 2.
+out_dir() {
+    if [ -z "${3:-}" ] || [ "${3#-}" != "$3" ]; then
+        echo "$1: OUT_DIR comes first (got '${3:-}'): $2" >&2
+        exit 2
+    fi
+    mkdir -p "$3" && (cd "$3" && pwd)
+}
+
+# fresh SCRIPT OUT NAME...: exit 2, before anything runs, where OUT already holds one of the
+# run folders NAME... (a finished run is never deleted to make room for another).
+fresh() {
+    local script=$1 out=$2 name
+    shift 2
+    for name in "$@"; do
+        [ ! -e "$out/$name" ] || {
+            echo "$script: $out/$name holds a run already: give a new OUT_DIR or move it away" >&2
+            exit 2
+        }
+    done
+}
+
+# The Python of analysis/ and benchmarks/: $PYTHON, else the checkout's .venv (what make
+# builds), else python3 on PATH (a GPU machine's container).
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+python=${PYTHON:-$root/.venv/bin/python}
+[ -x "$python" ] || python=python3
