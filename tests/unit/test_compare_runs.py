@@ -456,6 +456,16 @@ def test_a_run_is_never_labelled_by_another_runs_records(tmp_path) -> None:
     log.write_text("\n".join(lines) + "\n")
     with pytest.raises(cr.CompareError, match=r"slurm-5.out: line \d+ starts another run \(fp8"):
         cr.load_run(log)
+    # Another shape (any flag a resume of the run refuses) is another run too, and a change a
+    # resume may make (the micro-batch, the logging) is the same run.
+    mixed = write_run_dir(tmp_path / "m", FP8, VAL["fp8"], info(fp8=True))
+    with open(mixed / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(info(fp8=True, train_batch_size=2, logging_freq=5)) + "\n")
+    assert cr.load_run(mixed).info["flags"]["train_batch_size"] != 2
+    with open(mixed / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(info(fp8=True, hidden_width=128)) + "\n")
+    with pytest.raises(cr.CompareError, match=r"starts another run \(hidden_width 256, now 128\)"):
+        cr.load_run(mixed)
 
 
 def test_a_ratio_of_two_cells_that_print_zero_is_not_printed() -> None:

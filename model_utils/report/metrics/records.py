@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from model_utils.checkpoint.resume import config_changes
+
 
 def run_record(
     flags: Mapping[str, Any], *, world_size: int, samples_per_step: int
@@ -30,25 +32,22 @@ def run_record(
     }
 
 
-# What makes a run's records one run's: the precision an fp8/bf16 A/B compares and where its
-# checkpoints go (another --checkpoint_dir is another run, even in one run folder). A resume
-# keeps these (checkpoint/resume.py refuses a precision change).
-IDENTITY_FLAGS = ("fp8", "bf16", "model_impl", "fp8_recipe", "checkpoint_dir")
-
-
 def identity_change(before: Mapping[str, Any] | None, now: Mapping[str, Any]) -> str | None:
     """How run record `now` is another run than `before` (``fp8 True, now False``), or None:
-    the first of IDENTITY_FLAGS that differs, folders compared by where they lead."""
+    a change a resume of the same run is refused (checkpoint/resume.py's rule, read off each
+    flag's resume class: the shape, the data stream, the optimizer's format, the precision and
+    its FP8 knobs), or checkpoints that go elsewhere (folders compared by where they lead)."""
     if not before or "flags" not in before or "flags" not in now:
         return None
-    for name in IDENTITY_FLAGS:
-        old, new = before["flags"].get(name), now["flags"].get(name)
-        if name == "checkpoint_dir" and old is not None and new is not None:
-            same = _checkpoint_place(before["flags"]) == _checkpoint_place(now["flags"])
-        else:
-            same = old == new
-        if not same:
-            return f"{name} {old}, now {new}"
+    refused, _ = config_changes(before["flags"], now["flags"])
+    if refused:
+        name, old, new = refused[0]
+        return f"{name.removeprefix('--')} {old}, now {new}"
+    old, new = before["flags"].get("checkpoint_dir"), now["flags"].get("checkpoint_dir")
+    if None not in (old, new) and _checkpoint_place(before["flags"]) != _checkpoint_place(
+        now["flags"]
+    ):
+        return f"checkpoint_dir {old}, now {new}"
     return None
 
 
