@@ -120,6 +120,10 @@ def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
         value = getattr(args, name)
         if isinstance(value, str) and value.startswith("~"):
             setattr(args, name, os.path.expanduser(value))
+        if isinstance(value, str) and ".." in Path(value).parts:
+            # `runs/missing/../done` is no path until `missing` exists: a check would find
+            # nothing there, then the run would create `missing` and write into `done`.
+            setattr(args, name, os.path.realpath(getattr(args, name)))
     preset = PRESETS[args.preset]
     if args.dataset is not None and args.dataset_config_name is None:
         args.dataset_config_name = ""  # the preset's config belongs to the preset's dataset

@@ -125,6 +125,22 @@ def test_train_refuses_a_resume_over_another_runs_checkpoints(
     assert len(lines) == 1 and "would overwrite and prune: start a new run in another" in lines[0]
 
 
+@pytest.mark.parametrize("flag", ["output_dir", "checkpoint_dir"])
+def test_a_path_through_a_missing_folder_never_reaches_a_finished_run(
+    tmp_path: Path, refused_by_train, flag: str
+) -> None:
+    """`RUNS/missing/../done` names no folder until `missing` exists, so the fresh-start check
+    saw no checkpoints; the run then created `missing` and wrote into `done`, replacing its
+    step-4 checkpoint. The path is resolved where it is read, and the check finds them."""
+    done = tmp_path / "done"
+    _fake_checkpoint(done / "checkpoints", "step_00000004")
+    trick = tmp_path / "missing" / ".." / "done"
+    value = trick if flag == "output_dir" else trick / "checkpoints"
+    _, lines, _ = refused_by_train(f"--{flag}={value}")
+    assert len(lines) == 1 and "start a new run in another folder" in lines[0], lines
+    assert str(done) in lines[0] and not (tmp_path / "missing").exists()
+
+
 @pytest.mark.parametrize(
     ("name", "marker", "metadata", "message"),
     [
