@@ -347,9 +347,11 @@ def data_check(saved: dict[str, str] | None, now: dict[str, str] | None) -> str:
 
 def _same_file(saved: str, now: str) -> bool:
     """Whether two fingerprints of one file agree, on the parts both have: a checkpoint saved
-    before the sampled blocks were recorded holds "<bytes>:<ends>" only."""
+    before the sampled blocks were recorded holds "<bytes>:<ends>" only, and one saved with
+    --verify_data full a whole-file sum that a sampled resume does not compute."""
     old, new = str(saved).split(":"), str(now).split(":")
-    return old == new[: len(old)] if len(old) < len(new) else old == new
+    both = min(len(old), len(new))
+    return old[:both] == new[:both]
 
 
 def data_change(saved: dict[str, str] | None, now: dict[str, str] | None) -> str | None:

@@ -441,6 +441,8 @@ def test_verify_data_full_sees_the_edit_no_sampled_block_touches(tmp_path) -> No
         fh.seek(between)
         fh.write(b"y")
     assert checks.data_change(sampled, checks.data_fingerprint(str(corpus))) is None
+    # Saved with the full check, resumed with the default on the same data: not a change.
+    assert checks.data_change(full, sampled) is None
     now = checks.data_fingerprint(str(corpus), whole=True)
     assert checks.data_change(full, now) == "corpus.jsonl changed (same size, other contents)"
     assert checks.data_check(full, now) == "every byte of 1 file(s)"
