@@ -51,7 +51,7 @@ from model_utils.config.sections import ModelShape, flag_fields, precision_name
 from model_utils.errors import os_error_words
 from model_utils.precision import numerics
 from model_utils.report import metrics
-from model_utils.report.metrics.records import record_problem, run_problem
+from model_utils.report.metrics.records import first_run_record, record_problem, run_problem
 from model_utils.report.metrics.summary import SPEED_WARMUP_STEPS
 
 _NUM = r"([-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|nan|inf))"
@@ -60,6 +60,9 @@ SEED = re.compile(rf"Batch (\d+) Loss: {_NUM}, Speed: {_NUM} samples/sec, lr: {_
 VALIDATION = re.compile(rf"Validation at step (\d+): loss {_NUM}")
 # The upstream recipe's validation line (this recipe prints it too, after its own).
 UPSTREAM_VALIDATION = re.compile(rf"Batch (\d+) Validation loss: {_NUM}")
+#: train.py's run line names the run's metrics.jsonl, whose first record is the run's; an older
+#: log's run line holds the record itself.
+RECORD = re.compile(r"\brun: record in (.+?metrics\.jsonl), flags in ")
 RUN = re.compile(r"\brun: (\{.*\})\s*$")
 # The second line of this recipe (metrics.detail_line): JSONL key -> its field.
 DETAIL = {
@@ -161,14 +164,21 @@ def parse_log(text: str, name: str = "log") -> tuple[list[dict[str, Any]], dict[
             records.append(
                 {"kind": "val", "step": int(m.group(1)), "val_loss": _number(m.group(2))}
             )
-        elif m := RUN.search(line):
-            try:
-                found = json.loads(m.group(1))
-            except json.JSONDecodeError:
-                continue  # not our run line
-            if run_problem(found) is None:  # else not ours: a log holds any text
-                info = first_run(info, found, name, number, "log")
+        elif (found := logged_run(line)) is not None and run_problem(found) is None:
+            info = first_run(info, found, name, number, "log")  # else not ours: any text
     return records, info
+
+
+def logged_run(line: str) -> Any:
+    """The run record a log's run line gives (None: not a run line, or its record is gone)."""
+    if m := RECORD.search(line):
+        return first_run_record(m.group(1))
+    if m := RUN.search(line):
+        try:
+            return json.loads(m.group(1))
+        except json.JSONDecodeError:
+            return None
+    return None
 
 
 def first_run(info: dict | None, found: dict, name: str, number: int, what: str) -> dict:

@@ -91,7 +91,8 @@ class RunLog:
         other = self._own_records(run, start_step) if self.is_main else None
         self.writer = metrics.JsonlWriter(self.jsonl_path, enabled=self.is_main)
         self.records_lost_from: str | None = None  # where metrics.jsonl stopped, if it did
-        log.info(metrics.run_line(run), stacklevel=2)  # flags and batch, for compare_runs.py
+        args_path = Path(config.run.output_dir) / RUN_ARGS
+        log.info(metrics.run_line(self.jsonl_path, args_path), stacklevel=2)
         self._record(run)
         if self.is_main:
             self._save_args()

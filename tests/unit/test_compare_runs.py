@@ -71,7 +71,7 @@ def write_run_dir(path: Path, rows, val, run: dict | None, tokens_per_step: int 
 def log_lines(rows, val, run: dict | None) -> list[str]:
     """What train.py prints (the real line functions), as srun -l and logging prefix it."""
     prefix = "0: 2026-11-23 10:00:00 I [train.py:140] "
-    lines = [] if run is None else [prefix + metrics.run_line(run)]
+    lines = [] if run is None else [prefix + "run: " + json.dumps(run)]  # an older log's line
     for step, speed, loss in rows:
         record = train_record(step, speed, loss)
         lines.append(prefix + metrics.seed_line(step, loss, speed, record["lr"]))
@@ -214,6 +214,24 @@ def test_a_malformed_record_is_refused_naming_its_line(tmp_path, capsys, line, w
     err = refused([str(other), str(run_dir), "--output", str(tmp_path / "o.png")], capsys)
     assert f"{run_dir / 'metrics.jsonl'}: line 4 {why}: fix or delete that line" in err
     assert not (tmp_path / "o.png").exists()
+
+
+def test_a_log_s_run_line_names_the_record_it_is_labelled_by(tmp_path: Path) -> None:
+    """train.py's run line is short (the record stays in the run folder); compare_runs reads a
+    Slurm log's flags from the metrics.jsonl it names, and an older log's JSON line still."""
+    run_dir = write_run_dir(tmp_path / "r", FP8, VAL["fp8"], info(fp8=True))
+    line = metrics.run_line(run_dir / "metrics.jsonl", run_dir / "run.args")
+    assert line == f"run: record in {run_dir / 'metrics.jsonl'}, flags in {run_dir / 'run.args'}"
+    log = tmp_path / "slurm-8.out"
+    log.write_text(
+        "\n".join(
+            ["0: 2026-12-04 10:00:00 I [train.py:271] " + line, *log_lines(FP8, VAL["fp8"], None)]
+        )
+        + "\n"
+    )
+    assert cr.default_labels([cr.load_run(log)]) == ["fp8 tensorwise hf"]
+    (run_dir / "metrics.jsonl").unlink()  # the run folder is gone: labelled by the log's name
+    assert cr.default_labels([cr.load_run(log)]) == ["slurm-8"]
 
 
 def test_a_log_s_run_line_with_unusable_flags_is_not_ours(tmp_path: Path) -> None:

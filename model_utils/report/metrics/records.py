@@ -200,10 +200,11 @@ def upstream_validation_line(step: int, val_loss: float) -> str:
     return f"Batch {step} Validation loss: {val_loss:.5f}"
 
 
-def run_line(run: Mapping[str, Any]) -> str:
-    """``run: {json}``: the run record on one log line, so a Slurm log alone tells a comparison
-    the run's flags and global batch (analysis/compare_runs.py reads it back)."""
-    return "run: " + json.dumps(_json_safe(run), allow_nan=False)
+def run_line(jsonl_path: str | os.PathLike[str], args_path: str | os.PathLike[str]) -> str:
+    """``run: record in DIR/metrics.jsonl, flags in DIR/run.args``: where the run's whole record
+    (flags, world, global batch) is kept, which analysis/compare_runs.py reads for a Slurm
+    log; the log itself shows a person the model, precision and world lines."""
+    return f"run: record in {Path(jsonl_path).absolute()}, flags in {Path(args_path).absolute()}"
 
 
 def _mfu_text(metrics: Mapping[str, Any]) -> str:
