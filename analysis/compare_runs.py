@@ -37,6 +37,7 @@ import json
 import os
 import re
 import runpy
+import statistics
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -520,6 +521,7 @@ def compare(args: Options) -> str:
         )
     warmup = default_warmup(runs) if args.warmup_steps is None else args.warmup_steps
     summaries = [metrics.summarize(run.records, warmup) for run in runs]
+    unsteady = unsteady_lines(runs, labels, warmup)
     judged_from = parity_start(runs)
     replicas = [run.records for run in runs[1 : args.replicas]]
     verdicts = [
@@ -529,7 +531,7 @@ def compare(args: Options) -> str:
             judged_from,
             label,
             labels[0],
-            speed_ratio(summaries, i),
+            None if unsteady else speed_ratio(summaries, i),
             replicas,
         )
         for i, (run, label) in enumerate(zip(runs, labels, strict=True))
@@ -553,13 +555,44 @@ def compare(args: Options) -> str:
         raise CompareError(f"--output {args.output}: {exc.strerror or exc}") from exc
     report = format_report(runs, labels, summaries, warmup, problems)
     numbers = [numerics_lines(run, label) for run, label in zip(runs, labels, strict=True)]
-    return "\n".join([report, *(line for v in verdicts for line in v.lines()), *sum(numbers, [])])
+    verdict_lines = [line for v in verdicts for line in v.lines()]
+    return "\n".join([report, *unsteady, *verdict_lines, *sum(numbers, [])])
 
 
 def speed_ratio(summaries: Sequence[Mapping[str, Any]], index: int) -> float | None:
     """Run ``index``'s median tokens/s over the first run's, as the table prints it."""
     mine, theirs = (summaries[i].get("tokens_per_sec_per_device") for i in (index, 0))
     return mine / theirs if mine and theirs else None
+
+
+#: Tokens/s that vary more than this between a run's 10th- and 90th-percentile steps after
+#: warm-up were measured under changing load (another job, clocks): no speed is made of them.
+SPEED_SPREAD = 1.25
+
+
+def speed_spread(run: Run, warmup: int) -> float | None:
+    """The run's tokens/s at its 90th-percentile step over its 10th (None: under 10 steps)."""
+    speeds = [
+        r["tokens_per_sec_per_device"]
+        for r in run.records
+        if r["kind"] == "train" and r["step"] > warmup and r.get("tokens_per_sec_per_device")
+    ]
+    if len(speeds) < 10:
+        return None
+    deciles = statistics.quantiles(speeds, n=10)
+    return deciles[-1] / deciles[0] if deciles[0] > 0 else None
+
+
+def unsteady_lines(runs: Sequence[Run], labels: Sequence[str], warmup: int) -> list[str]:
+    """One line per run whose speed moved within itself, so its time-to-loss is left out."""
+    spreads = [speed_spread(run, warmup) for run in runs]
+    return [
+        f"speed: {label}'s tokens/s varied {spread:.2f}x within the run (90th over 10th "
+        "percentile step; other load on the machine?): no matched-time or same-loss speed is "
+        "made of it; measure both runs again on a quiet machine"
+        for label, spread in zip(labels, spreads, strict=True)
+        if spread is not None and spread > SPEED_SPREAD
+    ]
 
 
 def numerics_lines(run: Run, label: str, count: int = 3) -> list[str]:

@@ -325,6 +325,31 @@ def test_table_holds_hand_computed_medians_and_ratios(two_runs, tmp_path, capsys
     ) in out
 
 
+def test_a_speed_that_moved_within_a_run_makes_no_time_to_loss(tmp_path, capsys) -> None:
+    """Tokens/s measured under changing load (here bf16 alternating 10 and 20 samples/s, 2x
+    between its 10th- and 90th-percentile steps) once made "5.87x as fast": the speed is left
+    out of the verdict's time-to-loss, and a line says why; a steady pair keeps it."""
+    steps = range(1, 41)
+    loss = {s: 9.0 - s / 10 for s in steps}
+    bf16 = [(s, 10.0 if s % 2 else 20.0, loss[s]) for s in steps]
+    fp8 = [(s, 16.0, loss[s] + 0.01) for s in steps]
+    val = [(20, 7.0), (40, 5.0)]
+    runs = [
+        write_run_dir(tmp_path / "bf16", bf16, val, info()),
+        write_run_dir(tmp_path / "fp8", fp8, [(20, 7.02), (40, 5.02)], info(fp8=True)),
+    ]
+    png = str(tmp_path / "o.png")
+    assert cr.main([*map(str, runs), "--output", png]) == 0
+    out = capsys.readouterr().out
+    assert "speed: bf16 hf's tokens/s varied 2.00x within the run" in out
+    assert "same loss: fp8 tensorwise hf's validation loss at step 40" in out
+    assert "as fast" not in out and "matched time:" not in out
+    steady = write_run_dir(tmp_path / "steady", [(s, 12.0, loss[s]) for s in steps], val, info())
+    assert cr.main([str(steady), str(runs[1]), "--output", png]) == 0
+    out = capsys.readouterr().out
+    assert "varied" not in out and "as fast" in out and "matched time:" in out
+
+
 def test_png_has_the_expected_size_and_the_plotted_data_is_the_input(two_runs, tmp_path) -> None:
     png = tmp_path / "compare.png"
     args = cr.parse_args([*two_runs, "--output", str(png), "--log_steps", "--title", "CPU demo"])
