@@ -495,17 +495,21 @@ def default_output(runs: Sequence[str | os.PathLike[str]]) -> Path:
     return last / "compare_runs.png" if last.is_dir() else Path("compare_runs.png")
 
 
+def given_labels(given: str | None, runs: Sequence[Run]) -> list[str]:
+    """--labels, one distinct non-empty name a run, or the runs' own labels."""
+    if given is None:
+        return default_labels(runs)
+    labels = [s.strip() for s in given.split(",")]
+    if len(labels) != len(runs) or not all(labels) or len(set(labels)) != len(labels):
+        raise CompareError(f"--labels needs {len(runs)} distinct non-empty names, got {given!r}")
+    return labels
+
+
 def compare(args: Options) -> str:
     """Load, check, tabulate, plot; returns the report text. Raises CompareError."""
     check_output(args.output)
     runs = [load_run(path) for path in args.runs]
-    labels = default_labels(runs)
-    if args.labels is not None:
-        labels = [s.strip() for s in args.labels.split(",")]
-        if len(labels) != len(runs) or not all(labels) or len(set(labels)) != len(labels):
-            raise CompareError(
-                f"--labels needs {len(runs)} distinct non-empty names, got {args.labels!r}"
-            )
+    labels = given_labels(args.labels, runs)
     problems = mismatches(runs, labels) + replica_problems(
         runs[: args.replicas], labels[: args.replicas]
     )

@@ -453,8 +453,16 @@ STAGES = (
 
 #: The analysis package's stages in order: the profiler traces read back, the parity verdict on
 #: loss curves, the comparison's picture (parity's band), the profiled step's breakdown (traces),
-#: then the comparison built on all of them. analysis/__init__.py is no stage.
-ANALYSIS_STAGES = ("traces", "parity", "compare_plot", "step_breakdown", "compare_runs")
+#: then the comparison built on all of them, and the projection of a measured pair to N nodes.
+#: analysis/__init__.py is no stage.
+ANALYSIS_STAGES = (
+    "traces",
+    "parity",
+    "compare_plot",
+    "step_breakdown",
+    "compare_runs",
+    "project_scale",
+)
 #: Each package under the house rules and its stages' order.
 STAGES_OF = {"model_utils": STAGES, "analysis": ANALYSIS_STAGES}
 

@@ -1,0 +1,203 @@
+"""What FP8 buys on N nodes, projected from a pair measured at a smaller scale (one GPU here).
+
+    .venv/bin/python -m analysis.project_scale runs/1b-bf16 runs/1b-fp8 --nodes 1,2,4,16
+
+FSDP2 moves each unit's parameters in (all-gather, forward and again in backward when it was
+resharded) and its gradients out (reduce-scatter) once a step. On a ring of n GPUs a collective
+of S bytes takes S (n - 1) / n / B, B the per-GPU bus bandwidth: the node's links within a node
+(NVLink), the network's per GPU across nodes. A unit's collective hides under the compute of the
+unit beside it, so what is left exposed is each gather or reduce longer than that compute, and
+the ones nothing runs beside: the first gathers of the forward (the embedding is a lookup, no
+compute) and the last reduces of the backward. Hybrid sharding shards within a node and adds an
+all-reduce of a node's gradient shard across nodes. Step time = the measured step (all compute,
+its collectives taken as hidden at the measured scale) + exposed time at the target scale.
+
+Not modelled: collective latency (it grows with the ring), stragglers, NCCL's tree and NVLS
+algorithms, pipeline and tensor parallelism. REFERENCES holds published multi-node runs with
+their sources; tests/unit/test_project_scale.py holds the projection to them (docs/cluster.md,
+"Before you scale").
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+from model_utils.config.sections import ModelShape
+from model_utils.report import metrics
+from model_utils.report.metrics.flops import matmul_params
+from model_utils.report.metrics.records import first_run_record, read_jsonl
+
+#: H100/H200 bus bandwidth of an NCCL all-gather inside an 8-GPU NVLink node, and a 400 Gb/s
+#: network port per GPU (InfiniBand or RoCE, the usual H100 cluster): GB/s.
+NVLINK_GBS = 360.0
+NETWORK_GBS = 50.0
+#: How close the projection comes to each published figure (REFERENCES; the worst is 2.0%).
+TOLERANCE = 0.03
+
+
+@dataclass(frozen=True)
+class Job:
+    """What a step moves and computes: parameters of the first unit (the embedding table), of
+    each decoder layer, the tokens a GPU trains a step, and its tokens/s at the measured scale."""
+
+    embedding: float
+    layer: float
+    layers: int
+    tokens_per_gpu: int
+    tokens_per_sec: float
+    gather_bytes: float = 2.0  # bf16; a float8 all-gather moves the layers' weights in 1 byte
+    reduce_bytes: float = 4.0  # fp32 gradients
+
+    @property
+    def step_seconds(self) -> float:
+        return self.tokens_per_gpu / self.tokens_per_sec
+
+
+def ring(nbytes: float, gpus: int, gbs: float) -> float:
+    """Seconds of a ring all-gather or reduce-scatter of `nbytes` over `gpus` GPUs."""
+    return 0.0 if gpus < 2 else nbytes * (gpus - 1) / gpus / (gbs * 1e9)
+
+
+@dataclass(frozen=True)
+class Links:
+    """Bus bandwidths in GB/s: within a node, and across nodes per GPU."""
+
+    node: float = NVLINK_GBS
+    network: float = NETWORK_GBS
+
+
+def exposed_seconds(
+    job: Job, nodes: int, gpus_per_node: int, hybrid: bool = False, links: Links = Links()
+) -> float:
+    """The collectives of one step that nothing hides, at `nodes` x `gpus_per_node`."""
+    shard = gpus_per_node if hybrid else nodes * gpus_per_node
+    gbs = links.node if nodes == 1 or hybrid else links.network
+
+    def reduce(params: float) -> float:  # the shard's reduce, then hybrid's all-reduce across
+        inside = ring(params * job.reduce_bytes, shard, gbs)
+        across = 2 * ring(params * job.reduce_bytes / gpus_per_node, nodes, links.network)
+        return inside + (across if hybrid else 0.0)
+
+    gather = ring(job.layer * job.gather_bytes, shard, gbs)
+    forward = job.step_seconds / job.layers / 3  # a layer's forward; its backward is twice it
+    edges = ring(job.embedding * 2, shard, gbs) + gather + reduce(job.layer) + reduce(job.embedding)
+    per_layer = max(0.0, gather - forward) + max(0.0, gather + reduce(job.layer) - 2 * forward)
+    return edges + job.layers * per_layer
+
+
+def projected(job: Job, base: tuple[int, int], nodes: int, gpus_per_node: int, **how) -> float:
+    """Tokens/s per GPU at `nodes` x `gpus_per_node`, from `job` measured at `base` (nodes,
+    GPUs per node): the measured step less its own exposed time, plus the target's."""
+    compute = job.step_seconds - exposed_seconds(job, *base, **how)
+    return job.tokens_per_gpu / (compute + exposed_seconds(job, nodes, gpus_per_node, **how))
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A published multi-node figure: tokens/s per GPU at two scales of one job."""
+
+    name: str
+    source: str
+    job: Job
+    base: tuple[int, int]
+    at: tuple[int, int]
+    published: float
+
+
+#: Llama 3.1 8B (32 layers of 218M parameters, a 525M-parameter embedding), 2 x 8192 tokens a GPU.
+_8B = dict(embedding=525e6, layer=218e6, layers=32, tokens_per_gpu=16384)
+REFERENCES = (
+    Reference(
+        "torchtitan Llama 3.1 8B, H100, BF16, 8 -> 128 GPUs",
+        "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md",
+        Job(**_8B, tokens_per_sec=6667),
+        (1, 8),
+        (16, 8),
+        6514,
+    ),
+    Reference(
+        "torchtitan Llama 3.1 8B, H100, float8 + FP8 all-gather, 8 -> 128 GPUs",
+        "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md",
+        Job(**_8B, tokens_per_sec=8532, gather_bytes=1.0),
+        (1, 8),
+        (16, 8),
+        8380,
+    ),
+    Reference(
+        "Trainy Llama 3 8B, H200, 400 Gb/s a GPU, float8 + FP8 all-gather, 32 -> 64 GPUs",
+        "pytorch/torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md",
+        Job(**_8B, tokens_per_sec=10938, gather_bytes=1.0),
+        (4, 8),
+        (8, 8),
+        10753,
+    ),
+)
+
+
+def job_of(run: str) -> Job:
+    """A measured run folder as a Job: its shape, batch and median tokens/s after warm-up."""
+    record = first_run_record(f"{run}/metrics.jsonl")
+    if record is None:
+        raise ValueError(f"{run} holds no metrics.jsonl with a run record")
+    flags = record["flags"]
+    shape = ModelShape(**{f.name: flags[f.name] for f in fields(ModelShape) if f.name in flags})
+    table = shape.hidden_width * shape.vocab_size
+    layer = (matmul_params(shape) - table) / shape.num_layers
+    records = [r for r in read_jsonl(f"{run}/metrics.jsonl") if r.get("kind") == "train"]
+    speed = metrics.summarize(records, 5).get("tokens_per_sec_per_device")
+    if not speed:
+        raise ValueError(f"{run} logged no tokens/s after step 5")
+    tokens = flags["train_batch_size"] * flags["max_context_width"] * flags["grad_accum_steps"]
+    embedding = table if shape.tie_word_embeddings else 2 * table  # and the untied lm_head
+    return Job(embedding, layer, shape.num_layers, tokens, speed)
+
+
+def table(bf16: Job, fp8: Job, nodes: Sequence[int], gpus_per_node: int, links: Links) -> str:
+    """Tokens/s per GPU and FP8's ratio at each scale, full and hybrid sharding, FP8 with and
+    without the float8 all-gather, from a pair measured on one GPU."""
+    fp8_ag = Job(**{**fp8.__dict__, "gather_bytes": 1.0})
+    head = f"{'nodes x GPUs':14s}{'sharding':10s}{'bf16':>9s}{'fp8':>9s}{'ratio':>7s}"
+    lines = [head + f"{'fp8+ag':>9s}{'ratio':>7s}  (projected tokens/s per GPU)"]
+    for n in nodes:
+        for hybrid in (False, True) if n > 1 else (False,):
+            b, f, a = (
+                projected(job, (1, 1), n, gpus_per_node, hybrid=hybrid, links=links)
+                for job in (bf16, fp8, fp8_ag)
+            )
+            where = f"{n} x {gpus_per_node}"
+            lines.append(
+                f"{where:14s}{'hybrid' if hybrid else 'full':10s}{b:9,.0f}{f:9,.0f}{f / b:7.3f}"
+                f"{a:9,.0f}{a / b:7.3f}"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("bf16", help="the BF16 run folder of a pair measured on one GPU")
+    parser.add_argument("fp8", help="its FP8 twin")
+    parser.add_argument("--nodes", default="1,2,4,16", help="node counts to project to")
+    parser.add_argument("--gpus_per_node", type=int, default=8)
+    parser.add_argument("--node_gbs", type=float, default=NVLINK_GBS, help="bus GB/s in a node")
+    parser.add_argument("--network_gbs", type=float, default=NETWORK_GBS, help="GB/s per GPU")
+    args = parser.parse_args(argv)
+    try:
+        nodes = [int(n) for n in args.nodes.split(",")]
+    except ValueError:
+        parser.error(f"--nodes takes node counts such as 1,2,4, got {args.nodes!r}")
+    if min(nodes) < 1 or args.gpus_per_node < 1 or min(args.node_gbs, args.network_gbs) <= 0:
+        parser.error("--nodes, --gpus_per_node and the bandwidths must be positive")
+    links = Links(args.node_gbs, args.network_gbs)
+    try:
+        pair = job_of(args.bf16), job_of(args.fp8)
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(table(*pair, nodes, args.gpus_per_node, links))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

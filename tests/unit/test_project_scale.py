@@ -1,0 +1,81 @@
+"""analysis/project_scale.py: the projection of a measured pair to N nodes reproduces published
+multi-node runs within its stated tolerance, moves with the links as FSDP2's collectives do, and
+reads a pair of run folders as the command a user runs."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from analysis import project_scale as ps
+from model_utils.config.arguments import parse_args
+from model_utils.report import metrics
+
+
+@pytest.mark.parametrize("ref", ps.REFERENCES, ids=lambda ref: ref.name)
+def test_the_projection_reproduces_each_published_multi_node_run(ref: ps.Reference) -> None:
+    """From the smaller scale's published tokens/s to the larger one's, within TOLERANCE."""
+    got = ps.projected(ref.job, ref.base, *ref.at)
+    assert abs(got / ref.published - 1) <= ps.TOLERANCE, (ref.name, got, ref.published)
+
+
+def test_exposed_communication_follows_the_links_and_fp8_needs_more_tokens_to_hide_it() -> None:
+    """One node hides all but its edges; a slow network exposes every layer's collectives, and
+    more for FP8 (its faster compute hides less), which the float8 all-gather partly wins back;
+    hybrid sharding keeps the gathers in the node."""
+    bf16 = ps.Job(embedding=100e6, layer=50e6, layers=16, tokens_per_gpu=8192, tokens_per_sec=9e3)
+    fp8 = dataclasses.replace(bf16, tokens_per_sec=12e3)
+    fp8_ag = dataclasses.replace(fp8, gather_bytes=1.0)
+    slow = ps.Links(network=5.0)
+    node, far = ps.exposed_seconds(bf16, 1, 8), ps.exposed_seconds(bf16, 16, 8, links=slow)
+    assert 0 < node < far
+    ratio = {
+        n: ps.projected(fp8, (1, 1), n, 8, links=slow)
+        / ps.projected(bf16, (1, 1), n, 8, links=slow)
+        for n in (1, 16)
+    }
+    assert ratio[16] < ratio[1] == pytest.approx(12 / 9, rel=0.02)
+    assert ps.projected(fp8_ag, (1, 1), 16, 8, links=slow) > ps.projected(
+        fp8, (1, 1), 16, 8, links=slow
+    )
+    hybrid = ps.exposed_seconds(bf16, 16, 8, hybrid=True, links=slow)
+    assert hybrid < far
+
+
+def _run(folder: Path, fp8: bool, tokens_per_sec: float) -> str:
+    flags = parse_args(["--preset", "tiny", f"--fp8={int(fp8)}"]).as_dict()
+    with metrics.JsonlWriter(folder / "metrics.jsonl") as writer:
+        writer.write(metrics.run_record(flags, world_size=1, samples_per_step=8))
+        for step in range(1, 21):
+            writer.write(
+                {
+                    "kind": "train",
+                    "step": step,
+                    "loss": 9.0,
+                    "lr": 1e-3,
+                    "samples_per_sec": 1.0,
+                    "tokens_per_sec_per_device": tokens_per_sec,
+                }
+            )
+    return str(folder)
+
+
+def test_the_command_reads_a_pair_and_prints_each_scale(tmp_path, capsys) -> None:
+    pair = [_run(tmp_path / "bf16", False, 1000.0), _run(tmp_path / "fp8", True, 1200.0)]
+    assert ps.main([*pair, "--nodes", "1,4", "--gpus_per_node", "8"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[:4] for line in out[1:]] == [
+        ["1", "x", "8", "full"],
+        ["4", "x", "8", "full"],
+        ["4", "x", "8", "hybrid"],
+    ]
+    assert out[1].split()[6] == "1.200"  # one node of a tiny model: FP8's measured ratio
+    with pytest.raises(SystemExit) as bad:
+        ps.main([*pair, "--nodes", "two"])
+    assert bad.value.code == 2 and "--nodes takes node counts" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as missing:
+        ps.main([pair[0], str(tmp_path / "empty")])
+    assert missing.value.code == 2 and "holds no metrics.jsonl" in capsys.readouterr().err
