@@ -323,6 +323,7 @@ def checkpoint_to_resume(
     by set aside with a warning (`damaged-`, `unverified-`)."""
     if not resume_from_checkpoint:
         return None
+    check_resume_arg(resume_from_checkpoint)  # a PATH that is not complete: UsageError
     if resume_from_checkpoint != "auto":
         return _named(Path(resume_from_checkpoint), verify)
     found = step_dirs(checkpoint_dir)
@@ -346,13 +347,11 @@ def checkpoint_to_resume(
 
 
 def _named(path: Path, verify: bool) -> Path:
-    """A checkpoint given by path: refused unless complete and sound; unverified is allowed."""
+    """A complete checkpoint given by path: refused unless sound; unverified is allowed."""
     problem = inspect_checkpoint(path, checksums=verify)
     if problem is None:
         return path
-    if problem.kind == INCOMPLETE:
-        raise UsageError(f"--resume_from_checkpoint: {problem}")
-    if problem.kind == DAMAGED:
+    if problem.kind != UNVERIFIED:  # damaged (or gone incomplete since the check)
         raise ResumeRefused(f"--resume_from_checkpoint {path} is damaged: {problem}")
     if verify and current_rank() == 0:
         log.warning("Loading %s unverified, as named: %s", path, problem)
