@@ -34,14 +34,11 @@ from pathlib import Path
 
 if __name__ == "__main__":  # a Python without the environment: one line, exit 2
     runpy.run_path(str(Path(__file__).with_name("environment_check.py")))
+from model_utils.errors import UsageError  # input it will not convert: one line, exit 2
 
 DTYPES = ("float32", "bfloat16", "float16")
 EXPORT_EXTRA_BYTES = 16 * 2**20  # config.json, generation_config.json, the tokenizer's files
 PROG = "convert_checkpoint.py"
-
-
-class Refused(ValueError):
-    """Input this script will not convert: one line, exit status 2, nothing written."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -78,13 +75,13 @@ def pick_checkpoint(path: str) -> tuple[Path, list[str]]:
             return Path(path), []
         if problem.kind == UNVERIFIED:
             return Path(path), [f"converting {path} unverified, as named: {problem}"]
-        raise Refused(
+        raise UsageError(
             f"checkpoint {path} is damaged: {problem}; restore it from a copy, or convert "
             "another checkpoint"
         )
     found = step_dirs(path)  # incomplete ones too: a damaged newest step is named, not hidden
     if not found:
-        raise Refused(f"{problem} (and it holds no complete step_N checkpoint)")
+        raise UsageError(f"{problem} (and it holds no complete step_N checkpoint)")
     passed = []
     for candidate in reversed(found):
         why = inspect_checkpoint(candidate, checksums=True)
@@ -94,10 +91,10 @@ def pick_checkpoint(path: str) -> tuple[Path, list[str]]:
         passed.append(f"{kind} checkpoint {candidate.name}: {why}")
     if all(line.startswith("damaged") for line in passed):
         newest = passed[0].removeprefix("damaged checkpoint ")
-        raise Refused(
+        raise UsageError(
             f"every checkpoint in {path} is damaged (newest {newest}): restore one from a copy"
         )
-    raise Refused(
+    raise UsageError(
         f"no checkpoint in {path} is intact and verified (newest: the {passed[0]}): restore one "
         "from a copy, or give an unverified one by path to convert it as it is"
     )
@@ -117,7 +114,7 @@ def check_out_dir(out_dir: Path) -> None:
         or outputs.probe_write("out_dir", out_dir)
     )
     if problem:
-        raise Refused(problem)
+        raise UsageError(problem)
 
 
 def export_bytes(path: Path, dtype: str) -> int:
@@ -147,7 +144,7 @@ def check_space(path: Path, out_dir: Path, dtype: str) -> None:
         shutil.disk_usage(where).free, need, 1, f"Hugging Face export at {dtype}", out_dir
     )
     if verdict == "refuse":
-        raise Refused(line)
+        raise UsageError(line)
 
 
 def os_problem(exc: OSError) -> str:
@@ -176,7 +173,7 @@ def marker_config(path: Path, marker: dict) -> tuple[object, object | None]:
 
     model_config = dict(marker.get("model_config") or {})
     if not model_config:
-        raise Refused(f"checkpoint {path} records no model config: cannot write config.json")
+        raise UsageError(f"checkpoint {path} records no model config: cannot write config.json")
     config = AutoConfig.for_model(model_config.pop("model_type", "llama"), **model_config)
     if (marker.get("run_config") or {}).get("model_impl", "hf") != "te":
         return config, None
@@ -185,7 +182,8 @@ def marker_config(path: Path, marker: dict) -> tuple[object, object | None]:
 
         return config, te_llama.StateDictAdapter(config).to_hf
     except (ImportError, AttributeError) as exc:
-        raise Refused(f"checkpoint uses --model_impl te but te_llama cannot map it: {exc}") from exc
+        problem = f"checkpoint uses --model_impl te but te_llama cannot map it: {exc}"
+        raise UsageError(problem) from exc
 
 
 def run_tokenizer(path: Path, marker: dict, given: str | None) -> object:
@@ -195,20 +193,20 @@ def run_tokenizer(path: Path, marker: dict, given: str | None) -> object:
 
     name = given or (marker.get("run_config") or {}).get("tokenizer")
     if not name:
-        raise Refused(f"checkpoint {path} records no tokenizer: give the run's with --tokenizer")
+        raise UsageError(f"checkpoint {path} records no tokenizer: give the run's with --tokenizer")
     try:
         tokenizer = data.load_tokenizer(str(name))
     except ValueError as exc:
         if given:
-            raise Refused(str(exc)) from exc
-        raise Refused(
+            raise UsageError(str(exc)) from exc
+        raise UsageError(
             f"checkpoint {path} records the tokenizer {name}, which cannot be used "
             f"({str(exc).removeprefix('--tokenizer ')}): "
             "give the run's tokenizer with --tokenizer PATH"
         ) from exc
     problem = not_the_runs(tokenizer, name, path, marker)
     if problem:
-        raise Refused(f"{problem}; give the run's tokenizer with --tokenizer PATH")
+        raise UsageError(f"{problem}; give the run's tokenizer with --tokenizer PATH")
     return tokenizer
 
 
@@ -270,7 +268,7 @@ def convert(args: argparse.Namespace) -> int:
     try:
         check_out_dir(out_dir)
         path, skipped = pick_checkpoint(args.checkpoint)
-    except Refused as exc:
+    except UsageError as exc:
         return _fail(str(exc))
     except OSError as exc:  # a name over 255 bytes, a folder it may not list
         return _fail(os_problem(exc))
@@ -281,7 +279,7 @@ def convert(args: argparse.Namespace) -> int:
         config, key_map = marker_config(path, marker)
         tokenizer = run_tokenizer(path, marker, args.tokenizer)
         check_space(path, out_dir, args.dtype)
-    except Refused as exc:
+    except UsageError as exc:
         return _fail(str(exc))
     for line in skipped:
         print(f"{PROG}: warning: {line}", file=sys.stderr)
