@@ -438,9 +438,8 @@ def remove_stale_temporaries(checkpoint_dir: Path) -> None:
     """Rank 0: delete the `.tmp-*` folders a crashed or failed save left (never resumed from)."""
     if current_rank() != 0 or not checkpoint_dir.is_dir():
         return
-    for stale in checkpoint_dir.iterdir():
-        if stale.name.startswith(TMP_PREFIX):
-            shutil.rmtree(stale, ignore_errors=True)
+    for stale in checkpoint_dir.glob(f"{TMP_PREFIX}*"):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def verified_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
