@@ -188,10 +188,13 @@ def marker_config(path: Path, marker: dict) -> tuple[object, object | None]:
 
 def run_tokenizer(path: Path, marker: dict, given: str | None) -> object:
     """The run's tokenizer: `given` (--tokenizer), else the one the checkpoint's run recorded.
-    Refused (one line) if none loads, or if it is another tokenizer (not_the_runs)."""
+    Refused (one line) if none loads, or if it does not do what the run's did (the fingerprint
+    train.py records; a checkpoint from before fingerprints is taken at its word), as another
+    tokenizer would turn the model's ids into other text."""
     from model_utils import data
 
-    name = given or (marker.get("run_config") or {}).get("tokenizer")
+    run_config = marker.get("run_config") or {}
+    name = given or run_config.get("tokenizer")
     if not name:
         raise UsageError(f"checkpoint {path} records no tokenizer: give the run's with --tokenizer")
     try:
@@ -204,26 +207,14 @@ def run_tokenizer(path: Path, marker: dict, given: str | None) -> object:
             f"({str(exc).removeprefix('--tokenizer ')}): "
             "give the run's tokenizer with --tokenizer PATH"
         ) from exc
-    problem = not_the_runs(tokenizer, name, path, marker)
-    if problem:
-        raise UsageError(f"{problem}; give the run's tokenizer with --tokenizer PATH")
-    return tokenizer
-
-
-def not_the_runs(tokenizer: object, name: str, path: Path, marker: dict) -> str | None:
-    """Why `tokenizer` is not the one the run trained with, or None: it must do what the run's
-    did (the fingerprint train.py records; a checkpoint from before fingerprints is taken at its
-    word), as another tokenizer would turn the model's ids into other text."""
-    from model_utils import data
-
-    recorded = (marker.get("run_config") or {}).get("tokenizer_sha256")
-    found = data.tokenizer_fingerprint(tokenizer)
+    recorded, found = run_config.get("tokenizer_sha256"), data.tokenizer_fingerprint(tokenizer)
     if recorded and found != recorded:
-        return (
+        raise UsageError(
             f"tokenizer {name} is not the run's: its fingerprint {found} differs from the "
-            f"{recorded} checkpoint {path} records (other ids for the same text)"
+            f"{recorded} checkpoint {path} records (other ids for the same text); give the "
+            "run's tokenizer with --tokenizer PATH"
         )
-    return None
+    return tokenizer
 
 
 def export(
