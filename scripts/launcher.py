@@ -221,9 +221,8 @@ class Forwarder:
     from torchrun), and Slurm's proctrack/pgid signals only this process group, while each
     worker runs in a session of its own."""
 
-    def __init__(self, torchrun_pid: int, workers: Callable[[int], list[int]] = children):
+    def __init__(self, torchrun_pid: int) -> None:
         self.pid = torchrun_pid
-        self.workers = workers
         self.pending: list[signal.Signals] = []
 
     def handle(self, signum: int, frame: object = None) -> None:
@@ -238,7 +237,7 @@ class Forwarder:
         self.send()
 
     def send(self) -> None:
-        signal_workers(self.workers(self.pid), self.pending)
+        signal_workers(children(self.pid), self.pending)
 
 
 def signal_workers(pids: Sequence[int], signals: Sequence[signal.Signals]) -> None:
