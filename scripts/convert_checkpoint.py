@@ -256,22 +256,19 @@ def convert(args: argparse.Namespace) -> int:
     empty = [name for name in ("checkpoint", "out_dir") if not getattr(args, name).strip()]
     if empty:  # Path("") is the current directory
         return _fail(f"{empty[0]} is empty (an unset shell variable?): give a path")
+    from model_utils.checkpoint.manifest import read_marker, write_error_reason
+
     try:
         check_out_dir(out_dir)
         path, skipped = pick_checkpoint(args.checkpoint)
-    except UsageError as exc:
-        return _fail(str(exc))
-    except OSError as exc:  # a name over 255 bytes, a folder it may not list
-        return _fail(os_problem(exc))
-    from model_utils.checkpoint.manifest import read_marker, write_error_reason
-
-    marker = read_marker(path)
-    try:
+        marker = read_marker(path)
         config, key_map = marker_config(path, marker)
         tokenizer = run_tokenizer(path, marker, args.tokenizer)
         check_space(path, out_dir, args.dtype)
     except UsageError as exc:
         return _fail(str(exc))
+    except OSError as exc:  # a name over 255 bytes, a folder it may not list
+        return _fail(os_problem(exc))
     for line in skipped:
         print(f"{PROG}: warning: {line}", file=sys.stderr)
     try:
