@@ -156,12 +156,10 @@ def os_problem(exc: OSError) -> str:
     shown = str(exc.filename or "")
     if len(shown) > 100:
         shown = f"{shown[:50]}...{shown[-30:]}"
+    line = f"{shown}: {os_error_words(exc)}"
     if exc.errno == errno.ENAMETOOLONG:
-        return (
-            f"{shown}: {os_error_words(exc)} (a file or folder name is at most {MAX_NAME_BYTES} "
-            "bytes): give a shorter path"
-        )
-    return f"{shown}: {os_error_words(exc)}"
+        line += f" (a file or folder name is at most {MAX_NAME_BYTES} bytes): give a shorter path"
+    return line
 
 
 def marker_config(path: Path, marker: dict) -> tuple[object, object | None]:
