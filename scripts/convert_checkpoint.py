@@ -34,14 +34,11 @@ from pathlib import Path
 
 if __name__ == "__main__":  # a Python without the environment: one line, exit 2
     runpy.run_path(str(Path(__file__).with_name("environment_check.py")))
+from model_utils.errors import UsageError  # input it will not convert: one line, exit 2
 
 DTYPES = ("float32", "bfloat16", "float16")
 EXPORT_EXTRA_BYTES = 16 * 2**20  # config.json, generation_config.json, the tokenizer's files
 PROG = "convert_checkpoint.py"
-
-
-class Refused(ValueError):
-    """Input this script will not convert: one line, exit status 2, nothing written."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -69,7 +66,7 @@ def pick_checkpoint(path: str) -> tuple[Path, list[str]]:
     `--resume_from_checkpoint auto` takes it, naming those it skipped. Refused (one line) if
     there is none. The verdict is train.py's (every file's checksum, in a world of one), so a
     checkpoint train.py refuses is never exported as a model either."""
-    from model_utils.checkpoint import complete_checkpoints, inspect_checkpoint
+    from model_utils.checkpoint import inspect_checkpoint
     from model_utils.checkpoint.manifest import INCOMPLETE, UNVERIFIED, step_dirs
 
     problem = inspect_checkpoint(path, checksums=True)
@@ -78,33 +75,27 @@ def pick_checkpoint(path: str) -> tuple[Path, list[str]]:
             return Path(path), []
         if problem.kind == UNVERIFIED:
             return Path(path), [f"converting {path} unverified, as named: {problem}"]
-        raise Refused(
+        raise UsageError(
             f"checkpoint {path} is damaged: {problem}; restore it from a copy, or convert "
             "another checkpoint"
         )
     found = step_dirs(path)  # incomplete ones too: a damaged newest step is named, not hidden
-    if not complete_checkpoints(path):
-        if found:
-            raise Refused(
-                f"every checkpoint in {path} is damaged (newest {found[-1].name}: "
-                f"{inspect_checkpoint(found[-1], checksums=True)}): restore one from a copy"
-            )
-        raise Refused(f"{problem} (and it holds no complete step_N checkpoint)")
-    skipped = []
+    if not found:
+        raise UsageError(f"{problem} (and it holds no complete step_N checkpoint)")
+    passed = []
     for candidate in reversed(found):
         why = inspect_checkpoint(candidate, checksums=True)
         if why is None:
-            return candidate, skipped
+            return candidate, [f"skipped the {line}" for line in passed]
         kind = "unverified" if why.kind == UNVERIFIED else "damaged"
-        skipped.append(f"skipped the {kind} checkpoint {candidate.name}: {why}")
-    newest = skipped[0].removeprefix("skipped the ")
-    if all(line.startswith("skipped the damaged") for line in skipped):
-        newest = newest.removeprefix("damaged checkpoint ")
-        raise Refused(
+        passed.append(f"{kind} checkpoint {candidate.name}: {why}")
+    if all(line.startswith("damaged") for line in passed):
+        newest = passed[0].removeprefix("damaged checkpoint ")
+        raise UsageError(
             f"every checkpoint in {path} is damaged (newest {newest}): restore one from a copy"
         )
-    raise Refused(
-        f"no checkpoint in {path} is intact and verified (newest: the {newest}): restore one "
+    raise UsageError(
+        f"no checkpoint in {path} is intact and verified (newest: the {passed[0]}): restore one "
         "from a copy, or give an unverified one by path to convert it as it is"
     )
 
@@ -123,7 +114,7 @@ def check_out_dir(out_dir: Path) -> None:
         or outputs.probe_write("out_dir", out_dir)
     )
     if problem:
-        raise Refused(problem)
+        raise UsageError(problem)
 
 
 def export_bytes(path: Path, dtype: str) -> int:
@@ -132,18 +123,12 @@ def export_bytes(path: Path, dtype: str) -> int:
     little over, never under."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from model_utils.model.te_support import is_te_extra_state_key
+    from model_utils.checkpoint.layout import MODEL_PREFIX, saved_tensors
 
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    numel = sum(
-        math.prod(entry.size)
-        for key, entry in metadata.state_dict_metadata.items()
-        if key.startswith("model.")
-        and isinstance(entry, TensorStorageMetadata)
-        and not is_te_extra_state_key(key)
-    )
+    saved = saved_tensors(metadata, MODEL_PREFIX).values()
+    numel = sum(math.prod(entry.size) for _, entry in saved)
     return numel * torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
@@ -159,7 +144,7 @@ def check_space(path: Path, out_dir: Path, dtype: str) -> None:
         shutil.disk_usage(where).free, need, 1, f"Hugging Face export at {dtype}", out_dir
     )
     if verdict == "refuse":
-        raise Refused(line)
+        raise UsageError(line)
 
 
 def os_problem(exc: OSError) -> str:
@@ -171,92 +156,95 @@ def os_problem(exc: OSError) -> str:
     shown = str(exc.filename or "")
     if len(shown) > 100:
         shown = f"{shown[:50]}...{shown[-30:]}"
+    line = f"{shown}: {os_error_words(exc)}"
     if exc.errno == errno.ENAMETOOLONG:
-        return (
-            f"{shown}: {os_error_words(exc)} (a file or folder name is at most {MAX_NAME_BYTES} "
-            "bytes): give a shorter path"
-        )
-    return f"{shown}: {os_error_words(exc)}"
+        line += f" (a file or folder name is at most {MAX_NAME_BYTES} bytes): give a shorter path"
+    return line
 
 
-def key_map_for(marker: dict) -> tuple[object | None, str | None]:
-    """TE -> HF mapping for --model_impl te checkpoints; (None, None) for HF-layout ones."""
-    impl = (marker.get("run_config") or {}).get("model_impl", "hf")
-    if impl != "te":
-        return None, None
+def marker_config(path: Path, marker: dict) -> tuple[object, object | None]:
+    """(the model config the run built, as its checkpoint's marker records it: the model's
+    `config.to_dict()`, TrainState.model_config, the same object --export_hf writes; the TE ->
+    HF mapping for --model_impl te checkpoints, None for HF-layout ones). Refused (one line)
+    without a recorded config, or when te_llama cannot map it."""
+    from transformers import AutoConfig
+
+    model_config = dict(marker.get("model_config") or {})
+    if not model_config:
+        raise UsageError(f"checkpoint {path} records no model config: cannot write config.json")
+    config = AutoConfig.for_model(model_config.pop("model_type", "llama"), **model_config)
+    if (marker.get("run_config") or {}).get("model_impl", "hf") != "te":
+        return config, None
     try:
-        from transformers import AutoConfig
-
         import te_llama
 
-        cfg = dict(marker["model_config"])
-        config = AutoConfig.for_model(cfg.pop("model_type", "llama"), **cfg)
-        return te_llama.StateDictAdapter(config).to_hf, None
+        return config, te_llama.StateDictAdapter(config).to_hf
     except (ImportError, AttributeError) as exc:
-        return None, f"checkpoint uses --model_impl te but te_llama cannot map it: {exc}"
+        problem = f"checkpoint uses --model_impl te but te_llama cannot map it: {exc}"
+        raise UsageError(problem) from exc
 
 
 def run_tokenizer(path: Path, marker: dict, given: str | None) -> object:
     """The run's tokenizer: `given` (--tokenizer), else the one the checkpoint's run recorded.
-    Refused (one line) if none loads, or if it is another tokenizer (not_the_runs)."""
+    Refused (one line) if none loads, or if it does not do what the run's did (the fingerprint
+    train.py records; a checkpoint from before fingerprints is taken at its word), as another
+    tokenizer would turn the model's ids into other text."""
     from model_utils import data
 
-    name = given or (marker.get("run_config") or {}).get("tokenizer")
+    run_config = marker.get("run_config") or {}
+    name = given or run_config.get("tokenizer")
     if not name:
-        raise Refused(f"checkpoint {path} records no tokenizer: give the run's with --tokenizer")
+        raise UsageError(f"checkpoint {path} records no tokenizer: give the run's with --tokenizer")
     try:
         tokenizer = data.load_tokenizer(str(name))
     except ValueError as exc:
         if given:
-            raise Refused(str(exc)) from exc
-        raise Refused(
+            raise UsageError(str(exc)) from exc
+        raise UsageError(
             f"checkpoint {path} records the tokenizer {name}, which cannot be used "
             f"({str(exc).removeprefix('--tokenizer ')}): "
             "give the run's tokenizer with --tokenizer PATH"
         ) from exc
-    problem = not_the_runs(tokenizer, name, path, marker)
-    if problem:
-        raise Refused(f"{problem}; give the run's tokenizer with --tokenizer PATH")
+    recorded, found = run_config.get("tokenizer_sha256"), data.tokenizer_fingerprint(tokenizer)
+    if recorded and found != recorded:
+        raise UsageError(
+            f"tokenizer {name} is not the run's: its fingerprint {found} differs from the "
+            f"{recorded} checkpoint {path} records (other ids for the same text); give the "
+            "run's tokenizer with --tokenizer PATH"
+        )
     return tokenizer
 
 
-def not_the_runs(tokenizer: object, name: str, path: Path, marker: dict) -> str | None:
-    """Why `tokenizer` is not the one the run trained with, or None: it must do what the run's
-    did (the fingerprint train.py records; a checkpoint from before fingerprints is taken at its
-    word), as another tokenizer would turn the model's ids into other text."""
-    from model_utils import data
-
-    recorded = (marker.get("run_config") or {}).get("tokenizer_sha256")
-    found = data.tokenizer_fingerprint(tokenizer)
-    if recorded and found != recorded:
-        return (
-            f"tokenizer {name} is not the run's: its fingerprint {found} differs from the "
-            f"{recorded} checkpoint {path} records (other ids for the same text)"
-        )
-    return None
-
-
 def export(
-    path: Path, out_dir: Path, key_map: object, tokenizer: object, args: argparse.Namespace
+    path: Path,
+    out_dir: Path,
+    config: object,
+    key_map: object,
+    tokenizer: object,
+    args: argparse.Namespace,
 ) -> list[Path]:
-    """dcp_to_hf into `out_dir`; on any failure (a full disk, Ctrl-C) what it wrote is removed
-    before the exception goes on."""
+    """The checkpoint's model, one decoder layer at a time, into the folder --export_hf writes
+    (its writer, files and key map are the export's own, model_utils/checkpoint/hf.py), with no
+    process group and no model object; on any failure (a full disk, Ctrl-C) what it wrote is
+    removed before the exception goes on."""
     import torch
 
-    from model_utils.checkpoint.hf import export_snapshot, undo_export
+    from model_utils.checkpoint import hf
+    from model_utils.checkpoint.layout import iter_dcp_model_layers
 
-    snapshot = export_snapshot(out_dir)
+    dtype = getattr(torch, args.dtype)
+    snapshot = hf.export_snapshot(out_dir)
     try:
-        return dcp_to_hf(
-            path,
-            out_dir,
-            tokenizer,
-            key_map=key_map,
-            dtype=getattr(torch, args.dtype),
-            max_shard_bytes=args.max_shard_size_mb * 2**20,
-        )
+        writer = hf.SafetensorsShardWriter(out_dir, args.max_shard_size_mb * 2**20)
+        hf.write_model_files(writer.staging, config, tokenizer, dtype)
+        for layer in iter_dcp_model_layers(path):
+            layer = {n: t.to(dtype) for n, t in layer.items()}
+            for name, tensor in (key_map(layer) if key_map else layer).items():
+                if not (config.tie_word_embeddings and name == hf.TIED_HEAD):
+                    writer.add(name, tensor)
+        return writer.finish()
     except BaseException:
-        undo_export(out_dir, snapshot)
+        hf.undo_export(out_dir, snapshot)
         raise
 
 
@@ -266,30 +254,23 @@ def convert(args: argparse.Namespace) -> int:
     empty = [name for name in ("checkpoint", "out_dir") if not getattr(args, name).strip()]
     if empty:  # Path("") is the current directory
         return _fail(f"{empty[0]} is empty (an unset shell variable?): give a path")
+    from model_utils.checkpoint.manifest import read_marker, write_error_reason
+
     try:
         check_out_dir(out_dir)
         path, skipped = pick_checkpoint(args.checkpoint)
-    except Refused as exc:
+        marker = read_marker(path)
+        config, key_map = marker_config(path, marker)
+        tokenizer = run_tokenizer(path, marker, args.tokenizer)
+        check_space(path, out_dir, args.dtype)
+    except UsageError as exc:
         return _fail(str(exc))
     except OSError as exc:  # a name over 255 bytes, a folder it may not list
         return _fail(os_problem(exc))
-    from model_utils.checkpoint.manifest import read_marker, write_error_reason
-
-    marker = read_marker(path)
-    if not marker.get("model_config"):
-        return _fail(f"checkpoint {path} records no model config: cannot write config.json")
-    key_map, problem = key_map_for(marker)
-    if problem:
-        return _fail(problem)
-    try:
-        tokenizer = run_tokenizer(path, marker, args.tokenizer)
-        check_space(path, out_dir, args.dtype)
-    except Refused as exc:
-        return _fail(str(exc))
     for line in skipped:
         print(f"{PROG}: warning: {line}", file=sys.stderr)
     try:
-        files = export(path, out_dir, key_map, tokenizer, args)
+        files = export(path, out_dir, config, key_map, tokenizer, args)
     except OSError as exc:
         reason = write_error_reason(exc, out_dir)
         return _fail(
@@ -313,59 +294,6 @@ def main(argv: list[str] | None = None) -> int:
 def _fail(message: str, status: int = 2) -> int:
     print(f"{PROG}: error: {message}", file=sys.stderr)
     return status
-
-
-# The converter: a checkpoint's model, one decoder layer at a time, into the folder --export_hf
-# writes (its writer, files and key map are the export's own, model_utils/checkpoint/hf.py).
-
-
-def dcp_to_hf(
-    path: str | Path,
-    out_dir: str | Path,
-    tokenizer: object,
-    key_map: object | None = None,
-    dtype: object = None,
-    max_shard_bytes: int | None = None,
-) -> list[Path]:
-    """Convert a saved checkpoint to a HF directory without a process group or a model object:
-    the same folder --export_hf writes (`tokenizer` is the run's).
-
-    Needs the model config recorded in the checkpoint's marker. Memory: one layer at a time.
-    """
-    import torch
-
-    from model_utils.checkpoint import hf
-    from model_utils.checkpoint.layout import iter_dcp_model_layers
-    from model_utils.checkpoint.manifest import checkpoint_problem
-
-    problem = checkpoint_problem(path)
-    if problem:
-        raise ValueError(problem)
-    config = marker_model_config(path)
-    dtype = dtype or torch.float32
-    writer = hf.SafetensorsShardWriter(out_dir, max_shard_bytes or hf.DEFAULT_MAX_SHARD_BYTES)
-    hf.write_model_files(writer.staging, config, tokenizer, dtype)
-    for layer in iter_dcp_model_layers(path):
-        layer = {n: t.to(dtype) for n, t in layer.items()}
-        for name, tensor in (key_map(layer) if key_map else layer).items():
-            if config.tie_word_embeddings and name == "lm_head.weight":
-                continue
-            writer.add(name, tensor)
-    return writer.finish()
-
-
-def marker_model_config(path: str | Path) -> object:
-    """The model config the run built, as its checkpoint's marker records it (the model's
-    `config.to_dict()`, TrainState.model_config): the same object --export_hf writes."""
-    from transformers import AutoConfig
-
-    from model_utils.checkpoint.manifest import read_marker
-
-    model_config = read_marker(path).get("model_config")
-    if not model_config:
-        raise ValueError(f"checkpoint {path} records no model config: cannot write config.json")
-    model_config = dict(model_config)
-    return AutoConfig.for_model(model_config.pop("model_type", "llama"), **model_config)
 
 
 if __name__ == "__main__":

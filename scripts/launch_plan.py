@@ -239,11 +239,8 @@ def make_dirs(paths: Sequence[str]) -> list[str]:
     """Create the folders; return every folder that did not exist before, deepest first."""
     created: list[str] = []
     for path in paths:
-        p = Path(path).absolute()
-        missing = []
-        while not p.exists():
-            missing.append(str(p))
-            p = p.parent
+        absolute = Path(path).absolute()
+        missing = [str(p) for p in (absolute, *absolute.parents) if not p.exists()]
         Path(path).mkdir(parents=True, exist_ok=True)
         created.extend(m for m in missing if m not in created)
     return created

@@ -221,9 +221,8 @@ class Forwarder:
     from torchrun), and Slurm's proctrack/pgid signals only this process group, while each
     worker runs in a session of its own."""
 
-    def __init__(self, torchrun_pid: int, workers: Callable[[int], list[int]] = children):
+    def __init__(self, torchrun_pid: int) -> None:
         self.pid = torchrun_pid
-        self.workers = workers
         self.pending: list[signal.Signals] = []
 
     def handle(self, signum: int, frame: object = None) -> None:
@@ -238,12 +237,17 @@ class Forwarder:
         self.send()
 
     def send(self) -> None:
-        for pid in self.workers(self.pid):
-            for sig in self.pending:
-                try:
-                    os.kill(pid, sig)
-                except OSError:
-                    pass
+        signal_workers(children(self.pid), self.pending)
+
+
+def signal_workers(pids: Sequence[int], signals: Sequence[signal.Signals]) -> None:
+    """Send each of `signals` to each of `pids`; one already gone is passed by."""
+    for pid in pids:
+        for sig in signals:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
 
 
 def _torchrun_child_setup(launcher_pid: int) -> Callable[[], None]:
@@ -263,14 +267,6 @@ def _torchrun_child_setup(launcher_pid: int) -> Callable[[], None]:
                 os._exit(128 + int(PARENT_DEATH_SIGNAL))
 
     return setup
-
-
-def kill_workers(torchrun_pid: int) -> None:
-    for pid in children(torchrun_pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 def run_node(train_args: Sequence[str], env: Mapping[str, str] = os.environ) -> int:
@@ -312,7 +308,7 @@ def run_node(train_args: Sequence[str], env: Mapping[str, str] = os.environ) -> 
             if forwarder.pending:
                 forwarder.send()
             if errors.stopping_for() > TEARDOWN_S:  # a worker failed; the rest did not end
-                kill_workers(torchrun.pid)
+                signal_workers(children(torchrun.pid), [signal.SIGKILL])
     reader.join()
     return errors.finish(status if status >= 0 else 128 - status)
 

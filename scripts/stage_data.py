@@ -177,16 +177,11 @@ def read_checked(examples: Iterable[dict], args: argparse.Namespace, source: Any
     """The documents of `examples`; a read that fails (a wrong column, a bad byte past the
     start-up scan, a file gone) is a DataError with train.py's one line for it, so a reading
     problem is never reported as one of writing."""
-    texts = document_texts(iter(examples), args.text_column, source)
-    while True:
-        try:
-            text = next(texts)
-        except StopIteration:
-            return
-        except (ValueError, OSError) as exc:
-            line = read_error_message(exc, args.dataset, args.text_column, 0, "when staged")
-            raise data.DataError(line) from exc
-        yield text
+    try:
+        yield from document_texts(iter(examples), args.text_column, source)
+    except (ValueError, OSError) as exc:
+        line = read_error_message(exc, args.dataset, args.text_column, 0, "when staged")
+        raise data.DataError(line) from exc
 
 
 def write_shard(path: Path, texts: Iterable[str], text_column: str) -> int:
@@ -220,19 +215,15 @@ def stage_dataset(args: argparse.Namespace, plan: Plan) -> tuple[int, int]:
     return written, validation
 
 
-def new_folders(*paths: Path) -> list[Path]:
-    """The outermost folders that writing `paths` would create (none that exist now)."""
-    missing = {p for path in paths for p in (path, *path.parents) if not p.exists()}
-    return sorted(p for p in missing if p.parent not in missing)
-
-
 def stage(args: argparse.Namespace, plan: Plan) -> tuple[int, int]:
     """Write the dataset, then the tokenizer. If anything fails (a bad record past the scan, a
     full disk, Ctrl-C), what this staging wrote is removed before the exception goes on: the
     folders it created, and the files in a dataset folder that was empty, so a second try is
     not refused as 'already holds a staged dataset'. A tokenizer folder that existed is never
     written (tokenizer_staged)."""
-    created = new_folders(plan.target, plan.tokenizer_dir)
+    # The outermost folder each would create: --out's, or one folder of its own inside --out.
+    missing = [outputs.missing_folders(p) for p in (plan.target, plan.tokenizer_dir)]
+    created = {folders[-1] for folders in missing if folders}
     try:
         plan.target.mkdir(parents=True, exist_ok=True)
         counts = stage_dataset(args, plan)

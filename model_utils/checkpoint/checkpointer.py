@@ -191,34 +191,22 @@ class OptimizerItem:
         set_optimizer_state_dict(self.model, self.optimizer, state_dict)
 
 
-class PerRankSave:
-    """This rank's value of a per-rank item, packed, under key `rank{r}` (only this rank's key:
-    the other ranks write theirs)."""
-
-    def __init__(self, get: Callable[[], Any], rank: int) -> None:
-        self.get, self.rank = get, rank
-
-    def state_dict(self) -> dict[str, Any]:
-        return {f"rank{self.rank}": pack(self.get())}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        raise RuntimeError("PerRankSave is for saving only")
-
-
-class PerRankLoad:
-    """Reads the values saved by ranks `ranks` into `self.values` (rank -> unpacked value).
+class PerRankItem:
+    """A per-rank value under key `rank{r}`. To save (`get` given): this rank's value, packed,
+    under this rank's key only (the other ranks write theirs). To load: the values saved by
+    ranks `ranks`, read into `self.values` (rank -> unpacked value).
 
     Ranks may ask for different keys: DCP's default load planner plans every rank locally and
     runs the same collectives whatever the keys (default_planner.create_default_global_load_plan
     is the identity), so a same-world-size load reads only this rank's entry.
     """
 
-    def __init__(self, ranks: Iterable[int]) -> None:
-        self.ranks = list(ranks)
+    def __init__(self, ranks: Iterable[int], get: Callable[[], Any] | None = None) -> None:
+        self.ranks, self.get = list(ranks), get
         self.values: dict[int, Any] = {}
 
     def state_dict(self) -> dict[str, Any]:
-        return {f"rank{r}": b"" for r in self.ranks}
+        return {f"rank{r}": pack(self.get()) if self.get else b"" for r in self.ranks}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.values = {r: unpack(state_dict[f"rank{r}"]) for r in self.ranks}
@@ -297,7 +285,7 @@ class TrainState:
             items["data"] = (self.data.state_dict, self.data.load_state_dict)
         return items
 
-    def items(self, per_rank: Mapping[str, PerRankLoad] | None = None) -> dict[str, Any]:
+    def items(self, per_rank: Mapping[str, PerRankItem] | None = None) -> dict[str, Any]:
         """The DCP state dict: for a save (`per_rank=None`) this rank's per-rank values; for a
         load, the given per-rank load targets."""
         out: dict[str, Any] = {"model": ModelItem(self.model), "progress": ProgressItem(self)}
@@ -311,7 +299,7 @@ class TrainState:
         if per_rank is None:
             rank = current_rank()
             for name, (get, _put) in self.per_rank_getters().items():
-                out[name] = PerRankSave(get, rank)
+                out[name] = PerRankItem([rank], get)
         else:
             out.update(per_rank)
         return out
@@ -569,7 +557,7 @@ class Checkpointer:
     @staticmethod
     def _per_rank_targets(
         path: Path, state: TrainState, marker: Mapping[str, Any], resharded: bool
-    ) -> dict[str, PerRankLoad]:
+    ) -> dict[str, PerRankItem]:
         """Load targets for the per-rank items the checkpoint holds (warns about missing ones):
         this rank's own entry on a same-size load; on a resharded one every saved data entry
         (handed to the reshard hook) and no RNG entry (reseeded instead)."""
@@ -581,11 +569,11 @@ class Checkpointer:
             reads = {"data": list(range(int(marker["world_size"])))}
         else:
             reads = {name: [current_rank()] for name in getters}
-        return {n: PerRankLoad(r) for n, r in reads.items() if n in getters and n in available}
+        return {n: PerRankItem(r) for n, r in reads.items() if n in getters and n in available}
 
     @staticmethod
     def _restore_per_rank(
-        state: TrainState, targets: dict[str, PerRankLoad], saved_world_size: int
+        state: TrainState, targets: dict[str, PerRankItem], saved_world_size: int
     ) -> None:
         """Hand each rank its own saved data position and RNG. After a reshard they do not map
         onto the new ranks: the RNGs are reseeded and the data stream goes to the hook."""

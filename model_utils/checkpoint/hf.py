@@ -125,13 +125,9 @@ def _shape_problem(path: str | Path, files: dict[str, Path], shape: ModelShape) 
         expected = {
             n: tuple(t.shape) for n, t in causal_lm(model_config(shape)).state_dict().items()
         }
-    stored = {}
-    for name, file in files.items():
-        if not name.endswith(HF_RECOMPUTED):
-            with safe_open(str(file), framework="pt") as handle:
-                stored[name] = tuple(handle.get_slice(name).get_shape())
-    if TIED_HEAD not in stored and TIED_TO in stored:
-        stored[TIED_HEAD] = stored[TIED_TO]
+    handle = _SafetensorsFiles(files, tied=False)  # a tied file's output layer: its embedding
+    names = [n for n in handle.files if not n.endswith(HF_RECOMPUTED)]
+    stored = {name: tuple(handle.slice(name).get_shape()) for name in names}
     wrong = [
         f"{name} {stored.get(name, 'missing')} (this model: {shape})"
         for name, shape in expected.items()
@@ -173,9 +169,6 @@ class _SafetensorsFiles:
             self.files.pop(TIED_HEAD, None)
         elif TIED_HEAD not in files and TIED_TO in files:
             self.files[TIED_HEAD], self.stored[TIED_HEAD] = files[TIED_TO], TIED_TO
-            log.info(
-                "%s: tied checkpoint, %s starts as a copy of %s", TIED_HEAD, TIED_HEAD, TIED_TO
-            )
         self._handles: dict[Path, Any] = {}
 
     def __call__(self, name: str) -> Any:
@@ -204,6 +197,8 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
     """
     key_map = getattr(getattr(model, "state_dict_adapter", None), "from_hf", None)
     handle = _SafetensorsFiles(hf_weight_files(path), has_tied_embeddings(model))
+    if handle.stored.get(TIED_HEAD) == TIED_TO:
+        log.info("%s: tied checkpoint, %s starts as a copy of %s", TIED_HEAD, TIED_HEAD, TIED_TO)
     targets = weight_tensors(get_model_state_dict(model))
     seeded = {
         canonical_param_name(n): p

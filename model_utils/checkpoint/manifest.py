@@ -323,6 +323,7 @@ def checkpoint_to_resume(
     by set aside with a warning (`damaged-`, `unverified-`)."""
     if not resume_from_checkpoint:
         return None
+    check_resume_arg(resume_from_checkpoint)  # a PATH that is not complete: UsageError
     if resume_from_checkpoint != "auto":
         return _named(Path(resume_from_checkpoint), verify)
     found = step_dirs(checkpoint_dir)
@@ -346,13 +347,11 @@ def checkpoint_to_resume(
 
 
 def _named(path: Path, verify: bool) -> Path:
-    """A checkpoint given by path: refused unless complete and sound; unverified is allowed."""
+    """A complete checkpoint given by path: refused unless sound; unverified is allowed."""
     problem = inspect_checkpoint(path, checksums=verify)
     if problem is None:
         return path
-    if problem.kind == INCOMPLETE:
-        raise UsageError(f"--resume_from_checkpoint: {problem}")
-    if problem.kind == DAMAGED:
+    if problem.kind != UNVERIFIED:  # damaged (or gone incomplete since the check)
         raise ResumeRefused(f"--resume_from_checkpoint {path} is damaged: {problem}")
     if verify and current_rank() == 0:
         log.warning("Loading %s unverified, as named: %s", path, problem)
@@ -439,9 +438,8 @@ def remove_stale_temporaries(checkpoint_dir: Path) -> None:
     """Rank 0: delete the `.tmp-*` folders a crashed or failed save left (never resumed from)."""
     if current_rank() != 0 or not checkpoint_dir.is_dir():
         return
-    for stale in checkpoint_dir.iterdir():
-        if stale.name.startswith(TMP_PREFIX):
-            shutil.rmtree(stale, ignore_errors=True)
+    for stale in checkpoint_dir.glob(f"{TMP_PREFIX}*"):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def verified_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
