@@ -122,11 +122,11 @@ def export_bytes(path: Path, dtype: str) -> int:
     tensor): every model tensor but TE's FP8 extra state. A tied embedding counts twice: a
     little over, never under."""
     import torch
-    import torch.distributed.checkpoint as dcp
 
     from model_utils.checkpoint.layout import MODEL_PREFIX, saved_tensors
+    from model_utils.checkpoint.manifest import read_metadata
 
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    metadata = read_metadata(path)
     saved = saved_tensors(metadata, MODEL_PREFIX).values()
     numel = sum(math.prod(entry.size) for _, entry in saved)
     return numel * torch.empty((), dtype=getattr(torch, dtype)).element_size()

@@ -51,13 +51,16 @@ from model_utils.checkpoint.layout import (
 )
 from model_utils.checkpoint.manifest import (
     CHECKPOINT_FORMAT,
+    PACKED_GLOBALS,
     CheckpointWriteError,
     complete_checkpoints,
     is_complete,
     latest_checkpoint,
+    load,
     loadable_marker,
     own_file_sums,
     publish,
+    read_metadata,
     remove_stale_temporaries,
     save_paths,
     write_error_reason,
@@ -89,7 +92,9 @@ def pack(obj: Any) -> bytes:
 
 
 def unpack(blob: bytes) -> Any:
-    return torch.load(io.BytesIO(blob), weights_only=False)
+    """A packed value read back by torch's weights-only unpickler: it runs nothing."""
+    with torch.serialization.safe_globals(PACKED_GLOBALS):
+        return torch.load(io.BytesIO(blob), weights_only=True)
 
 
 def capture_rng() -> dict[str, Any]:
@@ -521,7 +526,7 @@ class Checkpointer:
         """
         marker = loadable_marker(path)
         path = Path(path)
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        metadata = read_metadata(path)
         saved_layout = other_layout(metadata, state.model)
         convert = saved_layout is not None
         saved_world_size = int(marker["world_size"])
@@ -537,7 +542,7 @@ class Checkpointer:
             saved_fp8 = {k: md for k, (_, md) in saved_tensors(metadata, FP8_PREFIX).items()}
             if saved_fp8:
                 items["fp8_scaling"] = Fp8ScalingItem(state.model, saved_fp8)
-        dcp.load(items, checkpoint_id=str(path))
+        load(items, path)
         if convert:
             saved_impl = (marker.get("run_config") or {}).get("model_impl", "?")
             load_converted(path, metadata, state, saved_layout, self.state_dict_adapter, saved_impl)

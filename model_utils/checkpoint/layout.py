@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -33,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from model_utils.checkpoint.manifest import ResumeRefused
+from model_utils.checkpoint.manifest import ResumeRefused, load, read_metadata
 from model_utils.config.families import TE_LAYER_ATTR
 from model_utils.model.te_support import is_te_extra_state_key
 from model_utils.parallel.distributed import (  # the local-shard helpers: re-exported here
@@ -188,12 +187,12 @@ def load_local(request: dict[str, Any], path: Path) -> None:
     """dcp.load in this process only (no_dist), without DCP's single-process warning."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(request, checkpoint_id=str(path), no_dist=True)
+        load(request, path, no_dist=True)
 
 
 def iter_dcp_model_layers(path: str | Path) -> Iterator[dict[str, torch.Tensor]]:
     """The model tensors of a DCP checkpoint, one decoder layer at a time, in one process."""
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    metadata = read_metadata(path)
     entries = saved_tensors(metadata, MODEL_PREFIX)
     for group in layer_groups(entries):
         yield read_full_tensors(Path(path), {n: entries[n] for n in group})

@@ -11,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import io
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import time
@@ -22,8 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from model_utils.checkpoint.published import (  # noqa: F401 (re-exported: the package's names)
     DCP_METADATA,
@@ -54,6 +60,74 @@ DAMAGED_PREFIX = "damaged-"  # a checkpoint that failed its checks, renamed by a
 UNVERIFIED_PREFIX = "unverified-"
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading a checkpoint without running anything it holds
+
+#: The globals a DCP checkpoint's `.metadata` pickle names (torch's own records of its tensors
+#: and files); any other is refused before it is called. DCP's reader runs pickle.load.
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "Path"),
+}
+try:  # numpy 2 moved it; the RNG state's generator array pickles through it
+    from numpy._core.multiarray import _reconstruct
+except ImportError:  # numpy 1 (an older container)
+    from numpy.core.multiarray import _reconstruct
+#: What a checkpoint's packed values (step, schedule, data position, RNG) hold besides plain
+#: data and tensors, for torch.load(weights_only=True): numpy's RNG state.
+PACKED_GLOBALS = [np.ndarray, np.dtype, _reconstruct, type(np.dtype(np.uint32))]
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if module in _METADATA_MODULES or (module, name) in _METADATA_GLOBALS or dtype:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which no DCP metadata holds")
+
+
+def read_metadata(path: str | Path) -> Metadata:
+    """Checkpoint `path`'s DCP metadata, unpickled with only the classes DCP writes there: a
+    `.metadata` replaced by another pickle is refused without running it (its checksum in the
+    marker is no obstacle to whoever can write the folder)."""
+    with open(Path(path) / DCP_METADATA, "rb") as fh:
+        metadata = _MetadataUnpickler(fh).load()
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP metadata")
+    return metadata
+
+
+class _Reader(dcp.FileSystemReader):
+    """DCP's file reader, its metadata read by read_metadata."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_metadata(self.path)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _Planner(DefaultLoadPlanner):
+    """DCP's load planner, each non-tensor value checked by torch's weights-only unpickler
+    (plain data, tensors, PACKED_GLOBALS) before DCP's own load of it (weights_only=False)."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        with torch.serialization.safe_globals(PACKED_GLOBALS):
+            torch.load(value, weights_only=True)
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+def load(items: dict[str, Any], path: str | Path, **options: Any) -> None:
+    """dcp.load of `items` from checkpoint `path`, running nothing the folder holds."""
+    dcp.load(items, storage_reader=_Reader(str(path)), planner=_Planner(), **options)
 
 
 # --------------------------------------------------------------------------------------------
@@ -285,7 +359,7 @@ def _cheap_verdict(path: Path) -> Problem | None:
             DAMAGED, f"{path / MARKER} is not a valid checkpoint marker ({first_line(exc)})"
         )
     try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        metadata = read_metadata(path)
     except Exception as exc:
         return Problem(DAMAGED, f"{path / DCP_METADATA} cannot be read ({first_line(exc)})")
     table, sums, needed = marker.get("files"), recorded_sums(marker), needed_files(path, metadata)
@@ -325,7 +399,33 @@ def checkpoint_to_resume(
         return None
     check_resume_arg(resume_from_checkpoint)  # a PATH that is not complete: UsageError
     if resume_from_checkpoint != "auto":
-        return _named(Path(resume_from_checkpoint), verify)
+        path = _named(Path(resume_from_checkpoint), verify)
+    else:
+        path = _newest_sound(Path(checkpoint_dir), verify)
+    shared = path and verify and current_rank() == 0 and writable_by_others(path)
+    if shared:
+        log.warning(
+            "%s can be written by other users (mode %o): whoever writes there changes what "
+            "this resume loads; `chmod go-w %s` keeps it yours",
+            shared,
+            shared.stat().st_mode & 0o777,
+            shared,
+        )
+    return path
+
+
+def writable_by_others(path: Path) -> Path | None:
+    """The checkpoint, its checkpoint folder or its run folder where users other than the
+    owner may write (a group or world write bit), or None."""
+    for folder in (path, path.parent, path.parent.parent):
+        with contextlib.suppress(OSError):
+            if folder.stat().st_mode & 0o022:
+                return folder
+    return None
+
+
+def _newest_sound(checkpoint_dir: Path, verify: bool) -> Path | None:
+    """`auto`'s checkpoint (checkpoint_to_resume says the rule)."""
     found = step_dirs(checkpoint_dir)
     if verify:
         found = all_gather_object(found)[0]  # rank 0's

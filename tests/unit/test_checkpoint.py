@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from helpers.checkpoints import TINY, differences, logits
@@ -370,3 +371,81 @@ def test_init_from_hf_is_checked_against_the_run_shape_before_start(tmp_path: Pa
     assert untied.lm_head.weight is not untied.model.embed_tokens.weight
     assert torch.equal(untied.lm_head.weight, tied.model.embed_tokens.weight)
     assert differences(dict(untied.state_dict()), dict(tied.state_dict())) == []
+
+
+class _Planted:
+    """A pickle that, loaded, writes a file: what a `.metadata` replaced by whoever can write a
+    run folder would run on `pickle.load`."""
+
+    def __init__(self, witness: Path) -> None:
+        self.witness = witness
+
+    def __reduce__(self):
+        return (Path.write_text, (self.witness, "the checkpoint ran code"))
+
+
+def test_nothing_read_from_a_checkpoint_folder_runs_code(tmp_path: Path, capsys) -> None:
+    """A `.metadata` replaced by another pickle, its sha256 in the marker updated to match, is
+    refused by every reader (a resume by path, `auto`, the converter) without running it; a
+    packed value (step, schedule, data position, RNG) is read by the weights-only unpickler."""
+    import hashlib
+    import io
+    import json
+    import pickle
+
+    from model_utils.checkpoint.checkpointer import pack, unpack
+    from model_utils.checkpoint.manifest import MARKER, _Planner
+    from scripts import convert_checkpoint
+
+    root = tmp_path / "checkpoints"
+    from helpers.checkpoints import save_plain_checkpoints
+
+    save_plain_checkpoints(root, [2])
+    step = root / "step_00000002"
+    witness = tmp_path / "ran"
+    evil = pickle.dumps(_Planted(witness))
+    (step / ".metadata").write_bytes(evil)
+    marker = json.loads((step / MARKER).read_text())
+    marker["files"][".metadata"] = {"bytes": len(evil), "sha256": hashlib.sha256(evil).hexdigest()}
+    (step / MARKER).write_text(json.dumps(marker))
+    with pytest.raises(
+        ck.ResumeRefused, match=r"\.metadata cannot be read \(UnpicklingError: it names "
+    ):
+        ck.checkpoint_to_resume(str(step), root, verify=False)
+    with pytest.raises(ck.ResumeRefused):
+        ck.checkpoint_to_resume("auto", root, verify=False)
+    assert convert_checkpoint.main([str(step), str(tmp_path / "hf")]) == 2
+    assert "it names pathlib.Path.write_text" in capsys.readouterr().err
+    assert not witness.exists()
+    assert unpack(pack({"step": 2, "numpy": np.random.get_state()}))["step"] == 2
+    with pytest.raises(pickle.UnpicklingError):
+        unpack(evil)
+    with pytest.raises(pickle.UnpicklingError):
+        _Planner().load_bytes(None, io.BytesIO(evil))
+    assert not witness.exists()
+
+
+def test_a_checkpoint_others_can_write_is_resumed_with_a_warning(tmp_path: Path, caplog) -> None:
+    """Whoever can write a run folder decides what its resume loads: a group- or world-writable
+    checkpoint, checkpoint folder or run folder is named in one warning; a private one is not."""
+    import logging
+
+    from helpers.checkpoints import save_plain_checkpoints
+
+    run = tmp_path / "run"
+    save_plain_checkpoints(run / "checkpoints", [2])
+    for mode in (0o755, 0o777):
+        run.chmod(mode)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            found = ck.checkpoint_to_resume("auto", run / "checkpoints")
+        assert found == run / "checkpoints" / "step_00000002"
+        shared = [r.getMessage() for r in caplog.records if "other users" in r.getMessage()]
+        assert shared == (
+            []
+            if mode == 0o755
+            else [
+                f"{run} can be written by other users (mode 777): whoever writes there "
+                f"changes what this resume loads; `chmod go-w {run}` keeps it yours"
+            ]
+        )
