@@ -30,7 +30,6 @@ from model_utils.config.te_loader import TEUnavailableError, import_te
 from model_utils.errors import UsageError, refuse
 from model_utils.precision.output_gemms import cool_lm_head
 from model_utils.precision.te_requirements import (
-    REQUIREMENTS,
     TECapabilityError,
     capability_problem,
     fp8_attention_problem,
@@ -208,7 +207,7 @@ class TEBackend:
         available, reason = getattr(te, recipe.te_check)(return_reason=True)
         if not available:
             raise TECapabilityError(
-                f"--fp8_recipe {recipe.name} needs {REQUIREMENTS[recipe.name].hardware}: "
+                f"--fp8_recipe {recipe.name} needs {recipe.hardware}: "
                 f"Transformer Engine reports: {reason}"
             )
         if self.plan.attention:
