@@ -131,13 +131,6 @@ def _map_layers(
     return out
 
 
-def _weights_by_clean_name(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Names without wrapper segments, TE's ``_extra_state`` dropped (it is no weight)."""
-    return {
-        canonical_param_name(k): v for k, v in state_dict.items() if not is_te_extra_state_key(k)
-    }
-
-
 def _layers_in(names: Iterable[str]) -> list[int]:
     return sorted({int(m.group(1)) for m in map(_LAYER_KEY.match, names) if m})
 
@@ -163,8 +156,12 @@ class StateDictAdapter:
 
     def to_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``te`` names (wrapper segments allowed; plain tensors) -> HF for the decoder layers
-        present; TE's ``_extra_state`` is dropped."""
-        clean = _weights_by_clean_name(state_dict)
+        present; TE's ``_extra_state`` is dropped (it is no weight)."""
+        clean = {
+            canonical_param_name(k): v
+            for k, v in state_dict.items()
+            if not is_te_extra_state_key(k)
+        }
         return _map_layers(clean, _layers_in(clean), _split_layer, self.config, "TE")
 
     def converter(
@@ -234,14 +231,7 @@ class TELlamaDecoderLayer(nn.Module):
     ``seq x head_dim`` per layer) so they keep full precision under bf16 compute.
     """
 
-    def __init__(
-        self,
-        config: Any,
-        layer_idx: int,
-        *,
-        device: str | torch.device | None = None,
-        fp8: bool = True,
-    ):
+    def __init__(self, config: Any, layer_idx: int, *, fp8: bool = True):
         super().__init__()
         _check_te_config(config)
         te = import_te()
@@ -272,7 +262,7 @@ class TELlamaDecoderLayer(nn.Module):
             normalization="RMSNorm",
             attn_input_format="bshd",
             params_dtype=torch.get_default_dtype(),
-            device=_te_device() if device is None else device,
+            device=_te_device(),
         )
         # A plain attribute, not a buffer: buffers on the meta device come back as garbage
         # after ``to_empty`` and nobody would re-initialise them.
@@ -440,7 +430,7 @@ def build_te_llama(
             )
         else:
             model = _skeleton(config)
-            model.te_linear_skipped = swap_linears_for_te(model, bf16_layers)
+            swap_linears_for_te(model, bf16_layers)
     model.te_impl = impl
     if impl == "te":
         model.state_dict_adapter = StateDictAdapter(model.config)
@@ -452,30 +442,27 @@ def _first_microbatch_hook(module: nn.Module, args: tuple, kwargs: dict) -> tupl
     return args, kwargs
 
 
-def swap_linears_for_te(model: nn.Module, bf16_layers: tuple[int, ...] = ()) -> list[str]:
-    """Replace the decoder layers' ``nn.Linear`` by ``te.pytorch.Linear``; return skipped names.
+def swap_linears_for_te(model: nn.Module, bf16_layers: tuple[int, ...] = ()) -> None:
+    """Replace the decoder layers' ``nn.Linear`` by ``te.pytorch.Linear``.
 
     Parameter names are unchanged (``...q_proj.weight``), so HF checkpoints load directly.
     ``lm_head`` is never swapped (FP8 logits hurt loss; the vocab GEMM stays high precision);
     linears with a dimension not divisible by 16 cannot run FP8 GEMMs and are skipped, and so
-    are the layers in ``bf16_layers`` (kept in high precision, not listed).
+    are the layers in ``bf16_layers`` (kept in high precision).
     ``is_first_microbatch`` reaches the TE linears through a forward pre-hook because HF's
     attention/MLP call them with the input only.
     """
     te = import_te()
     device = _te_device()
     std = float(model.config.initializer_range)
-    skipped: list[str] = []
     for layer_idx, layer in enumerate(decoder_layers(model)):
         if layer_idx in bf16_layers:
             continue
-        for owner_name, owner in list(layer.named_modules()):
+        for owner in list(layer.modules()):
             for child_name, child in list(owner.named_children()):
                 if type(child) is not nn.Linear:
                     continue
-                full = f"{LAYER_PREFIX}{layer_idx}.{owner_name}.{child_name}".replace("..", ".")
                 if child.in_features % FP8_DIM_MULTIPLE or child.out_features % FP8_DIM_MULTIPLE:
-                    skipped.append(full)
                     continue
                 te_linear = te.Linear(
                     child.in_features,
@@ -488,4 +475,3 @@ def swap_linears_for_te(model: nn.Module, bf16_layers: tuple[int, ...] = ()) -> 
                 te_linear.register_forward_pre_hook(_first_microbatch_hook, with_kwargs=True)
                 setattr(te_linear, FIRST_MICROBATCH_ATTR, None)
                 setattr(owner, child_name, te_linear)
-    return skipped

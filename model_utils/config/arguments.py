@@ -171,8 +171,8 @@ def section_flags() -> dict[str | None, list[str]]:
 def parse_args(argv: list[str] | None = None) -> Config:
     """The one way to a run config: flags, preset, cross-flag rules, then the implementation
     (``auto`` probes TE and the GPU) and the FP8 recipe for its backend."""
-    given = with_files(sys.argv[1:] if argv is None else argv)
-    args, typed = parse_typed(with_recipes(given))
+    given = expanded(sys.argv[1:] if argv is None else argv, files_only=True)
+    args, typed = parse_typed(expanded(given))
     args.recipe = flag_value(given, "recipe")  # the run's record says which recipe it started from
     try:
         return resolve(args, typed)
@@ -231,18 +231,11 @@ def recipe_origin(message: str, given: list[str], recipe: str | None) -> str:
     return f"{message} ({', '.join(named)} from --recipe {recipe})" if named else message
 
 
-def with_files(argv: list[str]) -> list[str]:
-    """The command line with each `@FILE` (a run folder's run.args) replaced by its arguments."""
+def expanded(argv: list[str], files_only: bool = False) -> list[str]:
+    """The command line with each `@FILE` (a run folder's run.args) replaced by its arguments
+    and, unless `files_only`, each --recipe by its flags (model_utils/config/recipes.py)."""
     try:
-        return recipes.expand_files(argv)
-    except recipes.RecipeError as exc:
-        raise UsageError(str(exc)) from exc
-
-
-def with_recipes(argv: list[str] | None) -> list[str]:
-    """The command line with each --recipe replaced by its flags (model_utils/config/recipes.py)."""
-    try:
-        return recipes.expand(sys.argv[1:] if argv is None else argv)
+        return (recipes.expand_files if files_only else recipes.expand)(argv)
     except recipes.RecipeError as exc:
         raise UsageError(str(exc)) from exc
 
@@ -279,7 +272,7 @@ def saved_args(config: Config) -> list[str]:
     return lines
 
 
-def explicit_flags(argv: list[str] | None = None) -> frozenset[str]:
+def explicit_flags(argv: list[str]) -> frozenset[str]:
     """The flags given on a command line (a recipe's included), not filled in by a default or
     a preset (a run's own: Config.typed)."""
-    return parse_typed(with_recipes(argv))[1]
+    return parse_typed(expanded(argv))[1]

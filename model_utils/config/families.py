@@ -81,11 +81,9 @@ class ModelFamily:
     values the build writes and a config.json must have (else another model: refused);
     ``flops``: report/metrics/flops.FORMULAS' key; ``decoder_path``: the FSDP/recompute units."""
 
-    name: str
-    model_type: str
+    name: str  # config.json's model_type
     config_class: str
     causal_lm_class: str
-    decoder_layer_class: str
     layer_map: tuple[ParamMapping, ...]
     built: Mapping[str, Any]
     decoder_path: str = "model.layers"
@@ -99,10 +97,8 @@ class ModelFamily:
 
 LLAMA = ModelFamily(
     "llama",
-    "llama",
     "LlamaConfig",
     "LlamaForCausalLM",
-    "LlamaDecoderLayer",
     LLAMA_LAYER_MAP,
     {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
 )
@@ -110,14 +106,12 @@ LLAMA = ModelFamily(
 #: ModelShape states no window, so a windowed checkpoint would train another model.
 MISTRAL = ModelFamily(
     "mistral",
-    "mistral",
     "MistralConfig",
     "MistralForCausalLM",
-    "MistralDecoderLayer",
     LLAMA_LAYER_MAP,
     {"hidden_act": "silu", "sliding_window": None},
 )
-FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (LLAMA, MISTRAL)}
+FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (LLAMA, MISTRAL)}
 
 
 def family_of(config: Any) -> ModelFamily:

@@ -53,16 +53,6 @@ from model_utils.config.options import (
     TRACKERS,
 )
 
-#: The model's size: what FLOPs, a checkpoint's tensors and a like-for-like comparison hang on
-#: (ModelShape's first fields).
-SHAPE_FIELDS = (
-    "hidden_width",
-    "num_layers",
-    "num_heads",
-    "num_key_value_heads",
-    "intermediate_size",
-    "vocab_size",
-)
 #: Our shape names -> the keys of a Hugging Face config.json: the one mapping table, read by
 #: model/modeling.model_config (our shape -> the family's config), config/hf_config (config.json
 #: -> our shape) and checkpoint/hf.py (a file that does not fit, in flag words).
@@ -142,6 +132,11 @@ class ModelShape:
     @property
     def head_dim(self) -> int:
         return self.hidden_width // self.num_heads
+
+
+#: The model's size: what FLOPs, a checkpoint's tensors and a like-for-like comparison hang on
+#: (ModelShape's first six fields, hidden_width to vocab_size).
+SHAPE_FIELDS = tuple(f.name for f in fields(ModelShape))[:6]
 
 
 @dataclass(frozen=True)

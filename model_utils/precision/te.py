@@ -27,10 +27,9 @@ from model_utils.config.fp8_plan import check_training, plan_of, te_options
 from model_utils.config.options import FP8_RECIPE, TE_RECIPE_KEYWORDS, TE_RECIPES
 from model_utils.config.sections import Config, flag_specs
 from model_utils.config.te_loader import TEUnavailableError, import_te
-from model_utils.errors import UsageError
+from model_utils.errors import UsageError, refuse
 from model_utils.precision.output_gemms import cool_lm_head
 from model_utils.precision.te_requirements import (
-    REQUIREMENTS,
     TECapabilityError,
     capability_problem,
     fp8_attention_problem,
@@ -200,16 +199,15 @@ class TEBackend:
             fp8_backward=self.plan.te_options.get("fp8_backward", "fp8") != "fp8",
             mlp_recompute=self.mlp_recompute,
         )
-        if problem and sm is None and "no CUDA GPU" in problem:
-            problem = None  # TE itself decides below (it knows its device; CPU builds have none)
-        if problem:
-            raise TECapabilityError(problem)
+        # no GPU visible: TE itself decides below (it knows its device; CPU builds have none)
+        if not (sm is None and "no CUDA GPU" in (problem or "")):
+            refuse(problem, TECapabilityError)
         if recipe is None:
             return
         available, reason = getattr(te, recipe.te_check)(return_reason=True)
         if not available:
             raise TECapabilityError(
-                f"--fp8_recipe {recipe.name} needs {REQUIREMENTS[recipe.name].hardware}: "
+                f"--fp8_recipe {recipe.name} needs {recipe.hardware}: "
                 f"Transformer Engine reports: {reason}"
             )
         if self.plan.attention:
@@ -220,8 +218,7 @@ class TEBackend:
                 deterministic=attention_is_deterministic(),
                 cudnn=cudnn_version(),
             )
-            if problem:
-                raise TECapabilityError(problem)
+            refuse(problem, TECapabilityError)
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """Check the model really runs on TE modules and remember it (for micro-batch flags).

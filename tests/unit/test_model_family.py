@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 
 from model_utils.config.arguments import UsageError, parse_args
-from model_utils.config.families import MISTRAL
 
 # A Mistral at a CPU test's size, without the sliding window (the decoder Llama's is).
 TINY_MISTRAL = dict(
@@ -108,7 +107,7 @@ def test_the_preset_picks_the_family_for_the_build_flops_and_sharding() -> None:
     assert type(model) is MistralForCausalLM and model.config.sliding_window is None
     layers = distributed.decoder_layers(model)  # the row's decoder_path, of its layer class
     assert len(layers) == mistral.model.num_layers
-    assert {type(layer).__name__ for layer in layers} == {MISTRAL.decoder_layer_class}
+    assert {type(layer).__name__ for layer in layers} == {"MistralDecoderLayer"}
     assert model.config.head_dim == mistral.model.head_dim  # not MistralConfig's default 128
     same_shape = flops.flops_per_token(llama.model, 256)
     assert flops.flops_per_token(mistral.model, 256) == same_shape
