@@ -37,8 +37,7 @@ def is_no_decay(name: str, param: torch.Tensor) -> bool:
     The rule is shape first, name second:
     - ``param.ndim < 2``: RMSNorm/LayerNorm weights and all biases are vectors. For FSDP2 the
       parameter is a DTensor whose ``ndim`` is the *global* rank, so sharding does not change
-      the answer. (FSDP1 ``FlatParameter``s are 1-D flattenings of everything; they are refused
-      by :func:`param_groups` because no per-parameter decision is possible on them.)
+      the answer.
     - the leaf name ends in ``bias`` or is a TE fused-norm name (``layer_norm_weight``), to be
       safe for implementations that store such vectors with an extra dimension.
 
@@ -48,11 +47,6 @@ def is_no_decay(name: str, param: torch.Tensor) -> bool:
     """
     leaf = name.rsplit(".", 1)[-1]
     return param.ndim < 2 or leaf.endswith(_NO_DECAY_LEAF_SUFFIXES)
-
-
-def _is_flat_parameter(param: torch.Tensor) -> bool:
-    """FSDP1 (use_orig_params=False) packs a whole module's parameters into one 1-D tensor."""
-    return type(param).__name__ == "FlatParameter"
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -72,11 +66,6 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if _is_flat_parameter(param):
-            raise ValueError(
-                f"parameter {name!r} is an FSDP1 FlatParameter: build the parameter groups "
-                "before wrapping, or use FSDP2 (fully_shard), which keeps per-parameter DTensors"
-            )
         group = groups[is_no_decay(name, param)]
         group["params"].append(param)
         group["param_names"].append(name)

@@ -35,10 +35,8 @@ declare -A apt_probe=(
     [libslurm-dev]=/usr/include/slurm/spank.h [makeself]=makeself [jq]=jq [parallel]=parallel
     [zstd]=zstd [pigz]=pigz
 )
-packages=(slurm-wlm munge iproute2 shellcheck docker.io containerd mmdebstrap squashfs-tools
-    build-essential libbsd-dev libslurm-dev makeself jq parallel zstd pigz)
 missing=()
-for package in "${packages[@]}"; do
+for package in "${!apt_probe[@]}"; do
     probe=${apt_probe[$package]}
     if [[ $probe == /* ]]; then
         [[ -e $probe ]] || missing+=("$package")

@@ -369,13 +369,7 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
 
 def any_rank(flag: bool) -> bool:
     """True on every rank if `flag` is true on any (e.g. a signal that reached some ranks)."""
-    if not dist.is_initialized():
-        return flag
-    nccl = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    found = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(found, op=dist.ReduceOp.MAX)
-    return bool(found.item())
+    return any(all_gather_object(bool(flag)))
 
 
 def first_problem(problem: str | None) -> str | None:
