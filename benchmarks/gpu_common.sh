@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # What the GPU scripts of benchmarks/ share (sourced, not run): their OUT_DIR, their Python, and
 # the rule that they never replace a run folder: each launch is a new folder in OUT_DIR.
 
