@@ -106,7 +106,9 @@ def plot_medians(bar_ax, labels: Sequence[str], medians: Sequence[float | None],
     """A bar per run of its median throughput, its ratio to the first run written on it."""
     heights = [m if m is not None else 0.0 for m in medians]
     bars = bar_ax.bar(range(len(labels)), heights, color=[f"C{i}" for i in range(len(labels))])
-    bar_ax.set_xticks(range(len(labels)), labels, fontsize="small")
+    # a label a line a word or two: three runs' "fp8 delayed te fp8-attention" ran into each other
+    names = [textwrap.fill(label, 12, break_long_words=False) for label in labels]
+    bar_ax.set_xticks(range(len(labels)), names, fontsize="small")
     bar_ax.set_ylabel(f"median {unit}")
     bar_ax.set_title(f"median {unit} after warm-up\nratio to {labels[0]}")
     for bar, median in zip(bars, medians, strict=True):

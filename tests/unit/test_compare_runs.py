@@ -350,6 +350,21 @@ def test_a_speed_that_moved_within_a_run_makes_no_time_to_loss(tmp_path, capsys)
     assert "varied" not in out and "as fast" in out and "matched time:" in out
 
 
+def test_three_runs_long_labels_stay_apart_in_the_bar_panel(two_runs) -> None:
+    """The bar panel's names, drawn: three runs labelled as flags label them do not overlap."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    runs = [cr.load_run(p) for p in [*two_runs, two_runs[1]]]
+    labels = ["bf16 te adamw8bit bf16-params", "fp8 delayed te fp8-attention", "fp8 current te"]
+    summaries = [metrics.summarize(r.records, 10) for r in runs]
+    fig = compare_plot.make_figure(runs, labels, summaries, judged_from=5)
+    FigureCanvasAgg(fig).draw()
+    bar_ax = next(ax for ax in fig.axes if ax.get_title().startswith("median"))
+    boxes = [tick.get_window_extent() for tick in bar_ax.get_xticklabels()]
+    assert len(boxes) == 3
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
+
+
 def test_png_has_the_expected_size_and_the_plotted_data_is_the_input(two_runs, tmp_path) -> None:
     png = tmp_path / "compare.png"
     args = cr.parse_args([*two_runs, "--output", str(png), "--log_steps", "--title", "CPU demo"])
