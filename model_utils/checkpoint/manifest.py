@@ -9,6 +9,7 @@ The rule for a complete checkpoint is published.py's, shared with the launcher.
 from __future__ import annotations
 
 import contextlib
+import enum
 import errno
 import hashlib
 import io
@@ -84,8 +85,18 @@ except ImportError:  # numpy 1 (an older container)
 PACKED_GLOBALS = [np.ndarray, np.dtype, _reconstruct, type(np.dtype(np.uint32))]
 
 
+def _enum_member(kind: Any, name: str) -> enum.Enum:
+    """The one `getattr` a metadata pickle may call: Python >= 3.12 pickles an enum member (DCP's
+    memory-format record) as getattr(its class, its name)."""
+    if isinstance(kind, type) and issubclass(kind, enum.Enum) and name in kind.__members__:
+        return kind[name]
+    raise pickle.UnpicklingError(f"it asks for {kind!r}.{name}, which no DCP metadata holds")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         if module in _METADATA_MODULES or (module, name) in _METADATA_GLOBALS or dtype:
             return super().find_class(module, name)

@@ -449,3 +449,41 @@ def test_a_checkpoint_others_can_write_is_resumed_with_a_warning(tmp_path: Path,
                 f"changes what this resume loads; `chmod go-w {run}` keeps it yours"
             ]
         )
+
+
+def test_metadata_pickled_by_python_3_12_reads_and_getattr_reaches_only_enum_members(
+    tmp_path: Path,
+) -> None:
+    """Python >= 3.12 (an NGC image's) pickles DCP's memory-format enum member as getattr(its
+    class, its name): read; a getattr for anything else is refused."""
+    import enum
+    import io
+    import pickle
+
+    from helpers.checkpoints import save_plain_checkpoints
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from model_utils.checkpoint.manifest import read_metadata
+
+    class Py312(pickle.Pickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, enum.Enum):
+                return getattr, (type(obj), obj.name)
+            return NotImplemented
+
+    step = tmp_path / "step_00000001"
+    save_plain_checkpoints(tmp_path, [1])
+    saved = read_metadata(step)
+    buffer = io.BytesIO()
+    Py312(buffer, protocol=4).dump(saved)
+    assert b"getattr" in buffer.getvalue()
+    (step / ".metadata").write_bytes(buffer.getvalue())
+    assert read_metadata(step).state_dict_metadata == saved.state_dict_metadata
+
+    class Method:
+        def __reduce__(self):
+            return getattr, (Metadata, "__init__")
+
+    (step / ".metadata").write_bytes(pickle.dumps(Method(), protocol=4))
+    with pytest.raises(pickle.UnpicklingError, match="asks for .*Metadata.*__init__"):
+        read_metadata(step)
