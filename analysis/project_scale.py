@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from model_utils.config.sections import ModelShape
 from model_utils.report import metrics
@@ -158,7 +158,7 @@ def job_of(run: str) -> Job:
 def table(bf16: Job, fp8: Job, nodes: Sequence[int], gpus_per_node: int, links: Links) -> str:
     """Tokens/s per GPU and FP8's ratio at each scale, full and hybrid sharding, FP8 with and
     without the float8 all-gather, from a pair measured on one GPU."""
-    fp8_ag = Job(**{**fp8.__dict__, "gather_bytes": 1.0})
+    fp8_ag = replace(fp8, gather_bytes=1.0)
     head = f"{'nodes x GPUs':14s}{'sharding':10s}{'bf16':>9s}{'fp8':>9s}{'ratio':>7s}"
     lines = [head + f"{'fp8+ag':>9s}{'ratio':>7s}  (projected tokens/s per GPU)"]
     for n in nodes:

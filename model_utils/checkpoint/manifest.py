@@ -427,10 +427,11 @@ def checkpoint_to_resume(
 
 def writable_by_others(path: Path) -> Path | None:
     """The checkpoint, its checkpoint folder or its run folder where users other than the
-    owner may write (a group or world write bit), or None."""
+    owner may write (a group or world write bit; not a sticky folder such as /tmp, where they
+    cannot replace what is yours), or None."""
     for folder in (path, path.parent, path.parent.parent):
         with contextlib.suppress(OSError):
-            if folder.stat().st_mode & 0o022:
+            if (folder.stat().st_mode & 0o1022) in (0o002, 0o020, 0o022):
                 return folder
     return None
 

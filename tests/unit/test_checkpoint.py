@@ -434,7 +434,7 @@ def test_a_checkpoint_others_can_write_is_resumed_with_a_warning(tmp_path: Path,
 
     run = tmp_path / "run"
     save_plain_checkpoints(run / "checkpoints", [2])
-    for mode in (0o755, 0o777):
+    for mode in (0o755, 0o1777, 0o777):  # a sticky folder (as /tmp): nobody replaces yours
         run.chmod(mode)
         caplog.clear()
         with caplog.at_level(logging.WARNING):
@@ -443,7 +443,7 @@ def test_a_checkpoint_others_can_write_is_resumed_with_a_warning(tmp_path: Path,
         shared = [r.getMessage() for r in caplog.records if "other users" in r.getMessage()]
         assert shared == (
             []
-            if mode == 0o755
+            if mode != 0o777
             else [
                 f"{run} can be written by other users (mode 777): whoever writes there "
                 f"changes what this resume loads; `chmod go-w {run}` keeps it yours"
