@@ -29,7 +29,7 @@ from model_utils.config.options import TE_IMPLS
 from model_utils.config.sections import Config
 from model_utils.errors import Refusal, exit_refused
 from model_utils.model import modeling
-from model_utils.parallel import distributed
+from model_utils.parallel import distributed, preflight
 from model_utils.precision import backends as precision
 from model_utils.precision import master_weights
 from model_utils.report.run_log import RunLog
@@ -267,6 +267,7 @@ def start_run(parts: StepParts, stream: data.TrainStream, val_batches: list, wor
         fp8_recipe=parts.backend.te_recipe,
     )
     config = checkpoint.resume_or_start(ckpt, state, parts.scheduler, config)
+    preflight.check(model, world, parts.device, config.parallel.preflight, config.run.output_dir)
     hang = watchdog.for_run(config.run, world.rank, parts.device)  # --hang_timeout
     run_log = RunLog(
         config,

@@ -32,6 +32,7 @@ usage() {
 usage: slurm_cluster.sh start [STATE_DIR]   start munged + slurmctld + slurmd(s); print env exports
        slurm_cluster.sh stop STATE_DIR [--purge]   stop them by PID (--purge removes STATE_DIR)
        slurm_cluster.sh status STATE_DIR    show daemons and sinfo
+       slurm_cluster.sh shape STATE_DIR NODE RATE|off   cap node NODE's sending rate (tc tbf)
 EOF
     exit 2
 }
@@ -294,6 +295,20 @@ cmd_status() {
     SLURM_CONF=$dir/slurm.conf sinfo || true
 }
 
+# A slower link without a slower machine: a token bucket (tc's tbf) on node NODE's eth0 caps
+# what it sends (e.g. RATE=400mbit; `off` lifts it); what it receives keeps the bridge's speed.
+cmd_shape() {
+    local dir=${1:-} node=${2:-} rate=${3:-} ns
+    [[ -n $dir && -f $dir/$MARKER ]] || die "'$dir' is not a state folder made by slurm_cluster.sh"
+    ns=$(sed -n "s/^netns \(slurm-.*-node$node\)$/\1/p" "$dir/netns" 2>/dev/null)
+    [[ -n $ns && -n $rate ]] || die "shape takes a node number and a rate (e.g. 2 400mbit) or off"
+    if [[ $rate == off ]]; then
+        tc -n "$ns" qdisc del dev eth0 root 2>/dev/null || true # none left: as wanted
+    else
+        tc -n "$ns" qdisc replace dev eth0 root tbf rate "$rate" burst 256kb latency 400ms
+    fi
+}
+
 main() {
     [[ $# -ge 1 ]] || usage
     local cmd=$1
@@ -302,6 +317,7 @@ main() {
     start) cmd_start "$@" ;;
     stop) cmd_stop "$@" ;;
     status) cmd_status "$@" ;;
+    shape) cmd_shape "$@" ;;
     *) usage ;;
     esac
 }

@@ -416,6 +416,15 @@ class ParallelConfig:
         resume=Resume.FREE,
         default=True,
     )
+    preflight: str = flag(
+        "time the job's all-gathers and reduce-scatters (the largest FSDP unit; within nodes, "
+        "across nodes, each link) before step 1, name a slow node or link, keep the bus "
+        "bandwidths in <output_dir>/preflight.json (docs/cluster.md); auto = bf16 only, on "
+        "jobs of 2+ nodes (seconds); full = bf16, fp8 and fp32 payloads on any multi-rank job",
+        resume=Resume.LAUNCH,
+        default="auto",
+        choices=("auto", "full", "off"),
+    )
     dist_timeout: int = flag(
         "seconds before a stuck collective fails",
         resume=Resume.FREE,

@@ -261,6 +261,7 @@ def check_both_nodes_ran(log: str) -> None:
     assert sorted(ranks) == [0, 1], log
     assert {host for host, _, _ in ranks.values()} == {host for _, host, _ in nodes.values()}
     assert "world: 2 ranks (2 nodes)" in log
+    assert "preflight (auto, gloo, 2 node(s), 2 ranks)" in log  # multi-node: always, bounded
 
 
 def check_two_node_preemption(log: str, check_part: Callable[[str], None]) -> None:

@@ -15,6 +15,7 @@ Budget (2 CPU cores): the one-node Slurm job ~0.5 min, the two-node jobs ~1.5 mi
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -197,8 +198,14 @@ def test_the_killed_jobs_last_checkpoint_resumes_with_hybrid_sharding_across_nod
     killed, _ = killed_job
     before = seed_losses(killed.log())
     last_saved = max(int(step) for step in SAVED.findall(killed.log()))
-    job = submit_two_nodes(two_nodes, killed.out.parent, "killed", HYBRID_ARGS)
-    wait_until("the resumed job to finish", state_is(two_nodes, job, *FINAL_STATES), job, two_nodes)
+    shape = [str(REPO / "tools/slurm_cluster.sh"), "shape", str(two_nodes.state_dir), "2"]
+    two_nodes.run(*shape, SLOW_LINK)  # node2 sends slowly: the preflight must name its link
+    try:
+        job = submit_two_nodes(two_nodes, killed.out.parent, "killed", HYBRID_ARGS)
+        done = state_is(two_nodes, job, *FINAL_STATES)
+        wait_until("the resumed job to finish", done, job, two_nodes)
+    finally:
+        two_nodes.run(*shape, "off")
     info, log = two_nodes.job(job.job_id), job.log()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
     resumed = RESUMED.search(log)
@@ -217,6 +224,14 @@ def test_the_killed_jobs_last_checkpoint_resumes_with_hybrid_sharding_across_nod
         assert groups["shard"] == [rank]  # the rank's node holds only it: whole parameters
         assert groups["replicate"] == [0, 1]
     assert ranks[0][0] != ranks[1][0]  # the replicas sit on different nodes
+    slow, fast = f"{ranks[1][0]} -> {ranks[0][0]}", f"{ranks[0][0]} -> {ranks[1][0]}"
+    links = json.loads((job.run_dir / "preflight.json").read_text())["links"]
+    assert links[slow] < links[fast] / 4, links  # the shaped link, measured slower
+    assert f"preflight: slow link {slow}: " in log and f"preflight: slow link {fast}" not in log
+
+
+#: node2's sending rate in the resumed job: far below a veth's, still seconds for the job.
+SLOW_LINK = "400mbit"
 
 
 @pytest.mark.slow

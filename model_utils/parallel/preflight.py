@@ -1,0 +1,246 @@
+"""The preflight: the job's collectives timed on its own nodes and process groups, before step 1.
+
+FSDP2 hides its all-gathers and reduce-scatters under compute only while the links carry the
+largest unit in time; a slow link shows much later as a slow step that names nothing. So
+before training, each collective FSDP2 runs is timed at that unit's size with the job's backend
+(NCCL on GPUs, gloo on CPU): across all ranks, within each node and between nodes, then every
+directed link from one node to the next on its own. The bus bandwidths (nccl-tests' measure)
+are printed, kept in <output_dir>/preflight.json (analysis.project_scale reads them), and a node
+or link at less than half the median of its peers is named.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from model_utils.parallel.distributed import World, all_gather_object, fsdp_units
+
+#: Payloads on the wire: fp8 travels as its bytes (gloo has no float8; all-gather moves bytes).
+PAYLOADS = {"bf16": torch.bfloat16, "fp8": torch.uint8, "fp32": torch.float32}
+#: A node or link below this share of its peers' median is named.
+SLOW = 0.5
+RECORD = "preflight.json"
+
+
+@dataclass(frozen=True)
+class Form:
+    """What one `--preflight` value times: `auto` is the bounded form multi-node jobs start
+    with (seconds); `full` is every payload at the unit's full size."""
+
+    payloads: tuple[str, ...]
+    repeats: int
+    max_bytes: int
+
+
+FORMS = {"auto": Form(("bf16",), 2, 64 << 20), "full": Form(tuple(PAYLOADS), 5, 1 << 40)}
+
+
+def largest_unit(model: nn.Module) -> int:
+    """Parameters of the largest FSDP2 unit (a decoder layer, or a vocab-sized matrix): what
+    each all-gather and reduce-scatter of a step moves at most."""
+    sizes = [0]
+    for unit, _ in fsdp_units(model):
+        modules = unit if isinstance(unit, list) else [unit]
+        sizes.append(sum(p.numel() for m in modules for p in m.parameters()))
+    return max(sizes)
+
+
+def bus_gbs(nbytes: int, ranks: int, seconds: float) -> float:
+    """nccl-tests' bus bandwidth of an all-gather or reduce-scatter whose full (gathered, or
+    to-be-reduced) buffer is `nbytes`: each rank sends and receives (n-1)/n of it."""
+    return nbytes * (ranks - 1) / ranks / max(seconds, 1e-9) / 1e9
+
+
+def _timed(run: Callable[[], Any], device: torch.device, repeats: int, group: Any) -> float:
+    """Seconds per call, the slowest rank's (a collective is done when its last rank is)."""
+    run()  # warm-up: connections, NCCL's channels
+    dist.barrier(group=group)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        run()
+    _sync(device)
+    elapsed = torch.tensor([(time.perf_counter() - start) / repeats], device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+    return elapsed.item()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def collective(op: str, numel: int, dtype: torch.dtype, group: Any, device, repeats: int) -> float:
+    """Seconds per `op` ('all_gather' or 'reduce_scatter') of a `numel` buffer over `group`."""
+    ranks = dist.get_world_size(group)
+    shard = max(1, numel // ranks)
+    small = torch.ones(shard, dtype=dtype, device=device)
+    full = torch.ones(shard * ranks, dtype=dtype, device=device)
+    if op == "all_gather":
+        return _timed(
+            lambda: dist.all_gather_single(full, small, group=group), device, repeats, group
+        )
+    return _timed(
+        lambda: dist.reduce_scatter_single(small, full, group=group), device, repeats, group
+    )
+
+
+def scopes(world: World, device: torch.device) -> dict[str, Any]:
+    """The process groups to time, named by where their traffic goes (groups of one dropped)."""
+    nodes, local = world.num_nodes, world.world_size // world.num_nodes
+    if nodes == 1 or local == 1:
+        return {"within the node" if nodes == 1 else "across nodes": dist.group.WORLD}
+    mesh = init_device_mesh(device.type, (nodes, local), mesh_dim_names=("node", "local"))
+    return {
+        "all ranks": dist.group.WORLD,
+        "within each node": mesh.get_group("local"),
+        "across nodes": mesh.get_group("node"),
+    }
+
+
+def link_seconds(world: World, numel: int, device, repeats: int) -> list[float]:
+    """Each directed link node i -> node i+1, alone: node i's ranks send to the same local
+    rank on the next node while every other rank waits; seconds per send, in node order."""
+    local = world.world_size // world.num_nodes
+    node = world.rank // local
+    buffer = torch.ones(numel, dtype=torch.uint8, device=device)
+    seconds = []
+    for sender in range(world.num_nodes):
+        receiver = (sender + 1) % world.num_nodes
+        peer = {sender: (receiver - node) * local, receiver: (sender - node) * local}
+        if node not in peer:
+            seconds.append(_timed(lambda: None, device, repeats, None))
+            continue
+        other = world.rank + peer[node]
+        send = dist.send if node == sender else dist.recv
+        seconds.append(_timed(lambda s=send, o=other: s(buffer, o), device, repeats, None))
+    return seconds
+
+
+def slow_ones(values: dict[str, float], what: str) -> list[str]:
+    """One line per `values` entry (GB/s) below SLOW of the entries' median, naming it."""
+    if len(values) < 2:
+        return []
+    median = statistics.median(values.values())
+    return [
+        f"preflight: slow {what} {name}: {gbs:.2f} GB/s, {gbs / median:.2f}x the median "
+        f"{what} ({median:.2f} GB/s): check its network (or its GPUs' links) before a long job"
+        for name, gbs in values.items()
+        if gbs < SLOW * median
+    ]
+
+
+def node_names(world: World) -> list[str]:
+    """Each node's host name (its first rank's), numbered where host names repeat."""
+    local = world.world_size // world.num_nodes
+    hosts = all_gather_object(socket.gethostname())[::local]
+    return [h if hosts.count(h) == 1 else f"{h}#{i}" for i, h in enumerate(hosts)]
+
+
+def run(model: nn.Module, world: World, device: torch.device, form_name: str) -> dict | None:
+    """Time the collectives on every rank; the record (rank 0 writes it). None when
+    `--preflight` is off, or auto on one node, or there is one rank: nothing crosses a link."""
+    if world.world_size == 1 or form_name == "off":
+        return None
+    if form_name == "auto" and world.num_nodes == 1:
+        return None
+    form, numel = FORMS[form_name], largest_unit(model)
+    local, names, groups = (
+        world.world_size // world.num_nodes,
+        node_names(world),
+        scopes(world, device),
+    )
+    rows, within = [], {}
+    for payload in form.payloads:
+        dtype = PAYLOADS[payload]
+        count = min(numel, form.max_bytes // dtype.itemsize)
+        nbytes = count * dtype.itemsize
+        for (scope, group), op in itertools.product(
+            groups.items(), ("all_gather", "reduce_scatter")
+        ):
+            ranks = dist.get_world_size(group)
+            per_node = all_gather_object(collective(op, count, dtype, group, device, form.repeats))
+            seconds = max(per_node)  # a step waits for its slowest group
+            rows.append(
+                dict(
+                    op=op,
+                    payload=payload,
+                    scope=scope,
+                    ranks=ranks,
+                    bytes=nbytes,
+                    seconds=seconds,
+                    bus_gbs=bus_gbs(nbytes, ranks, seconds),
+                )
+            )
+            if scope == "within each node" and not within:
+                within = {
+                    n: bus_gbs(nbytes, ranks, s)
+                    for n, s in zip(names, per_node[::local], strict=True)
+                }
+    links: dict[str, float] = {}
+    if world.num_nodes > 1:
+        nbytes = min(numel * 2, form.max_bytes)
+        seconds = link_seconds(world, nbytes, device, form.repeats)
+        links = {
+            f"{names[i]} -> {names[(i + 1) % len(names)]}": nbytes / s / 1e9
+            for i, s in enumerate(seconds)
+        }
+    return {
+        "form": form_name,
+        "backend": dist.get_backend(),
+        "nodes": world.num_nodes,
+        "ranks": world.world_size,
+        "unit_parameters": numel,
+        "collectives": rows,
+        "links": links,
+        "within_nodes": within,
+        "slow": slow_ones(links, "link") + slow_ones(within, "node"),
+    }
+
+
+def summary(record: dict) -> list[str]:
+    """The lines a person reads: one per payload and collective, then the slow ones."""
+    lines = [
+        f"preflight ({record['form']}, {record['backend']}, {record['nodes']} node(s), "
+        f"{record['ranks']} ranks): largest FSDP unit {record['unit_parameters']:,} parameters; "
+        f"bus bandwidth in GB/s; all in {RECORD}"
+    ]
+    for row in record["collectives"]:
+        lines.append(
+            f"preflight: {row['op'].replace('_', '-')} {row['payload']} "
+            f"{row['bytes'] / 2**20:.1f} MiB {row['scope']} ({row['ranks']} ranks): "
+            f"{row['bus_gbs']:.2f} GB/s, {row['seconds'] * 1e3:.2f} ms"
+        )
+    if record["links"]:
+        lines.append(
+            "preflight: links " + ", ".join(f"{k} {v:.2f}" for k, v in record["links"].items())
+        )
+    return lines + record["slow"]
+
+
+def check(model: nn.Module, world: World, device: torch.device, form: str, output_dir: str) -> None:
+    """`--preflight`: run on every rank; rank 0 keeps the record and logs it, slow ones as
+    warnings."""
+    record = run(model, world, device, form)
+    if record is None or not world.is_main:
+        return
+    path = Path(output_dir) / RECORD
+    path.with_suffix(".part").write_text(json.dumps(record, indent=1))
+    path.with_suffix(".part").replace(path)  # never half a record
+    log = logging.getLogger("train")
+    for line in summary(record):
+        (log.warning if line.startswith("preflight: slow") else log.info)("%s", line)

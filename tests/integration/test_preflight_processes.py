@@ -1,0 +1,56 @@
+"""The preflight on real gloo process groups: four ranks laid out as two nodes of two, so every
+scope (all ranks, within each node, across nodes) and every directed link is timed."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch.distributed as dist
+from helpers.inprocess import tiny_llama
+from helpers.procs import rank_env, spawn_ranks
+
+from model_utils.parallel import preflight
+from model_utils.parallel.distributed import World
+
+
+def _two_nodes_of_two(rank: int, world_size: int, port: int, out: str, form: str) -> None:
+    os.environ.update(rank_env(rank, world_size, port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    world = World(rank, world_size, rank % 2, 2)
+    record = preflight.run(tiny_llama(), world, __import__("torch").device("cpu"), form)
+    if rank == 0:
+        Path(out).write_text(json.dumps(record))
+    dist.barrier()
+
+
+def test_full_preflight_times_every_scope_payload_and_link(tmp_path):
+    out = tmp_path / "record.json"
+    spawn_ranks(_two_nodes_of_two, 4, str(out), "full")
+    record = json.loads(out.read_text())
+    layer = sum(p.numel() for p in tiny_llama().model.layers[0].parameters())
+    assert record["unit_parameters"] == layer > 256 * 64  # a decoder layer, not the embedding
+    rows = {(r["op"], r["payload"], r["scope"]): r for r in record["collectives"]}
+    scopes = {"all ranks": 4, "within each node": 2, "across nodes": 2}
+    for op in ("all_gather", "reduce_scatter"):
+        for payload, dtype in preflight.PAYLOADS.items():
+            for scope, ranks in scopes.items():
+                row = rows[(op, payload, scope)]
+                assert row["ranks"] == ranks
+                assert row["bytes"] == layer * dtype.itemsize
+                assert row["bus_gbs"] == preflight.bus_gbs(row["bytes"], ranks, row["seconds"]) > 0
+    assert len(record["links"]) == 2 and all(v > 0 for v in record["links"].values())
+    assert len(record["within_nodes"]) == 2
+    lines = preflight.summary(record)
+    assert lines[0].startswith("preflight (full, gloo, 2 node(s), 4 ranks)")
+    assert len(lines) == 1 + len(rows) + 1 + len(record["slow"])
+
+
+def test_auto_preflight_skips_one_node(tmp_path):
+    out = tmp_path / "record.json"
+    world = World(0, 1, 0, 1)
+    assert preflight.run(tiny_llama(), world, None, "full") is None  # nothing crosses a link
+    spawn_ranks(_two_nodes_of_two, 4, str(out), "auto")
+    record = json.loads(out.read_text())
+    assert {r["payload"] for r in record["collectives"]} == {"bf16"}  # the bounded form
