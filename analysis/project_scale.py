@@ -21,9 +21,11 @@ their sources; tests/unit/test_project_scale.py holds the projection to them (do
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
 from model_utils.config.sections import ModelShape
 from model_utils.report import metrics
@@ -50,6 +52,7 @@ class Job:
     tokens_per_sec: float
     gather_bytes: float = 2.0  # bf16; a float8 all-gather moves the layers' weights in 1 byte
     reduce_bytes: float = 4.0  # fp32 gradients
+    param_bytes: float = 2.0  # what the embedding's gather moves: float8 gathers only Linears
 
     @property
     def step_seconds(self) -> float:
@@ -63,10 +66,28 @@ def ring(nbytes: float, gpus: int, gbs: float) -> float:
 
 @dataclass(frozen=True)
 class Links:
-    """Bus bandwidths in GB/s: within a node, and across nodes per GPU."""
+    """Bus bandwidths in GB/s: within a node, and across nodes per GPU; a reduce-scatter's
+    share of the all-gather's (gloo reduces by an all-reduce: about half); whether a collective
+    runs beside compute (NCCL on its own stream) or in its way (gloo: CPU ranks wait on it)."""
 
     node: float = NVLINK_GBS
     network: float = NETWORK_GBS
+    reduce_share: float = 1.0
+    overlap: bool = True
+
+
+def links_of(record: dict, given: Links = Links()) -> Links:
+    """The bus bandwidths a preflight measured (its <output_dir>/preflight.json): its first
+    payload's all-gather (bf16) within a node and across nodes; what it did not measure (one
+    node: no network) stays `given`."""
+    found, reduced = {}, {}
+    for row in record["collectives"]:
+        if row["scope"] != "all ranks":
+            where = "network" if row["scope"] == "across nodes" else "node"
+            (found if row["op"] == "all_gather" else reduced).setdefault(where, row["bus_gbs"])
+    share = {k: reduced[k] / found[k] for k in found if k in reduced}
+    found["reduce_share"] = share.get("network", share.get("node", given.reduce_share))
+    return replace(given, **found, overlap=record["backend"] != "gloo")
 
 
 def exposed_seconds(
@@ -77,21 +98,27 @@ def exposed_seconds(
     gbs = links.node if nodes == 1 or hybrid else links.network
 
     def reduce(params: float) -> float:  # the shard's reduce, then hybrid's all-reduce across
-        inside = ring(params * job.reduce_bytes, shard, gbs)
+        inside = ring(params * job.reduce_bytes, shard, gbs * links.reduce_share)
         across = 2 * ring(params * job.reduce_bytes / gpus_per_node, nodes, links.network)
         return inside + (across if hybrid else 0.0)
 
     gather = ring(job.layer * job.gather_bytes, shard, gbs)
-    forward = job.step_seconds / job.layers / 3  # a layer's forward; its backward is twice it
-    edges = ring(job.embedding * 2, shard, gbs) + gather + reduce(job.layer) + reduce(job.embedding)
+    # a layer's forward (its backward is twice it): what hides its collectives, if anything can
+    forward = job.step_seconds / job.layers / 3 if links.overlap else 0.0
+    edges = ring(job.embedding * job.param_bytes, shard, gbs) + gather
+    edges += reduce(job.layer) + reduce(job.embedding)
     per_layer = max(0.0, gather - forward) + max(0.0, gather + reduce(job.layer) - 2 * forward)
     return edges + job.layers * per_layer
 
 
-def projected(job: Job, base: tuple[int, int], nodes: int, gpus_per_node: int, **how) -> float:
+def projected(
+    job: Job, base: tuple[int, int], nodes: int, gpus_per_node: int, base_links=None, **how
+) -> float:
     """Tokens/s per GPU at `nodes` x `gpus_per_node`, from `job` measured at `base` (nodes,
-    GPUs per node): the measured step less its own exposed time, plus the target's."""
-    compute = job.step_seconds - exposed_seconds(job, *base, **how)
+    GPUs per node, over `base_links`, else the target's): the measured step less its own
+    exposed time, plus the target's."""
+    at_base = how if base_links is None else {**how, "links": base_links}
+    compute = job.step_seconds - exposed_seconds(job, *base, **at_base)
     return job.tokens_per_gpu / (compute + exposed_seconds(job, nodes, gpus_per_node, **how))
 
 
@@ -152,7 +179,9 @@ def job_of(run: str) -> Job:
         raise ValueError(f"{run} logged no tokens/s after step 5")
     tokens = flags["train_batch_size"] * flags["max_context_width"] * flags["grad_accum_steps"]
     embedding = table if shape.tie_word_embeddings else 2 * table  # and the untied lm_head
-    return Job(embedding, layer, shape.num_layers, tokens, speed)
+    param = 2.0 if flags.get("bf16", True) else 4.0
+    gather = 1.0 if flags.get("fp8_all_gather") else param
+    return Job(embedding, layer, shape.num_layers, tokens, speed, gather, param_bytes=param)
 
 
 def table(bf16: Job, fp8: Job, nodes: Sequence[int], gpus_per_node: int, links: Links) -> str:
@@ -183,6 +212,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--gpus_per_node", type=int, default=8)
     parser.add_argument("--node_gbs", type=float, default=NVLINK_GBS, help="bus GB/s in a node")
     parser.add_argument("--network_gbs", type=float, default=NETWORK_GBS, help="GB/s per GPU")
+    parser.add_argument(
+        "--preflight", metavar="FILE", help="a job's preflight.json: its measured bandwidths"
+    )
     args = parser.parse_args(argv)
     try:
         nodes = [int(n) for n in args.nodes.split(",")]
@@ -191,6 +223,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if min(nodes) < 1 or args.gpus_per_node < 1 or min(args.node_gbs, args.network_gbs) <= 0:
         parser.error("--nodes, --gpus_per_node and the bandwidths must be positive")
     links = Links(args.node_gbs, args.network_gbs)
+    if args.preflight:
+        try:
+            links = links_of(json.loads(Path(args.preflight).read_text()), links)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            parser.error(f"--preflight {args.preflight}: not a preflight record ({exc})")
     try:
         pair = job_of(args.bf16), job_of(args.fp8)
     except ValueError as exc:

@@ -305,7 +305,7 @@ cmd_shape() {
     if [[ $rate == off ]]; then
         tc -n "$ns" qdisc del dev eth0 root 2>/dev/null || true # none left: as wanted
     else
-        tc -n "$ns" qdisc replace dev eth0 root tbf rate "$rate" burst 256kb latency 400ms
+        tc -n "$ns" qdisc replace dev eth0 root tbf rate "$rate" burst 256kb latency 20ms
     fi
 }
 

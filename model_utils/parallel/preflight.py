@@ -154,62 +154,42 @@ def node_names(world: World) -> list[str]:
 def run(model: nn.Module, world: World, device: torch.device, form_name: str) -> dict | None:
     """Time the collectives on every rank; the record (rank 0 writes it). None when
     `--preflight` is off, or auto on one node, or there is one rank: nothing crosses a link."""
-    if world.world_size == 1 or form_name == "off":
+    if world.world_size == 1 or form_name == "off" or (form_name, world.num_nodes) == ("auto", 1):
         return None
-    if form_name == "auto" and world.num_nodes == 1:
-        return None
-    form, numel = FORMS[form_name], largest_unit(model)
-    local, names, groups = (
-        world.world_size // world.num_nodes,
-        node_names(world),
-        scopes(world, device),
-    )
+    form, numel, names = FORMS[form_name], largest_unit(model), node_names(world)
+    local, groups = world.world_size // world.num_nodes, scopes(world, device)
     rows, within = [], {}
-    for payload in form.payloads:
-        dtype = PAYLOADS[payload]
-        count = min(numel, form.max_bytes // dtype.itemsize)
-        nbytes = count * dtype.itemsize
-        for (scope, group), op in itertools.product(
-            groups.items(), ("all_gather", "reduce_scatter")
-        ):
-            ranks = dist.get_world_size(group)
-            per_node = all_gather_object(collective(op, count, dtype, group, device, form.repeats))
-            seconds = max(per_node)  # a step waits for its slowest group
-            rows.append(
-                dict(
-                    op=op,
-                    payload=payload,
-                    scope=scope,
-                    ranks=ranks,
-                    bytes=nbytes,
-                    seconds=seconds,
-                    bus_gbs=bus_gbs(nbytes, ranks, seconds),
-                )
-            )
-            if scope == "within each node" and not within:
-                within = {
-                    n: bus_gbs(nbytes, ranks, s)
-                    for n, s in zip(names, per_node[::local], strict=True)
-                }
+    for payload, (scope, group), op in itertools.product(
+        form.payloads, groups.items(), ("all_gather", "reduce_scatter")
+    ):
+        count = min(numel, form.max_bytes // PAYLOADS[payload].itemsize)
+        per_rank = all_gather_object(
+            collective(op, count, PAYLOADS[payload], group, device, form.repeats)
+        )
+        nbytes, ranks = count * PAYLOADS[payload].itemsize, dist.get_world_size(group)
+        gbs = [bus_gbs(nbytes, ranks, s) for s in per_rank]
+        row = dict(op=op, payload=payload, scope=scope, ranks=ranks, bytes=nbytes)
+        rows.append(row | {"seconds": max(per_rank), "bus_gbs": min(gbs)})  # the slowest group
+        if scope == "within each node" and not within:
+            within = dict(zip(names, gbs[::local], strict=True))
     links: dict[str, float] = {}
     if world.num_nodes > 1:
         nbytes = min(numel * 2, form.max_bytes)
         seconds = link_seconds(world, nbytes, device, form.repeats)
         links = {
-            f"{names[i]} -> {names[(i + 1) % len(names)]}": nbytes / s / 1e9
-            for i, s in enumerate(seconds)
+            f"{a} -> {b}": nbytes / s / 1e9
+            for a, b, s in zip(names, names[1:] + names[:1], seconds, strict=True)
         }
-    return {
-        "form": form_name,
-        "backend": dist.get_backend(),
-        "nodes": world.num_nodes,
-        "ranks": world.world_size,
-        "unit_parameters": numel,
-        "collectives": rows,
-        "links": links,
-        "within_nodes": within,
-        "slow": slow_ones(links, "link") + slow_ones(within, "node"),
-    }
+    slow = slow_ones(links, "link") + slow_ones(within, "node")
+    kind = dict(form=form_name, backend=dist.get_backend(), nodes=world.num_nodes)
+    return kind | dict(
+        ranks=world.world_size,
+        unit_parameters=numel,
+        collectives=rows,
+        links=links,
+        within_nodes=within,
+        slow=slow,
+    )
 
 
 def summary(record: dict) -> list[str]:

@@ -5,6 +5,7 @@ reads a pair of run folders as the command a user runs."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,49 @@ def test_the_command_reads_a_pair_and_prints_each_scale(tmp_path, capsys) -> Non
     with pytest.raises(SystemExit) as missing:
         ps.main([pair[0], str(tmp_path / "empty")])
     assert missing.value.code == 2 and "holds no metrics.jsonl" in capsys.readouterr().err
+
+
+def _preflight(nodes: int, node_gbs: float, network_gbs: float) -> dict:
+    scopes = {"within each node": node_gbs, "across nodes": network_gbs, "all ranks": 1.0}
+    if nodes == 1:
+        scopes = {"within the node": node_gbs}
+    rows = [
+        {"op": op, "payload": p, "scope": s, "bus_gbs": gbs * (2 if p == "fp32" else 1) / share}
+        for p in ("bf16", "fp32")
+        for s, gbs in scopes.items()
+        for op, share in (("all_gather", 1), ("reduce_scatter", 2))
+    ]
+    return {"nodes": nodes, "backend": "nccl", "collectives": rows}
+
+
+def test_a_preflight_record_sets_the_links_it_measured(tmp_path, capsys) -> None:
+    # bf16's all-gather sets the links, its reduce-scatter their reduce share; NCCL overlaps
+    assert ps.links_of(_preflight(2, 80.0, 3.0)) == ps.Links(80.0, 3.0, 0.5, overlap=True)
+    one_node = ps.links_of(_preflight(1, 90.0, 0.0), ps.Links(1.0, 7.0))
+    assert one_node == ps.Links(90.0, 7.0, 0.5)  # no network measured: the given one stays
+    gloo = ps.links_of(_preflight(2, 80.0, 3.0) | {"backend": "gloo"})
+    assert not gloo.overlap  # CPU ranks wait on gloo: nothing hides a collective
+    job = ps.Job(1e8, 2e8, 8, 8192, 10_000.0, gather_bytes=4.0)
+    fast, slow = ps.Links(100.0, 20.0), ps.Links(100.0, 0.5)
+    same = ps.projected(job, (2, 1), 2, 1, links=fast, base_links=fast)
+    assert same == pytest.approx(job.tokens_per_sec)  # the measured scale and links: itself
+    assert ps.projected(job, (2, 1), 2, 1, links=slow, base_links=fast) < same / 2
+    hidden = ps.exposed_seconds(job, 2, 1, links=slow)
+    assert ps.exposed_seconds(job, 2, 1, links=dataclasses.replace(slow, overlap=False)) > hidden
+    halved = dataclasses.replace(slow, reduce_share=0.5)
+    assert ps.exposed_seconds(job, 2, 1, links=halved) > hidden  # slower reduces, more exposed
+    pair = [_run(tmp_path / "bf16", False, 1000.0), _run(tmp_path / "fp8", True, 1200.0)]
+    record = tmp_path / "preflight.json"
+    record.write_text(json.dumps(_preflight(2, 360.0, 0.01)))
+    assert ps.main([*pair, "--nodes", "2", "--preflight", str(record)]) == 0
+    slowed = _bf16_column(capsys.readouterr().out)
+    assert ps.main([*pair, "--nodes", "2"]) == 0
+    assert slowed < _bf16_column(capsys.readouterr().out) / 2  # 0.01 GB/s across the nodes
+    record.write_text("{}")
+    with pytest.raises(SystemExit) as bad:
+        ps.main([*pair, "--preflight", str(record)])
+    assert bad.value.code == 2 and "not a preflight record" in capsys.readouterr().err
+
+
+def _bf16_column(out: str) -> float:
+    return float(out.splitlines()[1].split()[4].replace(",", ""))
