@@ -5,6 +5,7 @@
     python -m analysis.compare_runs a.out b.out c.out --labels bf16,fp8-te,fp8-ao --log_steps
     python -m analysis.compare_runs runs/a-bf16 runs/a-fp8 --breakdown          # profiled runs
     python -m analysis.compare_runs runs/bf16 runs/bf16-seed43 runs/fp8 --replicas 2  # seed noise
+    python -m analysis.compare_runs runs/tiny-bf16 runs/tiny-fp8 --tracker wandb,mlflow
 
 A run is a run directory (its metrics.jsonl), a metrics.jsonl file, or any log with the seed line
 ``Batch N Loss: L, Speed: S samples/sec, lr: R``: this recipe's slurm-<job>.out, the upstream
@@ -24,9 +25,12 @@ The picture: loss vs step (train lines, validation points), each run's smoothed 
 first inside the parity band, throughput vs step, and a bar of
 each run's median throughput after warm-up with its ratio to the first run written on it.
 Throughput is tokens/s per device where every run logs it, else samples/s (upstream logs).
+With ``--tracker`` the comparison is also a run of its own in W&B, MLflow or TensorBoard
+(analysis/compare_trackers.py): the gap per step with its band, the picture, the verdict.
 Bad input (no parsable line, a metrics.jsonl line that is not JSON or a record whose fields are
-of the wrong type, unlike runs, an unreadable run or unwritable --output) is one line on stderr
-naming the file (and line), exit 2.
+of the wrong type, unlike runs, an unreadable run or unwritable --output, an unknown tracker or
+one whose package is missing) is one line on stderr naming the file (and line), exit 2, before
+anything is written.
 """
 
 from __future__ import annotations
@@ -46,10 +50,10 @@ from typing import Any
 
 if __name__ == "__main__":  # a Python without the environment: one line, exit 2
     runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "environment_check.py"))
-from analysis import parity
+from analysis import compare_trackers, parity
 from analysis.compare_plot import DPI, X_AXES, Breakdown, make_figure, missing_x
 from model_utils.config.sections import ModelShape, flag_fields, precision_name
-from model_utils.errors import os_error_words
+from model_utils.errors import Refusal, UsageError, os_error_words
 from model_utils.precision import numerics
 from model_utils.report import metrics
 from model_utils.report.metrics.records import first_run_record, record_problem, run_problem
@@ -82,7 +86,7 @@ BATCH_FLAGS = ("train_batch_size",)
 NUMBER_FIELDS = ("loss", "val_loss", "lr", "samples_per_sec", *DETAIL)
 
 
-class CompareError(ValueError):
+class CompareError(UsageError):
     """Input the tool refuses: printed as one line, exit code 2."""
 
 
@@ -100,6 +104,7 @@ class Options:
     title: str | None = None
     breakdown: bool = False
     replicas: int = 1  # the first N runs: the reference and its seed replicas
+    tracker: str = ""  # comma-separated tracker names, or "runs": those the runs used
 
 
 @dataclass
@@ -452,13 +457,24 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     )
     p.add_argument("--title", help="figure title (default: the labels)")
     p.add_argument(
+        "--tracker",
+        default="",
+        metavar="NAME[,NAME]|runs",
+        help="also log the comparison (gap and band per step, picture, verdict) as a run of its "
+        "own to tensorboard, wandb, mlflow, or the runs' own trackers (runs): docs/trackers.md",
+    )
+    p.add_argument(
         "--breakdown",
         action="store_true",
         help="a fifth panel: each run's profiled step as a stacked bar, with FP8's ceiling for "
         "an fp8/bf16 pair (run folders trained with --profile_steps; the numbers: "
         "python -m analysis.step_breakdown)",
     )
-    args = p.parse_args(argv)
+    return checked_options(p.parse_args(argv))
+
+
+def checked_options(args: argparse.Namespace) -> Options:
+    """The command line's values, each refused in one line where it cannot be used."""
     if len(args.runs) < 2:
         raise CompareError("give two or more runs to compare")
     if not 1 <= args.replicas < len(args.runs):
@@ -505,11 +521,8 @@ def given_labels(given: str | None, runs: Sequence[Run]) -> list[str]:
     return labels
 
 
-def compare(args: Options) -> str:
-    """Load, check, tabulate, plot; returns the report text. Raises CompareError."""
-    check_output(args.output)
-    runs = [load_run(path) for path in args.runs]
-    labels = given_labels(args.labels, runs)
+def checked(args: Options, runs: Sequence[Run], labels: Sequence[str]) -> list[str]:
+    """What makes the runs unlike (refused unless --allow_mismatch) and a run without --x."""
     problems = mismatches(runs, labels) + replica_problems(
         runs[: args.replicas], labels[: args.replicas]
     )
@@ -523,6 +536,17 @@ def compare(args: Options) -> str:
             f"--x {args.x}: {', '.join(lacking)} record no {X_AXES[args.x]} (a log, or a run of "
             "an earlier version): compare them by step"
         )
+    return problems
+
+
+def compare(args: Options) -> str:
+    """Load, check, tabulate, plot (and send to --tracker); returns the report text. Raises
+    CompareError, before anything is written where the input is bad."""
+    check_output(args.output)
+    runs = [load_run(path) for path in args.runs]
+    labels = given_labels(args.labels, runs)
+    trackers = compare_trackers.tracker_names(args.tracker, [run.info for run in runs])
+    problems = checked(args, runs, labels)
     warmup = default_warmup(runs) if args.warmup_steps is None else args.warmup_steps
     summaries = [metrics.summarize(run.records, warmup) for run in runs]
     unsteady = unsteady_lines(runs, labels, warmup)
@@ -560,7 +584,9 @@ def compare(args: Options) -> str:
     report = format_report(runs, labels, summaries, warmup, problems)
     numbers = [numerics_lines(run, label) for run, label in zip(runs, labels, strict=True)]
     verdict_lines = [line for v in verdicts for line in v.lines()]
-    return "\n".join([report, *unsteady, *verdict_lines, *sum(numbers, [])])
+    text = "\n".join([report, *unsteady, *verdict_lines, *sum(numbers, [])])
+    sent = compare_trackers.send(trackers, runs, labels, verdicts, args.output, text)
+    return "\n".join([text, *sent])
 
 
 def speed_ratio(summaries: Sequence[Mapping[str, Any]], index: int) -> float | None:
@@ -625,9 +651,9 @@ def main(argv: Sequence[str] | None = None, options: Options | None = None) -> i
     try:
         options = options or parse_args(argv)
         report = compare(options)
-    except CompareError as exc:
+    except Refusal as exc:  # bad input (2), a tracker that failed (1)
         print(f"compare_runs.py: error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     print(report)
     print(f"Wrote {options.output}")
     return 0

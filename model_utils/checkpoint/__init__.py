@@ -28,21 +28,3 @@ from model_utils.checkpoint.manifest import (
     read_marker,
 )
 from model_utils.checkpoint.resume import check_before_start, resume_or_start
-
-__all__ = [
-    "CheckpointWriteError",
-    "Checkpointer",
-    "ResumeRefused",
-    "TrainState",
-    "check_before_start",
-    "check_export_dir",
-    "check_hf_dir",
-    "check_resume_arg",
-    "checkpoint_to_resume",
-    "complete_checkpoints",
-    "export_hf",
-    "inspect_checkpoint",
-    "load_hf_weights",
-    "read_marker",
-    "resume_or_start",
-]

@@ -47,21 +47,3 @@ from model_utils.data.sources import DataError, check_dataset
 from model_utils.data.stream import TrainStream
 from model_utils.data.tokens import check_vocab, load_tokenizer, tokenizer_fingerprint
 from model_utils.data.validation import validation_batches
-
-__all__ = [
-    "DataError",
-    "ReadGuard",
-    "TrainStream",
-    "build_data",
-    "cache_location",
-    "check_dataset",
-    "check_hub_dataset",
-    "check_local_data",
-    "check_vocab",
-    "data_change",
-    "data_fingerprint",
-    "load_tokenizer",
-    "raise_read_failure",
-    "tokenizer_fingerprint",
-    "validation_batches",
-]

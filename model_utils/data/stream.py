@@ -313,24 +313,3 @@ def _dataset_id(dataset: str) -> str:
     (a checkpoint stays valid when the data is mounted somewhere else or given relatively)."""
     path = Path(dataset).expanduser()
     return path.resolve().name if path.exists() else dataset
-
-
-def epoch_documents(
-    source: DataConfig,
-    *,
-    rank: int = 0,
-    world_size: int = 1,
-    seed: int = 0,
-    epoch: int = 0,
-    block_docs: int = BLOCK_DOCS,
-) -> Iterator[str]:
-    """The training documents a TrainStream with these settings packs in `epoch`, in order.
-
-    For tests and debugging ("what does rank 3 read?"); training itself does not use it.
-    """
-    reader = _BlockReader(source, rank, world_size, seed, block_docs)
-    reader.open(epoch)
-    block = 0
-    while texts := reader.read_block(block):
-        yield from texts
-        block += 1

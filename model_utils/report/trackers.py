@@ -1,7 +1,8 @@
 """Experiment trackers (``--tracker wandb,mlflow,tensorboard``): what metrics.jsonl holds, sent
 from rank 0 at report steps, beside the JSONL file (which stays the record of truth): each is a
 sink of the same records (write one, close at the end): a class here, named by its row of
-config.options.TRACKERS.
+config.options.TRACKERS. An A/B's comparison (its record's kind: ``compare``) is a run of the
+same sinks: analysis/compare_trackers.py publishes its picture and verdict to them.
 
 A run keeps its tracker run ids in ``<output_dir>/trackers.json``: a resume (Ctrl-C, preemption,
 a Slurm requeue) continues the same W&B run and the same MLflow run, never a second one. Each run
@@ -12,12 +13,14 @@ W&B project / MLflow experiment, side by side in the tracker's own compare view.
 from __future__ import annotations
 
 import contextlib
+import html
 import json
 import logging
 import os
 import queue
 import re
 import sys
+import textwrap
 import threading
 import time
 import uuid
@@ -56,7 +59,7 @@ def scalars(record: Mapping[str, Any]) -> list[tuple[str, float]]:
     one chart per metric, nothing picked by hand, so a metric added to the JSONL shows up in
     every tracker too. None (e.g. MFU on CPU) is skipped."""
     kind = record.get("kind")
-    if kind not in ("train", "val", "numerics"):
+    if kind not in ("train", "val", "numerics", "compare"):
         return []
     return [
         (f"{kind}/{key}", float(value))
@@ -76,9 +79,17 @@ def precision_label(run: Mapping[str, Any]) -> str:
     return precision_name(bool(flags.get("fp8")), bool(flags.get("bf16")))
 
 
-def run_params(run: Mapping[str, Any]) -> dict[str, Any]:
-    """What a tracker files a run under: its flags and world size."""
-    return {**run.get("flags", {}), "world_size": run.get("world_size")}
+def run_tags(run: Mapping[str, Any]) -> dict[str, str]:
+    """What finds a run among a project's: a training run's precision, the A/B's comparison's
+    kind (``compare``)."""
+    if run.get("kind") == "compare":
+        return {"kind": "compare"}
+    return {"precision": precision_label(run)}
+
+
+def run_params(run: Mapping[str, Any], fields: tuple[str, ...] = ("world_size",)) -> dict:
+    """What a tracker files a run under: its flags and, where the record has them, `fields`."""
+    return {**run.get("flags", {}), **{key: run[key] for key in fields if key in run}}
 
 
 def read_ids(output_dir: str | os.PathLike[str]) -> dict[str, str]:
@@ -112,12 +123,15 @@ def write_ids(output_dir: str | os.PathLike[str], ids: Mapping[str, str]) -> Non
 
 
 class Sink(Protocol):
-    """Where a run's records go besides metrics.jsonl: write a record, close at the end."""
+    """Where a run's records go besides metrics.jsonl: write a record, close at the end; a
+    comparison's run also publishes the A/B's picture, report and verdict."""
 
     name: str
     id: str | None  # the run id a resume continues (trackers.json), None for none
 
     def write(self, record: Mapping[str, Any]) -> None: ...
+
+    def publish(self, picture: Path, report: str, verdict: str, step: int) -> None: ...
 
     def close(self) -> None: ...
 
@@ -144,7 +158,7 @@ class WandbTracker:
             name=Path(output_dir).name,
             dir=output_dir,
             mode=mode,
-            tags=[precision_label(run)],
+            tags=list(run_tags(run).values()),
             config={**run_params(run), "output_dir": str(Path(output_dir).resolve())},
             settings=wandb.Settings(console="off", x_disable_stats=True),
         )
@@ -154,6 +168,16 @@ class WandbTracker:
         values = numbers(record)
         if values:
             self.run.log(values, step=int(record["step"]))
+
+    def publish(self, picture: Path, report: str, verdict: str, step: int) -> None:
+        """An A/B's picture and report as media panels at its last step; the verdict in the
+        run's summary (a column of the runs table)."""
+        import wandb
+
+        report_html = wandb.Html(f"<pre>{html.escape(report)}</pre>")
+        media = {"compare/picture": wandb.Image(str(picture)), "compare/report": report_html}
+        self.run.log(media, step=step)
+        self.run.summary["verdict"] = verdict
 
     def close(self) -> None:
         self.run.finish()
@@ -174,9 +198,8 @@ class MlflowTracker:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or (
-            f"sqlite:///{Path(output_dir).resolve().parent / 'mlflow.db'}"
-        )
+        home = Path(output_dir).resolve().parent
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{home / 'mlflow.db'}"
         if _CREDENTIALS.search(uri):  # MLflow's "View run at: URL" banner would print them
             os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
         self.client = MlflowClient(tracking_uri=uri)
@@ -186,8 +209,11 @@ class MlflowTracker:
             return
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME", DEFAULT_PROJECT)
         found = self.client.get_experiment_by_name(name)
-        experiment = found.experiment_id if found else self.client.create_experiment(name)
-        tags = {"precision": precision_label(run), "output_dir": str(Path(output_dir).resolve())}
+        # The default store's artifacts (compare_runs' picture) beside it, not in ./mlruns.
+        where = None if os.environ.get("MLFLOW_TRACKING_URI") else (home / "mlartifacts").as_uri()
+        create = self.client.create_experiment
+        experiment = found.experiment_id if found else create(name, artifact_location=where)
+        tags = {**run_tags(run), "output_dir": str(Path(output_dir).resolve())}
         self.id = self.client.create_run(
             experiment, run_name=Path(output_dir).name, tags=tags
         ).info.run_id
@@ -204,6 +230,15 @@ class MlflowTracker:
         if metrics:
             self.client.log_batch(self.id, metrics=metrics)
 
+    def publish(self, picture: Path, report: str, verdict: str, step: int) -> None:
+        """An A/B's picture and report as artifacts, the verdict as its tag and as the run's
+        description (MLflow's note)."""
+        self.client.log_artifact(self.id, str(picture))
+        self.client.log_text(self.id, report, "compare_runs.txt")
+        self.client.set_tag(self.id, "verdict", verdict[:5000])  # a server's tag limit
+        note = f"{verdict}\n\nThe picture: {picture.name}; the report: compare_runs.txt"
+        self.client.set_tag(self.id, "mlflow.note.content", note[:5000])
+
     def close(self) -> None:
         self.client.set_terminated(self.id)
 
@@ -211,7 +246,7 @@ class MlflowTracker:
 def flags_markdown(run: Mapping[str, Any]) -> str:
     """The run record as a two-column Markdown table (TensorBoard's text tab renders Markdown),
     so a chart can be traced back to the exact flags that produced it."""
-    shown = {**run_params(run), "samples_per_step": run.get("samples_per_step")}
+    shown = run_params(run, ("world_size", "samples_per_step"))
     rows = [f"| {key} | {str(value).replace('|', '/')} |" for key, value in shown.items()]
     return "\n".join(["| flag | value |", "|---|---|", *rows])
 
@@ -274,6 +309,16 @@ class TensorBoardTracker:
         for tag, value in scalars(record):  # a NaN loss is kept: TensorBoard shows it
             self.writer.add_scalar(tag, value, record["step"], walltime=record.get("time"))
         self.writer.flush()  # at every report, like the JSONL: a preempted run loses no events
+
+    def publish(self, picture: Path, report: str, verdict: str, step: int) -> None:
+        """An A/B's picture on the Images tab, its verdict and report on the Text tab."""
+        from matplotlib.image import imread
+
+        self.writer.add_image("compare/picture", imread(picture), step, dataformats="HWC")
+        self.writer.add_text("compare/verdict", verdict.replace("\n", "\n\n"), step)
+        # A Markdown code block (the Text tab renders Markdown): the table stays in columns.
+        self.writer.add_text("compare/report", textwrap.indent(report, "    "), step)
+        self.writer.flush()
 
     def close(self) -> None:
         self.writer.close()

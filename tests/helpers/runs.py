@@ -1,16 +1,18 @@
 """train.py's arguments the tests share (the tiny preset cut to milliseconds per step), the
-data section a data stage is handed, and train.py in a subprocess: its command, its
-environment, what its metrics.jsonl recorded."""
+data section a data stage is handed and the documents its stream reads, and train.py in a
+subprocess: its command, its environment, what its metrics.jsonl recorded."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 from helpers.procs import PYTHON, launch_report, torchrun_cmd, warm_env
 from model_utils.config.presets import BUNDLED_TOKENIZER
 from model_utils.config.sections import DataConfig
+from model_utils.data.stream import BLOCK_DOCS, _BlockReader
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,6 +44,25 @@ def data_section(dataset: str, **fields) -> DataConfig:
         "verify_data": "sampled",
     }
     return DataConfig(**{**defaults, **fields})
+
+
+def epoch_documents(
+    source: DataConfig,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    seed: int = 0,
+    epoch: int = 0,
+    block_docs: int = BLOCK_DOCS,
+) -> Iterator[str]:
+    """The training documents a TrainStream with these settings packs in `epoch`, in order
+    (its block reader's, read through): what the tests hold the stream's order against."""
+    reader = _BlockReader(source, rank, world_size, seed, block_docs)
+    reader.open(epoch)
+    block = 0
+    while texts := reader.read_block(block):
+        yield from texts
+        block += 1
 
 
 def train_cmd(*argv: str, nproc: int = 1) -> list[str]:

@@ -36,10 +36,11 @@ def _payloads(data: bytes) -> list[bytes]:
 
 
 def read_run(path: Path) -> dict[str, Any]:
-    """The run id, its tags, config and its history rows ({step: {key: value}})."""
+    """The run id, its tags, config, its history rows ({step: {key: value}}) and the summary
+    values set outside history (``run.summary[key] = value``)."""
     from wandb.proto import wandb_internal_pb2
 
-    run: dict[str, Any] = {"history": {}, "config": {}}
+    run: dict[str, Any] = {"history": {}, "config": {}, "summary": {}}
     for payload in _payloads(path.read_bytes()):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(payload)
@@ -55,4 +56,8 @@ def read_run(path: Path) -> dict[str, Any]:
                 for i in record.history.item
             }
             run["history"][int(row.pop("_step"))] = row
+        elif which == "summary":
+            for i in record.summary.update:
+                if i.key:  # history's own copies are nested keys
+                    run["summary"][i.key] = json.loads(i.value_json)
     return run

@@ -14,14 +14,15 @@ from model_utils import data
 def test_unreachable_hub_dataset_is_a_clear_error():
     code = (
         "from model_utils.config.sections import DataConfig\n"
-        "from model_utils.data.stream import epoch_documents\n"
+        "from helpers.runs import epoch_documents\n"
         "source = DataConfig('tokenizer', 'allenai/c4', 'en', 'text', 1, 1, 'sampled')\n"
         "try:\n"
         "    next(epoch_documents(source))\n"
         "except ValueError as error:\n"
         "    print(error)\n"
     )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(data.__file__).parents[1])}
+    root = Path(data.__file__).parents[2]  # the checkout: model_utils and tests/helpers
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests'}"}
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )

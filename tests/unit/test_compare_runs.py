@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from analysis import compare_plot
+from analysis import compare_plot, parity
 from analysis import compare_runs as cr
+from analysis.compare_trackers import tracker_names
+from model_utils.config import flag_rules
 from model_utils.config.arguments import parse_args
 from model_utils.report import metrics
 
@@ -710,3 +712,67 @@ def test_the_picture_draws_the_replicas_noise_band(two_runs, tmp_path) -> None:
     [band] = gap_ax.collections
     assert band.get_label() == "seed noise (1 replica(s))"
     assert band.get_paths()[0].vertices[:, 1].max() == pytest.approx(3.0)
+
+
+# ------------------------------------------------------------------------------- --tracker
+
+
+def test_a_bad_tracker_is_refused_in_one_line_before_anything_is_written(
+    two_runs, tmp_path, capsys, monkeypatch
+) -> None:
+    """An unknown name, a tracker whose package is missing, and "the runs' trackers" of runs
+    trained with none: one line, exit 2, no picture and no comparison folder."""
+    png = tmp_path / "o.png"
+    before = sorted(tmp_path.iterdir())
+    err = refused([*two_runs, "--output", str(png), "--tracker", "wandb,neptune"], capsys)
+    assert "--tracker: unknown tracker 'neptune'; choose from tensorboard, wandb, mlflow" in err
+    assert "--tracker runs: the runs were trained with no tracker" in refused(
+        [*two_runs, "--output", str(png), "--tracker", "runs"], capsys
+    )
+    monkeypatch.setitem(flag_rules.TRACKER_PACKAGES, "mlflow", "no_such_package_for_this_test")
+    err = refused([*two_runs, "--output", str(png), "--tracker", "tensorboard,mlflow"], capsys)
+    assert "--tracker mlflow needs the no_such_package_for_this_test package" in err
+    assert sorted(tmp_path.iterdir()) == before
+
+
+def test_the_runs_trackers_are_those_they_were_trained_with(tmp_path) -> None:
+    bf16 = cr.load_run(write_run_dir(tmp_path / "a", BF16, [], info(tracker="wandb")))
+    fp8 = cr.load_run(write_run_dir(tmp_path / "b", FP8, [], info(tracker="mlflow,wandb")))
+    board = cr.load_run(write_run_dir(tmp_path / "c", FP8, [], info(tensorboard=True)))
+    infos = [run.info for run in (bf16, fp8, board)]
+    assert tracker_names("runs", infos) == ["wandb", "mlflow", "tensorboard"]
+    assert tracker_names(" TensorBoard ,wandb", infos) == ["tensorboard", "wandb"]
+    assert tracker_names("", infos) == []
+
+
+def test_tensorboard_gets_the_gap_band_picture_and_verdict(tmp_path, capsys) -> None:
+    """--tracker tensorboard: a run of its own beside the runs, read back by TensorBoard's
+    reader: the gap per step is the picture's gap line, the band the fixed ±1%, the picture is
+    the PNG's size, the verdict and report the printed ones."""
+    from helpers.tensorboard_events import read_events, series
+
+    bf16 = write_run_dir(tmp_path / "tiny-bf16", BF16, VAL["bf16"], info())
+    fp8 = write_run_dir(tmp_path / "tiny-fp8", FP8, VAL["fp8"], info(fp8=True))
+    png = tmp_path / "ab.png"
+    assert cr.main([str(bf16), str(fp8), "--output", str(png), "--tracker", "tensorboard"]) == 0
+    out = capsys.readouterr().out
+    home = tmp_path / "compare-tiny-bf16-vs-tiny-fp8"
+    assert f"The comparison in the trackers ({home}): tensorboard: {home / 'tensorboard'}" in out
+    events = read_events(home / "tensorboard")
+    runs = [cr.load_run(p) for p in (bf16, fp8)]
+    steps, gaps = parity.smoothed_gap(runs[1].records, runs[0].records)
+    gap = series(events, "compare/train_loss_gap_pct/fp8 tensorwise hf")
+    assert gap == pytest.approx({s: 100 * g for s, g in zip(steps, gaps, strict=True)})
+    assert series(events, "compare/band_pct") == {s: pytest.approx(1.0) for s in steps}
+    [picture] = events.Images("compare/picture")
+    assert (picture.step, picture.width, picture.height) == (50, 2000, 450)
+
+    def text(tag: str) -> str:
+        [event] = events.Tensors(f"{tag}/text_summary")
+        return event.tensor_proto.string_val[0].decode()
+
+    verdict = "fp8 tensorwise hf matches bf16 hf over steps 10-50 (inside the ±1% band)"
+    assert f"  verdict: {verdict}" in out and text("compare/verdict") == verdict
+    report = out.split("\nThe comparison in the trackers")[0]
+    assert text("compare/report") == "\n".join("    " + ln for ln in report.splitlines())
+    assert "| labels | bf16 hf, fp8 tensorwise hf |" in text("flags")

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers.runs import data_section
+from helpers.runs import data_section, epoch_documents
 
 from model_utils import data
 from model_utils.config.presets import BUNDLED_DATASET, BUNDLED_TOKENIZER
@@ -66,8 +66,8 @@ def _stream(corpus: str, tokenizer, text_column: str = "text", **overrides) -> d
 
 
 def _documents(dataset: str, text_column: str = "text", **options):
-    """data.stream.epoch_documents of this dataset."""
-    return data_stream.epoch_documents(data_section(dataset, text_column=text_column), **options)
+    """helpers.runs.epoch_documents of this dataset."""
+    return epoch_documents(data_section(dataset, text_column=text_column), **options)
 
 
 def _validation(dataset: str, tokenizer, batch_size: int, num_batches: int) -> list:

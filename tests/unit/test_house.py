@@ -453,13 +453,14 @@ STAGES = (
 
 #: The analysis package's stages in order: the profiler traces read back, the parity verdict on
 #: loss curves, the comparison's picture (parity's band), the profiled step's breakdown (traces),
-#: then the comparison built on all of them, and the projection of a measured pair to N nodes.
-#: analysis/__init__.py is no stage.
+#: the comparison's run in the trackers (parity's gap and band), then the comparison built on all
+#: of them, and the projection of a measured pair to N nodes. analysis/__init__.py is no stage.
 ANALYSIS_STAGES = (
     "traces",
     "parity",
     "compare_plot",
     "step_breakdown",
+    "compare_trackers",
     "compare_runs",
     "project_scale",
 )

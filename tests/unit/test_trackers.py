@@ -111,7 +111,7 @@ def test_each_tracker_row_opens_the_sink_of_its_name() -> None:
     for row in TRACKERS:
         sink = trackers.SINKS[row.name]
         assert sink.__name__ == row.sink and sink.name == row.name
-        assert callable(sink.write) and callable(sink.close)
+        assert callable(sink.write) and callable(sink.publish) and callable(sink.close)
 
 
 def test_a_failing_tracker_is_one_warning_and_the_others_go_on(

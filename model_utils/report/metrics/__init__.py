@@ -35,21 +35,3 @@ from model_utils.report.metrics.records import (
     validation_record,
 )
 from model_utils.report.metrics.summary import format_table, summarize
-
-__all__ = [
-    "JsonlWriter",
-    "StepMeter",
-    "detail_line",
-    "flops_per_token",
-    "format_duration",
-    "format_table",
-    "identity_change",
-    "peak_bf16_tflops",
-    "peak_bf16_tflops_for_name",
-    "read_jsonl",
-    "run_line",
-    "run_record",
-    "seed_line",
-    "summarize",
-    "validation_record",
-]
