@@ -5,6 +5,8 @@ setting with only its own model alive."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from helpers.runs import FAST
@@ -291,3 +293,44 @@ def test_the_gpu_scripts_refuse_before_running_and_delete_no_run(script, tmp_pat
         check=True,
     ).stdout.strip()
     assert said == (str(venv) if venv.exists() else "python3")
+
+
+def _shaped_run(folder, flags: list[str], tokens_per_sec: float, network_gbs: float) -> None:
+    from model_utils.config.arguments import parse_args
+    from model_utils.report import metrics
+
+    folder.mkdir(parents=True)
+    config = parse_args(["--preset", "tiny", "--bf16=0", *flags]).as_dict()
+    with metrics.JsonlWriter(folder / "metrics.jsonl") as writer:
+        writer.write(metrics.run_record(config, world_size=2, samples_per_step=8))
+        for step in range(1, 13):
+            record = {"kind": "train", "step": step, "loss": 9.0, "lr": 1e-3}
+            writer.write(record | {"tokens_per_sec_per_device": tokens_per_sec})
+    rows = [
+        {"op": op, "payload": "bf16", "scope": "across nodes", "bus_gbs": network_gbs * share}
+        for op, share in (("all_gather", 1.0), ("reduce_scatter", 0.5))
+    ]
+    record = {"nodes": 2, "backend": "gloo", "collectives": rows}
+    (folder / "preflight.json").write_text(json.dumps(record))
+
+
+def test_shaped_links_report_projects_each_rate_from_its_own_preflight(tmp_path, capsys):
+    """The accounting of benchmarks/bench_shaped_links.py: each arm's unshaped run is the base,
+    each rate's link is the bandwidth its own preflight measured, and the ratio is projected
+    over measured step time (the unshaped row: 1 by construction)."""
+    from analysis import project_scale as ps
+    from benchmarks import bench_shaped_links as bench
+
+    for arm, flags in bench.PAIR.items():
+        _shaped_run(tmp_path / f"{arm}-off", flags, 4000.0, 0.5)
+        _shaped_run(tmp_path / f"{arm}-100mbit", flags, 1000.0, 0.01)
+    assert bench.main(["--rates", "off,100mbit", "--runs", str(tmp_path)]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [row[:2] for row in rows] == [[a, r] for a in bench.PAIR for r in ("off", "100mbit")]
+    for arm, rate, gbs, step, guess, ratio in rows:
+        job, base = bench.measured(tmp_path / f"{arm}-off")
+        links = ps.links_of(json.loads((tmp_path / f"{arm}-{rate}/preflight.json").read_text()))
+        want = job.tokens_per_gpu / ps.projected(job, (2, 1), 2, 1, links=links, base_links=base)
+        assert float(gbs) == links.network and float(guess) == pytest.approx(want, abs=1e-3)
+        assert float(ratio) == pytest.approx(float(guess) / float(step), abs=2e-3)
+    assert rows[0][5] == "1.000" and float(rows[1][4]) > 2 * float(rows[0][4])  # slower link
