@@ -10,7 +10,10 @@ unit beside it, so what is left exposed is each gather or reduce longer than tha
 the ones nothing runs beside: the first gathers of the forward (the embedding is a lookup, no
 compute) and the last reduces of the backward. Hybrid sharding shards within a node and adds an
 all-reduce of a node's gradient shard across nodes. Step time = the measured step (all compute,
-its collectives taken as hidden at the measured scale) + exposed time at the target scale.
+its collectives taken as hidden at the measured scale) + exposed time at the target scale. The
+bandwidths are given, or a job's preflight measured them (`--preflight FILE`): then the
+reduce-scatter runs at its own measured share of the all-gather's, and on gloo (CPU ranks wait
+on each collective) nothing hides.
 
 Not modelled: collective latency (it grows with the ring), stragglers, NCCL's tree and NVLS
 algorithms, pipeline and tensor parallelism. REFERENCES holds published multi-node runs with
