@@ -1,12 +1,8 @@
 """FSDP2's gradient reduce-scatter with its bytes counted, and ``--reduce_dtype fp8``: 8-bit
-gradients on the wire (MS-AMP's O1 gradient communication).
-
-FSDP2 hands a unit's gradients over as one fp32 buffer of world x chunk elements, chunk r the
-shard rank r keeps, and asks for an average (torch's ``_fsdp_collectives.foreach_reduce``). The
-fp8 comm scales each chunk to float8 e4m3 in blocks of BLOCK, one fp32 scale a block (a layer's
-small norm gradients keep their range beside its large matmul ones, which one scale a chunk
-would flush to zero), sends values and scales as the bytes of one all_to_all (gloo moves uint8)
-and sums what it receives in fp32: 1 + 4 / BLOCK bytes an element instead of 4. A non-finite
+gradients on the wire (MS-AMP's O1 gradient communication; docs/cluster.md). FSDP2 hands over
+one fp32 buffer of world x chunk elements, chunk r the shard rank r keeps, and asks for an
+average (torch's ``_fsdp_collectives.foreach_reduce``). Scales are per block, not per chunk: a
+layer's small norm gradients keep their range beside its large matmul ones. A non-finite
 gradient makes its block's scale, and so the sum, non-finite, for the step's guard to see.
 """
 
@@ -64,8 +60,8 @@ class Fp8ReduceScatter(CountedReduceScatter):
 
 
 def to_wire(chunks: Tensor) -> Tensor:
-    """(world, chunk) fp32 -> (world, bytes) uint8: each destination's float8 values, then its
-    blocks' fp32 dequantisation factors (amax / 448) as bytes."""
+    """(world, chunk) fp32 -> (world, bytes) uint8 (gloo has no float8): each destination's
+    float8 values, then its blocks' fp32 dequantisation factors (amax / 448) as bytes."""
     world, chunk = chunks.shape
     blocks = F.pad(chunks.float(), (0, -chunk % BLOCK)).view(world, -1, BLOCK)
     factor = blocks.abs().amax(dim=-1, keepdim=True) / FP8_MAX
