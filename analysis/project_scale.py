@@ -31,6 +31,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from model_utils.config.sections import ModelShape
+from model_utils.parallel.fp8_reduce import BLOCK
 from model_utils.report import metrics
 from model_utils.report.metrics.flops import matmul_params
 from model_utils.report.metrics.records import first_run_record, read_jsonl
@@ -41,6 +42,9 @@ NVLINK_GBS = 360.0
 NETWORK_GBS = 50.0
 #: How close the projection comes to each published figure (REFERENCES; the worst is 2.0%).
 TOLERANCE = 0.03
+#: Bytes a gradient element moves by --reduce_dtype in the shard's reduce-scatter (fp8: parallel/
+#: fp8_reduce.py's value and block scale) and in hybrid's all-reduce across nodes (FSDP2's, fp32).
+REDUCE_BYTES = {"fp32": (4.0, 4.0), "bf16": (2.0, 2.0), "fp8": (1 + 4 / BLOCK, 4.0)}
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,7 @@ class Job:
     tokens_per_gpu: int
     tokens_per_sec: float
     gather_bytes: float = 2.0  # bf16; a float8 all-gather moves the layers' weights in 1 byte
-    reduce_bytes: float = 4.0  # fp32 gradients
+    reduce: str = "fp32"  # --reduce_dtype: a key of REDUCE_BYTES
     param_bytes: float = 2.0  # what the embedding's gather moves: float8 gathers only Linears
 
     @property
@@ -101,8 +105,9 @@ def exposed_seconds(
     gbs = links.node if nodes == 1 or hybrid else links.network
 
     def reduce(params: float) -> float:  # the shard's reduce, then hybrid's all-reduce across
-        inside = ring(params * job.reduce_bytes, shard, gbs * links.reduce_share)
-        across = 2 * ring(params * job.reduce_bytes / gpus_per_node, nodes, links.network)
+        scatter, all_reduce = REDUCE_BYTES[job.reduce]
+        inside = ring(params * scatter, shard, gbs * links.reduce_share)
+        across = 2 * ring(params * all_reduce / gpus_per_node, nodes, links.network)
         return inside + (across if hybrid else 0.0)
 
     gather = ring(job.layer * job.gather_bytes, shard, gbs)
@@ -218,6 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--preflight", metavar="FILE", help="a job's preflight.json: its measured bandwidths"
     )
+    parser.add_argument("--reduce_dtype", default="fp32", choices=REDUCE_BYTES, help="gradients")
     args = parser.parse_args(argv)
     try:
         nodes = [int(n) for n in args.nodes.split(",")]
@@ -232,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             parser.error(f"--preflight {args.preflight}: not a preflight record ({exc})")
     try:
-        pair = job_of(args.bf16), job_of(args.fp8)
+        pair = [replace(job_of(run), reduce=args.reduce_dtype) for run in (args.bf16, args.fp8)]
     except ValueError as exc:
         parser.error(str(exc))
     print(table(*pair, nodes, args.gpus_per_node, links))

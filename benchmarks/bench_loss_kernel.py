@@ -17,6 +17,7 @@ output layer's FP8 speed-up (gpu_levers.sh ``loss``), on a CPU the emulation's c
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable
 
 import torch
@@ -36,22 +37,11 @@ def hf_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) ->
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, ignore_index=-100)
 
 
-def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return loss.linear_cross_entropy(hidden, weight, labels)
-
-
-def compiled_chunked_loss(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
-) -> torch.Tensor:
-    """What ``--compile`` trains with: each chunk's softmax gradient fused by torch.compile."""
-    return loss.linear_cross_entropy(hidden, weight, labels, compiled=True)
-
-
-def fp8_chunked_loss(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
-) -> torch.Tensor:
-    """``--fp8_lm_head``: the chunked loss's three GEMMs in FP8 (the weight cast once a call)."""
-    return loss.linear_cross_entropy(hidden, weight, labels, fp8=True)
+#: The chunked loss as train.py runs it; under ``--compile`` (each chunk's softmax gradient fused
+#: by torch.compile); with ``--fp8_lm_head`` (its three GEMMs in FP8, the weight cast once a call).
+chunked_loss = loss.linear_cross_entropy
+compiled_chunked_loss = functools.partial(loss.linear_cross_entropy, compiled=True)
+fp8_chunked_loss = functools.partial(loss.linear_cross_entropy, fp8=True)
 
 
 def measure(

@@ -376,6 +376,16 @@ class ParallelConfig:
             UNSHARDED,
         ),
     )
+    reduce_dtype: str = flag(
+        "FSDP2's gradient reduce-scatter: fp32, bf16, or fp8 (float8 blocks of 128 with fp32 "
+        "scales, summed in fp32: ~1/4 of fp32's bytes; docs/cluster.md); judge it by "
+        "compare_runs' parity verdict",
+        resume=Resume.EXPERIMENT,
+        default="fp32",
+        choices=("fp32", "bf16", "fp8"),
+        before=("fp32",),
+        excludes=When.because("sets FSDP2's reduce; --sharding_strategy none has none", UNSHARDED),
+    )
     activation_checkpointing: bool = flag(
         "recompute decoder layers in backward", resume=Resume.FREE, default=False
     )

@@ -20,12 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from model_utils.config.families import family_of
 from model_utils.config.sections import ParallelConfig
+from model_utils.parallel.fp8_reduce import CountedReduceScatter, Fp8ReduceScatter
 
 
 @dataclass(frozen=True)
@@ -241,7 +242,8 @@ def shard(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig, bf16: bo
 
     Embedding and ``lm_head`` are the two vocab-sized matrices (1.05B parameters for Llama 3);
     as their own units they are gathered only while used, not for the whole step as in the
-    root. bf16 parameters for compute and fp32 gradient reduction; master weights stay fp32:
+    root. bf16 parameters for compute and fp32 gradient reduction (--reduce_dtype: bf16, or
+    fp8_reduce.py's 8-bit wire; each reduce-scatter counts its bytes); master weights stay fp32:
     the parameters themselves, or with --master_weights optimizer (bf16 parameters, which the
     policy then leaves uncast) the optimizer's copies.
 
@@ -253,11 +255,17 @@ def shard(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig, bf16: bo
         model.model.embed_tokens.register_forward_hook(_rows_in_autocast_dtype)
         return model
     compute = torch.bfloat16 if bf16 else torch.float32
-    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    reduce = torch.bfloat16 if parallel.reduce_dtype == "bf16" else torch.float32
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce)
     units = fsdp_units(model, parallel.reshard_after_forward)
     for unit, reshard in units:
         fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    comm = Fp8ReduceScatter() if parallel.reduce_dtype == "fp8" else CountedReduceScatter()
+    model.grad_reduce_scatter = comm  # its bytes go to the run's records (report/run_log.py)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_reduce_scatter(comm)
     return model
 
 

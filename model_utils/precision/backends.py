@@ -91,7 +91,8 @@ class BF16:
         self.compute = "bf16" if config.precision.bf16 else "fp32"
         self.masters = MASTERS_WHERE[config.optim.master_weights]
         self.torch_autocast_dtype = autocast_dtype(config)
-        self.unsharded = config.parallel.sharding_strategy == "none"
+        unsharded = config.parallel.sharding_strategy == "none"
+        self.reduce = "no FSDP2" if unsharded else f"{config.parallel.reduce_dtype} gradient reduce"
         self.device_type = device.type if device is not None else "cpu"
 
     def prepare(self, model: nn.Module) -> nn.Module:
@@ -116,8 +117,7 @@ class BF16:
     def describe(self) -> str:
         if self.torch_autocast_dtype is not None:
             return f"precision: bf16 compute by torch.autocast, {self.masters}, no FSDP2"
-        reduce = "no FSDP2" if self.unsharded else "fp32 gradient reduce"
-        return f"precision: {self.compute} compute, {self.masters}, {reduce}"
+        return f"precision: {self.compute} compute, {self.masters}, {self.reduce}"
 
 
 #: How the start-up line names each --master_weights.

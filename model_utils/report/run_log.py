@@ -98,6 +98,7 @@ class RunLog:
             self._save_args()
         self._open_trackers(run, 0 if other else start_step)  # another run's: its own
         self.numerics = self._numerics_probe(model, backend, start_step)
+        self.reduce = getattr(model, "grad_reduce_scatter", None)  # FSDP2's: parallel/fp8_reduce.py
         log.info(
             "model: %s, %.1fM parameters, impl=%s; %s",
             config.model_source,
@@ -183,6 +184,9 @@ class RunLog:
         memory = peak_memory_bytes(self.device)
         record = self.meter.report(step=step, loss=loss_value, lr=lr, peak_memory_bytes=memory)
         record.update(grad_norm=grad_value, **self._seen_fields())
+        if self.reduce is not None:  # what this rank's gradient reduce-scatters sent a step
+            sent, self.reduce.bytes_sent = self.reduce.bytes_sent, 0
+            record["grad_reduce_bytes"] = sent // record["window_steps"]
         log.info(metrics.seed_line(step, loss_value, record["samples_per_sec"], lr), stacklevel=2)
         log.info(metrics.detail_line(record), stacklevel=2)
         if slow is not None:

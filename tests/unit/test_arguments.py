@@ -242,6 +242,12 @@ def test_the_parser_is_derived_from_the_fields():
             "--bf16_layers with --fp8_weights: a layer kept in BF16 needs high-precision weights",
         ),
         (
+            ["--sharding_strategy=none", "--reduce_dtype=fp8"],
+            "--reduce_dtype fp8 sets FSDP2's reduce; --sharding_strategy none has none: drop one "
+            "of them",
+        ),
+        (["--reduce_dtype=fp16"], "invalid choice: 'fp16'"),
+        (
             ["--sharding_strategy=none", "--fp8=1", "--fp8_all_gather"],
             "--fp8_all_gather gathers FSDP2's weight shards in float8; --sharding_strategy none",
         ),

@@ -45,6 +45,25 @@ def test_exposed_communication_follows_the_links_and_fp8_needs_more_tokens_to_hi
     assert hybrid < far
 
 
+def test_an_fp8_reduce_moves_a_quarter_of_the_bytes_inside_the_shard_group_only() -> None:
+    """--reduce_dtype: fp8's reduce-scatter exposes less than bf16's, bf16's less than fp32's;
+    under hybrid sharding the all-reduce across nodes stays fp32 with fp8, so it gains only
+    inside the node there."""
+    job = ps.Job(embedding=100e6, layer=50e6, layers=16, tokens_per_gpu=8192, tokens_per_sec=12e3)
+    slow = ps.Links(network=5.0)
+    exposed = {
+        (reduce, hybrid): ps.exposed_seconds(
+            dataclasses.replace(job, reduce=reduce), 16, 8, hybrid=hybrid, links=slow
+        )
+        for reduce in ps.REDUCE_BYTES
+        for hybrid in (False, True)
+    }
+    assert exposed["fp8", False] < exposed["bf16", False] < exposed["fp32", False]
+    # hybrid over a slow network: the fp32 all-reduce across nodes dominates, which bf16 halves
+    assert exposed["bf16", True] < exposed["fp8", True] < exposed["fp32", True]
+    assert ps.REDUCE_BYTES["fp8"] == (1 + 4 / 128, 4.0)
+
+
 def _run(folder: Path, fp8: bool, tokens_per_sec: float) -> str:
     flags = parse_args(["--preset", "tiny", f"--fp8={int(fp8)}"]).as_dict()
     with metrics.JsonlWriter(folder / "metrics.jsonl") as writer:
@@ -73,6 +92,8 @@ def test_the_command_reads_a_pair_and_prints_each_scale(tmp_path, capsys) -> Non
         ["4", "x", "8", "hybrid"],
     ]
     assert out[1].split()[6] == "1.200"  # one node of a tiny model: FP8's measured ratio
+    assert ps.main([*pair, "--nodes", "4", "--reduce_dtype", "fp8"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split()[:4] == ["4", "x", "8", "full"]
     with pytest.raises(SystemExit) as bad:
         ps.main([*pair, "--nodes", "two"])
     assert bad.value.code == 2 and "--nodes takes node counts" in capsys.readouterr().err
