@@ -94,6 +94,11 @@ def collective(op: str, numel: int, dtype: torch.dtype, group: Any, device, repe
         return _timed(
             lambda: dist.all_gather_single(full, small, group=group), device, repeats, group
         )
+    if dtype == torch.uint8:  # --reduce_dtype fp8's wire: one all_to_all of bytes, summed after
+        out = torch.empty_like(full)
+        return _timed(
+            lambda: dist.all_to_all_single(out, full, group=group), device, repeats, group
+        )
     return _timed(
         lambda: dist.reduce_scatter_single(small, full, group=group), device, repeats, group
     )
