@@ -31,6 +31,9 @@ from model_utils.parallel.distributed import World, all_gather_object, fsdp_unit
 
 #: Payloads on the wire: fp8 travels as its bytes (gloo has no float8; all-gather moves bytes).
 PAYLOADS = {"bf16": torch.bfloat16, "fp8": torch.uint8, "fp32": torch.float32}
+#: torch's newer names for FSDP2's two collectives, and the older ones (the GPU images' torch).
+ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 #: A node or link below this share of its peers' median is named.
 SLOW = 0.5
 RECORD = "preflight.json"
@@ -91,17 +94,13 @@ def collective(op: str, numel: int, dtype: torch.dtype, group: Any, device, repe
     small = torch.ones(shard, dtype=dtype, device=device)
     full = torch.ones(shard * ranks, dtype=dtype, device=device)
     if op == "all_gather":
-        return _timed(
-            lambda: dist.all_gather_single(full, small, group=group), device, repeats, group
-        )
+        return _timed(lambda: ALL_GATHER(full, small, group=group), device, repeats, group)
     if dtype == torch.uint8:  # --reduce_dtype fp8's wire: one all_to_all of bytes, summed after
         out = torch.empty_like(full)
         return _timed(
             lambda: dist.all_to_all_single(out, full, group=group), device, repeats, group
         )
-    return _timed(
-        lambda: dist.reduce_scatter_single(small, full, group=group), device, repeats, group
-    )
+    return _timed(lambda: REDUCE_SCATTER(small, full, group=group), device, repeats, group)
 
 
 def scopes(world: World, device: torch.device) -> dict[str, Any]:
