@@ -10,7 +10,8 @@ unit beside it, so what is left exposed is each gather or reduce longer than tha
 the ones nothing runs beside: the first gathers of the forward (the embedding is a lookup, no
 compute) and the last reduces of the backward. Hybrid sharding shards within a node and adds an
 all-reduce of a node's gradient shard across nodes. Step time = the measured step (all compute,
-its collectives taken as hidden at the measured scale) + exposed time at the target scale. The
+its collectives taken as hidden at the measured scale, or as exposed as the run's profiler traces
+show them, when it has any) + exposed time at the target scale. The
 bandwidths are given, or a job's preflight measured them (`--preflight FILE`): then the
 reduce-scatter runs at its own measured share of the all-gather's, and on gloo (CPU ranks wait
 on each collective) nothing hides.
@@ -30,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from analysis import step_breakdown
 from model_utils.config.sections import ModelShape
 from model_utils.parallel.fp8_reduce import BLOCK
 from model_utils.report import metrics
@@ -60,6 +62,9 @@ class Job:
     gather_bytes: float = 2.0  # bf16; a float8 all-gather moves the layers' weights in 1 byte
     reduce: str = "fp32"  # --reduce_dtype: a key of REDUCE_BYTES
     param_bytes: float = 2.0  # what the embedding's gather moves: float8 gathers only Linears
+    #: The share of the measured step its collectives left exposed, where profiler traces said
+    #: it (the slowest rank's); else the model's own estimate at the measured scale.
+    exposed_share: float | None = None
 
     @property
     def step_seconds(self) -> float:
@@ -127,6 +132,8 @@ def projected(
     exposed time, plus the target's."""
     at_base = how if base_links is None else {**how, "links": base_links}
     compute = job.step_seconds - exposed_seconds(job, *base, **at_base)
+    if job.exposed_share is not None:
+        compute = job.step_seconds * (1 - job.exposed_share)
     return job.tokens_per_gpu / (compute + exposed_seconds(job, nodes, gpus_per_node, **how))
 
 
@@ -189,7 +196,18 @@ def job_of(run: str) -> Job:
     embedding = table if shape.tie_word_embeddings else 2 * table  # and the untied lm_head
     param = 2.0 if flags.get("bf16", True) else 4.0
     gather = 1.0 if flags.get("fp8_all_gather") else param
-    return Job(embedding, layer, shape.num_layers, tokens, speed, gather, param_bytes=param)
+    job = Job(embedding, layer, shape.num_layers, tokens, speed, gather, param_bytes=param)
+    return replace(job, exposed_share=traced_exposed_share(run))
+
+
+def traced_exposed_share(run: str) -> float | None:
+    """The share of a profiled step (``--profile_steps``) that collectives left exposed, on its
+    slowest rank, from the run's newest trace window; None for a run without traces."""
+    try:
+        slowest = step_breakdown.read_run(Path(run), None).slowest
+    except step_breakdown.Refused:
+        return None
+    return slowest.ms["comm_exposed"] / slowest.total_ms
 
 
 def table(bf16: Job, fp8: Job, nodes: Sequence[int], gpus_per_node: int, links: Links) -> str:

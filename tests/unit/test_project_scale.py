@@ -147,3 +147,23 @@ def test_a_preflight_record_sets_the_links_it_measured(tmp_path, capsys) -> None
 
 def _bf16_column(out: str) -> float:
     return float(out.splitlines()[1].split()[4].replace(",", ""))
+
+
+def test_a_profiled_run_brings_its_measured_exposed_collectives(tmp_path) -> None:
+    """With traces (--profile_steps) the compute under the projection is the measured step less
+    what the trace shows exposed, not the model's own estimate at the measured scale."""
+    import shutil
+
+    from analysis import step_breakdown
+
+    run = Path(_run(tmp_path / "bf16", False, 1000.0))
+    assert ps.job_of(str(run)).exposed_share is None  # no traces: the model's estimate
+    window = run / "profile" / "step_20"
+    window.mkdir(parents=True)
+    traces = Path(__file__).parents[1] / "traces"
+    shutil.copy(traces / "h100_bf16.pt.trace.json.gz", window / "rank_0.pt.trace.json.gz")
+    slowest = step_breakdown.read_run(run, None).slowest
+    job = ps.job_of(str(run))
+    assert job.exposed_share == slowest.ms["comm_exposed"] / slowest.total_ms
+    quarter = dataclasses.replace(job, exposed_share=0.25)
+    assert ps.projected(quarter, (1, 1), 1, 1) == pytest.approx(job.tokens_per_sec / 0.75)
