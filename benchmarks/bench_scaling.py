@@ -48,16 +48,9 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
 
 
 def torchrun_command(nproc: int, train_argv: list[str], out_dir: Path) -> list[str]:
-    return [
-        str(TORCHRUN),
-        f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        str(ROOT / "train.py"),
-        *train_argv,
-        "--output_dir",
-        str(out_dir),
-    ]
+    launch = f"--nproc_per_node={nproc} --master_addr=127.0.0.1 --master_port={free_port()}"
+    train_py = [str(ROOT / "train.py"), *train_argv, "--output_dir", str(out_dir)]
+    return [str(TORCHRUN), *launch.split(), *train_py]
 
 
 @dataclass(frozen=True)
