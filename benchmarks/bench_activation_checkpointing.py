@@ -35,16 +35,10 @@ from model_utils.parallel import distributed
 from model_utils.report.metrics.device import kept_activation_bytes
 
 #: Llama3-8B / 8 in width, same head_dim, GQA ratio and MLP ratio; 4 layers, seq 1024.
-LLAMA3_SHAPED = [
-    "--preset=tiny",
-    "--hidden_width=512",
-    "--num_heads=4",
-    "--num_key_value_heads=1",
-    "--intermediate_size=1792",
-    "--num_layers=4",
-    "--max_context_width=1024",
-    "--train_batch_size=2",
-]
+LLAMA3_SHAPED = (
+    "--preset=tiny --hidden_width=512 --num_heads=4 --num_key_value_heads=1 "
+    "--intermediate_size=1792 --num_layers=4 --max_context_width=1024 --train_batch_size=2"
+).split()
 AC = "--activation_checkpointing"
 SETTINGS: dict[str, list[str]] = {
     "no AC": [],
