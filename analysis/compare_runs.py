@@ -53,7 +53,7 @@ if __name__ == "__main__":  # a Python without the environment: one line, exit 2
 from analysis import compare_trackers, parity
 from analysis.compare_plot import DPI, X_AXES, Breakdown, make_figure, missing_x
 from model_utils.config.sections import ModelShape, flag_fields, precision_name
-from model_utils.errors import Refusal, UsageError, os_error_words
+from model_utils.errors import Refusal, UsageError, os_error_words, said
 from model_utils.precision import numerics
 from model_utils.report import metrics
 from model_utils.report.metrics.records import first_run_record, record_problem, run_problem
@@ -652,8 +652,7 @@ def main(argv: Sequence[str] | None = None, options: Options | None = None) -> i
         options = options or parse_args(argv)
         report = compare(options)
     except Refusal as exc:  # bad input (2), a tracker that failed (1)
-        print(f"compare_runs.py: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+        return said("compare_runs.py", exc, exc.exit_code)
     print(report)
     print(f"Wrote {options.output}")
     return 0

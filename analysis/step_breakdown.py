@@ -46,6 +46,7 @@ from analysis.traces.breakdown import RankBreakdown, read_rank
 from analysis.traces.rules import CATEGORIES
 from model_utils.config.argv import precision_name
 from model_utils.config.sections import ModelShape, flag_fields
+from model_utils.errors import said
 
 NAME = "step_breakdown.py"
 #: H100 SXM dense peaks: 1979 TFLOP/s FP8 over 989 BF16.
@@ -369,8 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs = [read_run(path, args.window) for path in args.runs]
         check_alike(runs)
     except Refused as exc:
-        print(f"{NAME}: error: {exc}", file=sys.stderr)
-        return 2
+        return said(NAME, exc)
     print(report(runs, hta=not args.no_hta), flush=True)
     return 0
 

@@ -1,10 +1,11 @@
-"""What several benchmarks share: train.py's model on a world of one and a random batch for it,
-a median of timed calls, train.py run to its metrics records (in this process or a fresh one)
-and a free port. Heavy imports stay inside the functions, so a benchmark that only launches
-processes does not load torch."""
+"""What several benchmarks share: their options, train.py's model on a world of one and a random
+batch for it, a median of timed calls, train.py run to its metrics records (in this process or a
+fresh one) and a free port. Heavy imports stay inside the functions, so a benchmark that only
+launches processes does not load torch."""
 
 from __future__ import annotations
 
+import argparse
 import socket
 import statistics
 import subprocess
@@ -16,6 +17,18 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def options(doc: str, **defaults: int) -> argparse.ArgumentParser:
+    """A benchmark's parser: its docstring's first paragraph, the shared options it names with
+    their defaults (steps: train.py steps per run; rounds: alternating its sides; speed_warmup:
+    first steps left out of the timing; repeats: timed calls per measurement) and, after --,
+    more train.py flags (`extra`)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    for name, default in defaults.items():
+        parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("extra", nargs="*", help="after --: more train.py flags (every side)")
+    return parser
 
 
 def free_port() -> int:

@@ -21,7 +21,6 @@ Not a test: timings depend on the machine; the byte counts do not.
 
 from __future__ import annotations
 
-import argparse
 import gc
 from dataclasses import dataclass
 from typing import Any
@@ -30,22 +29,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks._common import build_model, median_seconds, random_batch, world_of_one
+from benchmarks._common import build_model, median_seconds, options, random_batch, world_of_one
 from model_utils.config import arguments
 from model_utils.parallel import distributed
 from model_utils.report.metrics.device import kept_activation_bytes
 
 #: Llama3-8B / 8 in width, same head_dim, GQA ratio and MLP ratio; 4 layers, seq 1024.
-LLAMA3_SHAPED = [
-    "--preset=tiny",
-    "--hidden_width=512",
-    "--num_heads=4",
-    "--num_key_value_heads=1",
-    "--intermediate_size=1792",
-    "--num_layers=4",
-    "--max_context_width=1024",
-    "--train_batch_size=2",
-]
+LLAMA3_SHAPED = (
+    "--preset=tiny --hidden_width=512 --num_heads=4 --num_key_value_heads=1 "
+    "--intermediate_size=1792 --num_layers=4 --max_context_width=1024 --train_batch_size=2"
+).split()
 AC = "--activation_checkpointing"
 SETTINGS: dict[str, list[str]] = {
     "no AC": [],
@@ -108,10 +101,7 @@ def measure(flags: list[str], repeats: int, device: torch.device) -> tuple[int, 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repeats", type=int, default=5, help="timed forward + backward per setting")
-    p.add_argument("extra", nargs="*", help="train.py flags after --, e.g. -- --num_layers 8")
-    cli = p.parse_args(argv)
+    cli = options(__doc__, repeats=5).parse_args(argv)  # repeats: forward + backward
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     world_of_one(device)
     rows = {

@@ -40,37 +40,15 @@ from model_utils.precision import backends as precision
 def shape_flags(spec: str) -> list[str]:
     """'1024x8' -> Llama-proportioned flags: head dim 64, GQA 2:1, FFN ~8/3 hidden (x16)."""
     hidden, layers = (int(x) for x in spec.split("x"))
-    heads = max(1, hidden // 64)
-    ffn = (hidden * 8 // 3 + 15) // 16 * 16
-    return [
-        "--hidden_width",
-        str(hidden),
-        "--num_layers",
-        str(layers),
-        "--num_heads",
-        str(heads),
-        "--num_key_value_heads",
-        str(max(1, heads // 2)),
-        "--intermediate_size",
-        str(ffn),
-    ]
+    heads, ffn = max(1, hidden // 64), (hidden * 8 // 3 + 15) // 16 * 16
+    shape = f"--hidden_width {hidden} --num_layers {layers} --num_heads {heads} "
+    return (shape + f"--num_key_value_heads {max(1, heads // 2)} --intermediate_size {ffn}").split()
 
 
 class Bench:
     def __init__(self, spec: str, mesh: object, device: torch.device) -> None:
-        argv = [
-            "--preset",
-            "tiny",
-            *shape_flags(spec),
-            "--train_batch_size",
-            "1",
-            "--max_context_width",
-            "64",
-            "--max_steps",
-            "10",
-            "--warmup",
-            "1",
-        ]
+        run = "--train_batch_size 1 --max_context_width 64 --max_steps 10 --warmup 1"
+        argv = ["--preset", "tiny", *shape_flags(spec), *run.split()]
         args = arguments.parse_args(argv)
         self.backend = precision.build_backend(args, device)
         self.model = train.build_model(args, mesh, device, self.backend)

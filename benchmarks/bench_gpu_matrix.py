@@ -245,24 +245,12 @@ def train_command(
     The user's flags override the row's ``flags`` but not its ``fixed`` ones (a lever row's
     micro-batch is the point of the row).
     """
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={args.nproc}",
-        str(ROOT / "train.py"),
-        f"--preset={args.preset}",
-        f"--max_steps={args.max_steps}",
-        f"--warmup={max(1, args.max_steps // 10)}",
-        "--checkpoint_freq=-1",
-        "--validation_batches=1",
-        "--logging_freq=1",
-        f"--output_dir={args.out / name.replace(' ', '_')}",
-        *flags,
-        *extra,
-        *fixed,
-    ]
+    torchrun = f"-m torch.distributed.run --standalone --nproc_per_node={args.nproc}"
+    steps = args.max_steps
+    run = f"--preset={args.preset} --max_steps={steps} --warmup={max(1, steps // 10)}"
+    run += " --checkpoint_freq=-1 --validation_batches=1 --logging_freq=1"
+    head = [sys.executable, *torchrun.split(), str(ROOT / "train.py"), *run.split()]
+    return [*head, f"--output_dir={args.out / name.replace(' ', '_')}", *flags, *extra, *fixed]
 
 
 def train_row(

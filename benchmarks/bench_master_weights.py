@@ -16,9 +16,10 @@ what the setting removes): the GPU figure is benchmarks/gpu_levers.sh's `masters
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
+
+from benchmarks._common import options
 
 SETTINGS = ("params", "optimizer")
 TINY = ["--preset=tiny", "--train_batch_size=4", "--max_context_width=128", "--warmup=2"]
@@ -72,9 +73,7 @@ def measure(setting: str, steps: int, extra: list[str]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30, help="train.py steps per setting")
-    parser.add_argument("extra", nargs="*", help="train.py flags after --, e.g. -- --num_layers 8")
+    parser = options(__doc__, steps=30)
     cli = parser.parse_args(argv)
     if cli.steps < 6:
         parser.error("--steps must be >= 6 (5 warm-up steps are left out of the median)")

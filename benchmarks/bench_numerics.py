@@ -16,11 +16,12 @@ from __future__ import annotations
 import statistics
 import sys
 
-from benchmarks.bench_profiler_cost import SMALL, alternating_args, step_seconds
+from benchmarks._common import options
+from benchmarks.bench_profiler_cost import SMALL, step_seconds
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = alternating_args(argv, __doc__.splitlines()[0])
+    args = options(__doc__, steps=30, rounds=2, speed_warmup=5).parse_args(argv)
     base = [*SMALL, "--fp8=1", *args.extra, "--max_steps", str(args.steps)]
     off, on = [], []
     for _ in range(args.rounds):

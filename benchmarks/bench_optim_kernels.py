@@ -15,11 +15,9 @@ instead of quoting numbers.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from benchmarks._common import build_model, median_seconds, random_batch
+from benchmarks._common import build_model, median_seconds, options, random_batch
 from model_utils import optim
 from model_utils.config import arguments
 from model_utils.parallel import distributed
@@ -59,10 +57,8 @@ def measure(args: arguments.Config, repeats: int, device: torch.device) -> dict[
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = options(__doc__, repeats=20)
     p.add_argument("--preset", default="tiny")
-    p.add_argument("--repeats", type=int, default=20, help="timed calls per measurement")
-    p.add_argument("extra", nargs="*", help="after --: more train.py flags")
     opts = p.parse_args(argv)
     args = arguments.parse_args(["--preset", opts.preset, *opts.extra])
     world = distributed.world_from_env()

@@ -22,12 +22,11 @@ as a share of the median step. Not a test: timings depend on the machine.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import timeit
 
-from benchmarks._common import best_decile, train_in_process
+from benchmarks._common import best_decile, options, train_in_process
 from model_utils.model.annotate import annotate
 
 #: The tiny preset cut to a fraction of a second per step on 2 busy cores (tests/helpers/runs.py's
@@ -50,19 +49,8 @@ def tokens_per_sec(seconds: list[float], tokens: int) -> tuple[float, float]:
     return statistics.median(rates), best_decile(rates)
 
 
-def alternating_args(argv: list[str] | None, description: str) -> argparse.Namespace:
-    """The options of a benchmark that alternates two train.py runs round by round (this one,
-    bench_numerics): steps per run, rounds, steps left out, and more train.py flags."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--speed_warmup", type=int, default=5)
-    parser.add_argument("extra", nargs="*", help="more train.py flags (after --)")
-    return parser.parse_args(argv)
-
-
 def main(argv: list[str] | None = None) -> None:
-    args = alternating_args(argv, __doc__.splitlines()[0])
+    args = options(__doc__, steps=30, rounds=2, speed_warmup=5).parse_args(argv)
     base = [*SMALL, *args.extra, "--max_steps", str(args.steps)]
     flagged = [*base, "--profile_steps", f"{args.steps}:{args.steps}"]
     last = args.steps - 2  # the profiler's warm-up step and the window are left out

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks._common import ROOT, free_port
+from benchmarks._common import ROOT, free_port, options
 from model_utils.report import metrics
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -48,16 +48,9 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
 
 
 def torchrun_command(nproc: int, train_argv: list[str], out_dir: Path) -> list[str]:
-    return [
-        str(TORCHRUN),
-        f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        str(ROOT / "train.py"),
-        *train_argv,
-        "--output_dir",
-        str(out_dir),
-    ]
+    launch = f"--nproc_per_node={nproc} --master_addr=127.0.0.1 --master_port={free_port()}"
+    train_py = [str(ROOT / "train.py"), *train_argv, "--output_dir", str(out_dir)]
+    return [str(TORCHRUN), *launch.split(), *train_py]
 
 
 @dataclass(frozen=True)
@@ -111,30 +104,14 @@ def run(
 
 
 def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = options(__doc__, steps=30, speed_warmup=5, rounds=3)
     p.add_argument("--preset", default="tiny")
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps per launch")
-    p.add_argument("--speed_warmup", type=int, default=5, help="steps excluded from timing")
-    p.add_argument("--rounds", type=int, default=3, help="(1 rank, 2 ranks) pairs, alternating")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every rank")
-    p.add_argument("extra", nargs="*", help="after --: more train.py flags (both sides)")
     opts = p.parse_args(argv)
     if not 0 < opts.speed_warmup < opts.steps or opts.rounds < 1 or opts.threads < 1:
         p.error("need 0 < --speed_warmup < --steps, --rounds >= 1 and --threads >= 1")
-    train_argv = [
-        "--preset",
-        opts.preset,
-        "--max_steps",
-        str(opts.steps),
-        "--logging_freq",
-        "1",
-        "--warmup",
-        "2",
-        "--validation_batches",
-        "1",
-        *opts.extra,
-    ]
-    return opts, train_argv
+    flags = f"--preset {opts.preset} --max_steps {opts.steps} --logging_freq 1 --warmup 2"
+    return opts, [*flags.split(), "--validation_batches", "1", *opts.extra]
 
 
 # (label, ranks per job, concurrent independent jobs)

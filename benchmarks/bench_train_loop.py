@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from benchmarks._common import best_decile, build_model, random_batch, train_in_process
+from benchmarks._common import best_decile, build_model, options, random_batch, train_in_process
 from model_utils import optim
 from model_utils.config import arguments
 from model_utils.parallel import distributed
@@ -90,34 +90,15 @@ def run_bare_loop(train_argv: list[str], warmup: int) -> list[float]:
 
 
 def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = options(__doc__, steps=60, speed_warmup=10, rounds=2)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--fp8", default="0", choices=("0", "1"))
-    p.add_argument("--steps", type=int, default=60, help="optimizer steps per run")
-    p.add_argument(
-        "--speed_warmup", type=int, default=10, help="first steps excluded from the measurement"
-    )
-    p.add_argument("--rounds", type=int, default=2, help="bare/train.py pairs, alternating")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=0,
-        help="torch intra-op threads for both sides (0: torch's default)",
-    )
-    p.add_argument("extra", nargs="*", help="after --: more train.py flags (used by both sides)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     opts = p.parse_args(argv)
     if not 0 < opts.speed_warmup < opts.steps - 2 or opts.rounds < 1:
         p.error("need 0 < --speed_warmup < --steps - 2 and --rounds >= 1")
-    train_argv = [
-        "--preset",
-        opts.preset,
-        "--fp8",
-        opts.fp8,
-        "--max_steps",
-        str(opts.steps),
-        *opts.extra,
-    ]
-    return opts, train_argv
+    flags = f"--preset {opts.preset} --fp8 {opts.fp8} --max_steps {opts.steps}".split()
+    return opts, [*flags, *opts.extra]
 
 
 def _ratio_line(label: str, bare: float, real: float) -> str:

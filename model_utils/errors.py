@@ -32,8 +32,14 @@ def exit_refused(exc: Refusal, *, is_main: bool = True) -> NoReturn:
     """The one way a refusal ends a process: its line on stderr (rank 0's, or every rank's),
     then its exit code."""
     if is_main or exc.every_rank:
-        print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
+        said("train.py", exc)
     raise SystemExit(exc.exit_code) from None
+
+
+def said(prog: str, problem: object, status: int = 2) -> int:
+    """A command's refusal, ``PROG: error: ...`` on stderr; `status`, for its exit."""
+    print(f"{prog}: error: {problem}", file=sys.stderr, flush=True)
+    return status
 
 
 def refuse(problem: str | None, error: type[Exception] = UsageError) -> None:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 if __name__ == "__main__":  # a Python without the environment: one line, exit 2
     runpy.run_path(str(Path(__file__).with_name("environment_check.py")))
-from model_utils.errors import UsageError  # input it will not convert: one line, exit 2
+from model_utils.errors import UsageError, said  # UsageError: input it will not convert
 
 DTYPES = ("float32", "bfloat16", "float16")
 EXPORT_EXTRA_BYTES = 16 * 2**20  # config.json, generation_config.json, the tokenizer's files
@@ -253,7 +253,7 @@ def convert(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     empty = [name for name in ("checkpoint", "out_dir") if not getattr(args, name).strip()]
     if empty:  # Path("") is the current directory
-        return _fail(f"{empty[0]} is empty (an unset shell variable?): give a path")
+        return said(PROG, f"{empty[0]} is empty (an unset shell variable?): give a path")
     from model_utils.checkpoint.manifest import read_marker, write_error_reason
 
     try:
@@ -264,16 +264,17 @@ def convert(args: argparse.Namespace) -> int:
         tokenizer = run_tokenizer(path, marker, args.tokenizer)
         check_space(path, out_dir, args.dtype)
     except UsageError as exc:
-        return _fail(str(exc))
+        return said(PROG, str(exc))
     except OSError as exc:  # a name over 255 bytes, a folder it may not list
-        return _fail(os_problem(exc))
+        return said(PROG, os_problem(exc))
     for line in skipped:
         print(f"{PROG}: warning: {line}", file=sys.stderr)
     try:
         files = export(path, out_dir, config, key_map, tokenizer, args)
     except OSError as exc:
         reason = write_error_reason(exc, out_dir)
-        return _fail(
+        return said(
+            PROG,
             f"writing {out_dir} failed: {reason}; what was written is removed, and the weights "
             f"are still in the checkpoint {path}",
             1,
@@ -288,12 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return convert(args)
     except KeyboardInterrupt:
-        return _fail("interrupted; nothing was exported (what was written is removed)", 130)
-
-
-def _fail(message: str, status: int = 2) -> int:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    return status
+        return said(PROG, "interrupted; nothing was exported (what was written is removed)", 130)
 
 
 if __name__ == "__main__":

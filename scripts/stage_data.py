@@ -42,7 +42,7 @@ from model_utils.config.arguments import UsageError, apply_preset, build_parser
 from model_utils.config.flag_rules import value_problem
 from model_utils.data.reads import read_error_message
 from model_utils.data.sources import document_texts, open_source
-from model_utils.errors import os_error_words
+from model_utils.errors import os_error_words, said
 from model_utils.run import outputs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(argv)
     except KeyboardInterrupt:
-        return _fail("interrupted; what this staging wrote is removed", 130)
+        return said(PROG, "interrupted; what this staging wrote is removed", 130)
 
 
 def run(argv: list[str] | None) -> int:
@@ -252,27 +252,22 @@ def run(argv: list[str] | None) -> int:
         args = parse_args(argv)
         plan = check_inputs(args)
     except (UsageError, ValueError) as exc:
-        return _fail(str(exc))
+        return said(PROG, str(exc))
     except OSError as exc:  # a folder it may not list, a file it may not read
-        return _fail(f"{exc.filename}: {os_error_words(exc)}")
+        return said(PROG, f"{exc.filename}: {os_error_words(exc)}")
     try:
         train_docs, val_docs = stage(args, plan)
     except ValueError as exc:
-        return _fail(f"{exc} (what this staging wrote is removed)")
+        return said(PROG, f"{exc} (what this staging wrote is removed)")
     except OSError as exc:
-        return _fail(
-            f"{outputs.unwritable('--out', args.out, exc)} (what was written is removed)", 1
+        return said(
+            PROG, f"{outputs.unwritable('--out', args.out, exc)} (what was written is removed)", 1
         )
     print(f"staged {train_docs} training and {val_docs} validation documents in {plan.target}")
     print(f"tokenizer in {plan.tokenizer_dir}; train offline with:")
     print("  export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1")
     print(f"  ... --tokenizer {plan.tokenizer_dir} --dataset {plan.target}")
     return 0
-
-
-def _fail(message: str, status: int = 2) -> int:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    return status
 
 
 if __name__ == "__main__":
