@@ -25,7 +25,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
 from model_utils.parallel.distributed import World, all_gather_object, fsdp_units
 
@@ -103,17 +102,20 @@ def collective(op: str, numel: int, dtype: torch.dtype, group: Any, device, repe
     return _timed(lambda: REDUCE_SCATTER(small, full, group=group), device, repeats, group)
 
 
-def scopes(world: World, device: torch.device) -> dict[str, Any]:
-    """The process groups to time, named by where their traffic goes (groups of one dropped)."""
+def scopes(world: World) -> dict[str, Any]:
+    """The process groups to time, named by where their traffic goes (groups of one dropped).
+    Its own groups, not a device mesh's (which may share the training mesh's): run() destroys
+    them after, so NCCL's communicators for them hold no GPU memory during training."""
     nodes, local = world.num_nodes, world.world_size // world.num_nodes
     if nodes == 1 or local == 1:
         return {"within the node" if nodes == 1 else "across nodes": dist.group.WORLD}
-    mesh = init_device_mesh(device.type, (nodes, local), mesh_dim_names=("node", "local"))
-    return {
-        "all ranks": dist.group.WORLD,
-        "within each node": mesh.get_group("local"),
-        "across nodes": mesh.get_group("node"),
-    }
+    within, _ = dist.new_subgroups_by_enumeration(
+        [list(range(n * local, (n + 1) * local)) for n in range(nodes)]
+    )
+    across, _ = dist.new_subgroups_by_enumeration(
+        [list(range(i, world.world_size, local)) for i in range(local)]
+    )
+    return {"all ranks": dist.group.WORLD, "within each node": within, "across nodes": across}
 
 
 def link_seconds(world: World, numel: int, device, repeats: int) -> list[float]:
@@ -161,7 +163,7 @@ def run(model: nn.Module, world: World, device: torch.device, form_name: str) ->
     if world.world_size == 1 or form_name == "off" or (form_name, world.num_nodes) == ("auto", 1):
         return None
     form, numel, names = FORMS[form_name], largest_unit(model), node_names(world)
-    local, groups = world.world_size // world.num_nodes, scopes(world, device)
+    local, groups = world.world_size // world.num_nodes, scopes(world)
     rows, within = [], {}
     for payload, (scope, group), op in itertools.product(
         form.payloads, groups.items(), ("all_gather", "reduce_scatter")
@@ -176,6 +178,9 @@ def run(model: nn.Module, world: World, device: torch.device, form_name: str) ->
         rows.append(row | {"seconds": max(per_rank), "bus_gbs": min(gbs)})  # the slowest group
         if scope == "within each node" and not within:
             within = dict(zip(names, gbs[::local], strict=True))
+    for group in groups.values():
+        if group is not dist.group.WORLD:
+            dist.destroy_process_group(group)
     links: dict[str, float] = {}
     if world.num_nodes > 1:
         nbytes = min(numel * 2, form.max_bytes)
