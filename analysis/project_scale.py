@@ -210,24 +210,61 @@ def traced_exposed_share(run: str) -> float | None:
     return slowest.ms["comm_exposed"] / slowest.total_ms
 
 
-def table(bf16: Job, fp8: Job, nodes: Sequence[int], gpus_per_node: int, links: Links) -> str:
-    """Tokens/s per GPU and FP8's ratio at each scale, full and hybrid sharding, FP8 with and
-    without the float8 all-gather, from a pair measured on one GPU."""
-    fp8_ag = replace(fp8, gather_bytes=1.0)
+def scales(bf16: Job, fp8: Job, nodes: Sequence[int], gpus_per_node: int, links: Links) -> list:
+    """(nodes, hybrid, {arm: (tokens/s per GPU, exposed seconds a step)}) at each scale, full
+    and hybrid sharding, for BF16, FP8 and FP8 with the float8 all-gather."""
+    arms = {"bf16": bf16, "fp8": fp8, "fp8+ag": replace(fp8, gather_bytes=1.0)}
+    found = []
+    for n, hybrid in [(k, h) for k in nodes for h in ((False, True) if k > 1 else (False,))]:
+        how = dict(hybrid=hybrid, links=links)
+        found.append(
+            (
+                n,
+                hybrid,
+                {
+                    arm: (
+                        projected(job, (1, 1), n, gpus_per_node, **how),
+                        exposed_seconds(job, n, gpus_per_node, **how),
+                    )
+                    for arm, job in arms.items()
+                },
+            )
+        )
+    return found
+
+
+def table(found: list, gpus_per_node: int) -> str:
+    """Tokens/s per GPU, FP8's ratios and the communication left exposed, per scale."""
     head = f"{'nodes x GPUs':14s}{'sharding':10s}{'bf16':>9s}{'fp8':>9s}{'ratio':>7s}"
-    lines = [head + f"{'fp8+ag':>9s}{'ratio':>7s}  (projected tokens/s per GPU)"]
-    for n in nodes:
-        for hybrid in (False, True) if n > 1 else (False,):
-            b, f, a = (
-                projected(job, (1, 1), n, gpus_per_node, hybrid=hybrid, links=links)
-                for job in (bf16, fp8, fp8_ag)
-            )
-            where = f"{n} x {gpus_per_node}"
-            lines.append(
-                f"{where:14s}{'hybrid' if hybrid else 'full':10s}{b:9,.0f}{f:9,.0f}{f / b:7.3f}"
-                f"{a:9,.0f}{a / b:7.3f}"
-            )
+    lines = [head + f"{'fp8+ag':>9s}{'ratio':>7s}  exposed ms: bf16 fp8+ag (projected per GPU)"]
+    for n, hybrid, arm in found:
+        (b, eb), (f, _), (a, ea) = arm.values()
+        where, sharding = f"{n} x {gpus_per_node}", "hybrid" if hybrid else "full"
+        lines.append(
+            f"{where:14s}{sharding:10s}{b:9,.0f}{f:9,.0f}{f / b:7.3f}{a:9,.0f}"
+            f"{a / b:7.3f}{eb * 1e3:17.1f}{ea * 1e3:7.1f}"
+        )
     return "\n".join(lines)
+
+
+def picture(found: list, path: str) -> None:
+    """FP8's projected ratio (left) and the exposed communication (right) against nodes; full
+    sharding solid, hybrid dashed."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(10, 4))
+    ratio, exposed = figure.subplots(1, 2)
+    for hybrid, style in ((False, "-"), (True, "--")):
+        rows = [(n, arm) for n, h, arm in found if h == hybrid or n == 1]
+        nodes = [n for n, _ in rows]
+        for name in ("fp8", "fp8+ag"):
+            ratio.plot(nodes, [a[name][0] / a["bf16"][0] for _, a in rows], style, label=name)
+        for name in ("bf16", "fp8", "fp8+ag"):
+            exposed.plot(nodes, [a[name][1] * 1e3 for _, a in rows], style, label=name)
+    for axes, what in ((ratio, "FP8 / BF16 tokens/s per GPU"), (exposed, "exposed ms a step")):
+        axes.set(xscale="log", xlabel="nodes (hybrid dashed)", ylabel=what, title="projected")
+        axes.legend()
+    figure.savefig(path, dpi=100, bbox_inches="tight")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -241,6 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--preflight", metavar="FILE", help="a job's preflight.json: its measured bandwidths"
     )
+    parser.add_argument("--output", metavar="PNG", help="the projection as a picture too")
     parser.add_argument("--reduce_dtype", default="fp32", choices=REDUCE_BYTES, help="gradients")
     args = parser.parse_args(argv)
     try:
@@ -259,7 +297,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         pair = [replace(job_of(run), reduce=args.reduce_dtype) for run in (args.bf16, args.fp8)]
     except ValueError as exc:
         parser.error(str(exc))
-    print(table(*pair, nodes, args.gpus_per_node, links))
+    found = scales(*pair, nodes, args.gpus_per_node, links)
+    print(table(found, args.gpus_per_node))
+    if args.output:
+        picture(found, args.output)
+        print(f"picture: {args.output}")
     return 0
 
 

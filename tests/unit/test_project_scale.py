@@ -167,3 +167,17 @@ def test_a_profiled_run_brings_its_measured_exposed_collectives(tmp_path) -> Non
     assert job.exposed_share == slowest.ms["comm_exposed"] / slowest.total_ms
     quarter = dataclasses.replace(job, exposed_share=0.25)
     assert ps.projected(quarter, (1, 1), 1, 1) == pytest.approx(job.tokens_per_sec / 0.75)
+
+
+def test_the_projection_shows_what_is_exposed_and_draws_it(tmp_path, capsys) -> None:
+    pair = [_run(tmp_path / "bf16", False, 1000.0), _run(tmp_path / "fp8", True, 1200.0)]
+    png = tmp_path / "projection.png"
+    slow = ["--network_gbs", "0.5", "--output", str(png)]
+    assert ps.main([*pair, "--nodes", "1,4", "--gpus_per_node", "8", *slow]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "exposed ms: bf16 fp8+ag" in out[0] and out[-1] == f"picture: {png}"
+    exposed = {tuple(line.split()[:4]): [float(x) for x in line.split()[-2:]] for line in out[1:4]}
+    one, four = exposed[("1", "x", "8", "full")], exposed[("4", "x", "8", "full")]
+    assert four[0] > one[0] > 0  # a slow network leaves more exposed across nodes
+    assert four[1] < four[0]  # the float8 all-gather moves half the bytes
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
