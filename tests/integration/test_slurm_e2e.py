@@ -226,12 +226,14 @@ def test_the_killed_jobs_last_checkpoint_resumes_with_hybrid_sharding_across_nod
     assert ranks[0][0] != ranks[1][0]  # the replicas sit on different nodes
     slow, fast = f"{ranks[1][0]} -> {ranks[0][0]}", f"{ranks[0][0]} -> {ranks[1][0]}"
     links = json.loads((job.run_dir / "preflight.json").read_text())["links"]
-    assert links[slow] < links[fast] / 4, links  # the shaped link, measured slower
+    # A cap, not a timing: the kernel holds node2's sending to 0.025 GB/s, while a veth carried
+    # 1.3-2.6 GB/s on this machine idle or loaded (benchmarks/results/2026-12-04-shaped-links.md)
+    assert links[slow] < links[fast] / 4, links
     assert f"preflight: slow link {slow}: " in log and f"preflight: slow link {fast}" not in log
 
 
-#: node2's sending rate in the resumed job: far below a veth's, still seconds for the job.
-SLOW_LINK = "400mbit"
+#: node2's sending rate in the resumed job: 50x below a veth's, still seconds for the job.
+SLOW_LINK = "200mbit"
 
 
 @pytest.mark.slow
