@@ -267,8 +267,9 @@ def start_run(parts: StepParts, stream: data.TrainStream, val_batches: list, wor
         fp8_recipe=parts.backend.te_recipe,
     )
     config = checkpoint.resume_or_start(ckpt, state, parts.scheduler, config)
-    preflight.check(model, world, parts.device, config.parallel.preflight, config.run.output_dir)
     hang = watchdog.for_run(config.run, world.rank, parts.device)  # --hang_timeout
+    with hang.watching("preflight collective"):  # a node that never answers: ends, named
+        preflight.check(model, world, parts.device, config)
     run_log = RunLog(
         config,
         model,

@@ -65,10 +65,17 @@ class Job:
     #: The share of the measured step its collectives left exposed, where profiler traces said
     #: it (the slowest rank's); else the model's own estimate at the measured scale.
     exposed_share: float | None = None
+    #: The shares of the step the forward and the backward computed, where traces said them;
+    #: else a third and two thirds (a backward's two GEMMs per forward GEMM).
+    compute_shares: tuple[float, float] = (1 / 3, 2 / 3)
 
     @property
     def step_seconds(self) -> float:
         return self.tokens_per_gpu / self.tokens_per_sec
+
+    def layer_seconds(self) -> tuple[float, float]:
+        """A decoder layer's forward and backward compute: what hides its collectives."""
+        return tuple(self.step_seconds * share / self.layers for share in self.compute_shares)
 
 
 def ring(nbytes: float, gpus: int, gbs: float) -> float:
@@ -116,11 +123,11 @@ def exposed_seconds(
         return inside + (across if hybrid else 0.0)
 
     gather = ring(job.layer * job.gather_bytes, shard, gbs)
-    # a layer's forward (its backward is twice it): what hides its collectives, if anything can
-    forward = job.step_seconds / job.layers / 3 if links.overlap else 0.0
+    # a layer's forward and backward compute hide its collectives, if anything can
+    forward, backward = job.layer_seconds() if links.overlap else (0.0, 0.0)
     edges = ring(job.embedding * job.param_bytes, shard, gbs) + gather
     edges += reduce(job.layer) + reduce(job.embedding)
-    per_layer = max(0.0, gather - forward) + max(0.0, gather + reduce(job.layer) - 2 * forward)
+    per_layer = max(0.0, gather - forward) + max(0.0, gather + reduce(job.layer) - backward)
     return edges + job.layers * per_layer
 
 
@@ -197,17 +204,26 @@ def job_of(run: str) -> Job:
     param = 2.0 if flags.get("bf16", True) else 4.0
     gather = 1.0 if flags.get("fp8_all_gather") else param
     job = Job(embedding, layer, shape.num_layers, tokens, speed, gather, param_bytes=param)
-    return replace(job, exposed_share=traced_exposed_share(run))
+    return replace(job, **traced_shares(run))
 
 
-def traced_exposed_share(run: str) -> float | None:
-    """The share of a profiled step (``--profile_steps``) that collectives left exposed, on its
-    slowest rank, from the run's newest trace window; None for a run without traces."""
+#: What in a profiled step is neither the forward's compute nor the backward's.
+NOT_LAYERS = ("comm_exposed", "optimizer", "data_wait", "idle")
+
+
+def traced_shares(run: str) -> dict:
+    """From a profiled run's newest trace window (``--profile_steps``), its slowest rank's
+    shares of the step: exposed by collectives, computed by the forward (its range: the
+    embedding and lm_head's too) and by the rest (the backward); {} for a run without traces."""
     try:
         slowest = step_breakdown.read_run(Path(run), None).slowest
     except step_breakdown.Refused:
-        return None
-    return slowest.ms["comm_exposed"] / slowest.total_ms
+        return {}
+    total, ms, forward = slowest.total_ms, slowest.ms, slowest.forward_ms
+    backward = total - forward - sum(ms.get(k, 0.0) for k in NOT_LAYERS)
+    return dict(
+        exposed_share=ms["comm_exposed"] / total, compute_shares=(forward / total, backward / total)
+    )
 
 
 def scales(bf16: Job, fp8: Job, nodes: Sequence[int], gpus_per_node: int, links: Links) -> list:

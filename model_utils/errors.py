@@ -1,7 +1,8 @@
 """The shared words of a refusal: the one base every refusal has (Refusal: one line, its exit
 code), the error a user can fix (UsageError: exit 2), how any exception becomes a clause of
-that line, and the line for a location the system refused to write. A leaf: every stage may
-raise them without importing the flag parser."""
+that line, the line for a location the system refused to write, and a file written whole (what
+a reader finds is the old file or the new, never half of one). A leaf: every stage may raise
+them without importing the flag parser."""
 
 from __future__ import annotations
 
@@ -68,3 +69,14 @@ def os_error_words(exc: OSError) -> str:
 def unwritable(flag: str, path: Path, exc: OSError) -> str:
     """The one line for a location the system refused when the run tried it."""
     return f"{flag} {path} cannot be written ({os_error_words(exc)}): choose another {flag}"
+
+
+def write_whole(path: Path, text: str) -> None:
+    """`text` into a temporary beside `path` (this process's own: ranks writing one file never
+    share it), synced, then renamed in: a reader sees the old file or the new, never half."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)

@@ -44,6 +44,7 @@ class RankBreakdown:
     overlapped_comm_ms: float
     fp8_gemm_ms: float
     gemm_names: dict[str, float]
+    forward_ms: float = 0.0  # compute inside the forward range
     gpu: bool = False  # a trace with device kernels (its steps are the device's timeline)
 
 
@@ -65,6 +66,7 @@ def summarize(rank: int, steps: list[StepTime]) -> RankBreakdown:
         fmean(s.overlapped_comm_ms for s in kept),
         fmean(s.fp8_gemm_ms for s in kept),
         {name: fmean(s.gemm_names.get(name, 0.0) for s in kept) for name in names},
+        fmean(s.forward_ms for s in kept),
     )
 
 

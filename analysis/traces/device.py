@@ -59,10 +59,12 @@ def _classify(
         own = kinds_of(e["name"], DEVICE) if e.get("cat") == "kernel" else frozenset()
         if caller is not None and "outside_step" in caller.chain:
             continue  # validation, a checkpoint save: not the step's work
-        category = category_of(own | (caller.chain if caller else frozenset()))
+        chain = own | (caller.chain if caller else frozenset())
+        category = category_of(chain)
         ts = float(e["ts"])
         end = ts + float(e.get("dur", 0))
         by_step[step].append((ts, end, category))
+        results[step].count_forward(chain, category, end - ts)
         if "gemm" in own:  # not the workspace memsets a GEMM operator also launches
             gemm_seen(results[step], category, e["name"], end - ts, fp8_named(e["name"]))
     return by_step, results

@@ -68,6 +68,11 @@ class StepTime:
     fp8_gemm_ms: float = 0.0  # GEMM time whose kernel name (or torchao's function) says FP8
     #: "category<TAB>GEMM kernel or operator name" -> ms: which GEMMs landed in which share
     gemm_names: dict[str, float] = field(default_factory=dict)
+    forward_ms: float = 0.0  # compute inside the forward range; the rest of it is backward's
+
+    def count_forward(self, chain: frozenset[str], category: str, us: float) -> None:
+        if "forward" in chain and category not in ("comm_exposed", "data_wait"):
+            self.forward_ms += us / 1000.0
 
 
 def load(path: Path) -> dict:
@@ -171,6 +176,7 @@ def host_step(host: Host, tid: object, step: Event, number: int) -> StepTime:
         category = category_of(ev.chain) if ev is not step else "other"
         own = max(0.0, ev.end - ev.ts - ev.children_us)
         _add(ms, category, own)
+        result.count_forward(ev.chain, category, own)
         if "gemm" in ev.kinds and "gemm" not in (ev.parent.chain if ev.parent else ()):
             fp8 = fp8_named(ev.name) or "fp8_cast" in ev.chain  # torchao's FP8 matmul function
             gemm_seen(result, category, ev.name, ev.end - ev.ts, fp8)

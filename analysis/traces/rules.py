@@ -51,6 +51,7 @@ RULES: tuple[Rule, ...] = (
     ),
     # -- the recipe's ranges ------------------------------------------------------------------
     Rule("data_wait", HOST, r"^data_wait$", "the wait for the next micro-batch (run/step.py)"),
+    Rule("forward", HOST, r"^forward$", "the model's forward: its compute per layer (projection)"),
     Rule(
         "optimizer",
         HOST,

@@ -44,7 +44,7 @@ from model_utils.checkpoint.published import (  # noqa: F401 (re-exported: the p
     step_dirs,
     step_of,
 )
-from model_utils.errors import Refusal, UsageError, first_line, refuse
+from model_utils.errors import Refusal, UsageError, first_line, refuse, write_whole
 from model_utils.parallel.distributed import (
     all_gather_object,
     current_rank,
@@ -532,16 +532,6 @@ def fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def write_json(path: Path, payload: dict[str, Any]) -> None:
-    """Write then rename, so a reader never sees half a marker."""
-    tmp = path.with_name(path.name + ".part")
-    with open(tmp, "w") as fh:
-        json.dump(payload, fh, indent=1, sort_keys=True, default=str)
-        fh.flush()
-        os.fsync(fh.fileno())
-    tmp.replace(path)
-
-
 def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -576,7 +566,8 @@ def publish(
 ) -> None:
     """Rank 0, once every rank's files are on disk and summed (their sums in `marker`): write
     the marker, rename `tmp` to `final` in one atomic rename, then prune to `keep_last`."""
-    write_json(tmp / MARKER, {**marker, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    marker = {**marker, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    write_whole(tmp / MARKER, json.dumps(marker, indent=1, sort_keys=True, default=str))
     replaced = None
     incomplete = checkpoint_problem(final) if final.exists() else None
     if incomplete:  # damage: kept, named

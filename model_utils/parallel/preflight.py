@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from model_utils.errors import write_whole
 from model_utils.parallel.distributed import World, all_gather_object, fsdp_units
 
 #: Payloads on the wire: fp8 travels as its bytes (gloo has no float8; all-gather moves bytes).
@@ -221,15 +222,13 @@ def summary(record: dict) -> list[str]:
     return lines + record["slow"]
 
 
-def check(model: nn.Module, world: World, device: torch.device, form: str, output_dir: str) -> None:
-    """`--preflight`: run on every rank; rank 0 keeps the record and logs it, slow ones as
-    warnings."""
-    record = run(model, world, device, form)
+def check(model: nn.Module, world: World, device: torch.device, config) -> None:
+    """`--preflight` of a run's config: run on every rank; rank 0 keeps the record in the run's
+    folder and logs it, slow ones as warnings."""
+    record = run(model, world, device, config.parallel.preflight)
     if record is None or not world.is_main:
         return
-    path = Path(output_dir) / RECORD
-    path.with_suffix(".part").write_text(json.dumps(record, indent=1))
-    path.with_suffix(".part").replace(path)  # never half a record
+    write_whole(Path(config.run.output_dir) / RECORD, json.dumps(record, indent=1))
     log = logging.getLogger("train")
     for line in summary(record):
         (log.warning if line.startswith("preflight: slow") else log.info)("%s", line)

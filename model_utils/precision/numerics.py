@@ -17,9 +17,7 @@ any work; a step that is not a report step costs one boolean test per linear. TE
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from model_utils.errors import write_whole
 from model_utils.parallel.distributed import canonical_param_name
 
 ROLES = ("input", "weight", "grad")
@@ -286,9 +285,7 @@ class TeDebug:
         # JSON is YAML (the tools read it with yaml.safe_load). Every rank writes the same file:
         # each its own, then renamed in place, so no rank reads another's half-written one.
         config = log_dir / "config.yaml"
-        with tempfile.NamedTemporaryFile("w", dir=log_dir, suffix=".part", delete=False) as fh:
-            fh.write(json.dumps(te_debug_config(freq, delayed, kept), indent=1) + "\n")
-        os.replace(fh.name, config)
+        write_whole(config, json.dumps(te_debug_config(freq, delayed, kept), indent=1) + "\n")
         features = Path(transformer_engine.__file__).parent / "debug" / "features"
         debug_api.initialize(
             config_file=str(config),

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from model_utils.config import arguments
 from model_utils.config.fp8_plan import plan_of
-from model_utils.errors import first_line, os_error_words
+from model_utils.errors import first_line, os_error_words, write_whole
 from model_utils.model import modeling
 from model_utils.precision import numerics
 from model_utils.report import metrics, slow_rank, trackers
@@ -261,9 +261,7 @@ class RunLog:
         path = Path(self.config.run.output_dir) / RUN_ARGS
         header = [f"# train.py @{path} [flags that override these]: this run, resolved"]
         try:
-            tmp = path.with_name(f".{RUN_ARGS}.tmp")
-            tmp.write_text("\n".join(header + arguments.saved_args(self.config)) + "\n")
-            tmp.replace(path)
+            write_whole(path, "\n".join(header + arguments.saved_args(self.config)) + "\n")
         except OSError as exc:
             log.warning("%s cannot be written (%s)", path, os_error_words(exc), stacklevel=4)
 

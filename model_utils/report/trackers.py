@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from model_utils.config.options import TRACKERS
 from model_utils.config.sections import precision_name
-from model_utils.errors import first_line
+from model_utils.errors import first_line, write_whole
 from model_utils.report.metrics.records import is_number, set_aside
 
 log = logging.getLogger("train")
@@ -116,10 +116,7 @@ def read_ids(output_dir: str | os.PathLike[str]) -> dict[str, str]:
 
 
 def write_ids(output_dir: str | os.PathLike[str], ids: Mapping[str, str]) -> None:
-    path = Path(output_dir) / IDS_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(dict(ids), indent=1) + "\n")
-    tmp.replace(path)
+    write_whole(Path(output_dir) / IDS_FILE, json.dumps(dict(ids), indent=1) + "\n")
 
 
 class Sink(Protocol):

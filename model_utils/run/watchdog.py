@@ -127,12 +127,17 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
+    def start(self, waiting: str = "training step") -> None:
+        """Watch from now on; `waiting` names what a rank past the limit is stuck in."""
+        self.waiting = waiting
         if not self.enabled:
             return
         self._last = time.monotonic()
+        self._stop.clear()  # a watch closed before (the preflight's) ended only itself
         self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
         self._thread.start()
+        if waiting != "training step":
+            return
         how = "20x the measured step time, at least" if self.auto else "--hang_timeout"
         log.info(
             "hang watchdog: no step done in %.0f s (%s) writes every rank's stacks to %s and "
@@ -141,6 +146,17 @@ class Watchdog:
             how,
             self.path.parent / "stacks.rank<R>.txt",
         )
+
+    @contextlib.contextmanager
+    def watching(self, what: str) -> Iterator[None]:
+        """`what` before training (the preflight's collectives) timed as a step is: a rank
+        stuck in it ends at the limit with its stacks and a line naming it, not at
+        --dist_timeout with neither."""
+        self.start(what)
+        try:
+            yield
+        finally:
+            self.close()
 
     def step_done(self) -> None:
         self._last = time.monotonic()
@@ -177,7 +193,7 @@ class Watchdog:
         thread is the one stuck)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "w") as out:
-            out.write(f"rank {self.rank}: no training step done for {idle:.0f} s\n")
+            out.write(f"rank {self.rank}: no {self.waiting} done for {idle:.0f} s\n")
             out.flush()
             faulthandler.dump_traceback(out, all_threads=True)
         recorder = None
@@ -186,10 +202,11 @@ class Watchdog:
                 recorder = dump_flight_recorder(self.rank)
         extra = f"; NCCL Flight Recorder in {recorder}" if recorder else ""
         log.error(
-            "hang: rank %d did no training step for %.0f s (limit %.0f s): its Python stacks "
+            "hang: rank %d did no %s for %.0f s (limit %.0f s): its Python stacks "
             "are in %s%s; ending this rank (exit %d) so the job ends; resume from the newest "
             "checkpoint",
             self.rank,
+            self.waiting,
             idle,
             self.limit,
             self.path,

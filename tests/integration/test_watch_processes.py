@@ -65,9 +65,10 @@ LAUNCH_TIMEOUT_S = 300
 #: train.py with the slow-rank clock driven (each call of busy_seconds adds FACTOR x 10 ms) and,
 #: where STOP_AT is a step, a SIGSTOP the rank sends itself as that step begins: a stop in
 #: training, never inside a checkpoint's collectives (those are --dist_timeout's, not the
-#: watchdog's: docs/hangs.md), whatever the machine's load.
+#: watchdog's: docs/hangs.md), whatever the machine's load. STOP_AT -1: as the preflight begins.
 DRIVEN = """\
 import os, signal, sys
+from model_utils.parallel import preflight
 from model_utils.report import slow_rank
 import train
 factor, stop_at, calls, steps = float(sys.argv[1]), int(sys.argv[2]), [0], [0]
@@ -80,7 +81,12 @@ def step(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGSTOP)
     return real_step(*args, **kwargs)
 slow_rank.busy_seconds = driven
+def check(*args, **kwargs):
+    if stop_at == -1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return real_check(*args, **kwargs)
 real_step, train.train_step = train.train_step, step
+real_check, preflight.check = preflight.check, check
 train.main(sys.argv[3:])
 """
 STOP_AT = 21  # after the checkpoint of step 20, with 10 steps to spare before the end
@@ -223,3 +229,23 @@ def test_stack_file_names_are_in_the_start_up_line(hung: dict) -> None:
     start = next(x for x in hung["logs"][0].splitlines() if "hang watchdog:" in x)
     assert f"{hung['out'] / 'hang' / 'stacks.rank<R>.txt'}" in start
     assert f"no step done in {HANG_S} s (--hang_timeout)" in start
+
+
+def test_a_rank_that_never_joins_the_preflight_ends_the_job_named(tmp_path: Path) -> None:
+    """`--preflight full`, rank 1 stopped as its preflight begins: rank 0, waiting in the
+    preflight's collectives, ends at --hang_timeout with its stacks and a line naming the
+    preflight, not at --dist_timeout (120 s) with neither."""
+    out = tmp_path / "stuck"
+    extra = ("--preflight", "full", "--hang_timeout", "10")
+    procs, logs = start_ranks(out, STEADY, *extra, stops=(0, -1), python=sys.executable)
+    try:
+        wait_for(lambda: process_state(procs[1].pid) == "T", procs, "rank 1 stopped", logs[1])
+        code = procs[0].wait(timeout=100)  # before --dist_timeout would have ended it
+    finally:
+        stop_all(procs)
+    log0 = logs[0].read_text()
+    assert code == 4, log0[-3000:]
+    assert "hang: rank 0 did no preflight collective for " in log0, log0[-3000:]
+    stacks = (out / "hang" / "stacks.rank0.txt").read_text()
+    assert stacks.startswith("rank 0: no preflight collective done for "), stacks
+    assert "preflight.py" in stacks  # where rank 0 stood

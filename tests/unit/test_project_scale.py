@@ -151,13 +151,16 @@ def _bf16_column(out: str) -> float:
 
 def test_a_profiled_run_brings_its_measured_exposed_collectives(tmp_path) -> None:
     """With traces (--profile_steps) the compute under the projection is the measured step less
-    what the trace shows exposed, not the model's own estimate at the measured scale."""
+    what the trace shows exposed, not the model's own estimate at the measured scale, and a
+    layer's forward and backward compute (what hides its gathers and reduces) are the trace's,
+    not a third and two thirds of the step."""
     import shutil
 
     from analysis import step_breakdown
 
     run = Path(_run(tmp_path / "bf16", False, 1000.0))
-    assert ps.job_of(str(run)).exposed_share is None  # no traces: the model's estimate
+    untraced = ps.job_of(str(run))
+    assert untraced.exposed_share is None and untraced.compute_shares == (1 / 3, 2 / 3)
     window = run / "profile" / "step_20"
     window.mkdir(parents=True)
     traces = Path(__file__).parents[1] / "traces"
@@ -167,6 +170,17 @@ def test_a_profiled_run_brings_its_measured_exposed_collectives(tmp_path) -> Non
     assert job.exposed_share == slowest.ms["comm_exposed"] / slowest.total_ms
     quarter = dataclasses.replace(job, exposed_share=0.25)
     assert ps.projected(quarter, (1, 1), 1, 1) == pytest.approx(job.tokens_per_sec / 0.75)
+    forward, backward = job.compute_shares
+    assert forward == pytest.approx(slowest.forward_ms / slowest.total_ms)
+    assert 0.2 < forward < backward < 1 - forward  # the H100 step: a backward of ~1.8 forwards
+    # the measured backward is shorter than two forwards: it hides less of the reduce-scatters
+    slow = ps.Links(network=0.01)  # a layer's reduce outlasts its backward, not its forward
+    traced_exposed = ps.exposed_seconds(job, 8, 8, links=slow)
+    assert traced_exposed > ps.exposed_seconds(untraced_like(job), 8, 8, links=slow)
+
+
+def untraced_like(job: ps.Job) -> ps.Job:
+    return dataclasses.replace(job, compute_shares=(1 / 3, 2 / 3))
 
 
 def test_the_projection_shows_what_is_exposed_and_draws_it(tmp_path, capsys) -> None:

@@ -46,6 +46,7 @@ EXAMPLES: dict[tuple[str, str], tuple[list[str], list[str]]] = {
         ["FSDP::all_gather_copy_in", "aten::copy_"],
     ),
     ("data_wait", HOST): (["data_wait"], ["aten::empty", "forward"]),
+    ("forward", HOST): (["forward"], ["backward", "aten::_flash_attention_forward", "forward_x"]),
     ("optimizer", HOST): (
         ["optimizer", "Optimizer.step#AdamW.step", "Optimizer.zero_grad#AdamW.zero_grad"],
         ["lm_head", "aten::mul_"],

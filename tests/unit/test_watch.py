@@ -87,19 +87,19 @@ def test_the_default_hang_limit_follows_the_step_time_above_a_floor() -> None:
     assert fixed.limit == 12.0 and not watchdog.Watchdog(0, "/tmp/unused", 0).enabled
 
 
-def run_dog(tmp_path: Path, body: str) -> subprocess.CompletedProcess:
-    """A real process that starts a Watchdog (limit 0.5 s, rank 3) and runs ``body``."""
+def run_dog(tmp_path: Path, body: str, start: str = "dog.start()") -> subprocess.CompletedProcess:
+    """A real process that makes a Watchdog (limit 0.5 s, rank 3), runs ``start`` then ``body``."""
     code = textwrap.dedent(
         f"""
         import logging, sys, time
         logging.basicConfig(level=logging.INFO, stream=sys.stdout)
         from model_utils.run.watchdog import Watchdog
         dog = Watchdog(0.5, {str(tmp_path)!r}, 3)
-        dog.start()
         def stuck_in_a_collective():
             time.sleep(30)
         """
-    ) + textwrap.dedent(body)
+    )
+    code += textwrap.dedent(start) + "\n" + textwrap.dedent(body)
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO
     )
@@ -113,6 +113,24 @@ def test_the_watchdog_writes_the_stacks_names_the_file_and_ends_the_rank(tmp_pat
     assert text.startswith("rank 3: no training step done for ")
     assert "stuck_in_a_collective" in text
     assert f"its Python stacks are in {stacks}" in result.stdout
+
+
+def test_a_stuck_preflight_ends_the_rank_named_and_a_finished_one_leaves_training_watched(
+    tmp_path,
+) -> None:
+    """train.py runs the preflight inside ``watching``: a rank stuck there ends at the limit
+    (not at --dist_timeout) and says it was the preflight; a preflight that finished leaves
+    the training watch armed (its stop reset), naming a training step again."""
+    watch = "with dog.watching('preflight collective'):\n    "
+    stuck = run_dog(tmp_path / "stuck", "", start=watch + "stuck_in_a_collective()")
+    assert stuck.returncode == watchdog.EXIT_HUNG, stuck.stderr
+    assert "hang: rank 3 did no preflight collective for " in stuck.stdout
+    text = (tmp_path / "stuck" / "hang" / "stacks.rank3.txt").read_text()
+    assert text.startswith("rank 3: no preflight collective done for ")
+    assert "stuck_in_a_collective" in text
+    after = run_dog(tmp_path / "after", "stuck_in_a_collective()", watch + "pass\ndog.start()")
+    assert after.returncode == watchdog.EXIT_HUNG, after.stderr
+    assert "hang: rank 3 did no training step for " in after.stdout
 
 
 def test_the_watchdog_does_not_fire_while_paused_or_stepping(tmp_path) -> None:
