@@ -43,7 +43,7 @@ import re
 import runpy
 import statistics
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,7 +57,7 @@ from model_utils.errors import Refusal, UsageError, os_error_words, said
 from model_utils.precision import numerics
 from model_utils.report import metrics
 from model_utils.report.metrics.records import first_run_record, record_problem, run_problem
-from model_utils.report.metrics.summary import SPEED_WARMUP_STEPS
+from model_utils.report.metrics.summary import SPEED_WARMUP_STEPS, one_per_step
 
 _NUM = r"([-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|nan|inf))"
 _GROUPED = r"(\d{1,3}(?:,\d{3})*(?:\.\d+)?)"  # 1,234,567 (the detail line's tokens/s)
@@ -81,9 +81,6 @@ DETAIL = {
 # model section's flags (shape, context, RoPE base) and the micro-batch.
 SHAPE_FLAGS = flag_fields(ModelShape)
 BATCH_FLAGS = ("train_batch_size",)
-# Fields of train/val records that the table and the picture read as numbers (null: not
-# measured).
-NUMBER_FIELDS = ("loss", "val_loss", "lr", "samples_per_sec", *DETAIL)
 
 
 class CompareError(UsageError):
@@ -212,7 +209,7 @@ def parse_jsonl(text: str, name: str) -> tuple[list[dict[str, Any]], dict[str, A
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise CompareError(f"{name}: line {number} is not JSON ({exc.msg})") from exc
-        problem = record_problem(record, NUMBER_FIELDS)
+        problem = record_problem(record)
         if problem:
             raise CompareError(f"{name}: line {number} {problem}: fix or delete that line")
         kind = record.get("kind")
@@ -223,15 +220,6 @@ def parse_jsonl(text: str, name: str) -> tuple[list[dict[str, Any]], dict[str, A
         ):
             records.append(record)
     return records, info
-
-
-def one_per_step(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Train then val records, one per step (the last one logged), in step order: a requeued
-    job logs again the steps it re-runs after its checkpoint, and they must count once."""
-    latest: dict[tuple[str, int], dict[str, Any]] = {}
-    for record in records:
-        latest[(record["kind"], record["step"])] = dict(record)
-    return [latest[key] for key in sorted(latest, key=lambda k: (k[0] != "train", k[1]))]
 
 
 def load_run(path: str | os.PathLike[str]) -> Run:
@@ -267,23 +255,18 @@ def label_from_flags(info: Mapping[str, Any] | None) -> str | None:
     if not info or "flags" not in info:
         return None
     flags = info["flags"]
-    precision = precision_name(flags.get("fp8"), flags.get("bf16", True))
-    parts = [precision]
-    if flags.get("fp8") and flags.get("fp8_recipe"):
-        parts.append(str(flags["fp8_recipe"]))
-    if flags.get("model_impl"):
-        parts.append(str(flags["model_impl"]))
-    if flags.get("fp8") and flags.get("fp8_attention"):
-        parts.append("fp8-attention")
-    if flags.get("fp8") and flags.get("fp8_lm_head"):
-        parts.append("fp8-lm_head")
-    if flags.get("fp8") and flags.get("bf16_layers"):
-        parts.append(f"bf16-layers {flags['bf16_layers']}")
-    if flags.get("optimizer", "adamw") != "adamw":
-        parts.append(str(flags["optimizer"]))
-    if flags.get("master_weights", "params") != "params":
-        parts.append("bf16-params")  # fp32 masters in the optimizer
-    return " ".join(parts)
+    fp8 = flags.get("fp8")
+    optional = [  # (shown, its word)
+        (fp8 and flags.get("fp8_recipe"), str(flags.get("fp8_recipe"))),
+        (flags.get("model_impl"), str(flags.get("model_impl"))),
+        (fp8 and flags.get("fp8_attention"), "fp8-attention"),
+        (fp8 and flags.get("fp8_lm_head"), "fp8-lm_head"),
+        (fp8 and flags.get("bf16_layers"), f"bf16-layers {flags.get('bf16_layers')}"),
+        (flags.get("optimizer", "adamw") != "adamw", str(flags.get("optimizer"))),
+        (flags.get("master_weights", "params") != "params", "bf16-params"),  # fp32 masters
+    ]
+    precision = precision_name(fp8, flags.get("bf16", True))
+    return " ".join([precision, *(word for shown, word in optional if shown)])
 
 
 def default_labels(runs: Sequence[Run]) -> list[str]:
@@ -352,10 +335,8 @@ def replica_problems(runs: Sequence[Run], labels: Sequence[str]) -> list[str]:
 def default_warmup(runs: Sequence[Run]) -> int:
     """train.py's rule, min(SPEED_WARMUP_STEPS, max_steps // 2), over the shortest run, so the table
     shows the medians of each run's own end-of-run summary."""
-    steps = []
-    for run in runs:
-        flags = (run.info or {}).get("flags", {})
-        steps.append(int(flags.get("max_steps") or run.last_step))
+    flags = [(run.info or {}).get("flags", {}) for run in runs]
+    steps = [int(f.get("max_steps") or run.last_step) for f, run in zip(flags, runs, strict=True)]
     return min(SPEED_WARMUP_STEPS, min(steps) // 2)
 
 

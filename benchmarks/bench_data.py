@@ -239,10 +239,9 @@ def run_all(names: list[str], args: argparse.Namespace) -> dict[str, Runs]:
 def one_thread_row(args: argparse.Namespace) -> str:
     """Our pipeline with a single tokenizer thread: a fresh process, because the Rust thread pool
     is sized once per process."""
+    same = ("repeats", "seq_len", "micro_batch", "tokens")  # this run's, passed on
     command = [sys.executable, __file__, "--only", "ours", "--label", "ours-1thread"]
-    command += ["--repeats", str(args.repeats)]
-    command += ["--seq_len", str(args.seq_len), "--micro_batch", str(args.micro_batch)]
-    command += ["--tokens", str(args.tokens)]
+    command += [f"--{name}={getattr(args, name)}" for name in same]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
     return out.strip().splitlines()[-1]

@@ -264,27 +264,17 @@ def train_row(
 ) -> Row:
     run_dir = args.out / name.replace(" ", "_")
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    result = subprocess.run(
-        train_command(args, name, flags, extra, fixed),
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, **(env or {})},
-    )
+    command = train_command(args, name, flags, extra, fixed)
+    environ = {**os.environ, **(env or {})}
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=environ)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "log.txt").write_text(result.stdout + result.stderr)
     if result.returncode != 0:
         return Row(name, mode, note=failure_note(result.stdout + result.stderr))
     records = metrics.read_jsonl(run_dir / "metrics.jsonl")
     summary = metrics.summarize(records, warmup_steps=WARMUP_STEPS)
-    return Row(
-        name,
-        mode,
-        summary["tokens_per_sec_per_device"],
-        summary["tflops_per_device"],
-        summary["peak_mem_gib"],
-        wall_clock_rate(records, WARMUP_STEPS),
-    )
+    keys = ("tokens_per_sec_per_device", "tflops_per_device", "peak_mem_gib")  # Row's order
+    return Row(name, mode, *(summary[k] for k in keys), wall_clock_rate(records, WARMUP_STEPS))
 
 
 def infer_row(args, name: str, flags: tuple[str, ...], extra: list[str]) -> Row:

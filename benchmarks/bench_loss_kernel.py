@@ -80,12 +80,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    tokens, hidden_size, vocab = DEFAULT_SHAPES[device.type]
-    tokens, hidden_size, vocab = (
-        args.tokens or tokens,
-        args.hidden or hidden_size,
-        args.vocab or vocab,
-    )
+    given = (args.tokens, args.hidden, args.vocab)  # each one not given: the device's default
+    default = DEFAULT_SHAPES[device.type]
+    tokens, hidden_size, vocab = (a or b for a, b in zip(given, default, strict=True))
     seq = min(args.seq, tokens)
     if tokens % seq:
         parser.error(f"--tokens {tokens} must be a multiple of --seq {seq}")

@@ -81,17 +81,8 @@ def run(
     with tempfile.TemporaryDirectory(prefix="bench_scaling_") as tmp:
         outs = [Path(tmp) / f"job{i}" for i in range(copies)]
         cmds = [torchrun_command(nproc, train_argv, out) for out in outs]
-        procs = [
-            subprocess.Popen(
-                cmd,
-                env=env,
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for cmd in cmds
-        ]
+        logged = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+        procs = [subprocess.Popen(cmd, env=env, cwd=ROOT, **logged) for cmd in cmds]
         for cmd, proc in zip(cmds, procs, strict=True):
             log, _ = proc.communicate()
             if proc.returncode != 0:

@@ -36,26 +36,13 @@ ARGS = ["--preset", "tiny", "--bf16=0", "--train_batch_size", "2", "--preflight"
 
 def submit(env: dict[str, str], out: Path, name: str, args: list[str]) -> Path:
     """sbatch on both nodes as a user would, waited for; the run folder."""
-    job = (
-        subprocess.run(
-            [
-                "sbatch",
-                "--parsable",
-                "--nodes=2",
-                f"--job-name={name}",
-                f"--output={out}/%x.out",
-                str(ROOT / "1.train_llama.sbatch"),
-                *args,
-            ],
-            env={**env, "RUN_NAME": name, "RUNS_DIR": str(out), "NPROC_PER_NODE": "1"},
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        .stdout.split(";")[0]
-        .strip()
+    sbatch = ["sbatch", "--parsable", "--nodes=2", f"--job-name={name}", f"--output={out}/%x.out"]
+    command = [*sbatch, str(ROOT / "1.train_llama.sbatch"), *args]
+    job_env = {**env, "RUN_NAME": name, "RUNS_DIR": str(out), "NPROC_PER_NODE": "1"}
+    done = subprocess.run(
+        command, env=job_env, cwd=ROOT, capture_output=True, text=True, check=True
     )
+    job = done.stdout.split(";")[0].strip()  # --parsable: "<job id>[;<cluster>]"
     while subprocess.run(
         ["squeue", "-h", "-j", job], env=env, capture_output=True, text=True
     ).stdout.strip():
@@ -83,33 +70,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs:
         return report({(a, r): Path(args.runs, f"{a}-{r}") for a in PAIR for r in rates}, rates)
     state = Path(tempfile.mkdtemp(prefix="shaped-links-"))
+    cluster = state / "cluster"
+    two_nodes = {**os.environ, "SLURM_CLUSTER_NODES": "2"}
     started = subprocess.run(
-        [str(CLUSTER), "start", str(state / "cluster")],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "SLURM_CLUSTER_NODES": "2"},
+        [str(CLUSTER), "start", str(cluster)], capture_output=True, text=True, env=two_nodes
     )
     if started.returncode:
         sys.exit(started.stderr)
-    env = {
-        **os.environ,
-        "SLURM_CONF": str(state / "cluster" / "slurm.conf"),
-        "OMP_NUM_THREADS": "1",
-    }
+    env = {**os.environ, "SLURM_CONF": str(cluster / "slurm.conf"), "OMP_NUM_THREADS": "1"}
     runs: dict[tuple[str, str], Path] = {}
     try:
         for rate in rates:
             for node in ("1", "2"):
-                subprocess.run(
-                    [str(CLUSTER), "shape", str(state / "cluster"), node, rate], check=True
-                )
+                subprocess.run([str(CLUSTER), "shape", str(cluster), node, rate], check=True)
             for arm, flags in PAIR.items():
                 name = f"{arm}-{rate}"
                 runs[arm, rate] = submit(
                     env, state, name, [*ARGS, "--max_steps", str(args.steps), *flags]
                 )
     finally:
-        subprocess.run([str(CLUSTER), "stop", str(state / "cluster")], check=False)
+        subprocess.run([str(CLUSTER), "stop", str(cluster)], check=False)
     print(f"(runs in {state})")
     return report(runs, rates)
 

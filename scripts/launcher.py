@@ -118,14 +118,9 @@ def torchrun_command(
             rdzv.append(f"--rdzv_conf=is_host={int(node == head)}")
         if node_addr(env, node):  # where the workers' process group meets (MASTER_ADDR)
             rdzv.append(f"--local_addr={node_addr(env, node)}")
-    argv = [
-        "torchrun",
-        f"--nnodes={nnodes}",
-        f"--nproc_per_node={nproc}",
-        *rdzv,
-        str(Path(env["LLAMA_REPO_DIR"]) / "train.py"),
-        *train_args,
-    ]
+    train_py = str(Path(env["LLAMA_REPO_DIR"]) / "train.py")
+    argv = ["torchrun", f"--nnodes={nnodes}", f"--nproc_per_node={nproc}", *rdzv, train_py]
+    argv += train_args
     device = f"{gpus} GPU(s)" if gpus else "CPU"
     where = " ".join(x for x in (node, socket.gethostname(), node_addr(env, node)) if x)
     line = (

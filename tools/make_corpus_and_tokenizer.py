@@ -22,6 +22,7 @@ import filecmp
 import gzip
 import hashlib
 import io
+import itertools
 import json
 import re
 import subprocess
@@ -72,30 +73,20 @@ def read_bible() -> str:
 
 def chapters(text: str) -> Iterator[dict]:
     """Group verse lines into chapter documents: {"text", "book", "chapter"}."""
-    abbreviations: list[str] = []
-    current: tuple[str, int] | None = None
-    verses: list[str] = []
+    verses = []
     for line in text.splitlines():
         match = VERSE.match(line)
         if match is None:
             raise ValueError(f"unexpected line in bible output: {line[:80]!r}")
-        abbreviation, chapter = match["book"], int(match["chapter"])
-        if abbreviation not in abbreviations:
-            abbreviations.append(abbreviation)
-        key = (abbreviation, chapter)
-        if key != current and current is not None:
-            yield _chapter_document(BOOK_NAMES[abbreviations.index(current[0])], current[1], verses)
-            verses = []
-        current = key
-        verses.append(match["text"].strip())
-    if current is not None:
-        yield _chapter_document(BOOK_NAMES[abbreviations.index(current[0])], current[1], verses)
+        verses.append(match)
+    abbreviations = list(dict.fromkeys(verse["book"] for verse in verses))
     if len(abbreviations) != len(BOOK_NAMES):
         raise ValueError(f"expected {len(BOOK_NAMES)} books, found {len(abbreviations)}")
-
-
-def _chapter_document(book: str, chapter: int, verses: list[str]) -> dict:
-    return {"text": f"{book} {chapter}\n" + "\n".join(verses), "book": book, "chapter": chapter}
+    by_chapter = itertools.groupby(verses, lambda verse: (verse["book"], int(verse["chapter"])))
+    for (abbreviation, chapter), group in by_chapter:
+        book = BOOK_NAMES[abbreviations.index(abbreviation)]
+        lines = "\n".join(verse["text"].strip() for verse in group)
+        yield {"text": f"{book} {chapter}\n{lines}", "book": book, "chapter": chapter}
 
 
 def write_jsonl_gz(documents: list[dict], path: Path) -> None:

@@ -187,13 +187,8 @@ class TrainStream:
                     f"data stream state was saved with {name}={saved[name]!r}, "
                     f"this run has {value!r}"
                 )
-        self._cursor = _Cursor(
-            epoch=int(saved["epoch"]),
-            block=int(saved["block"]),
-            dataset_state=str(saved["dataset_state"]),
-            doc=int(saved["doc"]),
-            token=int(saved["token"]),
-        )
+        # Each field read back as its default's type: ints, and the dataset state's JSON string.
+        self._cursor = _Cursor(**{k: type(v)(saved[k]) for k, v in asdict(_Cursor()).items()})
         self.batches = int(saved["batches"])
         self._tokens = None  # rebuilt lazily from the cursor by the next _take
 

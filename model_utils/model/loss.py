@@ -149,17 +149,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_output):
         grad_hidden, grad_weight, counted = ctx.saved_tensors
         # The weight gradient's 1 / counted scale and its cast to the weight's dtype: one pass.
-        weight_scale = grad_output / counted
-        return (
-            grad_hidden * grad_output.to(grad_hidden.dtype),
-            torch.mul(
-                grad_weight, weight_scale, out=torch.empty_like(grad_weight, dtype=ctx.weight_dtype)
-            ),
-            None,
-            None,
-            None,
-            None,
-        )
+        weight = torch.empty_like(grad_weight, dtype=ctx.weight_dtype)
+        torch.mul(grad_weight, grad_output / counted, out=weight)
+        hidden = grad_hidden * grad_output.to(grad_hidden.dtype)
+        return hidden, weight, None, None, None, None  # none for targets, chunk and the functions
 
 
 def _loss_only(hidden: torch.Tensor, targets: torch.Tensor, chunk: int, gemms: Gemms):

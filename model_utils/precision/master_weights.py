@@ -201,9 +201,7 @@ def _adamw_update(group: dict[str, Any], live: list[tuple[torch.Tensor, dict]]) 
     decay), in its order of operations, on the fp32 masters; then each parameter takes its
     master's value (rounded to the parameter's dtype)."""
     params = [p for p, _ in live]
-    masters = [s["master_param"] for _, s in live]
-    exp_avgs = [s["exp_avg"] for _, s in live]
-    exp_avg_sqs = [s["exp_avg_sq"] for _, s in live]
+    exp_avgs, exp_avg_sqs, masters = ([s[name] for _, s in live] for name in STATE_NAMES)
     grads = [p.grad.to(MASTER_DTYPE) for p in params]  # no copy when already fp32
     lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
     beta1, beta2 = group["betas"]

@@ -178,7 +178,7 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         for number, line in enumerate(f, start=1):
             if line.strip():
                 record = json.loads(line)
-                problem = record_problem(record, RECORD_NUMBERS)
+                problem = record_problem(record)
                 if problem:
                     raise ValueError(f"line {number} {problem}")
                 records.append(record)
@@ -287,7 +287,7 @@ def format_duration(seconds: float) -> str:
 #: The field each record kind a reader compares must hold.
 REQUIRED_FIELD = {"train": "loss", "val": "val_loss"}
 #: The numbers (or null) of train and val records (metrics.meter.step_metrics, validation_record)
-#: that the end summary reads.
+#: that the end summary, and compare_runs' table and picture, read.
 RECORD_NUMBERS = (
     "loss",
     "val_loss",
@@ -321,9 +321,9 @@ def run_problem(info: Mapping[str, Any]) -> str | None:
     return None
 
 
-def record_problem(record: Any, number_fields: tuple[str, ...]) -> str | None:
+def record_problem(record: Any) -> str | None:
     """Why a metrics.jsonl record cannot be compared, or None: the kinds a comparison reads hold
-    a whole-number step, their loss, and numbers (or null) in `number_fields`. A string
+    a whole-number step, their loss, and numbers (or null) in RECORD_NUMBERS. A string
     step failed as a TypeError in the sort, flags that are no object as an AttributeError."""
     if not isinstance(record, dict):
         return "is not a JSON object"
@@ -336,7 +336,7 @@ def record_problem(record: Any, number_fields: tuple[str, ...]) -> str | None:
         return f"has step {record.get('step')!r}, not a whole number"
     if REQUIRED_FIELD[kind] not in record:
         return f"has no {REQUIRED_FIELD[kind]!r}"
-    for key in number_fields:
+    for key in RECORD_NUMBERS:
         if record.get(key) is not None and not is_number(record[key]):
             return f"has {key} {record[key]!r}, not a number"
     return None

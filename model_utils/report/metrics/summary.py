@@ -32,6 +32,15 @@ def _median(values: Iterable[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
+def one_per_step(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Train then val records, one per step (the last one logged), in step order: a requeued
+    job logs again the steps it re-runs after its checkpoint, and they must count once."""
+    latest: dict[tuple[str, int], dict[str, Any]] = {}
+    for record in records:
+        latest[(record["kind"], record["step"])] = dict(record)
+    return [latest[key] for key in sorted(latest, key=lambda k: (k[0] != "train", k[1]))]
+
+
 def summarize(records: Iterable[Mapping[str, Any]], warmup_steps: int) -> dict[str, Any]:
     """End-of-run numbers: medians over logged train records with ``step > warmup_steps``.
 
@@ -41,11 +50,7 @@ def summarize(records: Iterable[Mapping[str, Any]], warmup_steps: int) -> dict[s
     ``final_val_loss`` the last validation record's ``val_loss``. Peak memory is the maximum over
     all records (it is a peak). A metric with no record after warm-up is None.
     """
-    latest: dict[tuple[Any, Any], Mapping[str, Any]] = {}
-    for record in records:  # a requeued run logs again the steps after its checkpoint: once each
-        if record.get("kind") in ("train", "val"):
-            latest[(record["kind"], record["step"])] = record
-    ordered = [latest[key] for key in sorted(latest, key=lambda key: key[1])]
+    ordered = one_per_step(r for r in records if r.get("kind") in ("train", "val"))
     train = [r for r in ordered if r["kind"] == "train"]
     val = [r for r in ordered if r["kind"] == "val"]
     measured = [r for r in train if r["step"] > warmup_steps]
