@@ -25,20 +25,21 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 
-#: The modules that take minutes on 2 CPU cores, longest first (their slowest tests' summed times
-#: in a fresh-clone `make test`, benchmarks/results/2026-11-26-make-test.md: the container path
-#: 455 s, the Slurm end-to-end 581, train.py's runs 531, low-bit optimizers 236, failure handling
-#: 233, torch.distributed 197, cross-implementation 145). Every other module keeps its place after
-#: them. Only the schedule depends on this list, never a result.
+#: The modules that take minutes on 2 CPU cores, longest first (their tests' summed times in
+#: fresh-clone `make test` runs, benchmarks/results/2026-12-05-make-test.md: the long A/B's
+#: dry run made test_parity_run one of the three longest). Every other module keeps its place
+#: after them. Only the schedule depends on this list, never a result.
 LONGEST_FIRST = (
     "integration/test_container_e2e.py",  # image build, enroot import, two Pyxis jobs
-    "integration/test_slurm_e2e.py",
+    "integration/test_parity_run.py",  # five long-A/B arms through the launcher, twin pairs
     "integration/test_train.py",
+    "integration/test_slurm_e2e.py",
     "integration/test_low_bit_optim_processes.py",
-    "integration/test_failures_processes.py",
     "integration/test_distributed.py",
-    "integration/test_cross_impl_processes.py",
+    "integration/test_failures_processes.py",
     "integration/test_sbatch_without_a_cluster.py",
+    "integration/test_trackers_processes.py",
+    "integration/test_cross_impl_processes.py",
 )
 
 
