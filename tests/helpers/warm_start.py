@@ -72,6 +72,18 @@ PRELOAD = (
     "model_utils.model.modeling",
     "model_utils.precision.backends",
     "model_utils.report.run_log",
+    # transformers imports lazily: its Llama and Mistral models (with modeling_utils, the loss
+    # zoo, scipy and accelerate behind them) and the fast tokenizer's classes load on first use,
+    # ~650 modules that every train.py child imported again after the fork
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.mistral.modeling_mistral",
+    "transformers.models.auto.tokenization_auto",
+    "transformers.tokenization_utils_tokenizers",
+    "transformers.convert_slow_tokenizer",
+    "scipy.io",  # datasets' streaming patch of a local JSON builder imports it
+    "torch.utils.tensorboard",  # --tracker tensorboard
+    "matplotlib.figure",  # the pictures of analysis/ and benchmarks/ (Agg, no pyplot)
+    "matplotlib.backends.backend_agg",
 )
 
 #: Environment variables read only at run time (rank variables, launchers', the project's): a
@@ -102,6 +114,10 @@ _RUNTIME_NAMES = {
     "OMP_NUM_THREADS",  # set again in the child (torch.set_num_threads)
     "PYTHONUNBUFFERED",  # stdio is rebuilt in the child
     "PYTHON_EXEC",  # read by torchrun when it starts workers
+    "PYTHON",  # benchmarks/gpu_common.sh's interpreter (bash reads it, Python does not)
+    # the launcher puts the venv's bin first; of the preloaded imports only tqdm looks at the
+    # environment's names (for TQDM_*), none searches PATH
+    "PATH",
     "TORCHINDUCTOR_CACHE_DIR",  # read by inductor when it compiles (cache_dir_utils)
     "CUDA_DEVICE_MAX_CONNECTIONS",
     "KMP_DUPLICATE_LIB_OK",  # Intel OpenMP's, set by sklearn's import; torch's CPU build uses GNU's

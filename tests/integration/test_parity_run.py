@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.procs import warm_env
+from helpers.procs import PYTHON, warm_env
 
 ROOT = Path(__file__).resolve().parents[2]
 #: What the dry run gives its FP8 twin, for the damaged run to repeat (fp32 twins: --bf16=0).
@@ -25,7 +25,9 @@ SCHEDULE = [*TINY.split(), "--validation_batches", "4", "--logging_freq", "1"]
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("parity")
-    env = {**warm_env(), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    # PYTHON: the scripts' analysis (compare_runs, step_breakdown) starts warm; the launcher
+    # and torchrun start as a user's do, their workers warm (warm_env)
+    env = {**warm_env(), "PYTHON": PYTHON, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         ["bash", "benchmarks/gpu_parity.sh", str(out), "--dry_run", "--", "--fp8_numerics"],
         capture_output=True,
@@ -71,7 +73,7 @@ def test_a_damaged_fp8_run_is_behind_and_its_numerics_say_why(dry_run, tmp_path)
     done = subprocess.run(launch, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     compare = [
-        sys.executable,
+        PYTHON,
         "-m",
         "analysis.compare_runs",
         str(out / "bf16"),
@@ -92,7 +94,7 @@ def test_a_damaged_fp8_run_is_behind_and_its_numerics_say_why(dry_run, tmp_path)
 
 
 def long_ab(out: Path, *flags: str) -> subprocess.CompletedProcess:
-    env = {**warm_env(), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    env = {**warm_env(), "PYTHON": PYTHON, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         ["bash", "benchmarks/gpu_long_ab.sh", str(out), "--dry_run", *flags],
         capture_output=True,

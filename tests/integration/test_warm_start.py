@@ -64,6 +64,12 @@ def test_the_program_runs_in_a_child_of_the_zygote_unless_the_environment_differ
     # a variable libraries read while they import: only a fresh interpreter honours it
     assert run(PYTHON, "-c", PRELOADED, HF_HOME="/nonexistent").stdout == "cold\n"
     assert run(PYTHON, "-X", "importtime", "-c", PRELOADED).stdout == "cold\n"
+    # what the launcher changes (the venv's bin first on PATH) and benchmarks/' PYTHON are read
+    # at run time only: the launcher's workers start warm, and see the PATH they were given
+    launched = {"PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}", "PYTHON": "python3"}
+    assert run(PYTHON, "-c", PRELOADED, **launched).stdout == "preloaded\n"
+    shows = "import os; print(os.environ['PATH'], os.environ['PYTHON'])"
+    assert run(PYTHON, "-c", shows, **launched).stdout.split() == list(launched.values())
 
 
 def test_exit_codes_and_deaths_by_signal_come_back_as_they_happened() -> None:
