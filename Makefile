@@ -2,11 +2,13 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# pytest-xdist workers for `make test`: one per core, at least 2 and at most 8. On 2 cores two
-# workers keep both busy (a third made the suite slower: benchmarks/results/2026-11-26-make-test.md);
-# a larger machine is not held to the CI box's pace. Each test module stays on one worker (--dist
-# loadscope), its module fixtures run once, and tests/conftest.py starts the longest modules first.
-TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 2 ? 2 : n > 8 ? 8 : n )))
+# pytest-xdist workers for `make test`: one more than the cores, at least 2 and at most 8. A
+# fifth of a worker's time is waiting (timeouts the tests provoke, Slurm, the Docker build's
+# downloads), which an extra worker fills: on 2 cores three workers ran the suite 6% faster than
+# two at the same CPU (benchmarks/results/2026-12-05-make-test.md); a larger machine is not held
+# to the CI box's pace. Each test module stays on one worker (--dist loadscope), its module
+# fixtures run once, and tests/conftest.py starts the longest modules first.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n + 1 > 8 ? 8 : n + 1 < 2 ? 2 : n + 1 )))
 
 .PHONY: demo test lint format clean
 

@@ -44,7 +44,7 @@ LONGEST_FIRST = (
 
 
 #: Intra-op threads of every process the CPU tier runs: tests in this process and every process
-#: they start. Two pytest workers already fill two cores, and a process's second thread only
+#: they start. The pytest workers already fill the cores, and a process's second thread only
 #: waits for a core: OpenMP's barriers under oversubscription made a 14-s train.py run take
 #: 67 s beside the other worker (benchmarks/results/2026-12-01-make-test.md). One count for
 #: all also keeps runs that are compared bit for bit on the same reduction order. The Slurm
