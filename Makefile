@@ -12,22 +12,10 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n + 1 > 8 ?
 
 .PHONY: demo test lint format clean
 
-$(BIN)/.installed: requirements.txt requirements-dev.txt pyproject.toml
-	@echo "make: installing the Python environment in $(VENV) (torch for CPU, transformers, torchao,"
-	@echo "      datasets, matplotlib, ruff, pytest; about 2.3 GB installed): several minutes the"
-	@echo "      first time (downloads), a line every 30 s until it is done. Later makes skip this."
-	$(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	# One pip call so torch==2.13.0 (local CPU wheel) constrains everything else; pip is quiet,
-	# so a ticker says how far the install has come.
-	@( while sleep 30; do echo "make: installing: $$(du -sm $(VENV) | cut -f1) MB of about 2,300 in $(VENV)"; done ) & \
-		ticker=$$!; $(BIN)/pip install --quiet -r requirements.txt -r requirements-dev.txt; \
-		status=$$?; kill $$ticker; exit $$status
-	# The recipe itself, editable and without dependencies (pinned above): scripts, benchmarks
-	# and torchrun workers import model_utils from wherever they run. setuptools' banners (not
-	# errors) go to a log, shown only if the install fails.
-	@$(BIN)/pip install --quiet --no-deps --no-build-isolation -e . > $(VENV)/install-editable.log 2>&1 \
-		|| { cat $(VENV)/install-editable.log; exit 1; }
+# Built once per machine and copied from ~/.cache/llama-fp8/venvs after that (VENV_CACHE=
+# builds it from the wheels): tools/make_venv.sh says why.
+$(BIN)/.installed: requirements.txt requirements-dev.txt pyproject.toml tools/make_venv.sh
+	bash tools/make_venv.sh $(PY) $(VENV)
 	touch $@
 	@echo "make: environment ready: commands in README.md and docs/ run .venv/bin/python"
 
