@@ -33,8 +33,9 @@ build() {
 # Two makes at once: the first to finish keeps its copy (a failed copy costs the cache, not the
 # venv). Beyond two, the least recently used go.
 store() {
-    mkdir -p "$cache"
-    part=$(mktemp -d "$cache/.part.XXXXXX")
+    if ! part=$(mkdir -p "$cache" && mktemp -d "$cache/.part.XXXXXX" 2>/dev/null); then
+        note "cannot write $cache: nothing kept (the venv is fine)" && return 0
+    fi
     if cp -a "$venv/." "$part/" && realpath "$venv" > "$part/.origin" && touch "$part/.complete" \
         && mv -T "$part" "$1" 2>/dev/null; then part=; else rm -rf "$part"; fi
     find "$cache" -mindepth 2 -maxdepth 2 -name .complete -printf '%T@ %h\n' | sort -rn \
