@@ -47,10 +47,9 @@ copy() {
     note "copying the Python environment to $venv from $1 (built here before; VENV_CACHE= builds it anew)"
     part=$(mktemp -d "$venv.part.XXXXXX")
     cp -a "$1/." "$part/" && rm "$part/.origin" "$part/.complete"
-    local from to # as sed patterns; each file is replaced (sed -i), not edited where it lies
+    local from to # sed patterns; files replaced (sed -i); grep -r skips bin/python's symlink
     from=$(sed 's/[][\\.*^$|]/\\&/g' "$1/.origin")
     to=$(realpath -m "$venv" | sed 's/[\\&|]/\\&/g')
-    # grep -r passes over symlinks (bin/python is the interpreter itself)
     { grep -rlIF -f "$1/.origin" "$part/bin" "$part/pyvenv.cfg" || true; } \
         | while read -r file; do sed -i "s|$from|$to|g" "$file"; done
     mv -T "$part" "$venv"
