@@ -46,7 +46,7 @@ store() {
 copy() {
     note "copying the Python environment to $venv from $1 (built here before; VENV_CACHE= builds it anew)"
     part=$(mktemp -d "$venv.part.XXXXXX")
-    cp -a "$1/." "$part/" && rm "$part/.origin" "$part/.complete"
+    cp -a "$1/." "$part/"; rm "$part/.origin" "$part/.complete" # set -e: a failed copy stops here
     local from to # sed patterns; files replaced (sed -i); grep -r skips bin/python's symlink
     from=$(sed 's/[][\\.*^$|]/\\&/g' "$1/.origin")
     to=$(realpath -m "$venv" | sed 's/[\\&|]/\\&/g')
