@@ -13,10 +13,8 @@
 #       sbatch --nodes=2 1.train_llama.sbatch --preset tiny --max_steps 20
 #   tools/container_e2e.sh stop STATE_DIR [--purge]   # cluster, daemon, mounts; --purge: folder
 #
-# Needs root and Debian's packages (tools/install_test_deps.sh): docker.io, containerd,
-# mmdebstrap, squashfs-tools, build-essential, libbsd-dev, libslurm-dev (the slurmd's own
-# version), makeself, jq, parallel, zstd, pigz, slurm-wlm, munge; and the enroot and Pyxis
-# source tarballs (enroot-4.1.2.tar.gz, pyxis-0.24.0.tar.gz) in CONTAINER_SOURCES (default
+# Needs root, the Debian packages tools/install_test_deps.sh installs (check_prerequisites names
+# them), and enroot's and Pyxis's source tarballs in CONTAINER_SOURCES (default
 # ../shared/container next to the repository).
 #
 # Everything lives in STATE_DIR: enroot and Pyxis built from source (prefix/), a tmpfs for
@@ -25,9 +23,8 @@
 # daemon runs only during `build`, on its own socket, with no networking of its own (builds use
 # the host's network) and leaves no iptables rule. `stop` ends what `start` and `build` began.
 # Kept between runs in CONTAINER_CACHE (default ~/.cache/llama-fp8-container), under a lock:
-# the Debian root file system (mmdebstrap), the torch wheel and the Docker data root holding
-# the stand-in base (rebuilt only when its inputs change). The recipe's image is always built
-# afresh (--no-cache), so its steps run every time.
+# the Debian root file system (mmdebstrap), the torch wheel, and the Docker data root whose
+# layer cache builds a step of the stand-in or the recipe's image again only if its inputs changed.
 #
 # Settings: CONTAINER_SOURCES, CONTAINER_CACHE, CONTAINER_TMPFS_SIZE (default 12g),
 # CONTAINER_SUITE (Debian suite of the stand-in, default bookworm), and the SLURM_CLUSTER_*
@@ -177,15 +174,9 @@ docker_cli() {
 start_dockerd() {
     local state=$1 cache=$2 i
     # The daemon's own client, Debian's (a newer one elsewhere on PATH would want buildx).
-    local candidate
-    docker_bin=""
-    for candidate in /usr/bin/docker "$(dirname "$(command -v dockerd)")/docker"; do
-        if [[ -x $candidate ]]; then
-            docker_bin=$candidate
-            break
-        fi
-    done
-    [[ -n $docker_bin ]] || die "no docker client in /usr/bin (docker.io)"
+    docker_bin=/usr/bin/docker
+    [[ -x $docker_bin ]] || docker_bin=$(dirname "$(command -v dockerd)")/docker
+    [[ -x $docker_bin ]] || die "no docker client in /usr/bin (docker.io)"
     mkdir -p "$state/bin"
     ln -sfn "$docker_bin" "$state/bin/docker" # what enroot import runs
     # The exec root holds containerd's sockets: a short path (sockets are limited to 108 bytes).
@@ -292,14 +283,25 @@ image_te_version() {
     sed -n 's/^IMAGE_TE_VERSION = "\(.*\)"$/\1/p' "$repo_dir/model_utils/precision/te.py"
 }
 
-# The recipe's image: its Dockerfile unchanged, on the stand-in; every step run afresh.
+# The recipe's image: its Dockerfile unchanged, on the stand-in. Docker logs only CACHED for a
+# step that ran before on the same inputs (the stand-in, the Dockerfile, requirements.txt): the
+# log of the build that ran them is kept under those inputs and added, for every step's output.
 build_recipe_image() {
-    local state=$1
-    (cd "$repo_dir" && docker_cli build --no-cache --progress=plain --network host \
+    local state=$1 log=$1/docker-build.log kept no_cache=()
+    kept=$(docker_cli image inspect -f '{{.Id}}' llama-fp8-standin:latest |
+        cat - "$repo_dir"/{0.transformer-engine.dockerfile,requirements.txt} | sha256sum | cut -c1-16)
+    kept=$2/build-logs/$kept.log
+    [[ -s $kept ]] || no_cache=(--no-cache)
+    (cd "$repo_dir" && docker_cli build "${no_cache[@]}" --progress=plain --network host \
         --build-arg BASE_IMAGE=llama-fp8-standin:latest -t "$IMAGE_TAG" \
-        -f 0.transformer-engine.dockerfile .) >"$state/docker-build.log" 2>&1 ||
+        -f 0.transformer-engine.dockerfile .) >"$log" 2>&1 ||
         die "docker build -f 0.transformer-engine.dockerfile failed: $(grep -E 'ERROR|error' \
-            "$state/docker-build.log" | tail -3) (all of it: $state/docker-build.log)"
+            "$log" | tail -3) (all of it: $log)"
+    if [[ -s $kept ]]; then
+        sed 's/^/(the build the cached steps come from) /' "$kept" >>"$log"
+    else
+        mkdir -p "${kept%/*}" && cp "$log" "$kept"
+    fi
     # The previous builds' layers; the build cache keeps the newest (the stand-in's included).
     docker_cli image prune --force >/dev/null
     docker_cli builder prune --force --keep-storage 3gb >/dev/null
@@ -342,7 +344,7 @@ cmd_build() {
     start_dockerd "$state" "$cache"
     phase "stand-in base image (Debian rootfs and torch wheel cached in $cache)" \
         build_standin "$state" "$cache"
-    phase "docker build -f 0.transformer-engine.dockerfile" build_recipe_image "$state"
+    phase "docker build -f 0.transformer-engine.dockerfile" build_recipe_image "$state" "$cache"
     phase "enroot import -o $state/transformer-engine.sqsh" import_squashfs "$state"
     stop_dockerd "$state"
     trap - EXIT
@@ -414,9 +416,7 @@ cmd_stop() {
     if mountpoint -q "$state/enroot"; then
         umount "$state/enroot" || umount -l "$state/enroot"
     fi
-    if [[ $purge == --purge ]]; then
-        rm -rf "$state"
-    fi
+    [[ $purge != --purge ]] || rm -rf "$state"
 }
 
 main() {
