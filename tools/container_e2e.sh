@@ -300,7 +300,7 @@ build_recipe_image() {
     if [[ -s $kept ]]; then
         sed 's/^/(the build the cached steps come from) /' "$kept" >>"$log"
     else
-        mkdir -p "${kept%/*}" && cp "$log" "$kept"
+        mkdir -p "${kept%/*}" && cp "$log" "$kept.partial" && mv "$kept.partial" "$kept"
     fi
     # The previous builds' layers; the build cache keeps the newest (the stand-in's included).
     docker_cli image prune --force >/dev/null
