@@ -17,6 +17,7 @@ Shared fixtures live here; plain helpers (ports, launching ranks, runs, checkpoi
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 from pathlib import Path
@@ -62,6 +63,14 @@ def pytest_configure(config) -> None:
             torch.set_num_threads(1)
     if _runs_tests(config) and os.environ.get("LLAMA_TEST_WARM", "1") != "0":
         _start_zygote(config)
+
+
+def pytest_collection_finish(session) -> None:
+    """What collection imported (torch, transformers, the recipe: millions of objects) is moved
+    out of the cyclic collector's reach: each full collection in a test walked all of it
+    (benchmarks/results/2026-12-06-make-test.md). The tests' own objects are collected as ever."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_unconfigure(config) -> None:
