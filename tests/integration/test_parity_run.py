@@ -93,6 +93,10 @@ def test_a_damaged_fp8_run_is_behind_and_its_numerics_say_why(dry_run, tmp_path)
     assert underflow and float(underflow[2]) > 50, done.stdout
 
 
+#: One validation's step lag as the verdict prints it: "8 +0 (+1%)" or "12 >0 (not reached)".
+LAG = re.compile(r"(\d+) (?:[+-]\d+ \([+-]\d+%\)|>\d+ \(not reached\))")
+
+
 def long_ab(out: Path, *flags: str) -> subprocess.CompletedProcess:
     env = {**warm_env(), "PYTHON": PYTHON, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
@@ -124,7 +128,15 @@ def test_the_long_ab_fills_one_folder_in_two_calls_and_judges_every_arm_in_seed_
         assert f"Parity of {arm} with bf16-a, steps 2-12 " in verdict
         assert f"verdict: {arm} is within seed noise of bf16-a over steps 2-12" in verdict
     assert verdict.count("seed noise of 1 replica(s) x2") == 3
-    assert verdict.count("step lag at bf16-a's validations: 4 ") == 3
+    # Each arm's lag at bf16-a's validations (4, 8, 12), the last always: an earlier one is left
+    # out where the arm's first validation already ties or beats it, which float rounding decides
+    # on some CPUs (fp8-closer at step 4 on an AMD EPYC).
+    lag_lines = re.findall(r"step lag at bf16-a's validations: (.*)", verdict)
+    assert len(lag_lines) == 3, verdict
+    for lags in lag_lines:
+        steps = [int(m[1]) for m in re.finditer(LAG, lags)]
+        assert ", ".join(m[0] for m in re.finditer(LAG, lags)) == lags, lags
+        assert steps[-1] == 12 and set(steps) <= {4, 8, 12}, lags
     replica = (out / "bf16-b" / "run.args").read_text().splitlines()
     assert "--seed=43" in replica and "--data_seed=42" in replica
     assert "--bf16_layers=0,-1" in (out / "fp8-closer" / "run.args").read_text().splitlines()
