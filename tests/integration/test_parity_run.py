@@ -134,8 +134,9 @@ def test_the_long_ab_fills_one_folder_in_two_calls_and_judges_every_arm_in_seed_
     lag_lines = re.findall(r"step lag at bf16-a's validations: (.*)", verdict)
     assert len(lag_lines) == 3, verdict
     for lags in lag_lines:
-        steps = [int(m[1]) for m in re.finditer(LAG, lags)]
-        assert ", ".join(m[0] for m in re.finditer(LAG, lags)) == lags, lags
+        found = list(LAG.finditer(lags))
+        assert ", ".join(m[0] for m in found) == lags, lags
+        steps = [int(m[1]) for m in found]
         assert steps[-1] == 12 and set(steps) <= {4, 8, 12}, lags
     replica = (out / "bf16-b" / "run.args").read_text().splitlines()
     assert "--seed=43" in replica and "--data_seed=42" in replica
