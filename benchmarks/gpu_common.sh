@@ -25,6 +25,10 @@ fresh() {
     done
 }
 
+# launch RUN_NAME RECIPE FLAGS...: a user's launch (bash 1.train_llama.sbatch --recipe RECIPE
+# FLAGS...) into the new run folder $out/RUN_NAME ($out: the script's OUT_DIR).
+launch() { RUNS_DIR=$out RUN_NAME=$1 bash "$root/1.train_llama.sbatch" --recipe "${@:2}"; }
+
 # The Python of analysis/ and benchmarks/: $PYTHON, else the checkout's .venv (what make
 # builds), else python3 on PATH (a GPU machine's container).
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# The H100 measurements that the speed levers built after the last GPU session still need.
-# Each phase fits in one 10-minute call on a lent GPU machine
-# (../shared/gpu/README.md: set up TE first).
+# The speed levers measured on one GPU: each phase fits in one 10-minute call on a lent GPU
+# machine (../shared/gpu/README.md: set up TE first).
 #
 #   bash benchmarks/gpu_levers.sh PHASE OUT_DIR
 #
@@ -26,8 +25,7 @@
 #           with the same levers on both sides                                         ~3 min
 #   tier    the GPU test tier's cuDNN, FP8-attention, MLP-recompute, master-weights,
 #           FP8-weights and validation tests and the one-seed test                       ~9 min
-#   attention  te-fp8 mb4 with and without --fp8_attention, TE now on torch's cuDNN (9.19 on
-#           the lent H100s): 0.94x there, as on the image's Debian 9.14                 ~2 min
+#   attention  te-fp8 mb4 with and without --fp8_attention (cuDNN's FP8 attention)     ~2 min
 #   torchao torchao's float8 (tensorwise + float8 all-gather) against TE's delayed scaling,
 #           both at mb4 under --compile: the torchao/te goal with every lever on both   ~3 min
 #   depth   te-bf16 and te-fp8 at mb2 with 4 and with 8 layers: the FP8 speed-up as lm_head's
@@ -57,22 +55,18 @@
 #           graph (--cuda_graphs; eager around the graphs: not with --compile), te-bf16 and
 #           te-fp8: FP8's speed-up with graphs on both sides, step_breakdown of the pair,
 #           compare_runs with host-1b's runs where they are in OUT_DIR            ~6 min
-#
-# TE searches the CUDA toolkit and the system for cuDNN before pip's: on the H100 of 2026-11-24
-# it loaded Debian's 9.14 beside torch's 9.19, and deterministic FP8 attention was refused.
-# train.py now points TE at torch's cuDNN and its sub-libraries (model_utils/config/te_loader.py; the
-# start-up line says which one TE runs on); `tier` checks that on the GPU (passed 2026-11-24).
+#   8b-bf16, 8b-fp8  the whole Llama 3.1 8B on one H200 (an H100 is refused), one arm per call:
+#           the llama3-8b recipe at micro-batch 2 with fp32 parameters as masters and torchao's
+#           8-bit moments (75 GiB of state, ~111 GiB in all by the 4-layer slices' arithmetic),
+#           30 steps, profiled; 8b-fp8 ends with step_breakdown and compare_runs    ~5 min each
 #
 # Everything a phase prints goes to OUT_DIR/PHASE.log as well; the matrix rows' run folders
-# (metrics.jsonl) go to OUT_DIR/PHASE-LAYERS-layers/.
-#
-# One session's 30 device-minutes hold the TE set-up (6 transfers, about 90 s on 2026-11-24:
-# the small wheels and the last chunk fit one call) and about 25 minutes of phases, not all 51.
-# `loss` needs no TE: run it while the chunks travel. All phases ran on 2026-11-24
-# (benchmarks/results/2026-11-24-h100.md).
+# (metrics.jsonl) go to OUT_DIR/PHASE-LAYERS-layers/. A session's device time holds TE's set-up
+# and one or two phases (`loss` needs no TE: run it while the chunks travel). Not yet run on a
+# GPU: attention-3b, scaling-1b, host-1b, graphs-1b and the 8B (issue 65's queue).
 set -euo pipefail
 
-usage="usage: bash benchmarks/gpu_levers.sh loss|levers|masters|compile|reshard|ac|best|tier|attention|torchao|depth|full-torchao|full|attention-3b|scaling-1b|host-1b|graphs-1b OUT_DIR"
+usage="usage: bash benchmarks/gpu_levers.sh loss|levers|masters|compile|reshard|ac|best|tier|attention|torchao|depth|full-torchao|full|attention-3b|scaling-1b|host-1b|graphs-1b|8b-bf16|8b-fp8 OUT_DIR"
 phase=${1:?$usage}
 source "$(dirname "$0")/gpu_common.sh"
 out=$(out_dir gpu_levers.sh "$usage" "${2:-}")
@@ -96,12 +90,9 @@ TORCHAO="torchao-fp8 mb4 +ag +compile +expandable"
 folder() { echo "$out/full/${1// /_}"; }
 # recipe RUN_NAME RECIPE FLAGS...: a user's launch of a shipped recipe, 30 steps, profiled
 recipe() {
-    local name=$1 which=$2
-    shift 2
-    fresh gpu_levers.sh "$out" "$name"
-    RUNS_DIR=$out RUN_NAME=$name bash 1.train_llama.sbatch --recipe "$which" --max_steps 30 \
-        --warmup 5 --validation_freq 0 --checkpoint_freq -1 --profile_steps 20:21 \
-        --dataset data/kjv.jsonl.gz --tokenizer data/tokenizer "$@"
+    fresh gpu_levers.sh "$out" "$1"
+    launch "$1" "$2" --max_steps 30 --warmup 5 --validation_freq 0 --checkpoint_freq -1 \
+        --profile_steps 20:21 --dataset data/kjv.jsonl.gz --tokenizer data/tokenizer "${@:3}"
 }
 
 {
@@ -197,8 +188,16 @@ recipe() {
         done
         "$python" -m analysis.compare_runs "${runs[@]}" --output "$out/graphs-1b.png" || true
         ;;
+    8b-bf16 | 8b-fp8)
+        mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || true)
+        [ "${mib:-0}" -ge 130000 ] || { echo "gpu_levers.sh $phase: needs an H200 (141 GB), not ${mib:-no} MiB" >&2; exit 2; }
+        PYTORCH_ALLOC_CONF=expandable_segments:True recipe "$phase" "llama3-8b-${phase#8b-}" \
+            --preset llama3.1-8b --train_batch_size 2 --optimizer adamw8bit
+        [ "$phase" = 8b-bf16 ] || "$python" -m analysis.step_breakdown "$out/8b-bf16" "$out/8b-fp8" --no_hta || true
+        [ "$phase" = 8b-bf16 ] || "$python" -m analysis.compare_runs "$out/8b-bf16" "$out/8b-fp8" --output "$out/8b-h200.png" || true
+        ;;
     *)
-        echo "unknown phase $phase: loss, levers, masters, compile, reshard, ac, best, tier, attention, torchao, depth, full-torchao, full, attention-3b, scaling-1b, host-1b or graphs-1b" >&2
+        echo "unknown phase $phase: loss, levers, masters, compile, reshard, ac, best, tier, attention, torchao, depth, full-torchao, full, attention-3b, scaling-1b, host-1b, graphs-1b, 8b-bf16 or 8b-fp8" >&2
         exit 2
         ;;
     esac

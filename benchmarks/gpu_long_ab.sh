@@ -95,8 +95,7 @@ fresh gpu_long_ab.sh "$out" "${wanted[@]}"
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || true
     for name in "${wanted[@]}"; do
         read -r -a flags <<< "$(arm_flags "$name")"
-        RUNS_DIR=$out RUN_NAME=$name bash "$root/1.train_llama.sbatch" --recipe "${flags[@]}" \
-            "${shared[@]}"
+        launch "$name" "${flags[@]}" "${shared[@]}"
     done
     runs=() labels=()
     for name in bf16-a bf16-b fp8 fp8-current fp8-closer; do

@@ -61,12 +61,6 @@ fi
 schedule=(--max_steps "$steps" --warmup "$warmup" --validation_freq "$val_freq"
     --validation_batches 4 --logging_freq 1 --checkpoint_freq -1)  # no 15 GB 1B saves
 
-launch() {  # launch RUN_NAME RECIPE FLAGS...: a new run folder under OUT_DIR
-    local name=$1 which=$2
-    shift 2
-    RUNS_DIR=$out RUN_NAME=$name bash "$root/1.train_llama.sbatch" --recipe "$which" "$@"
-}
-
 {
     echo "# gpu_parity.sh ${dry:-(GPU)} on $(hostname) at $(date -u +%FT%TZ), git $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')"
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || true

@@ -30,12 +30,59 @@ def test_gpu_scripts_launch_only_recipes_that_exist() -> None:
 
     levers = (bench.ROOT / "benchmarks" / "gpu_levers.sh").read_text()
     launched = re.findall(r"^\s+(?:[A-Z_]+=\S+ )*recipe \S+ (\S+)", levers, flags=re.M)
-    assert len(launched) == 9  # attention-3b 3, scaling-1b's loop, host-1b 3, graphs-1b 2
+    # attention-3b 3, scaling-1b's loop, host-1b 3, graphs-1b 2, and the 8B's one per phase
+    assert len(launched) == 10 and launched[-1] == '"llama3-8b-${phase#8b-}"'
+    launched[-1:] = ["llama3-8b-bf16", "llama3-8b-fp8"]
     parity = (bench.ROOT / "benchmarks" / "gpu_parity.sh").read_text()
     models = re.findall(r"^\s+recipe=(\S+)$", parity, flags=re.M)
     assert models == ["tiny", "llama3.2-1b"]
     for name in [*launched, *(f"{m}-{p}" for m in models for p in ("fp8", "bf16"))]:
         assert recipes.flags(name), name
+
+
+def test_the_8b_phases_are_one_fair_pair_that_fits_one_h200_by_the_phases_own_arithmetic(
+    tmp_path,
+) -> None:
+    """gpu_levers.sh's 8b-bf16 and 8b-fp8 launch the llama3-8b twins with the same overrides,
+    which parse into the whole Llama 3.1 8B with torchao's 8-bit moments beside fp32
+    parameters: 10 bytes per parameter, the 75 GiB its header counts on. A smaller GPU is
+    refused before anything runs (one H200 call costs minutes)."""
+    import dataclasses
+    import os
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    from benchmarks import bench_gpu_matrix as bench
+    from model_utils.config.arguments import parse_args
+    from model_utils.model import modeling
+
+    levers = (bench.ROOT / "benchmarks" / "gpu_levers.sh").read_text()
+    (block,) = re.findall(r"^    8b-bf16 \| 8b-fp8\)\n(.*?);;", levers, flags=re.M | re.S)
+    if shutil.which("nvidia-smi") is None:  # no GPU here: refused, and no run folder made
+        refused = subprocess.run(
+            ["bash", "benchmarks/gpu_levers.sh", "8b-fp8", str(tmp_path)],
+            cwd=bench.ROOT,
+            env={**os.environ, "PYTHON": sys.executable},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert "gpu_levers.sh 8b-fp8: needs an H200 (141 GB), not no MiB" in refused.stdout
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["8b-fp8.log"]
+    (overrides,) = re.findall(r'"llama3-8b-\$\{phase#8b-\}" \\\n\s+(.*)$', block, flags=re.M)
+    flags = [*overrides.split(), "--output_dir", "runs/8b"]  # the launcher names each folder
+    twins = [parse_args(["--recipe", f"llama3-8b-{p}", *flags]) for p in ("bf16", "fp8")]
+    assert [c.precision.fp8 for c in twins] == [False, True]
+    fair = dataclasses.replace(twins[0], recipe=twins[1].recipe, precision=twins[1].precision)
+    assert fair == twins[1]  # nothing but the precision differs
+    shape, optim = twins[1].model, twins[1].optim
+    assert (shape.num_layers, shape.vocab_size, optim.optimizer) == (32, 128256, "adamw8bit")
+    meta = modeling.build(twins[1], "hf", torch.device("cpu"))  # every parameter on meta
+    params = sum(p.numel() for p in meta.parameters())
+    assert 8.0e9 < params < 8.1e9 and 74 < params * (4 + 4 + 2) / 2**30 < 76
 
 
 def test_gpu_levers_script_names_only_rows_the_matrix_has(capsys) -> None:
