@@ -2,14 +2,15 @@
 # What the GPU scripts of benchmarks/ share (sourced, not run): their OUT_DIR, their Python, and
 # the rule that they never replace a run folder: each launch is a new folder in OUT_DIR.
 
-# out_dir SCRIPT USAGE ARG: ARG made and printed as an absolute path; none given, or a flag where
-# OUT_DIR belongs (a forgotten OUT_DIR), is the usage line and exit status 2.
+# out_dir SCRIPT USAGE ARG: ARG as an absolute path, not made yet (each script makes it once all
+# its checks passed); none given, or a flag where OUT_DIR belongs, is the usage line and exit 2.
 out_dir() {
     if [ -z "${3:-}" ] || [ "${3#-}" != "$3" ]; then
         echo "$1: OUT_DIR comes first (got '${3:-}'): $2" >&2
         exit 2
     fi
-    mkdir -p "$3" && (cd "$3" && pwd)
+    [ ! -e "$3" ] || [ -d "$3" ] || { echo "$1: OUT_DIR $3 is a file, not a folder: $2" >&2; exit 2; }
+    realpath -m -- "$3"
 }
 
 # fresh SCRIPT OUT NAME...: exit 2, before anything runs, where OUT already holds one of the

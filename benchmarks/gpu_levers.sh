@@ -66,8 +66,11 @@
 # GPU: attention-3b, scaling-1b, host-1b, graphs-1b and the 8B (issue 65's queue).
 set -euo pipefail
 
-usage="usage: bash benchmarks/gpu_levers.sh loss|levers|masters|compile|reshard|ac|best|tier|attention|torchao|depth|full-torchao|full|attention-3b|scaling-1b|host-1b|graphs-1b|8b-bf16|8b-fp8 OUT_DIR"
-phase=${1:?$usage}
+phases="loss|levers|masters|compile|reshard|ac|best|tier|attention|torchao|depth|full-torchao|full|attention-3b|scaling-1b|host-1b|graphs-1b|8b-bf16|8b-fp8"
+usage="usage: bash benchmarks/gpu_levers.sh $phases OUT_DIR"
+phase=${1:-}
+[[ $phase != *"|"* && "|$phases|" == *"|$phase|"* ]] || { echo "gpu_levers.sh: no phase '$phase': $usage" >&2; exit 2; }
+[ $# -le 2 ] || { echo "gpu_levers.sh: a phase and an OUT_DIR, nothing after: $usage" >&2; exit 2; }
 source "$(dirname "$0")/gpu_common.sh"
 out=$(out_dir gpu_levers.sh "$usage" "${2:-}")
 # levers PRESET FOLDER ROWS VS [TRAIN.PY FLAGS...]: the lever rows ROWS of bench_gpu_matrix, 20
@@ -95,6 +98,7 @@ recipe() {
         --profile_steps 20:21 --dataset data/kjv.jsonl.gz --tokenizer data/tokenizer "${@:3}"
 }
 
+mkdir -p "$out"
 {
     echo "# $phase on $(hostname) at $(date -u +%FT%TZ), git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || true
@@ -195,10 +199,6 @@ recipe() {
             --preset llama3.1-8b --train_batch_size 2 --optimizer adamw8bit
         [ "$phase" = 8b-bf16 ] || "$python" -m analysis.step_breakdown "$out/8b-bf16" "$out/8b-fp8" --no_hta || true
         [ "$phase" = 8b-bf16 ] || "$python" -m analysis.compare_runs "$out/8b-bf16" "$out/8b-fp8" --output "$out/8b-h200.png" || true
-        ;;
-    *)
-        echo "unknown phase $phase: loss, levers, masters, compile, reshard, ac, best, tier, attention, torchao, depth, full-torchao, full, attention-3b, scaling-1b, host-1b, graphs-1b, 8b-bf16 or 8b-fp8" >&2
-        exit 2
         ;;
     esac
 } 2>&1 | tee "$out/$phase.log"

@@ -90,6 +90,7 @@ IFS=, read -r -a wanted <<< "$arms"
 for name in "${wanted[@]}"; do arm_flags "$name" > /dev/null; done  # every name, before any run
 fresh gpu_long_ab.sh "$out" "${wanted[@]}"
 
+mkdir -p "$out"
 {
     echo "# gpu_long_ab.sh ${dry:-(GPU)} on $(hostname) at $(date -u +%FT%TZ), git $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')"
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || true

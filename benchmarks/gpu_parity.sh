@@ -61,6 +61,7 @@ fi
 schedule=(--max_steps "$steps" --warmup "$warmup" --validation_freq "$val_freq"
     --validation_batches 4 --logging_freq 1 --checkpoint_freq -1)  # no 15 GB 1B saves
 
+mkdir -p "$out"
 {
     echo "# gpu_parity.sh ${dry:-(GPU)} on $(hostname) at $(date -u +%FT%TZ), git $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')"
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || true

@@ -315,6 +315,32 @@ def test_the_gpu_scripts_refuse_before_running_and_delete_no_run(script, tmp_pat
         timeout=60,
     )
     assert forgot.returncode == 2 and "OUT_DIR comes first (got '--dry_run')" in forgot.stderr
+    for wrong_args in ([str(tmp_path / "out"), "--bogus"], [str(tmp_path / "file")]):
+        (tmp_path / "file").write_text("a file, not a folder\n")
+        wrong = subprocess.run(
+            ["bash", f"benchmarks/{script}", *lead, *wrong_args],
+            cwd=bench.ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1, wrong.stderr
+        assert not (tmp_path / "out").exists()  # nothing made before every check passed
+    assert "OUT_DIR " + str(tmp_path / "file") + " is a file, not a folder" in wrong.stderr
+    if script == "gpu_levers.sh":  # no phase, or one it lacks: refused before OUT_DIR is made
+        for phase in ([], ["8b"], ["loss|levers"]):
+            wrong = subprocess.run(
+                ["bash", "benchmarks/gpu_levers.sh", *phase, str(tmp_path / "out")],
+                cwd=bench.ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            said = f"gpu_levers.sh: no phase '{phase[0] if phase else tmp_path / 'out'}': usage"
+            assert wrong.returncode == 2 and wrong.stderr.startswith(said), wrong.stderr
+            assert wrong.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
     if script != "gpu_levers.sh":  # its runs are named by the phase, checked as each starts
         finished = tmp_path / ("fp8" if script == "gpu_parity.sh" else "bf16-a")
         finished.mkdir()
