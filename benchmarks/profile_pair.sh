@@ -6,29 +6,30 @@
 #
 #   bash benchmarks/profile_pair.sh OUT_DIR        (~2-3 min on one H100, TE installed)
 #
-# OUT_DIR gets profile_pair.log (everything printed), and the two run folders te-bf16/ and
-# te-fp8/: metrics.jsonl and profile/step_6/rank_0.pt.trace.json.gz (gzip'd Chrome traces, open
-# them in https://ui.perfetto.dev). No checkpoints are written. PYTHON=... picks the interpreter.
-# GPU_TESTS=1 also runs the GPU tier's profiling and OOM tests afterwards (~3 min more).
+# OUT_DIR gets profile_pair.log (all printed) and the run folders te-bf16/ and te-fp8/ (never
+# replaced: an OUT_DIR holding one is refused), each with metrics.jsonl and gzip'd Chrome traces
+# (profile/step_6/rank_0.pt.trace.json.gz, for ui.perfetto.dev); no checkpoints. PYTHON: the
+# interpreter (default: the checkout's .venv). GPU_TESTS=1: the GPU tier's profiling and OOM tests.
 set -euo pipefail
 
 usage="usage: bash benchmarks/profile_pair.sh OUT_DIR"
-out=${1:?$usage}
-mkdir -p "$out"
-python=${PYTHON:-python3}
+source "$(dirname "$0")/gpu_common.sh"
+out=$(out_dir profile_pair.sh "$usage" "${1:-}")
+[ $# -le 1 ] || { echo "profile_pair.sh: one OUT_DIR, nothing after it: $usage" >&2; exit 2; }
+fresh profile_pair.sh "$out" te-bf16 te-fp8
 common=(--preset llama3-8b --num_layers 4 --dataset data/kjv.jsonl.gz --tokenizer data/tokenizer
     --model_impl te --train_batch_size 2 --max_steps 8 --warmup 2 --logging_freq 1
     --checkpoint_freq -1 --validation_batches 1 --profile_steps 6:8)
 
+mkdir -p "$out"
 {
     echo "# profile_pair on $(hostname) at $(date -u +%FT%TZ), git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || true
     "$python" -c 'import torch; print("torch", torch.__version__)'
-    for fp8 in 0 1; do
-        name=te-bf16
-        [ "$fp8" = 1 ] && name=te-fp8
+    for name in te-bf16 te-fp8; do
+        fp8=$([ "$name" = te-fp8 ] && echo 1 || echo 0)
         SECONDS=0
-        "$python" train.py "${common[@]}" --fp8="$fp8" --output_dir "$out/$name" --overwrite_output_dir
+        "$python" train.py "${common[@]}" --fp8="$fp8" --output_dir "$out/$name"
         echo "# $name: ${SECONDS} s"
     done
     "$python" -m analysis.step_breakdown "$out/te-bf16" "$out/te-fp8"

@@ -293,7 +293,9 @@ def test_the_ac_benchmark_times_each_setting_with_only_its_own_model_alive(monke
     assert alive_while_timing == [1, 1, 1]
 
 
-@pytest.mark.parametrize("script", ["gpu_parity.sh", "gpu_long_ab.sh", "gpu_levers.sh"])
+@pytest.mark.parametrize(
+    "script", ["gpu_parity.sh", "gpu_long_ab.sh", "gpu_levers.sh", "profile_pair.sh"]
+)
 def test_the_gpu_scripts_refuse_before_running_and_delete_no_run(script, tmp_path) -> None:
     """A forgotten OUT_DIR (a flag in its place) and an OUT_DIR that already holds a run the
     call would launch are one line and exit 2 before anything runs; the run is kept as it was.
@@ -342,11 +344,15 @@ def test_the_gpu_scripts_refuse_before_running_and_delete_no_run(script, tmp_pat
             assert wrong.returncode == 2 and wrong.stderr.startswith(said), wrong.stderr
             assert wrong.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
     if script != "gpu_levers.sh":  # its runs are named by the phase, checked as each starts
-        finished = tmp_path / ("fp8" if script == "gpu_parity.sh" else "bf16-a")
+        kept = {"gpu_parity.sh": "fp8", "gpu_long_ab.sh": "bf16-a", "profile_pair.sh": "te-fp8"}
+        finished, dry = (
+            tmp_path / kept[script],
+            [] if script == "profile_pair.sh" else ["--dry_run"],
+        )
         finished.mkdir()
         (finished / "metrics.jsonl").write_text("{}\n")
         again = subprocess.run(
-            ["bash", f"benchmarks/{script}", str(tmp_path), "--dry_run"],
+            ["bash", f"benchmarks/{script}", str(tmp_path), *dry],
             cwd=bench.ROOT,
             env=env,
             capture_output=True,
