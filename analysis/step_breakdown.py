@@ -87,9 +87,9 @@ def trace_window(run: Path, window: int | None) -> Path:
     if window is None and folders:
         window = max(folders)
     if window not in folders:
-        which = f"step_{window}" if window is not None else "any window"
+        which = f"step_{window}" if window is not None else "window"
         raise Refused(
-            f"{run}: no profiler traces ({run / 'profile'} has {which}): train it with "
+            f"{run}: no profiler traces ({run / 'profile'} has no {which}): train it with "
             "--profile_steps START:END"
         )
     return folders[window]

@@ -134,3 +134,4 @@ def test_step_breakdown_refuses_a_run_without_traces_in_one_line(pair, capsys) -
         step_breakdown.main, "step_breakdown.py", [str(pair["bf16"] / "checkpoints")], capsys
     )
     assert "no profiler traces" in err and "--profile_steps START:END" in err
+    assert f"({pair['bf16'] / 'checkpoints' / 'profile'} has no window)" in err
