@@ -259,8 +259,7 @@ def container_mounts(env: Mapping[str, str], paths: Sequence[str]) -> str:
     return ",".join(mounts)
 
 
-# --------------------------------------------------------------------------------------------
-# Rendezvous by address
+# ---- Rendezvous by address
 
 
 def parse_node_addrs(scontrol_show_node: str) -> dict[str, str]:
@@ -352,8 +351,7 @@ def _scontrol(*args: str) -> str:
     ).stdout
 
 
-# --------------------------------------------------------------------------------------------
-# The plan the sbatch reads
+# ---- The plan the sbatch reads
 
 
 def host_python(env: Mapping[str, str]) -> tuple[dict[str, str], str]:

@@ -49,8 +49,7 @@ OWN_LINE_CODES = (2, 4)
 PARENT_DEATH_SIGNAL = signal.SIGHUP
 
 
-# --------------------------------------------------------------------------------------------
-# The per-node part: torchrun with one worker per GPU
+# ---- The per-node part: torchrun with one worker per GPU
 
 
 def detect_gpus(env: Mapping[str, str], nvidia_smi: Callable[[], str | None] | None = None) -> int:

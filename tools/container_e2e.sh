@@ -111,8 +111,7 @@ state_dir() {
     cd "$dir" && pwd
 }
 
-# ---------------------------------------------------------------------------------------------
-# enroot and Pyxis from their release tarballs
+# ---- enroot and Pyxis from their release tarballs
 
 build_enroot_pyxis() {
     local state=$1 sources=$2 prefix=$1/prefix src=$1/src
@@ -164,8 +163,7 @@ mount_tmpfs() {
     mkdir -p "$tmpfs"/{temp,data,runtime,cache}
 }
 
-# ---------------------------------------------------------------------------------------------
-# Docker: a daemon of our own, for the build only
+# ---- Docker: a daemon of our own, for the build only
 
 docker_cli() {
     DOCKER_HOST=unix://$state/docker.sock DOCKER_BUILDKIT=1 "$docker_bin" "$@"
@@ -225,8 +223,7 @@ stop_dockerd() {
     rm -f "$state/docker.sock"
 }
 
-# ---------------------------------------------------------------------------------------------
-# Images
+# ---- Images
 
 # The Debian root file system, once per cache (mmdebstrap from Debian's mirror).
 debian_rootfs() {
@@ -352,8 +349,7 @@ cmd_build() {
     note "built: $state/transformer-engine.sqsh ($(du -h "$state/transformer-engine.sqsh" | cut -f1))"
 }
 
-# ---------------------------------------------------------------------------------------------
-# The cluster
+# ---- The cluster
 
 cmd_start() {
     check_prerequisites

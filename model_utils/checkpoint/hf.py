@@ -258,8 +258,7 @@ def write_model_files(out_dir: Path, config: Any, tokenizer: Any, dtype: torch.d
     tokenizer.save_pretrained(str(out_dir))
 
 
-# --------------------------------------------------------------------------------------------
-# Hugging Face folders out
+# ---- Hugging Face folders out
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 PART_PREFIX = ".part-"  # shards being written; renamed to their HF names when all are done

@@ -349,8 +349,7 @@ def refuse_low_bit_reshard(path: Path, metadata: Any, state: Any, saved_world_si
         )
 
 
-# --------------------------------------------------------------------------------------------
-# Loading a checkpoint saved in the other parameter layout
+# ---- Loading a checkpoint saved in the other parameter layout
 
 
 def param_layout(names: Iterable[str]) -> str:

@@ -63,8 +63,7 @@ _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 log = logging.getLogger(__name__)
 
 
-# --------------------------------------------------------------------------------------------
-# Reading a checkpoint without running anything it holds
+# ---- Reading a checkpoint without running anything it holds
 
 #: The globals a DCP checkpoint's `.metadata` pickle names (torch's own records of its tensors
 #: and files); any other is refused before it is called. DCP's reader runs pickle.load.
@@ -141,8 +140,7 @@ def load(items: dict[str, Any], path: str | Path, **options: Any) -> None:
     dcp.load(items, storage_reader=_Reader(str(path)), planner=_Planner(), **options)
 
 
-# --------------------------------------------------------------------------------------------
-# Why a checkpoint cannot be used or written
+# ---- Why a checkpoint cannot be used or written
 
 
 class ResumeRefused(Refusal, ValueError):
@@ -240,8 +238,7 @@ def save_paths(checkpoint_dir: Path, step: int) -> tuple[Path, Path]:
     return checkpoint_dir / (TMP_PREFIX + final.name), final
 
 
-# --------------------------------------------------------------------------------------------
-# Integrity: every file's size and checksum in the marker, checked before a resume
+# ---- Integrity: every file's size and checksum in the marker, checked before a resume
 
 SUM_ALGORITHM = "sha256"  # ~1.5 GB/s per core with SHA extensions; each rank sums its own files
 
@@ -309,8 +306,7 @@ def content_damage(path: str | Path, files: Mapping[str, Mapping[str, Any]]) -> 
     return None
 
 
-# --------------------------------------------------------------------------------------------
-# The one verdict and the one resolver
+# ---- The one verdict and the one resolver
 
 INCOMPLETE, DAMAGED, UNVERIFIED = "incomplete", "damaged", "unverified"
 
@@ -518,8 +514,7 @@ def set_aside_all(passed: list[tuple[Path, Problem]]) -> None:
             log.warning("Checkpoint %s set aside as %s: %s", path, aside.name, problem)
 
 
-# --------------------------------------------------------------------------------------------
-# Publishing and pruning
+# ---- Publishing and pruning
 
 
 def fsync_dir(path: Path) -> None:

@@ -33,8 +33,7 @@ def is_te_extra_state_key(key: str) -> bool:
     return key.endswith("._extra_state") or key == "_extra_state"
 
 
-# --------------------------------------------------------------------------------------------
-# Initialisation hook
+# ---- Initialisation hook
 
 
 def reset_te_parameters(model: nn.Module) -> None:
@@ -50,8 +49,7 @@ def reset_te_parameters(model: nn.Module) -> None:
             module.reset_parameters(defer_init=False)
 
 
-# --------------------------------------------------------------------------------------------
-# HF's RoPE settings and attention mask in the form TE's TransformerLayer takes
+# ---- HF's RoPE settings and attention mask in the form TE's TransformerLayer takes
 
 
 def llama_rope_inv_freq(config: Any) -> torch.Tensor:

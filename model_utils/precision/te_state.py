@@ -40,8 +40,7 @@ def set_is_first_microbatch(model: nn.Module, value: bool | None) -> None:
         setattr(module, FIRST_MICROBATCH_ATTR, value)
 
 
-# --------------------------------------------------------------------------------------------
-# FP8 scaling state as plain tensors (what TE pickles into ``_extra_state``)
+# ---- FP8 scaling state as plain tensors (what TE pickles into ``_extra_state``)
 
 #: Per TE module and direction, the delayed-scaling tensors TE keeps in
 #: ``fp8_meta["scaling_fwd" | "scaling_bwd"]`` (``.scale`` [n], ``.amax_history`` [len, n]; n is 3

@@ -185,8 +185,7 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return records
 
 
-# ---------------------------------------------------------------------------------------------
-# Log lines
+# ---- Log lines
 
 
 def seed_line(step: int, loss: float, samples_per_sec: float, lr: float) -> str:
@@ -281,8 +280,7 @@ def format_duration(seconds: float) -> str:
     return f"{secs}s"
 
 
-# --------------------------------------------------------------------------------------------
-# Reading records back (analysis/compare_runs.py): what a reader may rely on
+# ---- Reading records back (analysis/compare_runs.py): what a reader may rely on
 
 #: The field each record kind a reader compares must hold.
 REQUIRED_FIELD = {"train": "loss", "val": "val_loss"}
