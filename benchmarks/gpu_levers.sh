@@ -23,8 +23,8 @@
 #   best    the levers that held the loss, together (--compile, --master_weights optimizer,
 #           --reshard_after_forward never) at mb4, on te-fp8 and on te-bf16: FP8's speed-up
 #           with the same levers on both sides                                         ~3 min
-#   tier    the GPU test tier's cuDNN, FP8-attention, MLP-recompute, master-weights,
-#           FP8-weights and validation tests and the one-seed test                       ~9 min
+#   tier    the GPU tier's cuDNN, FP8-attention, MLP-recompute, masters, FP8-weights, validation
+#           and one-seed tests (~9 min); TIER_K=EXPR picks others: "gap_closer or cool_down"
 #   attention  te-fp8 mb4 with and without --fp8_attention (cuDNN's FP8 attention)     ~2 min
 #   torchao torchao's float8 (tensorwise + float8 all-gather) against TE's delayed scaling,
 #           both at mb4 under --compile: the torchao/te goal with every lever on both   ~3 min
@@ -130,7 +130,7 @@ mkdir -p "$out"
         matrix "te-fp8 mb4 +expandable,te-fp8 mb4 +AC/2 +expandable,te-fp8 mb4 +AC-mlp +expandable,te-fp8 mb6 +AC-mlp +expandable"
         ;;
     tier)
-        "$python" -m pytest -m gpu tests/integration/test_gpu.py -k "cudnn or fp8_attention or mlp_recompute or one_seed or master_weights or fp8_weights or validation" -v --durations=0
+        "$python" -m pytest -m gpu tests/integration/test_gpu.py -k "${TIER_K:-cudnn or fp8_attention or mlp_recompute or one_seed or master_weights or fp8_weights or validation}" -v --durations=0
         ;;
     attention)
         matrix "te-fp8 mb4 +expandable,te-fp8 mb4 +fp8-attention +expandable" 4 "te-fp8 mb4 +expandable"

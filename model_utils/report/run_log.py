@@ -99,24 +99,35 @@ class RunLog:
         self._open_trackers(run, 0 if other else start_step)  # another run's: its own
         self.numerics = self._numerics_probe(model, backend, start_step)
         self.reduce = getattr(model, "grad_reduce_scatter", None)  # FSDP2's: parallel/fp8_reduce.py
+        self._say_what_runs(model, backend, world)
+
+    def _say_what_runs(self, model, backend, world) -> None:
+        """The start-up lines of the model, its precision and the world (train.py's lines in the
+        log: stacklevel 3 names RunLog's caller)."""
+        config = self.config
         log.info(
             "model: %s, %.1fM parameters, impl=%s; %s",
             config.model_source,
             modeling.count_parameters(model) / 1e6,
             config.precision.model_impl,
             backend.describe(),
-            stacklevel=2,
+            stacklevel=3,
         )
         log.info(
             "world: %d ranks (%d nodes), %s, %s; global batch %d sequences x %d tokens",
             world.world_size,
             world.num_nodes,
-            device,
+            self.device,
             SHARDING_WORDS[config.parallel.sharding_strategy],
-            samples_per_step,
+            self.samples,
             config.model.max_context_width,
-            stacklevel=2,
+            stacklevel=3,
         )
+        if config.parallel.reduce_dtype == "fp8" and world.world_size == 1:  # FSDP2 only copies
+            why = "FSDP2 copies its gradients, none goes through FP8; it acts from 2 ranks on"
+            log.warning(
+                "--reduce_dtype fp8 reduces nothing in a world of one: %s", why, stacklevel=3
+            )
 
     def _own_records(self, run: dict, start_step: int) -> str | None:
         """metrics.jsonl holds one run: a fresh start, or a launch of another run (another

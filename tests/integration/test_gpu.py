@@ -7,7 +7,9 @@ BF16 and every FP8 recipe the device supports (the others refused in one line), 
 bit per recipe, one starting model across implementations (from --seed and from HF weights),
 logged throughput equal to wall-clock throughput and MFU <= 100% at --logging_freq 1 and 10,
 activation checkpointing, accumulation and compile; --fp8_attention trains and resumes (refused
-in one line where TE has no backend); --fp8_weights trains from fp32 masters and resumes.
+in one line where TE has no backend); --fp8_weights trains from fp32 masters and resumes; each
+gap-closer (--fp8_backward, a short amax history, --bf16_layers, --fp8_lm_head,
+--bf16_cooldown) trains near its recipe and resumes bit for bit.
 Skipped cleanly without a GPU; the CPU tier (``make test``) hides GPUs (tests/conftest.py).
 """
 
@@ -541,6 +543,77 @@ def test_fp8_weights_train_from_fp32_masters_and_resume_exactly(runs, recipe: st
 
     with safe_open(str(out / "hf" / "model.safetensors"), "pt") as fh:  # fp32 masters, not FP8
         assert fh.get_tensor("model.layers.0.mlp.up_proj.weight").dtype == torch.float32
+
+
+TE_CURRENT = ("--model_impl=te", "--fp8=1", "--fp8_recipe=current")
+#: The gap-closers and levers that landed after the tier last ran on a GPU, each on the recipe
+#: it applies to: (base recipe's flags, the lever's flags, largest per-step gap to the base).
+LEVERS = {
+    "fp8-backward-high-precision": (TE_CURRENT, ("--fp8_backward=high_precision",), 0.03),
+    "fp8-backward-dequantized": (TE_CURRENT, ("--fp8_backward=dequantized",), 0.03),
+    "short-amax-history": (
+        TE_DELAYED,
+        ("--amax_history_len=16", "--amax_compute_algo=most_recent"),
+        0.03,
+    ),
+    "bf16-first-and-last-layer": (TE_DELAYED, ("--bf16_layers=0,-1",), 0.03),
+    "fp8-lm-head": (TE_DELAYED, ("--fp8_lm_head",), 0.03),
+}
+
+
+@pytest.mark.parametrize("lever", sorted(LEVERS))
+def test_each_gap_closer_trains_near_its_recipe_and_resumes_bit_for_bit(lever: str, runs) -> None:
+    """On real TE and CUDA kernels (the CPU tier runs these paths on torchao and the TE double):
+    TE's backward_override, delayed scaling's short most_recent history, the first and last
+    layers in BF16 and the output layer's GEMMs in FP8 (torch._scaled_mm) each train within
+    a few percent of the recipe they change, per step, and a resume from step 5 repeats the
+    uninterrupted run bit for bit. (--reduce_dtype fp8 needs 2 GPUs: a world of one reduces
+    nothing.)"""
+    needs_te()
+    base_flags, flags, gap = LEVERS[lever]
+    if "current" in base_flags[-1] and not recipe_runs_here("current"):
+        pytest.skip(f"current scaling does not run on SM {sm()}")
+    base = runs / f"lever-base-{base_flags[-1].split('=')[1]}"
+    if not (base / "metrics.jsonl").exists():
+        ok(train(base, *base_flags))
+    out = runs / f"lever-{lever}"
+    result = train(out, *base_flags, *flags, "--checkpoint_freq=5", "--keep_last=0")
+    if lever.startswith("fp8-backward") and result.returncode == 2:  # TE < 2.15 has none
+        message = message_lines(result.stderr)
+        assert len(message) == 1 and "needs Transformer Engine >= 2.15" in message[0], message
+        pytest.skip("TE < 2.15: --fp8_backward is refused in one line, as it must be")
+    ok(result)
+    got, want = trains(out), trains(base)
+    assert got != want and all(abs(got[s] - want[s]) / want[s] < gap for s in want), (got, want)
+    resumed = runs / f"lever-{lever}-resumed"
+    checkpoint = out / "checkpoints" / "step_00000005"
+    ok(train(resumed, *base_flags, *flags, f"--resume_from_checkpoint={checkpoint}"))
+    assert losses(resumed) == {s: v for s, v in got.items() if s > 5}
+
+
+def test_a_bf16_cool_down_on_te_switches_once_and_resumes_across_the_switch(runs) -> None:
+    """--bf16_cooldown 0.3 of 10 steps: TE's FP8 autocast for steps 1-7, off for 8-10, said once;
+    a resume from step 5 crosses the switch where the uninterrupted run did, bit for bit, and
+    the BF16 steps' losses leave FP8's (FP8 is really off)."""
+    needs_te()
+    flags = (*TE_DELAYED, "--bf16_cooldown=0.3")
+    out = runs / "te-delayed-cool-down"
+    result = train(out, *flags, "--checkpoint_freq=5", "--keep_last=0")
+    ok(result)
+    switch = "BF16 cool-down: steps 8-10 train with FP8 off (--bf16_cooldown)"
+    assert result.stdout.count("BF16 cool-down") == 1 and switch in result.stdout
+    fp8 = runs / "lever-base-delayed"
+    if not (fp8 / "metrics.jsonl").exists():
+        ok(train(fp8, *TE_DELAYED))
+    got, want = trains(out), trains(fp8)
+    assert all(got[s] == want[s] for s in range(1, 8)), (got, want)  # the same run until 7
+    assert all(got[s] != want[s] for s in range(8, 11)), (got, want)
+    resumed = runs / "te-delayed-cool-down-resumed"
+    checkpoint = out / "checkpoints" / "step_00000005"
+    result = train(resumed, *flags, f"--resume_from_checkpoint={checkpoint}")
+    ok(result)
+    assert switch in result.stdout
+    assert losses(resumed) == {s: v for s, v in got.items() if s > 5}
 
 
 def profiled(out: Path, *flags: str) -> tuple[object, subprocess.CompletedProcess]:

@@ -145,3 +145,19 @@ def test_a_resume_with_fp8_reduce_repeats_the_run_exactly_and_keeps_it(
         f"--resume_from_checkpoint={checkpoint}",
     )
     assert "--reduce_dtype fp8 -> fp32" in lines[0], lines
+
+
+@pytest.mark.slow
+def test_one_rank_is_told_that_fp8_reduce_does_nothing_and_trains_as_fp32(tmp_path) -> None:
+    """In a world of one FSDP2 copies the gradients and calls no reduce-scatter (torch's
+    _fsdp_collectives.foreach_reduce): the flag changes no loss, and the run says so once, so a
+    one-GPU A/B of it is not read as FP8 gradients costing nothing."""
+    short = [*FAST, "--train_batch_size=2", "--max_context_width=64", "--max_steps=3"]
+    short += ["--warmup=1", "--validation_batches=1"]
+    done = {}
+    for name in ("fp32", "fp8"):
+        out = f"--output_dir={tmp_path / name}"
+        done[name] = run_train(*short, f"--reduce_dtype={name}", out, nproc=1)
+    warning = "--reduce_dtype fp8 reduces nothing in a world of one"
+    assert done["fp8"].stdout.count(warning) == 1 and warning not in done["fp32"].stdout
+    assert losses(tmp_path / "fp8") == losses(tmp_path / "fp32")
