@@ -225,10 +225,11 @@ def summary(record: dict) -> list[str]:
 def check(model: nn.Module, world: World, device: torch.device, config) -> None:
     """`--preflight` of a run's config: run on every rank; rank 0 keeps the record in the run's
     folder and logs it, slow ones as warnings."""
-    record = run(model, world, device, config.parallel.preflight)
+    record, log = run(model, world, device, config.parallel.preflight), logging.getLogger("train")
+    if config.parallel.preflight == "full" and world.world_size == 1:  # asked for, said why not
+        log.info("preflight: a world of one has no collective to time")
     if record is None or not world.is_main:
         return
     write_whole(Path(config.run.output_dir) / RECORD, json.dumps(record, indent=1))
-    log = logging.getLogger("train")
     for line in summary(record):
         (log.warning if line.startswith("preflight: slow") else log.info)("%s", line)

@@ -47,10 +47,17 @@ def test_full_preflight_times_every_scope_payload_and_link(tmp_path):
     assert len(lines) == 1 + len(rows) + 1 + len(record["slow"])
 
 
-def test_auto_preflight_skips_one_node(tmp_path):
+def test_auto_preflight_skips_one_node(tmp_path, caplog):
+    from model_utils.config.arguments import parse_args
+
     out = tmp_path / "record.json"
     world = World(0, 1, 0, 1)
     assert preflight.run(tiny_llama(), world, None, "full") is None  # nothing crosses a link
+    config = parse_args(["--preset=tiny", "--preflight=full", f"--output_dir={tmp_path / 'run'}"])
+    with caplog.at_level("INFO", logger="train"):
+        preflight.check(tiny_llama(), world, None, config)  # asked for: says why it times nothing
+    assert caplog.messages == ["preflight: a world of one has no collective to time"]
+    assert not (tmp_path / "run").exists()
     spawn_ranks(_two_nodes_of_two, 4, str(out), "auto")
     record = json.loads(out.read_text())
     assert {r["payload"] for r in record["collectives"]} == {"bf16"}  # the bounded form
