@@ -8,6 +8,7 @@ Standard library only, like launcher.py.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import ipaddress
 import os
@@ -236,13 +237,20 @@ def check_environment(env: Mapping[str, str]) -> None:
 
 
 def make_dirs(paths: Sequence[str]) -> list[str]:
-    """Create the folders; return every folder that did not exist before, deepest first."""
-    created: list[str] = []
-    for path in paths:
-        absolute = Path(path).absolute()
-        missing = [str(p) for p in (absolute, *absolute.parents) if not p.exists()]
-        Path(path).mkdir(parents=True, exist_ok=True)
-        created.extend(m for m in missing if m not in created)
+    """Create the folders; return every folder that did not exist before, deepest first.
+    One that cannot be made is one line, and what was made for the others is removed."""
+    wanted = [Path(path).absolute() for path in paths]
+    missing = {str(p) for path in wanted for p in (path, *path.parents) if not p.exists()}
+    created = sorted(missing, key=lambda folder: (-folder.count(os.sep), folder))
+    try:
+        for path in wanted:
+            path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        for folder in created:
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        why = f"cannot create {exc.filename} ({exc.strerror}): point RUNS_DIR"
+        raise UsageError(f"{why}, --output_dir or --checkpoint_dir elsewhere") from None
     return created
 
 
@@ -470,7 +478,7 @@ def launch_records(env: Mapping[str, str], argv: Sequence[str]) -> list[tuple[st
         records += slurm_records(env, folders)
     else:
         path, _ = host_python(env)
-        records.append(("env", f"PATH={path['PATH']}"))
+        records += [("env", f"PATH={path['PATH']}"), *(("created", d) for d in make_dirs(folders))]
     if launch.note:
         records.append(("say", launch.note))
     return records

@@ -412,6 +412,8 @@ def test_validate_only_in_a_job_is_the_check_alone(
         ({"SLURM_NNODES": "2"}, "SLURM_NNODES=2 asks for 2 nodes outside a Slurm job"),
         ({"SLURM_JOB_ID": "7"}, "SLURM_JOB_ID=7 is set but SLURM_JOB_NODELIST is not"),
         ({"FAKE_VALIDATE": "2"}, "train.py: error: (stand-in) bad flag"),
+        ({"RUNS_DIR": "/proc/llama-runs"}, "cannot create /proc/llama-runs (No such file"),
+        ({"RUN_NAME": "r" * 300}, "(File name too long): point RUNS_DIR, --output_dir"),
     ],
 )
 def test_bad_settings_fail_with_one_line_and_exit_2(
@@ -419,7 +421,7 @@ def test_bad_settings_fail_with_one_line_and_exit_2(
 ) -> None:
     runs = tmp_path / "runs"
     result = run_script(
-        fakes.env(RUNS_DIR=str(runs), **{"RUN_NAME": "r", **env}), "--preset", "tiny"
+        fakes.env(**{"RUNS_DIR": str(runs), "RUN_NAME": "r", **env}), "--preset", "tiny"
     )
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
@@ -448,6 +450,15 @@ def test_a_refused_slurm_job_exits_2_without_requeue_or_empty_folders(
         assert fakes.srun_calls() == []
 
 
+def test_a_job_whose_run_folder_cannot_be_made_is_one_line(fakes: Fakes, tmp_path: Path) -> None:
+    result = run_script(slurm_job_env(fakes, tmp_path, RUNS_DIR="/proc/llama-runs"))
+    assert result.returncode == 2, result.stdout + result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert "cannot create /proc/llama-runs (" in line and "point RUNS_DIR" in line
+    assert fakes.srun_calls() == [] and fakes.torchrun_calls() == []
+    assert not fakes.validations.exists() or "--validate_only" not in fakes.validations.read_text()
+
+
 def slurm_job_env(fakes: Fakes, tmp_path: Path, **extra: str) -> dict[str, str]:
     """What sbatch gives the batch shell of a 2-node job with 8 GPUs per node."""
     return fakes.env(
@@ -457,8 +468,7 @@ def slurm_job_env(fakes: Fakes, tmp_path: Path, **extra: str) -> dict[str, str]:
         SLURM_JOB_NODELIST="gpu-node-[1-2]",
         SLURMD_NODENAME="gpu-node-1",
         SLURM_GPUS_ON_NODE="8",
-        RUNS_DIR=str(tmp_path / "runs"),
-        **extra,
+        **{"RUNS_DIR": str(tmp_path / "runs"), **extra},
     )
 
 

@@ -131,6 +131,12 @@ def test_folders_flags_and_the_cleanup_of_a_refused_start(tmp_path: Path) -> Non
     for path in created:  # the sbatch's `rmdir` of a refused start: deepest first
         os.rmdir(path)
     assert not out.exists() and (tmp_path / "runs").is_dir()  # only what it created
+    (tmp_path / "runs/taken").write_text("a file where a folder must go")
+    with pytest.raises(launch_plan.UsageError, match=r"cannot create .*/runs/taken \(File exists"):
+        launch_plan.make_dirs(
+            [str(tmp_path / "runs/new/checkpoints"), str(tmp_path / "runs/taken")]
+        )
+    assert sorted(os.listdir(tmp_path / "runs")) == ["taken"]  # runs/new went again
 
 
 @pytest.mark.parametrize(
