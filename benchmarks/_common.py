@@ -1,11 +1,14 @@
-"""What several benchmarks share: their options, train.py's model on a world of one and a random
-batch for it, a median of timed calls, train.py run to its metrics records (in this process or a
-fresh one) and a free port. Heavy imports stay inside the functions, so a benchmark that only
-launches processes does not load torch."""
+"""What several benchmarks share: their options and the checks of their values, train.py's
+model on a world of one and a random batch for it, a median of timed calls, train.py run to its
+metrics records (in this process or a fresh one) and a free port. Heavy imports stay inside the
+functions, so a benchmark that only launches processes does not load torch."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import re
 import socket
 import statistics
 import subprocess
@@ -26,9 +29,30 @@ def options(doc: str, **defaults: int) -> argparse.ArgumentParser:
     more train.py flags (`extra`)."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     for name, default in defaults.items():
-        parser.add_argument(f"--{name}", type=int, default=default)
+        parser.add_argument(f"--{name}", type=COUNT, default=default)
     parser.add_argument("extra", nargs="*", help="after --: more train.py flags (every side)")
     return parser
+
+
+def checked(kind: Callable[[str], Any], ok: Callable[[Any], Any], words: str) -> Callable:
+    """An argparse type: `kind(text)` where `ok` holds, else one line (it must be `words`) and
+    exit 2 before any work, not a traceback minutes into a measurement."""
+
+    def parse(text: str) -> Any:
+        with contextlib.suppress(ValueError):
+            if ok(value := kind(text)):
+                return value
+        raise argparse.ArgumentTypeError(f"{text!r} is not {words}")
+
+    return parse
+
+
+COUNT = checked(int, lambda n: n >= 1, "a whole number >= 1")
+SIZE = checked(float, lambda x: x > 0, "a number > 0")
+HXL = r"[1-9]\d*x[1-9]\d*"  # a model's HIDDENxLAYERS
+SHAPE = checked(str, re.compile(HXL).fullmatch, "HIDDENxLAYERS (e.g. 1024x8)")
+SHAPES = checked(str, re.compile(rf"{HXL}(,{HXL})*").fullmatch, "HIDDENxLAYERS,... (256x4,512x8)")
+FOLDER = checked(str, lambda p: os.path.isdir(p) and os.access(p, os.W_OK), "a writable folder")
 
 
 def free_port() -> int:

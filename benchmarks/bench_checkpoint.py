@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import train
-from benchmarks._common import random_batch
+from benchmarks._common import FOLDER, SHAPES, random_batch
 from model_utils import checkpoint, data, optim
 from model_utils.checkpoint.manifest import dir_bytes
 from model_utils.config import arguments
@@ -100,8 +100,8 @@ def measure(spec: str, root: Path, mesh: object, device: torch.device) -> dict[s
 
 def main() -> None:
     p = argparse.ArgumentParser(description="checkpoint save/load time vs state size")
-    p.add_argument("--sizes", default="256x4,512x8,1024x8", help="hidden x layers, comma-separated")
-    p.add_argument("--dir", default=None, help="where to write (default: a temp dir, removed)")
+    p.add_argument("--sizes", default="256x4,512x8,1024x8", type=SHAPES, help="hidden x layers")
+    p.add_argument("--dir", type=FOLDER, help="where to write (default: a temp dir, removed)")
     cli = p.parse_args()
     world = distributed.world_from_env()
     device = distributed.device_for(world)

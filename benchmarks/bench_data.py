@@ -41,6 +41,7 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.data import IterableDataset as TorchIterable
 
+from benchmarks._common import COUNT, SIZE
 from model_utils import data
 from model_utils.config.presets import BUNDLED_DATASET, BUNDLED_TOKENIZER
 from model_utils.config.sections import DataConfig
@@ -249,14 +250,14 @@ def one_thread_row(args: argparse.Namespace) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq_len", type=int, default=256)
-    parser.add_argument("--micro_batch", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=800_000, help="tokens per run")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seq_len", type=COUNT, default=256)
+    parser.add_argument("--micro_batch", type=COUNT, default=8)
+    parser.add_argument("--tokens", type=COUNT, default=800_000, help="tokens per run")
+    parser.add_argument("--repeats", type=COUNT, default=3)
     parser.add_argument("--only", choices=sorted(PIPELINES), help="time one pipeline (no ratios)")
     parser.add_argument("--label", help=argparse.SUPPRESS)  # row name for --only
-    parser.add_argument("--step_ms", type=float, help="measure the step's wait instead")
-    parser.add_argument("--steps", type=int, default=60, help="steps per --step_ms run")
+    parser.add_argument("--step_ms", type=SIZE, help="measure the step's wait instead")
+    parser.add_argument("--steps", type=COUNT, default=60, help="steps per --step_ms run")
     args = parser.parse_args()
     names = [args.only] if args.only else list(PIPELINES)
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3])

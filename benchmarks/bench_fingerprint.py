@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks._common import COUNT, FOLDER, SIZE
 from model_utils.data import checks
 
 
@@ -53,9 +54,9 @@ def timed(fn, path: Path, repeats: int) -> tuple[float, bool]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gib", type=float, default=1.0, help="size of the test file")
-    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where to write it")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gib", type=SIZE, default=1.0, help="size of the test file")
+    parser.add_argument("--dir", type=FOLDER, default=tempfile.gettempdir(), help="written there")
+    parser.add_argument("--repeats", type=COUNT, default=3)
     args = parser.parse_args()
     path = Path(args.dir) / f"bench-fingerprint-{os.getpid()}.bin"
     try:

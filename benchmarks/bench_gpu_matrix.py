@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks._common import COUNT
 from model_utils.config.options import TE_RECIPES
 from model_utils.report import metrics
 
@@ -182,9 +183,9 @@ def wall_clock_rate(records: list[dict], warmup_steps: int) -> float | None:
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="llama2-7b")
-    parser.add_argument("--nproc", type=int, default=None, help="GPUs (default: all visible)")
-    parser.add_argument("--max_steps", type=int, default=40, help="training steps per row")
-    parser.add_argument("--infer_steps", type=int, default=20, help="timed forwards per row")
+    parser.add_argument("--nproc", type=COUNT, help="GPUs (default: all visible)")
+    parser.add_argument("--max_steps", type=COUNT, default=40, help="training steps per row")
+    parser.add_argument("--infer_steps", type=COUNT, default=20, help="timed forwards per row")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu_matrix")
     parser.add_argument("--only", default="", help="comma-separated row names")
     parser.add_argument(

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks._common import COUNT, FOLDER, SHAPE
+
 WRITERS = ("ours", "dcp")
 
 
@@ -169,10 +171,10 @@ def compare(root: Path, checkpoint: Path, shard_bytes: int, repeats: int) -> Non
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", default="1024x8", help="hidden x layers")
-    p.add_argument("--shard_mb", type=int, default=200, help="safetensors shard size")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dir", default=None, help="where to write (default: a temp dir, removed)")
+    p.add_argument("--shape", default="1024x8", type=SHAPE, help="hidden x layers")
+    p.add_argument("--shard_mb", type=COUNT, default=200, help="safetensors shard size")
+    p.add_argument("--repeats", type=COUNT, default=3)
+    p.add_argument("--dir", type=FOLDER, help="where to write (default: a temp dir, removed)")
     p.add_argument("--child", choices=WRITERS, help=argparse.SUPPRESS)
     p.add_argument("--checkpoint", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)

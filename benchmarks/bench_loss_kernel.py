@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from benchmarks._common import median_seconds
+from benchmarks._common import COUNT, median_seconds
 from model_utils.model import loss
 
 #: Per device: (tokens, hidden, vocab). CUDA: Llama 3 8B at seq 8192, micro-batch 2.
@@ -73,11 +73,11 @@ def measure(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--tokens", type=int, help="tokens per micro-batch (batch x seq)")
-    parser.add_argument("--hidden", type=int)
-    parser.add_argument("--vocab", type=int)
-    parser.add_argument("--seq", type=int, default=8192, help="sequence length (labels' rows)")
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--tokens", type=COUNT, help="tokens per micro-batch (batch x seq)")
+    parser.add_argument("--hidden", type=COUNT)
+    parser.add_argument("--vocab", type=COUNT)
+    parser.add_argument("--seq", type=COUNT, default=8192, help="sequence length (labels' rows)")
+    parser.add_argument("--repeat", type=COUNT, default=5)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     given = (args.tokens, args.hidden, args.vocab)  # each one not given: the device's default

@@ -15,7 +15,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from benchmarks._common import train_subprocess
+from benchmarks._common import COUNT, train_subprocess
 
 
 def peak_gib(chunked: bool, args: argparse.Namespace, out: Path) -> float:
@@ -29,9 +29,9 @@ def peak_gib(chunked: bool, args: argparse.Namespace, out: Path) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--vocab_size", type=int, default=65536)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--micro_batch", type=int, default=8)
+    parser.add_argument("--vocab_size", type=COUNT, default=65536)
+    parser.add_argument("--seq", type=COUNT, default=1024)
+    parser.add_argument("--micro_batch", type=COUNT, default=8)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         full = peak_gib(False, args, Path(tmp))

@@ -21,7 +21,9 @@ from benchmarks.bench_profiler_cost import SMALL, step_seconds
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = options(__doc__, steps=30, rounds=2, speed_warmup=5).parse_args(argv)
+    parser = options(__doc__, steps=30, rounds=2, speed_warmup=5)
+    if (args := parser.parse_args(argv)).speed_warmup >= args.steps:
+        parser.error("--speed_warmup must be below --steps")
     base = [*SMALL, "--fp8=1", *args.extra, "--max_steps", str(args.steps)]
     off, on = [], []
     for _ in range(args.rounds):

@@ -22,7 +22,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from benchmarks._common import train_subprocess
+from benchmarks._common import COUNT, train_subprocess
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw_fp8")
 TINY = ["--preset=tiny", "--train_batch_size=4", "--max_context_width=128"]
@@ -103,8 +103,8 @@ def train_run(name: str, steps: int, out: Path) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--ranks", type=int, default=64, help="llama3-70b shard count")
+    parser.add_argument("--steps", type=COUNT, default=200)
+    parser.add_argument("--ranks", type=COUNT, default=64, help="llama3-70b shard count")
     args = parser.parse_args(argv)
 
     print("optimizer-state bytes per parameter, counted from the state tensors after one step:")

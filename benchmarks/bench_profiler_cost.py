@@ -50,7 +50,9 @@ def tokens_per_sec(seconds: list[float], tokens: int) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = options(__doc__, steps=30, rounds=2, speed_warmup=5).parse_args(argv)
+    parser = options(__doc__, steps=30, rounds=2, speed_warmup=5)
+    if (args := parser.parse_args(argv)).speed_warmup >= args.steps - 2:
+        parser.error("--speed_warmup must be below --steps - 2")
     base = [*SMALL, *args.extra, "--max_steps", str(args.steps)]
     flagged = [*base, "--profile_steps", f"{args.steps}:{args.steps}"]
     last = args.steps - 2  # the profiler's warm-up step and the window are left out

@@ -23,16 +23,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks._common import free_port
+from benchmarks._common import COUNT, free_port
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=200, help="gathers timed per rank")
-    args = parser.parse_args(argv)
-    if args.calls < 1:
-        parser.error(f"--calls must be >= 1, got {args.calls}")
-    return args
+    parser.add_argument("--calls", type=COUNT, default=200, help="gathers timed per rank")
+    return parser.parse_args(argv)
 
 
 def percentiles(seconds: list[float]) -> tuple[float, float]:

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from analysis import project_scale as ps
-from benchmarks._common import ROOT
+from benchmarks._common import ROOT, checked
 
 CLUSTER = ROOT / "tools" / "slurm_cluster.sh"
 PAIR = {"fp32": ["--fp8=0"], "fp8-ag": ["--fp8=1", "--fp8_all_gather=1"]}
@@ -61,14 +61,17 @@ def measured(run: Path) -> tuple[ps.Job, ps.Links]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rates", default="off,1gbit,200mbit", help="tc rates; off = unshaped")
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=checked(int, lambda n: n > 5, "> 5 (warm-up)"), default=12)
     parser.add_argument("--runs", metavar="DIR", help="an earlier run's folder: projected again")
     args = parser.parse_args(argv)
     rates = args.rates.split(",")
     if rates[0] != "off" or (os.geteuid() != 0 and not args.runs):
         parser.error("runs as root (namespaces, tc), and --rates starts with off (the base)")
-    if args.runs:
-        return report({(a, r): Path(args.runs, f"{a}-{r}") for a in PAIR for r in rates}, rates)
+    try:  # an earlier run's folder that lacks one of the runs: one line
+        if args.runs:
+            return report({(a, r): Path(args.runs, f"{a}-{r}") for a in PAIR for r in rates}, rates)
+    except ValueError as exc:
+        parser.error(str(exc))
     state = Path(tempfile.mkdtemp(prefix="shaped-links-"))
     cluster = state / "cluster"
     two_nodes = {**os.environ, "SLURM_CLUSTER_NODES": "2"}

@@ -35,8 +35,10 @@ NON_TEST_CODE = ("*.py", "*.sh", "*.sbatch", "*.dockerfile", "Makefile")
 #: benchmark parser, one refusal helper, one torchrun command builder, the packages' `__all__`
 #: lists and a test-only helper moved to tests took out. The rooms were searched for more
 #: (duplicates, a caller search of every function): what is left is prose that says why, or a
-#: restructuring.
-MAX_NON_TEST_LINES = 22_900
+#: restructuring. 22,933 (23,000) on 2026-12-06 after every benchmark's options became checked
+#: argparse types (a count, a size, a model shape, a writable folder) and the --speed_warmup
+#: checks: 33 lines net of the ad hoc checks they replaced.
+MAX_NON_TEST_LINES = 23_000
 
 
 def product_files() -> list[Path]:

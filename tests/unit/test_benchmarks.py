@@ -1,11 +1,13 @@
 """The benchmarks' own behaviour, on CPU: bench_gpu_matrix refuses without a GPU, its rows are
 train.py commands that run what their names say, its table shows the ratios and its failure
 notes the cause; every row gpu_levers.sh names exists; bench_activation_checkpointing times each
-setting with only its own model alive."""
+setting with only its own model alive; every benchmark refuses a bad value before any work."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import sys
 
 import pytest
 import torch
@@ -18,6 +20,44 @@ def test_gpu_matrix_refuses_without_gpu(capsys, monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench_gpu_matrix.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+WHOLE = "is not a whole number >= 1"
+
+
+@pytest.mark.parametrize(
+    ("bench", "args", "says"),
+    [
+        ("bench_activation_checkpointing", ["--repeats", "0"], f"--repeats: '0' {WHOLE}"),
+        ("bench_checkpoint", ["--sizes", "256x4,0x8"], "'256x4,0x8' is not HIDDENxLAYERS,..."),
+        ("bench_checkpoint", ["--dir", "/proc/x"], "--dir: '/proc/x' is not a writable folder"),
+        ("bench_data", ["--step_ms", "nan"], "--step_ms: 'nan' is not a number > 0"),
+        ("bench_data", ["--tokens", "1.5"], f"--tokens: '1.5' {WHOLE}"),
+        ("bench_fingerprint", ["--gib", "-1"], "--gib: '-1' is not a number > 0"),
+        ("bench_hf_writer", ["--shape", "1024x8,512x4"], "is not HIDDENxLAYERS (e.g. 1024x8)"),
+        ("bench_loss_kernel", ["--repeat", "0"], f"--repeat: '0' {WHOLE}"),
+        ("bench_loss_memory", ["--micro_batch", "0"], f"--micro_batch: '0' {WHOLE}"),
+        ("bench_optimizer_states", ["--ranks", "0"], f"--ranks: '0' {WHOLE}"),
+        ("bench_rank_gather", ["--calls", "-3"], f"--calls: '-3' {WHOLE}"),
+        ("bench_scaling", ["--threads", "0"], f"--threads: '0' {WHOLE}"),
+        ("bench_numerics", ["--speed_warmup", "30"], "--speed_warmup must be below --steps"),
+        ("bench_profiler_cost", ["--speed_warmup", "28"], "must be below --steps - 2"),
+        ("bench_train_loop", ["--steps", "12", "--speed_warmup", "10"], "below --steps - 2"),
+        ("bench_shaped_links", ["--steps", "5"], "--steps: '5' is not > 5 (warm-up)"),
+        ("bench_shaped_links", ["--runs", "/proc/x"], "/proc/x/fp32-off holds no metrics.jsonl"),
+    ],
+)
+def test_every_benchmark_refuses_a_bad_value_in_one_line_before_any_work(
+    bench: str, args: list[str], says: str, capsys, monkeypatch
+) -> None:
+    """Not a traceback after minutes of measuring: argparse's usage and one line, exit 2."""
+    module = importlib.import_module(f"benchmarks.{bench}")
+    monkeypatch.setattr(sys, "argv", [f"{bench}.py", *args])
+    with pytest.raises(SystemExit) as exited:
+        module.main()
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exited.value.code == 2 and error.startswith(f"{bench}.py: error: "), error
+    assert says in error
 
 
 def test_gpu_scripts_launch_only_recipes_that_exist() -> None:
