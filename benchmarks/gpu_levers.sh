@@ -59,6 +59,8 @@
 #           the llama3-8b recipe at micro-batch 2 with fp32 parameters as masters and torchao's
 #           8-bit moments (75 GiB of state, ~111 GiB in all by the 4-layer slices' arithmetic),
 #           30 steps, profiled; 8b-fp8 ends with step_breakdown and compare_runs    ~5 min each
+#           (both calls on one warm machine into one OUT_DIR outside $OUT, e.g. /tmp/8b, then
+#           copy what should come back into $OUT)
 #
 # Everything a phase prints goes to OUT_DIR/PHASE.log as well; the matrix rows' run folders
 # (metrics.jsonl) go to OUT_DIR/PHASE-LAYERS-layers/. A session's device time holds TE's set-up
@@ -195,8 +197,17 @@ mkdir -p "$out"
     8b-bf16 | 8b-fp8)
         mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || true)
         [ "${mib:-0}" -ge 130000 ] || { echo "gpu_levers.sh $phase: needs an H200 (141 GB), not ${mib:-no} MiB" >&2; exit 2; }
+        # No checkpoint is written (--checkpoint_freq -1), but a run refuses to start where one
+        # (~45 GiB here) could not fit, since a preemption saves: /dev/shm when it has more room.
+        df -h "$out" /dev/shm || true
+        room() { df -k --output=avail "$1" 2>/dev/null | tail -1 || echo 0; }
+        ck=$out/$phase/checkpoints
+        (($(room /dev/shm) > $(room "$out"))) && ck=/dev/shm/$phase-checkpoints
+        # --hang_timeout: step 1 compiles TE's layers and torchao's optimizer step per shape
         PYTORCH_ALLOC_CONF=expandable_segments:True recipe "$phase" "llama3-8b-${phase#8b-}" \
-            --preset llama3.1-8b --train_batch_size 2 --optimizer adamw8bit
+            --preset llama3.1-8b --train_batch_size 2 --optimizer adamw8bit \
+            --checkpoint_dir "$ck" --hang_timeout 900
+        [ -d "$out/8b-bf16" ] || echo "gpu_levers.sh: no $out/8b-bf16 to compare with: run 8b-bf16 into this OUT_DIR first"
         [ "$phase" = 8b-bf16 ] || "$python" -m analysis.step_breakdown "$out/8b-bf16" "$out/8b-fp8" --no_hta || true
         [ "$phase" = 8b-bf16 ] || "$python" -m analysis.compare_runs "$out/8b-bf16" "$out/8b-fp8" --output "$out/8b-h200.png" || true
         ;;

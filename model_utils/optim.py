@@ -127,12 +127,13 @@ def low_bit_adamw(optimizer: str) -> type[torch.optim.Optimizer]:
     OptimState8bit (uint8 codes through a dynamic quantile map + one fp32 scale per 256-value
     block: 1 + 4/256 bytes per value) or OptimStateFp8 (float8_e4m3fn codes + a scale per
     block). Tensors under 4096 values, or whose size is not a multiple of the block, stay fp32
-    (``_new_buffer``): on the Llama shapes that is the norm gains only. With FSDP2 each state
-    is a DTensor over this rank's shard (``DTensor.from_local``), so it shards, saves and
-    reshards like its parameter. The update is ``single_param_adam`` (fp32 math, decoupled
-    decay ``p -= lr * wd * p``, the same as torch's AdamW), run by ``torch.compile`` per
-    parameter shape: the first step compiles (seconds), later steps reuse it. Each group's lr
-    becomes a 0-d fp32 tensor (``add_param_group``), which LambdaLR fills in place.
+    (``_new_buffer``): on the Llama shapes only norm gains can (a width or shard under 4096).
+    With FSDP2 each state is a DTensor over this rank's shard (``DTensor.from_local``), so it
+    shards, saves and reshards like its parameter. The update is ``single_param_adam`` (fp32
+    math, decoupled decay ``p -= lr * wd * p``, the same as torch's AdamW), run by
+    ``torch.compile`` per parameter shape: the first step compiles (seconds), later steps reuse
+    it. Each group's lr becomes a 0-d fp32 tensor (``add_param_group``), which LambdaLR fills in
+    place.
 
     Why the subclass: torch's AOT-autograd cache keys a DTensor by its spec (mesh, placements,
     shape, stride, dtype; ``DTensor._stable_hash_for_caching``), not by the subclass inside it,

@@ -113,6 +113,11 @@ def resolved(config: Config, cuda: bool) -> Config:
     if config.run.fp8_numerics:
         _check_fp8_numerics(config, recipe)
     _check_recipe_options(config)
+    if precision.fp8 and precision.fp8_backward != "fp8" and precision.model_impl == "te":
+        raise UsageError(  # TE 2.15-2.20's LayerNormMLP asserts backward_override is None
+            f"--fp8_backward {precision.fp8_backward} has no path through --model_impl te's "
+            "fused MLP (TE's LayerNormMLP refuses it): use --model_impl te_linear"
+        )
     return config
 
 

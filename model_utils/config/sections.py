@@ -181,7 +181,8 @@ class PrecisionConfig:
     fp8_backward: str = flag(
         "TE >= 2.15, current/block/mxfp8 scaling (TE's backward_override): the backward's "
         "GEMMs in fp8, or in high precision from the forward's high_precision operands or its "
-        "FP8 ones dequantized; a gap-closer to judge by compare_runs' parity verdict",
+        "FP8 ones dequantized (on --model_impl te_linear: TE's fused MLP has no such backward); "
+        "a gap-closer to judge by compare_runs' parity verdict",
         resume=FP8_KNOB,
         default="fp8",
         choices=("fp8", "high_precision", "dequantized"),

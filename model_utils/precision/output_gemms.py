@@ -17,10 +17,12 @@ def cool_lm_head(model: torch.nn.Module) -> None:
 
 def _to_fp8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` cast to ``dtype`` with its own scale (current scaling: the format's largest value
-    over the amax), and the inverse scale that undoes it."""
-    amax = x.detach().abs().max().float().clamp(min=torch.finfo(torch.float32).tiny)
-    scale = torch.finfo(dtype).max / amax
-    largest = torch.finfo(dtype).max
+    over the amax), and the inverse scale that undoes it. As in TE's current scaling, a scale
+    past fp32's range stops at its largest and an all-zero ``x`` (a chunk whose every target
+    is ignored) gets 1: 0 x inf would be NaN."""
+    largest, amax = torch.finfo(dtype).max, x.detach().abs().max().float()
+    scale = (largest / amax).clamp(max=torch.finfo(torch.float32).max)
+    scale = torch.where(amax > 0, scale, torch.ones_like(scale))
     return (x.float() * scale).clamp(-largest, largest).to(dtype), scale.reciprocal()
 
 

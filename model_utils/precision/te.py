@@ -11,6 +11,7 @@ pure functions testable without TE or a GPU.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -71,9 +72,12 @@ def build_recipe(name: str, **options: Any) -> Any:
     keywords = {TE_RECIPE_KEYWORDS[knob]: value for knob, value in read.items()}
     te_recipe = import_recipe_module()
     keywords["fp8_format"] = getattr(te_recipe.Format, TE_FORMATS[keywords["fp8_format"]])
-    if keywords.get("backward_override") == "fp8":  # TE's own default, and TE < 2.15 has none
-        del keywords["backward_override"]
-    return getattr(te_recipe, recipe.te_class)(**keywords)
+    backward = keywords.pop("backward_override", "fp8")
+    te_class = getattr(te_recipe, recipe.te_class)
+    if "backward_override" in {f.name for f in dataclasses.fields(te_class)}:  # TE >= 2.15
+        # given always: TE's default is NVTE_BACKWARD_OVERRIDE's value, which delayed refuses
+        keywords["backward_override"] = None if backward == "fp8" else backward
+    return te_class(**keywords)
 
 
 def attention_is_deterministic() -> bool:

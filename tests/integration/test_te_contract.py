@@ -912,6 +912,36 @@ def test_the_double_debug_tools_offer_what_te_offers(pinned_te_source: TESource,
     assert refusal in te_state and refusal in inspect_module.getsource(debug_state)
 
 
+def test_te_fused_mlp_refuses_a_backward_override_and_so_does_the_double(
+    pinned_te_source: TESource, te_double
+) -> None:
+    """TE's LayerNormMLP, inside TransformerLayer (--model_impl te), asserts a recipe's
+    backward_override is None under FP8, and the double asserts the same; so the plan refuses
+    --fp8_backward on te in one line (test_arguments) and te_linear's separate linears take it."""
+    message = "is not implemented in LayerNormMLP"
+    real = pinned_te_source.modules["transformer_engine.pytorch.module.layernorm_mlp"]
+    assert message in ast.unparse(real)
+    transformer = pinned_te_source.modules["transformer_engine.pytorch.transformer"]
+    assert "self.layernorm_mlp = LayerNormMLP(" in ast.unparse(transformer)
+    import transformer_engine.pytorch as te
+    from transformer_engine.common import recipe
+
+    layer = te.TransformerLayer(
+        hidden_size=16,
+        ffn_hidden_size=16,
+        num_attention_heads=2,
+        **dict(fuse_qkv_params=True, qkv_weight_interleaved=False, bias=False),
+        **dict(activation="swiglu", normalization="RMSNorm", attn_input_format="bshd"),
+        device="cpu",
+    )
+    mlp = layer.layernorm_mlp  # TE's attribute name (transformer.py)
+    override = recipe.Float8CurrentScaling(backward_override="high_precision")
+    with pytest.raises(AssertionError, match=message), te.autocast(enabled=True, recipe=override):
+        mlp(torch.randn(8, 16))
+    with te.autocast(enabled=True, recipe=recipe.Float8CurrentScaling()):
+        assert mlp(torch.randn(8, 16)).shape == (8, 16)
+
+
 def test_the_double_accepts_the_backward_overrides_te_accepts(
     pinned_te_source: TESource, te_double
 ):

@@ -205,6 +205,11 @@ def test_the_parser_is_derived_from_the_fields():
             "scaling read it; drop it or change --fp8_recipe",
         ),
         (["--model_impl=hf", "--fp8=1", "--fp8_backward=high_precision"], "Transformer Engine"),
+        (
+            ["--model_impl=te", "--fp8=1", "--fp8_recipe=current", "--fp8_backward=dequantized"],
+            "--fp8_backward dequantized has no path through --model_impl te's fused MLP (TE's "
+            "LayerNormMLP refuses it): use --model_impl te_linear",
+        ),
         ([f"--seed={2**63}"], "--seed must be in [0, 2**63)"),
         (["--activation_checkpointing", "--ac_scope=attention"], "invalid choice: 'attention'"),
         (["--output_dir="], "--output_dir is empty (an unset shell variable?)"),
@@ -285,7 +290,8 @@ def test_the_largest_seed_starts_a_run_the_same_way_twice():
 
 def test_te_recipe_options_pass_where_a_te_recipe_reads_them():
     """Every option its recipes read, and any of them with --fp8=0 on TE (one command line
-    toggles FP8); a default is never refused (only what the user gave)."""
+    toggles FP8); a default is never refused (only what the user gave). --fp8_backward runs on
+    TE's separate linears (te_linear): TE's fused LayerNormMLP has no such backward."""
     from model_utils.config.options import TE_RECIPE_OPTIONS
 
     values = {
@@ -296,8 +302,9 @@ def test_te_recipe_options_pass_where_a_te_recipe_reads_them():
         "fp8_backward": "high_precision",
     }
     for name, recipes in TE_RECIPE_OPTIONS.items():
+        impl = "te_linear" if name == "fp8_backward" else "te"
         for recipe in recipes:
-            argv = ["--model_impl=te", "--fp8=1", f"--fp8_recipe={recipe}", f"--{name}"]
+            argv = [f"--model_impl={impl}", "--fp8=1", f"--fp8_recipe={recipe}", f"--{name}"]
             args = parse_args([*argv, values[name]])
             assert str(args.get(name)) == values[name], (name, recipe)
         toggled = parse_args(["--model_impl=te", "--fp8=0", f"--{name}", values[name]])

@@ -112,7 +112,8 @@ def test_the_8b_phases_are_one_fair_pair_that_fits_one_h200_by_the_phases_own_ar
         assert refused.returncode == 2, refused.stdout + refused.stderr
         assert "gpu_levers.sh 8b-fp8: needs an H200 (141 GB), not no MiB" in refused.stdout
         assert sorted(p.name for p in tmp_path.iterdir()) == ["8b-fp8.log"]
-    (overrides,) = re.findall(r'"llama3-8b-\$\{phase#8b-\}" \\\n\s+(.*)$', block, flags=re.M)
+    (overrides,) = re.findall(r'"llama3-8b-\$\{phase#8b-\}" \\\n((?:.*\\\n)*.*)$', block, re.M)
+    overrides = overrides.replace("\\\n", " ").replace('"$ck"', "/dev/shm/8b-fp8-checkpoints")
     flags = [*overrides.split(), "--output_dir", "runs/8b"]  # the launcher names each folder
     twins = [parse_args(["--recipe", f"llama3-8b-{p}", *flags]) for p in ("bf16", "fp8")]
     assert [c.precision.fp8 for c in twins] == [False, True]
@@ -120,6 +121,7 @@ def test_the_8b_phases_are_one_fair_pair_that_fits_one_h200_by_the_phases_own_ar
     assert fair == twins[1]  # nothing but the precision differs
     shape, optim = twins[1].model, twins[1].optim
     assert (shape.num_layers, shape.vocab_size, optim.optimizer) == (32, 128256, "adamw8bit")
+    assert twins[1].run.hang_timeout == 900  # step 1 compiles TE's layers and torchao's steps
     meta = modeling.build(twins[1], "hf", torch.device("cpu"))  # every parameter on meta
     params = sum(p.numel() for p in meta.parameters())
     assert 8.0e9 < params < 8.1e9 and 74 < params * (4 + 4 + 2) / 2**30 < 76

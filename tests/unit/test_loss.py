@@ -197,6 +197,16 @@ def test_fp8_mm_rounds_through_the_format_and_undoes_the_scale() -> None:
         assert 0 < relative < step, (grad, relative)
 
 
+def test_an_all_zero_or_tiny_operand_stays_finite_in_fp8() -> None:
+    """A chunk whose targets are all ignored multiplies its hidden states by zero: the scale of
+    an all-zero operand is 1, and a tiny amax's scale stops at fp32's largest (no 0 x inf)."""
+    ones = torch.ones(32, 32)
+    for a in (torch.zeros(32, 32), torch.full((32, 32), 1e-39)):
+        for grad in (False, True):
+            assert torch.isfinite(output_gemms.fp8_mm(a, ones, grad=grad)).all(), (a[0, 0], grad)
+    assert (output_gemms.fp8_mm(torch.zeros(32, 32), ones, grad=True) == 0).all()
+
+
 def test_the_weight_is_cast_to_fp8_once_per_loss_call_and_the_gemms_are_unchanged(
     monkeypatch,
 ) -> None:

@@ -167,6 +167,22 @@ def test_build_recipe_maps_flags(te_double) -> None:
         assert te_precision.build_recipe(recipe, fp8_backward="fp8").backward_override is None
 
 
+def test_nvte_backward_override_in_the_environment_changes_no_recipe(monkeypatch, te_double):
+    """TE's recipes default backward_override to NVTE_BACKWARD_OVERRIDE (read at import), which
+    delayed scaling asserts is None: --fp8_backward fp8 gives None to every recipe explicitly."""
+    from te_double import install
+
+    monkeypatch.setenv("NVTE_BACKWARD_OVERRIDE", "high_precision")
+    install()  # TE imported afresh, under the variable
+    from transformer_engine.common import recipe as te_recipe
+
+    assert te_recipe.Float8CurrentScaling().backward_override == "high_precision"
+    for recipe in ("delayed", "current", "block", "mxfp8"):
+        assert te_precision.build_recipe(recipe).backward_override is None
+    built = te_precision.build_recipe("current", fp8_backward="dequantized")
+    assert built.backward_override == "dequantized"
+
+
 @pytest.mark.parametrize("override", ["high_precision", "dequantized"])
 def test_fp8_backward_runs_the_backward_gemms_unquantized(override: str, te_double) -> None:
     """TE's backward_override: the incoming gradient is not cast to FP8, and the GEMMs read the

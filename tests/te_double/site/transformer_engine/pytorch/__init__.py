@@ -937,6 +937,12 @@ class _LayerNormMLP(_TEModule):
     def forward(
         self, hidden_states: torch.Tensor, is_first_microbatch: bool | None = None
     ) -> torch.Tensor:
+        if _STATE.enabled:  # TE's LayerNormMLP forward asserts this (layernorm_mlp.py)
+            assert getattr(_STATE.recipe, "backward_override", None) is None, (
+                "NVTE_BACKWARD_OVERRIDE=high_precision/dequantized is not implemented in "
+                "LayerNormMLP. Replace LayerNormMLP with LayerNormLinear + Linear to enable "
+                "high_precision/dequantized backward."
+            )
         names = ("layer_norm_weight", "fc1_weight", "fc2_weight")
         params = [getattr(self, name) for name in names]
         dtype = _activation_dtype(hidden_states, params)
