@@ -24,7 +24,8 @@
 #           --reshard_after_forward never) at mb4, on te-fp8 and on te-bf16: FP8's speed-up
 #           with the same levers on both sides                                         ~3 min
 #   tier    the GPU tier's cuDNN, FP8-attention, MLP-recompute, masters, FP8-weights, validation
-#           and one-seed tests (~9 min); TIER_K=EXPR picks others: "gap_closer or cool_down"
+#           and one-seed tests (~9-11 min: safer as two calls, TIER_K="cudnn or fp8_attention or
+#           fp8_weights" then the rest); TIER_K=EXPR picks others: "gap_closer or cool_down"
 #   attention  te-fp8 mb4 with and without --fp8_attention (cuDNN's FP8 attention)     ~2 min
 #   torchao torchao's float8 (tensorwise + float8 all-gather) against TE's delayed scaling,
 #           both at mb4 under --compile: the torchao/te goal with every lever on both   ~3 min
@@ -93,11 +94,13 @@ BEST_BF16="te-bf16 mb4 +compile +masters +no-reshard +expandable"
 BEST_FP8="te-fp8 mb4 +compile +masters +no-reshard +expandable"
 TORCHAO="torchao-fp8 mb4 +ag +compile +expandable"
 folder() { echo "$out/full/${1// /_}"; }
-# recipe RUN_NAME RECIPE FLAGS...: a user's launch of a shipped recipe, 30 steps, profiled
+# recipe RUN_NAME RECIPE FLAGS...: a user's launch of a shipped recipe, 30 steps, profiled; one
+# validation window at the end (the bundled corpus holds 7 of 8192 tokens)
 recipe() {
     fresh gpu_levers.sh "$out" "$1"
     launch "$1" "$2" --max_steps 30 --warmup 5 --validation_freq 0 --checkpoint_freq -1 \
-        --profile_steps 20:21 --dataset data/kjv.jsonl.gz --tokenizer data/tokenizer "${@:3}"
+        --validation_batches 1 --val_batch_size 1 --profile_steps 20:21 \
+        --dataset data/kjv.jsonl.gz --tokenizer data/tokenizer "${@:3}"
 }
 
 mkdir -p "$out"

@@ -7,13 +7,17 @@
 #   bash benchmarks/gpu_long_ab.sh OUT_DIR --arms none                  # the verdicts alone
 #   bash benchmarks/gpu_long_ab.sh OUT_DIR --dry_run                    # every arm on a CPU
 #
-# GPU: a Llama-shaped model of 124M parameters (width 768, 12 layers, 12 heads, 4 KV heads, FFN
-# 2048, vocab 32768: the code corpus's tokenizer) through the launcher on the shipped 1B recipe's
-# settings (--recipe llama3.2-1b-*: TE, --compile, delayed scaling on the FP8 side), with the
-# shape, data and schedule overridden: micro-batch 7 x 1,024 tokens, STEPS steps (default 3,000:
-# 21.5M tokens of tools/make_code_corpus.py's 23.0M training tokens, none read twice), lr 6e-4
-# cosine to 6e-5 after 300 warm-up steps, the held-out text validated every VAL_FREQ steps
-# (default 250), no checkpoints. The arms, each a run folder in OUT_DIR:
+# GPU: a Llama-shaped model of 101M parameters (width 768, 12 layers, 12 heads, 4 KV heads, FFN
+# 2048, vocab 32768: the code corpus's tokenizer; embeddings tied as the 1B's) through the
+# launcher on the shipped 1B recipe's settings (--recipe llama3.2-1b-*: TE, --compile, delayed
+# scaling on the FP8 side), with the shape, data and schedule overridden: micro-batch 7 x 1,024
+# tokens, STEPS steps (default 3,000: 21.5M tokens of tools/make_code_corpus.py's 23.0M training
+# tokens, none read twice), lr 6e-4 cosine to 6e-5 after 300 warm-up steps, the held-out text
+# validated every VAL_FREQ steps (default 250), no checkpoints. On the GPU the arms of one call
+# train at the same time (each alone is host-bound and leaves most of the GPU idle; one after
+# another, three would not fit a 10-minute call), each logging to OUT_DIR/ARM.log: their losses
+# per step are the point, and their times, shared, say nothing of FP8's speed (gpu_parity.sh
+# measures that). The arms:
 #   bf16-a       the BF16 reference (--seed 42)
 #   bf16-b       its seed replica (--seed 43 --data_seed 42: the same tokens in the same order)
 #   fp8          the shipped FP8 recipe (delayed scaling, amax history 1024 / max)
@@ -24,7 +28,7 @@
 # folder; after the arms, every arm present is judged by compare_runs against bf16-a, inside the
 # noise band bf16-b spans
 # (--replicas 2): verdict.txt (each arm's gaps, step lag at every validation, matched time, same
-# loss, verdict), compare.png, long_ab.log (every line printed). A 124M model's run tells how
+# loss, verdict), compare.png, long_ab.log (every line printed). A 101M model's run tells how
 # FP8's gap moves with the steps and the LR schedule at a fixed recipe; it cannot tell a 1B-8B
 # model's gap, whose outliers grow with width and depth (docs/recipes.md).
 #
@@ -94,9 +98,18 @@ mkdir -p "$out"
 {
     echo "# gpu_long_ab.sh ${dry:-(GPU)} on $(hostname) at $(date -u +%FT%TZ), git $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')"
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || true
+    pids=()
     for name in "${wanted[@]}"; do
         read -r -a flags <<< "$(arm_flags "$name")"
-        launch "$name" "${flags[@]}" "${shared[@]}"
+        if [ -n "$dry" ]; then
+            launch "$name" "${flags[@]}" "${shared[@]}"
+        else
+            launch "$name" "${flags[@]}" "${shared[@]}" > "$out/$name.log" 2>&1 &
+            pids+=("$!")
+        fi
+    done
+    for pid in "${pids[@]}"; do
+        wait "$pid" || echo "gpu_long_ab.sh: an arm failed: see its log, $out/ARM.log"
     done
     runs=() labels=()
     for name in bf16-a bf16-b fp8 fp8-current fp8-closer; do

@@ -478,7 +478,7 @@ def launch_records(env: Mapping[str, str], argv: Sequence[str]) -> list[tuple[st
         records += slurm_records(env, folders)
     else:
         path, _ = host_python(env)
-        records += [("env", f"PATH={path['PATH']}"), *(("created", d) for d in make_dirs(folders))]
+        records.append(("env", f"PATH={path['PATH']}"))  # the folders wait for the check
     if launch.note:
         records.append(("say", launch.note))
     return records

@@ -15,6 +15,9 @@ on the nodes on the job's Python (the container's, or the venv's). Subcommands:
   finished CKPT_DIR
             exit 0 when the newest complete checkpoint is at the run's max_steps (asked only
             after a preemption, before a requeue)
+  folders DIR...
+            without Slurm, after the check: the run's folders, or one line and exit 2 (with
+            nothing of them left) where one cannot be made
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from launch_plan import UsageError, cpu, launch_records, published, slow_bf16_hint
+from launch_plan import UsageError, cpu, launch_records, make_dirs, published, slow_bf16_hint
 
 # The signals that ask train.py for a checkpoint at its next logging step, then an exit.
 FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
@@ -382,6 +385,8 @@ def main(argv: Sequence[str]) -> int:
             sys.stdout.write("".join(f"{key}={value}\0" for key, value in records))
         elif command == "finished":
             return 0 if published.finished(args[0]) else 1
+        elif command == "folders":
+            make_dirs(args)
         elif command == "node":
             return run_node(args, env)
         else:

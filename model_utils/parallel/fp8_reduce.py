@@ -63,9 +63,11 @@ def to_wire(chunks: Tensor) -> Tensor:
     """(world, chunk) fp32 -> (world, bytes) uint8 (gloo has no float8): each destination's
     float8 values, then its blocks' fp32 dequantisation factors (amax / 448) as bytes."""
     world, chunk = chunks.shape
+    # In place on the padded copy: FSDP2 runs this on its reduce-scatter stream, whose blocks
+    # the compute stream cannot reuse, so each fp32 temporary of a unit's size stays reserved.
     blocks = F.pad(chunks.float(), (0, -chunk % BLOCK)).view(world, -1, BLOCK)
-    factor = blocks.abs().amax(dim=-1, keepdim=True) / FP8_MAX
-    values = (blocks / torch.where(factor > 0, factor, 1.0)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    factor = torch.linalg.vector_norm(blocks, float("inf"), dim=-1, keepdim=True) / FP8_MAX
+    values = blocks.div_(torch.where(factor > 0, factor, 1.0)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
     return torch.cat(
         [values.view(torch.uint8).view(world, -1), factor.view(world, -1).view(torch.uint8)], 1
     )
@@ -76,5 +78,5 @@ def from_wire(received: Tensor, chunk: int) -> Tensor:
     world, blocks = received.shape[0], -(-chunk // BLOCK)
     values = received[:, : blocks * BLOCK].contiguous().view(FP8).float()
     factor = received[:, blocks * BLOCK :].contiguous().view(torch.float32)
-    summed = (values.view(world, blocks, BLOCK) * factor.view(world, blocks, 1)).sum(dim=0)
+    summed = values.view(world, blocks, BLOCK).mul_(factor.view(world, blocks, 1)).sum(dim=0)
     return summed.flatten()[:chunk]

@@ -54,11 +54,12 @@ FORMS = {"auto": Form(("bf16",), 2, 64 << 20), "full": Form(tuple(PAYLOADS), 5, 
 
 def largest_unit(model: nn.Module) -> int:
     """Parameters of the largest FSDP2 unit (a decoder layer, or a vocab-sized matrix): what
-    each all-gather and reduce-scatter of a step moves at most."""
+    each all-gather and reduce-scatter of a step moves at most. A tied matrix counts once."""
     sizes = [0]
     for unit, _ in fsdp_units(model):
         modules = unit if isinstance(unit, list) else [unit]
-        sizes.append(sum(p.numel() for m in modules for p in m.parameters()))
+        params = {id(p): p for m in modules for p in m.parameters()}  # tied: one matrix
+        sizes.append(sum(p.numel() for p in params.values()))
     return max(sizes)
 
 
@@ -217,7 +218,8 @@ def summary(record: dict) -> list[str]:
         )
     if record["links"]:
         lines.append(
-            "preflight: links " + ", ".join(f"{k} {v:.2f}" for k, v in record["links"].items())
+            "preflight: links per GPU pair (a node's GPUs each to its peer on the next, at "
+            "once) " + ", ".join(f"{k} {v:.2f}" for k, v in record["links"].items())
         )
     return lines + record["slow"]
 

@@ -127,6 +127,31 @@ def test_the_8b_phases_are_one_fair_pair_that_fits_one_h200_by_the_phases_own_ar
     assert 8.0e9 < params < 8.1e9 and 74 < params * (4 + 4 + 2) / 2**30 < 76
 
 
+def test_every_shipped_recipe_gpu_levers_launches_finds_its_validation_in_the_bundled_corpus():
+    """recipe() of gpu_levers.sh launches shipped recipes on data/kjv.jsonl.gz: the held-out
+    documents hold 7 windows of 8192 tokens, so 4 batches of the micro-batch (the defaults)
+    would end each run at start-up on the GPU. Its flags build every recipe's batches here."""
+    import re
+
+    from benchmarks import bench_gpu_matrix as bench
+    from model_utils.config.arguments import parse_args
+    from model_utils.data.tokens import load_tokenizer
+    from model_utils.data.validation import validation_batches
+
+    levers = (bench.ROOT / "benchmarks" / "gpu_levers.sh").read_text()
+    (body,) = re.findall(r"^recipe\(\) \{\n(.*?)^\}", levers, flags=re.M | re.S)
+    flags = body.replace("\\\n", " ").split('"$2"')[1].split('"${@:3}"')[0].split()
+    recipes = set(re.findall(r"recipe \S+ (llama[\w.-]+)", levers))
+    recipes |= {f"llama3-8b-{p}" for p in ("bf16", "fp8")}  # the 8B phases name it by pattern
+    assert {"llama3.2-1b-fp8", "llama3.2-3b-bf16", "llama3-8b-fp8"} <= recipes
+    tokenizer = load_tokenizer("data/tokenizer")
+    for recipe in sorted(recipes):
+        config = parse_args(["--recipe", recipe, *flags])
+        width = config.model.max_context_width
+        batches = validation_batches(config.data, tokenizer, width, config.run.validation_batches)
+        assert len(batches) == 1 and batches[0]["input_ids"].shape == (1, width), recipe
+
+
 def test_gpu_levers_script_names_only_rows_the_matrix_has(capsys) -> None:
     """A misspelt row in gpu_levers.sh would run nothing and spend a lent GPU's call: every
     row it names exists, and the matrix refuses an unknown row or mode in one line, exit 2."""
