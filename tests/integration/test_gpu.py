@@ -344,6 +344,8 @@ def test_no_fsdp2_and_cuda_graphs_train_like_fsdp2_and_resume(runs) -> None:
     make_graphed_callables) and gives its losses, and a graphed run resumed at step 5 (captured
     after the load) repeats the uninterrupted one."""
     needs_te()
+    if not recipe_runs_here("delayed"):
+        pytest.skip(f"FP8 does not run on SM {sm()}")
     fsdp2 = runs / "te-delayed-fsdp2"
     ok(train(fsdp2, *TE_DELAYED))
     plain = runs / "te-delayed-no-fsdp2"
@@ -557,7 +559,8 @@ LEVERS = {
         ("--amax_history_len=16", "--amax_compute_algo=most_recent"),
         0.03,
     ),
-    "bf16-first-and-last-layer": (TE_DELAYED, ("--bf16_layers=0,-1",), 0.03),
+    # SMALL has 2 layers, where 0,-1 would be all of them: layer 0 in BF16 beside FP8's layer 1
+    "bf16-first-layer": (TE_DELAYED, ("--bf16_layers=0",), 0.03),
     "fp8-lm-head": (TE_DELAYED, ("--fp8_lm_head",), 0.03),
 }
 
@@ -572,8 +575,9 @@ def test_each_gap_closer_trains_near_its_recipe_and_resumes_bit_for_bit(lever: s
     nothing.)"""
     needs_te()
     base_flags, flags, gap = LEVERS[lever]
-    if "current" in base_flags[-1] and not recipe_runs_here("current"):
-        pytest.skip(f"current scaling does not run on SM {sm()}")
+    recipe = base_flags[-1].split("=")[1]
+    if not recipe_runs_here(recipe):
+        pytest.skip(f"{recipe} scaling does not run on SM {sm()}")
     base = runs / f"lever-base-{base_flags[-1].split('=')[1]}"
     if not (base / "metrics.jsonl").exists():
         ok(train(base, *base_flags))
@@ -589,7 +593,11 @@ def test_each_gap_closer_trains_near_its_recipe_and_resumes_bit_for_bit(lever: s
     resumed = runs / f"lever-{lever}-resumed"
     checkpoint = out / "checkpoints" / "step_00000005"
     ok(train(resumed, *base_flags, *flags, f"--resume_from_checkpoint={checkpoint}"))
-    assert losses(resumed) == {s: v for s, v in got.items() if s > 5}
+    after = {s: v for s, v in got.items() if s > 5}
+    if "--model_impl=te_linear" in base_flags:  # HF's SDPA: torch's attention backward is not
+        assert losses(resumed) == pytest.approx(after, rel=1e-3)  # deterministic (TE's is)
+    else:
+        assert losses(resumed) == after
 
 
 def test_a_bf16_cool_down_on_te_switches_once_and_resumes_across_the_switch(runs) -> None:
@@ -597,6 +605,8 @@ def test_a_bf16_cool_down_on_te_switches_once_and_resumes_across_the_switch(runs
     a resume from step 5 crosses the switch where the uninterrupted run did, bit for bit, and
     the BF16 steps' losses leave FP8's (FP8 is really off)."""
     needs_te()
+    if not recipe_runs_here("delayed"):
+        pytest.skip(f"FP8 does not run on SM {sm()}")
     flags = (*TE_DELAYED, "--bf16_cooldown=0.3")
     out = runs / "te-delayed-cool-down"
     result = train(out, *flags, "--checkpoint_freq=5", "--keep_last=0")
