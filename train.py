@@ -144,15 +144,9 @@ class Run(StepParts):
     val_batches: list[dict[str, torch.Tensor]]
 
 
-def train(
-    config: Config,
-    tokenizer,
-    world: distributed.World,
-    device,
-    preemption,
-) -> None:
-    """Build (data first: its problems show before the model's cost), then step until
-    --max_steps or a stop request (a signal or a bad read: checkpoint, then exit)."""
+def build_run(config: Config, tokenizer, world: distributed.World, device) -> Run:
+    """Everything the steps need, data first (its problems show before the model's cost), then
+    the model, its outputs' room, the optimizer, and the run resumed or started."""
     torch.manual_seed(config.run.seed)
     mesh = distributed.build_mesh(world, device, config.parallel.sharding_strategy)
     if world.num_nodes > 1:  # every rank: its node and mesh groups (hybrid: replicas across)
@@ -165,10 +159,23 @@ def train(
     optimizer, scheduler = build_optimizer(model, config, device, backend)
     log.info("optimizer: %s", optim.describe(optimizer))
     parts = StepParts(model, optimizer, scheduler, backend, config, device)
-    run = start_run(parts, stream, val_batches, world)
-    config, state, hang = run.config, run.state, run.run_log.watchdog  # config: as resumed
+    return start_run(parts, stream, val_batches, world)
 
-    reads = data.ReadGuard(stream, config.data.text_column, world.world_size)
+
+def train(
+    config: Config,
+    tokenizer,
+    world: distributed.World,
+    device,
+    preemption,
+) -> None:
+    """Build the run, then step until --max_steps or a stop request (a signal or a bad read:
+    checkpoint, then exit)."""
+    run = build_run(config, tokenizer, world, device)
+    config, state, hang = run.config, run.state, run.run_log.watchdog  # config: as resumed
+    model, backend, val_batches = run.model, run.backend, run.val_batches
+
+    reads = data.ReadGuard(state.data, config.data.text_column, world.world_size)
     model.train()
     if config.parallel.cuda_graphs:  # after a resume: the graphs read the parameters in place
         te_llama.capture_cuda_graphs(
