@@ -155,7 +155,8 @@ def fp8_attention_problem(
 
     Read from TE 2.20's ``get_attention_backend``: only cuDNN's FusedAttention runs FP8 in
     training (FlashAttention is disabled for FP8); on SM 9.x it needs delayed scaling ("Disabling
-    FusedAttention for FP8 current scaling on arch < sm100") and head_dim 128; deterministic
+    FusedAttention for FP8 current scaling on arch < sm100") and head_dim 128, on SM 10.0+ a
+    head_dim of at most 128 in multiples of 16, and SM 12.0 has none; deterministic
     mode (``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` or torch's deterministic algorithms) needs
     cuDNN >= 9.19. TE would raise "No dot product attention backend is available" at the first
     forward, after the launch.
@@ -171,7 +172,14 @@ def fp8_attention_problem(
             "allow non-deterministic algorithms, point TE at a newer cuDNN (CUDNN_HOME), or "
             "drop --fp8_attention"
         )
-    if tuple(sm) >= (10, 0):
+    if tuple(sm) == (12, 0):  # TE: "FP8 is not supported for compute capability = sm120"
+        return f"--fp8_attention: TE has no FP8 attention on SM 12.0; {where}"
+    if tuple(sm) >= (10, 0):  # cuDNN's FP8 fused attention there (fused_attn.cpp)
+        if head_dim > 128 or head_dim % 16:
+            return (
+                f"--fp8_attention on SM 10.0+ needs a head_dim of at most 128 and a multiple of "
+                f"16 (cuDNN's FP8 attention); this model has {head_dim} (hidden_width / num_heads)"
+            )
         return None
     if recipe != "delayed":
         return (

@@ -52,6 +52,10 @@ def test_flag_combinations_without_an_fp8_attention_path_are_refused(
         ("delayed", (8, 9), 128, "SM 9.0\\+ \\(Hopper\\); this GPU is SM 8.9"),
         ("current", (10, 0), 64, None),
         ("delayed", (10, 0), 64, None),
+        ("current", (10, 0), 128, None),
+        ("current", (10, 0), 256, "at most 128 and a multiple of 16 .*this model has 256"),
+        ("delayed", (10, 3), 72, "at most 128 and a multiple of 16 .*this model has 72"),
+        ("delayed", (12, 0), 128, "TE has no FP8 attention on SM 12.0"),
     ],
 )
 def test_where_te_has_an_fp8_attention_backend(recipe, sm, head_dim, expected) -> None:
@@ -100,6 +104,11 @@ def test_capability_check_refuses_what_te_would_fail_on_after_the_launch(
     _backend("delayed", head_dim=128).capability_check()
     monkeypatch.setenv("TE_DOUBLE_SM", "10.0")
     _backend("current", head_dim=32).capability_check()
+    with pytest.raises(TECapabilityError, match="at most 128 and a multiple of 16"):
+        _backend("current", head_dim=40).capability_check()
+    monkeypatch.setenv("TE_DOUBLE_SM", "12.0")
+    with pytest.raises(TECapabilityError, match="no FP8 attention on SM 12.0"):
+        _backend("delayed", head_dim=128).capability_check()
 
 
 def test_the_cudnn_rule_reads_the_cudnn_te_loaded(te_double, monkeypatch) -> None:
@@ -115,6 +124,30 @@ def test_the_cudnn_rule_reads_the_cudnn_te_loaded(te_double, monkeypatch) -> Non
     monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     monkeypatch.setenv("TE_DOUBLE_CUDNN", "9.19.0")
     _backend("delayed", head_dim=128).capability_check()
+
+
+@pytest.mark.parametrize(
+    ("sm", "head_dim", "says"),
+    [
+        ("12.0", 128, "not supported for sm120"),
+        ("10.0", 40, "head_dim <= 128, % 16 == 0"),
+        ("10.0", 64, None),
+    ],
+)
+def test_the_double_has_no_fp8_attention_where_te_has_none(
+    sm, head_dim, says, te_double, monkeypatch
+) -> None:
+    """The double refuses what TE's backend choice finds no FP8 attention for (SM 12.0; on SM
+    10.0+ a head_dim over 128 or not a multiple of 16), as the plan's rule above does first."""
+    import transformer_engine.pytorch as te
+
+    monkeypatch.setenv("TE_DOUBLE_SM", sm)
+    attention, recipe = te._DotProductAttention(), te_precision.build_recipe("current")
+    if says is None:
+        attention.check_fp8_backend(recipe, head_dim)
+        return
+    with pytest.raises(ValueError, match=re.escape(says)):
+        attention.check_fp8_backend(recipe, head_dim)
 
 
 def test_without_the_check_te_fails_at_the_first_forward(tmp_path, te_double) -> None:

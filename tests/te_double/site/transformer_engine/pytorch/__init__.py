@@ -881,7 +881,8 @@ class _DotProductAttention(_TEModule):
     def check_fp8_backend(self, fp8_recipe: Any, head_dim: int) -> None:
         """TE's ``get_attention_backend`` for FP8 on our layer: only cuDNN's FusedAttention runs
         FP8 in training, on SM 9.x with head_dim 128 and delayed scaling (current scaling and
-        MXFP8 need SM 10.0+); with no backend left TE raises this ValueError."""
+        MXFP8 need SM 10.0+), on SM 10.0+ up to head_dim 128 in multiples of 16 (cuDNN's rule in
+        fused_attn.cpp), never on SM 12.0; with no backend left TE raises this ValueError."""
         sm = get_device_compute_capability()
         reasons = []
         if sm < (9, 0):
@@ -891,6 +892,10 @@ class _DotProductAttention(_TEModule):
                 reasons.append("Disabling FusedAttention for FP8 current scaling on arch < sm100")
             if head_dim != 128:
                 reasons.append("FP8 fused attention on sm90 supports head_dim 128 only")
+        elif sm == (12, 0):
+            reasons.append("Disabling FusedAttention as FP8 is not supported for sm120")
+        elif head_dim > 128 or head_dim % 16:
+            reasons.append("FP8 fused attention on sm100+ supports head_dim <= 128, % 16 == 0")
         if reasons:
             raise ValueError(
                 "No dot product attention backend is available for the provided inputs. "
