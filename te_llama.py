@@ -231,14 +231,14 @@ class TELlamaDecoderLayer(nn.Module):
     ``seq x head_dim`` per layer) so they keep full precision under bf16 compute.
     """
 
-    def __init__(self, config: Any, layer_idx: int, *, fp8: bool = True):
+    def __init__(self, config: Any, layer_idx: int, *, fp8: bool = True, recipe: Any = None):
         super().__init__()
         _check_te_config(config)
         te = import_te()
         self.layer_idx = layer_idx
         #: False: this layer computes in high precision inside the model's FP8 autocast
         #: (--bf16_layers), its own forward and the backward TE records for it.
-        self.fp8 = fp8
+        self.fp8, self.fp8_recipe = fp8, recipe
         self.hidden_size = config.hidden_size
         head_dim = head_dim_of(config)
         std = float(config.initializer_range)
@@ -304,7 +304,7 @@ class TELlamaDecoderLayer(nn.Module):
                 "this layer's CUDA graph (--cuda_graphs) was captured causal, without a mask: a "
                 "padding mask cannot reach it; train on packed sequences or drop --cuda_graphs"
             )
-        with nullcontext() if self.fp8 else fp8_disabled():
+        with nullcontext() if self.fp8 else fp8_disabled(self.fp8_recipe):
             return self.transformer_layer(
                 hidden_states,
                 attention_mask=te_mask,
@@ -362,10 +362,11 @@ def capture_cuda_graphs(
     )
 
 
-def fp8_disabled() -> AbstractContextManager:
+def fp8_disabled(recipe: Any = None) -> AbstractContextManager:
     """A region computed in high precision inside an FP8 autocast: TE's nested autocast with
-    ``enabled=False`` (its exit reduces no amaxes; the outer exit still does)."""
-    return te_autocast(import_te(), enabled=False)
+    ``enabled=False`` (its exit reduces no amaxes; the outer exit still does), given the run's
+    `recipe`: TE's default one it refuses to build while torch.compile traces the layer."""
+    return te_autocast(import_te(), enabled=False, recipe=recipe)
 
 
 # ---- Building the models.
@@ -425,7 +426,7 @@ def build_te_llama(
         if impl == "te":
             model = _skeleton(config, num_layers=0)
             model.model.layers = nn.ModuleList(
-                TELlamaDecoderLayer(model.config, i, fp8=i not in bf16_layers)
+                TELlamaDecoderLayer(model.config, i, fp8=i not in bf16_layers, recipe=fp8_recipe)
                 for i in range(model.config.num_hidden_layers)
             )
         else:

@@ -35,14 +35,15 @@ NON_TEST_CODE = ("*.py", "*.sh", "*.sbatch", "*.dockerfile", "Makefile")
 #: benchmark parser, one refusal helper, one torchrun command builder, the packages' `__all__`
 #: lists and a test-only helper moved to tests took out. The rooms were searched for more
 #: (duplicates, a caller search of every function): what is left is prose that says why, or a
-#: restructuring. 22,998 (23,000) on 2026-12-06 after every benchmark's options became checked
+#: restructuring. 22,999 (23,000) on 2026-12-06 after every benchmark's options became checked
 #: argparse types (a count, a size, a model shape, a writable folder) and the --speed_warmup
 #: checks: 33 lines net of the ad hoc checks they replaced; and 50 for what a reading of TE's,
 #: torchao's and torch's source found in the unrun GPU path (--fp8_backward refused on TE's
 #: fused MLP, an explicit backward_override, a finite FP8 scale, a tied unit counted once, the
 #: fp8 reduce in place, the 8B phase's checkpoint room, the long A/B's arms at once, gpu_levers'
 #: validation windows) and the launcher's `folders`; 7 for train() split at its cap (build_run);
-#: 8 for FP8 attention's rules on SM 10.0+ and 12.0, read from TE's backend choice.
+#: 8 for FP8 attention's rules on SM 10.0+ and 12.0, read from TE's backend choice; 1 for the
+#: run's recipe given to a kept layer's nested autocast.
 MAX_NON_TEST_LINES = 23_000
 
 

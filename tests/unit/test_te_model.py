@@ -691,6 +691,24 @@ def test_te_runs_offer_tes_fused_adam_with_fp32_masters_on_cuda(te_double) -> No
 # ------------------------------------------------------------------------------------------
 
 
+def test_a_kept_layer_builds_no_recipe_while_torch_compile_traces(te_double, monkeypatch) -> None:
+    """TE's nested autocast given no recipe builds TE's default one, which TE (and the double)
+    refuse while torch.compile traces: under --compile the frame of a layer kept in BF16 ran
+    uncompiled. It gets the run's recipe, so it compiles like the others."""
+    import transformer_engine.pytorch as te
+
+    config = tiny_config()
+    args = backend_args(fp8=True, recipe="current", impl="te", bf16_layers="0", num_layers=2)
+    recipe = TEBackend(args).te_recipe
+    kept = built(config, "te", bf16_layers=(0,), fp8_recipe=recipe).model.layers[0]
+    hidden, positions = torch.randn(1, 16, config.hidden_size), torch.arange(16)[None]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # as while dynamo traces
+    with pytest.raises(AssertionError, match="inside compiled regions"):
+        te_llama.fp8_disabled().__enter__()
+    with torch.no_grad(), te.autocast(enabled=True, recipe=recipe):
+        assert kept(hidden, position_ids=positions).shape == hidden.shape
+
+
 @pytest.mark.parametrize("impl", ["te", "te_linear"])
 def test_bf16_layers_compute_without_fp8_and_the_others_with_it(impl: str, te_double) -> None:
     """Layer 0 kept in BF16 (te: TE's nested autocast(enabled=False) around the layer;

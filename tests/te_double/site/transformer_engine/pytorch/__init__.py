@@ -172,6 +172,19 @@ class _State:
 _STATE = _State()
 
 
+def get_default_recipe() -> _recipe.Recipe:
+    """TE's recipe for an autocast given none (quantization.py), which, like TE's, refuses to
+    be built while torch.compile traces: pass an explicit recipe there."""
+    assert not torch.compiler.is_compiling(), (
+        "Creating Recipe objects inside compiled regions is not supported because their "
+        "construction is not traceable. Pass an explicit recipe to te.autocast() instead."
+    )
+    sm = get_device_compute_capability()
+    if (10, 0) <= sm < (12, 0):
+        return _recipe.MXFP8BlockScaling()
+    return _recipe.Float8CurrentScaling() if sm >= (12, 0) else _recipe.DelayedScaling()
+
+
 class autocast:
     """Context manager enabling (emulated) FP8 GEMMs in TE modules run inside it."""
 
@@ -192,7 +205,7 @@ class autocast:
     def __enter__(self) -> autocast:
         if self._saved is not None:
             raise RuntimeError("autocast context manager cannot be entered more than once")
-        fp8_recipe = self._recipe if self._recipe is not None else _recipe.DelayedScaling()
+        fp8_recipe = self._recipe if self._recipe is not None else get_default_recipe()
         if self._enabled:
             _check_recipe_support(fp8_recipe)
         self._saved = _STATE.snapshot()
@@ -320,7 +333,7 @@ def quantized_model_init(
 ):
     saved = (_STATE.model_init_fp8, _STATE.model_init_recipe)
     _STATE.model_init_fp8 = enabled
-    _STATE.model_init_recipe = recipe if recipe is not None else _recipe.DelayedScaling()
+    _STATE.model_init_recipe = recipe if recipe is not None else get_default_recipe()
     try:
         yield
     finally:
