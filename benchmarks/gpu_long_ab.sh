@@ -13,8 +13,8 @@
 # scaling on the FP8 side), with the shape, data and schedule overridden: micro-batch 7 x 1,024
 # tokens, STEPS steps (default 3,000: 21.5M tokens of tools/make_code_corpus.py's 23.0M training
 # tokens, none read twice), lr 6e-4 cosine to 6e-5 after 300 warm-up steps, the held-out text
-# validated every VAL_FREQ steps (default 250), no checkpoints. On the GPU the arms of one call
-# train at the same time (each alone is host-bound and leaves most of the GPU idle; one after
+# validated every VAL_FREQ steps (default 250), no checkpoints. The arms of one call train at
+# the same time (on the GPU each alone is host-bound and leaves most of it idle; one after
 # another, three would not fit a 10-minute call), each logging to OUT_DIR/ARM.log: their losses
 # per step are the point, and their times, shared, say nothing of FP8's speed (gpu_parity.sh
 # measures that). The arms:
@@ -101,12 +101,8 @@ mkdir -p "$out"
     pids=()
     for name in "${wanted[@]}"; do
         read -r -a flags <<< "$(arm_flags "$name")"
-        if [ -n "$dry" ]; then
-            launch "$name" "${flags[@]}" "${shared[@]}"
-        else
-            launch "$name" "${flags[@]}" "${shared[@]}" > "$out/$name.log" 2>&1 &
-            pids+=("$!")
-        fi
+        launch "$name" "${flags[@]}" "${shared[@]}" > "$out/$name.log" 2>&1 &
+        pids+=("$!")
     done
     for pid in "${pids[@]}"; do
         wait "$pid" || echo "gpu_long_ab.sh: an arm failed: see its log, $out/ARM.log"

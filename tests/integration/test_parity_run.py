@@ -113,8 +113,9 @@ def test_the_long_ab_fills_one_folder_in_two_calls_and_judges_every_arm_in_seed_
     tmp_path,
 ) -> None:
     """benchmarks/gpu_long_ab.sh --dry_run, split as on the GPU: the BF16 reference, its seed
-    replica and the shipped FP8 recipe, then the other two FP8 arms into the same folder; each
-    call judges every arm present against bf16-a inside the band bf16-b spans."""
+    replica and the shipped FP8 recipe, then the other two FP8 arms into the same folder, the
+    arms of a call training at once; each call judges every arm present against bf16-a inside
+    the band bf16-b spans."""
     out = tmp_path / "long"
     assert long_ab(out, "--arms", "bf16-a,nonsense").returncode == 2
     assert not out.joinpath("bf16-a").exists()  # every name checked before any run
@@ -141,5 +142,7 @@ def test_the_long_ab_fills_one_folder_in_two_calls_and_judges_every_arm_in_seed_
     replica = (out / "bf16-b" / "run.args").read_text().splitlines()
     assert "--seed=43" in replica and "--data_seed=42" in replica
     assert "--bf16_layers=0,-1" in (out / "fp8-closer" / "run.args").read_text().splitlines()
+    for arm in ("bf16-a", "bf16-b", "fp8", "fp8-current", "fp8-closer"):  # trained at once
+        assert "Batch 12 Loss:" in (out / f"{arm}.log").read_text(), arm
     again = long_ab(out, "--arms", "none")
     assert again.returncode == 0 and (out / "verdict.txt").read_text() == verdict
