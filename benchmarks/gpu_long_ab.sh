@@ -15,9 +15,9 @@
 # tokens, none read twice), lr 6e-4 cosine to 6e-5 after 300 warm-up steps, the held-out text
 # validated every VAL_FREQ steps (default 250), no checkpoints. The arms of one call train at
 # the same time (on the GPU each alone is host-bound and leaves most of it idle; one after
-# another, three would not fit a 10-minute call), each logging to OUT_DIR/ARM.log: their losses
-# per step are the point, and their times, shared, say nothing of FP8's speed (gpu_parity.sh
-# measures that). The arms:
+# another, three would overrun a 10-minute call by an estimate), each logging to
+# OUT_DIR/ARM.log: their losses per step are the point, and their times, shared, say nothing of
+# FP8's speed (gpu_parity.sh measures that). The arms:
 #   bf16-a       the BF16 reference (--seed 42)
 #   bf16-b       its seed replica (--seed 43 --data_seed 42: the same tokens in the same order)
 #   fp8          the shipped FP8 recipe (delayed scaling, amax history 1024 / max)
@@ -114,9 +114,11 @@ mkdir -p "$out"
     replicas=1
     [ ! -f "$out/bf16-b/metrics.jsonl" ] || replicas=2
     if [ "${#runs[@]}" -gt "$replicas" ] && [ "${runs[0]}" = "$out/bf16-a" ]; then
-        (cd "$root" && "$python" -m analysis.compare_runs "${runs[@]}" --replicas "$replicas" \
-            --labels "$(IFS=,; echo "${labels[*]}")" --output "$out/compare.png") \
-            | tee "$out/verdict.txt"
+        {
+            echo "(the arms of a call trained at once: the lines at equal wall-clock and the speed to the same loss compare shared times; read the steps, losses and step lags)"
+            (cd "$root" && "$python" -m analysis.compare_runs "${runs[@]}" --replicas "$replicas" \
+                --labels "$(IFS=,; echo "${labels[*]}")" --output "$out/compare.png")
+        } | tee "$out/verdict.txt"
     else
         echo "gpu_long_ab.sh: no verdict yet: bf16-a and an FP8 arm are not both in $out"
     fi

@@ -35,7 +35,7 @@ NON_TEST_CODE = ("*.py", "*.sh", "*.sbatch", "*.dockerfile", "Makefile")
 #: benchmark parser, one refusal helper, one torchrun command builder, the packages' `__all__`
 #: lists and a test-only helper moved to tests took out. The rooms were searched for more
 #: (duplicates, a caller search of every function): what is left is prose that says why, or a
-#: restructuring. 22,995 (23,000) on 2026-12-06 after every benchmark's options became checked
+#: restructuring. 22,997 (23,000) on 2026-12-06 after every benchmark's options became checked
 #: argparse types (a count, a size, a model shape, a writable folder) and the --speed_warmup
 #: checks: 33 lines net of the ad hoc checks they replaced; and 50 for what a reading of TE's,
 #: torchao's and torch's source found in the unrun GPU path (--fp8_backward refused on TE's

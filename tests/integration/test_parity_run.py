@@ -122,6 +122,7 @@ def test_the_long_ab_fills_one_folder_in_two_calls_and_judges_every_arm_in_seed_
     first = long_ab(out, "--arms", "bf16-a,bf16-b,fp8")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert (out / "verdict.txt").read_text().count("verdict:") == 1
+    assert (out / "verdict.txt").read_text().startswith("(the arms of a call trained at once:")
     second = long_ab(out, "--arms", "fp8-current,fp8-closer")
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     verdict = (out / "verdict.txt").read_text()
