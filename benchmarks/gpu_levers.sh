@@ -215,4 +215,4 @@ mkdir -p "$out"
         [ "$phase" = 8b-bf16 ] || "$python" -m analysis.compare_runs "$out/8b-bf16" "$out/8b-fp8" --output "$out/8b-h200.png" || true
         ;;
     esac
-} 2>&1 | tee "$out/$phase.log"
+} 2>&1 | tee -a "$out/$phase.log"

@@ -97,7 +97,9 @@ fresh gpu_long_ab.sh "$out" "${wanted[@]}"
 mkdir -p "$out"
 {
     echo "# gpu_long_ab.sh ${dry:-(GPU)} on $(hostname) at $(date -u +%FT%TZ), git $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')"
-    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || true
+    nvidia-smi --query-gpu=name,driver_version,compute_mode --format=csv,noheader 2>/dev/null || true
+    # arms at once share the host's cores: a quarter each for tokenizers and compile workers
+    export RAYON_NUM_THREADS=${RAYON_NUM_THREADS:-4} TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-4}
     pids=()
     for name in "${wanted[@]}"; do
         read -r -a flags <<< "$(arm_flags "$name")"

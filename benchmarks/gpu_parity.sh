@@ -53,7 +53,7 @@ else
     steps=${STEPS:-200} warmup=${WARMUP:-20} val_freq=${VAL_FREQ:-25}
     text=${DATA:-$root/.gpu/text}
     [ -f "$text/code.jsonl.gz" ] || {
-        echo "gpu_parity.sh: no $text/code.jsonl.gz: run tools/make_code_corpus.py --out $text and carry it" >&2
+        echo "gpu_parity.sh: no $text/code.jsonl.gz: run .venv/bin/python -m tools.make_code_corpus --out $text and carry it" >&2
         exit 2
     }
     data=(--dataset "$text/code.jsonl.gz" --tokenizer "$text/tokenizer" --profile_steps 110:111)

@@ -61,8 +61,8 @@ def pytest_configure(config) -> None:
             import torch
 
             torch.set_num_threads(1)
-    if _runs_tests(config) and os.environ.get("LLAMA_TEST_WARM", "1") != "0":
-        _start_zygote(config)
+        if _runs_tests(config) and os.environ.get("LLAMA_TEST_WARM", "1") != "0":
+            _start_zygote(config)  # the GPU tier starts its runs with sys.executable
 
 
 def pytest_collection_finish(session) -> None:

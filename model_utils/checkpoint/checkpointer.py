@@ -75,10 +75,8 @@ from model_utils.parallel.distributed import (
 )
 from model_utils.precision import master_weights
 from model_utils.precision.te_state import (
-    decode_recipe_identity,
     fp8_scaling_state,
     load_fp8_scaling_state,
-    recipe_identity,
 )
 
 log = logging.getLogger(__name__)
@@ -322,28 +320,15 @@ class LoadResult:
 
 
 def restore_fp8_scaling(path: Path, state: TrainState, tensors: dict[str, torch.Tensor]) -> None:
-    """Hand saved delayed-scaling state to the TE modules, or say why it is not used."""
+    """Hand saved delayed-scaling state to the TE modules that keep such state in this run."""
     recipe = state.fp8_recipe
-    saved = next(
-        (decode_recipe_identity(v) for k, v in tensors.items() if k.endswith("recipe")), {}
-    )
-    if recipe is None or not recipe.delayed():
-        log.info(
-            "Checkpoint %s holds FP8 delayed-scaling state (%s); this run uses %s, so it is not "
-            "used",
-            path,
-            saved.get("class"),
-            type(recipe).__name__ if recipe else "no TE FP8",
-        )
-        return
-    restored = load_fp8_scaling_state(state.model, tensors, recipe)
-    now = recipe_identity(recipe)
-    changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+    restored = load_fp8_scaling_state(state.model, tensors, recipe) if recipe else []
+    keeps_none = f": this run ({type(recipe).__name__ if recipe else 'no TE FP8'}) keeps none"
     log.info(
         "FP8 scaling state of %d TE modules restored from %s%s",
         len(restored),
         path,
-        f" (recipe changed since the save: {changed})" if changed else "",
+        "" if restored else keeps_none,
     )
 
 

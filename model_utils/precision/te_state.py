@@ -10,6 +10,7 @@ classes.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -106,12 +107,29 @@ def fp8_scaling_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _restore_recipes(recipe: Any, saved: Mapping[str, Any]) -> tuple[Any, Any] | None:
+    """The recipe a module's saved state goes back under and what TE's ``init_fp8_meta_tensors``
+    is given for it, or None where this run keeps no such state. Under current scaling with
+    ``fp8_dpa`` TE's DotProductAttention runs S and dP on a delayed-scaling recipe of its own (its
+    [current, delayed] splice in ``init_fp8_metadata``); that state goes back under the saved
+    knobs, which TE's first forward keeps (it only resizes the history to its own)."""
+    if recipe.delayed():
+        return recipe, recipe
+    if not getattr(recipe, "fp8_dpa", False) or saved.get("class") != "DelayedScaling":
+        return None
+    delayed = importlib.import_module(type(recipe).__module__).DelayedScaling
+    knobs = ("amax_history_len", "amax_compute_algo", "margin")
+    own = delayed(fp8_format=recipe.fp8_format, fp8_dpa=True, **{k: saved[k] for k in knobs})
+    return own, [recipe, own]
+
+
 @torch.no_grad()
 def load_fp8_scaling_state(
     model: nn.Module, tensors: Mapping[str, torch.Tensor], recipe: Any
 ) -> list[str]:
-    """Put :func:`fp8_scaling_state` tensors back into the TE modules that run ``recipe`` (a
-    delayed-scaling recipe); returns the names of the modules restored.
+    """Put :func:`fp8_scaling_state` tensors back into the TE modules that keep such state under
+    ``recipe``; returns the names of the modules restored (a changed knob is the resume
+    rules' to refuse or log: config/flag_spec's FP8_KNOB).
 
     Does what TE's ``set_extra_state`` does after unpickling: set the recipe and GEMM count,
     let TE allocate its recipe state, then copy scales and histories in place (TE's amax
@@ -123,11 +141,14 @@ def load_fp8_scaling_state(
         prefix = f"{name}." if name else ""
         if f"{prefix}scale_fwd" not in tensors:
             continue
+        recipes = _restore_recipes(recipe, decode_recipe_identity(tensors[prefix + RECIPE_KEY]))
+        if recipes is None:
+            continue
         meta = module.fp8_meta
-        meta["recipe"] = recipe
+        meta["recipe"] = recipes[0]
         meta["num_gemms"] = tensors[f"{prefix}scale_fwd"].numel() // 3
         meta["fp8_checkpoint"] = True
-        module.init_fp8_meta_tensors(recipe)
+        module.init_fp8_meta_tensors(recipes[1])
         for direction in FP8_DIRECTIONS:
             state = meta[f"scaling_{direction}"]
             state.scale.copy_(tensors[f"{prefix}scale_{direction}"])

@@ -958,3 +958,36 @@ def test_the_double_accepts_the_backward_overrides_te_accepts(
     assert double_recipe._BACKWARD_OVERRIDES == real
     (backward,) = [f for f in dataclasses.fields(PrecisionConfig) if f.name == "fp8_backward"]
     assert set(spec_of(backward).choices) - {"fp8"} == set(real) - {None}
+
+
+def test_attention_under_current_scaling_keeps_the_delayed_state_the_double_keeps(
+    te_source: TESource, te_double
+) -> None:
+    """Under Float8CurrentScaling with fp8_dpa, TE's DotProductAttention quantizes S and dP with
+    a delayed-scaling recipe of its own (``NVTE_DPA_FP8DS_*``: history 1, most_recent), whose
+    state has one GEMM's slots after the current-scaling quantizers of two. So a checkpoint of
+    a current-scaling run holds delayed state for attention, and te_state restores it with TE's
+    [current, delayed] pair; the double keeps the same layout."""
+    text = _source_text(
+        te_source,
+        "transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention",
+    )
+    for needle in (
+        "os.getenv('NVTE_DPA_FP8DS_AMAX_ALGO', 'most_recent')",
+        "int(os.getenv('NVTE_DPA_FP8DS_AMAX_HISTLEN', '1'))",
+        "fp8_recipes = [fp8_recipe, fp8_recipe_dpa]",
+        "num_gemms = [2, 1] if len(recipe) == 2 else [3]",
+        "primary_idx = -1 if len(recipe) == 2 else 0",
+    ):
+        assert needle in text, needle
+    import transformer_engine.pytorch as te
+    from transformer_engine.common import recipe
+
+    attention = te._DotProductAttention()
+    attention._init_fp8_metadata(recipe.Float8CurrentScaling(fp8_dpa=True))
+    own = attention.fp8_meta["recipe"]
+    assert (own.delayed(), own.amax_history_len, own.amax_compute_algo) == (True, 1, "most_recent")
+    assert attention.fp8_meta["scaling_fwd"].scale.numel() == 3
+    assert attention.fp8_meta["scaling_bwd"].scale.numel() == 2
+    attention.init_fp8_meta_tensors([recipe.Float8CurrentScaling(), own])
+    assert attention.fp8_meta["scaling_fwd"].scale.numel() == 3  # kept, as TE keeps it

@@ -888,8 +888,58 @@ class _DotProductAttention(_TEModule):
     is saved whether or not ``fp8_dpa`` is set; with ``fp8_dpa`` the attention's operands are
     rounded through FP8 with that state (the emulation of cuDNN's FP8 fused attention)."""
 
+    #: The current-scaling quantizers of TE's [current, delayed] splice come first (QKV, O: two
+    #: GEMMs forward, three slots each; dO, dQKV backward, two each), S and dP's delayed ones after.
+    _SPLICE_OFFSET = {"fwd": 6, "bwd": 4}
+
     def __init__(self) -> None:
         super().__init__(num_gemms=3)
+        self._spliced_with: Any = None  # the current-scaling recipe of a splice
+
+    def _init_fp8_metadata(self, recipe: Any) -> None:
+        """TE's DPA ``init_fp8_metadata``: under current scaling with ``fp8_dpa`` (and
+        ``NVTE_DPA_FP8_RECIPE`` unset) QKV, O, dO and dQKV use the run's recipe, S and dP a
+        delayed-scaling recipe of the module's own (NVTE_DPA_FP8DS_* knobs; ``fp8_meta["recipe"]``)
+        whose state has one GEMM's slots."""
+        if not (recipe.float8_current_scaling() and recipe.fp8_dpa):
+            super()._init_fp8_metadata(recipe)
+            return
+        own = _recipe.DelayedScaling(
+            fp8_format=recipe.fp8_format,
+            amax_history_len=int(os.getenv("NVTE_DPA_FP8DS_AMAX_HISTLEN", "1")),
+            amax_compute_algo=os.getenv("NVTE_DPA_FP8DS_AMAX_ALGO", "most_recent"),
+            fp8_dpa=recipe.fp8_dpa,
+            fp8_mha=recipe.fp8_mha,
+            reduce_amax=os.getenv("NVTE_DPA_FP8DS_REDUCE_AMAX", "1") == "1",
+        )
+        meta = self.fp8_meta
+        meta["fp8_checkpoint"] = True
+        if self.fp8_initialized and meta.get("recipe") == own:
+            return
+        meta["recipe"], meta["num_gemms"], meta["fp8_group"] = own, self.num_gemms, _STATE.group
+        self.init_fp8_meta_tensors([recipe, own])
+        self.fp8_initialized = True
+
+    def init_fp8_meta_tensors(self, recipe: Any) -> None:
+        """TE's DPA ``set_meta_tensor``: a recipe's state has three GEMMs' slots, and of TE's
+        [current, delayed] pair the delayed one's state one GEMM's, whatever ``num_gemms`` says."""
+        spliced_with, own = recipe if isinstance(recipe, list) else (None, recipe)
+        state = self.fp8_meta.get("scaling_fwd")
+        if not (self.fp8_meta_tensors_initialized and isinstance(state, _DelayedScalingState)):
+            self._spliced_with = spliced_with  # TE makes new quantizers only with a new state
+        num_gemms = self.fp8_meta.get("num_gemms")
+        self.fp8_meta["num_gemms"] = 3 if spliced_with is None else 1
+        super().init_fp8_meta_tensors(own)
+        self.fp8_meta["num_gemms"] = num_gemms
+
+    def _quantize_slot(self, x: torch.Tensor, direction: str, slot: int) -> torch.Tensor:
+        if self._spliced_with is None:
+            return super()._quantize_slot(x, direction, slot)
+        offset = self._SPLICE_OFFSET[direction]
+        if slot < offset:
+            fmt = _formats(self._spliced_with)[direction == "bwd"]
+            return fake_quantize(x, fmt, self._spliced_with.scaling)[0]
+        return super()._quantize_slot(x, direction, slot - offset)
 
     def check_fp8_backend(self, fp8_recipe: Any, head_dim: int) -> None:
         """TE's ``get_attention_backend`` for FP8 on our layer: only cuDNN's FusedAttention runs
