@@ -22,12 +22,14 @@ on the nodes on the job's Python (the container's, or the venv's). Subcommands:
 
 from __future__ import annotations
 
+import fcntl
 import importlib.metadata
 import os
 import platform
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -82,12 +84,30 @@ def workers_per_node(env: Mapping[str, str], gpus: int) -> int:
     return int(env["NPROC_PER_NODE"]) if env.get("NPROC_PER_NODE") else (gpus or 2)
 
 
-def planned_world(env: Mapping[str, str], records: Sequence[tuple[str, str]]) -> int:
+def driver_gpus() -> int:
+    """The GPUs the NVIDIA driver has on this node, whether or not this job may use them."""
+    folder = Path("/proc/driver/nvidia/gpus")
+    return len(list(folder.iterdir())) if folder.is_dir() else 0
+
+
+def planned_world(
+    env: Mapping[str, str],
+    records: Sequence[tuple[str, str]],
+    on_node: Callable[[], int] = driver_gpus,
+) -> int:
     """The ranks the launch will start, from the plan's node count and this node's GPUs (every
     node runs as many workers): what the one argument check is told as WORLD_SIZE, so a flag
-    that needs a world of one is refused before any node starts."""
+    that needs a world of one is refused before any node starts. A Slurm job given none of
+    its node's GPUs (a cluster that hands them out as gres) is refused, not run on the CPUs."""
     nodes = next((v.split("=", 1)[1] for k, v in records if v.startswith("LLAMA_NNODES=")), "1")
-    return int(nodes) * workers_per_node(env, detect_gpus(env))
+    gpus = detect_gpus(env)
+    if not gpus and env.get("SLURM_JOB_ID") and not env.get("NPROC_PER_NODE") and (n := on_node()):
+        raise UsageError(
+            f"this node has {n} GPUs but the Slurm job was given none (the cluster hands GPUs "
+            f"to the jobs that ask): submit with sbatch --gpus-per-node={n}, or add "
+            f"#SBATCH --gpus-per-node={n} to 1.train_llama.sbatch"
+        )
+    return int(nodes) * workers_per_node(env, gpus)
 
 
 def torchrun_command(
@@ -118,8 +138,11 @@ def torchrun_command(
         head = env.get("LLAMA_HEAD_NODE")
         if head and node:  # who hosts the store: by node name, not by matching addresses
             rdzv.append(f"--rdzv_conf=is_host={int(node == head)}")
-        if node_addr(env, node):  # where the workers' process group meets (MASTER_ADDR)
-            rdzv.append(f"--local_addr={node_addr(env, node)}")
+        addr = node_addr(env, node)
+        if addr:  # where the workers' process group meets (MASTER_ADDR), and gloo's side
+            rdzv.append(f"--local_addr={addr}")
+            if "GLOO_SOCKET_IFNAME" not in env and (name := interface_of(addr)):
+                extra["GLOO_SOCKET_IFNAME"] = name
     train_py = str(Path(env["LLAMA_REPO_DIR"]) / "train.py")
     argv = ["torchrun", f"--nnodes={nnodes}", f"--nproc_per_node={nproc}", *rdzv, train_py]
     argv += train_args
@@ -190,6 +213,22 @@ def network_settings(
         "(NCCL_DEBUG=INFO shows 'NET/OFI Selected provider is efa' when it is used)"
     )
     return extra, line
+
+
+def interface_of(addr: str) -> str | None:
+    """The network interface whose IPv4 address is `addr`, or None. For GLOO_SOCKET_IFNAME:
+    unset, gloo's groups (the data reads', the async checkpoints', a CPU run's) bind to what
+    the host name resolves to, which may be loopback (Debian's 127.0.1.1), the case
+    launch_plan.resolve_node_addrs mends for the rendezvous."""
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:  # SIOCGIFADDR: the interface's (first) IPv4 address
+                answer = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name.encode()))
+            except OSError:
+                continue
+        if socket.inet_ntoa(answer[20:24]) == addr:
+            return name
+    return None
 
 
 def node_addr(env: Mapping[str, str], node: str) -> str:

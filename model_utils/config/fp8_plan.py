@@ -9,6 +9,7 @@ acts. What the machine must have (GPU, CUDA, TE, cuDNN) is precision/te_requirem
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,6 +105,12 @@ def resolved(config: Config, cuda: bool) -> Config:
         )
     if precision.fp8_weights and not uses_te:
         raise UsageError("--fp8_weights is a Transformer Engine option: add --model_impl te")
+    if precision.fp8_weights and recipe == "block" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError(  # TE 2.20's own FSDP2 tests expect this pair to fail (xfail)
+            "--fp8_weights with --fp8_recipe block cannot be sharded over ranks: FSDP2's "
+            "all-gather misplaces each shard's 128-row block scales (TE's known limit); use "
+            "--fp8_recipe delayed or current, or --fp8_weights off"
+        )
     if precision.fp8_attention and recipe not in FP8_ATTENTION_RECIPES:
         # TE 2.20: Float8BlockScaling asserts ``not fp8_dpa``; MXFP8's needs cuDNN >= 9.21
         raise UsageError(

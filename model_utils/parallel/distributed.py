@@ -7,6 +7,7 @@ process gets a process group and FSDP2, so what runs in CI is what runs on the c
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import socket
@@ -118,13 +119,25 @@ def init(world: World, device: torch.device, timeout_s: int) -> None:
     )
 
 
+def run_group_options(device: torch.device) -> Any:
+    """A copy of the default group's backend options, which hold --dist_timeout. A group split
+    from it (a mesh's, the preflight's) is otherwise given torch's default timeout (10 minutes
+    on NCCL, 30 on gloo), whatever --dist_timeout says."""
+    options = dist.distributed_c10d._get_default_group()._get_backend(device).options
+    if device.type == "cuda":  # NCCL's, copied as torch's own split copies them
+        return copy.deepcopy(options)
+    return torch._C._distributed_c10d.Backend.Options("gloo", options._timeout)  # gloo's: no copy
+
+
 def build_mesh(world: World, device: torch.device, strategy: str) -> DeviceMesh:
-    """1-D mesh for FSDP; 2-D (replicate across nodes, shard within a node) for HSDP."""
+    """1-D mesh for FSDP (the default group itself); 2-D (replicate across nodes, shard within a
+    node) for HSDP, its groups with the run's timeout."""
     if strategy == "hybrid":
         return init_device_mesh(
             device.type,
             (world.num_nodes, world.world_size // world.num_nodes),
             mesh_dim_names=("replicate", "shard"),
+            backend_override={dim: run_group_options(device) for dim in ("replicate", "shard")},
         )
     return init_device_mesh(device.type, (world.world_size,), mesh_dim_names=("shard",))
 

@@ -51,6 +51,7 @@ class Fp8ReduceScatter(CountedReduceScatter):
         received = torch.empty_like(wire)
         dist.all_to_all_single(received, wire, group=group)
         self.count(wire.numel(), group)
+        del wire
         total = from_wire(received, output_tensor.numel())
         if op == dist.ReduceOp.AVG:
             total /= world
@@ -74,9 +75,12 @@ def to_wire(chunks: Tensor) -> Tensor:
 
 
 def from_wire(received: Tensor, chunk: int) -> Tensor:
-    """What :func:`to_wire` sent from every rank -> their sum in fp32, `chunk` elements."""
+    """What :func:`to_wire` sent from every rank -> their sum in fp32, `chunk` elements; one
+    sender's row at a time, so the fp32 temporaries are two chunks, not one per rank."""
     world, blocks = received.shape[0], -(-chunk // BLOCK)
-    values = received[:, : blocks * BLOCK].contiguous().view(FP8).float()
-    factor = received[:, blocks * BLOCK :].contiguous().view(torch.float32)
-    summed = values.view(world, blocks, BLOCK).mul_(factor.view(world, blocks, 1)).sum(dim=0)
+    factor = received[:, blocks * BLOCK :].contiguous().view(torch.float32).view(world, blocks, 1)
+    summed = torch.zeros(blocks, BLOCK, dtype=torch.float32, device=received.device)
+    for sender in range(world):
+        values = received[sender, : blocks * BLOCK].view(FP8).float().view(blocks, BLOCK)
+        summed.add_(values.mul_(factor[sender]))
     return summed.flatten()[:chunk]

@@ -27,7 +27,12 @@ import torch.distributed as dist
 from torch import nn
 
 from model_utils.errors import write_whole
-from model_utils.parallel.distributed import World, all_gather_object, fsdp_units
+from model_utils.parallel.distributed import (
+    World,
+    all_gather_object,
+    fsdp_units,
+    run_group_options,
+)
 
 #: Payloads on the wire: fp8 travels as its bytes (gloo has no float8; all-gather moves bytes).
 PAYLOADS = {"bf16": torch.bfloat16, "fp8": torch.uint8, "fp32": torch.float32}
@@ -104,18 +109,19 @@ def collective(op: str, numel: int, dtype: torch.dtype, group: Any, device, repe
     return _timed(lambda: REDUCE_SCATTER(small, full, group=group), device, repeats, group)
 
 
-def scopes(world: World) -> dict[str, Any]:
+def scopes(world: World, device: torch.device) -> dict[str, Any]:
     """The process groups to time, named by where their traffic goes (groups of one dropped).
     Its own groups, not a device mesh's (which may share the training mesh's): run() destroys
     them after, so NCCL's communicators for them hold no GPU memory during training."""
     nodes, local = world.num_nodes, world.world_size // world.num_nodes
     if nodes == 1 or local == 1:
         return {"within the node" if nodes == 1 else "across nodes": dist.group.WORLD}
+    timeout = run_group_options(device)._timeout  # --dist_timeout, not torch's default
     within, _ = dist.new_subgroups_by_enumeration(
-        [list(range(n * local, (n + 1) * local)) for n in range(nodes)]
+        [list(range(n * local, (n + 1) * local)) for n in range(nodes)], timeout=timeout
     )
     across, _ = dist.new_subgroups_by_enumeration(
-        [list(range(i, world.world_size, local)) for i in range(local)]
+        [list(range(i, world.world_size, local)) for i in range(local)], timeout=timeout
     )
     return {"all ranks": dist.group.WORLD, "within each node": within, "across nodes": across}
 
@@ -165,7 +171,7 @@ def run(model: nn.Module, world: World, device: torch.device, form_name: str) ->
     if world.world_size == 1 or form_name == "off" or (form_name, world.num_nodes) == ("auto", 1):
         return None
     form, numel, names = FORMS[form_name], largest_unit(model), node_names(world)
-    local, groups = world.world_size // world.num_nodes, scopes(world)
+    local, groups = world.world_size // world.num_nodes, scopes(world, device)
     rows, within = [], {}
     for payload, (scope, group), op in itertools.product(
         form.payloads, groups.items(), ("all_gather", "reduce_scatter")

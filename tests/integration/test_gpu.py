@@ -379,10 +379,11 @@ def test_fp8_attention_trains_close_to_fp8_gemms_and_resumes(runs) -> None:
     needs_te()
     if sm() < (9, 0):
         pytest.skip("FP8 attention needs SM 9.0+")
-    from model_utils.precision.te import cudnn_version
     from model_utils.precision.te_requirements import FP8_ATTENTION_DETERMINISTIC_MIN_CUDNN
 
-    deterministic = (cudnn_version() or (0, 0, 0)) >= FP8_ATTENTION_DETERMINISTIC_MIN_CUDNN
+    # TE's cuDNN from a fresh process: importing TE here would set CUDNN_HOME for every run after
+    cudnn = version_tuple(cudnn_probe()["te"][0])
+    deterministic = cudnn >= FP8_ATTENTION_DETERMINISTIC_MIN_CUDNN
     gemms_only = runs / "te-delayed-head128"
     ok(train(gemms_only, *TE_DELAYED, *HEAD_128, deterministic=deterministic))
     out = runs / "te-delayed-fp8-attention"

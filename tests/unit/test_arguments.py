@@ -272,6 +272,19 @@ def test_no_fsdp2_needs_a_world_of_one(monkeypatch):
         parse_args(["--sharding_strategy=none"])
 
 
+def test_fp8_weights_in_blocks_are_refused_on_several_ranks(monkeypatch):
+    """TE's FSDP2 all-gather misplaces a shard's 128-row block scales (TE 2.20's own FSDP2
+    tests xfail --fp8_weights with Float8BlockScaling): one rank trains, several are refused."""
+    flags = ["--model_impl=te", "--fp8=1", "--fp8_recipe=block", "--fp8_weights"]
+    flags += ["--master_weights=optimizer"]
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert parse_args(flags).precision.fp8_weights
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(UsageError, match="block cannot be sharded over ranks: FSDP2's all-gather"):
+        parse_args(flags)
+    assert parse_args([*flags, "--fp8_recipe=current"]).precision.fp8_weights
+
+
 def test_the_largest_seed_starts_a_run_the_same_way_twice():
     """--seed 2**63 - 1: torch's generator and the data order accept it."""
     import torch

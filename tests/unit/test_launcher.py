@@ -92,6 +92,17 @@ def test_torchrun_on_each_node_meets_at_the_head_address() -> None:
     assert extra == {"RAYON_NUM_THREADS": "12", "PET_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT"}
 
 
+def test_gloo_binds_the_interface_holding_the_nodes_address() -> None:
+    """Unset, gloo binds what the host name resolves to (maybe 127.0.1.1): the launcher names
+    the interface that holds the node's planned address, found on this machine's real ones."""
+    local = node_env(SLURMD_NODENAME="node1", LLAMA_NODE_ADDRS="node1=127.0.0.1,node2=10.7.0.12")
+    _, extra, _ = launcher.torchrun_command(local, [], 8, 96)
+    assert extra["GLOO_SOCKET_IFNAME"] == launcher.interface_of("127.0.0.1") == "lo"
+    _, extra, _ = launcher.torchrun_command({**local, "GLOO_SOCKET_IFNAME": "ib0"}, [], 8, 96)
+    assert "GLOO_SOCKET_IFNAME" not in extra  # the user's choice is kept
+    assert launcher.interface_of("203.0.113.9") is None  # on no interface here: gloo chooses
+
+
 def test_without_slurm_torchrun_is_standalone_and_cpu_threads_are_shared() -> None:
     env = {"LLAMA_REPO_DIR": "/repo", "LLAMA_NNODES": "1", "NPROC_PER_NODE": "3"}
     argv, extra, line = launcher.torchrun_command(env, [], 0, 8)
@@ -117,6 +128,22 @@ def test_the_argument_check_is_told_the_world_the_launch_starts() -> None:
     assert launcher.planned_world({**cpu, "NPROC_PER_NODE": "3"}, nodes) == 6
     assert launcher.planned_world({"SLURM_GPUS_ON_NODE": "8"}, nodes) == 16
     assert launcher.planned_world({"CUDA_VISIBLE_DEVICES": "0"}, [("arg", "--fp8=1")]) == 1
+
+
+def test_a_slurm_job_given_none_of_its_nodes_gpus_is_refused() -> None:
+    """On a cluster that hands GPUs out as gres, a job that asked for none sees none (Slurm's
+    NoDevFiles) on a node whose driver has 8: refused in one line, not trained on the CPUs."""
+    job = {"SLURM_JOB_ID": "7", "CUDA_VISIBLE_DEVICES": "NoDevFiles"}
+    nodes = [("env", "LLAMA_NNODES=2")]
+    with pytest.raises(
+        launcher.UsageError, match="this node has 8 GPUs but the Slurm job was"
+    ) as e:
+        launcher.planned_world(job, nodes, on_node=lambda: 8)
+    assert "submit with sbatch --gpus-per-node=8, or add #SBATCH --gpus-per-node=8" in str(e.value)
+    assert launcher.planned_world(job, nodes, on_node=lambda: 0) == 4  # a CPU cluster
+    assert launcher.planned_world({**job, "NPROC_PER_NODE": "2"}, nodes, on_node=lambda: 8) == 4
+    without_slurm = {"CUDA_VISIBLE_DEVICES": "NoDevFiles"}
+    assert launcher.planned_world(without_slurm, nodes, on_node=lambda: 8) == 4
 
 
 def test_folders_flags_and_the_cleanup_of_a_refused_start(tmp_path: Path) -> None:
