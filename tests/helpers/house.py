@@ -46,7 +46,10 @@ NON_TEST_CODE = ("*.py", "*.sh", "*.sbatch", "*.dockerfile", "Makefile")
 #: run's recipe given to a kept layer's nested autocast. 23,005 (23,100) after the restore of
 #: the attention's own delayed-scaling state under current scaling on SM 10.0+ (13 net of the
 #: "recipe changed" detail it folded, which the resume rules' FP8_KNOB already refuse or log) and
-#: the long A/B's arms capping their tokenizer and compile threads (2).
+#: the long A/B's arms capping their tokenizer and compile threads (2); 23,075 after what a
+#: reading of torch's and TE's multi-GPU source found (70): block-scaled FP8 weights refused on
+#: several ranks, the run's timeout for HSDP's and the preflight's groups, the fp8 reduce's
+#: temporaries, a Slurm job without its node's GPUs refused, gloo's interface chosen.
 MAX_NON_TEST_LINES = 23_100
 
 
