@@ -137,17 +137,25 @@ def _some(names: list[str]) -> str:
 
 def plain_tensor(value: Any) -> Any:
     """An FP8 parameter (--fp8_weights: TE's QuantizedTensor, maybe a DTensor's shard) as its
-    value in its nominal dtype (bf16), anything else as it is. The checkpoint then holds what a
-    bf16 run holds: it loads with --fp8_weights on or off, reshards and converts like any
-    other, and loading writes it back through TE's copy_, which quantises. The exact FP8 bytes
-    come back from the fp32 masters (master_weights.requantize_from_masters)."""
-    if not isinstance(value, torch.Tensor) or not master_weights.is_quantized(value):
+    value in its nominal dtype (bf16); torchao's float8 all-gather wrapper (--fp8_all_gather)
+    as the tensor it wraps (the same storage, so a load lands in the parameter); anything else
+    as it is. The checkpoint then holds what a bf16 run holds: it loads with either flag on or
+    off, on a GPU or an emulating CPU, reshards and converts like any other; loading writes a
+    TE parameter back through TE's copy_, which quantises, and the exact FP8 bytes come back
+    from the fp32 masters (master_weights.requantize_from_masters)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    local = value.to_local() if isinstance(value, DTensor) else value
+    if master_weights.is_quantized(value):
+        plain = local.dequantize(dtype=local.dtype)
+    elif hasattr(local, "_linear_mm_config"):  # torchao's WeightWithDynamicFloat8CastTensor
+        plain = local._tensor
+    else:
         return value
     if not isinstance(value, DTensor):
-        return value.dequantize(dtype=value.dtype)
-    local = value.to_local()
+        return plain
     return DTensor.from_local(
-        local.dequantize(dtype=local.dtype),
+        plain,
         device_mesh=value.device_mesh,
         placements=value.placements,
         shape=value.size(),

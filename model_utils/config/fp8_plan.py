@@ -105,6 +105,14 @@ def resolved(config: Config, cuda: bool) -> Config:
         )
     if precision.fp8_weights and not uses_te:
         raise UsageError("--fp8_weights is a Transformer Engine option: add --model_impl te")
+    tokens = config.data.train_batch_size * config.model.max_context_width
+    multiple = FP8_RECIPE[recipe].gemm_multiple
+    if cuda and precision.fp8 and recipe in TORCHAO_RECIPES and tokens % multiple:
+        raise UsageError(  # torch._scaled_mm on CUDA; torchao's CPU emulation has no such rule
+            f"torchao's FP8 on a GPU needs the tokens per micro-batch (--train_batch_size x "
+            f"--max_context_width = {tokens}) to be a multiple of {multiple}: the weight "
+            "gradient's GEMM sums over them"
+        )
     if precision.fp8_weights and recipe == "block" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError(  # TE 2.20's own FSDP2 tests expect this pair to fail (xfail)
             "--fp8_weights with --fp8_recipe block cannot be sharded over ranks: FSDP2's "

@@ -556,6 +556,12 @@ class RunConfig:
         resume=Resume.FREE,
         default=False,
         needs=When.because("measures FP8 casts", FP8),
+        excludes=(
+            When(
+                "fp8_all_gather",
+                why="with --fp8_all_gather: the weights arrive in float8, with no bf16 to measure",
+            ),
+        ),
     )
     validate_only: bool = flag(
         "check flags, data, tokenizer and checkpoint, then exit: 0 ready, 2 bad input "

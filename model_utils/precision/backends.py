@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
+import types
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -179,19 +180,15 @@ class TorchaoFloat8(BF16):
         return convert_to_float8_training(model, config=self.config(), module_filter_fn=keep)
 
     def cool_down(self, model: nn.Module) -> None:
-        """torchao reads each Float8Linear's config at every forward: with every cast disabled
-        its GEMMs run on the high-precision operands (the weights are plain: --bf16_cooldown
-        excludes the float8 all-gather)."""
-        from torchao.float8 import CastConfig, Float8LinearConfig, ScalingType
+        """From here on each Float8Linear computes as the nn.Linear it replaced, under
+        torch.autocast too (without FSDP2: fp32 weights), where torchao's own backward with
+        every cast disabled would multiply bf16 gradients by fp32 weights and raise. The
+        weights are plain: --bf16_cooldown excludes the float8 all-gather."""
         from torchao.float8.float8_linear import Float8Linear
 
-        off = CastConfig(scaling_type=ScalingType.DISABLED)
-        config = Float8LinearConfig(
-            cast_config_input=off, cast_config_weight=off, cast_config_grad_output=off
-        )
         for module in model.modules():
             if isinstance(module, Float8Linear):
-                module.config = dataclasses.replace(config, emulate=module.config.emulate)
+                module.forward = types.MethodType(nn.Linear.forward, module)
         cool_lm_head(model)
 
     def after_optimizer_step(self, model: nn.Module) -> None:

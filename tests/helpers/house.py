@@ -49,7 +49,11 @@ NON_TEST_CODE = ("*.py", "*.sh", "*.sbatch", "*.dockerfile", "Makefile")
 #: the long A/B's arms capping their tokenizer and compile threads (2); 23,075 after what a
 #: reading of torch's and TE's multi-GPU source found (70): block-scaled FP8 weights refused on
 #: several ranks, the run's timeout for HSDP's and the preflight's groups, the fp8 reduce's
-#: temporaries, a Slurm job without its node's GPUs refused, gloo's interface chosen.
+#: temporaries, a Slurm job without its node's GPUs refused, gloo's interface chosen; 23,094
+#: after what a reading of torchao 0.18's source found (19): torchao's FP8 on a GPU refused for
+#: tokens per micro-batch not in sixteens, --fp8_numerics excluding --fp8_all_gather, the
+#: cool-down as nn.Linear's forward (under autocast without FSDP2), plain tensors saved for
+#: torchao's all-gather wrapper.
 MAX_NON_TEST_LINES = 23_100
 
 

@@ -241,6 +241,10 @@ def scenario_train(workdir: Path, rank: int) -> dict[str, Any]:
     out["fp8_loss_step4"] = fp8.train_step()
     fp8_ckpt = ck.Checkpointer(workdir / "fp8ck")
     fp8_ckpt.save(fp8.state.step, fp8.state)
+    saved = ck.checkpointer.ModelItem(fp8.model).state_dict()  # what that save wrote
+    out["fp8_saved_types"] = sorted(
+        {type(getattr(v, "_local_tensor", v)).__name__ for v in saved.values()}
+    )
     fp8_model, fp8_optim = full_model(fp8.model), full_optimizer(fp8.model, fp8.optimizer)
     back = Run(workdir)
     fp8_ckpt.load(fp8_ckpt.latest(), back.state)
@@ -509,6 +513,7 @@ def test_async_save_snapshots_state_at_save_time(train_run: list[dict]) -> None:
 def test_fp8_and_bf16_checkpoints_load_into_each_other(train_run: list[dict]) -> None:
     for r in train_run:
         assert "Float8Linear" in r["fp8_linear_types"]
+        assert r["fp8_saved_types"] == ["Tensor"]  # not torchao's all-gather wrapper, pickled
         assert r["bf16_to_fp8_model_diff"] == []
         assert r["bf16_to_fp8_optim_diff"] == []
         assert r["fp8_to_bf16_model_diff"] == []

@@ -253,6 +253,10 @@ def test_the_parser_is_derived_from_the_fields():
         ),
         (["--reduce_dtype=fp16"], "invalid choice: 'fp16'"),
         (
+            ["--fp8=1", "--fp8_all_gather", "--fp8_numerics"],
+            "--fp8_numerics with --fp8_all_gather: the weights arrive in float8, with no bf16 to",
+        ),
+        (
             ["--sharding_strategy=none", "--fp8=1", "--fp8_all_gather"],
             "--fp8_all_gather gathers FSDP2's weight shards in float8; --sharding_strategy none",
         ),
@@ -343,6 +347,18 @@ def test_fp8_computes_around_fp32_only_where_it_is_emulated(monkeypatch):
     monkeypatch.setattr(machine, "has_cuda", lambda: True)
     with pytest.raises(UsageError, match="--fp8=1 needs --bf16=1 on a GPU"):
         parse_args(["--fp8=1", "--bf16=0"])
+
+
+def test_torchao_fp8_on_a_gpu_needs_tokens_per_micro_batch_in_sixteens(monkeypatch):
+    """torch._scaled_mm's weight-gradient GEMM sums over the micro-batch's tokens, which CUDA
+    wants in multiples of 16; torchao's CPU emulation runs any count."""
+    odd = ["--fp8=1", "--model_impl=hf", "--max_context_width=100", "--train_batch_size=1"]
+    assert parse_args(odd).data.train_batch_size == 1  # emulated here
+    monkeypatch.setattr(machine, "has_cuda", lambda: True)
+    with pytest.raises(UsageError, match=r"x --max_context_width = 100\) to be a multiple of 16"):
+        parse_args(odd)
+    assert parse_args([*odd, "--train_batch_size=4"]).data.train_batch_size == 4  # 400 tokens
+    assert parse_args([*odd, "--fp8=0"]).data.train_batch_size == 1
 
 
 def test_the_config_is_resolved_once_and_frozen():

@@ -142,6 +142,25 @@ def test_torchao_cooled_down_computes_what_the_model_without_fp8_computes(lm_hea
     assert model.lm_head.fp8_loss is False
 
 
+def test_torchao_cooled_down_trains_under_autocast_without_fsdp2() -> None:
+    """--sharding_strategy none keeps fp32 weights and computes in bf16 under torch.autocast:
+    a cooled Float8Linear multiplies there as nn.Linear does (torchao's own backward with every
+    cast disabled multiplied the bf16 gradient by the fp32 weight, and raised)."""
+    from torch import nn
+
+    from model_utils.precision import backends as precision
+
+    args = parse_args([*SMALL, "--fp8=1", "--bf16_cooldown=0.5", "--sharding_strategy=none"])
+    backend = precision.build_backend(args, torch.device("cpu"))
+    model = backend.prepare(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)))
+    assert backend.converted == ["0", "1"]
+    backend.cool_down(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(torch.randn(16, 64))
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16 and model[0].weight.grad.dtype == torch.float32
+
+
 def test_te_cooled_down_leaves_the_fp8_autocast(te_double) -> None:
     """TE's layers outside its autocast compute in the compute dtype: after cool_down the FP8
     model's loss is the same TE model's with FP8 off, and its recipe stays for the checkpoint."""
