@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
 import os
 import re
@@ -53,7 +54,7 @@ if __name__ == "__main__":  # a Python without the environment: one line, exit 2
 from analysis import compare_trackers, parity
 from analysis.compare_plot import DPI, X_AXES, Breakdown, make_figure, missing_x
 from model_utils.config.sections import ModelShape, flag_fields, precision_name
-from model_utils.errors import Refusal, UsageError, os_error_words, said
+from model_utils.errors import Refusal, UsageError, os_error_words, said, write_whole
 from model_utils.precision import numerics
 from model_utils.report import metrics
 from model_utils.report.metrics.records import first_run_record, record_problem, run_problem
@@ -558,8 +559,10 @@ def compare(args: Options) -> str:
         judged_from=judged_from,
         noise=verdicts[0].noise if verdicts else None,
     )
-    try:
-        figure.savefig(args.output, format="png", dpi=DPI)
+    try:  # whole or not at all: a full disk leaves the previous picture, not half of one
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png", dpi=DPI)
+        write_whole(Path(args.output), buffer.getvalue())
     except OSError as exc:
         raise CompareError(f"--output {args.output}: {exc.strerror or exc}") from exc
     report = format_report(runs, labels, summaries, warmup, problems)

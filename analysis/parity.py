@@ -157,6 +157,7 @@ class Parity:
     lags: tuple[Lag, ...] = ()
     matched_time: tuple[float, float] | None = None  # the reference's step, the val gap there
     same_loss: SameLoss | None = None
+    diverged: int | None = None  # the first step whose loss the run logged as NaN, inf or null
 
     @property
     def judged(self) -> bool:
@@ -186,7 +187,7 @@ class Parity:
 
     @property
     def matches(self) -> bool:
-        return self.judged and self.standing == "within"
+        return self.judged and self.standing == "within" and self.diverged is None
 
     def lines(self) -> list[str]:
         """The figures, then the verdict line."""
@@ -195,7 +196,8 @@ class Parity:
             return [
                 f"{head}: not judged: {self.points} train step(s) logged by both runs after "
                 f"step {self.first} (needs {MIN_POINTS}); train longer or log more often "
-                "(--logging_freq)"
+                "(--logging_freq)",
+                *([f"  verdict: {self.verdict()}"] if self.diverged is not None else []),
             ]
         trend = " (a trend)" if self.grows else ""
         lines = [
@@ -234,6 +236,8 @@ class Parity:
         return ", ".join(lag.words() for lag in picked)
 
     def verdict(self) -> str:
+        if self.diverged is not None:  # what the finite steps before it say is beside the point
+            return f"{self.label} diverged: its loss is not finite at step {self.diverged}"
         span = f"steps {self.first}-{self.last}"
         standing = self.standing
         if standing == "within":
@@ -284,12 +288,16 @@ def judged_from(flags: Sequence[Mapping[str, Any] | None], last_step: int) -> in
     return max([*warmups, math.ceil(EARLY_SHARE * last_step)])
 
 
+#: Each record kind's loss field.
+LOSS_KEYS = {"train": "loss", "val": "val_loss"}
+
+
+def _finite(value: Any) -> bool:
+    return value is not None and math.isfinite(value)
+
+
 def _losses(records: Sequence[Mapping[str, Any]], kind: str, key: str) -> dict[int, float]:
-    return {
-        r["step"]: r[key]
-        for r in records
-        if r["kind"] == kind and r.get(key) is not None and math.isfinite(r[key])
-    }
+    return {r["step"]: r[key] for r in records if r["kind"] == kind and _finite(r.get(key))}
 
 
 def smoothed(
@@ -361,14 +369,14 @@ def same_loss(
 
 
 def step_lags(mine: Mapping[int, float], theirs: Mapping[int, float], first: int) -> list[Lag]:
-    """At each reference validation from ``first`` on, the steps the run needs beyond it to
-    reach the reference's loss there. Left out: losses the run was already below at its first
-    validation (how much earlier it got there is not recorded)."""
+    """At each reference validation from ``first`` to the run's last, the steps the run needs
+    beyond it to reach the reference's loss there. Left out: losses the run was already below
+    at its first validation (how much earlier it got there is not recorded)."""
     if len(mine) < 2:
         return []
     start, last = min(mine), max(mine)
     lags = []
-    for step in sorted(s for s in theirs if s >= first):
+    for step in sorted(s for s in theirs if first <= s <= last):
         if mine[start] <= theirs[step]:
             continue
         reached = step_at_loss(mine, theirs[step])
@@ -487,8 +495,16 @@ def judge(
     gaps = gaps_of(run, reference, first)
     steps = gaps.steps
     last = max(steps, default=first)
+    diverged = min(
+        (
+            r["step"]
+            for r in run
+            if r["kind"] in LOSS_KEYS and not _finite(r.get(LOSS_KEYS[r["kind"]]))
+        ),
+        default=None,
+    )
     if len(steps) < MIN_POINTS:
-        return Parity(label, reference_label, first, last, len(steps))
+        return Parity(label, reference_label, first, last, len(steps), diverged=diverged)
     noise = noise_band(replicas, reference, first, gaps.window)
     mine, theirs = _losses(run, "train", "loss"), _losses(reference, "train", "loss")
     slope, error = slope_per_1000(steps, [(mine[s] - theirs[s]) / theirs[s] for s in steps])
@@ -519,6 +535,7 @@ def judge(
         lags=tuple(step_lags(val_mine, val_theirs, first)),
         matched_time=matched_time(val_mine, val_theirs, speed_ratio),
         same_loss=same_loss(val_mine, val_theirs, speed_ratio),
+        diverged=diverged,
     )
 
 

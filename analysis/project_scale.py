@@ -25,14 +25,17 @@ their sources; tests/unit/test_project_scale.py holds the projection to them (do
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from analysis import step_breakdown
+from analysis import compare_runs, step_breakdown
 from model_utils.config.sections import ModelShape
+from model_utils.errors import write_whole
 from model_utils.parallel.fp8_reduce import BLOCK
 from model_utils.report import metrics
 from model_utils.report.metrics.flops import matmul_params
@@ -81,6 +84,10 @@ class Job:
 def ring(nbytes: float, gpus: int, gbs: float) -> float:
     """Seconds of a ring all-gather or reduce-scatter of `nbytes` over `gpus` GPUs."""
     return 0.0 if gpus < 2 else nbytes * (gpus - 1) / gpus / (gbs * 1e9)
+
+
+def _positive(*values: float) -> bool:
+    return all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values)
 
 
 @dataclass(frozen=True)
@@ -280,7 +287,25 @@ def picture(found: list, path: str) -> None:
     for axes, what in ((ratio, "FP8 / BF16 tokens/s per GPU"), (exposed, "exposed ms a step")):
         axes.set(xscale="log", xlabel="nodes (hybrid dashed)", ylabel=what, title="projected")
         axes.legend()
-    figure.savefig(path, dpi=100, bbox_inches="tight")
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+    write_whole(Path(path), buffer.getvalue())
+
+
+def check_pair(runs: Sequence[str]) -> None:
+    """Refused: a pair in the wrong order (BF16 first) or of other models or batches."""
+    flags = [(first_run_record(f"{run}/metrics.jsonl") or {}).get("flags") or {} for run in runs]
+    if [bool(f.get("fp8")) for f in flags] != [False, True]:
+        raise ValueError(f"give the BF16 run first, then its FP8 twin: got {' and '.join(runs)}")
+    unlike = [
+        f"{k} {flags[1].get(k)} vs {flags[0].get(k)}"
+        for k in step_breakdown.LIKE_FLAGS
+        if flags[0].get(k) != flags[1].get(k)
+    ]
+    if unlike:
+        raise ValueError(
+            f"{runs[1]} is not like {runs[0]}: {', '.join(unlike)} (only --fp8 may differ)"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -301,16 +326,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         nodes = [int(n) for n in args.nodes.split(",")]
     except ValueError:
         parser.error(f"--nodes takes node counts such as 1,2,4, got {args.nodes!r}")
-    if min(nodes) < 1 or args.gpus_per_node < 1 or min(args.node_gbs, args.network_gbs) <= 0:
+    if min(nodes) < 1 or args.gpus_per_node < 1 or not _positive(args.node_gbs, args.network_gbs):
         parser.error("--nodes, --gpus_per_node and the bandwidths must be positive")
+    if args.output:
+        try:
+            compare_runs.check_output(Path(args.output))
+        except compare_runs.CompareError as exc:
+            parser.error(str(exc))
     links = Links(args.node_gbs, args.network_gbs)
     if args.preflight:
         try:
             links = links_of(json.loads(Path(args.preflight).read_text()), links)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            if not _positive(links.node, links.network, links.reduce_share):
+                raise ValueError(f"bandwidths {links.node}, {links.network} GB/s")
+        except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as exc:
             parser.error(f"--preflight {args.preflight}: not a preflight record ({exc})")
     try:
         pair = [replace(job_of(run), reduce=args.reduce_dtype) for run in (args.bf16, args.fp8)]
+        check_pair((args.bf16, args.fp8))
+    except (KeyError, TypeError, ZeroDivisionError) as exc:  # a run record without its flags
+        parser.error(f"{args.bf16} or {args.fp8}: a run record without its model flags ({exc!r})")
     except ValueError as exc:
         parser.error(str(exc))
     found = scales(*pair, nodes, args.gpus_per_node, links)

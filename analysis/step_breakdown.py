@@ -102,7 +102,8 @@ def run_flags(run: Path) -> dict:
         record = json.loads(first)
     except (OSError, IndexError, ValueError):
         return {}
-    return record.get("flags", {}) if record.get("kind") == "run" else {}
+    flags = record.get("flags") if isinstance(record, dict) and record.get("kind") == "run" else {}
+    return flags if isinstance(flags, dict) else {}
 
 
 def rank_files(folder: Path) -> dict[int, Path]:
@@ -114,6 +115,8 @@ def read_run(run: Path, window: int | None) -> Run:
     if not run.is_dir():
         raise Refused(f"{run} is no run folder (give the --output_dir of a profiled run)")
     folder = trace_window(run, window)
+    if not folder.is_dir():
+        raise Refused(f"{folder} is no trace folder (a file in its place)")
     files = rank_files(folder)
     if not files:
         raise Refused(f"{folder} holds no rank_<R>.pt.trace.json.gz")
@@ -121,8 +124,8 @@ def read_run(run: Path, window: int | None) -> Run:
     for rank, path in sorted(files.items()):
         try:
             ranks.append(read_rank(path, rank))
-        except (OSError, ValueError, EOFError) as exc:
-            raise Refused(f"{path} cannot be read as a profiler trace: {exc}") from exc
+        except (OSError, ValueError, EOFError, KeyError, TypeError, AttributeError) as exc:
+            raise Refused(f"{path} cannot be read as a profiler trace: {exc!r}") from exc
     flags = run_flags(run)
     fp8 = flags.get("fp8")
     label = precision_name(fp8, flags.get("bf16", True)) if fp8 is not None else "?"

@@ -71,12 +71,17 @@ def unwritable(flag: str, path: Path, exc: OSError) -> str:
     return f"{flag} {path} cannot be written ({os_error_words(exc)}): choose another {flag}"
 
 
-def write_whole(path: Path, text: str) -> None:
-    """`text` into a temporary beside `path` (this process's own: ranks writing one file never
-    share it), synced, then renamed in: a reader sees the old file or the new, never half."""
+def write_whole(path: Path, content: str | bytes) -> None:
+    """`content` into a temporary beside `path` (this process's own: ranks writing one file never
+    share it), synced, then renamed in: a reader sees the old file or the new, never half, and
+    a failed write (a full disk) leaves no temporary behind."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb" if isinstance(content, bytes) else "w") as fh:
+            fh.write(content)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

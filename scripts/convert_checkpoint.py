@@ -259,6 +259,11 @@ def convert(args: argparse.Namespace) -> int:
     try:
         check_out_dir(out_dir)
         path, skipped = pick_checkpoint(args.checkpoint)
+        if out_dir.resolve().is_relative_to(path.parent.resolve()):  # pruning would delete it
+            raise UsageError(
+                f"out_dir {out_dir} is inside {path.parent}, whose checkpoints a run prunes "
+                "and replaces: give a folder outside it"
+            )
         marker = read_marker(path)
         config, key_map = marker_config(path, marker)
         tokenizer = run_tokenizer(path, marker, args.tokenizer)

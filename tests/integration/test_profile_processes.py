@@ -135,3 +135,29 @@ def test_step_breakdown_refuses_a_run_without_traces_in_one_line(pair, capsys) -
     )
     assert "no profiler traces" in err and "--profile_steps START:END" in err
     assert f"({pair['bf16'] / 'checkpoints' / 'profile'} has no window)" in err
+
+
+def test_step_breakdown_refuses_a_broken_trace_or_window_in_one_line(
+    pair, tmp_path, capsys
+) -> None:
+    """A trace that is JSON of another shape, and a window that is a file, ended in an
+    AttributeError and a NotADirectoryError; a run record whose flags are no object is read
+    as no flags."""
+    import gzip
+    import shutil
+
+    from helpers.procs import script_refusal
+
+    run = tmp_path / "run"
+    shutil.copytree(pair["bf16"], run, ignore=shutil.ignore_patterns("checkpoints"))
+    [window] = (run / "profile").iterdir()
+    for trace in window.glob("rank_*.pt.trace.json.gz"):
+        trace.write_bytes(gzip.compress(b"[1, 2]"))
+    err = script_refusal(step_breakdown.main, "step_breakdown.py", [str(run)], capsys)
+    assert "cannot be read as a profiler trace: AttributeError(" in err
+    shutil.rmtree(window)
+    window.write_text("")
+    err = script_refusal(step_breakdown.main, "step_breakdown.py", [str(run)], capsys)
+    assert f"{window} is no trace folder (a file in its place)" in err
+    (run / "metrics.jsonl").write_text('{"kind": "run", "flags": "x"}\n')
+    assert step_breakdown.run_flags(run) == {}

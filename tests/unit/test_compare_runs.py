@@ -198,6 +198,14 @@ def test_metrics_jsonl_with_a_partial_last_line(tmp_path: Path) -> None:
         ('{"kind": "train", "step": 30, "loss": "6.0"}', "has loss '6.0', not a number"),
         ('{"kind": "train", "step": 30}', "has no 'loss'"),
         ('{"kind": "val", "step": 30, "val_loss": {}}', "has val_loss {}, not a number"),
+        (
+            '{"kind": "train", "step": 30, "loss": 0.0}',
+            "has loss 0.0: a cross-entropy loss is above 0",
+        ),
+        (
+            '{"kind": "val", "step": 30, "val_loss": -1}',
+            "has val_loss -1: a cross-entropy loss is above 0",
+        ),
         ('{"kind": "run", "flags": 5}', "has flags 5, not an object"),
         (
             '{"kind": "run", "flags": {"max_steps": "50"}}',

@@ -74,6 +74,17 @@ def test_a_folder_of_checkpoints_converts_its_newest_intact_one(tmp_path, capsys
     assert not again.exists()
 
 
+def test_an_out_dir_inside_the_checkpoints_folder_is_refused(tmp_path, capsys) -> None:
+    """An export into a step folder, or beside the steps, went when the run pruned or saved
+    that step again: refused, and nothing is left in the checkpoints' folder."""
+    folder = tmp_path / "ckpt"
+    [path] = save_llama_checkpoints(folder, (1,))
+    for out in (path / "hf", folder / "hf", path):
+        err = convert_refused([str(path), str(out)], capsys)
+        assert f"out_dir {out} is inside {folder}, whose checkpoints a run prunes" in err
+    assert [p.name for p in folder.iterdir()] == [path.name] and not (path / "hf").exists()
+
+
 @pytest.mark.skipif(not Path("/sys").is_dir(), reason="needs /sys (Linux)")
 def test_an_out_dir_it_cannot_create_is_one_line(tmp_path, capsys) -> None:
     """mkdir in /sys died with PermissionError (root: EPERM, which access() does not foresee)."""

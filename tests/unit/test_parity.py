@@ -100,6 +100,9 @@ def test_a_steady_lag_is_behind_by_n_steps() -> None:
     )
     assert "outside ±1.00%" in found.verdict()
     assert "step lag at bf16's validations: 50 " in "\n".join(found.lines())
+    short = [r for r in fp8 + fp8_val if r["step"] <= 200]  # the run stopped at step 200
+    lagged = parity.judge(short, bf16 + ref_val, 40, "fp8", "bf16").lags
+    assert [lag.step for lag in lagged] == [50, 100, 150, 200]  # none past its last step
 
 
 def test_a_run_better_than_the_reference_is_ahead() -> None:
@@ -170,6 +173,20 @@ def test_too_few_shared_steps_are_not_judged() -> None:
     assert not found.judged and not found.matches
     [line] = found.lines()
     assert "not judged: 3 train step(s)" in line and "--logging_freq" in line
+
+
+@pytest.mark.parametrize("bad", [None, math.nan, math.inf], ids=["null", "nan", "inf"])
+def test_a_run_whose_loss_stops_being_finite_diverged_whatever_came_before(bad) -> None:
+    """A run that matched until its loss became NaN (train.py stops there, logging null) has
+    diverged: the finite steps before it do not make it "match"; a val loss counts too."""
+    bf16, fp8 = curve(400, noise=0.003, seed=1), curve(400, noise=0.003, seed=2)
+    fp8[299]["loss"] = bad  # step 300
+    found = parity.judge(fp8[:300], bf16 + val(bf16, 50), 40, "fp8", "bf16")
+    assert found.diverged == 300 and found.standing == "within" and not found.matches
+    assert found.lines()[-1] == "  verdict: fp8 diverged: its loss is not finite at step 300"
+    early = [*fp8[:10], {"kind": "val", "step": 10, "val_loss": bad}]
+    found = parity.judge(early, bf16, 8, "fp8", "bf16")  # too short to judge, not too short to say
+    assert not found.judged and found.lines()[-1].endswith("not finite at step 10")
 
 
 def test_judged_from_the_warm_up_or_the_first_tenth() -> None:

@@ -103,6 +103,29 @@ def test_the_command_reads_a_pair_and_prints_each_scale(tmp_path, capsys) -> Non
     assert missing.value.code == 2 and "holds no metrics.jsonl" in capsys.readouterr().err
 
 
+def test_a_pair_out_of_order_unlike_or_with_odd_links_is_one_line(tmp_path, capsys) -> None:
+    """BF16 first, FP8 second, of one model and batch; finite, positive bandwidths; an output
+    that can be written, checked before any work: each is one line and exit 2."""
+    pair = [_run(tmp_path / "bf16", False, 1000.0), _run(tmp_path / "fp8", True, 1200.0)]
+    wide = tmp_path / "wide-fp8"
+    _run(wide, True, 1100.0)
+    lines = (wide / "metrics.jsonl").read_text().replace('"num_layers": 4', '"num_layers": 8')
+    (wide / "metrics.jsonl").write_text(lines)
+    cases = {
+        "give the BF16 run first, then its FP8 twin": [pair[1], pair[0]],
+        "is not like": [pair[0], str(wide)],
+        "the bandwidths must be positive": [*pair, "--node_gbs", "nan"],
+        "is not a directory": [*pair, "--output", str(tmp_path / "no" / "p.png")],
+        "must end in .png": [*pair, "--output", str(tmp_path / "p.txt")],
+    }
+    for words, argv in cases.items():
+        with pytest.raises(SystemExit) as refused:
+            ps.main(argv)
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert refused.value.code == 2 and words in err, (words, err)
+    assert not list(tmp_path.glob("*.png"))
+
+
 def _preflight(nodes: int, node_gbs: float, network_gbs: float) -> dict:
     scopes = {"within each node": node_gbs, "across nodes": network_gbs, "all ranks": 1.0}
     if nodes == 1:

@@ -337,4 +337,7 @@ def record_problem(record: Any) -> str | None:
     for key in RECORD_NUMBERS:
         if record.get(key) is not None and not is_number(record[key]):
             return f"has {key} {record[key]!r}, not a number"
+    loss = record[REQUIRED_FIELD[kind]]
+    if is_number(loss) and loss <= 0:  # NaN and inf pass: a diverged run's verdict says so
+        return f"has {REQUIRED_FIELD[kind]} {loss}: a cross-entropy loss is above 0"
     return None
