@@ -121,8 +121,9 @@ def test_a_pair_out_of_order_unlike_or_with_odd_links_is_one_line(tmp_path, caps
     for words, argv in cases.items():
         with pytest.raises(SystemExit) as refused:
             ps.main(argv)
-        err = capsys.readouterr().err.strip().splitlines()[-1]
-        assert refused.value.code == 2 and words in err, (words, err)
+        [err] = capsys.readouterr().err.strip().splitlines()  # one line, no usage block
+        assert refused.value.code == 2 and err.startswith("project_scale.py: error: ")
+        assert words in err, (words, err)
     assert not list(tmp_path.glob("*.png"))
 
 
