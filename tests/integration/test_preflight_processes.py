@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 from helpers.inprocess import tiny_llama
 from helpers.procs import rank_env, spawn_ranks
@@ -16,19 +17,37 @@ from model_utils.parallel.distributed import World
 
 
 def _two_nodes_of_two(rank: int, world_size: int, port: int, out: str, form: str) -> None:
+    """The preflight, then the timeouts of HSDP's mesh groups and the preflight's own groups
+    (rank 0 writes both) in a world started with a 77 s timeout."""
+    from datetime import timedelta
+
+    import torch
+
+    from model_utils.parallel.distributed import build_mesh
+
     os.environ.update(rank_env(rank, world_size, port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    world = World(rank, world_size, rank % 2, 2)
-    record = preflight.run(tiny_llama(), world, __import__("torch").device("cpu"), form)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=77))
+    world, cpu = World(rank, world_size, rank % 2, 2), torch.device("cpu")
+    record = preflight.run(tiny_llama(), world, cpu, form)
+    mesh = build_mesh(world, cpu, "hybrid")
+    groups = {name: mesh.get_group(name) for name in ("replicate", "shard")}
+    groups |= preflight.scopes(world, cpu)
+    seconds = {n: g._get_backend(cpu).options._timeout.total_seconds() for n, g in groups.items()}
     if rank == 0:
         Path(out).write_text(json.dumps(record))
+        Path(f"{out}.timeouts").write_text(json.dumps(seconds))
     dist.barrier()
 
 
-def test_full_preflight_times_every_scope_payload_and_link(tmp_path):
-    out = tmp_path / "record.json"
+@pytest.fixture(scope="module")
+def full(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("preflight") / "record.json"
     spawn_ranks(_two_nodes_of_two, 4, str(out), "full")
-    record = json.loads(out.read_text())
+    return out
+
+
+def test_full_preflight_times_every_scope_payload_and_link(full):
+    record = json.loads(full.read_text())
     layer = sum(p.numel() for p in tiny_llama().model.layers[0].parameters())
     assert record["unit_parameters"] == layer > 256 * 64  # a decoder layer, not the embedding
     rows = {(r["op"], r["payload"], r["scope"]): r for r in record["collectives"]}
@@ -47,6 +66,15 @@ def test_full_preflight_times_every_scope_payload_and_link(tmp_path):
     assert len(lines) == 1 + len(rows) + 1 + len(record["slow"])
 
 
+def test_the_mesh_and_preflight_groups_keep_the_runs_timeout(full):
+    """--dist_timeout (the default group's) reaches the groups split from it: torch would give
+    them its own default (30 minutes on gloo, 10 on NCCL), so a hang in HSDP's replicate or
+    shard group, or in the preflight's, would outlast the run's timeout."""
+    seconds = json.loads(Path(f"{full}.timeouts").read_text())
+    assert set(seconds) == {"replicate", "shard", "all ranks", "within each node", "across nodes"}
+    assert set(seconds.values()) == {77.0}, seconds
+
+
 def test_auto_preflight_skips_one_node(tmp_path, caplog):
     from model_utils.config.arguments import parse_args
 
@@ -61,34 +89,3 @@ def test_auto_preflight_skips_one_node(tmp_path, caplog):
     spawn_ranks(_two_nodes_of_two, 4, str(out), "auto")
     record = json.loads(out.read_text())
     assert {r["payload"] for r in record["collectives"]} == {"bf16"}  # the bounded form
-
-
-def _group_timeouts(rank: int, world_size: int, port: int, out: str) -> None:
-    """The timeouts of HSDP's mesh groups and the preflight's groups, by name (rank 0's)."""
-    from datetime import timedelta
-
-    import torch
-
-    from model_utils.parallel.distributed import build_mesh
-
-    os.environ.update(rank_env(rank, world_size, port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=77))
-    world, cpu = World(rank, world_size, rank % 2, 2), torch.device("cpu")
-    mesh = build_mesh(world, cpu, "hybrid")
-    groups = {name: mesh.get_group(name) for name in ("replicate", "shard")}
-    groups |= preflight.scopes(world, cpu)
-    seconds = {n: g._get_backend(cpu).options._timeout.total_seconds() for n, g in groups.items()}
-    if rank == 0:
-        Path(out).write_text(json.dumps(seconds))
-    dist.barrier()
-
-
-def test_the_mesh_and_preflight_groups_keep_the_runs_timeout(tmp_path):
-    """--dist_timeout (the default group's) reaches the groups split from it: torch would give
-    them its own default (30 minutes on gloo, 10 on NCCL), so a hang in HSDP's replicate or
-    shard group, or in the preflight's, would outlast the run's timeout."""
-    out = tmp_path / "timeouts.json"
-    spawn_ranks(_group_timeouts, 4, str(out))
-    seconds = json.loads(out.read_text())
-    assert set(seconds) == {"replicate", "shard", "all ranks", "within each node", "across nodes"}
-    assert set(seconds.values()) == {77.0}, seconds
