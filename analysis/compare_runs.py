@@ -238,6 +238,8 @@ def load_run(path: str | os.PathLike[str]) -> Run:
     figures = [r for r in records if r["kind"] == "numerics"]
     records = one_per_step([r for r in records if r["kind"] != "numerics"])
     if not any(r["kind"] == "train" for r in records):
+        if info:  # a run record alone: the run started and logged no step (yet)
+            raise CompareError(f"{file}: no train record yet (the run logged no step)")
         raise CompareError(
             f"{file}: no parsable line (expected metrics.jsonl records or "
             "'Batch N Loss: L, Speed: S samples/sec, lr: R' lines)"
@@ -322,14 +324,16 @@ def replica_problems(runs: Sequence[Run], labels: Sequence[str]) -> list[str]:
             continue
         flags = run.info.get("flags", {})
         if label_from_flags(run.info) != label_from_flags(runs[0].info):
-            problems.append(f"{label}: a replica runs as {labels[0]} does (--replicas)")
+            problems.append(f"{label}: a replica must run as {labels[0]} does (--replicas)")
         if data_order(flags) != data_order(reference):
             problems.append(
-                f"{label}: a replica reads the reference's data: --data_seed "
+                f"{label}: a replica must read the reference's data: --data_seed "
                 f"{data_order(reference)} (--replicas)"
             )
         if flags.get("seed") == reference.get("seed"):
-            problems.append(f"{label}: a replica has another --seed than {labels[0]} (--replicas)")
+            problems.append(
+                f"{label}: a replica needs another --seed than {labels[0]} (--replicas)"
+            )
     return problems
 
 

@@ -86,6 +86,9 @@ def trace_window(run: Path, window: int | None) -> Path:
     folders = {int(p.name[5:]): p for p in (run / "profile").glob("step_*") if p.name[5:].isdigit()}
     if window is None and folders:
         window = max(folders)
+    if window not in folders and folders:
+        have = " or ".join(str(w) for w in sorted(folders))
+        raise Refused(f"{run}: {run / 'profile'} has no step_{window}: give --window {have}")
     if window not in folders:
         which = f"step_{window}" if window is not None else "window"
         raise Refused(

@@ -155,6 +155,11 @@ def test_step_breakdown_refuses_a_broken_trace_or_window_in_one_line(
         trace.write_bytes(gzip.compress(b"[1, 2]"))
     err = script_refusal(step_breakdown.main, "step_breakdown.py", [str(run)], capsys)
     assert "cannot be read as a profiler trace: AttributeError(" in err
+    step = window.name.removeprefix("step_")
+    err = script_refusal(
+        step_breakdown.main, "step_breakdown.py", [str(run), "--window", "99"], capsys
+    )
+    assert f"{run / 'profile'} has no step_99: give --window {step}" in err
     shutil.rmtree(window)
     window.write_text("")
     err = script_refusal(step_breakdown.main, "step_breakdown.py", [str(run)], capsys)

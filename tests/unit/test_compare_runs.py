@@ -562,6 +562,9 @@ def test_refuses_a_file_with_no_parsable_line(two_runs, tmp_path, capsys) -> Non
     err = refused([two_runs[0], str(tmp_path), "--output", str(tmp_path / "o.png")], capsys)
     assert "a directory without metrics.jsonl" in err
     assert "no such file" in refused([two_runs[0], str(tmp_path / "nope.out")], capsys)
+    started = write_run_dir(tmp_path / "started", [], [], info(fp8=True))  # its run record only
+    err = refused([two_runs[0], str(started)], capsys)
+    assert f"{started / 'metrics.jsonl'}: no train record yet (the run logged no step)" in err
     assert not (tmp_path / "o.png").exists()
 
 
@@ -703,7 +706,7 @@ def test_replicas_set_the_band_and_must_be_seed_twins(two_runs, tmp_path, capsys
     other = write_run_dir(tmp_path / "tiny-bf16-7", replica_rows, replica_val, info(seed=7))
     assert cr.main([two_runs[0], str(other), two_runs[1], "--replicas", "2"]) == 2
     err = capsys.readouterr().err
-    assert "a replica reads the reference's data: --data_seed 42 (--replicas)" in err
+    assert "a replica must read the reference's data: --data_seed 42 (--replicas)" in err
     assert cr.main([*runs, "--replicas", "3"]) == 2
     assert "at least one run after them to judge" in capsys.readouterr().err
 
