@@ -98,9 +98,9 @@ mkdir -p "$out"
 {
     echo "# gpu_long_ab.sh ${dry:-(GPU)} on $(hostname) at $(date -u +%FT%TZ), git $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')"
     nvidia-smi --query-gpu=name,driver_version,compute_mode --format=csv,noheader 2>/dev/null || true
-    # arms at once share the host's cores: an equal part each for tokenizers and compile workers
+    # arms at once share the host's cores: an equal part each for their tokenizer threads
     share=$(( $(nproc) / (${#wanted[@]} > 0 ? ${#wanted[@]} : 1) )) && share=$(( share > 0 ? share : 1 ))
-    export RAYON_NUM_THREADS=${RAYON_NUM_THREADS:-$share} TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-$share}
+    export RAYON_NUM_THREADS=${RAYON_NUM_THREADS:-$share}
     pids=()
     for name in "${wanted[@]}"; do
         read -r -a flags <<< "$(arm_flags "$name")"
