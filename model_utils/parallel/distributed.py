@@ -86,9 +86,9 @@ def _slurm_master_addr() -> str:
             text=True,
             check=False,
         )
-    except OSError:  # no Slurm client tools here: a plain first host name is still usable
-        first = nodelist.split(",")[0]
-        return first if first and "[" not in first else "127.0.0.1"
+    except OSError:  # no Slurm client tools here (a container): the list's first host, by hand
+        first = re.match(r"([^,\[]+)(?:\[([^,\-\]]+))?", nodelist)  # gpu-[01-04,07] -> gpu-01
+        return first[1] + (first[2] or "") if first else "127.0.0.1"
     hosts = out.stdout.split()
     return hosts[0] if hosts else "127.0.0.1"
 

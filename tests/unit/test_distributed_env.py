@@ -85,7 +85,8 @@ def test_world_from_env(env: dict[str, str], expected: tuple, nodes: int) -> Non
     [
         ("gpu-node7", "gpu-node7"),
         ("gpu-a,gpu-b", "gpu-a"),
-        ("gpu[1-4]", "127.0.0.1"),
+        ("gpu[1-4]", "gpu1"),  # not 127.0.0.1: the other nodes' ranks would not reach it
+        ("gpu-[07,01-04],cpu3", "gpu-07"),
         (None, "127.0.0.1"),
     ],
 )
