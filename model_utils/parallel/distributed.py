@@ -137,7 +137,9 @@ def build_mesh(world: World, device: torch.device, strategy: str) -> DeviceMesh:
             device.type,
             (world.num_nodes, world.world_size // world.num_nodes),
             mesh_dim_names=("replicate", "shard"),
-            backend_override={dim: run_group_options(device) for dim in ("replicate", "shard")},
+            backend_override={d: run_group_options(device) for d in ("replicate", "shard")}
+            if world.num_nodes > 1  # one node: the shard group is the default group itself
+            else None,
         )
     return init_device_mesh(device.type, (world.world_size,), mesh_dim_names=("shard",))
 
