@@ -298,11 +298,7 @@ def check_pair(runs: Sequence[str]) -> None:
     flags = [(first_run_record(f"{run}/metrics.jsonl") or {}).get("flags") or {} for run in runs]
     if [bool(f.get("fp8")) for f in flags] != [False, True]:
         raise ValueError(f"give the BF16 run first, then its FP8 twin: got {' and '.join(runs)}")
-    unlike = [
-        f"{k} {flags[1].get(k)} vs {flags[0].get(k)}"
-        for k in step_breakdown.LIKE_FLAGS
-        if flags[0].get(k) != flags[1].get(k)
-    ]
+    unlike = step_breakdown.unlike_flags(*flags)
     if unlike:
         raise ValueError(
             f"{runs[1]} is not like {runs[0]}: {', '.join(unlike)} (only --fp8 may differ)"

@@ -35,9 +35,10 @@ import json
 import re
 import runpy
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 if __name__ == "__main__":  # a Python without the environment: one line, exit 2
     runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "environment_check.py"))
@@ -135,16 +136,22 @@ def read_run(run: Path, window: int | None) -> Run:
     return Run(run, folder, fp8, label, ranks, flags)
 
 
+def unlike_flags(first: Mapping[str, Any], other: Mapping[str, Any]) -> list[str]:
+    """`other`'s LIKE_FLAGS that differ from `first`'s, in words; compared only where both runs
+    recorded flags."""
+    return [
+        f"{key} {other.get(key)} vs {first.get(key)}"
+        for key in LIKE_FLAGS
+        if first and other and first.get(key) != other.get(key)
+    ]
+
+
 def check_alike(runs: Sequence[Run]) -> None:
     """Refused: runs of different models, batches or worlds (their steps are not FP8's to
     compare); flags compared only where both runs recorded them."""
     first = runs[0]
     for other in runs[1:]:
-        found = [
-            f"{key} {other.flags.get(key)} vs {first.flags.get(key)}"
-            for key in LIKE_FLAGS
-            if first.flags and other.flags and first.flags.get(key) != other.flags.get(key)
-        ]
+        found = unlike_flags(first.flags, other.flags)
         if len(first.ranks) != len(other.ranks):
             found.append(f"world {len(other.ranks)} vs {len(first.ranks)} ranks")
         if found:

@@ -53,7 +53,7 @@ NON_TEST_CODE = ("*.py", "*.sh", "*.sbatch", "*.dockerfile", "Makefile")
 #: after what a reading of torchao 0.18's source found (19): torchao's FP8 on a GPU refused for
 #: tokens per micro-batch not in sixteens, --fp8_numerics excluding --fp8_all_gather, the
 #: cool-down as nn.Linear's forward (under autocast without FSDP2), plain tensors saved for
-#: torchao's all-gather wrapper; 23,179 (23,200) after a probe of the analysis commands with
+#: torchao's all-gather wrapper; 23,184 (23,200) after a probe of the analysis commands with
 #: a new user's odd input (71): a diverged run's verdict (it "matched" before), atomic pictures,
 #: a converter export refused inside the checkpoints' folder, project_scale's pair order, likeness,
 #: bandwidths and output checked first, step_breakdown's broken traces in one line, step lags
