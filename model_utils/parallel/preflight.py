@@ -128,7 +128,9 @@ def scopes(world: World, device: torch.device) -> dict[str, Any]:
 
 def link_seconds(world: World, numel: int, device, repeats: int) -> list[float]:
     """Each directed link node i -> node i+1, alone: node i's ranks send to the same local
-    rank on the next node while every other rank waits; seconds per send, in node order."""
+    rank on the next node while every other rank waits; seconds per send, in node order.
+    Batched, so NCCL sends over the world's communicator: a bare send would build a two-rank
+    one per pair that holds GPU memory for the rest of the job."""
     local = world.world_size // world.num_nodes
     node = world.rank // local
     buffer = torch.ones(numel, dtype=torch.uint8, device=device)
@@ -140,9 +142,14 @@ def link_seconds(world: World, numel: int, device, repeats: int) -> list[float]:
             seconds.append(_timed(lambda: None, device, repeats, None))
             continue
         other = world.rank + peer[node]
-        send = dist.send if node == sender else dist.recv
-        seconds.append(_timed(lambda s=send, o=other: s(buffer, o), device, repeats, None))
+        op = dist.P2POp(dist.isend if node == sender else dist.irecv, buffer, other)
+        seconds.append(_timed(lambda o=op: _batched(o), device, repeats, None))
     return seconds
+
+
+def _batched(op: dist.P2POp) -> None:
+    for work in dist.batch_isend_irecv([op]):
+        work.wait()
 
 
 def slow_ones(values: dict[str, float], what: str) -> list[str]:
