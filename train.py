@@ -26,7 +26,7 @@ from model_utils import checkpoint, data, optim
 from model_utils.config import arguments
 from model_utils.config.fp8_plan import plan_of
 from model_utils.config.options import TE_IMPLS
-from model_utils.config.sections import Config
+from model_utils.config.run_config import Config
 from model_utils.errors import Refusal, exit_refused
 from model_utils.model import modeling
 from model_utils.parallel import distributed, preflight

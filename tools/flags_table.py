@@ -17,7 +17,7 @@ from pathlib import Path
 from model_utils.config.arguments import build_parser, section_flags
 from model_utils.config.flag_spec import Resume, Spec
 from model_utils.config.presets import PRESET_FIELDS
-from model_utils.config.sections import flag_specs
+from model_utils.config.run_config import flag_specs
 
 ROOT = Path(__file__).resolve().parent.parent
 

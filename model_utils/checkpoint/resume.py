@@ -31,7 +31,7 @@ from model_utils.checkpoint.manifest import (
 )
 from model_utils.config.arguments import default_warmup
 from model_utils.config.flag_spec import Resume
-from model_utils.config.sections import Config, refusal_words, resume_fields, saved_defaults
+from model_utils.config.run_config import Config, refusal_words, resume_fields, saved_defaults
 from model_utils.data.checks import data_check
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,8 @@ from model_utils.config.argv import flag_value, precision_name, without_flag
 from model_utils.config.flag_spec import Resume, Spec
 from model_utils.config.options import TE_IMPLS, TE_RECIPE_OPTIONS
 from model_utils.config.presets import PRESET_FIELDS, PRESETS
-from model_utils.config.sections import SECTIONS, Config, flag_specs, path_flags
+from model_utils.config.run_config import Config, flag_specs, path_flags
+from model_utils.config.sections import SECTIONS
 from model_utils.errors import UsageError
 
 

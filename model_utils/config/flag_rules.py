@@ -11,7 +11,7 @@ import os
 import re
 
 from model_utils.config.options import TRACKERS
-from model_utils.config.sections import Config, flag_specs
+from model_utils.config.run_config import Config, flag_specs
 from model_utils.errors import UsageError, refuse
 
 #: The longest file or folder name Linux file systems take (NAME_MAX): a longer one raised

@@ -23,7 +23,7 @@ from model_utils.config.options import (
     TORCHAO_RECIPES,
     Fp8Recipe,
 )
-from model_utils.config.sections import Config
+from model_utils.config.run_config import Config
 from model_utils.errors import UsageError
 
 

@@ -15,7 +15,7 @@ from model_utils.errors import refuse
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from model_utils.config.sections import Config
+    from model_utils.config.run_config import Config
     from model_utils.parallel.distributed import World
 
 

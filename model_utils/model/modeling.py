@@ -18,7 +18,8 @@ from torch import nn
 
 from model_utils.config.families import FAMILIES
 from model_utils.config.fp8_plan import plan_of
-from model_utils.config.sections import HF_KEYS, SHAPE_FIELDS, Config, ModelShape
+from model_utils.config.run_config import Config
+from model_utils.config.sections import HF_KEYS, SHAPE_FIELDS, ModelShape
 from model_utils.model import loss, te_support
 from model_utils.parallel.distributed import canonical_param_name, local_shard
 from model_utils.precision import master_weights

@@ -143,13 +143,10 @@ def link_seconds(world: World, numel: int, device, repeats: int) -> list[float]:
             continue
         other = world.rank + peer[node]
         op = dist.P2POp(dist.isend if node == sender else dist.irecv, buffer, other)
-        seconds.append(_timed(lambda o=op: _batched(o), device, repeats, None))
+        seconds.append(
+            _timed(lambda o=op: dist.batch_isend_irecv([o])[0].wait(), device, repeats, None)
+        )
     return seconds
-
-
-def _batched(op: dist.P2POp) -> None:
-    for work in dist.batch_isend_irecv([op]):
-        work.wait()
 
 
 def slow_ones(values: dict[str, float], what: str) -> list[str]:

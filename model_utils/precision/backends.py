@@ -39,7 +39,7 @@ from torch import nn
 from model_utils.config.fp8_plan import plan_of
 from model_utils.config.machine import fp8_capable_gpu
 from model_utils.config.options import TE_IMPLS
-from model_utils.config.sections import Config
+from model_utils.config.run_config import Config
 from model_utils.precision.output_gemms import cool_lm_head
 
 # FP8 GEMMs need both matrix dims divisible by 16 (the backward multiplies by the transpose).

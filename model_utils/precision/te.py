@@ -26,7 +26,7 @@ from torch.distributed.fsdp import FSDPModule
 from model_utils.config import te_loader
 from model_utils.config.fp8_plan import check_training, plan_of, te_options
 from model_utils.config.options import FP8_RECIPE, TE_RECIPE_KEYWORDS, TE_RECIPES
-from model_utils.config.sections import Config, flag_specs
+from model_utils.config.run_config import Config, flag_specs
 from model_utils.config.te_loader import TEUnavailableError, import_te
 from model_utils.errors import UsageError, refuse
 from model_utils.precision.output_gemms import cool_lm_head

@@ -12,7 +12,7 @@ import shutil
 import socket
 from pathlib import Path
 
-from model_utils.config.sections import Config
+from model_utils.config.run_config import Config
 from model_utils.errors import Refusal, refuse, unwritable
 from model_utils.parallel import distributed
 

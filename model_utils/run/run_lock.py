@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from model_utils.config.sections import Config
+from model_utils.config.run_config import Config
 from model_utils.errors import Refusal, refuse
 from model_utils.parallel import distributed
 from model_utils.run import outputs

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from model_utils.config.sections import Config
+from model_utils.config.run_config import Config
 from model_utils.model.annotate import BACKWARD, DATA_WAIT, FORWARD, OPTIMIZER, annotate
 from model_utils.parallel import distributed
 from model_utils.precision.backends import PrecisionBackend

@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig
 
 import te_llama
-from model_utils.config.sections import Config
+from model_utils.config.run_config import Config
 from model_utils.model.modeling import materialize
 
 

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from model_utils.config import arguments, machine, sections
+from model_utils.config import arguments, machine, run_config, sections
 from model_utils.config.arguments import UsageError, parse_args
 from model_utils.config.flag_spec import Resume
 from model_utils.config.presets import PRESETS
-from model_utils.config.sections import SECTIONS, TOP_FIELDS, Config, flag_fields
+from model_utils.config.run_config import TOP_FIELDS, Config
+from model_utils.config.sections import SECTIONS, flag_fields
 from model_utils.model import modeling
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,9 +92,10 @@ def test_every_flag_is_read_somewhere():
     """No dead flags: each option is read as a config field (`.optim.lr`, `optim.lr` inside
     the optim stage, or a table of fields read by name) outside the config package, or into
     the FP8 plan, whose fields are read outside it (the next test)."""
-    # sections.py: SHAPE_FIELDS, the shape read by name (model_config); options.py:
-    # TE_RECIPE_KEYWORDS, the TE recipe flags read by name (precision/te.build_recipe)
-    code = _product_code("sections.py", "fp8_plan.py", "options.py")
+    # sections.py: SHAPE_FIELDS, the shape read by name (model_config); run_config.py:
+    # Config.model_source, the preset in the run's lines; options.py: TE_RECIPE_KEYWORDS,
+    # the TE recipe flags read by name (precision/te.build_recipe)
+    code = _product_code("sections.py", "run_config.py", "fp8_plan.py", "options.py")
     parser = arguments.build_parser()
     dests = {a.dest for a in parser._actions if a.dest != "help"}
 
@@ -131,8 +133,8 @@ def test_every_config_field_says_what_a_resume_may_do_with_it(monkeypatch):
     """Each field is declared with flag() or derived() and a resume class (the resume rules
     read it there); a field declared without one stops every parse, rather than becoming "a
     resume may change it" by omission."""
-    specs = sections.flag_specs()
-    assert set(specs) == set(sections.SECTION_OF) | set(TOP_FIELDS)
+    specs = run_config.flag_specs()
+    assert set(specs) == set(run_config.SECTION_OF) | set(TOP_FIELDS)
     assert all(isinstance(spec.resume, Resume) for spec in specs.values())
 
     @dataclass(frozen=True)
@@ -141,7 +143,7 @@ def test_every_config_field_says_what_a_resume_may_do_with_it(monkeypatch):
 
     monkeypatch.setitem(sections.SECTIONS, "new", Undeclared)
     with pytest.raises(TypeError, match="new_flag is declared without flag"):
-        sections.flag_specs()
+        run_config.flag_specs()
 
 
 def test_the_parser_is_derived_from_the_fields():
@@ -154,7 +156,7 @@ def test_the_parser_is_derived_from_the_fields():
     assert actions["optimizer"].choices == ("adamw", "adamw8bit", "adamw_fp8")
     assert actions["preset"].choices == sorted(PRESETS)
     assert actions["profile_steps"].metavar == "START:END"
-    assert set(sections.path_flags()) == {
+    assert set(run_config.path_flags()) == {
         "tokenizer",
         "dataset",
         "checkpoint_dir",
