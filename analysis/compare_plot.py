@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from analysis.parity import BAND, SMOOTHING_STEPS, smoothed_gap
+from analysis.parity import BAND, SMOOTHING_STEPS, gaps_of
 from analysis.traces.rules import CATEGORIES
 
 FIGSIZE, DPI = (20.0, 4.5), 100  # 2000 x 450 pixels
@@ -155,10 +155,18 @@ def plot_loss_gap(
     ax.axvline(judged_from, color="0.4", linestyle=":", label=f"judged from step {judged_from}")
     for i, (run, label) in enumerate(zip(runs, labels, strict=True)):
         if i:
-            steps, gaps = smoothed_gap(run.records, runs[0].records)
-            ax.plot(steps, [100 * g for g in gaps], color=f"C{i}", label=f"{label} vs {labels[0]}")
+            gaps = gaps_of(run.records, runs[0].records, judged_from)  # the verdict's windows
+            ax.plot(
+                gaps.whole,
+                [100 * g for g in gaps.train],
+                color=f"C{i}",
+                label=f"{label} vs {labels[0]}",
+            )
     _dress(
-        ax, f"train loss gap to {labels[0]} ({SMOOTHING_STEPS}-step mean)", "step", "relative gap %"
+        ax,
+        f"train loss gap to {labels[0]} (mean of <= {SMOOTHING_STEPS} judged steps)",
+        "step",
+        "relative gap %",
     )
 
 

@@ -313,12 +313,22 @@ def data_order(flags: Mapping[str, Any]) -> Any:
     return flags.get("seed") if flags.get("data_seed") is None else flags.get("data_seed")
 
 
+def train_losses(run: Run) -> dict[int, Any]:
+    return {r["step"]: r.get("loss") for r in run.records if r["kind"] == "train"}
+
+
 def replica_problems(runs: Sequence[Run], labels: Sequence[str]) -> list[str]:
     """What keeps runs[1:] from being seed replicas of runs[0]: another precision or recipe
     (their label), another data order, or the same --seed (runs without flags: unchecked)."""
+    problems = [
+        f"{label}: every loss it logged is {labels[0]}'s, so it measures no seed noise: a "
+        "replica starts from other weights (another --seed, not --init_from_hf) (--replicas)"
+        for run, label in zip(runs[1:], labels[1:], strict=True)
+        if train_losses(run) == train_losses(runs[0])
+    ]
     if len(runs) < 2 or not runs[0].info:
-        return []
-    reference, problems = runs[0].info.get("flags", {}), []
+        return problems
+    reference = runs[0].info.get("flags", {})
     for run, label in zip(runs[1:], labels[1:], strict=True):
         if not run.info:
             continue

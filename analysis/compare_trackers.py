@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from analysis.parity import BAND, Noise, Parity, smoothed_gap
+from analysis.parity import BAND, Noise, Parity, gaps_of
 from model_utils.config import flag_rules
 from model_utils.errors import Refusal, UsageError, first_line
 from model_utils.report.trackers import SINKS, redacted
@@ -40,14 +40,18 @@ def tracker_names(spec: str, infos: Sequence[Mapping[str, Any] | None]) -> list[
     return names
 
 
-def gap_records(runs: Sequence[Any], labels: Sequence[str], noise: Noise | None) -> list[dict]:
-    """``compare`` records, one per step: each run's smoothed train-loss gap to the first, in %
-    (the picture's gap panel), and the half-width of the band the verdict judges it against."""
+def gap_records(
+    runs: Sequence[Any], labels: Sequence[str], noise: Noise | None, first: int
+) -> list[dict]:
+    """``compare`` records, one per step from ``first``: each run's smoothed train-loss gap to
+    the first run, in % (the picture's gap panel), and the half-width of the band the verdict
+    judges it against."""
     by_step: dict[int, dict[str, float]] = {}
     for run, label in zip(runs[1:], labels[1:], strict=True):
         # MLflow's metric names take letters, digits and "_.- /" ("/" would nest W&B's panels).
         key = "train_loss_gap_pct/" + re.sub(r"[^\w.\- ]+", "_", label)
-        for step, gap in zip(*smoothed_gap(run.records, runs[0].records), strict=True):
+        gaps = gaps_of(run.records, runs[0].records, first)  # the verdict's windows
+        for step, gap in zip(gaps.whole, gaps.train, strict=True):
             by_step.setdefault(step, {})[key] = 100 * gap
     for step, values in by_step.items():
         band = noise.train.get(step) if noise and noise.replicas else BAND
@@ -75,7 +79,8 @@ def send(
     home /= ("compare-" + "-vs-".join(r.fallback_label for r in runs))[:200]  # NAME_MAX 255
     flags = {"runs": ", ".join(str(r.source.resolve()) for r in runs), "labels": ", ".join(labels)}
     comparison = {"kind": "compare", "flags": {**flags, "picture": str(picture.resolve())}}
-    records = gap_records(runs, labels, verdicts[0].noise if verdicts else None)
+    first = verdicts[0].first if verdicts else 1
+    records = gap_records(runs, labels, verdicts[0].noise if verdicts else None, first)
     verdict = "\n".join(v.lines()[-1].strip().removeprefix("verdict: ") for v in verdicts)
     home.mkdir(exist_ok=True)
     sent = []

@@ -38,7 +38,7 @@ import bisect
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 #: The band of the relative loss gap inside which a run trains the same model as the reference,
@@ -107,8 +107,8 @@ class Lag:
     def words(self) -> str:
         if self.steps is None:
             return f"{self.step} >{self.reached_by - self.step} (not reached)"
-        share = round(self.steps / self.step, 2) or 0.0  # never "-0"
-        return f"{self.step} {round(self.steps) or 0:+d} ({share:+.0%})"
+        steps = round(self.steps) or 0  # never "-0"
+        return f"{self.step} {steps:+d} ({round(steps / self.step, 2) or 0.0:+.0%})"
 
 
 @dataclass(frozen=True)
@@ -120,16 +120,29 @@ class Noise:
     train: Mapping[int, float] = field(default_factory=dict)
     val: Mapping[int, float] = field(default_factory=dict)
 
-    def train_at(self, step: int) -> float:
-        return self.train.get(step, BAND) if self.replicas else BAND
+    def at(self, kind: str, step: int) -> float:
+        """The band of ``kind`` ("train" or "val") at ``step``; ``BAND`` where the replicas
+        measured none (past their last step)."""
+        return getattr(self, kind).get(step, BAND) if self.replicas else BAND
 
-    def val_at(self, step: int) -> float:
-        return self.val.get(step, BAND) if self.replicas else BAND
+    def measured(self, kind: str, steps: Sequence[int]) -> bool:
+        return bool(self.replicas) and all(s in getattr(self, kind) for s in steps)
 
     def words(self) -> str:
         if self.replicas:
             return f"seed noise of {self.replicas} replica(s) x{NOISE_FACTOR:g}"
         return f"fixed band ±{BAND:.0%}: no noise estimate"
+
+
+@dataclass(frozen=True)
+class Gap:
+    """A gap the verdict may be decided by: in words, its value, the band it is judged against,
+    and whether the replicas measured that band (else the fixed ``BAND`` stood in)."""
+
+    words: str
+    value: float
+    band: float
+    measured: bool = False
 
 
 @dataclass(frozen=True)
@@ -144,12 +157,13 @@ class Parity:
     train_mean: float | None = None
     train_largest: float | None = None  # signed, the largest in size
     train_largest_step: int | None = None
-    left_band_step: int | None = None  # first judged step whose smoothed gap is outside
-    tail: tuple[float, float] | None = None  # the last windows' mean gap and mean band
+    left_band_step: int | None = None  # first judged step outside, on the verdict's side
+    tail: Gap | None = None  # the mean train gap of the last windows
+    after: Gap | None = None  # the mean train gap of the windows after the last validation
     val_mean: float | None = None
     val_largest: float | None = None
     val_left_band_step: int | None = None
-    val_last: tuple[int, float, float] | None = None  # step, gap, band at the last validation
+    val_last: Gap | None = None  # the gap at the last shared validation
     slope: float | None = None  # per 1,000 steps
     slope_error: float | None = None
     window: int = SMOOTHING_STEPS
@@ -158,6 +172,7 @@ class Parity:
     matched_time: tuple[float, float] | None = None  # the reference's step, the val gap there
     same_loss: SameLoss | None = None
     diverged: int | None = None  # the first step whose loss the run logged as NaN, inf or null
+    reference_diverged: int | None = None  # the same of the reference
 
     @property
     def judged(self) -> bool:
@@ -174,16 +189,21 @@ class Parity:
         return significant and outward and material
 
     @property
+    def end(self) -> Gap | None:
+        """The gap that decides: the train gap after the last shared validation where it left
+        its band (a late divergence no validation saw), else that validation's (a mean over
+        many sequences), else the mean train gap of the last windows."""
+        if self.after is not None and abs(self.after.value) > self.after.band:
+            return self.after
+        return self.val_last or self.tail
+
+    @property
     def standing(self) -> str:
-        """ "within", "behind" or "ahead": the last shared validation decides where there is
-        one, else the mean train gap of the last windows."""
-        if self.val_last is not None:
-            _, gap, band = self.val_last
-        elif self.tail is not None:
-            gap, band = self.tail
-        else:
+        """ "within", "behind" or "ahead", by :attr:`end`."""
+        end = self.end
+        if end is None or abs(end.value) <= end.band:
             return "within"
-        return "within" if abs(gap) <= band else "behind" if gap > 0 else "ahead"
+        return "behind" if end.value > 0 else "ahead"
 
     @property
     def matches(self) -> bool:
@@ -191,7 +211,9 @@ class Parity:
 
     def lines(self) -> list[str]:
         """The figures, then the verdict line."""
-        head = f"Parity of {self.label} with {self.reference}, steps {self.first}-{self.last}"
+        head = f"Parity of {self.label} with {self.reference}"
+        if self.points:
+            head += f", steps {self.first}-{self.last}"
         if not self.judged:
             return [
                 f"{head}: not judged: {self.points} train step(s) logged by both runs after "
@@ -238,34 +260,38 @@ class Parity:
     def verdict(self) -> str:
         if self.diverged is not None:  # what the finite steps before it say is beside the point
             return f"{self.label} diverged: its loss is not finite at step {self.diverged}"
-        span = f"steps {self.first}-{self.last}"
-        standing = self.standing
+        end, standing = self.end, self.standing
+        words = {"within": "matches", "behind": "is behind", "ahead": "is ahead of"}[standing]
+        if standing == "within" and end.measured:
+            words = "is within seed noise of"
+        head = f"{self.label} {words} {self.reference} over steps {self.first}-{self.last}: "
         if standing == "within":
-            if self.noise.replicas:
-                return f"{self.label} is within seed noise of {self.reference} over {span}"
-            return (
-                f"{self.label} matches {self.reference} over {span} (inside the ±{BAND:.0%} band)"
-            )
-        words = "is behind" if standing == "behind" else "is ahead of"
-        return f"{self.label} {words} {self.reference} over {span}: {self._outside_words()}"
-
-    def _outside_words(self) -> str:
-        """By how many steps at the end (where the lag is known), and which gap left which band."""
-        lag = next((g for g in reversed(self.lags) if g.steps is not None), None)
-        by = ""
-        if lag is not None:
-            steps = abs(lag.steps)
-            by = f"by {steps:.0f} steps ({steps / lag.step:.0%}) at step {lag.step}, "
-        if self.val_last is not None:
-            step, gap, band = self.val_last
-            what = f"the validation loss gap {_pct(gap)} at step {step}"
-            left = self.val_left_band_step
-        else:
-            gap, band = self.tail
-            what = f"the train loss gap {_pct(gap)} over the last judged steps"
-            left = self.left_band_step
+            return f"{head}{end.words} is inside ±{end.band:.2%}{self._notes(end)}"
+        left = self.val_left_band_step if end is self.val_last else self.left_band_step
         since = f" (first outside at step {left})" if left is not None else ""
-        return f"{by}{what} is outside ±{band:.2%}{since}"
+        return f"{head}{self._by(standing)}{end.words} is outside ±{end.band:.2%}{since}" + (
+            self._notes(end)
+        )
+
+    def _by(self, standing: str) -> str:
+        """By how many steps, from the last known step lag, where its sign agrees."""
+        lag = next((g for g in reversed(self.lags) if g.steps is not None), None)
+        if lag is None or round(lag.steps * (1 if standing == "behind" else -1)) <= 0:
+            return ""
+        steps = abs(lag.steps)
+        return f"by {steps:.0f} steps ({steps / lag.step:.0%}) at step {lag.step}, "
+
+    def _notes(self, end: Gap) -> str:
+        """What bounds the verdict: a band the replicas did not measure, a reference that
+        diverged."""
+        notes = []
+        if self.noise.replicas and not end.measured:
+            notes.append("the fixed band: the replicas' own runs do not reach these steps")
+        if self.reference_diverged is not None:
+            notes.append(
+                f"{self.reference}'s own loss is not finite at step {self.reference_diverged}"
+            )
+        return f" ({'; '.join(notes)})" if notes else ""
 
 
 #: What a verdict without replicas says about its band, and how to get a noise estimate.
@@ -335,13 +361,16 @@ def smoothing_window(first: int, last: int) -> int:
 
 
 def step_at_loss(validations: Mapping[int, float], loss: float) -> float | None:
-    """The first step at which ``validations`` (step -> loss), linear between its steps, falls
-    to ``loss``; None where it never does (or ``loss`` is above its first validation)."""
+    """The step from which ``validations`` (step -> loss), linear between its steps, stays at
+    or below ``loss`` (a run that touched it and rose again has not reached it); None where
+    its last validation is above it, or its first is already below it."""
     points = sorted(validations.items())
-    for (s0, l0), (s1, l1) in zip(points, points[1:], strict=False):
-        if l0 >= loss >= l1:
-            return s0 + (s1 - s0) * (l0 - loss) / (l0 - l1) if l0 > l1 else float(s0)
-    return None
+    if not points or points[-1][1] > loss:
+        return None
+    for (s0, l0), (s1, l1) in reversed(list(itertools.pairwise(points))):
+        if l0 > loss:  # the last validation above it: the curve falls to it after
+            return s0 + (s1 - s0) * (l0 - loss) / (l0 - l1)
+    return float(points[0][0]) if points[0][1] == loss else None
 
 
 def loss_at_step(validations: Mapping[int, float], step: float) -> float | None:
@@ -461,23 +490,50 @@ def noise_band(
     window: int,
 ) -> Noise:
     """The band the replicas' own gaps to the reference span (``Noise()``: no replicas)."""
-    if not replicas:
-        return Noise()
     found = [gaps_of(r, reference, first, window) for r in replicas]
+    found = [g for g in found if any(g.train)]  # a copy of the reference measures no noise
+    if not found:
+        return Noise()
     train = _band([dict(zip(g.whole, g.train, strict=True)) for g in found])
     val = _band([dict(zip(g.val_steps, g.val, strict=True)) for g in found])
     return Noise(len(replicas), train, val)
 
 
-def _first_outside(steps: Sequence[int], gaps: Sequence[float], band) -> int | None:
-    return next((s for s, g in zip(steps, gaps, strict=True) if abs(g) > band(s)), None)
+def first_not_finite(records: Sequence[Mapping[str, Any]]) -> int | None:
+    """The first step whose loss a run logged as NaN, inf or null (None: none)."""
+    bad = (
+        r for r in records if r["kind"] in LOSS_KEYS and not _finite(r.get(LOSS_KEYS[r["kind"]]))
+    )
+    return min((r["step"] for r in bad), default=None)
 
 
-def _tail(gaps: Gaps, noise: Noise) -> tuple[float, float]:
-    """The mean train gap and the mean band over the last ``TAIL_SHARE`` of the windows."""
-    count = max(1, math.ceil(TAIL_SHARE * len(gaps.whole)))
-    steps, values = gaps.whole[-count:], gaps.train[-count:]
-    return sum(values) / count, sum(noise.train_at(s) for s in steps) / count
+def _first_outside(steps, gaps, noise: Noise, kind: str, side: int) -> int | None:
+    """The first step whose gap is outside its band on ``side`` (1: behind, -1: ahead)."""
+    return next((s for s, g in zip(steps, gaps, strict=True) if side * g > noise.at(kind, s)), None)
+
+
+def _gap(noise: Noise, kind: str, steps: Sequence[int], values: Sequence[float], where: str) -> Gap:
+    """The mean gap of ``kind`` over ``steps`` against their mean band."""
+    value, band = sum(values) / len(values), sum(noise.at(kind, s) for s in steps) / len(steps)
+    what = "train" if kind == "train" else "validation"
+    return Gap(
+        f"the {what} loss gap {_pct(value)} {where}", value, band, noise.measured(kind, steps)
+    )
+
+
+def _ends(gaps: Gaps, noise: Noise) -> tuple[Gap | None, Gap | None, Gap]:
+    """The gaps a verdict may be decided by: at the last shared validation, over the train
+    windows after it, over the last ``TAIL_SHARE`` of the train windows."""
+    last_val = after = None
+    if gaps.val_steps:
+        step = gaps.val_steps[-1]
+        last_val = _gap(noise, "val", [step], gaps.val[-1:], f"at step {step}")
+        if later := sum(s > step for s in gaps.whole):
+            where = f"after the last validation (step {step})"
+            after = _gap(noise, "train", gaps.whole[-later:], gaps.train[-later:], where)
+    tail = max(1, math.ceil(TAIL_SHARE * len(gaps.whole)))
+    where = "over the last judged steps"
+    return last_val, after, _gap(noise, "train", gaps.whole[-tail:], gaps.train[-tail:], where)
 
 
 def judge(
@@ -495,14 +551,7 @@ def judge(
     gaps = gaps_of(run, reference, first)
     steps = gaps.steps
     last = max(steps, default=first)
-    diverged = min(
-        (
-            r["step"]
-            for r in run
-            if r["kind"] in LOSS_KEYS and not _finite(r.get(LOSS_KEYS[r["kind"]]))
-        ),
-        default=None,
-    )
+    diverged = first_not_finite(run)
     if len(steps) < MIN_POINTS:
         return Parity(label, reference_label, first, last, len(steps), diverged=diverged)
     noise = noise_band(replicas, reference, first, gaps.window)
@@ -510,10 +559,8 @@ def judge(
     slope, error = slope_per_1000(steps, [(mine[s] - theirs[s]) / theirs[s] for s in steps])
     largest = max(range(len(gaps.train)), key=lambda i: abs(gaps.train[i]))
     val_mine, val_theirs = _losses(run, "val", "val_loss"), _losses(reference, "val", "val_loss")
-    val_last = None
-    if gaps.val_steps:
-        val_last = (gaps.val_steps[-1], gaps.val[-1], noise.val_at(gaps.val_steps[-1]))
-    return Parity(
+    val_last, after, tail = _ends(gaps, noise)
+    found = Parity(
         label,
         reference_label,
         steps[0],
@@ -522,11 +569,10 @@ def judge(
         train_mean=sum(gaps.train) / len(gaps.train),
         train_largest=gaps.train[largest],
         train_largest_step=gaps.whole[largest],
-        left_band_step=_first_outside(gaps.whole, gaps.train, noise.train_at),
-        tail=_tail(gaps, noise),
+        tail=tail,
+        after=after,
         val_mean=sum(gaps.val) / len(gaps.val) if gaps.val else None,
         val_largest=max(gaps.val, key=abs) if gaps.val else None,
-        val_left_band_step=_first_outside(gaps.val_steps, gaps.val, noise.val_at),
         val_last=val_last,
         slope=slope,
         slope_error=error,
@@ -536,14 +582,11 @@ def judge(
         matched_time=matched_time(val_mine, val_theirs, speed_ratio),
         same_loss=same_loss(val_mine, val_theirs, speed_ratio),
         diverged=diverged,
+        reference_diverged=first_not_finite(reference),
     )
-
-
-def smoothed_gap(
-    run: Sequence[Mapping[str, Any]], reference: Sequence[Mapping[str, Any]]
-) -> tuple[list[int], list[float]]:
-    """The relative smoothed train-loss gap at every step both runs logged (the picture's)."""
-    mine, theirs = _losses(run, "train", "loss"), _losses(reference, "train", "loss")
-    steps = sorted(mine.keys() & theirs.keys())
-    pairs = zip(smoothed(mine, steps), smoothed(theirs, steps), strict=True)
-    return steps, [(m - t) / t for m, t in pairs]
+    side = {"behind": 1, "ahead": -1}.get(found.standing, 0)
+    return replace(
+        found,
+        left_band_step=_first_outside(gaps.whole, gaps.train, noise, "train", side),
+        val_left_band_step=_first_outside(gaps.val_steps, gaps.val, noise, "val", side),
+    )

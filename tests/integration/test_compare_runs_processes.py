@@ -126,11 +126,15 @@ def test_wandb_and_mlflow_get_the_gap_band_picture_and_verdict(tmp_path: Path) -
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     report = done.stdout.split("\nThe comparison in the trackers")[0]
-    verdict = "fp8 tensorwise hf matches bf16 hf over steps 4-40 (inside the ±1% band)"
+    verdict = (
+        "fp8 tensorwise hf matches bf16 hf over steps 4-40: the train loss gap +0.40% over the "
+        "last judged steps is inside ±1.00%"
+    )
     assert f"  verdict: {verdict}" in report
     picture = (fp8 / "compare_runs.png").read_bytes()
     records = [cr.load_run(p).records for p in (bf16, fp8)]
-    steps, gaps = parity.smoothed_gap(records[1], records[0])
+    judged = parity.gaps_of(records[1], records[0], 4)
+    steps, gaps = judged.whole, judged.train
     gap = {s: 100 * g for s, g in zip(steps, gaps, strict=True)}
     key = "compare/train_loss_gap_pct/fp8 tensorwise hf"
 

@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import doc_logs
 from helpers.runs import FAST, losses, records, run_train, train_cmd, train_env
 
 from model_utils.config.arguments import parse_args
@@ -45,6 +46,9 @@ def test_loss_goes_down_and_log_lines_have_the_seed_format(tmp_path):
     # upstream's validation line too, so its log parsers find the validation
     assert f"Batch 30 Validation loss: {val[-1]['val_loss']:.5f}" in result.stdout
     assert "Summary (medians over" in result.stdout
+    # README's and docs/' samples of these lines tag them as this run does
+    checked, wrong = doc_logs.tag_mismatches(result.stdout)
+    assert checked >= 9 and wrong == [], wrong
     # The run's resolved flags, which `train.py @FILE` runs again, are in its folder.
     again = parse_args([f"@{out / 'run.args'}", f"--output_dir={out}"]).as_dict()
     ran = {k: v for k, v in records(out, "run")[0]["flags"].items() if k in again}

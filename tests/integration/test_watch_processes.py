@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import doc_logs
 from helpers.procs import PYTHON, free_port, launch_report, process_state, rank_env
 from helpers.runs import SMALL_LLAMA, losses, records, run_train
 
@@ -197,6 +198,8 @@ def test_a_rank_ten_times_busier_is_named_in_the_log_and_in_metrics(hung: dict) 
     assert named and {r["slowest_rank"] for r in named} == {1}
     assert all(r["slowest_rank_ratio"] > float(THRESHOLD) for r in named)
     assert named[0]["slowest_rank_host"] in line
+    checked, wrong = doc_logs.tag_mismatches(log0)  # docs/hangs.md's slow-rank and hang lines
+    assert checked >= 2 and wrong == [], wrong
 
 
 def test_a_stopped_rank_makes_the_other_write_its_stacks_and_end(hung: dict) -> None:

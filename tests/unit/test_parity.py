@@ -51,7 +51,8 @@ def test_a_small_steady_gap_with_noise_matches() -> None:
     assert found.val_mean == pytest.approx(0.002, abs=0.003)
     assert (found.first, found.last, found.points) == (40, 400, 361)
     assert found.lines()[-1] == (
-        "  verdict: fp8 matches bf16 over steps 40-400 (inside the ±1% band)"
+        "  verdict: fp8 matches bf16 over steps 40-400: the validation loss gap "
+        f"{found.val_last.value:+.2%} at step 400 is inside ±1.00%"
     )
     assert found.lines()[-2].startswith("  noise: no seed-noise estimate, the fixed ±1% band; ")
     assert "--seed 43 --data_seed 42" in found.lines()[-2] and "--replicas 2" in found.lines()[-2]
@@ -68,7 +69,10 @@ def test_a_gap_growing_inside_the_band_is_a_trend_not_a_drift() -> None:
     assert found.slope > parity.TREND_SIGMAS * found.slope_error
     assert f"trend {found.slope:+.2%} ± " in found.lines()[1]
     assert found.lines()[1].endswith("per 1,000 steps (a trend)")
-    assert found.verdict() == "fp8 matches bf16 over steps 40-400 (inside the ±1% band)"
+    assert found.verdict() == (
+        f"fp8 matches bf16 over steps 40-400: the train loss gap {found.tail.value:+.2%} over "
+        "the last judged steps is inside ±1.00%"
+    )
 
 
 def test_a_steep_noisy_slope_inside_the_band_is_not_a_drift() -> None:
@@ -77,7 +81,7 @@ def test_a_steep_noisy_slope_inside_the_band_is_not_a_drift() -> None:
     bf16 = curve(100, noise=0.004, seed=3)
     fp8 = curve(100, gap=lambda s: -0.08 * s / 1000, noise=0.004, seed=4)  # -0.8% at the end
     found = parity.judge(fp8, bf16, 10, "fp8", "bf16")
-    assert abs(found.slope) > 0.04 and found.tail[0] < 0 and abs(found.tail[0]) < parity.BAND
+    assert abs(found.slope) > 0.04 and found.tail.value < 0 and abs(found.tail.value) < parity.BAND
     assert found.standing == "within" and found.matches
     assert "drift" not in " ".join(found.lines())
 
@@ -123,9 +127,12 @@ def test_replicas_set_the_band_window_by_window() -> None:
     wide = [curve(300, gap=lambda s: -0.004, noise=0.001, seed=6)]
     outside = parity.judge(fp8, bf16, 30, "fp8", "bf16", replicas=close)
     assert outside.noise.replicas == 1 and outside.standing == "behind"
-    assert outside.tail[1] == pytest.approx(2 * 0.001, abs=0.0006)
+    assert outside.tail.band == pytest.approx(2 * 0.001, abs=0.0006)
     inside = parity.judge(fp8, bf16, 30, "fp8", "bf16", replicas=wide)
-    assert inside.verdict() == "fp8 is within seed noise of bf16 over steps 30-300"
+    assert inside.verdict() == (
+        f"fp8 is within seed noise of bf16 over steps 30-300: the train loss gap "
+        f"{inside.tail.value:+.2%} over the last judged steps is inside ±{inside.tail.band:.2%}"
+    )
     assert "seed noise of 1 replica(s) x2" in inside.lines()[0]
     assert not any(line.startswith("  noise:") for line in inside.lines())
 
@@ -239,3 +246,77 @@ def test_same_loss_says_how_much_faster_fp8_reaches_the_reference_s_loss() -> No
         found.lines()
     )
     assert parity.judge(fp8, bf16 + ref_val, 20, "fp8", "bf16").same_loss is None  # no val
+
+
+def test_a_loss_touched_and_left_again_is_not_reached() -> None:
+    """The lag counts from where a curve falls to a loss and stays there: a run that dips
+    below the reference's loss and rises above it again has not reached it."""
+    assert parity.step_at_loss({100: 5.0, 200: 4.0, 300: 4.5}, 4.2) is None
+    assert parity.step_at_loss({100: 5.0, 200: 4.0, 300: 4.5, 400: 3.5}, 4.2) == 330
+    assert parity.step_at_loss({100: 4.2, 200: 4.0}, 4.2) == 100
+
+
+def test_a_run_that_ends_behind_is_never_behind_by_a_lead() -> None:
+    """2% better until step 350, then 2% worse: behind at the end, with no "by N steps" from
+    the run's earlier lead and the first step outside on the behind side, not the lead's."""
+    gap = lambda s: -0.02 if s <= 350 else 0.02  # noqa: E731
+    bf16, fp8 = curve(400), curve(400, gap=gap)
+    found = parity.judge(fp8 + val(fp8, 50), bf16 + val(bf16, 50), 40, "fp8", "bf16")
+    assert found.standing == "behind" and found.lags[-1].steps is None
+    assert found.verdict() == (
+        "fp8 is behind bf16 over steps 40-400: the validation loss gap +2.00% at step 400 is "
+        "outside ±1.00% (first outside at step 400)"
+    )
+    turned = parity.judge(curve(400, gap=lambda s: 0.02 if s <= 200 else -0.02), bf16, 40, "a", "b")
+    assert turned.standing == "ahead" and turned.left_band_step > 200
+
+
+def test_a_divergence_after_the_last_validation_is_behind() -> None:
+    """A train gap that leaves the band after the last validation decides: no validation saw
+    it, the train loss did."""
+    bf16 = curve(400)
+    fp8 = curve(400, gap=lambda s: 0.0 if s <= 350 else 0.002 * (s - 350))  # +10% at 400
+    found = parity.judge(fp8 + val(fp8, 50)[:-1], bf16 + val(bf16, 50), 40, "fp8", "bf16")
+    assert found.val_last.value == pytest.approx(0.0) and found.standing == "behind"
+    assert "after the last validation (step 350) is outside ±1.00%" in found.verdict()
+    calm = parity.judge(bf16 + val(bf16, 50)[:-1], bf16 + val(bf16, 50), 40, "a", "b")
+    assert calm.matches and "at step 350 is inside" in calm.verdict()
+
+
+def test_steps_past_the_replicas_are_judged_by_the_fixed_band_and_say_so() -> None:
+    """Replicas of 200 steps measure no noise at step 400: a run that ends +0.5% there is not
+    "within seed noise", it matches inside the fixed band, and the verdict says why."""
+    bf16 = curve(400, noise=0.0005, seed=1)
+    fp8 = curve(400, gap=lambda s: 0.005, noise=0.0005, seed=2)
+    short = [curve(200, gap=lambda s: 0.0002, noise=0.0005, seed=3)]
+    found = parity.judge(fp8, bf16, 40, "fp8", "bf16", replicas=short)
+    assert found.noise.replicas == 1 and not found.tail.measured and found.matches
+    assert found.verdict().startswith("fp8 matches bf16 over steps 40-400: the train loss gap +0.")
+    assert found.verdict().endswith(
+        "is inside ±1.00% (the fixed band: the replicas' own runs do not reach these steps)"
+    )
+
+
+def test_a_replica_identical_to_the_reference_measures_no_noise() -> None:
+    """Zero replica gaps would be a zero-width band that calls every run outside: no noise."""
+    bf16 = curve(300)
+    found = parity.judge(curve(300, gap=lambda s: 0.001), bf16, 30, "a", "b", replicas=[bf16])
+    assert found.noise == parity.Noise() and found.matches
+
+
+def test_a_lag_s_share_is_of_the_steps_it_prints() -> None:
+    assert parity.Lag(50, 0.38, 400).words() == "50 +0 (+0%)"
+    assert parity.Lag(150, 12.6, 200).words() == "150 +13 (+9%)"
+    assert parity.Lag(100, -1.2, 200).words() == "100 -1 (-1%)"
+
+
+def test_a_reference_that_diverged_is_named_in_the_verdict() -> None:
+    bf16, fp8 = curve(400), curve(400)
+    bf16[299]["loss"] = math.nan
+    found = parity.judge(fp8, bf16[:300], 40, "fp8", "bf16")
+    assert found.verdict().endswith("(bf16's own loss is not finite at step 300)")
+
+
+def test_runs_that_end_before_the_judged_start_name_no_span() -> None:
+    [line] = parity.judge(curve(3), curve(3), 5, "fp8", "bf16").lines()
+    assert line.startswith("Parity of fp8 with bf16: not judged: 0 train step(s)")
