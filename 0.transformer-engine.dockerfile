@@ -75,7 +75,8 @@ RUN grep -iE "${IMAGE_OWNED}" /etc/pip/constraint.txt > /tmp/image-owned.txt || 
     && rm -f /tmp/image-owned.txt /tmp/requirements.txt /tmp/before.txt /tmp/after.txt
 
 # --tracker wandb,mlflow (docs/trackers.md): the W&B client and MLflow's client-only package,
-# which logs to a tracking server (MLFLOW_TRACKING_URI); pinned as pyproject's [trackers] extra.
+# which logs to a tracking server (MLFLOW_TRACKING_URI); the versions of pyproject's [trackers]
+# extra, which pins full mlflow for the tests' local store.
 # The same guard: an image-owned package must not move.
 RUN grep -iE "${IMAGE_OWNED}" /etc/pip/constraint.txt > /tmp/image-owned.txt || true \
     && pip freeze | grep -iE "${IMAGE_OWNED}" > /tmp/before.txt \
