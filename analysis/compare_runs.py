@@ -81,7 +81,8 @@ DETAIL = {
 # What must match for two runs to be compared like for like (flags of the run record): the
 # model section's flags (shape, context, RoPE base) and the micro-batch.
 SHAPE_FLAGS = flag_fields(ModelShape)
-BATCH_FLAGS = ("train_batch_size",)
+#: What each step trains on, and what the validation loss is a mean over.
+BATCH_FLAGS = ("train_batch_size", "val_batch_size", "validation_batches")
 
 
 class CompareError(UsageError):
@@ -111,6 +112,7 @@ class Run:
     records: list[dict[str, Any]]  # train and val records, metrics.jsonl schema, one per step
     info: dict[str, Any] | None  # the run record (flags, world_size, samples_per_step), if any
     numerics: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # --fp8_numerics
+    resumes: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # later run records
 
     @property
     def fallback_label(self) -> str:
@@ -139,13 +141,13 @@ def _number(text: str) -> float:
     return float(text.replace(",", ""))
 
 
-def parse_log(text: str, name: str = "log") -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+def parse_log(text: str, name: str = "log") -> tuple[list[dict], list[dict]]:
     """Records from a training log: seed lines (+ this recipe's detail line), validation lines
-    (this recipe's or upstream's ``Batch N Validation loss: X``), and the last ``run: {...}``
-    line. Anything else (timestamps, srun's ``0:`` prefix, other
+    (this recipe's or upstream's ``Batch N Validation loss: X``), and the ``run: {...}`` lines
+    (one a start). Anything else (timestamps, srun's ``0:`` prefix, other
     ranks' warnings) is ignored."""
     records: list[dict[str, Any]] = []
-    info, last_train, val_steps = None, None, set()
+    infos, last_train, val_steps = [], None, set()
     for number, line in enumerate(complete_lines(text), start=1):
         if m := SEED.search(line):
             last_train = {
@@ -169,8 +171,8 @@ def parse_log(text: str, name: str = "log") -> tuple[list[dict[str, Any]], dict[
                 {"kind": "val", "step": int(m.group(1)), "val_loss": _number(m.group(2))}
             )
         elif (found := logged_run(line)) is not None and run_problem(found) is None:
-            info = first_run(info, found, name, number, "log")  # else not ours: any text
-    return records, info
+            infos.append(one_run(infos, found, name, number, "log"))  # else not ours: any text
+    return records, infos
 
 
 def logged_run(line: str) -> Any:
@@ -185,24 +187,25 @@ def logged_run(line: str) -> Any:
     return None
 
 
-def first_run(info: dict | None, found: dict, name: str, number: int, what: str) -> dict:
-    """The first run record says what the run trained: a resume writes another, and a resume
-    that changed what it compares would re-label an FP8 run as bf16; one that changed what the
-    run is (a file or log from before train.py kept one run per file) is refused."""
-    change = metrics.identity_change(info, found)
+def one_run(infos: Sequence[dict], found: dict, name: str, number: int, what: str) -> dict:
+    """``found``, a run record after ``infos``: the first says what the run trained (a resume
+    writes another, and one that changed what it compares would re-label an FP8 run as bf16);
+    one that changed what the run is (a file or log from before train.py kept one run per
+    file) is refused."""
+    change = metrics.identity_change(infos[0] if infos else None, found)
     if change:
         raise CompareError(
             f"{name}: line {number} starts another run ({change}): the {what} holds two runs; "
             f"split it at line {number} and compare the parts"
         )
-    return info or found
+    return found
 
 
-def parse_jsonl(text: str, name: str) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+def parse_jsonl(text: str, name: str) -> tuple[list[dict], list[dict]]:
     """Records of a metrics.jsonl; a bad line is refused unless it is the unfinished last one:
     one that is not JSON, or a record of a kind this tool reads whose fields it cannot use.
     The train, val and numerics (--fp8_numerics) records."""
-    records, info = [], None
+    records, infos = [], []
     for number, line in enumerate(complete_lines(text), start=1):
         if not line.strip():
             continue
@@ -215,12 +218,12 @@ def parse_jsonl(text: str, name: str) -> tuple[list[dict[str, Any]], dict[str, A
             raise CompareError(f"{name}: line {number} {problem}: fix or delete that line")
         kind = record.get("kind")
         if kind == "run":
-            info = first_run(info, record, name, number, "file")
+            infos.append(one_run(infos, record, name, number, "file"))
         elif kind in ("train", "val") or (
             kind == "numerics" and isinstance(record.get("layers"), dict)
         ):
             records.append(record)
-    return records, info
+    return records, infos
 
 
 def load_run(path: str | os.PathLike[str]) -> Run:
@@ -234,17 +237,17 @@ def load_run(path: str | os.PathLike[str]) -> Run:
         text = file.read_text(encoding="utf-8", errors="replace")
     except OSError as exc:  # a name over 255 bytes, no permission
         raise CompareError(f"{source}: cannot be read ({os_error_words(exc)})") from exc
-    records, info = (parse_jsonl if file.suffix == ".jsonl" else parse_log)(text, str(file))
+    records, infos = (parse_jsonl if file.suffix == ".jsonl" else parse_log)(text, str(file))
     figures = [r for r in records if r["kind"] == "numerics"]
     records = one_per_step([r for r in records if r["kind"] != "numerics"])
     if not any(r["kind"] == "train" for r in records):
-        if info:  # a run record alone: the run started and logged no step (yet)
+        if infos:  # a run record alone: the run started and logged no step (yet)
             raise CompareError(f"{file}: no train record yet (the run logged no step)")
         raise CompareError(
             f"{file}: no parsable line (expected metrics.jsonl records or "
             "'Batch N Loss: L, Speed: S samples/sec, lr: R' lines)"
         )
-    return Run(source, records, info, figures)
+    return Run(source, records, infos[0] if infos else None, figures, infos[1:])
 
 
 # ------------------------------------------------------------------------- labels and checks
@@ -300,7 +303,14 @@ def mismatches(runs: Sequence[Run], labels: Sequence[str]) -> list[str]:
     if not known:
         return []
     reference, first_label = _like_for_like(known[0][0].info), known[0][1]
-    return [
+    resumed = [  # a resume that changed the batch or context mixes two runs' figures
+        f"{label}: {key} {value} after a resume ({_like_for_like(run.info)[key]} before)"
+        for run, label in known
+        for later in run.resumes
+        for key, value in _like_for_like(later).items()
+        if value != _like_for_like(run.info)[key]
+    ]
+    return resumed + [
         f"{label}: {key} {value} vs {reference[key]} ({first_label})"
         for run, label in known[1:]
         for key, value in _like_for_like(run.info).items()

@@ -141,7 +141,7 @@ def train_arguments(defaults: Sequence[str], run_dir: str, args: Sequence[str]) 
     `--resume_from_checkpoint auto` with their own resume or --overwrite_output_dir (which
     train.py refuses together)."""
     own = [] if flag_value(args, "output_dir") is not None else ["--output_dir", run_dir]
-    if flag_value(args, "init_from_hf") is not None:
+    if flag_value(with_recipes(args), "init_from_hf") is not None:  # an @FILE's too
         defaults = without_flag(defaults, "preset")  # the model is the checkpoint's config.json
     if flag_value(args, "resume_from_checkpoint") is None and not switch_value(
         args, "overwrite_output_dir"

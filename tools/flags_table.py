@@ -49,16 +49,18 @@ comments, and a file that names itself is refused.
 "On resume" is what a resume of the run's own checkpoints (`--resume_from_checkpoint`, a
 requeue) may do with the flag's value (`model_utils/config/flag_spec.py` declares it, one rule
 per flag):
-- **kept**: the model's shape, the data stream, the optimizer's stored format. Another value is
-  refused in one line (exit 2) naming the way out: a new run in another folder (`RUN_NAME=` with
-  the sbatch, `--output_dir` with train.py).
-- **same run**: what makes the run the experiment it is (its precision, `--recipe`, the
-  warm-up and decay style). Refused within the run as *kept* is; a checkpoint of another run
-  given to a new folder may start with another value. A default warm-up that follows a changed
-  `--max_steps` is not a change (the resumed schedule keeps its warm-up).
+- **kept**: the model's shape, the data stream, the optimizer's stored format, and what the
+  loaded optimizer and schedule put back (AdamW's betas and decay, the warm-up and decay style:
+  a new value would be recorded but never used). Another value is refused in one line (exit 2)
+  naming the way out: a new run in another folder (`RUN_NAME=` with the sbatch, `--output_dir`
+  with train.py). A default warm-up that follows a changed `--max_steps` is not a change.
+- **same run**: what makes the run the experiment it is (its precision, `--recipe`). Refused
+  within the run as *kept* is; a checkpoint of another run given to a new folder may start
+  with another value.
 - **same run, FP8 on**: as *same run*, while FP8 is on in the checkpoint and in this run.
 - **free**: may change, logged as `Flags changed since the checkpoint: ...` (e.g. `--max_steps`
-  to train on, the batch, what observes the run). `--lr` and `--min_lr` given on the resuming
+  to train on, except under `--bf16_cooldown`, whose first BF16 step it places; the batch; what
+  observes the run). `--lr` and `--min_lr` given on the resuming
   command line replace the saved ones from the resumed step on; not given, the saved ones stay.
 - **this launch**: names the launch, not the run; never compared.
 

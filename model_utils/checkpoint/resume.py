@@ -86,17 +86,24 @@ def config_changes(
     if asked (logged)."""
     if saved:
         saved = {**_SAVED_DEFAULTS, **saved}
-    refused, allowed = [], []
+    refused, allowed, names = [], [], {}
     kept = set(REFUSED_FIELDS)
     if same_run:
         kept.update(EXPERIMENT_FIELDS)
     if same_run and saved.get("fp8") and current.get("fp8"):
         kept.update(FP8_NUMERICS_FIELDS)
+        if saved.get("bf16_cooldown") or current.get("bf16_cooldown"):  # where BF16 starts
+            kept.add("max_steps")
+            names = {"max_steps": "--max_steps (it places --bf16_cooldown's first BF16 step)"}
     for name in sorted(set(saved) & set(current) - _LAUNCH_FIELDS):
         if name in _NOT_FLAGS and None in (saved[name], current[name]):
             continue  # not measured on one side (a config built without train.validate)
         if not _same(saved[name], current[name], name):
-            change = (_NOT_FLAGS.get(name, f"--{name}"), saved[name], current[name])
+            change = (
+                names.get(name) or _NOT_FLAGS.get(name, f"--{name}"),
+                saved[name],
+                current[name],
+            )
             moved = _moved(name, saved, current) or _follows_max_steps(name, saved, current)
             (refused if name in kept and not moved else allowed).append(change)
     return refused, allowed

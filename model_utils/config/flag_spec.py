@@ -26,13 +26,14 @@ class Resume(enum.Enum):
     #: The model's shape, the data stream and the optimizer's stored format: a checkpoint
     #: resumes only the same model (other shapes may still load when the tensors happen to fit),
     #: on the same data (a saved position means nothing in another dataset, tokenizer or
-    #: shuffle), with its optimizer state in the format it was written in. Refused on change.
+    #: shuffle), with its optimizer state in the format it was written in. Also what loading
+    #: the optimizer and schedule puts back (AdamW's betas and decay, the warm-up and decay
+    #: style): a changed value would be recorded but never used. Refused on change.
     KEPT = "kept"
     #: What makes the run the experiment it is: its precision (what an fp8/bf16 A/B compares),
-    #: the --recipe it was launched as, the schedule's shape (warm-up, decay style). A resume of
-    #: the run's own checkpoints that changed it would continue one experiment under another's
-    #: name. Refused within the same run; another run's checkpoint loaded into a new folder
-    #: starts a new run from its weights (logged).
+    #: the --recipe it was launched as. A resume of the run's own checkpoints that changed it
+    #: would continue one experiment under another's name. Refused within the same run; another
+    #: run's checkpoint loaded into a new folder starts a new run from its weights (logged).
     EXPERIMENT = "experiment"
     #: An FP8 recipe knob that changes the GEMMs' numerics: as EXPERIMENT, but only while FP8 is
     #: on in the checkpoint and in this run (with --fp8=0 its value trains nothing).

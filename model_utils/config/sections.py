@@ -153,7 +153,7 @@ class PrecisionConfig:
     fp8_recipe: str | None = flag(
         f"torchao: {'|'.join(TORCHAO_RECIPES)} (default {TORCHAO_RECIPES[0]}); "
         f"TE: {'|'.join(TE_RECIPES)} (default {TE_RECIPES[0]})",
-        resume=Resume.EXPERIMENT,
+        resume=FP8_KNOB,
     )
     fp8_format: str = flag(
         "TE FP8 format", resume=FP8_KNOB, default="hybrid", choices=("hybrid", "e4m3")
@@ -300,12 +300,12 @@ class OptimConfig:
     )
     warmup: int = flag(
         "linear warm-up steps (default: max_steps // 10, at most 10)",
-        resume=Resume.EXPERIMENT,
+        resume=KEPT,
         range=NOT_NEGATIVE,
     )
     lr_decay_style: str = flag(
         "decay from --lr to --min_lr after warm-up",
-        resume=Resume.EXPERIMENT,
+        resume=KEPT,
         default="cosine",
         choices=("cosine", "linear", "constant"),
     )
@@ -336,10 +336,10 @@ class OptimConfig:
         ),
     )
     weight_decay: float = flag(
-        "AdamW decay (not on norms/biases)", resume=Resume.FREE, default=0.1, range=NOT_NEGATIVE
+        "AdamW decay (not on norms/biases)", resume=KEPT, default=0.1, range=NOT_NEGATIVE
     )
-    beta1: float = flag("AdamW first-moment decay", resume=Resume.FREE, default=0.9, range=_BETA)
-    beta2: float = flag("AdamW second-moment decay", resume=Resume.FREE, default=0.95, range=_BETA)
+    beta1: float = flag("AdamW first-moment decay", resume=KEPT, default=0.9, range=_BETA)
+    beta2: float = flag("AdamW second-moment decay", resume=KEPT, default=0.95, range=_BETA)
     grad_clip: float = flag(
         "max global grad norm; 0 disables", resume=Resume.FREE, default=1.0, range=NOT_NEGATIVE
     )

@@ -814,3 +814,21 @@ def test_metrics_md_shows_what_the_stored_h200_pair_prints_today(tmp_path, capsy
     sample = re.search(r"```\n(Parity of fp8 delayed te .*?)```", page, re.S)[1].splitlines()
     start = printed.index(sample[0])
     assert printed[start : start + len(sample)] == sample
+
+
+def test_a_resume_that_changed_the_batch_or_the_validation_set_is_not_like_for_like(
+    tmp_path, capsys
+) -> None:
+    """Each run record of a metrics.jsonl counts, not the first alone: a run resumed with
+    another micro-batch mixes two batches' figures; twins validated on other sets compare no
+    validation loss."""
+    bf16 = write_run_dir(tmp_path / "bf16", BF16, VAL["bf16"], info())
+    fp8 = write_run_dir(tmp_path / "fp8", FP8, VAL["fp8"], info(fp8=True))
+    with (fp8 / "metrics.jsonl").open("a") as file:
+        file.write(json.dumps(info(fp8=True, train_batch_size=2)) + "\n")
+    err = refused([str(bf16), str(fp8)], capsys)
+    assert "fp8 tensorwise hf: train_batch_size 2 after a resume (8 before)" in err
+    other = write_run_dir(
+        tmp_path / "fp8-val", FP8, VAL["fp8"], info(fp8=True, validation_batches=9)
+    )
+    assert "validation_batches 9 vs" in refused([str(bf16), str(other)], capsys)

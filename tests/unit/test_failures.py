@@ -156,11 +156,11 @@ def test_tied_and_untied_embeddings_are_different_models() -> None:
 def test_what_the_fp8_bf16_comparison_compares_is_part_of_the_run() -> None:
     """--fp8, the implementation, the recipe and the FP8 knobs that change numerics are refused
     on resume (the resumed run would be recorded under the other precision); the FP8 knobs count
-    only while FP8 is on; --fp8_all_gather and --fp8_weights (what is moved or kept, not the
-    GEMMs' numerics) may change."""
+    only while FP8 is on (a BF16 run's resolved --fp8_recipe trains nothing); --fp8_all_gather
+    and --fp8_weights (what is moved or kept, not the GEMMs' numerics) may change."""
     fp8 = json_round_trip(parse_args([*FAST, "--bf16=1", "--fp8=1"]).as_dict())
+    assert config_changes(fp8, dict(fp8, fp8=False, fp8_recipe=None))[0] == [("--fp8", True, False)]
     for change in (
-        {"fp8": False, "fp8_recipe": None},
         {"fp8_recipe": "rowwise"},
         {"model_impl": "te"},
         {"bf16": False},
@@ -175,26 +175,33 @@ def test_what_the_fp8_bf16_comparison_compares_is_part_of_the_run() -> None:
     )
     bf16 = json_round_trip(parse_args([*FAST, "--bf16=1"]).as_dict())
     assert config_changes(bf16, dict(bf16, amax_history_len=16))[0] == []
+    assert config_changes(bf16, dict(bf16, fp8_recipe="rowwise"))[0] == []
     # Another run's checkpoint loaded into a new folder starts a new run from its weights: the
     # implementation or precision may change there (hf -> te conversion, BF16 -> FP8).
     refused, allowed = config_changes(fp8, dict(fp8, model_impl="te"), same_run=False)
     assert refused == [] and allowed == [("--model_impl", "hf", "te")]
 
 
-def test_a_recipe_or_schedule_shape_change_is_another_experiment_max_steps_stays_free() -> None:
+def test_a_recipe_is_another_experiment_the_schedule_s_shape_is_the_saved_one() -> None:
     """The README's tiny run resumed as docs/recipes.md's tiny-fp8 twin (the recipe, its
-    warm-up and validation), or with another warm-up or decay style, is refused within the run;
-    extending --max_steps is not, even where the default warm-up follows it (10 -> 20 steps:
-    warm-up 1 -> 2, the saved schedule's kept). Another run's checkpoint in a new folder may
-    start any recipe."""
+    warm-up and validation) is refused within the run; another warm-up or decay style, and
+    AdamW's betas and decay, are refused in any folder: the loaded schedule and optimizer put
+    the saved ones back, so a new value would be recorded but never used. Extending --max_steps
+    is not refused, even where the default warm-up follows it (10 -> 20 steps: warm-up 1 -> 2,
+    the saved schedule's kept), except under a BF16 cool-down, whose first BF16 step it sets."""
     readme = json_round_trip(parse_args(["--preset", "tiny"]).as_dict())
     recipe = parse_args(["--recipe", "tiny-fp8"]).as_dict()
     refused, _ = config_changes(readme, recipe)
     assert {"--recipe", "--fp8"} <= {flag for flag, _, _ in refused}, refused
-    for change in ({"warmup": readme["warmup"] + 1}, {"lr_decay_style": "linear"}):
-        refused, _ = config_changes(readme, dict(readme, **change))
-        assert [flag for flag, _, _ in refused] == [f"--{name}" for name in change], change
-        assert config_changes(readme, dict(readme, **change), same_run=False)[0] == []
+    assert config_changes(readme, recipe, same_run=False)[0] == []
+    for change in (
+        {"warmup": readme["warmup"] + 1},
+        {"lr_decay_style": "linear"},
+        {"beta1": 0.0, "beta2": 0.5, "weight_decay": 0.9},
+    ):
+        for same_run in (True, False):
+            refused, _ = config_changes(readme, dict(readme, **change), same_run)
+            assert {flag for flag, _, _ in refused} == {f"--{name}" for name in change}, change
     short = json_round_trip(parse_args([*FAST, "--max_steps", "10"]).as_dict())
     longer = parse_args([*FAST, "--max_steps", "20"]).as_dict()
     assert (short["warmup"], longer["warmup"]) == (1, 2)
@@ -204,6 +211,10 @@ def test_a_recipe_or_schedule_shape_change_is_another_experiment_max_steps_stays
     )
     typed = parse_args([*FAST, "--max_steps", "20", "--warmup", "5"]).as_dict()
     assert config_changes(short, typed)[0] == [("--warmup", 1, 5)]
+    cool = ["--fp8=1", "--bf16_cooldown", "0.5", "--warmup", "1"]
+    cooled = json_round_trip(parse_args([*FAST, *cool, "--max_steps", "10"]).as_dict())
+    refused, _ = config_changes(cooled, parse_args([*FAST, *cool, "--max_steps", "20"]).as_dict())
+    assert refused == [("--max_steps (it places --bf16_cooldown's first BF16 step)", 10, 20)]
 
 
 def test_a_tokenizer_changed_in_place_is_refused_by_its_contents(tmp_path) -> None:

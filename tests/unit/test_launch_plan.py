@@ -158,13 +158,17 @@ def test_an_unknown_recipe_is_refused_before_anything_is_made() -> None:
         launch_plan.plan({}, [], ["--recipe", "nope"])
 
 
-def test_the_launchers_preset_gives_way_to_a_hf_checkpoints_config() -> None:
+def test_the_launchers_preset_gives_way_to_a_hf_checkpoints_config(tmp_path: Path) -> None:
     """The sbatch's `--preset llama2-7b` default is an explicit flag to train.py, which refuses a
-    preset that contradicts --init_from_hf's config.json: the launcher leaves it out there."""
+    preset that contradicts --init_from_hf's config.json: the launcher leaves it out there, and
+    where a run.args names it (the documented rerun of a run started from HF weights)."""
     args = launch_plan.train_arguments(DEFAULTS, "/runs/r", ["--init_from_hf", "/hf/llama3"])
     assert "--preset" not in args and args[:2] == ["--checkpoint_freq", "500"]
     mine = ["--init_from_hf", "/hf/llama3", "--preset", "llama3-8b"]
     assert launch_plan.train_arguments(DEFAULTS, "/runs/r", mine)[-2:] == ["--preset", "llama3-8b"]
+    saved = tmp_path / "run.args"
+    saved.write_text("--init_from_hf=/hf/llama3\n--lr=0.0003\n")
+    assert "--preset" not in launch_plan.train_arguments(DEFAULTS, "/runs/r", [f"@{saved}"])
 
 
 def test_the_plan_rewrites_a_restarted_jobs_arguments_only(tmp_path: Path) -> None:
