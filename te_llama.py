@@ -27,7 +27,7 @@ import copy
 import functools
 import logging
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal
 
@@ -107,18 +107,18 @@ LayerMapper = Callable[
 
 def _map_layers(
     state_dict: Mapping[str, torch.Tensor],
-    layers: Iterable[int],
     map_layer: LayerMapper,
     config: Any,
     source: str,
     skipped: tuple[str, ...] = (),
 ) -> dict[str, torch.Tensor]:
-    """Map `layers` with `map_layer`; other tensors keep their names, except those ending in one
-    of `skipped`. A decoder-layer tensor left over is an error (KeyError), so a partial or
-    foreign state dict cannot load silently."""
+    """Map the decoder layers present in `state_dict` with `map_layer`; other tensors keep their
+    names, except those ending in one of `skipped`. A decoder-layer tensor left over is an error
+    (KeyError), so a partial or foreign state dict cannot load silently."""
     out: dict[str, torch.Tensor] = {}
     used: set[str] = set()
-    for layer in layers:
+    layers = {int(m.group(1)) for m in map(_LAYER_KEY.match, state_dict) if m}
+    for layer in sorted(layers):
         mapped, names = map_layer(state_dict, f"{LAYER_PREFIX}{layer}.", config)
         out.update(mapped)
         used.update(names)
@@ -129,10 +129,6 @@ def _map_layers(
             raise KeyError(f"unexpected decoder-layer tensor {key!r} in {source} state dict")
         out[key] = tensor
     return out
-
-
-def _layers_in(names: Iterable[str]) -> list[int]:
-    return sorted({int(m.group(1)) for m in map(_LAYER_KEY.match, names) if m})
 
 
 class StateDictAdapter:
@@ -151,8 +147,7 @@ class StateDictAdapter:
     def from_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """HF names -> ``te`` for the decoder layers present in ``state_dict`` (KeyError naming
         a missing or unexpected layer tensor); tensors are copied only to concatenate."""
-        layers = _layers_in(state_dict)
-        return _map_layers(state_dict, layers, _fuse_layer, self.config, "HF", HF_RECOMPUTED)
+        return _map_layers(state_dict, _fuse_layer, self.config, "HF", HF_RECOMPUTED)
 
     def to_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``te`` names (wrapper segments allowed; plain tensors) -> HF for the decoder layers
@@ -162,7 +157,7 @@ class StateDictAdapter:
             for k, v in state_dict.items()
             if not is_te_extra_state_key(k)
         }
-        return _map_layers(clean, _layers_in(clean), _split_layer, self.config, "TE")
+        return _map_layers(clean, _split_layer, self.config, "TE")
 
     def converter(
         self, source: str, target: str

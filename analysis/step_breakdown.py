@@ -31,7 +31,6 @@ here needs it. Bad input is one line on stderr, exit 2.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import runpy
 import sys
@@ -48,6 +47,7 @@ from analysis.traces.rules import CATEGORIES
 from model_utils.config.argv import precision_name
 from model_utils.config.sections import ModelShape, flag_fields
 from model_utils.errors import said
+from model_utils.report.metrics.records import first_run_record
 
 NAME = "step_breakdown.py"
 #: H100 SXM dense peaks: 1979 TFLOP/s FP8 over 989 BF16.
@@ -101,12 +101,7 @@ def trace_window(run: Path, window: int | None) -> Path:
 
 def run_flags(run: Path) -> dict:
     """The run record's flags (metrics.jsonl's first record), {} if there is none."""
-    try:
-        first = (run / "metrics.jsonl").read_text().splitlines()[0]
-        record = json.loads(first)
-    except (OSError, IndexError, ValueError):
-        return {}
-    flags = record.get("flags") if isinstance(record, dict) and record.get("kind") == "run" else {}
+    flags = (first_run_record(run / "metrics.jsonl") or {}).get("flags")
     return flags if isinstance(flags, dict) else {}
 
 

@@ -47,9 +47,6 @@ from model_utils.config.presets import BUNDLED_DATASET, BUNDLED_TOKENIZER
 from model_utils.config.sections import DataConfig
 from model_utils.data.tokens import encode_documents
 
-REPO = Path(__file__).resolve().parent.parent
-
-
 Batches = Iterator[dict[str, torch.Tensor]]
 
 

@@ -33,12 +33,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._common import COUNT
+from benchmarks._common import COUNT, ROOT
 from model_utils.config.options import TE_RECIPES
 from model_utils.report import metrics
-
-ROOT = Path(__file__).resolve().parent.parent
-
 
 # (row name, train.py flags). Every row shares the preset, batch, steps and data. torchao's
 # float8 needs torch.compile to fuse its casts (torchtitan requires it), so its rows and their

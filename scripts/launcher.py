@@ -22,6 +22,7 @@ on the nodes on the job's Python (the container's, or the venv's). Subcommands:
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import importlib.metadata
 import os
@@ -244,10 +245,8 @@ def children(pid: int) -> list[int]:
     """The processes whose parent is `pid` (torchrun's workers)."""
     found: list[int] = []
     for task in Path(f"/proc/{pid}/task").glob("*/children"):
-        try:
+        with contextlib.suppress(OSError):  # the task ended meanwhile
             found += [int(c) for c in task.read_text().split()]
-        except OSError:
-            pass
     return found
 
 
@@ -280,10 +279,8 @@ def signal_workers(pids: Sequence[int], signals: Sequence[signal.Signals]) -> No
     """Send each of `signals` to each of `pids`; one already gone is passed by."""
     for pid in pids:
         for sig in signals:
-            try:
+            with contextlib.suppress(OSError):
                 os.kill(pid, sig)
-            except OSError:
-                pass
 
 
 def _torchrun_child_setup(launcher_pid: int) -> Callable[[], None]:

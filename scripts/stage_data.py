@@ -45,9 +45,6 @@ from model_utils.data.sources import document_texts, open_source
 from model_utils.errors import os_error_words, said
 from model_utils.run import outputs
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
 #: Validation documents staged per training document (the source's own validation split).
 VALIDATION_SHARE = 0.01
 PROG = "stage_data.py"

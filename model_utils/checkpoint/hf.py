@@ -43,6 +43,7 @@ from model_utils.checkpoint.layout import (
 )
 from model_utils.checkpoint.manifest import CheckpointWriteError, write_error_reason
 from model_utils.config.families import FAMILIES
+from model_utils.config.hf_config import config_json
 from model_utils.config.sections import HF_KEYS, SHAPE_FIELDS, ModelShape
 from model_utils.errors import UsageError, refuse
 from model_utils.model.modeling import HF_RECOMPUTED, model_config  # RoPE buffers of old HF files
@@ -58,7 +59,6 @@ log = logging.getLogger(__name__)
 
 HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"
-HF_CONFIG = "config.json"
 #: The shape flags a config.json states as numbers (its keys: config/sections.HF_KEYS).
 _NUMBER_FLAGS = (*SHAPE_FIELDS, "rope_theta")
 #: Tied checkpoints (tie_word_embeddings: Llama 3.2 1B/3B) store the output projection only as
@@ -145,11 +145,7 @@ def _shape_problem(path: str | Path, files: dict[str, Path], shape: ModelShape) 
 
 def _config_flags(path: Path) -> dict[str, float]:
     """The shape flags a HF checkpoint's config.json implies ({} without a readable one)."""
-    file = (path if path.is_dir() else path.parent) / HF_CONFIG
-    try:
-        config = json.loads(file.read_text())
-    except (OSError, ValueError):
-        return {}
+    config = config_json(path)
     theta = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta"))
     config = {**config, "rope_theta": theta}
     return {

@@ -11,6 +11,7 @@ model without a word, and its export would then write the wrong RoPE into config
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,10 @@ def read_config(path: str | Path) -> Any | None:
             f"--init_from_hf: {folder / 'config.json'} is a {config.model_type!r} model; this "
             f"recipe trains the model_types {', '.join(map(repr, FAMILIES))}"
         )
-    missing = missing_shape_keys(folder / "config.json")
+    raw = config_json(folder)  # {} only if it went since transformers read it: nothing to say
+    # num_key_value_heads may be left out: by the format, absent means one per attention head
+    wanted = [HF_KEYS[name] for name in SHAPE_FIELDS if name != "num_key_value_heads"]
+    missing = [key for key in wanted if raw and key not in raw]
     if missing:
         raise ConfigError(
             f"--init_from_hf: {folder / 'config.json'} has no {', '.join(missing)}: the model's "
@@ -74,17 +78,13 @@ def read_config(path: str | Path) -> Any | None:
     return config
 
 
-def missing_shape_keys(config_json: Path) -> list[str]:
-    """The shape keys (config.json words) a config.json must state and this one does not.
-    num_key_value_heads may be left out: by the format, absent means one per attention head."""
-    import json
-
+def config_json(path: str | Path) -> dict[str, Any]:
+    """DIR's (or a .safetensors file's folder's) config.json as plain JSON, {} if unreadable."""
+    path = Path(path)
     try:
-        raw = json.loads(config_json.read_text())
+        return json.loads(((path if path.is_dir() else path.parent) / "config.json").read_text())
     except (OSError, ValueError):
-        return []  # transformers read it, so it is there: nothing more to say
-    wanted = [HF_KEYS[name] for name in SHAPE_FIELDS if name != "num_key_value_heads"]
-    return [key for key in wanted if key not in raw]
+        return {}
 
 
 def architecture(config: Any) -> dict[str, Any]:

@@ -109,13 +109,6 @@ def build(
     )
 
 
-def _generator_for(name: str, seed: int, device: torch.device) -> torch.Generator:
-    # crc32 is stable across processes and Python versions (hash() is salted per process).
-    gen = torch.Generator(device=device)
-    gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-    return gen
-
-
 def initial_value(
     name: str, shape: torch.Size, seed: int, device: torch.device, std: float = INIT_STD
 ) -> torch.Tensor:
@@ -123,8 +116,10 @@ def initial_value(
     (linears, fused TE QKV/FC1, embeddings) at N(0, std) as in transformers' Llama."""
     if len(shape) == 1:
         return (torch.zeros if name.endswith("bias") else torch.ones)(shape, device=device)
-    out = torch.empty(shape, device=device)
-    return out.normal_(0.0, std, generator=_generator_for(name, seed, device))
+    gen = torch.Generator(device=device)
+    # crc32 is stable across processes and Python versions (hash() is salted per process).
+    gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    return torch.empty(shape, device=device).normal_(0.0, std, generator=gen)
 
 
 @torch.no_grad()
@@ -142,16 +137,15 @@ def init_weights(
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    parts = _init_parts(model)
+    # Where each parameter's initial values come from: itself, or for a layout that fuses HF
+    # parameters (te) the HF parameters it is concatenated from (the model's state_dict_adapter),
+    # so that one seed gives the same starting model in hf, te_linear and te.
+    adapter = getattr(model, "state_dict_adapter", None)
     for wrapped_name, param in model.named_parameters():
         name = canonical_param_name(wrapped_name)  # init must not depend on AC/compile wrapping
         local = local_shard(param)
-        full = torch.cat(
-            [
-                initial_value(part, shape, seed, local.device, std)
-                for part, shape in parts(name, param)
-            ]
-        )
+        parts = adapter.hf_parts(name, tuple(param.shape)) if adapter else [(name, param.shape)]
+        full = torch.cat([initial_value(*part, seed, local.device, std) for part in parts])
         if isinstance(param, DTensor):
             # src_data_rank=None: every rank already holds the same full tensor; no communication.
             full = distribute_tensor(
@@ -160,16 +154,6 @@ def init_weights(
         local.copy_(full if master_weights.is_quantized(local) else full.to(local.dtype))
         if keep_master_seeds:
             master_weights.remember_full_precision(param, full)
-
-
-def _init_parts(model: nn.Module):
-    """Where each parameter's initial values come from: itself, or for a layout that fuses HF
-    parameters (te) the HF parameters it is concatenated from (the model's state_dict_adapter),
-    so that one seed gives the same starting model in hf, te_linear and te."""
-    adapter = getattr(model, "state_dict_adapter", None)
-    if adapter is None:
-        return lambda name, param: [(name, param.shape)]
-    return lambda name, param: adapter.hf_parts(name, tuple(param.shape))
 
 
 @torch.no_grad()

@@ -131,14 +131,6 @@ MASTERS_WHERE = {
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def _fp8_eligible(module: nn.Module, fqn: str) -> bool:
-    if fqn.split(".")[-1] == "lm_head":
-        return False  # the output projection stays in high precision (loss is sensitive to it)
-    return (
-        module.in_features % FP8_DIM_MULTIPLE == 0 and module.out_features % FP8_DIM_MULTIPLE == 0
-    )
-
-
 class TorchaoFloat8(BF16):
     """torchao.float8: nn.Linear -> Float8Linear with dynamic scaling; emulated on CPU. The
     rest is BF16's: no TE recipe, torch's checkpointing, its autocast, no AdamW of its own."""
@@ -173,7 +165,10 @@ class TorchaoFloat8(BF16):
             if layer and int(layer.group(1)) in self.plan.kept_layers:
                 self.in_kept_layers.append(fqn)
                 return False
-            eligible = _fp8_eligible(module, fqn)
+            # the output projection stays in high precision (loss is sensitive to it)
+            eligible = fqn.split(".")[-1] != "lm_head" and not (
+                module.in_features % FP8_DIM_MULTIPLE or module.out_features % FP8_DIM_MULTIPLE
+            )
             (self.converted if eligible else self.skipped).append(fqn)
             return eligible
 

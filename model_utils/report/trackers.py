@@ -73,18 +73,13 @@ def numbers(record: Mapping[str, Any]) -> dict[str, float]:
     return dict(scalars(record))
 
 
-def precision_label(run: Mapping[str, Any]) -> str:
-    """fp8, bf16 or fp32: the tag that splits an A/B's twins."""
-    flags = run.get("flags", {})
-    return precision_name(bool(flags.get("fp8")), bool(flags.get("bf16")))
-
-
 def run_tags(run: Mapping[str, Any]) -> dict[str, str]:
-    """What finds a run among a project's: a training run's precision, the A/B's comparison's
-    kind (``compare``)."""
+    """What finds a run among a project's: a training run's precision (fp8, bf16 or fp32: the
+    tag that splits an A/B's twins), the A/B's comparison's kind (``compare``)."""
     if run.get("kind") == "compare":
         return {"kind": "compare"}
-    return {"precision": precision_label(run)}
+    flags = run.get("flags", {})
+    return {"precision": precision_name(bool(flags.get("fp8")), bool(flags.get("bf16")))}
 
 
 def run_params(run: Mapping[str, Any], fields: tuple[str, ...] = ("world_size",)) -> dict:

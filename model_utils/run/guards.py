@@ -41,22 +41,18 @@ class Diverged(RuntimeError):
         self.step, self.latest = step, latest
 
 
-def diverged_message(step: int, latest: Path | None, lr: float) -> str:
-    """One line: what happened, what was kept, what to do."""
-    if latest is None:
-        where = "no checkpoint was saved; start again"
-    else:
-        where = f"every checkpoint is finite: resume from the newest, {latest},"
-    return (
-        f"training diverged: the loss or gradient norm is NaN/inf at step {step}, so the run "
-        f"stopped and saved nothing from that step on; {where} with a lower --lr (was {lr:g}) "
-        "or a longer --warmup"
-    )
-
-
 def exit_diverged(exc: Diverged, lr: float, is_main: bool) -> None:
-    """Rank 0 prints the one line; every rank exits with EXIT_DIVERGED."""
-    refusal = Refusal(diverged_message(exc.step, exc.latest, lr))
+    """Rank 0 prints the one line (what happened, what was kept, what to do); every rank exits
+    with EXIT_DIVERGED."""
+    lower = f"with a lower --lr (was {lr:g})"
+    if exc.latest is None:  # a resume keeps the saved warm-up: only a new run can lengthen it
+        what = f"no checkpoint was saved; start again {lower} or a longer --warmup"
+    else:
+        what = f"every checkpoint is finite: resume from the newest, {exc.latest}, {lower}"
+    refusal = Refusal(
+        f"training diverged: the loss or gradient norm is NaN/inf at step {exc.step}, so the run "
+        f"stopped and saved nothing from that step on; {what}"
+    )
     refusal.exit_code = EXIT_DIVERGED
     exit_refused(refusal, is_main=is_main)
 

@@ -108,11 +108,6 @@ def kineto_lines_dropped() -> Iterator[None]:
                 os.write(2, b"".join(kept))
 
 
-def trace_path(output_dir: str | Path, first_step: int, rank: int) -> Path:
-    """``<output_dir>/profile/step_<first recorded step>/rank_<R>.pt.trace.json.gz``."""
-    return Path(output_dir) / "profile" / f"step_{first_step}" / f"rank_{rank}{TRACE_SUFFIX}"
-
-
 def _whole_json(path: Path) -> bool:
     """Kineto writes the JSON from C++ and does not report a short write: a whole file ends
     with the closing brace of its top-level object."""
@@ -236,7 +231,8 @@ class RunProfiler:
             return  # a failed step's window, or one that stopped before recording anything
         last = min(self.done, window.end)
         steps = f"{window.active_first}-{last}" if last > window.active_first else f"{last}"
-        path = trace_path(self.output_dir, window.active_first, self.rank)
+        folder = self.output_dir / "profile" / f"step_{window.active_first}"
+        path = folder / f"rank_{self.rank}{TRACE_SUFFIX}"
         try:
             write_trace(prof, path)
         except OSError as exc:
