@@ -23,11 +23,12 @@ reference (the first run), after the warm-up:
 - the **trend**: the least-squares slope of the per-step relative train-loss gap, per 1,000
   steps, with its standard error. It is reported, never a verdict: a slope fitted to a noisy
   stretch is no evidence of drift while the gap stays inside the noise;
-- one **verdict**: "is within seed noise of" / "matches ... inside the ±1% band" when the gap at
-  the run's end stays inside the band; else "is behind ... by N steps (x%)" or "is ahead of".
-  The end decides: the last shared validation when there is one (a mean over many sequences),
-  else the mean smoothed train gap over the last ``TAIL_SHARE`` of the judged windows against
-  the band's mean there.
+- one **verdict**, naming the gap that decided it and its band: "is within seed noise of" (the
+  replicas' band) / "matches" (the fixed one) when the gap at the run's end is inside it; else
+  "is behind ... by N steps (x%)" (a step lag of that sign) or "is ahead of". The end decides:
+  the last shared validation (a mean over many sequences), unless the train gap after it left
+  its band (a late divergence no validation saw); without one, the mean smoothed train gap
+  over the last ``TAIL_SHARE`` of the judged windows against the band's mean there.
 
 Where the numbers come from: docs/metrics.md, "The parity verdict".
 """
@@ -496,7 +497,7 @@ def noise_band(
         return Noise()
     train = _band([dict(zip(g.whole, g.train, strict=True)) for g in found])
     val = _band([dict(zip(g.val_steps, g.val, strict=True)) for g in found])
-    return Noise(len(replicas), train, val)
+    return Noise(len(found), train, val)
 
 
 def first_not_finite(records: Sequence[Mapping[str, Any]]) -> int | None:

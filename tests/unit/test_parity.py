@@ -302,6 +302,9 @@ def test_a_replica_identical_to_the_reference_measures_no_noise() -> None:
     bf16 = curve(300)
     found = parity.judge(curve(300, gap=lambda s: 0.001), bf16, 30, "a", "b", replicas=[bf16])
     assert found.noise == parity.Noise() and found.matches
+    other = curve(300, gap=lambda s: 0.002)
+    found = parity.judge(curve(300), bf16, 30, "a", "b", replicas=[bf16, other])
+    assert found.noise.replicas == 1  # the one that measured something
 
 
 def test_a_lag_s_share_is_of_the_steps_it_prints() -> None:
