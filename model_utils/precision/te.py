@@ -104,6 +104,11 @@ def cudnn_version() -> tuple[int, int, int] | None:
     return int(major), int(minor), int(patch)
 
 
+def _te_version(te_module: Any) -> str | None:
+    root = importlib.import_module(te_module.__name__.split(".")[0])
+    return getattr(root, "__version__", None)
+
+
 def te_autocast(te: Any, *, enabled: bool, recipe: Any = None, group: Any = None) -> Any:
     """TE's FP8 autocast by this release's name (TE < 2.9: fp8_autocast): the one version shim."""
     if hasattr(te, "autocast"):
@@ -189,12 +194,11 @@ class TEBackend:
         te = self._te()
         sm = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
         recipe = self.plan.recipe
-        te_root = importlib.import_module(te.__name__.split(".")[0])  # holds __version__
         problem = capability_problem(
             recipe.name if recipe else "bf16",
             sm=sm,
             cuda_version=torch.version.cuda,
-            te_version=getattr(te_root, "__version__", None),
+            te_version=_te_version(te),
             fp8_weights=self.plan.weights,
             fp8_backward=self.plan.te_options.get("fp8_backward", "fp8") != "fp8",
             mlp_recompute=self.mlp_recompute,

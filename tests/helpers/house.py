@@ -63,7 +63,7 @@ NON_TEST_CODE = ("*.py", "*.sh", "*.sbatch", "*.dockerfile", "Makefile")
 #: the gap at the run's end on the verdict's side (a late divergence, steps past the replicas,
 #: an identical replica refused, a diverged reference, the picture's windows: 66), compare_runs
 #: reading every run record and the resume rules that match what a resume does (20), a
-#: Dockerfile comment (1); less 64 that merging single-use helpers and forwarders (modeling's
+#: Dockerfile comment (1); less 60 that merging single-use helpers and forwarders (modeling's
 #: init parts, te_llama's layer scan, one config.json reader, the diverged line, trackers'
 #: precision label) and deleting unread names took out.
 MAX_NON_TEST_LINES = 23_300
