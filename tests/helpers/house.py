@@ -57,11 +57,11 @@ NON_TEST_CODE = ("*.py", "*.sh", "*.sbatch", "*.dockerfile", "Makefile")
 #: a new user's odd input (71): a diverged run's verdict (it "matched" before), atomic pictures,
 #: a converter export refused inside the checkpoints' folder, project_scale's pair order, likeness,
 #: bandwidths and output checked first, step_breakdown's broken traces in one line, step lags
-#: only within the run, a loss of 0 refused, project_scale's refusals in one line. 23,223
-#: (23,300) on 2026-12-07: 103 more for the preflight's batched link sends (7), the split of
+#: only within the run, a loss of 0 refused, project_scale's refusals in one line. 23,228
+#: (23,300) on 2026-12-07: 104 more for the preflight's batched link sends (7), the split of
 #: config/sections.py at its cap (run_config.py's module head, 9), a verdict decided and named by
 #: the gap at the run's end on the verdict's side (a late divergence, steps past the replicas,
-#: an identical replica refused, a diverged reference, the picture's windows: 66), compare_runs
+#: an identical replica refused, a diverged reference, the picture's windows: 67), compare_runs
 #: reading every run record and the resume rules that match what a resume does (20), a
 #: Dockerfile comment (1); less 60 that merging single-use helpers and forwarders (modeling's
 #: init parts, te_llama's layer scan, one config.json reader, the diverged line, trackers'
