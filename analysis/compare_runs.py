@@ -359,8 +359,8 @@ def replica_problems(runs: Sequence[Run], labels: Sequence[str]) -> list[str]:
 
 def default_warmup(runs: Sequence[Run]) -> int:
     """train.py's rule, min(SPEED_WARMUP_STEPS, max_steps // 2), over the shortest run, so the table
-    shows the medians of each run's own end-of-run summary."""
-    flags = [(run.info or {}).get("flags", {}) for run in runs]
+    shows the medians of each run's own end-of-run summary (its last launch's --max_steps)."""
+    flags = [((run.resumes or [run.info])[-1] or {}).get("flags", {}) for run in runs]
     steps = [int(f.get("max_steps") or run.last_step) for f, run in zip(flags, runs, strict=True)]
     return min(SPEED_WARMUP_STEPS, min(steps) // 2)
 

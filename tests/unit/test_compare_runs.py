@@ -832,3 +832,13 @@ def test_a_resume_that_changed_the_batch_or_the_validation_set_is_not_like_for_l
         tmp_path / "fp8-val", FP8, VAL["fp8"], info(fp8=True, validation_batches=9)
     )
     assert "validation_batches 9 vs" in refused([str(bf16), str(other)], capsys)
+
+
+def test_the_table_s_warm_up_follows_the_last_launch_s_max_steps(tmp_path) -> None:
+    """A run resumed with a longer --max_steps summarises after min(10, its new max // 2) steps;
+    the table uses the same, not the first launch's."""
+    first = write_run_dir(tmp_path / "a", BF16, [], info(max_steps=16))
+    assert cr.default_warmup([cr.load_run(first)]) == 8
+    with (first / "metrics.jsonl").open("a") as file:
+        file.write(json.dumps(info(max_steps=28)) + "\n")
+    assert cr.default_warmup([cr.load_run(first)]) == 10

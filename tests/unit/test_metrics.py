@@ -151,15 +151,18 @@ def test_matmul_params_reproduce_llama2_7b_parameter_count() -> None:
         ("NVIDIA H100 NVL", 835.0),
         ("NVIDIA H100 PCIe", 756.0),
         ("NVIDIA H200", 989.0),
+        ("NVIDIA H200 NVL", 835.0),
+        ("NVIDIA GH200 480GB", 989.0),
         ("NVIDIA A100-SXM4-80GB", 312.0),
         ("NVIDIA B200", 2250.0),
+        ("NVIDIA GB200", 2500.0),
         ("NVIDIA GeForce RTX 3090", None),
     ],
 )
 def test_peak_table(name: str, peak: float | None) -> None:
     value, label = peak_bf16_tflops_for_name(name)
     assert value == peak
-    assert ("bf16 peak" in label) if peak else label.startswith("n/a")
+    assert (f"vs {name.split()[1].split('-')[0]}" in label) if peak else label.startswith("n/a")
 
 
 def test_cpu_has_no_peak_and_reports_rss() -> None:
@@ -480,6 +483,16 @@ def test_summarize_skips_warmup() -> None:
     assert "MFU % vs bf16 peak (median)" in text and "n/a" in text
 
 
+def test_summarize_skips_each_launch_s_warm_up_windows() -> None:
+    """A resumed run warms up (and compiles) again: its records say so (speed_warmup), and the
+    medians leave them out as they leave out the first launch's."""
+    records = [_train(s, speed=10.0, loss=5.0) for s in (11, 12, 13)]
+    records += [{**_train(s, speed=1.0, loss=5.0), "speed_warmup": True} for s in (14, 15)]
+    records += [{**_train(s, speed=11.0, loss=5.0), "speed_warmup": False} for s in (16, 17)]
+    summary = summarize(records, warmup_steps=10)
+    assert summary["measured_records"] == 5 and summary["samples_per_sec"] == 10.0
+
+
 def test_summarize_counts_each_step_once_as_last_logged() -> None:
     """A requeued run re-logs the steps between its checkpoint and the interruption."""
     records = [
@@ -556,6 +569,7 @@ def test_eta_is_the_median_step_time_after_warmup_times_the_steps_left() -> None
     assert window(6, 3.0)["remaining_seconds"] == pytest.approx(2.0 * 94)  # median(1, 3)
     late = window(8, 2.0)  # median(1, 3, 2) = 2
     assert late["remaining_seconds"] == 2.0 * 92
+    assert [warm["speed_warmup"], late["speed_warmup"]] == [True, False]
     assert late["elapsed_seconds"] == 60 + 2 + 600 + 6 + 4
     assert detail_line(late).endswith(", elapsed: 11m12s, remaining: ~3m04s")
     # A run that resumed at step 90 warms up again (steps counted by this meter, not the step).
@@ -672,3 +686,19 @@ def test_another_run_never_appends_to_a_run_folders_metrics(tmp_path) -> None:
     launch(start_step=5, out=tmp_path / "moved")
     assert len(runs(out=tmp_path / "moved")) == 2
     assert not (tmp_path / "moved" / "metrics.1.jsonl").exists()
+
+
+def test_a_window_holding_warm_up_steps_is_warm_up_whatever_its_last_step() -> None:
+    """--logging_freq 12 with a 10-step warm-up: the first window (steps 1-12) holds the whole
+    warm-up, so it is no estimate and no median, though it ends past step 10."""
+    clock = Clock()
+    meter = StepMeter(1e6, 1, None, clock=clock, max_steps=48, warmup_steps=10)
+    meter.start()
+    reports = []
+    for step in (12, 24):
+        for _ in range(12):
+            clock.now += 5.0 if step == 12 else 1.0
+            meter.add_step(data_wait_seconds=0.0, samples=1, tokens=1)
+        reports.append(meter.report(step=step, loss=1.0, lr=1e-4, peak_memory_bytes=0))
+    assert [r["speed_warmup"] for r in reports] == [True, False]
+    assert reports[0]["remaining_seconds"] is None and reports[1]["remaining_seconds"] == 24.0

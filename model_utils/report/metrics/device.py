@@ -18,14 +18,18 @@ GIB = float(1 << 30)
 
 # Device peaks and memory
 
-# Dense (no sparsity) BF16 tensor-core peaks in TFLOP/s from NVIDIA datasheets, the same values
-# torchtitan uses. Order matters: the first substring found in the device name wins.
+# Dense (no sparsity) BF16 tensor-core peaks in TFLOP/s from NVIDIA datasheets (torchtitan's
+# values, with the H200 NVL, GH200 and GB200 it folds into H200 and B200 told apart). Order
+# matters: the first substring found in the device name wins.
 _BF16_PEAKS: tuple[tuple[str, float, str], ...] = (
     ("H100 NVL", 835.0, "H100 NVL"),
     ("H100 PCIe", 756.0, "H100 PCIe"),
     ("H100", 989.0, "H100 SXM"),
+    ("H200 NVL", 835.0, "H200 NVL"),
+    ("GH200", 989.0, "GH200"),
     ("H200", 989.0, "H200"),
     ("A100", 312.0, "A100"),
+    ("GB200", 2500.0, "GB200"),
     ("B200", 2250.0, "B200"),
 )
 

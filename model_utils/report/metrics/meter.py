@@ -75,8 +75,8 @@ class StepMeter:
 
     Each report also carries the run's time (``elapsed_before`` plus the time since
     :meth:`start`) and, given ``max_steps``, an estimate of the time left
-    (:func:`remaining_seconds`) from the windows that end after this process's first
-    ``warmup_steps`` steps (a resumed run warms up again).
+    (:func:`remaining_seconds`) from the windows after this process's first ``warmup_steps``
+    steps (a resumed run warms up again; a window holding any of them is warm-up).
     """
 
     flops_per_token: float
@@ -159,8 +159,11 @@ class StepMeter:
         metrics["time"] = time.time()
         metrics["mfu_basis"] = self.peak_label
         metrics["memory_kind"] = self.memory_label
+        # a window holding any of this launch's first steps is warm-up: out of the estimate,
+        # and out of the summary's medians (records' speed_warmup)
+        metrics["speed_warmup"] = self._counted < self.warmup_steps
         self._counted += self._steps
-        if self._counted > self.warmup_steps:
+        if not metrics["speed_warmup"]:
             self._step_times.append(seconds / self._steps)
         metrics["elapsed_seconds"] = self.elapsed(now)  # validation and saves included
         metrics["remaining_seconds"] = (

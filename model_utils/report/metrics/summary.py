@@ -42,7 +42,9 @@ def one_per_step(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def summarize(records: Iterable[Mapping[str, Any]], warmup_steps: int) -> dict[str, Any]:
-    """End-of-run numbers: medians over logged train records with ``step > warmup_steps``.
+    """End-of-run numbers: medians over logged train records with ``step > warmup_steps`` and
+    not marked ``speed_warmup`` (a window holding a launch's first steps: a resumed run warms up,
+    and compiles, again).
 
     Each step counts once, as last logged (a resumed run re-logs the steps it re-runs).
     Warm-up steps (allocator growth, lazy init, compilation) are excluded from throughput but
@@ -53,7 +55,7 @@ def summarize(records: Iterable[Mapping[str, Any]], warmup_steps: int) -> dict[s
     ordered = one_per_step(r for r in records if r.get("kind") in ("train", "val"))
     train = [r for r in ordered if r["kind"] == "train"]
     val = [r for r in ordered if r["kind"] == "val"]
-    measured = [r for r in train if r["step"] > warmup_steps]
+    measured = [r for r in train if r["step"] > warmup_steps and not r.get("speed_warmup")]
     summary: dict[str, Any] = {key: _median(r.get(key) for r in measured) for key in _MEDIAN_KEYS}
     memory = [r["peak_mem_gib"] for r in train if r.get("peak_mem_gib") is not None]
     summary["peak_mem_gib"] = max(memory) if memory else None
