@@ -229,6 +229,7 @@ def stop_on_bad_read(run: Run, reads: data.ReadGuard, world, start_step: int) ->
     state is already saved or is the initial one), then raises the read's DataError."""
     step = run.state.step
     path = run.ckpt.latest()
+    reads.rewind()
     if step > start_step:
         guards.check_step(run.guard, run.ckpt, step, run.model, stop_requested=True, saving=True)
         path = run.ckpt.save(step, run.state, block=True)

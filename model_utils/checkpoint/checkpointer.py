@@ -258,7 +258,8 @@ class TrainState:
     data: any object with state_dict()/load_state_dict() holding THIS rank's stream position.
     config: the run's flags (json-able; non-json values are stored as str).
     on_data_reshard(step, saved_states): called instead of restoring the data position when the
-    checkpoint was written by a different number of ranks; saved_states[r] is what rank r saved.
+    checkpoint was written by a different number of ranks; saved_states[r] is what rank r saved;
+    it returns what it did to the stream, in words for the log.
     """
 
     model: nn.Module
@@ -267,7 +268,7 @@ class TrainState:
     data: Any | None = None
     config: dict[str, Any] = field(default_factory=dict)
     step: int = 0
-    on_data_reshard: Callable[[int, list[Any]], None] | None = None
+    on_data_reshard: Callable[[int, list[Any]], str] | None = None
     saved_config: dict[str, Any] | None = None
     # The TE recipe the model runs (None: no TE FP8); saved FP8 scaling state is restored into
     # the TE modules only when it is a delayed-scaling recipe, the one kind that keeps state.
@@ -578,8 +579,7 @@ class Checkpointer:
             action = "data stream is left as is (nothing saved or nothing to restore)"
         elif state.on_data_reshard is not None:
             saved = [data.values[r] for r in range(saved_world_size)]
-            state.on_data_reshard(state.step, saved)
-            action = "data stream is repositioned by on_data_reshard"
+            action = state.on_data_reshard(state.step, saved)
         else:
             action = "data stream starts from the beginning of this rank's new shard"
         log.warning(

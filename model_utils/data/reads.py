@@ -35,12 +35,14 @@ class ReadGuard:
     The rank must not stop alone: the others are inside the step's collectives with it. So from
     the failed read on it repeats its last batch with weight 0 to the end of the step, and
     `failure` says what broke and in which file; `all_read` then tells every rank, and the loop
-    drops the step, saves the last full one and exits with the line."""
+    drops the step, saves the last full one (with the stream where that step's reads began:
+    :meth:`rewind`) and exits with the line."""
 
     def __init__(self, stream: TrainStream, text_column: str, world_size: int = 1) -> None:
         self.stream, self.text_column = stream, text_column
         self.failure: str | None = None
         self._last: Batch | None = None
+        self._step_start: dict | None = None  # the stream's position before this step's reads
         # One host-side flag a step, on its own gloo group: no wait for the device (an NCCL
         # all-reduce read on the host would drain the queue every step). One rank: none.
         self._group = dist.new_group(backend="gloo") if world_size > 1 else None
@@ -51,10 +53,20 @@ class ReadGuard:
         failed = torch.tensor([int(self.failure is not None)])
         if self._group is not None:
             dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self._group)
+        if not failed.item():
+            self._step_start = None  # the next read begins the next step
         return not bool(failed.item())
+
+    def rewind(self) -> None:
+        """The stream back where the dropped step's reads began: a saved position past them
+        would skip, on resume, the micro-batches a rank read before some rank's read failed."""
+        if self._step_start is not None:
+            self.stream.load_state_dict(self._step_start)
 
     def next(self) -> tuple[Batch, float]:
         """(batch, loss weight): weight 1 for real data, 0 for the stand-in after a failure."""
+        if self._step_start is None:
+            self._step_start = self.stream.state_dict()
         if self.failure is None:
             try:
                 self._last = next(self.stream)
@@ -121,7 +133,7 @@ def raise_read_failure(failure: str | None, world: World, step: int, path: Path 
         return
     kept = (
         f"checkpoint of step {step} at {path}; fix or remove the file, then resume with "
-        "--resume_from_checkpoint auto"
+        "--resume_from_checkpoint auto (and --allow_data_change, the file having changed)"
         if path is not None
         else "nothing was trained, no checkpoint saved; fix or remove the file, then run again"
     )

@@ -192,19 +192,27 @@ class TrainStream:
         self.batches = int(saved["batches"])
         self._tokens = None  # rebuilt lazily from the cursor by the next _take
 
-    def restart_after_reshard(self, saved_states: list[dict[str, dict[str, Any]]]) -> None:
-        """Continue a run whose checkpoint was written by another number of ranks.
+    def restart_after_reshard(self, saved_states: list[dict[str, dict[str, Any]]]) -> str:
+        """Continue a run whose checkpoint was written by another number of ranks; what it did,
+        in words for the log.
 
         Saved positions do not map onto the new shards, so every rank starts the epoch after the
         latest saved one (all ranks compute the same epoch): the rest of the interrupted epoch is
-        skipped rather than documents being repeated. `saved_states[r]` is what rank r saved.
+        not read, and the documents read in it come again, in the next epoch's order. Only the
+        same world size continues exactly. `saved_states[r]` is what rank r saved.
         """
         entries = [next(iter(state.values())) for state in saved_states]
         if not entries:
             raise ValueError("restart_after_reshard needs at least one saved data state")
-        self._cursor = _Cursor(epoch=max(int(e["epoch"]) for e in entries) + 1)
+        epoch = max(int(e["epoch"]) for e in entries)
+        self._cursor = _Cursor(epoch=epoch + 1)
         self.batches = max(int(e["batches"]) for e in entries)
         self._tokens = None
+        return (
+            f"data stream starts epoch {epoch + 1} on every rank: the rest of epoch {epoch} is "
+            f"not read, and what it read comes again (resume on {len(entries)} rank(s) to "
+            "continue the data exactly)"
+        )
 
     def _own_entry(self, state: dict[str, dict[str, Any]]) -> dict[str, Any]:
         key = f"rank{self.rank}"

@@ -67,9 +67,13 @@ def _train_records(out: Path) -> dict[int, dict]:
 
 
 def test_a_read_failing_mid_run_drops_its_step_and_saves_the_last_full_one(tmp_path: Path):
+    """Two micro-batches a step: the sixth read, step 3's second, fails after step 3's first
+    was read. The saved step 2 holds the stream where step 3 began, so the resumed steps 3
+    and 4 train on the data, and to the losses, of a run that never failed."""
     out = tmp_path / "run"
     common = [*FAST, "--warmup", "1", "--validation_batches", "1", "--logging_freq", "1"]
-    result = _train_failing_at(3, *common, "--max_steps", "10", f"--output_dir={out}")
+    common += ["--grad_accum_steps", "2"]
+    result = _train_failing_at(6, *common, "--max_steps", "10", f"--output_dir={out}")
     assert result.returncode == 2, result.stderr[-3000:]
     [line] = [ln for ln in result.stderr.splitlines() if ln.startswith("train.py: error:")]
     saved = out / "checkpoints" / checkpoint_name(2)
@@ -91,6 +95,10 @@ def test_a_read_failing_mid_run_drops_its_step_and_saves_the_last_full_one(tmp_p
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert sorted(_train_records(out)) == [1, 2, 3, 4]
+    whole = tmp_path / "whole"
+    _train_failing_at(0, *common, "--max_steps", "10", f"--output_dir={whole}").check_returncode()
+    losses = {step: r["loss"] for step, r in _train_records(whole).items() if step <= 4}
+    assert {step: r["loss"] for step, r in _train_records(out).items()} == losses
 
 
 class _Stream:
@@ -100,6 +108,9 @@ class _Stream:
 
     def __init__(self, fail_at: int) -> None:
         self.reads, self.fail_at = 0, fail_at
+
+    def state_dict(self) -> dict:
+        return {"reads": self.reads}
 
     def __next__(self) -> dict:
         self.reads += 1

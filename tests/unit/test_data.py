@@ -305,8 +305,12 @@ def test_state_from_another_world_size_is_refused_or_restarts_next_epoch(corpus,
         single.load_state_dict(saved[0])
     with pytest.raises(ValueError, match="seed=0"):
         _stream(corpus, tokenizer, rank=1, world_size=2, seed=4).load_state_dict(saved[1])
-    single.restart_after_reshard(saved)  # what the checkpoint's reshard hook calls
+    said = single.restart_after_reshard(saved)  # what the checkpoint's reshard hook calls
     assert single.epoch == 1 and single.batches == 6
+    assert said == (
+        "data stream starts epoch 1 on every rank: the rest of epoch 0 is not read, and what it "
+        "read comes again (resume on 2 rank(s) to continue the data exactly)"
+    )
     epoch_one = list(_documents(corpus, epoch=1, **_block(SMALL)))
     first = _reference_ids(tokenizer, epoch_one[:1])[0]
     assert next(single)["input_ids"].reshape(-1).tolist()[: len(first)] == first[: SEQ_LEN * 2]
