@@ -43,7 +43,7 @@ log = logging.getLogger("train")
 def validate(argv: list[str] | None, *, training: bool = True) -> tuple[Config, object]:
     """Every check that can fail on bad input, before any process group or file exists
     (``training=False``: the checks of a forward-only use, e.g. the GPU benchmark's rows)."""
-    config = arguments.parse_args(argv)
+    config = distributed.resolve_global_batch(arguments.parse_args(argv))  # for these ranks
     source, ckpt = config.data, config.checkpoint
     data.check_dataset(source.dataset, source.dataset_config_name)
     data.check_local_data(source.dataset, source.text_column)  # empty, corrupt, not UTF-8
@@ -153,13 +153,13 @@ def build_run(config: Config, tokenizer, world: distributed.World, device) -> Ru
         print(distributed.describe_rank(world, mesh), flush=True)
     backend = precision.build_backend(config, device, dp_group=dist.group.WORLD)
 
-    stream, val_batches = data.build_data(config, tokenizer, world)  # bad data before the model
+    stream = data.build_data(config, tokenizer, world)  # bad data before the model
     model = build_model(config, mesh, device, backend)
     outputs.check_outputs(config, world, modeling.count_parameters(model), log)  # before training
     optimizer, scheduler = build_optimizer(model, config, device, backend)
     log.info("optimizer: %s", optim.describe(optimizer))
     parts = StepParts(model, optimizer, scheduler, backend, config, device)
-    return start_run(parts, stream, val_batches, world)
+    return start_run(parts, stream, world)
 
 
 def train(
@@ -254,7 +254,7 @@ def step_boundary(run: Run, *, stop_requested: bool) -> bool:
     return stop
 
 
-def start_run(parts: StepParts, stream: data.TrainStream, val_batches: list, world) -> Run:
+def start_run(parts: StepParts, stream: data.RankStream, world) -> Run:
     """The checkpointer and the state it saves, resumed if asked (the flags come back with the
     lr values a resume put in use, and the state saves them); then the run's report, started
     at the resumed step, with its --hang_timeout watchdog, and the non-finite guard."""
@@ -271,7 +271,6 @@ def start_run(parts: StepParts, stream: data.TrainStream, val_batches: list, wor
         parts.scheduler,
         stream,
         config=config.as_dict(),
-        on_data_reshard=lambda step, saved: stream.restart_after_reshard(saved),
         fp8_recipe=parts.backend.te_recipe,
     )
     config = checkpoint.resume_or_start(ckpt, state, parts.scheduler, config)
@@ -294,7 +293,7 @@ def start_run(parts: StepParts, stream: data.TrainStream, val_batches: list, wor
         state=state,
         guard=guards.StepGuard(parts.device),
         run_log=run_log,
-        val_batches=val_batches,
+        val_batches=stream.val_batches,  # the shards' read after a resume on fewer ranks
     )
 
 

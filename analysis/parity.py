@@ -27,8 +27,9 @@ reference (the first run), after the warm-up:
   replicas' band) / "matches" (the fixed one) when the gap at the run's end is inside it; else
   "is behind ... by N steps (x%)" (a step lag of that sign) or "is ahead of". The end decides:
   the last shared validation (a mean over many sequences), unless the train gap after it left
-  its band (a late divergence no validation saw); without one, the mean smoothed train gap
-  over the last ``TAIL_SHARE`` of the judged windows against the band's mean there.
+  its band (a late divergence no validation saw); without one, the last window's smoothed train
+  gap where it left its band, else the mean over the last ``TAIL_SHARE`` of the judged windows
+  against the band's mean there (a mean that a late jump would barely move).
 
 Where the numbers come from: docs/metrics.md, "The parity verdict".
 """
@@ -160,7 +161,7 @@ class Parity:
     train_largest_step: int | None = None
     left_band_step: int | None = None  # first judged step outside, on the verdict's side
     tail: Gap | None = None  # the mean train gap of the last windows
-    after: Gap | None = None  # the mean train gap of the windows after the last validation
+    after: Gap | None = None  # the train gap after the last validation (none: the last window)
     val_mean: float | None = None
     val_largest: float | None = None
     val_left_band_step: int | None = None
@@ -191,9 +192,10 @@ class Parity:
 
     @property
     def end(self) -> Gap | None:
-        """The gap that decides: the train gap after the last shared validation where it left
-        its band (a late divergence no validation saw), else that validation's (a mean over
-        many sequences), else the mean train gap of the last windows."""
+        """The gap that decides: the train gap after the last shared validation (without one,
+        of the last window) where it left its band (a late divergence no validation saw), else
+        that validation's (a mean over many sequences), else the mean train gap of the last
+        windows."""
         if self.after is not None and abs(self.after.value) > self.after.band:
             return self.after
         return self.val_last or self.tail
@@ -524,14 +526,14 @@ def _gap(noise: Noise, kind: str, steps: Sequence[int], values: Sequence[float],
 
 def _ends(gaps: Gaps, noise: Noise) -> tuple[Gap | None, Gap | None, Gap]:
     """The gaps a verdict may be decided by: at the last shared validation, over the train
-    windows after it, over the last ``TAIL_SHARE`` of the train windows."""
-    last_val = after = None
+    windows after it (without one: the last window), over the last ``TAIL_SHARE`` of the train
+    windows."""
+    last_val, later, where = None, 1, f"over the last {gaps.window} steps"
     if gaps.val_steps:
         step = gaps.val_steps[-1]
         last_val = _gap(noise, "val", [step], gaps.val[-1:], f"at step {step}")
-        if later := sum(s > step for s in gaps.whole):
-            where = f"after the last validation (step {step})"
-            after = _gap(noise, "train", gaps.whole[-later:], gaps.train[-later:], where)
+        later, where = sum(s > step for s in gaps.whole), f"after the last validation (step {step})"
+    after = _gap(noise, "train", gaps.whole[-later:], gaps.train[-later:], where) if later else None
     tail = max(1, math.ceil(TAIL_SHARE * len(gaps.whole)))
     where = "over the last judged steps"
     return last_val, after, _gap(noise, "train", gaps.whole[-tail:], gaps.train[-tail:], where)

@@ -5,7 +5,7 @@
 
 Pipelines, each fed the same corpus file through `datasets` streaming and a freshly loaded copy
 of the bundled tokenizer (so no run profits from another's BPE cache):
-  ours         model_utils.data.TrainStream (batched Rust tokenisation, numpy packing)
+  ours         model_utils.data.stream.TrainStream (batched Rust tokenisation, numpy packing)
   per-example  the upstream recipe's way: a torch IterableDataset calling the tokenizer once per
                document and growing a Python list buffer, batched by a DataLoader
   map+group    the transformers run_clm way: IterableDataset.map(tokenize, batched) then
@@ -45,6 +45,7 @@ from benchmarks._common import COUNT, SIZE
 from model_utils import data
 from model_utils.config.presets import BUNDLED_DATASET, BUNDLED_TOKENIZER
 from model_utils.config.sections import DataConfig
+from model_utils.data.stream import TrainStream
 from model_utils.data.tokens import encode_documents
 
 Batches = Iterator[dict[str, torch.Tensor]]
@@ -109,7 +110,7 @@ def _source(micro_batch: int) -> DataConfig:
 
 def ours(seq_len: int, micro_batch: int) -> Batches:
     tokenizer = data.load_tokenizer(BUNDLED_TOKENIZER)
-    yield from data.TrainStream(_source(micro_batch), tokenizer, seq_len, seed=42)
+    yield from TrainStream(_source(micro_batch), tokenizer, seq_len, seed=42)
 
 
 PIPELINES: dict[str, Callable[[int, int], Batches]] = {
@@ -140,12 +141,12 @@ def measure(
 def resume_cost(seq_len: int, micro_batch: int, skip: int) -> tuple[float, float]:
     """Seconds to the batch after `skip` batches: restoring our state vs replaying upstream."""
     tokenizer = data.load_tokenizer(BUNDLED_TOKENIZER)
-    stream = data.TrainStream(_source(micro_batch), tokenizer, seq_len, seed=42)
+    stream = TrainStream(_source(micro_batch), tokenizer, seq_len, seed=42)
     for _ in range(skip):
         next(stream)
     state = stream.state_dict()
     start = time.perf_counter()
-    resumed = data.TrainStream(_source(micro_batch), tokenizer, seq_len, seed=42)
+    resumed = TrainStream(_source(micro_batch), tokenizer, seq_len, seed=42)
     resumed.load_state_dict(state)
     next(resumed)
     restore = time.perf_counter() - start
@@ -159,7 +160,7 @@ def resume_cost(seq_len: int, micro_batch: int, skip: int) -> tuple[float, float
 def stalls(seq_len: int, micro_batch: int, step_ms: float, steps: int, prefetch: bool):
     """Each of `steps` batches' wait, in ms, when every step spends `step_ms` after its batch."""
     tokenizer = data.load_tokenizer(BUNDLED_TOKENIZER)
-    stream = data.TrainStream(_source(micro_batch), tokenizer, seq_len, seed=42, prefetch=prefetch)
+    stream = TrainStream(_source(micro_batch), tokenizer, seq_len, seed=42, prefetch=prefetch)
     next(stream)  # the first read and batch are the same either way
     waits = []
     for _ in range(steps):

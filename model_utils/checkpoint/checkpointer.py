@@ -255,11 +255,10 @@ class Seen:
 class TrainState:
     """Everything a resumed run needs. `step` is the number of optimizer steps done.
 
-    data: any object with state_dict()/load_state_dict() holding THIS rank's stream position.
+    data: any object with state_dict()/load_state_dict() holding THIS rank's stream position,
+    and restart_after_reshard(saved_states) for a checkpoint of another number of ranks
+    (saved_states[r]: what rank r saved), which returns what it did, in words for the log.
     config: the run's flags (json-able; non-json values are stored as str).
-    on_data_reshard(step, saved_states): called instead of restoring the data position when the
-    checkpoint was written by a different number of ranks; saved_states[r] is what rank r saved;
-    it returns what it did to the stream, in words for the log.
     """
 
     model: nn.Module
@@ -268,7 +267,6 @@ class TrainState:
     data: Any | None = None
     config: dict[str, Any] = field(default_factory=dict)
     step: int = 0
-    on_data_reshard: Callable[[int, list[Any]], str] | None = None
     saved_config: dict[str, Any] | None = None
     # The TE recipe the model runs (None: no TE FP8); saved FP8 scaling state is restored into
     # the TE modules only when it is a delayed-scaling recipe, the one kind that keeps state.
@@ -503,8 +501,8 @@ class Checkpointer:
 
         Same world size: everything is restored exactly. Different world size: model, optimizer,
         scheduler and step are restored (DCP reshards); RNGs are reseeded from (seed, step, rank);
-        the data stream gets `state.on_data_reshard(step, saved_states)` with every saved rank's
-        data state (index = saved rank), or keeps its fresh position if no hook is set.
+        the data stream gets `state.data.restart_after_reshard(saved_states)` with every saved
+        rank's data state (index = saved rank).
 
         Another parameter layout (--model_impl hf or te_linear <-> te): weights and AdamW moments
         are converted through `state_dict_adapter` (`load_converted`); step, LR schedule, data and
@@ -566,8 +564,8 @@ class Checkpointer:
     def _restore_per_rank(
         state: TrainState, targets: dict[str, PerRankItem], saved_world_size: int
     ) -> None:
-        """Hand each rank its own saved data position and RNG. After a reshard they do not map
-        onto the new ranks: the RNGs are reseeded and the data stream goes to the hook."""
+        """Hand each rank its own saved data position and RNG. After a reshard the RNGs do not
+        map onto the new ranks and are reseeded; the data stream gets every rank's position."""
         if saved_world_size == world_size():
             getters = state.per_rank_getters()
             for name, target in targets.items():
@@ -577,15 +575,12 @@ class Checkpointer:
         data = targets.get("data")
         if state.data is None or data is None:
             action = "data stream is left as is (nothing saved or nothing to restore)"
-        elif state.on_data_reshard is not None:
-            saved = [data.values[r] for r in range(saved_world_size)]
-            action = state.on_data_reshard(state.step, saved)
         else:
-            action = "data stream starts from the beginning of this rank's new shard"
+            action = state.data.restart_after_reshard([data.values[r] for r in data.ranks])
         log.warning(
-            "Checkpoint written by %d ranks, loaded on %d: model and optimizer resharded; "
-            "per-rank data positions and RNG states do not map onto the new ranks, so the RNGs "
-            "are reseeded from (seed, step=%d, rank) and the %s",
+            "Checkpoint written by %d ranks, loaded on %d: model and optimizer resharded; the "
+            "RNG states do not map onto the new ranks and are reseeded from (seed, step=%d, "
+            "rank); the %s",
             saved_world_size,
             world_size(),
             state.step,

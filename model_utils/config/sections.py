@@ -294,6 +294,15 @@ class OptimConfig:
     grad_accum_steps: int = flag(
         "micro-batches per optimizer step", resume=Resume.FREE, default=1, range=POSITIVE
     )
+    global_batch_size: int | None = flag(
+        "sequences per optimizer step over all ranks: sets --grad_accum_steps for the ranks of "
+        "each launch, so a resume on fewer nodes keeps the batch (torchtitan's)",
+        resume=Resume.FREE,
+        range=POSITIVE,
+        excludes=When.because(
+            "sets --grad_accum_steps itself", When("grad_accum_steps", test=(1).__ne__)
+        ),
+    )
     lr: float = flag("peak learning rate", resume=Resume.FREE, default=1e-3, range=POSITIVE)
     min_lr: float = flag(
         "learning rate at max_steps", resume=Resume.FREE, default=1e-4, range=NOT_NEGATIVE

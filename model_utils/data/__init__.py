@@ -12,6 +12,7 @@ The pipeline, and why it is built this way:
   rank count or file order, and never in training. Exact duplicates land on the same side.
 * Rank shards. `datasets.distributed.split_dataset_by_node` (whole files per rank when the file
   count divides the world size, otherwise every world_size-th document): disjoint by design.
+  The cut is the run's first world size; a resume on a divisor reads several shards a rank.
 * Order. Per epoch, the shard order is shuffled (`IterableDataset.set_epoch` with a key derived
   from seed and epoch), and documents are read in blocks of `block_docs` that are permuted with
   a generator seeded by (seed, epoch, block). Deterministic for a seed, and - unlike a datasets
@@ -20,7 +21,7 @@ The pipeline, and why it is built this way:
   appended after every document and everything is concatenated. Windows of exactly `seq_len`
   tokens are cut back to back from that stream: no token is dropped or repeated, and the stream
   carries over epoch boundaries (the tail of one epoch starts the next batch).
-* Position. `TrainStream.state_dict()` holds a few integers and the datasets state of the current
+* Position. A shard's `state_dict()` holds a few integers and the datasets state of the current
   block's start (a JSON string): epoch, block, first document of the current tokenizer batch and
   tokens already emitted from it. Restoring re-reads one block of raw text from that state and
   re-tokenises one tokenizer batch; nothing before the block is read or tokenised again.
@@ -44,6 +45,6 @@ from model_utils.data.checks import (
 )
 from model_utils.data.reads import ReadGuard, cache_location, raise_read_failure
 from model_utils.data.sources import DataError, check_dataset
-from model_utils.data.stream import TrainStream
+from model_utils.data.stream import RankStream
 from model_utils.data.tokens import check_vocab, load_tokenizer, tokenizer_fingerprint
 from model_utils.data.validation import validation_batches

@@ -15,7 +15,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,11 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from model_utils.config.families import family_of
 from model_utils.config.sections import ParallelConfig
+from model_utils.errors import UsageError
 from model_utils.parallel.fp8_reduce import CountedReduceScatter, Fp8ReduceScatter
+
+if TYPE_CHECKING:
+    from model_utils.config.run_config import Config
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,20 @@ def world_from_env(env: Mapping[str, str] = os.environ) -> World:
         env, ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"), world_size
     )
     return World(rank, world_size, local_rank, min(local_world, world_size))
+
+
+def resolve_global_batch(config: Config) -> Config:
+    """--global_batch_size as each rank's micro-batches a step on the ranks of this launch."""
+    total, world_size = config.optim.global_batch_size, world_from_env().world_size
+    if total is None:
+        return config
+    per_pass = config.data.train_batch_size * world_size
+    if total % per_pass:
+        raise UsageError(
+            f"--global_batch_size {total} is not a multiple of --train_batch_size "
+            f"{config.data.train_batch_size} x {world_size} ranks ({per_pass}): give a multiple"
+        )
+    return config.replace(grad_accum_steps=total // per_pass)
 
 
 def device_for(world: World) -> torch.device:

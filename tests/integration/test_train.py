@@ -89,7 +89,7 @@ def test_two_rank_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, 
     # bf16 on few tokens (one 32-token sequence a rank): bf16 matmuls are tens of times slower
     # than fp32 ones on a CPU without bf16 units, and exactness needs no more.
     common = [*FAST, "--bf16=1", "--train_batch_size=1", "--max_context_width=32"]
-    common += ["--max_steps=8", "--warmup=2", "--validation_batches=2"]
+    common += ["--max_steps=8", "--warmup=2", "--validation_batches=2", "--global_batch_size=2"]
     common.append(f"--master_weights={masters}")
     run_train(*common, "--checkpoint_freq=4", f"--output_dir={full}", nproc=2)
     checkpoint = full / "checkpoints" / "step_00000004"
@@ -115,6 +115,18 @@ def test_two_rank_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, 
     before = json.loads((checkpoint / "checkpoint.json").read_text())["seen"]["seconds"]
     assert records(resumed)[0]["elapsed_seconds"] > before > 0
     assert ", seen: 512 tokens, elapsed: " in result.stdout  # step 8's line
+    if masters == "params":  # the same flags on one rank: twice the accumulation, same batches
+        one = tmp_path / "one_rank"
+        argv = [*common, f"--output_dir={one}", f"--resume_from_checkpoint={checkpoint}"]
+        said = run_train(*argv).stdout
+        assert "data stream continues each of its 2 shards where it stopped (2 a rank)" in said
+        got = losses(one)
+        assert all(abs(got[s] - want[s]) < 1e-3 * want[s] for s in (5, 6, 7, 8)), (got, want)
+        one_val, full_val = (
+            records(one, "val")[-1]["val_loss"],
+            records(full, "val")[-1]["val_loss"],
+        )
+        assert abs(one_val - full_val) < 1e-3 * full_val  # the same validation set
 
 
 def test_a_bf16_cool_down_switches_once_and_resumes_exactly_across_the_switch(tmp_path):

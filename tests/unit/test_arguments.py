@@ -278,6 +278,21 @@ def test_no_fsdp2_needs_a_world_of_one(monkeypatch):
         parse_args(["--sharding_strategy=none"])
 
 
+def test_a_global_batch_sets_the_accumulation_for_each_launchs_ranks(monkeypatch):
+    """torchtitan's rule: the same flags on 4, 2 or 1 ranks train 16 sequences a step."""
+    from model_utils.parallel.distributed import resolve_global_batch
+
+    flags = ["--global_batch_size=16", "--train_batch_size=2"]
+    for world_size, accumulation in ((4, 2), (2, 4), (1, 8)):
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+        assert resolve_global_batch(parse_args(flags)).optim.grad_accum_steps == accumulation
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(UsageError, match=r"^--global_batch_size 16 is not a multiple of "):
+        resolve_global_batch(parse_args(flags))  # 2 x 3 ranks
+    with pytest.raises(UsageError, match="sets --grad_accum_steps itself: drop one of them"):
+        parse_args([*flags, "--grad_accum_steps=2"])
+
+
 def test_fp8_weights_in_blocks_are_refused_on_several_ranks(monkeypatch):
     """TE's FSDP2 all-gather misplaces a shard's 128-row block scales (TE 2.20's own FSDP2
     tests xfail --fp8_weights with Float8BlockScaling): one rank trains, several are refused."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import json
 import threading
+from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
@@ -59,10 +60,12 @@ def _training_docs(documents: list[str]) -> list[str]:
     return [d for d in documents if d and not is_held_out(d)]
 
 
-def _stream(corpus: str, tokenizer, text_column: str = "text", **overrides) -> data.TrainStream:
+def _stream(
+    corpus: str, tokenizer, text_column: str = "text", **overrides
+) -> data_stream.TrainStream:
     options = {"rank": 0, "world_size": 1, "seed": 0, **SMALL, **overrides}
     source = data_section(corpus, text_column=text_column, train_batch_size=MICRO_BATCH)
-    return data.TrainStream(source, tokenizer, SEQ_LEN, **options)
+    return data_stream.TrainStream(source, tokenizer, SEQ_LEN, **options)
 
 
 def _documents(dataset: str, text_column: str = "text", **options):
@@ -290,14 +293,22 @@ def test_state_round_trips_through_torch_dcp(tmp_path, corpus, tokenizer):
     assert all(torch.equal(next(fresh)["input_ids"], e) for e in expected)
 
 
-def test_state_from_another_world_size_is_refused_or_restarts_next_epoch(corpus, tokenizer):
+def _rank_stream(corpus: str, tokenizer, rank: int, world_size: int, **overrides):
+    """A rank's stream of shards, each a `_stream` (the test's small blocks), validating on one
+    batch of each shard's validation part."""
+    shard = partial(_stream, corpus, tokenizer, **overrides)
+    validation = partial(data.validation_batches, data_section(corpus), tokenizer, SEQ_LEN, 1)
+    return data_stream.RankStream(shard, validation, rank, world_size)
+
+
+def test_a_shard_state_from_another_shard_or_seed_is_refused(corpus, tokenizer):
     saved = []
     for rank in range(2):
         stream = _stream(corpus, tokenizer, rank=rank, world_size=2)
         for _ in range(5 + rank):
             next(stream)
         saved.append(stream.state_dict())
-    assert list(saved[1]) == ["rank1"]  # one key per rank: DCP keeps every rank's position
+    assert list(saved[1]) == ["rank1"]  # one key per shard: DCP keeps every rank's position
     single = _stream(corpus, tokenizer)
     with pytest.raises(ValueError, match="no entry for rank0"):
         single.load_state_dict(saved[1])
@@ -305,15 +316,58 @@ def test_state_from_another_world_size_is_refused_or_restarts_next_epoch(corpus,
         single.load_state_dict(saved[0])
     with pytest.raises(ValueError, match="seed=0"):
         _stream(corpus, tokenizer, rank=1, world_size=2, seed=4).load_state_dict(saved[1])
-    said = single.restart_after_reshard(saved)  # what the checkpoint's reshard hook calls
-    assert single.epoch == 1 and single.batches == 6
+
+
+def test_a_resume_on_a_divisor_of_the_ranks_continues_every_shard_exactly(corpus, tokenizer):
+    """Four ranks' positions, uneven (a rank that read more), resumed on two ranks and then on
+    one: each rank reads its shards where they stopped, the one behind first; so the batches
+    are those the four ranks would have read next, none skipped or read twice."""
+    four = [_rank_stream(corpus, tokenizer, rank, 4) for rank in range(4)]
+    for rank, stream in enumerate(four):
+        for _ in range(3 + (rank == 2)):
+            next(stream)
+    saved = [stream.state_dict() for stream in four]
+    two = [_rank_stream(corpus, tokenizer, rank, 2) for rank in range(2)]
+    said = {stream.restart_after_reshard(saved) for stream in two}
+    assert said == {"data stream continues each of its 4 shards where it stopped (2 a rank)"}
+    # rank 0 of 2 reads shards 0 and 2; shard 2 is one batch ahead, so shard 0 comes first.
+    expected = [next(four[s]) for s in (0, 0, 2, 0, 2)]
+    got = [next(two[0]) for _ in range(5)]
+    assert torch.equal(_flat(got), _flat(expected))
+    one = _rank_stream(corpus, tokenizer, 0, 1)
+    one.load_state_dict({**two[0].state_dict(), **two[1].state_dict()})  # a same-size load
+    assert [shard.rank for shard in one.shards] == [0, 1, 2, 3]
+    expected = [next(four[s]) for s in (1, 3, 1, 3, 1, 3, 0, 1, 2)]  # shards 1, 3 are behind
+    assert torch.equal(_flat([next(one) for _ in range(9)]), _flat(expected))
+    # The resumed rank saves what a same-size resume continues (every shard's own key).
+    assert sorted(one.state_dict()) == ["rank0", "rank1", "rank2", "rank3"]
+    # ... and validates on the four ranks' validation batches, not on a new cut's.
+    assert torch.equal(_flat(one.val_batches), _flat([b for s in four for b in s.val_batches]))
+    fresh = _rank_stream(corpus, tokenizer, 0, 1).val_batches  # what a new run of one reads
+    assert not torch.equal(_flat(fresh), _flat(one.val_batches[:1]))
+
+
+def test_a_resume_on_another_number_of_ranks_restarts_at_the_next_epoch(corpus, tokenizer):
+    saved = []
+    for rank in range(2):
+        stream = _rank_stream(corpus, tokenizer, rank, 2)
+        for _ in range(5 + rank):
+            next(stream)
+        saved.append(stream.state_dict())
+    three = _rank_stream(corpus, tokenizer, 0, 3)
+    with pytest.raises(ValueError, match="data state has 2 shards: not a multiple of 3"):
+        three.load_state_dict(saved[0])
+    said = three.restart_after_reshard(saved)  # what the checkpoint's reshard hook calls
+    [shard] = three.shards
+    assert (shard.rank, shard.world_size, shard.epoch, shard.batches) == (0, 3, 1, 6)
     assert said == (
         "data stream starts epoch 1 on every rank: the rest of epoch 0 is not read, and what it "
-        "read comes again (resume on 2 rank(s) to continue the data exactly)"
+        "read comes again (resume on a number of ranks that divides 2 to continue the data "
+        "exactly)"
     )
-    epoch_one = list(_documents(corpus, epoch=1, **_block(SMALL)))
-    first = _reference_ids(tokenizer, epoch_one[:1])[0]
-    assert next(single)["input_ids"].reshape(-1).tolist()[: len(first)] == first[: SEQ_LEN * 2]
+    fresh = _stream(corpus, tokenizer, rank=0, world_size=3)
+    fresh.restart_at_epoch(1, 0)
+    assert torch.equal(next(three)["input_ids"], next(fresh)["input_ids"])
 
 
 def test_state_names_a_local_dataset_independently_of_its_path(corpus, tokenizer, monkeypatch):
@@ -466,9 +520,8 @@ def _first_batches(extra: list[str], tokenizer, count: int = 3) -> list[torch.Te
     from model_utils.parallel.distributed import world_from_env
 
     world_of_one()
-    stream, _ = build_data(parse_args([*FAST, *extra]), tokenizer, world_from_env({}))
-    found = iter(stream)
-    return [next(found)["input_ids"] for _ in range(count)]
+    stream = build_data(parse_args([*FAST, *extra]), tokenizer, world_from_env({}))
+    return [next(stream)["input_ids"] for _ in range(count)]
 
 
 def test_data_seed_keeps_the_data_order_across_init_seeds(tokenizer) -> None:

@@ -626,11 +626,12 @@ def test_tiny_data_warns_that_each_batch_repeats_it(tmp_path: Path, caplog) -> N
     from helpers.runs import data_section
 
     from model_utils import data
+    from model_utils.data.stream import TrainStream
 
     (tmp_path / "train.jsonl").write_text('{"text": "a short text"}\n' * 3)
     tokenizer = data.load_tokenizer(BUNDLED_TOKENIZER)
     source = data_section(str(tmp_path / "train.jsonl"), train_batch_size=2)
-    stream = data.TrainStream(source, tokenizer, 64)
+    stream = TrainStream(source, tokenizer, 64)
     with caplog.at_level("WARNING"):
         next(stream)
     [warning] = [r.getMessage() for r in caplog.records if "repeats it" in r.getMessage()]

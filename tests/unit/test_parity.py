@@ -283,6 +283,19 @@ def test_a_divergence_after_the_last_validation_is_behind() -> None:
     assert calm.matches and "at step 350 is inside" in calm.verdict()
 
 
+def test_a_late_jump_in_a_run_without_validation_is_behind() -> None:
+    """Without validations the last window's train gap decides where it left its band: the
+    mean over the last third (+0.3% here) would call a run that ends +2% behind a match."""
+    bf16 = curve(400)
+    fp8 = curve(400, gap=lambda s: 0.0 if s <= 380 else 0.002 * (s - 380))  # +4% at 400
+    found = parity.judge(fp8, bf16, 40, "fp8", "bf16")
+    assert abs(found.tail.value) < parity.BAND < found.after.value
+    assert found.standing == "behind" and not found.matches
+    assert "the train loss gap +2.10% over the last 20 steps is outside ±1.00%" in found.verdict()
+    calm = parity.judge(fp8[:-20], bf16[:-20], 40, "fp8", "bf16")  # the run before the jump
+    assert calm.matches and "over the last judged steps is inside" in calm.verdict()
+
+
 def test_steps_past_the_replicas_are_judged_by_the_fixed_band_and_say_so() -> None:
     """Replicas of 200 steps measure no noise at step 400: a run that ends +0.5% there is not
     "within seed noise", it matches inside the fixed band, and the verdict says why."""
