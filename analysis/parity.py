@@ -28,8 +28,8 @@ reference (the first run), after the warm-up:
   "is behind ... by N steps (x%)" (a step lag of that sign) or "is ahead of". The end decides:
   the last shared validation (a mean over many sequences), unless the train gap after it left
   its band (a late divergence no validation saw); without one, the last window's smoothed train
-  gap where it left its band, else the mean over the last ``TAIL_SHARE`` of the judged windows
-  against the band's mean there (a mean that a late jump would barely move).
+  gap where it left its band and jumped (``JUMP_SIGMAS``), else the mean over the last
+  ``TAIL_SHARE`` of the judged windows against the band's mean there.
 
 Where the numbers come from: docs/metrics.md, "The parity verdict".
 """
@@ -53,6 +53,9 @@ NOISE_FACTOR = 2.0
 #: The verdict reads the train gap over the last third of the judged windows: where the run
 #: ends, which is what a user keeps.
 TAIL_SHARE = 1 / 3
+#: Without validations the last window decides only when it leaves the tail's windows by this
+#: many of their standard deviations (a window of a noisy run is outside the band now and then).
+JUMP_SIGMAS = 3.0
 #: Train losses are averaged over this many steps before the band is applied: the band judges
 #: the model, not one batch (both runs read the same batches, so most of it cancels anyway).
 SMOOTHING_STEPS = 20
@@ -161,7 +164,7 @@ class Parity:
     train_largest_step: int | None = None
     left_band_step: int | None = None  # first judged step outside, on the verdict's side
     tail: Gap | None = None  # the mean train gap of the last windows
-    after: Gap | None = None  # the train gap after the last validation (none: the last window)
+    after: Gap | None = None  # the train gap after the last validation (none: a late jump's)
     val_mean: float | None = None
     val_largest: float | None = None
     val_left_band_step: int | None = None
@@ -524,17 +527,26 @@ def _gap(noise: Noise, kind: str, steps: Sequence[int], values: Sequence[float],
     )
 
 
+def _jumped(windows: Sequence[float]) -> bool:
+    """Whether the last window's gap leaves the mean of ``windows`` by more than ``JUMP_SIGMAS``
+    times their spread: a late jump, not one noisy window among many."""
+    mean = sum(windows) / len(windows)
+    spread = math.sqrt(sum((w - mean) ** 2 for w in windows) / len(windows))
+    return abs(windows[-1] - mean) > JUMP_SIGMAS * spread
+
+
 def _ends(gaps: Gaps, noise: Noise) -> tuple[Gap | None, Gap | None, Gap]:
     """The gaps a verdict may be decided by: at the last shared validation, over the train
-    windows after it (without one: the last window), over the last ``TAIL_SHARE`` of the train
-    windows."""
-    last_val, later, where = None, 1, f"over the last {gaps.window} steps"
+    windows after it (without one: the last window, if it jumped), over the last ``TAIL_SHARE``
+    of the train windows."""
+    tail = max(1, math.ceil(TAIL_SHARE * len(gaps.whole)))
+    last_val, later = None, int(_jumped(gaps.train[-tail:]))
+    where = f"over the last {gaps.window} steps"
     if gaps.val_steps:
         step = gaps.val_steps[-1]
         last_val = _gap(noise, "val", [step], gaps.val[-1:], f"at step {step}")
         later, where = sum(s > step for s in gaps.whole), f"after the last validation (step {step})"
     after = _gap(noise, "train", gaps.whole[-later:], gaps.train[-later:], where) if later else None
-    tail = max(1, math.ceil(TAIL_SHARE * len(gaps.whole)))
     where = "over the last judged steps"
     return last_val, after, _gap(noise, "train", gaps.whole[-tail:], gaps.train[-tail:], where)
 

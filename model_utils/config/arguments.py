@@ -261,10 +261,12 @@ def saved_args(config: Config) -> list[str]:
     typed_matters = set(TE_RECIPE_OPTIONS) | (
         {"preset"} if config.checkpoint.init_from_hf else set()
     )
+    # --global_batch_size's accumulation is each launch's own (its ranks'), not the run's.
+    derived = {"grad_accum_steps"} if config.optim.global_batch_size else set()
     lines = []
     for action in build_parser()._actions:
         name = action.dest
-        if name == "help" or name in NOT_SAVED:
+        if name == "help" or name in NOT_SAVED or name in derived:
             continue
         value = config.get(name)
         if value is None or (name in typed_matters and value == action.default):

@@ -12,7 +12,7 @@ The pipeline, and why it is built this way:
   rank count or file order, and never in training. Exact duplicates land on the same side.
 * Rank shards. `datasets.distributed.split_dataset_by_node` (whole files per rank when the file
   count divides the world size, otherwise every world_size-th document): disjoint by design.
-  The cut is the run's first world size; a resume on a divisor reads several shards a rank.
+  The cut is the launch's world size; a resume on a divisor of it reads several shards a rank.
 * Order. Per epoch, the shard order is shuffled (`IterableDataset.set_epoch` with a key derived
   from seed and epoch), and documents are read in blocks of `block_docs` that are permuted with
   a generator seeded by (seed, epoch, block). Deterministic for a seed, and - unlike a datasets
@@ -36,7 +36,7 @@ start-up checks use (`from model_utils import data; data.build_data(...)`); test
 benchmarks that need a module's internals import that module.
 """
 
-from model_utils.data.build import build_data
+from model_utils.data.build import RankStream, build_data
 from model_utils.data.checks import (
     check_hub_dataset,
     check_local_data,
@@ -45,6 +45,5 @@ from model_utils.data.checks import (
 )
 from model_utils.data.reads import ReadGuard, cache_location, raise_read_failure
 from model_utils.data.sources import DataError, check_dataset
-from model_utils.data.stream import RankStream
 from model_utils.data.tokens import check_vocab, load_tokenizer, tokenizer_fingerprint
 from model_utils.data.validation import validation_batches

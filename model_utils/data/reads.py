@@ -14,14 +14,14 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from model_utils.data.checks import find_bad_file
 from model_utils.data.sources import DataError
-from model_utils.data.stream import Batch, RankStream
+from model_utils.data.stream import Batch
 from model_utils.errors import first_line, unwritable
 
 if TYPE_CHECKING:
@@ -38,7 +38,8 @@ class ReadGuard:
     drops the step, saves the last full one (with the stream where that step's reads began:
     :meth:`rewind`) and exits with the line."""
 
-    def __init__(self, stream: RankStream, text_column: str, world_size: int = 1) -> None:
+    def __init__(self, stream: Any, text_column: str, world_size: int = 1) -> None:
+        # stream: the run's build.RankStream (build.py imports this module)
         self.stream, self.text_column = stream, text_column
         self.failure: str | None = None
         self._last: Batch | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from itertools import islice
@@ -76,8 +76,8 @@ class _BlockReader:
 
     def empty_message(self) -> str:
         return (
-            f"--dataset {self.source.name}: rank {self.rank} of {self.world_size} has no training "
-            f"documents (dataset too small, or all documents are empty or held out)"
+            f"--dataset {self.source.name}: shard {self.rank} of {self.world_size} (a rank's part) "
+            "has no training documents (dataset too small, or all are empty or held out)"
         )
 
 
@@ -95,9 +95,10 @@ class _Cursor:
 
 class TrainStream:
     """Endless iterator over one shard's training micro-batches (the part rank ``rank`` of
-    ``world_size`` ranks reads; `RankStream` gives a rank its shards): {input_ids, labels}, each
-    a LongTensor [micro_batch, seq_len], read as the run's data section says (``source``: the
-    dataset, its config name and text column; ``train_batch_size`` is the micro-batch).
+    ``world_size`` ranks reads; `build.RankStream` gives a rank its shards): {input_ids,
+    labels}, each a LongTensor [micro_batch, seq_len], read as the run's data section says
+    (``source``: the dataset, its config name and text column; ``train_batch_size`` is the
+    micro-batch).
 
     labels == input_ids: Hugging Face causal LMs shift them internally. When the training part is
     exhausted a new epoch starts, reshuffled deterministically from (seed, epoch).
@@ -179,7 +180,7 @@ class TrainStream:
         """Resume at a saved position; the next batch is the one the saved run would have yielded.
 
         Only a state saved by the same rank of a run with the same world size, dataset, seed and
-        block sizes fits; anything else is a ValueError (see `RankStream`).
+        block sizes fits; anything else is a ValueError (see `build.RankStream`).
         """
         saved = state.get(key := f"rank{self.rank}")
         if saved is None:
@@ -278,93 +279,17 @@ class TrainStream:
         if not self._warned_tiny and 0 < self._epoch_tokens < window:
             self._warned_tiny = True
             logging.getLogger(__name__).warning(
-                "--dataset %s: rank %d's training part is %d tokens, less than one micro-batch "
-                "(%d x %d tokens), so each batch repeats it ~%d times: add data",
+                "--dataset %s: shard %d of %d (a rank's part) is %d tokens, less than one "
+                "micro-batch (%d x %d tokens), so each batch repeats it ~%d times: add data",
                 self.dataset,
                 self.rank,
+                self.world_size,
                 self._epoch_tokens,
                 self.micro_batch,
                 self.seq_len,
                 window // self._epoch_tokens,
             )
         self._epoch_tokens = 0
-
-
-class RankStream:
-    """This rank's training micro-batches, from its shards of the data, the one behind first.
-
-    A run's data is cut into as many shards as its first launch had ranks, each a `TrainStream`
-    whose position every checkpoint keeps. A resume on a number of ranks that divides that
-    count gives each rank every world_size-th shard, continued where it stopped: nothing skipped
-    and nothing read twice (a two-rank run resumed on one rank with twice the accumulation
-    trains on the very same batches a step), and validates on those shards' validation
-    batches. On any other number the data starts the next epoch (`restart_after_reshard`).
-    """
-
-    def __init__(
-        self,
-        shard: Callable[..., TrainStream],
-        validation: Callable[..., list[Batch]],
-        rank: int,
-        world_size: int,
-    ) -> None:
-        self._shard, self._validation, self.rank, self.world_size = (
-            shard,
-            validation,
-            rank,
-            world_size,
-        )
-        self._cut(world_size)
-        one = self.shards[0]  # what ReadGuard names and shapes a stand-in batch by
-        self.dataset, self.micro_batch, self.seq_len = one.dataset, one.micro_batch, one.seq_len
-
-    def _cut(self, count: int) -> None:
-        """Read `count` shards: this rank's are every world_size-th from its rank on; and
-        validate on theirs, so that the validation set, too, is the run's first one."""
-        mine = range(self.rank, count, self.world_size)
-        self.shards = [self._shard(rank=shard, world_size=count) for shard in mine]
-        self.val_batches = [b for s in mine for b in self._validation(rank=s, world_size=count)]
-
-    def __next__(self) -> Batch:
-        return next(min(self.shards, key=lambda shard: shard.batches))  # the first on a tie
-
-    def state_dict(self) -> dict[str, dict[str, Any]]:
-        """Each shard's position under its own key (`TrainStream.state_dict`)."""
-        return {key: entry for shard in self.shards for key, entry in shard.state_dict().items()}
-
-    def load_state_dict(self, state: dict[str, dict[str, Any]]) -> None:
-        """Continue this rank's shards of a saved position (`state` may hold other ranks' too);
-        a ValueError if this world size cannot read its shards or they do not fit."""
-        count = max(int(entry["world_size"]) for entry in state.values())
-        if count % self.world_size:
-            raise ValueError(f"data state has {count} shards: not a multiple of {self.world_size}")
-        if count != self.shards[0].world_size:
-            self._cut(count)
-        for shard in self.shards:
-            shard.load_state_dict(state)  # a shard of another count or seed: a ValueError
-
-    def restart_after_reshard(self, saved_states: list[dict[str, dict[str, Any]]]) -> str:
-        """Continue a run whose checkpoint was written by another number of ranks (`saved_states`
-        [r]: what rank r saved); what it did, in words for the log."""
-        state = {key: entry for saved in saved_states for key, entry in saved.items()}
-        count = max(int(entry["world_size"]) for entry in state.values())
-        if count % self.world_size == 0:
-            self.load_state_dict(state)
-            each = count // self.world_size
-            return (
-                f"data stream continues each of its {count} shards where it stopped ({each} a rank)"
-            )
-        self._cut(self.world_size)
-        epoch, batches = (
-            max(int(e[name]) for e in state.values()) for name in ("epoch", "batches")
-        )
-        for shard in self.shards:
-            shard.restart_at_epoch(epoch + 1, batches)
-        return (
-            f"data stream starts epoch {epoch + 1} on every rank: the rest of epoch {epoch} is "
-            f"not read, and what it read comes again (resume on a number of ranks that divides "
-            f"{count} to continue the data exactly)"
-        )
 
 
 def _dataset_id(dataset: str) -> str:

@@ -58,7 +58,7 @@ def validation_batches(
         if not batch:
             raise DataError(
                 f"--dataset {dataset}: the validation part has only {collected // seq_len} "
-                f"windows of {seq_len} tokens for rank {rank} of {world_size}, "
+                f"windows of {seq_len} tokens in shard {rank} of {world_size} (a rank's part), "
                 f"{batch_size * num_batches} needed (data too small, or one document holds "
                 "nearly all of it): lower --validation_batches, --val_batch_size or "
                 "--max_context_width, or add data"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import gzip
 import json
 import threading
-from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
@@ -294,11 +293,11 @@ def test_state_round_trips_through_torch_dcp(tmp_path, corpus, tokenizer):
 
 
 def _rank_stream(corpus: str, tokenizer, rank: int, world_size: int, **overrides):
-    """A rank's stream of shards, each a `_stream` (the test's small blocks), validating on one
-    batch of each shard's validation part."""
-    shard = partial(_stream, corpus, tokenizer, **overrides)
-    validation = partial(data.validation_batches, data_section(corpus), tokenizer, SEQ_LEN, 1)
-    return data_stream.RankStream(shard, validation, rank, world_size)
+    """A rank's stream of shards, each like `_stream` (the test's small blocks), validating on
+    one batch of each shard's validation part."""
+    source = data_section(corpus, train_batch_size=MICRO_BATCH)
+    options = {"rank": rank, "world_size": world_size, "seed": 0, **SMALL, **overrides}
+    return data.RankStream(source, tokenizer, SEQ_LEN, **options)
 
 
 def test_a_shard_state_from_another_shard_or_seed_is_refused(corpus, tokenizer):
@@ -347,6 +346,19 @@ def test_a_resume_on_a_divisor_of_the_ranks_continues_every_shard_exactly(corpus
     assert not torch.equal(_flat(fresh), _flat(one.val_batches[:1]))
 
 
+def test_a_shard_that_cannot_validate_at_a_resume_is_one_line(tmp_path, documents, tokenizer):
+    """The shards a resume reads are read at the checkpoint's load, where every rank is: a
+    problem in one is a DataError line naming it (on every rank: first_problem), not a
+    traceback on one rank while the others wait."""
+    corpus = tmp_path / "docs.jsonl"
+    _write_jsonl(corpus, documents)
+    saved = [_rank_stream(str(corpus), tokenizer, rank, 2).state_dict() for rank in range(2)]
+    one = _rank_stream(str(corpus), tokenizer, 0, 1)
+    _write_jsonl(corpus, documents[:3])  # too little left to validate on either half
+    with pytest.raises(data.DataError, match=r"windows of 32 tokens in shard 0 of 2 \(a rank's"):
+        one.restart_after_reshard(saved)
+
+
 def test_a_resume_on_another_number_of_ranks_restarts_at_the_next_epoch(corpus, tokenizer):
     saved = []
     for rank in range(2):
@@ -361,8 +373,8 @@ def test_a_resume_on_another_number_of_ranks_restarts_at_the_next_epoch(corpus, 
     [shard] = three.shards
     assert (shard.rank, shard.world_size, shard.epoch, shard.batches) == (0, 3, 1, 6)
     assert said == (
-        "data stream starts epoch 1 on every rank: the rest of epoch 0 is not read, and what it "
-        "read comes again (resume on a number of ranks that divides 2 to continue the data "
+        "data stream starts epoch 1, cut anew for 3 rank(s): the rest of epoch 0 is not read, and "
+        "what it read comes again (a resume on a divisor of 2 ranks would have continued it "
         "exactly)"
     )
     fresh = _stream(corpus, tokenizer, rank=0, world_size=3)

@@ -294,6 +294,12 @@ def test_a_late_jump_in_a_run_without_validation_is_behind() -> None:
     assert "the train loss gap +2.10% over the last 20 steps is outside ±1.00%" in found.verdict()
     calm = parity.judge(fp8[:-20], bf16[:-20], 40, "fp8", "bf16")  # the run before the jump
     assert calm.matches and "over the last judged steps is inside" in calm.verdict()
+    jump = lambda s: 0.0 if s <= 380 else 0.002 * (s - 380)  # noqa: E731
+    noisy = curve(400, gap=jump, noise=0.005, seed=3), curve(400, noise=0.005, seed=4)
+    assert parity.judge(*noisy, 40, "fp8", "bf16").standing == "behind"
+    # One noisy window outside the band is no jump: two runs alike but for 2% noise a step.
+    alike = curve(400, noise=0.02, seed=10), curve(400, noise=0.02, seed=1010)
+    assert parity.judge(*alike, 40, "fp8", "bf16").matches
 
 
 def test_steps_past_the_replicas_are_judged_by_the_fixed_band_and_say_so() -> None:

@@ -56,6 +56,22 @@ def test_a_saved_run_args_file_runs_the_same_run_and_later_flags_win(argv, tmp_p
     assert {k for k in first if first[k] != after_defaults[k]} <= set(NOT_SAVED)
 
 
+def test_a_run_with_a_global_batch_runs_again_from_its_args_on_other_ranks(
+    tmp_path, monkeypatch
+) -> None:
+    """The accumulation --global_batch_size set for one launch's ranks is not the run's: its
+    run.args leaves it out, so `train.py @FILE` sets it again for the ranks it runs on."""
+    from model_utils.parallel.distributed import resolve_global_batch
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    run = resolve_global_batch(parse_args(["--preset", "tiny", "--global_batch_size", "32"]))
+    saved = tmp_path / "run.args"
+    saved.write_text("\n".join(saved_args(run)) + "\n")
+    assert run.optim.grad_accum_steps == 2 and "--global_batch_size=32" in saved.read_text()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert resolve_global_batch(parse_args([f"@{saved}"])).optim.grad_accum_steps == 4
+
+
 def test_an_args_file_that_cannot_be_read_is_one_line(tmp_path) -> None:
     for path, words in ((tmp_path / "none", "No such file"), (tmp_path, "Is a directory")):
         with pytest.raises(UsageError) as refused:
