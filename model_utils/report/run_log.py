@@ -67,7 +67,7 @@ class RunLog:
         self.tokens = samples_per_step * config.model.max_context_width
         # the TrainState's checkpoint.Seen, which its checkpoints save: counted on here
         self.seen = seen
-        self.is_main = world.is_main
+        self.is_main, self.world_size = world.is_main, world.world_size
         self.warmup = min(SPEED_WARMUP_STEPS, config.run.max_steps // 2)
         peak, peak_label = metrics.peak_bf16_tflops(device)  # the MFU basis
         self.meter = metrics.StepMeter(
@@ -251,16 +251,13 @@ class RunLog:
             val_loss = evaluate(model, batches, backend, self.device)
             seconds = time.perf_counter() - start
             self._arm_numerics(armed)
+        every = len(batches) * self.world_size  # the ranks' batches (as many on each rank)
         log.info(
-            "Validation at step %d: loss %.5f over %d batches",
-            step,
-            val_loss,
-            len(batches),
-            stacklevel=2,
+            "Validation at step %d: loss %.5f over %d batches", step, val_loss, every, stacklevel=2
         )
         log.info(upstream_validation_line(step, val_loss), stacklevel=2)
         record = metrics.validation_record(
-            step=step, val_loss=val_loss, batches=len(batches), seconds=seconds
+            step=step, val_loss=val_loss, batches=every, seconds=seconds
         )
         record.update(self._seen_fields())
         self._record(record)

@@ -76,7 +76,9 @@ NON_TEST_CODE = ("*.py", "*.sh", "*.sbatch", "*.dockerfile", "Makefile")
 #: verdict of a run without validations (2). 23,358 (23,370) after an audit of those: a jump
 #: judged against the tail's own spread (12: identical noisy runs no longer leave the band), a
 #: run.args without the launch's derived accumulation (2), a shard's problem at a resume
-#: stopping every rank with its line (RankStream beside build_data, 5).
+#: stopping every rank with its line (RankStream beside build_data, 5); 23,355 with the
+#: validation line's count of every rank's batches (a resume on fewer ranks logs the same set
+#: as the same count), its call put on fewer lines.
 MAX_NON_TEST_LINES = 23_370
 
 

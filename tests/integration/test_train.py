@@ -127,6 +127,7 @@ def test_two_rank_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, 
             records(full, "val")[-1]["val_loss"],
         )
         assert abs(one_val - full_val) < 1e-3 * full_val  # the same validation set
+        assert [records(r, "val")[-1]["val_batches"] for r in (one, full)] == [4, 4]  # 2 a shard
 
 
 def test_a_bf16_cool_down_switches_once_and_resumes_exactly_across_the_switch(tmp_path):
