@@ -143,6 +143,45 @@ def test_every_rank_learns_of_a_bad_read_before_the_optimizer_step() -> None:
     assert results[1] == [(1.0, True), (0.0, False), (0.0, False)]
 
 
+def _reshard_worker(rank: int, world_size: int, port: int, results: dict) -> None:
+    """Two ranks resume four shards' positions; rank 1's shards cannot be read (a disk error
+    on its node): both ranks must stop at the load, with rank 1's line."""
+    from helpers.runs import data_section
+
+    from model_utils.config.presets import BUNDLED_DATASET, BUNDLED_TOKENIZER
+    from model_utils.data.stream import TrainStream
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    try:
+        source, tokenizer = data_section(BUNDLED_DATASET), data.load_tokenizer(BUNDLED_TOKENIZER)
+        stream = data.RankStream(source, tokenizer, 32, rank=rank, world_size=world_size)
+        saved = [TrainStream(source, tokenizer, 32, rank=s, world_size=4) for s in range(4)]
+        if rank == 1:
+
+            def unreadable(**shard: int) -> TrainStream:
+                raise OSError(5, "Input/output error")
+
+            stream._shard = unreadable
+        try:
+            results[rank] = stream.restart_after_reshard([s.state_dict() for s in saved])
+        except data.DataError as exc:
+            results[rank] = f"DataError: {exc}"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_shard_unreadable_at_a_resume_stops_every_rank_with_its_line() -> None:
+    results = mp.Manager().dict()
+    spawn_ranks(_reshard_worker, 2, results)
+    assert results[0] == results[1], dict(results)  # rank 0's shards were fine: it stops too
+    assert (
+        results[0].startswith("DataError: ")
+        and "rank 1 could not read its data at the resume" in results[0]
+    )
+
+
 # ============================================================================================
 # 5. The data a run resumes on is the data it saved with
 
