@@ -54,7 +54,7 @@ if __name__ == "__main__":  # a Python without the environment: one line, exit 2
 from analysis import compare_trackers, parity
 from analysis.compare_plot import DPI, X_AXES, Breakdown, make_figure, missing_x
 from model_utils.config.sections import ModelShape, flag_fields, precision_name
-from model_utils.errors import Refusal, UsageError, os_error_words, said, write_whole
+from model_utils.errors import OneLineParser, Refusal, UsageError, os_error_words, said, write_whole
 from model_utils.precision import numerics
 from model_utils.report import metrics
 from model_utils.report.metrics.records import first_run_record, record_problem, run_problem
@@ -418,13 +418,8 @@ def check_output(path: Path) -> None:
         raise CompareError(f"--output {path}: not writable")
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise CompareError(message)
-
-
 def parse_args(argv: Sequence[str] | None) -> Options:
-    p = _OneLineParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0], raises=CompareError)
     p.add_argument("runs", nargs="+", help="run directories, metrics.jsonl files or logs")
     p.add_argument(
         "--output",

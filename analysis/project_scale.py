@@ -24,7 +24,6 @@ their sources; tests/unit/test_project_scale.py holds the projection to them (do
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import math
@@ -32,11 +31,10 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import NoReturn
 
 from analysis import compare_runs, step_breakdown
 from model_utils.config.sections import ModelShape
-from model_utils.errors import said, write_whole
+from model_utils.errors import OneLineParser, write_whole
 from model_utils.parallel.fp8_reduce import BLOCK
 from model_utils.report import metrics
 from model_utils.report.metrics.flops import matmul_params
@@ -305,13 +303,8 @@ def check_pair(runs: Sequence[str]) -> None:
         )
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # argparse's usage block: not one line
-        sys.exit(said("project_scale.py", message))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _OneLineParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("bf16", help="the BF16 run folder of a pair measured on one GPU")
     parser.add_argument("fp8", help="its FP8 twin")
     parser.add_argument("--nodes", default="1,2,4,16", help="node counts to project to")

@@ -46,7 +46,7 @@ from analysis.traces.breakdown import RankBreakdown, read_rank
 from analysis.traces.rules import CATEGORIES
 from model_utils.config.argv import precision_name
 from model_utils.config.sections import ModelShape, flag_fields
-from model_utils.errors import said
+from model_utils.errors import OneLineParser, said
 from model_utils.report.metrics.records import first_run_record
 
 NAME = "step_breakdown.py"
@@ -361,8 +361,7 @@ def report(runs: list[Run], hta: bool = True) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m analysis.step_breakdown",
+    parser = OneLineParser(
         description="Where a profiled step goes (--profile_steps), and FP8's ceiling from an "
         "fp8/bf16 pair.",
     )

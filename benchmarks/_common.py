@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from model_utils.errors import OneLineParser
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -27,7 +29,7 @@ def options(doc: str, **defaults: int) -> argparse.ArgumentParser:
     their defaults (steps: train.py steps per run; rounds: alternating its sides; speed_warmup:
     first steps left out of the timing; repeats: timed calls per measurement) and, after --,
     more train.py flags (`extra`)."""
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser = OneLineParser(description=doc.split("\n\n")[0])
     for name, default in defaults.items():
         parser.add_argument(f"--{name}", type=COUNT, default=default)
     parser.add_argument("extra", nargs="*", help="after --: more train.py flags (every side)")

@@ -16,7 +16,6 @@ The page cache makes a second read of a fresh file fast: these are upper bounds 
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from model_utils import checkpoint, data, optim
 from model_utils.checkpoint.manifest import dir_bytes
 from model_utils.config import arguments
 from model_utils.config.presets import BUNDLED_TOKENIZER
+from model_utils.errors import OneLineParser
 from model_utils.model import modeling
 from model_utils.parallel import distributed
 from model_utils.precision import backends as precision
@@ -99,7 +99,7 @@ def measure(spec: str, root: Path, mesh: object, device: torch.device) -> dict[s
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description="checkpoint save/load time vs state size")
+    p = OneLineParser(description="checkpoint save/load time vs state size")
     p.add_argument("--sizes", default="256x4,512x8,1024x8", type=SHAPES, help="hidden x layers")
     p.add_argument("--dir", type=FOLDER, help="where to write (default: a temp dir, removed)")
     cli = p.parse_args()

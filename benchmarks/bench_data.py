@@ -47,6 +47,7 @@ from model_utils.config.presets import BUNDLED_DATASET, BUNDLED_TOKENIZER
 from model_utils.config.sections import DataConfig
 from model_utils.data.stream import TrainStream
 from model_utils.data.tokens import encode_documents
+from model_utils.errors import OneLineParser
 
 Batches = Iterator[dict[str, torch.Tensor]]
 
@@ -247,7 +248,7 @@ def one_thread_row(args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq_len", type=COUNT, default=256)
     parser.add_argument("--micro_batch", type=COUNT, default=8)
     parser.add_argument("--tokens", type=COUNT, default=800_000, help="tokens per run")

@@ -11,7 +11,6 @@ and a sha256 of the whole file, the cost of catching every edit. Median of --rep
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import statistics
@@ -21,6 +20,7 @@ from pathlib import Path
 
 from benchmarks._common import COUNT, FOLDER, SIZE
 from model_utils.data import checks
+from model_utils.errors import OneLineParser
 
 
 def whole_file(path: Path) -> str:
@@ -53,7 +53,7 @@ def timed(fn, path: Path, repeats: int) -> tuple[float, bool]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=SIZE, default=1.0, help="size of the test file")
     parser.add_argument("--dir", type=FOLDER, default=tempfile.gettempdir(), help="written there")
     parser.add_argument("--repeats", type=COUNT, default=3)

@@ -35,6 +35,7 @@ import torch
 
 from benchmarks._common import COUNT, ROOT
 from model_utils.config.options import TE_RECIPES
+from model_utils.errors import OneLineParser, said
 from model_utils.report import metrics
 
 # (row name, train.py flags). Every row shares the preset, batch, steps and data. torchao's
@@ -178,7 +179,7 @@ def wall_clock_rate(records: list[dict], warmup_steps: int) -> float | None:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="llama2-7b")
     parser.add_argument("--nproc", type=COUNT, help="GPUs (default: all visible)")
     parser.add_argument("--max_steps", type=COUNT, default=40, help="training steps per row")
@@ -392,12 +393,11 @@ def shape_line(args, row_flags: list[str], per_row_batch: bool) -> str:
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(argv)
     if not torch.cuda.is_available():
-        print(
-            "bench_gpu_matrix: needs a CUDA GPU and none is visible; run it on a GPU node "
+        return said(
+            "bench_gpu_matrix.py",
+            "needs a CUDA GPU and none is visible; run it on a GPU node "
             "(e.g. inside the image from 0.transformer-engine.dockerfile).",
-            file=sys.stderr,
         )
-        return 2
     args.nproc = args.nproc or torch.cuda.device_count()
     only = {n for n in args.only.split(",") if n}
     print(f"{torch.cuda.get_device_name()} x {args.nproc}, preset {args.preset}", flush=True)

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from benchmarks._common import COUNT, FOLDER, SHAPE
+from model_utils.errors import OneLineParser
 
 WRITERS = ("ours", "dcp")
 
@@ -170,7 +171,7 @@ def compare(root: Path, checkpoint: Path, shard_bytes: int, repeats: int) -> Non
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="1024x8", type=SHAPE, help="hidden x layers")
     p.add_argument("--shard_mb", type=COUNT, default=200, help="safetensors shard size")
     p.add_argument("--repeats", type=COUNT, default=3)

@@ -16,7 +16,6 @@ output layer's FP8 speed-up (gpu_levers.sh ``loss``), on a CPU the emulation's c
 
 from __future__ import annotations
 
-import argparse
 import functools
 from collections.abc import Callable
 
@@ -24,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks._common import COUNT, median_seconds
+from model_utils.errors import OneLineParser
 from model_utils.model import loss
 
 #: Per device: (tokens, hidden, vocab). CUDA: Llama 3 8B at seq 8192, micro-batch 2.
@@ -71,7 +71,7 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--tokens", type=COUNT, help="tokens per micro-batch (batch x seq)")
     parser.add_argument("--hidden", type=COUNT)

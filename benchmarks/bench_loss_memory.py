@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks._common import COUNT, train_subprocess
+from model_utils.errors import OneLineParser
 
 
 def peak_gib(chunked: bool, args: argparse.Namespace, out: Path) -> float:
@@ -28,7 +29,7 @@ def peak_gib(chunked: bool, args: argparse.Namespace, out: Path) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab_size", type=COUNT, default=65536)
     parser.add_argument("--seq", type=COUNT, default=1024)
     parser.add_argument("--micro_batch", type=COUNT, default=8)

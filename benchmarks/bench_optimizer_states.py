@@ -17,12 +17,12 @@ Three measurements, each from the real objects:
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 from pathlib import Path
 
 from benchmarks._common import COUNT, train_subprocess
+from model_utils.errors import OneLineParser
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw_fp8")
 TINY = ["--preset=tiny", "--train_batch_size=4", "--max_context_width=128"]
@@ -102,7 +102,7 @@ def train_run(name: str, steps: int, out: Path) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=COUNT, default=200)
     parser.add_argument("--ranks", type=COUNT, default=64, help="llama3-70b shard count")
     args = parser.parse_args(argv)

@@ -24,10 +24,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks._common import COUNT, free_port
+from model_utils.errors import OneLineParser
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=COUNT, default=200, help="gathers timed per rank")
     return parser.parse_args(argv)
 

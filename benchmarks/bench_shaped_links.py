@@ -17,7 +17,6 @@ a shaped link measures slower and is named.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -28,6 +27,7 @@ from pathlib import Path
 
 from analysis import project_scale as ps
 from benchmarks._common import ROOT, checked
+from model_utils.errors import OneLineParser
 
 CLUSTER = ROOT / "tools" / "slurm_cluster.sh"
 PAIR = {"fp32": ["--fp8=0"], "fp8-ag": ["--fp8=1", "--fp8_all_gather=1"]}
@@ -59,7 +59,7 @@ def measured(run: Path) -> tuple[ps.Job, ps.Links]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rates", default="off,1gbit,200mbit", help="tc rates; off = unshaped")
     parser.add_argument("--steps", type=checked(int, lambda n: n > 5, "> 5 (warm-up)"), default=12)
     parser.add_argument("--runs", metavar="DIR", help="an earlier run's folder: projected again")

@@ -1,11 +1,12 @@
 """The shared words of a refusal: the one base every refusal has (Refusal: one line, its exit
 code), the error a user can fix (UsageError: exit 2), how any exception becomes a clause of
-that line, the line for a location the system refused to write, and a file written whole (what
-a reader finds is the old file or the new, never half of one). A leaf: every stage may raise
-them without importing the flag parser."""
+that line, the line for a location the system refused to write, a file written whole (what
+a reader finds is the old file or the new, never half of one) and every command's argument
+parser. A leaf: every stage may raise them without importing the flag parser."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -41,6 +42,22 @@ def said(prog: str, problem: object, status: int = 2) -> int:
     """A command's refusal, ``PROG: error: ...`` on stderr; `status`, for its exit."""
     print(f"{prog}: error: {problem}", file=sys.stderr, flush=True)
     return status
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Every command's argument parser: a bad argument is one line, ``PROG: error: ...``, exit 2.
+    argparse's usage block above it buried the line a user acts on (--help still shows it).
+    A flag is spelled whole: argparse's prefix matching took ``--output /x`` as --output_dir.
+    `raises` hands the line to a caller's own handler instead (train.py's, compare_runs')."""
+
+    def __init__(self, *args, raises: type[UsageError] | None = None, **kwargs) -> None:
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+        self.raises = raises
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        if self.raises:
+            raise self.raises(message)
+        raise SystemExit(said(self.prog, message))
 
 
 def refuse(problem: str | None, error: type[Exception] = UsageError) -> None:

@@ -34,7 +34,8 @@ from pathlib import Path
 
 if __name__ == "__main__":  # a Python without the environment: one line, exit 2
     runpy.run_path(str(Path(__file__).with_name("environment_check.py")))
-from model_utils.errors import UsageError, said  # UsageError: input it will not convert
+# UsageError: input it will not convert
+from model_utils.errors import OneLineParser, UsageError, said
 
 DTYPES = ("float32", "bfloat16", "float16")
 EXPORT_EXTRA_BYTES = 16 * 2**20  # config.json, generation_config.json, the tokenizer's files
@@ -42,7 +43,7 @@ PROG = "convert_checkpoint.py"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="a step_N checkpoint dir, or a checkpoint_dir (newest one)")
     p.add_argument("out_dir", help="Hugging Face output directory")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype of the weights")

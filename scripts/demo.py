@@ -12,7 +12,6 @@ emulated either way, so the demo shows FP8's numerics against the same model wit
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from analysis import compare_runs
+from model_utils.errors import OneLineParser
 from scripts.cpu import cpu_computes_bf16, slow_bf16_line
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,7 +104,7 @@ def run(name: str, fp8: bool, steps: int, out: Path, extra: list[str]) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = OneLineParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "demo")
     parser.add_argument(

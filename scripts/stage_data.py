@@ -42,7 +42,7 @@ from model_utils.config.arguments import UsageError, apply_preset, build_parser
 from model_utils.config.flag_rules import value_problem
 from model_utils.data.reads import read_error_message
 from model_utils.data.sources import document_texts, open_source
-from model_utils.errors import os_error_words, said
+from model_utils.errors import OneLineParser, os_error_words, said
 from model_utils.run import outputs
 
 #: Validation documents staged per training document (the source's own validation split).
@@ -51,7 +51,7 @@ PROG = "stage_data.py"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="tiny", help="train.py preset whose data to stage")
     parser.add_argument("--out", required=True, help="shared directory to write")
     parser.add_argument("--documents", type=int, default=1_000_000, help="training documents")

@@ -10,7 +10,6 @@ table cannot go stale.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from model_utils.config.arguments import build_parser, section_flags
 from model_utils.config.flag_spec import Resume, Spec
 from model_utils.config.presets import PRESET_FIELDS
 from model_utils.config.run_config import flag_specs
+from model_utils.errors import OneLineParser
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -121,7 +121,7 @@ def page() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--write", action="store_true", help="rewrite the page")
     mode.add_argument("--check", action="store_true", help="exit 1 if the page is stale")

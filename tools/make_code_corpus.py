@@ -18,7 +18,6 @@ never sees either. docs/data.md names the packages, their licences and the sizes
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -31,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from model_utils.data.sources import is_held_out
+from model_utils.errors import OneLineParser
 from tools.make_corpus_and_tokenizer import EOS, train_tokenizer, write_jsonl_gz
 
 #: package -> (version, licence): the five largest pure-source trees of permissively licensed
@@ -118,7 +118,7 @@ def count_tokens(docs: list[dict], tokenizer_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument(
         "--packages",

@@ -17,7 +17,6 @@ training, so validation text is never seen by the tokenizer either.
 
 from __future__ import annotations
 
-import argparse
 import filecmp
 import gzip
 import hashlib
@@ -32,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from model_utils.data.sources import is_held_out
+from model_utils.errors import OneLineParser
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -138,7 +138,7 @@ def build(out_dir: Path) -> list[Path]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "data", help="output directory")
     parser.add_argument(
         "--check", action="store_true", help="rebuild in a temporary directory and compare"

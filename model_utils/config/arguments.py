@@ -25,7 +25,7 @@ from model_utils.config.options import TE_IMPLS, TE_RECIPE_OPTIONS
 from model_utils.config.presets import PRESET_FIELDS, PRESETS
 from model_utils.config.run_config import Config, flag_specs, path_flags
 from model_utils.config.sections import SECTIONS
-from model_utils.errors import UsageError
+from model_utils.errors import OneLineParser, UsageError
 
 
 def str2bool(value: str) -> bool:
@@ -47,13 +47,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if isinstance(action.default, bool):  # the switches take 0|1, so show 0|1
             return f"{text} (default: {int(action.default)})"
         return super()._get_help_string(action)
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse prints a usage block on error; a training log wants one actionable line."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(message)
 
 
 #: A group per config section (config/sections.py), in its order, with its --help title;
@@ -97,10 +90,10 @@ def _flag_type(hint: Any) -> type:
 def build_parser() -> argparse.ArgumentParser:
     """The flags, one argparse group per concern (their order is docs/flags.md's table), each
     derived from its config field (config/sections.py)."""
-    parser = _OneLineParser(
+    parser = OneLineParser(
         description="Train Llama or Mistral with FSDP2 in BF16 or FP8 (torchao or TE).",
         formatter_class=_HelpFormatter,
-        allow_abbrev=False,  # `--output /x` must not quietly mean --output_dir
+        raises=UsageError,
     )
     specs = flag_specs()
     # (section, the dataclass whose fields are its flags): the run's own, then the sections

@@ -50,12 +50,12 @@ WHOLE = "is not a whole number >= 1"
 def test_every_benchmark_refuses_a_bad_value_in_one_line_before_any_work(
     bench: str, args: list[str], says: str, capsys, monkeypatch
 ) -> None:
-    """Not a traceback after minutes of measuring: argparse's usage and one line, exit 2."""
+    """Not a traceback after minutes of measuring: one line, exit 2."""
     module = importlib.import_module(f"benchmarks.{bench}")
     monkeypatch.setattr(sys, "argv", [f"{bench}.py", *args])
     with pytest.raises(SystemExit) as exited:
         module.main()
-    error = capsys.readouterr().err.strip().splitlines()[-1]
+    [error] = capsys.readouterr().err.strip().splitlines()
     assert exited.value.code == 2 and error.startswith(f"{bench}.py: error: "), error
     assert says in error
 
