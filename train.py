@@ -50,6 +50,10 @@ def validate(argv: list[str] | None, *, training: bool = True) -> tuple[Config, 
     data.check_hub_dataset(source.dataset)  # a name that is no local path: one quick look-up
     tokenizer = data.load_tokenizer(source.tokenizer)
     data.check_vocab(tokenizer, config.model.vocab_size)
+    if config.run.validate_only and os.path.exists(os.path.expanduser(source.dataset)):
+        world = distributed.world_from_env()  # too little held-out text: here, not at start-up
+        seq, batches = config.model.max_context_width, config.run.validation_batches
+        data.validation_batches(source, tokenizer, seq, batches, world_size=world.world_size)
     config = config.replace(
         tokenizer_sha256=data.tokenizer_fingerprint(tokenizer),
         data_fingerprint=data.data_fingerprint(source.dataset, source.verify_data == "full"),

@@ -211,9 +211,9 @@ def parse_jsonl(text: str, name: str) -> tuple[list[dict], list[dict]]:
             continue
         try:
             record = json.loads(line)
+            problem = record_problem(record)
         except json.JSONDecodeError as exc:
-            raise CompareError(f"{name}: line {number} is not JSON ({exc.msg})") from exc
-        problem = record_problem(record)
+            problem = f"is not JSON ({exc.msg})"
         if problem:
             raise CompareError(f"{name}: line {number} {problem}: fix or delete that line")
         kind = record.get("kind")

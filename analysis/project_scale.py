@@ -38,7 +38,7 @@ from model_utils.errors import OneLineParser, write_whole
 from model_utils.parallel.fp8_reduce import BLOCK
 from model_utils.report import metrics
 from model_utils.report.metrics.flops import matmul_params
-from model_utils.report.metrics.records import first_run_record, read_jsonl
+from model_utils.report.metrics.records import first_run_record
 
 #: H100/H200 bus bandwidth of an NCCL all-gather inside an 8-GPU NVLink node, and a 400 Gb/s
 #: network port per GPU (InfiniBand or RoCE, the usual H100 cluster): GB/s.
@@ -194,14 +194,14 @@ REFERENCES = (
 
 def job_of(run: str) -> Job:
     """A measured run folder as a Job: its shape, batch and median tokens/s after warm-up."""
-    record = first_run_record(f"{run}/metrics.jsonl")
-    if record is None:
-        raise ValueError(f"{run} holds no metrics.jsonl with a run record")
-    flags = record["flags"]
+    found = compare_runs.load_run(f"{run}/metrics.jsonl")  # as compare_runs reads it
+    if found.info is None:
+        raise ValueError(f"{run}/metrics.jsonl holds no run record: give a train.py run folder")
+    flags = found.info["flags"]
     shape = ModelShape(**{f.name: flags[f.name] for f in fields(ModelShape) if f.name in flags})
     table = shape.hidden_width * shape.vocab_size
     layer = (matmul_params(shape) - table) / shape.num_layers
-    records = [r for r in read_jsonl(f"{run}/metrics.jsonl") if r.get("kind") == "train"]
+    records = [r for r in found.records if r["kind"] == "train"]
     speed = metrics.summarize(records, 5).get("tokens_per_sec_per_device")
     if not speed:
         raise ValueError(f"{run} logged no tokens/s after step 5")
@@ -223,7 +223,9 @@ def traced_shares(run: str) -> dict:
     embedding and lm_head's too) and by the rest (the backward); {} for a run without traces."""
     try:
         slowest = step_breakdown.read_run(Path(run), None).slowest
-    except step_breakdown.Refused:
+    except step_breakdown.Refused as exc:
+        if exc.__cause__:  # a trace there but damaged: refused, not taken for no trace
+            raise
         return {}
     total, ms, forward = slowest.total_ms, slowest.ms, slowest.forward_ms
     backward = total - forward - sum(ms.get(k, 0.0) for k in NOT_LAYERS)
@@ -304,7 +306,7 @@ def check_pair(runs: Sequence[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = OneLineParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="project_scale.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("bf16", help="the BF16 run folder of a pair measured on one GPU")
     parser.add_argument("fp8", help="its FP8 twin")
     parser.add_argument("--nodes", default="1,2,4,16", help="node counts to project to")

@@ -34,6 +34,7 @@ import argparse
 import re
 import runpy
 import sys
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,8 @@ NAME = "step_breakdown.py"
 #: H100 SXM dense peaks: 1979 TFLOP/s FP8 over 989 BF16.
 IDEAL_FP8_SPEEDUP = 2.0
 _RANK = re.compile(r"^rank_(\d+)\.pt\.trace\.json(\.gz)?$")
+#: What reading a damaged, cut short or foreign trace raises (zlib's error is no OSError).
+UNREADABLE = (OSError, EOFError, zlib.error, ValueError, KeyError, TypeError, AttributeError)
 #: What a pair must share to be compared: the model's shape, the batch and the world.
 LIKE_FLAGS = (*flag_fields(ModelShape), "train_batch_size", "grad_accum_steps")
 #: The categories FP8 does not change. Where one worth UNTOUCHED_MIN_SHARE of the bf16 step
@@ -123,8 +126,10 @@ def read_run(run: Path, window: int | None) -> Run:
     for rank, path in sorted(files.items()):
         try:
             ranks.append(read_rank(path, rank))
-        except (OSError, ValueError, EOFError, KeyError, TypeError, AttributeError) as exc:
-            raise Refused(f"{path} cannot be read as a profiler trace: {exc!r}") from exc
+        except UNREADABLE as exc:
+            raise Refused(
+                f"{path} cannot be read as a profiler trace: {exc!r}; profile it again or delete it"
+            ) from exc
     flags = run_flags(run)
     fp8 = flags.get("fp8")
     label = precision_name(fp8, flags.get("bf16", True)) if fp8 is not None else "?"

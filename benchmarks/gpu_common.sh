@@ -1,28 +1,38 @@
 # shellcheck shell=bash
-# What the GPU scripts of benchmarks/ share (sourced, not run): their OUT_DIR, their Python, and
-# the rule that they never replace a run folder: each launch is a new folder in OUT_DIR.
+# What the GPU scripts of benchmarks/ share (sourced, not run): their OUT_DIR, their Python, the
+# checks of every run before the first starts, and the rule that they never replace a run
+# folder: each launch is a new folder in OUT_DIR. Bad input is one line on stderr, `PROG: error:
+# what and how to fix it`, exit 2, before anything is made or run.
+prog=${0##*/}
+refuse() { echo "$prog: error: $*" >&2; exit 2; }
 
-# out_dir SCRIPT USAGE ARG: ARG as an absolute path, not made yet (each script makes it once all
-# its checks passed); none given, or a flag where OUT_DIR belongs, is the usage line and exit 2.
+# out_dir USAGE ARG: ARG (from the caller's folder) as an absolute path, not made yet (each
+# script makes it once all its checks passed); none given, or a flag where OUT_DIR belongs, is
+# the usage line and exit 2.
 out_dir() {
-    if [ -z "${3:-}" ] || [ "${3#-}" != "$3" ]; then
-        echo "$1: OUT_DIR comes first (got '${3:-}'): $2" >&2
-        exit 2
-    fi
-    [ ! -e "$3" ] || [ -d "$3" ] || { echo "$1: OUT_DIR $3 is a file, not a folder: $2" >&2; exit 2; }
-    realpath -m -- "$3"
+    cd "$here"
+    [ -n "${2:-}" ] && [ "${2#-}" = "$2" ] || refuse "OUT_DIR comes first (got '${2:-}'): $1"
+    [ ! -e "$2" ] || [ -d "$2" ] || refuse "OUT_DIR $2 is a file, not a folder: $1"
+    realpath -m -- "$2"
 }
 
-# fresh SCRIPT OUT NAME...: exit 2, before anything runs, where OUT already holds one of the
-# run folders NAME... (a finished run is never deleted to make room for another).
-fresh() {
-    local script=$1 out=$2 name
-    shift 2
-    for name in "$@"; do
-        [ ! -e "$out/$name" ] || {
-            echo "$script: $out/$name holds a run already: give a new OUT_DIR or move it away" >&2
-            exit 2
-        }
+# check RUN_NAME RECIPE FLAGS...: before any run of the call starts, that OUT_DIR holds no run
+# RUN_NAME (a finished run is never deleted to make room for another), and, in the background,
+# the launcher's own check of that launch (train.py --validate_only: flags, data, tokenizer, TE;
+# nothing made). checked: waits for those checks; the first refused is the script's refusal.
+checks=()
+check() {
+    [ ! -e "$out/$1" ] || refuse "$out/$1 holds a run already: give a new OUT_DIR or move it away"
+    [ -n "${said:-}" ] || { said=$(mktemp -d) && trap 'rm -rf "$said"' EXIT; }
+    checks+=("$1")
+    { launch "$@" --validate_only 2> "$said/$1" || : > "$said/$1.no"; } > /dev/null 2>&1 &
+}
+checked() {
+    local name
+    wait
+    for name in "${checks[@]}"; do
+        [ ! -e "$said/$name.no" ] ||
+            refuse "the $name run would be refused (nothing ran): $(tail -1 "$said/$name")"
     done
 }
 
@@ -31,7 +41,9 @@ fresh() {
 launch() { RUNS_DIR=$out RUN_NAME=$1 bash "$root/1.train_llama.sbatch" --recipe "${@:2}"; }
 
 # The Python of analysis/ and benchmarks/: $PYTHON, else the checkout's .venv (what make
-# builds), else python3 on PATH (a GPU machine's container).
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# builds), else python3 on PATH (a GPU machine's container). Run from the checkout, whatever
+# the caller's folder ($here): relative paths are the checkout's, as to the launcher.
+here=$PWD root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
 python=${PYTHON:-$root/.venv/bin/python}
 [ -x "$python" ] || python=python3

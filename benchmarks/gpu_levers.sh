@@ -71,11 +71,15 @@ set -euo pipefail
 
 phases="loss|levers|masters|compile|reshard|ac|best|tier|attention|torchao|depth|full-torchao|full|attention-3b|scaling-1b|host-1b|graphs-1b|8b-bf16|8b-fp8"
 usage="usage: bash benchmarks/gpu_levers.sh $phases OUT_DIR"
-phase=${1:-}
-[[ $phase != *"|"* && "|$phases|" == *"|$phase|"* ]] || { echo "gpu_levers.sh: no phase '$phase': $usage" >&2; exit 2; }
-[ $# -le 2 ] || { echo "gpu_levers.sh: a phase and an OUT_DIR, nothing after: $usage" >&2; exit 2; }
 source "$(dirname "$0")/gpu_common.sh"
-out=$(out_dir gpu_levers.sh "$usage" "${2:-}")
+phase=${1:-}
+[[ $phase != *"|"* && "|$phases|" == *"|$phase|"* ]] || refuse "no phase '$phase': $usage"
+[ $# -le 2 ] || refuse "a phase and an OUT_DIR, nothing after: $usage"
+out=$(out_dir "$usage" "${2:-}")
+[[ $phase == 8b-* ]] && gpu="an H200 (141 GB)" || gpu="a GPU"
+mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || true)
+[[ $mib =~ ^[0-9]+$ ]] || refuse "no GPU is visible (nvidia-smi lists none): $phase runs on $gpu"
+[[ $phase != 8b-* || $mib -ge 130000 ]] || refuse "$phase runs on $gpu, not on this $mib MiB GPU"
 # levers PRESET FOLDER ROWS VS [TRAIN.PY FLAGS...]: the lever rows ROWS of bench_gpu_matrix, 20
 # steps each, with each row's speed over row VS's in column A of the table (VS empty: the
 # hf-loss baselines); the run folders go to OUT_DIR/FOLDER/.
@@ -95,13 +99,54 @@ BEST_FP8="te-fp8 mb4 +compile +masters +no-reshard +expandable"
 TORCHAO="torchao-fp8 mb4 +ag +compile +expandable"
 folder() { echo "$out/full/${1// /_}"; }
 # recipe RUN_NAME RECIPE FLAGS...: a user's launch of a shipped recipe, 30 steps, profiled; one
-# validation window at the end (the bundled corpus holds 7 of 8192 tokens)
+# validation window at the end (the bundled corpus holds 7 of 8192 tokens); via=check: its check
 recipe() {
-    fresh gpu_levers.sh "$out" "$1"
-    launch "$1" "$2" --max_steps 30 --warmup 5 --validation_freq 0 --checkpoint_freq -1 \
+    ${via:-launch} "$1" "$2" --max_steps 30 --warmup 5 --validation_freq 0 --checkpoint_freq -1 \
         --validation_batches 1 --val_batch_size 1 --profile_steps 20:21 \
         --dataset data/kjv.jsonl.gz --tokenizer data/tokenizer "${@:3}"
 }
+# compiled RUN_NAME RECIPE FLAGS...: recipe under torch's graph-break and recompile logs, what
+# --compile compiles around TE, counted from OUT_DIR/RUN_NAME.compile.log
+compiled() {
+    [ -z "${via:-}" ] || { recipe "$@"; return; }
+    TORCH_LOGS=graph_breaks,recompiles recipe "$@" 2>&1 | tee "$out/$1.compile.log"
+    echo "$1 under --compile: $(grep -c 'Graph break in user code' "$out/$1.compile.log" || true) distinct graph breaks, $(grep -c 'Graph break' "$out/$1.compile.log" || true) in all, $(grep -c 'Recompiling function' "$out/$1.compile.log" || true) recompiles"
+}
+# launches: the phase's launches of shipped recipes, in order; via=check launches: their checks
+launches() {
+    local graphs=(--sharding_strategy none --compile=0 --cuda_graphs)
+    case $phase in
+    attention-3b)
+        recipe 3b-bf16 llama3.2-3b-bf16
+        recipe 3b-fp8 llama3.2-3b-fp8
+        recipe 3b-fp8-attention llama3.2-3b-fp8 --fp8_attention ;;
+    scaling-1b)
+        compiled 1b-delayed llama3.2-1b-fp8 --fp8_recipe delayed
+        compiled 1b-current llama3.2-1b-fp8 --fp8_recipe current ;;
+    host-1b)
+        recipe 1b-fp8 llama3.2-1b-fp8
+        recipe 1b-fp8-none llama3.2-1b-fp8 --sharding_strategy none
+        recipe 1b-bf16-none llama3.2-1b-bf16 --sharding_strategy none ;;
+    graphs-1b)
+        recipe 1b-bf16-graphs llama3.2-1b-bf16 "${graphs[@]}"
+        recipe 1b-fp8-graphs llama3.2-1b-fp8 "${graphs[@]}" ;;
+    8b-bf16 | 8b-fp8)
+        # --hang_timeout: step 1 compiles TE's layers and torchao's optimizer step per shape
+        PYTORCH_ALLOC_CONF=expandable_segments:True recipe "$phase" "llama3-8b-${phase#8b-}" \
+            --preset llama3.1-8b --train_batch_size 2 --optimizer adamw8bit \
+            --checkpoint_dir "$ck" --hang_timeout 900 ;;
+    esac
+}
+# The 8B: no checkpoint is written (--checkpoint_freq -1), but a run refuses to start where one
+# (~45 GiB here) could not fit, since a preemption saves: /dev/shm when it has more room.
+room() {  # room FOLDER: the KiB free where FOLDER is (or will be made)
+    local at=$1 && until [ -e "$at" ]; do at=$(dirname "$at"); done
+    df -k --output=avail "$at" 2>/dev/null | tail -1 || echo 0
+}
+ck=$out/$phase/checkpoints
+(($(room /dev/shm) > $(room "$out"))) && ck=/dev/shm/$phase-checkpoints
+via=check launches
+checked
 
 mkdir -p "$out"
 {
@@ -158,27 +203,19 @@ mkdir -p "$out"
         "$python" -m analysis.compare_runs "${runs[@]}" --output "$out/full-compare.png" || true
         ;;
     attention-3b)
-        recipe 3b-bf16 llama3.2-3b-bf16
-        recipe 3b-fp8 llama3.2-3b-fp8
-        recipe 3b-fp8-attention llama3.2-3b-fp8 --fp8_attention
+        launches
         "$python" -m analysis.step_breakdown "$out/3b-bf16" "$out/3b-fp8" --no_hta
         "$python" -m analysis.step_breakdown "$out/3b-bf16" "$out/3b-fp8-attention" --no_hta
         "$python" -m analysis.compare_runs "$out/3b-bf16" "$out/3b-fp8" "$out/3b-fp8-attention" \
             --output "$out/attention-3b.png" || true
         ;;
     scaling-1b)
-        for scaling in delayed current; do  # what --compile compiles around TE: torch's own logs
-            TORCH_LOGS=graph_breaks,recompiles recipe "1b-$scaling" llama3.2-1b-fp8 \
-                --fp8_recipe "$scaling" 2>&1 | tee "$out/1b-$scaling.compile.log"
-            echo "1b-$scaling under --compile: $(grep -c 'Graph break in user code' "$out/1b-$scaling.compile.log" || true) distinct graph breaks, $(grep -c 'Graph break' "$out/1b-$scaling.compile.log" || true) in all, $(grep -c 'Recompiling function' "$out/1b-$scaling.compile.log" || true) recompiles"
-        done
+        launches
         "$python" -m analysis.compare_runs "$out/1b-delayed" "$out/1b-current" \
             --output "$out/scaling-1b.png" || true
         ;;
     host-1b)
-        recipe 1b-fp8 llama3.2-1b-fp8
-        recipe 1b-fp8-none llama3.2-1b-fp8 --sharding_strategy none
-        recipe 1b-bf16-none llama3.2-1b-bf16 --sharding_strategy none
+        launches
         for run in 1b-fp8 1b-fp8-none; do
             "$python" -m analysis.step_breakdown "$out/1b-bf16-none" "$out/$run" --no_hta || true
         done
@@ -187,9 +224,7 @@ mkdir -p "$out"
         ;;
     graphs-1b)
         "$python" -m pytest -m gpu tests/integration/test_gpu.py -k cuda_graphs -v
-        graphs=(--sharding_strategy none --compile=0 --cuda_graphs)
-        recipe 1b-bf16-graphs llama3.2-1b-bf16 "${graphs[@]}"
-        recipe 1b-fp8-graphs llama3.2-1b-fp8 "${graphs[@]}"
+        launches
         "$python" -m analysis.step_breakdown "$out/1b-bf16-graphs" "$out/1b-fp8-graphs" --no_hta
         runs=("$out/1b-bf16-graphs" "$out/1b-fp8-graphs")
         for run in 1b-fp8-none 1b-bf16-none; do
@@ -198,18 +233,8 @@ mkdir -p "$out"
         "$python" -m analysis.compare_runs "${runs[@]}" --output "$out/graphs-1b.png" || true
         ;;
     8b-bf16 | 8b-fp8)
-        mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || true)
-        [ "${mib:-0}" -ge 130000 ] || { echo "gpu_levers.sh $phase: needs an H200 (141 GB), not ${mib:-no} MiB" >&2; exit 2; }
-        # No checkpoint is written (--checkpoint_freq -1), but a run refuses to start where one
-        # (~45 GiB here) could not fit, since a preemption saves: /dev/shm when it has more room.
         df -h "$out" /dev/shm || true
-        room() { df -k --output=avail "$1" 2>/dev/null | tail -1 || echo 0; }
-        ck=$out/$phase/checkpoints
-        (($(room /dev/shm) > $(room "$out"))) && ck=/dev/shm/$phase-checkpoints
-        # --hang_timeout: step 1 compiles TE's layers and torchao's optimizer step per shape
-        PYTORCH_ALLOC_CONF=expandable_segments:True recipe "$phase" "llama3-8b-${phase#8b-}" \
-            --preset llama3.1-8b --train_batch_size 2 --optimizer adamw8bit \
-            --checkpoint_dir "$ck" --hang_timeout 900
+        launches
         [ -d "$out/8b-bf16" ] || echo "gpu_levers.sh: no $out/8b-bf16 to compare with: run 8b-bf16 into this OUT_DIR first"
         [ "$phase" = 8b-bf16 ] || "$python" -m analysis.step_breakdown "$out/8b-bf16" "$out/8b-fp8" --no_hta || true
         [ "$phase" = 8b-bf16 ] || "$python" -m analysis.compare_runs "$out/8b-bf16" "$out/8b-fp8" --output "$out/8b-h200.png" || true

@@ -40,14 +40,16 @@ set -euo pipefail
 
 usage="usage: bash benchmarks/gpu_long_ab.sh OUT_DIR [--dry_run] [--arms NAME,...|none]"
 source "$(dirname "$0")/gpu_common.sh"
-out=$(out_dir gpu_long_ab.sh "$usage" "${1:-}")
+out=$(out_dir "$usage" "${1:-}")
 shift
 dry='' arms=bf16-a,bf16-b,fp8,fp8-current,fp8-closer
 while [ $# -gt 0 ]; do
     case $1 in
         --dry_run) dry=--dry_run ;;
-        --arms) arms=${2:?$usage}; shift ;;
-        *) echo "$usage" >&2; exit 2 ;;
+        --arms) [ -n "${2:-}" ] && [ "${2#-}" = "$2" ] ||
+            refuse "--arms needs its NAME,... or none (e.g. --arms bf16-a,bf16-b,fp8): $usage"
+            arms=$2; shift ;;
+        *) refuse "no option '$1': $usage" ;;
     esac
     shift
 done
@@ -64,8 +66,7 @@ else
     steps=${STEPS:-3000} warmup=${WARMUP:-300} val_freq=${VAL_FREQ:-250}
     text=${DATA:-$root/.gpu/text}
     [ -f "$text/code.jsonl.gz" ] || {
-        echo "gpu_long_ab.sh: no $text/code.jsonl.gz: run .venv/bin/python -m tools.make_code_corpus --out $text and carry it" >&2
-        exit 2
+        refuse "no $text/code.jsonl.gz: run .venv/bin/python -m tools.make_code_corpus --out $text and carry it"
     }
     shared=(--dataset "$text/code.jsonl.gz" --tokenizer "$text/tokenizer" --vocab_size 32768
         --hidden_width 768 --num_layers 12 --num_heads 12 --num_key_value_heads 4
@@ -84,15 +85,18 @@ arm_flags() {  # arm_flags NAME: the recipe and flags of one arm
         fp8) echo "$recipe-fp8" ;;
         fp8-current) echo "$recipe-fp8 ${current[*]}" ;;
         fp8-closer) echo "$recipe-fp8 ${closer[*]}" ;;
-        *) echo "gpu_long_ab.sh: --arms: no arm '$1' (bf16-a, bf16-b, fp8, fp8-current, fp8-closer, or none)" >&2
-            return 2 ;;
+        *) refuse "--arms: no arm '$1' (bf16-a, bf16-b, fp8, fp8-current, fp8-closer, or none)" ;;
     esac
 }
 
 [ "$arms" = none ] && arms=
 IFS=, read -r -a wanted <<< "$arms"
 for name in "${wanted[@]}"; do arm_flags "$name" > /dev/null; done  # every name, before any run
-fresh gpu_long_ab.sh "$out" "${wanted[@]}"
+for name in "${wanted[@]}"; do  # and every arm's flags
+    read -r -a flags <<< "$(arm_flags "$name")"
+    check "$name" "${flags[@]}" "${shared[@]}"
+done
+checked
 
 mkdir -p "$out"
 {

@@ -28,18 +28,15 @@ set -euo pipefail
 
 usage="usage: bash benchmarks/gpu_parity.sh OUT_DIR [--dry_run] [-- FP8_FLAGS...]"
 source "$(dirname "$0")/gpu_common.sh"
-out=$(out_dir gpu_parity.sh "$usage" "${1:-}")
+out=$(out_dir "$usage" "${1:-}")
 shift
 dry=
 [ "${1:-}" != --dry_run ] || { dry=--dry_run; shift; }
 if [ $# -gt 0 ]; then  # what else the FP8 run (and its numerics run) is judged with
-    [ "$1" = -- ] || { echo "$usage" >&2; exit 2; }
+    [ "$1" = -- ] || refuse "'$1' is neither --dry_run nor -- (FP8_FLAGS go after --): $usage"
     shift
 fi
 fp8_flags=("$@")
-names=(bf16 fp8)
-[ -n "$dry" ] || names+=(fp8-numerics)
-fresh gpu_parity.sh "$out" "${names[@]}"
 
 if [ -n "$dry" ]; then
     recipe=tiny
@@ -53,27 +50,28 @@ else
     steps=${STEPS:-200} warmup=${WARMUP:-20} val_freq=${VAL_FREQ:-25}
     text=${DATA:-$root/.gpu/text}
     [ -f "$text/code.jsonl.gz" ] || {
-        echo "gpu_parity.sh: no $text/code.jsonl.gz: run .venv/bin/python -m tools.make_code_corpus --out $text and carry it" >&2
-        exit 2
+        refuse "no $text/code.jsonl.gz: run .venv/bin/python -m tools.make_code_corpus --out $text and carry it"
     }
     data=(--dataset "$text/code.jsonl.gz" --tokenizer "$text/tokenizer" --profile_steps 110:111)
 fi
 schedule=(--max_steps "$steps" --warmup "$warmup" --validation_freq "$val_freq"
     --validation_batches 4 --logging_freq 1 --checkpoint_freq -1)  # no 15 GB 1B saves
+each_run() {  # each_run DO: DO RUN_NAME RECIPE FLAGS... for every run of the call, in order
+    $1 bf16 "$recipe-bf16" "${data[@]}" "${schedule[@]}"
+    $1 fp8 "$recipe-fp8" "${data[@]}" "${schedule[@]}" "${fp8_flags[@]}"
+    [ -n "$dry" ] || $1 fp8-numerics "$recipe-fp8" "${data[@]:0:4}" "${fp8_flags[@]}" \
+        --fp8_numerics --compile 0 --max_steps 30 --warmup 3 --logging_freq 10 \
+        --validation_freq 0 --checkpoint_freq -1
+}
+each_run check; checked  # every run's flags, before the 9-minute BF16 run starts
 
 mkdir -p "$out"
 {
     echo "# gpu_parity.sh ${dry:-(GPU)} on $(hostname) at $(date -u +%FT%TZ), git $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')"
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || true
-    launch bf16 "$recipe-bf16" "${data[@]}" "${schedule[@]}"
-    launch fp8 "$recipe-fp8" "${data[@]}" "${schedule[@]}" "${fp8_flags[@]}"
+    each_run launch
     runs=("$out/bf16" "$out/fp8")
-    if [ -z "$dry" ]; then
-        launch fp8-numerics "$recipe-fp8" "${data[@]:0:4}" "${fp8_flags[@]}" --fp8_numerics \
-            --compile 0 --max_steps 30 --warmup 3 --logging_freq 10 --validation_freq 0 \
-            --checkpoint_freq -1
-        runs+=("$out/fp8-numerics")
-    fi
+    [ -n "$dry" ] || runs+=("$out/fp8-numerics")
     breakdown=()
     [ -n "$dry" ] || breakdown=(--breakdown)
     (cd "$root" && "$python" -m analysis.compare_runs "${runs[@]:0:2}" --output "$out/compare.png" \

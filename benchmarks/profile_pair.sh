@@ -14,12 +14,16 @@ set -euo pipefail
 
 usage="usage: bash benchmarks/profile_pair.sh OUT_DIR"
 source "$(dirname "$0")/gpu_common.sh"
-out=$(out_dir profile_pair.sh "$usage" "${1:-}")
-[ $# -le 1 ] || { echo "profile_pair.sh: one OUT_DIR, nothing after it: $usage" >&2; exit 2; }
-fresh profile_pair.sh "$out" te-bf16 te-fp8
+out=$(out_dir "$usage" "${1:-}")
+[ $# -le 1 ] || refuse "one OUT_DIR, nothing after it: $usage"
 common=(--preset llama3-8b --num_layers 4 --dataset data/kjv.jsonl.gz --tokenizer data/tokenizer
     --model_impl te --train_batch_size 2 --max_steps 8 --warmup 2 --logging_freq 1
     --checkpoint_freq -1 --validation_batches 1 --profile_steps 6:8)
+# launch NAME FP8 [FLAGS...]: train.py on the pair's flags into OUT_DIR/NAME (a world of one)
+launch() { "$python" train.py "${common[@]}" --fp8="$2" --output_dir "$out/$1" "${@:3}"; }
+check te-bf16 0
+check te-fp8 1
+checked
 
 mkdir -p "$out"
 {
@@ -29,7 +33,7 @@ mkdir -p "$out"
     for name in te-bf16 te-fp8; do
         fp8=$([ "$name" = te-fp8 ] && echo 1 || echo 0)
         SECONDS=0
-        "$python" train.py "${common[@]}" --fp8="$fp8" --output_dir "$out/$name"
+        launch "$name" "$fp8"
         echo "# $name: ${SECONDS} s"
     done
     "$python" -m analysis.step_breakdown "$out/te-bf16" "$out/te-fp8"

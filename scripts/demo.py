@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from analysis import compare_runs
-from model_utils.errors import OneLineParser
+from model_utils.config.arguments import parse_args
+from model_utils.errors import OneLineParser, UsageError, said
 from scripts.cpu import cpu_computes_bf16, slow_bf16_line
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,21 +86,39 @@ class Demo:
         return f"make demo: {slow_bf16_line()}: both runs compute in fp32, FP8 still emulated"
 
 
-def run(name: str, fp8: bool, steps: int, out: Path, extra: list[str]) -> Path:
-    run_dir = out / name
-    shutil.rmtree(run_dir, ignore_errors=True)  # a demo always starts fresh
-    cmd = [
-        sys.executable,
-        str(ROOT / "train.py"),
-        *RUN_FLAGS,
-        f"--max_steps={steps}",
-        f"--fp8={int(fp8)}",
-        f"--validation_freq={steps}",
-        f"--output_dir={run_dir}",
-        *extra,
-    ]
+#: Written into each run folder the demo makes: the next demo removes only a folder holding it,
+#: never one a user had at --out/NAME.
+MARK = ".made_by_make_demo"
+
+
+def train_command(fp8: bool, steps: int, run_dir: Path, extra: list[str]) -> list[str]:
+    flags = [f"--max_steps={steps}", f"--fp8={int(fp8)}", f"--validation_freq={steps}"]
+    flags += [f"--output_dir={run_dir}", *extra]
+    return [sys.executable, str(ROOT / "train.py"), *RUN_FLAGS, *flags]
+
+
+def problem(run_dir: Path, cmd: list[str]) -> str | None:
+    """Why the run cannot start, before anything is removed: its flags (train.py's check), or
+    a file or a folder the demo did not make at `run_dir` (it starts each run afresh)."""
+    try:
+        parse_args(cmd[2:])
+    except UsageError as exc:
+        return str(exc)
+    empty = run_dir.is_dir() and not any(run_dir.iterdir())
+    if run_dir.exists() and not empty and not (run_dir / MARK).is_file():
+        return f"--out: {run_dir} holds what the demo did not write: move it or pick another --out"
+    return None
+
+
+def run(run_dir: Path, cmd: list[str]) -> Path:
+    """One run in a fresh folder (an earlier demo's removed), as a user would start it; a run
+    that fails has said why in its own line, and the demo exits with its code."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    (run_dir / MARK).touch()
     print(f"\n$ {' '.join(cmd[1:])}", flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
+    if code := subprocess.run(cmd, cwd=ROOT).returncode:
+        sys.exit(code)
     return run_dir
 
 
@@ -115,11 +134,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     known, extra = parser.parse_known_args(argv)
     demo = Demo(known.compute if known.compute != "auto" else "bf16" if computes_bf16() else "fp32")
+    commands = {
+        known.out / name: train_command(fp8, known.steps, known.out / name, [*demo.flags, *extra])
+        for name, fp8 in ((demo.compute, False), ("fp8", True))
+    }
+    for run_dir, cmd in commands.items():
+        if found := problem(run_dir, cmd):
+            sys.exit(said("demo.py", found))
     print(demo.line(), flush=True)
     print("make demo: each run's log says how long it has left, measured as it trains", flush=True)
     started = time.monotonic()
-    plain = run(demo.compute, False, known.steps, known.out, [*demo.flags, *extra])
-    fp8 = run("fp8", True, known.steps, known.out, [*demo.flags, *extra])
+    plain, fp8 = (run(run_dir, cmd) for run_dir, cmd in commands.items())
     print(f"\n=== tiny Llama, bundled corpus: --fp8=0 vs --fp8=1, {demo.compute} compute ===")
     png = known.out / "compare.png"
     pair = compare_runs.Options([plain, fp8], png, demo.labels, title=demo.title)

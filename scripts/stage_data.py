@@ -42,7 +42,7 @@ from model_utils.config.arguments import UsageError, apply_preset, build_parser
 from model_utils.config.flag_rules import value_problem
 from model_utils.data.reads import read_error_message
 from model_utils.data.sources import document_texts, open_source
-from model_utils.errors import OneLineParser, os_error_words, said
+from model_utils.errors import OneLineParser, os_error_words, refuse, said
 from model_utils.run import outputs
 
 #: Validation documents staged per training document (the source's own validation split).
@@ -83,11 +83,9 @@ def check_names(args: argparse.Namespace) -> None:
     in the first look at it; train.py's rules for its own path flags."""
     for flag in ("out", "text_column", "dataset", "tokenizer"):
         value = getattr(args, flag)
-        problem = value_problem(
-            f"--{flag}", value, path=flag != "text_column", required=flag == "out"
+        refuse(
+            value_problem(f"--{flag}", value, path=flag != "text_column", required=flag == "out")
         )
-        if problem:
-            raise UsageError(problem)
 
 
 def slug(dataset: str, config_name: str | None) -> str:
@@ -116,26 +114,27 @@ def check_inputs(args: argparse.Namespace) -> Plan:
     data.check_local_data(args.dataset, args.text_column)  # train.py's start-up scan
     data.check_hub_dataset(args.dataset)  # a hub name: one quick look-up, as train.py makes
     target = args.out / slug(args.dataset, args.dataset_config_name)
-    check_out(args.out, target)
-    tokenizer = data.load_tokenizer(args.tokenizer)
     tokenizer_dir = args.out / "tokenizers" / slug(args.tokenizer, None)
+    check_out(args.out, target, tokenizer_dir)
+    tokenizer = data.load_tokenizer(args.tokenizer)
     if tokenizer_staged(tokenizer_dir, tokenizer):
         tokenizer = None
     train_texts, validation_texts = open_documents(args)
     return Plan(target, tokenizer_dir, tokenizer, train_texts, validation_texts)
 
 
-def check_out(out: Path, target: Path) -> None:
-    """UsageError if the dataset is staged there already, or --out cannot be written: looked
-    at, then written to and cleaned as train.py probes its outputs (a root-owned /sys passes
-    access() and failed at mkdir)."""
+def check_out(out: Path, target: Path, tokenizer_dir: Path) -> None:
+    """UsageError if a file is in the way of a folder the staging makes, the dataset is staged
+    there already, or --out cannot be written: looked at, then written to and cleaned as
+    train.py probes its outputs (a root-owned /sys passes access() and failed at mkdir)."""
+    for folder in (target, tokenizer_dir.parent, tokenizer_dir):
+        if folder.exists() and not folder.is_dir():
+            raise UsageError(f"{folder} is a file, not a folder: move it or choose another --out")
     if target.exists() and any(target.iterdir()):
         raise UsageError(
             f"{target} already holds a staged dataset; remove it or choose another --out"
         )
-    problem = outputs.location_problem("--out", out) or outputs.probe_write("--out", out)
-    if problem:
-        raise UsageError(problem)
+    refuse(outputs.location_problem("--out", out) or outputs.probe_write("--out", out))
 
 
 def open_documents(args: argparse.Namespace) -> tuple[Iterator[str], Iterator[str] | None]:

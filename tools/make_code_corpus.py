@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import subprocess
 import sys
@@ -30,8 +29,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from model_utils.data.sources import is_held_out
-from model_utils.errors import OneLineParser
-from tools.make_corpus_and_tokenizer import EOS, train_tokenizer, write_jsonl_gz
+from model_utils.errors import OneLineParser, said
+from tools.make_corpus_and_tokenizer import EOS, out_folder, train_tokenizer, write_jsonl_gz
 
 #: package -> (version, licence): the five largest pure-source trees of permissively licensed
 #: packages in this project's environment.
@@ -50,6 +49,7 @@ MIN_VOCAB = 257
 #: Files above this are generated tables (unicode data, test vectors), not code.
 MAX_FILE_BYTES = 400_000
 SHUFFLE_SEED = 0
+PROG = "make_code_corpus.py"
 
 
 def download(packages: list[str], into: Path) -> list[Path]:
@@ -58,19 +58,9 @@ def download(packages: list[str], into: Path) -> list[Path]:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
     done = subprocess.run([*cmd, *PLATFORM, "-d", str(into), *pins], capture_output=True, text=True)
     if done.returncode:
-        said = [line for line in done.stderr.splitlines() if line.strip()] or ["no message"]
-        sys.exit(f"make_code_corpus: pip cannot download {' '.join(pins)}: {said[-1].strip()}")
+        last = [line for line in done.stderr.splitlines() if line.strip()] or ["no message"]
+        raise SystemExit(said(PROG, f"pip cannot download {' '.join(pins)}: {last[-1].strip()}", 1))
     return sorted(into.glob("*.whl"))
-
-
-def out_problem(out: Path) -> str | None:
-    """Why --out cannot take the corpus (None: it can), said before anything is downloaded."""
-    if out.exists() and not out.is_dir():
-        return "is a file: give a folder (it is created if missing)"
-    existing = next(folder for folder in (out, *out.parents) if folder.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        return f"cannot be written ({existing} is read-only or not a folder): give another folder"
-    return None
 
 
 def documents(wheel: Path) -> Iterator[dict]:
@@ -118,8 +108,8 @@ def count_tokens(docs: list[dict], tokenizer_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = OneLineParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="output directory")
+    parser = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument(
         "--packages",
         default=",".join(PACKAGES),
@@ -133,10 +123,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--packages: unknown {', '.join(unknown) or '(none given)'}")
     if args.vocab_size < MIN_VOCAB:
         parser.error(f"--vocab_size must be at least {MIN_VOCAB} (the 256 bytes and EOS)")
-    if problem := out_problem(args.out):
-        parser.error(f"--out {args.out} {problem}")
-    stats = build(args.out, packages, args.vocab_size)
-    (args.out / "corpus.json").write_text(json.dumps(stats, indent=2) + "\n")
+    out = out_folder(parser, args.out)
+    stats = build(out, packages, args.vocab_size)
+    (out / "corpus.json").write_text(json.dumps(stats, indent=2) + "\n")
     print(json.dumps(stats, indent=2))
 
 

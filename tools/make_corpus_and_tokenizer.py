@@ -30,10 +30,13 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from model_utils.config.flag_rules import value_problem
 from model_utils.data.sources import is_held_out
-from model_utils.errors import OneLineParser
+from model_utils.errors import OneLineParser, said
+from model_utils.run import outputs
 
 REPO = Path(__file__).resolve().parent.parent
+PROG = "make_corpus_and_tokenizer.py"
 
 
 BIBLE_RANGE = "Gen1:1-Rev22:21"
@@ -62,7 +65,7 @@ def read_bible() -> str:
             ["bible", "-f", BIBLE_RANGE], check=True, capture_output=True, text=True
         ).stdout
     except FileNotFoundError:
-        sys.exit("`bible` not found: apt-get install -y bible-kjv")
+        raise SystemExit(said(PROG, "`bible` not found: apt-get install -y bible-kjv")) from None
     digest = hashlib.sha256(out.encode()).hexdigest()
     if digest != EXPECTED_SOURCE_SHA256:
         print(
@@ -137,26 +140,36 @@ def build(out_dir: Path) -> list[Path]:
     return [corpus, *sorted((out_dir / "tokenizer").iterdir())]
 
 
-def main() -> None:
-    parser = OneLineParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=REPO / "data", help="output directory")
+def out_folder(parser: OneLineParser, out: str) -> Path:
+    """--out as a folder this command can write, else the parser's one line (exit 2) before
+    anything is read, downloaded or written: empty ("" was the current folder), a file or a
+    symlink loop in the way, a folder it cannot create or write (probed, leaving nothing)."""
+    path, flag = Path(out), "--out"
+    problem = value_problem(flag, out, required=True) or outputs.location_problem(flag, path)
+    if problem := problem or outputs.probe_write(flag, path):
+        parser.error(problem)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(REPO / "data"), help="output directory")
     parser.add_argument(
         "--check", action="store_true", help="rebuild in a temporary directory and compare"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not args.check:
-        for path in build(args.out):
-            print(f"{hashlib.sha256(path.read_bytes()).hexdigest()}  {path.relative_to(args.out)}")
+        out = out_folder(parser, args.out)
+        for path in build(out):
+            print(f"{hashlib.sha256(path.read_bytes()).hexdigest()}  {path.relative_to(out)}")
         return
+    if not (Path(args.out) / "kjv.jsonl.gz").is_file():
+        parser.error(f"--out {args.out} holds no kjv.jsonl.gz: give the folder it was written to")
     with tempfile.TemporaryDirectory() as tmp:
-        rebuilt = build(Path(tmp))
-        different = [
-            p.relative_to(tmp)
-            for p in rebuilt
-            if not filecmp.cmp(p, args.out / p.relative_to(tmp), shallow=False)
-        ]
-    if different:
-        sys.exit(f"differs from the committed files: {', '.join(map(str, different))}")
+        names = [str(p.relative_to(tmp)) for p in build(Path(tmp))]
+        _, mismatch, missing = filecmp.cmpfiles(tmp, args.out, names, shallow=False)
+    if mismatch or missing:
+        raise SystemExit(said(PROG, f"{args.out} differs: {', '.join(mismatch + missing)}", 1))
     print("rebuilt files are identical to the committed ones")
 
 

@@ -261,12 +261,19 @@ PART_PREFIX = ".part-"  # shards being written; renamed to their HF names when a
 STAGED_FILES = f"{PART_PREFIX}files"  # the folder's other files, staged the same way
 
 
+#: What an export writes beside its weights: the configs and `save_pretrained`'s tokenizer files.
+BESIDE_WEIGHTS = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer.model"}
+BESIDE_WEIGHTS |= {"tokenizer_config.json", "special_tokens_map.json", "added_tokens.json"}
+BESIDE_WEIGHTS |= {"chat_template.jinja", "vocab.json", "merges.txt", HF_INDEX}
+
+
 def existing_model(out_dir: str | Path) -> list[str]:
-    """The HF weight files already in `out_dir` (sorted names; [] if none or no such folder)."""
+    """The files of a model already in `out_dir` that an export would replace: HF weights, and a
+    config or tokenizer of the user's (sorted names; [] if none or no such folder)."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return []
-    found = [*out_dir.glob("model*.safetensors"), out_dir / HF_INDEX]
+    found = [*out_dir.glob("model*.safetensors"), *(out_dir / n for n in BESIDE_WEIGHTS)]
     return sorted(p.name for p in found if p.exists())
 
 
@@ -362,8 +369,11 @@ class SafetensorsShardWriter:
         folder before any weight file takes its name: a folder that holds weights holds them too."""
         if not self.staging.is_dir():
             return
-        for staged in sorted(self.staging.iterdir()):
-            staged.replace(self.out_dir / staged.name)
+        staged = sorted(self.staging.iterdir())
+        for there in (self.out_dir / f.name for f in staged if (self.out_dir / f.name).exists()):
+            raise FileExistsError(f"{there} exists: an export never replaces it")  # unforeseen
+        for file in staged:
+            file.replace(self.out_dir / file.name)
         self.staging.rmdir()
 
 

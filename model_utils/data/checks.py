@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from model_utils.data.sources import DataError, local_files, not_text_message
-from model_utils.errors import UsageError, first_line
+from model_utils.errors import UsageError, first_line, first_words
 
 # What the start-up check reads of local data: enough to find a bad file at once, not a whole
 # corpus (a bad byte further in is met mid-run and named then).
@@ -77,11 +77,13 @@ def check_hub_repo(
         reason, fix = f"hub look-ups are off ({switch}=1)", offline_fix.format(switch=switch)
     else:
         from huggingface_hub import HfApi, constants
-        from huggingface_hub.errors import RepositoryNotFoundError
+        from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
 
         try:
             getattr(HfApi(), method)(name, timeout=timeout)
             return
+        except HFValidationError as exc:  # asked of no server: the name itself
+            reason, fix = f"it is no hub name ({first_words(exc)})", "correct the name"
         except RepositoryNotFoundError:
             reason = (
                 f"no such {kind} on the Hugging Face hub (or it is private or gated: set HF_TOKEN)"

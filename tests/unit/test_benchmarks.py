@@ -44,7 +44,7 @@ WHOLE = "is not a whole number >= 1"
         ("bench_profiler_cost", ["--speed_warmup", "28"], "must be below --steps - 2"),
         ("bench_train_loop", ["--steps", "12", "--speed_warmup", "10"], "below --steps - 2"),
         ("bench_shaped_links", ["--steps", "5"], "--steps: '5' is not > 5 (warm-up)"),
-        ("bench_shaped_links", ["--runs", "/proc/x"], "/proc/x/fp32-off holds no metrics.jsonl"),
+        ("bench_shaped_links", ["--runs", "/proc/x"], "/proc/x/fp32-off/metrics.jsonl: no such"),
     ],
 )
 def test_every_benchmark_refuses_a_bad_value_in_one_line_before_any_work(
@@ -69,9 +69,10 @@ def test_gpu_scripts_launch_only_recipes_that_exist() -> None:
     from model_utils.config import recipes
 
     levers = (bench.ROOT / "benchmarks" / "gpu_levers.sh").read_text()
-    launched = re.findall(r"^\s+(?:[A-Z_]+=\S+ )*recipe \S+ (\S+)", levers, flags=re.M)
-    # attention-3b 3, scaling-1b's loop, host-1b 3, graphs-1b 2, and the 8B's one per phase
-    assert len(launched) == 10 and launched[-1] == '"llama3-8b-${phase#8b-}"'
+    launch = r'^\s+(?:[A-Z_]+=\S+ )*(?:recipe|compiled) (?!"\$@")\S+ (\S+)'
+    launched = re.findall(launch, levers, flags=re.M)
+    # attention-3b 3, scaling-1b 2, host-1b 3, graphs-1b 2, and the 8B's one per phase
+    assert len(launched) == 11 and launched[-1] == '"llama3-8b-${phase#8b-}"'
     launched[-1:] = ["llama3-8b-bf16", "llama3-8b-fp8"]
     parity = (bench.ROOT / "benchmarks" / "gpu_parity.sh").read_text()
     models = re.findall(r"^\s+recipe=(\S+)$", parity, flags=re.M)
@@ -80,40 +81,22 @@ def test_gpu_scripts_launch_only_recipes_that_exist() -> None:
         assert recipes.flags(name), name
 
 
-def test_the_8b_phases_are_one_fair_pair_that_fits_one_h200_by_the_phases_own_arithmetic(
-    tmp_path,
-) -> None:
+def test_the_8b_phases_are_one_fair_pair_that_fits_one_h200_by_the_phases_own_arithmetic() -> None:
     """gpu_levers.sh's 8b-bf16 and 8b-fp8 launch the llama3-8b twins with the same overrides,
     which parse into the whole Llama 3.1 8B with torchao's 8-bit moments beside fp32
     parameters: 10 bytes per parameter, the 75 GiB its header counts on. A smaller GPU is
-    refused before anything runs (one H200 call costs minutes)."""
+    refused before anything is made (test_gpu_levers_refuses_without_the_gpu_...)."""
     import dataclasses
-    import os
     import re
-    import shutil
-    import subprocess
-    import sys
 
     from benchmarks import bench_gpu_matrix as bench
     from model_utils.config.arguments import parse_args
     from model_utils.model import modeling
 
     levers = (bench.ROOT / "benchmarks" / "gpu_levers.sh").read_text()
-    (block,) = re.findall(r"^    8b-bf16 \| 8b-fp8\)\n(.*?);;", levers, flags=re.M | re.S)
-    if shutil.which("nvidia-smi") is None:  # no GPU here: refused, and no run folder made
-        refused = subprocess.run(
-            ["bash", "benchmarks/gpu_levers.sh", "8b-fp8", str(tmp_path)],
-            cwd=bench.ROOT,
-            env={**os.environ, "PYTHON": sys.executable},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert refused.returncode == 2, refused.stdout + refused.stderr
-        assert "gpu_levers.sh 8b-fp8: needs an H200 (141 GB), not no MiB" in refused.stdout
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["8b-fp8.log"]
-    (overrides,) = re.findall(r'"llama3-8b-\$\{phase#8b-\}" \\\n((?:.*\\\n)*.*)$', block, re.M)
+    (overrides,) = re.findall(r'"llama3-8b-\$\{phase#8b-\}" \\\n((?:.*\\\n)*.*)$', levers, re.M)
     overrides = overrides.replace("\\\n", " ").replace('"$ck"', "/dev/shm/8b-fp8-checkpoints")
+    overrides = overrides.removesuffix(" ;;")
     flags = [*overrides.split(), "--output_dir", "runs/8b"]  # the launcher names each folder
     twins = [parse_args(["--recipe", f"llama3-8b-{p}", *flags]) for p in ("bf16", "fp8")]
     assert [c.precision.fp8 for c in twins] == [False, True]
@@ -407,7 +390,7 @@ def test_the_gpu_scripts_refuse_before_running_and_delete_no_run(script, tmp_pat
                 text=True,
                 timeout=60,
             )
-            said = f"gpu_levers.sh: no phase '{phase[0] if phase else tmp_path / 'out'}': usage"
+            said = f"gpu_levers.sh: error: no phase '{phase[0] if phase else tmp_path / 'out'}'"
             assert wrong.returncode == 2 and wrong.stderr.startswith(said), wrong.stderr
             assert wrong.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
     if script != "gpu_levers.sh":  # its runs are named by the phase, checked as each starts
@@ -439,6 +422,125 @@ def test_the_gpu_scripts_refuse_before_running_and_delete_no_run(script, tmp_pat
         check=True,
     ).stdout.strip()
     assert said == (str(venv) if venv.exists() else "python3")
+
+
+def _gpu_script(script: str, *args: str, cwd=None, **env: str):
+    """benchmarks/SCRIPT ARGS run as a user runs it (from CWD, default the checkout)."""
+    import os
+    import subprocess
+
+    from benchmarks import bench_gpu_matrix as bench
+
+    return subprocess.run(
+        ["bash", str(bench.ROOT / "benchmarks" / script), *args],
+        cwd=cwd or bench.ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+NOPE = "--fp8_recipe nope is not a torchao recipe for --model_impl hf; choose one of tensorwise"
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "env", "run"),
+    [
+        ("gpu_parity.sh", ["--dry_run", "--", "--fp8_recipe", "nope"], {}, "fp8"),
+        (
+            "gpu_long_ab.sh",
+            ["--dry_run", "--arms", "bf16-a,fp8-closer"],
+            {"CLOSER": "--fp8_recipe nope"},
+            "fp8-closer",
+        ),
+    ],
+)
+def test_every_runs_flags_are_checked_before_the_first_run_starts(
+    script, args, env, run, tmp_path
+) -> None:
+    """A flag only a later run gets (the FP8 run's, an arm's) is refused before the BF16 run
+    spends its minutes on the GPU, not after it (which also left OUT_DIR/bf16 in the way of the
+    corrected call): train.py --validate_only's line, as the script's one line, exit 2."""
+    out = tmp_path / "out"
+    refused = _gpu_script(script, str(out), *args, STEPS="3", WARMUP="1", **env)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert refused.stderr == (
+        f"{script}: error: the {run} run would be refused (nothing ran): train.py: error: {NOPE}"
+        ", rowwise, rowwise_with_gw_hp\n"
+    )
+    assert not out.exists()  # no bf16/ run folder, no log
+
+
+def test_gpu_levers_checks_every_run_of_a_phase_before_the_first_starts(tmp_path) -> None:
+    """host-1b's third run already in OUT_DIR is refused before its first run starts."""
+    import os
+
+    gpu = tmp_path / "bin"
+    gpu.mkdir()
+    (gpu / "nvidia-smi").write_text("#!/bin/sh\necho 81559\n")  # an H100's memory
+    (gpu / "nvidia-smi").chmod(0o755)
+    (tmp_path / "out" / "1b-bf16-none").mkdir(parents=True)
+    path = f"{gpu}:{os.environ['PATH']}"
+    refused = _gpu_script("gpu_levers.sh", "host-1b", str(tmp_path / "out"), PATH=path)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert refused.stderr == (
+        f"gpu_levers.sh: error: {tmp_path}/out/1b-bf16-none holds a run already: give a new "
+        "OUT_DIR or move it away\n"
+    )
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["1b-bf16-none"]
+
+
+@pytest.mark.parametrize("args", [["--arms"], ["--arms", "--dry_run"], ["--dry_run", "--arms"]])
+def test_a_flag_without_its_value_is_one_line_and_exit_2(args, tmp_path) -> None:
+    refused = _gpu_script("gpu_long_ab.sh", str(tmp_path / "out"), *args)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert refused.stderr == (
+        "gpu_long_ab.sh: error: --arms needs its NAME,... or none (e.g. --arms bf16-a,bf16-b,fp8)"
+        ": usage: bash benchmarks/gpu_long_ab.sh OUT_DIR [--dry_run] [--arms NAME,...|none]\n"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("mib", "said"),
+    [
+        ("", "no GPU is visible (nvidia-smi lists none): 8b-bf16 runs on an H200 (141 GB)"),
+        ("81559", "8b-bf16 runs on an H200 (141 GB), not on this 81559 MiB GPU"),
+    ],
+)
+def test_gpu_levers_refuses_without_the_gpu_before_making_anything(mib, said, tmp_path) -> None:
+    """No GPU (nvidia-smi failing, or none at all) or too small a one for the phase: one line,
+    before OUT_DIR or its log exists; from any folder, OUT_DIR relative to it."""
+    import os
+
+    gpu = tmp_path / "bin"
+    gpu.mkdir()
+    (gpu / "nvidia-smi").write_text(f"#!/bin/sh\necho {mib or 'NVIDIA-SMI has failed'}\n")
+    (gpu / "nvidia-smi").chmod(0o755)
+    path = f"{gpu}:{os.environ['PATH']}"
+    refused = _gpu_script("gpu_levers.sh", "8b-bf16", "out", cwd=tmp_path, PATH=path)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert refused.stderr == f"gpu_levers.sh: error: {said}\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_profile_pair_runs_from_any_folder(tmp_path) -> None:
+    """Started from outside the checkout, profile_pair.sh finds train.py and data/ (here its
+    check of the pair refuses TE's absence, before OUT_DIR, relative to that folder, is made)."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("Transformer Engine is installed: the pair would train")
+    refused = _gpu_script("profile_pair.sh", "out", cwd=tmp_path)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert refused.stderr == (
+        "profile_pair.sh: error: the te-bf16 run would be refused (nothing ran): train.py: error: "
+        "--model_impl te needs Transformer Engine (import failed: No module named "
+        "'transformer_engine'); use the NGC container (0.transformer-engine.dockerfile) or "
+        "--model_impl hf\n"
+    )
+    assert not (tmp_path / "out").exists()
 
 
 def _shaped_run(folder, flags: list[str], tokens_per_sec: float, network_gbs: float) -> None:

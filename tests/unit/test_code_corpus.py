@@ -13,6 +13,7 @@ import pytest
 
 from model_utils.data.sources import is_held_out
 from tools import make_code_corpus as corpus
+from tools import make_corpus_and_tokenizer as kjv
 
 
 def fake_wheel(folder: Path) -> Path:
@@ -64,8 +65,8 @@ def test_bad_input_is_one_line_before_any_download(tmp_path, capsys, monkeypatch
     taken = tmp_path / "taken"
     taken.write_text("x")
     cases = [
-        (["--out", str(taken)], f"--out {taken} is a file: give a folder"),
-        (["--out", str(taken / "sub")], f"cannot be written ({taken} is read-only or not a"),
+        (["--out", str(taken)], f"--out {taken} is a file, not a directory: choose another"),
+        (["--out", str(taken / "sub")], f"cannot be created: {taken} is a file; choose another"),
         (["--out", str(tmp_path / "new"), "--vocab_size", "0"], "--vocab_size must be at least"),
     ]
     for argv, words in cases:
@@ -76,7 +77,69 @@ def test_bad_input_is_one_line_before_any_download(tmp_path, capsys, monkeypatch
     monkeypatch.setattr(corpus.subprocess, "run", lambda *a, **k: failed)
     with pytest.raises(SystemExit) as exit_info:
         corpus.download(["sympy"], tmp_path)
-    assert (
-        exit_info.value.code
-        == "make_code_corpus: pip cannot download sympy==1.14.0: ERROR: No index"
+    assert exit_info.value.code == 1 and capsys.readouterr().err == (
+        "make_code_corpus.py: error: pip cannot download sympy==1.14.0: ERROR: No index\n"
+    )
+
+
+def refusals(main, tmp_path, monkeypatch, capsys, cases) -> None:
+    """Each (argv, line): exit 2 with exactly that line on stderr, before any subprocess (pip,
+    `bible`) runs, and nothing written in tmp_path (the current folder too)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(kjv.subprocess, "run", lambda *a, **k: pytest.fail("a command ran"))
+    before = sorted(tmp_path.rglob("*"))
+    for argv, line in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert (exit_info.value.code, capsys.readouterr().err) == (2, line + "\n")
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_an_empty_out_or_a_symlink_loop_is_refused_before_the_download(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """--out "" built the corpus in the current folder; a loop passed the check and died with
+    a FileExistsError traceback after the download."""
+    (tmp_path / "loop").symlink_to("loop")
+    prog = "make_code_corpus.py: error:"
+    refusals(
+        corpus.main,
+        tmp_path,
+        monkeypatch,
+        capsys,
+        [
+            (
+                ["--out", ""],
+                f"{prog} --out is empty (an unset shell variable?): give a value",
+            ),
+            (
+                ["--out", "loop"],
+                f"{prog} --out loop cannot be written (File exists): choose another --out",
+            ),
+        ],
+    )
+
+
+def test_the_kjv_corpus_refuses_a_bad_out_in_one_line(tmp_path, monkeypatch, capsys) -> None:
+    """make_corpus_and_tokenizer never checked --out: a file died with a FileExistsError
+    traceback, "" wrote into the current folder, --check of an empty folder died in filecmp."""
+    (tmp_path / "taken").write_text("x")
+    (tmp_path / "empty").mkdir()
+    prog = "make_corpus_and_tokenizer.py: error:"
+    refusals(
+        kjv.main,
+        tmp_path,
+        monkeypatch,
+        capsys,
+        [
+            (
+                ["--out", "taken"],
+                f"{prog} --out taken is a file, not a directory: choose another --out",
+            ),
+            (["--out", ""], f"{prog} --out is empty (an unset shell variable?): give a value"),
+            (
+                ["--check", "--out", "empty"],
+                f"{prog} --out empty holds no kjv.jsonl.gz: give the folder it was written to",
+            ),
+        ],
     )

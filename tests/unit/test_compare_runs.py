@@ -4,6 +4,7 @@ tests/integration/test_compare_runs_processes.py."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -503,6 +504,21 @@ def test_the_breakdown_panel_stacks_each_runs_step_and_states_the_ceiling(tmp_pa
 def test_the_breakdown_of_a_run_without_traces_is_one_line(two_runs, tmp_path, capsys) -> None:
     err = refused([*two_runs, "--breakdown", "--output", str(tmp_path / "o.png")], capsys)
     assert "--breakdown: " in err and "--profile_steps START:END" in err
+    assert not (tmp_path / "o.png").exists()
+
+
+def test_the_breakdown_of_a_damaged_trace_is_one_line(tmp_path, capsys) -> None:
+    """A trace whose .gz holds flipped bytes (zlib's error) was a traceback."""
+    runs = profiled_pair(tmp_path)
+    trace = Path(runs[1]) / "profile" / "step_8" / "rank_0.pt.trace.json.gz"
+    whole = gzip.compress(b'{"traceEvents": []}', mtime=0)
+    trace.write_bytes(whole[:10] + b"\x07" + whole[11:])  # a deflate block of the reserved type
+    err = refused([*runs, "--breakdown", "--output", str(tmp_path / "o.png")], capsys)
+    assert err == (
+        f"compare_runs.py: error: --breakdown: {trace} cannot be read as a profiler trace: "
+        "error('Error -3 while decompressing data: invalid block type'); profile it again or "
+        "delete it\n"
+    )
     assert not (tmp_path / "o.png").exists()
 
 

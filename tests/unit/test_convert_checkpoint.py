@@ -85,6 +85,33 @@ def test_an_out_dir_inside_the_checkpoints_folder_is_refused(tmp_path, capsys) -
     assert [p.name for p in folder.iterdir()] == [path.name] and not (path / "hf").exists()
 
 
+def test_a_config_or_tokenizer_of_the_users_is_never_replaced(tmp_path, capsys) -> None:
+    """Only weights counted as a model there: a folder holding the user's own config.json and
+    tokenizer.json was exported into, both replaced, exit 0. A file the export writes under a
+    name no one foresaw is not replaced either: the writer stops before it publishes."""
+    from model_utils.checkpoint import hf
+
+    [path] = save_llama_checkpoints(tmp_path / "ckpt", (1,))
+    out = tmp_path / "hf"
+    out.mkdir()
+    for name in ("config.json", "tokenizer.json", "notes.txt"):
+        (out / name).write_text("mine")
+    err = convert_refused([str(path), str(out)], capsys)
+    assert f"error: out_dir {out} already holds a model (config.json, tokenizer.json):" in err
+    assert {p.name: p.read_text() for p in out.iterdir()} == dict.fromkeys(
+        ["config.json", "tokenizer.json", "notes.txt"], "mine"
+    )
+    (out / "config.json").unlink()
+    (out / "tokenizer.json").unlink()
+    writer = hf.SafetensorsShardWriter(out)  # notes.txt is no model's
+    writer.staging.mkdir()
+    (writer.staging / "notes.txt").write_text("the export's")
+    writer.add("w", torch.ones(2))
+    with pytest.raises(FileExistsError, match="notes.txt exists: an export never replaces it"):
+        writer.finish()
+    assert (out / "notes.txt").read_text() == "mine" and hf.existing_model(out) == []
+
+
 @pytest.mark.skipif(not Path("/sys").is_dir(), reason="needs /sys (Linux)")
 def test_an_out_dir_it_cannot_create_is_one_line(tmp_path, capsys) -> None:
     """mkdir in /sys died with PermissionError (root: EPERM, which access() does not foresee)."""

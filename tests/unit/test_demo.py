@@ -1,8 +1,12 @@
 """`make demo`'s choices on this CPU: fp32 where the CPU has no bf16 units (FP8 still
-emulated), its labels and title saying what ran. (The demo itself runs end to end in
-tests/integration/test_demo_processes.py.)"""
+emulated), its labels and title saying what ran; what it refuses before it removes anything.
+(The demo itself runs end to end in tests/integration/test_demo_processes.py.)"""
 
 from __future__ import annotations
+
+import sys
+
+import pytest
 
 from scripts import demo
 
@@ -30,3 +34,45 @@ def test_auto_follows_the_cpu(monkeypatch) -> None:
     monkeypatch.setattr(demo, "cpu_computes_bf16", lambda: None)  # no /proc/cpuinfo: probe
     monkeypatch.setattr(demo, "probe_native_bf16", lambda: True)
     assert demo.computes_bf16() is True
+
+
+def test_a_folder_the_demo_did_not_make_is_refused_and_kept(tmp_path, capsys) -> None:
+    """A user's folder at --out/NAME was deleted before the runs' flags were even checked."""
+    notes = tmp_path / "fp32" / "notes.txt"
+    notes.parent.mkdir()
+    notes.write_text("mine")
+    with pytest.raises(SystemExit) as exited:
+        demo.main([f"--out={tmp_path}", "--compute=fp32"])
+    assert exited.value.code == 2 and notes.read_text() == "mine"
+    assert capsys.readouterr().err.splitlines() == [
+        f"demo.py: error: --out: {notes.parent} holds what the demo did not write: move it or "
+        "pick another --out"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fp32"]
+
+
+def test_bad_train_flags_are_one_line_before_any_folder_is_touched(tmp_path, capsys) -> None:
+    earlier = tmp_path / "fp8"
+    earlier.mkdir()
+    (earlier / demo.MARK).touch()  # an earlier demo's run: kept until the flags are good
+    with pytest.raises(SystemExit) as exited:
+        demo.main([f"--out={tmp_path}", "--compute=fp32", "--steps=0"])
+    assert exited.value.code == 2 and (earlier / demo.MARK).exists()
+    assert capsys.readouterr().err.splitlines() == [
+        "demo.py: error: --max_steps must be > 0, got 0"
+    ]
+
+
+def test_a_run_replaces_the_demos_own_folder_and_a_failed_one_exits_with_its_code(
+    tmp_path, capsys
+) -> None:
+    run_dir = tmp_path / "fp8"
+    run_dir.mkdir()
+    (run_dir / demo.MARK).touch()
+    (run_dir / "metrics.jsonl").write_text("an earlier demo's\n")
+    assert demo.problem(run_dir, [sys.executable, "train.py"]) is None
+    assert demo.run(run_dir, [sys.executable, "-c", "pass"]) == run_dir
+    assert sorted(p.name for p in run_dir.iterdir()) == [demo.MARK]
+    with pytest.raises(SystemExit) as exited:  # train.py said why: no traceback beneath it
+        demo.run(run_dir, [sys.executable, "-c", "raise SystemExit(2)"])
+    assert exited.value.code == 2 and "Traceback" not in capsys.readouterr().err

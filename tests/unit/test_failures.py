@@ -619,7 +619,10 @@ def test_a_name_that_is_no_local_path_fails_fast_offline_or_unknown(monkeypatch)
         monkeypatch.setattr(constants, "ENDPOINT", hub.url)
         with pytest.raises(data.DataError, match="4f1c: no local file or folder of that name"):
             data.check_hub_dataset("no-such-user-4f1c/no-such-dataset-4f1c", timeout=5)
-    assert 1 <= hub.connections <= 2  # one look-up, not the datasets library's retries
+        asked = hub.connections
+        with pytest.raises(data.DataError, match="and it is no hub name .* or correct the name$"):
+            data.check_hub_dataset("my corpus", timeout=5)  # not "check the network"
+    assert 1 <= asked <= 2 and hub.connections == asked  # one look-up, not the library's retries
 
 
 def test_tiny_data_warns_that_each_batch_repeats_it(tmp_path: Path, caplog) -> None:

@@ -5,6 +5,7 @@ reads a pair of run folders as the command a user runs."""
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 from pathlib import Path
 
@@ -100,7 +101,9 @@ def test_the_command_reads_a_pair_and_prints_each_scale(tmp_path, capsys) -> Non
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit) as missing:
         ps.main([pair[0], str(tmp_path / "empty")])
-    assert missing.value.code == 2 and "holds no metrics.jsonl" in capsys.readouterr().err
+    assert (
+        missing.value.code == 2 and "empty/metrics.jsonl: no such file" in capsys.readouterr().err
+    )
 
 
 def test_a_pair_out_of_order_unlike_or_with_odd_links_is_one_line(tmp_path, capsys) -> None:
@@ -125,6 +128,48 @@ def test_a_pair_out_of_order_unlike_or_with_odd_links_is_one_line(tmp_path, caps
         assert refused.value.code == 2 and err.startswith("project_scale.py: error: ")
         assert words in err, (words, err)
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_a_metrics_line_still_being_written_is_left_out_and_a_damaged_one_named(
+    tmp_path, capsys
+) -> None:
+    """A run still writing its metrics.jsonl ends in half a line: read as compare_runs reads it
+    (left out), where it was "Expecting value: line 1 column 33" naming no file; a damaged line
+    before the last is refused with its file and line."""
+    pair = [_run(tmp_path / "bf16", False, 1000.0), _run(tmp_path / "fp8", True, 1200.0)]
+    assert ps.main(pair) == 0
+    whole = capsys.readouterr().out
+    with open(tmp_path / "fp8" / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 21, "loss')
+    assert ps.main(pair) == 0
+    assert capsys.readouterr().out == whole
+    with open(tmp_path / "fp8" / "metrics.jsonl", "a") as f:
+        f.write("\n")
+    with pytest.raises(SystemExit) as refused:
+        ps.main(pair)
+    assert refused.value.code == 2
+    assert capsys.readouterr().err == (
+        f"project_scale.py: error: {pair[1]}/metrics.jsonl: line 22 is not JSON (Unterminated "
+        "string starting at): fix or delete that line\n"
+    )
+
+
+def test_a_damaged_trace_is_refused_not_taken_for_no_trace(tmp_path, capsys) -> None:
+    """Flipped bytes inside a run's .gz trace (zlib's error) were a traceback; caught as no
+    trace, the projection would have gone on without the measured shares."""
+    pair = [_run(tmp_path / "bf16", False, 1000.0), _run(tmp_path / "fp8", True, 1200.0)]
+    trace = tmp_path / "fp8" / "profile" / "step_20" / "rank_0.pt.trace.json.gz"
+    trace.parent.mkdir(parents=True)
+    whole = gzip.compress(b'{"traceEvents": []}', mtime=0)
+    trace.write_bytes(whole[:10] + b"\x07" + whole[11:])  # a deflate block of the reserved type
+    with pytest.raises(SystemExit) as refused:
+        ps.main(pair)
+    assert refused.value.code == 2
+    assert capsys.readouterr().err == (
+        f"project_scale.py: error: {trace} cannot be read as a profiler trace: "
+        "error('Error -3 while decompressing data: invalid block type'); profile it again or "
+        "delete it\n"
+    )
 
 
 def _preflight(nodes: int, node_gbs: float, network_gbs: float) -> dict:

@@ -288,3 +288,18 @@ def test_library_import_noise_is_left_out_and_the_libraries_other_lines_kept(cap
         "int_mm fell back",
         "register_pytree_node is deprecated",
     ]
+
+
+def test_validate_only_refuses_data_too_small_to_validate(tmp_path, capsys) -> None:
+    """It said "ready", and every rank then stopped at start-up with this line, after the
+    launcher had made the run folder and started torchrun."""
+    import train
+
+    small = tmp_path / "small.jsonl"
+    small.write_text('{"text": "one short document"}\n')
+    argv = ["--recipe", "tiny-fp8", f"--dataset={small}", f"--output_dir={tmp_path / 'run'}"]
+    with pytest.raises(SystemExit) as exited:
+        train.main([*argv, "--validate_only"])
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and not (tmp_path / "run").exists()
+    assert line.startswith(f"train.py: error: --dataset {small}: the validation part has only 0")

@@ -91,6 +91,22 @@ def test_a_name_over_255_bytes_or_an_empty_out_is_one_line(tmp_path, capsys, fla
         assert "--out is empty" in refused(argv, capsys)
 
 
+@pytest.mark.parametrize("name", ["src", "tokenizers", "tokenizers/tokenizer"])
+def test_a_file_where_the_staging_makes_a_folder_is_refused_first(tmp_path, capsys, name) -> None:
+    """A file named as the dataset's folder or the tokenizers' in --out: the dataset was written
+    and removed, then "--out ... cannot be written (Not a directory)" (--out was fine), exit 1."""
+    dataset = corpus(tmp_path / "src", ["a document"])
+    out = tmp_path / "stage"
+    (out / name).parent.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text("mine")
+    before = sorted(out.rglob("*"))
+    assert refused(stage_argv(out, dataset), capsys) == (
+        f"stage_data.py: error: {out / name} is a file, not a folder: move it or choose another "
+        "--out\n"
+    )
+    assert sorted(out.rglob("*")) == before and (out / name).read_text() == "mine"
+
+
 def test_a_bad_record_past_the_scan_removes_what_was_staged(tmp_path, capsys, monkeypatch) -> None:
     """A number in the text column far into the data (train.py's start-up scan reads 8 MiB per
     file) stops the staging after some shards were written: they go, so a second try is not

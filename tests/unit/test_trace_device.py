@@ -6,6 +6,7 @@ and the categories adding up to the device's step; then analysis/step_breakdown.
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 from pathlib import Path
@@ -158,6 +159,30 @@ def test_step_breakdown_refuses_a_pair_of_different_models_in_one_line(tmp_path,
     err = script_refusal(step_breakdown.main, "step_breakdown.py", [bf16, fp8, "--no_hta"], capsys)
     assert f"{fp8} is not like {bf16}: hidden_width 128 vs 2048" in err
     assert "only --fp8 differs" in err
+
+
+def test_step_breakdown_refuses_a_damaged_or_cut_short_trace_in_one_line(tmp_path, capsys) -> None:
+    """Bytes flipped inside the .gz (zlib's error, which is no OSError) were a traceback; a
+    file cut short (the profiler still writing it) too is one line naming the file and the fix."""
+    from helpers.procs import script_refusal
+
+    run = _profiled(tmp_path / "a", "bf16", "te_llama32_1b_bf16.pt.trace.json.gz")
+    trace = tmp_path / "a" / "profile" / "step_1" / "rank_0.pt.trace.json.gz"
+    whole = gzip.compress(b'{"traceEvents": []}', mtime=0)
+    damaged = whole[:10] + b"\x07" + whole[11:]  # the first deflate block of the reserved type
+    for data, why in (
+        (damaged, "error('Error -3 while decompressing data: invalid block type')"),
+        (
+            whole[:-9],
+            "EOFError('Compressed file ended before the end-of-stream marker was reached')",
+        ),
+    ):
+        trace.write_bytes(data)
+        err = script_refusal(step_breakdown.main, "step_breakdown.py", [run, "--no_hta"], capsys)
+        assert err == (
+            f"step_breakdown.py: error: {trace} cannot be read as a profiler trace: {why}; "
+            "profile it again or delete it\n"
+        )
 
 
 def test_a_pair_whose_untouched_categories_moved_gets_no_ceiling(tmp_path) -> None:
