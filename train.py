@@ -70,7 +70,8 @@ def validate(argv: list[str] | None, *, training: bool = True) -> tuple[Config, 
     if training:  # a live run here, an output it cannot write, the resume policy (reads only)
         locks = run_lock.lock_dirs(config.run.output_dir, ckpt.checkpoint_dir)
         run_lock.check_not_locked(locks.values())
-        outputs.check_locations({**outputs.output_locations(config), **data.cache_location()})
+        locations = {**outputs.output_locations(config), **data.cache_location()}
+        outputs.check_locations(locations, source.dataset)
         checkpoint.check_before_start(config)  # checkpoint/resume.py
     return config, tokenizer
 

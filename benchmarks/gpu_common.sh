@@ -1,4 +1,4 @@
-# shellcheck shell=bash
+# shellcheck shell=bash disable=SC2154  # out: the sourcing script's OUT_DIR
 # What the GPU scripts of benchmarks/ share (sourced, not run): their OUT_DIR, their Python, the
 # checks of every run before the first starts, and the rule that they never replace a run
 # folder: each launch is a new folder in OUT_DIR. Bad input is one line on stderr, `PROG: error:
@@ -10,8 +10,10 @@ refuse() { echo "$prog: error: $*" >&2; exit 2; }
 # script makes it once all its checks passed); none given, or a flag where OUT_DIR belongs, is
 # the usage line and exit 2.
 out_dir() {
-    cd "$here"
-    [ -n "${2:-}" ] && [ "${2#-}" = "$2" ] || refuse "OUT_DIR comes first (got '${2:-}'): $1"
+    cd "$here" || exit 2
+    if [ -z "${2:-}" ] || [ "${2#-}" != "$2" ]; then
+        refuse "OUT_DIR comes first (got '${2:-}'): $1"
+    fi
     [ ! -e "$2" ] || [ -d "$2" ] || refuse "OUT_DIR $2 is a file, not a folder: $1"
     realpath -m -- "$2"
 }
@@ -44,6 +46,6 @@ launch() { RUNS_DIR=$out RUN_NAME=$1 bash "$root/1.train_llama.sbatch" --recipe 
 # builds), else python3 on PATH (a GPU machine's container). Run from the checkout, whatever
 # the caller's folder ($here): relative paths are the checkout's, as to the launcher.
 here=$PWD root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$root"
+cd "$root" || exit 2
 python=${PYTHON:-$root/.venv/bin/python}
 [ -x "$python" ] || python=python3

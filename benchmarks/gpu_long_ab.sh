@@ -46,8 +46,9 @@ dry='' arms=bf16-a,bf16-b,fp8,fp8-current,fp8-closer
 while [ $# -gt 0 ]; do
     case $1 in
         --dry_run) dry=--dry_run ;;
-        --arms) [ -n "${2:-}" ] && [ "${2#-}" = "$2" ] ||
-            refuse "--arms needs its NAME,... or none (e.g. --arms bf16-a,bf16-b,fp8): $usage"
+        --arms) if [ -z "${2:-}" ] || [ "${2#-}" != "$2" ]; then
+                refuse "--arms needs its NAME,... or none (e.g. --arms bf16-a,bf16-b,fp8): $usage"
+            fi
             arms=$2; shift ;;
         *) refuse "no option '$1': $usage" ;;
     esac

@@ -39,8 +39,10 @@ def exit_refused(exc: Refusal, *, is_main: bool = True) -> NoReturn:
 
 
 def said(prog: str, problem: object, status: int = 2) -> int:
-    """A command's refusal, ``PROG: error: ...`` on stderr; `status`, for its exit."""
-    print(f"{prog}: error: {problem}", file=sys.stderr, flush=True)
+    """A command's refusal, ``PROG: error: ...`` on stderr, on one line whatever a library put
+    in its message (transformers' config errors hold two); `status`, for its exit."""
+    words = " ".join(line.strip() for line in str(problem).splitlines() if line.strip())
+    print(f"{prog}: error: {words}", file=sys.stderr, flush=True)
     return status
 
 

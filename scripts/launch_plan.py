@@ -47,7 +47,7 @@ def slow_bf16_hint(train_args: Sequence[str], gpus: int, native_bf16: bool | Non
     """On a node without GPUs whose CPU has no bf16 units, a bf16 run (the default) is 20-30x
     slower than --bf16=0: one line saying so ('' elsewhere). Said, not decided: a run's flags
     and its folder's name never depend on the CPU model."""
-    if gpus or native_bf16 is not False or not switch_value(train_args, "bf16", default=True):
+    if gpus or native_bf16 is not False or not switch_value(expanded(train_args), "bf16", True):
         return ""
     return f"{cpu.slow_bf16_line()}; --bf16=0 computes in fp32 (FP8 still emulated)"
 
@@ -56,18 +56,19 @@ class UsageError(Exception):
     """A setting the user must change: one line, exit 2."""
 
 
-def with_recipes(args: Sequence[str]) -> list[str]:
-    """`args` with each --recipe expanded, as train.py expands it (UsageError if unknown)."""
+def expanded(args: Sequence[str], files_only: bool = False) -> list[str]:
+    """`args` as train.py reads them (every flag the launcher reads): each `@FILE` expanded
+    and, unless `files_only`, each --recipe (UsageError if unknown or unreadable)."""
     recipes = _load("model_utils/config/recipes.py")
     try:
-        return recipes.expand(args)
+        return (recipes.expand_files if files_only else recipes.expand)(args)
     except recipes.RecipeError as exc:
         raise UsageError(str(exc)) from exc
 
 
 def precision(args: Sequence[str]) -> str:
     """fp8, bf16 or fp32, as train.py names a run's precision (its default --output_dir)."""
-    return argv.precision_of(with_recipes(args))
+    return argv.precision_of(expanded(args))
 
 
 def run_folder(run_dir: str, args: Sequence[str], named: bool) -> str:
@@ -94,7 +95,7 @@ READ_FLAGS = (
 
 def check_spelled_out(args: Sequence[str]) -> None:
     """UsageError for an abbreviation of a flag in READ_FLAGS, before anything is created."""
-    for arg in args:
+    for arg in expanded(args):
         name = arg[2:].split("=", 1)[0] if arg.startswith("--") else ""
         matches = [
             f"--{full}" for full in READ_FLAGS if name and full != name and full.startswith(name)
@@ -113,17 +114,17 @@ def for_requeue(
 
     A requeued job re-runs its first arguments, but its checkpoints are now its own progress:
     --overwrite_output_dir would delete them, and an explicit --resume_from_checkpoint PATH
-    would go back to PATH and redo (and overwrite) the steps since. Both go, and the run
-    resumes from its own newest checkpoint. A PATH stays while the run has `saved` nothing
-    yet: without it the restart would train from scratch."""
-    dropped = []
-    if switch_value(args, "overwrite_output_dir"):
+    would go back to PATH and redo (and overwrite) the steps since. Both go (an @FILE's too:
+    its arguments then stand in its place), and the run resumes from its own newest checkpoint.
+    A PATH stays while the run has `saved` nothing yet: the restart would train from scratch."""
+    kept, dropped = expanded(args, files_only=True), []
+    if switch_value(kept, "overwrite_output_dir"):
         dropped.append("--overwrite_output_dir")
-        args = without_flag(args, "overwrite_output_dir", optional_value=True)
-    path = flag_value(args, "resume_from_checkpoint")
+        kept = without_flag(kept, "overwrite_output_dir", optional_value=True)
+    path = flag_value(kept, "resume_from_checkpoint")
     if saved and path not in (None, "auto"):
         dropped.append(f"--resume_from_checkpoint {path}")
-        args = without_flag(args, "resume_from_checkpoint")
+        kept = without_flag(kept, "resume_from_checkpoint")
     if not dropped:
         return list(args), ""
     note = (
@@ -131,7 +132,7 @@ def for_requeue(
         f"resuming from the newest checkpoint in {checkpoint_dir}"
         + ("" if saved else " (none yet: a fresh start)")
     )
-    return list(args), note
+    return kept, note
 
 
 def train_arguments(defaults: Sequence[str], run_dir: str, args: Sequence[str]) -> list[str]:
@@ -140,11 +141,12 @@ def train_arguments(defaults: Sequence[str], run_dir: str, args: Sequence[str]) 
     user decided: --output_dir (the checkpoints follow it, as train.py's default does), and
     `--resume_from_checkpoint auto` with their own resume or --overwrite_output_dir (which
     train.py refuses together)."""
-    own = [] if flag_value(args, "output_dir") is not None else ["--output_dir", run_dir]
-    if flag_value(with_recipes(args), "init_from_hf") is not None:  # an @FILE's too
+    given = expanded(args)
+    own = [] if flag_value(given, "output_dir") is not None else ["--output_dir", run_dir]
+    if flag_value(given, "init_from_hf") is not None:
         defaults = without_flag(defaults, "preset")  # the model is the checkpoint's config.json
-    if flag_value(args, "resume_from_checkpoint") is None and not switch_value(
-        args, "overwrite_output_dir"
+    if flag_value(given, "resume_from_checkpoint") is None and not switch_value(
+        given, "overwrite_output_dir"
     ):
         own += ["--resume_from_checkpoint", "auto"]
     return [*defaults, *own, *args]
@@ -153,8 +155,8 @@ def train_arguments(defaults: Sequence[str], run_dir: str, args: Sequence[str]) 
 def run_folders(train_args: Sequence[str]) -> tuple[str, str]:
     """(checkpoint folder, run folder) train.py will use, absolute as it resolves them (from
     the repository): --checkpoint_dir defaults to <output_dir>/checkpoints."""
-    out = os.path.expanduser(flag_value(train_args, "output_dir") or "")
-    ckpt = os.path.expanduser(flag_value(train_args, "checkpoint_dir") or "")
+    out = os.path.expanduser(flag_value(expanded(train_args), "output_dir") or "")
+    ckpt = os.path.expanduser(flag_value(expanded(train_args), "checkpoint_dir") or "")
     ckpt = ckpt or os.path.join(out, "checkpoints")
     return os.path.abspath(ckpt), os.path.abspath(out)
 
@@ -162,9 +164,9 @@ def run_folders(train_args: Sequence[str]) -> tuple[str, str]:
 def launch_mode(args: Sequence[str]) -> str:
     """'help' (-h/--help), 'validate' (--validate_only) or 'train': the first two are answered
     by the launcher's one argument check, with no torchrun and no run folder."""
-    if any(arg in ("-h", "--help") for arg in args):
+    if any(arg in ("-h", "--help") for arg in expanded(args)):
         return "help"
-    return "validate" if switch_value(args, "validate_only") else "train"
+    return "validate" if switch_value(expanded(args), "validate_only") else "train"
 
 
 def restart_count(env: Mapping[str, str]) -> int:

@@ -43,8 +43,9 @@ command line stands for the flags in FILE, so `.venv/bin/python train.py @runs/t
 the same run again. Everything before the file gives way to it; flags after it win. Left out of
 the file: what names one launch rather than the run ("this launch" below: where it writes, how it
 starts, what it exports or allows once), except `--init_from_hf`, the weights it started from.
-Any file of flags works the same way: a line is `--flag=value` or `--flag value`, `#` lines are
-comments, and a file that names itself is refused.
+Any file of flags works the same way: a line is `--flag=value` or `--flag value`, split as a
+shell splits it (quote a value with spaces; `#` starts a comment), and a file that names itself
+is refused.
 
 "On resume" is what a resume of the run's own checkpoints (`--resume_from_checkpoint`, a
 requeue) may do with the flag's value (`model_utils/config/flag_spec.py` declares it, one rule

@@ -532,11 +532,13 @@ def dir_bytes(path: Path) -> int:
 
 
 def remove_stale_temporaries(checkpoint_dir: Path) -> None:
-    """Rank 0: delete the `.tmp-*` folders a crashed or failed save left (never resumed from)."""
+    """Rank 0: delete the `.tmp-step_N` folders a crashed or failed save left (never resumed
+    from); any other name, a user's `.tmp-notes` among them, is not a save's to delete."""
     if current_rank() != 0 or not checkpoint_dir.is_dir():
         return
-    for stale in checkpoint_dir.glob(f"{TMP_PREFIX}*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    for stale in checkpoint_dir.glob(f"{TMP_PREFIX}step_*"):
+        if step_of(stale.name.removeprefix(TMP_PREFIX).removesuffix(".replaced")) is not None:
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def verified_checkpoints(checkpoint_dir: str | Path) -> list[Path]:

@@ -38,11 +38,12 @@ def checkpoint_problem(path: str | Path) -> str | None:
     if path.name.startswith(TMP_PREFIX):
         return f"checkpoint {path} is an unfinished save (temporary name)"
     if not (path / DCP_METADATA).is_file():
-        inside = complete_checkpoints(path)
-        if inside:  # the checkpoint folder itself, given for one checkpoint
+        inside = complete_checkpoints(path) or complete_checkpoints(path / "checkpoints")
+        if inside:  # the checkpoint folder itself (or its run's), given for one checkpoint
             return (
                 f"{path} is a folder of checkpoints, not one: give one of them (newest: "
-                f"{inside[-1]}), or --resume_from_checkpoint auto with --checkpoint_dir {path}"
+                f"{inside[-1]}), or --resume_from_checkpoint auto with --checkpoint_dir "
+                f"{inside[-1].parent}"
             )
         return f"checkpoint {path} has no {DCP_METADATA}: not a DCP checkpoint or not finished"
     if not (path / MARKER).is_file():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import sys
 import typing
 from dataclasses import fields
@@ -264,7 +265,8 @@ def saved_args(config: Config) -> list[str]:
         value = config.get(name)
         if value is None or (name in typed_matters and value == action.default):
             continue
-        lines.append(f"--{name}={int(value) if isinstance(value, bool) else value}")
+        value = int(value) if isinstance(value, bool) else value
+        lines.append(f"--{name}={shlex.quote(str(value))}")  # recipes.args_file splits it
     return lines
 
 

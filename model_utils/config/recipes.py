@@ -11,7 +11,10 @@ precision), on whatever Python the batch host has.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import shlex
 from collections.abc import Sequence
 
 # One node of 8xH100, full depth. The settings are the fastest measured per layer on one H100
@@ -79,24 +82,28 @@ def flags(name: str) -> list[str]:
     return [*shared, *extra]
 
 
-def _words(line: str) -> list[str]:
-    """One line of an `@FILE`: `--flag=value` (a value may hold spaces) or `--flag value`."""
-    first, _, rest = line.partition(" ")
-    if first.startswith("-") and "=" not in first and rest.strip():
-        return [first, rest.strip()]
-    return [line]
+def _words(line: str, where: str) -> list[str]:
+    """One line of an `@FILE` as a shell splits it: quotes keep spaces, a `#` starting a word
+    starts a comment; RecipeError for a line that does not split (an unclosed quote)."""
+    try:
+        for comment in re.finditer(r"(?<!\S)#", line):  # the first one outside quotes
+            with contextlib.suppress(ValueError):
+                return shlex.split(line[: comment.start()])
+        return shlex.split(line)
+    except ValueError as exc:
+        raise RecipeError(f"{where}: {str(exc).lower()}: {line}") from None
 
 
 def args_file(path: str) -> list[str]:
-    """The arguments of an `@FILE`: one per line (`--flag=value` or `--flag value`), blank and
-    `#` lines skipped."""
+    """The arguments of an `@FILE`, line by line (`--flag=value` or `--flag value`, a value
+    with spaces or `#` quoted): blank and `#` lines skipped."""
     try:
         with open(os.path.expanduser(path), encoding="utf-8") as fh:
-            lines = [line.strip() for line in fh.read().splitlines()]
+            lines = fh.read().splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         words = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise RecipeError(f"@{path}: cannot read the arguments file ({words})") from None
-    return [word for line in lines if line and line[0] != "#" for word in _words(line)]
+    return [word for n, line in enumerate(lines, 1) for word in _words(line, f"@{path} line {n}")]
 
 
 def expand_files(argv: Sequence[str], within: tuple[str, ...] = ()) -> list[str]:
@@ -117,8 +124,7 @@ def expand_files(argv: Sequence[str], within: tuple[str, ...] = ()) -> list[str]
 
 def expand(argv: Sequence[str]) -> list[str]:
     """`argv` with each `--recipe NAME` (or `--recipe=NAME`) replaced in place by its flags,
-    and each `@FILE` by the arguments in FILE (a run folder's run.args): one per line, `#`
-    lines skipped, as argparse reads such a file; later arguments override it."""
+    and each `@FILE` by its arguments (args_file: a run folder's run.args); later ones win."""
     out: list[str] = []
     args = iter(expand_files(argv))
     for arg in args:

@@ -80,8 +80,10 @@ def local_files(path: Path) -> tuple[str, list[str], list[str]]:
     if not files:
         raise UsageError(f"--dataset {path}: no {'/'.join(BUILDERS)} files in this folder")
     builders = {builder_for(p) for p in files}
-    if len(builders) > 1:
-        raise UsageError(f"--dataset {path}: mixes file formats ({', '.join(sorted(builders))})")
+    if len(builders) > 1:  # one file of each format, so the user sees which to move away
+        each = {builder_for(p): p.relative_to(path) for p in reversed(files)}
+        named = ", ".join(f"{b} ({each[b]})" for b in sorted(builders))
+        raise UsageError(f"--dataset {path}: mixes file formats: {named}; keep one in the folder")
     train, validation = [], []
     for file in files:
         relative = str(file.relative_to(path)).lower()

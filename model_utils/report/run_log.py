@@ -136,9 +136,12 @@ class RunLog:
         other = metrics.identity_change(first_run_record(self.jsonl_path), run)
         if start_step == 0 or other:
             aside = set_aside(self.jsonl_path)
+            flags = set_aside(Path(self.config.run.output_dir) / RUN_ARGS)  # its flags with them
             if aside is not None:
                 why = f"another run's records ({other})" if other else "an earlier run's"
                 log.info("metrics.jsonl here held %s: kept as %s", why, aside, stacklevel=3)
+            if flags is not None:
+                log.info("run.args here held its flags: kept as %s", flags, stacklevel=3)
         return other
 
     def _open_trackers(self, run: dict, start_step: int) -> None:

@@ -459,7 +459,10 @@ def test_a_model_that_appears_in_the_export_dir_mid_run_is_kept_and_so_is_the_ru
         env=env,
     )
     assert convert.returncode == 0, convert.stderr
-    assert existing_model(tmp_path / "hf2") == ["model.safetensors"]
+    assert existing_model(tmp_path / "hf2") == [  # the weights with their config and tokenizer
+        *("config.json", "generation_config.json", "model.safetensors"),
+        *("tokenizer.json", "tokenizer_config.json"),
+    ]
 
 
 def test_a_read_only_checkpoint_dir_is_refused_at_start(

@@ -235,13 +235,15 @@ def test_preemption_signal_checkpoints_and_auto_resume_finishes_the_same(tmp_pat
     assert losses(out)[12] == losses(reference)[12]
     # A resume continues its run's metrics.jsonl: both segments, one summary over 12 steps.
     assert "kept as" not in result.stdout and not (out / "metrics.1.jsonl").exists()
+    assert not (out / "run.1.args").exists()
     assert sorted(losses(out)) == list(range(1, 13))
     assert "last step 12" in result.stdout
 
 
 def test_a_fresh_run_sets_an_earlier_runs_metrics_aside(tmp_path):
-    """Two fresh runs into one --output_dir (no checkpoints): the second's metrics.jsonl and
-    TensorBoard folder hold only its own steps; the first's are kept beside them."""
+    """Two fresh runs into one --output_dir (no checkpoints): the second's metrics.jsonl,
+    TensorBoard folder and run.args hold only its own; the first's are kept beside them (its
+    run.args was replaced)."""
     out = tmp_path / "run"
     common = [*FAST, "--warmup=1", "--validation_batches=1", "--checkpoint_freq=-1"]
     common += ["--tensorboard=1", f"--output_dir={out}"]
@@ -249,6 +251,9 @@ def test_a_fresh_run_sets_an_earlier_runs_metrics_aside(tmp_path):
     second = run_train(*common, "--max_steps=2")
     assert f"kept as {out / 'metrics.1.jsonl'}" in second.stdout
     assert f"kept in {out / 'tensorboard.1'}" in second.stdout
+    assert f"run.args here held its flags: kept as {out / 'run.1.args'}" in second.stdout
+    assert "--max_steps=3" in (out / "run.1.args").read_text().splitlines()  # the first's
+    assert "--max_steps=2" in (out / "run.args").read_text().splitlines()
     assert sorted(losses(out)) == [1, 2]
     first = [json.loads(ln) for ln in (out / "metrics.1.jsonl").read_text().splitlines()]
     assert [r["step"] for r in first if r["kind"] == "train"] == [1, 2, 3]

@@ -54,7 +54,10 @@ def test_auto_resume_picks_newest_complete(tmp_path: Path) -> None:
     newest = _fake_checkpoint(tmp_path, "step_00000020")
     _fake_checkpoint(tmp_path, "step_00000100", marker=False)  # crashed before publish
     _fake_checkpoint(tmp_path, ".tmp-step_00000200")
+    _fake_checkpoint(tmp_path, ".tmp-step_00000020.replaced")  # a save that replaced step 20
     (tmp_path / "notes.txt").write_text("not a checkpoint")
+    (tmp_path / ".tmp-mine").mkdir()  # a user's: no save of the recipe made it
+    (tmp_path / ".tmp-step_mine").mkdir()
     assert latest_checkpoint(tmp_path) == newest
     assert ck.Checkpointer(tmp_path).latest() == newest
     assert ck.checkpoint_to_resume(None, tmp_path) is None
@@ -62,6 +65,21 @@ def test_auto_resume_picks_newest_complete(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=f"is a folder of checkpoints, not one: .*{newest}"):
         ck.check_resume_arg(str(tmp_path))  # was "has no .metadata: not a DCP ..."
     assert not (tmp_path / ".tmp-step_00000200").exists()  # cleaned by the Checkpointer
+    assert not (tmp_path / ".tmp-step_00000020.replaced").exists()
+    assert (tmp_path / ".tmp-mine").is_dir() and (tmp_path / ".tmp-step_mine").is_dir()
+
+
+def test_a_run_folder_given_as_the_checkpoint_names_its_newest(tmp_path: Path) -> None:
+    """It said "has no .metadata: not a DCP checkpoint", with no word of checkpoints/."""
+    (tmp_path / "checkpoints").mkdir()
+    newest = _fake_checkpoint(tmp_path / "checkpoints", "step_00000020")
+    with pytest.raises(ValueError) as refused:
+        ck.check_resume_arg(str(tmp_path))
+    assert str(refused.value) == (
+        f"--resume_from_checkpoint: {tmp_path} is a folder of checkpoints, not one: give one of "
+        f"them (newest: {newest}), "
+        f"or --resume_from_checkpoint auto with --checkpoint_dir {tmp_path / 'checkpoints'}"
+    )
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

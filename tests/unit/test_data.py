@@ -425,6 +425,15 @@ def test_bad_dataset_and_tokenizer_arguments(tmp_path, corpus, tokenizer):
         data.check_dataset(str(tmp_path), None)
     with pytest.raises(ValueError, match="unsupported file type"):
         data.check_dataset(str(tmp_path / "notes.md"), None)
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "README.txt").write_text("about the data")
+    with pytest.raises(ValueError) as mixed:  # it named neither file
+        data.check_dataset(str(tmp_path), None)
+    assert str(mixed.value) == (
+        f"--dataset {tmp_path}: mixes file formats: json (a.jsonl), text (sub/README.txt); keep "
+        "one in the folder"
+    )
     with pytest.raises(ValueError, match="hub datasets only"):
         data.check_dataset(corpus, "en")
     data.check_dataset("allenai/c4", "en")  # hub names are not looked up here

@@ -711,6 +711,25 @@ def test_an_unwritable_hugging_face_cache_is_named_not_blamed_on_the_data(
     assert line.startswith(f"--dataset {BUNDLED_DATASET}: rank 0 could not read its data")
 
 
+def test_a_run_folder_inside_the_dataset_folder_is_refused_at_start(tmp_path) -> None:
+    """It trained, then its resume read the run's own metrics.jsonl as data and was refused
+    ("has no column 'text'"): a requeue could never continue it."""
+    from model_utils.run import outputs
+
+    data = tmp_path / "corpus"
+    data.mkdir()
+    run = data / "runs" / ".." / "run"
+    with pytest.raises(outputs.WriteProblem) as refused:
+        outputs.check_locations(
+            {"--output_dir": tmp_path / "run", "--checkpoint_dir": run}, str(data)
+        )
+    assert str(refused.value) == (
+        f"--checkpoint_dir {run} is inside --dataset {data}, read whole as text: choose "
+        "another --checkpoint_dir"
+    )
+    outputs.check_locations({"--output_dir": tmp_path / "run"}, str(data / "one.jsonl"))
+
+
 def test_a_folder_asking_to_run_its_own_code_is_refused_without_a_question(
     tmp_path, monkeypatch
 ) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import os
 import re
 import subprocess
 import sys
@@ -348,6 +349,24 @@ def test_a_script_run_by_path_without_the_environment_says_so_in_one_line(folder
     assert done.stderr == (
         f"{script}.py: error: {sys.executable} has no module 'torch': run .venv/bin/python -m "
         f"{folder}.{script} (the environment make creates)\n"
+    )
+
+
+def test_ctrl_c_while_a_script_loads_torch_is_one_line(tmp_path):
+    """Ctrl-C in the first seconds of `python -m scripts.convert_checkpoint` was a 30-line
+    traceback of torch's import (here: a torch whose import is interrupted)."""
+    (tmp_path / "torch.py").write_text("raise KeyboardInterrupt\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "scripts.convert_checkpoint", "a", "b"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    assert (done.returncode, done.stderr) == (
+        130,
+        "convert_checkpoint.py: error: interrupted while loading\n",
     )
 
 

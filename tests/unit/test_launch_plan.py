@@ -103,6 +103,7 @@ def run_plan(env: dict[str, str], run_dir: str, *user: str, named: bool = True) 
         "mode": got.mode,
         "note": got.note,
         "checkpoint_dir": got.checkpoint_dir,
+        "output_dir": got.output_dir,
         "args": got.train_args,
     }
 
@@ -239,3 +240,72 @@ def test_the_launcher_reads_arguments_as_train_py_parses_them(user: list[str]) -
     assert launch_plan.precision(["--preset", "tiny", *user]) == config.precision.name
     mode = "validate" if config.run.validate_only else "train"
     assert launch_plan.launch_mode(user) == mode
+
+
+def args_file(tmp_path: Path, *lines: str) -> str:
+    """`@FILE` of `lines` (an arguments file), as the user passes it."""
+    path = tmp_path / "my.args"
+    path.write_text("\n".join(lines) + "\n")
+    return f"@{path}"
+
+
+@pytest.mark.parametrize(
+    ("lines", "checkpoints", "run", "auto"),
+    [
+        (["--output_dir /x/mine"], "/x/mine/checkpoints", "/x/mine", True),
+        (["--output_dir=/x/mine", "--checkpoint_dir /x/ckpt"], "/x/ckpt", "/x/mine", True),
+        (["--overwrite_output_dir 1"], "/runs/local-bf16/checkpoints", "/runs/local-bf16", False),
+        (["--resume_from_checkpoint=/old/step_00000100"], "", "/runs/local-bf16", False),
+        (["--fp8 1  # a comment", "--output_dir '/x/q r'"], "/x/q r/checkpoints", "/x/q r", True),
+    ],
+)
+def test_the_launcher_reads_the_flags_of_an_args_file_as_train_py_does(
+    tmp_path: Path, lines: list[str], checkpoints: str, run: str, auto: bool
+) -> None:
+    """An `@FILE`'s --output_dir moves the run (no launcher folder made beside it), and its
+    --overwrite_output_dir or --resume_from_checkpoint is the user's decision: no `auto` added
+    (train.py refuses it beside --overwrite_output_dir). The file itself goes on to train.py."""
+    file = args_file(tmp_path, *lines)
+    plan = run_plan({}, "/runs/local", file, named=False)
+    assert plan["checkpoint_dir"] == (checkpoints or f"{run}/checkpoints")
+    assert plan["output_dir"] == run
+    assert ("--output_dir" in plan["args"]) == (run == "/runs/local-bf16")
+    assert ("auto" in plan["args"]) == auto and plan["args"][-1] == file
+
+
+@pytest.mark.parametrize(
+    "line", ["--resume_from_checkpoint /old/step_00000100", "--overwrite_output_dir"]
+)
+def test_a_requeue_drops_an_args_files_resume_and_overwrite_too(tmp_path: Path, line: str) -> None:
+    """A requeue's rewriting reaches into an `@FILE`: its arguments stand in its place,
+    without the flag that would rewind or delete the run's own checkpoints."""
+    run = tmp_path / "r"
+    (run / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000004" / "checkpoint.json").write_text("{}")
+    (run / "checkpoints" / "step_00000004" / ".metadata").write_text("")
+    file = args_file(tmp_path, "--seed 3", line, "--lr='1e-4'  # a comment")
+    first = run_plan({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "0"}, str(run), file)
+    assert first["args"][-1] == file and not first["note"]
+    again = run_plan({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1"}, str(run), file)
+    assert again["args"] == [
+        *DEFAULTS,
+        "--output_dir",
+        str(run),
+        "--resume_from_checkpoint",
+        "auto",
+        "--seed",
+        "3",
+        "--lr=1e-4",
+    ]
+    assert again["note"].startswith(f"restart 1: without {line} (for the first start only)")
+
+
+def test_help_validate_only_abbreviations_and_bf16_are_read_from_an_args_file_too(
+    tmp_path: Path,
+) -> None:
+    assert launch_plan.launch_mode([args_file(tmp_path, "--validate_only")]) == "validate"
+    assert launch_plan.launch_mode(["--preset", "tiny", args_file(tmp_path, "-h")]) == "help"
+    with pytest.raises(launch_plan.UsageError, match="^--output: write --output_dir in full"):
+        launch_plan.check_spelled_out([args_file(tmp_path, "--output /x")])
+    hint = launch_plan.slow_bf16_hint
+    assert hint([args_file(tmp_path, "--bf16=0")], gpus=0, native_bf16=False) == ""

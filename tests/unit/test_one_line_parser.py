@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from model_utils.errors import OneLineParser, UsageError
+from model_utils.errors import OneLineParser, UsageError, said
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Where the commands live; the launcher checks its flags with train.py's own parser.
@@ -73,3 +73,13 @@ def test_every_command_refuses_an_unknown_flag_in_one_line(module, capsys, monke
     err = capsys.readouterr().err.strip().splitlines()
     assert exited.value.code == 2, err
     assert len(err) == 1 and err[0].startswith(f"{module.rsplit('.')[-1]}.py: error: "), err
+
+
+def test_a_refusal_whose_message_holds_lines_is_still_one_line(capsys) -> None:
+    """--init_from_hf with `"hidden_size": "256"` printed transformers' two-line message."""
+    problem = "cannot read config.json: Validation error for field 'hidden_size':\n  TypeError: x"
+    assert said("train.py", problem) == 2
+    assert capsys.readouterr().err == (
+        "train.py: error: cannot read config.json: Validation error for field 'hidden_size': "
+        "TypeError: x\n"
+    )

@@ -82,12 +82,20 @@ def test_an_args_file_that_cannot_be_read_is_one_line(tmp_path) -> None:
 
 
 def test_an_args_file_takes_flag_and_value_on_one_line_and_never_reads_itself(tmp_path) -> None:
-    """`--max_steps 3` on a line is a flag and its value (a `--flag=value` keeps its spaces);
-    a file that names itself, directly or through another, is one line, not a RecursionError."""
+    """A line is split as a shell splits it: `--max_steps 3` is a flag and its value, quotes
+    keep spaces and `#`, a `#` starting a word starts a comment; a file that names itself,
+    directly or through another, is one line, not a RecursionError."""
     args = tmp_path / "a.args"
-    args.write_text("--max_steps 3\n--dataset_config_name=two words\n")
+    args.write_text(
+        "--max_steps 2 # two steps\n  # indented comment\n--dataset_config_name 'two  words'\n"
+        '--output_dir "/tmp/q r" --text_column=a#b\n'
+    )
     run = parse_args([f"@{args}"])
-    assert (run.run.max_steps, run.data.dataset_config_name) == (3, "two words")
+    assert (run.run.max_steps, run.data.dataset_config_name) == (2, "two  words")
+    assert (run.run.output_dir, run.data.text_column) == ("/tmp/q r", "a#b")
+    args.write_text("--max_steps 3\n--dataset_config_name=two words\n")  # unquoted: two words
+    with pytest.raises(UsageError, match="^unrecognized arguments: words$"):
+        parse_args([f"@{args}"])
     other = tmp_path / "b.args"
     other.write_text(f"@{args}\n")
     args.write_text(f"--max_steps 3\n@{other}\n")
@@ -96,6 +104,27 @@ def test_an_args_file_takes_flag_and_value_on_one_line_and_never_reads_itself(tm
     assert str(refused.value) == (
         f"@{args}: an arguments file names itself (@{args} -> @{other} -> @{args}); remove the line"
     )
+
+
+@pytest.mark.parametrize("line", ['--output_dir "/tmp/q r', "--max_steps=2 'two # steps"])
+def test_an_args_file_line_that_does_not_split_is_one_line(tmp_path, line: str) -> None:
+    args = tmp_path / "a.args"
+    args.write_text(f"--max_steps 3\n{line}\n")
+    with pytest.raises(UsageError) as refused:
+        parse_args([f"@{args}"])
+    assert str(refused.value) == f"@{args} line 2: no closing quotation: {line}"
+
+
+def test_run_args_keep_values_with_spaces_comments_and_quotes_exactly(tmp_path) -> None:
+    """run.args is read as a shell splits it: a value with spaces, `#` or quotes is written
+    quoted and reads back the same."""
+    odd = 'it\'s "two"  words # and a\\b'
+    run = parse_args(["--preset", "tiny", "--dataset_config_name", odd, "--text_column=#p"])
+    saved = tmp_path / "run.args"
+    saved.write_text("\n".join(saved_args(run)) + "\n")
+    again = parse_args([f"@{saved}"])
+    assert (again.data.dataset_config_name, again.data.text_column) == (odd, "#p")
+    assert "--preset=tiny" in saved.read_text().splitlines()  # plain values as they were
 
 
 def test_run_args_leave_out_what_names_one_launch(tmp_path) -> None:
