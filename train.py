@@ -71,7 +71,7 @@ def validate(argv: list[str] | None, *, training: bool = True) -> tuple[Config, 
         locks = run_lock.lock_dirs(config.run.output_dir, ckpt.checkpoint_dir)
         run_lock.check_not_locked(locks.values())
         locations = {**outputs.output_locations(config), **data.cache_location()}
-        outputs.check_locations(locations, source.dataset)
+        outputs.check_locations(locations, source.dataset, probe=config.run.validate_only)
         checkpoint.check_before_start(config)  # checkpoint/resume.py
     return config, tokenizer
 

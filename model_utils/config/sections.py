@@ -564,8 +564,8 @@ class RunConfig:
         ),
     )
     validate_only: bool = flag(
-        "check flags, data, tokenizer and checkpoint, then exit: 0 ready, 2 bad input "
-        "(the launcher runs this once before torchrun)",
+        "check flags, data, tokenizer, checkpoint and the folders it writes (a probe file, "
+        "removed), then exit: 0 ready, 2 bad input (the launcher runs this once before torchrun)",
         resume=Resume.LAUNCH,
         default=False,
     )

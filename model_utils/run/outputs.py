@@ -60,16 +60,18 @@ def location_problem(flag: str, path: Path) -> str | None:
     return None
 
 
-def check_locations(locations: dict[str, Path], dataset: str = "") -> None:
+def check_locations(locations: dict[str, Path], dataset: str = "", probe: bool = False) -> None:
     """WriteProblem (one line) for the first location that cannot be written, or that lies in
     the local `dataset` folder: its every file is read as text (a resume would read the run's
-    own metrics as data, and refuse). Reads only."""
+    own metrics as data, and refuse). Reads only, unless `probe` (--validate_only, before the
+    launcher makes any folder): then each is written as the run will (probe_write)."""
     data = Path(dataset).expanduser().resolve() if dataset else None
     for flag, path in locations.items():
         if data and data.is_dir() and path.resolve().is_relative_to(data):
             inside = f"{flag} {path} is inside --dataset {dataset}, read whole as text"
             refuse(f"{inside}: choose another {flag}", WriteProblem)
-        refuse(location_problem(flag, path), WriteProblem)
+        problem = location_problem(flag, path)
+        refuse(problem or (probe_write(flag, path) if probe else None), WriteProblem)
 
 
 def probe_write(flag: str, path: Path) -> str | None:

@@ -153,7 +153,9 @@ class RunProfiler:
     def __init__(self, run, rank: int, world_size: int, device: torch.device, done: int) -> None:
         self.output_dir, self.rank, self.world_size = Path(run.output_dir), rank, world_size
         self.device, self.done = device, done
-        self.window = plan_window(run.profile_steps, done)
+        spec, self.window = run.profile_steps, plan_window(run.profile_steps, done)
+        if spec and self.window is None and rank == 0:  # a resume past the window
+            log.warning("--profile_steps %s ended before step %d: no trace", spec, done + 1)
         self.snapshot_step = run.memory_snapshot_step
         self._prof: torch.profiler.profile | None = None
         self._dropping = False

@@ -92,7 +92,9 @@ NON_TEST_CODE = ("*.py", "*.sh", "*.sbatch", "*.dockerfile", "Makefile")
 #: (10), a save's stale temporaries told from a user's `.tmp-*` (2), an earlier run's run.args
 #: set aside with its metrics (3), a run folder inside the dataset folder refused (6), every
 #: refusal printed on one line (2), Ctrl-C while a command loads torch (3), which files mix
-#: formats and where a run folder's checkpoints are (3), the GPU scripts' shellcheck (3).
+#: formats and where a run folder's checkpoints are (3), the GPU scripts' shellcheck (3); 23,487
+#: with --validate_only writing a probe file where the run will write, and removing it (2);
+#: 23,489 with a launch past --profile_steps' window saying that it traces nothing (2).
 MAX_NON_TEST_LINES = 23_490
 
 

@@ -59,6 +59,19 @@ def test_the_window_a_launch_traces(spec, done, window) -> None:
     assert plan_window(spec, done) == window
 
 
+def test_a_launch_past_the_window_says_nothing_is_profiled(tmp_path, caplog) -> None:
+    """A resume at step 40 of a run with --profile_steps 20:23 traced nothing, silently."""
+    run = SimpleNamespace(
+        output_dir=str(tmp_path), profile_steps="20:23", memory_snapshot_step=None
+    )
+    with caplog.at_level("WARNING", logger="train"):
+        RunProfiler(run, 0, 1, torch.device("cpu"), 40)
+        RunProfiler(run, 0, 1, torch.device("cpu"), 22)  # inside: the rest is traced
+    assert [r.getMessage() for r in caplog.records] == [
+        "--profile_steps 20:23 ended before step 41: no trace"
+    ]
+
+
 def test_a_resume_may_change_the_observation_flags() -> None:
     saved = {"profile_steps": None, "memory_snapshot_step": None, "tensorboard": False}
     now = {"profile_steps": "5:6", "memory_snapshot_step": 0, "tensorboard": True}

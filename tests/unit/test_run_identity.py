@@ -332,3 +332,19 @@ def test_validate_only_refuses_data_too_small_to_validate(tmp_path, capsys) -> N
     [line] = capsys.readouterr().err.strip().splitlines()
     assert exited.value.code == 2 and not (tmp_path / "run").exists()
     assert line.startswith(f"train.py: error: --dataset {small}: the validation part has only 0")
+
+
+@pytest.mark.skipif(not Path("/sys/kernel").is_dir(), reason="needs /sys (Linux)")
+def test_validate_only_writes_where_the_run_will_and_leaves_nothing(tmp_path, capsys) -> None:
+    """It said "ready" for an --export_hf in /sys (writable to root by access()); the launcher
+    then made the run folder, started torchrun, and the run refused there."""
+    import train
+
+    argv = ["--recipe", "tiny-fp8", f"--output_dir={tmp_path / 'run'}", "--validate_only"]
+    with pytest.raises(SystemExit) as exited:
+        train.main([*argv, "--export_hf=/sys/kernel/x"])
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and list(tmp_path.iterdir()) == []
+    assert line.startswith("train.py: error: --export_hf /sys/kernel/x cannot be written")
+    train.main(argv)  # a good one is written and removed, as before
+    assert list(tmp_path.iterdir()) == []
