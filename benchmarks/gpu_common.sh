@@ -1,8 +1,7 @@
 # shellcheck shell=bash disable=SC2154  # out: the sourcing script's OUT_DIR
 # What the GPU scripts of benchmarks/ share (sourced, not run): their OUT_DIR, their Python, the
-# checks of every run before the first starts, and the rule that they never replace a run
-# folder: each launch is a new folder in OUT_DIR. Bad input is one line on stderr, `PROG: error:
-# what and how to fix it`, exit 2, before anything is made or run.
+# checks of every run before the first starts, the rule that they never replace a run folder,
+# and bad input as one line on stderr (`PROG: error: ...`), exit 2, before anything is made.
 prog=${0##*/}
 refuse() { echo "$prog: error: $*" >&2; exit 2; }
 

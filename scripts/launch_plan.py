@@ -155,8 +155,9 @@ def train_arguments(defaults: Sequence[str], run_dir: str, args: Sequence[str]) 
 def run_folders(train_args: Sequence[str]) -> tuple[str, str]:
     """(checkpoint folder, run folder) train.py will use, absolute as it resolves them (from
     the repository): --checkpoint_dir defaults to <output_dir>/checkpoints."""
-    out = os.path.expanduser(flag_value(expanded(train_args), "output_dir") or "")
-    ckpt = os.path.expanduser(flag_value(expanded(train_args), "checkpoint_dir") or "")
+    given = expanded(train_args)
+    out = os.path.expanduser(flag_value(given, "output_dir") or "")
+    ckpt = os.path.expanduser(flag_value(given, "checkpoint_dir") or "")
     ckpt = ckpt or os.path.join(out, "checkpoints")
     return os.path.abspath(ckpt), os.path.abspath(out)
 
@@ -164,9 +165,9 @@ def run_folders(train_args: Sequence[str]) -> tuple[str, str]:
 def launch_mode(args: Sequence[str]) -> str:
     """'help' (-h/--help), 'validate' (--validate_only) or 'train': the first two are answered
     by the launcher's one argument check, with no torchrun and no run folder."""
-    if any(arg in ("-h", "--help") for arg in expanded(args)):
-        return "help"
-    return "validate" if switch_value(expanded(args), "validate_only") else "train"
+    given = expanded(args)
+    asked = "help" if any(arg in ("-h", "--help") for arg in given) else None
+    return asked or ("validate" if switch_value(given, "validate_only") else "train")
 
 
 def restart_count(env: Mapping[str, str]) -> int:
