@@ -15,9 +15,9 @@ on the nodes on the job's Python (the container's, or the venv's). Subcommands:
   finished CKPT_DIR
             exit 0 when the newest complete checkpoint is at the run's max_steps (asked only
             after a preemption, before a requeue)
-  folders DIR...
-            without Slurm, after the check: the run's folders, or one line and exit 2 (with
-            nothing of them left) where one cannot be made
+  unmade DIR...
+            after a failed training step: the folders this launch created (deepest first)
+            that the run left holding nothing but its released lock, removed
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from launch_plan import UsageError, cpu, launch_records, make_dirs, published, slow_bf16_hint
+from launch_plan import UsageError, cpu, launch_records, published, slow_bf16_hint
 
 # The signals that ask train.py for a checkpoint at its next logging step, then an exit.
 FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
@@ -53,6 +53,7 @@ OWN_LINE_CODES = (2, 4)
 #: What the launcher's death sends torchrun (one of PET_SIGNALS_TO_HANDLE): torchrun then ends
 #: its workers, so no rank trains on headless, holding the run folder.
 PARENT_DEATH_SIGNAL = signal.SIGHUP
+LOCK_FILE = ".run.lock"  # model_utils/run/run_lock.py's LOCK_NAME
 
 
 # ---- The per-node part: torchrun with one worker per GPU
@@ -390,6 +391,18 @@ class TorchrunErrors:
         return status
 
 
+def remove_unused(folders: Sequence[str]) -> None:
+    """Remove each folder that holds nothing, or only a run lock no process holds (train.py's
+    RunLock, released by a run refused after start-up): a refusal leaves no run folder."""
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            if os.listdir(folder) == [LOCK_FILE]:
+                with open(lock := os.path.join(folder, LOCK_FILE)) as held:
+                    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a live run: OSError
+                    os.unlink(lock)
+            os.rmdir(folder)
+
+
 def container_report(env: Mapping[str, str]) -> str:
     """One line from inside the image: its hostname, Python, torch and Transformer Engine."""
 
@@ -421,8 +434,8 @@ def main(argv: Sequence[str]) -> int:
             sys.stdout.write("".join(f"{key}={value}\0" for key, value in records))
         elif command == "finished":
             return 0 if published.finished(args[0]) else 1
-        elif command == "folders":
-            make_dirs(args)
+        elif command == "unmade":
+            remove_unused(args)
         elif command == "node":
             return run_node(args, env)
         else:

@@ -128,13 +128,16 @@ def _check_declared(config: Config) -> None:
 def value_problem(
     flag: str, value: str | None, path: bool = True, required: bool = False
 ) -> str | None:
-    """The line for a given value that is empty or, for a `path`, holds a name longer than file
-    systems take (None: fine, or not given). The scripts apply the same rule to theirs."""
+    """The line for a given value that is empty or holds a line break or, for a `path`, holds a
+    name longer than file systems take (None: fine, or not given). The scripts apply the same
+    rule to theirs."""
     if value is None:
         return None
     if not value.strip():
         fix = "give a value" if required else "give a value, or leave the flag out"
         return f"{flag} is empty (an unset shell variable?): {fix}"
+    if "\n" in value or "\r" in value:  # run.args keeps a run's flags a line each
+        return f"{flag} holds a line break: give a value on one line (rename the folder)"
     for part in value.split("/") if path else ():
         if len(part.encode()) > MAX_NAME_BYTES:
             return (

@@ -41,7 +41,7 @@ NON_TEST_CODE = ("*.py", "*.sh", "*.sbatch", "*.dockerfile", "Makefile")
 #: torchao's and torch's source found in the unrun GPU path (--fp8_backward refused on TE's
 #: fused MLP, an explicit backward_override, a finite FP8 scale, a tied unit counted once, the
 #: fp8 reduce in place, the 8B phase's checkpoint room, the long A/B's arms at once, gpu_levers'
-#: validation windows) and the launcher's `folders`; 7 for train() split at its cap (build_run);
+#: validation windows) and the launcher's `folders` (now `unmade`); 7 for train() split at its cap (build_run);
 #: 8 for FP8 attention's rules on SM 10.0+ and 12.0, read from TE's backend choice; 1 for the
 #: run's recipe given to a kept layer's nested autocast. 23,005 (23,100) after the restore of
 #: the attention's own delayed-scaling state under current scaling on SM 10.0+ (13 net of the
@@ -95,7 +95,11 @@ NON_TEST_CODE = ("*.py", "*.sh", "*.sbatch", "*.dockerfile", "Makefile")
 #: formats and where a run folder's checkpoints are (3), the GPU scripts' shellcheck (3); 23,487
 #: with --validate_only writing a probe file where the run will write, and removing it (2);
 #: 23,489 with a launch past --profile_steps' window saying that it traces nothing (2).
-MAX_NON_TEST_LINES = 23_490
+#: 23,505 (23,510) after a refusal that a rank finds after torchrun started leaves no run
+#: folder (the local launch no longer makes the folders, train.py does; a job's launch removes
+#: the folders it made that hold only a released lock: 13) and a line break refused in a
+#: value, which run.args could not keep (3).
+MAX_NON_TEST_LINES = 23_510
 
 
 def product_files() -> list[Path]:

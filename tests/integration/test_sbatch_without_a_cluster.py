@@ -53,6 +53,44 @@ def test_bad_arguments_through_the_launcher_give_one_line(tmp_path: Path) -> Non
     assert "torchrun" not in result.stdout and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"RUNS_DIR": "/proc/llama-runs"}, "--output_dir /proc/llama-runs/r cannot be written"),
+        ({"RUN_NAME": "r" * 300}, "is 300 bytes long; file systems take at most 255"),
+    ],
+)
+def test_a_run_folder_that_cannot_be_made_here_is_one_line(
+    tmp_path: Path, settings: dict[str, str], message: str
+) -> None:
+    """Without Slurm the folders are train.py's: its check before torchrun writes where the
+    run will, so a folder it cannot make is its one line, and the launch makes none."""
+    env = clean_env(**{"RUNS_DIR": str(tmp_path / "runs"), "RUN_NAME": "r", **settings})
+    result = run_script(env, "--preset", "tiny", cwd=tmp_path, timeout=120)
+    [line] = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and message in line, result.stdout + result.stderr
+    assert "torchrun" not in result.stdout and not (tmp_path / "runs").exists()
+
+
+def test_a_refusal_only_a_worker_sees_leaves_no_run_folder(tmp_path: Path) -> None:
+    """The check before torchrun reads the first rank's share of the validation text; rank 1's
+    share (one short document) is refused only once training starts. The launch then leaves
+    no empty run folder or lock behind (it used to make both before torchrun)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    words = "in the beginning god created the heaven and the earth".split()
+    train = [{"text": " ".join(words[(i + j) % 10] for j in range(60))} for i in range(200)]
+    held_out = [{"text": " ".join(words * 400)}, {"text": "amen"}]  # a document per rank
+    for name, docs in (("train", train), ("validation", held_out)):
+        (data / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    env = clean_env(RUNS_DIR=str(tmp_path / "runs"), RUN_NAME="x", NPROC_PER_NODE="2")
+    args = ["--preset", "tiny", "--bf16=0", "--dataset", str(data), "--validation_batches", "1"]
+    result = run_script(env, *args, cwd=tmp_path, timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "in shard 1 of 2 (a rank's part)" in result.stderr and "torchrun" in result.stdout
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.parametrize("flag", ["--help", "--validate_only"])
 def test_help_and_validate_only_through_the_launcher_start_no_training(
     tmp_path: Path, flag: str
@@ -128,6 +166,9 @@ with open(os.environ["RECORD"], "a") as f:
         "ignores_usr1": bool(mask >> 9 & 1), "ignores_term": bool(mask >> 14 & 1),
         "ignores_int": bool(mask >> 1 & 1),
     }}) + "\\n")
+if os.environ.get("FAKE_REFUSED_IN"):  # a run refused after start-up: its lock, released
+    open(os.path.join(os.environ["FAKE_REFUSED_IN"], ".run.lock"), "w").close()
+    sys.exit(2)
 """
 
 FAKE_PYTHON = """#!/usr/bin/env bash
@@ -299,7 +340,7 @@ def test_local_run_passes_arguments_through_after_the_defaults(
     # The launcher forwards USR1/TERM/INT to the workers; torchrun must not act on them.
     assert call["ignores_usr1"] and call["ignores_term"] and call["ignores_int"]
     assert call["pet_signals"] == "SIGHUP,SIGQUIT"
-    assert (run_dir / "checkpoints").is_dir()
+    assert not run_dir.exists()  # train.py makes its folders (a refusal there leaves none)
     # The arguments were checked once, before torchrun, with exactly what torchrun got.
     [checked] = fakes.validations.read_text().splitlines()
     assert checked == " ".join([str(REPO / "train.py"), "--validate_only", *argv[4:]])
@@ -327,10 +368,10 @@ def test_a_local_run_without_run_name_has_one_stable_folder(fakes: Fakes, tmp_pa
             "--resume_from_checkpoint",
             "auto",
         ]
-    assert os.listdir(tmp_path / "runs") == ["local-fp8"]
     env = fakes.env(RUNS_DIR=str(tmp_path / "runs"))
     assert run_script(env, "--preset", "tiny", "--fp8=0").returncode == 0
-    assert sorted(os.listdir(tmp_path / "runs")) == ["local-bf16", "local-fp8"]
+    argv = fakes.torchrun_calls()[-1]["argv"]
+    assert argv[argv.index("--output_dir") + 1] == str(tmp_path / "runs" / "local-bf16")
 
 
 @pytest.mark.parametrize("spelling", ["separate", "equals"])
@@ -346,7 +387,7 @@ def test_the_users_output_dir_holds_the_whole_run(
     assert f"run folder {mine}\n" in result.stdout
     [call] = fakes.torchrun_calls()
     assert "--checkpoint_dir" not in call["argv"] and str(tmp_path / "runs") not in str(call)
-    assert (mine / "checkpoints").is_dir() and not (tmp_path / "runs").exists()
+    assert str(mine) in str(call["argv"]) and not (tmp_path / "runs").exists()
 
 
 def test_a_slurm_job_mounts_and_requeues_from_the_users_folders(
@@ -412,8 +453,6 @@ def test_validate_only_in_a_job_is_the_check_alone(
         ({"SLURM_NNODES": "2"}, "SLURM_NNODES=2 asks for 2 nodes outside a Slurm job"),
         ({"SLURM_JOB_ID": "7"}, "SLURM_JOB_ID=7 is set but SLURM_JOB_NODELIST is not"),
         ({"FAKE_VALIDATE": "2"}, "train.py: error: (stand-in) bad flag"),
-        ({"RUNS_DIR": "/proc/llama-runs"}, "cannot create /proc/llama-runs (No such file"),
-        ({"RUN_NAME": "r" * 300}, "(File name too long): point RUNS_DIR, --output_dir"),
     ],
 )
 def test_bad_settings_fail_with_one_line_and_exit_2(
@@ -448,6 +487,17 @@ def test_a_refused_slurm_job_exits_2_without_requeue_or_empty_folders(
         assert srun[:2] == ["--nodes=1", "--ntasks=1"] and f"--container-image={image}" in srun
     else:
         assert fakes.srun_calls() == []
+
+
+def test_a_job_refused_after_its_nodes_started_leaves_no_empty_run_folder(
+    fakes: Fakes, tmp_path: Path
+) -> None:
+    """A job's launch makes its folders before the nodes start (Pyxis mounts them); a run
+    that a rank then refuses leaves only its released lock there, and the job removes them."""
+    run = tmp_path / "runs" / "llama3-fp8"
+    result = run_script(slurm_job_env(fakes, tmp_path, FAKE_REFUSED_IN=str(run)))
+    assert result.returncode == 2 and len(fakes.torchrun_calls()) == 1, result.stderr
+    assert not (tmp_path / "runs").exists()  # the launch made runs/ too
 
 
 def test_a_job_whose_run_folder_cannot_be_made_is_one_line(fakes: Fakes, tmp_path: Path) -> None:

@@ -220,6 +220,7 @@ def test_the_parser_is_derived_from_the_fields():
         (["--text_column="], "--text_column is empty"),
         (["--resume_from_checkpoint="], "--resume_from_checkpoint is empty"),
         ([f"--tokenizer=/tmp/{'t' * 256}/x"], "is 256 bytes long; file systems take at most 255"),
+        (["--output_dir=runs/a\nb"], "--output_dir holds a line break: give a value on one line"),
         (["--max_context_width=1"], "--max_context_width must be >= 2 (one token has no next"),
         (["--max_context_width=0"], "--max_context_width must be > 0, got 0"),
         (["--beta2=1"], "--beta1/--beta2 must be in [0, 1), got 0.9/1.0"),

@@ -166,6 +166,26 @@ def test_folders_flags_and_the_cleanup_of_a_refused_start(tmp_path: Path) -> Non
     assert sorted(os.listdir(tmp_path / "runs")) == ["taken"]  # runs/new went again
 
 
+def test_a_failed_step_leaves_only_folders_that_hold_something(tmp_path: Path) -> None:
+    """After a run refused after start-up, the launch's folders that hold nothing but a free
+    run lock go; a lock a live run holds, or any other file, keeps its folder."""
+    from model_utils.run import run_lock
+
+    assert launcher.LOCK_FILE == run_lock.LOCK_NAME
+    out = tmp_path / "runs/r"
+    lock = run_lock.RunLock(out).acquire()
+    (out / "checkpoints").mkdir()
+    made = [str(out / "checkpoints"), str(out)]
+    launcher.remove_unused(made)
+    assert sorted(os.listdir(out)) == [".run.lock"]  # held: the run is live
+    lock.fd, fd = None, lock.fd
+    os.close(fd)  # released without release()'s own clean-up, as a killed rank's
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept/notes.txt").write_text("a user's")
+    launcher.remove_unused([*made, str(tmp_path / "kept")])
+    assert sorted(os.listdir(tmp_path)) == ["kept", "runs"]
+
+
 @pytest.mark.parametrize(
     ("env", "message"),
     [
