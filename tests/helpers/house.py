@@ -41,63 +41,60 @@ NON_TEST_CODE = ("*.py", "*.sh", "*.sbatch", "*.dockerfile", "Makefile")
 #: torchao's and torch's source found in the unrun GPU path (--fp8_backward refused on TE's
 #: fused MLP, an explicit backward_override, a finite FP8 scale, a tied unit counted once, the
 #: fp8 reduce in place, the 8B phase's checkpoint room, the long A/B's arms at once, gpu_levers'
-#: validation windows) and the launcher's `folders` (now `unmade`); 7 for train() split at its cap (build_run);
-#: 8 for FP8 attention's rules on SM 10.0+ and 12.0, read from TE's backend choice; 1 for the
-#: run's recipe given to a kept layer's nested autocast. 23,005 (23,100) after the restore of
-#: the attention's own delayed-scaling state under current scaling on SM 10.0+ (13 net of the
+#: validation windows) and the launcher's `folders` (now `unmade`); 7 for train() split at its cap
+#: (build_run); 8 for FP8 attention's rules on SM 10.0+ and 12.0, read from TE's backend choice; 1
+#: for the run's recipe given to a kept layer's nested autocast. 23,005 (23,100) after the restore
+#: of the attention's own delayed-scaling state under current scaling on SM 10.0+ (13 net of the
 #: "recipe changed" detail it folded, which the resume rules' FP8_KNOB already refuse or log) and
-#: the long A/B's arms capping their tokenizer and compile threads (2); 23,075 after what a
-#: reading of torch's and TE's multi-GPU source found (70): block-scaled FP8 weights refused on
-#: several ranks, the run's timeout for HSDP's and the preflight's groups, the fp8 reduce's
-#: temporaries, a Slurm job without its node's GPUs refused, gloo's interface chosen; 23,094
-#: after what a reading of torchao 0.18's source found (19): torchao's FP8 on a GPU refused for
-#: tokens per micro-batch not in sixteens, --fp8_numerics excluding --fp8_all_gather, the
-#: cool-down as nn.Linear's forward (under autocast without FSDP2), plain tensors saved for
-#: torchao's all-gather wrapper; 23,184 (23,200) after a probe of the analysis commands with
-#: a new user's odd input (71): a diverged run's verdict (it "matched" before), atomic pictures,
-#: a converter export refused inside the checkpoints' folder, project_scale's pair order, likeness,
-#: bandwidths and output checked first, step_breakdown's broken traces in one line, step lags
-#: only within the run, a loss of 0 refused, project_scale's refusals in one line. 23,228
-#: (23,300) on 2026-12-07: 104 more for the preflight's batched link sends (7), the split of
-#: config/sections.py at its cap (run_config.py's module head, 9), a verdict decided and named by
-#: the gap at the run's end on the verdict's side (a late divergence, steps past the replicas,
-#: an identical replica refused, a diverged reference, the picture's windows: 67), compare_runs
-#: reading every run record and the resume rules that match what a resume does (20), a
-#: Dockerfile comment (1); less 60 that merging single-use helpers and forwarders (modeling's
-#: init parts, te_llama's layer scan, one config.json reader, the diverged line, trackers'
-#: precision label) and deleting unread names took out. 23,258 after audits of the speed
-#: figures (a launch's warm-up windows out of the medians, the last launch's warm-up in
-#: compare_runs, three bf16 peaks: 9) and of the data position (a bad read's save rewound to
-#: its step's start, a world-size change that says what it does to the data: 21). 23,339
-#: (23,350) after the data shards that continue exactly, and validate on the same set, on a
-#: divisor of the run's first world size (52, net of the next-epoch restart they fold and the
-#: checkpoint's reshard hook that the stream's own method replaced), --global_batch_size
-#: (torchtitan's: the accumulation for each launch's ranks, 27) and a late jump deciding the
-#: verdict of a run without validations (2). 23,358 (23,370) after an audit of those: a jump
-#: judged against the tail's own spread (12: identical noisy runs no longer leave the band), a
-#: run.args without the launch's derived accumulation (2), a shard's problem at a resume
-#: stopping every rank with its line (RankStream beside build_data, 5); 23,355 with the
-#: validation line's count of every rank's batches (a resume on fewer ranks logs the same set
-#: as the same count), its call put on fewer lines. 23,451 (23,460) after a probe of every
-#: command with a user's bad input (96): one argument parser for all (no usage block, no
-#: abbreviated flag; three private ones merged: 4), make demo checking its runs' flags and
-#: removing only the folders it made (25), an export refusing a config or tokenizer of the
-#: user's and never replacing a file at publish (10), --validate_only reading shard 0's
-#: validation part (4), a hub name that is no name (2), damaged traces and half-written metrics
-#: lines in analysis (7), the GPU scripts checking every run of a call with the launcher's
-#: --validate_only before the first starts, from any folder, and the GPU before OUT_DIR (43),
-#: the corpus tools' --out checked by one shared function (1). 23,485 (23,490) after a second
-#: probe, of train.py and the launcher (32): an args file's flags read by the launcher as
-#: train.py reads them, its lines split as a shell splits them and run.args quoted to match
-#: (10), a save's stale temporaries told from a user's `.tmp-*` (2), an earlier run's run.args
-#: set aside with its metrics (3), a run folder inside the dataset folder refused (6), every
-#: refusal printed on one line (2), Ctrl-C while a command loads torch (3), which files mix
-#: formats and where a run folder's checkpoints are (3), the GPU scripts' shellcheck (3); 23,487
-#: with --validate_only writing a probe file where the run will write, and removing it (2);
-#: 23,489 with a launch past --profile_steps' window saying that it traces nothing (2).
-#: 23,505 (23,510) after a refusal that a rank finds after torchrun started leaves no run
-#: folder (the local launch no longer makes the folders, train.py does; a job's launch removes
-#: the folders it made that hold only a released lock: 13) and a line break refused in a
+#: the long A/B's arms capping their tokenizer and compile threads (2); 23,075 after what a reading
+#: of torch's and TE's multi-GPU source found (70): block-scaled FP8 weights refused on several
+#: ranks, the run's timeout for HSDP's and the preflight's groups, the fp8 reduce's temporaries, a
+#: Slurm job without its node's GPUs refused, gloo's interface chosen; 23,094 after what a reading
+#: of torchao 0.18's source found (19): torchao's FP8 on a GPU refused for tokens per micro-batch
+#: not in sixteens, --fp8_numerics excluding --fp8_all_gather, the cool-down as nn.Linear's forward
+#: (under autocast without FSDP2), plain tensors saved for torchao's all-gather wrapper; 23,184
+#: (23,200) after a probe of the analysis commands with a new user's odd input (71): a diverged
+#: run's verdict (it "matched" before), atomic pictures, a converter export refused inside the
+#: checkpoints' folder, project_scale's pair order, likeness, bandwidths and output checked first,
+#: step_breakdown's broken traces in one line, step lags only within the run, a loss of 0 refused,
+#: project_scale's refusals in one line. 23,228 (23,300) on 2026-12-07: 104 more for the preflight's
+#: batched link sends (7), the split of config/sections.py at its cap (run_config.py's module head,
+#: 9), a verdict decided and named by the gap at the run's end on the verdict's side (a late
+#: divergence, steps past the replicas, an identical replica refused, a diverged reference, the
+#: picture's windows: 67), compare_runs reading every run record and the resume rules that match
+#: what a resume does (20), a Dockerfile comment (1); less 60 that merging single-use helpers and
+#: forwarders (modeling's init parts, te_llama's layer scan, one config.json reader, the diverged
+#: line, trackers' precision label) and deleting unread names took out. 23,258 after audits of the
+#: speed figures (a launch's warm-up windows out of the medians, the last launch's warm-up in
+#: compare_runs, three bf16 peaks: 9) and of the data position (a bad read's save rewound to its
+#: step's start, a world-size change that says what it does to the data: 21). 23,339 (23,350) after
+#: the data shards that continue exactly, and validate on the same set, on a divisor of the run's
+#: first world size (52, net of the next-epoch restart they fold and the checkpoint's reshard hook
+#: that the stream's own method replaced), --global_batch_size (torchtitan's: the accumulation for
+#: each launch's ranks, 27) and a late jump deciding the verdict of a run without validations (2).
+#: 23,358 (23,370) after an audit of those: a jump judged against the tail's own spread (12:
+#: identical noisy runs no longer leave the band), a run.args without the launch's derived
+#: accumulation (2), a shard's problem at a resume stopping every rank with its line (RankStream
+#: beside build_data, 5); 23,355 with the validation line's count of every rank's batches (a resume
+#: on fewer ranks logs the same set as the same count), its call put on fewer lines. 23,451 (23,460)
+#: after a probe of every command with a user's bad input (96): one argument parser for all (no
+#: usage block, no abbreviated flag; three private ones merged: 4), make demo checking its runs'
+#: flags and removing only the folders it made (25), an export refusing a config or tokenizer of the
+#: user's and never replacing a file at publish (10), --validate_only reading shard 0's validation
+#: part (4), a hub name that is no name (2), damaged traces and half-written metrics lines in
+#: analysis (7), the GPU scripts checking every run of a call with the launcher's --validate_only
+#: before the first starts, from any folder, and the GPU before OUT_DIR (43), the corpus tools'
+#: --out checked by one shared function (1). 23,485 (23,490) after a second probe, of train.py and
+#: the launcher (32): an args file's flags read by the launcher as train.py reads them, its lines
+#: split as a shell splits them and run.args quoted to match (10), a save's stale temporaries told
+#: from a user's `.tmp-*` (2), an earlier run's run.args set aside with its metrics (3), a run
+#: folder inside the dataset folder refused (6), every refusal printed on one line (2), Ctrl-C while
+#: a command loads torch (3), which files mix formats and where a run folder's checkpoints are (3),
+#: the GPU scripts' shellcheck (3); 23,487 with --validate_only writing a probe file where the run
+#: will write, and removing it (2); 23,489 with a launch past --profile_steps' window saying that it
+#: traces nothing (2). 23,505 (23,510) after a refusal that a rank finds after torchrun started
+#: leaves no run folder (the local launch no longer makes the folders, train.py does; a job's launch
+#: removes the folders it made that hold only a released lock: 13) and a line break refused in a
 #: value, which run.args could not keep (3).
 MAX_NON_TEST_LINES = 23_510
 
