@@ -1,37 +1,16 @@
 """The parity verdict: does a run (FP8) train as well as the reference run (its BF16 twin)?
 
-compare_runs prints one per run after the reference and its replicas, judged against the
-reference (the first run), after the warm-up:
-
-- the **smoothed train-loss gap**: each run's train loss averaged over the last ``SMOOTHING_STEPS``
-  judged steps (fewer in a short run), minus the reference's averaged the same way, relative to
-  the reference's; its mean and its largest value, over the steps whose window is whole: a mean
-  reaching back into the warm-up would judge the warm-up's steep fall, not the model;
-- the **validation-loss gap** at the steps both runs validated (no smoothing: a validation loss
-  is already a mean over many sequences);
-- the **noise band** each gap is judged against: with **replicas** (BF16 runs like the
-  reference that differ only in their initialisation seed, same data order: ``--data_seed``),
-  ``NOISE_FACTOR`` times the widest replica gap at that window or validation, never narrower than
-  ``NOISE_FACTOR`` times the replicas' mean gap size (a window where two seeds happen to cross
-  does not pinch it); without replicas the fixed ``BAND``, and the verdict says it has no noise
-  estimate;
-- the **step lag**: at each reference validation, how many more steps (and what share) the run
-  needs to reach the reference's loss (negative: it got there first);
-- the **matched time**: the validation gap at equal wall-clock (the reference's loss read at the
-  step it reaches in the time the run takes, from the speed ratio), and the **same loss**: the
-  step at which the reference reached the run's last validation loss, times the speed-up;
-- the **trend**: the least-squares slope of the per-step relative train-loss gap, per 1,000
-  steps, with its standard error. It is reported, never a verdict: a slope fitted to a noisy
-  stretch is no evidence of drift while the gap stays inside the noise;
-- one **verdict**, naming the gap that decided it and its band: "is within seed noise of" (the
-  replicas' band) / "matches" (the fixed one) when the gap at the run's end is inside it; else
-  "is behind ... by N steps (x%)" (a step lag of that sign) or "is ahead of". The end decides:
-  the last shared validation (a mean over many sequences), unless the train gap after it left
-  its band (a late divergence no validation saw); without one, the last window's smoothed train
-  gap where it left its band and jumped (``JUMP_SIGMAS``), else the mean over the last
-  ``TAIL_SHARE`` of the judged windows against the band's mean there.
-
-Where the numbers come from: docs/metrics.md, "The parity verdict".
+compare_runs judges each run after the reference (the first run) against it, after the warm-up:
+the gap of its smoothed train loss and of its validation loss, each against a band (the noise
+its seed **replicas** span, ``NOISE_FACTOR`` x their widest gap; without replicas the fixed
+``BAND``, and it says so); the **step lag** at each reference validation, with the band in the
+reference's own steps; the loss at matched wall-clock time and the speed to the same loss; a
+**trend** (a least-squares slope, reported, never a verdict: a slope fitted to a noisy stretch is
+no evidence of drift while the gap stays inside the noise); and one **verdict** decided by the
+gap at the run's end (the last shared validation, unless the train gap after it left its band)
+and named by it: "is within seed noise of" / "matches" inside the band, else "is behind ... by N
+steps (x%)" or "is ahead of". The rule with its numbers, and why: docs/metrics.md, "The parity
+verdict".
 """
 
 from __future__ import annotations
@@ -174,6 +153,7 @@ class Parity:
     window: int = SMOOTHING_STEPS
     noise: Noise = Noise()
     lags: tuple[Lag, ...] = ()
+    lag_band: tuple[float, float | None, int] | None = None  # band, its steps, the first val step
     matched_time: tuple[float, float] | None = None  # the reference's step, the val gap there
     same_loss: SameLoss | None = None
     diverged: int | None = None  # the first step whose loss the run logged as NaN, inf or null
@@ -261,7 +241,17 @@ class Parity:
         picked = self.lags[:: max(1, math.ceil(len(self.lags) / MAX_LAGS))]
         if picked[-1] != self.lags[-1]:
             picked = (*picked[:-1], self.lags[-1])
-        return ", ".join(lag.words() for lag in picked)
+        return ", ".join(lag.words() for lag in picked) + self._lag_band_words()
+
+    def _lag_band_words(self) -> str:
+        if self.lag_band is None:
+            return ""
+        (band, steps, first), step = self.lag_band, self.lags[-1].step
+        span = f"more than the {step - first} steps"
+        if steps is not None:
+            span = f"the {steps:.0f} steps ({steps / step:.0%})"
+        band_words = f"the band there (±{band:.2%})"
+        return f"; {band_words} is {self.reference}'s fall over {span} before step {step}"
 
     def verdict(self) -> str:
         if self.diverged is not None:  # what the finite steps before it say is beside the point
@@ -417,6 +407,15 @@ def step_lags(mine: Mapping[int, float], theirs: Mapping[int, float], first: int
         reached = step_at_loss(mine, theirs[step])
         lags.append(Lag(step, None if reached is None else reached - step, last))
     return lags
+
+
+def band_in_steps(theirs: Mapping[int, float], step: int, band: float) -> float | None:
+    """The steps the reference took to fall by ``band`` (relative) to its loss at ``step``: a
+    run that far behind it there has a gap of ``band`` (None: its first validation was already
+    within ``band`` of that loss)."""
+    before = {s: loss for s, loss in theirs.items() if s <= step}
+    earlier = step_at_loss(before, theirs[step] * (1 + band))
+    return None if earlier is None else step - earlier
 
 
 def matched_time(
@@ -575,6 +574,11 @@ def judge(
     largest = max(range(len(gaps.train)), key=lambda i: abs(gaps.train[i]))
     val_mine, val_theirs = _losses(run, "val", "val_loss"), _losses(reference, "val", "val_loss")
     val_last, after, tail = _ends(gaps, noise)
+    lags = tuple(step_lags(val_mine, val_theirs, first))
+    lag_band = None
+    if lags:
+        band = noise.at("val", lags[-1].step)
+        lag_band = (band, band_in_steps(val_theirs, lags[-1].step, band), min(val_theirs))
     found = Parity(
         label,
         reference_label,
@@ -593,7 +597,8 @@ def judge(
         slope_error=error,
         window=gaps.window,
         noise=noise,
-        lags=tuple(step_lags(val_mine, val_theirs, first)),
+        lags=lags,
+        lag_band=lag_band,
         matched_time=matched_time(val_mine, val_theirs, speed_ratio),
         same_loss=same_loss(val_mine, val_theirs, speed_ratio),
         diverged=diverged,

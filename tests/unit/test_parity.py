@@ -109,6 +109,35 @@ def test_a_steady_lag_is_behind_by_n_steps() -> None:
     assert [lag.step for lag in lagged] == [50, 100, 150, 200]  # none past its last step
 
 
+def test_a_flat_curve_s_lag_is_read_against_the_band_in_steps() -> None:
+    """Late in a run a gap inside the band is many steps: the lag line gives the band in the
+    reference's own steps, so a run that matches beside a long lag is not a contradiction."""
+    bf16 = curve(400)
+    ref = {100: 4.0, 200: 3.2, 300: 3.05, 400: 3.0}
+    ref_val = [{"kind": "val", "step": s, "val_loss": v} for s, v in ref.items()]
+    fp8_val = [{"kind": "val", "step": s, "val_loss": v * 1.005} for s, v in ref.items()]
+    found = parity.judge(bf16 + fp8_val, bf16 + ref_val, 40, "fp8", "bf16")
+    assert found.matches
+    # bf16 was 1% above its 3.0 of step 400 (3.03) at 300 + 100 * 0.02 / 0.05 = step 340;
+    # fp8's 3.05 * 1.005 at 300 falls to bf16's 3.05 at 300 + 100 * 0.01525 / 0.05025 = 330
+    assert parity.band_in_steps(ref, 400, 0.01) == pytest.approx(60)
+    lag_line = next(line for line in found.lines() if "step lag" in line)
+    assert lag_line.endswith(
+        "300 +30 (+10%), 400 >0 (not reached); the band there (±1.00%) is bf16's fall over the "
+        "60 steps (15%) before step 400"
+    )
+    # a reference already within the band of its last loss at its first validation
+    early = {100: 3.02, 200: 3.01, 300: 3.0}
+    assert parity.band_in_steps(early, 300, 0.01) is None
+    early_val = [{"kind": "val", "step": s, "val_loss": v} for s, v in early.items()]
+    late = [{"kind": "val", "step": s, "val_loss": v * 1.005} for s, v in early.items()]
+    lines = parity.judge(bf16 + late, bf16 + early_val, 40, "fp8", "bf16").lines()
+    assert any(
+        line.endswith("is bf16's fall over more than the 200 steps before step 300")
+        for line in lines
+    )
+
+
 def test_a_run_better_than_the_reference_is_ahead() -> None:
     bf16, fp8 = curve(300), curve(300, gap=lambda s: -0.03)
     found = parity.judge(fp8, bf16, 30, "fp8", "bf16")
