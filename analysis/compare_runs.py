@@ -551,13 +551,13 @@ def compare(args: Options) -> str:
     warmup = default_warmup(runs) if args.warmup_steps is None else args.warmup_steps
     summaries = [metrics.summarize(run.records, warmup) for run in runs]
     unsteady = unsteady_lines(runs, labels, warmup)
-    judged_from = parity_start(runs)
+    judged_from = {i: parity_start([runs[0], run]) for i, run in enumerate(runs)}
     replicas = [run.records for run in runs[1 : args.replicas]]
     verdicts = [
         parity.judge(
             run.records,
             runs[0].records,
-            judged_from,
+            judged_from[i],
             label,
             labels[0],
             None if unsteady else speed_ratio(summaries, i),
@@ -575,7 +575,7 @@ def compare(args: Options) -> str:
         title=args.title,
         breakdown=breakdown,
         x=args.x,
-        judged_from=judged_from,
+        judged_from=min(judged_from[i] for i in range(args.replicas, len(runs))),
         noise=verdicts[0].noise if verdicts else None,
     )
     try:  # whole or not at all: a full disk leaves the previous picture, not half of one
@@ -643,8 +643,9 @@ def numerics_lines(run: Run, label: str, count: int = 3) -> list[str]:
 
 
 def parity_start(runs: Sequence[Run]) -> int:
-    """The first step the parity verdict judges: after each run's LR warm-up (its flags) and
-    the first tenth of the shortest run."""
+    """The first step the parity verdict judges a pair of runs from: after each one's LR
+    warm-up (its flags) and the first tenth of the shorter (a third run, however short, moves
+    no other pair's start)."""
     last = min(run.last_step for run in runs)
     return parity.judged_from([(run.info or {}).get("flags") for run in runs], last)
 

@@ -54,9 +54,7 @@ def gap_records(
         for step, gap in zip(gaps.whole, gaps.train, strict=True):
             by_step.setdefault(step, {})[key] = 100 * gap
     for step, values in by_step.items():
-        band = noise.train.get(step) if noise and noise.replicas else BAND
-        if band is not None:
-            values["band_pct"] = 100 * band
+        values["band_pct"] = 100 * (noise.at("train", step) if noise else BAND)
     return [{"kind": "compare", "step": step, **by_step[step]} for step in sorted(by_step)]
 
 

@@ -103,14 +103,21 @@ class Noise:
     replicas: int = 0
     train: Mapping[int, float] = field(default_factory=dict)
     val: Mapping[int, float] = field(default_factory=dict)
+    too_short: int = 0  # replicas given that logged no whole window in the judged steps
 
     def at(self, kind: str, step: int) -> float:
-        """The band of ``kind`` ("train" or "val") at ``step``; ``BAND`` where the replicas
-        measured none (past their last step)."""
-        return getattr(self, kind).get(step, BAND) if self.replicas else BAND
+        """The band of ``kind`` ("train" or "val") at ``step``: linear between the steps the
+        replicas logged (a replica may log less often than the run), the first one's before
+        them; ``BAND`` past their last step, where they measured nothing."""
+        band = getattr(self, kind)
+        if not self.measured(kind, [step]):
+            return BAND
+        between = loss_at_step(band, step)
+        return band[min(band)] if between is None else between
 
     def measured(self, kind: str, steps: Sequence[int]) -> bool:
-        return bool(self.replicas) and all(s in getattr(self, kind) for s in steps)
+        band = getattr(self, kind)
+        return bool(self.replicas and band) and max(steps) <= max(band)
 
     def words(self) -> str:
         if self.replicas:
@@ -232,7 +239,13 @@ class Parity:
             )
         if self.same_loss is not None:
             lines.append(self.same_loss.line(self.label, self.reference))
-        if not self.noise.replicas:
+        if self.noise.too_short:
+            lines.append(
+                f"  noise: no seed-noise estimate, the fixed ±{BAND:.0%} band: the "
+                f"{self.noise.too_short} replica(s) logged no whole {self.window}-step window "
+                f"from step {self.first}: train them as long as the run"
+            )
+        elif not self.noise.replicas:
             lines.append(f"  noise: {NO_NOISE}")
         lines.append(f"  verdict: {self.verdict()}")
         return lines
@@ -255,7 +268,7 @@ class Parity:
 
     def verdict(self) -> str:
         if self.diverged is not None:  # what the finite steps before it say is beside the point
-            return f"{self.label} diverged: its loss is not finite at step {self.diverged}"
+            return f"{self.label} diverged: its {NOT_FINITE} at step {self.diverged}"
         end, standing = self.end, self.standing
         words = {"within": "matches", "behind": "is behind", "ahead": "is ahead of"}[standing]
         if standing == "within" and end.measured:
@@ -284,12 +297,11 @@ class Parity:
         if self.noise.replicas and not end.measured:
             notes.append("the fixed band: the replicas' own runs do not reach these steps")
         if self.reference_diverged is not None:
-            notes.append(
-                f"{self.reference}'s own loss is not finite at step {self.reference_diverged}"
-            )
+            notes.append(f"{self.reference}'s own {NOT_FINITE} at step {self.reference_diverged}")
         return f" ({'; '.join(notes)})" if notes else ""
 
 
+NOT_FINITE = "loss or grad norm is not finite"
 #: What a verdict without replicas says about its band, and how to get a noise estimate.
 NO_NOISE = (
     f"no seed-noise estimate, the fixed ±{BAND:.0%} band; for one, train the reference again "
@@ -496,20 +508,25 @@ def noise_band(
 ) -> Noise:
     """The band the replicas' own gaps to the reference span (``Noise()``: no replicas)."""
     found = [gaps_of(r, reference, first, window) for r in replicas]
+    short = sum(not g.whole for g in found)
     found = [g for g in found if any(g.train)]  # a copy of the reference measures no noise
     if not found:
-        return Noise()
+        return Noise(too_short=short)
     train = _band([dict(zip(g.whole, g.train, strict=True)) for g in found])
     val = _band([dict(zip(g.val_steps, g.val, strict=True)) for g in found])
     return Noise(len(found), train, val)
 
 
 def first_not_finite(records: Sequence[Mapping[str, Any]]) -> int | None:
-    """The first step whose loss a run logged as NaN, inf or null (None: none)."""
-    bad = (
-        r for r in records if r["kind"] in LOSS_KEYS and not _finite(r.get(LOSS_KEYS[r["kind"]]))
-    )
-    return min((r["step"] for r in bad), default=None)
+    """The first step whose loss a run logged as NaN, inf or null, or whose grad norm its
+    record names non-finite (None: none)."""
+    kinds = [r for r in records if r["kind"] in LOSS_KEYS]
+    bad = [
+        r["step"]
+        for r in kinds
+        if not _finite(r.get(LOSS_KEYS[r["kind"]])) or "grad_norm" in r.get("not_finite", ())
+    ]
+    return min(bad, default=None)
 
 
 def _first_outside(steps, gaps, noise: Noise, kind: str, side: int) -> int | None:
@@ -536,15 +553,16 @@ def _jumped(windows: Sequence[float]) -> bool:
 
 def _ends(gaps: Gaps, noise: Noise) -> tuple[Gap | None, Gap | None, Gap]:
     """The gaps a verdict may be decided by: at the last shared validation, over the train
-    windows after it (without one: the last window, if it jumped), over the last ``TAIL_SHARE``
-    of the train windows."""
+    windows after it (the last window alone where it jumped), over the last ``TAIL_SHARE`` of the
+    train windows."""
     tail = max(1, math.ceil(TAIL_SHARE * len(gaps.whole)))
-    last_val, later = None, int(_jumped(gaps.train[-tail:]))
-    where = f"over the last {gaps.window} steps"
+    last_val, later, where = None, 0, ""
     if gaps.val_steps:
         step = gaps.val_steps[-1]
         last_val = _gap(noise, "val", [step], gaps.val[-1:], f"at step {step}")
         later, where = sum(s > step for s in gaps.whole), f"after the last validation (step {step})"
+    if _jumped(gaps.train[-tail:]) and (later or not gaps.val_steps):  # a mean would hide it
+        later, where = 1, f"over the last {gaps.window} steps"
     after = _gap(noise, "train", gaps.whole[-later:], gaps.train[-later:], where) if later else None
     where = "over the last judged steps"
     return last_val, after, _gap(noise, "train", gaps.whole[-tail:], gaps.train[-tail:], where)
@@ -576,7 +594,7 @@ def judge(
     val_last, after, tail = _ends(gaps, noise)
     lags = tuple(step_lags(val_mine, val_theirs, first))
     lag_band = None
-    if lags:
+    if lags and min(val_theirs) < lags[-1].step:  # a fall to measure the band in
         band = noise.at("val", lags[-1].step)
         lag_band = (band, band_in_steps(val_theirs, lags[-1].step, band), min(val_theirs))
     found = Parity(

@@ -97,8 +97,11 @@ NON_TEST_CODE = ("*.py", "*.sh", "*.sbatch", "*.dockerfile", "Makefile")
 #: removes the folders it made that hold only a released lock: 13) and a line break refused in a
 #: value, which run.args could not keep (3). 23,510 with the step lag's band in steps (the
 #: reference's own fall by the band: 28), net of the parity module's docstring that repeated
-#: docs/metrics.md's rule (23).
-MAX_NON_TEST_LINES = 23_510
+#: docs/metrics.md's rule (23). 23,533 (23,540) after a held-out probe of the verdict (23): a
+#: replica's band read between the steps it logged, a late jump after the last validation, a grad
+#: norm train.py stopped at named in its record, each pair judged from its own start, a replica
+#: too short named.
+MAX_NON_TEST_LINES = 23_540
 
 
 def product_files() -> list[Path]:

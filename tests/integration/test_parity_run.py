@@ -135,7 +135,9 @@ def test_the_long_ab_fills_one_folder_in_two_calls_and_judges_every_arm_in_seed_
     # on some CPUs (fp8-closer at step 4 on an AMD EPYC).
     lag_lines = re.findall(r"step lag at bf16-a's validations: (.*)", verdict)
     assert len(lag_lines) == 3, verdict
-    for lags in lag_lines:
+    for line in lag_lines:
+        lags, band = line.split("; the band there ")  # in bf16-a's own steps, at its last lag
+        assert band.endswith(" before step 12"), line
         found = list(LAG.finditer(lags))
         assert ", ".join(m[0] for m in found) == lags, lags
         steps = [int(m[1]) for m in found]

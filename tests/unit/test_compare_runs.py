@@ -858,3 +858,19 @@ def test_the_table_s_warm_up_follows_the_last_launch_s_max_steps(tmp_path) -> No
     with (first / "metrics.jsonl").open("a") as file:
         file.write(json.dumps(info(max_steps=28)) + "\n")
     assert cr.default_warmup([cr.load_run(first)]) == 10
+
+
+def test_a_short_third_run_moves_no_other_pair_s_judged_steps(tmp_path, capsys) -> None:
+    """Each pair is judged from its own start: a crashed 20-step run beside the pair would pull
+    the pair's start into the loss's steep fall (the first tenth of the shortest run)."""
+    rows = [(step, 10.0, 9.0 - 0.03 * step) for step in range(2, 101, 2)]
+    flags = {"max_steps": 100, "warmup": 2}
+    bf16 = write_run_dir(tmp_path / "bf16", rows, [], info(**flags))
+    fp8 = write_run_dir(tmp_path / "fp8", rows, [], info(fp8=True, **flags))
+    short = write_run_dir(tmp_path / "short", rows[:10], [], info(fp8=True, max_steps=20))
+    png = str(tmp_path / "c.png")
+    for runs in ([bf16, fp8], [bf16, fp8, short]):
+        labels = ",".join(["bf16", "fp8", "short"][: len(runs)])
+        assert cr.main([*map(str, runs), "--labels", labels, "--output", png]) == 0
+        out = capsys.readouterr().out
+        assert "Parity of fp8 with bf16, steps 10-100 " in out  # the first tenth of 100

@@ -383,10 +383,11 @@ def test_jsonl_writer_whole_lines_rank0_only(tmp_path) -> None:
 
     with JsonlWriter(path) as writer:
         writer.write({"kind": "train", "step": 1, "loss": float("nan"), "mfu": None})
+        writer.write({"kind": "train", "step": 2, "loss": 9.0, "grad_norm": float("inf")})
         with pytest.raises(TypeError, match="not JSON serializable"):
             writer.write({"kind": "train", "step": 2, "bad": object()})
         # flushed per write: visible to a reader before close
-        assert len(path.read_text().splitlines()) == 1
+        assert len(path.read_text().splitlines()) == 2
     with JsonlWriter(path) as writer:  # a resumed run appends
         writer.write(validation_record(step=2, val_loss=7.5, batches=4, seconds=0.2))
     text = path.read_text()
@@ -394,7 +395,10 @@ def test_jsonl_writer_whole_lines_rank0_only(tmp_path) -> None:
     for line in text.splitlines():
         json.loads(line, parse_constant=pytest.fail)  # strict JSON: no NaN tokens
     records = read_jsonl(path)
-    assert records[0]["loss"] is None
+    assert records[0]["loss"] is None and records[0]["not_finite"] == ["loss"]
+    # a null grad norm is also a run without --grad_clip: the record says which it was
+    assert records[1]["grad_norm"] is None and records[1]["not_finite"] == ["grad_norm"]
+    records = records[:1] + records[2:]
     assert records[1] == {
         "kind": "val",
         "step": 2,

@@ -166,6 +166,53 @@ def test_replicas_set_the_band_window_by_window() -> None:
     assert not any(line.startswith("  noise:") for line in inside.lines())
 
 
+def test_a_replica_that_logs_less_often_sets_the_same_band() -> None:
+    """The band between a replica's logged steps is read off its neighbours, not the fixed one:
+    a replica logging every 10th step judges like one logging every step."""
+    bf16, fp8 = curve(200), curve(200, gap=lambda s: 0.006)
+    every = curve(200, gap=lambda s: 0.002)
+    sparse = [r for r in every if r["step"] % 10 == 0]
+    for replica in (every, sparse):
+        found = parity.judge(fp8, bf16, 20, "fp8", "bf16", replicas=[replica])
+        assert found.standing == "behind" and found.tail.measured
+        assert found.tail.band == pytest.approx(0.004)
+    assert parity.Noise(1, {10: 0.002, 20: 0.004}).at("train", 15) == pytest.approx(0.003)
+    assert parity.Noise(1, {10: 0.002, 20: 0.004}).at("train", 21) == parity.BAND  # past them
+
+
+def test_a_replica_too_short_to_judge_says_so() -> None:
+    bf16, fp8 = curve(200), curve(200, gap=lambda s: 0.002)
+    found = parity.judge(fp8, bf16, 20, "fp8", "bf16", replicas=[curve(20, gap=lambda s: 0.001)])
+    assert found.noise.replicas == 0 and found.noise.too_short == 1
+    assert "  noise: no seed-noise estimate, the fixed ±1% band: the 1 replica(s) logged no " in (
+        "\n".join(found.lines())
+    )
+    assert "train them as long as the run" in found.lines()[-2]
+
+
+def test_a_late_jump_after_the_last_validation_is_not_averaged_away() -> None:
+    """FP8 +6% over its last 10 steps, validations at 100 and 200 both at 0: behind, as it is
+    without validations (the mean of the 50 windows after step 200 would hide it)."""
+    bf16, fp8 = curve(250), curve(250, gap=lambda s: 0.06 if s > 240 else 0.0)
+    for extra in ((val(fp8, 100), val(bf16, 100)), ([], [])):
+        found = parity.judge(fp8 + extra[0], bf16 + extra[1], 25, "fp8", "bf16")
+        assert found.standing == "behind", found.lines()
+        assert "over the last 20 steps is outside" in found.verdict()
+
+
+def test_a_grad_norm_train_py_stopped_at_is_a_divergence() -> None:
+    """train.py stops on a non-finite grad norm with the loss still finite; the record names
+    it (``not_finite``), and the verdict is the divergence, not the finite steps before it."""
+    bf16, fp8 = curve(100), curve(50)
+    fp8[-1] = {**fp8[-1], "grad_norm": None, "not_finite": ["grad_norm"]}
+    found = parity.judge(fp8, bf16, 10, "fp8", "bf16")
+    assert found.verdict() == "fp8 diverged: its loss or grad norm is not finite at step 50"
+    assert parity.judge(fp8[:-1], bf16, 10, "fp8", "bf16").diverged is None
+    once = [{"kind": "val", "step": 100, "val_loss": 3.0}]  # one validation: no fall to measure
+    later = [{"kind": "val", "step": s, "val_loss": 3.1 - s / 1000} for s in (50, 100)]
+    assert parity.judge(bf16 + later, bf16 + once, 10, "a", "b").lag_band is None
+
+
 def test_a_crossing_of_the_replicas_does_not_pinch_the_band() -> None:
     band = parity._band([{10: 0.004, 20: 0.0, 30: -0.002}])
     assert band == pytest.approx({10: 0.008, 20: 0.004, 30: 0.004})
@@ -219,7 +266,9 @@ def test_a_run_whose_loss_stops_being_finite_diverged_whatever_came_before(bad) 
     fp8[299]["loss"] = bad  # step 300
     found = parity.judge(fp8[:300], bf16 + val(bf16, 50), 40, "fp8", "bf16")
     assert found.diverged == 300 and found.standing == "within" and not found.matches
-    assert found.lines()[-1] == "  verdict: fp8 diverged: its loss is not finite at step 300"
+    assert found.lines()[-1] == (
+        "  verdict: fp8 diverged: its loss or grad norm is not finite at step 300"
+    )
     early = [*fp8[:10], {"kind": "val", "step": 10, "val_loss": bad}]
     found = parity.judge(early, bf16, 8, "fp8", "bf16")  # too short to judge, not too short to say
     assert not found.judged and found.lines()[-1].endswith("not finite at step 10")
@@ -365,7 +414,7 @@ def test_a_reference_that_diverged_is_named_in_the_verdict() -> None:
     bf16, fp8 = curve(400), curve(400)
     bf16[299]["loss"] = math.nan
     found = parity.judge(fp8, bf16[:300], 40, "fp8", "bf16")
-    assert found.verdict().endswith("(bf16's own loss is not finite at step 300)")
+    assert found.verdict().endswith("(bf16's own loss or grad norm is not finite at step 300)")
 
 
 def test_runs_that_end_before_the_judged_start_name_no_span() -> None:

@@ -88,7 +88,13 @@ def validation_record(
 
 
 def _json_safe(value: Any) -> Any:
-    """Non-finite floats become null: strict JSON has no NaN/Infinity (jq, JS would reject it)."""
+    """Non-finite floats become null: strict JSON has no NaN/Infinity (jq, JS would reject it).
+    A record's own fields that were non-finite are named in its ``not_finite`` list (a null
+    grad norm is also a run without --grad_clip: the verdict tells the two apart by it)."""
+    if isinstance(value, Mapping) and (
+        bad := [k for k, v in value.items() if isinstance(v, float) and not math.isfinite(v)]
+    ):
+        value = {**value, "not_finite": bad}
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, Mapping):
