@@ -62,7 +62,7 @@ def validate(argv: list[str] | None, *, training: bool = True) -> tuple[Config, 
     if ckpt.init_from_hf:
         checkpoint.check_hf_dir(ckpt.init_from_hf, config.model)  # the shape and RoPE too
     if ckpt.export_hf:
-        checkpoint.check_export_dir(ckpt.export_hf)  # an export never replaces a model
+        checkpoint.check_export_dir(ckpt.export_hf, ckpt.checkpoint_dir)  # nor is pruned
     if config.precision.model_impl in TE_IMPLS:
         from model_utils.precision.te import check_requirements
 

@@ -35,7 +35,7 @@ from pathlib import Path
 if __name__ == "__main__":  # a Python without the environment: one line, exit 2
     runpy.run_path(str(Path(__file__).with_name("environment_check.py")))
 # UsageError: input it will not convert
-from model_utils.errors import OneLineParser, UsageError, said
+from model_utils.errors import OneLineParser, UsageError, refuse, said
 
 DTYPES = ("float32", "bfloat16", "float16")
 EXPORT_EXTRA_BYTES = 16 * 2**20  # config.json, generation_config.json, the tokenizer's files
@@ -255,16 +255,13 @@ def convert(args: argparse.Namespace) -> int:
     empty = [name for name in ("checkpoint", "out_dir") if not getattr(args, name).strip()]
     if empty:  # Path("") is the current directory
         return said(PROG, f"{empty[0]} is empty (an unset shell variable?): give a path")
+    from model_utils.checkpoint.hf import export_dir_problem
     from model_utils.checkpoint.manifest import read_marker, write_error_reason
 
     try:
         check_out_dir(out_dir)
         path, skipped = pick_checkpoint(args.checkpoint)
-        if out_dir.resolve().is_relative_to(path.parent.resolve()):  # pruning would delete it
-            raise UsageError(
-                f"out_dir {out_dir} is inside {path.parent}, whose checkpoints a run prunes "
-                "and replaces: give a folder outside it"
-            )
+        refuse(export_dir_problem("out_dir", out_dir, path.parent))  # pruning would delete it
         marker = read_marker(path)
         config, key_map = marker_config(path, marker)
         tokenizer = run_tokenizer(path, marker, args.tokenizer)

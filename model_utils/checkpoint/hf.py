@@ -42,6 +42,7 @@ from model_utils.checkpoint.layout import (
     weight_tensors,
 )
 from model_utils.checkpoint.manifest import CheckpointWriteError, write_error_reason
+from model_utils.checkpoint.published import MARKER
 from model_utils.config.families import FAMILIES
 from model_utils.config.hf_config import config_json
 from model_utils.config.sections import HF_KEYS, SHAPE_FIELDS, ModelShape
@@ -277,9 +278,21 @@ def existing_model(out_dir: str | Path) -> list[str]:
     return sorted(p.name for p in found if p.exists())
 
 
-def export_dir_problem(flag: str, out_dir: str | Path) -> str | None:
+def export_dir_problem(
+    flag: str, out_dir: str | Path, checkpoint_dir: str | Path | None = None
+) -> str | None:
     """Why `out_dir` cannot take an export, or None: an export never replaces a model the user
-    saved (a former export, a downloaded model), found before training rather than after it."""
+    saved (a former export, a downloaded model), and never goes inside a checkpoint or the run's
+    `checkpoint_dir`, whose old checkpoints --keep_last deletes with what they hold."""
+    where = Path(out_dir).resolve()
+    inside = [p for p in (where, *where.parents) if (p / MARKER).is_file()]
+    if checkpoint_dir is not None and where.is_relative_to(Path(checkpoint_dir).resolve()):
+        inside.append(Path(checkpoint_dir))
+    if inside:
+        return (
+            f"{flag} {out_dir} is inside {inside[0]}, where a run's checkpoints are pruned and "
+            "replaced: give a folder outside it"
+        )
     found = existing_model(out_dir)
     if not found:
         return None
@@ -290,9 +303,9 @@ def export_dir_problem(flag: str, out_dir: str | Path) -> str | None:
     )
 
 
-def check_export_dir(out_dir: str | Path) -> None:
-    """UsageError (one line) if `out_dir` already holds a model: before any training."""
-    refuse(export_dir_problem("--export_hf", out_dir))
+def check_export_dir(out_dir: str | Path, checkpoint_dir: str | Path) -> None:
+    """UsageError (one line) if `out_dir` cannot take the run's export: before any training."""
+    refuse(export_dir_problem("--export_hf", out_dir, checkpoint_dir))
 
 
 def _publish_mode() -> int:

@@ -199,11 +199,14 @@ def load_local(request: dict[str, Any], path: Path) -> None:
 
 
 def iter_dcp_model_layers(path: str | Path) -> Iterator[dict[str, torch.Tensor]]:
-    """The model tensors of a DCP checkpoint, one decoder layer at a time, in one process."""
+    """The model tensors of a DCP checkpoint, one decoder layer at a time, in one process; a
+    parameter the optimizer kept an fp32 master of (--master_weights optimizer) as that master,
+    as --export_hf writes it (the parameter is the master rounded to bf16 or FP8)."""
     metadata = read_metadata(path)
     entries = saved_tensors(metadata, MODEL_PREFIX)
+    masters = optimizer_fields(metadata).get("master_param", {})
     for group in layer_groups(entries):
-        yield read_full_tensors(Path(path), {n: entries[n] for n in group})
+        yield read_full_tensors(Path(path), {n: masters.get(n, entries[n]) for n in group})
 
 
 # --------------------------------------------------------------------------------------------

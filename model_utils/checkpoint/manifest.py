@@ -449,8 +449,7 @@ def _newest_sound(checkpoint_dir: Path, verify: bool) -> Path | None:
         passed.append((path, problem))
     if not passed:
         return None
-    if verify:
-        set_aside_all([(p, problem) for p, problem in passed if problem.kind != UNVERIFIED])
+    # none set aside: the same command (a requeue) must meet the same refusal, not a fresh start
     raise ResumeRefused(no_sound_checkpoint(checkpoint_dir, passed))
 
 

@@ -79,10 +79,12 @@ def test_an_out_dir_inside_the_checkpoints_folder_is_refused(tmp_path, capsys) -
     that step again: refused, and nothing is left in the checkpoints' folder."""
     folder = tmp_path / "ckpt"
     [path] = save_llama_checkpoints(folder, (1,))
-    for out in (path / "hf", folder / "hf", path):
+    [other] = save_llama_checkpoints(tmp_path / "other", (1,))  # another run's checkpoint
+    for out, inside in ((path / "hf", path), (folder / "hf", folder), (other / "x/hf", other)):
         err = convert_refused([str(path), str(out)], capsys)
-        assert f"out_dir {out} is inside {folder}, whose checkpoints a run prunes" in err
+        assert f"out_dir {out} is inside {inside}, where a run's checkpoints are pruned" in err
     assert [p.name for p in folder.iterdir()] == [path.name] and not (path / "hf").exists()
+    assert not (other / "x").exists()
 
 
 def test_a_config_or_tokenizer_of_the_users_is_never_replaced(tmp_path, capsys) -> None:
@@ -214,3 +216,27 @@ def test_the_run_tokenizer_gone_is_refused_until_given_with_tokenizer(tmp_path, 
     assert data.tokenizer_fingerprint(exported) == data.tokenizer_fingerprint(
         data.load_tokenizer(str(given))
     )
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_the_converter_reads_the_fp32_masters_the_optimizer_kept(tmp_path) -> None:
+    """A --master_weights optimizer run stores its parameters rounded to bf16; --export_hf
+    writes the fp32 masters, and so must the converter (it wrote the rounded ones)."""
+    import torch.distributed.checkpoint as dcp
+
+    from model_utils.checkpoint.layout import iter_dcp_model_layers
+
+    master = torch.tensor([1.0 + 2**-12, 3.0])  # 1 + 2^-12 is no bf16 value
+    dcp.save(
+        {
+            "model.model.layers.0.mlp.up_proj.weight": master.to(torch.bfloat16),
+            "model.model.norm.weight": torch.ones(2, dtype=torch.bfloat16),  # no master
+            "optimizer.state.model.layers.0.mlp.up_proj.weight.master_param": master,
+            "optimizer.state.model.layers.0.mlp.up_proj.weight.exp_avg": torch.zeros(2),
+        },
+        checkpoint_id=tmp_path,
+    )
+    read = {name: t for layer in iter_dcp_model_layers(tmp_path) for name, t in layer.items()}
+    assert read["model.layers.0.mlp.up_proj.weight"].dtype == torch.float32
+    assert torch.equal(read["model.layers.0.mlp.up_proj.weight"], master)
+    assert read["model.norm.weight"].dtype == torch.bfloat16

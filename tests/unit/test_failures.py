@@ -384,8 +384,13 @@ def test_every_checkpoint_damaged_is_refused_not_a_silent_fresh_start(tmp_path: 
     ckpt = save_plain_checkpoints(tmp_path, [1, 2])
     for step in (1, 2):
         _zero_a_megabyte(tmp_path / checkpoint_name(step))
-    with pytest.raises(ck.ResumeRefused, match="every checkpoint in .* is damaged"):
-        checkpoint_to_resume("auto", ckpt.checkpoint_dir)
+    for _ in range(2):  # none set aside: the same command (a requeue) is refused again
+        with pytest.raises(ck.ResumeRefused, match="every checkpoint in .* is damaged"):
+            checkpoint_to_resume("auto", ckpt.checkpoint_dir)
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == [
+            checkpoint_name(1),
+            checkpoint_name(2),
+        ]
     ckpt = save_plain_checkpoints(tmp_path / "cheap", [1])
     (tmp_path / "cheap" / checkpoint_name(1) / MARKER).write_text("[]")
     with pytest.raises(ck.ResumeRefused, match="every checkpoint"):  # before a process group
@@ -435,6 +440,19 @@ def test_a_file_in_the_way_is_refused_before_anything_is_created(
         "--export_hf"
     ]
     assert not (tmp_path / "run").exists()
+
+
+def test_an_export_inside_the_run_s_checkpoints_is_refused(tmp_path: Path, refused_by_train):
+    """--keep_last deletes an old checkpoint with whatever it holds: an export into the run's
+    checkpoint folder, or into a step of it, would go with it."""
+    run = tmp_path / "run"
+    for export in (run / "checkpoints", run / "checkpoints" / checkpoint_name(2)):
+        _, lines, _ = refused_by_train("--export_hf", str(export), f"--output_dir={run}")
+        assert lines == [
+            f"train.py: error: --export_hf {export} is inside {run / 'checkpoints'}, where a "
+            "run's checkpoints are pruned and replaced: give a folder outside it"
+        ]
+    assert not run.exists()
 
 
 def test_free_space_verdicts() -> None:
