@@ -219,6 +219,7 @@ def parse_jsonl(text: str, name: str) -> tuple[list[dict], list[dict]]:
         kind = record.get("kind")
         if kind == "run":
             infos.append(one_run(infos, record, name, number, "file"))
+            records.append(record)  # its start_step undoes what earlier launches logged past it
         elif kind in ("train", "val") or (
             kind == "numerics" and isinstance(record.get("layers"), dict)
         ):

@@ -86,7 +86,10 @@ class RunLog:
         self.ranks = slow_rank.RankTimes(world.world_size if threshold else 1, device, threshold)
         self.jsonl_path = f"{config.run.output_dir}/metrics.jsonl"
         run = metrics.run_record(
-            config.as_dict(), world_size=world.world_size, samples_per_step=samples_per_step
+            config.as_dict(),
+            world_size=world.world_size,
+            samples_per_step=samples_per_step,
+            start_step=start_step,
         )
         other = self._own_records(run, start_step) if self.is_main else None
         self.writer = metrics.JsonlWriter(self.jsonl_path, enabled=self.is_main)

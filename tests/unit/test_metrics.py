@@ -706,3 +706,26 @@ def test_a_window_holding_warm_up_steps_is_warm_up_whatever_its_last_step() -> N
         reports.append(meter.report(step=step, loss=1.0, lr=1e-4, peak_memory_bytes=0))
     assert [r["speed_warmup"] for r in reports] == [True, False]
     assert reports[0]["remaining_seconds"] is None and reports[1]["remaining_seconds"] == 24.0
+
+
+def test_a_resume_from_an_older_checkpoint_drops_what_the_abandoned_launch_logged() -> None:
+    """Launch 1 logs every step to 10 (diverging, say); launch 2 resumes from step 4 and logs
+    every 2nd step: steps 5, 7, 9 and 10 of launch 1 were undone and count nowhere (they fed
+    train.py's summary and compare_runs' curves before)."""
+
+    def train(step: int, loss: float) -> dict:
+        return {"kind": "train", "step": step, "loss": loss, "samples_per_sec": loss}
+
+    flags = {"fp8": True}
+    records = [
+        run_record(flags, world_size=1, samples_per_step=8, start_step=0),
+        *(train(step, 1.0) for step in range(1, 11)),
+        {"kind": "val", "step": 8, "val_loss": 9.0},
+        run_record(flags, world_size=1, samples_per_step=8, start_step=4),
+        *(train(step, 2.0) for step in (6, 8)),
+    ]
+    summary = summarize(records, warmup_steps=0)
+    assert summary["last_step"] == 8 and summary["final_val_loss"] is None
+    assert summary["final_train_loss"] == 2.0 and summary["measured_records"] == 6  # 1-4, 6, 8
+    unknown = [records[0], *records[1:11], {**records[12], "start_step": None}, *records[13:]]
+    assert summarize(unknown, warmup_steps=0)["last_step"] == 10  # an older record: no drop

@@ -17,17 +17,23 @@ from model_utils.checkpoint.resume import config_changes
 
 
 def run_record(
-    flags: Mapping[str, Any], *, world_size: int, samples_per_step: int
+    flags: Mapping[str, Any],
+    *,
+    world_size: int,
+    samples_per_step: int,
+    start_step: int | None = None,
 ) -> dict[str, Any]:
-    """The first JSONL record of a run (and its ``run: {...}`` log line): the resolved flags
+    """The first JSONL record of a launch (and its ``run: {...}`` log line): the resolved flags
     and the global batch, so a comparison can label runs and refuse unlike shapes or batches
-    from either the run directory or the Slurm log alone."""
+    from either the run directory or the Slurm log alone; and the step it starts after (a
+    resume's), so what an earlier launch logged past it is known to be undone."""
     plain = (str, int, float, bool, type(None), list, tuple, dict)
     return {
         "kind": "run",
         "time": time.time(),
         "world_size": world_size,
         "samples_per_step": samples_per_step,
+        "start_step": start_step,
         "flags": {k: v if isinstance(v, plain) else str(v) for k, v in sorted(flags.items())},
     }
 

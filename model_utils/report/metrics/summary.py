@@ -34,10 +34,15 @@ def _median(values: Iterable[float | None]) -> float | None:
 
 def one_per_step(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Train then val records, one per step (the last one logged), in step order: a requeued
-    job logs again the steps it re-runs after its checkpoint, and they must count once."""
+    job logs again the steps it re-runs after its checkpoint, and they must count once; a
+    launch's run record drops what earlier launches logged past the step it resumed from (a
+    resume from an older checkpoint, or at another --logging_freq, re-logs other steps)."""
     latest: dict[tuple[str, int], dict[str, Any]] = {}
     for record in records:
-        latest[(record["kind"], record["step"])] = dict(record)
+        if record.get("kind") == "run" and record.get("start_step") is not None:
+            latest = {key: r for key, r in latest.items() if key[1] <= record["start_step"]}
+        elif record.get("kind") in ("train", "val"):
+            latest[(record["kind"], record["step"])] = dict(record)
     return [latest[key] for key in sorted(latest, key=lambda k: (k[0] != "train", k[1]))]
 
 
@@ -52,7 +57,7 @@ def summarize(records: Iterable[Mapping[str, Any]], warmup_steps: int) -> dict[s
     ``final_val_loss`` the last validation record's ``val_loss``. Peak memory is the maximum over
     all records (it is a peak). A metric with no record after warm-up is None.
     """
-    ordered = one_per_step(r for r in records if r.get("kind") in ("train", "val"))
+    ordered = one_per_step(records)
     train = [r for r in ordered if r["kind"] == "train"]
     val = [r for r in ordered if r["kind"] == "val"]
     measured = [r for r in train if r["step"] > warmup_steps and not r.get("speed_warmup")]
