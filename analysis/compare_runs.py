@@ -172,6 +172,8 @@ def parse_log(text: str, name: str = "log") -> tuple[list[dict], list[dict]]:
             )
         elif (found := logged_run(line)) is not None and run_problem(found) is None:
             infos.append(one_run(infos, found, name, number, "log"))  # else not ours: any text
+        if records and (problem := record_problem(records[-1])):  # the rules of a metrics.jsonl
+            raise CompareError(f"{name}: line {number} {problem}: fix or delete that line")
     return records, infos
 
 
@@ -484,6 +486,10 @@ def checked_options(args: argparse.Namespace) -> Options:
             f"--replicas {args.replicas}: the reference and its replicas are the first N of the "
             f"{len(args.runs)} runs, with at least one run after them to judge"
         )
+    places = [os.path.realpath(path) for path in args.runs]
+    twice = [p for p, place in zip(args.runs, places, strict=True) if places.count(place) > 1]
+    if twice:
+        raise CompareError(f"{twice[0]} is given twice: each run is compared once")
     if args.warmup_steps is not None and args.warmup_steps < 0:
         raise CompareError(f"--warmup_steps must be >= 0, got {args.warmup_steps}")
     if args.output is None:

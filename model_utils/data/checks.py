@@ -5,6 +5,7 @@ line, instead of surfacing as a library traceback minutes into the run.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -232,6 +233,14 @@ def _scan_file(file: Path, builder: str, column: str, limit: int | None) -> int:
         ) from None
     if not has_text and not cut:
         raise DataError(f"--dataset: {file} holds no text: remove it or fill it")
+    if json_lines is False and not cut:  # one document: the data library wants a list of records
+        records = _json_document(file)
+        if not (isinstance(records, list) and records and isinstance(records[0], dict)):
+            raise DataError(
+                f"--dataset: {file} is one JSON document, not records: give JSON lines (an "
+                "object per line) or a list of objects"
+            )
+        json_lines, column_text = True, any(isinstance(r, dict) and r.get(column) for r in records)
     if json_lines and not column_text and not cut:
         raise DataError(
             f"--dataset: {file} has no text in column {column!r} (every record's is null or "
@@ -272,6 +281,13 @@ def _check_record(file: Path, number: int, line: str, column: str, first: bool) 
     if value is not None and not isinstance(value, str):
         raise DataError(not_text_message(f"--dataset: {file} line {number}", column, value))
     return record
+
+
+def _json_document(file: Path) -> Any:
+    """The whole file as one JSON value (None: not JSON)."""
+    with _open_binary(file) as handle, contextlib.suppress(ValueError):
+        return json.loads(handle.read())
+    return None
 
 
 def _is_object(line: str) -> bool:

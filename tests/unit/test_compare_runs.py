@@ -874,3 +874,19 @@ def test_a_short_third_run_moves_no_other_pair_s_judged_steps(tmp_path, capsys) 
         assert cr.main([*map(str, runs), "--labels", labels, "--output", png]) == 0
         out = capsys.readouterr().out
         assert "Parity of fp8 with bf16, steps 10-100 " in out  # the first tenth of 100
+
+
+def test_a_log_s_loss_of_0_and_a_run_given_twice_are_refused(two_runs, tmp_path, capsys) -> None:
+    """A log's records hold a metrics.jsonl's rules (a loss of 0 was judged "matches" from a
+    log); a run compared with itself says nothing."""
+    log = tmp_path / "zero.out"
+    log.write_text("\n".join(log_lines(FP8, VAL["fp8"], info(fp8=True))) + "\n")
+    lines = log.read_text().splitlines()
+    bad = next(i for i, line in enumerate(lines) if "Batch 30 Loss:" in line)
+    lines[bad] = lines[bad].replace("Loss: 6.10000", "Loss: 0.00000")
+    log.write_text("\n".join(lines) + "\n")
+    png = str(tmp_path / "c.png")
+    err = refused([two_runs[0], str(log), "--output", png], capsys)
+    assert f"{log}: line {bad + 1} has loss 0.0: a cross-entropy loss is above 0" in err
+    err = refused([two_runs[0], two_runs[0] + "/", "--output", png], capsys)
+    assert f"{two_runs[0]} is given twice: each run is compared once" in err

@@ -526,6 +526,12 @@ def test_parquet_column_and_a_json_document_file(tmp_path: Path) -> None:
         data.check_local_data(str(tmp_path / "n.parquet"), "text")
     (tmp_path / "doc.json").write_text('[\n {"text": "one"},\n {"text": "two"}\n]\n')
     data.check_local_data(str(tmp_path / "doc.json"), "text")  # a JSON array: datasets reads it
+    (tmp_path / "config.json").write_text('{\n "vocab": {"a": 1},\n "text": "x"\n}\n')
+    with pytest.raises(data.DataError, match="config.json is one JSON document, not records: "):
+        data.check_local_data(str(tmp_path / "config.json"), "text")  # pyarrow's traceback
+    (tmp_path / "words.json").write_text('[\n "one",\n "two"\n]\n')
+    with pytest.raises(data.DataError, match="words.json is one JSON document, not records: "):
+        data.check_local_data(str(tmp_path / "words.json"), "text")
     (tmp_path / "nums.json").write_text('[{"text": 1.5}, {"text": 2.5}]')
     # Not scanned by lines: found when read.
     source = open_source(str(tmp_path / "nums.json"), None, "text")
