@@ -8,34 +8,19 @@
     python -m analysis.compare_runs runs/tiny-bf16 runs/tiny-fp8 --tracker wandb,mlflow
 
 A run is a run directory (its metrics.jsonl), a metrics.jsonl file, or any log with the seed line
-``Batch N Loss: L, Speed: S samples/sec, lr: R``: this recipe's slurm-<job>.out, the upstream
-recipe's, or that of a job still running (a last line still being written is skipped). Steps
-logged twice (a requeued job re-running the steps after its last checkpoint) count once, the
-later one. This recipe's logs and run directories also carry the run's flags (the ``run: {...}``
-line/record): they label the runs and let the tool refuse runs of different model shapes or
-batch sizes; upstream logs have no flags, so those runs are labelled by file name, unchecked.
-
-After the table, each run after the reference (the first) gets a parity verdict against it
-(analysis/parity.py): the gaps of its smoothed train loss and its validation loss after the
-warm-up, its step lag, and "matches" (within the noise) or "is behind"/"is ahead of" (put the
-BF16 run first). With ``--replicas N`` the first N runs are the reference and its seed
-replicas, and the band is the noise they span instead of the fixed ±1%.
-
-The picture: loss vs step (train lines, validation points), each run's smoothed loss gap to the
-first inside the parity band, throughput vs step, and a bar of
-each run's median throughput after warm-up with its ratio to the first run written on it.
-Throughput is tokens/s per device where every run logs it, else samples/s (upstream logs).
-With ``--tracker`` the comparison is also a run of its own in W&B, MLflow or TensorBoard
-(analysis/compare_trackers.py): the gap per step with its band, the picture, the verdict.
-Bad input (no parsable line, a metrics.jsonl line that is not JSON or a record whose fields are
-of the wrong type, unlike runs, an unreadable run or unwritable --output, an unknown tracker or
-one whose package is missing) is one line on stderr naming the file (and line), exit 2, before
-anything is written.
+``Batch N Loss: L, Speed: S samples/sec, lr: R`` (this recipe's slurm-<job>.out, the upstream
+recipe's, a job still running); its flags, where it has them, label it and let the tool refuse
+unlike runs. After the table each run after the reference gets a parity verdict against it
+(analysis/parity.py), the picture is analysis/compare_plot.py's, ``--tracker`` sends both to
+W&B, MLflow or TensorBoard (analysis/compare_trackers.py). Bad input is one line on stderr
+naming the file (and line), exit 2, before anything is written. What each figure means and the
+rules behind it: docs/metrics.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import io
 import json
@@ -57,7 +42,12 @@ from model_utils.config.sections import ModelShape, flag_fields, precision_name
 from model_utils.errors import OneLineParser, Refusal, UsageError, os_error_words, said, write_whole
 from model_utils.precision import numerics
 from model_utils.report import metrics
-from model_utils.report.metrics.records import first_run_record, record_problem, run_problem
+from model_utils.report.metrics.records import (
+    first_run_record,
+    is_number,
+    record_problem,
+    run_problem,
+)
 from model_utils.report.metrics.summary import SPEED_WARMUP_STEPS, one_per_step
 
 _NUM = r"([-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|nan|inf))"
@@ -147,9 +137,11 @@ def parse_log(text: str, name: str = "log") -> tuple[list[dict], list[dict]]:
     (one a start). Anything else (timestamps, srun's ``0:`` prefix, other
     ranks' warnings) is ignored."""
     records: list[dict[str, Any]] = []
-    infos, last_train, val_steps = [], None, set()
+    infos, last_train, val_steps, kept = [], None, set(), []
     for number, line in enumerate(complete_lines(text), start=1):
-        if m := SEED.search(line):
+        if m := RECORD.search(line):  # read once the log's next step is known (below)
+            kept.append((number, m.group(1), len(records)))
+        elif m := SEED.search(line):
             last_train = {
                 "kind": "train",
                 "step": int(m.group(1)),
@@ -174,13 +166,33 @@ def parse_log(text: str, name: str = "log") -> tuple[list[dict], list[dict]]:
             infos.append(one_run(infos, found, name, number, "log"))  # else not ours: any text
         if records and (problem := record_problem(records[-1])):  # the rules of a metrics.jsonl
             raise CompareError(f"{name}: line {number} {problem}: fix or delete that line")
+    for number, path, at in kept:
+        step = next((r for r in records[at:] if r["kind"] == "train"), None)
+        if (found := kept_record(path, step)) is not None and run_problem(found) is None:
+            infos.append(one_run(infos, found, name, number, "log"))
     return records, infos
 
 
+def kept_record(path: str, step: Mapping[str, Any] | None) -> dict | None:
+    """The run record a log's run line names, from the file that logged the log's next ``step``
+    with its loss: a later fresh run in that folder set this run's file aside
+    (``metrics.N.jsonl``), and its own would re-label the log (None: no file holds it)."""
+    if step is None:
+        return first_run_record(path)
+    for file in [Path(path), *sorted(Path(path).parent.glob("metrics.*.jsonl"))]:
+        with contextlib.suppress(OSError, ValueError):
+            same = (
+                r["loss"]
+                for r in metrics.read_jsonl(file)
+                if r.get("kind") == "train" and r.get("step") == step["step"]
+            )
+            if any(is_number(loss) and abs(loss - step["loss"]) <= 6e-6 for loss in same):
+                return first_run_record(file)
+    return None
+
+
 def logged_run(line: str) -> Any:
-    """The run record a log's run line gives (None: not a run line, or its record is gone)."""
-    if m := RECORD.search(line):
-        return first_run_record(m.group(1))
+    """The record an older log's run line holds (None: not such a line)."""
     if m := RUN.search(line):
         try:
             return json.loads(m.group(1))

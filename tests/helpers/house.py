@@ -106,8 +106,10 @@ NON_TEST_CODE = ("*.py", "*.sh", "*.sbatch", "*.dockerfile", "Makefile")
 #: 23,582 (23,590) with the rest of both probes (37): a launch's start step in its run record
 #: (what an abandoned launch logged past it dropped), a JSON document that holds no records
 #: refused in one line (a pyarrow traceback), a log's records under a metrics.jsonl's rules and a
-#: run given twice refused.
-MAX_NON_TEST_LINES = 23_590
+#: run given twice refused. 23,594 (23,600) after a log read by the file that logged its own
+#: steps (a later fresh run in its folder re-labelled it: 28), net of compare_runs' docstring
+#: that repeated docs/metrics.md (16).
+MAX_NON_TEST_LINES = 23_600
 
 
 def product_files() -> list[Path]:

@@ -243,7 +243,13 @@ def test_a_log_s_run_line_names_the_record_it_is_labelled_by(tmp_path: Path) -> 
         + "\n"
     )
     assert cr.default_labels([cr.load_run(log)]) == ["fp8 tensorwise hf"]
-    (run_dir / "metrics.jsonl").unlink()  # the run folder is gone: labelled by the log's name
+    # A fresh bf16 run in the same folder set the fp8 run's file aside: the log is still fp8's
+    (run_dir / "metrics.jsonl").rename(run_dir / "metrics.1.jsonl")
+    write_run_dir(run_dir, BF16, VAL["bf16"], info(max_steps=4))
+    assert cr.default_labels([cr.load_run(log)]) == ["fp8 tensorwise hf"]
+    assert cr.load_run(log).info["flags"]["max_steps"] == 50  # its warm-up, its checks
+    for file in run_dir.glob("metrics*.jsonl"):  # the run folder is gone: the log's name
+        file.unlink()
     assert cr.default_labels([cr.load_run(log)]) == ["slurm-8"]
 
 
