@@ -192,12 +192,9 @@ def kept_record(path: str, step: Mapping[str, Any] | None) -> dict | None:
 
 
 def logged_run(line: str) -> Any:
-    """The record an older log's run line holds (None: not such a line)."""
-    if m := RUN.search(line):
-        try:
-            return json.loads(m.group(1))
-        except json.JSONDecodeError:
-            return None
+    """The record an older log's run line holds (None: not such a line, or not JSON)."""
+    with contextlib.suppress(json.JSONDecodeError):
+        return json.loads(m.group(1)) if (m := RUN.search(line)) else None
     return None
 
 

@@ -217,6 +217,14 @@ def check_before_start(config: Config) -> None:
     path = checkpoint_to_resume(
         config.checkpoint.resume_from_checkpoint, config.checkpoint.checkpoint_dir, verify=False
     )
+    default = Path(config.run.output_dir) / "checkpoints"
+    elsewhere = default.resolve() != Path(config.checkpoint.checkpoint_dir).resolve()
+    if path is None and elsewhere and complete_checkpoints(default):  # --checkpoint_dir added
+        raise ResumeRefused(
+            f"--resume_from_checkpoint auto: --checkpoint_dir {config.checkpoint.checkpoint_dir} "
+            f"holds no checkpoint, but {default} holds this run folder's: give --checkpoint_dir "
+            f"{default} to resume from them (or move them), or another --output_dir to start anew"
+        )
     if path is not None:
         check_resumable(path, config.as_dict())
         check_same_data(path, config, warn=False)  # the resume warns, once

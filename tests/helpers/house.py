@@ -108,7 +108,8 @@ NON_TEST_CODE = ("*.py", "*.sh", "*.sbatch", "*.dockerfile", "Makefile")
 #: refused in one line (a pyarrow traceback), a log's records under a metrics.jsonl's rules and a
 #: run given twice refused. 23,594 (23,600) after a log read by the file that logged its own
 #: steps (a later fresh run in its folder re-labelled it: 28), net of compare_runs' docstring
-#: that repeated docs/metrics.md (16).
+#: that repeated docs/metrics.md (16); 23,599 with an auto resume refused where the run folder's
+#: checkpoints stand beside an empty --checkpoint_dir (a fresh start beside them: 5).
 MAX_NON_TEST_LINES = 23_600
 
 

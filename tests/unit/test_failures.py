@@ -398,6 +398,26 @@ def test_every_checkpoint_damaged_is_refused_not_a_silent_fresh_start(tmp_path: 
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_an_auto_resume_pointed_at_an_empty_checkpoint_dir_is_no_fresh_start(
+    tmp_path: Path, refused_by_train
+) -> None:
+    """--checkpoint_dir added to the resume of a run that saved in its own folder found nothing
+    there, and trained afresh beside the run's checkpoints (its records set aside)."""
+    run = tmp_path / "run"
+    save_plain_checkpoints(run / "checkpoints", [2])
+    elsewhere = tmp_path / "fast-disk"
+    argv = ["--output_dir", str(run), "--resume_from_checkpoint", "auto"]
+    _, lines, _ = refused_by_train(*argv, "--checkpoint_dir", str(elsewhere))
+    assert lines == [
+        f"train.py: error: --resume_from_checkpoint auto: --checkpoint_dir {elsewhere} holds no "
+        f"checkpoint, but {run / 'checkpoints'} holds this run folder's: give --checkpoint_dir "
+        f"{run / 'checkpoints'} to resume from them (or move them), or another --output_dir to "
+        "start anew"
+    ]
+    assert not elsewhere.exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_a_damaged_checkpoint_takes_no_keep_last_slot_from_an_intact_one(tmp_path: Path):
     ckpt = save_plain_checkpoints(tmp_path, [1, 2, 3], keep_last=2)
     _zero_a_megabyte(tmp_path / checkpoint_name(3))
