@@ -168,6 +168,9 @@ def parse_log(text: str, name: str = "log") -> tuple[list[dict], list[dict]]:
             raise CompareError(f"{name}: line {number} {problem}: fix or delete that line")
     for number, path, at in kept:
         step = next((r for r in records[at:] if r["kind"] == "train"), None)
+        for record in records[at:] if step and number != kept[0][0] else ():  # a relaunch's
+            if record["kind"] == "train" and record["step"] < step["step"] + SPEED_WARMUP_STEPS:
+                record["speed_warmup"] = True  # first steps warm up again, as its records say
         if (found := kept_record(path, step)) is not None and run_problem(found) is None:
             infos.append(one_run(infos, found, name, number, "log"))
     return records, infos

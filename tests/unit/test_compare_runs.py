@@ -896,3 +896,18 @@ def test_a_log_s_loss_of_0_and_a_run_given_twice_are_refused(two_runs, tmp_path,
     assert f"{log}: line {bad + 1} has loss 0.0: a cross-entropy loss is above 0" in err
     err = refused([two_runs[0], two_runs[0] + "/", "--output", png], capsys)
     assert f"{two_runs[0]} is given twice: each run is compared once" in err
+
+
+def test_a_relaunch_s_first_steps_in_a_log_are_its_warm_up(tmp_path: Path) -> None:
+    """A requeued job's log holds both launches: the second warms up (and compiles) again, which
+    its metrics.jsonl records mark and its log did not, so the log's medians counted it."""
+    rows = [(step, 10.0, 9.0 - step / 100) for step in range(10, 101, 10)]
+    run_dir = write_run_dir(tmp_path / "r", rows, [], info(fp8=True, max_steps=100))
+    line = "0: 2026-12-04 10:00:00 I [train.py:285] " + metrics.run_line(
+        run_dir / "metrics.jsonl", run_dir / "run.args"
+    )
+    first, second = log_lines(rows[:5], [], None), log_lines(rows[5:], [], None)
+    log = tmp_path / "slurm-9.out"
+    log.write_text("\n".join([line, *first, line, *second]) + "\n")
+    warm = {r["step"] for r in cr.load_run(log).records if r.get("speed_warmup")}
+    assert warm == {60}  # the relaunch's first 10 steps; the first launch's: the table's warm-up
