@@ -80,9 +80,11 @@ def pick_checkpoint(path: str) -> tuple[Path, list[str]]:
             f"checkpoint {path} is damaged: {problem}; restore it from a copy, or convert "
             "another checkpoint"
         )
-    found = step_dirs(path)  # incomplete ones too: a damaged newest step is named, not hidden
+    # incomplete ones too: a damaged newest step is named, not hidden; a run folder's own
+    found = step_dirs(path) or step_dirs(Path(path) / "checkpoints")
     if not found:
-        raise UsageError(f"{problem} (and it holds no complete step_N checkpoint)")
+        held = " (and it holds no complete step_N checkpoint)" if Path(path).is_dir() else ""
+        raise UsageError(f"{problem}{held}")
     passed = []
     for candidate in reversed(found):
         why = inspect_checkpoint(candidate, checksums=True)
@@ -282,7 +284,7 @@ def convert(args: argparse.Namespace) -> int:
             f"are still in the checkpoint {path}",
             1,
         )
-    which = "" if path == Path(args.checkpoint) else f", newest intact in {args.checkpoint}"
+    which = "" if path == Path(args.checkpoint) else f", newest intact in {path.parent}"
     print(f"{path} (step {marker['step']}{which}) -> {out_dir}: {len(files)} safetensors file(s)")
     return 0
 

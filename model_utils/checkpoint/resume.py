@@ -148,9 +148,15 @@ def check_resumable(path: str | Path, current: Mapping[str, Any]) -> list:
     same_run = here is None or Path(path).resolve().parent == Path(here).resolve()
     refused, allowed = config_changes(saved, current, same_run)
     if refused:
+        fix = NEW_RUN  # from another run's checkpoint, a new folder already: keep the weights
+        if not same_run:
+            fix = (
+                f"to train on from its weights with these, write them out (.venv/bin/python -m "
+                f"scripts.convert_checkpoint {path} DIR) and start with --init_from_hf DIR"
+            )
         raise ResumeRefused(
             f"checkpoint {path} belongs to another run: {describe_changes(refused)} (saved -> "
-            f"this run); resume with the saved values, or {NEW_RUN}"
+            f"this run); resume with the saved values, or {fix}"
         )
     return allowed
 

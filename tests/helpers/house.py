@@ -110,7 +110,9 @@ NON_TEST_CODE = ("*.py", "*.sh", "*.sbatch", "*.dockerfile", "Makefile")
 #: steps (a later fresh run in its folder re-labelled it: 28), net of compare_runs' docstring
 #: that repeated docs/metrics.md (16); 23,599 with an auto resume refused where the run folder's
 #: checkpoints stand beside an empty --checkpoint_dir (a fresh start beside them: 5); 23,602
-#: (23,610) with a relaunch's first steps in a requeued job's log marked as its warm-up (3).
+#: (23,610) with a relaunch's first steps in a requeued job's log marked as its warm-up (3);
+#: 23,610 with the converter taking a run folder's newest checkpoint and another run's refused
+#: checkpoint naming the way to keep its weights (convert, then --init_from_hf: 8).
 MAX_NON_TEST_LINES = 23_610
 
 

@@ -141,6 +141,7 @@ def test_train_refuses_an_optimizer_change_on_resume(
     )
     assert stderr.strip().splitlines() == [
         f"train.py: error: checkpoint {path} belongs to another run: --optimizer adamw8bit -> "
-        "adamw_fp8 (saved -> this run); resume with the saved values, or start a new run in "
-        "another folder (RUN_NAME=NAME with 1.train_llama.sbatch, --output_dir DIR with train.py)"
+        "adamw_fp8 (saved -> this run); resume with the saved values, or to train on from its "
+        "weights with these, write them out (.venv/bin/python -m scripts.convert_checkpoint "
+        f"{path} DIR) and start with --init_from_hf DIR"
     ]

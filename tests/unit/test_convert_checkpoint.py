@@ -240,3 +240,16 @@ def test_the_converter_reads_the_fp32_masters_the_optimizer_kept(tmp_path) -> No
     assert read["model.layers.0.mlp.up_proj.weight"].dtype == torch.float32
     assert torch.equal(read["model.layers.0.mlp.up_proj.weight"], master)
     assert read["model.norm.weight"].dtype == torch.bfloat16
+
+
+def test_a_run_folder_converts_its_newest_checkpoint(tmp_path, capsys) -> None:
+    """A run folder is where a user's checkpoints are (RUN/checkpoints): its newest is taken,
+    where the refusal told a converter's user about train.py's flags; a path that does not
+    exist is said so, without 'it holds no checkpoint'."""
+    older, newer = save_llama_checkpoints(tmp_path / "run" / "checkpoints", (1, 2))
+    assert convert_checkpoint.main([str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    assert capsys.readouterr().out.startswith(
+        f"{newer} (step 2, newest intact in {newer.parent}) -> {tmp_path / 'hf'}"
+    )
+    err = convert_refused([str(tmp_path / "nope"), str(tmp_path / "hf2")], capsys)
+    assert err.endswith(f"checkpoint {tmp_path / 'nope'} does not exist\n")
