@@ -210,8 +210,8 @@ class Parity:
         if not self.judged:
             return [
                 f"{head}: not judged: {self.points} train step(s) logged by both runs after "
-                f"step {self.first} (needs {MIN_POINTS}); train longer or log more often "
-                "(--logging_freq)",
+                f"step {self.first} (needs {MIN_POINTS}); train longer, or log both at the "
+                "same steps more often (one --logging_freq)",
                 *([f"  verdict: {self.verdict()}"] if self.diverged is not None else []),
             ]
         trend = " (a trend)" if self.grows else ""

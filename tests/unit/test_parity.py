@@ -420,3 +420,12 @@ def test_a_reference_that_diverged_is_named_in_the_verdict() -> None:
 def test_runs_that_end_before_the_judged_start_name_no_span() -> None:
     [line] = parity.judge(curve(3), curve(3), 5, "fp8", "bf16").lines()
     assert line.startswith("Parity of fp8 with bf16: not judged: 0 train step(s)")
+
+
+def test_runs_that_logged_other_steps_are_told_to_log_the_same_ones() -> None:
+    """Every 10th step from 5 against every 10th from 10: many steps each, none in common."""
+    bf16 = [r for r in curve(300) if r["step"] % 10 == 5]
+    fp8 = [r for r in curve(300) if r["step"] % 10 == 0]
+    [line] = parity.judge(fp8, bf16, 30, "fp8", "bf16").lines()
+    assert "not judged: 0 train step(s) logged by both runs after step 30" in line
+    assert line.endswith("log both at the same steps more often (one --logging_freq)")
