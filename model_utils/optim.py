@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -272,6 +272,21 @@ def build_scheduler(
             raise ValueError(f"optimizer group lr {float(initial)} differs from schedule lr {lr}")
     multiplier = LrMultiplier(lr=lr, min_lr=min_lr, warmup=warmup, max_steps=max_steps, style=style)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=multiplier)
+
+
+def spent_lr(scheduler: torch.optim.lr_scheduler.LambdaLR, explicit: Mapping[str, float]) -> str:
+    """Why an --lr given on a resume changes nothing ("": it applies): the saved schedule has
+    decayed to its --min_lr, where it stays (the resume line says the --lr is in use)."""
+    schedule = scheduler.lr_lambdas[0]
+    if "lr" not in explicit or schedule.style == "constant":
+        return ""
+    if scheduler.last_epoch < schedule.max_steps:
+        return ""
+    return (
+        f"--lr {explicit['lr']:g} changes nothing: the saved schedule reached --min_lr "
+        f"{schedule.min_lr:g} at step {schedule.max_steps} (its first --max_steps) and stays "
+        "there; give --min_lr to train on at another lr"
+    )
 
 
 def resume_schedule(

@@ -284,6 +284,8 @@ def resume_or_start(ckpt: Any, state: Any, scheduler: Any, config: Config) -> An
     for name, value in used.items():
         source = f"--{name} given" if name in given else "saved; not given"
         log.info("Resumed schedule: %s %g (%s)", name, value, source)
+    if spent := optim.spent_lr(scheduler, given):
+        log.warning(spent)
     config = config.replace(**used)
     state.config = config.as_dict()
     return config

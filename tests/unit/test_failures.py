@@ -310,6 +310,15 @@ def test_explicit_lr_on_resume_replaces_the_saved_one_a_default_does_not() -> No
         resumed = schedule(1e-3, 1e-4)
         resumed.load_state_dict(state)
         optim.resume_schedule(resumed, {"min_lr": 5e-3})  # above the saved peak
+    assert optim.spent_lr(resumed, {"lr": 5e-4}) == ""  # step 4 of 10: it applies
+    for _ in range(6):
+        saved.optimizer.step()
+        saved.step()
+    assert optim.spent_lr(saved, {"min_lr": 0.0}) == ""
+    assert optim.spent_lr(saved, {"lr": 5e-4}) == (  # step 10 of 10: the lr is --min_lr's
+        "--lr 0.0005 changes nothing: the saved schedule reached --min_lr 0.0001 at step 10 (its "
+        "first --max_steps) and stays there; give --min_lr to train on at another lr"
+    )
 
 
 def test_explicit_flags_are_those_on_the_command_line() -> None:
