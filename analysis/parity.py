@@ -622,6 +622,17 @@ def judge(
         diverged=diverged,
         reference_diverged=first_not_finite(reference),
     )
+    return _decided(found, gaps, noise)
+
+
+def _decided(found: Parity, gaps: Gaps, noise: Noise) -> Parity:
+    """``found`` with the end a marked trend carried out of its band (without validations: the
+    mean of the last windows lags a ramp), then the first step outside on the verdict's side."""
+    last = _gap(
+        noise, "train", gaps.whole[-1:], gaps.train[-1:], f"over the last {gaps.window} steps"
+    )
+    if found.grows and not gaps.val_steps and abs(last.value) > last.band:
+        found = replace(found, after=last)
     side = {"behind": 1, "ahead": -1}.get(found.standing, 0)
     return replace(
         found,

@@ -429,3 +429,15 @@ def test_runs_that_logged_other_steps_are_told_to_log_the_same_ones() -> None:
     [line] = parity.judge(fp8, bf16, 30, "fp8", "bf16").lines()
     assert "not judged: 0 train step(s) logged by both runs after step 30" in line
     assert line.endswith("log both at the same steps more often (one --logging_freq)")
+
+
+def test_a_steady_late_ramp_out_of_the_band_is_behind() -> None:
+    """No validations; the gap climbs from 0 at step 134 to +1.9% at 200: the mean of the last
+    third is inside the band (+0.9%) and no single window jumped, but the trend carried the
+    end out of the band, as the picture shows: behind, not "matches"."""
+    ramp = lambda s: 0.0 if s <= 134 else 0.019 * (s - 134) / 66  # noqa: E731
+    found = parity.judge(curve(200, gap=ramp), curve(200), 20, "fp8", "bf16")
+    assert found.grows and abs(found.tail.value) < parity.BAND
+    assert found.standing == "behind"
+    assert "the train loss gap +1." in found.verdict()
+    assert "over the last 20 steps is outside ±1.00%" in found.verdict()
