@@ -334,6 +334,10 @@ def ready_line(config: Config) -> str:
     precision = config.precision.name + (f" {plan.recipe.name}" if plan.on else "")
     world = os.environ.get("WORLD_SIZE", "set by torchrun")
     resume = config.checkpoint.resume_from_checkpoint or "none (a fresh start)"
+    if resume == "auto":  # which one, before a requeue spends a node on it
+        found = [p.name for p in checkpoint.complete_checkpoints(config.checkpoint.checkpoint_dir)]
+        newest = f"newest complete: {found[-1]}, its checksums read at start" if found else ""
+        resume += f" ({newest or 'none yet: a fresh start'})"
     recipe = f"--recipe {config.recipe}, " if config.recipe else ""
     folder = os.path.abspath(config.run.output_dir)
     return (

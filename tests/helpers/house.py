@@ -115,8 +115,9 @@ NON_TEST_CODE = ("*.py", "*.sh", "*.sbatch", "*.dockerfile", "Makefile")
 #: checkpoint naming the way to keep its weights (convert, then --init_from_hf: 8); 23,627
 #: (23,630) with an --lr given past the saved schedule's end said to change nothing (17); 23,638
 #: (23,640) with a steady late ramp out of the band behind, not "matches", without validations
-#: (5; judge() split at its cap: 6).
-MAX_NON_TEST_LINES = 23_640
+#: (5; judge() split at its cap: 6); 23,642 (23,650) with --validate_only naming the checkpoint
+#: an auto resume will take (4).
+MAX_NON_TEST_LINES = 23_650
 
 
 def product_files() -> list[Path]:

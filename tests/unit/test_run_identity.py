@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.checkpoints import save_plain_checkpoints
 
 from model_utils.config import recipes
 from model_utils.config.arguments import NOT_SAVED, UsageError, parse_args, saved_args
@@ -188,6 +189,14 @@ def test_validate_only_prints_one_ready_line(tmp_path, capsys) -> None:
         f"world set by torchrun, run folder {tmp_path / 'run'}, resume none (a fresh start)"
     )
     assert not (tmp_path / "run").exists()
+    auto = ["--preset", "tiny", f"--output_dir={tmp_path / 'run'}", "--resume_from_checkpoint=auto"]
+    train.main([*auto, "--validate_only"])
+    assert capsys.readouterr().out.strip().endswith("resume auto (none yet: a fresh start)")
+    save_plain_checkpoints(tmp_path / "run" / "checkpoints", [2, 4])  # which one a requeue takes
+    (tmp_path / "run" / "checkpoints" / "step_00000004" / ".metadata").unlink()
+    assert train.ready_line(parse_args(auto)).endswith(
+        "resume auto (newest complete: step_00000002, its checksums read at start)"
+    )
 
 
 def test_log_lines_carry_their_level_letter() -> None:
