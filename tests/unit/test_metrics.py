@@ -384,10 +384,11 @@ def test_jsonl_writer_whole_lines_rank0_only(tmp_path) -> None:
     with JsonlWriter(path) as writer:
         writer.write({"kind": "train", "step": 1, "loss": float("nan"), "mfu": None})
         writer.write({"kind": "train", "step": 2, "loss": 9.0, "grad_norm": float("inf")})
+        writer.write({"kind": "numerics", "step": 2, "layers": {"l0": {"amax": float("nan")}}})
         with pytest.raises(TypeError, match="not JSON serializable"):
             writer.write({"kind": "train", "step": 2, "bad": object()})
         # flushed per write: visible to a reader before close
-        assert len(path.read_text().splitlines()) == 2
+        assert len(path.read_text().splitlines()) == 3
     with JsonlWriter(path) as writer:  # a resumed run appends
         writer.write(validation_record(step=2, val_loss=7.5, batches=4, seconds=0.2))
     text = path.read_text()
@@ -398,7 +399,8 @@ def test_jsonl_writer_whole_lines_rank0_only(tmp_path) -> None:
     assert records[0]["loss"] is None and records[0]["not_finite"] == ["loss"]
     # a null grad norm is also a run without --grad_clip: the record says which it was
     assert records[1]["grad_norm"] is None and records[1]["not_finite"] == ["grad_norm"]
-    records = records[:1] + records[2:]
+    assert records[2] == {"kind": "numerics", "step": 2, "layers": {"l0": {"amax": None}}}
+    records = records[:1] + records[3:]  # a record's own fields only: a layer's stay as they are
     assert records[1] == {
         "kind": "val",
         "step": 2,

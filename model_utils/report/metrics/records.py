@@ -94,13 +94,7 @@ def validation_record(
 
 
 def _json_safe(value: Any) -> Any:
-    """Non-finite floats become null: strict JSON has no NaN/Infinity (jq, JS would reject it).
-    A record's own fields that were non-finite are named in its ``not_finite`` list (a null
-    grad norm is also a run without --grad_clip: the verdict tells the two apart by it)."""
-    if isinstance(value, Mapping) and (
-        bad := [k for k, v in value.items() if isinstance(v, float) and not math.isfinite(v)]
-    ):
-        value = {**value, "not_finite": bad}
+    """Non-finite floats become null: strict JSON has no NaN/Infinity (jq, JS would reject it)."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, Mapping):
@@ -141,6 +135,9 @@ class JsonlWriter:
         with the file cut back to the whole lines it held before."""
         if self._fd is None:
             return
+        # a null grad norm is also a run without --grad_clip: the record names what was NaN/inf
+        bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+        record = {**record, "not_finite": bad} if bad else record
         data = (json.dumps(_json_safe(record), allow_nan=False) + "\n").encode()
         whole = os.fstat(self._fd).st_size
         try:
