@@ -166,17 +166,18 @@ def parse_log(text: str, name: str = "log") -> tuple[list[dict], list[dict]]:
             infos.append(one_run(infos, found, name, number, "log"))  # else not ours: any text
         if records and (problem := record_problem(records[-1])):  # the rules of a metrics.jsonl
             raise CompareError(f"{name}: line {number} {problem}: fix or delete that line")
+    read: dict[Path, list[dict]] = {}  # each metrics file once, however many relaunches name it
     for number, path, at in kept:
         step = next((r for r in records[at:] if r["kind"] == "train"), None)
         for record in records[at:] if step and number != kept[0][0] else ():  # a relaunch's
             if record["kind"] == "train" and record["step"] < step["step"] + SPEED_WARMUP_STEPS:
                 record["speed_warmup"] = True  # first steps warm up again, as its records say
-        if (found := kept_record(path, step)) is not None and run_problem(found) is None:
+        if (found := kept_record(path, step, read)) is not None and run_problem(found) is None:
             infos.append(one_run(infos, found, name, number, "log"))
     return records, infos
 
 
-def kept_record(path: str, step: Mapping[str, Any] | None) -> dict | None:
+def kept_record(path: str, step: Mapping[str, Any] | None, read: dict) -> dict | None:
     """The run record a log's run line names, from the file that logged the log's next ``step``
     with its loss: a later fresh run in that folder set this run's file aside
     (``metrics.N.jsonl``), and its own would re-label the log (None: no file holds it)."""
@@ -184,9 +185,11 @@ def kept_record(path: str, step: Mapping[str, Any] | None) -> dict | None:
         return first_run_record(path)
     for file in [Path(path), *sorted(Path(path).parent.glob("metrics.*.jsonl"))]:
         with contextlib.suppress(OSError, ValueError):
+            if file not in read:
+                read[file] = metrics.read_jsonl(file)
             same = (
                 r["loss"]
-                for r in metrics.read_jsonl(file)
+                for r in read[file]
                 if r.get("kind") == "train" and r.get("step") == step["step"]
             )
             if any(is_number(loss) and abs(loss - step["loss"]) <= 6e-6 for loss in same):

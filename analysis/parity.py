@@ -7,10 +7,10 @@ its seed **replicas** span, ``NOISE_FACTOR`` x their widest gap; without replica
 reference's own steps; the loss at matched wall-clock time and the speed to the same loss; a
 **trend** (a least-squares slope, reported, never a verdict: a slope fitted to a noisy stretch is
 no evidence of drift while the gap stays inside the noise); and one **verdict** decided by the
-gap at the run's end (the last shared validation, unless the train gap after it left its band)
-and named by it: "is within seed noise of" / "matches" inside the band, else "is behind ... by N
-steps (x%)" or "is ahead of". The rule with its numbers, and why: docs/metrics.md, "The parity
-verdict".
+gap at the run's end (the last shared validation, unless the train gap after it, a late jump or
+a trend carried it out of its band) and named by it: "is within seed noise of" / "matches"
+inside the band, else "is behind ... by N steps (x%)" or "is ahead of". The rule with its
+numbers, and why: docs/metrics.md, "The parity verdict".
 """
 
 from __future__ import annotations
@@ -110,8 +110,8 @@ class Noise:
         replicas logged (a replica may log less often than the run), the first one's before
         them; ``BAND`` past their last step, where they measured nothing."""
         band = getattr(self, kind)
-        if not self.measured(kind, [step]):
-            return BAND
+        if not self.measured(kind, [step]) or step in band:  # once per judged step: no sort
+            return band.get(step, BAND)
         between = loss_at_step(band, step)
         return band[min(band)] if between is None else between
 

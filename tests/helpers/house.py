@@ -117,7 +117,9 @@ NON_TEST_CODE = ("*.py", "*.sh", "*.sbatch", "*.dockerfile", "Makefile")
 #: (23,640) with a steady late ramp out of the band behind, not "matches", without validations
 #: (5; judge() split at its cap: 6); 23,642 (23,650) with --validate_only naming the checkpoint
 #: an auto resume will take (4); 23,639 with `not_finite` named by the writer, for a record's
-#: own fields only (a numerics layer's NaN took the key into the layer's mapping).
+#: own fields only (a numerics layer's NaN took the key into the layer's mapping); 23,642 with a
+#: log's metrics files read once per log, not once per relaunch, and a band looked up before it
+#: is interpolated (3).
 MAX_NON_TEST_LINES = 23_650
 
 
