@@ -207,7 +207,7 @@ def train(
                 if step_boundary(run, stop_requested=preemption.requested):
                     with run.run_log.paused():
                         run.ckpt.save(state.step, state, block=True)
-                    log.info("Preemption signal received: checkpoint saved at step %d", state.step)
+                    log.info("%s", preempted_line(config, state.step))
                     return
         hang.close()  # the last validation, save and export are not training steps
         finish(run, tokenizer)
@@ -325,6 +325,16 @@ def finish(run: Run, tokenizer) -> None:
         )
         log.info("Exported Hugging Face weights to %s", config.checkpoint.export_hf)
     run.run_log.finish()
+
+
+def preempted_line(config: Config, step: int) -> str:
+    """The stop's line: the step saved, and that --export_hf waits for the run's end (the resume
+    writes it), so a preempted job's log does not read as if the weights were exported."""
+    line = f"Preemption signal received: checkpoint saved at step {step}"
+    if config.checkpoint.export_hf:
+        export, end = config.checkpoint.export_hf, config.run.max_steps
+        line += f"; --export_hf {export} is written when a resume ends at step {end}"
+    return line
 
 
 def ready_line(config: Config) -> str:

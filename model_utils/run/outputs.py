@@ -51,6 +51,11 @@ def location_problem(flag: str, path: Path) -> str | None:
     in the way, or a nearest existing folder that is read-only or not writable by this user."""
     if path.exists() and not path.is_dir():
         return f"{flag} {path} is a file, not a directory: choose another {flag}"
+    dangling = next((p for p in (path, *path.parents) if p.is_symlink() and not p.exists()), None)
+    if dangling:  # mkdir would say only "File exists"
+        target = os.readlink(dangling)
+        return f"{flag} {path} cannot be created: {dangling} is a link to {target}, which does \
+not exist; create {target} or choose another {flag}"
     existing = _nearest_existing(path)
     if not existing.is_dir():
         return f"{flag} {path} cannot be created: {existing} is a file; choose another {flag}"

@@ -210,8 +210,13 @@ def test_preemption_signal_checkpoints_and_auto_resume_finishes_the_same(tmp_pat
     reference = tmp_path / "reference"
     run_train(*common, f"--output_dir={reference}")
 
-    out = tmp_path / "preempted"
-    argv = [*common, f"--output_dir={out}", "--resume_from_checkpoint=auto"]
+    out, export = tmp_path / "preempted", tmp_path / "hf"
+    argv = [
+        *common,
+        f"--output_dir={out}",
+        "--resume_from_checkpoint=auto",
+        f"--export_hf={export}",
+    ]
     proc = subprocess.Popen(
         train_cmd(*argv),
         stdout=subprocess.PIPE,
@@ -229,6 +234,8 @@ def test_preemption_signal_checkpoints_and_auto_resume_finishes_the_same(tmp_pat
     stopped = int(re.search(r"checkpoint saved at step (\d+)", text).group(1))
     assert 3 <= stopped < 12
     assert f"Batch {stopped + 1} Loss" not in text
+    assert f"; --export_hf {export} is written when a resume ends at step 12" in text
+    assert not export.exists()
 
     result = run_train(*argv)
     assert f"at step {stopped}" in result.stdout
@@ -238,6 +245,7 @@ def test_preemption_signal_checkpoints_and_auto_resume_finishes_the_same(tmp_pat
     assert not (out / "run.1.args").exists()
     assert sorted(losses(out)) == list(range(1, 13))
     assert "last step 12" in result.stdout
+    assert (export / "model.safetensors").is_file()
 
 
 def test_a_fresh_run_sets_an_earlier_runs_metrics_aside(tmp_path):

@@ -471,6 +471,20 @@ def test_a_file_in_the_way_is_refused_before_anything_is_created(
     assert not (tmp_path / "run").exists()
 
 
+def test_a_link_to_nowhere_is_named_not_called_an_existing_file(tmp_path: Path) -> None:
+    """A dangling symlink (a scratch mount not up yet) is neither a folder nor creatable: mkdir
+    says only "File exists"; the line names the link and where it points."""
+    (tmp_path / "scratch").symlink_to(tmp_path / "gone")
+    for path in (tmp_path / "scratch", tmp_path / "scratch" / "run"):
+        assert outputs.location_problem("--export_hf", path) == (
+            f"--export_hf {path} cannot be created: {tmp_path / 'scratch'} is a link to "
+            f"{tmp_path / 'gone'}, which does not exist; create {tmp_path / 'gone'} or choose "
+            "another --export_hf"
+        )
+    (tmp_path / "gone").mkdir()
+    assert outputs.location_problem("--export_hf", tmp_path / "scratch" / "run") is None
+
+
 def test_an_export_inside_the_run_s_checkpoints_is_refused(tmp_path: Path, refused_by_train):
     """--keep_last deletes an old checkpoint with whatever it holds: an export into the run's
     checkpoint folder, or into a step of it, would go with it."""
