@@ -60,6 +60,8 @@ UPSTREAM_VALIDATION = re.compile(rf"Batch (\d+) Validation loss: {_NUM}")
 #: log's run line holds the record itself.
 RECORD = re.compile(r"\brun: record in (.+?metrics\.jsonl), flags in ")
 RUN = re.compile(r"\brun: (\{.*\})\s*$")
+#: resume.py's line: what earlier launches logged past its step was abandoned (an older checkpoint)
+RESUMED = re.compile(r"\bResumed from .+ at step (\d+) \(data checked: ")
 # The second line of this recipe (metrics.detail_line): JSONL key -> its field.
 DETAIL = {
     "tokens_per_sec_per_device": re.compile(rf"tokens/s/device: {_GROUPED}"),
@@ -162,6 +164,8 @@ def parse_log(text: str, name: str = "log") -> tuple[list[dict], list[dict]]:
             records.append(
                 {"kind": "val", "step": int(m.group(1)), "val_loss": _number(m.group(2))}
             )
+        elif m := RESUMED.search(line):  # as a launch's run record's start_step: one_per_step
+            records.append({"kind": "run", "start_step": int(m.group(1))})
         elif (found := logged_run(line)) is not None and run_problem(found) is None:
             infos.append(one_run(infos, found, name, number, "log"))  # else not ours: any text
         if records and (problem := record_problem(records[-1])):  # the rules of a metrics.jsonl

@@ -101,6 +101,23 @@ def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 # -------------------------------------------------------------------------------- parsing
 
 
+def test_a_log_resumed_from_an_older_checkpoint_drops_the_abandoned_launch_s_steps(
+    tmp_path: Path,
+) -> None:
+    """Launch 1 logged steps 10-40; launch 2 resumed from step 20's checkpoint (40's was
+    damaged) and has logged step 30 again: step 40 of launch 1 is not part of the run."""
+    lines = log_lines(BF16[:4], [], info())
+    lines.append(
+        "0: ... I [resume.py:281] Resumed from /r/checkpoints/step_00000020 at step 20 "
+        "(data checked: sizes)"
+    )
+    lines += log_lines([(30, 13.0, 5.9)], [], None)
+    path = tmp_path / "slurm-102.out"
+    path.write_text("\n".join(lines) + "\n")
+    train = [r for r in cr.load_run(path).records if r["kind"] == "train"]
+    assert [(r["step"], r["loss"]) for r in train] == [(10, 9.0), (20, 7.0), (30, 5.9)]
+
+
 def test_slurm_log_with_a_requeue_and_a_line_still_being_written(tmp_path: Path) -> None:
     lines = log_lines(BF16[:3], VAL["bf16"][:1], info())
     lines.insert(3, "1: 2026-11-23 10:00:01 W [data.py:9] a warning from rank 1")
