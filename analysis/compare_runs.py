@@ -410,6 +410,7 @@ def format_report(
     if problems:
         lines.append("* NOT LIKE FOR LIKE (--allow_mismatch): " + "; ".join(problems))
     lines.append(metrics.format_table(summaries, labels))
+    lines += world_lines(runs, labels)
     unchecked = [label for label, run in zip(labels, runs, strict=True) if not run.info]
     if unchecked:
         lines.append(
@@ -418,6 +419,23 @@ def format_report(
             + " (no 'run:' line: a log of the upstream recipe or of an older run)"
         )
     return "\n".join(lines)
+
+
+def world_lines(runs: Sequence[Run], labels: Sequence[str]) -> list[str]:
+    """A line where the runs trained on different numbers of devices: the /device rows then
+    compare one device's work, not the runs' times."""
+    worlds = {
+        lab: r.info["world_size"]
+        for r, lab in zip(runs, labels, strict=True)
+        if (r.info or {}).get("world_size")
+    }
+    if len(set(worlds.values())) < 2:
+        return []
+    each = ", ".join(f"{label} {world}" for label, world in worlds.items())
+    return [
+        f"Devices differ ({each}): the /device rows compare one device's work; samples/s, "
+        "matched time and the same-loss speed compare the whole runs"
+    ]
 
 
 # ---------------------------------------------------------------------------------- output
@@ -619,22 +637,25 @@ def compare(args: Options) -> str:
 
 
 def speed_ratio(summaries: Sequence[Mapping[str, Any]], index: int) -> float | None:
-    """Run ``index``'s median tokens/s over the first run's, as the table prints it."""
-    mine, theirs = (summaries[i].get("tokens_per_sec_per_device") for i in (index, 0))
+    """Run ``index``'s median samples/s over the first run's: the ratio of their steps per
+    second (one global batch), what matched time and the same-loss speed need. It is the
+    tokens/s/device ratio where the worlds match, and is in an upstream log (no tokens/s) and
+    in runs on different numbers of devices (where the per-device ratio is not the time's)."""
+    mine, theirs = (summaries[i].get("samples_per_sec") for i in (index, 0))
     return mine / theirs if mine and theirs else None
 
 
-#: Tokens/s that vary more than this between a run's 10th- and 90th-percentile steps after
+#: Samples/s that vary more than this between a run's 10th- and 90th-percentile steps after
 #: warm-up were measured under changing load (another job, clocks): no speed is made of them.
 SPEED_SPREAD = 1.25
 
 
 def speed_spread(run: Run, warmup: int) -> float | None:
-    """The run's tokens/s at its 90th-percentile step over its 10th (None: under 10 steps)."""
+    """The run's samples/s at its 90th-percentile step over its 10th (None: under 10 steps)."""
     speeds = [
-        r["tokens_per_sec_per_device"]
+        r["samples_per_sec"]
         for r in run.records
-        if r["kind"] == "train" and r["step"] > warmup and r.get("tokens_per_sec_per_device")
+        if r["kind"] == "train" and r["step"] > warmup and r.get("samples_per_sec")
     ]
     if len(speeds) < 10:
         return None
@@ -646,7 +667,7 @@ def unsteady_lines(runs: Sequence[Run], labels: Sequence[str], warmup: int) -> l
     """One line per run whose speed moved within itself, so its time-to-loss is left out."""
     spreads = [speed_spread(run, warmup) for run in runs]
     return [
-        f"speed: {label}'s tokens/s varied {spread:.2f}x within the run (90th over 10th "
+        f"speed: {label}'s samples/s varied {spread:.2f}x within the run (90th over 10th "
         "percentile step; other load on the machine?): no matched-time or same-loss speed is "
         "made of it; measure both runs again on a quiet machine"
         for label, spread in zip(labels, spreads, strict=True)

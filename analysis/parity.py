@@ -59,7 +59,7 @@ class SameLoss:
     loss: float
     reference_step: float | None  # None: the reference never validated that low
     reference_last: int  # the reference's last validation step
-    speed_ratio: float | None = None  # the run's tokens/s over the reference's
+    speed_ratio: float | None = None  # the run's samples/s over the reference's (steps/s)
 
     def line(self, label: str, reference: str) -> str:
         head = f"  same loss: {label}'s validation loss at step {self.step} ({self.loss:.4f})"
@@ -73,7 +73,7 @@ class SameLoss:
         line = f"{head} is {reference}'s at step {self.reference_step:.0f} ({share:.2f}x the steps)"
         if self.speed_ratio is not None:
             line += (
-                f"; at {self.speed_ratio:.3f}x its tokens/s, {label} reaches that loss "
+                f"; at {self.speed_ratio:.3f}x its samples/s, {label} reaches that loss "
                 f"{share * self.speed_ratio:.2f}x as fast"
             )
         return line
@@ -261,8 +261,9 @@ class Parity:
             return ""
         (band, steps, first), step = self.lag_band, self.lags[-1].step
         span = f"more than the {step - first} steps"
-        if steps is not None:
-            span = f"the {steps:.0f} steps ({steps / step:.0%})"
+        if steps is not None:  # between two validations far apart it can be under one step
+            count = f"the {steps:.0f} steps" if steps >= 1 else "less than the one step"
+            span = f"{count} ({steps / step:.0%})"
         band_words = f"the band there (±{band:.2%})"
         return f"; {band_words} is {self.reference}'s fall over {span} before step {step}"
 

@@ -350,17 +350,62 @@ def test_table_holds_hand_computed_medians_and_ratios(two_runs, tmp_path, capsys
     # bf16's 6.5 at step 25 is fp8's at 25 + 25 * 0.1 / 1.35 = 26.85: 2 steps, 2 / 25 = 8% (the
     # share of the steps printed); its 5.2 at 50 not reached
     assert "step lag at bf16 hf's validations: 25 +2 (+8%), 50 >0 (not reached)" in out
-    # at 1.696x the tokens/s, fp8's step 50 takes bf16's time for step 29.5, where bf16's
+    # at 1.696x the samples/s, fp8's step 50 takes bf16's time for step 29.5, where bf16's
     # validation loss reads 6.5 - 1.3 * 4.5 / 25 = 6.27 between its validations
     reference = 6.5 - 1.3 * (50 * 11.5 / 19.5 - 25) / 25
     assert f"loss is {5.25 / reference - 1:+.2%} from bf16 hf's at step 29," in out
     # fp8's 5.25 at step 50 is bf16's between 6.5 (step 25) and 5.2 (step 50): 25 + 25 * 1.25/1.3
-    # = step 49, 0.98x the steps; times the 19.5/11.5 tokens/s, 1.66x as fast to that loss
+    # = step 49, 0.98x the steps; times the 19.5/11.5 samples/s, 1.66x as fast to that loss
     assert (
         "same loss: fp8 tensorwise hf's validation loss at step 50 (5.2500) is bf16 hf's at step "
-        "49 (0.98x the steps); at 1.696x its tokens/s, fp8 tensorwise hf reaches that loss 1.66x "
+        "49 (0.98x the steps); at 1.696x its samples/s, fp8 tensorwise hf reaches that loss 1.66x "
         "as fast"
     ) in out
+
+
+def upstream_log(path: Path, rows, val) -> Path:
+    """The upstream recipe's log: seed lines and its validation lines, no detail or run line."""
+    prefix = "0: 2024-05-15 02:37:59 I [train.py:110] "
+    lines = [prefix + metrics.seed_line(step, loss, speed, 1e-4) for step, speed, loss in rows]
+    lines += [f"{prefix}Batch {step} Validation loss: {loss}" for step, loss in val]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_upstream_logs_get_the_time_to_loss_from_their_samples_per_second(tmp_path, capsys) -> None:
+    """Upstream's log has samples/s and no tokens/s: the steps-per-second ratio matched time and
+    the same-loss speed need is there, and they are printed (they once were silently not)."""
+    steps = range(1, 41)
+    bf16 = upstream_log(tmp_path / "bf16.out", [(s, 30.0, 9 - s / 10) for s in steps], VAL40)
+    fp8 = [(s, 45.0, 9.01 - s / 10) for s in steps]
+    fp8 = upstream_log(tmp_path / "fp8.out", fp8, [(20, 7.02), (40, 5.02)])
+    assert cr.main([str(bf16), str(fp8), "--output", str(tmp_path / "o.png")]) == 0
+    out = capsys.readouterr().out
+    assert "at 1.500x its samples/s, fp8 reaches that loss" in out
+    assert "matched time: at its last validation, fp8's loss is" in out
+    # bf16 fell 1% (5.05 to 5.0) in half a step of the line between its validations at 20 and 40
+    assert "the band there (±1.00%) is bf16's fall over less than the one step (1%)" in out
+
+
+def test_runs_on_different_numbers_of_devices_are_timed_whole(tmp_path, capsys) -> None:
+    """FP8 on 4 ranks against BF16 on 2, one global batch: the per-device rows are marked, and
+    time to loss uses the whole runs' samples/s (fp8's 1.2x), not tokens/s/device (0.6x)."""
+    steps = range(1, 41)
+    loss = {s: 9.0 - s / 10 for s in steps}
+    bf16 = write_run_dir(tmp_path / "bf16", [(s, 10.0, loss[s]) for s in steps], VAL40, info())
+    fp8_rows = [(s, 12.0, loss[s] + 0.01) for s in steps]
+    fp8_info = info(fp8=True) | {"world_size": 4}
+    fp8 = write_run_dir(tmp_path / "fp8", fp8_rows, [(20, 7.02), (40, 5.02)], fp8_info)
+    assert cr.main([str(bf16), str(fp8), "--output", str(tmp_path / "o.png")]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "Devices differ (bf16 hf 2, fp8 tensorwise hf 4): the /device rows compare one "
+        "device's work; samples/s, matched time and the same-loss speed compare the whole runs"
+    ) in out
+    assert "at 1.200x its samples/s" in out
+
+
+VAL40 = [(20, 7.0), (40, 5.0)]
 
 
 def test_a_speed_that_moved_within_a_run_makes_no_time_to_loss(tmp_path, capsys) -> None:
@@ -379,7 +424,7 @@ def test_a_speed_that_moved_within_a_run_makes_no_time_to_loss(tmp_path, capsys)
     png = str(tmp_path / "o.png")
     assert cr.main([*map(str, runs), "--output", png]) == 0
     out = capsys.readouterr().out
-    assert "speed: bf16 hf's tokens/s varied 2.00x within the run" in out
+    assert "speed: bf16 hf's samples/s varied 2.00x within the run" in out
     assert "same loss: fp8 tensorwise hf's validation loss at step 40" in out
     assert "as fast" not in out and "matched time:" not in out
     steady = write_run_dir(tmp_path / "steady", [(s, 12.0, loss[s]) for s in steps], val, info())

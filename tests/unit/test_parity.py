@@ -316,7 +316,7 @@ def test_same_loss_says_how_much_faster_fp8_reaches_the_reference_s_loss() -> No
     assert found.same_loss.reference_step == pytest.approx(175)
     assert found.lines()[-3] == (
         f"  same loss: fp8's validation loss at step 200 ({later[175]:.4f}) is bf16's at step "
-        "175 (0.88x the steps); at 1.200x its tokens/s, fp8 reaches that loss 1.05x as fast"
+        "175 (0.88x the steps); at 1.200x its samples/s, fp8 reaches that loss 1.05x as fast"
     )
     better = [{"kind": "val", "step": 200, "val_loss": later[200] * 0.99}]
     found = parity.judge(fp8 + better, bf16 + ref_val, 20, "fp8", "bf16")
