@@ -24,7 +24,9 @@ out_dir() {
 checks=()
 check() {
     [ ! -e "$out/$1" ] || refuse "$out/$1 holds a run already: give a new OUT_DIR or move it away"
-    [ -n "${said:-}" ] || { said=$(mktemp -d) && trap 'rm -rf "$said"' EXIT; }
+    # (a refusal waits for the checks already started: one writing into $said as rm empties it
+    # failed rm, and under set -e turned exit 2 into 1; killed, one would leave its folders)
+    [ -n "${said:-}" ] || { said=$(mktemp -d) && trap 'wait; rm -rf "$said"' EXIT; }
     checks+=("$1")
     { launch "$@" --validate_only 2> "$said/$1" || : > "$said/$1.no"; } > /dev/null 2>&1 &
 }

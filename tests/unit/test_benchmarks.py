@@ -411,6 +411,7 @@ def test_the_gpu_scripts_refuse_before_running_and_delete_no_run(script, tmp_pat
         )
         assert again.returncode == 2, again.stdout + again.stderr
         assert f"{finished} holds a run already: give a new OUT_DIR" in again.stderr
+        assert again.stderr.count("\n") == 1, again.stderr  # no rm racing a started check
         assert (finished / "metrics.jsonl").read_text() == "{}\n"
     venv = bench.ROOT / ".venv" / "bin" / "python"
     said = subprocess.run(
