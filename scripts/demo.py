@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
         help="auto: bf16 where the CPU has bf16 units, else fp32",
     )
     known, extra = parser.parse_known_args(argv)
+    known.out = known.out.expanduser().absolute()  # the runs train from the checkout (cwd=ROOT)
     demo = Demo(known.compute if known.compute != "auto" else "bf16" if computes_bf16() else "fp32")
     commands = {
         known.out / name: train_command(fp8, known.steps, known.out / name, [*demo.flags, *extra])

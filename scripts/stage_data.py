@@ -45,8 +45,10 @@ from model_utils.data.sources import document_texts, open_source
 from model_utils.errors import OneLineParser, os_error_words, refuse, said
 from model_utils.run import outputs
 
-#: Validation documents staged per training document (the source's own validation split).
-VALIDATION_SHARE = 0.01
+#: Validation documents staged per training document (the source's own validation split), and
+#: at least VALIDATION_MIN of them (or the whole split): 1% of a small staging left too few
+#: for the validation batches the source itself gave.
+VALIDATION_SHARE, VALIDATION_MIN = 0.01, 10_000
 PROG = "stage_data.py"
 
 
@@ -90,7 +92,8 @@ def check_names(args: argparse.Namespace) -> None:
 
 def slug(dataset: str, config_name: str | None) -> str:
     """A directory name for a dataset: ``allenai/c4`` + ``en`` -> ``allenai--c4-en``."""
-    name = Path(dataset).name if Path(dataset).expanduser().exists() else dataset
+    local = Path(dataset).expanduser()
+    name = local.resolve().name if local.exists() else dataset  # `.`: the folder's own name
     name = re.sub(r"\.(jsonl|json|txt|parquet)(\.\w+)?$", "", name).replace("/", "--")
     return name + (f"-{config_name}" if config_name else "")
 
@@ -205,7 +208,7 @@ def stage_dataset(args: argparse.Namespace, plan: Plan) -> tuple[int, int]:
         written += write_shard(plan.target / name, chunk, args.text_column)
     validation = 0
     if plan.validation_texts is not None:
-        wanted = max(1, int(args.documents * VALIDATION_SHARE))
+        wanted = max(VALIDATION_MIN, int(args.documents * VALIDATION_SHARE))
         chunk = list(islice(plan.validation_texts, wanted))
         validation = write_shard(plan.target / "validation-00000.jsonl.gz", chunk, args.text_column)
     return written, validation

@@ -56,7 +56,9 @@ def test_staged_data_trains_offline(tmp_path: Path) -> None:
     assert [f.name for f in train_files] == [f"train-{i:05d}-of-00004.jsonl.gz" for i in range(4)]
     source_texts = [json.loads(line)["text"] for line in open(source / "train.jsonl")]
     assert read_staged(staged, "train-*") == source_texts[:500]  # stream order, nothing lost
-    assert len(read_staged(staged, "validation-*")) == 5
+    # the whole validation split (1% of --documents, 5, left too few for the source's batches)
+    validation = [json.loads(line)["text"] for line in open(source / "validation.jsonl")]
+    assert read_staged(staged, "validation-*") == validation and len(validation) == 100
     assert not list(out.rglob("*.partial"))
     tokenizer = out / "tokenizers" / "tokenizer"
     assert (tokenizer / "tokenizer.json").exists()

@@ -51,6 +51,25 @@ def test_a_folder_the_demo_did_not_make_is_refused_and_kept(tmp_path, capsys) ->
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fp32"]
 
 
+def test_a_relative_out_is_the_callers_folder_though_the_runs_start_in_the_checkout(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    """--out mydemo made mydemo/fp8 here while train.py (cwd: the checkout) wrote the checkout's
+    mydemo/fp8, and the comparison found no metrics: the runs' folder is absolute now."""
+    (tmp_path / "mydemo" / "fp32").mkdir(parents=True)
+    (tmp_path / "mydemo" / "fp32" / "notes.txt").write_text("mine")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        demo.main(["--out=mydemo", "--compute=fp32"])
+    assert f"--out: {tmp_path / 'mydemo' / 'fp32'} holds" in capsys.readouterr().err
+    commands = []
+    monkeypatch.setattr(demo, "problem", lambda run_dir, cmd: commands.append(cmd))
+    monkeypatch.setattr(demo, "run", lambda run_dir, cmd: sys.exit(0))
+    with pytest.raises(SystemExit):
+        demo.main(["--out=mydemo", "--compute=fp32"])
+    assert f"--output_dir={tmp_path / 'mydemo' / 'fp32'}" in commands[0]
+
+
 def test_bad_train_flags_are_one_line_before_any_folder_is_touched(tmp_path, capsys) -> None:
     earlier = tmp_path / "fp8"
     earlier.mkdir()

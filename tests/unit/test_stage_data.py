@@ -22,6 +22,13 @@ def test_slugs_name_hub_datasets_and_local_files() -> None:
     assert stage_data.slug("NousResearch/Meta-Llama-3-8B", None) == "NousResearch--Meta-Llama-3-8B"
 
 
+def test_the_current_folder_is_staged_under_its_own_name(tmp_path, monkeypatch) -> None:
+    """`--dataset .` had no name: the dataset landed in --out itself, beside tokenizers/."""
+    (tmp_path / "mycode").mkdir()
+    monkeypatch.chdir(tmp_path / "mycode")
+    assert stage_data.slug(".", None) == stage_data.slug("./", None) == "mycode"
+
+
 # -- refusals and failures: one line, and nothing left behind ---------------------------------
 
 LONG_NAME = "n" * 300  # over NAME_MAX (255 bytes): ENAMETOOLONG from the first stat()
