@@ -199,8 +199,44 @@ class Plan:
     note: str
 
 
+def from_caller(args: Sequence[str], caller: str) -> list[str]:
+    """`args` as meant in `caller`, the folder the script was run or submitted from, though
+    the launch runs in the checkout: each @FILE read there, each relative path flag made
+    absolute there (one read only where it exists there: else a Hub name or the checkout's)."""
+    here = os.getcwd()
+    os.chdir(caller)
+    try:
+        args = expanded(args, files_only=True)
+    finally:
+        os.chdir(here)
+    out, pending = [], ""
+    for arg in args:
+        name, eq, value = arg[2:].partition("=")
+        if pending:  # the value of `--FLAG VALUE`
+            arg, pending = caller_path(caller, pending, arg), ""
+        elif arg.startswith("--") and name in argv.OUTPUT_PATH_FLAGS + argv.INPUT_PATH_FLAGS:
+            arg, pending = (
+                (f"--{name}={caller_path(caller, name, value)}", "") if eq else (arg, name)
+            )
+        out.append(arg)
+    return out
+
+
+def caller_path(caller: str, flag: str, value: str) -> str:
+    """A path flag's value as meant in `caller`: an output's always, an input's where it exists
+    there (`auto` is --resume_from_checkpoint's word, no folder)."""
+    path = os.path.join(caller, os.path.expanduser(value))  # an absolute value stays itself
+    if flag in argv.OUTPUT_PATH_FLAGS:
+        return path if value else value
+    return path if value and value != "auto" and os.path.exists(path) else value
+
+
 def plan(env: Mapping[str, str], defaults: Sequence[str], args: Sequence[str]) -> Plan:
-    """The launch of `args` after the script's `defaults`, in RUNS_DIR/<run name>."""
+    """The launch of `args` after the script's `defaults`, in RUNS_DIR/<run name>; relative
+    paths in `args` are the caller's (LLAMA_CALLER_DIR, where it is not the checkout)."""
+    caller = env.get("LLAMA_CALLER_DIR", "")
+    if caller and os.path.realpath(caller) != os.path.realpath(env.get("LLAMA_REPO_DIR", REPO)):
+        args = from_caller(args, caller)
     check_spelled_out(args)
     runs = env.get("RUNS_DIR") or os.path.join(env.get("LLAMA_REPO_DIR") or str(REPO), "runs")
     named = bool(env.get("RUN_NAME"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -114,6 +115,23 @@ def test_help_and_validate_only_through_the_launcher_start_no_training(
         assert f"run folder {run}, resume auto" in result.stdout
     assert "running torchrun" not in result.stdout
     assert not (tmp_path / "runs").exists()
+
+
+def test_relative_paths_are_read_from_where_the_script_is_run(tmp_path: Path) -> None:
+    """`bash repo/1.train_llama.sbatch` from a project folder: RUNS_DIR, an @FILE and the path
+    flags in it are that folder's, though the launch runs in the checkout (they were the
+    checkout's: the run went into it, the file and the data were not found)."""
+    (tmp_path / "d").mkdir()
+    shutil.copy(REPO / "data" / "kjv.jsonl.gz", tmp_path / "d" / "kjv.jsonl.gz")
+    (tmp_path / "my.args").write_text(
+        "--preset tiny\n--output_dir rel_out\n--dataset d/kjv.jsonl.gz\n"
+    )
+    env = clean_env(RUNS_DIR="myruns", NPROC_PER_NODE="2")
+    for args, folder in (([], "myruns/local-fp8"), (["@my.args"], "rel_out")):
+        result = run_script(env, "--preset", "tiny", *args, "--validate_only", cwd=tmp_path)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert f"run folder {tmp_path / folder}, resume auto" in result.stdout, result.stdout
+    assert not (REPO / "rel_out").exists() and not (REPO / "myruns").exists()
 
 
 @pytest.mark.slow

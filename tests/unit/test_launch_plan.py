@@ -40,6 +40,35 @@ def test_the_users_output_dir_takes_the_checkpoints_with_it(
     assert "--checkpoint_dir" not in own and ("/runs/r" in own) == (run == "/runs/r")
 
 
+def test_relative_paths_are_the_callers_and_the_path_flags_are_trains(tmp_path: Path) -> None:
+    """Outputs are made absolute in the caller's folder; inputs where they exist there (else a
+    Hub name, or the checkout's bundled data); an @FILE is read there, its lines too."""
+    from model_utils.config.run_config import path_flags
+
+    assert {*launch_plan.argv.OUTPUT_PATH_FLAGS, *launch_plan.argv.INPUT_PATH_FLAGS} == {
+        *path_flags()
+    }
+    (tmp_path / "mine.jsonl").write_text("{}\n")
+    (tmp_path / "more.args").write_text("--export_hf hf\n--tokenizer=gpt2\n")
+    user = ["--output_dir", "out", "--dataset=mine.jsonl", "--resume_from_checkpoint", "auto"]
+    user += ["--checkpoint_dir=/abs/ckpt", "--init_from_hf", "data/tokenizer", "@more.args"]
+    assert launch_plan.from_caller([*user, "--lr", "out"], str(tmp_path)) == [
+        "--output_dir",
+        str(tmp_path / "out"),
+        f"--dataset={tmp_path / 'mine.jsonl'}",
+        "--resume_from_checkpoint",
+        "auto",
+        "--checkpoint_dir=/abs/ckpt",
+        "--init_from_hf",
+        "data/tokenizer",  # not in the caller's folder: left to train.py (the checkout's)
+        "--export_hf",
+        str(tmp_path / "hf"),
+        "--tokenizer=gpt2",
+        "--lr",
+        "out",
+    ]
+
+
 @pytest.mark.parametrize(
     ("user", "auto"),
     [
