@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+from collections.abc import Mapping
 
 from model_utils.config.options import TRACKERS
 from model_utils.config.run_config import Config, flag_specs
@@ -59,11 +60,26 @@ def check_tracker_packages(names: list[str]) -> None:
             )
 
 
+def check_mlflow_store(env: Mapping[str, str]) -> None:
+    """The pinned MLflow (3.x) refuses a file store (MLFLOW_TRACKING_URI=file:... or a path)
+    unless MLFLOW_ALLOW_FILE_STORE is true: one line now, not a warning cut short mid-run."""
+    uri = env.get("MLFLOW_TRACKING_URI", "")
+    path = uri and "://" not in uri and not uri.startswith(("databricks", "sqlite:"))
+    allowed = env.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("1", "true")
+    if (uri.startswith("file:") or path) and not allowed:
+        raise UsageError(
+            f"--tracker mlflow: MLFLOW_TRACKING_URI={uri} is a file store, which MLflow 3 refuses:"
+            " use sqlite:///PATH/mlflow.db or a server, or set MLFLOW_ALLOW_FILE_STORE=true"
+        )
+
+
 def _checked_trackers(config: Config) -> Config:
     """Known tracker names whose packages are importable (before any process starts), written
-    the one way (lower case, no repeats)."""
+    the one way (lower case, no repeats); an MLflow store it will refuse."""
     names = tracker_names(config.run.tracker or "")
     check_tracker_packages(names)
+    if "mlflow" in names:
+        check_mlflow_store(os.environ)
     return config.replace(tracker=",".join(names))
 
 

@@ -155,6 +155,8 @@ class WandbTracker:
             settings=wandb.Settings(console="off", x_disable_stats=True),
         )
         self.id = self.run.id
+        if mode == "offline" and not os.environ.get("WANDB_MODE"):  # `wandb login` is not read
+            log.info("wandb: offline, no WANDB_API_KEY (WANDB_MODE=online uses `wandb login`'s)")
 
     def write(self, record: Mapping[str, Any]) -> None:
         values = numbers(record)
@@ -195,9 +197,7 @@ class MlflowTracker:
         if _CREDENTIALS.search(uri):  # MLflow's "View run at: URL" banner would print them
             os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
         self.client = MlflowClient(tracking_uri=uri)
-        if run_id:
-            self.id = self.client.get_run(run_id).info.run_id
-            self.client.update_run(self.id, status="RUNNING")
+        if run_id and self._continues(run_id, redacted(uri)):
             return
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME", DEFAULT_PROJECT)
         found = self.client.get_experiment_by_name(name)
@@ -212,6 +212,21 @@ class MlflowTracker:
         batch = [Param(k, str(v)[:6000]) for k, v in run_params(run).items()]
         for start in range(0, len(batch), 100):  # the server's limit per request
             self.client.log_batch(self.id, params=batch[start : start + 100])
+
+    def _continues(self, run_id: str, uri: str) -> bool:
+        """Whether the store holds the run a resume continues (marked running again); a store
+        without it (another MLFLOW_TRACKING_URI, a deleted run) gets a new run, said once."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.id = self.client.get_run(run_id).info.run_id
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            log.warning("mlflow: run %s is not in %s (another store?): a new run", run_id, uri)
+            return False
+        self.client.update_run(self.id, status="RUNNING")
+        return True
 
     def write(self, record: Mapping[str, Any]) -> None:
         from mlflow.entities import Metric

@@ -139,6 +139,7 @@ def test_wandb_offline_writes_a_run_wandb_reads_back_and_a_resume_continues_it(
     first = _train(out, 2, env, 1, "--tracker=wandb,tensorboard")
     run_id = trackers.read_ids(out)["wandb"]
     assert f"wandb: run {run_id}" in first
+    assert "wandb: offline, no WANDB_API_KEY (WANDB_MODE=online uses `wandb login`'s)" in first
     assert (out / "tensorboard").is_dir()
     _train(out, 4, env, 1, "--tracker=wandb")
     assert trackers.read_ids(out) == {"wandb": run_id}

@@ -36,6 +36,25 @@ def test_a_missing_package_is_a_usage_error_with_the_install_line(monkeypatch) -
         flag_rules.check_tracker_packages(["tensorboard", "wandb"])
 
 
+@pytest.mark.parametrize("uri", ["file:///tmp/mlruns", "/tmp/mlruns", "mlruns"])
+def test_a_file_store_mlflow_refuses_is_one_line_before_the_start(uri: str, monkeypatch) -> None:
+    """MLflow 3 refuses a file store unless told: it was a warning mid-log, cut before the fix
+    (MLflow's message is 600 characters), and a run without MLflow."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    with pytest.raises(UsageError) as refused:
+        parse_args(["--preset", "tiny", "--tracker", "mlflow"])
+    assert str(refused.value) == (
+        f"--tracker mlflow: MLFLOW_TRACKING_URI={uri} is a file store, which MLflow 3 refuses: "
+        "use sqlite:///PATH/mlflow.db or a server, or set MLFLOW_ALLOW_FILE_STORE=true"
+    )
+    parse_args(["--preset", "tiny", "--tracker", "wandb"])  # MLflow's setting, MLflow's rule
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    parse_args(["--preset", "tiny", "--tracker", "mlflow"])
+    for store in ("sqlite:///tmp/mlflow.db", "http://host:5000", "databricks"):
+        flag_rules.check_mlflow_store({"MLFLOW_TRACKING_URI": store})
+
+
 def test_ids_round_trip_and_a_damaged_file_reads_as_none_in_one_line(tmp_path, caplog) -> None:
     assert trackers.read_ids(tmp_path) == {} and not caplog.records  # none yet: nothing to say
     trackers.write_ids(tmp_path, {"wandb": "abc", "mlflow": "0f"})
@@ -216,6 +235,18 @@ def test_ab_twins_are_two_runs_of_one_experiment_in_the_local_store(
     for r in found:
         assert r.data.metrics == {"train/loss": 3.0, "val/val_loss": 2.5}
         assert r.info.run_name == f"tiny-{r.data.tags['precision']}"
+    # A resume whose store lacks the run (another MLFLOW_TRACKING_URI) gets a new run, not none.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'other.db'}")
+    moved = trackers.Trackers(
+        ["mlflow"], run, str(tmp_path / "tiny-fp8"), enabled=True, start_step=2
+    )
+    moved.write({"kind": "train", "step": 3, "time": 3.0, "loss": 2.0, "mfu": None})
+    moved.close()
+    assert trackers.read_ids(tmp_path / "tiny-fp8")["mlflow"] not in ids.values()
+    assert MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'other.db'}").get_run(
+        trackers.read_ids(tmp_path / "tiny-fp8")["mlflow"]
+    ).data.metrics == {"train/loss": 2.0}
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
     # A fresh start in a folder (step 0, or another run's) never continues the run it holds.
     out = tmp_path / "tiny-fp8"
     restart = trackers.Trackers(["mlflow"], {"flags": {"fp8": True}}, str(out), enabled=True)
