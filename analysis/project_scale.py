@@ -27,11 +27,14 @@ from __future__ import annotations
 import io
 import json
 import math
+import runpy
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+if __name__ == "__main__":  # a Python without the environment: one line, exit 2
+    runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "environment_check.py"))
 from analysis import compare_runs, step_breakdown
 from model_utils.config.sections import ModelShape
 from model_utils.errors import OneLineParser, write_whole

@@ -12,6 +12,7 @@ emulated either way, so the demo shows FP8's numerics against the same model wit
 
 from __future__ import annotations
 
+import runpy
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+if __name__ == "__main__":  # a Python without the environment: one line, exit 2
+    runpy.run_path(str(Path(__file__).with_name("environment_check.py")))
 from analysis import compare_runs
 from model_utils.config.arguments import parse_args
 from model_utils.errors import OneLineParser, UsageError, said

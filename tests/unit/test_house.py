@@ -328,11 +328,12 @@ def test_the_link_check_sees_a_broken_file_and_a_broken_anchor(tmp_path, monkeyp
 
 @pytest.mark.parametrize(
     "folder, script",
-    [
-        ("analysis", "compare_runs"),
-        ("scripts", "convert_checkpoint"),
-        ("scripts", "stage_data"),
-        ("analysis", "step_breakdown"),
+    [  # every command of scripts/ and analysis/ that needs torch or the recipe
+        (path.parent.name, path.stem)
+        for folder in ("scripts", "analysis")
+        for path in sorted((ROOT / folder).glob("*.py"))
+        if '__name__ == "__main__"' in (text := path.read_text())
+        and re.search(r"^(from|import) (torch|model_utils|analysis)\b", text, re.M)
     ],
 )
 def test_a_script_run_by_path_without_the_environment_says_so_in_one_line(folder, script):
