@@ -182,7 +182,7 @@ def run_name(env: Mapping[str, str]) -> str:
     checkpoints."""
     name = env.get("RUN_NAME") or (env.get("SLURM_JOB_NAME") or "llama")
     name = name if env.get("RUN_NAME") or env.get("SLURM_JOB_ID") else "local"
-    if "/" in name or name in (".", ".."):
+    if "/" in name or name.strip() in ("", ".", ".."):  # " ": a folder no one can see
         raise UsageError(f"RUN_NAME/job name '{name}' must be a plain folder name")
     return name
 

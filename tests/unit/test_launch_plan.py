@@ -183,6 +183,16 @@ def test_a_run_name_is_taken_as_given_and_a_job_name_keeps_its_own_suffix() -> N
     assert plan["args"][len(DEFAULTS) + 1] == "/runs/llama3-fp8"
 
 
+@pytest.mark.parametrize("name", ["a/b", ".", "..", " ", ""])
+def test_a_run_name_that_is_no_plain_folder_is_refused(name: str) -> None:
+    """' ' made a run folder named by a space; '' (set but empty) is the default name."""
+    if not name:
+        assert launch_plan.run_name({"RUN_NAME": name}) == "local"
+        return
+    with pytest.raises(launch_plan.UsageError, match="must be a plain folder name"):
+        launch_plan.run_name({"RUN_NAME": name})
+
+
 def test_an_unknown_recipe_is_refused_before_anything_is_made() -> None:
     with pytest.raises(launch_plan.UsageError, match="--recipe nope: no such recipe"):
         launch_plan.plan({}, [], ["--recipe", "nope"])
