@@ -41,9 +41,10 @@ Each run writes its resolved flags, one per line, to `<output_dir>/run.args`: `@
 command line stands for the flags in FILE, so `.venv/bin/python train.py @runs/tiny-fp8/run.args
 --output_dir runs/tiny-fp8-again` (or `RUN_NAME=tiny-fp8-again bash 1.train_llama.sbatch
 @runs/tiny-fp8/run.args`: without a new name the launcher's own folder, `runs/local-fp8`, would
-resume whatever run it holds) trains the same run again. Everything before the file gives way to it; flags after it win. Left out of
-the file: what names one launch rather than the run ("this launch" below: where it writes, how it
-starts, what it exports or allows once), except `--init_from_hf`, the weights it started from.
+resume whatever run it holds) trains the same run again. Everything before the file gives way
+to it; flags after it win. Left out of the file: what names one launch rather than the run ("this
+launch" below: where it writes, how it starts, what it exports or allows once), except
+`--init_from_hf`, the weights it started from.
 Any file of flags works the same way: a line is `--flag=value` or `--flag value`, split as a
 shell splits it (quote a value with spaces; `#` starts a comment), and a file that names itself
 is refused.

@@ -6,6 +6,7 @@ one-line refusal (exit 2); room for fewer checkpoints than the run keeps is a wa
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -46,6 +47,14 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
+def _loops(link: Path) -> bool:
+    try:
+        link.stat()
+    except OSError as exc:
+        return exc.errno == errno.ELOOP
+    return False
+
+
 def location_problem(flag: str, path: Path) -> str | None:
     """Why `path` cannot become a writable directory, found without creating anything: a file
     in the way, or a nearest existing folder that is read-only or not writable by this user."""
@@ -53,9 +62,10 @@ def location_problem(flag: str, path: Path) -> str | None:
         return f"{flag} {path} is a file, not a directory: choose another {flag}"
     dangling = next((p for p in (path, *path.parents) if p.is_symlink() and not p.exists()), None)
     if dangling:  # mkdir would say only "File exists"
-        target = os.readlink(dangling)
-        return f"{flag} {path} cannot be created: {dangling} is a link to {target}, which does \
-not exist; create {target} or choose another {flag}"
+        target, head = os.readlink(dangling), f"{flag} {path} cannot be created: {dangling} is a"
+        if _loops(dangling):
+            return f"{head} link that loops (to {target}): choose another {flag}"
+        return f"{head} link to {target}, which does not exist; create it or choose another {flag}"
     existing = _nearest_existing(path)
     if not existing.is_dir():
         return f"{flag} {path} cannot be created: {existing} is a file; choose another {flag}"

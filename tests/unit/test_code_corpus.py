@@ -114,7 +114,8 @@ def test_an_empty_out_or_a_symlink_loop_is_refused_before_the_download(
             ),
             (
                 ["--out", "loop"],
-                f"{prog} --out loop cannot be written (File exists): choose another --out",
+                f"{prog} --out loop cannot be created: loop is a link that loops (to loop): "
+                "choose another --out",
             ),
         ],
     )

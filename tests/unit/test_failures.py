@@ -478,11 +478,15 @@ def test_a_link_to_nowhere_is_named_not_called_an_existing_file(tmp_path: Path) 
     for path in (tmp_path / "scratch", tmp_path / "scratch" / "run"):
         assert outputs.location_problem("--export_hf", path) == (
             f"--export_hf {path} cannot be created: {tmp_path / 'scratch'} is a link to "
-            f"{tmp_path / 'gone'}, which does not exist; create {tmp_path / 'gone'} or choose "
-            "another --export_hf"
+            f"{tmp_path / 'gone'}, which does not exist; create it or choose another --export_hf"
         )
     (tmp_path / "gone").mkdir()
     assert outputs.location_problem("--export_hf", tmp_path / "scratch" / "run") is None
+    (tmp_path / "loop").symlink_to("loop")
+    assert outputs.location_problem("--output_dir", tmp_path / "loop" / "run") == (
+        f"--output_dir {tmp_path / 'loop' / 'run'} cannot be created: {tmp_path / 'loop'} is a "
+        "link that loops (to loop): choose another --output_dir"
+    )
 
 
 def test_an_export_inside_the_run_s_checkpoints_is_refused(tmp_path: Path, refused_by_train):
