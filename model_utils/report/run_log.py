@@ -134,7 +134,8 @@ class RunLog:
 
     def _own_records(self, run: dict, start_step: int) -> str | None:
         """metrics.jsonl holds one run: a fresh start, or a launch of another run (another
-        identity, metrics.identity_change), moves the file there aside. Returns how the run
+        identity, metrics.identity_change), moves the file there aside (its run.args and
+        profiler traces with it). Returns how the run
         whose records were there is another run, None if it is this one."""
         other = metrics.identity_change(first_run_record(self.jsonl_path), run)
         if start_step == 0 or other:
@@ -145,6 +146,9 @@ class RunLog:
                 log.info("metrics.jsonl here held %s: kept as %s", why, aside, stacklevel=3)
             if flags is not None:
                 log.info("run.args here held its flags: kept as %s", flags, stacklevel=3)
+            traces = set_aside(Path(self.config.run.output_dir) / "profile")  # step_breakdown's
+            if traces is not None:
+                log.info("profile/ here held its traces: kept as %s", traces, stacklevel=3)
         return other
 
     def _open_trackers(self, run: dict, start_step: int) -> None:

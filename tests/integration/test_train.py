@@ -254,9 +254,15 @@ def test_a_fresh_run_sets_an_earlier_runs_metrics_aside(tmp_path):
     run.args was replaced)."""
     out = tmp_path / "run"
     common = [*FAST, "--warmup=1", "--validation_batches=1", "--checkpoint_freq=-1"]
-    common += ["--tensorboard=1", f"--output_dir={out}"]
+    common += ["--tensorboard=1", f"--output_dir={out}", "--profile_steps=2:2"]
     run_train(*common, "--max_steps=3")
+    first_trace = next((out / "profile" / "step_2").iterdir()).read_bytes()
     second = run_train(*common, "--max_steps=2")
+    # step_breakdown reads the folder's traces as its run's: the first's, of the same window,
+    # were overwritten, or (another window) read and labelled as the second run's
+    assert f"profile/ here held its traces: kept as {out / 'profile.1'}" in second.stdout
+    assert next((out / "profile.1" / "step_2").iterdir()).read_bytes() == first_trace
+    assert (out / "profile" / "step_2").is_dir()
     assert f"kept as {out / 'metrics.1.jsonl'}" in second.stdout
     assert f"kept in {out / 'tensorboard.1'}" in second.stdout
     assert f"run.args here held its flags: kept as {out / 'run.1.args'}" in second.stdout
