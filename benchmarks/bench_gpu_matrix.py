@@ -262,7 +262,6 @@ def train_row(
     mode: str = "train",
 ) -> Row:
     run_dir = args.out / name.replace(" ", "_")
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     command = train_command(args, name, flags, extra, fixed)
     environ = {**os.environ, **(env or {})}
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=environ)
@@ -392,6 +391,21 @@ def shape_line(args, row_flags: list[str], per_row_batch: bool) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(argv)
+    only = {n for n in args.only.split(",") if n}
+    planned = [
+        *(("train", name, flags, (), {}) for name, flags in TRAIN_ROWS),
+        *(("levers", name, (), fixed, env) for name, fixed, env in LEVER_ROWS),
+        *(("infer", name, flags, (), {}) for name, flags in INFER_ROWS),
+    ]
+    planned = [p for p in planned if p[0] in args.modes.split(",") and (not only or p[1] in only)]
+    for mode, name, *_ in planned:  # a row is never measured again over a kept one
+        if (
+            mode != "infer"
+            and (held := args.out / name.replace(" ", "_") / "metrics.jsonl").exists()
+        ):
+            return said(
+                "bench_gpu_matrix.py", f"{held.parent} holds a run already: give a new --out"
+            )
     if not torch.cuda.is_available():
         return said(
             "bench_gpu_matrix.py",
@@ -399,18 +413,10 @@ def main(argv: list[str] | None = None) -> int:
             "(e.g. inside the image from 0.transformer-engine.dockerfile).",
         )
     args.nproc = args.nproc or torch.cuda.device_count()
-    only = {n for n in args.only.split(",") if n}
     print(f"{torch.cuda.get_device_name()} x {args.nproc}, preset {args.preset}", flush=True)
     rows = []
     ran: list[list[str]] = []  # each row's train.py flags, for the shape line
-    planned = [
-        *(("train", name, flags, (), {}) for name, flags in TRAIN_ROWS),
-        *(("levers", name, (), fixed, env) for name, fixed, env in LEVER_ROWS),
-        *(("infer", name, flags, (), {}) for name, flags in INFER_ROWS),
-    ]
     for mode, name, flags, fixed, env in planned:
-        if mode not in args.modes.split(",") or (only and name not in only):
-            continue
         if mode == "infer":
             rows.append(infer_row(args, name, flags, extra))
         else:

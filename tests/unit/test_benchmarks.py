@@ -22,6 +22,23 @@ def test_gpu_matrix_refuses_without_gpu(capsys, monkeypatch) -> None:
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_gpu_matrix_never_measures_a_row_again_over_a_kept_one(tmp_path, capsys) -> None:
+    """A phase run again into its folder deleted each row's metrics.jsonl before measuring it
+    (gpu_common.sh: the GPU scripts never replace a run); refused before any row, GPU or not."""
+    from benchmarks import bench_gpu_matrix
+
+    kept = tmp_path / "te-bf16" / "metrics.jsonl"
+    kept.parent.mkdir()
+    kept.write_text('{"kind": "train"}\n')
+    assert bench_gpu_matrix.main(["--out", str(tmp_path), "--modes", "train"]) == 2
+    assert capsys.readouterr().err == (
+        f"bench_gpu_matrix.py: error: {kept.parent} holds a run already: give a new --out\n"
+    )
+    assert kept.read_text() == '{"kind": "train"}\n'
+    assert bench_gpu_matrix.main(["--out", str(tmp_path), "--only", "hf-bf16"]) == 2  # no GPU
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
 WHOLE = "is not a whole number >= 1"
 
 
