@@ -30,7 +30,7 @@ import math
 import runpy
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 if __name__ == "__main__":  # a Python without the environment: one line, exit 2
@@ -102,6 +102,7 @@ class Links:
     network: float = NETWORK_GBS
     reduce_share: float = 1.0
     overlap: bool = True
+    measured: tuple[str, ...] = field(default=(), compare=False)  # by a preflight: node, network
 
 
 def links_of(record: dict, given: Links = Links()) -> Links:
@@ -115,7 +116,25 @@ def links_of(record: dict, given: Links = Links()) -> Links:
             (found if row["op"] == "all_gather" else reduced).setdefault(where, row["bus_gbs"])
     share = {k: reduced[k] / found[k] for k in found if k in reduced}
     found["reduce_share"] = share.get("network", share.get("node", given.reduce_share))
-    return replace(given, **found, overlap=record["backend"] != "gloo")
+    measured = tuple(k for k in ("node", "network") if k in found)
+    return replace(given, **found, overlap=record["backend"] != "gloo", measured=measured)
+
+
+def links_line(links: Links, preflight: str | None) -> str:
+    """The bandwidths the table used and where each came from: a one-node preflight measures
+    no network, and the default it keeps made more nodes project faster than one."""
+
+    def source(name: str, flag: str, default: float) -> str:
+        if name in links.measured:
+            return f"measured: {preflight}"
+        return f"given: {flag}" if getattr(links, name) != default else f"assumed: {flag}'s default"
+
+    node = source("node", "--node_gbs", NVLINK_GBS)
+    network = source("network", "--network_gbs", NETWORK_GBS)
+    return (
+        f"links: {links.node:g} GB/s in a node ({node}), {links.network:g} GB/s per GPU across "
+        f"nodes ({network})"
+    )
 
 
 def exposed_seconds(
@@ -350,6 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     found = scales(*pair, nodes, args.gpus_per_node, links)
     print(table(found, args.gpus_per_node))
+    print(links_line(links, args.preflight))
     if args.output:
         picture(found, args.output)
         print(f"picture: {args.output}")

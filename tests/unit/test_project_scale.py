@@ -87,11 +87,12 @@ def test_the_command_reads_a_pair_and_prints_each_scale(tmp_path, capsys) -> Non
     pair = [_run(tmp_path / "bf16", False, 1000.0), _run(tmp_path / "fp8", True, 1200.0)]
     assert ps.main([*pair, "--nodes", "1,4", "--gpus_per_node", "8"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert [line.split()[:4] for line in out[1:]] == [
+    assert [line.split()[:4] for line in out[1:-1]] == [
         ["1", "x", "8", "full"],
         ["4", "x", "8", "full"],
         ["4", "x", "8", "hybrid"],
     ]
+    assert out[-1].startswith("links: 360 GB/s in a node (assumed: --node_gbs's default)")
     assert out[1].split()[6] == "1.200"  # one node of a tiny model: FP8's measured ratio
     assert ps.main([*pair, "--nodes", "4", "--reduce_dtype", "fp8"]) == 0
     assert capsys.readouterr().out.splitlines()[1].split()[:4] == ["4", "x", "8", "full"]
@@ -205,9 +206,16 @@ def test_a_preflight_record_sets_the_links_it_measured(tmp_path, capsys) -> None
     record = tmp_path / "preflight.json"
     record.write_text(json.dumps(_preflight(2, 360.0, 0.01)))
     assert ps.main([*pair, "--nodes", "2", "--preflight", str(record)]) == 0
-    slowed = _bf16_column(capsys.readouterr().out)
-    assert ps.main([*pair, "--nodes", "2"]) == 0
-    assert slowed < _bf16_column(capsys.readouterr().out) / 2  # 0.01 GB/s across the nodes
+    out = capsys.readouterr().out
+    slowed = _bf16_column(out)
+    assert f"links: 360 GB/s in a node (measured: {record}), 0.01 GB/s per GPU across nodes " in out
+    assert ps.main([*pair, "--nodes", "2", "--node_gbs", "100"]) == 0
+    out = capsys.readouterr().out
+    assert slowed < _bf16_column(out) / 2  # 0.01 GB/s across the nodes
+    assert (  # a one-node preflight measures no network: the table says what it assumed
+        "links: 100 GB/s in a node (given: --node_gbs), 50 GB/s per GPU across nodes (assumed: "
+        "--network_gbs's default)"
+    ) in out
     record.write_text("{}")
     with pytest.raises(SystemExit) as bad:
         ps.main([*pair, "--preflight", str(record)])
@@ -259,7 +267,9 @@ def test_the_projection_shows_what_is_exposed_and_draws_it(tmp_path, capsys) -> 
     assert ps.main([*pair, "--nodes", "1,4", "--gpus_per_node", "8", *slow]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "exposed ms: bf16 fp8+ag" in out[0] and out[-1] == f"picture: {png}"
-    exposed = {tuple(line.split()[:4]): [float(x) for x in line.split()[-2:]] for line in out[1:4]}
+    rows = [line.split() for line in out[1:] if line[0].isdigit()]  # then the links, the picture
+    exposed = {tuple(row[:4]): [float(x) for x in row[-2:]] for row in rows}
+    assert out[-2].startswith("links: 360 GB/s in a node (assumed: --node_gbs's default), 0.5 GB/s")
     one, four = exposed[("1", "x", "8", "full")], exposed[("4", "x", "8", "full")]
     assert four[0] > one[0] > 0  # a slow network leaves more exposed across nodes
     assert four[1] < four[0]  # the float8 all-gather moves half the bytes
