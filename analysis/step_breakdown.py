@@ -57,7 +57,8 @@ _RANK = re.compile(r"^rank_(\d+)\.pt\.trace\.json(\.gz)?$")
 #: What reading a damaged, cut short or foreign trace raises (zlib's error is no OSError).
 UNREADABLE = (OSError, EOFError, zlib.error, ValueError, KeyError, TypeError, AttributeError)
 #: What a pair must share to be compared: the model's shape, the batch and the world.
-LIKE_FLAGS = (*flag_fields(ModelShape), "train_batch_size", "grad_accum_steps")
+#: (--fp8_numerics: its report steps cost the FP8 run 3x a step on CPU, read as "another job")
+LIKE_FLAGS = (*flag_fields(ModelShape), "train_batch_size", "grad_accum_steps", "fp8_numerics")
 #: The categories FP8 does not change. Where one worth UNTOUCHED_MIN_SHARE of the bf16 step
 #: differs between the runs by more than UNTOUCHED_TOLERANCE, the two were measured under
 #: different conditions (another job, clocks, load) and a ceiling from them would mislead. On the

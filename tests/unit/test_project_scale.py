@@ -115,9 +115,16 @@ def test_a_pair_out_of_order_unlike_or_with_odd_links_is_one_line(tmp_path, caps
     _run(wide, True, 1100.0)
     lines = (wide / "metrics.jsonl").read_text().replace('"num_layers": 4', '"num_layers": 8')
     (wide / "metrics.jsonl").write_text(lines)
+    numerics = tmp_path / "numerics-fp8"
+    _run(numerics, True, 400.0)
+    lines = (numerics / "metrics.jsonl").read_text()
+    (numerics / "metrics.jsonl").write_text(
+        lines.replace('"fp8_numerics": false', '"fp8_numerics": true')
+    )
     cases = {
         "give the BF16 run first, then its FP8 twin": [pair[1], pair[0]],
         "is not like": [pair[0], str(wide)],
+        "fp8_numerics True vs False (only --fp8 may differ)": [pair[0], str(numerics)],
         "the bandwidths must be positive": [*pair, "--node_gbs", "nan"],
         "is not a directory": [*pair, "--output", str(tmp_path / "no" / "p.png")],
         "must end in .png": [*pair, "--output", str(tmp_path / "p.txt")],

@@ -159,6 +159,12 @@ def test_step_breakdown_refuses_a_pair_of_different_models_in_one_line(tmp_path,
     err = script_refusal(step_breakdown.main, "step_breakdown.py", [bf16, fp8, "--no_hta"], capsys)
     assert f"{fp8} is not like {bf16}: hidden_width 128 vs 2048" in err
     assert "only --fp8 differs" in err
+    # --fp8_numerics' report steps tripled the FP8 step: called "another job" before
+    numerics = _profiled(
+        tmp_path / "c", "fp8", "te_llama32_1b_fp8.pt.trace.json.gz", fp8_numerics=True
+    )
+    err = script_refusal(step_breakdown.main, "step_breakdown.py", [bf16, numerics], capsys)
+    assert f"{numerics} is not like {bf16}: fp8_numerics True vs None" in err
 
 
 def test_step_breakdown_refuses_a_damaged_or_cut_short_trace_in_one_line(tmp_path, capsys) -> None:
