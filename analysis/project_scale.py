@@ -232,7 +232,7 @@ def job_of(run: str) -> Job:
     param = 2.0 if flags.get("bf16", True) else 4.0
     gather = 1.0 if flags.get("fp8_all_gather") else param
     job = Job(embedding, layer, shape.num_layers, tokens, speed, gather, param_bytes=param)
-    return replace(job, **traced_shares(run))
+    return replace(job, reduce=flags.get("reduce_dtype", "fp32"), **traced_shares(run))
 
 
 #: What in a profiled step is neither the forward's compute nor the backward's.
@@ -316,8 +316,15 @@ def picture(found: list, path: str) -> None:
 
 
 def check_pair(runs: Sequence[str]) -> None:
-    """Refused: a pair in the wrong order (BF16 first) or of other models or batches."""
-    flags = [(first_run_record(f"{run}/metrics.jsonl") or {}).get("flags") or {} for run in runs]
+    """Refused: a pair in the wrong order (BF16 first), of other models or batches, or not
+    measured on one GPU (a larger world's step holds collectives projected again on top)."""
+    records = [first_run_record(f"{run}/metrics.jsonl") or {} for run in runs]
+    for run, record in zip(runs, records, strict=True):
+        if record.get("world_size", 1) != 1:
+            raise ValueError(
+                f"{run} trained on {record['world_size']} ranks: project a pair measured on one GPU"
+            )
+    flags = [record.get("flags") or {} for record in records]
     if [bool(f.get("fp8")) for f in flags] != [False, True]:
         raise ValueError(f"give the BF16 run first, then its FP8 twin: got {' and '.join(runs)}")
     unlike = step_breakdown.unlike_flags(*flags)
@@ -339,7 +346,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--preflight", metavar="FILE", help="a job's preflight.json: its measured bandwidths"
     )
     parser.add_argument("--output", metavar="PNG", help="the projection as a picture too")
-    parser.add_argument("--reduce_dtype", default="fp32", choices=REDUCE_BYTES, help="gradients")
+    parser.add_argument(
+        "--reduce_dtype", choices=REDUCE_BYTES, help="the gradients' (default: the pair's own)"
+    )
     args = parser.parse_args(argv)
     try:
         nodes = [int(n) for n in args.nodes.split(",")]
@@ -361,7 +370,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as exc:
             parser.error(f"--preflight {args.preflight}: not a preflight record ({exc})")
     try:
-        pair = [replace(job_of(run), reduce=args.reduce_dtype) for run in (args.bf16, args.fp8)]
+        pair = [job_of(run) for run in (args.bf16, args.fp8)]
+        pair = [replace(job, reduce=args.reduce_dtype or job.reduce) for job in pair]
         check_pair((args.bf16, args.fp8))
     except (KeyError, TypeError, ZeroDivisionError) as exc:  # a run record without its flags
         parser.error(f"{args.bf16} or {args.fp8}: a run record without its model flags ({exc!r})")

@@ -95,7 +95,15 @@ def test_the_command_reads_a_pair_and_prints_each_scale(tmp_path, capsys) -> Non
     assert out[-1].startswith("links: 360 GB/s in a node (assumed: --node_gbs's default)")
     assert out[1].split()[6] == "1.200"  # one node of a tiny model: FP8's measured ratio
     assert ps.main([*pair, "--nodes", "4", "--reduce_dtype", "fp8"]) == 0
-    assert capsys.readouterr().out.splitlines()[1].split()[:4] == ["4", "x", "8", "full"]
+    fp8_reduce = capsys.readouterr().out
+    assert fp8_reduce.splitlines()[1].split()[:4] == ["4", "x", "8", "full"]
+    for run in pair:  # a pair trained with --reduce_dtype fp8 is projected with it unasked
+        lines = (Path(run) / "metrics.jsonl").read_text()
+        (Path(run) / "metrics.jsonl").write_text(
+            lines.replace('"reduce_dtype": "fp32"', '"reduce_dtype": "fp8"')
+        )
+    assert ps.main([*pair, "--nodes", "4"]) == 0
+    assert capsys.readouterr().out == fp8_reduce
     with pytest.raises(SystemExit) as bad:
         ps.main([*pair, "--nodes", "two"])
     assert bad.value.code == 2 and "--nodes takes node counts" in capsys.readouterr().err
@@ -115,6 +123,10 @@ def test_a_pair_out_of_order_unlike_or_with_odd_links_is_one_line(tmp_path, caps
     _run(wide, True, 1100.0)
     lines = (wide / "metrics.jsonl").read_text().replace('"num_layers": 4', '"num_layers": 8')
     (wide / "metrics.jsonl").write_text(lines)
+    two_ranks = tmp_path / "two-ranks-fp8"  # its step holds its collectives already
+    _run(two_ranks, True, 1100.0)
+    lines = (two_ranks / "metrics.jsonl").read_text()
+    (two_ranks / "metrics.jsonl").write_text(lines.replace('"world_size": 1', '"world_size": 2'))
     numerics = tmp_path / "numerics-fp8"
     _run(numerics, True, 400.0)
     lines = (numerics / "metrics.jsonl").read_text()
@@ -125,6 +137,7 @@ def test_a_pair_out_of_order_unlike_or_with_odd_links_is_one_line(tmp_path, caps
         "give the BF16 run first, then its FP8 twin": [pair[1], pair[0]],
         "is not like": [pair[0], str(wide)],
         "fp8_numerics True vs False (only --fp8 may differ)": [pair[0], str(numerics)],
+        "trained on 2 ranks: project a pair measured on one GPU": [pair[0], str(two_ranks)],
         "the bandwidths must be positive": [*pair, "--node_gbs", "nan"],
         "is not a directory": [*pair, "--output", str(tmp_path / "no" / "p.png")],
         "must end in .png": [*pair, "--output", str(tmp_path / "p.txt")],
