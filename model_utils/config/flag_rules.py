@@ -93,9 +93,10 @@ def profile_window(spec: str) -> tuple[int, int]:
             f"got {spec!r}"
         )
     start, end = int(match[1]), int(match[2])
-    if not 1 <= start <= end:
+    if not 2 <= start <= end:  # torch's profiler warns it is skewed without a warm-up step
         raise UsageError(
-            f"--profile_steps {spec}: steps count from 1 and END must not come before START"
+            f"--profile_steps {spec}: steps count from 1, the one before START warms the "
+            "profiler up (START >= 2), and END must not come before START"
         )
     return start, end
 

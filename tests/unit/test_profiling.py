@@ -32,6 +32,7 @@ from model_utils.run.profiling import RunProfiler, StepOutOfMemory, Window, plan
         (["--profile_steps", "3"], "--profile_steps takes START:END"),
         (["--profile_steps", "a:b"], "--profile_steps takes START:END"),
         (["--profile_steps", "0:2"], "steps count from 1"),
+        (["--profile_steps", "1:1"], "the one before START warms the profiler up (START >= 2)"),
         (["--profile_steps", "4:3"], "END must not come before START"),
         (["--profile_steps", "5:12", "--max_steps", "10"], "ends after --max_steps 10"),
         (["--memory_snapshot_step", "-1"], "--memory_snapshot_step must be in [0,"),
@@ -48,7 +49,6 @@ def test_bad_values_are_refused_in_one_line(refused_by_train, flags, words) -> N
     [
         (None, 0, None),
         ("20:23", 0, Window(19, 20, 23)),  # one warm-up step before the window
-        ("1:2", 0, Window(1, 1, 2)),  # no step before the first to warm up on
         ("20:23", 19, Window(20, 20, 23)),  # resumed just before: no warm-up step left
         ("20:23", 21, Window(22, 22, 23)),  # resumed inside: the steps still to come
         ("20:23", 23, None),  # resumed after: the window is not traced again
