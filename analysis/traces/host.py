@@ -78,7 +78,10 @@ class StepTime:
 def load(path: Path) -> dict:
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt") as f:
-        return json.load(f)
+        trace = json.load(f)
+    if not isinstance(trace, dict):  # Chrome's other form: a bare list of events
+        raise ValueError(f"a JSON {type(trace).__name__}, not torch.profiler's object")
+    return trace
 
 
 class Host:
