@@ -2,7 +2,7 @@
 # Does FP8 train as well as BF16? The whole-model loss A/B, as a user runs it, in one call.
 #
 #   bash benchmarks/gpu_parity.sh OUT_DIR             # one H100/H200 with TE set up, ~9 min
-#   bash benchmarks/gpu_parity.sh OUT_DIR --dry_run   # the same path on a CPU, ~30 s
+#   bash benchmarks/gpu_parity.sh OUT_DIR --dry_run   # the A/B and verdict on a CPU, ~1 min
 #
 # GPU: the shipped Llama 3.2 1B recipes (te-bf16, then te-fp8 delayed; micro-batch 4, seq 8192,
 # --compile) through the launcher (bash 1.train_llama.sbatch --recipe ...), on the real text of
@@ -21,9 +21,9 @@
 # --dry_run: the tiny preset on the bundled corpus, one CPU worker, 20 steps of 64 tokens in
 # fp32 (the FP8 twin emulated, the other --bf16=0); make
 # test runs it with `-- --fp8_numerics` (on the FP8 twin itself, torchao:
-# tests/integration/test_parity_run.py). Everything lands in OUT_DIR: the run folders bf16/,
-# fp8/ (and fp8-numerics/), parity.log (every line printed), compare.png, verdict.txt,
-# breakdown.txt.
+# tests/integration/test_parity_run.py); it leaves out the GPU's profile window, numerics run and
+# breakdown. Everything lands in OUT_DIR: the run folders bf16/, fp8/ (and fp8-numerics/),
+# parity.log (every line printed), compare.png, verdict.txt, breakdown.txt (GPU).
 set -euo pipefail
 
 usage="usage: bash benchmarks/gpu_parity.sh OUT_DIR [--dry_run] [-- FP8_FLAGS...]"
