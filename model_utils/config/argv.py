@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
 #: The flags naming files or folders (their Spec says `path`): what is written, then what is
 #: read. The launcher reads relative ones from the folder it was started in, not the checkout.
 OUTPUT_PATH_FLAGS = ("output_dir", "checkpoint_dir", "export_hf")
 INPUT_PATH_FLAGS = ("dataset", "tokenizer", "init_from_hf", "resume_from_checkpoint")
-FALSE_WORDS = ("0", "false", "no", "off")
 
 
 def str2bool(value: str) -> bool:
