@@ -135,8 +135,8 @@ class RunLog:
     def _own_records(self, run: dict, start_step: int) -> str | None:
         """metrics.jsonl holds one run: a fresh start, or a launch of another run (another
         identity, metrics.identity_change), moves the file there aside (its run.args and
-        profiler traces with it). Returns how the run
-        whose records were there is another run, None if it is this one."""
+        profiler traces with it). Returns how the run whose records were there is another run,
+        None if it is this one."""
         other = metrics.identity_change(first_run_record(self.jsonl_path), run)
         if start_step == 0 or other:
             aside = set_aside(self.jsonl_path)
