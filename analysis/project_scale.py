@@ -300,13 +300,16 @@ def picture(found: list, path: str) -> None:
 
     figure = Figure(figsize=(10, 4))
     ratio, exposed = figure.subplots(1, 2)
+    colors = {"bf16": "C0", "fp8": "C1", "fp8+ag": "C2"}  # an arm's colour in both styles
     for hybrid, style in ((False, "-"), (True, "--")):
         rows = [(n, arm) for n, h, arm in found if h == hybrid or n == 1]
-        nodes = [n for n, _ in rows]
+        nodes, how = [n for n, _ in rows], dict(linestyle=style)
         for name in ("fp8", "fp8+ag"):
-            ratio.plot(nodes, [a[name][0] / a["bf16"][0] for _, a in rows], style, label=name)
+            label, how["color"] = f"{name} {'hybrid' if hybrid else 'full'}", colors[name]
+            ratio.plot(nodes, [a[name][0] / a["bf16"][0] for _, a in rows], label=label, **how)
         for name in ("bf16", "fp8", "fp8+ag"):
-            exposed.plot(nodes, [a[name][1] * 1e3 for _, a in rows], style, label=name)
+            label, how["color"] = f"{name} {'hybrid' if hybrid else 'full'}", colors[name]
+            exposed.plot(nodes, [a[name][1] * 1e3 for _, a in rows], label=label, **how)
     for axes, what in ((ratio, "FP8 / BF16 tokens/s per GPU"), (exposed, "exposed ms a step")):
         axes.set(xscale="log", xlabel="nodes (hybrid dashed)", ylabel=what, title="projected")
         axes.legend()
@@ -351,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        nodes = [int(n) for n in args.nodes.split(",")]
+        nodes = sorted({int(n) for n in args.nodes.split(",")})  # the table's and picture's order
     except ValueError:
         parser.error(f"--nodes takes node counts such as 1,2,4, got {args.nodes!r}")
     if min(nodes) < 1 or args.gpus_per_node < 1 or not _positive(args.node_gbs, args.network_gbs):

@@ -85,7 +85,7 @@ def _run(folder: Path, fp8: bool, tokens_per_sec: float) -> str:
 
 def test_the_command_reads_a_pair_and_prints_each_scale(tmp_path, capsys) -> None:
     pair = [_run(tmp_path / "bf16", False, 1000.0), _run(tmp_path / "fp8", True, 1200.0)]
-    assert ps.main([*pair, "--nodes", "1,4", "--gpus_per_node", "8"]) == 0
+    assert ps.main([*pair, "--nodes", "4,1,4", "--gpus_per_node", "8"]) == 0  # sorted, once
     out = capsys.readouterr().out.splitlines()
     assert [line.split()[:4] for line in out[1:-1]] == [
         ["1", "x", "8", "full"],
