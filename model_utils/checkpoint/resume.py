@@ -98,14 +98,14 @@ def config_changes(
     for name in sorted(set(saved) & set(current) - _LAUNCH_FIELDS):
         if name in _NOT_FLAGS and None in (saved[name], current[name]):
             continue  # not measured on one side (a config built without train.validate)
-        if not _same(saved[name], current[name], name):
-            change = (
-                names.get(name) or _NOT_FLAGS.get(name, f"--{name}"),
-                saved[name],
-                current[name],
+        if _follows_max_steps(name, saved, current):
+            continue  # the resumed schedule keeps its saved warm-up: no change to name
+        before, now = (_in_effect(name, run) for run in (saved, current))
+        if not _same(before, now, name):
+            change = (names.get(name) or _NOT_FLAGS.get(name, f"--{name}"), before, now)
+            (refused if name in kept and not _moved(name, saved, current) else allowed).append(
+                change
             )
-            moved = _moved(name, saved, current) or _follows_max_steps(name, saved, current)
-            (refused if name in kept and not moved else allowed).append(change)
     return refused, allowed
 
 
@@ -126,9 +126,17 @@ def _moved(name: str, saved: Mapping[str, Any], current: Mapping[str, Any]) -> b
     return False
 
 
+def _in_effect(name: str, run: Mapping[str, Any]) -> Any:
+    """A flag's value as the run used it: --data_seed unset is --seed (42 given or left to
+    the default orders the data alike)."""
+    if name == "data_seed" and run.get(name) is None:
+        return run.get("seed")
+    return run[name]
+
+
 def _follows_max_steps(name: str, saved: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
     """A warm-up that is each side's default for its --max_steps: the change is --max_steps's,
-    which a resume may make (the resumed schedule keeps its saved warm-up). Logged."""
+    which a resume may make (the resumed schedule keeps its saved warm-up): none of its own."""
     return name == "warmup" and all(
         run.get("warmup") == default_warmup(int(run.get("max_steps") or 0))
         for run in (saved, current)

@@ -128,6 +128,10 @@ def test_model_data_and_precision_changes_are_refused_the_rest_allowed() -> None
         ("--tokenizer", saved["tokenizer"], "other/tok"),
     ]
     assert allowed == [("--train_batch_size", 4, 2)]
+    # --data_seed unset is --seed: given as the same value it orders the data alike (it was
+    # refused as "None -> 42"); another is another data order, named by the values in effect
+    assert config_changes(saved, dict(saved, data_seed=saved["seed"])) == ([], [])
+    assert config_changes(saved, dict(saved, data_seed=7))[0] == [("--data_seed", 42, 7)]
     # A path that points at the same place is the same dataset; an older marker's missing
     # fields are not compared.
     relative = os.path.relpath(saved["dataset"])
@@ -205,10 +209,9 @@ def test_a_recipe_is_another_experiment_the_schedule_s_shape_is_the_saved_one() 
     short = json_round_trip(parse_args([*FAST, "--max_steps", "10"]).as_dict())
     longer = parse_args([*FAST, "--max_steps", "20"]).as_dict()
     assert (short["warmup"], longer["warmup"]) == (1, 2)
-    assert config_changes(short, longer) == (
-        [],
-        [("--max_steps", 10, 20), ("--warmup", 1, 2)],
-    )
+    # the default warm-up that follows the longer --max_steps is no change of its own (the
+    # resumed schedule keeps its saved warm-up): "--warmup 1 -> 2" was logged for it
+    assert config_changes(short, longer) == ([], [("--max_steps", 10, 20)])
     typed = parse_args([*FAST, "--max_steps", "20", "--warmup", "5"]).as_dict()
     assert config_changes(short, typed)[0] == [("--warmup", 1, 5)]
     cool = ["--fp8=1", "--bf16_cooldown", "0.5", "--warmup", "1"]
