@@ -205,8 +205,10 @@ def _check_combinations(config: Config) -> None:
 
 
 def _check_bf16_layers(config: Config) -> None:
-    """Indices of existing layers."""
-    for item in config.precision.bf16_layers.split(","):
+    """Indices of existing layers, and not every one (with a bf16 lm_head nothing is FP8: a
+    BF16 run recorded as FP8)."""
+    layers, given = config.model.num_layers, config.precision.bf16_layers
+    for item in given.split(","):
         try:
             index = int(item)
         except ValueError:
@@ -218,3 +220,11 @@ def _check_bf16_layers(config: Config) -> None:
                 f"{-config.model.num_layers} to "
                 f"{config.model.num_layers - 1}, comma-separated, e.g. 0,-1)"
             )
+    if (
+        len({int(i) % layers for i in given.split(",")}) == layers
+        and not config.precision.fp8_lm_head
+    ):
+        raise UsageError(
+            f"--bf16_layers {given} keeps all {layers} decoder layers (and the lm_head) in bf16: "
+            "nothing would train in FP8; train with --fp8=0"
+        )

@@ -24,6 +24,11 @@ from model_utils.errors import UsageError
         (("--fp8=1", "--bf16_layers=-3"), "give indices from -2 to 1"),
         (("--fp8=1", "--bf16_layers", "first"), "'first' is not a layer"),
         (("--fp8=1", "--bf16_layers", "0,"), "'' is not a layer"),
+        (  # every layer (-1 is 1) and a bf16 lm_head: a BF16 run recorded as FP8
+            ("--fp8=1", "--bf16_layers", "0,-1,1"),
+            "--bf16_layers 0,-1,1 keeps all 2 decoder layers (and the lm_head) in bf16: nothing "
+            "would train in FP8; train with --fp8=0",
+        ),
         (
             ("--fp8=1", "--model_impl", "te", "--fp8_weights", "--bf16_layers", "0"),
             "a layer kept in BF16 needs high-precision weights",
@@ -46,6 +51,7 @@ from model_utils.errors import UsageError
         "before-the-start",
         "a-word",
         "empty-item",
+        "every-layer",
         "fp8-weights",
         "cooldown-no-fp8",
         "cooldown-whole-run",
