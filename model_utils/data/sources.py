@@ -191,9 +191,12 @@ def document_texts(examples: Iterator[dict], text_column: str, source: Source) -
     """Non-empty document texts of a stream of examples, with a clear error for a wrong column."""
     for example in examples:
         if text_column not in example:
+            fix = "pass --text_column"
+            if source.strip:  # the text builder: one column, its blank-line-separated paragraphs
+                fix = "a .txt file has only that one: drop --text_column"
             raise DataError(
                 f"--dataset {source.name} has no column {text_column!r} (columns: "
-                f"{', '.join(example)}): pass --text_column"
+                f"{', '.join(example)}): {fix}"
             )
         text = example[text_column]
         if text is not None and not isinstance(text, str):

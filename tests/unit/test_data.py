@@ -460,6 +460,11 @@ def test_text_parquet_and_compressed_sources(tmp_path, documents):
         f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
     expected = sorted(_training_docs(docs))
     assert sorted(_documents(str(tmp_path / "txt"))) == expected  # one per paragraph
+    with pytest.raises(ValueError) as wrong:  # its one column: the fix is to drop the flag
+        list(_documents(str(tmp_path / "txt"), text_column="body"))
+    assert str(wrong.value).endswith(
+        "has no column 'body' (columns: text): a .txt file has only that one: drop --text_column"
+    )
     assert sorted(_documents(str(tmp_path / "pq"), text_column="body")) == expected
     assert sorted(_documents(str(tmp_path / "docs.jsonl.gz"))) == expected
 
