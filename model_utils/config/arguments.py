@@ -194,8 +194,8 @@ def resolve(args: argparse.Namespace, typed: frozenset[str]) -> Config:
     """The values first (the preset's, --init_from_hf's config.json's, into the parsed flags),
     then the Config, whose typed sections the cross-flag rules read; then the implementation
     and the FP8 recipe for its backend (UsageError for a combination that cannot run)."""
-    from model_utils.config import flag_rules, fp8_plan, hf_config
-    from model_utils.config.machine import has_cuda, resolve_model_impl  # imports torch
+    from model_utils.config import flag_rules, hf_config
+    from model_utils.config.machine import has_cuda, resolve_model_impl, why_not_te  # torch
 
     apply_preset(args)
     if args.init_from_hf:
@@ -204,8 +204,21 @@ def resolve(args: argparse.Namespace, typed: frozenset[str]) -> Config:
         except hf_config.ConfigError as exc:
             raise UsageError(str(exc)) from exc
     config = flag_rules.check_consistency(Config.from_flat(vars(args), typed))
+    auto = config.precision.model_impl == "auto"
     config = config.replace(model_impl=resolve_model_impl(config.precision.model_impl))
-    flag_rules.check_pairings(config, has_cuda())
+    try:
+        return _checked_impl(config, has_cuda())
+    except UsageError as exc:  # a rule of hf the user never chose: say why auto took it
+        if auto and config.precision.model_impl == "hf" and "--model_impl hf" in str(exc):
+            raise UsageError(f"{exc} (--model_impl auto chose hf: {why_not_te()})") from None
+        raise
+
+
+def _checked_impl(config: Config, cuda: bool) -> Config:
+    """The rules that read the resolved --model_impl, then the FP8 recipe for its backend."""
+    from model_utils.config import flag_rules, fp8_plan, hf_config
+
+    flag_rules.check_pairings(config, cuda)
     impl = config.precision.model_impl
     rope_type = (config.model.rope_scaling or {}).get("rope_type", "default")
     if impl in TE_IMPLS and rope_type not in hf_config.TE_ROPE_TYPES:
@@ -213,7 +226,7 @@ def resolve(args: argparse.Namespace, typed: frozenset[str]) -> Config:
             f"--model_impl {impl} computes RoPE of types {', '.join(hf_config.TE_ROPE_TYPES)}, "
             f"not {rope_type!r} (from --init_from_hf): use --model_impl hf"
         )
-    return fp8_plan.resolved(config, has_cuda())
+    return fp8_plan.resolved(config, cuda)
 
 
 def recipe_origin(message: str, given: list[str], recipe: str | None) -> str:

@@ -24,6 +24,13 @@ def resolve_model_impl(requested: str) -> str:
     return "te" if fp8_capable_gpu() and te_available() else "hf"
 
 
+def why_not_te() -> str:
+    """Why `auto` chose hf here, for a refusal the user's flags meet only because of it."""
+    if not fp8_capable_gpu():
+        return "no FP8-capable GPU (Hopper or Ada) is visible"
+    return "Transformer Engine does not import (--model_impl te says why)"
+
+
 def has_cuda() -> bool:
     """A CUDA GPU this process can use (what CUDA-only flags need)."""
     return torch.cuda.is_available()

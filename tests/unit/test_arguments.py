@@ -402,6 +402,22 @@ def test_auto_impl_is_hf_without_transformer_engine(monkeypatch):
     monkeypatch.setattr(machine, "te_available", lambda: False)
     monkeypatch.setattr(machine, "fp8_capable_gpu", lambda: True)  # even on an H100
     assert machine.resolve_model_impl("auto") == "hf"
+    # a rule of hf the user never chose says why auto took it (they asked for TE's recipe)
+    with pytest.raises(UsageError) as refused:
+        parse_args(["--fp8=1", "--fp8_recipe", "delayed"])
+    assert str(refused.value).endswith(
+        "(--model_impl auto chose hf: Transformer Engine does not import (--model_impl te says "
+        "why))"
+    )
+    monkeypatch.setattr(machine, "fp8_capable_gpu", lambda: False)
+    with pytest.raises(UsageError) as refused:
+        parse_args(["--fp8=1", "--fp8_recipe", "delayed"])
+    assert "(--model_impl auto chose hf: no FP8-capable GPU (Hopper or Ada) is visible)" in str(
+        refused.value
+    )
+    with pytest.raises(UsageError) as refused:  # the user's own choice: nothing to explain
+        parse_args(["--fp8=1", "--fp8_recipe", "delayed", "--model_impl", "hf"])
+    assert "auto chose" not in str(refused.value)
 
 
 @pytest.mark.parametrize(

@@ -485,7 +485,8 @@ def test_every_runs_flags_are_checked_before_the_first_run_starts(
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert refused.stderr == (
         f"{script}: error: the {run} run would be refused (nothing ran): train.py: error: {NOPE}"
-        ", rowwise, rowwise_with_gw_hp\n"
+        ", rowwise, rowwise_with_gw_hp (--model_impl auto chose hf: no FP8-capable GPU (Hopper "
+        "or Ada) is visible)\n"
     )
     assert not out.exists()  # no bf16/ run folder, no log
 
