@@ -144,7 +144,9 @@ def _follows_max_steps(name: str, saved: Mapping[str, Any], current: Mapping[str
 
 
 def describe_changes(changes: Iterable[tuple[str, Any, Any]]) -> str:
-    return ", ".join(f"{flag} {saved} -> {now}" for flag, saved, now in changes)
+    """`--flag saved -> now`, an empty value as "(none)" (`--bf16_layers  -> 0` read as a typo)."""
+    shown = [(flag, *("(none)" if v == "" else v for v in values)) for flag, *values in changes]
+    return ", ".join(f"{flag} {saved} -> {now}" for flag, saved, now in shown)
 
 
 def check_resumable(path: str | Path, current: Mapping[str, Any]) -> list:

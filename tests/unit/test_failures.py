@@ -28,7 +28,7 @@ from model_utils.checkpoint.manifest import (
     checkpoint_to_resume,
     content_damage,
 )
-from model_utils.checkpoint.resume import config_changes
+from model_utils.checkpoint.resume import config_changes, describe_changes
 from model_utils.config.arguments import UsageError, parse_args
 from model_utils.config.presets import BUNDLED_DATASET, BUNDLED_TOKENIZER
 from model_utils.run import guards, outputs, run_lock
@@ -177,6 +177,8 @@ def test_what_the_fp8_bf16_comparison_compares_is_part_of_the_run() -> None:
         [],
         [("--fp8_all_gather", False, True)],
     )
+    refused, _ = config_changes(fp8, dict(fp8, bf16_layers="0"))
+    assert describe_changes(refused) == "--bf16_layers (none) -> 0"  # was "--bf16_layers  -> 0"
     bf16 = json_round_trip(parse_args([*FAST, "--bf16=1"]).as_dict())
     assert config_changes(bf16, dict(bf16, amax_history_len=16))[0] == []
     assert config_changes(bf16, dict(bf16, fp8_recipe="rowwise"))[0] == []
