@@ -31,6 +31,29 @@ def warm_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return {**(os.environ if env is None else env), "PYTHON_EXEC": PYTHON}
 
 
+def warm_venv(folder: Path) -> dict[str, str]:
+    """The variables under which a launch (``bash 1.train_llama.sbatch``, the GPU scripts)
+    starts every Python process of its own warm: ``VENV``, a folder made here whose
+    ``bin/python`` (and ``python3``) is PYTHON and whose ``bin/torchrun`` is torchrun's module
+    on PYTHON, and ``PYTHON_EXEC`` for torchrun's workers. The launcher's own check
+    (``train.py --validate_only``) and its agent then fork from the zygote like the workers.
+    Without a zygote, nothing: the launch uses the checkout's .venv. Not for a test that
+    signals the launcher (its forwarder finds the workers as torchrun's children, and a warm
+    torchrun's are the zygote's), nor for one that sets import-time variables the stand-in
+    would start cold anyway."""
+    if PYTHON == sys.executable:
+        return {}
+    bin_dir = folder / "bin"
+    if not bin_dir.is_dir():
+        bin_dir.mkdir(parents=True)
+        for name in ("python", "python3"):
+            (bin_dir / name).symlink_to(PYTHON)
+        torchrun = bin_dir / "torchrun"
+        torchrun.write_text(f'#!/bin/sh\nexec "{PYTHON}" -m torch.distributed.run "$@"\n')
+        torchrun.chmod(0o755)
+    return {"VENV": str(folder), "PYTHON_EXEC": PYTHON}
+
+
 def free_port(low: int = 0, high: int = 0) -> int:
     """A TCP port nobody listens on: the first free one in [low, high), or by default one from
     this pytest-xdist worker's own block (:func:`worker_ports`), tried from a random start."""

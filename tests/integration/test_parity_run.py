@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.procs import PYTHON, warm_env
+from helpers.procs import PYTHON, warm_venv
 
 ROOT = Path(__file__).resolve().parents[2]
 #: What the dry run gives its FP8 twin, for the damaged run to repeat (fp32 twins: --bf16=0).
@@ -25,9 +25,10 @@ SCHEDULE = [*TINY.split(), "--validation_batches", "4", "--logging_freq", "1"]
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("parity")
-    # PYTHON: the scripts' analysis (compare_runs, step_breakdown) starts warm; the launcher
-    # and torchrun start as a user's do, their workers warm (warm_env)
-    env = {**warm_env(), "PYTHON": PYTHON, "OMP_NUM_THREADS": "1"}
+    # Every Python process of the script warm: its analysis (PYTHON), the launcher's check,
+    # torchrun and its workers (warm_venv); the script and the launcher run as a user's do
+    env = {**os.environ, **warm_venv(out.parent / "venv"), "PYTHON": PYTHON}
+    env["OMP_NUM_THREADS"] = "1"
     done = subprocess.run(
         ["bash", "benchmarks/gpu_parity.sh", str(out), "--dry_run", "--", "--fp8_numerics"],
         capture_output=True,
@@ -98,7 +99,8 @@ LAG = re.compile(r"(\d+) (?:[+-]\d+ \([+-]\d+%\)|>\d+ \(not reached\))")
 
 
 def long_ab(out: Path, *flags: str) -> subprocess.CompletedProcess:
-    env = {**warm_env(), "PYTHON": PYTHON, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **warm_venv(out.parent / "venv"), "PYTHON": PYTHON}
+    env["OMP_NUM_THREADS"] = "1"
     return subprocess.run(
         ["bash", "benchmarks/gpu_long_ab.sh", str(out), "--dry_run", *flags],
         capture_output=True,

@@ -17,10 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers.procs import processes_mentioning, signal_after
+from helpers.procs import processes_mentioning, signal_after, warm_venv
 from helpers.slurm import PREEMPTED, SBATCH, clean_env, seed_losses
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def warm_launch(tmp_path: Path) -> dict[str, str]:
+    """A launch of two CPU workers whose Python processes (the launcher's check, torchrun, the
+    workers) start warm: for the tests of what the launcher decides. A user's own start stays
+    cold where it is the point: the plain training run and the USR1 one (whose forwarder finds
+    the workers as torchrun's children)."""
+    return {**warm_venv(tmp_path / "venv"), "NPROC_PER_NODE": "2"}
 
 
 # --------------------------------------------------------------------------------------
@@ -45,7 +53,7 @@ def test_bash_without_slurm_trains_here(tmp_path: Path) -> None:
 
 def test_bad_arguments_through_the_launcher_give_one_line(tmp_path: Path) -> None:
     """train.py's own check, once, before torchrun: no traceback, no empty run folder."""
-    env = clean_env(RUNS_DIR=str(tmp_path / "runs"), RUN_NAME="bad", NPROC_PER_NODE="2")
+    env = clean_env(**warm_launch(tmp_path), RUNS_DIR=str(tmp_path / "runs"), RUN_NAME="bad")
     result = run_script(env, "--preset", "tiny", "--lr", "inf", cwd=tmp_path, timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.strip().splitlines() == [
@@ -66,7 +74,9 @@ def test_a_run_folder_that_cannot_be_made_here_is_one_line(
 ) -> None:
     """Without Slurm the folders are train.py's: its check before torchrun writes where the
     run will, so a folder it cannot make is its one line, and the launch makes none."""
-    env = clean_env(**{"RUNS_DIR": str(tmp_path / "runs"), "RUN_NAME": "r", **settings})
+    env = clean_env(
+        **warm_launch(tmp_path), **{"RUNS_DIR": str(tmp_path / "runs"), "RUN_NAME": "r", **settings}
+    )
     result = run_script(env, "--preset", "tiny", cwd=tmp_path, timeout=120)
     [line] = result.stderr.strip().splitlines()
     assert result.returncode == 2 and message in line, result.stdout + result.stderr
@@ -84,7 +94,7 @@ def test_a_refusal_only_a_worker_sees_leaves_no_run_folder(tmp_path: Path) -> No
     held_out = [{"text": " ".join(words * 400)}, {"text": "amen"}]  # a document per rank
     for name, docs in (("train", train), ("validation", held_out)):
         (data / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    env = clean_env(RUNS_DIR=str(tmp_path / "runs"), RUN_NAME="x", NPROC_PER_NODE="2")
+    env = clean_env(**warm_launch(tmp_path), RUNS_DIR=str(tmp_path / "runs"), RUN_NAME="x")
     args = ["--preset", "tiny", "--bf16=0", "--dataset", str(data), "--validation_batches", "1"]
     result = run_script(env, *args, cwd=tmp_path, timeout=300)
     assert result.returncode == 2, result.stdout + result.stderr
@@ -98,7 +108,7 @@ def test_help_and_validate_only_through_the_launcher_start_no_training(
 ) -> None:
     """They used to start torchrun anyway (--help printed three times) and leave an empty
     run folder."""
-    env = clean_env(RUNS_DIR=str(tmp_path / "runs"), NPROC_PER_NODE="2")
+    env = clean_env(**warm_launch(tmp_path), RUNS_DIR=str(tmp_path / "runs"))
     result = run_script(env, "--preset", "tiny", flag, cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("usage: train.py") == (flag == "--help")
@@ -126,7 +136,7 @@ def test_relative_paths_are_read_from_where_the_script_is_run(tmp_path: Path) ->
     (tmp_path / "my.args").write_text(
         "--preset tiny\n--output_dir rel_out\n--dataset d/kjv.jsonl.gz\n"
     )
-    env = clean_env(RUNS_DIR="myruns", NPROC_PER_NODE="2")
+    env = clean_env(**warm_launch(tmp_path), RUNS_DIR="myruns")
     for args, folder in (([], "myruns/local-fp8"), (["@my.args"], "rel_out")):
         result = run_script(env, "--preset", "tiny", *args, "--validate_only", cwd=tmp_path)
         assert result.returncode == 0, result.stdout + result.stderr

@@ -8,9 +8,11 @@ from __future__ import annotations
 import importlib
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+from helpers.procs import warm_venv
 from helpers.runs import FAST
 
 
@@ -442,8 +444,9 @@ def test_the_gpu_scripts_refuse_before_running_and_delete_no_run(script, tmp_pat
     assert said == (str(venv) if venv.exists() else "python3")
 
 
-def _gpu_script(script: str, *args: str, cwd=None, **env: str):
-    """benchmarks/SCRIPT ARGS run as a user runs it (from CWD, default the checkout)."""
+def _gpu_script(script: str, *args: str, tmp: Path, cwd=None, **env: str):
+    """benchmarks/SCRIPT ARGS run as a user runs it (from CWD, default the checkout), the
+    launcher's Python processes warm (a venv of stand-ins in TMP)."""
     import os
     import subprocess
 
@@ -452,7 +455,7 @@ def _gpu_script(script: str, *args: str, cwd=None, **env: str):
     return subprocess.run(
         ["bash", str(bench.ROOT / "benchmarks" / script), *args],
         cwd=cwd or bench.ROOT,
-        env={**os.environ, **env},
+        env={**os.environ, **warm_venv(tmp / "venv"), **env},
         capture_output=True,
         text=True,
         timeout=300,
@@ -481,7 +484,7 @@ def test_every_runs_flags_are_checked_before_the_first_run_starts(
     spends its minutes on the GPU, not after it (which also left OUT_DIR/bf16 in the way of the
     corrected call): train.py --validate_only's line, as the script's one line, exit 2."""
     out = tmp_path / "out"
-    refused = _gpu_script(script, str(out), *args, STEPS="3", WARMUP="1", **env)
+    refused = _gpu_script(script, str(out), *args, tmp=tmp_path, STEPS="3", WARMUP="1", **env)
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert refused.stderr == (
         f"{script}: error: the {run} run would be refused (nothing ran): train.py: error: {NOPE}"
@@ -501,7 +504,9 @@ def test_gpu_levers_checks_every_run_of_a_phase_before_the_first_starts(tmp_path
     (gpu / "nvidia-smi").chmod(0o755)
     (tmp_path / "out" / "1b-bf16-none").mkdir(parents=True)
     path = f"{gpu}:{os.environ['PATH']}"
-    refused = _gpu_script("gpu_levers.sh", "host-1b", str(tmp_path / "out"), PATH=path)
+    refused = _gpu_script(
+        "gpu_levers.sh", "host-1b", str(tmp_path / "out"), tmp=tmp_path, PATH=path
+    )
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert refused.stderr == (
         f"gpu_levers.sh: error: {tmp_path}/out/1b-bf16-none holds a run already: give a new "
@@ -512,7 +517,7 @@ def test_gpu_levers_checks_every_run_of_a_phase_before_the_first_starts(tmp_path
 
 @pytest.mark.parametrize("args", [["--arms"], ["--arms", "--dry_run"], ["--dry_run", "--arms"]])
 def test_a_flag_without_its_value_is_one_line_and_exit_2(args, tmp_path) -> None:
-    refused = _gpu_script("gpu_long_ab.sh", str(tmp_path / "out"), *args)
+    refused = _gpu_script("gpu_long_ab.sh", str(tmp_path / "out"), *args, tmp=tmp_path)
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert refused.stderr == (
         "gpu_long_ab.sh: error: --arms needs its NAME,... or none (e.g. --arms bf16-a,bf16-b,fp8)"
@@ -538,7 +543,7 @@ def test_gpu_levers_refuses_without_the_gpu_before_making_anything(mib, said, tm
     (gpu / "nvidia-smi").write_text(f"#!/bin/sh\necho {mib or 'NVIDIA-SMI has failed'}\n")
     (gpu / "nvidia-smi").chmod(0o755)
     path = f"{gpu}:{os.environ['PATH']}"
-    refused = _gpu_script("gpu_levers.sh", "8b-bf16", "out", cwd=tmp_path, PATH=path)
+    refused = _gpu_script("gpu_levers.sh", "8b-bf16", "out", tmp=tmp_path, cwd=tmp_path, PATH=path)
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert refused.stderr == f"gpu_levers.sh: error: {said}\n"
     assert not (tmp_path / "out").exists()
@@ -551,7 +556,7 @@ def test_profile_pair_runs_from_any_folder(tmp_path) -> None:
 
     if importlib.util.find_spec("transformer_engine") is not None:
         pytest.skip("Transformer Engine is installed: the pair would train")
-    refused = _gpu_script("profile_pair.sh", "out", cwd=tmp_path)
+    refused = _gpu_script("profile_pair.sh", "out", tmp=tmp_path, cwd=tmp_path)
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert refused.stderr == (
         "profile_pair.sh: error: the te-bf16 run would be refused (nothing ran): train.py: error: "
