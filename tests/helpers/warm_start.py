@@ -20,11 +20,13 @@ How a process starts warm:
 - Anything the zygote cannot reproduce runs cold, by ``execve`` of the real interpreter with
   the same arguments: an environment that differs from the zygote's in a variable read at
   import time (PYTHON*, HF_*, TORCH*, ...), a Python option other than -u/-B/-W/-X
-  faulthandler, no zygote running (``LLAMA_TEST_WARM_SOCKET`` unset or gone).
+  faulthandler, no zygote running (``LLAMA_TEST_WARM_SOCKET`` unset or gone). glibc's mmap
+  threshold (a memory test's) is no reason: the child sets it with ``mallopt``.
 
-What stays cold on purpose: every test that starts an entry point as a user does
-(``bash 1.train_llama.sbatch``, Slurm, the container, the demo), a process a test stops with
-SIGSTOP or finds as another's child, and memory measurements run the real interpreter;
+What stays cold on purpose: a user's own start of an entry point (the plain and the signalled
+``bash 1.train_llama.sbatch`` runs, Slurm, the container, the demo), and a process a test stops
+with SIGSTOP or finds as another's child. The launcher's Python processes start warm where a
+test checks what it decides (tests/helpers/procs.py ``warm_venv``).
 tests/integration/test_warm_start.py holds a cold and a warm train.py run to the same output.
 ``LLAMA_TEST_WARM=0`` starts no zygote (everything cold); ``LLAMA_TEST_WARM_LOG=FILE`` writes a
 line per cold fallback with the variables that caused it.
@@ -153,6 +155,22 @@ _IMPORT_PREFIXES = (
 )
 
 
+#: glibc's malloc tunables that ``mallopt`` sets in a running process as the variable would
+#: have at its start (the threshold also fixed, not adapted): the child applies them itself.
+_MALLOPT = {"MALLOC_MMAP_THRESHOLD_": -3}  # M_MMAP_THRESHOLD
+
+
+def _apply_mallopt(env: dict[str, str]) -> None:
+    """The child's malloc tunables of ``_MALLOPT`` (a memory test's: large allocations through
+    mmap, so that RSS follows live memory), set as glibc sets them from the environment."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    for name, param in _MALLOPT.items():
+        if env.get(name, "").isdigit() and not libc.mallopt(param, int(env[name])):
+            raise OSError(f"mallopt({name}={env[name]}) failed")
+
+
 def import_time_env(env: dict[str, str]) -> dict[str, str]:
     """The variables of ``env`` that a library may have read while the zygote imported
     (PYTHONPATH is compared apart: :func:`shadows_preloaded`)."""
@@ -161,6 +179,7 @@ def import_time_env(env: dict[str, str]) -> dict[str, str]:
         for k, v in env.items()
         if k.startswith(_IMPORT_PREFIXES)
         and k not in _RUNTIME_NAMES
+        and k not in _MALLOPT
         and k != "PYTHONPATH"
         and not k.startswith(_RUNTIME_PREFIXES)
     }
@@ -373,6 +392,7 @@ def _run_child(request: dict, fds: list[int], zygote_env: dict[str, str]) -> int
     options, kind, target, rest = parsed
     os.environ.clear()
     os.environ.update({**imports, **env})
+    _apply_mallopt(env)
     _stdio(options["unbuffered"] or bool(env.get("PYTHONUNBUFFERED")))
     import warnings
 

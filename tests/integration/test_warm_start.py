@@ -72,6 +72,34 @@ def test_the_program_runs_in_a_child_of_the_zygote_unless_the_environment_differ
     assert run(PYTHON, "-c", shows, **launched).stdout.split() == list(launched.values())
 
 
+#: How many of 100 allocations of 100 kB (under glibc's default 128 kiB threshold) went through
+#: mmap: the growth of mallinfo2's count of mmapped chunks.
+MMAPPED = """import ctypes, sys
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in "ar ord sm hblks hd us fsm uord ford keep".split()]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Info
+libc.malloc.restype = ctypes.c_void_p
+before = libc.mallinfo2().hblks
+blocks = [libc.malloc(100_000) for _ in range(100)]
+print('preloaded' if 'torch' in sys.modules else 'cold', libc.mallinfo2().hblks - before)
+"""
+
+
+def test_a_memory_tests_malloc_threshold_holds_in_a_warm_child_as_in_a_cold_one() -> None:
+    """MALLOC_MMAP_THRESHOLD_ (the gradient-accumulation memory test's: RSS then follows live
+    memory) is read by glibc as a process starts; a child of the zygote sets it with mallopt."""
+    threshold = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+    said = {
+        (python, bool(env)): run(python, "-c", MMAPPED, **env).stdout.split()
+        for python in (sys.executable, PYTHON)
+        for env in (threshold, {})
+    }
+    for (python, lowered), (start, mmapped) in said.items():
+        assert start == ("cold" if python == sys.executable else "preloaded")
+        assert int(mmapped) >= 90 if lowered else int(mmapped) < 10, said
+
+
 def test_exit_codes_and_deaths_by_signal_come_back_as_they_happened() -> None:
     assert run(PYTHON, "-c", "import sys; sys.exit(3)").returncode == 3
     assert run(PYTHON, "-c", "raise ValueError('x')").returncode == 1
