@@ -22,18 +22,21 @@ TINY += " --validation_freq 10"
 SCHEDULE = [*TINY.split(), "--validation_batches", "4", "--logging_freq", "1"]
 
 
+def script_env(venv: Path) -> dict[str, str]:
+    """A GPU script's environment with every Python process of it warm: its analysis (PYTHON),
+    the launcher's check, torchrun and its workers (warm_venv, in VENV); the script and the
+    launcher run as a user's do."""
+    return {**os.environ, **warm_venv(venv), "PYTHON": PYTHON, "OMP_NUM_THREADS": "1"}
+
+
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("parity")
-    # Every Python process of the script warm: its analysis (PYTHON), the launcher's check,
-    # torchrun and its workers (warm_venv); the script and the launcher run as a user's do
-    env = {**os.environ, **warm_venv(out.parent / "venv"), "PYTHON": PYTHON}
-    env["OMP_NUM_THREADS"] = "1"
     done = subprocess.run(
         ["bash", "benchmarks/gpu_parity.sh", str(out), "--dry_run", "--", "--fp8_numerics"],
         capture_output=True,
         text=True,
-        env=env,
+        env=script_env(out.parent / "venv"),
         cwd=ROOT,
         timeout=900,
     )
@@ -99,13 +102,11 @@ LAG = re.compile(r"(\d+) (?:[+-]\d+ \([+-]\d+%\)|>\d+ \(not reached\))")
 
 
 def long_ab(out: Path, *flags: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, **warm_venv(out.parent / "venv"), "PYTHON": PYTHON}
-    env["OMP_NUM_THREADS"] = "1"
     return subprocess.run(
         ["bash", "benchmarks/gpu_long_ab.sh", str(out), "--dry_run", *flags],
         capture_output=True,
         text=True,
-        env=env,
+        env=script_env(out.parent / "venv"),
         cwd=ROOT,
         timeout=900,
     )
