@@ -54,6 +54,8 @@ TEST_THREADS = {"OMP_NUM_THREADS": "1", "RAYON_NUM_THREADS": "1"}
 
 
 def pytest_configure(config) -> None:
+    if not hasattr(config, "workerinput"):
+        _check_free_disk(config)
     if "gpu" not in (config.option.markexpr or ""):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         os.environ.update(TEST_THREADS)
@@ -84,6 +86,24 @@ def pytest_unconfigure(config) -> None:
         import shutil
 
         shutil.rmtree(config._warm_folder, ignore_errors=True)  # the stand-in, socket, log
+
+
+def _check_free_disk(config) -> None:
+    """A run of the whole tier stops before its first test, exit code 2, when the disk of its
+    temporary folder cannot hold what the suite writes (helpers.disk)."""
+    import tempfile
+
+    from helpers import disk
+
+    given = [(config.invocation_params.dir / a.split("::")[0]).resolve() for a in config.args]
+    if TESTS not in given:
+        return
+    root = config.option.basetemp or os.environ.get("PYTEST_DEBUG_TEMPROOT")
+    short = disk.shortage(
+        {Path(root or tempfile.gettempdir()): disk.TMP_NEED_GIB}, "point TMPDIR at a larger disk"
+    )
+    if short:
+        pytest.exit(short, returncode=2)
 
 
 def _runs_tests(config) -> bool:

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import disk
 from helpers.procs import processes_mentioning
 from helpers.runs import run_train
 from helpers.slurm import (
@@ -139,6 +140,13 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]
     if not all((SOURCES / name).is_file() for name in TARBALLS):
         # A skip even in CI: a clone without the sources beside it cannot build enroot/Pyxis.
         pytest.skip(f"no {' and '.join(TARBALLS)} in {SOURCES} (set CONTAINER_SOURCES)")
+    cache = disk.container_cache()
+    if not (cache / "docker").is_dir():  # a first build writes the whole cache
+        short = disk.shortage(
+            {cache: disk.CONTAINER_CACHE_NEED_GIB}, "set CONTAINER_CACHE to a larger disk"
+        )
+        if short:
+            pytest.fail(short, pytrace=False)
     state = tmp_path_factory.mktemp("container-e2e")
     result, seconds = build(state)
     if result.returncode == 2 and "install_test_deps.sh" in result.stderr:
