@@ -210,7 +210,7 @@ def train(
                     log.info("%s", preempted_line(config, state.step))
                     return
         hang.close()  # the last validation, save and export are not training steps
-        finish(run, tokenizer)
+        finish(run, tokenizer, trained=state.step > start_step)
     except guards.Diverged as exc:  # here: the lr in the line is the one in use after a resume
         guards.exit_diverged(exc, config.optim.lr, world.is_main)
     finally:
@@ -302,11 +302,13 @@ def start_run(parts: StepParts, stream: data.RankStream, world) -> Run:
     )
 
 
-def finish(run: Run, tokenizer) -> None:
-    """The end of a run that reached --max_steps: last validation, last (finite) checkpoint,
-    the HF export (with the run's tokenizer: a folder clients load whole), the summary."""
+def finish(run: Run, tokenizer, trained: bool) -> None:
+    """The end of a run that reached --max_steps: last validation (unless recorded before a
+    relaunch that `trained` no step: every rank agrees), last (finite) checkpoint, the HF
+    export (with the run's tokenizer: a folder clients load whole), the summary."""
     config, ckpt, state, model = run.config, run.ckpt, run.state, run.model
-    if not config.run.validation_freq or state.step % config.run.validation_freq:
+    recorded = not trained and distributed.any_rank(run.run_log.validated_at(state.step))
+    if not recorded and (not config.run.validation_freq or state.step % config.run.validation_freq):
         run.run_log.validation(state.step, model, run.val_batches, run.backend)
     # no non-finite save
     guards.check_step(run.guard, ckpt, state.step, model, stop_requested=False, saving=True)

@@ -138,17 +138,13 @@ class RunLog:
         profiler traces with it). Returns how the run whose records were there is another run,
         None if it is this one."""
         other = metrics.identity_change(first_run_record(self.jsonl_path), run)
-        if start_step == 0 or other:
-            aside = set_aside(self.jsonl_path)
-            flags = set_aside(Path(self.config.run.output_dir) / RUN_ARGS)  # its flags with them
-            if aside is not None:
-                why = f"another run's records ({other})" if other else "an earlier run's"
-                log.info("metrics.jsonl here held %s: kept as %s", why, aside, stacklevel=3)
-            if flags is not None:
-                log.info("run.args here held its flags: kept as %s", flags, stacklevel=3)
-            traces = set_aside(Path(self.config.run.output_dir) / "profile")  # step_breakdown's
-            if traces is not None:
-                log.info("profile/ here held its traces: kept as %s", traces, stacklevel=3)
+        if start_step == 0 or other:  # its flags and step_breakdown's traces go with them
+            why = f"another run's records ({other})" if other else "an earlier run's"
+            out = Path(self.config.run.output_dir)
+            held = {"metrics.jsonl": why, RUN_ARGS: "its flags", "profile/": "its traces"}
+            for name, what in held.items():
+                if (aside := set_aside(out / name.rstrip("/"))) is not None:
+                    log.info("%s here held %s: kept as %s", name, what, aside, stacklevel=3)
         return other
 
     def _open_trackers(self, run: dict, start_step: int) -> None:
@@ -272,6 +268,13 @@ class RunLog:
         record.update(self._seen_fields())
         self._record(record)
         self.trackers.write(record)
+
+    def validated_at(self, step: int) -> bool:
+        """Whether metrics.jsonl holds a validation at `step` (rank 0 reads it; others: False)."""
+        with contextlib.suppress(OSError, ValueError):  # unreadable: validate again
+            records = metrics.read_jsonl(self.jsonl_path) if self.is_main else []
+            return any(r["kind"] == "val" and r.get("step") == step for r in records)
+        return False
 
     def _save_args(self) -> None:
         """<output_dir>/run.args: this run's resolved flags, which `train.py @FILE` runs again

@@ -247,6 +247,22 @@ def test_preemption_signal_checkpoints_and_auto_resume_finishes_the_same(tmp_pat
     assert "last step 12" in result.stdout
     assert (export / "model.safetensors").is_file()
 
+    # Requeued once finished: the validation of step 12's weights is in metrics.jsonl, so it is
+    # not run (nor recorded) again; the summary still reports it.
+    def validations() -> list[int]:
+        return [r["step"] for r in records(out, "val")]
+
+    assert validations() == [12]
+    argv.remove(f"--export_hf={export}")  # an export is never replaced
+    again = run_train(*argv)
+    assert "Validation at" not in again.stdout and validations() == [12], again.stdout
+    assert "final validation loss" in again.stdout
+    # Stopped after step 12's save but before the end's validation: the relaunch validates.
+    kept = [ln for ln in (out / "metrics.jsonl").read_text().splitlines() if '"val"' not in ln]
+    (out / "metrics.jsonl").write_text("\n".join(kept) + "\n")
+    again = run_train(*argv)
+    assert "Validation at step 12" in again.stdout and validations() == [12], again.stdout
+
 
 def test_a_fresh_run_sets_an_earlier_runs_metrics_aside(tmp_path):
     """Two fresh runs into one --output_dir (no checkpoints): the second's metrics.jsonl,
