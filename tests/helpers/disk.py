@@ -40,8 +40,9 @@ def shortage(needs: dict[Path, float], fix: str) -> str | None:
     by_device: dict[int, tuple[list[Path], float]] = {}
     for folder, gib in needs.items():
         folder = _existing(folder)
-        folders, total = by_device.get(folder.stat().st_dev, ([], 0.0))
-        by_device[folder.stat().st_dev] = ([*folders, folder], total + gib)
+        device = folder.stat().st_dev
+        folders, total = by_device.get(device, ([], 0.0))
+        by_device[device] = ([*folders, folder], total + gib)
     for folders, gib in by_device.values():
         free = shutil.disk_usage(folders[0]).free / GIB
         if free < gib:
