@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from helpers import doc_logs
-from helpers.runs import FAST, losses, records, run_train, train_cmd, train_env
+from helpers.runs import FAST, TINY_WIDTH, losses, records, run_train, train_cmd, train_env
 
 from model_utils.config.arguments import parse_args
 
@@ -28,7 +28,8 @@ def test_loss_goes_down_and_log_lines_have_the_seed_format(tmp_path):
     without FSDP2 is tests/unit/test_unsharded.py's (it trains like FSDP2, on every backend)."""
     out = tmp_path / "run"
     no_fsdp2 = ["--sharding_strategy=none"]
-    result = run_train(*FAST, *no_fsdp2, "--max_steps=30", "--warmup=5", f"--output_dir={out}")
+    steps = ["--max_steps=30", "--warmup=5"]
+    result = run_train(*FAST, *TINY_WIDTH, *no_fsdp2, *steps, f"--output_dir={out}")
     assert "precision: fp32 compute, fp32 master weights, no FSDP2" in result.stdout
     assert "world: 1 ranks (1 nodes), cpu, no FSDP2; global batch 4 sequences" in result.stdout
     seed_lines = [m for ln in result.stdout.splitlines() if (m := SEED_LINE.search(ln))]
@@ -65,8 +66,8 @@ def test_fp8_emulated_stays_within_2_percent_of_the_same_run_without_it(tmp_path
         out = tmp_path / f"fp8_{fp8}"
         run_train(
             *FAST,
+            *TINY_WIDTH,
             "--train_batch_size=2",
-            "--max_context_width=64",
             "--max_steps=10",
             f"--fp8={fp8}",
             "--logging_freq=1",
