@@ -74,10 +74,7 @@ from model_utils.parallel.distributed import (
     world_size,
 )
 from model_utils.precision import master_weights
-from model_utils.precision.te_state import (
-    fp8_scaling_state,
-    load_fp8_scaling_state,
-)
+from model_utils.precision.te_state import fp8_scaling_state, load_fp8_scaling_state
 
 log = logging.getLogger(__name__)
 

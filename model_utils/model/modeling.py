@@ -35,11 +35,7 @@ HF_RECOMPUTED = ("rotary_emb.inv_freq",)
 
 #: The shape fields a family's config takes as they are (config/sections.HF_KEYS names them); RoPE
 #: and the position count are composed below.
-_AS_IS = (
-    *SHAPE_FIELDS,
-    "rms_norm_eps",
-    "tie_word_embeddings",
-)
+_AS_IS = (*SHAPE_FIELDS, "rms_norm_eps", "tie_word_embeddings")
 
 
 def model_config(shape: ModelShape) -> PretrainedConfig:

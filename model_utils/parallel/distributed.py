@@ -151,7 +151,7 @@ def build_mesh(world: World, device: torch.device, strategy: str) -> DeviceMesh:
     """1-D mesh for FSDP (the default group itself); 2-D (replicate across nodes, shard within a
     node) for HSDP, its groups with the run's timeout."""
     if strategy == "hybrid":
-        return init_device_mesh(
+        mesh = init_device_mesh(
             device.type,
             (world.num_nodes, world.world_size // world.num_nodes),
             mesh_dim_names=("replicate", "shard"),
@@ -159,7 +159,13 @@ def build_mesh(world: World, device: torch.device, strategy: str) -> DeviceMesh:
             if world.num_nodes > 1  # one node: the shard group is the default group itself
             else None,
         )
-    return init_device_mesh(device.type, (world.world_size,), mesh_dim_names=("shard",))
+    else:
+        mesh = init_device_mesh(device.type, (world.world_size,), mesh_dim_names=("shard",))
+    # torch keeps hash(mesh), which differs per process (seeded strings, None's address on 3.11),
+    # in mesh._hash, and inductor's FX graph cache pickles it into its keys: every process missed
+    # the cache and compiled torchao's optimizer step anew. torch's stable hash, the same in all:
+    mesh._hash = int(mesh._stable_hash(), 16) % (1 << 61) or 1
+    return mesh
 
 
 def describe_rank(world: World, mesh: DeviceMesh) -> str:

@@ -4,6 +4,9 @@ tests/integration/test_distributed.py."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -100,3 +103,39 @@ def test_master_addr_without_scontrol(
     else:
         monkeypatch.setenv("SLURM_JOB_NODELIST", nodelist)
     assert distributed._slurm_master_addr() == expected
+
+
+# ============================================================================================
+# The mesh, as inductor's cache sees it
+
+MESH_HASHES = """
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from model_utils.parallel import distributed
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+torchs = hash(init_device_mesh("cpu", (1,), mesh_dim_names=("shard",)))
+ours = distributed.build_mesh(distributed.world_from_env({}), torch.device("cpu"), "full")
+print(torchs, hash(ours))
+"""
+
+
+def test_the_runs_mesh_hashes_alike_in_every_process() -> None:
+    """Inductor's FX graph cache pickles a mesh's cached hash into its keys (a DTensor's spec
+    carries its mesh): with torch's own hash, which differs per process, every process missed
+    the cache and compiled torchao's optimizer step anew (3 graphs, ~3 CPU s a process here)."""
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    hashes = []
+    for seed in ("1", "2"):
+        done = subprocess.run(
+            [sys.executable, "-c", MESH_HASHES],
+            env={**env, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        hashes.append(done.stdout.split())
+    (torchs_1, ours_1), (torchs_2, ours_2) = hashes
+    assert torchs_1 != torchs_2  # what made the cache miss: not vacuous
+    assert ours_1 == ours_2
