@@ -8,6 +8,7 @@ process gets a process group and FSDP2, so what runs in CI is what runs on the c
 from __future__ import annotations
 
 import copy
+import hashlib
 import os
 import re
 import socket
@@ -163,8 +164,9 @@ def build_mesh(world: World, device: torch.device, strategy: str) -> DeviceMesh:
         mesh = init_device_mesh(device.type, (world.world_size,), mesh_dim_names=("shard",))
     # torch keeps hash(mesh), which differs per process (seeded strings, None's address on 3.11),
     # in mesh._hash, and inductor's FX graph cache pickles it into its keys: every process missed
-    # the cache and compiled torchao's optimizer step anew. torch's stable hash, the same in all:
-    mesh._hash = int(mesh._stable_hash(), 16) % (1 << 61) or 1
+    # the cache and compiled torchao's optimizer step anew. A hash of what makes meshes equal:
+    key = repr((mesh.mesh.tolist(), mesh.device_type, mesh.mesh_dim_names)).encode()
+    mesh._hash = int.from_bytes(hashlib.blake2b(key, digest_size=7).digest(), "big") or 1
     return mesh
 
 
