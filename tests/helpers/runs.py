@@ -25,10 +25,11 @@ SMALL_LLAMA = (
 ).split()
 
 
-# The tiny preset at half its width, on small windows: a step costs a quarter of the preset's
-# (0.06 against 0.24 CPU s here), and every linear stays FP8-sized (multiples of 16). fp32
-# compute: a CPU without bf16 units (AVX2 only, like CI's) runs bf16 matmuls 20-60x slower than
-# fp32 ones; the tests whose point is bf16 or FP8 say --bf16=1 after FAST.
+# The tiny preset at half its width, on small windows: a step costs about a third of one at the
+# preset's width on 128-token windows (0.09 against 0.25 CPU s here), and every linear stays
+# FP8-sized (multiples of 16). fp32 compute: a CPU without bf16 units (AVX2 only, like CI's)
+# runs bf16 matmuls 20-60x slower than fp32 ones; the tests whose point is bf16 or FP8 say
+# --bf16=1 after FAST.
 FAST = [
     *("--preset", "tiny", "--hidden_width", "128", "--intermediate_size", "352"),
     *("--train_batch_size", "4", "--max_context_width", "64", "--bf16=0"),
