@@ -23,10 +23,11 @@ How a process starts warm:
   faulthandler, no zygote running (``LLAMA_TEST_WARM_SOCKET`` unset or gone). glibc's mmap
   threshold (a memory test's) is no reason: the child sets it with ``mallopt``.
 
-What stays cold on purpose: a user's own start of an entry point (the plain and the signalled
-``bash 1.train_llama.sbatch`` runs, Slurm, the container, the demo), and a process a test stops
-with SIGSTOP or finds as another's child. The launcher's Python processes start warm where a
-test checks what it decides (tests/helpers/procs.py ``warm_venv``).
+What stays cold on purpose: a user's own start of an entry point (the signalled
+``bash 1.train_llama.sbatch`` run and its resume, Slurm, the container, the demo), and a process
+a test stops with SIGSTOP or finds as another's child. The launcher's Python processes start
+warm where a test checks what it decides, and in the plain local run (tests/helpers/procs.py
+``warm_venv``).
 tests/integration/test_warm_start.py holds a cold and a warm train.py run to the same output.
 ``LLAMA_TEST_WARM=0`` starts no zygote (everything cold); ``LLAMA_TEST_WARM_LOG=FILE`` writes a
 line per cold fallback with the variables that caused it.

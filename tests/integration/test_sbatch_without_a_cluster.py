@@ -25,9 +25,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 def warm_launch(tmp_path: Path) -> dict[str, str]:
     """A launch of two CPU workers whose Python processes (the launcher's check, torchrun, the
-    workers) start warm: for the tests of what the launcher decides. A user's own start stays
-    cold where it is the point: the plain training run and the USR1 one (whose forwarder finds
-    the workers as torchrun's children)."""
+    workers) start warm: for the tests of what the launcher decides, and for the plain training
+    run. A user's own start stays cold in the USR1 test (its forwarder finds the workers as
+    torchrun's children): it trains, saves and resumes through fresh interpreters, as the demo
+    and the Slurm jobs do."""
     return {**warm_venv(tmp_path / "venv"), "NPROC_PER_NODE": "2"}
 
 
@@ -37,7 +38,7 @@ def warm_launch(tmp_path: Path) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_bash_without_slurm_trains_here(tmp_path: Path) -> None:
-    env = clean_env(RUNS_DIR=str(tmp_path), RUN_NAME="laptop", NPROC_PER_NODE="2")
+    env = clean_env(**warm_launch(tmp_path / "warm"), RUNS_DIR=str(tmp_path), RUN_NAME="laptop")
     # No --warmup: the default follows --max_steps (a fixed 10 would refuse a 2-step run).
     # fp32 (--bf16=0): bf16 matmuls are 20-60x slower on a CPU without bf16 units.
     args = ["--preset", "tiny", "--max_steps", "2", "--fp8=0", "--bf16=0"]
