@@ -49,7 +49,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 # fp32 compute (--bf16=0) on 64-token windows: these jobs test Slurm's path, not a precision or
 # a shape; bf16 matmuls run 20-60x slower than fp32 on a CPU without bf16 units, and a 16-step
-# worker takes 9.8 CPU s at 64 tokens against 13 at the preset's 256 (tests/helpers/runs.py).
+# worker takes 9.8 CPU s at 64 tokens against 13 at the preset's 256 (benchmarks/results/
+# 2026-12-08-make-test.md).
 TINY_CPU_ARGS = [
     "--preset",
     "tiny",
