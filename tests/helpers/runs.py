@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from helpers.procs import PYTHON, launch_report, torchrun_cmd, warm_env
-from model_utils.config.presets import BUNDLED_TOKENIZER
+from model_utils.config.presets import BUNDLED_TOKENIZER, PRESETS
 from model_utils.config.sections import DataConfig
 from model_utils.data.stream import BLOCK_DOCS, _BlockReader
 
@@ -36,7 +36,9 @@ FAST = [
 ]
 #: The tiny preset's own width, after FAST, for the tests whose numbers are the preset's: how
 #: far it learns in a few steps, how large its checkpoint is.
-TINY_WIDTH = ["--hidden_width=256", "--intermediate_size=688"]
+TINY_WIDTH = [
+    f"--{name}={getattr(PRESETS['tiny'], name)}" for name in ("hidden_width", "intermediate_size")
+]
 
 
 def data_section(dataset: str, **fields) -> DataConfig:
