@@ -523,7 +523,7 @@ def checked_options(args: argparse.Namespace) -> Options:
             f"--replicas {args.replicas}: the reference and its replicas are the first N of the "
             f"{len(args.runs)} runs, with at least one run after them to judge"
         )
-    places = [os.path.realpath(path) for path in args.runs]
+    places = [re.sub(r"/metrics\.jsonl$", "", os.path.realpath(path)) for path in args.runs]
     twice = [p for p, place in zip(args.runs, places, strict=True) if places.count(place) > 1]
     if twice:
         raise CompareError(f"{twice[0]} is given twice: each run is compared once")
@@ -593,6 +593,9 @@ def compare(args: Options) -> str:
     trackers = compare_trackers.tracker_names(args.tracker, [run.info for run in runs])
     problems = checked(args, runs, labels)
     warmup = default_warmup(runs) if args.warmup_steps is None else args.warmup_steps
+    shortest = min(run.last_step for run in runs)
+    if args.warmup_steps is not None and warmup >= shortest:  # every median would be n/a
+        raise CompareError(f"--warmup_steps {warmup} leaves no step: a run ends at {shortest}")
     summaries = [metrics.summarize(run.records, warmup) for run in runs]
     unsteady = unsteady_lines(runs, labels, warmup)
     judged_from = {i: parity_start([runs[0], run]) for i, run in enumerate(runs)}

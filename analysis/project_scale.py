@@ -37,7 +37,7 @@ if __name__ == "__main__":  # a Python without the environment: one line, exit 2
     runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "environment_check.py"))
 from analysis import compare_runs, step_breakdown
 from model_utils.config.sections import ModelShape
-from model_utils.errors import OneLineParser, write_whole
+from model_utils.errors import OneLineParser, os_error_words, write_whole
 from model_utils.parallel.fp8_reduce import BLOCK
 from model_utils.report import metrics
 from model_utils.report.metrics.flops import matmul_params
@@ -337,14 +337,29 @@ def check_pair(runs: Sequence[str]) -> None:
         )
 
 
+def preflight_links(path: str, given: Links, parser: OneLineParser) -> Links:
+    """The links a preflight.json measured (the rest `given`), or the parser's one-line error."""
+    try:
+        record = json.loads(Path(path).read_text())
+        links = links_of(record if isinstance(record, dict) else {}, given)
+        if not _positive(links.node, links.network, links.reduce_share):
+            raise ValueError(f"bandwidths {links.node}, {links.network} GB/s")
+        return links
+    except OSError as exc:
+        parser.error(f"--preflight {path}: cannot be read ({os_error_words(exc)})")
+    except (ValueError, KeyError, TypeError, IndexError, ZeroDivisionError) as exc:
+        why = f"no {exc.args[0]!r} field" if isinstance(exc, KeyError) else str(exc)
+        parser.error(f"--preflight {path}: not a run's preflight.json ({why})")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(prog="project_scale.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("bf16", help="the BF16 run folder of a pair measured on one GPU")
     parser.add_argument("fp8", help="its FP8 twin")
     parser.add_argument("--nodes", default="1,2,4,16", help="node counts to project to")
     parser.add_argument("--gpus_per_node", type=int, default=8)
-    parser.add_argument("--node_gbs", type=float, default=NVLINK_GBS, help="bus GB/s in a node")
-    parser.add_argument("--network_gbs", type=float, default=NETWORK_GBS, help="GB/s per GPU")
+    parser.add_argument("--node_gbs", type=float, help=f"bus GB/s in a node ({NVLINK_GBS:g})")
+    parser.add_argument("--network_gbs", type=float, help=f"GB/s per GPU ({NETWORK_GBS:g})")
     parser.add_argument(
         "--preflight", metavar="FILE", help="a job's preflight.json: its measured bandwidths"
     )
@@ -353,31 +368,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--reduce_dtype", choices=REDUCE_BYTES, help="the gradients' (default: the pair's own)"
     )
     args = parser.parse_args(argv)
+    runs = [run.removesuffix("/metrics.jsonl") for run in (args.bf16, args.fp8)]  # its folder
+    gbs = {"node": args.node_gbs, "network": args.network_gbs}  # None: not given
     try:
         nodes = sorted({int(n) for n in args.nodes.split(",")})  # the table's and picture's order
     except ValueError:
         parser.error(f"--nodes takes node counts such as 1,2,4, got {args.nodes!r}")
-    if min(nodes) < 1 or args.gpus_per_node < 1 or not _positive(args.node_gbs, args.network_gbs):
-        parser.error("--nodes, --gpus_per_node and the bandwidths must be positive")
+    if (
+        min(nodes) < 1
+        or args.gpus_per_node < 1
+        or not _positive(*[v for v in gbs.values() if v is not None])
+    ):
+        parser.error("--nodes, --gpus_per_node and the bandwidths must be positive and finite")
     if args.output:
         try:
             compare_runs.check_output(Path(args.output))
         except compare_runs.CompareError as exc:
             parser.error(str(exc))
-    links = Links(args.node_gbs, args.network_gbs)
+    links = Links(**{name: value for name, value in gbs.items() if value is not None})
     if args.preflight:
-        try:
-            links = links_of(json.loads(Path(args.preflight).read_text()), links)
-            if not _positive(links.node, links.network, links.reduce_share):
-                raise ValueError(f"bandwidths {links.node}, {links.network} GB/s")
-        except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as exc:
-            parser.error(f"--preflight {args.preflight}: not a preflight record ({exc})")
+        links = preflight_links(args.preflight, links, parser)
+        both = [f"--{name}_gbs" for name in links.measured if gbs[name] is not None]
+        if both:
+            parser.error(f"{both[0]} or --preflight {args.preflight}, which measured it: not both")
     try:
-        pair = [job_of(run) for run in (args.bf16, args.fp8)]
+        pair = [job_of(run) for run in runs]
         pair = [replace(job, reduce=args.reduce_dtype or job.reduce) for job in pair]
-        check_pair((args.bf16, args.fp8))
+        check_pair(runs)
     except (KeyError, TypeError, ZeroDivisionError) as exc:  # a run record without its flags
-        parser.error(f"{args.bf16} or {args.fp8}: a run record without its model flags ({exc!r})")
+        parser.error(f"{runs[0]} or {runs[1]}: a run record without its model flags ({exc!r})")
     except ValueError as exc:
         parser.error(str(exc))
     found = scales(*pair, nodes, args.gpus_per_node, links)

@@ -4,17 +4,30 @@
 # and bad input as one line on stderr (`PROG: error: ...`), exit 2, before anything is made.
 prog=${0##*/}
 refuse() { echo "$prog: error: $*" >&2; exit 2; }
+for arg; do  # -h/--help (before any `--`): the script's header comment and its usage, exit 0
+    [ "$arg" != -- ] || break
+    if [ "$arg" = -h ] || [ "$arg" = --help ]; then
+        sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0" && echo "$usage" && exit 0
+    fi
+done
 
 # out_dir USAGE ARG: ARG (from the caller's folder) as an absolute path, not made yet (each
-# script makes it once all its checks passed); none given, or a flag where OUT_DIR belongs, is
-# the usage line and exit 2.
+# script makes it once all its checks passed); none given, a flag where OUT_DIR belongs, or one
+# that cannot be made (a folder made and removed in its nearest existing one says) is one line
+# and exit 2.
 out_dir() {
     cd "$here" || exit 2
     if [ -z "${2:-}" ] || [ "${2#-}" != "$2" ]; then
-        refuse "OUT_DIR comes first (got '${2:-}'): $1"
+        refuse "no OUT_DIR where the usage has it (got '${2:-}'): $1"
     fi
     [ ! -e "$2" ] || [ -d "$2" ] || refuse "OUT_DIR $2 is a file, not a folder: $1"
-    realpath -m -- "$2"
+    local path parent probe
+    path=$(realpath -m -- "$2") && parent=$path
+    while [ ! -e "$parent" ]; do parent=$(dirname "$parent"); done
+    probe=$(mktemp -d "$parent/.out_dir.XXXXXX" 2> /dev/null) ||
+        refuse "OUT_DIR $2 cannot be made: $parent is not a folder you can write in"
+    rmdir "$probe"
+    echo "$path"
 }
 
 # check RUN_NAME RECIPE FLAGS...: before any run of the call starts, that OUT_DIR holds no run

@@ -92,6 +92,8 @@ arm_flags() {  # arm_flags NAME: the recipe and flags of one arm
 
 [ "$arms" = none ] && arms=
 IFS=, read -r -a wanted <<< "$arms"
+twice=$(printf '%s\n' "${wanted[@]}" | sort | uniq -d | head -1)
+[ -z "$twice" ] || refuse "--arms: $twice given twice (each arm is one run folder)"
 for name in "${wanted[@]}"; do arm_flags "$name" > /dev/null; done  # every name, before any run
 for name in "${wanted[@]}"; do  # and every arm's flags
     read -r -a flags <<< "$(arm_flags "$name")"

@@ -195,6 +195,8 @@ def _check_combinations(config: Config) -> None:
         )
     if config.precision.bf16_layers:
         _check_bf16_layers(config)
+    if config.precision.bf16_cooldown and config.run.max_steps < 2:  # no FP8 step before it
+        raise UsageError("--bf16_cooldown needs --max_steps >= 2: FP8 steps, then BF16 ones")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if config.parallel.sharding_strategy == "none" and world_size > 1:
         raise UsageError(

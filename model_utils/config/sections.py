@@ -616,7 +616,7 @@ class RunConfig:
         "<output_dir>/hang/ and exits (docs/hangs.md); default 20x the measured step time, at "
         "least 300 s; 0 = off",
         resume=Resume.FREE,
-        range=Range(low=0, words="{flag} must be >= 0 seconds (0: off), got {value:g}"),
+        range=Range(low=1, off=0, words="{flag} must be >= 1 seconds (0: off), got {value:g}"),
         metavar="SECONDS",
         field_default=None,
     )

@@ -224,7 +224,7 @@ def test_the_parser_is_derived_from_the_fields():
         (["--max_context_width=1"], "--max_context_width must be >= 2 (one token has no next"),
         (["--max_context_width=0"], "--max_context_width must be > 0, got 0"),
         (["--beta2=1"], "--beta1/--beta2 must be in [0, 1), got 0.9/1.0"),
-        (["--hang_timeout=-1"], "--hang_timeout must be >= 0 seconds (0: off), got -1"),
+        (["--hang_timeout=-1"], "--hang_timeout must be >= 1 seconds (0: off), got -1"),
         (["--checkpoint_freq=-2"], "--checkpoint_freq must be >= -1, got -2"),
         (["--keep_last=-1"], "--keep_last must be >= 0, got -1"),
         (

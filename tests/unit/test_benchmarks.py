@@ -366,10 +366,11 @@ def test_the_ac_benchmark_times_each_setting_with_only_its_own_model_alive(monke
     "script", ["gpu_parity.sh", "gpu_long_ab.sh", "gpu_levers.sh", "profile_pair.sh"]
 )
 def test_the_gpu_scripts_refuse_before_running_and_delete_no_run(script, tmp_path) -> None:
-    """A forgotten OUT_DIR (a flag in its place) and an OUT_DIR that already holds a run the
-    call would launch are one line and exit 2 before anything runs; the run is kept as it was.
-    Without $PYTHON the scripts' Python is the checkout's .venv (the dry runs' verdict ran the
-    system python3, which has no torch on a CPU box)."""
+    """A forgotten OUT_DIR (a flag in its place), one that cannot be made, and one that already
+    holds a run the call would launch are one line and exit 2 before anything runs; the run is
+    kept as it was. --help is the script's header and usage, exit 0. Without $PYTHON the
+    scripts' Python is the checkout's .venv (the dry runs' verdict ran the system python3,
+    which has no torch on a CPU box)."""
     import os
     import subprocess
 
@@ -385,9 +386,26 @@ def test_the_gpu_scripts_refuse_before_running_and_delete_no_run(script, tmp_pat
         text=True,
         timeout=60,
     )
-    assert forgot.returncode == 2 and "OUT_DIR comes first (got '--dry_run')" in forgot.stderr
-    for wrong_args in ([str(tmp_path / "out"), "--bogus"], [str(tmp_path / "file")]):
-        (tmp_path / "file").write_text("a file, not a folder\n")
+    assert forgot.returncode == 2, forgot.stderr
+    assert "no OUT_DIR where the usage has it (got '--dry_run')" in forgot.stderr
+    helped = subprocess.run(
+        ["bash", f"benchmarks/{script}", *lead, str(tmp_path / "out"), "--help"],
+        cwd=bench.ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    header = (bench.ROOT / "benchmarks" / script).read_text().splitlines()[1][2:]
+    assert helped.returncode == 0 and helped.stdout.startswith(header + "\n"), helped.stderr
+    assert helped.stdout.splitlines()[-1].startswith(f"usage: bash benchmarks/{script}")
+    (tmp_path / "file").write_text("a file, not a folder\n")
+    file, under_a_file = tmp_path / "file", tmp_path / "file" / "sub"
+    for wrong_args, said in (
+        ([str(tmp_path / "out"), "--bogus"], ""),
+        ([str(file)], f"OUT_DIR {file} is a file, not a folder"),
+        ([str(under_a_file)], f"OUT_DIR {under_a_file} cannot be made: {file} is not a folder"),
+    ):
         wrong = subprocess.run(
             ["bash", f"benchmarks/{script}", *lead, *wrong_args],
             cwd=bench.ROOT,
@@ -397,8 +415,8 @@ def test_the_gpu_scripts_refuse_before_running_and_delete_no_run(script, tmp_pat
             timeout=60,
         )
         assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1, wrong.stderr
+        assert said in wrong.stderr
         assert not (tmp_path / "out").exists()  # nothing made before every check passed
-    assert "OUT_DIR " + str(tmp_path / "file") + " is a file, not a folder" in wrong.stderr
     if script == "gpu_levers.sh":  # no phase, or one it lacks: refused before OUT_DIR is made
         for phase in ([], ["8b"], ["loss|levers"]):
             wrong = subprocess.run(
@@ -515,14 +533,27 @@ def test_gpu_levers_checks_every_run_of_a_phase_before_the_first_starts(tmp_path
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["1b-bf16-none"]
 
 
-@pytest.mark.parametrize("args", [["--arms"], ["--arms", "--dry_run"], ["--dry_run", "--arms"]])
-def test_a_flag_without_its_value_is_one_line_and_exit_2(args, tmp_path) -> None:
+NO_ARMS = (
+    "--arms needs its NAME,... or none (e.g. --arms bf16-a,bf16-b,fp8): usage: bash "
+    "benchmarks/gpu_long_ab.sh OUT_DIR [--dry_run] [--arms NAME,...|none]"
+)
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--arms"], NO_ARMS),
+        (["--arms", "--dry_run"], NO_ARMS),
+        (["--dry_run", "--arms"], NO_ARMS),
+        # two launches into one run folder, the second's log over the first's
+        (["--dry_run", "--arms", "fp8,bf16-a,fp8"], "--arms: fp8 given twice (each arm is one run"),
+    ],
+)
+def test_a_flag_without_its_value_or_an_arm_twice_is_one_line_and_exit_2(args, said, tmp_path):
     refused = _gpu_script("gpu_long_ab.sh", str(tmp_path / "out"), *args, tmp=tmp_path)
     assert refused.returncode == 2, refused.stdout + refused.stderr
-    assert refused.stderr == (
-        "gpu_long_ab.sh: error: --arms needs its NAME,... or none (e.g. --arms bf16-a,bf16-b,fp8)"
-        ": usage: bash benchmarks/gpu_long_ab.sh OUT_DIR [--dry_run] [--arms NAME,...|none]\n"
-    )
+    assert refused.stderr.startswith(f"gpu_long_ab.sh: error: {said}"), refused.stderr
+    assert refused.stderr.count("\n") == 1
     assert not (tmp_path / "out").exists()
 
 

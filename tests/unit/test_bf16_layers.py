@@ -44,6 +44,10 @@ from model_utils.errors import UsageError
             ("--fp8=1", "--fp8_all_gather", "--bf16_cooldown=0.1"),
             "--bf16_cooldown with --fp8_all_gather: BF16 steps gather no float8",
         ),
+        (  # its BF16 steps would begin after the run's one step: nothing cooled, nothing said
+            ("--fp8=1", "--bf16_cooldown=0.5", "--max_steps=1", "--warmup=0"),
+            "--bf16_cooldown needs --max_steps >= 2: FP8 steps, then BF16 ones",
+        ),
     ],
     ids=[
         "no-fp8",
@@ -58,6 +62,7 @@ from model_utils.errors import UsageError
         "cooldown-negative",
         "cooldown-fp8-weights",
         "cooldown-all-gather",
+        "cooldown-one-step",
     ],
 )
 def test_what_cannot_be_kept_is_refused_in_one_line(flags, message, te_double) -> None:

@@ -214,7 +214,8 @@ def test_metrics_jsonl_with_a_partial_last_line(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "line, why",
     [
-        ('{"kind": "train", "step": "30", "loss": 6.0}', "has step '30', not a whole number"),
+        ('{"kind": "train", "step": "30", "loss": 6.0}', "has step '30', not a whole number >= 0"),
+        ('{"kind": "train", "step": -5, "loss": 6.0}', "has step -5, not a whole number >= 0"),
         ('{"kind": "train", "step": 30, "loss": "6.0"}', "has loss '6.0', not a number"),
         ('{"kind": "train", "step": 30}', "has no 'loss'"),
         ('{"kind": "val", "step": 30, "val_loss": {}}', "has val_loss {}, not a number"),
@@ -721,6 +722,9 @@ def test_labels_and_argument_refusals(two_runs, tmp_path, capsys) -> None:
     assert "2 distinct" in refused([*two_runs, "--output", png, "--labels", "a,a"], capsys)
     assert "two or more runs" in refused([two_runs[0], "--output", png], capsys)
     assert "--warmup_steps" in refused([*two_runs, "--warmup_steps", "-1"], capsys)
+    last = cr.load_run(two_runs[0]).last_step  # past the runs' end: every median n/a
+    said = refused([*two_runs, "--output", png, "--warmup_steps", str(last)], capsys)
+    assert f"--warmup_steps {last} leaves no step: a run ends at {last}" in said
     # Labels from flags collide (two bf16 runs): the file names tell them apart.
     runs = [cr.load_run(two_runs[0]), cr.load_run(two_runs[0])]
     assert cr.default_labels(runs) == ["bf16 hf (tiny-bf16)", "bf16 hf (tiny-bf16) #2"]
@@ -956,8 +960,9 @@ def test_a_log_s_loss_of_0_and_a_run_given_twice_are_refused(two_runs, tmp_path,
     png = str(tmp_path / "c.png")
     err = refused([two_runs[0], str(log), "--output", png], capsys)
     assert f"{log}: line {bad + 1} has loss 0.0: a cross-entropy loss is above 0" in err
-    err = refused([two_runs[0], two_runs[0] + "/", "--output", png], capsys)
-    assert f"{two_runs[0]} is given twice: each run is compared once" in err
+    for again in (two_runs[0] + "/", two_runs[0] + "/metrics.jsonl"):  # the folder or its file
+        err = refused([two_runs[0], again, "--output", png], capsys)
+        assert f"{two_runs[0]} is given twice: each run is compared once" in err
 
 
 def test_a_relaunch_s_first_steps_in_a_log_are_its_warm_up(tmp_path: Path) -> None:

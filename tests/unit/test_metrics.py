@@ -413,7 +413,10 @@ def test_jsonl_writer_whole_lines_rank0_only(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("line", "problem"),
     [
-        ('{"kind": "train", "step": "2", "loss": 1.0}', "line 2 has step '2', not a whole number"),
+        (
+            '{"kind": "train", "step": "2", "loss": 1.0}',
+            "line 2 has step '2', not a whole number >= 0",
+        ),
         ('{"kind": "val", "step": 2}', "line 2 has no 'val_loss'"),
         ('{"kind": "train", "step": 2, "loss": "low"}', "line 2 has loss 'low', not a number"),
         ('{"kind": "run", "flags": 5}', "line 2 has flags 5, not an object"),

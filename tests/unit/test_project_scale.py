@@ -139,6 +139,7 @@ def test_a_pair_out_of_order_unlike_or_with_odd_links_is_one_line(tmp_path, caps
         "fp8_numerics True vs False (only --fp8 may differ)": [pair[0], str(numerics)],
         "trained on 2 ranks: project a pair measured on one GPU": [pair[0], str(two_ranks)],
         "the bandwidths must be positive": [*pair, "--node_gbs", "nan"],
+        "the bandwidths must be positive and finite": [*pair, "--network_gbs", "inf"],
         "is not a directory": [*pair, "--output", str(tmp_path / "no" / "p.png")],
         "must end in .png": [*pair, "--output", str(tmp_path / "p.txt")],
     }
@@ -236,10 +237,32 @@ def test_a_preflight_record_sets_the_links_it_measured(tmp_path, capsys) -> None
         "links: 100 GB/s in a node (given: --node_gbs), 50 GB/s per GPU across nodes (assumed: "
         "--network_gbs's default)"
     ) in out
-    record.write_text("{}")
+    # a bandwidth given and measured: which one the table used said only "measured"
     with pytest.raises(SystemExit) as bad:
-        ps.main([*pair, "--preflight", str(record)])
-    assert bad.value.code == 2 and "not a preflight record" in capsys.readouterr().err
+        ps.main([*pair, "--network_gbs", "10", "--preflight", str(record)])
+    assert bad.value.code == 2 and capsys.readouterr().err == (
+        f"project_scale.py: error: --network_gbs or --preflight {record}, which measured it: "
+        "not both\n"
+    )
+    for text, why in (("{}", "no 'collectives' field"), ("[]", "no 'collectives' field")):
+        record.write_text(text)
+        with pytest.raises(SystemExit) as bad:
+            ps.main([*pair, "--preflight", str(record)])
+        said = f"--preflight {record}: not a run's preflight.json ({why})\n"
+        assert bad.value.code == 2 and capsys.readouterr().err.endswith(said)
+    with pytest.raises(SystemExit) as bad:
+        ps.main([*pair, "--preflight", str(tmp_path / "none.json")])
+    assert "none.json: cannot be read (" in capsys.readouterr().err
+
+
+def test_a_run_given_by_its_metrics_file_projects_as_its_folder(tmp_path, capsys) -> None:
+    """compare_runs takes a run's metrics.jsonl for the run: so does the projection (it read
+    FOLDER/metrics.jsonl/metrics.jsonl, "no such file" of a file that is there)."""
+    pair = [_run(tmp_path / "bf16", False, 1000.0), _run(tmp_path / "fp8", True, 1200.0)]
+    assert ps.main(pair) == 0
+    by_folder = capsys.readouterr().out
+    assert ps.main([pair[0], f"{pair[1]}/metrics.jsonl"]) == 0
+    assert capsys.readouterr().out == by_folder
 
 
 def _bf16_column(out: str) -> float:

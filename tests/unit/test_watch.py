@@ -172,8 +172,10 @@ def test_flight_recorder_variables_point_into_the_run_folder(tmp_path) -> None:
     [
         (["--slow_rank_threshold", "1"], "--slow_rank_threshold is a ratio"),
         (["--slow_rank_threshold", "nan"], "--slow_rank_threshold is a ratio"),
-        (["--hang_timeout", "-1"], "--hang_timeout must be >= 0"),
-        (["--hang_timeout", "inf"], "--hang_timeout must be >= 0"),
+        (["--hang_timeout", "-1"], "--hang_timeout must be >= 1 seconds (0: off), got -1"),
+        (["--hang_timeout", "inf"], "--hang_timeout must be >= 1"),
+        # under a second, the run ended itself before its first step could finish
+        (["--hang_timeout", "0.001"], "--hang_timeout must be >= 1 seconds (0: off), got 0.001"),
     ],
 )
 def test_bad_values_are_refused_in_one_line(refused_by_train, flags, words) -> None:

@@ -339,8 +339,8 @@ def record_problem(record: Any) -> str | None:
         return run_problem(record)
     if kind not in REQUIRED_FIELD:
         return None  # a kind no comparison reads
-    if not _is_int(record.get("step")):
-        return f"has step {record.get('step')!r}, not a whole number"
+    if not _is_int(record.get("step")) or record["step"] < 0:
+        return f"has step {record.get('step')!r}, not a whole number >= 0"
     if REQUIRED_FIELD[kind] not in record:
         return f"has no {REQUIRED_FIELD[kind]!r}"
     for key in RECORD_NUMBERS:
