@@ -182,8 +182,8 @@ def run_name(env: Mapping[str, str]) -> str:
     checkpoints."""
     name = env.get("RUN_NAME") or (env.get("SLURM_JOB_NAME") or "llama")
     name = name if env.get("RUN_NAME") or env.get("SLURM_JOB_ID") else "local"
-    if "/" in name or name.strip() in ("", ".", ".."):  # " ": a folder no one can see
-        raise UsageError(f"RUN_NAME/job name '{name}' must be a plain folder name")
+    if "/" in name or "\n" in name or name.strip() in ("", ".", ".."):  # " ": no one sees it
+        raise UsageError(f"RUN_NAME/job name {name!r} must be a plain folder name, on one line")
     return name
 
 

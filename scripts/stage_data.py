@@ -63,9 +63,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokenizer", help="default: the preset's")
     parser.add_argument("--text_column", default="text")
     args = parser.parse_args(argv)
-    if args.documents < 1 or args.shards < 1:
+    if not 1 <= args.shards <= args.documents:  # else files named "-of-N" are fewer than N
         raise UsageError(
-            f"--documents and --shards must be >= 1, got {args.documents}/{args.shards}"
+            "--documents and --shards must be >= 1, and --shards at most --documents, got "
+            f"{args.documents}/{args.shards}"
         )
     check_names(args)
     args.out = Path(args.out).expanduser()
@@ -198,10 +199,9 @@ def write_shard(path: Path, texts: Iterable[str], text_column: str) -> int:
 def stage_dataset(args: argparse.Namespace, plan: Plan) -> tuple[int, int]:
     """(training, validation) documents written under ``plan.target``. Each file's documents
     are read before it is opened, so a failed read never leaves a half-written shard."""
-    per_shard = -(-args.documents // args.shards)
-    written = 0
+    written, (per_shard, rest) = 0, divmod(args.documents, args.shards)  # as even as can be
     for index in range(args.shards):
-        chunk = list(islice(plan.train_texts, min(per_shard, args.documents - written)))
+        chunk = list(islice(plan.train_texts, per_shard + (index < rest)))
         if not chunk:
             break
         name = f"train-{index:05d}-of-{args.shards:05d}.jsonl.gz"

@@ -92,7 +92,7 @@ def config_changes(
         kept.update(EXPERIMENT_FIELDS)
     if same_run and saved.get("fp8") and current.get("fp8"):
         kept.update(FP8_NUMERICS_FIELDS)
-        if saved.get("bf16_cooldown") or current.get("bf16_cooldown"):  # where BF16 starts
+        if saved.get("bf16_cooldown"):  # where its BF16 steps start (one turned on: refused)
             kept.add("max_steps")
             names = {"max_steps": "--max_steps (it places --bf16_cooldown's first BF16 step)"}
     for name in sorted(set(saved) & set(current) - _LAUNCH_FIELDS):

@@ -141,7 +141,9 @@ NON_TEST_CODE = ("*.py", "*.sh", "*.sbatch", "*.dockerfile", "Makefile")
 #: an OUT_DIR that cannot be made and an arm given twice (15); project_scale's run given by its
 #: metrics.jsonl, a bandwidth both given and measured, a preflight.json's fault named (19);
 #: --bf16_cooldown in a one-step run, compare_runs' --warmup_steps past the runs' end (5); a
-#: sub-second --hang_timeout, a negative step and a run given twice as folder and file (0).
+#: sub-second --hang_timeout, a negative step and a run given twice as folder and file (0); a
+#: second probe's RUN_NAME with a line break, stage_data's shards as a whole set, a cool-down
+#: turned on at a resume not also blamed on --max_steps (0).
 MAX_NON_TEST_LINES = 23_920
 
 

@@ -220,6 +220,14 @@ def test_a_recipe_is_another_experiment_the_schedule_s_shape_is_the_saved_one() 
     cooled = json_round_trip(parse_args([*FAST, *cool, "--max_steps", "10"]).as_dict())
     refused, _ = config_changes(cooled, parse_args([*FAST, *cool, "--max_steps", "20"]).as_dict())
     assert refused == [("--max_steps (it places --bf16_cooldown's first BF16 step)", 10, 20)]
+    # a cool-down turned on is the refusal; the longer schedule was listed beside it as if it
+    # moved a cool-down the saved run never had
+    plain = json_round_trip(parse_args([*FAST, "--fp8=1", "--max_steps", "10"]).as_dict())
+    refused, allowed = config_changes(
+        plain, parse_args([*FAST, *cool, "--max_steps", "20"]).as_dict()
+    )
+    assert [flag for flag, _, _ in refused] == ["--bf16_cooldown"]
+    assert ("--max_steps", 10, 20) in allowed
 
 
 def test_a_tokenizer_changed_in_place_is_refused_by_its_contents(tmp_path) -> None:

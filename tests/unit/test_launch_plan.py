@@ -183,7 +183,7 @@ def test_a_run_name_is_taken_as_given_and_a_job_name_keeps_its_own_suffix() -> N
     assert plan["args"][len(DEFAULTS) + 1] == "/runs/llama3-fp8"
 
 
-@pytest.mark.parametrize("name", ["a/b", ".", "..", " ", ""])
+@pytest.mark.parametrize("name", ["a/b", ".", "..", " ", "", "a\nb"])
 def test_a_run_name_that_is_no_plain_folder_is_refused(name: str) -> None:
     """' ' made a run folder named by a space; '' (set but empty) is the default name."""
     if not name:

@@ -205,3 +205,22 @@ def test_a_hub_that_does_not_answer_is_one_quick_line(tmp_path, capsys, monkeypa
     assert 1 <= hub.connections <= 2  # one look-up, not a loader's minute of retries
     assert f"and the Hugging Face hub ({hub.url}) did not answer within " in err
     assert not out.exists()
+
+
+def test_every_file_of_the_set_is_written_and_more_shards_than_documents_refused(
+    tmp_path, capsys
+) -> None:
+    """Files named "-of-00004" are a set of four: 6 documents went 2, 2, 2 and no fourth file,
+    and 2 documents in 5 shards staged two files of "a set of five", exit 0."""
+    import gzip
+
+    dataset = corpus(tmp_path / "src", [f"document {i}" for i in range(50)])
+    out = tmp_path / "stage"
+    assert stage_data.main([*stage_argv(out, dataset), "--documents", "6"]) == 0
+    files = sorted(out.rglob("train-*.jsonl.gz"))
+    assert [f.name for f in files] == [f"train-{i:05d}-of-00004.jsonl.gz" for i in range(4)]
+    assert [len(gzip.decompress(f.read_bytes()).splitlines()) for f in files] == [2, 2, 1, 1]
+    capsys.readouterr()
+    other = tmp_path / "other"
+    err = refused([*stage_argv(other, dataset), "--documents", "2", "--shards", "5"], capsys)
+    assert "and --shards at most --documents, got 2/5" in err and not other.exists()
